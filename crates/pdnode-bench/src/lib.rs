@@ -1,0 +1,1 @@
+//! pdnode-bench: pdnode bench: a serving benchmark against any OpenAI-compatible endpoint.

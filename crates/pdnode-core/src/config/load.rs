@@ -1,0 +1,330 @@
+//! Layered loading: defaults -> file -> environment -> `--set`, with the origin of every key kept
+//! so errors can say which file, variable or argument set it.
+
+use super::schema::Config;
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use toml::Value;
+
+/// Where a value came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConfigSource {
+    Default,
+    File(PathBuf),
+    Env(String),
+    Set(String),
+}
+
+impl fmt::Display for ConfigSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ConfigSource::Default => f.write_str("built-in defaults"),
+            ConfigSource::File(p) => write!(f, "{}", p.display()),
+            ConfigSource::Env(v) => write!(f, "environment variable {v}"),
+            ConfigSource::Set(a) => write!(f, "--set {a}"),
+        }
+    }
+}
+
+/// Everything that can be wrong with a configuration. Each variant names the key (dotted path)
+/// and the source; `Display` says what was expected.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{source_name}: cannot read: {reason}")]
+    Io { source_name: ConfigSource, reason: String },
+    #[error("{source_name}: not valid TOML: {reason}")]
+    Syntax { source_name: ConfigSource, reason: String },
+    #[error("{source_name}: unknown key `{key}`{}", expected_list(.expected))]
+    UnknownKey {
+        source_name: ConfigSource,
+        key: String,
+        expected: Vec<String>,
+    },
+    #[error("{source_name}: key `{key}`: {reason}")]
+    WrongType {
+        source_name: ConfigSource,
+        key: String,
+        reason: String,
+    },
+    #[error("{source_name}: key `{key}`: {reason}")]
+    Invalid {
+        source_name: ConfigSource,
+        key: String,
+        reason: String,
+    },
+    #[error("--set {arg:?}: {reason}")]
+    BadSet { arg: String, reason: String },
+}
+
+fn expected_list(e: &[String]) -> String {
+    if e.is_empty() {
+        String::new()
+    } else {
+        format!(" (expected one of: {})", e.join(", "))
+    }
+}
+
+impl ConfigError {
+    /// The dotted key this error is about, if any.
+    pub fn key(&self) -> Option<&str> {
+        match self {
+            ConfigError::UnknownKey { key, .. }
+            | ConfigError::WrongType { key, .. }
+            | ConfigError::Invalid { key, .. } => Some(key),
+            _ => None,
+        }
+    }
+}
+
+/// A loaded, validated configuration with the origin of every key that was set.
+#[derive(Debug, Clone)]
+pub struct Loaded {
+    pub config: Config,
+    pub origins: BTreeMap<String, ConfigSource>,
+    pub file: Option<PathBuf>,
+}
+
+impl Loaded {
+    /// The effective configuration as TOML.
+    pub fn effective_toml(&self) -> String {
+        toml::to_string_pretty(&self.config).unwrap_or_else(|e| format!("# unprintable: {e}\n"))
+    }
+
+    pub fn origin_of(&self, key: &str) -> ConfigSource {
+        origin_of(&self.origins, key)
+    }
+}
+
+fn origin_of(origins: &BTreeMap<String, ConfigSource>, key: &str) -> ConfigSource {
+    // The most specific recorded origin: the key itself or its closest parent.
+    let mut k = key;
+    loop {
+        if let Some(s) = origins.get(k) {
+            return s.clone();
+        }
+        match k.rfind('.') {
+            Some(i) => k = &k[..i],
+            None => return ConfigSource::Default,
+        }
+    }
+}
+
+/// Loads from a file (or none), the process environment and `--set` arguments, then validates.
+/// Returns every error found.
+pub fn load(file: Option<&Path>, sets: &[String]) -> Result<Loaded, Vec<ConfigError>> {
+    let env: Vec<(String, String)> = std::env::vars().collect();
+    let text = match file {
+        Some(p) => Some((
+            p.to_path_buf(),
+            std::fs::read_to_string(p).map_err(|e| {
+                vec![ConfigError::Io {
+                    source_name: ConfigSource::File(p.to_path_buf()),
+                    reason: e.to_string(),
+                }]
+            })?,
+        )),
+        None => None,
+    };
+    load_layers(text.as_ref().map(|(p, t)| (p.as_path(), t.as_str())), &env, sets)
+}
+
+/// Loads from TOML text (as if read from `name`), with no environment; for tests and embedding.
+pub fn load_from_str(name: &str, text: &str, sets: &[String]) -> Result<Loaded, Vec<ConfigError>> {
+    load_layers(Some((Path::new(name), text)), &[], sets)
+}
+
+pub(crate) fn load_layers(
+    file: Option<(&Path, &str)>,
+    env: &[(String, String)],
+    sets: &[String],
+) -> Result<Loaded, Vec<ConfigError>> {
+    let mut merged = Value::try_from(Config::default()).expect("defaults serialize");
+    let mut origins = BTreeMap::new();
+    let mut errors = Vec::new();
+
+    if let Some((path, text)) = file {
+        let src = ConfigSource::File(path.to_path_buf());
+        match text.parse::<toml::Table>() {
+            Ok(t) => apply_layer(&mut merged, &mut origins, Value::Table(t), &src, &mut errors),
+            Err(e) => errors.push(ConfigError::Syntax {
+                source_name: src,
+                reason: e.to_string(),
+            }),
+        }
+    }
+
+    for (name, raw) in env {
+        let Some(rest) = name.strip_prefix("PDNODE_") else {
+            continue;
+        };
+        if !rest.contains("__") {
+            continue; // not a config key (e.g. PDNODE_LOG): left to whoever reads it
+        }
+        let path: Vec<String> = rest.split("__").map(|s| s.to_ascii_lowercase()).collect();
+        let src = ConfigSource::Env(name.clone());
+        let layer = nested(&path, parse_value(raw));
+        apply_layer(&mut merged, &mut origins, layer, &src, &mut errors);
+    }
+
+    for arg in sets {
+        let Some((k, v)) = arg.split_once('=') else {
+            errors.push(ConfigError::BadSet {
+                arg: arg.clone(),
+                reason: "expected key=value, e.g. --set engine.backend=cpu".into(),
+            });
+            continue;
+        };
+        let k = k.trim();
+        if k.is_empty() || k.split('.').any(|s| s.is_empty()) {
+            errors.push(ConfigError::BadSet {
+                arg: arg.clone(),
+                reason: "the key must be a dotted path such as engine.gpus".into(),
+            });
+            continue;
+        }
+        let path: Vec<String> = k.split('.').map(str::to_string).collect();
+        let src = ConfigSource::Set(arg.clone());
+        apply_layer(&mut merged, &mut origins, nested(&path, parse_value(v.trim())), &src, &mut errors);
+    }
+
+    if !errors.is_empty() {
+        return Err(errors);
+    }
+    let config = match deserialize(merged) {
+        Ok(c) => c,
+        Err((key, reason, expected)) => {
+            let source_name = origin_of(&origins, &key);
+            return Err(vec![if let Some(expected) = expected {
+                ConfigError::UnknownKey {
+                    source_name,
+                    key,
+                    expected,
+                }
+            } else {
+                ConfigError::WrongType {
+                    source_name,
+                    key,
+                    reason,
+                }
+            }]);
+        }
+    };
+    let loaded = Loaded {
+        config,
+        origins,
+        file: file.map(|(p, _)| p.to_path_buf()),
+    };
+    let errs = super::validate::validate(&loaded.config, &|k| loaded.origin_of(k));
+    if errs.is_empty() { Ok(loaded) } else { Err(errs) }
+}
+
+/// Parses a value as TOML (`4`, `true`, `[0,1]`, `"x"`, `{a=1}`); anything else is a string.
+fn parse_value(raw: &str) -> Value {
+    let doc = format!("v = {raw}");
+    match doc.parse::<toml::Table>() {
+        Ok(mut t) => t.remove("v").unwrap_or_else(|| Value::String(raw.to_string())),
+        Err(_) => Value::String(raw.to_string()),
+    }
+}
+
+fn nested(path: &[String], v: Value) -> Value {
+    path.iter().rev().fold(v, |acc, k| {
+        let mut t = toml::Table::new();
+        t.insert(k.clone(), acc);
+        Value::Table(t)
+    })
+}
+
+/// Deep-merges `layer` into `base`, first checking the layer alone against the schema so that an
+/// unknown key or a wrong type is blamed on the layer that brought it.
+fn apply_layer(
+    base: &mut Value,
+    origins: &mut BTreeMap<String, ConfigSource>,
+    layer: Value,
+    src: &ConfigSource,
+    errors: &mut Vec<ConfigError>,
+) {
+    let mut trial = base.clone();
+    merge(&mut trial, layer.clone(), "", &mut BTreeMap::new(), src);
+    if let Err((key, reason, expected)) = deserialize(trial) {
+        errors.push(match expected {
+            Some(expected) => ConfigError::UnknownKey {
+                source_name: src.clone(),
+                key,
+                expected,
+            },
+            None => ConfigError::WrongType {
+                source_name: src.clone(),
+                key,
+                reason,
+            },
+        });
+        return;
+    }
+    merge(base, layer, "", origins, src);
+}
+
+fn merge(
+    base: &mut Value,
+    layer: Value,
+    prefix: &str,
+    origins: &mut BTreeMap<String, ConfigSource>,
+    src: &ConfigSource,
+) {
+    match (base, layer) {
+        (Value::Table(b), Value::Table(l)) => {
+            for (k, v) in l {
+                let key = if prefix.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{prefix}.{k}")
+                };
+                match b.get_mut(&k) {
+                    Some(existing @ Value::Table(_)) if v.is_table() => {
+                        merge(existing, v, &key, origins, src)
+                    }
+                    _ => {
+                        origins.insert(key, src.clone());
+                        b.insert(k, v);
+                    }
+                }
+            }
+        }
+        (b, l) => {
+            origins.insert(prefix.to_string(), src.clone());
+            *b = l;
+        }
+    }
+}
+
+type DeError = (String, String, Option<Vec<String>>);
+
+fn deserialize(v: Value) -> Result<Config, DeError> {
+    serde_path_to_error::deserialize::<_, Config>(v).map_err(|e| {
+        let path = e.path().to_string();
+        let msg = e.inner().to_string();
+        if let Some(rest) = msg.strip_prefix("unknown field `") {
+            let field = rest.split('`').next().unwrap_or("").to_string();
+            let key = if path == "." || path.is_empty() {
+                field
+            } else if path.ends_with(&field) {
+                path
+            } else {
+                format!("{path}.{field}")
+            };
+            let expected = msg
+                .split("expected ")
+                .nth(1)
+                .map(|s| {
+                    s.split(", ")
+                        .map(|x| x.trim_start_matches("one of ").trim_matches('`').to_string())
+                        .collect()
+                })
+                .unwrap_or_default();
+            (key, msg, Some(expected))
+        } else {
+            (path, msg, None)
+        }
+    })
+}

@@ -1,0 +1,13 @@
+//! The configuration tree, one for every role.
+//!
+//! Layers, later wins: built-in defaults -> TOML file -> `PDNODE_<SECTION>__<KEY>` environment
+//! variables -> `--set key=value` arguments. Every struct denies unknown fields; [`Config::validate`]
+//! checks what types cannot. Errors name the key and the layer (file path, env var, `--set`) that
+//! set it. `docs/configuration.md` describes every key.
+
+mod load;
+mod schema;
+mod validate;
+
+pub use load::{ConfigError, ConfigSource, Loaded, load, load_from_str};
+pub use schema::*;

@@ -1,0 +1,388 @@
+//! The configuration schema. Key names are public interface: keep them stable.
+
+use crate::card::Role;
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    pub node: NodeConfig,
+    pub registry: RegistryConfig,
+    pub model: ModelConfig,
+    pub engine: EngineConfig,
+    pub transfer: TransferConfig,
+    pub router: RouterConfig,
+    pub security: SecurityConfig,
+    pub log: LogConfig,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct NodeConfig {
+    /// prefill | decode | router | all
+    pub role: Role,
+    /// Nodes of one cluster see each other; the registry key's second segment.
+    pub cluster: String,
+    /// Unique within the cluster. Empty: `{role}-{hostname}-{pid}`.
+    pub id: String,
+    /// Node-to-node gRPC listen address (`host:port`; port 0 picks a free one).
+    pub listen: String,
+    /// Address other nodes use to reach this one; empty: the listen address.
+    pub advertise: String,
+    /// HTTP listen address for `/health` and `/metrics` on prefill/decode nodes; empty: none.
+    pub http_listen: String,
+    /// Longest time a graceful shutdown waits for in-flight requests, seconds.
+    pub drain_timeout_s: u64,
+}
+
+impl Default for NodeConfig {
+    fn default() -> Self {
+        Self {
+            role: Role::All,
+            cluster: "default".into(),
+            id: String::new(),
+            listen: "127.0.0.1:0".into(),
+            advertise: String::new(),
+            http_listen: String::new(),
+            drain_timeout_s: 30,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RegistryKind {
+    /// In-process; only for `role = "all"`.
+    Memory,
+    Etcd,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RegistryConfig {
+    pub kind: RegistryKind,
+    /// etcd endpoints, e.g. `["http://127.0.0.1:2379"]`.
+    pub endpoints: Vec<String>,
+    /// The node card's lease; a dead node disappears within this time.
+    pub lease_ttl_s: u64,
+    /// Timeout of each etcd call, milliseconds.
+    pub timeout_ms: u64,
+}
+
+impl Default for RegistryConfig {
+    fn default() -> Self {
+        Self {
+            kind: RegistryKind::Memory,
+            endpoints: Vec::new(),
+            lease_ttl_s: 10,
+            timeout_ms: 3000,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ModelFormat {
+    /// A Hugging Face directory (config.json, *.safetensors, tokenizer.json).
+    Hf,
+    /// A GGUF file.
+    Gguf,
+    /// Random weights at the shapes of `model.preset` (benchmarks only).
+    Dummy,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelConfig {
+    /// HF directory or `.gguf` file; for `dummy`, an optional tokenizer source.
+    pub path: String,
+    pub format: ModelFormat,
+    /// Shape preset for `dummy`: llama-3.1-8b, llama-3.1-70b, qwen2.5-7b, smollm2-135m, ...
+    pub preset: String,
+    /// The name clients pass as `model`; empty: derived from the path or preset.
+    pub served_name: String,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        Self {
+            path: "models/SmolLM2-135M-Instruct.Q4_1.gguf".into(),
+            format: ModelFormat::Gguf,
+            preset: String::new(),
+            served_name: String::new(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    Cpu,
+    Cuda,
+    /// CUDA when a driver and a device are present, else CPU.
+    Auto,
+    /// A simulated engine for router benchmarks and fault tests; never the default.
+    Mock,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EngineConfig {
+    pub backend: Backend,
+    /// GPU ordinals this node binds (CUDA); one GPU group per node.
+    pub gpus: Vec<u32>,
+    /// Tensor-parallel degree inside the group; must divide `gpus.len()`.
+    pub tensor_parallel: u32,
+    /// Fraction of free GPU memory for weights + KV pool.
+    pub mem_fraction: f32,
+    /// Longest sequence (prompt + output) in tokens.
+    pub context_length: u32,
+    /// Token positions per KV block.
+    pub block_size: u32,
+    /// KV blocks in the pool; 0 = sized from memory (GPU) or to fit `max_running_requests`
+    /// full contexts (CPU).
+    pub num_kv_blocks: u32,
+    /// Token budget of one forward step (chunked prefill splits longer prompts).
+    pub max_batch_tokens: u32,
+    pub max_running_requests: u32,
+    /// Requests waiting beyond this are refused with 429.
+    pub max_queued_requests: u32,
+    /// CPU backend worker threads; 0 = all cores.
+    pub cpu_threads: u32,
+    /// Pin the engine's threads to these CPU cores (e.g. the GPUs' NUMA node); empty: no pinning.
+    pub cpu_affinity: Vec<u32>,
+    /// Keep finished prompts' KV blocks in the prefix cache.
+    pub prefix_cache: bool,
+    pub mock: MockEngineConfig,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            backend: Backend::Cpu,
+            gpus: Vec::new(),
+            tensor_parallel: 1,
+            mem_fraction: 0.85,
+            context_length: 4096,
+            block_size: 16,
+            num_kv_blocks: 0,
+            max_batch_tokens: 2048,
+            max_running_requests: 64,
+            max_queued_requests: 1024,
+            cpu_threads: 0,
+            cpu_affinity: Vec::new(),
+            prefix_cache: true,
+            mock: MockEngineConfig::default(),
+        }
+    }
+}
+
+/// Timing of the simulated engine (`backend = "mock"`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MockEngineConfig {
+    pub prefill_us_per_token: u64,
+    pub decode_us_per_token: u64,
+    /// Output length when the request's max_tokens is larger.
+    pub output_len: u32,
+    pub vocab_size: u32,
+}
+
+impl Default for MockEngineConfig {
+    fn default() -> Self {
+        Self {
+            prefill_us_per_token: 50,
+            decode_us_per_token: 10_000,
+            output_len: 64,
+            vocab_size: 32_000,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TransferKind {
+    #[serde(rename = "ucx")]
+    Ucx,
+    #[serde(rename = "in-process")]
+    InProcess,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TransferConfig {
+    /// ucx (between processes and hosts) | in-process (role = "all")
+    pub kind: TransferKind,
+    /// Path of `libucp.so.0`; empty: the system's.
+    pub ucx_lib: String,
+    /// `UCX_NET_DEVICES` for this node's worker (loopback by default).
+    pub ucx_net_devices: String,
+    /// `UCX_TLS`; empty: UCX's choice.
+    pub ucx_tls: String,
+    /// How long a decode node holds reserved blocks for a hand-off that does not complete.
+    pub lease_ms: u64,
+    /// Registered staging region for gathered KV spans, MiB.
+    pub staging_mib: u32,
+}
+
+impl Default for TransferConfig {
+    fn default() -> Self {
+        Self {
+            kind: TransferKind::InProcess,
+            ucx_lib: String::new(),
+            ucx_net_devices: "lo".into(),
+            ucx_tls: String::new(),
+            lease_ms: 30_000,
+            staging_mib: 256,
+        }
+    }
+}
+
+/// Router policy names, as sglang-router spells them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PolicyName {
+    Random,
+    RoundRobin,
+    PowerOfTwo,
+    CacheAware,
+    Bucket,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RouterConfig {
+    /// OpenAI-compatible HTTP API.
+    pub http_listen: String,
+    /// `pdnode.v1.Inference` gRPC API; empty: off.
+    pub grpc_listen: String,
+    pub prefill_policy: PolicyName,
+    pub decode_policy: PolicyName,
+    /// Seed of the randomized policies; 0 = random.
+    pub seed: u64,
+    pub cache_aware: CacheAwareParams,
+    pub power_of_two: PowerOfTwoParams,
+    pub bucket: BucketParams,
+    /// Deadline of a whole request, seconds.
+    pub request_timeout_s: u64,
+    /// Deadline of the prefill step (dispatch to first token and KV handed off), seconds.
+    pub prefill_timeout_s: u64,
+    /// Longest gap between two streamed tokens before the request fails, seconds.
+    pub token_timeout_s: u64,
+    /// Requests in flight beyond this are refused with 429.
+    pub max_inflight_requests: u32,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        Self {
+            http_listen: "127.0.0.1:8000".into(),
+            grpc_listen: "127.0.0.1:50051".into(),
+            prefill_policy: PolicyName::CacheAware,
+            decode_policy: PolicyName::PowerOfTwo,
+            seed: 0,
+            cache_aware: CacheAwareParams::default(),
+            power_of_two: PowerOfTwoParams::default(),
+            bucket: BucketParams::default(),
+            request_timeout_s: 600,
+            prefill_timeout_s: 120,
+            token_timeout_s: 60,
+            max_inflight_requests: 4096,
+        }
+    }
+}
+
+/// sglang-router's cache-aware parameters, same names and meaning.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CacheAwareParams {
+    /// Minimum prefix match ratio to route by cache; below it, the worker with the smallest tree.
+    pub cache_threshold: f32,
+    /// Load is unbalanced when max - min exceeds this (requests) ...
+    pub balance_abs_threshold: u32,
+    /// ... and max exceeds min times this; then route to the least loaded.
+    pub balance_rel_threshold: f32,
+    /// Tokens kept per worker's tree before LRU eviction.
+    pub max_tree_size: u64,
+    pub eviction_interval_secs: u64,
+}
+
+impl Default for CacheAwareParams {
+    fn default() -> Self {
+        Self {
+            cache_threshold: 0.3,
+            balance_abs_threshold: 64,
+            balance_rel_threshold: 1.5,
+            max_tree_size: 1 << 24,
+            eviction_interval_secs: 120,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PowerOfTwoParams {
+    /// Refresh of node loads from their cards/stats, milliseconds.
+    pub load_refresh_ms: u64,
+}
+
+impl Default for PowerOfTwoParams {
+    fn default() -> Self {
+        Self {
+            load_refresh_ms: 1000,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct BucketParams {
+    /// Prompt-length boundaries (tokens); empty: rebalanced from observed lengths.
+    pub boundaries: Vec<u32>,
+    /// How often boundaries are recomputed from observed prompt lengths, seconds.
+    pub rebalance_interval_secs: u64,
+}
+
+impl Default for BucketParams {
+    fn default() -> Self {
+        Self {
+            boundaries: Vec::new(),
+            rebalance_interval_secs: 60,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SecurityConfig {
+    /// PEM certificate and key for the frontends and node gRPC; both or neither.
+    pub tls_cert: String,
+    pub tls_key: String,
+    /// Bearer keys accepted by the frontends; empty: no authentication.
+    pub api_keys: Vec<String>,
+    /// A file with one API key per line, added to `api_keys`.
+    pub api_keys_file: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Human,
+    Json,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LogConfig {
+    pub format: LogFormat,
+    /// tracing env-filter directives; `RUST_LOG` overrides.
+    pub filter: String,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        Self {
+            format: LogFormat::Human,
+            filter: "info".into(),
+        }
+    }
+}

@@ -1,0 +1,145 @@
+//! The KV layout a node's pool uses. Prefill and decode compare layouts before a hand-off; a
+//! mismatch fails fast and names the field that differs.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// Element type of KV cache entries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl DType {
+    pub fn size_bytes(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::Bf16 => 2,
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::Bf16 => "bf16",
+        })
+    }
+}
+
+/// Shape of one node's paged KV pool, per tensor-parallel rank.
+///
+/// A block holds `block_size` token positions of one layer's K and V for the KV heads of one
+/// rank: `2 * block_size * kv_heads_per_rank * head_dim * dtype.size_bytes()` bytes per layer.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct KvLayout {
+    pub dtype: DType,
+    pub num_layers: u32,
+    pub block_size: u32,
+    pub kv_heads_per_rank: u32,
+    pub head_dim: u32,
+    pub tp_size: u32,
+    /// Fingerprint of the model weights and architecture (see the engine's loader): two nodes
+    /// may exchange KV only when they run the same model.
+    pub model_fingerprint: String,
+}
+
+/// The first field in which two layouts differ.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayoutMismatch {
+    pub field: &'static str,
+    pub ours: String,
+    pub theirs: String,
+}
+
+impl fmt::Display for LayoutMismatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "KV layout mismatch in `{}`: ours {}, theirs {}",
+            self.field, self.ours, self.theirs
+        )
+    }
+}
+
+impl KvLayout {
+    /// Bytes of one layer of one block (K and V together) on one rank.
+    pub fn block_layer_bytes(&self) -> usize {
+        2 * self.block_size as usize
+            * self.kv_heads_per_rank as usize
+            * self.head_dim as usize
+            * self.dtype.size_bytes()
+    }
+
+    /// Bytes of one block over all layers on one rank.
+    pub fn block_bytes(&self) -> usize {
+        self.block_layer_bytes() * self.num_layers as usize
+    }
+
+    /// Blocks needed to hold `tokens` positions.
+    pub fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.block_size as usize)
+    }
+
+    /// Compares two layouts field by field; `Err` names the first field that differs.
+    pub fn check_compatible(&self, theirs: &KvLayout) -> Result<(), LayoutMismatch> {
+        macro_rules! cmp {
+            ($f:ident) => {
+                if self.$f != theirs.$f {
+                    return Err(LayoutMismatch {
+                        field: stringify!($f),
+                        ours: self.$f.to_string(),
+                        theirs: theirs.$f.to_string(),
+                    });
+                }
+            };
+        }
+        cmp!(model_fingerprint);
+        cmp!(dtype);
+        cmp!(num_layers);
+        cmp!(block_size);
+        cmp!(kv_heads_per_rank);
+        cmp!(head_dim);
+        cmp!(tp_size);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn llama8b() -> KvLayout {
+        KvLayout {
+            dtype: DType::Bf16,
+            num_layers: 32,
+            block_size: 16,
+            kv_heads_per_rank: 8,
+            head_dim: 128,
+            tp_size: 1,
+            model_fingerprint: "abc".into(),
+        }
+    }
+
+    #[test]
+    fn llama8b_block_is_64_kib_per_layer() {
+        assert_eq!(llama8b().block_layer_bytes(), 64 * 1024);
+        assert_eq!(llama8b().blocks_for(17), 2);
+    }
+
+    #[test]
+    fn mismatch_names_the_field() {
+        let a = llama8b();
+        let mut b = llama8b();
+        b.block_size = 32;
+        let err = a.check_compatible(&b).unwrap_err();
+        assert_eq!(err.field, "block_size");
+        assert!(err.to_string().contains("ours 16, theirs 32"));
+        assert!(a.check_compatible(&a.clone()).is_ok());
+    }
+}

@@ -1,0 +1,79 @@
+//! Every metric name, in one place: `pdnode_<subsystem>_<what>_<unit>`; counters end in `_total`.
+
+/// Requests finished, label `outcome` (ok, or an [`crate::ErrorKind`] string), `endpoint`.
+pub const ROUTER_REQUESTS_TOTAL: &str = "pdnode_router_requests_total";
+/// Time to first token, seconds (histogram).
+pub const ROUTER_TTFT_SECONDS: &str = "pdnode_router_ttft_seconds";
+/// Time per output token after the first, seconds (histogram).
+pub const ROUTER_TPOT_SECONDS: &str = "pdnode_router_tpot_seconds";
+/// End-to-end request latency, seconds (histogram).
+pub const ROUTER_E2E_SECONDS: &str = "pdnode_router_e2e_seconds";
+/// Requests admitted by the router and not yet finished (gauge).
+pub const ROUTER_INFLIGHT_REQUESTS: &str = "pdnode_router_inflight_requests";
+/// Prompt tokens processed (counter).
+pub const ROUTER_PROMPT_TOKENS_TOTAL: &str = "pdnode_router_prompt_tokens_total";
+/// Output tokens generated (counter).
+pub const ROUTER_OUTPUT_TOKENS_TOTAL: &str = "pdnode_router_output_tokens_total";
+/// Nodes in the membership view, label `role` (gauge).
+pub const ROUTER_NODES: &str = "pdnode_router_nodes";
+
+/// Requests waiting in the engine's queue, label `node` (gauge).
+pub const ENGINE_QUEUE_DEPTH: &str = "pdnode_engine_queue_depth";
+/// Requests running in the engine's batch, label `node` (gauge).
+pub const ENGINE_RUNNING_REQUESTS: &str = "pdnode_engine_running_requests";
+/// KV blocks owned by someone, label `node` (gauge).
+pub const KV_BLOCKS_IN_USE: &str = "pdnode_kv_blocks_in_use";
+/// KV blocks in the pool, label `node` (gauge).
+pub const KV_BLOCKS_TOTAL: &str = "pdnode_kv_blocks_total";
+/// Requests preempted (recompute), label `node` (counter).
+pub const ENGINE_PREEMPTIONS_TOTAL: &str = "pdnode_engine_preemptions_total";
+/// Forward-pass step time, seconds (histogram), label `phase` (prefill, decode).
+pub const ENGINE_STEP_SECONDS: &str = "pdnode_engine_step_seconds";
+
+/// KV bytes handed off, label `direction` (sent, received) (counter).
+pub const TRANSFER_BYTES_TOTAL: &str = "pdnode_transfer_bytes_total";
+/// KV hand-off latency from target received to done, seconds (histogram).
+pub const TRANSFER_SECONDS: &str = "pdnode_transfer_seconds";
+/// Hand-offs finished, label `outcome` (counter).
+pub const TRANSFER_HANDOFFS_TOTAL: &str = "pdnode_transfer_handoffs_total";
+
+/// Registry lease keepalive failures (counter).
+pub const REGISTRY_KEEPALIVE_FAILURES_TOTAL: &str = "pdnode_registry_keepalive_failures_total";
+/// Actor restarts by the supervisor, label `actor` (counter).
+pub const NODE_ACTOR_RESTARTS_TOTAL: &str = "pdnode_node_actor_restarts_total";
+
+/// All names, for tests that check the naming rule.
+pub const ALL: &[&str] = &[
+    ROUTER_REQUESTS_TOTAL,
+    ROUTER_TTFT_SECONDS,
+    ROUTER_TPOT_SECONDS,
+    ROUTER_E2E_SECONDS,
+    ROUTER_INFLIGHT_REQUESTS,
+    ROUTER_PROMPT_TOKENS_TOTAL,
+    ROUTER_OUTPUT_TOKENS_TOTAL,
+    ROUTER_NODES,
+    ENGINE_QUEUE_DEPTH,
+    ENGINE_RUNNING_REQUESTS,
+    KV_BLOCKS_IN_USE,
+    KV_BLOCKS_TOTAL,
+    ENGINE_PREEMPTIONS_TOTAL,
+    ENGINE_STEP_SECONDS,
+    TRANSFER_BYTES_TOTAL,
+    TRANSFER_SECONDS,
+    TRANSFER_HANDOFFS_TOTAL,
+    REGISTRY_KEEPALIVE_FAILURES_TOTAL,
+    NODE_ACTOR_RESTARTS_TOTAL,
+];
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn names_follow_the_rule() {
+        let mut seen = std::collections::HashSet::new();
+        for n in super::ALL {
+            assert!(n.starts_with("pdnode_"), "{n}");
+            assert!(n.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'), "{n}");
+            assert!(seen.insert(*n), "duplicate {n}");
+        }
+    }
+}

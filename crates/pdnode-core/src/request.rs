@@ -1,0 +1,216 @@
+//! Request and sampling parameters, shared by the frontends, the router and the engine.
+
+use crate::error::{Classify, ErrorKind};
+use crate::ids::RequestId;
+use serde::{Deserialize, Serialize};
+
+/// How to pick each next token.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SamplingParams {
+    /// 0 means greedy.
+    pub temperature: f32,
+    /// 1.0 disables nucleus sampling.
+    pub top_p: f32,
+    /// 0 disables top-k.
+    pub top_k: u32,
+    /// 0 disables min-p.
+    pub min_p: f32,
+    /// 1.0 disables the repetition penalty (HF semantics: divides positive logits).
+    pub repetition_penalty: f32,
+    /// OpenAI semantics: subtracted once from the logit of every token already generated.
+    pub presence_penalty: f32,
+    /// OpenAI semantics: subtracted per occurrence of a token already generated.
+    pub frequency_penalty: f32,
+    /// Same seed, same output. `None` draws a random seed per request.
+    pub seed: Option<u64>,
+    /// Maximum tokens to generate.
+    pub max_tokens: u32,
+    /// Stop strings; the matched string is not part of the output.
+    pub stop: Vec<String>,
+    /// Extra token ids that end generation (the model's EOS ids always do unless `ignore_eos`).
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+    /// Return the log-probability of each sampled token and this many top alternatives.
+    pub logprobs: Option<u32>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: None,
+            max_tokens: 16,
+            stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            logprobs: None,
+        }
+    }
+}
+
+/// Most top-logprobs a request may ask for.
+pub const MAX_TOP_LOGPROBS: u32 = 20;
+
+/// A parameter out of range.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("invalid parameter `{param}`: {reason}")]
+pub struct InvalidParam {
+    pub param: &'static str,
+    pub reason: String,
+}
+
+impl Classify for InvalidParam {
+    fn kind(&self) -> ErrorKind {
+        ErrorKind::InvalidRequest
+    }
+}
+
+impl SamplingParams {
+    pub fn greedy(max_tokens: u32) -> Self {
+        Self {
+            temperature: 0.0,
+            max_tokens,
+            ..Self::default()
+        }
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+
+    /// Checks every field's range; the error names the parameter.
+    pub fn validate(&self) -> Result<(), InvalidParam> {
+        fn bad(param: &'static str, reason: impl Into<String>) -> Result<(), InvalidParam> {
+            Err(InvalidParam {
+                param,
+                reason: reason.into(),
+            })
+        }
+        let t = self.temperature;
+        if !t.is_finite() || !(0.0..=100.0).contains(&t) {
+            return bad("temperature", format!("{t} is outside [0, 100]"));
+        }
+        let p = self.top_p;
+        if !p.is_finite() || !(p > 0.0 && p <= 1.0) {
+            return bad("top_p", format!("{p} is outside (0, 1]"));
+        }
+        let m = self.min_p;
+        if !m.is_finite() || !(0.0..=1.0).contains(&m) {
+            return bad("min_p", format!("{m} is outside [0, 1]"));
+        }
+        let r = self.repetition_penalty;
+        if !r.is_finite() || !(r > 0.0 && r <= 10.0) {
+            return bad("repetition_penalty", format!("{r} is outside (0, 10]"));
+        }
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !v.is_finite() || !(-2.0..=2.0).contains(&v) {
+                return bad(name, format!("{v} is outside [-2, 2]"));
+            }
+        }
+        if self.max_tokens == 0 {
+            return bad("max_tokens", "must be at least 1");
+        }
+        if self.stop.len() > 16 {
+            return bad("stop", format!("{} stop strings, at most 16", self.stop.len()));
+        }
+        if self.stop.iter().any(|s| s.is_empty()) {
+            return bad("stop", "stop strings must not be empty");
+        }
+        if let Some(n) = self.logprobs {
+            if n > MAX_TOP_LOGPROBS {
+                return bad("logprobs", format!("{n} is above {MAX_TOP_LOGPROBS}"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Why a generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// EOS token, stop token id or stop string.
+    Stop,
+    /// `max_tokens` reached or the context is full.
+    Length,
+    /// Cancelled by the client.
+    Abort,
+    /// Failed; the error accompanies it.
+    Error,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+            FinishReason::Error => "error",
+        }
+    }
+}
+
+/// A tokenized request as the router hands it to the engine.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GenerateRequest {
+    pub id: RequestId,
+    pub prompt_token_ids: Vec<u32>,
+    pub sampling: SamplingParams,
+}
+
+/// Log-probability of one token, with its top alternatives.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TokenLogprob {
+    pub token_id: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid_and_greedy_is_greedy() {
+        assert!(SamplingParams::default().validate().is_ok());
+        assert!(SamplingParams::greedy(4).is_greedy());
+    }
+
+    #[test]
+    fn out_of_range_values_name_the_parameter() {
+        let cases: Vec<(SamplingParams, &str)> = vec![
+            (SamplingParams { temperature: -1.0, ..Default::default() }, "temperature"),
+            (SamplingParams { temperature: f32::NAN, ..Default::default() }, "temperature"),
+            (SamplingParams { top_p: 0.0, ..Default::default() }, "top_p"),
+            (SamplingParams { top_p: 1.5, ..Default::default() }, "top_p"),
+            (SamplingParams { min_p: 2.0, ..Default::default() }, "min_p"),
+            (SamplingParams { repetition_penalty: 0.0, ..Default::default() }, "repetition_penalty"),
+            (SamplingParams { presence_penalty: 3.0, ..Default::default() }, "presence_penalty"),
+            (SamplingParams { frequency_penalty: -3.0, ..Default::default() }, "frequency_penalty"),
+            (SamplingParams { max_tokens: 0, ..Default::default() }, "max_tokens"),
+            (SamplingParams { logprobs: Some(21), ..Default::default() }, "logprobs"),
+            (SamplingParams { stop: vec![String::new()], ..Default::default() }, "stop"),
+        ];
+        for (p, name) in cases {
+            let e = p.validate().unwrap_err();
+            assert_eq!(e.param, name);
+            assert_eq!(e.kind(), ErrorKind::InvalidRequest);
+        }
+    }
+
+    #[test]
+    fn unknown_fields_are_refused() {
+        let e = serde_json::from_str::<SamplingParams>(r#"{"temprature": 0.5}"#);
+        assert!(e.is_err());
+    }
+}

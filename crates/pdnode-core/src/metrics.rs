@@ -72,7 +72,10 @@ mod tests {
         let mut seen = std::collections::HashSet::new();
         for n in super::ALL {
             assert!(n.starts_with("pdnode_"), "{n}");
-            assert!(n.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'), "{n}");
+            assert!(
+                n.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'),
+                "{n}"
+            );
             assert!(seen.insert(*n), "duplicate {n}");
         }
     }

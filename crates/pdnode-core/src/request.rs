@@ -121,7 +121,10 @@ impl SamplingParams {
             return bad("max_tokens", "must be at least 1");
         }
         if self.stop.len() > 16 {
-            return bad("stop", format!("{} stop strings, at most 16", self.stop.len()));
+            return bad(
+                "stop",
+                format!("{} stop strings, at most 16", self.stop.len()),
+            );
         }
         if self.stop.iter().any(|s| s.is_empty()) {
             return bad("stop", "stop strings must not be empty");
@@ -189,17 +192,83 @@ mod tests {
     #[test]
     fn out_of_range_values_name_the_parameter() {
         let cases: Vec<(SamplingParams, &str)> = vec![
-            (SamplingParams { temperature: -1.0, ..Default::default() }, "temperature"),
-            (SamplingParams { temperature: f32::NAN, ..Default::default() }, "temperature"),
-            (SamplingParams { top_p: 0.0, ..Default::default() }, "top_p"),
-            (SamplingParams { top_p: 1.5, ..Default::default() }, "top_p"),
-            (SamplingParams { min_p: 2.0, ..Default::default() }, "min_p"),
-            (SamplingParams { repetition_penalty: 0.0, ..Default::default() }, "repetition_penalty"),
-            (SamplingParams { presence_penalty: 3.0, ..Default::default() }, "presence_penalty"),
-            (SamplingParams { frequency_penalty: -3.0, ..Default::default() }, "frequency_penalty"),
-            (SamplingParams { max_tokens: 0, ..Default::default() }, "max_tokens"),
-            (SamplingParams { logprobs: Some(21), ..Default::default() }, "logprobs"),
-            (SamplingParams { stop: vec![String::new()], ..Default::default() }, "stop"),
+            (
+                SamplingParams {
+                    temperature: -1.0,
+                    ..Default::default()
+                },
+                "temperature",
+            ),
+            (
+                SamplingParams {
+                    temperature: f32::NAN,
+                    ..Default::default()
+                },
+                "temperature",
+            ),
+            (
+                SamplingParams {
+                    top_p: 0.0,
+                    ..Default::default()
+                },
+                "top_p",
+            ),
+            (
+                SamplingParams {
+                    top_p: 1.5,
+                    ..Default::default()
+                },
+                "top_p",
+            ),
+            (
+                SamplingParams {
+                    min_p: 2.0,
+                    ..Default::default()
+                },
+                "min_p",
+            ),
+            (
+                SamplingParams {
+                    repetition_penalty: 0.0,
+                    ..Default::default()
+                },
+                "repetition_penalty",
+            ),
+            (
+                SamplingParams {
+                    presence_penalty: 3.0,
+                    ..Default::default()
+                },
+                "presence_penalty",
+            ),
+            (
+                SamplingParams {
+                    frequency_penalty: -3.0,
+                    ..Default::default()
+                },
+                "frequency_penalty",
+            ),
+            (
+                SamplingParams {
+                    max_tokens: 0,
+                    ..Default::default()
+                },
+                "max_tokens",
+            ),
+            (
+                SamplingParams {
+                    logprobs: Some(21),
+                    ..Default::default()
+                },
+                "logprobs",
+            ),
+            (
+                SamplingParams {
+                    stop: vec![String::new()],
+                    ..Default::default()
+                },
+                "stop",
+            ),
         ];
         for (p, name) in cases {
             let e = p.validate().unwrap_err();

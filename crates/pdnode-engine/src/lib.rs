@@ -1,1 +1,10 @@
-//! pdnode-engine: The model engine: loaders (HF safetensors, GGUF, dummy), tokenizer and chat templates, sampling, the scheduler, and the Backend trait with CPU and CUDA backends.
+//! pdnode-engine: the model engine every role runs.
+//!
+//! - [`spec`]: the normalized architecture description ([`spec::ModelSpec`]).
+//! - [`weights`]: host f32 weights in HF orientation.
+//! - [`backend`]: the narrow [`backend::Backend`] trait (forward over paged KV, KV copy in/out) and
+//!   its implementations.
+
+pub mod backend;
+pub mod spec;
+pub mod weights;

@@ -32,9 +32,15 @@ impl fmt::Display for ConfigSource {
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ConfigError {
     #[error("{source_name}: cannot read: {reason}")]
-    Io { source_name: ConfigSource, reason: String },
+    Io {
+        source_name: ConfigSource,
+        reason: String,
+    },
     #[error("{source_name}: not valid TOML: {reason}")]
-    Syntax { source_name: ConfigSource, reason: String },
+    Syntax {
+        source_name: ConfigSource,
+        reason: String,
+    },
     #[error("{source_name}: unknown key `{key}`{}", expected_list(.expected))]
     UnknownKey {
         source_name: ConfigSource,
@@ -126,7 +132,11 @@ pub fn load(file: Option<&Path>, sets: &[String]) -> Result<Loaded, Vec<ConfigEr
         )),
         None => None,
     };
-    load_layers(text.as_ref().map(|(p, t)| (p.as_path(), t.as_str())), &env, sets)
+    load_layers(
+        text.as_ref().map(|(p, t)| (p.as_path(), t.as_str())),
+        &env,
+        sets,
+    )
 }
 
 /// Loads from TOML text (as if read from `name`), with no environment; for tests and embedding.
@@ -146,7 +156,13 @@ pub(crate) fn load_layers(
     if let Some((path, text)) = file {
         let src = ConfigSource::File(path.to_path_buf());
         match text.parse::<toml::Table>() {
-            Ok(t) => apply_layer(&mut merged, &mut origins, Value::Table(t), &src, &mut errors),
+            Ok(t) => apply_layer(
+                &mut merged,
+                &mut origins,
+                Value::Table(t),
+                &src,
+                &mut errors,
+            ),
             Err(e) => errors.push(ConfigError::Syntax {
                 source_name: src,
                 reason: e.to_string(),
@@ -185,7 +201,13 @@ pub(crate) fn load_layers(
         }
         let path: Vec<String> = k.split('.').map(str::to_string).collect();
         let src = ConfigSource::Set(arg.clone());
-        apply_layer(&mut merged, &mut origins, nested(&path, parse_value(v.trim())), &src, &mut errors);
+        apply_layer(
+            &mut merged,
+            &mut origins,
+            nested(&path, parse_value(v.trim())),
+            &src,
+            &mut errors,
+        );
     }
 
     if !errors.is_empty() {
@@ -216,14 +238,20 @@ pub(crate) fn load_layers(
         file: file.map(|(p, _)| p.to_path_buf()),
     };
     let errs = super::validate::validate(&loaded.config, &|k| loaded.origin_of(k));
-    if errs.is_empty() { Ok(loaded) } else { Err(errs) }
+    if errs.is_empty() {
+        Ok(loaded)
+    } else {
+        Err(errs)
+    }
 }
 
 /// Parses a value as TOML (`4`, `true`, `[0,1]`, `"x"`, `{a=1}`); anything else is a string.
 fn parse_value(raw: &str) -> Value {
     let doc = format!("v = {raw}");
     match doc.parse::<toml::Table>() {
-        Ok(mut t) => t.remove("v").unwrap_or_else(|| Value::String(raw.to_string())),
+        Ok(mut t) => t
+            .remove("v")
+            .unwrap_or_else(|| Value::String(raw.to_string())),
         Err(_) => Value::String(raw.to_string()),
     }
 }
@@ -318,7 +346,11 @@ fn deserialize(v: Value) -> Result<Config, DeError> {
                 .nth(1)
                 .map(|s| {
                     s.split(", ")
-                        .map(|x| x.trim_start_matches("one of ").trim_matches('`').to_string())
+                        .map(|x| {
+                            x.trim_start_matches("one of ")
+                                .trim_matches('`')
+                                .to_string()
+                        })
                         .collect()
                 })
                 .unwrap_or_default();

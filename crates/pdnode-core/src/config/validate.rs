@@ -17,10 +17,16 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
 
     // node
     if !is_key_segment(&c.node.cluster) {
-        bad("node.cluster", format!("{:?}: expected 1-128 of [A-Za-z0-9._-]", c.node.cluster));
+        bad(
+            "node.cluster",
+            format!("{:?}: expected 1-128 of [A-Za-z0-9._-]", c.node.cluster),
+        );
     }
     if !c.node.id.is_empty() && !is_key_segment(&c.node.id) {
-        bad("node.id", format!("{:?}: expected 1-128 of [A-Za-z0-9._-]", c.node.id));
+        bad(
+            "node.id",
+            format!("{:?}: expected 1-128 of [A-Za-z0-9._-]", c.node.id),
+        );
     }
     for (key, v, may_be_empty) in [
         ("node.listen", &c.node.listen, false),
@@ -33,7 +39,10 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
             continue;
         }
         if !is_host_port(v) {
-            bad(key, format!("{v:?}: expected host:port, e.g. 127.0.0.1:8000"));
+            bad(
+                key,
+                format!("{v:?}: expected host:port, e.g. 127.0.0.1:8000"),
+            );
         }
     }
 
@@ -45,13 +54,22 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
             }
             for e in &c.registry.endpoints {
                 if e.is_empty() || e.contains(char::is_whitespace) {
-                    bad("registry.endpoints", format!("{e:?} is not an endpoint URL"));
+                    bad(
+                        "registry.endpoints",
+                        format!("{e:?} is not an endpoint URL"),
+                    );
                 }
             }
         }
         RegistryKind::Memory => {
             if c.node.role != Role::All {
-                bad("registry.kind", format!("\"memory\" only works with node.role = \"all\" (role is \"{}\"): separate processes need \"etcd\"", c.node.role));
+                bad(
+                    "registry.kind",
+                    format!(
+                        "\"memory\" only works with node.role = \"all\" (role is \"{}\"): separate processes need \"etcd\"",
+                        c.node.role
+                    ),
+                );
             }
             if !c.registry.endpoints.is_empty() {
                 bad("registry.endpoints", "set, but registry.kind is \"memory\": set registry.kind = \"etcd\" or remove the endpoints".into());
@@ -59,7 +77,10 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
         }
     }
     if c.registry.lease_ttl_s < 2 || c.registry.lease_ttl_s > 3600 {
-        bad("registry.lease_ttl_s", format!("{} is outside [2, 3600] seconds", c.registry.lease_ttl_s));
+        bad(
+            "registry.lease_ttl_s",
+            format!("{} is outside [2, 3600] seconds", c.registry.lease_ttl_s),
+        );
     }
     if c.registry.timeout_ms == 0 {
         bad("registry.timeout_ms", "must be positive".into());
@@ -71,15 +92,25 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
         match c.model.format {
             ModelFormat::Dummy => {
                 if c.model.preset.is_empty() {
-                    bad("model.preset", "model.format = \"dummy\" needs a shape preset, e.g. \"llama-3.1-8b\"".into());
+                    bad(
+                        "model.preset",
+                        "model.format = \"dummy\" needs a shape preset, e.g. \"llama-3.1-8b\""
+                            .into(),
+                    );
                 }
             }
             ModelFormat::Hf | ModelFormat::Gguf => {
                 if c.model.path.is_empty() {
-                    bad("model.path", "empty: expected an HF model directory or a .gguf file".into());
+                    bad(
+                        "model.path",
+                        "empty: expected an HF model directory or a .gguf file".into(),
+                    );
                 }
                 if !c.model.preset.is_empty() {
-                    bad("model.preset", "only used with model.format = \"dummy\"".into());
+                    bad(
+                        "model.preset",
+                        "only used with model.format = \"dummy\"".into(),
+                    );
                 }
             }
         }
@@ -90,30 +121,62 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
     let mut seen = HashSet::new();
     for g in &e.gpus {
         if !seen.insert(*g) {
-            bad("engine.gpus", format!("GPU {g} is listed twice in {:?}", e.gpus));
+            bad(
+                "engine.gpus",
+                format!("GPU {g} is listed twice in {:?}", e.gpus),
+            );
         }
     }
     if e.tensor_parallel == 0 {
         bad("engine.tensor_parallel", "must be at least 1".into());
     } else if !e.gpus.is_empty() && e.gpus.len() % e.tensor_parallel as usize != 0 {
-        bad("engine.tensor_parallel", format!("{} does not divide the {} GPUs of engine.gpus {:?}", e.tensor_parallel, e.gpus.len(), e.gpus));
+        bad(
+            "engine.tensor_parallel",
+            format!(
+                "{} does not divide the {} GPUs of engine.gpus {:?}",
+                e.tensor_parallel,
+                e.gpus.len(),
+                e.gpus
+            ),
+        );
     } else if e.gpus.is_empty() && e.tensor_parallel > 1 && e.backend != Backend::Mock {
-        bad("engine.tensor_parallel", format!("{} needs engine.gpus to list at least that many GPUs", e.tensor_parallel));
+        bad(
+            "engine.tensor_parallel",
+            format!(
+                "{} needs engine.gpus to list at least that many GPUs",
+                e.tensor_parallel
+            ),
+        );
     }
     if e.backend == Backend::Cpu && e.tensor_parallel > 1 {
-        bad("engine.tensor_parallel", "the cpu backend runs tensor_parallel = 1".into());
+        bad(
+            "engine.tensor_parallel",
+            "the cpu backend runs tensor_parallel = 1".into(),
+        );
     }
     if e.backend == Backend::Cuda && e.gpus.is_empty() && serves_model {
-        bad("engine.gpus", "engine.backend = \"cuda\" needs the GPUs to bind, e.g. [0]".into());
+        bad(
+            "engine.gpus",
+            "engine.backend = \"cuda\" needs the GPUs to bind, e.g. [0]".into(),
+        );
     }
     if !(e.mem_fraction > 0.0 && e.mem_fraction <= 1.0) {
-        bad("engine.mem_fraction", format!("{} is outside (0, 1]", e.mem_fraction));
+        bad(
+            "engine.mem_fraction",
+            format!("{} is outside (0, 1]", e.mem_fraction),
+        );
     }
     if e.block_size == 0 || e.block_size > 1024 || !e.block_size.is_power_of_two() {
-        bad("engine.block_size", format!("{}: expected a power of two in [1, 1024]", e.block_size));
+        bad(
+            "engine.block_size",
+            format!("{}: expected a power of two in [1, 1024]", e.block_size),
+        );
     }
     if e.context_length < 16 || e.context_length > 1 << 20 {
-        bad("engine.context_length", format!("{} is outside [16, 1048576]", e.context_length));
+        bad(
+            "engine.context_length",
+            format!("{} is outside [16, 1048576]", e.context_length),
+        );
     }
     if e.max_batch_tokens == 0 {
         bad("engine.max_batch_tokens", "must be at least 1".into());
@@ -122,16 +185,28 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
         bad("engine.max_running_requests", "must be at least 1".into());
     }
     if e.mock.vocab_size < 2 || e.mock.output_len == 0 {
-        bad("engine.mock", "vocab_size must be at least 2 and output_len at least 1".into());
+        bad(
+            "engine.mock",
+            "vocab_size must be at least 2 and output_len at least 1".into(),
+        );
     }
 
     // transfer
     let split = matches!(c.node.role, Role::Prefill | Role::Decode);
     if split && c.transfer.kind == TransferKind::InProcess {
-        bad("transfer.kind", format!("\"in-process\" only works with node.role = \"all\"; a {} node needs \"ucx\"", c.node.role));
+        bad(
+            "transfer.kind",
+            format!(
+                "\"in-process\" only works with node.role = \"all\"; a {} node needs \"ucx\"",
+                c.node.role
+            ),
+        );
     }
     if c.transfer.lease_ms < 100 {
-        bad("transfer.lease_ms", format!("{} is below 100 ms", c.transfer.lease_ms));
+        bad(
+            "transfer.lease_ms",
+            format!("{} is below 100 ms", c.transfer.lease_ms),
+        );
     }
     if c.transfer.staging_mib == 0 {
         bad("transfer.staging_mib", "must be at least 1".into());
@@ -140,13 +215,22 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
     // router
     let r = &c.router;
     if !(0.0..=1.0).contains(&r.cache_aware.cache_threshold) {
-        bad("router.cache_aware.cache_threshold", format!("{} is outside [0, 1]", r.cache_aware.cache_threshold));
+        bad(
+            "router.cache_aware.cache_threshold",
+            format!("{} is outside [0, 1]", r.cache_aware.cache_threshold),
+        );
     }
     if !(r.cache_aware.balance_rel_threshold >= 1.0) {
-        bad("router.cache_aware.balance_rel_threshold", format!("{} is below 1.0", r.cache_aware.balance_rel_threshold));
+        bad(
+            "router.cache_aware.balance_rel_threshold",
+            format!("{} is below 1.0", r.cache_aware.balance_rel_threshold),
+        );
     }
     if r.bucket.boundaries.windows(2).any(|w| w[0] >= w[1]) {
-        bad("router.bucket.boundaries", format!("{:?} is not strictly increasing", r.bucket.boundaries));
+        bad(
+            "router.bucket.boundaries",
+            format!("{:?} is not strictly increasing", r.bucket.boundaries),
+        );
     }
     for (key, v) in [
         ("router.request_timeout_s", r.request_timeout_s),
@@ -164,14 +248,20 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
     // security
     let s = &c.security;
     if s.tls_cert.is_empty() != s.tls_key.is_empty() {
-        bad("security.tls_cert", "tls_cert and tls_key go together: set both or neither".into());
+        bad(
+            "security.tls_cert",
+            "tls_cert and tls_key go together: set both or neither".into(),
+        );
     }
     if s.api_keys.iter().any(|k| k.trim().is_empty()) {
         bad("security.api_keys", "an API key is empty".into());
     }
 
     if c.log.filter.trim().is_empty() {
-        bad("log.filter", "empty: expected e.g. \"info\" or \"pdnode=debug\"".into());
+        bad(
+            "log.filter",
+            "empty: expected e.g. \"info\" or \"pdnode=debug\"".into(),
+        );
     }
     errs
 }

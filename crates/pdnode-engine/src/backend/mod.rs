@@ -1,0 +1,172 @@
+//! The Backend trait: what the scheduler needs from a compute device, and nothing more.
+//!
+//! A backend owns the model weights and the paged KV pool of one node (one GPU group). The
+//! scheduler hands it a [`ForwardBatch`] (for each sequence: the new tokens, their first position
+//! and the block table covering every position up to the last new one) and gets back one logits row
+//! per sequence that asked for it. Sampling happens on the host (`crate::sampling`) unless a backend
+//! also implements an optional capability trait for it. KV blocks are copied in and out for the
+//! hand-off through [`Backend::read_kv`] / [`Backend::write_kv`]; zero-copy access to the pool
+//! memory (UCX registration) is the optional [`KvMemory`] capability.
+//!
+//! # KV pool layout (every backend, every TP rank)
+//! One rank's pool is `[num_layers][num_blocks][2][block_size][kv_heads_per_rank][head_dim]`,
+//! row-major, in the layout's dtype. So one *layer-block* (K then V of one layer of one block) is
+//! contiguous, `KvLayout::block_layer_bytes()` long, at byte offset
+//! `(layer * num_blocks + block) * block_layer_bytes` ([`layer_block_offset`]). K of position `p`
+//! of a sequence is in block `table[p / block_size]`, slot `p % block_size`.
+
+use pdnode_core::{BlockId, KvLayout};
+use std::ops::Range;
+
+/// One sequence's part of a forward step.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqStep<'a> {
+    /// New tokens to run (a whole prompt, a prefill chunk, or one decode token).
+    pub tokens: &'a [u32],
+    /// Position of `tokens[0]`; positions `0..start_pos` are already in the KV cache.
+    pub start_pos: usize,
+    /// Blocks covering positions `0..start_pos + tokens.len()`, in order.
+    pub block_table: &'a [BlockId],
+    /// Whether the logits at the last new position are needed (false for non-final prefill chunks).
+    pub want_logits: bool,
+}
+
+/// A batch of sequences run in one forward step.
+#[derive(Debug, Clone, Default)]
+pub struct ForwardBatch<'a> {
+    pub seqs: Vec<SeqStep<'a>>,
+}
+
+impl ForwardBatch<'_> {
+    pub fn num_tokens(&self) -> usize {
+        self.seqs.iter().map(|s| s.tokens.len()).sum()
+    }
+}
+
+/// Logits rows, one per sequence with `want_logits`, in batch order: `rows x vocab`, f32.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Logits {
+    pub vocab: usize,
+    pub data: Vec<f32>,
+}
+
+impl Logits {
+    pub fn rows(&self) -> usize {
+        self.data.len().checked_div(self.vocab).unwrap_or(0)
+    }
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.data[i * self.vocab..(i + 1) * self.vocab]
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("invalid batch: {reason}")]
+    InvalidBatch { reason: String },
+    #[error("KV block {block} is outside the pool of {num_blocks} blocks")]
+    BlockOutOfRange { block: BlockId, num_blocks: usize },
+    #[error("KV buffer of {got} bytes, expected {expected}")]
+    KvBufferSize { got: usize, expected: usize },
+    #[error("device error: {0}")]
+    Device(String),
+}
+
+impl pdnode_core::error::Classify for BackendError {
+    fn kind(&self) -> pdnode_core::ErrorKind {
+        match self {
+            BackendError::InvalidBatch { .. }
+            | BackendError::BlockOutOfRange { .. }
+            | BackendError::KvBufferSize { .. } => pdnode_core::ErrorKind::Internal,
+            BackendError::Device(_) => pdnode_core::ErrorKind::Retryable,
+        }
+    }
+}
+
+/// A compute device running one model over one paged KV pool.
+pub trait Backend: Send {
+    /// Name for logs and `/v1/models` (e.g. "cpu", "cuda:0-3", "mock").
+    fn name(&self) -> String;
+    /// Shape of this backend's KV pool (per TP rank).
+    fn kv_layout(&self) -> &KvLayout;
+    /// Blocks in the KV pool.
+    fn num_kv_blocks(&self) -> usize;
+    /// Runs one step; writes K/V of the new positions into the pool and returns logits rows.
+    fn forward(&mut self, batch: &ForwardBatch<'_>) -> Result<Logits, BackendError>;
+    /// Copies layers `layers` of `blocks` out of the pool into `out`, ordered
+    /// `[layer][block][layer-block bytes]` (all ranks' pools back to back, rank-major, when TP > 1).
+    fn read_kv(
+        &self,
+        layers: Range<u32>,
+        blocks: &[BlockId],
+        out: &mut [u8],
+    ) -> Result<(), BackendError>;
+    /// The inverse of [`Backend::read_kv`]: writes `data` into those layers of `blocks`.
+    fn write_kv(
+        &mut self,
+        layers: Range<u32>,
+        blocks: &[BlockId],
+        data: &[u8],
+    ) -> Result<(), BackendError>;
+}
+
+/// Where a backend's KV pool lives, for registering it with a transport (zero-copy hand-off).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemKind {
+    Host,
+    /// Device memory of a CUDA device (ordinal), allocated with `cuMemAlloc` (exportable).
+    Cuda(u32),
+}
+
+/// One contiguous pool region (one TP rank's pool).
+#[derive(Debug, Clone, Copy)]
+pub struct KvRegion {
+    pub ptr: u64,
+    pub len: usize,
+    pub mem: MemKind,
+}
+
+/// Optional capability: direct access to the pool's memory for zero-copy transfer.
+pub trait KvMemory {
+    /// One region per TP rank, in rank order, laid out as the module docs say.
+    fn kv_regions(&self) -> Vec<KvRegion>;
+}
+
+/// Byte offset of `(layer, block)` inside one rank's pool.
+pub fn layer_block_offset(
+    layout: &KvLayout,
+    num_blocks: usize,
+    layer: u32,
+    block: BlockId,
+) -> usize {
+    (layer as usize * num_blocks + block.0 as usize) * layout.block_layer_bytes()
+}
+
+/// Checks a read/write request against a pool; returns the byte count it moves per rank.
+pub fn check_kv_io(
+    layout: &KvLayout,
+    num_blocks: usize,
+    layers: &Range<u32>,
+    blocks: &[BlockId],
+    buf_len: usize,
+    ranks: usize,
+) -> Result<usize, BackendError> {
+    if layers.start > layers.end || layers.end > layout.num_layers {
+        return Err(BackendError::InvalidBatch {
+            reason: format!("layers {layers:?} outside 0..{}", layout.num_layers),
+        });
+    }
+    if let Some(b) = blocks.iter().find(|b| b.0 as usize >= num_blocks) {
+        return Err(BackendError::BlockOutOfRange {
+            block: *b,
+            num_blocks,
+        });
+    }
+    let per_rank = (layers.end - layers.start) as usize * blocks.len() * layout.block_layer_bytes();
+    if buf_len != per_rank * ranks {
+        return Err(BackendError::KvBufferSize {
+            got: buf_len,
+            expected: per_rank * ranks,
+        });
+    }
+    Ok(per_rank)
+}

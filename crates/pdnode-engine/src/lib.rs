@@ -2,9 +2,11 @@
 //!
 //! - [`spec`]: the normalized architecture description ([`spec::ModelSpec`]).
 //! - [`weights`]: host f32 weights in HF orientation.
+//! - [`loader`]: HF directory / GGUF / dummy-preset loading into a [`loader::LoadedModel`].
 //! - [`backend`]: the narrow [`backend::Backend`] trait (forward over paged KV, KV copy in/out) and
 //!   its implementations.
 
 pub mod backend;
+pub mod loader;
 pub mod spec;
 pub mod weights;

@@ -125,14 +125,14 @@ impl EtcdServer {
             if health_ok(self.client_port) {
                 return Ok(());
             }
-            if let Some(c) = self.child.as_mut() {
-                if let Ok(Some(st)) = c.try_wait() {
-                    self.child = None;
-                    return Err(TestkitError::Spawn {
-                        what: "etcd".into(),
-                        reason: format!("exited with {st}; log:\n{}", self.log()),
-                    });
-                }
+            if let Some(c) = self.child.as_mut()
+                && let Ok(Some(st)) = c.try_wait()
+            {
+                self.child = None;
+                return Err(TestkitError::Spawn {
+                    what: "etcd".into(),
+                    reason: format!("exited with {st}; log:\n{}", self.log()),
+                });
             }
             if start.elapsed() > READY_DEADLINE {
                 self.stop();

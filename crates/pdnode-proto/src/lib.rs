@@ -1,1 +1,25 @@
-//! pdnode-proto: Generated gRPC code for pdnode.v1 (client API and node-to-node API), and conversions to pdnode-core types.
+//! pdnode-proto: the generated gRPC code for `pdnode.v1` and its conversions to pdnode-core types.
+//!
+//! - [`v1`]: prost messages, `inference_client`/`inference_server` (`pdnode.v1.Inference`, the
+//!   client API) and `node_client`/`node_server` (`pdnode.v1.Node`, the node-to-node API).
+//! - [`convert`]: `From`/`TryFrom` between these messages and pdnode-core types. Convert at the
+//!   edge that serves or calls an RPC; actors and policies never see prost types.
+//! - [`FILE_DESCRIPTOR_SET`]: the encoded descriptors, for gRPC reflection.
+//!
+//! The protos live in `proto/pdnode/v1/` at the workspace root; code generation uses protox, so
+//! no system `protoc` is needed.
+
+pub mod convert;
+
+/// Generated code of package `pdnode.v1`.
+#[allow(clippy::all, clippy::pedantic, missing_docs)]
+pub mod v1 {
+    tonic::include_proto!("pdnode.v1");
+}
+
+/// The encoded `FileDescriptorSet` of every `pdnode.v1` proto (with imports and source info), for
+/// `tonic_reflection::server::Builder::register_encoded_file_descriptor_set`.
+pub const FILE_DESCRIPTOR_SET: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/pdnode_v1_descriptor.bin"));
+
+pub use convert::ConvertError;

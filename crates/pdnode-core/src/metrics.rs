@@ -73,7 +73,8 @@ mod tests {
         for n in super::ALL {
             assert!(n.starts_with("pdnode_"), "{n}");
             assert!(
-                n.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'),
+                n.bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_'),
                 "{n}"
             );
             assert!(seen.insert(*n), "duplicate {n}");

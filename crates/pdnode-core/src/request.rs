@@ -98,7 +98,7 @@ impl SamplingParams {
             return bad("temperature", format!("{t} is outside [0, 100]"));
         }
         let p = self.top_p;
-        if !p.is_finite() || !(p > 0.0 && p <= 1.0) {
+        if !(p.is_finite() && p > 0.0 && p <= 1.0) {
             return bad("top_p", format!("{p} is outside (0, 1]"));
         }
         let m = self.min_p;
@@ -106,7 +106,7 @@ impl SamplingParams {
             return bad("min_p", format!("{m} is outside [0, 1]"));
         }
         let r = self.repetition_penalty;
-        if !r.is_finite() || !(r > 0.0 && r <= 10.0) {
+        if !(r.is_finite() && r > 0.0 && r <= 10.0) {
             return bad("repetition_penalty", format!("{r} is outside (0, 10]"));
         }
         for (name, v) in [
@@ -129,10 +129,10 @@ impl SamplingParams {
         if self.stop.iter().any(|s| s.is_empty()) {
             return bad("stop", "stop strings must not be empty");
         }
-        if let Some(n) = self.logprobs {
-            if n > MAX_TOP_LOGPROBS {
-                return bad("logprobs", format!("{n} is above {MAX_TOP_LOGPROBS}"));
-            }
+        if let Some(n) = self.logprobs
+            && n > MAX_TOP_LOGPROBS
+        {
+            return bad("logprobs", format!("{n} is above {MAX_TOP_LOGPROBS}"));
         }
         Ok(())
     }

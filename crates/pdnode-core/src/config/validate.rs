@@ -129,7 +129,7 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
     }
     if e.tensor_parallel == 0 {
         bad("engine.tensor_parallel", "must be at least 1".into());
-    } else if !e.gpus.is_empty() && e.gpus.len() % e.tensor_parallel as usize != 0 {
+    } else if !e.gpus.is_empty() && !e.gpus.len().is_multiple_of(e.tensor_parallel as usize) {
         bad(
             "engine.tensor_parallel",
             format!(
@@ -220,7 +220,7 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
             format!("{} is outside [0, 1]", r.cache_aware.cache_threshold),
         );
     }
-    if !(r.cache_aware.balance_rel_threshold >= 1.0) {
+    if r.cache_aware.balance_rel_threshold.is_nan() || r.cache_aware.balance_rel_threshold < 1.0 {
         bad(
             "router.cache_aware.balance_rel_threshold",
             format!("{} is below 1.0", r.cache_aware.balance_rel_threshold),

@@ -1,0 +1,145 @@
+// Paged attention over the KV pool, for decode and (chunked) prefill alike: query token t of
+// sequence tok_seq[t] at position tok_pos[t] attends to keys 0..=tok_pos[t] of its sequence (the
+// new tokens' K/V are already in the pool, written by rope_qkv). GQA-aware: one block serves up to
+// ATT_MAXG query heads sharing one KV head, so each K/V row is read once per block. Split-K
+// (flash-decoding): blockIdx.z takes keys [z * split_len, (z + 1) * split_len); with nsplit > 1
+// the partial (max, sum, acc) go to part_ml / part_acc and attention_combine finishes.
+//
+// q: [T, nh, hd] bf16 (RoPE applied); out: [T, nh, hd] bf16.
+// block_tables: [S, max_blocks] physical block ids; layer_kv: [num_blocks][2][bs][nkv][hd].
+// grid: (T, nkv * ceil(G / ATT_MAXG), nsplit), block: 32 * ATT_NW.
+
+#define ATT_NW 4
+#define ATT_MAXG 8
+#define ATT_MAXDPL 8  // head_dim <= 256
+
+extern "C" __global__ void __launch_bounds__(32 * ATT_NW)
+paged_attention(const bf16_t* __restrict__ q, const bf16_t* __restrict__ layer_kv,
+                const int* __restrict__ tok_seq, const int* __restrict__ tok_pos,
+                const int* __restrict__ block_tables, int max_blocks, int nh, int nkv, int hd,
+                int block_size, float scale, int split_len, bf16_t* __restrict__ out,
+                float* __restrict__ part_ml, float* __restrict__ part_acc) {
+    __shared__ float sm_acc[ATT_NW][ATT_MAXG][ATT_MAXDPL * 32];
+    __shared__ float sm_m[ATT_NW][ATT_MAXG];
+    __shared__ float sm_l[ATT_NW][ATT_MAXG];
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const i64 t = blockIdx.x;
+    const int G = nh / nkv;
+    const int hgroups = (G + ATT_MAXG - 1) / ATT_MAXG;
+    const int kvh = blockIdx.y / hgroups, hg = blockIdx.y % hgroups;
+    const int h0 = kvh * G + hg * ATT_MAXG;
+    const int ng = min(ATT_MAXG, G - hg * ATT_MAXG);
+    const int nsplit = gridDim.z;
+    const int ctx = tok_pos[t] + 1;
+    const int k0 = blockIdx.z * split_len;
+    const int k1 = min(ctx, k0 + split_len);
+    const int dpl = (hd + 31) / 32;
+
+    float qr[ATT_MAXG][ATT_MAXDPL], acc[ATT_MAXG][ATT_MAXDPL], m[ATT_MAXG], l[ATT_MAXG];
+#pragma unroll
+    for (int g = 0; g < ATT_MAXG; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.f;
+#pragma unroll
+        for (int j = 0; j < ATT_MAXDPL; j++) {
+            const int d = lane * dpl + j;
+            const bool ok = g < ng && j < dpl && d < hd;
+            qr[g][j] = ok ? bf2f(q[(t * nh + h0 + g) * hd + d]) * scale : 0.f;
+            acc[g][j] = 0.f;
+        }
+    }
+    const int* bt = block_tables + (i64)tok_seq[t] * max_blocks;
+    const i64 row = (i64)nkv * hd;
+    for (int k = k0 + w; k < k1; k += ATT_NW) {
+        const i64 blk = bt[k / block_size];
+        const int sl = k % block_size;
+        const bf16_t* kp = layer_kv + (blk * 2 * block_size + sl) * row + (i64)kvh * hd;
+        const bf16_t* vp = kp + (i64)block_size * row;
+        float kr[ATT_MAXDPL], vr[ATT_MAXDPL];
+#pragma unroll
+        for (int j = 0; j < ATT_MAXDPL; j++) {
+            const int d = lane * dpl + j;
+            const bool ok = j < dpl && d < hd;
+            kr[j] = ok ? bf2f(kp[d]) : 0.f;
+            vr[j] = ok ? bf2f(vp[d]) : 0.f;
+        }
+#pragma unroll
+        for (int g = 0; g < ATT_MAXG; g++) {
+            if (g < ng) {
+                float dot = 0.f;
+#pragma unroll
+                for (int j = 0; j < ATT_MAXDPL; j++) dot += qr[g][j] * kr[j];
+                const float s = warp_sum(dot);
+                const float mn = fmaxf(m[g], s);
+                const float corr = __expf(m[g] - mn);
+                const float p = __expf(s - mn);
+                l[g] = l[g] * corr + p;
+#pragma unroll
+                for (int j = 0; j < ATT_MAXDPL; j++) acc[g][j] = acc[g][j] * corr + p * vr[j];
+                m[g] = mn;
+            }
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < ATT_MAXG; g++) {
+        if (g < ng) {
+            if (lane == 0) {
+                sm_m[w][g] = m[g];
+                sm_l[w][g] = l[g];
+            }
+#pragma unroll
+            for (int j = 0; j < ATT_MAXDPL; j++) {
+                const int d = lane * dpl + j;
+                if (j < dpl && d < hd) sm_acc[w][g][d] = acc[g][j];
+            }
+        }
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < ng * hd; idx += blockDim.x) {
+        const int g = idx / hd, d = idx - g * hd;
+        float M = -INFINITY;
+#pragma unroll
+        for (int x = 0; x < ATT_NW; x++) M = fmaxf(M, sm_m[x][g]);
+        float L = 0.f, A = 0.f;
+        if (M != -INFINITY) {
+#pragma unroll
+            for (int x = 0; x < ATT_NW; x++) {
+                const float wx = __expf(sm_m[x][g] - M);
+                L += sm_l[x][g] * wx;
+                A += sm_acc[x][g][d] * wx;
+            }
+        }
+        const i64 th = t * nh + h0 + g;
+        if (nsplit == 1) {
+            out[th * hd + d] = f2bf(A / L);
+        } else {
+            const i64 pi = th * nsplit + blockIdx.z;
+            part_acc[pi * hd + d] = A;
+            if (d == 0) {
+                part_ml[pi * 2] = M;
+                part_ml[pi * 2 + 1] = L;
+            }
+        }
+    }
+}
+
+// Merges the nsplit partials of each (token, head). grid: T * nh, block: 128.
+extern "C" __global__ void attention_combine(const float* __restrict__ part_ml,
+                                             const float* __restrict__ part_acc,
+                                             bf16_t* __restrict__ out, int hd, int nsplit) {
+    const i64 th = blockIdx.x;
+    float M = -INFINITY;
+    for (int z = 0; z < nsplit; z++) M = fmaxf(M, part_ml[(th * nsplit + z) * 2]);
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float L = 0.f, A = 0.f;
+        for (int z = 0; z < nsplit; z++) {
+            const i64 pi = th * nsplit + z;
+            const float mz = part_ml[pi * 2];
+            if (mz == -INFINITY) continue;
+            const float wz = __expf(mz - M);
+            L += part_ml[pi * 2 + 1] * wz;
+            A += part_acc[pi * hd + d] * wz;
+        }
+        out[th * hd + d] = f2bf(A / L);
+    }
+}

@@ -1,0 +1,23 @@
+// KV hand-off: copy layer-blocks between the pool and a contiguous staging buffer ordered
+// [layer][block]. A layer-block (K then V of one layer of one block) is lb_vec 16-byte words.
+// grid: nlayers * nblocks, block: 256.
+
+extern "C" __global__ void kv_gather(const uint4* __restrict__ pool, uint4* __restrict__ staging,
+                                     const int* __restrict__ blocks, int nblocks, int layer0,
+                                     int num_blocks, i64 lb_vec) {
+    const i64 idx = blockIdx.x;
+    const i64 l = idx / nblocks, b = idx % nblocks;
+    const uint4* src = pool + ((i64)(layer0 + l) * num_blocks + blocks[b]) * lb_vec;
+    uint4* dst = staging + idx * lb_vec;
+    for (i64 i = threadIdx.x; i < lb_vec; i += blockDim.x) dst[i] = src[i];
+}
+
+extern "C" __global__ void kv_scatter(uint4* __restrict__ pool, const uint4* __restrict__ staging,
+                                      const int* __restrict__ blocks, int nblocks, int layer0,
+                                      int num_blocks, i64 lb_vec) {
+    const i64 idx = blockIdx.x;
+    const i64 l = idx / nblocks, b = idx % nblocks;
+    uint4* dst = pool + ((i64)(layer0 + l) * num_blocks + blocks[b]) * lb_vec;
+    const uint4* src = staging + idx * lb_vec;
+    for (i64 i = threadIdx.x; i < lb_vec; i += blockDim.x) dst[i] = src[i];
+}

@@ -1,0 +1,657 @@
+//! [`CudaBackend`]: one GPU running one model over one paged KV pool.
+
+use super::CudaError;
+use super::blas::{self, OutType};
+use super::device::{DevBuf, Gpu};
+use super::ops::{self, AttnDims, AttnWorkspace};
+use super::weights::DevWeights;
+use crate::backend::{
+    Backend, BackendError, ForwardBatch, KvMemory, KvRegion, Logits, MemKind, check_kv_io,
+};
+use crate::spec::ModelSpec;
+use crate::weights::Weights;
+use pdnode_core::{BlockId, DType, KvLayout};
+use std::ops::Range;
+
+/// Sizing of a [`CudaBackend`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct CudaOptions {
+    /// Device ordinal.
+    pub gpu: u32,
+    /// Tensor-parallel degree (only 1 is implemented).
+    pub tensor_parallel: u32,
+    /// Fraction of the device's free memory (at start) for weights + workspace + KV pool.
+    pub mem_fraction: f32,
+    /// KV blocks; 0 = as many as `mem_fraction` leaves.
+    pub num_kv_blocks: u32,
+    pub block_size: u32,
+    /// Most tokens in one forward step.
+    pub max_batch_tokens: usize,
+    /// Most sequences (logits rows) in one forward step.
+    pub max_seqs: usize,
+}
+
+impl CudaOptions {
+    pub fn from_config(e: &pdnode_core::config::EngineConfig) -> Self {
+        Self {
+            gpu: e.gpus.first().copied().unwrap_or(0),
+            tensor_parallel: e.tensor_parallel.max(1),
+            mem_fraction: e.mem_fraction,
+            num_kv_blocks: e.num_kv_blocks,
+            block_size: e.block_size,
+            max_batch_tokens: e.max_batch_tokens.max(1) as usize,
+            max_seqs: e.max_running_requests.max(1) as usize,
+        }
+    }
+}
+
+/// Activations and scratch, sized for `max_batch_tokens` / `max_seqs`.
+struct Workspace {
+    resid: DevBuf,   // f32 [T, H]
+    normed: DevBuf,  // bf16 [T, H]
+    qkv: DevBuf,     // bf16 [T, q + 2 kv]
+    q: DevBuf,       // bf16 [T, q]
+    attn: DevBuf,    // bf16 [T, q]
+    gate_up: DevBuf, // bf16 [T, 2 I]
+    act: DevBuf,     // bf16 [T, I]
+    logits: DevBuf,  // f32 [S, V]
+    part_ml: DevBuf,
+    part_acc: DevBuf,
+    meta: DevBuf,
+}
+
+const ATTN_WS_BYTES: usize = 64 << 20;
+
+impl Workspace {
+    fn new(gpu: &Gpu, s: &ModelSpec, t: usize, seqs: usize) -> Result<Self, CudaError> {
+        let (h, q, kv, i) = (s.hidden_size, s.q_dim(), s.kv_dim(), s.intermediate_size);
+        let rows_splits = ATTN_WS_BYTES / (s.head_dim * 4);
+        Ok(Self {
+            resid: gpu.alloc(t * h * 4)?,
+            normed: gpu.alloc(t.max(seqs) * h * 2)?,
+            qkv: gpu.alloc(t * (q + 2 * kv) * 2)?,
+            q: gpu.alloc(t * q * 2)?,
+            attn: gpu.alloc(t * q * 2)?,
+            gate_up: gpu.alloc(t * 2 * i * 2)?,
+            act: gpu.alloc(t * i * 2)?,
+            logits: gpu.alloc(seqs * s.vocab_size * 4)?,
+            part_ml: gpu.alloc(rows_splits * 2 * 4)?,
+            part_acc: gpu.alloc(rows_splits * s.head_dim * 4)?,
+            meta: gpu.alloc(1 << 20)?,
+        })
+    }
+
+    fn bytes(&self) -> usize {
+        [
+            &self.resid,
+            &self.normed,
+            &self.qkv,
+            &self.q,
+            &self.attn,
+            &self.gate_up,
+            &self.act,
+            &self.logits,
+            &self.part_ml,
+            &self.part_acc,
+            &self.meta,
+        ]
+        .iter()
+        .map(|b| b.bytes())
+        .sum()
+    }
+}
+
+/// Byte offsets of the per-step metadata inside `Workspace::meta`.
+struct MetaOffsets {
+    ids: usize,
+    pos: usize,
+    slots: usize,
+    tok_seq: usize,
+    tables: usize,
+    rows: usize,
+}
+
+/// Host-side plan of one step, built and validated from a [`ForwardBatch`].
+struct StepPlan {
+    bytes: Vec<u8>,
+    off: MetaOffsets,
+    tokens: usize,
+    rows: usize,
+    max_blocks: usize,
+    max_ctx: usize,
+}
+
+fn push<T: Copy>(buf: &mut Vec<u8>, data: &[T]) -> usize {
+    let off = buf.len().next_multiple_of(16);
+    buf.resize(off, 0);
+    // SAFETY: T is a plain integer type here (u32/i32/i64); reading its bytes is sound.
+    let bytes = unsafe {
+        std::slice::from_raw_parts(data.as_ptr() as *const u8, std::mem::size_of_val(data))
+    };
+    buf.extend_from_slice(bytes);
+    off
+}
+
+pub struct CudaBackend {
+    // Field order is drop order: buffers before the Gpu (context, cuBLAS handle).
+    w: DevWeights,
+    ws: Workspace,
+    pool: DevBuf,
+    num_blocks: usize,
+    layout: KvLayout,
+    spec: ModelSpec,
+    opts: CudaOptions,
+    dims: AttnDims,
+    gpu: Gpu,
+}
+
+impl CudaBackend {
+    /// Uploads host weights and sizes the KV pool.
+    pub fn new(
+        spec: &ModelSpec,
+        weights: &Weights,
+        opts: &CudaOptions,
+        model_fingerprint: String,
+    ) -> Result<Self, CudaError> {
+        Self::build(spec, opts, model_fingerprint, |gpu| {
+            DevWeights::upload(gpu, spec, weights)
+        })
+    }
+
+    /// Random bf16 weights generated on the device at `spec`'s shapes (benchmarks).
+    pub fn new_dummy(
+        spec: &ModelSpec,
+        seed: u64,
+        opts: &CudaOptions,
+        model_fingerprint: String,
+    ) -> Result<Self, CudaError> {
+        Self::build(spec, opts, model_fingerprint, |gpu| {
+            DevWeights::dummy(gpu, spec, seed)
+        })
+    }
+
+    fn build(
+        spec: &ModelSpec,
+        opts: &CudaOptions,
+        model_fingerprint: String,
+        load: impl FnOnce(&Gpu) -> Result<DevWeights, CudaError>,
+    ) -> Result<Self, CudaError> {
+        if opts.tensor_parallel != 1 {
+            return Err(CudaError::Unsupported {
+                reason: format!(
+                    "tensor_parallel = {}: the CUDA backend runs TP = 1 only so far",
+                    opts.tensor_parallel
+                ),
+            });
+        }
+        if opts.block_size == 0 || !(0.0..=1.0).contains(&opts.mem_fraction) {
+            return Err(CudaError::Unsupported {
+                reason: format!(
+                    "block_size {} / mem_fraction {}",
+                    opts.block_size, opts.mem_fraction
+                ),
+            });
+        }
+        let gpu = Gpu::new(opts.gpu)?;
+        let (free0, _) = gpu.mem_info()?;
+        let w = load(&gpu)?;
+        let ws = Workspace::new(&gpu, spec, opts.max_batch_tokens, opts.max_seqs)?;
+        let layout = KvLayout {
+            dtype: DType::Bf16,
+            num_layers: spec.num_layers as u32,
+            block_size: opts.block_size,
+            kv_heads_per_rank: spec.num_kv_heads as u32,
+            head_dim: spec.head_dim as u32,
+            tp_size: 1,
+            model_fingerprint,
+        };
+        let block_bytes = layout.block_bytes();
+        let num_blocks = if opts.num_kv_blocks > 0 {
+            opts.num_kv_blocks as usize
+        } else {
+            let budget = (free0 as f64 * opts.mem_fraction as f64) as usize;
+            let used = w.bytes + ws.bytes();
+            let left = budget.saturating_sub(used);
+            if left < block_bytes {
+                return Err(CudaError::OutOfMemory {
+                    what: "KV pool (mem_fraction of free memory after weights)",
+                    need: used + block_bytes,
+                    have: budget,
+                });
+            }
+            left / block_bytes
+        };
+        let pool = gpu.alloc(num_blocks * block_bytes)?;
+        gpu.memset(&pool, 0)?;
+        gpu.sync()?;
+        tracing::info!(
+            gpu = opts.gpu,
+            weights_mib = w.bytes >> 20,
+            kv_blocks = num_blocks,
+            kv_mib = (num_blocks * block_bytes) >> 20,
+            "CUDA backend ready"
+        );
+        let dims = AttnDims {
+            num_heads: spec.num_heads,
+            num_kv_heads: spec.num_kv_heads,
+            head_dim: spec.head_dim,
+            block_size: opts.block_size as usize,
+            num_blocks,
+        };
+        Ok(Self {
+            w,
+            ws,
+            pool,
+            num_blocks,
+            layout,
+            spec: spec.clone(),
+            opts: opts.clone(),
+            dims,
+            gpu,
+        })
+    }
+
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    /// Bytes of weights on the device.
+    pub fn weight_bytes(&self) -> usize {
+        self.w.bytes
+    }
+
+    fn plan(&self, batch: &ForwardBatch<'_>) -> Result<StepPlan, BackendError> {
+        let bad = |reason: String| BackendError::InvalidBatch { reason };
+        let bs = self.opts.block_size as usize;
+        let tokens = batch.num_tokens();
+        if tokens > self.opts.max_batch_tokens {
+            return Err(bad(format!(
+                "{tokens} tokens > max_batch_tokens {}",
+                self.opts.max_batch_tokens
+            )));
+        }
+        let rows = batch.seqs.iter().filter(|s| s.want_logits).count();
+        if rows > self.opts.max_seqs {
+            return Err(bad(format!(
+                "{rows} logits rows > max_seqs {}",
+                self.opts.max_seqs
+            )));
+        }
+        let mut max_blocks = 1usize;
+        let mut max_ctx = 1usize;
+        for (i, s) in batch.seqs.iter().enumerate() {
+            if s.tokens.is_empty() {
+                return Err(bad(format!("sequence {i} has no tokens")));
+            }
+            let end = s.start_pos + s.tokens.len();
+            let nb = end.div_ceil(bs);
+            if s.block_table.len() < nb {
+                return Err(bad(format!(
+                    "sequence {i}: {} blocks cover fewer than {end} positions",
+                    s.block_table.len()
+                )));
+            }
+            if let Some(b) = s.block_table[..nb]
+                .iter()
+                .find(|b| b.0 as usize >= self.num_blocks)
+            {
+                return Err(BackendError::BlockOutOfRange {
+                    block: *b,
+                    num_blocks: self.num_blocks,
+                });
+            }
+            if let Some(t) = s
+                .tokens
+                .iter()
+                .find(|&&t| t as usize >= self.spec.vocab_size)
+            {
+                return Err(bad(format!(
+                    "sequence {i}: token {t} outside the vocabulary"
+                )));
+            }
+            if end > i32::MAX as usize {
+                return Err(bad(format!("sequence {i}: position {end} too large")));
+            }
+            max_blocks = max_blocks.max(nb);
+            max_ctx = max_ctx.max(end);
+        }
+        let mut ids = Vec::with_capacity(tokens);
+        let mut pos = Vec::with_capacity(tokens);
+        let mut slots = Vec::with_capacity(tokens);
+        let mut tok_seq = Vec::with_capacity(tokens);
+        let mut tables = vec![0i32; batch.seqs.len() * max_blocks];
+        let mut row_idx = Vec::with_capacity(rows);
+        for (i, s) in batch.seqs.iter().enumerate() {
+            let nb = (s.start_pos + s.tokens.len()).div_ceil(bs);
+            for (j, b) in s.block_table[..nb].iter().enumerate() {
+                tables[i * max_blocks + j] = b.0 as i32;
+            }
+            for (k, &t) in s.tokens.iter().enumerate() {
+                let p = s.start_pos + k;
+                ids.push(t);
+                pos.push(p as i32);
+                slots.push(s.block_table[p / bs].0 as i64 * bs as i64 + (p % bs) as i64);
+                tok_seq.push(i as i32);
+            }
+            if s.want_logits {
+                row_idx.push((ids.len() - 1) as i32);
+            }
+        }
+        let mut bytes = Vec::new();
+        let off = MetaOffsets {
+            ids: push(&mut bytes, &ids),
+            pos: push(&mut bytes, &pos),
+            slots: push(&mut bytes, &slots),
+            tok_seq: push(&mut bytes, &tok_seq),
+            tables: push(&mut bytes, &tables),
+            rows: push(&mut bytes, &row_idx),
+        };
+        Ok(StepPlan {
+            bytes,
+            off,
+            tokens,
+            rows,
+            max_blocks,
+            max_ctx,
+        })
+    }
+
+    /// Runs a step on the device up to the logits (left in the device workspace, `rows x vocab`
+    /// f32); returns the row count. Does not wait for the device.
+    pub fn forward_device(&mut self, batch: &ForwardBatch<'_>) -> Result<usize, BackendError> {
+        self.gpu.bind()?;
+        let p = self.plan(batch)?;
+        if p.tokens == 0 {
+            return Ok(0);
+        }
+        if self.ws.meta.bytes() < p.bytes.len() {
+            self.gpu.sync()?;
+            self.ws.meta = self.gpu.alloc(p.bytes.len().next_power_of_two())?;
+        }
+        self.gpu.upload(&self.ws.meta, 0, &p.bytes)?;
+        let m = |o: usize| self.ws.meta.at(o);
+        let s = &self.spec;
+        let (g, w, ws, d) = (&self.gpu, &self.w, &self.ws, &self.dims);
+        let (h, t) = (s.hidden_size, p.tokens);
+        let (qd, kvd, inter) = (s.q_dim(), s.kv_dim(), s.intermediate_size);
+        ops::embed_gather(g, &w.embed, s.vocab_size, m(p.off.ids), t, &ws.resid, h)?;
+        let attn_ws = AttnWorkspace {
+            part_ml: &ws.part_ml,
+            part_acc: &ws.part_acc,
+        };
+        for (li, l) in w.layers.iter().enumerate() {
+            ops::add_rmsnorm(
+                g,
+                &ws.resid,
+                t,
+                None,
+                &l.attn_norm,
+                &ws.normed,
+                None,
+                t,
+                h,
+                s.rms_norm_eps,
+            )?;
+            // SAFETY (all gemm calls): buffers are live allocations of this context sized for
+            // max_batch_tokens >= t rows (checked in plan) and the weight shapes of the spec.
+            unsafe {
+                blas::gemm(
+                    &g.blas,
+                    qd + 2 * kvd,
+                    t,
+                    h,
+                    l.wqkv.ptr(),
+                    ws.normed.ptr(),
+                    ws.qkv.ptr(),
+                    OutType::Bf16,
+                    0.0,
+                )?;
+            }
+            ops::rope_qkv(
+                g,
+                d,
+                &ws.qkv,
+                l.bqkv.as_ref(),
+                l.q_norm.as_ref(),
+                l.k_norm.as_ref(),
+                &w.inv_freq,
+                m(p.off.pos),
+                m(p.off.slots),
+                t,
+                &ws.q,
+                &self.pool,
+                li,
+                s.rms_norm_eps,
+            )?;
+            ops::paged_attention(
+                g,
+                d,
+                &ws.q,
+                &self.pool,
+                li,
+                m(p.off.tok_seq),
+                m(p.off.pos),
+                m(p.off.tables),
+                p.max_blocks,
+                t,
+                p.max_ctx,
+                &ws.attn,
+                &attn_ws,
+            )?;
+            // SAFETY: as above; the f32 residual is updated in place (beta = 1).
+            unsafe {
+                blas::gemm(
+                    &g.blas,
+                    h,
+                    t,
+                    qd,
+                    l.wo.ptr(),
+                    ws.attn.ptr(),
+                    ws.resid.ptr(),
+                    OutType::F32,
+                    1.0,
+                )?;
+            }
+            ops::add_rmsnorm(
+                g,
+                &ws.resid,
+                t,
+                None,
+                &l.mlp_norm,
+                &ws.normed,
+                None,
+                t,
+                h,
+                s.rms_norm_eps,
+            )?;
+            // SAFETY: as above.
+            unsafe {
+                blas::gemm(
+                    &g.blas,
+                    2 * inter,
+                    t,
+                    h,
+                    l.w_gate_up.ptr(),
+                    ws.normed.ptr(),
+                    ws.gate_up.ptr(),
+                    OutType::Bf16,
+                    0.0,
+                )?;
+            }
+            ops::swiglu(g, &ws.gate_up, &ws.act, t, inter)?;
+            // SAFETY: as above.
+            unsafe {
+                blas::gemm(
+                    &g.blas,
+                    h,
+                    t,
+                    inter,
+                    l.w_down.ptr(),
+                    ws.act.ptr(),
+                    ws.resid.ptr(),
+                    OutType::F32,
+                    1.0,
+                )?;
+            }
+        }
+        if p.rows > 0 {
+            ops::add_rmsnorm(
+                g,
+                &ws.resid,
+                t,
+                None,
+                &w.final_norm,
+                &ws.normed,
+                Some(m(p.off.rows)),
+                p.rows,
+                h,
+                s.rms_norm_eps,
+            )?;
+            // SAFETY: as above; logits hold max_seqs >= rows rows.
+            unsafe {
+                blas::gemm(
+                    &g.blas,
+                    s.vocab_size,
+                    p.rows,
+                    h,
+                    w.output().ptr(),
+                    ws.normed.ptr(),
+                    ws.logits.ptr(),
+                    OutType::F32,
+                    0.0,
+                )?;
+            }
+        }
+        Ok(p.rows)
+    }
+
+    /// Waits for the device (surfaces asynchronous errors).
+    pub fn synchronize(&self) -> Result<(), BackendError> {
+        self.gpu.bind()?;
+        Ok(self.gpu.sync()?)
+    }
+
+    /// Gathers layers `layers` of `blocks` into a fresh staging buffer (synchronized).
+    fn gather(
+        &self,
+        layers: &Range<u32>,
+        blocks: &[BlockId],
+        len: usize,
+    ) -> Result<(DevBuf, usize), BackendError> {
+        self.gpu.bind()?;
+        let per_rank = check_kv_io(&self.layout, self.num_blocks, layers, blocks, len, 1)?;
+        let staging = self.gpu.alloc(per_rank)?;
+        if per_rank == 0 {
+            return Ok((staging, 0));
+        }
+        let ids: Vec<i32> = blocks.iter().map(|b| b.0 as i32).collect();
+        let idbuf = self.gpu.alloc(ids.len() * 4)?;
+        self.gpu.upload(&idbuf, 0, &ids)?;
+        ops::kv_copy(
+            &self.gpu,
+            true,
+            &self.pool,
+            &staging,
+            idbuf.ptr(),
+            blocks.len(),
+            layers.start as usize,
+            (layers.end - layers.start) as usize,
+            self.num_blocks,
+            self.layout.block_layer_bytes(),
+        )?;
+        // `idbuf` is freed on return: wait for the gather first.
+        self.gpu.sync()?;
+        Ok((staging, per_rank))
+    }
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> String {
+        format!("cuda:{}", self.gpu.ordinal)
+    }
+
+    fn kv_layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    fn num_kv_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    fn forward(&mut self, batch: &ForwardBatch<'_>) -> Result<Logits, BackendError> {
+        let rows = self.forward_device(batch)?;
+        let vocab = self.spec.vocab_size;
+        let mut data = vec![0f32; rows * vocab];
+        self.gpu.download(&mut data, &self.ws.logits, 0)?;
+        Ok(Logits { vocab, data })
+    }
+
+    fn read_kv(
+        &self,
+        layers: Range<u32>,
+        blocks: &[BlockId],
+        out: &mut [u8],
+    ) -> Result<(), BackendError> {
+        let (staging, n) = self.gather(&layers, blocks, out.len())?;
+        self.gpu.download(&mut out[..n], &staging, 0)?;
+        Ok(())
+    }
+
+    fn write_kv(
+        &mut self,
+        layers: Range<u32>,
+        blocks: &[BlockId],
+        data: &[u8],
+    ) -> Result<(), BackendError> {
+        self.gpu.bind()?;
+        let per_rank = check_kv_io(
+            &self.layout,
+            self.num_blocks,
+            &layers,
+            blocks,
+            data.len(),
+            1,
+        )?;
+        if per_rank == 0 {
+            return Ok(());
+        }
+        let staging = self.gpu.alloc(per_rank)?;
+        self.gpu.upload(&staging, 0, data)?;
+        let ids: Vec<i32> = blocks.iter().map(|b| b.0 as i32).collect();
+        let idbuf = self.gpu.alloc(ids.len() * 4)?;
+        self.gpu.upload(&idbuf, 0, &ids)?;
+        ops::kv_copy(
+            &self.gpu,
+            false,
+            &self.pool,
+            &staging,
+            idbuf.ptr(),
+            blocks.len(),
+            layers.start as usize,
+            (layers.end - layers.start) as usize,
+            self.num_blocks,
+            self.layout.block_layer_bytes(),
+        )?;
+        // The staging buffers are freed on drop: wait for the scatter first.
+        self.gpu.sync().map_err(BackendError::from)
+    }
+}
+
+impl KvMemory for CudaBackend {
+    fn kv_regions(&self) -> Vec<KvRegion> {
+        vec![KvRegion {
+            ptr: self.pool.ptr(),
+            len: self.pool.bytes(),
+            mem: MemKind::Cuda(self.gpu.ordinal),
+        }]
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        // Outstanding work may still use the buffers freed next.
+        if self.gpu.bind().is_ok() {
+            let _ = self.gpu.sync();
+        }
+    }
+}

@@ -1,0 +1,115 @@
+//! cuBLAS GEMMs: bf16 operands, f32 accumulation, bf16 or f32 output.
+//!
+//! Weights are stored as HF `[out, in]` row-major, which cuBLAS (column-major) sees as an
+//! `in x out` matrix: `Y[T, out] = X[T, in] * W^T` is the column-major
+//! `Y^T (out x T) = op_T(W) (out x in) * X^T (in x T)`, i.e. `transa = T, transb = N`.
+
+use super::CudaError;
+use cudarc::cublas::{result, sys};
+use cudarc::driver::CudaStream;
+
+pub(crate) struct Blas {
+    handle: sys::cublasHandle_t,
+}
+
+impl Blas {
+    pub(crate) fn new(stream: &CudaStream) -> Result<Self, CudaError> {
+        let err = |op| {
+            move |e: result::CublasError| CudaError::Blas {
+                op,
+                msg: format!("{e:?}"),
+            }
+        };
+        // SAFETY: is_culib_present only tries to dlopen libcublas.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(CudaError::Blas {
+                op: "load",
+                msg: "libcublas not found".into(),
+            });
+        }
+        let handle = result::create_handle().map_err(err("cublasCreate"))?;
+        // SAFETY: `handle` was just created in the current context; the stream is alive as long
+        // as the owning Gpu, which also owns this handle.
+        unsafe { result::set_stream(handle, stream.cu_stream() as sys::cudaStream_t) }
+            .map_err(err("cublasSetStream"))?;
+        Ok(Self { handle })
+    }
+}
+
+impl Drop for Blas {
+    fn drop(&mut self) {
+        // SAFETY: created in `new`, destroyed once.
+        let _ = unsafe { result::destroy_handle(self.handle) };
+    }
+}
+
+/// Output element type of a GEMM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutType {
+    Bf16,
+    F32,
+}
+
+/// `y[t, o] = beta * y[t, o] + sum_i x[t, i] * w[o, i]` for `t < tokens`, `o < out`, `i < inp`.
+/// `w`: bf16 `[out, inp]`; `x`: bf16 `[tokens, inp]`; `y`: `[tokens, out]` of `ty`.
+///
+/// # Safety
+/// The pointers must be live device allocations of the current context with at least the sizes
+/// above, and the Blas handle must belong to that context.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn gemm(
+    blas: &Blas,
+    out: usize,
+    tokens: usize,
+    inp: usize,
+    w: u64,
+    x: u64,
+    y: u64,
+    ty: OutType,
+    beta: f32,
+) -> Result<(), CudaError> {
+    if out == 0 || tokens == 0 || inp == 0 {
+        return Ok(());
+    }
+    let to_i32 = |v: usize| {
+        i32::try_from(v).map_err(|_| CudaError::Shape {
+            op: "gemm",
+            reason: format!("dimension {v} exceeds i32"),
+        })
+    };
+    let (m, n, k) = (to_i32(out)?, to_i32(tokens)?, to_i32(inp)?);
+    let alpha = 1.0f32;
+    let cty = match ty {
+        OutType::Bf16 => sys::cudaDataType_t::CUDA_R_16BF,
+        OutType::F32 => sys::cudaDataType_t::CUDA_R_32F,
+    };
+    // SAFETY: per the function contract; alpha/beta are host f32 scalars matching COMPUTE_32F.
+    unsafe {
+        sys::cublasGemmEx(
+            blas.handle,
+            sys::cublasOperation_t::CUBLAS_OP_T,
+            sys::cublasOperation_t::CUBLAS_OP_N,
+            m,
+            n,
+            k,
+            (&alpha) as *const f32 as *const _,
+            w as *const _,
+            sys::cudaDataType_t::CUDA_R_16BF,
+            k,
+            x as *const _,
+            sys::cudaDataType_t::CUDA_R_16BF,
+            k,
+            (&beta) as *const f32 as *const _,
+            y as *mut _,
+            cty,
+            m,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .result()
+    .map_err(|e| CudaError::Blas {
+        op: "cublasGemmEx",
+        msg: format!("{e:?} (m={m} n={n} k={k})"),
+    })
+}

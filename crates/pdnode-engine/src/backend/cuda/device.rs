@@ -1,0 +1,298 @@
+//! One GPU: its context (bound to the calling thread before every use), one stream, one cuBLAS
+//! handle and the compiled kernels; plus [`DevBuf`], a raw `cuMemAlloc` allocation.
+//!
+//! Every buffer is a plain `cuMemAlloc` region (never the stream-ordered pool), so the KV pool can
+//! be exported over CUDA IPC, and kernels take raw device pointers (`u64`).
+
+use super::{CudaError, drv};
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, result};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// The kernel sources, compiled together as one NVRTC program.
+const SOURCES: [&str; 5] = [
+    include_str!("../../../kernels/common.cuh"),
+    include_str!("../../../kernels/elementwise.cu"),
+    include_str!("../../../kernels/rope.cu"),
+    include_str!("../../../kernels/attention.cu"),
+    include_str!("../../../kernels/kv_copy.cu"),
+];
+
+/// Kernel entry points (extern "C" names in the .cu files).
+pub const KERNEL_NAMES: [&str; 10] = [
+    "embed_gather",
+    "add_rmsnorm",
+    "swiglu",
+    "fill_uniform_bf16",
+    "fill_f32",
+    "rope_qkv",
+    "paged_attention",
+    "attention_combine",
+    "kv_gather",
+    "kv_scatter",
+];
+
+/// PTX per target architecture, compiled once per process.
+fn ptx_for(arch: &str) -> Result<cudarc::nvrtc::Ptx, CudaError> {
+    static CACHE: OnceLock<Mutex<HashMap<String, cudarc::nvrtc::Ptx>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
+    let mut guard = cache.lock().map_err(|_| CudaError::Compile {
+        msg: "kernel cache lock poisoned".into(),
+    })?;
+    if let Some(p) = guard.get(arch) {
+        return Ok(p.clone());
+    }
+    // SAFETY: only tries to dlopen libnvrtc; no symbol is called.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(CudaError::Compile {
+            msg: "libnvrtc not found".into(),
+        });
+    }
+    let src: String = SOURCES.concat();
+    let opts = cudarc::nvrtc::CompileOptions {
+        options: vec![
+            format!("--gpu-architecture={arch}"),
+            "--std=c++17".into(),
+            "-lineinfo".into(),
+        ],
+        ..Default::default()
+    };
+    let t0 = std::time::Instant::now();
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(src, opts).map_err(|e| CudaError::Compile {
+        msg: format!("{e:?}"),
+    })?;
+    tracing::info!(
+        arch,
+        ms = t0.elapsed().as_millis() as u64,
+        "compiled CUDA kernels"
+    );
+    guard.insert(arch.to_string(), ptx.clone());
+    Ok(ptx)
+}
+
+/// A raw device allocation (`cuMemAlloc`), freed on drop.
+pub struct DevBuf {
+    ctx: Arc<CudaContext>,
+    ptr: u64,
+    bytes: usize,
+}
+
+impl DevBuf {
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+    /// The pointer as a kernel argument (the launch builder keeps a reference).
+    pub fn ptr_ref(&self) -> &u64 {
+        &self.ptr
+    }
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+    /// Device pointer `offset` bytes in (checked against the allocation).
+    pub fn at(&self, offset: usize) -> u64 {
+        debug_assert!(offset <= self.bytes);
+        self.ptr + offset as u64
+    }
+}
+
+impl Drop for DevBuf {
+    fn drop(&mut self) {
+        if self.ptr == 0 {
+            return;
+        }
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `ptr` came from cuMemAlloc in this context and is freed once, here; work
+            // using it was ordered on the stream, which the owner synchronizes before dropping.
+            let _ = unsafe { result::free_sync(self.ptr) };
+        }
+    }
+}
+
+impl std::fmt::Debug for DevBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DevBuf({:#x}, {} bytes)", self.ptr, self.bytes)
+    }
+}
+
+/// One GPU with its stream, cuBLAS handle and kernels.
+pub struct Gpu {
+    pub ordinal: u32,
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub(crate) blas: super::blas::Blas,
+    kernels: HashMap<&'static str, CudaFunction>,
+    pub compute_capability: (i32, i32),
+    pub sm_count: u32,
+}
+
+// SAFETY: the cuBLAS handle and CUDA objects are used only by the thread holding `&mut`/`&` of the
+// backend, and every entry point binds the context to the calling thread first.
+unsafe impl Send for Gpu {}
+
+impl Gpu {
+    /// Opens device `ordinal`: probes first (never panics without a driver), creates the context,
+    /// a stream and a cuBLAS handle, and compiles/loads the kernels.
+    pub fn new(ordinal: u32) -> Result<Self, CudaError> {
+        let p = super::probe::probe()?;
+        if ordinal >= p.device_count {
+            return Err(CudaError::NoDevice {
+                ordinal,
+                count: p.device_count,
+            });
+        }
+        let ctx = CudaContext::new(ordinal as usize).map_err(drv("cuCtxCreate"))?;
+        let stream = ctx.new_stream().map_err(drv("cuStreamCreate"))?;
+        let cc = ctx
+            .compute_capability()
+            .map_err(drv("cuDeviceGetAttribute"))?;
+        use cudarc::driver::sys::CUdevice_attribute as A;
+        let sm_count = ctx
+            .attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(drv("cuDeviceGetAttribute"))? as u32;
+        let ptx = ptx_for(&format!("compute_{}{}", cc.0, cc.1))?;
+        let module = ctx.load_module(ptx).map_err(drv("cuModuleLoadData"))?;
+        let mut kernels = HashMap::new();
+        for name in KERNEL_NAMES {
+            let f = module
+                .load_function(name)
+                .map_err(drv("cuModuleGetFunction"))?;
+            kernels.insert(name, f);
+        }
+        let blas = super::blas::Blas::new(&stream)?;
+        Ok(Self {
+            ordinal,
+            ctx,
+            stream,
+            blas,
+            kernels,
+            compute_capability: cc,
+            sm_count,
+        })
+    }
+
+    /// Makes this GPU's context current on the calling thread.
+    pub fn bind(&self) -> Result<(), CudaError> {
+        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))
+    }
+
+    pub(crate) fn kernel(&self, name: &'static str) -> Result<&CudaFunction, CudaError> {
+        self.kernels.get(name).ok_or_else(|| CudaError::Compile {
+            msg: format!("kernel {name} not loaded"),
+        })
+    }
+
+    /// `(free, total)` device memory in bytes.
+    pub fn mem_info(&self) -> Result<(usize, usize), CudaError> {
+        self.bind()?;
+        self.ctx.mem_get_info().map_err(drv("cuMemGetInfo"))
+    }
+
+    /// Allocates `bytes` with `cuMemAlloc` (uninitialized).
+    pub fn alloc(&self, bytes: usize) -> Result<DevBuf, CudaError> {
+        self.bind()?;
+        let bytes_req = bytes.max(16);
+        // SAFETY: the context is current; the size is non-zero.
+        let ptr = unsafe { result::malloc_sync(bytes_req) }.map_err(|e| {
+            let free = self.ctx.mem_get_info().map(|m| m.0).unwrap_or(0);
+            if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+                CudaError::OutOfMemory {
+                    what: "allocation",
+                    need: bytes_req,
+                    have: free,
+                }
+            } else {
+                drv("cuMemAlloc")(e)
+            }
+        })?;
+        Ok(DevBuf {
+            ctx: self.ctx.clone(),
+            ptr,
+            bytes,
+        })
+    }
+
+    /// Fills `buf` with the byte `v` (0xFF poisons bf16 and f32 buffers with NaN).
+    pub fn memset(&self, buf: &DevBuf, v: u8) -> Result<(), CudaError> {
+        // SAFETY: `buf` is a live allocation of `buf.bytes` bytes in this context.
+        unsafe { result::memset_d8_async(buf.ptr, v, buf.bytes, self.stream.cu_stream()) }
+            .map_err(drv("cuMemsetD8Async"))
+    }
+
+    /// Copies `src` to `dst + offset` (ordered on the stream; `src` may be dropped on return).
+    pub fn upload<T: Copy>(&self, dst: &DevBuf, offset: usize, src: &[T]) -> Result<(), CudaError> {
+        let n = std::mem::size_of_val(src);
+        if offset + n > dst.bytes {
+            return Err(CudaError::Shape {
+                op: "upload",
+                reason: format!("{n} bytes at {offset} into a buffer of {}", dst.bytes),
+            });
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        // SAFETY: bounds checked above; pageable host -> device copies return once the source
+        // has been staged, so `src` may be dropped afterwards.
+        unsafe { result::memcpy_htod_async(dst.ptr + offset as u64, src, self.stream.cu_stream()) }
+            .map_err(drv("cuMemcpyHtoDAsync"))
+    }
+
+    /// Copies `dst.len()` elements from `src + offset` and waits for them.
+    pub fn download<T: Copy>(
+        &self,
+        dst: &mut [T],
+        src: &DevBuf,
+        offset: usize,
+    ) -> Result<(), CudaError> {
+        let n = std::mem::size_of_val(dst);
+        if offset + n > src.bytes {
+            return Err(CudaError::Shape {
+                op: "download",
+                reason: format!("{n} bytes at {offset} from a buffer of {}", src.bytes),
+            });
+        }
+        if n > 0 {
+            // SAFETY: bounds checked above; `dst` outlives the copy because we synchronize below.
+            unsafe {
+                result::memcpy_dtoh_async(dst, src.ptr + offset as u64, self.stream.cu_stream())
+            }
+            .map_err(drv("cuMemcpyDtoHAsync"))?;
+        }
+        self.sync()
+    }
+
+    /// Waits for all work on the stream; surfaces asynchronous kernel errors.
+    pub fn sync(&self) -> Result<(), CudaError> {
+        self.stream
+            .synchronize()
+            .map_err(drv("cuStreamSynchronize"))
+    }
+
+    /// Host f32 -> device bf16 (round to nearest even).
+    pub fn upload_bf16(&self, data: &[f32]) -> Result<DevBuf, CudaError> {
+        let h: Vec<half::bf16> = data.iter().map(|&x| half::bf16::from_f32(x)).collect();
+        let b = self.alloc(h.len() * 2)?;
+        self.upload(&b, 0, &h)?;
+        Ok(b)
+    }
+
+    /// Host f32 -> device f32.
+    pub fn upload_f32(&self, data: &[f32]) -> Result<DevBuf, CudaError> {
+        let b = self.alloc(data.len() * 4)?;
+        self.upload(&b, 0, data)?;
+        Ok(b)
+    }
+
+    /// Device bf16 -> host f32.
+    pub fn download_bf16(&self, src: &DevBuf, n: usize) -> Result<Vec<f32>, CudaError> {
+        let mut h = vec![half::bf16::ZERO; n];
+        self.download(&mut h, src, 0)?;
+        Ok(h.into_iter().map(f32::from).collect())
+    }
+
+    /// Device f32 -> host f32.
+    pub fn download_f32(&self, src: &DevBuf, n: usize) -> Result<Vec<f32>, CudaError> {
+        let mut h = vec![0f32; n];
+        self.download(&mut h, src, 0)?;
+        Ok(h)
+    }
+}

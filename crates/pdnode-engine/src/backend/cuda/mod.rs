@@ -1,0 +1,79 @@
+//! The CUDA backend: bf16 weights and activations, f32 accumulation and residual stream, cuBLAS
+//! GEMMs, NVRTC-compiled kernels (`crates/pdnode-engine/kernels/*.cu`), a paged KV pool in
+//! `cuMemAlloc` memory (exportable over CUDA IPC / UCX cuda_ipc).
+//!
+//! - [`probe`]: is there a driver and a device? (`backend = "auto"` / `"cuda"` selection).
+//! - [`device`]: one GPU: context, stream, cuBLAS handle, compiled kernels, raw device buffers.
+//! - [`ops`]: shape-checked launch wrappers, one per kernel (also what the kernel tests call).
+//! - [`CudaBackend`]: the [`crate::backend::Backend`] implementation.
+//!
+//! # KV pool layout
+//! Exactly the engine-wide layout (`crate::backend` docs) on each rank: bf16,
+//! `[num_layers][num_blocks][2][block_size][kv_heads_per_rank][head_dim]`, one `cuMemAlloc`
+//! region per rank ([`crate::backend::KvMemory`]). With tensor parallelism (not implemented yet:
+//! `tensor_parallel > 1` is refused with a typed error) rank `r` of `tp` would hold KV heads
+//! `r * nkv / tp .. (r + 1) * nkv / tp` in that same layout, `kv_heads_per_rank = nkv / tp`.
+
+pub mod backend;
+pub mod blas;
+pub mod device;
+pub mod ops;
+pub mod probe;
+pub mod weights;
+
+pub use backend::{CudaBackend, CudaOptions};
+pub use probe::{BackendChoice, CudaProbe, probe, select_backend};
+
+/// Errors of the CUDA backend. Converted into [`crate::backend::BackendError::Device`] at the
+/// trait boundary.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    #[error("no CUDA driver (libcuda) found on this host")]
+    NoDriver,
+    #[error("CUDA device {ordinal} requested, {count} present")]
+    NoDevice { ordinal: u32, count: u32 },
+    #[error("CUDA driver call {op} failed: {msg}")]
+    Driver { op: &'static str, msg: String },
+    #[error("NVRTC could not compile the kernels: {msg}")]
+    Compile { msg: String },
+    #[error("cuBLAS call {op} failed: {msg}")]
+    Blas { op: &'static str, msg: String },
+    #[error("not enough device memory: {what} needs {need} bytes, {have} available")]
+    OutOfMemory {
+        what: &'static str,
+        need: usize,
+        have: usize,
+    },
+    #[error("bad shape for {op}: {reason}")]
+    Shape { op: &'static str, reason: String },
+    #[error("unsupported configuration: {reason}")]
+    Unsupported { reason: String },
+}
+
+impl pdnode_core::error::Classify for CudaError {
+    fn kind(&self) -> pdnode_core::ErrorKind {
+        match self {
+            CudaError::NoDriver | CudaError::NoDevice { .. } | CudaError::OutOfMemory { .. } => {
+                pdnode_core::ErrorKind::Unavailable
+            }
+            CudaError::Driver { .. } | CudaError::Blas { .. } => pdnode_core::ErrorKind::Retryable,
+            CudaError::Compile { .. } | CudaError::Shape { .. } | CudaError::Unsupported { .. } => {
+                pdnode_core::ErrorKind::Internal
+            }
+        }
+    }
+}
+
+impl From<CudaError> for crate::backend::BackendError {
+    fn from(e: CudaError) -> Self {
+        crate::backend::BackendError::Device(e.to_string())
+    }
+}
+
+/// Wraps a driver error with the name of the call that failed.
+pub(crate) fn drv(op: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> CudaError {
+    move |e| CudaError::Driver {
+        op,
+        msg: format!("{e:?}"),
+    }
+}

@@ -144,6 +144,17 @@ pub fn load_from_str(name: &str, text: &str, sets: &[String]) -> Result<Loaded, 
     load_layers(Some((Path::new(name), text)), &[], sets)
 }
 
+/// Like [`load_from_str`], with `PDNODE_*` variables taken from `env` instead of the process
+/// environment (pairs of name and value; other names are ignored). For tests and embedding.
+pub fn load_from_str_with_env(
+    name: &str,
+    text: &str,
+    env: &[(String, String)],
+    sets: &[String],
+) -> Result<Loaded, Vec<ConfigError>> {
+    load_layers(Some((Path::new(name), text)), env, sets)
+}
+
 pub(crate) fn load_layers(
     file: Option<(&Path, &str)>,
     env: &[(String, String)],
@@ -210,14 +221,20 @@ pub(crate) fn load_layers(
         );
     }
 
-    if !errors.is_empty() {
+    // A file that is not TOML at all: validating the rest would blame the defaults.
+    if errors
+        .iter()
+        .any(|e| matches!(e, ConfigError::Syntax { .. }))
+    {
         return Err(errors);
     }
+    // Bad keys were dropped from their layers, so this normally succeeds; validation then
+    // reports what is wrong with the rest, and the caller sees every error at once.
     let config = match deserialize(merged) {
         Ok(c) => c,
         Err((key, reason, expected)) => {
             let source_name = origin_of(&origins, &key);
-            return Err(vec![if let Some(expected) = expected {
+            errors.push(if let Some(expected) = expected {
                 ConfigError::UnknownKey {
                     source_name,
                     key,
@@ -229,7 +246,8 @@ pub(crate) fn load_layers(
                     key,
                     reason,
                 }
-            }]);
+            });
+            return Err(errors);
         }
     };
     let loaded = Loaded {
@@ -237,11 +255,13 @@ pub(crate) fn load_layers(
         origins,
         file: file.map(|(p, _)| p.to_path_buf()),
     };
-    let errs = super::validate::validate(&loaded.config, &|k| loaded.origin_of(k));
-    if errs.is_empty() {
+    errors.extend(super::validate::validate(&loaded.config, &|k| {
+        loaded.origin_of(k)
+    }));
+    if errors.is_empty() {
         Ok(loaded)
     } else {
-        Err(errs)
+        Err(errors)
     }
 }
 
@@ -264,33 +284,72 @@ fn nested(path: &[String], v: Value) -> Value {
     })
 }
 
-/// Deep-merges `layer` into `base`, first checking the layer alone against the schema so that an
-/// unknown key or a wrong type is blamed on the layer that brought it.
+/// Deep-merges `layer` into `base`, first checking the layer against the schema so that an
+/// unknown key or a wrong type is blamed on the layer that brought it. A bad key is reported and
+/// dropped from the layer, and the check repeats, so one run reports every bad key and the rest
+/// of the layer still counts (and is validated).
 fn apply_layer(
     base: &mut Value,
     origins: &mut BTreeMap<String, ConfigSource>,
-    layer: Value,
+    mut layer: Value,
     src: &ConfigSource,
     errors: &mut Vec<ConfigError>,
 ) {
-    let mut trial = base.clone();
-    merge(&mut trial, layer.clone(), "", &mut BTreeMap::new(), src);
-    if let Err((key, reason, expected)) = deserialize(trial) {
+    // Each round removes one key, so this ends; the bound guards against a key that cannot be
+    // removed (an error that is not about a key of this layer).
+    for _ in 0..=count_keys(&layer) {
+        let mut trial = base.clone();
+        merge(&mut trial, layer.clone(), "", &mut BTreeMap::new(), src);
+        let Err((key, reason, expected)) = deserialize(trial) else {
+            merge(base, layer, "", origins, src);
+            return;
+        };
         errors.push(match expected {
             Some(expected) => ConfigError::UnknownKey {
                 source_name: src.clone(),
-                key,
+                key: key.clone(),
                 expected,
             },
             None => ConfigError::WrongType {
                 source_name: src.clone(),
-                key,
+                key: key.clone(),
                 reason,
             },
         });
-        return;
+        if !remove_key(&mut layer, &key) {
+            return;
+        }
     }
-    merge(base, layer, "", origins, src);
+}
+
+fn count_keys(v: &Value) -> usize {
+    match v {
+        Value::Table(t) => t.values().map(|v| 1 + count_keys(v)).sum(),
+        _ => 0,
+    }
+}
+
+/// Removes a dotted key (`engine.gpus`, `engine.gpus[1]` removes `engine.gpus`) from a table.
+fn remove_key(v: &mut Value, key: &str) -> bool {
+    let key = key.split('[').next().unwrap_or(key);
+    let mut parts: Vec<&str> = key.split('.').filter(|s| !s.is_empty()).collect();
+    let Some(last) = parts.pop() else {
+        return false;
+    };
+    let mut cur = v;
+    for p in parts {
+        match cur {
+            Value::Table(t) => match t.get_mut(p) {
+                Some(next) => cur = next,
+                None => return false,
+            },
+            _ => return false,
+        }
+    }
+    match cur {
+        Value::Table(t) => t.remove(last).is_some(),
+        _ => false,
+    }
 }
 
 fn merge(
@@ -331,7 +390,9 @@ type DeError = (String, String, Option<Vec<String>>);
 fn deserialize(v: Value) -> Result<Config, DeError> {
     serde_path_to_error::deserialize::<_, Config>(v).map_err(|e| {
         let path = e.path().to_string();
-        let msg = e.inner().to_string();
+        let full = e.inner().to_string();
+        // toml appends "\nin `section`"; the key is already named separately.
+        let msg = full.lines().next().unwrap_or("").trim().to_string();
         if let Some(rest) = msg.strip_prefix("unknown field `") {
             let field = rest.split('`').next().unwrap_or("").to_string();
             let key = if path == "." || path.is_empty() {
@@ -348,7 +409,7 @@ fn deserialize(v: Value) -> Result<Config, DeError> {
                     s.split(", ")
                         .map(|x| {
                             x.trim_start_matches("one of ")
-                                .trim_matches('`')
+                                .trim_matches(|c| c == '`' || c == ' ')
                                 .to_string()
                         })
                         .collect()

@@ -9,5 +9,5 @@ mod load;
 mod schema;
 mod validate;
 
-pub use load::{ConfigError, ConfigSource, Loaded, load, load_from_str};
+pub use load::{ConfigError, ConfigSource, Loaded, load, load_from_str, load_from_str_with_env};
 pub use schema::*;

@@ -1,0 +1,320 @@
+//! The layered configuration: order of layers, errors that name the key and the source, and
+//! every shipped file in `configs/` loading cleanly.
+
+use pdnode_core::Role;
+use pdnode_core::config::{
+    Backend, ConfigError, ConfigSource, PolicyName, RegistryKind, load, load_from_str,
+    load_from_str_with_env,
+};
+use std::path::{Path, PathBuf};
+
+const FILE: &str = "test.toml";
+
+fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+fn sets(s: &[&str]) -> Vec<String> {
+    s.iter().map(|x| x.to_string()).collect()
+}
+
+fn errors(text: &str, set: &[&str]) -> Vec<ConfigError> {
+    match load_from_str(FILE, text, &sets(set)) {
+        Ok(l) => panic!(
+            "expected errors, got a valid config:\n{}",
+            l.effective_toml()
+        ),
+        Err(e) => e,
+    }
+}
+
+fn file_src() -> ConfigSource {
+    ConfigSource::File(PathBuf::from(FILE))
+}
+
+#[test]
+fn layers_apply_in_order_default_file_env_set() {
+    let text = "[engine]\nmax_running_requests = 10\ncontext_length = 1024\nblock_size = 32\n";
+    // Defaults only where nothing else sets a key.
+    let l = load_from_str_with_env(FILE, text, &[], &[]).unwrap();
+    assert_eq!(l.config.engine.mem_fraction, 0.85);
+    assert_eq!(l.origin_of("engine.mem_fraction"), ConfigSource::Default);
+    assert_eq!(l.config.engine.max_running_requests, 10);
+    assert_eq!(l.origin_of("engine.max_running_requests"), file_src());
+
+    // env beats the file, --set beats env.
+    let e = env(&[
+        ("PDNODE_ENGINE__CONTEXT_LENGTH", "2048"),
+        ("PDNODE_ENGINE__MAX_RUNNING_REQUESTS", "20"),
+        ("HOME", "/root"),
+        ("PDNODE_LOG", "not a config key"),
+    ]);
+    let l =
+        load_from_str_with_env(FILE, text, &e, &sets(&["engine.max_running_requests=30"])).unwrap();
+    assert_eq!(l.config.engine.context_length, 2048);
+    assert_eq!(
+        l.origin_of("engine.context_length"),
+        ConfigSource::Env("PDNODE_ENGINE__CONTEXT_LENGTH".into())
+    );
+    assert_eq!(l.config.engine.max_running_requests, 30);
+    assert!(matches!(
+        l.origin_of("engine.max_running_requests"),
+        ConfigSource::Set(_)
+    ));
+    // Untouched file keys survive the later layers.
+    assert_eq!(l.config.engine.block_size, 32);
+}
+
+#[test]
+fn env_values_parse_as_toml_or_strings() {
+    let e = env(&[
+        ("PDNODE_ENGINE__BACKEND", "mock"),
+        ("PDNODE_ROUTER__PREFILL_POLICY", "round_robin"),
+        ("PDNODE_ENGINE__CPU_AFFINITY", "[0, 2]"),
+    ]);
+    let l = load_from_str_with_env(FILE, "", &e, &[]).unwrap();
+    assert_eq!(l.config.engine.backend, Backend::Mock);
+    assert_eq!(l.config.router.prefill_policy, PolicyName::RoundRobin);
+    assert_eq!(l.config.engine.cpu_affinity, vec![0, 2]);
+}
+
+#[test]
+fn unknown_key_in_a_file_names_the_key_and_the_file() {
+    let errs = errors("[engine]\nbakend = \"cpu\"\n", &[]);
+    assert_eq!(errs.len(), 1, "{errs:?}");
+    match &errs[0] {
+        ConfigError::UnknownKey {
+            source_name,
+            key,
+            expected,
+        } => {
+            assert_eq!(key, "engine.bakend");
+            assert_eq!(source_name, &file_src());
+            assert!(expected.iter().any(|k| k == "backend"), "{expected:?}");
+        }
+        other => panic!("expected UnknownKey, got {other:?}"),
+    }
+    let msg = errs[0].to_string();
+    assert!(msg.contains("engine.bakend") && msg.contains(FILE), "{msg}");
+    assert!(!msg.contains('\n'), "one line: {msg:?}");
+
+    let errs = errors("[nodes]\nrole = \"all\"\n", &[]);
+    assert!(matches!(&errs[0], ConfigError::UnknownKey { key, .. } if key == "nodes"));
+}
+
+#[test]
+fn unknown_key_from_env_or_set_names_that_source() {
+    let e = env(&[("PDNODE_ENGINE__GPUZ", "[0]")]);
+    let errs = load_from_str_with_env(FILE, "", &e, &[]).unwrap_err();
+    assert!(matches!(
+        &errs[0],
+        ConfigError::UnknownKey { source_name: ConfigSource::Env(v), key, .. }
+            if v == "PDNODE_ENGINE__GPUZ" && key == "engine.gpuz"
+    ));
+    let errs = errors("", &["engine.gpuz=[0]"]);
+    assert!(matches!(
+        &errs[0],
+        ConfigError::UnknownKey { source_name: ConfigSource::Set(_), key, .. } if key == "engine.gpuz"
+    ));
+}
+
+#[test]
+fn wrong_type_names_the_key() {
+    let errs = errors("[engine]\ncontext_length = \"long\"\n", &[]);
+    assert!(
+        matches!(&errs[0], ConfigError::WrongType { key, source_name, .. }
+            if key == "engine.context_length" && *source_name == file_src()),
+        "{errs:?}"
+    );
+    let errs = errors("[engine]\ngpus = [0, \"one\"]\n", &[]);
+    assert!(
+        matches!(&errs[0], ConfigError::WrongType { key, .. } if key.starts_with("engine.gpus")),
+        "{errs:?}"
+    );
+}
+
+#[test]
+fn every_error_of_a_file_is_reported_at_once() {
+    let text = "[engine]\nbakend = \"cuda\"\ngpus = [0, 1, 1, 2]\ntensor_parallel = 3\n\
+                [router]\ndecode_policy = \"fastest\"\n";
+    let errs = errors(text, &[]);
+    let keys: Vec<&str> = errs.iter().filter_map(|e| e.key()).collect();
+    for k in [
+        "engine.bakend",
+        "router.decode_policy",
+        "engine.gpus",
+        "engine.tensor_parallel",
+    ] {
+        assert!(keys.contains(&k), "{k} missing from {keys:?}");
+    }
+}
+
+#[test]
+fn gpu_listed_twice_is_an_error() {
+    let errs = errors(
+        "[engine]\nbackend = \"cuda\"\ngpus = [0, 1, 1, 3]\ntensor_parallel = 2\n",
+        &[],
+    );
+    assert_eq!(errs.len(), 1, "{errs:?}");
+    assert!(
+        matches!(&errs[0], ConfigError::Invalid { key, source_name, reason }
+        if key == "engine.gpus" && *source_name == file_src() && reason.contains("twice"))
+    );
+}
+
+#[test]
+fn tensor_parallel_must_divide_the_gpus() {
+    let errs = errors(
+        "[engine]\nbackend = \"cuda\"\ngpus = [0, 1, 2, 3]\ntensor_parallel = 3\n",
+        &[],
+    );
+    assert_eq!(errs.len(), 1, "{errs:?}");
+    assert!(
+        matches!(&errs[0], ConfigError::Invalid { key, .. } if key == "engine.tensor_parallel")
+    );
+    let msg = errs[0].to_string();
+    assert!(
+        msg.contains(FILE) && msg.contains("engine.tensor_parallel"),
+        "{msg}"
+    );
+    // And 4 divides 4.
+    load_from_str(
+        FILE,
+        "[engine]\nbackend = \"cuda\"\ngpus = [0, 1, 2, 3]\ntensor_parallel = 4\n",
+        &[],
+    )
+    .unwrap();
+}
+
+#[test]
+fn unknown_policy_name_is_an_error_not_a_fallback() {
+    let errs = errors("[router]\nprefill_policy = \"fastest\"\n", &[]);
+    assert!(
+        matches!(&errs[0], ConfigError::WrongType { key, reason, .. }
+        if key == "router.prefill_policy" && reason.contains("fastest") && reason.contains("cache_aware"))
+    );
+    let errs = errors("", &["router.decode_policy=least_loaded"]);
+    assert!(
+        matches!(&errs[0], ConfigError::WrongType { key, source_name: ConfigSource::Set(_), .. }
+        if key == "router.decode_policy")
+    );
+}
+
+#[test]
+fn set_takes_toml_values() {
+    let l = load_from_str(
+        FILE,
+        "",
+        &sets(&[
+            "engine.backend=cuda",
+            "engine.gpus=[0,1]",
+            "engine.tensor_parallel=2",
+            "engine.mem_fraction=0.5",
+            "engine.prefix_cache=false",
+            "node.id=\"quoted-id\"",
+        ]),
+    )
+    .unwrap();
+    assert_eq!(l.config.engine.gpus, vec![0, 1]);
+    assert_eq!(l.config.engine.tensor_parallel, 2);
+    assert_eq!(l.config.engine.mem_fraction, 0.5);
+    assert!(!l.config.engine.prefix_cache);
+    assert_eq!(l.config.node.id, "quoted-id");
+    assert!(matches!(l.origin_of("engine.gpus"), ConfigSource::Set(a) if a == "engine.gpus=[0,1]"));
+}
+
+#[test]
+fn malformed_set_arguments_are_errors() {
+    let errs = errors("", &["engine.gpus"]);
+    assert!(matches!(&errs[0], ConfigError::BadSet { .. }));
+    let errs = errors("", &["engine..gpus=[0]"]);
+    assert!(matches!(&errs[0], ConfigError::BadSet { .. }));
+}
+
+#[test]
+fn syntax_errors_name_the_file() {
+    let errs = errors("[engine\nbackend = ", &[]);
+    assert_eq!(errs.len(), 1);
+    assert!(
+        matches!(&errs[0], ConfigError::Syntax { source_name, .. } if *source_name == file_src())
+    );
+}
+
+#[test]
+fn missing_file_is_an_io_error() {
+    let errs = load(Some(Path::new("/nonexistent/pdnode.toml")), &[]).unwrap_err();
+    assert!(matches!(&errs[0], ConfigError::Io { .. }));
+}
+
+#[test]
+fn split_roles_need_etcd_and_ucx() {
+    let errs = errors("[node]\nrole = \"decode\"\n", &[]);
+    let keys: Vec<&str> = errs.iter().filter_map(|e| e.key()).collect();
+    assert!(keys.contains(&"registry.kind"), "{keys:?}");
+    assert!(keys.contains(&"transfer.kind"), "{keys:?}");
+}
+
+fn shipped_configs() -> Vec<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
+    let mut out = Vec::new();
+    let mut dirs = vec![root];
+    while let Some(d) = dirs.pop() {
+        for entry in std::fs::read_dir(&d).unwrap() {
+            let p = entry.unwrap().path();
+            if p.is_dir() {
+                dirs.push(p);
+            } else if p.extension().is_some_and(|e| e == "toml") {
+                out.push(p);
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn every_shipped_config_loads() {
+    let files = shipped_configs();
+    assert!(files.len() >= 10, "{files:?}");
+    for f in &files {
+        // The process environment might hold PDNODE_* variables; keep this test about the files.
+        let text = std::fs::read_to_string(f).unwrap();
+        let name = f.display().to_string();
+        let l = load_from_str_with_env(&name, &text, &[], &[])
+            .unwrap_or_else(|e| panic!("{name}: {e:#?}"));
+        // The effective config printed by check-config loads back to the same config.
+        let again = load_from_str_with_env("effective.toml", &l.effective_toml(), &[], &[])
+            .unwrap_or_else(|e| panic!("{name} effective: {e:#?}"));
+        assert_eq!(again.config, l.config, "{name}");
+    }
+}
+
+#[test]
+fn the_reference_layout_is_what_the_files_say() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
+    let get = |f: &str| {
+        let p = root.join(f);
+        let text = std::fs::read_to_string(&p).unwrap();
+        load_from_str_with_env(f, &text, &[], &[]).unwrap().config
+    };
+    let local = get("local.toml");
+    assert_eq!(local.node.role, Role::All);
+    assert_eq!(local.registry.kind, RegistryKind::Memory);
+    assert_eq!(local.engine.backend, Backend::Cpu);
+    let p = get("prefill.toml");
+    let d = get("decode.toml");
+    assert_eq!(
+        (p.node.role, p.engine.gpus.clone(), p.engine.tensor_parallel),
+        (Role::Prefill, vec![0, 1, 2, 3], 4)
+    );
+    assert_eq!(
+        (d.node.role, d.engine.gpus.clone(), d.engine.tensor_parallel),
+        (Role::Decode, vec![4, 5, 6, 7], 4)
+    );
+    assert_eq!(p.engine.block_size, d.engine.block_size);
+    assert_eq!(p.model.path, d.model.path);
+    assert_eq!(get("router.toml").node.role, Role::Router);
+}

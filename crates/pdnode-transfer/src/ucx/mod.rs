@@ -1,0 +1,256 @@
+//! The UCX transport: one dedicated OS thread owns the UCP context and worker, drives progress
+//! and sleeps on the worker's event fd (armed) when idle. Callers talk to it through a channel;
+//! puts and flushes return [`Completion`]s.
+
+mod thread;
+
+use crate::TransferError;
+use crate::completion::Completion;
+use crate::region::{LocalRegion, MemKind, RemoteRegion, Span, check_spans};
+use crate::transport::{KvTransport, Registration, RemoteTarget, TransportKind};
+use std::io::Write;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+use thread::Cmd;
+
+pub(crate) const NAME: &str = "ucx";
+
+/// How the UCX transport starts.
+#[derive(Debug, Clone)]
+pub struct UcxConfig {
+    /// Path of libucp; `None`: `libucp.so.0`, then `libucp.so`.
+    pub library: Option<String>,
+    /// Name for UCX's logs.
+    pub name: String,
+    /// Fail operations to a dead peer instead of hanging (UCP_ERR_HANDLING_MODE_PEER).
+    pub peer_failure: bool,
+    /// Deadline for synchronous calls into the worker thread (register, connect, start).
+    pub call_timeout: Duration,
+}
+
+impl Default for UcxConfig {
+    fn default() -> Self {
+        UcxConfig {
+            library: None,
+            name: "pdnode".into(),
+            peer_failure: true,
+            call_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+struct Shared {
+    tx: mpsc::Sender<Cmd>,
+    wake: UnixStream,
+}
+
+impl Shared {
+    fn send(&self, cmd: Cmd) -> Result<(), TransferError> {
+        self.tx
+            .send(cmd)
+            .map_err(|_| TransferError::Closed { transport: NAME })?;
+        // A full socket buffer already means a pending wake-up.
+        let _ = (&self.wake).write(&[1]);
+        Ok(())
+    }
+}
+
+/// KV transport over UCX RMA (host memory; CUDA memory where the library has CUDA transports).
+pub struct UcxTransport {
+    shared: Arc<Shared>,
+    address: Vec<u8>,
+    version: (u32, u32, u32),
+    library: String,
+    next_id: AtomicU64,
+    call_timeout: Duration,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl UcxTransport {
+    /// Loads libucp, creates the context and worker on a new thread, and returns once the worker
+    /// address is known. A missing library is [`TransferError::Ucx`] naming what was tried.
+    pub fn start(cfg: UcxConfig) -> Result<UcxTransport, TransferError> {
+        let ucp = ucx_sys::Ucp::load(cfg.library.as_deref())?;
+        let version = ucp.version();
+        let library = ucp.library.clone();
+        let (tx, rx) = mpsc::channel();
+        let (wake_tx, wake_rx) = UnixStream::pair().map_err(|e| TransferError::Control {
+            reason: format!("wake-up socket: {e}"),
+        })?;
+        for s in [&wake_tx, &wake_rx] {
+            s.set_nonblocking(true)
+                .map_err(|e| TransferError::Control {
+                    reason: format!("wake-up socket: {e}"),
+                })?;
+        }
+        let (ready_tx, ready_rx) = mpsc::sync_channel(1);
+        let thread_cfg = cfg.clone();
+        let handle = std::thread::Builder::new()
+            .name(format!("ucx-{}", cfg.name))
+            .spawn(move || thread::run(ucp, thread_cfg, rx, wake_rx, ready_tx))
+            .map_err(|e| TransferError::Control {
+                reason: format!("spawn the UCX thread: {e}"),
+            })?;
+        let address = match ready_rx.recv_timeout(cfg.call_timeout) {
+            Ok(Ok(addr)) => addr,
+            Ok(Err(e)) => {
+                let _ = handle.join();
+                return Err(e);
+            }
+            Err(_) => {
+                return Err(TransferError::Timeout {
+                    what: "UCX worker start".into(),
+                });
+            }
+        };
+        tracing::info!(
+            library = %library,
+            version = %format!("{}.{}.{}", version.0, version.1, version.2),
+            "UCX transport started"
+        );
+        Ok(UcxTransport {
+            shared: Arc::new(Shared { tx, wake: wake_tx }),
+            address,
+            version,
+            library,
+            next_id: AtomicU64::new(1),
+            call_timeout: cfg.call_timeout,
+            thread: Mutex::new(Some(handle)),
+        })
+    }
+
+    /// `(major, minor, release)` of the loaded UCX.
+    pub fn version(&self) -> (u32, u32, u32) {
+        self.version
+    }
+
+    /// What was loaded.
+    pub fn library(&self) -> &str {
+        &self.library
+    }
+
+    fn call<T>(
+        &self,
+        what: &'static str,
+        make: impl FnOnce(mpsc::SyncSender<Result<T, TransferError>>) -> Cmd,
+    ) -> Result<T, TransferError> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        self.shared.send(make(tx))?;
+        match rx.recv_timeout(self.call_timeout) {
+            Ok(r) => r,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                Err(TransferError::Timeout { what: what.into() })
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                Err(TransferError::Closed { transport: NAME })
+            }
+        }
+    }
+}
+
+impl KvTransport for UcxTransport {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Ucx
+    }
+
+    fn local_address(&self) -> Vec<u8> {
+        self.address.clone()
+    }
+
+    unsafe fn register(&self, region: LocalRegion) -> Result<Registration, TransferError> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let rkey = self.call("UCX register", |reply| Cmd::Register { id, region, reply })?;
+        let shared = self.shared.clone();
+        Ok(Registration {
+            id,
+            region,
+            descriptor: RemoteRegion {
+                base_addr: region.addr as u64,
+                len: region.len as u64,
+                rkey,
+            },
+            release: Some(Box::new(move || {
+                let _ = shared.send(Cmd::Deregister { id });
+            })),
+        })
+    }
+
+    fn connect(
+        &self,
+        peer_address: &[u8],
+        region: &RemoteRegion,
+    ) -> Result<RemoteTarget, TransferError> {
+        if peer_address.is_empty() || region.rkey.is_empty() || region.len == 0 {
+            return Err(TransferError::InvalidDescriptor {
+                reason: "empty worker address, rkey or region".into(),
+            });
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let address = peer_address.to_vec();
+        let rkey = region.rkey.clone();
+        let base = region.base_addr;
+        self.call("UCX connect", |reply| Cmd::Connect {
+            id,
+            address,
+            rkey,
+            base,
+            reply,
+        })?;
+        let shared = self.shared.clone();
+        Ok(RemoteTarget {
+            id,
+            region: region.clone(),
+            release: Some(Box::new(move || {
+                let _ = shared.send(Cmd::Disconnect { id });
+            })),
+        })
+    }
+
+    fn put(
+        &self,
+        local: &Registration,
+        remote: &RemoteTarget,
+        spans: &[Span],
+    ) -> Result<Completion, TransferError> {
+        check_spans(spans, local.region.len as u64, remote.region.len)?;
+        let (completion, done) = Completion::pending("UCX put", NAME);
+        self.shared.send(Cmd::Put {
+            local: local.id,
+            local_addr: local.region.addr,
+            mem: local.region.mem,
+            target: remote.id,
+            spans: spans.to_vec(),
+            done,
+        })?;
+        Ok(completion)
+    }
+
+    fn flush(&self, remote: &RemoteTarget) -> Result<Completion, TransferError> {
+        let (completion, done) = Completion::pending("UCX flush", NAME);
+        self.shared.send(Cmd::Flush {
+            target: remote.id,
+            done,
+        })?;
+        Ok(completion)
+    }
+}
+
+impl Drop for UcxTransport {
+    fn drop(&mut self) {
+        let _ = self.shared.send(Cmd::Shutdown);
+        if let Some(h) = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = h.join();
+        }
+    }
+}
+
+pub(crate) fn memory_type(mem: MemKind) -> ucx_sys::MemoryType {
+    match mem {
+        MemKind::Host => ucx_sys::MemoryType::Host,
+        MemKind::Cuda(_) => ucx_sys::MemoryType::Cuda,
+    }
+}

@@ -1,0 +1,401 @@
+//! The UCX worker thread: owns every UCP object, executes commands, drives progress, completes
+//! operations, and sleeps on the armed event fd (plus a wake-up socket) when idle.
+
+use super::{UcxConfig, memory_type};
+use crate::TransferError;
+use crate::completion::Completer;
+use crate::region::{LocalRegion, MemKind, Span};
+use std::collections::HashMap;
+use std::io::Read;
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::sync::mpsc;
+use ucx_sys::{Context, Endpoint, MemHandle, RemoteKey, Request, RequestState, Ucp, Worker};
+
+type Reply<T> = mpsc::SyncSender<Result<T, TransferError>>;
+
+pub(crate) enum Cmd {
+    Register {
+        id: u64,
+        region: LocalRegion,
+        reply: Reply<Vec<u8>>,
+    },
+    Deregister {
+        id: u64,
+    },
+    Connect {
+        id: u64,
+        address: Vec<u8>,
+        rkey: Vec<u8>,
+        base: u64,
+        reply: Reply<()>,
+    },
+    Disconnect {
+        id: u64,
+    },
+    Put {
+        local: u64,
+        local_addr: usize,
+        mem: MemKind,
+        target: u64,
+        spans: Vec<Span>,
+        done: Completer,
+    },
+    Flush {
+        target: u64,
+        done: Completer,
+    },
+    Shutdown,
+}
+
+struct Target {
+    address: Vec<u8>,
+    rkey: Rc<RemoteKey>,
+    base: u64,
+}
+
+/// An operation in flight: its requests, what they keep alive, and who waits.
+struct Pending {
+    reqs: Vec<Request>,
+    error: Option<TransferError>,
+    done: Completer,
+    ep: Rc<Endpoint>,
+    _keep: (Option<Rc<MemHandle>>, Rc<RemoteKey>),
+}
+
+struct State {
+    worker: Rc<Worker>,
+    ctx: Rc<Context>,
+    peer_failure: bool,
+    regions: HashMap<u64, Rc<MemHandle>>,
+    eps: HashMap<Vec<u8>, Rc<Endpoint>>,
+    targets: HashMap<u64, Target>,
+    pending: Vec<Pending>,
+}
+
+fn peer_name(address: &[u8]) -> String {
+    let h = address.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ *b as u64).wrapping_mul(0x100_0000_01b3)
+    });
+    format!("ucx-worker-{h:016x}")
+}
+
+/// Maps a UCX failure on `ep` to `PeerGone` when the endpoint's error handler fired.
+fn classify(ep: &Endpoint, address: &[u8], e: ucx_sys::UcxError) -> TransferError {
+    match ep.failure() {
+        Some(f) => TransferError::PeerGone {
+            peer: peer_name(address),
+            reason: f.to_string(),
+        },
+        None => TransferError::Ucx(e),
+    }
+}
+
+pub(crate) fn run(
+    ucp: Arc<Ucp>,
+    cfg: UcxConfig,
+    rx: mpsc::Receiver<Cmd>,
+    mut wake: UnixStream,
+    ready: mpsc::SyncSender<Result<Vec<u8>, TransferError>>,
+) {
+    let setup = || -> Result<(State, Vec<u8>, i32), TransferError> {
+        let ctx = Context::new(ucp, &cfg.name)?;
+        let worker = Worker::new(&ctx)?;
+        let address = worker.address()?;
+        let efd = worker.event_fd()?;
+        Ok((
+            State {
+                worker,
+                ctx,
+                peer_failure: cfg.peer_failure,
+                regions: HashMap::new(),
+                eps: HashMap::new(),
+                targets: HashMap::new(),
+                pending: Vec::new(),
+            },
+            address,
+            efd,
+        ))
+    };
+    let (mut st, efd) = match setup() {
+        Ok((st, address, efd)) => {
+            let _ = ready.send(Ok(address));
+            (st, efd)
+        }
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
+    drop(ready);
+    'outer: loop {
+        let mut busy = false;
+        loop {
+            match rx.try_recv() {
+                Ok(Cmd::Shutdown) | Err(mpsc::TryRecvError::Disconnected) => break 'outer,
+                Ok(cmd) => {
+                    busy = true;
+                    st.handle(cmd);
+                }
+                Err(mpsc::TryRecvError::Empty) => break,
+            }
+        }
+        if st.worker.progress() > 0 {
+            busy = true;
+        }
+        st.poll_pending();
+        if busy {
+            continue;
+        }
+        if !st.pending.is_empty() {
+            // Operations in flight: keep progressing, but let the other threads of a small
+            // machine run.
+            std::thread::yield_now();
+            continue;
+        }
+        match st.worker.arm() {
+            Ok(true) => sleep(efd, &mut wake),
+            Ok(false) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "ucp_worker_arm failed; polling");
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        }
+    }
+    // Dropping the pending completers reports `Closed` to their waiters; then UCP objects go in
+    // dependency order.
+    st.pending.clear();
+    st.targets.clear();
+    st.eps.clear();
+    st.regions.clear();
+    let State { worker, ctx, .. } = st;
+    drop(worker);
+    drop(ctx);
+}
+
+/// Sleeps until the worker's event fd or the wake-up socket is readable (at most 1 s).
+fn sleep(efd: i32, wake: &mut UnixStream) {
+    let mut fds = [
+        ucx_sys::ffi::pollfd {
+            fd: efd,
+            events: ucx_sys::ffi::POLLIN,
+            revents: 0,
+        },
+        ucx_sys::ffi::pollfd {
+            fd: wake.as_raw_fd(),
+            events: ucx_sys::ffi::POLLIN,
+            revents: 0,
+        },
+    ];
+    // SAFETY: two valid pollfd entries; both fds are open for the duration of the call.
+    unsafe { ucx_sys::ffi::poll(fds.as_mut_ptr(), 2, 1000) };
+    let mut buf = [0u8; 64];
+    while matches!(wake.read(&mut buf), Ok(n) if n > 0) {}
+}
+
+impl State {
+    fn handle(&mut self, cmd: Cmd) {
+        match cmd {
+            Cmd::Register { id, region, reply } => {
+                let r = self.register(id, region);
+                let _ = reply.send(r);
+            }
+            Cmd::Deregister { id } => {
+                self.regions.remove(&id);
+            }
+            Cmd::Connect {
+                id,
+                address,
+                rkey,
+                base,
+                reply,
+            } => {
+                let r = self.connect(id, address, &rkey, base);
+                let _ = reply.send(r);
+            }
+            Cmd::Disconnect { id } => {
+                if let Some(t) = self.targets.remove(&id) {
+                    drop(t.rkey);
+                    if self
+                        .eps
+                        .get(&t.address)
+                        .is_some_and(|ep| Rc::strong_count(ep) == 1)
+                    {
+                        self.eps.remove(&t.address);
+                    }
+                }
+            }
+            Cmd::Put {
+                local,
+                local_addr,
+                mem,
+                target,
+                spans,
+                done,
+            } => self.put(local, local_addr, mem, target, &spans, done),
+            Cmd::Flush { target, done } => self.flush(target, done),
+            Cmd::Shutdown => {}
+        }
+    }
+
+    fn register(&mut self, id: u64, region: LocalRegion) -> Result<Vec<u8>, TransferError> {
+        // SAFETY: the caller of `KvTransport::register` promised the region stays valid until
+        // the registration is dropped and its operations finished; in-flight operations hold an
+        // Rc of the handle, so it is unmapped only after them.
+        let mh = unsafe {
+            MemHandle::map(
+                &self.ctx,
+                region.addr as *mut u8,
+                region.len,
+                memory_type(region.mem),
+            )
+        }?;
+        let rkey = mh.pack_rkey()?;
+        self.regions.insert(id, Rc::new(mh));
+        Ok(rkey)
+    }
+
+    fn endpoint(&mut self, address: &[u8]) -> Result<Rc<Endpoint>, TransferError> {
+        if let Some(ep) = self.eps.get(address) {
+            if ep.failure().is_none() {
+                return Ok(ep.clone());
+            }
+            self.eps.remove(address);
+        }
+        let ep = Endpoint::connect(&self.worker, address, self.peer_failure)?;
+        self.eps.insert(address.to_vec(), ep.clone());
+        Ok(ep)
+    }
+
+    fn connect(
+        &mut self,
+        id: u64,
+        address: Vec<u8>,
+        rkey: &[u8],
+        base: u64,
+    ) -> Result<(), TransferError> {
+        let ep = self.endpoint(&address)?;
+        let rkey = RemoteKey::unpack(&ep, rkey)?;
+        self.targets.insert(
+            id,
+            Target {
+                address,
+                rkey: Rc::new(rkey),
+                base,
+            },
+        );
+        Ok(())
+    }
+
+    fn put(
+        &mut self,
+        local: u64,
+        local_addr: usize,
+        mem: MemKind,
+        target: u64,
+        spans: &[Span],
+        done: Completer,
+    ) {
+        let Some(mh) = self.regions.get(&local).cloned() else {
+            return done.complete(Err(TransferError::UnknownRegion { id: local }));
+        };
+        let Some(t) = self.targets.get(&target) else {
+            return done.complete(Err(TransferError::UnknownTarget { id: target }));
+        };
+        let ep = t.rkey.endpoint().clone();
+        let mut reqs = Vec::new();
+        let mut error = None;
+        for s in spans {
+            // SAFETY: the span lies inside the registered local region (checked by the caller
+            // against the registration's length); the region is valid while registered, and the
+            // Rc<MemHandle> kept in `Pending` keeps it registered until the request completes.
+            let r = unsafe {
+                ep.put(
+                    (local_addr + s.local_offset as usize) as *const u8,
+                    s.len as usize,
+                    t.base + s.remote_offset,
+                    &t.rkey,
+                    memory_type(mem),
+                )
+            };
+            match r {
+                Ok(Some(req)) => reqs.push(req),
+                Ok(None) => {}
+                Err(e) => {
+                    error = Some(classify(&ep, &t.address, e));
+                    break;
+                }
+            }
+        }
+        self.track(reqs, error, done, ep, Some(mh), t.rkey.clone());
+    }
+
+    fn flush(&mut self, target: u64, done: Completer) {
+        let Some(t) = self.targets.get(&target) else {
+            return done.complete(Err(TransferError::UnknownTarget { id: target }));
+        };
+        let ep = t.rkey.endpoint().clone();
+        let (reqs, error) = match ep.flush() {
+            Ok(r) => (r.into_iter().collect(), None),
+            Err(e) => (Vec::new(), Some(classify(&ep, &t.address, e))),
+        };
+        self.track(reqs, error, done, ep, None, t.rkey.clone());
+    }
+
+    fn track(
+        &mut self,
+        reqs: Vec<Request>,
+        error: Option<TransferError>,
+        done: Completer,
+        ep: Rc<Endpoint>,
+        mh: Option<Rc<MemHandle>>,
+        rkey: Rc<RemoteKey>,
+    ) {
+        if reqs.is_empty() {
+            return done.complete(error.map_or(Ok(()), Err));
+        }
+        self.pending.push(Pending {
+            reqs,
+            error,
+            done,
+            ep,
+            _keep: (mh, rkey),
+        });
+    }
+
+    fn poll_pending(&mut self) {
+        let mut i = 0;
+        while i < self.pending.len() {
+            let p = &mut self.pending[i];
+            let ep = p.ep.clone();
+            let mut failure = None;
+            p.reqs.retain(|r| match r.state() {
+                RequestState::InProgress => true,
+                RequestState::Done(Ok(())) => false,
+                RequestState::Done(Err(e)) => {
+                    failure.get_or_insert(e);
+                    false
+                }
+            });
+            if let Some(e) = failure
+                && p.error.is_none()
+            {
+                let address = self
+                    .eps
+                    .iter()
+                    .find(|(_, v)| Rc::ptr_eq(v, &ep))
+                    .map(|(k, _)| k.clone())
+                    .unwrap_or_default();
+                self.pending[i].error = Some(classify(&ep, &address, e));
+            }
+            if self.pending[i].reqs.is_empty() {
+                let p = self.pending.swap_remove(i);
+                p.done.complete(p.error.map_or(Ok(()), Err));
+            } else {
+                i += 1;
+            }
+        }
+    }
+}

@@ -8,5 +8,6 @@
 
 pub mod backend;
 pub mod loader;
+pub mod scheduler;
 pub mod spec;
 pub mod weights;

@@ -3,6 +3,7 @@
 //! - [`spec`]: the normalized architecture description ([`spec::ModelSpec`]).
 //! - [`weights`]: host f32 weights in HF orientation.
 //! - [`loader`]: HF directory / GGUF / dummy-preset loading into a [`loader::LoadedModel`].
+//! - [`text`]: tokenizer, chat templates, incremental detokenization.
 //! - [`backend`]: the narrow [`backend::Backend`] trait (forward over paged KV, KV copy in/out) and
 //!   its implementations.
 
@@ -10,4 +11,5 @@ pub mod backend;
 pub mod loader;
 pub mod scheduler;
 pub mod spec;
+pub mod text;
 pub mod weights;

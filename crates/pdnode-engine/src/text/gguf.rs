@@ -1,0 +1,284 @@
+//! Building a `tokenizers::Tokenizer` from the tokenizer a GGUF file stores in its metadata.
+//!
+//! A GGUF has no `tokenizer.json`: it stores the vocabulary (`tokenizer.ggml.tokens`), the BPE
+//! merges, token types and special ids under llama.cpp's key names, and names the pre-tokenizer
+//! (`tokenizer.ggml.pre`). We write the equivalent `tokenizer.json` document and let `tokenizers`
+//! parse it, so the resulting tokenizer is the same kind of object an HF directory gives.
+//!
+//! Supported: `tokenizer.ggml.model = "gpt2"` (byte-level BPE) with the pre-tokenizers in
+//! [`pre_tokenizer_for`]. SentencePiece (`"llama"`) vocabularies are refused with a clear error:
+//! they need merges recovered from scores and byte-fallback handling this build does not verify.
+
+use super::TextError;
+use crate::loader::GgufTokenizer;
+use serde_json::{Value, json};
+
+/// GGUF token types (llama.cpp `llama_token_type`).
+const TOKEN_TYPE_CONTROL: i32 = 3;
+const TOKEN_TYPE_USER_DEFINED: i32 = 4;
+
+/// Llama 3's split regex (llama.cpp LLAMA_VOCAB_PRE_TYPE_LLAMA3, HF Llama-3 tokenizer.json).
+const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Qwen2's split regex (llama.cpp LLAMA_VOCAB_PRE_TYPE_QWEN2, HF Qwen2 tokenizer.json).
+const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+const GPT2_PRE: &[&str] = &["default", "gpt2", "gpt-2", "mpt", "olmo", "jais", "phi-2"];
+const DIGITS_GPT2_PRE: &[&str] = &[
+    "smollm",
+    "starcoder",
+    "refact",
+    "codeshell",
+    "command-r",
+    "exaone",
+    "minerva",
+];
+const LLAMA3_PRE: &[&str] = &[
+    "llama3",
+    "llama-v3",
+    "llama-bpe",
+    "falcon3",
+    "smaug-bpe",
+    "dbrx",
+    "pixtral",
+];
+const QWEN2_PRE: &[&str] = &["qwen2", "deepseek-r1-qwen", "megrez"];
+
+fn byte_level(use_regex: bool) -> Value {
+    json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex})
+}
+
+fn split_then_byte_level(regex: &str) -> Value {
+    json!({"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": false},
+        byte_level(false),
+    ]})
+}
+
+/// The pre-tokenizer (and whether BPE ignores merges for whole-vocabulary words) for a
+/// `tokenizer.ggml.pre` value of a byte-level BPE vocabulary.
+fn pre_tokenizer_for(pre: Option<&str>) -> Result<(Value, bool), TextError> {
+    let name = pre.unwrap_or("default");
+    if GPT2_PRE.contains(&name) {
+        return Ok((byte_level(true), false));
+    }
+    if DIGITS_GPT2_PRE.contains(&name) {
+        // llama.cpp: regexes "\p{N}" then GPT-2's; HF tokenizer.json: Digits then ByteLevel.
+        let seq = json!({"type": "Sequence", "pretokenizers": [
+            {"type": "Digits", "individual_digits": true},
+            byte_level(true),
+        ]});
+        return Ok((seq, false));
+    }
+    if LLAMA3_PRE.contains(&name) {
+        return Ok((split_then_byte_level(LLAMA3_SPLIT), true));
+    }
+    if QWEN2_PRE.contains(&name) {
+        return Ok((split_then_byte_level(QWEN2_SPLIT), false));
+    }
+    let known: Vec<&str> = [GPT2_PRE, DIGITS_GPT2_PRE, LLAMA3_PRE, QWEN2_PRE].concat();
+    Err(TextError::Unsupported {
+        model: "gpt2".into(),
+        reason: format!(
+            "pre-tokenizer `{name}` is not supported; supported: {}",
+            known.join(", ")
+        ),
+    })
+}
+
+fn check_id(what: &str, id: Option<u32>, n: usize) -> Result<(), TextError> {
+    match id {
+        Some(i) if i as usize >= n => Err(TextError::Load {
+            path: None,
+            reason: format!("GGUF {what} {i} is outside the vocabulary of {n} tokens"),
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// The `tokenizer.json` document equivalent to a GGUF byte-level BPE tokenizer.
+pub(crate) fn tokenizer_json(g: &GgufTokenizer) -> Result<Value, TextError> {
+    match g.model.as_str() {
+        "gpt2" => {}
+        "llama" => {
+            return Err(TextError::Unsupported {
+                model: "llama".into(),
+                reason: "SentencePiece vocabularies from GGUF metadata are not supported yet; \
+                         use the model's HF directory (tokenizer.json) instead"
+                    .into(),
+            });
+        }
+        other => {
+            return Err(TextError::Unsupported {
+                model: other.into(),
+                reason: "only `gpt2` (byte-level BPE) GGUF tokenizers are supported".into(),
+            });
+        }
+    }
+    let n = g.tokens.len();
+    if n == 0 {
+        return Err(TextError::Load {
+            path: None,
+            reason: "GGUF tokenizer.ggml.tokens is empty".into(),
+        });
+    }
+    if !g.token_types.is_empty() && g.token_types.len() != n {
+        return Err(TextError::Load {
+            path: None,
+            reason: format!(
+                "GGUF tokenizer.ggml.token_type has {} entries for {n} tokens",
+                g.token_types.len()
+            ),
+        });
+    }
+    check_id("bos_token_id", g.bos_token_id, n)?;
+    check_id("eos_token_id", g.eos_token_id, n)?;
+    check_id("unknown_token_id", g.unk_token_id, n)?;
+    check_id("padding_token_id", g.pad_token_id, n)?;
+
+    let mut vocab = serde_json::Map::with_capacity(n);
+    for (id, tok) in g.tokens.iter().enumerate() {
+        // A duplicated spelling keeps its first id (the later one stays reachable as an added
+        // token if it is a control/user-defined token).
+        vocab.entry(tok.clone()).or_insert(Value::from(id as u64));
+    }
+    let mut merges = Vec::with_capacity(g.merges.len());
+    for (i, m) in g.merges.iter().enumerate() {
+        let Some((a, b)) = m.split_once(' ') else {
+            return Err(TextError::Load {
+                path: None,
+                reason: format!("GGUF merge {i} ({m:?}) is not two tokens separated by a space"),
+            });
+        };
+        merges.push(json!([a, b]));
+    }
+    let mut added = Vec::new();
+    for (id, ty) in g.token_types.iter().enumerate() {
+        let special = match *ty {
+            TOKEN_TYPE_CONTROL => true,
+            TOKEN_TYPE_USER_DEFINED => false,
+            _ => continue,
+        };
+        added.push(json!({
+            "id": id, "content": g.tokens[id], "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": special,
+        }));
+    }
+    let (pre_tokenizer, ignore_merges) = pre_tokenizer_for(g.pre.as_deref())?;
+    let post_processor = post_processor(g)?;
+    Ok(json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": pre_tokenizer,
+        "post_processor": post_processor,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {
+            "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+            "ignore_merges": ignore_merges, "vocab": vocab, "merges": merges,
+        },
+    }))
+}
+
+/// BOS/EOS insertion as the GGUF flags say (`encode(text, add_special = true)` applies it).
+/// A byte-level vocabulary adds nothing unless the file asks for it.
+fn post_processor(g: &GgufTokenizer) -> Result<Value, TextError> {
+    let mut single = Vec::new();
+    let mut specials = serde_json::Map::new();
+    let mut add = |id: Option<u32>, flag: &str| -> Result<Option<Value>, TextError> {
+        let Some(id) = id else {
+            return Err(TextError::Load {
+                path: None,
+                reason: format!("GGUF sets add_{flag}_token but has no {flag}_token_id"),
+            });
+        };
+        let tok = g.tokens[id as usize].clone();
+        specials.insert(
+            tok.clone(),
+            json!({"id": tok, "ids": [id], "tokens": [tok]}),
+        );
+        Ok(Some(json!({"SpecialToken": {"id": tok, "type_id": 0}})))
+    };
+    let bos = if g.add_bos_token == Some(true) {
+        add(g.bos_token_id, "bos")?
+    } else {
+        None
+    };
+    let eos = if g.add_eos_token == Some(true) {
+        add(g.eos_token_id, "eos")?
+    } else {
+        None
+    };
+    if bos.is_none() && eos.is_none() {
+        return Ok(Value::Null);
+    }
+    single.extend(bos);
+    single.push(json!({"Sequence": {"id": "A", "type_id": 0}}));
+    single.extend(eos);
+    let mut pair = single.clone();
+    pair.push(json!({"Sequence": {"id": "B", "type_id": 1}}));
+    Ok(
+        json!({"type": "TemplateProcessing", "single": single, "pair": pair, "special_tokens": specials}),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny(pre: Option<&str>) -> GgufTokenizer {
+        GgufTokenizer {
+            model: "gpt2".into(),
+            pre: pre.map(str::to_string),
+            tokens: vec!["<s>".into(), "a".into(), "b".into(), "ab".into()],
+            merges: vec!["a b".into()],
+            token_types: vec![3, 1, 1, 1],
+            bos_token_id: Some(0),
+            eos_token_id: Some(0),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn sentencepiece_and_unknown_pre_tokenizers_are_clear_errors() {
+        let mut g = tiny(None);
+        g.model = "llama".into();
+        assert!(matches!(
+            tokenizer_json(&g),
+            Err(TextError::Unsupported { model, .. }) if model == "llama"
+        ));
+        assert!(matches!(
+            tokenizer_json(&tiny(Some("klingon"))),
+            Err(TextError::Unsupported { .. })
+        ));
+    }
+
+    #[test]
+    fn malformed_metadata_is_an_error() {
+        let mut g = tiny(None);
+        g.merges = vec!["ab".into()];
+        assert!(matches!(tokenizer_json(&g), Err(TextError::Load { .. })));
+        let mut g = tiny(None);
+        g.eos_token_id = Some(99);
+        assert!(matches!(tokenizer_json(&g), Err(TextError::Load { .. })));
+        let mut g = tiny(None);
+        g.token_types = vec![1];
+        assert!(matches!(tokenizer_json(&g), Err(TextError::Load { .. })));
+        let mut g = tiny(None);
+        g.add_bos_token = Some(true);
+        g.bos_token_id = None;
+        assert!(matches!(tokenizer_json(&g), Err(TextError::Load { .. })));
+    }
+
+    #[test]
+    fn every_supported_pre_tokenizer_parses() {
+        for pre in [None, Some("smollm"), Some("llama-bpe"), Some("qwen2")] {
+            let doc = tokenizer_json(&tiny(pre)).unwrap();
+            let t: tokenizers::Tokenizer = serde_json::from_value(doc).unwrap();
+            let ids = t.encode_fast("ab<s>", false).unwrap().get_ids().to_vec();
+            assert_eq!(ids, vec![3, 0], "pre {pre:?}");
+        }
+    }
+}

@@ -255,9 +255,16 @@ pub(crate) fn load_layers(
         origins,
         file: file.map(|(p, _)| p.to_path_buf()),
     };
-    errors.extend(super::validate::validate(&loaded.config, &|k| {
-        loaded.origin_of(k)
-    }));
+    // A key nobody set is blamed on the file being loaded (where the user fixes it, e.g. a
+    // role that needs registry.kind = "etcd"), not on the built-in defaults.
+    let blame = |k: &str| match loaded.origin_of(k) {
+        ConfigSource::Default => loaded
+            .file
+            .clone()
+            .map_or(ConfigSource::Default, ConfigSource::File),
+        s => s,
+    };
+    errors.extend(super::validate::validate(&loaded.config, &blame));
     if errors.is_empty() {
         Ok(loaded)
     } else {

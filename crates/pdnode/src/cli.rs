@@ -1,0 +1,47 @@
+//! The command line: one subcommand per file under `cmd/`.
+
+use crate::cmd;
+use clap::{Parser, Subcommand};
+
+/// pdnode: a prefill/decode-disaggregated LLM serving runtime.
+///
+/// A node owns one GPU group and one role (prefill, decode, router, or all). Most settings live
+/// in the TOML config file; see docs/configuration.md.
+#[derive(Debug, Parser)]
+#[command(name = "pdnode", version, propagate_version = true)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Start a node with the role its config gives (prefill, decode, router or all).
+    Start(cmd::start::Args),
+    /// Load and validate a config; print the effective config (exit 0) or every error (exit 2).
+    CheckConfig(cmd::check_config::Args),
+    /// Print the version, the git commit and the enabled features.
+    Version(cmd::version::Args),
+    /// Generate text from a prompt with a local model (no server).
+    Generate(cmd::generate::Args),
+    /// Benchmark an OpenAI-compatible endpoint: TTFT, TPOT, throughput, goodput.
+    Bench(cmd::bench::Args),
+    /// Measure KV transfer bandwidth between two endpoints.
+    BenchTransfer(cmd::bench_transfer::Args),
+    /// List the nodes registered in a cluster.
+    Nodes(cmd::nodes::Args),
+}
+
+/// Runs one subcommand. Commands with a config file initialise logging from it; the others use
+/// the default log settings (`RUST_LOG` still overrides).
+pub async fn dispatch(command: Command) -> anyhow::Result<()> {
+    match command {
+        Command::Start(a) => cmd::start::run(a).await,
+        Command::CheckConfig(a) => cmd::check_config::run(a).await,
+        Command::Version(a) => cmd::version::run(a).await,
+        Command::Generate(a) => cmd::generate::run(a).await,
+        Command::Bench(a) => cmd::bench::run(a).await,
+        Command::BenchTransfer(a) => cmd::bench_transfer::run(a).await,
+        Command::Nodes(a) => cmd::nodes::run(a).await,
+    }
+}

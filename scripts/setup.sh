@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Installs what pdnode needs to build and test on Debian 12 (bookworm): system packages with
+# apt-get (protobuf-compiler for etcd-client's build, etcd-server for the registry tests, UCX for
+# the KV transfer, pip for fetching the demo model) and a Rust toolchain when cargo is missing.
+# Idempotent: installs only what is missing. Runs as root, or with sudo when it is available.
+set -euo pipefail
+
+PACKAGES=(
+  build-essential pkg-config ca-certificates curl git
+  protobuf-compiler
+  etcd-server
+  libucx0 ucx-utils libucx-dev
+  python3 python3-pip
+)
+RUST_TOOLCHAIN="${PDNODE_RUST_TOOLCHAIN:-1.95.0}"
+
+log() { echo "[setup] $*" >&2; }
+
+as_root() {
+  if [ "$(id -u)" -eq 0 ]; then
+    "$@"
+  elif command -v sudo >/dev/null 2>&1; then
+    sudo "$@"
+  else
+    log "need root for: $*  (run as root or install sudo)"
+    return 1
+  fi
+}
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+# python3-pip is not needed when pip is already there some other way (pyenv, venv).
+if printf '%s\n' "${missing[@]}" | grep -qx python3-pip && python3 -m pip --version >/dev/null 2>&1; then
+  missing=("${missing[@]/python3-pip}")
+fi
+packages=()
+for p in "${missing[@]}"; do [ -n "$p" ] && packages+=("$p"); done
+
+if [ "${#packages[@]}" -gt 0 ]; then
+  if ! command -v apt-get >/dev/null 2>&1; then
+    log "apt-get not found; install these yourself: ${packages[*]}"
+    exit 1
+  fi
+  log "installing: ${packages[*]}"
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get update
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${packages[@]}"
+else
+  log "system packages present"
+fi
+
+# etcd-server's package starts a system etcd on 2379; tests start their own on free ports, so the
+# system one is left alone.
+
+if ! command -v cargo >/dev/null 2>&1 && [ -x "$HOME/.cargo/bin/cargo" ]; then
+  export PATH="$HOME/.cargo/bin:$PATH"
+fi
+if ! command -v cargo >/dev/null 2>&1; then
+  log "cargo not found: installing Rust $RUST_TOOLCHAIN with rustup"
+  curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs |
+    sh -s -- -y --profile minimal --default-toolchain "$RUST_TOOLCHAIN" -c rustfmt -c clippy
+  export PATH="$HOME/.cargo/bin:$PATH"
+else
+  log "cargo present: $(cargo --version)"
+fi
+# rustfmt and clippy are part of the test command.
+if command -v rustup >/dev/null 2>&1; then
+  for c in rustfmt clippy; do
+    if ! rustup component list --installed 2>/dev/null | grep -q "^$c"; then
+      log "adding rustup component $c"
+      rustup component add "$c"
+    fi
+  done
+fi

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The one test command (README, .ci/run): installs what is missing, fetches the demo model, then
+# checks formatting, lints and runs every test of the workspace. Exits non-zero on any failure.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+step() { echo; echo "==> $*" >&2; }
+
+step "setup"
+bash scripts/setup.sh
+if ! command -v cargo >/dev/null 2>&1; then export PATH="$HOME/.cargo/bin:$PATH"; fi
+
+step "fetch model"
+bash scripts/fetch-model.sh
+
+step "cargo fmt --check"
+cargo fmt --all --check
+
+step "cargo clippy"
+cargo clippy --workspace --all-targets -- -D warnings
+
+step "cargo test"
+# Build the tests once, then run them; tests bind 127.0.0.1 only and start etcd themselves.
+cargo test --workspace --no-run
+cargo test --workspace
+
+echo >&2
+echo "==> all checks passed" >&2

@@ -1,0 +1,245 @@
+//! [`NodeClient`] over the `pdnode.v1.Node` gRPC API, and [`CardMembership`]: a [`Membership`]
+//! built from node cards (the registry's membership view) with one lazily connected gRPC client
+//! per node.
+
+use crate::error::NodeError;
+use crate::membership::{Membership, Worker};
+use crate::node::{
+    DecodeCall, DecodeChunk, DecodeStream, KvTarget, NodeClient, NodeStats, PrefillCall,
+    PrefillOutcome, ReserveKv,
+};
+use bytes::Bytes;
+use futures::StreamExt;
+use futures::future::BoxFuture;
+use parking_lot::Mutex;
+use pdnode_core::{ErrorKind, NodeCard, NodeId, RequestId, Role};
+use pdnode_proto::convert::{error_from_wire, finish_reason_from_wire, kind_of_status};
+use pdnode_proto::v1;
+use pdnode_proto::v1::node_client::NodeClient as WireClient;
+use prost::Message;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+use tonic::transport::{Channel, Endpoint};
+
+/// How long a connection attempt to a node may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+fn status_err(s: tonic::Status) -> NodeError {
+    NodeError::new(kind_of_status(&s), s.message().to_string())
+}
+
+/// A client of one node's `pdnode.v1.Node` service.
+#[derive(Clone)]
+pub struct GrpcNodeClient {
+    id: NodeId,
+    inner: WireClient<Channel>,
+}
+
+impl GrpcNodeClient {
+    /// A client that connects on first use to `addr` (`host:port` or a full URI).
+    pub fn connect_lazy(id: NodeId, addr: &str) -> Result<Self, NodeError> {
+        let uri = if addr.contains("://") {
+            addr.to_string()
+        } else {
+            format!("http://{addr}")
+        };
+        let ep = Endpoint::from_shared(uri.clone())
+            .map_err(|e| {
+                NodeError::new(
+                    ErrorKind::InvalidRequest,
+                    format!("node {id} address {uri:?}: {e}"),
+                )
+            })?
+            .connect_timeout(CONNECT_TIMEOUT)
+            .tcp_nodelay(true);
+        Ok(Self {
+            id,
+            inner: WireClient::new(ep.connect_lazy()),
+        })
+    }
+
+    pub fn id(&self) -> &NodeId {
+        &self.id
+    }
+}
+
+impl NodeClient for GrpcNodeClient {
+    fn reserve_kv(&self, req: ReserveKv) -> BoxFuture<'_, Result<KvTarget, NodeError>> {
+        let mut c = self.inner.clone();
+        Box::pin(async move {
+            let wire = v1::ReserveKvRequest {
+                request_id: req.request_id.0,
+                prompt_len: req.prompt_token_ids.len() as u32,
+                max_tokens: req.max_tokens,
+                prefill_layout: None,
+                lease_ms: 0,
+                prompt_token_ids: req.prompt_token_ids,
+            };
+            let r = c.reserve_kv(wire).await.map_err(status_err)?.into_inner();
+            let t = r.target.ok_or_else(|| {
+                NodeError::new(ErrorKind::Internal, "ReserveKv answered without a target")
+            })?;
+            Ok(KvTarget {
+                decode_node: NodeId::new(t.decode_node_id.clone()),
+                secret: t.secret.clone(),
+                encoded: Bytes::from(t.encode_to_vec()),
+            })
+        })
+    }
+
+    fn prefill(&self, req: PrefillCall) -> BoxFuture<'_, Result<PrefillOutcome, NodeError>> {
+        let mut c = self.inner.clone();
+        Box::pin(async move {
+            let kv_target = if req.target.encoded.is_empty() {
+                None
+            } else {
+                Some(
+                    v1::KvTarget::decode(req.target.encoded.clone()).map_err(|e| {
+                        NodeError::new(
+                            ErrorKind::Internal,
+                            format!("KV target does not decode: {e}"),
+                        )
+                    })?,
+                )
+            };
+            let wire = v1::PrefillRequest {
+                request_id: req.request_id.0,
+                prompt_token_ids: req.prompt_token_ids,
+                sampling: Some((&req.sampling).into()),
+                kv_target,
+            };
+            let r = c.prefill(wire).await.map_err(status_err)?.into_inner();
+            let finish = finish_reason_from_wire(r.finish_reason)
+                .map_err(|e| NodeError::new(ErrorKind::Internal, e.to_string()))?;
+            let t = r.timings.unwrap_or_default();
+            Ok(PrefillOutcome {
+                first_token_id: r.first_token_id,
+                first_logprob: r.first_logprob.map(Into::into),
+                finish,
+                cached_tokens: t.cached_tokens,
+                transfer_bytes: t.transfer_bytes,
+                transfer_us: t.transfer_us,
+            })
+        })
+    }
+
+    fn decode(&self, req: DecodeCall) -> BoxFuture<'_, Result<DecodeStream, NodeError>> {
+        let mut c = self.inner.clone();
+        Box::pin(async move {
+            let wire = v1::DecodeRequest {
+                request_id: req.request_id.0,
+                secret: req.secret,
+                first_token_id: req.first_token_id,
+                first_logprob: req.first_logprob.as_ref().map(Into::into),
+                sampling: Some((&req.sampling).into()),
+                prompt_token_ids: req.prompt_token_ids,
+            };
+            let stream = c.decode(wire).await.map_err(status_err)?.into_inner();
+            let mapped = stream.map(|item| {
+                let msg = item.map_err(status_err)?;
+                let finish = finish_reason_from_wire(msg.finish_reason)
+                    .map_err(|e| NodeError::new(ErrorKind::Internal, e.to_string()))?;
+                Ok(DecodeChunk {
+                    token_ids: msg.token_ids,
+                    logprobs: msg.logprobs.into_iter().map(Into::into).collect(),
+                    finish,
+                    error: msg.error.as_ref().map(|e| {
+                        let (kind, message) = error_from_wire(e);
+                        NodeError::new(kind, message)
+                    }),
+                })
+            });
+            let s: DecodeStream = Box::pin(mapped);
+            Ok(s)
+        })
+    }
+
+    fn abort(&self, id: RequestId, reason: String) -> BoxFuture<'_, Result<bool, NodeError>> {
+        let mut c = self.inner.clone();
+        Box::pin(async move {
+            let r = c
+                .abort(v1::AbortRequest {
+                    request_id: id.0,
+                    reason,
+                })
+                .await
+                .map_err(status_err)?;
+            Ok(r.into_inner().found)
+        })
+    }
+
+    fn stats(&self) -> BoxFuture<'_, Result<NodeStats, NodeError>> {
+        let mut c = self.inner.clone();
+        Box::pin(async move {
+            let r = c
+                .stats(v1::StatsRequest {})
+                .await
+                .map_err(status_err)?
+                .into_inner();
+            Ok(NodeStats {
+                running_requests: r.running_requests,
+                queued_requests: r.queued_requests,
+                max_running_requests: r.max_running_requests,
+                kv_blocks_free: r.kv_blocks_free,
+                kv_blocks_total: r.kv_blocks_total,
+                kv_blocks_reserved: r.kv_blocks_reserved,
+            })
+        })
+    }
+}
+
+/// A [`Membership`] over node cards: `cards(role)` gives the current cards (e.g. from the
+/// registry's membership view); each card gets a gRPC client, reused while the card's id, start
+/// time and address stay the same.
+pub struct CardMembership<F> {
+    cards: F,
+    clients: Mutex<HashMap<(NodeId, u64, String), Arc<GrpcNodeClient>>>,
+}
+
+impl<F> CardMembership<F>
+where
+    F: Fn(Role) -> Vec<NodeCard> + Send + Sync + 'static,
+{
+    pub fn new(cards: F) -> Self {
+        Self {
+            cards,
+            clients: Mutex::new(HashMap::new()),
+        }
+    }
+}
+
+impl<F> Membership for CardMembership<F>
+where
+    F: Fn(Role) -> Vec<NodeCard> + Send + Sync + 'static,
+{
+    fn workers(&self, role: Role) -> Vec<Worker> {
+        let cards = (self.cards)(role);
+        let mut clients = self.clients.lock();
+        let mut out = Vec::with_capacity(cards.len());
+        for card in cards {
+            let key = (
+                card.id.clone(),
+                card.started_at_ms,
+                card.addresses.grpc.clone(),
+            );
+            let client = match clients.get(&key) {
+                Some(c) => c.clone(),
+                None => match GrpcNodeClient::connect_lazy(card.id.clone(), &card.addresses.grpc) {
+                    Ok(c) => {
+                        let c = Arc::new(c);
+                        clients.retain(|(id, _, _), _| id != &card.id);
+                        clients.insert(key, c.clone());
+                        c
+                    }
+                    Err(e) => {
+                        tracing::warn!(node = %card.id, error = %e, "skipping node with a bad address");
+                        continue;
+                    }
+                },
+            };
+            out.push(Worker { card, client });
+        }
+        out
+    }
+}

@@ -1,0 +1,105 @@
+//! The narrow seam between the router and a prefill or decode node: [`NodeClient`].
+//!
+//! Implementations: [`crate::grpc_client::GrpcNodeClient`] over the `pdnode.v1.Node` gRPC API,
+//! the node runtime's in-process client for `role = "all"`, and [`crate::testing::FakeNode`] for
+//! tests. The router puts a deadline around every call (dropping the future cancels it).
+
+use crate::error::NodeError;
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use futures::stream::BoxStream;
+use pdnode_core::request::TokenLogprob;
+use pdnode_core::{FinishReason, NodeId, RequestId, SamplingParams};
+
+/// Router -> decode: reserve KV blocks for a prompt.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReserveKv {
+    pub request_id: RequestId,
+    pub prompt_token_ids: Vec<u32>,
+    pub max_tokens: u32,
+}
+
+/// Where prefill writes a request's KV; the router passes it from decode to prefill unread.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvTarget {
+    /// The decode node that holds the reservation.
+    pub decode_node: NodeId,
+    /// Per-request token the decode node minted; `Decode` presents it.
+    pub secret: Vec<u8>,
+    /// The decode node's full target, encoded by the node side (for gRPC nodes: an encoded
+    /// `pdnode.v1.KvTarget`). Opaque to the router.
+    pub encoded: Bytes,
+}
+
+/// Router -> prefill: run the prompt and push its KV to `target`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PrefillCall {
+    pub request_id: RequestId,
+    pub prompt_token_ids: Vec<u32>,
+    pub sampling: SamplingParams,
+    pub target: KvTarget,
+}
+
+/// What prefill answers once the KV is handed off.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PrefillOutcome {
+    pub first_token_id: u32,
+    pub first_logprob: Option<TokenLogprob>,
+    /// `Some` when the request already ended at its first token (no decode follows).
+    pub finish: Option<FinishReason>,
+    /// Prompt tokens served from the prefill node's prefix cache.
+    pub cached_tokens: u32,
+    /// KV bytes pushed and the hand-off time, as the prefill node measured them.
+    pub transfer_bytes: u64,
+    pub transfer_us: u64,
+}
+
+/// Router -> decode: continue a prefilled request from its first token.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecodeCall {
+    pub request_id: RequestId,
+    pub secret: Vec<u8>,
+    pub first_token_id: u32,
+    pub first_logprob: Option<TokenLogprob>,
+    pub sampling: SamplingParams,
+    pub prompt_token_ids: Vec<u32>,
+}
+
+/// One message of a decode stream.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct DecodeChunk {
+    /// New tokens (never the first token, which came from prefill).
+    pub token_ids: Vec<u32>,
+    pub logprobs: Vec<TokenLogprob>,
+    /// Set on the last message.
+    pub finish: Option<FinishReason>,
+    /// Set when `finish == Some(Error)`.
+    pub error: Option<NodeError>,
+}
+
+pub type DecodeStream = BoxStream<'static, Result<DecodeChunk, NodeError>>;
+
+/// A node's current load, for the policies and `/metrics`.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct NodeStats {
+    pub running_requests: u32,
+    pub queued_requests: u32,
+    pub max_running_requests: u32,
+    pub kv_blocks_free: u64,
+    pub kv_blocks_total: u64,
+    pub kv_blocks_reserved: u64,
+}
+
+/// Calls on one prefill or decode node.
+pub trait NodeClient: Send + Sync + 'static {
+    /// Decode: reserve KV blocks for the prompt under a lease; answers where prefill writes.
+    fn reserve_kv(&self, req: ReserveKv) -> BoxFuture<'_, Result<KvTarget, NodeError>>;
+    /// Prefill: compute the prompt, push KV to the target, return the first token.
+    fn prefill(&self, req: PrefillCall) -> BoxFuture<'_, Result<PrefillOutcome, NodeError>>;
+    /// Decode: continue from the first token; streams the rest.
+    fn decode(&self, req: DecodeCall) -> BoxFuture<'_, Result<DecodeStream, NodeError>>;
+    /// Stop a request and free what it holds on the node; `Ok(found)`.
+    fn abort(&self, id: RequestId, reason: String) -> BoxFuture<'_, Result<bool, NodeError>>;
+    /// Current load.
+    fn stats(&self) -> BoxFuture<'_, Result<NodeStats, NodeError>>;
+}

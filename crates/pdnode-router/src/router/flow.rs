@@ -1,0 +1,466 @@
+//! One request's prefill/decode flow (docs/protocol.md), every exit explicit:
+//!
+//! 1. Pick decode node D (decode policy) and prefill node P (prefill policy); book both.
+//! 2. `D.ReserveKv` -> KV target; `P.Prefill(target)` -> first token, KV handed off. Each call
+//!    is bounded by `prefill_timeout_s` (and the request's `request_timeout_s`).
+//! 3. A prefill failure before the hand-off aborts the request on P and D and is retried once,
+//!    under a fresh request id, on another prefill node (D reserves again); then the error goes
+//!    to the client.
+//! 4. `D.Decode` streams the rest; each gap between messages is bounded by `token_timeout_s`.
+//!    A broken or stalled stream aborts D and ends the client's stream with an error.
+//! 5. The client going away (the event receiver dropped) aborts the request on both nodes.
+//! 6. A stop string matched by the router's detokenizer ends the request and aborts D.
+
+use super::{GenEvent, GenRequest, InflightGuard, Router, Usage};
+use crate::error::{RouterError, Step};
+use crate::membership::Worker;
+use crate::node::{DecodeCall, PrefillCall, ReserveKv};
+use crate::tokenize::Detokenizer;
+use futures::StreamExt;
+use pdnode_core::error::Classify;
+use pdnode_core::metrics as m;
+use pdnode_core::{ErrorKind, FinishReason, NodeId, RequestId, Role};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+/// Longest wait for a node to acknowledge an Abort.
+const ABORT_TIMEOUT: Duration = Duration::from_secs(5);
+
+enum Exit {
+    Done(FinishReason),
+    ClientGone,
+}
+
+enum StepErr {
+    ClientGone,
+    Failed(RouterError),
+}
+
+/// Counts what the client got.
+struct Progress {
+    first_at: Option<Instant>,
+    tokens: u32,
+    cached: u32,
+}
+
+/// Releases a booking on drop.
+struct Booking<'a> {
+    router: &'a Router,
+    node: NodeId,
+}
+
+impl<'a> Booking<'a> {
+    fn new(router: &'a Router, node: &NodeId) -> Self {
+        router.state.lock().book(node);
+        Self {
+            router,
+            node: node.clone(),
+        }
+    }
+}
+
+impl Drop for Booking<'_> {
+    fn drop(&mut self) {
+        self.router.state.lock().release(&self.node);
+    }
+}
+
+pub(super) async fn run(
+    router: Arc<Router>,
+    req: GenRequest,
+    id: RequestId,
+    tx: mpsc::Sender<GenEvent>,
+    _guard: InflightGuard,
+) {
+    let start = Instant::now();
+    let mx = router.metrics.clone();
+    mx.inc(
+        m::ROUTER_PROMPT_TOKENS_TOTAL,
+        &[],
+        req.prompt_token_ids.len() as f64,
+    );
+    let mut progress = Progress {
+        first_at: None,
+        tokens: 0,
+        cached: 0,
+    };
+    let result = drive(&router, &req, id, &tx, start, &mut progress).await;
+    let outcome = match &result {
+        Ok(Exit::Done(_)) => "ok",
+        Ok(Exit::ClientGone) => ErrorKind::Cancelled.as_str(),
+        Err(e) => e.kind().as_str(),
+    };
+    match result {
+        Ok(Exit::Done(finish)) => {
+            let usage = Usage {
+                prompt_tokens: req.prompt_token_ids.len() as u32,
+                completion_tokens: progress.tokens,
+                cached_tokens: progress.cached,
+            };
+            let _ = tx.send(GenEvent::Done { finish, usage }).await;
+            let e2e = start.elapsed();
+            mx.observe(m::ROUTER_E2E_SECONDS, &[], e2e.as_secs_f64());
+            if let (Some(first), true) = (progress.first_at, progress.tokens > 1) {
+                let per = first.elapsed().as_secs_f64() / f64::from(progress.tokens - 1);
+                mx.observe(m::ROUTER_TPOT_SECONDS, &[], per);
+            }
+        }
+        Ok(Exit::ClientGone) => {
+            tracing::info!(request = %id, "client went away; request aborted on its nodes");
+        }
+        Err(e) => {
+            tracing::warn!(request = %id, error = %e, "request failed");
+            let _ = tx.send(GenEvent::Error(e)).await;
+        }
+    }
+    mx.inc(
+        m::ROUTER_OUTPUT_TOKENS_TOTAL,
+        &[],
+        f64::from(progress.tokens),
+    );
+    mx.inc(
+        m::ROUTER_REQUESTS_TOTAL,
+        &[("endpoint", req.endpoint), ("outcome", outcome)],
+        1.0,
+    );
+}
+
+/// Awaits `fut` bounded by `limit` and the request deadline, or notices the client left.
+async fn step<T, E>(
+    tx: &mpsc::Sender<GenEvent>,
+    limit: Duration,
+    deadline: Instant,
+    what: (Step, &NodeId, RequestId),
+    fut: impl Future<Output = Result<T, E>>,
+) -> Result<T, StepErr>
+where
+    E: Into<crate::error::NodeError>,
+{
+    let left = deadline.saturating_duration_since(Instant::now());
+    let limit = limit.min(left);
+    let (step, node, request) = what;
+    tokio::select! {
+        biased;
+        _ = tx.closed() => Err(StepErr::ClientGone),
+        r = tokio::time::timeout(limit, fut) => match r {
+            Err(_) => Err(StepErr::Failed(RouterError::Timeout {
+                step,
+                node: node.clone(),
+                request,
+                after_ms: limit.as_millis() as u64,
+            })),
+            Ok(Err(e)) => Err(StepErr::Failed(RouterError::Node {
+                step,
+                node: node.clone(),
+                request,
+                source: e.into(),
+            })),
+            Ok(Ok(v)) => Ok(v),
+        }
+    }
+}
+
+async fn abort(w: &Worker, id: RequestId, reason: &str) {
+    match tokio::time::timeout(ABORT_TIMEOUT, w.client.abort(id, reason.to_string())).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => tracing::warn!(request = %id, node = %w.id(), error = %e, "abort failed"),
+        Err(_) => tracing::warn!(request = %id, node = %w.id(), "abort timed out"),
+    }
+}
+
+async fn abort_both(p: &Worker, d: &Worker, id: RequestId, reason: &str) {
+    futures::join!(abort(p, id, reason), abort(d, id, reason));
+}
+
+async fn drive(
+    router: &Router,
+    req: &GenRequest,
+    id: RequestId,
+    tx: &mpsc::Sender<GenEvent>,
+    start: Instant,
+    progress: &mut Progress,
+) -> Result<Exit, RouterError> {
+    let cfg = &router.deps.config;
+    let deadline = start + Duration::from_secs(cfg.request_timeout_s);
+    let prefill_timeout = Duration::from_secs(cfg.prefill_timeout_s);
+    let token_timeout = Duration::from_secs(cfg.token_timeout_s);
+    let tokens = &req.prompt_token_ids;
+
+    let prefills = router.deps.membership.workers(Role::Prefill);
+    let decodes = router.deps.membership.workers(Role::Decode);
+    let now = Instant::now();
+    let d_idx = router
+        .state
+        .lock()
+        .pick(Role::Decode, &decodes, tokens, &[], now)
+        .ok_or(RouterError::NoNode { role: Role::Decode })?;
+    let d = decodes[d_idx].clone();
+    let _d_booking = Booking::new(router, d.id());
+
+    let mut excluded: Vec<NodeId> = Vec::new();
+    let mut last_err: Option<RouterError> = None;
+    let mut req_id = id;
+    for attempt in 0..2 {
+        let picked = router
+            .state
+            .lock()
+            .pick(Role::Prefill, &prefills, tokens, &excluded, now);
+        let Some(p_idx) = picked else { break };
+        let p = prefills[p_idx].clone();
+        let p_booking = Booking::new(router, p.id());
+        if attempt > 0 {
+            req_id = RequestId::random();
+            tracing::info!(request = %id, retry_id = %req_id, prefill = %p.id(), "retrying prefill on another node");
+        }
+
+        let reserve = ReserveKv {
+            request_id: req_id,
+            prompt_token_ids: tokens.clone(),
+            max_tokens: req.sampling.max_tokens,
+        };
+        let target = match step(
+            tx,
+            prefill_timeout,
+            deadline,
+            (Step::ReserveKv, d.id(), req_id),
+            d.client.reserve_kv(reserve),
+        )
+        .await
+        {
+            Ok(t) => t,
+            Err(StepErr::ClientGone) => {
+                abort_both(&p, &d, req_id, "client disconnected").await;
+                return Ok(Exit::ClientGone);
+            }
+            Err(StepErr::Failed(e)) => {
+                abort(&d, req_id, "reserve_kv failed").await;
+                return Err(e);
+            }
+        };
+        let secret = target.secret.clone();
+        let call = PrefillCall {
+            request_id: req_id,
+            prompt_token_ids: tokens.clone(),
+            sampling: req.sampling.clone(),
+            target,
+        };
+        let outcome = match step(
+            tx,
+            prefill_timeout,
+            deadline,
+            (Step::Prefill, p.id(), req_id),
+            p.client.prefill(call),
+        )
+        .await
+        {
+            Ok(o) => o,
+            Err(StepErr::ClientGone) => {
+                abort_both(&p, &d, req_id, "client disconnected").await;
+                return Ok(Exit::ClientGone);
+            }
+            Err(StepErr::Failed(e)) => {
+                abort_both(&p, &d, req_id, "prefill failed").await;
+                let kind = e.kind();
+                tracing::warn!(request = %req_id, prefill = %p.id(), error = %e, "prefill failed");
+                if matches!(
+                    kind,
+                    ErrorKind::InvalidRequest | ErrorKind::ContextLengthExceeded
+                ) {
+                    return Err(e);
+                }
+                excluded.push(p.id().clone());
+                last_err = Some(e);
+                continue;
+            }
+        };
+        drop(p_booking);
+        let mx = &router.metrics;
+        let node = p.id().as_str();
+        mx.inc(
+            m::TRANSFER_BYTES_TOTAL,
+            &[("direction", "sent"), ("node", node)],
+            outcome.transfer_bytes as f64,
+        );
+        mx.observe(
+            m::TRANSFER_SECONDS,
+            &[("node", node)],
+            outcome.transfer_us as f64 / 1e6,
+        );
+        progress.cached = outcome.cached_tokens;
+
+        // The first token.
+        let mut detok = Detokenizer::new(router.deps.tokenizer.as_ref(), req.sampling.stop.clone());
+        let text = detok
+            .push(&[outcome.first_token_id])
+            .map_err(|e| RouterError::Internal {
+                message: format!("detokenizing output: {e}"),
+            })?;
+        progress.tokens = 1;
+        progress.first_at = Some(Instant::now());
+        mx.observe(m::ROUTER_TTFT_SECONDS, &[], start.elapsed().as_secs_f64());
+        let ev = GenEvent::Tokens {
+            token_ids: vec![outcome.first_token_id],
+            text,
+            logprobs: outcome.first_logprob.clone().into_iter().collect(),
+        };
+        if tx.send(ev).await.is_err() {
+            abort_both(&p, &d, req_id, "client disconnected").await;
+            return Ok(Exit::ClientGone);
+        }
+        let early = if detok.stopped() {
+            Some(FinishReason::Stop)
+        } else if req.sampling.max_tokens <= 1 {
+            Some(outcome.finish.unwrap_or(FinishReason::Length))
+        } else {
+            outcome.finish
+        };
+        if let Some(finish) = early {
+            abort(&d, req_id, "finished at the first token").await;
+            return finish_text(tx, &mut detok, finish).await;
+        }
+
+        let call = DecodeCall {
+            request_id: req_id,
+            secret,
+            first_token_id: outcome.first_token_id,
+            first_logprob: outcome.first_logprob,
+            sampling: req.sampling.clone(),
+            prompt_token_ids: tokens.clone(),
+        };
+        let mut stream = match step(
+            tx,
+            token_timeout,
+            deadline,
+            (Step::Decode, d.id(), req_id),
+            d.client.decode(call),
+        )
+        .await
+        {
+            Ok(s) => s,
+            Err(StepErr::ClientGone) => {
+                abort_both(&p, &d, req_id, "client disconnected").await;
+                return Ok(Exit::ClientGone);
+            }
+            Err(StepErr::Failed(e)) => {
+                abort(&d, req_id, "decode failed").await;
+                return Err(e);
+            }
+        };
+        loop {
+            let next = step(
+                tx,
+                token_timeout,
+                deadline,
+                (Step::Decode, d.id(), req_id),
+                async { Ok::<_, crate::error::NodeError>(stream.next().await) },
+            )
+            .await;
+            let chunk = match next {
+                Err(StepErr::ClientGone) => {
+                    drop(stream);
+                    abort_both(&p, &d, req_id, "client disconnected").await;
+                    return Ok(Exit::ClientGone);
+                }
+                Err(StepErr::Failed(e)) => {
+                    drop(stream);
+                    abort(&d, req_id, "decode stalled").await;
+                    return Err(e);
+                }
+                Ok(None) => {
+                    abort(&d, req_id, "decode stream ended early").await;
+                    return Err(decode_err(
+                        d.id(),
+                        req_id,
+                        "the decode stream ended without a finish reason",
+                    ));
+                }
+                Ok(Some(Err(e))) => {
+                    drop(stream);
+                    abort(&d, req_id, "decode stream failed").await;
+                    return Err(RouterError::Node {
+                        step: Step::Decode,
+                        node: d.id().clone(),
+                        request: req_id,
+                        source: e,
+                    });
+                }
+                Ok(Some(Ok(c))) => c,
+            };
+            if chunk.finish == Some(FinishReason::Error) {
+                abort(&d, req_id, "decode reported an error").await;
+                let source = chunk.error.unwrap_or_else(|| {
+                    crate::error::NodeError::new(
+                        ErrorKind::Internal,
+                        "decode failed without detail",
+                    )
+                });
+                return Err(RouterError::Node {
+                    step: Step::Decode,
+                    node: d.id().clone(),
+                    request: req_id,
+                    source,
+                });
+            }
+            if !chunk.token_ids.is_empty() {
+                progress.tokens += chunk.token_ids.len() as u32;
+                let text = detok
+                    .push(&chunk.token_ids)
+                    .map_err(|e| RouterError::Internal {
+                        message: format!("detokenizing output: {e}"),
+                    })?;
+                let ev = GenEvent::Tokens {
+                    token_ids: chunk.token_ids,
+                    text,
+                    logprobs: chunk.logprobs,
+                };
+                if tx.send(ev).await.is_err() {
+                    drop(stream);
+                    abort_both(&p, &d, req_id, "client disconnected").await;
+                    return Ok(Exit::ClientGone);
+                }
+                if detok.stopped() {
+                    drop(stream);
+                    abort(&d, req_id, "stop string matched").await;
+                    return Ok(Exit::Done(FinishReason::Stop));
+                }
+            }
+            if let Some(finish) = chunk.finish {
+                return finish_text(tx, &mut detok, finish).await;
+            }
+        }
+    }
+    Err(last_err.unwrap_or(RouterError::NoNode {
+        role: Role::Prefill,
+    }))
+}
+
+fn decode_err(node: &NodeId, request: RequestId, msg: &str) -> RouterError {
+    RouterError::Node {
+        step: Step::Decode,
+        node: node.clone(),
+        request,
+        source: crate::error::NodeError::new(ErrorKind::Unavailable, msg),
+    }
+}
+
+/// Flushes held-back text and reports the finish.
+async fn finish_text(
+    tx: &mpsc::Sender<GenEvent>,
+    detok: &mut Detokenizer<'_>,
+    finish: FinishReason,
+) -> Result<Exit, RouterError> {
+    let rest = detok.finish();
+    if !rest.is_empty() {
+        let ev = GenEvent::Tokens {
+            token_ids: Vec::new(),
+            text: rest,
+            logprobs: Vec::new(),
+        };
+        if tx.send(ev).await.is_err() {
+            return Ok(Exit::ClientGone);
+        }
+    }
+    Ok(Exit::Done(finish))
+}

@@ -1,0 +1,305 @@
+//! The router: admission, pair selection and the prefill/decode flow of `docs/protocol.md`.
+//!
+//! [`Router::generate`] admits a tokenized request and spawns its flow, which reports
+//! [`GenEvent`]s on a channel. Dropping the receiver is how a frontend says its client went away:
+//! the flow notices at once and aborts the request on both nodes.
+
+mod flow;
+mod state;
+
+pub use state::RouterState;
+
+use crate::error::RouterError;
+use crate::membership::Membership;
+use crate::metrics::Metrics;
+use crate::policy::build_policy;
+use crate::tokenize::{ChatRender, Tokenize};
+use parking_lot::Mutex;
+use pdnode_core::config::RouterConfig;
+use pdnode_core::metrics as m;
+use pdnode_core::request::TokenLogprob;
+use pdnode_core::{FinishReason, NodeId, RequestId, Role, SamplingParams};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+/// What the frontends say about the served model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelInfo {
+    /// The name clients pass as `model`.
+    pub served_name: String,
+    /// Longest prompt + output, tokens.
+    pub context_length: u32,
+    /// Set for a simulated engine (`"mock"`): shown in `/v1/models` so nobody mistakes it.
+    pub simulated: Option<String>,
+}
+
+/// Everything the router needs from the process that hosts it.
+#[derive(Clone)]
+pub struct RouterDeps {
+    pub config: RouterConfig,
+    /// Bearer keys accepted by both frontends; empty: no authentication.
+    pub api_keys: Vec<String>,
+    pub membership: Arc<dyn Membership>,
+    pub tokenizer: Arc<dyn Tokenize>,
+    pub chat: Arc<dyn ChatRender>,
+    pub model: ModelInfo,
+}
+
+/// A tokenized, validated request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenRequest {
+    pub prompt_token_ids: Vec<u32>,
+    pub sampling: SamplingParams,
+    /// Label of the frontend endpoint, for metrics (`completions`, `chat`, `grpc`).
+    pub endpoint: &'static str,
+}
+
+/// Token counts of a finished request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Usage {
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    pub cached_tokens: u32,
+}
+
+/// What a flow reports, in order: `Tokens`* then exactly one of `Done` or `Error`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum GenEvent {
+    Tokens {
+        token_ids: Vec<u32>,
+        /// The text these tokens complete (may be empty; cut at a stop string).
+        text: String,
+        logprobs: Vec<TokenLogprob>,
+    },
+    Done {
+        finish: FinishReason,
+        usage: Usage,
+    },
+    Error(RouterError),
+}
+
+/// A started request.
+pub struct Generation {
+    pub request_id: RequestId,
+    pub events: mpsc::Receiver<GenEvent>,
+}
+
+pub struct Router {
+    pub(crate) deps: RouterDeps,
+    pub(crate) state: Mutex<RouterState>,
+    pub(crate) metrics: Arc<Metrics>,
+    inflight: Arc<AtomicU32>,
+}
+
+/// Decrements the in-flight count when the flow ends, however it ends.
+pub(crate) struct InflightGuard {
+    count: Arc<AtomicU32>,
+    metrics: Arc<Metrics>,
+}
+
+impl Drop for InflightGuard {
+    fn drop(&mut self) {
+        let left = self.count.fetch_sub(1, Ordering::AcqRel) - 1;
+        self.metrics
+            .set(m::ROUTER_INFLIGHT_REQUESTS, &[], f64::from(left));
+    }
+}
+
+impl Router {
+    pub fn new(deps: RouterDeps) -> Arc<Self> {
+        let cfg = &deps.config;
+        let prefill = build_policy(cfg.prefill_policy, cfg, cfg.seed);
+        let decode = build_policy(
+            cfg.decode_policy,
+            cfg,
+            if cfg.seed == 0 { 0 } else { cfg.seed ^ 0x5eed },
+        );
+        let metrics = Arc::new(Metrics::new());
+        describe(&metrics);
+        Arc::new(Self {
+            deps,
+            state: Mutex::new(RouterState::new(prefill, decode)),
+            metrics,
+            inflight: Arc::new(AtomicU32::new(0)),
+        })
+    }
+
+    pub fn deps(&self) -> &RouterDeps {
+        &self.deps
+    }
+
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    pub fn inflight(&self) -> u32 {
+        self.inflight.load(Ordering::Acquire)
+    }
+
+    /// Checks the prompt against the context length and the vocabulary.
+    pub fn check_prompt(&self, req: &GenRequest) -> Result<(), RouterError> {
+        if req.prompt_token_ids.is_empty() {
+            return Err(RouterError::param("prompt", "the prompt is empty"));
+        }
+        let vocab = self.deps.tokenizer.vocab_size();
+        if let Some(bad) = req.prompt_token_ids.iter().find(|&&t| t >= vocab) {
+            return Err(RouterError::param(
+                "prompt",
+                format!("token id {bad} is outside the vocabulary (size {vocab})"),
+            ));
+        }
+        let ctx = self.deps.model.context_length;
+        let total = req.prompt_token_ids.len() as u64 + u64::from(req.sampling.max_tokens);
+        if req.prompt_token_ids.len() as u64 >= u64::from(ctx) || total > u64::from(ctx) {
+            return Err(RouterError::ContextLength {
+                prompt_tokens: req.prompt_token_ids.len(),
+                max_tokens: req.sampling.max_tokens,
+                context_length: ctx,
+            });
+        }
+        Ok(())
+    }
+
+    /// Admits `req` and starts its flow. Fails at once when the request is invalid, the router is
+    /// at `max_inflight_requests`, or no prefill or decode node exists.
+    pub fn generate(self: &Arc<Self>, req: GenRequest) -> Result<Generation, RouterError> {
+        self.check_prompt(&req)?;
+        for role in [Role::Prefill, Role::Decode] {
+            if self.deps.membership.workers(role).is_empty() {
+                return Err(RouterError::NoNode { role });
+            }
+        }
+        let limit = self.deps.config.max_inflight_requests;
+        let admitted = self
+            .inflight
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < limit).then_some(n + 1)
+            });
+        let Ok(prev) = admitted else {
+            return Err(RouterError::Overloaded { limit });
+        };
+        self.metrics
+            .set(m::ROUTER_INFLIGHT_REQUESTS, &[], f64::from(prev + 1));
+        let guard = InflightGuard {
+            count: self.inflight.clone(),
+            metrics: self.metrics.clone(),
+        };
+        let request_id = RequestId::random();
+        let (tx, rx) = mpsc::channel(64);
+        let this = self.clone();
+        tokio::spawn(async move {
+            flow::run(this, req, request_id, tx, guard).await;
+        });
+        Ok(Generation {
+            request_id,
+            events: rx,
+        })
+    }
+
+    /// Asks every node for its stats (each call bounded by `timeout`) and updates the policies'
+    /// view and the per-node gauges.
+    pub async fn refresh_stats(&self, timeout: Duration) {
+        let mut present: Vec<NodeId> = Vec::new();
+        let mut rows = Vec::new();
+        for role in [Role::Prefill, Role::Decode] {
+            let workers = self.deps.membership.workers(role);
+            self.metrics.set(
+                m::ROUTER_NODES,
+                &[("role", role.as_str())],
+                workers.len() as f64,
+            );
+            for w in workers {
+                present.push(w.id().clone());
+                if let Ok(Ok(s)) = tokio::time::timeout(timeout, w.client.stats()).await {
+                    rows.push((w.id().clone(), s));
+                }
+            }
+        }
+        for name in [
+            m::ENGINE_QUEUE_DEPTH,
+            m::ENGINE_RUNNING_REQUESTS,
+            m::KV_BLOCKS_IN_USE,
+            m::KV_BLOCKS_TOTAL,
+        ] {
+            self.metrics.clear_gauge(name);
+        }
+        let mut st = self.state.lock();
+        st.retain_stats(&present);
+        for (id, s) in rows {
+            let node = id.as_str();
+            let l = [("node", node)];
+            self.metrics
+                .set(m::ENGINE_QUEUE_DEPTH, &l, f64::from(s.queued_requests));
+            self.metrics.set(
+                m::ENGINE_RUNNING_REQUESTS,
+                &l,
+                f64::from(s.running_requests),
+            );
+            self.metrics.set(
+                m::KV_BLOCKS_IN_USE,
+                &l,
+                s.kv_blocks_total.saturating_sub(s.kv_blocks_free) as f64,
+            );
+            self.metrics
+                .set(m::KV_BLOCKS_TOTAL, &l, s.kv_blocks_total as f64);
+            st.set_stats(id, s);
+        }
+    }
+}
+
+fn describe(mx: &Metrics) {
+    for (n, h) in [
+        (
+            m::ROUTER_REQUESTS_TOTAL,
+            "Requests finished, by endpoint and outcome.",
+        ),
+        (m::ROUTER_TTFT_SECONDS, "Time to first token."),
+        (
+            m::ROUTER_TPOT_SECONDS,
+            "Time per output token after the first.",
+        ),
+        (m::ROUTER_E2E_SECONDS, "End-to-end request latency."),
+        (
+            m::ROUTER_INFLIGHT_REQUESTS,
+            "Requests admitted and not finished.",
+        ),
+        (
+            m::ROUTER_PROMPT_TOKENS_TOTAL,
+            "Prompt tokens of admitted requests.",
+        ),
+        (
+            m::ROUTER_OUTPUT_TOKENS_TOTAL,
+            "Output tokens streamed to clients.",
+        ),
+        (m::ROUTER_NODES, "Nodes in the membership view, by role."),
+        (
+            m::ENGINE_QUEUE_DEPTH,
+            "Requests waiting in a node's queue (node stats).",
+        ),
+        (
+            m::ENGINE_RUNNING_REQUESTS,
+            "Requests running on a node (node stats).",
+        ),
+        (
+            m::KV_BLOCKS_IN_USE,
+            "KV blocks in use on a node (node stats).",
+        ),
+        (
+            m::KV_BLOCKS_TOTAL,
+            "KV blocks in a node's pool (node stats).",
+        ),
+        (
+            m::TRANSFER_BYTES_TOTAL,
+            "KV bytes handed off, as prefill nodes report them.",
+        ),
+        (
+            m::TRANSFER_SECONDS,
+            "KV hand-off time, as prefill nodes report it.",
+        ),
+    ] {
+        mx.describe(n, h);
+    }
+    mx.set(m::ROUTER_INFLIGHT_REQUESTS, &[], 0.0);
+}

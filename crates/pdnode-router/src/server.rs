@@ -1,0 +1,116 @@
+//! The router's entry point: serve HTTP (and gRPC, when given a listener) until `shutdown`, then
+//! drain in-flight requests.
+
+use crate::grpc::InferenceService;
+use crate::router::{Router, RouterDeps};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+/// Longest a node's stats call may take during the periodic refresh.
+const STATS_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// A failure to serve.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("HTTP server: {0}")]
+    Http(#[source] std::io::Error),
+    #[error("gRPC server: {0}")]
+    Grpc(#[source] tonic::transport::Error),
+    #[error("gRPC reflection: {0}")]
+    Reflection(String),
+}
+
+impl pdnode_core::error::Classify for ServeError {
+    fn kind(&self) -> pdnode_core::ErrorKind {
+        pdnode_core::ErrorKind::Internal
+    }
+}
+
+/// Serves the OpenAI HTTP API on `http` and `pdnode.v1.Inference` (with reflection) on `grpc`
+/// until `shutdown` is cancelled; then stops accepting and waits for in-flight requests (bounded
+/// by `router.request_timeout_s`). Node stats are refreshed every
+/// `router.power_of_two.load_refresh_ms`.
+pub async fn run(
+    http: TcpListener,
+    grpc: Option<TcpListener>,
+    deps: RouterDeps,
+    shutdown: CancellationToken,
+) -> Result<(), ServeError> {
+    let router = Router::new(deps);
+    serve(router, http, grpc, shutdown).await
+}
+
+/// [`run`] over an existing [`Router`] (e.g. to read its metrics in tests).
+pub async fn serve(
+    router: Arc<Router>,
+    http: TcpListener,
+    grpc: Option<TcpListener>,
+    shutdown: CancellationToken,
+) -> Result<(), ServeError> {
+    let refresh = Duration::from_millis(router.deps().config.power_of_two.load_refresh_ms.max(50));
+    let stats_task = {
+        let router = router.clone();
+        let stop = shutdown.clone();
+        tokio::spawn(async move {
+            loop {
+                router.refresh_stats(STATS_TIMEOUT).await;
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(refresh) => {}
+                }
+            }
+        })
+    };
+
+    let app = crate::http::app(router.clone());
+    let http_stop = shutdown.clone();
+    let http_task = tokio::spawn(async move {
+        axum::serve(http, app)
+            .with_graceful_shutdown(http_stop.cancelled_owned())
+            .await
+            .map_err(ServeError::Http)
+    });
+
+    let grpc_task = match grpc {
+        None => None,
+        Some(listener) => {
+            let reflection = tonic_reflection::server::Builder::configure()
+                .register_encoded_file_descriptor_set(pdnode_proto::FILE_DESCRIPTOR_SET)
+                .build_v1()
+                .map_err(|e| ServeError::Reflection(e.to_string()))?;
+            let svc = InferenceService::new(router.clone()).into_server();
+            let stop = shutdown.clone();
+            let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+            Some(tokio::spawn(async move {
+                tonic::transport::Server::builder()
+                    .add_service(reflection)
+                    .add_service(svc)
+                    .serve_with_incoming_shutdown(incoming, stop.cancelled_owned())
+                    .await
+                    .map_err(ServeError::Grpc)
+            }))
+        }
+    };
+
+    shutdown.cancelled().await;
+    // Drain: the servers stop accepting and finish open connections; flows end on their own
+    // (every step has a deadline), bounded here by the request timeout.
+    let drain = Duration::from_secs(router.deps().config.request_timeout_s);
+    let deadline = tokio::time::Instant::now() + drain;
+    let mut result = Ok(());
+    if let Ok(Ok(Err(e))) = tokio::time::timeout_at(deadline, http_task).await {
+        result = Err(e);
+    }
+    if let Some(t) = grpc_task
+        && let Ok(Ok(Err(e))) = tokio::time::timeout_at(deadline, t).await
+    {
+        result = result.and(Err(e));
+    }
+    while router.inflight() > 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stats_task.abort();
+    result
+}

@@ -1,0 +1,311 @@
+//! In-memory twins for tests: a byte-level [`FakeTokenizer`] (also a [`ChatRender`]) and a
+//! scriptable [`FakeNode`] that records every call it gets. Used by this crate's tests and by
+//! anyone testing against the router without real nodes.
+
+use crate::error::NodeError;
+use crate::membership::Worker;
+use crate::node::{
+    DecodeCall, DecodeChunk, DecodeStream, KvTarget, NodeClient, NodeStats, PrefillCall,
+    PrefillOutcome, ReserveKv,
+};
+use crate::tokenize::{ChatMessage, ChatRender, Tokenize, TokenizeError};
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use parking_lot::Mutex;
+use pdnode_core::card::{NodeAddresses, NodeCapacity};
+use pdnode_core::{ErrorKind, FinishReason, NodeCard, NodeId, RequestId, Role};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+/// Byte-level tokenizer: token id = byte value. Chat renders `role: content\n` lines and ends
+/// with `assistant:`.
+#[derive(Debug, Clone, Default)]
+pub struct FakeTokenizer;
+
+impl Tokenize for FakeTokenizer {
+    fn encode(&self, text: &str, _add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
+        Ok(text.bytes().map(u32::from).collect())
+    }
+
+    fn decode(&self, ids: &[u32]) -> Result<String, TokenizeError> {
+        let bytes: Result<Vec<u8>, _> = ids.iter().map(|&i| u8::try_from(i)).collect();
+        let bytes = bytes.map_err(|_| TokenizeError("token id above 255".into()))?;
+        Ok(String::from_utf8_lossy(&bytes).into_owned())
+    }
+
+    fn vocab_size(&self) -> u32 {
+        256
+    }
+}
+
+impl ChatRender for FakeTokenizer {
+    fn render(&self, messages: &[ChatMessage]) -> Result<String, TokenizeError> {
+        let mut s = String::new();
+        for m in messages {
+            s.push_str(&format!("{}: {}\n", m.role, m.content));
+        }
+        s.push_str("assistant:");
+        Ok(s)
+    }
+}
+
+/// How a [`FakeNode`] behaves; change it between requests with [`FakeNode::set`].
+#[derive(Debug, Clone)]
+pub struct FakeBehavior {
+    /// The tokens a request generates (first from prefill, the rest from decode); the request
+    /// ends with `stop` when they run out before `max_tokens`.
+    pub output: Vec<u32>,
+    /// Delay before each decoded token.
+    pub token_interval: Duration,
+    /// Delay of prefill before it answers.
+    pub prefill_delay: Duration,
+    pub fail_reserve: Option<NodeError>,
+    pub fail_prefill: Option<NodeError>,
+    /// The decode stream breaks with this error after this many chunks.
+    pub die_after: Option<(usize, NodeError)>,
+    pub stats: NodeStats,
+}
+
+impl Default for FakeBehavior {
+    fn default() -> Self {
+        Self {
+            output: b"Hello from the fake node."
+                .iter()
+                .map(|&b| u32::from(b))
+                .collect(),
+            token_interval: Duration::ZERO,
+            prefill_delay: Duration::ZERO,
+            fail_reserve: None,
+            fail_prefill: None,
+            die_after: None,
+            stats: NodeStats {
+                kv_blocks_total: 100,
+                kv_blocks_free: 100,
+                max_running_requests: 8,
+                ..NodeStats::default()
+            },
+        }
+    }
+}
+
+/// A recorded call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FakeCall {
+    ReserveKv(RequestId),
+    Prefill(RequestId),
+    Decode(RequestId),
+    Abort(RequestId),
+    Stats,
+}
+
+/// A scriptable prefill or decode node.
+pub struct FakeNode {
+    id: NodeId,
+    behavior: Mutex<FakeBehavior>,
+    calls: Mutex<Vec<FakeCall>>,
+    /// Per request: cancelled by Abort.
+    live: Mutex<HashMap<RequestId, CancellationToken>>,
+    changed: Notify,
+}
+
+impl FakeNode {
+    pub fn new(id: &str) -> Arc<Self> {
+        Arc::new(Self {
+            id: NodeId::new(id),
+            behavior: Mutex::new(FakeBehavior::default()),
+            calls: Mutex::new(Vec::new()),
+            live: Mutex::new(HashMap::new()),
+            changed: Notify::new(),
+        })
+    }
+
+    pub fn set(&self, f: impl FnOnce(&mut FakeBehavior)) {
+        f(&mut self.behavior.lock());
+    }
+
+    pub fn calls(&self) -> Vec<FakeCall> {
+        self.calls.lock().clone()
+    }
+
+    /// Requests this node was told to abort.
+    pub fn aborts(&self) -> Vec<RequestId> {
+        self.calls
+            .lock()
+            .iter()
+            .filter_map(|c| match c {
+                FakeCall::Abort(r) => Some(*r),
+                _ => None,
+            })
+            .collect()
+    }
+
+    pub fn count(&self, pred: impl Fn(&FakeCall) -> bool) -> usize {
+        self.calls.lock().iter().filter(|c| pred(c)).count()
+    }
+
+    /// Waits until `pred` holds over the recorded calls, or `timeout` passes; returns whether it
+    /// held.
+    pub async fn wait_for(&self, timeout: Duration, pred: impl Fn(&[FakeCall]) -> bool) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let notified = self.changed.notified();
+            if pred(&self.calls.lock()) {
+                return true;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            let _ = tokio::time::timeout(left, notified).await;
+        }
+    }
+
+    /// A [`Worker`] for this node with the given role.
+    pub fn worker(self: &Arc<Self>, role: Role) -> Worker {
+        Worker {
+            card: fake_card(self.id.as_str(), role),
+            client: self.clone(),
+        }
+    }
+
+    fn record(&self, c: FakeCall) {
+        self.calls.lock().push(c);
+        self.changed.notify_waiters();
+    }
+
+    fn token(&self, id: RequestId) -> CancellationToken {
+        self.live.lock().entry(id).or_default().clone()
+    }
+}
+
+/// A card for tests.
+pub fn fake_card(id: &str, role: Role) -> NodeCard {
+    NodeCard {
+        id: NodeId::new(id),
+        role,
+        cluster: "test".into(),
+        model_id: "fake-model".into(),
+        model_fingerprint: "fake".into(),
+        kv_layout: None,
+        tp_size: 1,
+        addresses: NodeAddresses::default(),
+        capacity: NodeCapacity::default(),
+        version: "test".into(),
+        started_at_ms: 0,
+    }
+}
+
+impl NodeClient for FakeNode {
+    fn reserve_kv(&self, req: ReserveKv) -> BoxFuture<'_, Result<KvTarget, NodeError>> {
+        Box::pin(async move {
+            self.record(FakeCall::ReserveKv(req.request_id));
+            if let Some(e) = self.behavior.lock().fail_reserve.clone() {
+                return Err(e);
+            }
+            self.token(req.request_id);
+            Ok(KvTarget {
+                decode_node: self.id.clone(),
+                secret: req.request_id.0.to_le_bytes().to_vec(),
+                encoded: Bytes::new(),
+            })
+        })
+    }
+
+    fn prefill(&self, req: PrefillCall) -> BoxFuture<'_, Result<PrefillOutcome, NodeError>> {
+        Box::pin(async move {
+            self.record(FakeCall::Prefill(req.request_id));
+            let b = self.behavior.lock().clone();
+            let cancel = self.token(req.request_id);
+            tokio::select! {
+                _ = tokio::time::sleep(b.prefill_delay) => {}
+                _ = cancel.cancelled() => {
+                    return Err(NodeError::new(ErrorKind::Cancelled, "aborted"));
+                }
+            }
+            if let Some(e) = b.fail_prefill {
+                return Err(e);
+            }
+            let first = b.output.first().copied().unwrap_or(0);
+            let finish = if b.output.len() <= 1 {
+                Some(FinishReason::Stop)
+            } else if req.sampling.max_tokens <= 1 {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            Ok(PrefillOutcome {
+                first_token_id: first,
+                first_logprob: None,
+                finish,
+                cached_tokens: 0,
+                transfer_bytes: 4096 * req.prompt_token_ids.len() as u64,
+                transfer_us: 100,
+            })
+        })
+    }
+
+    fn decode(&self, req: DecodeCall) -> BoxFuture<'_, Result<DecodeStream, NodeError>> {
+        Box::pin(async move {
+            self.record(FakeCall::Decode(req.request_id));
+            let b = self.behavior.lock().clone();
+            let cancel = self.token(req.request_id);
+            let max = req.sampling.max_tokens as usize;
+            let rest: Vec<u32> = b.output.iter().skip(1).copied().collect();
+            let (tx, rx) = tokio::sync::mpsc::channel(4);
+            tokio::spawn(async move {
+                let mut sent = 1usize;
+                for (n, tok) in rest.iter().enumerate() {
+                    if let Some((after, e)) = &b.die_after
+                        && n >= *after
+                    {
+                        let _ = tx.send(Err(e.clone())).await;
+                        return;
+                    }
+                    tokio::select! {
+                        _ = tokio::time::sleep(b.token_interval) => {}
+                        _ = cancel.cancelled() => return,
+                    }
+                    sent += 1;
+                    let finish = if sent >= max {
+                        Some(FinishReason::Length)
+                    } else if n + 1 == rest.len() {
+                        Some(FinishReason::Stop)
+                    } else {
+                        None
+                    };
+                    let chunk = DecodeChunk {
+                        token_ids: vec![*tok],
+                        finish,
+                        ..DecodeChunk::default()
+                    };
+                    if tx.send(Ok(chunk)).await.is_err() || finish.is_some() {
+                        return;
+                    }
+                }
+            });
+            let s: DecodeStream = Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx));
+            Ok(s)
+        })
+    }
+
+    fn abort(&self, id: RequestId, _reason: String) -> BoxFuture<'_, Result<bool, NodeError>> {
+        Box::pin(async move {
+            let found = self.live.lock().remove(&id);
+            if let Some(t) = &found {
+                t.cancel();
+            }
+            self.record(FakeCall::Abort(id));
+            Ok(found.is_some())
+        })
+    }
+
+    fn stats(&self) -> BoxFuture<'_, Result<NodeStats, NodeError>> {
+        Box::pin(async move {
+            self.record(FakeCall::Stats);
+            Ok(self.behavior.lock().stats.clone())
+        })
+    }
+}

@@ -19,6 +19,9 @@ use thread::Cmd;
 
 pub(crate) const NAME: &str = "ucx";
 
+/// How long dropping a registration waits for the worker thread to unmap it.
+const DEREGISTER_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// How the UCX transport starts.
 #[derive(Debug, Clone)]
 pub struct UcxConfig {
@@ -174,7 +177,11 @@ impl KvTransport for UcxTransport {
                 rkey,
             },
             release: Some(Box::new(move || {
-                let _ = shared.send(Cmd::Deregister { id });
+                // Synchronous, so the owner may free the memory right after the drop.
+                let (tx, rx) = mpsc::sync_channel(1);
+                if shared.send(Cmd::Deregister { id, reply: tx }).is_ok() {
+                    let _ = rx.recv_timeout(DEREGISTER_TIMEOUT);
+                }
             })),
         })
     }

@@ -24,6 +24,7 @@ pub(crate) enum Cmd {
     },
     Deregister {
         id: u64,
+        reply: mpsc::SyncSender<()>,
     },
     Connect {
         id: u64,
@@ -202,8 +203,9 @@ impl State {
                 let r = self.register(id, region);
                 let _ = reply.send(r);
             }
-            Cmd::Deregister { id } => {
+            Cmd::Deregister { id, reply } => {
                 self.regions.remove(&id);
+                let _ = reply.send(());
             }
             Cmd::Connect {
                 id,

@@ -1,0 +1,469 @@
+//! The bench's sender (prefill role): per request, reserve on the server, gather into the
+//! registered staging area, put layer group by layer group, flush, KvDone; time every phase.
+
+use super::wire::{self, Msg};
+use super::{HostBuf, Options, pattern};
+use crate::TransferError;
+use crate::completion::Completion;
+use crate::negotiation::{BlockGuard, DoneStatus, KvTarget, Push, PushState};
+use crate::region::{LocalRegion, PoolGeometry, RemoteRegion, gather_host};
+use crate::transport::{KvTransport, Registration, RemoteTarget};
+use crate::ucx::UcxTransport;
+use pdnode_core::{BlockId, DType, KvLayout, NodeId, RequestId};
+use rand::seq::SliceRandom;
+use std::collections::VecDeque;
+use std::io::{BufRead, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+/// One table row.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct PointResult {
+    pub block_bytes: u64,
+    pub request_bytes: u64,
+    pub requests: u32,
+    /// Request bytes over the time from the first gather to the flush's completion.
+    pub push_gbps: f64,
+    /// Request bytes over the whole request (reserve .. DoneAck, without the verification).
+    pub e2e_gbps: f64,
+    pub push_ms_p50: f64,
+    pub latency_ms_p50: f64,
+    pub latency_ms_max: f64,
+    pub scatter_ms_p50: f64,
+}
+
+struct Sample {
+    push: Duration,
+    total: Duration,
+    scatter: Duration,
+}
+
+fn say(line: String) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+fn wait_stdin_line() {
+    let mut s = String::new();
+    let _ = std::io::stdin().lock().read_line(&mut s);
+}
+
+const PREFILL_NODE: &str = "bench-client";
+
+pub fn run(opts: &Options, transport: &UcxTransport) -> Result<Vec<PointResult>, TransferError> {
+    let addr = opts.connect.as_deref().ok_or(TransferError::Control {
+        reason: "client needs a server address (connect)".into(),
+    })?;
+    let mut stream = TcpStream::connect(addr).map_err(|e| TransferError::Control {
+        reason: format!("connect {addr}: {e}"),
+    })?;
+    let _ = stream.set_nodelay(true);
+    let mut rows = Vec::new();
+    for &bb in &opts.block_bytes {
+        rows.push(run_point(opts, transport, &mut stream, bb)?);
+    }
+    wire::send(&mut stream, &Msg::Bye)?;
+    Ok(rows)
+}
+
+fn mismatched(layout: &KvLayout, field: &str) -> Result<KvLayout, TransferError> {
+    let mut l = layout.clone();
+    match field {
+        "head_dim" => l.head_dim *= 2,
+        "block_size" => l.block_size *= 2,
+        "num_layers" => l.num_layers += 1,
+        "kv_heads_per_rank" => l.kv_heads_per_rank *= 2,
+        "tp_size" => l.tp_size += 1,
+        "dtype" => l.dtype = DType::F32,
+        "model_fingerprint" => l.model_fingerprint.push_str("-other"),
+        other => {
+            return Err(TransferError::Control {
+                reason: format!("unknown layout field {other:?}"),
+            });
+        }
+    }
+    Ok(l)
+}
+
+fn run_point(
+    opts: &Options,
+    transport: &UcxTransport,
+    stream: &mut TcpStream,
+    block_bytes: u64,
+) -> Result<PointResult, TransferError> {
+    let layout = opts.layout_for(block_bytes)?;
+    let n = opts.blocks_per_request as usize;
+    let pool_blocks = 2 * opts.blocks_per_request;
+    let geo = PoolGeometry {
+        num_layers: layout.num_layers,
+        num_blocks: pool_blocks,
+        block_layer_bytes: block_bytes,
+    };
+    let mut pool = HostBuf::new(geo.pool_bytes() as usize)?;
+    let mut staging = HostBuf::new(geo.staging_bytes(n) as usize)?;
+    // SAFETY: the buffers outlive the registrations (declared later, dropped first) and every
+    // put is waited for before a registration drops.
+    let pool_reg = unsafe { transport.register(LocalRegion::host(pool.bytes_mut())) }?;
+    // SAFETY: as above.
+    let staging_reg = unsafe { transport.register(LocalRegion::host(staging.bytes_mut())) }?;
+    let ours = match &opts.faults.layout_mismatch {
+        Some(f) => mismatched(&layout, f)?,
+        None => layout.clone(),
+    };
+    let deadline = Instant::now() + Duration::from_millis(opts.lease_ms);
+    wire::send(
+        stream,
+        &Msg::Hello {
+            layout: layout.clone(),
+            pool_blocks,
+            max_request_blocks: opts.blocks_per_request,
+            pool_placement: opts.pool_placement,
+            prefill_node: NodeId::new(PREFILL_NODE),
+        },
+    )?;
+    let peer_address = match wire::recv_until(stream, deadline)? {
+        Msg::Welcome { worker_address } => worker_address,
+        Msg::Refused { error, .. } => return Err(TransferError::Control { reason: error }),
+        other => {
+            return Err(TransferError::Control {
+                reason: format!("expected Welcome, got {other:?}"),
+            });
+        }
+    };
+    let mut remote: Option<(RemoteRegion, RemoteTarget)> = None;
+    let mut samples = Vec::new();
+    let base = rand::random::<u32>() as u64 * 1_000_000;
+    for i in 0..opts.warmup + opts.requests {
+        let ctx = Req {
+            opts,
+            transport,
+            layout: &layout,
+            ours: &ours,
+            geo,
+            pool: &mut pool,
+            pool_reg: &pool_reg,
+            staging: &mut staging,
+            staging_reg: &staging_reg,
+            peer_address: &peer_address,
+            first: i == 0,
+        };
+        let s = one_request(ctx, stream, &mut remote, RequestId(base + i as u64))?;
+        if i >= opts.warmup {
+            samples.push(s);
+        }
+    }
+    drop(remote);
+    drop(pool_reg);
+    drop(staging_reg);
+    Ok(summarize(block_bytes, geo.staging_bytes(n), &samples))
+}
+
+struct Req<'a> {
+    opts: &'a Options,
+    transport: &'a UcxTransport,
+    layout: &'a KvLayout,
+    ours: &'a KvLayout,
+    geo: PoolGeometry,
+    pool: &'a mut HostBuf,
+    pool_reg: &'a Registration,
+    staging: &'a mut HostBuf,
+    staging_reg: &'a Registration,
+    peer_address: &'a [u8],
+    first: bool,
+}
+
+fn one_request(
+    c: Req<'_>,
+    stream: &mut TcpStream,
+    remote: &mut Option<(RemoteRegion, RemoteTarget)>,
+    request: RequestId,
+) -> Result<Sample, TransferError> {
+    let n = c.opts.blocks_per_request as usize;
+    let mut all: Vec<BlockId> = (0..c.geo.num_blocks).map(BlockId).collect();
+    all.shuffle(&mut rand::rng());
+    let src: Vec<BlockId> = all[..n].to_vec();
+    let blb = c.geo.block_layer_bytes as usize;
+    for layer in 0..c.layout.num_layers {
+        for (i, b) in src.iter().enumerate() {
+            let off = c.geo.layer_block_offset(layer, *b) as usize;
+            pattern::fill(&mut c.pool.bytes_mut()[off..off + blb], request.0, layer, i);
+        }
+    }
+    // Announced on stdout when the request fails (the tests check that the blocks go back).
+    let failed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let announce = failed.clone();
+    let guard = BlockGuard::new(src.clone(), move |b| {
+        if announce.load(std::sync::atomic::Ordering::Relaxed) {
+            say(format!("RELEASED {request} {} blocks", b.len()));
+        }
+    });
+    let t0 = Instant::now();
+    let deadline = t0 + Duration::from_millis(c.opts.lease_ms);
+    wire::send(
+        stream,
+        &Msg::Reserve {
+            request,
+            blocks: n as u32,
+            lease_ms: c.opts.lease_ms,
+            prefill_layout: Some(c.ours.clone()),
+        },
+    )?;
+    let target: KvTarget = match wire::recv_until(stream, deadline)? {
+        Msg::Target { target } => *target,
+        Msg::Refused { error, .. } => {
+            return Err(TransferError::RemoteFailed {
+                request,
+                reason: format!("reserve refused: {error}"),
+            });
+        }
+        other => {
+            return Err(TransferError::Control {
+                reason: format!("expected Target, got {other:?}"),
+            });
+        }
+    };
+    if c.opts.faults.stall_after_reserve {
+        say(format!("STALLED {request}"));
+        loop {
+            wait_stdin_line();
+        }
+    }
+    if target.worker_address != c.peer_address {
+        return Err(TransferError::InvalidDescriptor {
+            reason: "target names another worker".into(),
+        });
+    }
+    if remote.as_ref().is_none_or(|(r, _)| *r != target.region) {
+        let t = c
+            .transport
+            .connect(&target.worker_address, &target.region)?;
+        *remote = Some((target.region.clone(), t));
+    }
+    let Some((_, rt)) = remote.as_ref() else {
+        return Err(TransferError::Control {
+            reason: "no remote target".into(),
+        });
+    };
+    let secret = if c.opts.faults.wrong_secret {
+        crate::negotiation::Secret::random().as_bytes().to_vec()
+    } else {
+        target.secret.as_bytes().to_vec()
+    };
+    let mut push = Push::received(target, src.clone(), c.geo, c.opts.layers_per_put, deadline);
+    let mut inflight: VecDeque<Completion> = VecDeque::new();
+    let mut push_time = Duration::ZERO;
+    let result = (|| -> Result<(u64, u64), TransferError> {
+        push.check_layout(c.ours)?;
+        let t_push = Instant::now();
+        let plans = push.layers_ready(c.layout.num_layers, t_push)?;
+        let mut paused = false;
+        for plan in plans {
+            let local = if plan.staged {
+                gather_host(
+                    &c.geo,
+                    c.pool.bytes(),
+                    &src,
+                    plan.layers.clone(),
+                    c.staging.bytes_mut(),
+                )?;
+                c.staging_reg
+            } else {
+                c.pool_reg
+            };
+            inflight.push_back(c.transport.put(local, rt, &plan.spans)?);
+            if let Some(k) = c.opts.faults.pause_after_layers
+                && c.first
+                && !paused
+                && plan.layers.end >= k
+            {
+                paused = true;
+                // Let the puts issued so far land, then wait for the test's go-ahead.
+                while let Some(done) = inflight.pop_front() {
+                    push.put_finished(done.wait(deadline))?;
+                }
+                say(format!("PAUSED {request}"));
+                wait_stdin_line();
+            }
+        }
+        while let Some(done) = inflight.pop_front() {
+            push.put_finished(done.wait(deadline))?;
+        }
+        push.flush_started()?;
+        push.flushed(c.transport.flush(rt)?.wait(deadline))?;
+        push_time = t_push.elapsed();
+        let bytes = c.geo.staging_bytes(n);
+        wire::send(
+            stream,
+            &Msg::Done {
+                request,
+                secret: secret.clone(),
+                status: DoneStatus::Ok,
+                bytes,
+                prefill_node: NodeId::new(PREFILL_NODE),
+            },
+        )
+        .map_err(|e| TransferError::PeerGone {
+            peer: "bench server".into(),
+            reason: e.to_string(),
+        })?;
+        let ack = match wire::recv_until(stream, deadline) {
+            Ok(Msg::DoneAck {
+                scatter_us,
+                verify_us,
+                ..
+            }) => Ok((scatter_us, verify_us)),
+            Ok(Msg::Refused { error, .. }) => Err(TransferError::RemoteFailed {
+                request,
+                reason: format!("KvDone refused: {error}"),
+            }),
+            Ok(other) => Err(TransferError::Control {
+                reason: format!("expected DoneAck, got {other:?}"),
+            }),
+            Err(e) => Err(TransferError::PeerGone {
+                peer: "bench server".into(),
+                reason: e.to_string(),
+            }),
+        };
+        push.done_signalled(ack.as_ref().map(|_| ()).map_err(Clone::clone))?;
+        ack
+    })();
+    if let Err(e) = &result
+        && !matches!(
+            push.state(),
+            PushState::Failed | PushState::Aborted | PushState::Done
+        )
+    {
+        push.abort(&e.to_string())?;
+    }
+    // No put may still read the source blocks when they go back.
+    while let Some(done) = inflight.pop_front() {
+        let _ = push.put_finished(done.wait(deadline));
+    }
+    let end = push.poll(Instant::now());
+    if let Some(rel) = &end
+        && rel.notify_decode
+    {
+        let _ = wire::send(
+            stream,
+            &Msg::Done {
+                request,
+                secret: secret.clone(),
+                status: rel.status.clone(),
+                bytes: 0,
+                prefill_node: NodeId::new(PREFILL_NODE),
+            },
+        );
+    }
+    failed.store(result.is_err(), std::sync::atomic::Ordering::Relaxed);
+    guard.release();
+    let (scatter_us, verify_us) = result?;
+    let total = t0
+        .elapsed()
+        .saturating_sub(Duration::from_micros(verify_us));
+    Ok(Sample {
+        push: push_time,
+        total,
+        scatter: Duration::from_micros(scatter_us),
+    })
+}
+
+fn pct(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+fn summarize(block_bytes: u64, request_bytes: u64, s: &[Sample]) -> PointResult {
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let mut push: Vec<f64> = s.iter().map(|x| ms(x.push)).collect();
+    let mut total: Vec<f64> = s.iter().map(|x| ms(x.total)).collect();
+    let mut scatter: Vec<f64> = s.iter().map(|x| ms(x.scatter)).collect();
+    for v in [&mut push, &mut total, &mut scatter] {
+        v.sort_by(|a, b| a.total_cmp(b));
+    }
+    let sum_push: f64 = push.iter().sum();
+    let sum_total: f64 = total.iter().sum();
+    let gbps = |sum_ms: f64| {
+        if sum_ms > 0.0 {
+            request_bytes as f64 * s.len() as f64 / (sum_ms / 1e3) / 1e9
+        } else {
+            0.0
+        }
+    };
+    PointResult {
+        block_bytes,
+        request_bytes,
+        requests: s.len() as u32,
+        push_gbps: gbps(sum_push),
+        e2e_gbps: gbps(sum_total),
+        push_ms_p50: pct(&push, 0.5),
+        latency_ms_p50: pct(&total, 0.5),
+        latency_ms_max: pct(&total, 1.0),
+        scatter_ms_p50: pct(&scatter, 0.5),
+    }
+}
+
+fn human(bytes: u64) -> String {
+    if bytes >= 1 << 20 && bytes.is_multiple_of(1 << 20) {
+        format!("{} MiB", bytes >> 20)
+    } else if bytes >= 1 << 10 {
+        format!("{} KiB", bytes >> 10)
+    } else {
+        format!("{bytes} B")
+    }
+}
+
+/// The printed table (with a header naming the setup) and one `RESULT` JSON line per row.
+pub fn table(opts: &Options, rows: &[PointResult], t: &UcxTransport) -> String {
+    let (a, b, c) = t.version();
+    let mut out = format!(
+        "bench-transfer: UCX {a}.{b}.{c} ({}), UCX_TLS={}, {} layers x {} blocks/request, \
+         {} layer(s)/put, {} placement, verified every byte\n",
+        t.library(),
+        std::env::var("UCX_TLS").unwrap_or_else(|_| "(default)".into()),
+        opts.layers,
+        opts.blocks_per_request,
+        opts.layers_per_put,
+        if opts.pool_placement {
+            "pool"
+        } else {
+            "staging"
+        },
+    );
+    out.push_str(&format!(
+        "{:>10} {:>10} {:>5} {:>10} {:>9} {:>9} {:>11} {:>10} {:>11}\n",
+        "layer-blk",
+        "request",
+        "reqs",
+        "push GB/s",
+        "e2e GB/s",
+        "push ms",
+        "latency ms",
+        "max ms",
+        "scatter ms"
+    ));
+    for r in rows {
+        out.push_str(&format!(
+            "{:>10} {:>10} {:>5} {:>10.2} {:>9.2} {:>9.2} {:>11.2} {:>10.2} {:>11.2}\n",
+            human(r.block_bytes),
+            human(r.request_bytes),
+            r.requests,
+            r.push_gbps,
+            r.e2e_gbps,
+            r.push_ms_p50,
+            r.latency_ms_p50,
+            r.latency_ms_max,
+            r.scatter_ms_p50
+        ));
+    }
+    for r in rows {
+        out.push_str(&format!(
+            "RESULT {}\n",
+            serde_json::to_string(r).unwrap_or_default()
+        ));
+    }
+    out
+}

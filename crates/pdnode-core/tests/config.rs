@@ -318,3 +318,40 @@ fn the_reference_layout_is_what_the_files_say() {
     assert_eq!(p.model.path, d.model.path);
     assert_eq!(get("router.toml").node.role, Role::Router);
 }
+
+fn dotted_keys(prefix: &str, v: &toml::Value, out: &mut Vec<String>) {
+    if let toml::Value::Table(t) = v {
+        for (k, v) in t {
+            let key = if prefix.is_empty() {
+                k.clone()
+            } else {
+                format!("{prefix}.{k}")
+            };
+            if v.is_table() {
+                dotted_keys(&key, v, out);
+            } else {
+                out.push(key);
+            }
+        }
+    }
+}
+
+#[test]
+fn docs_configuration_md_describes_every_key() {
+    let doc = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/configuration.md"),
+    )
+    .unwrap();
+    let defaults = toml::Value::try_from(pdnode_core::config::Config::default()).unwrap();
+    let mut keys = Vec::new();
+    dotted_keys("", &defaults, &mut keys);
+    assert!(keys.len() > 40, "{keys:?}");
+    let missing: Vec<&String> = keys
+        .iter()
+        .filter(|k| !doc.contains(&format!("| `{k}` |")))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "docs/configuration.md lacks a row for {missing:?}"
+    );
+}

@@ -255,6 +255,13 @@ impl CudaBackend {
         &self.gpu
     }
 
+    /// Fills the whole KV pool with seeded random bf16 values (benchmarks: never time on zeros).
+    pub fn fill_kv_random(&mut self, seed: u64) -> Result<(), CudaError> {
+        self.gpu.bind()?;
+        ops::fill_uniform_bf16(&self.gpu, &self.pool, self.pool.bytes() / 2, seed, 1.0)?;
+        self.gpu.sync()
+    }
+
     /// Bytes of weights on the device.
     pub fn weight_bytes(&self) -> usize {
         self.w.bytes

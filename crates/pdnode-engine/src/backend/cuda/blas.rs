@@ -8,7 +8,7 @@ use super::CudaError;
 use cudarc::cublas::{result, sys};
 use cudarc::driver::CudaStream;
 
-pub(crate) struct Blas {
+pub struct Blas {
     handle: sys::cublasHandle_t,
 }
 
@@ -57,7 +57,7 @@ pub enum OutType {
 /// The pointers must be live device allocations of the current context with at least the sizes
 /// above, and the Blas handle must belong to that context.
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn gemm(
+pub unsafe fn gemm(
     blas: &Blas,
     out: usize,
     tokens: usize,

@@ -119,7 +119,7 @@ pub struct Gpu {
     pub ordinal: u32,
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
-    pub(crate) blas: super::blas::Blas,
+    pub blas: super::blas::Blas,
     kernels: HashMap<&'static str, CudaFunction>,
     pub compute_capability: (i32, i32),
     pub sm_count: u32,

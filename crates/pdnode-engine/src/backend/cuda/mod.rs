@@ -15,6 +15,7 @@
 //! `r * nkv / tp .. (r + 1) * nkv / tp` in that same layout, `kv_heads_per_rank = nkv / tp`.
 
 pub mod backend;
+pub mod bench;
 pub mod blas;
 pub mod device;
 pub mod ops;

@@ -73,7 +73,10 @@ pub fn embed_gather(
     let f = gpu.kernel(OP)?;
     let h = hidden as i32;
     let mut b = gpu.stream.launch_builder(f);
-    b.arg(table.ptr_ref()).arg(&ids).arg(resid.ptr_ref()).arg(&h);
+    b.arg(table.ptr_ref())
+        .arg(&ids)
+        .arg(resid.ptr_ref())
+        .arg(&h);
     // SAFETY: sizes checked above; `ids` holds `tokens` ids below `vocab` (caller contract).
     unsafe { b.launch(cfg((u32_of(OP, tokens)?, 1, 1), 256)) }.map_err(launched(OP))?;
     Ok(())

@@ -1,0 +1,251 @@
+//! GPU benchmarks of the CUDA backend at real model shapes (dummy weights): decode step time
+//! against the HBM roofline, prefill against the cuBLAS bf16 peak. Ceilings are measured in the
+//! same process (device-to-device copy; an 8192^3 bf16 GEMM) so every ratio has its own ceiling.
+
+use super::CudaError;
+use super::backend::{CudaBackend, CudaOptions};
+use super::blas::{OutType, gemm};
+use super::device::Gpu;
+use super::ops;
+use crate::backend::{Backend, BackendError, ForwardBatch, SeqStep};
+
+use crate::spec::{Arch, ModelSpec, RopeScaling};
+use pdnode_core::BlockId;
+use std::time::Instant;
+
+/// Llama-3.1-8B shapes.
+pub fn llama31_8b() -> ModelSpec {
+    ModelSpec {
+        arch: Arch::Llama,
+        hidden_size: 4096,
+        intermediate_size: 14336,
+        num_layers: 32,
+        num_heads: 32,
+        num_kv_heads: 8,
+        head_dim: 128,
+        vocab_size: 128256,
+        rms_norm_eps: 1e-5,
+        rope_theta: 500000.0,
+        rope_scaling: Some(RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        }),
+        max_position_embeddings: 131072,
+        tie_word_embeddings: false,
+        qkv_bias: false,
+        qk_norm: false,
+        bos_token_id: Some(128000),
+        eos_token_ids: vec![128001],
+    }
+}
+
+/// Measured ceilings of this device.
+#[derive(Debug, Clone, Copy)]
+pub struct Ceilings {
+    /// Device-to-device copy, bytes read + written per second.
+    pub hbm_traffic_bps: f64,
+    /// bf16 GEMM 8192^3 (f32 accumulate), FLOP/s.
+    pub gemm_flops: f64,
+}
+
+fn timed(
+    gpu: &Gpu,
+    iters: usize,
+    mut f: impl FnMut() -> Result<(), CudaError>,
+) -> Result<f64, CudaError> {
+    f()?;
+    gpu.sync()?;
+    let t0 = Instant::now();
+    for _ in 0..iters {
+        f()?;
+    }
+    gpu.sync()?;
+    Ok(t0.elapsed().as_secs_f64() / iters as f64)
+}
+
+/// Copy bandwidth (1 GiB device-to-device) and the bf16 GEMM rate at 8192^3.
+pub fn measure_ceilings(gpu: &Gpu) -> Result<Ceilings, CudaError> {
+    gpu.bind()?;
+    let n = 1usize << 30;
+    let (a, b) = (gpu.alloc(n)?, gpu.alloc(n)?);
+    ops::fill_uniform_bf16(gpu, &a, n / 2, 1, 1.0)?;
+    let copy = timed(gpu, 20, || {
+        // SAFETY: both buffers are live n-byte allocations of this context.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(b.ptr(), a.ptr(), n, gpu.stream.cu_stream())
+        }
+        .map_err(super::drv("cuMemcpyDtoDAsync"))
+    })?;
+    drop((a, b));
+    let m = 8192usize;
+    let (x, w, y) = (
+        gpu.alloc(m * m * 2)?,
+        gpu.alloc(m * m * 2)?,
+        gpu.alloc(m * m * 2)?,
+    );
+    ops::fill_uniform_bf16(gpu, &x, m * m, 2, 1.0)?;
+    ops::fill_uniform_bf16(gpu, &w, m * m, 3, 1.0)?;
+    // SAFETY (closure): buffers sized m*m bf16.
+    let g = timed(gpu, 20, || unsafe {
+        gemm(
+            &gpu.blas,
+            m,
+            m,
+            m,
+            w.ptr(),
+            x.ptr(),
+            y.ptr(),
+            OutType::Bf16,
+            0.0,
+        )
+    })?;
+    Ok(Ceilings {
+        hbm_traffic_bps: 2.0 * n as f64 / copy,
+        gemm_flops: 2.0 * (m as f64).powi(3) / g,
+    })
+}
+
+/// One benchmark result row.
+#[derive(Debug, Clone)]
+pub struct BenchRow {
+    pub what: String,
+    pub batch: usize,
+    pub ctx: usize,
+    pub ms: f64,
+    /// Ceiling time (roofline bytes / bandwidth, or FLOP / GEMM peak), ms.
+    pub floor_ms: f64,
+}
+
+impl BenchRow {
+    pub fn ratio(&self) -> f64 {
+        self.floor_ms / self.ms
+    }
+}
+
+fn err(e: BackendError) -> CudaError {
+    CudaError::Driver {
+        op: "forward",
+        msg: e.to_string(),
+    }
+}
+
+/// Mean time of `iters` back-to-back steps (after one warm-up), device work included.
+fn timed_steps(
+    be: &mut CudaBackend,
+    iters: usize,
+    fb: &ForwardBatch<'_>,
+) -> Result<f64, CudaError> {
+    be.forward_device(fb).map_err(err)?;
+    be.synchronize().map_err(err)?;
+    let t0 = Instant::now();
+    for _ in 0..iters {
+        be.forward_device(fb).map_err(err)?;
+    }
+    be.synchronize().map_err(err)?;
+    Ok(t0.elapsed().as_secs_f64() / iters as f64)
+}
+
+/// Decode steps at each `(batch, ctx)` and prefills of each length, Llama-3.1-8B shapes.
+pub fn run(
+    decode: &[(usize, usize)],
+    prefill: &[usize],
+    iters: usize,
+    mut report: impl FnMut(&BenchRow),
+) -> Result<(Ceilings, Vec<BenchRow>), CudaError> {
+    let spec = llama31_8b();
+    let bs = 16usize;
+    let max_decode_blocks = decode
+        .iter()
+        .map(|&(b, c)| b * c.div_ceil(bs))
+        .max()
+        .unwrap_or(0);
+    let max_prefill = prefill.iter().copied().max().unwrap_or(1);
+    let num_blocks = max_decode_blocks.max(max_prefill.div_ceil(bs)) + 8;
+    let opts = CudaOptions {
+        gpu: 0,
+        tensor_parallel: 1,
+        mem_fraction: 0.95,
+        num_kv_blocks: num_blocks as u32,
+        block_size: bs as u32,
+        max_batch_tokens: max_prefill.max(64),
+        max_seqs: decode.iter().map(|d| d.0).max().unwrap_or(1).max(1),
+    };
+    let mut be = CudaBackend::new_dummy(&spec, 1234, &opts, "bench".into())?;
+    be.fill_kv_random(99)?;
+    let ceil = measure_ceilings(be.gpu())?;
+    let wbytes = be.weight_bytes() as f64;
+    let kv_per_tok = (spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 2) as f64;
+    let mut rows = Vec::new();
+    for &(batch, ctx) in decode {
+        let nbps = ctx.div_ceil(bs);
+        let tables: Vec<Vec<BlockId>> = (0..batch)
+            .map(|i| (0..nbps).map(|j| BlockId((i * nbps + j) as u32)).collect())
+            .collect();
+        let toks: Vec<[u32; 1]> = (0..batch).map(|i| [(i * 7919 % 128000) as u32]).collect();
+        let fb = ForwardBatch {
+            seqs: (0..batch)
+                .map(|i| SeqStep {
+                    tokens: &toks[i],
+                    start_pos: ctx - 1,
+                    block_table: &tables[i],
+                    want_logits: true,
+                })
+                .collect(),
+        };
+        let gpu_t = timed_steps(&mut be, iters, &fb)?;
+        // with the logits copy to the host (what Backend::forward costs)
+        let t0 = Instant::now();
+        for _ in 0..iters.min(5) {
+            be.forward(&fb).map_err(err)?;
+        }
+        let host_t = t0.elapsed().as_secs_f64() / iters.min(5) as f64;
+        let bytes = wbytes + kv_per_tok * (batch * ctx) as f64;
+        let row = BenchRow {
+            what: "decode".into(),
+            batch,
+            ctx,
+            ms: gpu_t * 1e3,
+            floor_ms: bytes / ceil.hbm_traffic_bps * 1e3,
+        };
+        report(&row);
+        rows.push(row);
+        let row = BenchRow {
+            what: "decode+logits D2H".into(),
+            batch,
+            ctx,
+            ms: host_t * 1e3,
+            floor_ms: bytes / ceil.hbm_traffic_bps * 1e3,
+        };
+        report(&row);
+        rows.push(row);
+    }
+    for &len in prefill {
+        let tbl: Vec<BlockId> = (0..len.div_ceil(bs)).map(|j| BlockId(j as u32)).collect();
+        let toks: Vec<u32> = (0..len).map(|i| (i * 31 % 128000) as u32).collect();
+        let fb = ForwardBatch {
+            seqs: vec![SeqStep {
+                tokens: &toks,
+                start_pos: 0,
+                block_table: &tbl,
+                want_logits: true,
+            }],
+        };
+        let t = timed_steps(&mut be, iters.min(5), &fb)?;
+        let dense =
+            2.0 * (spec.num_params() - spec.vocab_size * spec.hidden_size * 2) as f64 * len as f64;
+        let attn =
+            2.0 * (len as f64).powi(2) * (spec.head_dim * spec.num_heads * spec.num_layers) as f64;
+        let row = BenchRow {
+            what: "prefill".into(),
+            batch: 1,
+            ctx: len,
+            ms: t * 1e3,
+            floor_ms: (dense + attn) / ceil.gemm_flops * 1e3,
+        };
+        report(&row);
+        rows.push(row);
+    }
+    Ok((ceil, rows))
+}

@@ -1,0 +1,60 @@
+//! CUDA backend benchmarks on the GPU host (Llama-3.1-8B shapes, dummy weights): decode step time
+//! vs the HBM roofline, prefill vs the bf16 GEMM peak, both ceilings measured in the same run.
+//! `PDNODE_BENCH_DECODE="1x512,8x2048"`, `PDNODE_BENCH_PREFILL="2048,8192"`, `PDNODE_BENCH_ITERS`.
+#![cfg(feature = "cuda")]
+
+use pdnode_engine::backend::cuda::bench;
+
+fn env_list(name: &str, default: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| default.to_string())
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (about 90 GB free): run scripts/gpu/run-all.sh on the GPU host"]
+fn bench_llama31_8b_shapes() {
+    let decode: Vec<(usize, usize)> = env_list(
+        "PDNODE_BENCH_DECODE",
+        "1x512,1x2048,1x8192,8x512,8x2048,8x8192,32x512,32x2048,32x8192,64x512,64x2048,64x8192",
+    )
+    .split(',')
+    .filter_map(|s| {
+        let (b, c) = s.split_once('x')?;
+        Some((b.trim().parse().ok()?, c.trim().parse().ok()?))
+    })
+    .collect();
+    let prefill: Vec<usize> = env_list("PDNODE_BENCH_PREFILL", "2048,8192")
+        .split(',')
+        .filter_map(|s| s.trim().parse().ok())
+        .collect();
+    let iters: usize = env_list("PDNODE_BENCH_ITERS", "20").parse().unwrap_or(20);
+    let (ceil, rows) = bench::run(&decode, &prefill, iters, |r| {
+        eprintln!(
+            "BENCH {} batch={} ctx={} ms={:.3} floor_ms={:.3} ratio={:.3}",
+            r.what,
+            r.batch,
+            r.ctx,
+            r.ms,
+            r.floor_ms,
+            r.ratio()
+        )
+    })
+    .expect("benchmark");
+    println!(
+        "ceilings: HBM copy traffic {:.0} GB/s (read+write), bf16 GEMM 8192^3 {:.0} TFLOP/s",
+        ceil.hbm_traffic_bps / 1e9,
+        ceil.gemm_flops / 1e12
+    );
+    println!("| what | batch | ctx | ms/step | ceiling ms | ratio |");
+    println!("|---|---|---|---|---|---|");
+    for r in rows {
+        println!(
+            "| {} | {} | {} | {:.3} | {:.3} | {:.2} |",
+            r.what,
+            r.batch,
+            r.ctx,
+            r.ms,
+            r.floor_ms,
+            r.ratio()
+        );
+    }
+}

@@ -9,6 +9,7 @@
 
 pub mod backend;
 pub mod loader;
+pub mod mock;
 pub mod scheduler;
 pub mod spec;
 pub mod text;

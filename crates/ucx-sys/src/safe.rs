@@ -335,7 +335,7 @@ impl Endpoint {
     pub fn failure(&self) -> Option<UcxError> {
         let st = self.err.status.get();
         (st != UCS_OK).then(|| UcxError::Call {
-            call: "endpoint error handler",
+            call: "UCX endpoint",
             status: st,
             message: self.worker.ucp().status_string(st),
         })

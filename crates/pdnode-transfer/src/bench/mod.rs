@@ -57,6 +57,8 @@ pub struct Options {
     /// Sets UCX_NET_DEVICES for the child processes of `--local`.
     pub net_devices: Option<String>,
     pub lease_ms: u64,
+    /// Ask UCX for peer-failure handling (falls back to none where no transport has it).
+    pub peer_failure: bool,
     /// Server: stop after the first connection ends.
     pub serve_once: bool,
     /// Overall deadline of `--local`.
@@ -98,6 +100,7 @@ impl Default for Options {
             tls: None,
             net_devices: Some("lo".into()),
             lease_ms: 30_000,
+            peer_failure: true,
             serve_once: false,
             timeout_s: 600,
             faults: Faults::default(),
@@ -141,6 +144,7 @@ impl Options {
         UcxTransport::start(UcxConfig {
             library: self.ucx_lib.clone(),
             name: format!("bench-{:?}", self.role).to_lowercase(),
+            peer_failure: self.peer_failure,
             ..UcxConfig::default()
         })
     }

@@ -266,7 +266,17 @@ impl State {
             }
             self.eps.remove(address);
         }
-        let ep = Endpoint::connect(&self.worker, address, self.peer_failure)?;
+        let ep = match Endpoint::connect(&self.worker, address, self.peer_failure) {
+            Ok(ep) => ep,
+            Err(e) if self.peer_failure => {
+                // Some transports (UCX 1.13's shared memory) have no peer-failure handling:
+                // connect without it; a dead peer is then caught by the deadlines and the
+                // control channel.
+                tracing::warn!(error = %e, "no UCX transport with peer-failure handling; connecting without");
+                Endpoint::connect(&self.worker, address, false)?
+            }
+            Err(e) => return Err(e.into()),
+        };
         self.eps.insert(address.to_vec(), ep.clone());
         Ok(ep)
     }

@@ -1,1 +1,29 @@
-//! pdnode-node: Node runtime: supervision tree (ractor), engine/transfer/registrar actors, node gRPC server, graceful shutdown.
+//! pdnode-node: the runtime of one node process.
+//!
+//! [`Node::start`] binds the node gRPC listener (and `/health` HTTP when `node.http_listen` is
+//! set), registers the node card under a lease, and starts the supervision tree:
+//!
+//! ```text
+//! NodeSupervisor ── Registrar    (card refresh with load; lease + keepalive in pdnode-registry)
+//!                └─ EngineActor  (prefill/decode/all: wraps an EngineService; engine threads
+//!                                 live outside the actor and survive its restarts)
+//! servers (tokio tasks): pdnode.v1.Node + grpc.health.v1 (tonic), /health (axum)
+//! ```
+//! [`Node::shutdown`] revokes the lease first, stops admission, drains up to
+//! `node.drain_timeout_s`, then stops everything. See `docs/runtime-semantics.md`.
+
+pub mod affinity;
+mod board;
+pub mod engine;
+mod error;
+pub mod grpc;
+pub mod http;
+mod node;
+pub mod registrar;
+pub mod supervisor;
+
+pub use board::{HealthBoard, LoadBoard};
+pub use engine::{EngineDescription, EngineService};
+pub use error::NodeError;
+pub use node::{Node, NodeDeps, NodeOptions, ShutdownReport, node_id, served_model};
+pub use supervisor::{NodeHealth, RestartLimits, SupervisorHandle};

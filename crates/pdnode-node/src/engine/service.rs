@@ -1,0 +1,33 @@
+//! The narrow seam between the node runtime and an engine.
+//!
+//! The EngineActor only needs an engine's identity, its load, and a way to stop admitting and
+//! drain. An adapter over `pdnode_engine::engine::EngineHandle` implements this when the engine
+//! is wired; tests use their own implementations (in `tests/`).
+
+use futures::future::BoxFuture;
+use pdnode_core::KvLayout;
+use pdnode_core::card::NodeCapacity;
+use std::time::Duration;
+
+/// What an engine tells the registry about itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineDescription {
+    /// Backend name for logs and cards ("cpu", "cuda", "mock").
+    pub backend: String,
+    pub model_id: String,
+    pub model_fingerprint: String,
+    pub kv_layout: Option<KvLayout>,
+    pub tp_size: u32,
+}
+
+pub trait EngineService: Send + Sync + 'static {
+    fn describe(&self) -> EngineDescription;
+    /// Current capacity and load.
+    fn load(&self) -> BoxFuture<'_, Result<NodeCapacity, String>>;
+    /// Stop admitting new requests (in-flight ones continue).
+    fn stop_admitting(&self);
+    /// Requests admitted and not finished.
+    fn in_flight(&self) -> BoxFuture<'_, Result<usize, String>>;
+    /// Stops the engine (its threads), waiting at most `timeout`; whether it stopped in time.
+    fn shutdown(&self, timeout: Duration) -> BoxFuture<'_, bool>;
+}

@@ -1,0 +1,49 @@
+//! The node runtime's one error type.
+
+use pdnode_core::error::{Classify, ErrorKind};
+use pdnode_registry::RegistryError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    #[error("registry: {0}")]
+    Registry(#[from] RegistryError),
+    #[error("cannot listen on {addr} ({what}): {reason}")]
+    Bind {
+        what: &'static str,
+        addr: String,
+        reason: String,
+    },
+    #[error("cannot start actor `{actor}`: {reason}")]
+    Spawn { actor: &'static str, reason: String },
+    #[error("actor `{actor}` failed {restarts} times within {window_s} s; stopping the node")]
+    RestartLimit {
+        actor: String,
+        restarts: usize,
+        window_s: u64,
+    },
+    #[error("call `{op}` to actor `{actor}` failed: {reason}")]
+    Call {
+        actor: &'static str,
+        op: &'static str,
+        reason: String,
+    },
+    #[error("CPU affinity {cores:?}: {reason}")]
+    Affinity { cores: Vec<u32>, reason: String },
+    #[error("engine: {0}")]
+    Engine(String),
+    #[error("the node stopped: {reason}")]
+    Stopped { reason: String },
+}
+
+impl Classify for NodeError {
+    fn kind(&self) -> ErrorKind {
+        match self {
+            NodeError::Registry(e) => e.kind(),
+            NodeError::Bind { .. } | NodeError::Affinity { .. } => ErrorKind::InvalidRequest,
+            NodeError::Call { .. } | NodeError::Stopped { .. } => ErrorKind::Unavailable,
+            NodeError::Spawn { .. } | NodeError::RestartLimit { .. } | NodeError::Engine(_) => {
+                ErrorKind::Internal
+            }
+        }
+    }
+}

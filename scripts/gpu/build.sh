@@ -3,9 +3,10 @@
 # them, stripped, into .gpu/ for scripts/gpu/run-all.sh on the GPU host (device `run` with
 # carry: [".gpu"]).
 set -euo pipefail
-cd "$(git rev-parse --show-toplevel)"
-mkdir -p .gpu
-grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+cd "$(dirname "$0")/../.."
+GPU_DIR=${GPU_DIR:-.gpu}
+mkdir -p "$GPU_DIR"
+if [ -d .git ]; then grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude; fi
 PROFILE_ARGS=${PROFILE_ARGS:-}
 cargo test -p pdnode-engine $PROFILE_ARGS --no-run --message-format=json \
     --test cuda_kernels --test cuda_model --test cuda_bench --lib 2>/dev/null |
@@ -21,8 +22,8 @@ for line in sys.stdin:
         name = t["name"] if t["kind"] != ["lib"] else "engine_unit"
         print(name, m["executable"])
 ' | while read -r name exe; do
-    cp "$exe" ".gpu/$name"
-    strip ".gpu/$name"
+    cp "$exe" "$GPU_DIR/$name"
+    strip "$GPU_DIR/$name"
 done
-ls -la .gpu
-du -sh .gpu
+ls -la "$GPU_DIR"
+du -sh "$GPU_DIR"

@@ -93,7 +93,7 @@ fn prefill_decode_parity(qwen_like: bool, tied: bool, block_size: u32) {
         let (gt, rt) = (argmax(logits.row(0)), argmax(&ref_logits));
         if gt != rt {
             assert!(
-                margin(&ref_logits) < 0.05,
+                margin(&ref_logits) < 0.15,
                 "step {step}: greedy {gt} vs reference {rt} with margin {}",
                 margin(&ref_logits)
             );

@@ -430,3 +430,18 @@ fn many_random_requests_finish_with_a_clean_pool() {
     }
     assert_all_free(&s);
 }
+
+#[test]
+fn a_transferred_prompt_that_fills_its_blocks_gets_a_block_for_its_first_decode() {
+    let mut s = Scheduler::new(cfg(Mode::DecodeOnly, 8, 4, 64, 8));
+    let id = RequestId(1);
+    let blocks = s.reserve_for_transfer(id, 8, Instant::now()).unwrap();
+    assert_eq!(blocks.len(), 2);
+    s.admit_transferred(id, prompt(8, 1), 5).unwrap();
+    let plan = s.next_step();
+    assert_eq!(plan.seqs[0].start_pos, 8);
+    assert_eq!(plan.seqs[0].block_table.len(), 3);
+    assert_eq!(plan.seqs[0].block_table[..2], blocks[..]);
+    assert!(s.abort(id));
+    assert_all_free(&s);
+}

@@ -244,11 +244,18 @@ impl Scheduler {
             .table(s.owner())
             .ok_or(KvError::UnknownOwner { owner: s.owner() })?;
         let end = s.computed + n;
+        let need = self.kv.blocks_for(end);
+        if table.len() < need || end > s.tokens.len() {
+            return Err(KvError::OutOfBlocks {
+                needed: need,
+                available: table.len(),
+            });
+        }
         Ok(ScheduledSeq {
             id: s.id,
             tokens: s.tokens[s.computed..end].to_vec(),
             start_pos: s.computed,
-            block_table: table[..self.kv.blocks_for(end)].to_vec(),
+            block_table: table[..need].to_vec(),
             want_logits: end == s.tokens.len(),
         })
     }
@@ -335,6 +342,13 @@ impl Scheduler {
             let Some(s) = self.transferred.pop_front() else {
                 break;
             };
+            // The first decode position may need one more block than the transfer filled.
+            let have = self.kv.table(s.owner()).map_or(0, <[BlockId]>::len);
+            let need = self.kv.blocks_for(s.tokens.len());
+            if have < need && self.kv.grow(s.owner(), need - have).is_err() {
+                self.transferred.push_front(s);
+                break;
+            }
             if let Ok(step) = self.schedule(&s, 1) {
                 plan.seqs.push(step);
                 budget -= 1;

@@ -99,6 +99,13 @@ pub const UCP_MEM_MAP_PARAM_FIELD_ADDRESS: u64 = 1 << 0;
 pub const UCP_MEM_MAP_PARAM_FIELD_LENGTH: u64 = 1 << 1;
 pub const UCP_MEM_MAP_PARAM_FIELD_FLAGS: u64 = 1 << 2;
 pub const UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE: u64 = 1 << 4;
+/// `ucp_mem_map` flag: UCX allocates the memory (e.g. in a shared-memory segment that peers on
+/// the same host can map and write directly).
+pub const UCP_MEM_MAP_ALLOCATE: u32 = 1 << 1;
+
+// ucp_mem_attr_t field mask
+pub const UCP_MEM_ATTR_FIELD_ADDRESS: u64 = 1 << 0;
+pub const UCP_MEM_ATTR_FIELD_LENGTH: u64 = 1 << 1;
 
 // ucp_request_param_t op_attr_mask
 pub const UCP_OP_ATTR_FIELD_FLAGS: u32 = 1 << 4;
@@ -176,6 +183,14 @@ pub struct ucp_mem_map_params_t {
     pub flags: c_uint,
     pub prot: c_uint,
     pub memory_type: c_int,
+}
+
+#[repr(C)]
+pub struct ucp_mem_attr_t {
+    pub field_mask: u64,
+    pub address: *mut c_void,
+    pub length: usize,
+    pub mem_type: c_int,
 }
 
 /// The callback union of `ucp_request_param_t` (all members are function pointers).

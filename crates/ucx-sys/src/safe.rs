@@ -456,6 +456,52 @@ impl MemHandle {
         })
     }
 
+    /// Lets UCX allocate and register `len` bytes of host memory (`UCP_MEM_MAP_ALLOCATE`): on
+    /// one host, peers may then map the region and write it without the owner's progress. The
+    /// memory is freed when the handle is dropped.
+    pub fn allocate(ctx: &Rc<Context>, len: usize) -> Result<MemHandle, UcxError> {
+        if len == 0 {
+            return Err(UcxError::InvalidArgument {
+                what: "cannot allocate an empty region".into(),
+            });
+        }
+        let params = ucp_mem_map_params_t {
+            field_mask: UCP_MEM_MAP_PARAM_FIELD_ADDRESS
+                | UCP_MEM_MAP_PARAM_FIELD_LENGTH
+                | UCP_MEM_MAP_PARAM_FIELD_FLAGS,
+            address: std::ptr::null_mut(),
+            length: len,
+            flags: UCP_MEM_MAP_ALLOCATE,
+            prot: 0,
+            memory_type: UCS_MEMORY_TYPE_HOST,
+        };
+        let mut h: ucp_mem_h = std::ptr::null_mut();
+        // SAFETY: valid context; no address (UCX chooses); only masked fields are read.
+        let st = unsafe { (ctx.ucp.ucp_mem_map)(ctx.h, &params, &mut h) };
+        ctx.ucp.check("ucp_mem_map(ALLOCATE)", st)?;
+        let mut attr = ucp_mem_attr_t {
+            field_mask: UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH,
+            address: std::ptr::null_mut(),
+            length: 0,
+            mem_type: 0,
+        };
+        // SAFETY: h is the handle just mapped; attr is a valid out-struct.
+        let st = unsafe { (ctx.ucp.ucp_mem_query)(h, &mut attr) };
+        let handle = MemHandle {
+            ctx: ctx.clone(),
+            h,
+            addr: attr.address as u64,
+            len: attr.length,
+        };
+        ctx.ucp.check("ucp_mem_query", st)?;
+        if handle.addr == 0 || handle.len < len {
+            return Err(UcxError::InvalidArgument {
+                what: format!("UCX allocated {} bytes at {:#x}", handle.len, handle.addr),
+            });
+        }
+        Ok(handle)
+    }
+
     pub fn addr(&self) -> u64 {
         self.addr
     }

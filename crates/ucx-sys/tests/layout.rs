@@ -60,12 +60,15 @@ fn struct_sizes_and_offsets_match_the_headers() {
     s!(ucp_mem_map_params_t);
     o!(ucp_mem_map_params_t, prot);
     o!(ucp_mem_map_params_t, memory_type);
+    s!(ucp_mem_attr_t);
+    o!(ucp_mem_attr_t, address);
+    o!(ucp_mem_attr_t, mem_type);
     s!(ucp_request_param_t);
     o!(ucp_request_param_t, cb);
     o!(ucp_request_param_t, datatype);
     o!(ucp_request_param_t, memory_type);
     o!(ucp_request_param_t, memh);
-    assert_eq!(checked, 25);
+    assert_eq!(checked, 28);
 }
 
 #[test]
@@ -78,6 +81,15 @@ fn constants_match_the_headers() {
     assert_eq!(c("UCS_ERR_LAST"), UCS_ERR_LAST as i64);
     assert_eq!(c("UCS_ERR_BUSY"), UCS_ERR_BUSY as i64);
     assert_eq!(c("UCS_INPROGRESS"), UCS_INPROGRESS as i64);
+    assert_eq!(c("UCP_MEM_MAP_ALLOCATE"), UCP_MEM_MAP_ALLOCATE as i64);
+    assert_eq!(
+        c("UCP_MEM_ATTR_FIELD_ADDRESS"),
+        UCP_MEM_ATTR_FIELD_ADDRESS as i64
+    );
+    assert_eq!(
+        c("UCP_MEM_ATTR_FIELD_LENGTH"),
+        UCP_MEM_ATTR_FIELD_LENGTH as i64
+    );
     assert_eq!(c("UCS_MEMORY_TYPE_HOST"), UCS_MEMORY_TYPE_HOST as i64);
     assert_eq!(c("UCS_MEMORY_TYPE_CUDA"), UCS_MEMORY_TYPE_CUDA as i64);
     assert_eq!(

@@ -57,6 +57,8 @@ pub struct Options {
     /// Sets UCX_NET_DEVICES for the child processes of `--local`.
     pub net_devices: Option<String>,
     pub lease_ms: u64,
+    /// Server: let UCX allocate the receive staging area (shared memory peers write directly).
+    pub ucx_alloc_staging: bool,
     /// Ask UCX for peer-failure handling (falls back to none where no transport has it).
     pub peer_failure: bool,
     /// Server: stop after the first connection ends.
@@ -100,6 +102,7 @@ impl Default for Options {
             tls: None,
             net_devices: Some("lo".into()),
             lease_ms: 30_000,
+            ucx_alloc_staging: true,
             peer_failure: true,
             serve_once: false,
             timeout_s: 600,

@@ -7,6 +7,7 @@ use crate::TransferError;
 use crate::negotiation::{DoneStatus, KvTarget, Placement, Reservation, ReservationEnd};
 use crate::region::{LocalRegion, PoolGeometry, scatter_host};
 use crate::transport::{KvTransport, Registration};
+use crate::ucx::UcxTransport;
 use pdnode_core::{BlockId, KvLayout, NodeId, RequestId};
 use rand::seq::SliceRandom;
 use std::io::Write;
@@ -23,7 +24,8 @@ struct Point {
     layout: KvLayout,
     geo: PoolGeometry,
     pool: HostBuf,
-    staging: HostBuf,
+    /// The receive staging memory when it is ours (else UCX allocated it).
+    _staging_buf: Option<HostBuf>,
     pool_placement: bool,
     free: Vec<BlockId>,
     reservation: Option<Reservation>,
@@ -37,7 +39,7 @@ fn say(line: String) {
 
 /// Serves clients one at a time until one says `Bye` (or, with `serve_once`, until the first
 /// connection ends and its reservations are over).
-pub fn run(opts: &Options, transport: &dyn KvTransport) -> Result<(), TransferError> {
+pub fn run(opts: &Options, transport: &UcxTransport) -> Result<(), TransferError> {
     let listener = TcpListener::bind(&opts.listen).map_err(|e| TransferError::Control {
         reason: format!("bind {}: {e}", opts.listen),
     })?;
@@ -50,7 +52,7 @@ pub fn run(opts: &Options, transport: &dyn KvTransport) -> Result<(), TransferEr
             reason: format!("accept: {e}"),
         })?;
         tracing::info!(%peer, "bench client connected");
-        let bye = serve(stream, transport)?;
+        let bye = serve(stream, transport, opts.ucx_alloc_staging)?;
         if bye || opts.serve_once {
             return Ok(());
         }
@@ -58,7 +60,11 @@ pub fn run(opts: &Options, transport: &dyn KvTransport) -> Result<(), TransferEr
 }
 
 /// One connection. Returns whether the client said goodbye.
-fn serve(mut stream: TcpStream, transport: &dyn KvTransport) -> Result<bool, TransferError> {
+fn serve(
+    mut stream: TcpStream,
+    transport: &UcxTransport,
+    ucx_alloc: bool,
+) -> Result<bool, TransferError> {
     let _ = stream.set_nodelay(true);
     let mut point: Option<Point> = None;
     let mut connected = true;
@@ -106,6 +112,7 @@ fn serve(mut stream: TcpStream, transport: &dyn KvTransport) -> Result<bool, Tra
                     pool_blocks,
                     max_request_blocks,
                     pool_placement,
+                    ucx_alloc,
                 ) {
                     Ok(p) => {
                         point = Some(p);
@@ -179,11 +186,12 @@ fn refused(request: Option<RequestId>, e: &TransferError) -> Msg {
 }
 
 fn setup(
-    transport: &dyn KvTransport,
+    transport: &UcxTransport,
     layout: KvLayout,
     pool_blocks: u32,
     max_request_blocks: u32,
     pool_placement: bool,
+    ucx_alloc: bool,
 ) -> Result<Point, TransferError> {
     if max_request_blocks == 0 || max_request_blocks > pool_blocks {
         return Err(TransferError::Geometry {
@@ -196,17 +204,23 @@ fn setup(
         block_layer_bytes: layout.block_layer_bytes() as u64,
     };
     let mut pool = HostBuf::new(geo.pool_bytes() as usize)?;
-    let mut staging = HostBuf::new(geo.staging_bytes(max_request_blocks as usize) as usize)?;
-    // SAFETY: both buffers move into the returned Point, whose registrations are declared (and
-    // so dropped) before the buffers; a HostBuf's heap memory does not move with it.
+    let staging_len = geo.staging_bytes(max_request_blocks as usize) as usize;
+    // SAFETY: the pool moves into the returned Point, whose registrations are declared (and so
+    // dropped) before the buffers; a HostBuf's heap memory does not move with it.
     let pool_reg = unsafe { transport.register(LocalRegion::host(pool.bytes_mut())) }?;
-    // SAFETY: as above.
-    let staging_reg = unsafe { transport.register(LocalRegion::host(staging.bytes_mut())) }?;
+    let (staging_reg, staging_buf) = if ucx_alloc {
+        (transport.allocate_registered(staging_len)?, None)
+    } else {
+        let mut buf = HostBuf::new(staging_len)?;
+        // SAFETY: as for the pool.
+        let reg = unsafe { transport.register(LocalRegion::host(buf.bytes_mut())) }?;
+        (reg, Some(buf))
+    };
     Ok(Point {
         layout,
         geo,
         pool,
-        staging,
+        _staging_buf: staging_buf,
         pool_reg,
         staging_reg,
         pool_placement,
@@ -221,7 +235,7 @@ fn reserve(
     n: u32,
     lease_ms: u64,
     prefill_layout: Option<KvLayout>,
-    transport: &dyn KvTransport,
+    transport: &UcxTransport,
 ) -> Result<KvTarget, TransferError> {
     if let Some(theirs) = &prefill_layout {
         p.layout
@@ -303,13 +317,11 @@ fn done(
     let t = Instant::now();
     if !p.pool_placement {
         let layers = 0..p.layout.num_layers;
-        scatter_host(
-            &p.geo,
-            p.staging.bytes(),
-            &blocks,
-            layers,
-            p.pool.bytes_mut(),
-        )?;
+        let region = p.staging_reg.region();
+        // SAFETY: the staging region is valid while its registration (owned by `p`) lives, and
+        // the sender stopped writing it (its KvDone came after its flush).
+        let staging = unsafe { std::slice::from_raw_parts(region.addr as *const u8, region.len) };
+        scatter_host(&p.geo, staging, &blocks, layers, p.pool.bytes_mut())?;
     }
     let scatter_us = t.elapsed().as_micros() as u64;
     let t = Instant::now();

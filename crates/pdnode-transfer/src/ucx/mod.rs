@@ -136,6 +136,42 @@ impl UcxTransport {
         &self.library
     }
 
+    /// Host memory allocated *by UCX* and registered (`UCP_MEM_MAP_ALLOCATE`): on one host,
+    /// shared-memory transports map it in the writer and copy straight into it, with no
+    /// progress needed from this side (a user buffer over `UCX_TLS=sm` goes through emulated
+    /// RMA instead). Use it for receive staging. The memory lives until the registration drops;
+    /// its bytes are not initialised.
+    pub fn allocate_registered(&self, len: usize) -> Result<Registration, TransferError> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (addr, rkey) = self.call("UCX allocate", |reply| Cmd::Allocate { id, len, reply })?;
+        let region = LocalRegion {
+            addr,
+            len,
+            mem: MemKind::Host,
+        };
+        Ok(Registration {
+            id,
+            region,
+            descriptor: RemoteRegion {
+                base_addr: addr as u64,
+                len: len as u64,
+                rkey,
+            },
+            release: Some(self.release_fn(id)),
+        })
+    }
+
+    fn release_fn(&self, id: u64) -> Box<dyn FnOnce() + Send + Sync> {
+        let shared = self.shared.clone();
+        Box::new(move || {
+            // Synchronous, so the owner may free the memory right after the drop.
+            let (tx, rx) = mpsc::sync_channel(1);
+            if shared.send(Cmd::Deregister { id, reply: tx }).is_ok() {
+                let _ = rx.recv_timeout(DEREGISTER_TIMEOUT);
+            }
+        })
+    }
+
     fn call<T>(
         &self,
         what: &'static str,
@@ -167,7 +203,6 @@ impl KvTransport for UcxTransport {
     unsafe fn register(&self, region: LocalRegion) -> Result<Registration, TransferError> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let rkey = self.call("UCX register", |reply| Cmd::Register { id, region, reply })?;
-        let shared = self.shared.clone();
         Ok(Registration {
             id,
             region,
@@ -176,13 +211,7 @@ impl KvTransport for UcxTransport {
                 len: region.len as u64,
                 rkey,
             },
-            release: Some(Box::new(move || {
-                // Synchronous, so the owner may free the memory right after the drop.
-                let (tx, rx) = mpsc::sync_channel(1);
-                if shared.send(Cmd::Deregister { id, reply: tx }).is_ok() {
-                    let _ = rx.recv_timeout(DEREGISTER_TIMEOUT);
-                }
-            })),
+            release: Some(self.release_fn(id)),
         })
     }
 

@@ -22,6 +22,11 @@ pub(crate) enum Cmd {
         region: LocalRegion,
         reply: Reply<Vec<u8>>,
     },
+    Allocate {
+        id: u64,
+        len: usize,
+        reply: Reply<(usize, Vec<u8>)>,
+    },
     Deregister {
         id: u64,
         reply: mpsc::SyncSender<()>,
@@ -203,6 +208,10 @@ impl State {
                 let r = self.register(id, region);
                 let _ = reply.send(r);
             }
+            Cmd::Allocate { id, len, reply } => {
+                let r = self.allocate(id, len);
+                let _ = reply.send(r);
+            }
             Cmd::Deregister { id, reply } => {
                 self.regions.remove(&id);
                 let _ = reply.send(());
@@ -257,6 +266,14 @@ impl State {
         let rkey = mh.pack_rkey()?;
         self.regions.insert(id, Rc::new(mh));
         Ok(rkey)
+    }
+
+    fn allocate(&mut self, id: u64, len: usize) -> Result<(usize, Vec<u8>), TransferError> {
+        let mh = MemHandle::allocate(&self.ctx, len)?;
+        let rkey = mh.pack_rkey()?;
+        let addr = mh.addr() as usize;
+        self.regions.insert(id, Rc::new(mh));
+        Ok((addr, rkey))
     }
 
     fn endpoint(&mut self, address: &[u8]) -> Result<Rc<Endpoint>, TransferError> {

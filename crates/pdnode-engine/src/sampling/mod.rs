@@ -1,0 +1,346 @@
+//! Sampling on the host: one [`SequenceSampler`] and one [`OutputAssembler`] per request.
+//!
+//! [`SequenceSampler::sample`] turns a logits row into the next token:
+//! 1. penalties on the raw logits (`penalties`: repetition over prompt + output, HF semantics;
+//!    presence/frequency over the output, OpenAI semantics);
+//! 2. temperature 0 is greedy: the arg-max of the penalized logits (the lowest id on ties), and
+//!    top-k/top-p/min-p are ignored;
+//! 3. otherwise, as vLLM: divide by the temperature, drop tokens below `min_p` times the top
+//!    probability, keep the `top_k` most likely, keep the smallest most-likely set whose mass
+//!    reaches `top_p` (renormalized after min-p and top-k), and draw from what is left with a
+//!    ChaCha20 RNG seeded per request (`seed`, or a random seed when the request has none; same
+//!    seed, same params, same logits: same tokens).
+//!
+//! Log-probabilities are those of the raw model logits (`logprobs`, vLLM's default).
+//!
+//! Cost per step is O(vocab) when top-k/top-p are off (no sort); top-k uses a selection
+//! (`select_nth_unstable`) and sorts only the k kept; top-p alone selects and sorts a head of 256
+//! candidates, growing it only if that head holds less than `top_p` of the mass.
+//!
+//! [`OutputAssembler`] (in `stop`) turns sampled tokens into text deltas and decides when the
+//! request finishes (EOS, stop ids, stop strings, `max_tokens`, context length).
+
+mod logprobs;
+mod penalties;
+mod stop;
+
+pub use logprobs::LOGPROB_FLOOR;
+pub use stop::{OutputAssembler, StepOutput, StopCause};
+
+use crate::text::TextError;
+use logprobs::desc;
+use pdnode_core::error::Classify;
+use pdnode_core::request::{InvalidParam, TokenLogprob};
+use pdnode_core::{ErrorKind, SamplingParams};
+use penalties::Penalties;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha20Rng;
+
+/// First size of the candidate head examined for top-p without top-k.
+const TOP_P_HEAD: usize = 256;
+
+#[derive(Debug, thiserror::Error)]
+pub enum SamplingError {
+    #[error(transparent)]
+    InvalidParam(#[from] InvalidParam),
+    #[error("a logits row of {got} values for a vocabulary of {vocab_size}")]
+    LogitsSize { got: usize, vocab_size: usize },
+    #[error("token id {id} is outside the vocabulary of {vocab_size} tokens")]
+    TokenOutOfRange { id: u32, vocab_size: usize },
+    #[error("the logits row has no finite value")]
+    NoFiniteLogits,
+    #[error("the request already finished ({reason})")]
+    AlreadyFinished { reason: &'static str },
+    #[error("stop strings need a tokenizer; this model has none")]
+    StopStringsWithoutTokenizer,
+    #[error(transparent)]
+    Text(#[from] TextError),
+}
+
+impl Classify for SamplingError {
+    fn kind(&self) -> ErrorKind {
+        match self {
+            SamplingError::InvalidParam(e) => e.kind(),
+            SamplingError::TokenOutOfRange { .. } | SamplingError::StopStringsWithoutTokenizer => {
+                ErrorKind::InvalidRequest
+            }
+            SamplingError::LogitsSize { .. }
+            | SamplingError::NoFiniteLogits
+            | SamplingError::AlreadyFinished { .. } => ErrorKind::Internal,
+            SamplingError::Text(e) => e.kind(),
+        }
+    }
+}
+
+/// What one sampling step produced.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SampleOut {
+    pub token: u32,
+    /// The raw log-probability of `token` and the requested top alternatives, when the request
+    /// asked for logprobs.
+    pub logprob: Option<TokenLogprob>,
+}
+
+/// Where a sampler's random stream stands, to continue a request elsewhere (PD hand-off) with the
+/// same draws it would have made locally.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SamplerState {
+    pub seed: u64,
+    /// ChaCha20 word position.
+    pub word_pos: u128,
+}
+
+/// Per-request sampler. Plain data; one per running sequence.
+#[derive(Debug, Clone)]
+pub struct SequenceSampler {
+    temperature: f32,
+    top_k: usize,
+    top_p: f32,
+    min_p: f32,
+    logprobs: Option<usize>,
+    vocab_size: usize,
+    penalties: Penalties,
+    seed: u64,
+    rng: ChaCha20Rng,
+    /// Penalized logits (only when penalties are active).
+    work: Vec<f32>,
+    /// Candidate ids.
+    idx: Vec<u32>,
+    /// Per-token sampling weights of the current step.
+    weights: Vec<f32>,
+}
+
+impl SequenceSampler {
+    /// A sampler for a request over `vocab_size` logits, after `prompt_ids`. Validates `params`;
+    /// a request without a seed gets a random one (see [`SequenceSampler::seed`]).
+    pub fn new(
+        params: &SamplingParams,
+        vocab_size: usize,
+        prompt_ids: &[u32],
+    ) -> Result<Self, SamplingError> {
+        let seed = params.seed.unwrap_or_else(rand::random);
+        Self::with_seed(params, vocab_size, prompt_ids, seed)
+    }
+
+    /// As [`SequenceSampler::new`] with an explicit seed (overrides `params.seed`).
+    pub fn with_seed(
+        params: &SamplingParams,
+        vocab_size: usize,
+        prompt_ids: &[u32],
+        seed: u64,
+    ) -> Result<Self, SamplingError> {
+        params.validate()?;
+        if vocab_size == 0 || vocab_size > u32::MAX as usize {
+            return Err(SamplingError::LogitsSize { got: 0, vocab_size });
+        }
+        let top_k = match params.top_k as usize {
+            k if k >= vocab_size => 0,
+            k => k,
+        };
+        Ok(Self {
+            temperature: params.temperature,
+            top_k,
+            top_p: params.top_p,
+            min_p: params.min_p,
+            logprobs: params.logprobs.map(|n| n as usize),
+            vocab_size,
+            penalties: Penalties::new(params, vocab_size, prompt_ids)?,
+            seed,
+            rng: ChaCha20Rng::seed_from_u64(seed),
+            work: Vec::new(),
+            idx: Vec::new(),
+            weights: Vec::new(),
+        })
+    }
+
+    /// Rebuilds a sampler that already produced `output_ids`, with its random stream where
+    /// [`SequenceSampler::state`] left it.
+    pub fn restore(
+        params: &SamplingParams,
+        vocab_size: usize,
+        prompt_ids: &[u32],
+        output_ids: &[u32],
+        state: SamplerState,
+    ) -> Result<Self, SamplingError> {
+        let mut s = Self::with_seed(params, vocab_size, prompt_ids, state.seed)?;
+        s.rng.set_word_pos(state.word_pos);
+        for &id in output_ids {
+            s.penalties.record(id)?;
+        }
+        Ok(s)
+    }
+
+    /// The seed in use (the request's, or the random one drawn for it).
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    pub fn state(&self) -> SamplerState {
+        SamplerState {
+            seed: self.seed,
+            word_pos: self.rng.get_word_pos(),
+        }
+    }
+
+    /// Records a token produced elsewhere (e.g. the first token a prefill node sampled) so the
+    /// penalties see it. [`SequenceSampler::sample`] records its own tokens.
+    pub fn accept(&mut self, token: u32) -> Result<(), SamplingError> {
+        self.penalties.record(token)
+    }
+
+    /// Picks the next token from one logits row of `vocab_size` values.
+    pub fn sample(&mut self, logits: &[f32]) -> Result<SampleOut, SamplingError> {
+        if logits.len() != self.vocab_size {
+            return Err(SamplingError::LogitsSize {
+                got: logits.len(),
+                vocab_size: self.vocab_size,
+            });
+        }
+        let mut work = std::mem::take(&mut self.work);
+        let row: &[f32] = if self.penalties.is_active() {
+            work.clear();
+            work.extend_from_slice(logits);
+            self.penalties.apply(&mut work);
+            &work
+        } else {
+            logits
+        };
+        let picked = if self.temperature == 0.0 {
+            argmax(row)
+        } else {
+            self.draw(row)
+        };
+        self.work = work;
+        let token = picked?;
+        let logprob = self
+            .logprobs
+            .map(|n| logprobs::token_logprob(logits, token, n, &mut self.idx));
+        self.penalties.record(token)?;
+        Ok(SampleOut { token, logprob })
+    }
+
+    /// Temperature, min-p, top-k, top-p, then one draw.
+    fn draw(&mut self, row: &[f32]) -> Result<u32, SamplingError> {
+        let max = row
+            .iter()
+            .copied()
+            .filter(|v| v.is_finite())
+            .fold(f32::NEG_INFINITY, f32::max);
+        if !max.is_finite() {
+            return Err(SamplingError::NoFiniteLogits);
+        }
+        // Weight of a token relative to the top one: exp((l - max) / T), 0 below min-p and for
+        // non-finite logits.
+        let inv_t = 1.0 / self.temperature;
+        let min_w = self.min_p;
+        let weight = |l: f32| -> f32 {
+            if !l.is_finite() {
+                return 0.0;
+            }
+            let x = ((l - max) * inv_t).exp();
+            if x < min_w { 0.0 } else { x }
+        };
+        let u: f64 = self.rng.random();
+        let idx = &mut self.idx;
+        idx.clear();
+        let w = &mut self.weights;
+        w.clear();
+        if self.top_k > 0 {
+            // Select on the logits (same order as the weights) and weigh only the k kept.
+            let k = self.top_k;
+            idx.extend(0..row.len() as u32);
+            idx.select_nth_unstable_by(k - 1, |&a, &b| desc(row, a, b));
+            idx.truncate(k);
+            idx.sort_unstable_by(|&a, &b| desc(row, a, b));
+            w.extend(row.iter().map(|_| 0.0));
+            for &i in idx.iter() {
+                w[i as usize] = weight(row[i as usize]);
+            }
+        } else {
+            w.extend(row.iter().map(|&l| weight(l)));
+        }
+        let w = &self.weights[..];
+        let total: f64 = if self.top_k > 0 {
+            idx.iter().map(|&i| f64::from(w[i as usize])).sum()
+        } else {
+            w.iter().map(|&x| f64::from(x)).sum()
+        };
+
+        if self.top_p >= 1.0 {
+            return if self.top_k > 0 {
+                pick(w, idx.iter().copied(), u * total)
+            } else {
+                // Plain (min-p) sampling: no sort.
+                pick(w, 0..w.len() as u32, u * total)
+            };
+        }
+
+        // The candidates, most likely first.
+        let head_len = if self.top_k > 0 {
+            self.top_k
+        } else {
+            idx.extend(0..w.len() as u32);
+            let mut n = TOP_P_HEAD.min(w.len());
+            loop {
+                idx.select_nth_unstable_by(n - 1, |&a, &b| desc(w, a, b));
+                idx[..n].sort_unstable_by(|&a, &b| desc(w, a, b));
+                let head: f64 = idx[..n].iter().map(|&i| f64::from(w[i as usize])).sum();
+                if n == w.len() || head >= f64::from(self.top_p) * total {
+                    break n;
+                }
+                n = (n * 8).min(w.len());
+            }
+        };
+        // Top-p: the shortest most-likely prefix whose mass reaches top_p (at least one token).
+        let need = f64::from(self.top_p) * total;
+        let mut keep = head_len;
+        let mut acc = 0.0;
+        for (j, &i) in idx[..head_len].iter().enumerate() {
+            acc += f64::from(w[i as usize]);
+            if acc >= need {
+                keep = j + 1;
+                break;
+            }
+        }
+        let kept = &idx[..keep];
+        let kept_mass: f64 = kept.iter().map(|&i| f64::from(w[i as usize])).sum();
+        pick(w, kept.iter().copied(), u * kept_mass)
+    }
+}
+
+/// The first candidate at which the running sum of weights passes `target`; the last candidate
+/// with weight if rounding leaves the target at the very end.
+fn pick(
+    w: &[f32],
+    candidates: impl Iterator<Item = u32>,
+    target: f64,
+) -> Result<u32, SamplingError> {
+    let mut acc = 0.0;
+    let mut last = None;
+    for i in candidates {
+        let x = f64::from(w[i as usize]);
+        if x > 0.0 {
+            acc += x;
+            last = Some(i);
+            if acc > target {
+                return Ok(i);
+            }
+        }
+    }
+    last.ok_or(SamplingError::NoFiniteLogits)
+}
+
+/// The id of the largest finite logit (the lowest id on ties).
+pub fn argmax(row: &[f32]) -> Result<u32, SamplingError> {
+    let mut best: Option<(usize, f32)> = None;
+    for (i, &v) in row.iter().enumerate() {
+        if v.is_nan() || v == f32::NEG_INFINITY {
+            continue;
+        }
+        if best.is_none_or(|(_, b)| v > b) {
+            best = Some((i, v));
+        }
+    }
+    best.map(|(i, _)| i as u32)
+        .ok_or(SamplingError::NoFiniteLogits)
+}

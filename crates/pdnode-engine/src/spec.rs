@@ -86,3 +86,42 @@ impl ModelSpec {
         per_layer * self.num_layers + emb * if self.tie_word_embeddings { 1 } else { 2 } + h
     }
 }
+
+/// RoPE inverse frequencies for `head_dim` (`head_dim / 2` values), with `scaling` applied exactly
+/// as Hugging Face's `ROPE_INIT_FUNCTIONS` do ("default", "linear", "llama3"). Every backend uses
+/// this so they agree bit for bit on the table; the angle of position `p`, pair `i` is
+/// `p as f32 * inv_freq[i]` and pairs are `(x[i], x[i + head_dim/2])` (HF `rotate_half`).
+pub fn rope_inv_freqs(head_dim: usize, theta: f32, scaling: Option<&RopeScaling>) -> Vec<f32> {
+    let half = head_dim / 2;
+    let base: Vec<f32> = (0..half)
+        .map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32))
+        .collect();
+    match scaling {
+        None => base,
+        Some(RopeScaling::Linear { factor }) => base.iter().map(|f| f / factor).collect(),
+        Some(RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        }) => {
+            let old = *original_max_position_embeddings as f32;
+            let low_wavelen = old / low_freq_factor;
+            let high_wavelen = old / high_freq_factor;
+            base.iter()
+                .map(|&f| {
+                    let wavelen = 2.0 * std::f32::consts::PI / f;
+                    if wavelen < high_wavelen {
+                        f
+                    } else if wavelen > low_wavelen {
+                        f / factor
+                    } else {
+                        let smooth = (old / wavelen - low_freq_factor)
+                            / (high_freq_factor - low_freq_factor);
+                        (1.0 - smooth) * f / factor + smooth * f
+                    }
+                })
+                .collect()
+        }
+    }
+}

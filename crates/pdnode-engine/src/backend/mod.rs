@@ -15,6 +15,7 @@
 //! `(layer * num_blocks + block) * block_layer_bytes` ([`layer_block_offset`]). K of position `p`
 //! of a sequence is in block `table[p / block_size]`, slot `p % block_size`.
 
+pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 

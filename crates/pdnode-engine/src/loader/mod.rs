@@ -6,9 +6,18 @@
 //! Entry points: [`load_model`] (from the `[model]` config section) and [`load_path`] (a path,
 //! format detected from it).
 
+pub mod dummy;
+pub mod fingerprint;
+pub mod gguf;
+pub mod gguf_model;
+pub mod hf;
+mod progress;
+pub mod quant;
+pub mod safetensors_io;
+
 use crate::spec::ModelSpec;
 use crate::weights::Weights;
-use pdnode_core::config::ModelFormat;
+use pdnode_core::config::{ModelConfig, ModelFormat};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -211,5 +220,125 @@ pub fn detect_format(path: &Path) -> Result<ModelFormat, LoadError> {
     }
     Err(LoadError::UnknownFormat {
         path: path.to_path_buf(),
+    })
+}
+
+/// Loads the model the `[model]` config section names: `format = "hf" | "gguf" | "dummy"`.
+/// For `dummy`, `preset` names the shapes and a non-empty `path` supplies the tokenizer (an HF
+/// directory or a GGUF file whose tokenizer is used; its weights are not read).
+pub fn load_model(cfg: &ModelConfig) -> Result<LoadedModel, LoadError> {
+    match cfg.format {
+        ModelFormat::Dummy => {
+            let tok = if cfg.path.is_empty() {
+                None
+            } else {
+                Some(Path::new(&cfg.path))
+            };
+            load_dummy(
+                &cfg.preset,
+                DummySpec {
+                    seed: 0,
+                    std: dummy::DEFAULT_STD,
+                },
+                tok,
+            )
+        }
+        ModelFormat::Hf | ModelFormat::Gguf => load_as(Path::new(&cfg.path), cfg.format),
+    }
+}
+
+/// Loads an HF directory or a GGUF file, detecting which from the path.
+pub fn load_path(path: &Path) -> Result<LoadedModel, LoadError> {
+    load_as(path, detect_format(path)?)
+}
+
+fn display_name(path: &Path) -> String {
+    path.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| path.display().to_string())
+}
+
+fn load_as(path: &Path, format: ModelFormat) -> Result<LoadedModel, LoadError> {
+    let t0 = std::time::Instant::now();
+    let (spec, weights, tokenizer, metadata) = match format {
+        ModelFormat::Hf => {
+            let m = hf::load(path)?;
+            (m.spec, m.weights, m.tokenizer, m.metadata)
+        }
+        ModelFormat::Gguf => {
+            let m = gguf_model::load(path)?;
+            (m.spec, m.weights, m.tokenizer, m.metadata)
+        }
+        ModelFormat::Dummy => {
+            return Err(LoadError::UnknownFormat {
+                path: path.to_path_buf(),
+            });
+        }
+    };
+    let fingerprint = fingerprint::of_weights(&spec, &weights);
+    tracing::info!(
+        path = %path.display(),
+        arch = ?spec.arch,
+        layers = spec.num_layers,
+        params = spec.num_params(),
+        fingerprint = %fingerprint,
+        load_ms = t0.elapsed().as_millis() as u64,
+        "model loaded"
+    );
+    Ok(LoadedModel {
+        spec,
+        weights: ModelWeights::Host(weights),
+        tokenizer,
+        fingerprint,
+        name: display_name(path),
+        metadata,
+    })
+}
+
+/// A `dummy` model: preset shapes, weights left to the backend ([`ModelWeights::Dummy`]), and the
+/// tokenizer of `tokenizer_from` when given (an HF directory or a GGUF file; only its tokenizer is
+/// read).
+pub fn load_dummy(
+    preset: &str,
+    d: DummySpec,
+    tokenizer_from: Option<&Path>,
+) -> Result<LoadedModel, LoadError> {
+    let spec = dummy::preset(preset).ok_or_else(|| LoadError::UnknownPreset {
+        name: preset.to_string(),
+        known: dummy::PRESETS.iter().map(|s| s.to_string()).collect(),
+    })?;
+    let tokenizer = match tokenizer_from {
+        None => TokenizerSource::None,
+        Some(p) => match detect_format(p)? {
+            ModelFormat::Gguf => gguf_model::tokenizer_from_gguf(&gguf::GgufFile::open(p)?)?,
+            _ => {
+                let tok = p.join("tokenizer.json");
+                if !tok.is_file() {
+                    return Err(LoadError::io(
+                        &tok,
+                        std::io::Error::new(std::io::ErrorKind::NotFound, "no tokenizer.json"),
+                    ));
+                }
+                TokenizerSource::HfFile {
+                    path: tok,
+                    config: hf::tokenizer_config(p)?,
+                }
+            }
+        },
+    };
+    let fingerprint = fingerprint::of_dummy(&spec, d);
+    tracing::info!(
+        preset,
+        seed = d.seed,
+        params = spec.num_params(),
+        "dummy model (random weights)"
+    );
+    Ok(LoadedModel {
+        spec,
+        weights: ModelWeights::Dummy(d),
+        tokenizer,
+        fingerprint,
+        name: preset.to_string(),
+        metadata: HashMap::new(),
     })
 }

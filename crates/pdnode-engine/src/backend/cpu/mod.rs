@@ -1,0 +1,380 @@
+//! The CPU backend: f32 compute over host weights and an f32 paged KV pool, multi-threaded with
+//! its own rayon pool. It is the reference the CUDA backend is checked against.
+//!
+//! One forward step runs every new token of every sequence of the batch through the layers
+//! together (GEMMs over all tokens), with causal attention per sequence over its cached
+//! positions plus its new ones; logits are computed only for the sequences that want them.
+
+mod attention;
+pub mod ops;
+
+use super::{
+    Backend, BackendError, ForwardBatch, KvMemory, KvRegion, Logits, MemKind, check_kv_io,
+    layer_block_offset,
+};
+use crate::loader::{LoadedModel, ModelWeights, dummy};
+use crate::spec::{ModelSpec, rope_inv_freqs};
+use crate::weights::Weights;
+use attention::{PoolDims, SeqView};
+use pdnode_core::{BlockId, DType, KvLayout};
+use std::ops::Range;
+
+/// How to build a [`CpuBackend`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CpuBackendConfig {
+    /// Token positions per KV block.
+    pub block_size: u32,
+    /// Blocks in the KV pool.
+    pub num_blocks: u32,
+    /// Worker threads; 0 = all cores.
+    pub threads: u32,
+}
+
+impl Default for CpuBackendConfig {
+    fn default() -> Self {
+        Self {
+            block_size: 16,
+            num_blocks: 256,
+            threads: 0,
+        }
+    }
+}
+
+pub struct CpuBackend {
+    spec: ModelSpec,
+    w: Weights,
+    layout: KvLayout,
+    dims: PoolDims,
+    /// The KV pool; never resized after construction (its address is published by `KvMemory`).
+    pool: Vec<f32>,
+    inv_freq: Vec<f32>,
+    threads: std::sync::Arc<rayon::ThreadPool>,
+}
+
+impl std::fmt::Debug for CpuBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CpuBackend")
+            .field("arch", &self.spec.arch)
+            .field("layout", &self.layout)
+            .field("threads", &self.threads.current_num_threads())
+            .finish()
+    }
+}
+
+impl CpuBackend {
+    /// Builds a backend over host weights (checked against `spec`).
+    pub fn new(
+        spec: ModelSpec,
+        weights: Weights,
+        fingerprint: String,
+        cfg: CpuBackendConfig,
+    ) -> Result<Self, BackendError> {
+        weights
+            .check_shapes(&spec)
+            .map_err(|reason| BackendError::InvalidBatch { reason })?;
+        if cfg.block_size == 0 || cfg.num_blocks == 0 {
+            return Err(BackendError::InvalidBatch {
+                reason: format!(
+                    "block_size {} and num_blocks {} must be positive",
+                    cfg.block_size, cfg.num_blocks
+                ),
+            });
+        }
+        let dims = PoolDims {
+            num_blocks: cfg.num_blocks as usize,
+            block_size: cfg.block_size as usize,
+            kv_heads: spec.num_kv_heads,
+            head_dim: spec.head_dim,
+        };
+        let elems = spec
+            .num_layers
+            .checked_mul(dims.num_blocks)
+            .and_then(|x| x.checked_mul(dims.layer_block()))
+            .ok_or_else(|| BackendError::Device("KV pool size overflows".into()))?;
+        let mut pool = Vec::new();
+        pool.try_reserve_exact(elems).map_err(|e| {
+            BackendError::Device(format!(
+                "cannot allocate a KV pool of {} bytes: {e}",
+                elems * 4
+            ))
+        })?;
+        pool.resize(elems, 0.0);
+        let threads = rayon::ThreadPoolBuilder::new()
+            .num_threads(cfg.threads as usize)
+            .thread_name(|i| format!("pdnode-cpu-{i}"))
+            .build()
+            .map_err(|e| BackendError::Device(format!("cannot start CPU worker threads: {e}")))?;
+        let layout = KvLayout {
+            dtype: DType::F32,
+            num_layers: spec.num_layers as u32,
+            block_size: cfg.block_size,
+            kv_heads_per_rank: spec.num_kv_heads as u32,
+            head_dim: spec.head_dim as u32,
+            tp_size: 1,
+            model_fingerprint: fingerprint,
+        };
+        let threads = std::sync::Arc::new(threads);
+        let inv_freq = rope_inv_freqs(spec.head_dim, spec.rope_theta, spec.rope_scaling.as_ref());
+        Ok(Self {
+            spec,
+            w: weights,
+            layout,
+            dims,
+            pool,
+            inv_freq,
+            threads,
+        })
+    }
+
+    /// Builds a backend from a loaded model, materializing dummy weights on the host.
+    pub fn from_loaded(model: LoadedModel, cfg: CpuBackendConfig) -> Result<Self, BackendError> {
+        let weights = match model.weights {
+            ModelWeights::Host(w) => w,
+            ModelWeights::Dummy(d) => dummy::materialize(&model.spec, d),
+        };
+        Self::new(model.spec, weights, model.fingerprint, cfg)
+    }
+
+    pub fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    fn pool_bytes(&self) -> &[u8] {
+        // SAFETY: f32 has no padding and any byte pattern is a valid u8; the view covers exactly
+        // the pool's initialized elements and borrows it immutably.
+        unsafe { std::slice::from_raw_parts(self.pool.as_ptr().cast::<u8>(), self.pool.len() * 4) }
+    }
+
+    fn pool_bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `pool_bytes`; every byte pattern is also a valid f32 (possibly NaN), so
+        // writes through the byte view cannot create an invalid value.
+        unsafe {
+            std::slice::from_raw_parts_mut(self.pool.as_mut_ptr().cast::<u8>(), self.pool.len() * 4)
+        }
+    }
+
+    fn validate(&self, batch: &ForwardBatch<'_>) -> Result<Vec<Vec<usize>>, BackendError> {
+        let bs = self.dims.block_size;
+        let mut tables = Vec::with_capacity(batch.seqs.len());
+        for (i, s) in batch.seqs.iter().enumerate() {
+            if s.tokens.is_empty() {
+                return Err(BackendError::InvalidBatch {
+                    reason: format!("sequence {i} has no tokens"),
+                });
+            }
+            if let Some(t) = s
+                .tokens
+                .iter()
+                .find(|&&t| t as usize >= self.spec.vocab_size)
+            {
+                return Err(BackendError::InvalidBatch {
+                    reason: format!(
+                        "sequence {i}: token id {t} outside the vocabulary of {}",
+                        self.spec.vocab_size
+                    ),
+                });
+            }
+            let end = s.start_pos + s.tokens.len();
+            let need = end.div_ceil(bs);
+            if s.block_table.len() < need {
+                return Err(BackendError::InvalidBatch {
+                    reason: format!(
+                        "sequence {i}: {} blocks cover {} positions, {end} needed",
+                        s.block_table.len(),
+                        s.block_table.len() * bs
+                    ),
+                });
+            }
+            let table = &s.block_table[..need];
+            if let Some(b) = table.iter().find(|b| b.0 as usize >= self.dims.num_blocks) {
+                return Err(BackendError::BlockOutOfRange {
+                    block: *b,
+                    num_blocks: self.dims.num_blocks,
+                });
+            }
+            tables.push(table.iter().map(|b| b.0 as usize).collect());
+        }
+        Ok(tables)
+    }
+
+    fn forward_inner(&mut self, batch: &ForwardBatch<'_>, tables: &[Vec<usize>]) -> Logits {
+        let s = &self.spec;
+        let (h, qd, kvd, inter) = (s.hidden_size, s.q_dim(), s.kv_dim(), s.intermediate_size);
+        let (nh, nkv, hd, eps) = (s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps);
+        let mut seqs = Vec::with_capacity(batch.seqs.len());
+        let mut positions = Vec::new();
+        let mut tokens = Vec::new();
+        for (st, table) in batch.seqs.iter().zip(tables) {
+            seqs.push(SeqView {
+                row: tokens.len(),
+                len: st.tokens.len(),
+                start_pos: st.start_pos,
+                blocks: table,
+            });
+            positions.extend(st.start_pos..st.start_pos + st.tokens.len());
+            tokens.extend_from_slice(st.tokens);
+        }
+        let t = tokens.len();
+        let mut x = vec![0f32; t * h];
+        for (row, &tok) in x.chunks_mut(h).zip(&tokens) {
+            let tok = tok as usize;
+            row.copy_from_slice(&self.w.embed.data[tok * h..(tok + 1) * h]);
+        }
+        let (cos, sin) = ops::rope_tables(&positions, &self.inv_freq);
+        let mut xn = vec![0f32; t * h];
+        let mut q = vec![0f32; t * qd];
+        let mut k = vec![0f32; t * kvd];
+        let mut v = vec![0f32; t * kvd];
+        let mut att = vec![0f32; t * qd];
+        let mut gate = vec![0f32; t * inter];
+        let mut up = vec![0f32; t * inter];
+        for (li, l) in self.w.layers.iter().enumerate() {
+            ops::rms_norm(&mut xn, &x, &l.attn_norm.data, h, eps);
+            ops::matmul_wt(&mut q, &xn, &l.wq.data, t, qd, h, false);
+            ops::matmul_wt(&mut k, &xn, &l.wk.data, t, kvd, h, false);
+            ops::matmul_wt(&mut v, &xn, &l.wv.data, t, kvd, h, false);
+            if let (Some(bq), Some(bk), Some(bv)) = (&l.bq, &l.bk, &l.bv) {
+                ops::add_bias(&mut q, &bq.data);
+                ops::add_bias(&mut k, &bk.data);
+                ops::add_bias(&mut v, &bv.data);
+            }
+            if let (Some(qn), Some(kn)) = (&l.q_norm, &l.k_norm) {
+                ops::rms_norm_inplace(&mut q, &qn.data, hd, eps);
+                ops::rms_norm_inplace(&mut k, &kn.data, hd, eps);
+            }
+            ops::rope(&mut q, nh, hd, &cos, &sin);
+            ops::rope(&mut k, nkv, hd, &cos, &sin);
+            attention::write_kv(&mut self.pool, self.dims, li, &seqs, &k, &v);
+            attention::attention(&mut att, &self.pool, self.dims, li, &seqs, &q, nh);
+            ops::matmul_wt(&mut x, &att, &l.wo.data, t, h, qd, true);
+            ops::rms_norm(&mut xn, &x, &l.mlp_norm.data, h, eps);
+            ops::matmul_wt(&mut gate, &xn, &l.w_gate.data, t, inter, h, false);
+            ops::matmul_wt(&mut up, &xn, &l.w_up.data, t, inter, h, false);
+            ops::silu_mul(&mut gate, &up);
+            ops::matmul_wt(&mut x, &gate, &l.w_down.data, t, h, inter, true);
+        }
+        // Final norm and the output projection only for the rows that want logits.
+        let rows: Vec<usize> = batch
+            .seqs
+            .iter()
+            .zip(&seqs)
+            .filter(|(st, _)| st.want_logits)
+            .map(|(_, sv)| sv.row + sv.len - 1)
+            .collect();
+        let r = rows.len();
+        let mut last = vec![0f32; r * h];
+        for (dst, &row) in last.chunks_mut(h).zip(&rows) {
+            dst.copy_from_slice(&x[row * h..(row + 1) * h]);
+        }
+        let mut normed = vec![0f32; r * h];
+        ops::rms_norm(&mut normed, &last, &self.w.final_norm.data, h, eps);
+        let vocab = s.vocab_size;
+        let mut logits = vec![0f32; r * vocab];
+        ops::matmul_wt(
+            &mut logits,
+            &normed,
+            &self.w.output().data,
+            r,
+            vocab,
+            h,
+            false,
+        );
+        Logits {
+            vocab,
+            data: logits,
+        }
+    }
+}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> String {
+        "cpu".into()
+    }
+
+    fn kv_layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    fn num_kv_blocks(&self) -> usize {
+        self.dims.num_blocks
+    }
+
+    fn forward(&mut self, batch: &ForwardBatch<'_>) -> Result<Logits, BackendError> {
+        let tables = self.validate(batch)?;
+        if batch.seqs.is_empty() {
+            return Ok(Logits {
+                vocab: self.spec.vocab_size,
+                data: Vec::new(),
+            });
+        }
+        let threads = std::sync::Arc::clone(&self.threads);
+        let out = threads.install(|| self.forward_inner(batch, &tables));
+        Ok(out)
+    }
+
+    fn read_kv(
+        &self,
+        layers: Range<u32>,
+        blocks: &[BlockId],
+        out: &mut [u8],
+    ) -> Result<(), BackendError> {
+        let per = check_kv_io(
+            &self.layout,
+            self.dims.num_blocks,
+            &layers,
+            blocks,
+            out.len(),
+            1,
+        )?;
+        let lb = self.layout.block_layer_bytes();
+        let bytes = self.pool_bytes();
+        let mut o = 0;
+        for layer in layers {
+            for &b in blocks {
+                let off = layer_block_offset(&self.layout, self.dims.num_blocks, layer, b);
+                out[o..o + lb].copy_from_slice(&bytes[off..off + lb]);
+                o += lb;
+            }
+        }
+        debug_assert_eq!(o, per);
+        Ok(())
+    }
+
+    fn write_kv(
+        &mut self,
+        layers: Range<u32>,
+        blocks: &[BlockId],
+        data: &[u8],
+    ) -> Result<(), BackendError> {
+        check_kv_io(
+            &self.layout,
+            self.dims.num_blocks,
+            &layers,
+            blocks,
+            data.len(),
+            1,
+        )?;
+        let lb = self.layout.block_layer_bytes();
+        let (layout, nb) = (self.layout.clone(), self.dims.num_blocks);
+        let bytes = self.pool_bytes_mut();
+        let mut o = 0;
+        for layer in layers {
+            for &b in blocks {
+                let off = layer_block_offset(&layout, nb, layer, b);
+                bytes[off..off + lb].copy_from_slice(&data[o..o + lb]);
+                o += lb;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl KvMemory for CpuBackend {
+    fn kv_regions(&self) -> Vec<KvRegion> {
+        vec![KvRegion {
+            ptr: self.pool.as_ptr() as u64,
+            len: self.pool.len() * 4,
+            mem: MemKind::Host,
+        }]
+    }
+}

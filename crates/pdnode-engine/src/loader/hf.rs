@@ -1,0 +1,389 @@
+//! A Hugging Face model directory: `config.json` to a [`ModelSpec`], safetensors to [`Weights`],
+//! `tokenizer.json` + `tokenizer_config.json` (+ `generation_config.json` for EOS ids) to a
+//! [`TokenizerSource`].
+
+use super::safetensors_io::SafetensorsSet;
+use super::{HfTokenizerConfig, LoadError, TokenizerSource};
+use crate::spec::{Arch, ModelSpec, RopeScaling};
+use crate::weights::{LayerWeights, Weights};
+use serde_json::Value;
+use std::collections::HashMap;
+use std::path::Path;
+
+pub struct HfModel {
+    pub spec: ModelSpec,
+    pub weights: Weights,
+    pub tokenizer: TokenizerSource,
+    pub metadata: HashMap<String, String>,
+}
+
+fn read_json(path: &Path) -> Result<Value, LoadError> {
+    let text = std::fs::read_to_string(path).map_err(|e| LoadError::io(path, e))?;
+    serde_json::from_str(&text).map_err(|e| LoadError::Malformed {
+        path: path.to_path_buf(),
+        format: "JSON",
+        reason: e.to_string(),
+    })
+}
+
+fn read_json_opt(path: &Path) -> Result<Option<Value>, LoadError> {
+    if path.is_file() {
+        read_json(path).map(Some)
+    } else {
+        Ok(None)
+    }
+}
+
+/// Token ids from an int or a list of ints.
+fn ids(v: Option<&Value>) -> Vec<u32> {
+    match v {
+        Some(Value::Number(n)) => n
+            .as_u64()
+            .and_then(|x| u32::try_from(x).ok())
+            .into_iter()
+            .collect(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok()))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+struct Cfg<'a> {
+    v: &'a Value,
+    path: &'a Path,
+}
+
+impl Cfg<'_> {
+    fn err(&self, reason: String) -> LoadError {
+        LoadError::Config {
+            path: self.path.to_path_buf(),
+            reason,
+        }
+    }
+    fn opt_u(&self, k: &str) -> Result<Option<usize>, LoadError> {
+        match self.v.get(k) {
+            None | Some(Value::Null) => Ok(None),
+            Some(x) => x
+                .as_u64()
+                .and_then(|x| usize::try_from(x).ok())
+                .map(Some)
+                .ok_or_else(|| self.err(format!("`{k}` = {x} is not a non-negative integer"))),
+        }
+    }
+    fn req_u(&self, k: &str) -> Result<usize, LoadError> {
+        self.opt_u(k)?
+            .ok_or_else(|| self.err(format!("`{k}` is missing")))
+    }
+    fn opt_f(&self, k: &str) -> Result<Option<f32>, LoadError> {
+        match self.v.get(k) {
+            None | Some(Value::Null) => Ok(None),
+            Some(x) => x
+                .as_f64()
+                .map(|x| Some(x as f32))
+                .ok_or_else(|| self.err(format!("`{k}` = {x} is not a number"))),
+        }
+    }
+    fn bool(&self, k: &str) -> bool {
+        self.v.get(k).and_then(Value::as_bool).unwrap_or(false)
+    }
+}
+
+fn rope_scaling(c: &Cfg<'_>) -> Result<Option<RopeScaling>, LoadError> {
+    // transformers < 5 writes `rope_scaling` (null when unscaled); transformers >= 5 writes
+    // `rope_parameters` with `rope_type` ("default" when unscaled) and `rope_theta` inside.
+    let Some(rs) =
+        c.v.get("rope_scaling")
+            .filter(|v| !v.is_null())
+            .or_else(|| c.v.get("rope_parameters").filter(|v| !v.is_null()))
+    else {
+        return Ok(None);
+    };
+    let ty = rs
+        .get("rope_type")
+        .or_else(|| rs.get("type"))
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    let num = |k: &str| -> Result<f32, LoadError> {
+        rs.get(k)
+            .and_then(Value::as_f64)
+            .map(|x| x as f32)
+            .ok_or_else(|| c.err(format!("`rope_scaling.{k}` is missing or not a number")))
+    };
+    match ty {
+        "default" => Ok(None),
+        "linear" => Ok(Some(RopeScaling::Linear {
+            factor: num("factor")?,
+        })),
+        "llama3" => Ok(Some(RopeScaling::Llama3 {
+            factor: num("factor")?,
+            low_freq_factor: num("low_freq_factor")?,
+            high_freq_factor: num("high_freq_factor")?,
+            original_max_position_embeddings: num("original_max_position_embeddings")? as u32,
+        })),
+        other => Err(c.err(format!(
+            "rope_scaling type `{other}` is not supported (supported: default, linear, llama3)"
+        ))),
+    }
+}
+
+/// `config.json` (+ `generation_config.json`) to a [`ModelSpec`].
+pub fn spec_from_config(
+    config: &Value,
+    gen_cfg: Option<&Value>,
+    path: &Path,
+) -> Result<ModelSpec, LoadError> {
+    let c = Cfg { v: config, path };
+    let supported = || Arch::ALL.iter().map(|a| a.hf_name().to_string()).collect();
+    // `architectures[0]`, or the class named by `model_type` when a config lacks it.
+    let by_model_type = |t: &str| match t {
+        "llama" => Some(Arch::Llama.hf_name()),
+        "mistral" => Some(Arch::Mistral.hf_name()),
+        "qwen2" => Some(Arch::Qwen2.hf_name()),
+        "qwen3" => Some(Arch::Qwen3.hf_name()),
+        _ => None,
+    };
+    let arch_name = config
+        .get("architectures")
+        .and_then(|a| a.get(0))
+        .and_then(Value::as_str)
+        .or_else(|| {
+            config
+                .get("model_type")
+                .and_then(Value::as_str)
+                .and_then(by_model_type)
+        })
+        .ok_or_else(|| LoadError::UnsupportedArch {
+            path: path.to_path_buf(),
+            arch: "(no `architectures` in config.json)".into(),
+            supported: supported(),
+        })?;
+    let arch = Arch::from_hf_name(arch_name).ok_or_else(|| LoadError::UnsupportedArch {
+        path: path.to_path_buf(),
+        arch: arch_name.to_string(),
+        supported: supported(),
+    })?;
+    if let Some(act) = config
+        .get("hidden_act")
+        .and_then(Value::as_str)
+        .filter(|a| *a != "silu")
+    {
+        return Err(LoadError::Unsupported {
+            path: path.to_path_buf(),
+            reason: format!("hidden_act `{act}` (only silu is supported)"),
+        });
+    }
+    let attention_bias = c.bool("attention_bias");
+    if attention_bias && arch != Arch::Qwen2 {
+        return Err(LoadError::Unsupported {
+            path: path.to_path_buf(),
+            reason: "attention_bias = true (o_proj bias) is not supported".into(),
+        });
+    }
+    if c.bool("mlp_bias") {
+        return Err(LoadError::Unsupported {
+            path: path.to_path_buf(),
+            reason: "mlp_bias = true is not supported".into(),
+        });
+    }
+    let hidden_size = c.req_u("hidden_size")?;
+    let num_heads = c.req_u("num_attention_heads")?;
+    if num_heads == 0 {
+        return Err(c.err("`num_attention_heads` is 0".into()));
+    }
+    let num_kv_heads = c.opt_u("num_key_value_heads")?.unwrap_or(num_heads);
+    if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
+        return Err(c.err(format!(
+            "{num_heads} heads is not a multiple of {num_kv_heads} KV heads"
+        )));
+    }
+    let head_dim = c.opt_u("head_dim")?.unwrap_or(hidden_size / num_heads);
+    if head_dim == 0 || head_dim % 2 != 0 {
+        return Err(c.err(format!("head_dim {head_dim} must be even and non-zero")));
+    }
+    let mut eos_token_ids = ids(config.get("eos_token_id"));
+    if let Some(g) = gen_cfg {
+        for id in ids(g.get("eos_token_id")) {
+            if !eos_token_ids.contains(&id) {
+                eos_token_ids.push(id);
+            }
+        }
+    }
+    let bos_token_id = ids(config.get("bos_token_id"))
+        .first()
+        .copied()
+        .or_else(|| gen_cfg.and_then(|g| ids(g.get("bos_token_id")).first().copied()));
+    let sliding = match arch {
+        Arch::Mistral => c.opt_u("sliding_window")?,
+        Arch::Qwen2 | Arch::Qwen3 if c.bool("use_sliding_window") => c.opt_u("sliding_window")?,
+        _ => None,
+    };
+    let max_position_embeddings = c.opt_u("max_position_embeddings")?.unwrap_or(4096);
+    if let Some(w) = sliding.filter(|&w| w < max_position_embeddings) {
+        tracing::warn!(
+            path = %path.display(),
+            window = w,
+            "sliding-window attention is not implemented: attention is full; outputs differ from the reference past {w} tokens"
+        );
+    }
+    Ok(ModelSpec {
+        arch,
+        hidden_size,
+        intermediate_size: c.req_u("intermediate_size")?,
+        num_layers: c.req_u("num_hidden_layers")?,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        vocab_size: c.req_u("vocab_size")?,
+        rms_norm_eps: c.opt_f("rms_norm_eps")?.unwrap_or(1e-6),
+        rope_theta: match c.opt_f("rope_theta")? {
+            Some(t) => t,
+            None => config
+                .get("rope_parameters")
+                .and_then(|p| p.get("rope_theta"))
+                .and_then(Value::as_f64)
+                .map_or(10_000.0, |t| t as f32),
+        },
+        rope_scaling: rope_scaling(&c)?,
+        max_position_embeddings,
+        tie_word_embeddings: c.bool("tie_word_embeddings"),
+        qkv_bias: arch == Arch::Qwen2 || attention_bias,
+        qk_norm: arch == Arch::Qwen3,
+        bos_token_id,
+        eos_token_ids,
+    })
+}
+
+/// Reads every weight of `spec` from the safetensors set.
+pub fn weights_from_safetensors(st: &SafetensorsSet, s: &ModelSpec) -> Result<Weights, LoadError> {
+    let (h, q, kv, i) = (s.hidden_size, s.q_dim(), s.kv_dim(), s.intermediate_size);
+    let opt = |name: String, on: bool, shape: &[usize]| {
+        if on {
+            st.load(&name, shape).map(Some)
+        } else {
+            Ok(None)
+        }
+    };
+    let mut layers = Vec::with_capacity(s.num_layers);
+    for n in 0..s.num_layers {
+        let p = |x: &str| format!("model.layers.{n}.{x}");
+        layers.push(LayerWeights {
+            attn_norm: st.load(&p("input_layernorm.weight"), &[h])?,
+            wq: st.load(&p("self_attn.q_proj.weight"), &[q, h])?,
+            wk: st.load(&p("self_attn.k_proj.weight"), &[kv, h])?,
+            wv: st.load(&p("self_attn.v_proj.weight"), &[kv, h])?,
+            bq: opt(p("self_attn.q_proj.bias"), s.qkv_bias, &[q])?,
+            bk: opt(p("self_attn.k_proj.bias"), s.qkv_bias, &[kv])?,
+            bv: opt(p("self_attn.v_proj.bias"), s.qkv_bias, &[kv])?,
+            q_norm: opt(p("self_attn.q_norm.weight"), s.qk_norm, &[s.head_dim])?,
+            k_norm: opt(p("self_attn.k_norm.weight"), s.qk_norm, &[s.head_dim])?,
+            wo: st.load(&p("self_attn.o_proj.weight"), &[h, q])?,
+            mlp_norm: st.load(&p("post_attention_layernorm.weight"), &[h])?,
+            w_gate: st.load(&p("mlp.gate_proj.weight"), &[i, h])?,
+            w_up: st.load(&p("mlp.up_proj.weight"), &[i, h])?,
+            w_down: st.load(&p("mlp.down_proj.weight"), &[h, i])?,
+        });
+    }
+    let w = Weights {
+        embed: st.load("model.embed_tokens.weight", &[s.vocab_size, h])?,
+        layers,
+        final_norm: st.load("model.norm.weight", &[h])?,
+        lm_head: opt(
+            "lm_head.weight".into(),
+            !s.tie_word_embeddings,
+            &[s.vocab_size, h],
+        )?,
+    };
+    st.finish();
+    Ok(w)
+}
+
+/// A special-token entry: a string, or an AddedToken object with `content`.
+fn token_str(v: Option<&Value>) -> Option<String> {
+    match v? {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(o) => o.get("content").and_then(Value::as_str).map(str::to_string),
+        _ => None,
+    }
+}
+
+/// `tokenizer_config.json` (and `chat_template.jinja` / `chat_template.json`) of `dir`.
+pub fn tokenizer_config(dir: &Path) -> Result<HfTokenizerConfig, LoadError> {
+    let raw = read_json_opt(&dir.join("tokenizer_config.json"))?.unwrap_or(Value::Null);
+    let mut chat_template = match raw.get("chat_template") {
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(Value::Array(list)) => list
+            .iter()
+            .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+            .or_else(|| list.first())
+            .and_then(|t| t.get("template"))
+            .and_then(Value::as_str)
+            .map(str::to_string),
+        _ => None,
+    };
+    if chat_template.is_none() {
+        let jinja = dir.join("chat_template.jinja");
+        if jinja.is_file() {
+            chat_template =
+                Some(std::fs::read_to_string(&jinja).map_err(|e| LoadError::io(&jinja, e))?);
+        } else if let Some(v) = read_json_opt(&dir.join("chat_template.json"))? {
+            chat_template = v
+                .get("chat_template")
+                .and_then(Value::as_str)
+                .map(str::to_string);
+        }
+    }
+    Ok(HfTokenizerConfig {
+        chat_template,
+        bos_token: token_str(raw.get("bos_token")),
+        eos_token: token_str(raw.get("eos_token")),
+        pad_token: token_str(raw.get("pad_token")),
+        unk_token: token_str(raw.get("unk_token")),
+        add_bos_token: raw.get("add_bos_token").and_then(Value::as_bool),
+        add_eos_token: raw.get("add_eos_token").and_then(Value::as_bool),
+        raw,
+    })
+}
+
+/// Loads an HF model directory.
+pub fn load(dir: &Path) -> Result<HfModel, LoadError> {
+    let config_path = dir.join("config.json");
+    let config = read_json(&config_path)?;
+    let gen_cfg = read_json_opt(&dir.join("generation_config.json"))?;
+    let spec = spec_from_config(&config, gen_cfg.as_ref(), &config_path)?;
+    let st = SafetensorsSet::open_dir(dir)?;
+    let weights = weights_from_safetensors(&st, &spec)?;
+    weights
+        .check_shapes(&spec)
+        .map_err(|reason| LoadError::Config {
+            path: dir.to_path_buf(),
+            reason,
+        })?;
+    let tok_path = dir.join("tokenizer.json");
+    let tokenizer = if tok_path.is_file() {
+        TokenizerSource::HfFile {
+            path: tok_path,
+            config: tokenizer_config(dir)?,
+        }
+    } else {
+        TokenizerSource::None
+    };
+    let mut metadata = HashMap::new();
+    for k in [
+        "torch_dtype",
+        "model_type",
+        "_name_or_path",
+        "transformers_version",
+    ] {
+        if let Some(v) = config.get(k).and_then(Value::as_str) {
+            metadata.insert(k.to_string(), v.to_string());
+        }
+    }
+    Ok(HfModel {
+        spec,
+        weights,
+        tokenizer,
+        metadata,
+    })
+}

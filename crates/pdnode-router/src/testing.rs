@@ -13,6 +13,7 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use parking_lot::Mutex;
 use pdnode_core::card::{NodeAddresses, NodeCapacity};
+use pdnode_core::request::TokenLogprob;
 use pdnode_core::{ErrorKind, FinishReason, NodeCard, NodeId, RequestId, Role};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -49,6 +50,18 @@ impl ChatRender for FakeTokenizer {
         }
         s.push_str("assistant:");
         Ok(s)
+    }
+}
+
+/// The fake's log-probability of `token` with `k` alternatives: the token itself at -0.25,
+/// then `token + 1`, `token + 2`, ... at -1, -2, ...
+pub fn fake_logprob(token: u32, k: u32) -> TokenLogprob {
+    TokenLogprob {
+        token_id: token,
+        logprob: -0.25,
+        top: std::iter::once((token, -0.25))
+            .chain((1..k).map(|i| (token.wrapping_add(i) % 256, -(i as f32))))
+            .collect(),
     }
 }
 
@@ -238,7 +251,7 @@ impl NodeClient for FakeNode {
             };
             Ok(PrefillOutcome {
                 first_token_id: first,
-                first_logprob: None,
+                first_logprob: req.sampling.logprobs.map(|k| fake_logprob(first, k)),
                 finish,
                 cached_tokens: 0,
                 transfer_bytes: 4096 * req.prompt_token_ids.len() as u64,
@@ -253,6 +266,7 @@ impl NodeClient for FakeNode {
             let b = self.behavior.lock().clone();
             let cancel = self.token(req.request_id);
             let max = req.sampling.max_tokens as usize;
+            let logprobs = req.sampling.logprobs;
             let rest: Vec<u32> = b.output.iter().skip(1).copied().collect();
             let (tx, rx) = tokio::sync::mpsc::channel(4);
             tokio::spawn(async move {
@@ -278,8 +292,12 @@ impl NodeClient for FakeNode {
                     };
                     let chunk = DecodeChunk {
                         token_ids: vec![*tok],
+                        logprobs: logprobs
+                            .map(|k| fake_logprob(*tok, k))
+                            .into_iter()
+                            .collect(),
                         finish,
-                        ..DecodeChunk::default()
+                        error: None,
                     };
                     if tx.send(Ok(chunk)).await.is_err() || finish.is_some() {
                         return;

@@ -307,9 +307,10 @@ async fn no_nodes_is_503_and_overload_is_429() {
 
 #[tokio::test]
 async fn client_disconnect_aborts_on_both_nodes() {
-    let h = Harness::start(1, 1).await;
+    // Long timeouts and a slow decode: only noticing the disconnect itself can abort in time.
+    let h = Harness::start_with(1, 1, |d| d.config.token_timeout_s = 60).await;
     h.decode[0].set(|b| {
-        b.token_interval = Duration::from_millis(50);
+        b.token_interval = Duration::from_secs(20);
         b.output = vec![b'a' as u32; 200];
     });
     let r = reqwest::Client::new()
@@ -478,5 +479,88 @@ async fn models_health_and_metrics() {
     ] {
         assert!(text.contains(needle), "missing {needle} in\n{text}");
     }
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn logprobs_in_both_api_shapes() {
+    let h = Harness::start(1, 1).await;
+    let (s, b) = post(
+        &h,
+        "/v1/completions",
+        json!({"prompt": "x", "max_tokens": 3, "logprobs": 2}),
+    )
+    .await;
+    assert_eq!(s, 200, "{b}");
+    let lp = &b["choices"][0]["logprobs"];
+    assert_eq!(lp["tokens"], json!(["H", "e", "l"]));
+    assert_eq!(lp["token_logprobs"], json!([-0.25, -0.25, -0.25]));
+    assert_eq!(lp["top_logprobs"][0], json!({"H": -0.25, "I": -1.0}));
+
+    let body = json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "logprobs": true, "top_logprobs": 1});
+    let (s, b) = post(&h, "/v1/chat/completions", body).await;
+    assert_eq!(s, 200, "{b}");
+    let content = &b["choices"][0]["logprobs"]["content"];
+    assert_eq!(content[0]["token"], "H");
+    assert_eq!(content[0]["logprob"], -0.25);
+    assert_eq!(content[0]["bytes"], json!([72]));
+    assert_eq!(
+        content[1]["top_logprobs"],
+        json!([{"token": "e", "logprob": -0.25, "bytes": [101]}])
+    );
+    // Without logprobs the field is null.
+    let (_, b) = post(
+        &h,
+        "/v1/completions",
+        json!({"prompt": "x", "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(b["choices"][0]["logprobs"], Value::Null);
+    // Streaming chunks carry their tokens' logprobs.
+    let (_, data) = post_sse(
+        &h,
+        "/v1/completions",
+        json!({"prompt": "x", "max_tokens": 2, "logprobs": 0, "stream": true}),
+    )
+    .await;
+    let c: Value = serde_json::from_str(&data[0]).unwrap();
+    assert_eq!(c["choices"][0]["logprobs"]["tokens"], json!(["H"]));
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn client_gone_during_prefill_aborts_both_nodes() {
+    // prefill_timeout_s far above the wait below: only noticing the disconnect can abort in time.
+    let h = Harness::start_with(1, 1, |d| d.config.prefill_timeout_s = 60).await;
+    h.prefill[0].set(|b| b.prefill_delay = Duration::from_secs(30));
+    let c = reqwest::Client::builder()
+        .timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let r = c
+        .post(h.url("/v1/completions"))
+        .json(&json!({"prompt": "x"}))
+        .send()
+        .await;
+    assert!(r.is_err(), "the client timed out before any answer");
+    let aborted = |calls: &[FakeCall]| calls.iter().any(|c| matches!(c, FakeCall::Abort(_)));
+    let limit = Duration::from_secs(5);
+    assert!(
+        h.prefill[0].wait_for(limit, aborted).await,
+        "{:?}",
+        h.prefill[0].calls()
+    );
+    assert!(
+        h.decode[0].wait_for(limit, aborted).await,
+        "{:?}",
+        h.decode[0].calls()
+    );
+    assert_eq!(h.decode[0].count(|c| matches!(c, FakeCall::Decode(_))), 0);
+    // The router's in-flight count returns to zero.
+    let deadline = Instant::now() + limit;
+    while h.router.inflight() > 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(h.router.inflight(), 0);
     h.stop().await;
 }

@@ -219,6 +219,8 @@ impl Drop for ChildGuard {
 /// the client with `opts.timeout_s`, stops the server. Returns the client's exit code.
 pub fn run_local(opts: &Options, exe: &Path, prefix: &[String]) -> Result<i32, TransferError> {
     let deadline = Instant::now() + Duration::from_secs(opts.timeout_s);
+    // Fail here, once and clearly, when the library is missing (the children would both fail).
+    ucx_sys::Ucp::load(opts.ucx_lib.as_deref())?;
     let spawn = |role: &Options, stdout: Stdio| -> Result<Child, TransferError> {
         let json = serde_json::to_string(role).map_err(|e| TransferError::Control {
             reason: e.to_string(),
@@ -258,15 +260,23 @@ pub fn run_local(opts: &Options, exe: &Path, prefix: &[String]) -> Result<i32, T
             }
         }
     });
-    let addr = rx
-        .recv_timeout(
-            deadline
-                .saturating_duration_since(Instant::now())
-                .min(Duration::from_secs(60)),
-        )
-        .map_err(|_| TransferError::Timeout {
-            what: "bench server start".into(),
-        })?;
+    let wait = deadline
+        .saturating_duration_since(Instant::now())
+        .min(Duration::from_secs(60));
+    let addr = match rx.recv_timeout(wait) {
+        Ok(a) => a,
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+            return Err(TransferError::Timeout {
+                what: "bench server start".into(),
+            });
+        }
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+            let status = server.0.wait().map(|s| s.to_string()).unwrap_or_default();
+            return Err(TransferError::Control {
+                reason: format!("bench server exited before listening ({status})"),
+            });
+        }
+    };
     let client_opts = Options {
         role: BenchRole::Client,
         connect: Some(addr),

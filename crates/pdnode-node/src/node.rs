@@ -172,9 +172,7 @@ impl Node {
                 .map_or(cfg.engine.tensor_parallel, |d| d.tp_size),
             addresses: NodeAddresses {
                 grpc: advertise,
-                http: http_addr
-                    .map(|a| a.to_string())
-                    .or_else(|| (role == Role::Router).then(|| cfg.router.http_listen.clone())),
+                http: http_addr.map(|a| a.to_string()),
                 ucx_worker: None,
             },
             capacity: NodeCapacity::default(),

@@ -1,18 +1,137 @@
-//! `pdnode nodes`: list the nodes registered in a cluster (owned by the node runtime work).
+//! `pdnode nodes`: list the nodes registered in a cluster.
+//!
+//! `pdnode nodes --etcd http://127.0.0.1:2379 [--cluster C] [--json]`; without `--etcd`, the
+//! registry of `--config` (which must be etcd: a memory registry lives inside one process).
 
-use super::{ConfigArgs, not_available};
+use super::{ConfigArgs, UsageError};
+use anyhow::Context;
+use pdnode_core::NodeCard;
+use pdnode_core::config::{RegistryConfig, RegistryKind};
+use pdnode_registry::{EtcdRegistry, Registry, RegistryOptions};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
     #[command(flatten)]
     pub config: ConfigArgs,
+    /// etcd endpoint(s), e.g. http://127.0.0.1:2379 (repeatable); overrides the config's.
+    #[arg(long = "etcd", value_name = "URL")]
+    pub etcd: Vec<String>,
+    /// Cluster to list; default: the config's node.cluster ("default").
+    #[arg(long)]
+    pub cluster: Option<String>,
+    /// Print the node cards as JSON (one array) instead of a table.
+    #[arg(long)]
+    pub json: bool,
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let loaded = super::load_config(&args.config)?;
     crate::logging::init(&loaded.config.log)?;
-    Err(not_available(
-        "nodes",
-        "the registry client (memory and etcd Registry) is not wired into the CLI yet",
-    ))
+    let c = &loaded.config;
+    let cluster = args.cluster.unwrap_or_else(|| c.node.cluster.clone());
+    let endpoints = if !args.etcd.is_empty() {
+        args.etcd.clone()
+    } else if c.registry.kind == RegistryKind::Etcd {
+        c.registry.endpoints.clone()
+    } else {
+        return Err(UsageError(
+            "no etcd to ask: pass --etcd URL or a --config with registry.kind = \"etcd\" \
+             (a memory registry lives inside one process)"
+                .into(),
+        )
+        .into());
+    };
+    let reg_cfg = RegistryConfig {
+        kind: RegistryKind::Etcd,
+        endpoints: endpoints.clone(),
+        ..c.registry.clone()
+    };
+    let reg = EtcdRegistry::connect(&endpoints, RegistryOptions::from_config(&reg_cfg))
+        .await
+        .with_context(|| format!("cannot reach etcd at {}", endpoints.join(",")))?;
+    let snap = reg
+        .list(&cluster)
+        .await
+        .with_context(|| format!("cannot list cluster {cluster:?}"))?;
+    let now = now_ms();
+    if args.json {
+        let v: Vec<serde_json::Value> = snap
+            .cards
+            .iter()
+            .map(|card| {
+                let mut v = serde_json::to_value(card).unwrap_or_default();
+                if let Some(o) = v.as_object_mut() {
+                    o.insert(
+                        "age_s".into(),
+                        (now.saturating_sub(card.started_at_ms) / 1000).into(),
+                    );
+                }
+                v
+            })
+            .collect();
+        println!("{}", serde_json::Value::Array(v));
+    } else {
+        print!("{}", table(&snap.cards, now));
+    }
+    Ok(())
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+fn age(ms: u64) -> String {
+    let s = ms / 1000;
+    match s {
+        0..60 => format!("{s}s"),
+        60..3600 => format!("{}m{}s", s / 60, s % 60),
+        _ => format!("{}h{}m", s / 3600, (s % 3600) / 60),
+    }
+}
+
+/// ROLE, ID, MODEL, GRPC, LOAD (running/max, queued, free KV blocks), AGE.
+fn table(cards: &[NodeCard], now: u64) -> String {
+    let header = ["ROLE", "ID", "MODEL", "GRPC", "LOAD", "AGE"].map(String::from);
+    let mut rows = vec![header];
+    for c in cards {
+        let k = &c.capacity;
+        rows.push([
+            c.role.to_string(),
+            c.id.to_string(),
+            if c.model_id.is_empty() {
+                "-".into()
+            } else {
+                c.model_id.clone()
+            },
+            c.addresses.grpc.clone(),
+            format!(
+                "{}/{} run, {} queued, kv {}/{} free",
+                k.running_requests,
+                k.max_running_requests,
+                k.queued_requests,
+                k.kv_blocks_free,
+                k.kv_blocks_total
+            ),
+            age(now.saturating_sub(c.started_at_ms)),
+        ]);
+    }
+    let widths: Vec<usize> = (0..6)
+        .map(|i| rows.iter().map(|r| r[i].len()).max().unwrap_or(0))
+        .collect();
+    let mut out = String::new();
+    for r in &rows {
+        let line: Vec<String> = r
+            .iter()
+            .zip(&widths)
+            .map(|(cell, w)| format!("{cell:<w$}"))
+            .collect();
+        out.push_str(line.join("  ").trim_end());
+        out.push('\n');
+    }
+    if cards.is_empty() {
+        out.push_str("(no nodes registered)\n");
+    }
+    out
 }

@@ -1,9 +1,15 @@
 //! `pdnode start`: run a node with the role its config gives.
 //!
-//! Owned by the node runtime work: this first version loads and validates the config (the same
-//! errors as `check-config`, exit 2), logs the effective config, then says what is missing.
+//! Loads and validates the config (the same errors as `check-config`, exit 2), logs the
+//! effective config, connects to the registry, starts the node runtime (supervision tree,
+//! registration under a lease, node gRPC + health) and runs until SIGTERM/SIGINT, then shuts
+//! down gracefully (revoke the lease, stop admitting, drain) and exits 0. A duplicate node id,
+//! an unreachable registry or a node that fails past its restart limits exits 1.
 
-use super::{ConfigArgs, load_config, not_available};
+use super::{ConfigArgs, load_config};
+use anyhow::Context;
+use pdnode_core::Role;
+use pdnode_node::{Node, NodeDeps, NodeOptions};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -22,12 +28,47 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         "effective configuration:\n{}",
         loaded.effective_toml()
     );
-    Err(not_available(
-        "start",
-        &format!(
-            "the node runtime (NodeSupervisor with engine, transfer, registry and router actors) \
-             has not landed; the config for role \"{}\" is valid",
-            c.node.role
+    match c.node.role {
+        Role::Router | Role::All => tracing::warn!(
+            "the router frontends (OpenAI HTTP, pdnode.v1.Inference gRPC) are not started by \
+             `pdnode start` yet: this node registers and serves health only"
         ),
-    ))
+        Role::Prefill | Role::Decode => {}
+    }
+    if c.node.role != Role::Router {
+        tracing::warn!(
+            backend = ?c.engine.backend,
+            gpus = ?c.engine.gpus,
+            "the engine is not wired into the node runtime yet: this node registers its card \
+             (model {:?}, no KV layout, zero capacity) and serves health only; the node gRPC \
+             work methods answer UNIMPLEMENTED",
+            pdnode_node::served_model(c)
+        );
+    }
+    let registry = pdnode_registry::from_config(&c.registry)
+        .await
+        .with_context(|| {
+            format!(
+                "cannot reach the {:?} registry at {:?}",
+                c.registry.kind, c.registry.endpoints
+            )
+        })?;
+    let node = Node::start(
+        c,
+        NodeDeps {
+            registry,
+            engine: None,
+            options: NodeOptions::default(),
+        },
+    )
+    .await
+    .context("the node did not start")?;
+    let report = node.run_until_signal().await?;
+    tracing::info!(
+        deregistered = report.deregistered,
+        in_flight_left = report.in_flight_left,
+        elapsed_ms = report.elapsed_ms,
+        "shut down"
+    );
+    Ok(())
 }

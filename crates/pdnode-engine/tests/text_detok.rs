@@ -101,3 +101,14 @@ fn out_of_range_ids_are_errors() {
     assert_eq!(dec.step(&tok, byte_id(b'a')).unwrap(), "a");
 }
 
+#[test]
+fn smollm2_streams_every_reference_string_exactly() {
+    let Some(tok) = text_support::smollm2() else {
+        eprintln!("SmolLM2 GGUF not present; skipped");
+        return;
+    };
+    for t in TEXTS {
+        let ids = tok.encode(t, false).unwrap();
+        check(&tok, &ids, false);
+    }
+}

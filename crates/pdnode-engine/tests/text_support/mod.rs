@@ -75,3 +75,10 @@ pub fn smollm2_path() -> Option<PathBuf> {
     p.exists().then_some(p)
 }
 
+/// SmolLM2's tokenizer read from its GGUF by the loader, when the file is present.
+pub fn smollm2() -> Option<Tokenizer> {
+    let path = smollm2_path()?;
+    let file = pdnode_engine::loader::gguf::GgufFile::open(&path).unwrap();
+    let source = pdnode_engine::loader::gguf_model::tokenizer_from_gguf(&file).unwrap();
+    Some(Tokenizer::from_source(&source).unwrap())
+}

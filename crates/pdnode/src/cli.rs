@@ -25,7 +25,7 @@ pub enum Command {
     /// Generate text from a prompt with a local model (no server).
     Generate(cmd::generate::Args),
     /// Benchmark an OpenAI-compatible endpoint: TTFT, TPOT, throughput, goodput.
-    Bench(cmd::bench::Args),
+    Bench(Box<cmd::bench::Args>),
     /// Measure KV transfer bandwidth between two endpoints.
     BenchTransfer(cmd::bench_transfer::Args),
     /// List the nodes registered in a cluster.
@@ -40,7 +40,7 @@ pub async fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::CheckConfig(a) => cmd::check_config::run(a).await,
         Command::Version(a) => cmd::version::run(a).await,
         Command::Generate(a) => cmd::generate::run(a).await,
-        Command::Bench(a) => cmd::bench::run(a).await,
+        Command::Bench(a) => cmd::bench::run(*a).await,
         Command::BenchTransfer(a) => cmd::bench_transfer::run(a).await,
         Command::Nodes(a) => cmd::nodes::run(a).await,
     }

@@ -237,3 +237,24 @@ fn json_logs_are_json_lines() {
         serde_json::from_str(first).unwrap_or_else(|e| panic!("{e}: {first:?}"));
     assert!(v["level"].is_string(), "{v}");
 }
+
+#[test]
+fn bench_option_errors_exit_2_before_sending_anything() {
+    // Port 1 is never served; option checks come first, so nothing is contacted.
+    let base = ["bench", "--url", "http://127.0.0.1:1", "--model", "m"];
+    for extra in [
+        &["--workload", "trace"][..],
+        &["--concurrency", "0"][..],
+        &["--trace", "x.jsonl"][..],
+        &["--request-rate", "-1"][..],
+    ] {
+        let args: Vec<&str> = base.iter().chain(extra).copied().collect();
+        let out = pdnode(&args);
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{extra:?}: {}",
+            text(&out.stderr)
+        );
+    }
+}

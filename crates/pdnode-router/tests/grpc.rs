@@ -185,3 +185,27 @@ async fn api_keys_health_list_nodes_and_reflection() {
     );
     h.stop().await;
 }
+
+#[tokio::test]
+async fn dropping_the_generate_stream_aborts_on_both_nodes() {
+    let h = Harness::start_with(1, 1, |d| d.config.token_timeout_s = 60).await;
+    h.decode[0].set(|b| b.token_interval = Duration::from_secs(20));
+    let mut c = client(&h).await;
+    let mut s = c
+        .generate(text_request("x", 50))
+        .await
+        .unwrap()
+        .into_inner();
+    let first = s.message().await.unwrap().unwrap();
+    assert!(matches!(first.event, Some(Event::Chunk(_))));
+    drop(s);
+    let aborted = |calls: &[pdnode_router::testing::FakeCall]| {
+        calls
+            .iter()
+            .any(|c| matches!(c, pdnode_router::testing::FakeCall::Abort(_)))
+    };
+    let limit = Duration::from_secs(5);
+    assert!(h.decode[0].wait_for(limit, aborted).await);
+    assert!(h.prefill[0].wait_for(limit, aborted).await);
+    h.stop().await;
+}

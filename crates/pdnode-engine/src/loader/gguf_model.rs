@@ -416,13 +416,17 @@ pub fn tokenizer_from_gguf(f: &GgufFile) -> Result<TokenizerSource, LoadError> {
 
 /// Opens, parses and dequantizes a GGUF model file.
 pub fn load(path: &Path) -> Result<GgufModel, LoadError> {
-    let f = GgufFile::open(path)?;
-    let spec = spec_from_gguf(&f)?;
-    let weights = weights_from_gguf(&f, &spec)?;
+    from_file(&GgufFile::open(path)?)
+}
+
+/// Builds the model from a parsed GGUF file.
+pub fn from_file(f: &GgufFile) -> Result<GgufModel, LoadError> {
+    let spec = spec_from_gguf(f)?;
+    let weights = weights_from_gguf(f, &spec)?;
     weights
         .check_shapes(&spec)
-        .map_err(|reason| cfg_err(path, reason))?;
-    let tokenizer = tokenizer_from_gguf(&f)?;
+        .map_err(|reason| cfg_err(&f.path, reason))?;
+    let tokenizer = tokenizer_from_gguf(f)?;
     let metadata = f
         .metadata_order
         .iter()

@@ -202,7 +202,7 @@ async fn router_drives_nodes_over_grpc() {
         };
         c
     };
-    let cards = vec![
+    let cards = [
         card("p0", Role::Prefill, &p_addr),
         card("d0", Role::Decode, &d_addr),
     ];

@@ -46,6 +46,7 @@ ucp_fns! {
     ucp_get_version: fn(*mut c_uint, *mut c_uint, *mut c_uint);
     ucp_config_read: fn(*const c_char, *const c_char, *mut *mut ucp_config_t) -> ucs_status_t;
     ucp_config_release: fn(*mut ucp_config_t);
+    ucp_config_modify: fn(*mut ucp_config_t, *const c_char, *const c_char) -> ucs_status_t;
     ucp_init_version: fn(c_uint, c_uint, *const ucp_params_t, *const ucp_config_t, *mut ucp_context_h) -> ucs_status_t;
     ucp_cleanup: fn(ucp_context_h);
     ucp_worker_create: fn(ucp_context_h, *const ucp_worker_params_t, *mut ucp_worker_h) -> ucs_status_t;

@@ -35,12 +35,36 @@ pub struct Context {
 }
 
 impl Context {
-    /// Reads the UCX configuration from the environment (`UCX_*`) and creates a context.
-    pub fn new(ucp: Arc<Ucp>, name: &str) -> Result<Rc<Context>, UcxError> {
+    /// Reads the UCX configuration from the environment (`UCX_*`), applies `overrides`
+    /// (`("NET_DEVICES", "lo")`, `("TLS", "tcp")`: names without the `UCX_` prefix) and creates a
+    /// context.
+    pub fn new(
+        ucp: Arc<Ucp>,
+        name: &str,
+        overrides: &[(&str, &str)],
+    ) -> Result<Rc<Context>, UcxError> {
         let mut config: *mut ucp_config_t = std::ptr::null_mut();
         // SAFETY: NULL prefix and file mean "UCX_ from the environment, no file"; out-pointer valid.
         let st = unsafe { (ucp.ucp_config_read)(std::ptr::null(), std::ptr::null(), &mut config) };
         ucp.check("ucp_config_read", st)?;
+        for (key, value) in overrides {
+            let (Ok(k), Ok(v)) = (CString::new(*key), CString::new(*value)) else {
+                // SAFETY: config came from ucp_config_read and is released once.
+                unsafe { (ucp.ucp_config_release)(config) };
+                return Err(UcxError::InvalidArgument {
+                    what: format!("UCX setting {key:?} = {value:?} contains NUL"),
+                });
+            };
+            // SAFETY: valid config and NUL-terminated strings that outlive the call.
+            let st = unsafe { (ucp.ucp_config_modify)(config, k.as_ptr(), v.as_ptr()) };
+            if st != UCS_OK {
+                // SAFETY: as above.
+                unsafe { (ucp.ucp_config_release)(config) };
+                return Err(UcxError::InvalidArgument {
+                    what: format!("UCX setting {key} = {value:?}: {}", ucp.status_string(st)),
+                });
+            }
+        }
         let cname = CString::new(name.replace('\0', "")).unwrap_or_default();
         let params = ucp_params_t {
             field_mask: UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME,

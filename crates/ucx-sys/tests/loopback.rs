@@ -14,10 +14,6 @@ fn missing_library_is_an_error_not_a_panic() {
 
 #[test]
 fn put_between_two_workers_moves_the_bytes() {
-    // SAFETY: set before any thread reads the environment in this test binary's UCX use.
-    unsafe {
-        std::env::set_var("UCX_NET_DEVICES", "lo");
-    }
     let ucp = match Ucp::load(None) {
         Ok(u) => u,
         Err(e) => {
@@ -27,7 +23,7 @@ fn put_between_two_workers_moves_the_bytes() {
     };
     let (major, minor, _) = ucp.version();
     assert!(major >= 1 && minor >= 13, "UCX {major}.{minor}");
-    let ctx = Context::new(ucp.clone(), "ucx-sys-test").unwrap();
+    let ctx = Context::new(ucp.clone(), "ucx-sys-test", &[("NET_DEVICES", "lo")]).unwrap();
     let a = Worker::new(&ctx).unwrap();
     let b = Worker::new(&ctx).unwrap();
     assert!(a.event_fd().unwrap() >= 0);

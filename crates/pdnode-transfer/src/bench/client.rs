@@ -423,7 +423,10 @@ pub fn table(opts: &Options, rows: &[PointResult], t: &UcxTransport) -> String {
         "bench-transfer: UCX {a}.{b}.{c} ({}), UCX_TLS={}, {} layers x {} blocks/request, \
          {} layer(s)/put, {} placement, verified every byte\n",
         t.library(),
-        std::env::var("UCX_TLS").unwrap_or_else(|_| "(default)".into()),
+        opts.tls
+            .clone()
+            .or_else(|| std::env::var("UCX_TLS").ok())
+            .unwrap_or_else(|| "(default)".into()),
         opts.layers,
         opts.blocks_per_request,
         opts.layers_per_put,

@@ -52,9 +52,9 @@ pub struct Options {
     pub pool_placement: bool,
     pub mem: MemKind,
     pub ucx_lib: Option<String>,
-    /// Sets UCX_TLS for the child processes of `--local`.
+    /// UCX_TLS for the transport (and the child processes of `--local`).
     pub tls: Option<String>,
-    /// Sets UCX_NET_DEVICES for the child processes of `--local`.
+    /// UCX_NET_DEVICES for the transport (and the child processes of `--local`).
     pub net_devices: Option<String>,
     pub lease_ms: u64,
     /// Server: let UCX allocate the receive staging area (shared memory peers write directly).
@@ -148,6 +148,8 @@ impl Options {
             library: self.ucx_lib.clone(),
             name: format!("bench-{:?}", self.role).to_lowercase(),
             peer_failure: self.peer_failure,
+            tls: self.tls.clone(),
+            net_devices: self.net_devices.clone(),
             ..UcxConfig::default()
         })
     }

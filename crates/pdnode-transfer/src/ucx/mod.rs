@@ -31,6 +31,10 @@ pub struct UcxConfig {
     pub name: String,
     /// Fail operations to a dead peer instead of hanging (UCP_ERR_HANDLING_MODE_PEER).
     pub peer_failure: bool,
+    /// `UCX_TLS` for this transport (overrides the environment); None: the environment's.
+    pub tls: Option<String>,
+    /// `UCX_NET_DEVICES` for this transport (overrides the environment).
+    pub net_devices: Option<String>,
     /// Deadline for synchronous calls into the worker thread (register, connect, start).
     pub call_timeout: Duration,
 }
@@ -41,6 +45,8 @@ impl Default for UcxConfig {
             library: None,
             name: "pdnode".into(),
             peer_failure: true,
+            tls: None,
+            net_devices: None,
             call_timeout: Duration::from_secs(30),
         }
     }

@@ -107,7 +107,14 @@ pub(crate) fn run(
     ready: mpsc::SyncSender<Result<Vec<u8>, TransferError>>,
 ) {
     let setup = || -> Result<(State, Vec<u8>, i32), TransferError> {
-        let ctx = Context::new(ucp, &cfg.name)?;
+        let mut overrides = Vec::new();
+        if let Some(t) = cfg.tls.as_deref().filter(|t| !t.is_empty()) {
+            overrides.push(("TLS", t));
+        }
+        if let Some(d) = cfg.net_devices.as_deref().filter(|d| !d.is_empty()) {
+            overrides.push(("NET_DEVICES", d));
+        }
+        let ctx = Context::new(ucp, &cfg.name, &overrides)?;
         let worker = Worker::new(&ctx)?;
         let address = worker.address()?;
         let efd = worker.event_fd()?;

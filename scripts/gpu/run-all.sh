@@ -9,7 +9,8 @@ OUT=${OUT:-/tmp/pdnode-gpu}
 BIN=${BIN:-.gpu}
 mkdir -p "$OUT"
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(unit kernels model bench)
+[ ${#parts[@]} -eq 0 ] && parts=(unit kernels model parity bench)
+export PDNODE_FIXTURES=$PWD/crates/pdnode-engine/tests/fixtures
 nvidia-smi --query-gpu=index,name,memory.total,memory.used,clocks.sm,clocks.mem,temperature.gpu \
     --format=csv > "$OUT/nvidia-smi.csv" 2>&1 || true
 summary=()
@@ -22,13 +23,14 @@ run() { # name timeout_s cmd...
     local res
     res=$(grep -E '^test result:' "$OUT/$name.log" | tail -1 | sed 's/^test result: //; s/; finished in.*//')
     summary+=("$(printf '%-8s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "${res:-no result line}")")
-    grep -E '^test .* FAILED|panicked at|rel err|worst' "$OUT/$name.log" | head -20
+    grep -E '^test .* FAILED|panicked at|rel err|worst|^PARITY' "$OUT/$name.log" | head -24
 }
 for p in "${parts[@]}"; do
     case $p in
         unit) run unit 120 "$BIN/engine_unit" cuda --include-ignored --test-threads=1 ;;
         kernels) run kernels 300 "$BIN/cuda_kernels" --ignored --test-threads=1 --nocapture ;;
         model) run model 300 "$BIN/cuda_model" --ignored --test-threads=1 --nocapture ;;
+        parity) run parity 300 "$BIN/cuda_parity" --ignored --test-threads=1 --nocapture ;;
         bench) run bench 420 "$BIN/cuda_bench" --ignored --nocapture ;;
         *) echo "unknown part $p" ;;
     esac

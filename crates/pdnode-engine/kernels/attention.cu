@@ -7,7 +7,8 @@
 //
 // q: [T, nh, hd] bf16 (RoPE applied); out: [T, nh, hd] bf16.
 // block_tables: [S, max_blocks] physical block ids; layer_kv: [num_blocks][2][bs][nkv][hd].
-// grid: (T, nkv * ceil(G / ATT_MAXG), nsplit), block: 32 * ATT_NW.
+// grid: (T or len(tok_list), nkv * ceil(G / ATT_MAXG), nsplit), block: 32 * ATT_NW; tok_list
+// (optional) maps blockIdx.x to the token it serves.
 
 #define ATT_NW 4
 #define ATT_MAXG 8
@@ -18,12 +19,13 @@ paged_attention(const bf16_t* __restrict__ q, const bf16_t* __restrict__ layer_k
                 const int* __restrict__ tok_seq, const int* __restrict__ tok_pos,
                 const int* __restrict__ block_tables, int max_blocks, int nh, int nkv, int hd,
                 int block_size, float scale, int split_len, bf16_t* __restrict__ out,
-                float* __restrict__ part_ml, float* __restrict__ part_acc) {
+                float* __restrict__ part_ml, float* __restrict__ part_acc,
+                const int* __restrict__ tok_list) {
     __shared__ float sm_acc[ATT_NW][ATT_MAXG][ATT_MAXDPL * 32];
     __shared__ float sm_m[ATT_NW][ATT_MAXG];
     __shared__ float sm_l[ATT_NW][ATT_MAXG];
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    const i64 t = blockIdx.x;
+    const i64 t = tok_list ? (i64)tok_list[blockIdx.x] : (i64)blockIdx.x;
     const int G = nh / nkv;
     const int hgroups = (G + ATT_MAXG - 1) / ATT_MAXG;
     const int kvh = blockIdx.y / hgroups, hg = blockIdx.y % hgroups;
@@ -123,11 +125,13 @@ paged_attention(const bf16_t* __restrict__ q, const bf16_t* __restrict__ layer_k
     }
 }
 
-// Merges the nsplit partials of each (token, head). grid: T * nh, block: 128.
+// Merges the nsplit partials of each (token, head). grid: (T or len(tok_list)) * nh, block: 128.
 extern "C" __global__ void attention_combine(const float* __restrict__ part_ml,
                                              const float* __restrict__ part_acc,
-                                             bf16_t* __restrict__ out, int hd, int nsplit) {
-    const i64 th = blockIdx.x;
+                                             bf16_t* __restrict__ out, int hd, int nsplit,
+                                             const int* __restrict__ tok_list, int nh) {
+    const i64 th = tok_list ? (i64)tok_list[blockIdx.x / nh] * nh + blockIdx.x % nh
+                            : (i64)blockIdx.x;
     float M = -INFINITY;
     for (int z = 0; z < nsplit; z++) M = fmaxf(M, part_ml[(th * nsplit + z) * 2]);
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {

@@ -7,7 +7,10 @@ mod cuda_support;
 use cuda_support::*;
 use pdnode_engine::backend::cuda::blas::{OutType, gemm};
 use pdnode_engine::backend::cuda::device::{DevBuf, Gpu};
-use pdnode_engine::backend::cuda::ops::{self, AttnDims, AttnWorkspace};
+use pdnode_engine::backend::cuda::ops::{
+    self, AttnDims, AttnMeta, AttnVariant, AttnWorkspace, LinearImpl,
+};
+use pdnode_engine::backend::cuda::prefill::{LongSeq, PrefillScratch};
 use rand::Rng;
 use rand::seq::SliceRandom;
 
@@ -87,6 +90,54 @@ fn gemm_bf16_matches_reference_both_output_types() {
         let e = rel_err(&got, &reference(1.0));
         assert!(e < 1e-3, "f32 gemm {out}x{t}x{inp}: rel err {e}");
     }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
+fn linear_gemv_and_cublas_agree_with_reference() {
+    let g = gpu();
+    let mut r = rng("linear");
+    for &(out, t, inp) in &[(200, 1, 64), (1000, 3, 520), (4096, 8, 4096), (77, 5, 2056)] {
+        let w = randv(&mut r, out * inp, 1.0);
+        let x = randv(&mut r, t * inp, 1.0);
+        let y0 = randv(&mut r, t * out, 1.0);
+        let (dw, dx) = (g.upload_bf16(&w).unwrap(), g.upload_bf16(&x).unwrap());
+        let reference = |acc: bool| -> Vec<f32> {
+            (0..t * out)
+                .map(|k| {
+                    let (ti, o) = (k / out, k % out);
+                    let s: f32 = (0..inp).map(|i| w[o * inp + i] * x[ti * inp + i]).sum();
+                    s + if acc { y0[k] } else { 0.0 }
+                })
+                .collect()
+        };
+        for how in [LinearImpl::Gemv, LinearImpl::Cublas] {
+            let yb = poisoned(&g, t * out * 2);
+            ops::linear(&g, out, t, inp, &dw, &dx, &yb, OutType::Bf16, false, how).unwrap();
+            let e = rel_err(&g.download_bf16(&yb, t * out).unwrap(), &reference(false));
+            assert!(e < 1e-2, "{how:?} bf16 {out}x{t}x{inp}: {e}");
+            let yf = g.upload_f32(&y0).unwrap();
+            ops::linear(&g, out, t, inp, &dw, &dx, &yf, OutType::F32, true, how).unwrap();
+            let e = rel_err(&g.download_f32(&yf, t * out).unwrap(), &reference(true));
+            assert!(e < 1e-3, "{how:?} f32 accumulate {out}x{t}x{inp}: {e}");
+        }
+    }
+    let small = g.alloc(16).unwrap();
+    assert!(
+        ops::linear(
+            &g,
+            8,
+            1,
+            8,
+            &small,
+            &small,
+            &small,
+            OutType::F32,
+            false,
+            LinearImpl::Auto
+        )
+        .is_err()
+    );
 }
 
 #[test]
@@ -339,29 +390,6 @@ fn paged_attention_prefill_chunks_and_split_decode() {
             up_i32(&g, &tok_pos),
             up_i32(&g, &tables),
         );
-        let out = poisoned(&g, t * nh * hd * 2);
-        let (ml, acc) = (poisoned(&g, 1 << 20), poisoned(&g, 64 << 20));
-        let ws = AttnWorkspace {
-            part_ml: &ml,
-            part_acc: &acc,
-        };
-        ops::paged_attention(
-            &g,
-            &d,
-            &dq,
-            &pool,
-            layer,
-            dseq.ptr(),
-            dpos.ptr(),
-            dtab.ptr(),
-            max_blocks,
-            t,
-            max_ctx,
-            &out,
-            &ws,
-        )
-        .unwrap();
-        let got = g.download_bf16(&out, t * nh * hd).unwrap();
         let mut want = Vec::new();
         for ti in 0..t {
             let si = tok_seq[ti] as usize;
@@ -379,10 +407,147 @@ fn paged_attention_prefill_chunks_and_split_decode() {
                 want.extend(attend(qq, &keys, &vals));
             }
         }
-        let e = rel_err(&got, &want);
+        let meta = AttnMeta {
+            tok_seq: dseq.ptr(),
+            tok_pos: dpos.ptr(),
+            block_tables: dtab.ptr(),
+            max_blocks,
+            max_ctx,
+        };
+        let mut variants = vec![AttnVariant::V1];
+        if ops::v2_dims_per_lane(hd).is_some() {
+            variants.push(AttnVariant::V2);
+        }
+        let (ml, acc) = (poisoned(&g, 1 << 20), poisoned(&g, 64 << 20));
+        let ws = AttnWorkspace {
+            part_ml: &ml,
+            part_acc: &acc,
+        };
+        for v in variants {
+            let out = poisoned(&g, t * nh * hd * 2);
+            ops::paged_attention_ex(&g, &d, &dq, &pool, layer, &meta, t, None, &out, &ws, v)
+                .unwrap();
+            let got = g.download_bf16(&out, t * nh * hd).unwrap();
+            let e = rel_err(&got, &want);
+            assert!(
+                e < 1e-2,
+                "{v:?} nh={nh} nkv={nkv} hd={hd} seqs={seqs:?}: rel err {e}"
+            );
+            // only the odd tokens, through a token list: the even rows stay poisoned
+            let list: Vec<i32> = (0..t as i32).filter(|x| x % 2 == 1).collect();
+            let dl = up_i32(&g, &list);
+            let out = poisoned(&g, t * nh * hd * 2);
+            ops::paged_attention_ex(
+                &g,
+                &d,
+                &dq,
+                &pool,
+                layer,
+                &meta,
+                t,
+                Some((dl.ptr(), list.len())),
+                &out,
+                &ws,
+                v,
+            )
+            .unwrap();
+            let got = g.download_bf16(&out, t * nh * hd).unwrap();
+            let row = nh * hd;
+            for ti in 0..t {
+                let (a, b) = (
+                    &got[ti * row..(ti + 1) * row],
+                    &want[ti * row..(ti + 1) * row],
+                );
+                if ti % 2 == 1 {
+                    assert!(rel_err(a, b) < 1e-2, "{v:?} listed token {ti}");
+                } else {
+                    assert!(
+                        a.iter().all(|x| x.is_nan()),
+                        "{v:?} unlisted token {ti} written"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
+fn prefill_gemm_attention_chunks_and_cached_prefix() {
+    let g = gpu();
+    let mut r = rng("prefill_gemm");
+    // (nh, nkv, hd, start, n, score budget forcing several query chunks)
+    for &(nh, nkv, hd, start, n, budget) in &[
+        (8usize, 2usize, 128usize, 0usize, 70usize, 8 * 70 * 6 * 16),
+        (6, 3, 64, 33, 40, 0),
+        (4, 1, 32, 100, 17, 4 * 117 * 6 * 5),
+    ] {
+        let bs = 16;
+        let e = start + n;
+        let max_blocks = e.div_ceil(bs);
+        let nb = 2 * max_blocks + 1;
+        let d = pool_dims(nh, nkv, hd, bs, nb);
+        let layer = 0;
+        let pool_h = randv(&mut r, d.layer_elems(), 1.0);
+        let pool = g.upload_bf16(&pool_h).unwrap();
+        let mut ids: Vec<i32> = (0..nb as i32).collect();
+        ids.shuffle(&mut r);
+        let tables: Vec<i32> = ids[..2 * max_blocks].to_vec(); // sequence 1 = second row
+        let dtab = up_i32(&g, &tables);
+        let row0 = 3;
+        let t = row0 + n;
+        let q = randv(&mut r, t * nh * hd, 2.0);
+        let dq = g.upload_bf16(&q).unwrap();
+        let out = poisoned(&g, t * nh * hd * 2);
+        let mut scratch = PrefillScratch::default();
+        scratch.score_budget = budget;
+        let seqs = [LongSeq {
+            row0,
+            n,
+            start,
+            seq: 1,
+        }];
+        scratch
+            .run(
+                &g,
+                &d,
+                &pool,
+                layer,
+                &dq,
+                &out,
+                t,
+                dtab.ptr(),
+                max_blocks,
+                &seqs,
+            )
+            .unwrap();
+        let got = g.download_bf16(&out, t * nh * hd).unwrap();
+        let row = nh * hd;
+        assert!(
+            got[..row0 * row].iter().all(|x| x.is_nan()),
+            "rows before row0 untouched"
+        );
+        let mut want = Vec::new();
+        for ti in 0..n {
+            let pos = start + ti;
+            for h in 0..nh {
+                let kh = h / (nh / nkv);
+                let (mut keys, mut vals) = (vec![], vec![]);
+                for p in 0..=pos {
+                    let blk = tables[max_blocks + p / bs] as usize;
+                    let k0 = pool_idx(&d, layer, blk, 0, p % bs, kh);
+                    let v0 = pool_idx(&d, layer, blk, 1, p % bs, kh);
+                    keys.push(pool_h[k0..k0 + hd].to_vec());
+                    vals.push(pool_h[v0..v0 + hd].to_vec());
+                }
+                let qq = &q[((row0 + ti) * nh + h) * hd..((row0 + ti) * nh + h + 1) * hd];
+                want.extend(attend(qq, &keys, &vals));
+            }
+        }
+        let e = rel_err(&got[row0 * row..], &want);
         assert!(
             e < 1e-2,
-            "nh={nh} nkv={nkv} hd={hd} seqs={seqs:?}: rel err {e}"
+            "nh={nh} nkv={nkv} hd={hd} start={start} n={n}: rel err {e}"
         );
     }
 }

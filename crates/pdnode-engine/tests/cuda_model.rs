@@ -7,12 +7,18 @@ mod cuda_support;
 
 use cuda_support::*;
 use pdnode_core::BlockId;
+use pdnode_engine::backend::cuda::ops::LinearImpl;
 use pdnode_engine::backend::cuda::{CudaBackend, CudaOptions};
 use pdnode_engine::backend::{Backend, BackendError, ForwardBatch, KvMemory, MemKind, SeqStep};
 use rand::Rng;
 use rand::seq::SliceRandom;
 
 fn opts(block_size: u32) -> CudaOptions {
+    opts_gemm(block_size, 8)
+}
+
+/// `gemm_min`: sequences with at least this many new tokens take the cuBLAS prefill path.
+fn opts_gemm(block_size: u32, gemm_min: usize) -> CudaOptions {
     CudaOptions {
         gpu: 0,
         tensor_parallel: 1,
@@ -21,6 +27,8 @@ fn opts(block_size: u32) -> CudaOptions {
         block_size,
         max_batch_tokens: 256,
         max_seqs: 8,
+        prefill_gemm_min_tokens: gemm_min,
+        linear: LinearImpl::Auto,
     }
 }
 
@@ -47,11 +55,12 @@ fn table(rng: &mut rand_chacha::ChaCha8Rng, free: &mut Vec<u32>, n: usize) -> Ve
 }
 
 /// Chunked prefill then greedy decode; logits and greedy tokens against the reference.
-fn prefill_decode_parity(qwen_like: bool, tied: bool, block_size: u32) {
+fn prefill_decode_parity(qwen_like: bool, tied: bool, block_size: u32, gemm_min: usize) {
     let mut rng = rng("prefill_decode_parity");
     let spec = tiny_spec(qwen_like, tied);
     let w = tiny_weights(&spec, &mut rng);
-    let mut be = CudaBackend::new(&spec, &w, &opts(block_size), "test".into()).unwrap();
+    let mut be =
+        CudaBackend::new(&spec, &w, &opts_gemm(block_size, gemm_min), "test".into()).unwrap();
     let mut reference = RefModel::new(&spec, &w);
     let prompt: Vec<u32> = (0..23)
         .map(|_| rng.random_range(0..spec.vocab_size as u32))
@@ -114,19 +123,23 @@ fn prefill_decode_parity(qwen_like: bool, tied: bool, block_size: u32) {
             })
             .unwrap();
     }
-    eprintln!("qwen_like={qwen_like} tied={tied} bs={block_size}: worst logits rel err {worst}");
+    eprintln!(
+        "qwen_like={qwen_like} tied={tied} bs={block_size} gemm_min={gemm_min}: worst logits rel err {worst}"
+    );
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
 fn llama_like_prefill_decode_matches_reference() {
-    prefill_decode_parity(false, false, 16);
+    // prompt chunks of 10 and 13 tokens take the cuBLAS prefill path
+    prefill_decode_parity(false, false, 16, 8);
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
 fn qwen_like_tied_small_blocks_matches_reference() {
-    prefill_decode_parity(true, true, 4);
+    // everything through the paged-attention kernel
+    prefill_decode_parity(true, true, 4, 1000);
 }
 
 #[test]

@@ -1,13 +1,15 @@
 //! [`CudaBackend`]: one GPU running one model over one paged KV pool.
 
 use super::CudaError;
-use super::blas::{self, OutType};
+use super::blas::OutType;
 use super::device::{DevBuf, Gpu};
-use super::ops::{self, AttnDims, AttnWorkspace};
+use super::ops::{self, AttnDims, AttnMeta, AttnVariant, AttnWorkspace};
+use super::prefill::{LongSeq, PrefillScratch};
 use super::weights::DevWeights;
 use crate::backend::{
     Backend, BackendError, ForwardBatch, KvMemory, KvRegion, Logits, MemKind, check_kv_io,
 };
+use crate::loader::{LoadedModel, ModelWeights};
 use crate::spec::ModelSpec;
 use crate::weights::Weights;
 use pdnode_core::{BlockId, DType, KvLayout};
@@ -29,6 +31,11 @@ pub struct CudaOptions {
     pub max_batch_tokens: usize,
     /// Most sequences (logits rows) in one forward step.
     pub max_seqs: usize,
+    /// Sequences with at least this many new tokens in a step take the cuBLAS prefill
+    /// attention path; the others the paged-attention kernel.
+    pub prefill_gemm_min_tokens: usize,
+    /// Projection implementation (Auto: gemv kernel for <= 8 tokens, cuBLAS above).
+    pub linear: ops::LinearImpl,
 }
 
 impl CudaOptions {
@@ -41,6 +48,8 @@ impl CudaOptions {
             block_size: e.block_size,
             max_batch_tokens: e.max_batch_tokens.max(1) as usize,
             max_seqs: e.max_running_requests.max(1) as usize,
+            prefill_gemm_min_tokens: 64,
+            linear: ops::LinearImpl::Auto,
         }
     }
 }
@@ -109,6 +118,8 @@ struct MetaOffsets {
     tok_seq: usize,
     tables: usize,
     rows: usize,
+    /// Token indices taking the paged-attention kernel (when some take the GEMM path).
+    short: usize,
 }
 
 /// Host-side plan of one step, built and validated from a [`ForwardBatch`].
@@ -119,6 +130,8 @@ struct StepPlan {
     rows: usize,
     max_blocks: usize,
     max_ctx: usize,
+    long: Vec<LongSeq>,
+    short_len: usize,
 }
 
 fn push<T: Copy>(buf: &mut Vec<u8>, data: &[T]) -> usize {
@@ -142,6 +155,7 @@ pub struct CudaBackend {
     spec: ModelSpec,
     opts: CudaOptions,
     dims: AttnDims,
+    prefill: PrefillScratch,
     gpu: Gpu,
 }
 
@@ -166,8 +180,20 @@ impl CudaBackend {
         model_fingerprint: String,
     ) -> Result<Self, CudaError> {
         Self::build(spec, opts, model_fingerprint, |gpu| {
-            DevWeights::dummy(gpu, spec, seed)
+            DevWeights::dummy(gpu, spec, seed, None)
         })
+    }
+
+    /// Builds from a loaded model: host weights are uploaded as bf16; dummy weights are
+    /// generated on the device (uniform with the requested standard deviation).
+    pub fn from_loaded(model: &LoadedModel, opts: &CudaOptions) -> Result<Self, CudaError> {
+        let fp = model.fingerprint.clone();
+        match &model.weights {
+            ModelWeights::Host(w) => Self::new(&model.spec, w, opts, fp),
+            ModelWeights::Dummy(d) => Self::build(&model.spec, opts, fp, |gpu| {
+                DevWeights::dummy(gpu, &model.spec, d.seed, Some(d.std))
+            }),
+        }
     }
 
     fn build(
@@ -247,6 +273,7 @@ impl CudaBackend {
             spec: spec.clone(),
             opts: opts.clone(),
             dims,
+            prefill: PrefillScratch::default(),
             gpu,
         })
     }
@@ -328,7 +355,20 @@ impl CudaBackend {
         let mut tok_seq = Vec::with_capacity(tokens);
         let mut tables = vec![0i32; batch.seqs.len() * max_blocks];
         let mut row_idx = Vec::with_capacity(rows);
+        let mut long = Vec::new();
+        let mut short = Vec::new();
         for (i, s) in batch.seqs.iter().enumerate() {
+            let row0 = ids.len();
+            if s.tokens.len() >= self.opts.prefill_gemm_min_tokens {
+                long.push(LongSeq {
+                    row0,
+                    n: s.tokens.len(),
+                    start: s.start_pos,
+                    seq: i,
+                });
+            } else {
+                short.extend((row0..row0 + s.tokens.len()).map(|r| r as i32));
+            }
             let nb = (s.start_pos + s.tokens.len()).div_ceil(bs);
             for (j, b) in s.block_table[..nb].iter().enumerate() {
                 tables[i * max_blocks + j] = b.0 as i32;
@@ -352,6 +392,7 @@ impl CudaBackend {
             tok_seq: push(&mut bytes, &tok_seq),
             tables: push(&mut bytes, &tables),
             rows: push(&mut bytes, &row_idx),
+            short: push(&mut bytes, &short),
         };
         Ok(StepPlan {
             bytes,
@@ -360,6 +401,8 @@ impl CudaBackend {
             rows,
             max_blocks,
             max_ctx,
+            short_len: short.len(),
+            long,
         })
     }
 
@@ -399,21 +442,18 @@ impl CudaBackend {
                 h,
                 s.rms_norm_eps,
             )?;
-            // SAFETY (all gemm calls): buffers are live allocations of this context sized for
-            // max_batch_tokens >= t rows (checked in plan) and the weight shapes of the spec.
-            unsafe {
-                blas::gemm(
-                    &g.blas,
-                    qd + 2 * kvd,
-                    t,
-                    h,
-                    l.wqkv.ptr(),
-                    ws.normed.ptr(),
-                    ws.qkv.ptr(),
-                    OutType::Bf16,
-                    0.0,
-                )?;
-            }
+            ops::linear(
+                g,
+                qd + 2 * kvd,
+                t,
+                h,
+                &l.wqkv,
+                &ws.normed,
+                &ws.qkv,
+                OutType::Bf16,
+                false,
+                self.opts.linear,
+            )?;
             ops::rope_qkv(
                 g,
                 d,
@@ -430,35 +470,55 @@ impl CudaBackend {
                 li,
                 s.rms_norm_eps,
             )?;
-            ops::paged_attention(
-                g,
-                d,
-                &ws.q,
-                &self.pool,
-                li,
-                m(p.off.tok_seq),
-                m(p.off.pos),
-                m(p.off.tables),
-                p.max_blocks,
-                t,
-                p.max_ctx,
-                &ws.attn,
-                &attn_ws,
-            )?;
-            // SAFETY: as above; the f32 residual is updated in place (beta = 1).
-            unsafe {
-                blas::gemm(
-                    &g.blas,
-                    h,
+            if p.short_len > 0 {
+                let meta = AttnMeta {
+                    tok_seq: m(p.off.tok_seq),
+                    tok_pos: m(p.off.pos),
+                    block_tables: m(p.off.tables),
+                    max_blocks: p.max_blocks,
+                    max_ctx: p.max_ctx,
+                };
+                let list = (!p.long.is_empty()).then(|| (m(p.off.short), p.short_len));
+                ops::paged_attention_ex(
+                    g,
+                    d,
+                    &ws.q,
+                    &self.pool,
+                    li,
+                    &meta,
                     t,
-                    qd,
-                    l.wo.ptr(),
-                    ws.attn.ptr(),
-                    ws.resid.ptr(),
-                    OutType::F32,
-                    1.0,
+                    list,
+                    &ws.attn,
+                    &attn_ws,
+                    AttnVariant::Auto,
                 )?;
             }
+            if !p.long.is_empty() {
+                self.prefill.run(
+                    g,
+                    d,
+                    &self.pool,
+                    li,
+                    &ws.q,
+                    &ws.attn,
+                    t,
+                    m(p.off.tables),
+                    p.max_blocks,
+                    &p.long,
+                )?;
+            }
+            ops::linear(
+                g,
+                h,
+                t,
+                qd,
+                &l.wo,
+                &ws.attn,
+                &ws.resid,
+                OutType::F32,
+                true,
+                self.opts.linear,
+            )?;
             ops::add_rmsnorm(
                 g,
                 &ws.resid,
@@ -471,35 +531,31 @@ impl CudaBackend {
                 h,
                 s.rms_norm_eps,
             )?;
-            // SAFETY: as above.
-            unsafe {
-                blas::gemm(
-                    &g.blas,
-                    2 * inter,
-                    t,
-                    h,
-                    l.w_gate_up.ptr(),
-                    ws.normed.ptr(),
-                    ws.gate_up.ptr(),
-                    OutType::Bf16,
-                    0.0,
-                )?;
-            }
+            ops::linear(
+                g,
+                2 * inter,
+                t,
+                h,
+                &l.w_gate_up,
+                &ws.normed,
+                &ws.gate_up,
+                OutType::Bf16,
+                false,
+                self.opts.linear,
+            )?;
             ops::swiglu(g, &ws.gate_up, &ws.act, t, inter)?;
-            // SAFETY: as above.
-            unsafe {
-                blas::gemm(
-                    &g.blas,
-                    h,
-                    t,
-                    inter,
-                    l.w_down.ptr(),
-                    ws.act.ptr(),
-                    ws.resid.ptr(),
-                    OutType::F32,
-                    1.0,
-                )?;
-            }
+            ops::linear(
+                g,
+                h,
+                t,
+                inter,
+                &l.w_down,
+                &ws.act,
+                &ws.resid,
+                OutType::F32,
+                true,
+                self.opts.linear,
+            )?;
         }
         if p.rows > 0 {
             ops::add_rmsnorm(
@@ -514,20 +570,18 @@ impl CudaBackend {
                 h,
                 s.rms_norm_eps,
             )?;
-            // SAFETY: as above; logits hold max_seqs >= rows rows.
-            unsafe {
-                blas::gemm(
-                    &g.blas,
-                    s.vocab_size,
-                    p.rows,
-                    h,
-                    w.output().ptr(),
-                    ws.normed.ptr(),
-                    ws.logits.ptr(),
-                    OutType::F32,
-                    0.0,
-                )?;
-            }
+            ops::linear(
+                g,
+                s.vocab_size,
+                p.rows,
+                h,
+                w.output(),
+                &ws.normed,
+                &ws.logits,
+                OutType::F32,
+                false,
+                self.opts.linear,
+            )?;
         }
         Ok(p.rows)
     }

@@ -171,6 +171,8 @@ pub fn run(
         block_size: bs as u32,
         max_batch_tokens: max_prefill.max(64),
         max_seqs: decode.iter().map(|d| d.0).max().unwrap_or(1).max(1),
+        prefill_gemm_min_tokens: 64,
+        linear: ops::LinearImpl::Auto,
     };
     let mut be = CudaBackend::new_dummy(&spec, 1234, &opts, "bench".into())?;
     be.fill_kv_random(99)?;

@@ -113,3 +113,86 @@ pub unsafe fn gemm(
         msg: format!("{e:?} (m={m} n={n} k={k})"),
     })
 }
+
+/// One operand of a strided-batched GEMM: device pointer, leading dimension, batch stride
+/// (elements), and whether cuBLAS should transpose it.
+#[derive(Debug, Clone, Copy)]
+pub struct Operand {
+    pub ptr: u64,
+    pub ld: usize,
+    pub stride: usize,
+    pub trans: bool,
+}
+
+/// Column-major `C_b (m x n) = op(A_b) (m x k) * op(B_b) (k x n)` for `b < batch`; A and B bf16,
+/// C of `ty`, f32 accumulation, beta 0.
+///
+/// # Safety
+/// Every batch's operands must lie inside live device allocations of the current context.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gemm_strided_batched(
+    blas: &Blas,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Operand,
+    b: Operand,
+    c: Operand,
+    ty: OutType,
+    batch: usize,
+) -> Result<(), CudaError> {
+    if m == 0 || n == 0 || k == 0 || batch == 0 {
+        return Ok(());
+    }
+    let i = |v: usize| {
+        i32::try_from(v).map_err(|_| CudaError::Shape {
+            op: "gemm_strided_batched",
+            reason: format!("{v} exceeds i32"),
+        })
+    };
+    let op = |t: bool| {
+        if t {
+            sys::cublasOperation_t::CUBLAS_OP_T
+        } else {
+            sys::cublasOperation_t::CUBLAS_OP_N
+        }
+    };
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    let cty = match ty {
+        OutType::Bf16 => sys::cudaDataType_t::CUDA_R_16BF,
+        OutType::F32 => sys::cudaDataType_t::CUDA_R_32F,
+    };
+    // SAFETY: per the function contract; host f32 scalars match COMPUTE_32F.
+    unsafe {
+        sys::cublasGemmStridedBatchedEx(
+            blas.handle,
+            op(a.trans),
+            op(b.trans),
+            i(m)?,
+            i(n)?,
+            i(k)?,
+            (&alpha) as *const f32 as *const _,
+            a.ptr as *const _,
+            sys::cudaDataType_t::CUDA_R_16BF,
+            i(a.ld)?,
+            a.stride as i64,
+            b.ptr as *const _,
+            sys::cudaDataType_t::CUDA_R_16BF,
+            i(b.ld)?,
+            b.stride as i64,
+            (&beta) as *const f32 as *const _,
+            c.ptr as *mut _,
+            cty,
+            i(c.ld)?,
+            c.stride as i64,
+            i(batch)?,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .result()
+    .map_err(|e| CudaError::Blas {
+        op: "cublasGemmStridedBatchedEx",
+        msg: format!("{e:?} (m={m} n={n} k={k} batch={batch})"),
+    })
+}

@@ -10,16 +10,28 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// The kernel sources, compiled together as one NVRTC program.
-const SOURCES: [&str; 5] = [
+const SOURCES: [&str; 8] = [
     include_str!("../../../kernels/common.cuh"),
     include_str!("../../../kernels/elementwise.cu"),
     include_str!("../../../kernels/rope.cu"),
     include_str!("../../../kernels/attention.cu"),
+    include_str!("../../../kernels/attention_v2.cu"),
     include_str!("../../../kernels/kv_copy.cu"),
+    include_str!("../../../kernels/prefill.cu"),
+    include_str!("../../../kernels/gemv.cu"),
 ];
 
 /// Kernel entry points (extern "C" names in the .cu files).
-pub const KERNEL_NAMES: [&str; 10] = [
+pub const KERNEL_NAMES: [&str; 19] = [
+    "gemv_t1",
+    "gemv_t2",
+    "gemv_t4",
+    "gemv_t8",
+    "paged_attention_v2_d8",
+    "paged_attention_v2_d16",
+    "transpose_heads",
+    "kv_gather_seq",
+    "causal_softmax",
     "embed_gather",
     "add_rmsnorm",
     "swiglu",

@@ -19,6 +19,7 @@ pub mod bench;
 pub mod blas;
 pub mod device;
 pub mod ops;
+pub mod prefill;
 pub mod probe;
 pub mod weights;
 

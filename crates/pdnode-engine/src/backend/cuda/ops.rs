@@ -302,25 +302,41 @@ pub struct AttnWorkspace<'a> {
     pub part_acc: &'a DevBuf,
 }
 
-/// Keys per split: each (token, head group) gets `ceil(max_ctx / split_len)` blocks.
+/// Which paged-attention kernel to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttnVariant {
+    /// v2 when the head_dim allows it, else v1.
+    Auto,
+    /// attention.cu: a warp per key, any even head_dim <= 256, up to 8 heads per block.
+    V1,
+    /// attention_v2.cu: lane groups per key, 16-byte loads, up to 4 heads per block.
+    V2,
+}
+
+/// Dims per lane of the v2 kernel for `hd`, if it can run it.
+pub fn v2_dims_per_lane(hd: usize) -> Option<usize> {
+    let dpl = if hd >= 128 { 16 } else { 8 };
+    let lpk = hd / dpl;
+    (hd.is_multiple_of(dpl) && lpk >= 1 && 32 % lpk == 0).then_some(dpl)
+}
+
+/// Splits for `work` (token, head group) blocks: enough blocks to fill the device, at least 64
+/// keys per split, no more partials than the workspace holds. Returns `(nsplit, split_len)`.
 pub fn attention_splits(
     gpu: &Gpu,
-    d: &AttnDims,
-    tokens: usize,
+    work: usize,
     max_ctx: usize,
+    partial_rows: usize,
     ws_rows_splits: usize,
 ) -> (usize, usize) {
-    let groups = d.num_kv_heads * (d.num_heads / d.num_kv_heads).div_ceil(8);
-    let base = tokens * groups;
     let target = gpu.sm_count as usize * 4;
-    let mut nsplit = if base >= target {
+    let mut nsplit = if work >= target {
         1
     } else {
-        target.div_ceil(base)
+        target.div_ceil(work.max(1))
     };
-    // At least 64 keys per split, and no more splits than the workspace holds.
     nsplit = nsplit.min(max_ctx.div_ceil(64)).max(1);
-    let cap = ws_rows_splits / (tokens * d.num_heads).max(1);
+    let cap = ws_rows_splits / partial_rows.max(1);
     nsplit = nsplit.min(cap.max(1));
     let split_len = max_ctx.div_ceil(nsplit);
     (max_ctx.div_ceil(split_len), split_len)
@@ -346,12 +362,61 @@ pub fn paged_attention(
     out: &DevBuf,
     ws: &AttnWorkspace<'_>,
 ) -> Result<(), CudaError> {
+    let meta = AttnMeta {
+        tok_seq,
+        tok_pos,
+        block_tables,
+        max_blocks,
+        max_ctx,
+    };
+    paged_attention_ex(
+        gpu,
+        d,
+        q,
+        pool,
+        layer,
+        &meta,
+        tokens,
+        None,
+        out,
+        ws,
+        AttnVariant::Auto,
+    )
+}
+
+/// Per-token metadata of a step (device pointers) for [`paged_attention_ex`].
+#[derive(Debug, Clone, Copy)]
+pub struct AttnMeta {
+    pub tok_seq: u64,
+    pub tok_pos: u64,
+    pub block_tables: u64,
+    pub max_blocks: usize,
+    pub max_ctx: usize,
+}
+
+/// [`paged_attention`] over all `total_tokens` tokens, or only those in `list` (device i32 token
+/// indices, `list.1` of them), with a chosen kernel.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention_ex(
+    gpu: &Gpu,
+    d: &AttnDims,
+    q: &DevBuf,
+    pool: &DevBuf,
+    layer: usize,
+    meta: &AttnMeta,
+    total_tokens: usize,
+    list: Option<(u64, usize)>,
+    out: &DevBuf,
+    ws: &AttnWorkspace<'_>,
+    variant: AttnVariant,
+) -> Result<(), CudaError> {
     const OP: &str = "paged_attention";
     d.check(OP)?;
     let (nh, hd) = (d.num_heads, d.head_dim);
-    need(OP, "q", q, tokens * nh * hd * BF16)?;
-    need(OP, "out", out, tokens * nh * hd * BF16)?;
+    need(OP, "q", q, total_tokens * nh * hd * BF16)?;
+    need(OP, "out", out, total_tokens * nh * hd * BF16)?;
     need(OP, "pool", pool, (layer + 1) * d.layer_elems() * BF16)?;
+    let (max_ctx, max_blocks) = (meta.max_ctx, meta.max_blocks);
     shape(
         OP,
         max_ctx > 0 && max_ctx <= max_blocks * d.block_size,
@@ -362,16 +427,49 @@ pub fn paged_attention(
             )
         },
     )?;
-    if tokens == 0 {
+    let grid_tokens = list.map_or(total_tokens, |l| l.1);
+    if grid_tokens == 0 {
         return Ok(());
     }
+    let dpl = v2_dims_per_lane(hd);
+    let v2 = match variant {
+        AttnVariant::Auto => dpl.is_some(),
+        AttnVariant::V1 => false,
+        AttnVariant::V2 => {
+            shape(OP, dpl.is_some(), || format!("v2 cannot run head_dim {hd}"))?;
+            true
+        }
+    };
+    let maxg = if v2 { 4 } else { 8 };
+    let groups = d.num_kv_heads * (nh / d.num_kv_heads).div_ceil(maxg);
     let ws_rows_splits = (ws.part_acc.bytes() / (hd * F32)).min(ws.part_ml.bytes() / (2 * F32));
-    let (nsplit, split_len) = attention_splits(gpu, d, tokens, max_ctx, ws_rows_splits);
+    let (nsplit, split_len) = attention_splits(
+        gpu,
+        grid_tokens * groups,
+        max_ctx,
+        total_tokens * nh,
+        ws_rows_splits,
+    );
     if nsplit > 1 {
-        need(OP, "part_acc", ws.part_acc, tokens * nh * nsplit * hd * F32)?;
-        need(OP, "part_ml", ws.part_ml, tokens * nh * nsplit * 2 * F32)?;
+        need(
+            OP,
+            "part_acc",
+            ws.part_acc,
+            total_tokens * nh * nsplit * hd * F32,
+        )?;
+        need(
+            OP,
+            "part_ml",
+            ws.part_ml,
+            total_tokens * nh * nsplit * 2 * F32,
+        )?;
     }
-    let f = gpu.kernel(OP)?;
+    let name = match (v2, dpl) {
+        (true, Some(16)) => "paged_attention_v2_d16",
+        (true, _) => "paged_attention_v2_d8",
+        (false, _) => "paged_attention",
+    };
+    let f = gpu.kernel(name)?;
     let layer_ptr = pool.at(layer * d.layer_elems() * BF16);
     let scale = 1.0f32 / (hd as f32).sqrt();
     let (mb, nh_i, nkv_i, hd_i, bs_i, sl_i) = (
@@ -382,12 +480,13 @@ pub fn paged_attention(
         d.block_size as i32,
         split_len as i32,
     );
+    let list_ptr = list.map_or(0u64, |l| l.0);
     let mut b = gpu.stream.launch_builder(f);
     b.arg(q.ptr_ref())
         .arg(&layer_ptr)
-        .arg(&tok_seq)
-        .arg(&tok_pos)
-        .arg(&block_tables)
+        .arg(&meta.tok_seq)
+        .arg(&meta.tok_pos)
+        .arg(&meta.block_tables)
         .arg(&mb)
         .arg(&nh_i)
         .arg(&nkv_i)
@@ -397,13 +496,13 @@ pub fn paged_attention(
         .arg(&sl_i)
         .arg(out.ptr_ref())
         .arg(ws.part_ml.ptr_ref())
-        .arg(ws.part_acc.ptr_ref());
-    let groups = d.num_kv_heads * (nh / d.num_kv_heads).div_ceil(8);
+        .arg(ws.part_acc.ptr_ref())
+        .arg(&list_ptr);
     // SAFETY: sizes checked above; metadata arrays are the caller's (positions < max_ctx,
-    // block ids < num_blocks).
+    // block ids < num_blocks, listed tokens < total_tokens).
     unsafe {
         b.launch(cfg(
-            (u32_of(OP, tokens)?, groups as u32, nsplit as u32),
+            (u32_of(OP, grid_tokens)?, groups as u32, nsplit as u32),
             128,
         ))
     }
@@ -416,9 +515,11 @@ pub fn paged_attention(
             .arg(ws.part_acc.ptr_ref())
             .arg(out.ptr_ref())
             .arg(&hd_i)
-            .arg(&ns);
+            .arg(&ns)
+            .arg(&list_ptr)
+            .arg(&nh_i);
         // SAFETY: workspace sizes checked above.
-        unsafe { b.launch(cfg((u32_of(OP, tokens * nh)?, 1, 1), 128)) }
+        unsafe { b.launch(cfg((u32_of(OP, grid_tokens * nh)?, 1, 1), 128)) }
             .map_err(launched("attention_combine"))?;
     }
     Ok(())
@@ -476,5 +577,97 @@ pub fn kv_copy(
         .arg(&lbv);
     // SAFETY: sizes checked above; block ids are the caller's (< num_blocks).
     unsafe { b.launch(cfg((u32_of(OP, nblocks * nlayers)?, 1, 1), 256)) }.map_err(launched(OP))?;
+    Ok(())
+}
+
+/// Which implementation [`linear`] uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LinearImpl {
+    /// The gemv kernel for up to 8 token rows (when `inp % 8 == 0`), cuBLAS otherwise.
+    Auto,
+    Cublas,
+    Gemv,
+}
+
+/// `y[t, o] = (accumulate ? y[t, o] : 0) + sum_i x[t, i] * w[o, i]`: w bf16 `[out, inp]`,
+/// x bf16 `[tokens, inp]`, y `[tokens, out]` of `ty` (accumulation only for f32).
+#[allow(clippy::too_many_arguments)]
+pub fn linear(
+    gpu: &Gpu,
+    out: usize,
+    tokens: usize,
+    inp: usize,
+    w: &DevBuf,
+    x: &DevBuf,
+    y: &DevBuf,
+    ty: super::blas::OutType,
+    accumulate: bool,
+    how: LinearImpl,
+) -> Result<(), CudaError> {
+    use super::blas::OutType;
+    const OP: &str = "linear";
+    let ysz = if ty == OutType::F32 { F32 } else { BF16 };
+    need(OP, "w", w, out * inp * BF16)?;
+    need(OP, "x", x, tokens * inp * BF16)?;
+    need(OP, "y", y, tokens * out * ysz)?;
+    shape(OP, !(accumulate && ty == OutType::Bf16), || {
+        "accumulation needs an f32 output".into()
+    })?;
+    if out * tokens * inp == 0 {
+        return Ok(());
+    }
+    let gemv_ok = tokens <= 8 && inp.is_multiple_of(8);
+    let use_gemv = match how {
+        LinearImpl::Auto => gemv_ok,
+        LinearImpl::Cublas => false,
+        LinearImpl::Gemv => {
+            shape(OP, gemv_ok, || {
+                "gemv needs tokens <= 8, inp % 8 == 0".to_string()
+            })?;
+            true
+        }
+    };
+    if !use_gemv {
+        // SAFETY: sizes checked above; the Blas handle belongs to this GPU's context.
+        return unsafe {
+            super::blas::gemm(
+                &gpu.blas,
+                out,
+                tokens,
+                inp,
+                w.ptr(),
+                x.ptr(),
+                y.ptr(),
+                ty,
+                if accumulate { 1.0 } else { 0.0 },
+            )
+        };
+    }
+    let name = match tokens {
+        1 => "gemv_t1",
+        2 => "gemv_t2",
+        3 | 4 => "gemv_t4",
+        _ => "gemv_t8",
+    };
+    let f = gpu.kernel(name)?;
+    let (t_i, o_i, i_i, yf, acc) = (
+        tokens as i32,
+        u32_of(OP, out)? as i32,
+        u32_of(OP, inp)? as i32,
+        (ty == OutType::F32) as i32,
+        accumulate as i32,
+    );
+    let mut b = gpu.stream.launch_builder(f);
+    b.arg(w.ptr_ref())
+        .arg(x.ptr_ref())
+        .arg(y.ptr_ref())
+        .arg(&t_i)
+        .arg(&o_i)
+        .arg(&i_i)
+        .arg(&yf)
+        .arg(&acc);
+    let blocks = out.div_ceil(8).min(gpu.sm_count as usize * 8) as u32;
+    // SAFETY: sizes checked above.
+    unsafe { b.launch(cfg((blocks, 1, 1), 256)) }.map_err(launched(OP))?;
     Ok(())
 }

@@ -91,8 +91,14 @@ impl DevWeights {
     }
 
     /// Random weights generated on the device (benchmarks at real shapes without host copies):
-    /// projections uniform in `±1/sqrt(in)`, embeddings in `±1`, norms 1, biases 0.
-    pub fn dummy(gpu: &Gpu, spec: &ModelSpec, seed: u64) -> Result<Self, CudaError> {
+    /// projections uniform in `±1/sqrt(in)`, embeddings in `±1` (or every matrix uniform with
+    /// standard deviation `std` when given), norms 1, biases 0.
+    pub fn dummy(
+        gpu: &Gpu,
+        spec: &ModelSpec,
+        seed: u64,
+        std: Option<f32>,
+    ) -> Result<Self, CudaError> {
         let (h, q, kv, i) = (
             spec.hidden_size,
             spec.q_dim(),
@@ -101,7 +107,9 @@ impl DevWeights {
         );
         let mut bytes = 0usize;
         let mut n = 0u64;
+        let fixed = std.map(|s| s * 3f32.sqrt());
         let mut rnd = |elems: usize, scale: f32| -> Result<DevBuf, CudaError> {
+            let scale = fixed.unwrap_or(scale);
             let b = gpu.alloc(elems * 2)?;
             n += 1;
             ops::fill_uniform_bf16(

@@ -1,0 +1,69 @@
+// Prefill attention through cuBLAS: helpers around two strided-batched GEMMs per query chunk
+// (S = Q K^T in f32, O = P V), for sequences with many new tokens.
+
+// Copies rows [row0, row0 + n) of x [T, nh, hd] to head-major y [nh, n, hd] (to_head_major),
+// or head-major y back into those rows of x. grid: (n, nh), block: 64.
+extern "C" __global__ void transpose_heads(bf16_t* __restrict__ x, bf16_t* __restrict__ y,
+                                           int row0, int n, int nh, int hd, int to_head_major) {
+    const i64 t = blockIdx.x, h = blockIdx.y;
+    bf16_t* a = x + ((row0 + t) * nh + h) * hd;
+    bf16_t* b = y + (h * n + t) * hd;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        if (to_head_major) b[d] = a[d];
+        else a[d] = b[d];
+    }
+}
+
+// K and V of positions [0, len) of one sequence (block table `table`) from one layer of the pool
+// into kc, vc [nkv, len_cap, hd]. grid: (len, nkv), block: 64.
+extern "C" __global__ void kv_gather_seq(const bf16_t* __restrict__ layer_kv,
+                                         const int* __restrict__ table, int nkv, int hd,
+                                         int block_size, int len_cap, bf16_t* __restrict__ kc,
+                                         bf16_t* __restrict__ vc) {
+    const i64 p = blockIdx.x, h = blockIdx.y;
+    const i64 row = (i64)nkv * hd;
+    const i64 blk = table[p / block_size];
+    const bf16_t* ks = layer_kv + (blk * 2 * block_size + p % block_size) * row + h * hd;
+    const bf16_t* vs = ks + (i64)block_size * row;
+    bf16_t* kd = kc + (h * len_cap + p) * hd;
+    bf16_t* vd = vc + (h * len_cap + p) * hd;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        kd[d] = ks[d];
+        vd[d] = vs[d];
+    }
+}
+
+// Row r = (h, t) of s [nh, tq, tk] (f32 scores): p = softmax(scale * s) over keys 0..=q0 + t,
+// zeros beyond (causal). grid: nh * tq, block: 256.
+extern "C" __global__ void causal_softmax(const float* __restrict__ s, bf16_t* __restrict__ p,
+                                          int tq, int tk, int q0, float scale) {
+    __shared__ float sh[33];
+    const i64 r = blockIdx.x;
+    const int t = (int)(r % tq);
+    const int lim = min(tk, q0 + t + 1);
+    const float* x = s + r * tk;
+    bf16_t* y = p + r * tk;
+    float mx = -INFINITY;
+    for (int k = threadIdx.x; k < lim; k += blockDim.x) mx = fmaxf(mx, x[k]);
+    // block max via the sum helper's shared slots
+    {
+        const int lane = threadIdx.x & 31, wi = threadIdx.x >> 5, nw = blockDim.x >> 5;
+        mx = warp_max(mx);
+        __syncthreads();
+        if (lane == 0) sh[wi] = mx;
+        __syncthreads();
+        if (wi == 0) {
+            float v = lane < nw ? sh[lane] : -INFINITY;
+            v = warp_max(v);
+            if (lane == 0) sh[32] = v;
+        }
+        __syncthreads();
+        mx = sh[32];
+    }
+    float sum = 0.f;
+    for (int k = threadIdx.x; k < lim; k += blockDim.x) sum += __expf((x[k] - mx) * scale);
+    sum = block_sum(sum, sh);
+    const float inv = 1.f / sum;
+    for (int k = threadIdx.x; k < tk; k += blockDim.x)
+        y[k] = k < lim ? f2bf(__expf((x[k] - mx) * scale) * inv) : (bf16_t)0;
+}

@@ -1,0 +1,237 @@
+//! Prefill attention for sequences with many new tokens, through cuBLAS: per query chunk, two
+//! strided-batched GEMMs per head of a GQA group (`S = Q K^T` in f32, `O = P V`) around a causal
+//! softmax kernel. The sequence's cached and new K/V are gathered from the paged pool into
+//! contiguous `[nkv, len, hd]` buffers first, so chunked prefill (a cached prefix) works the same.
+
+use super::CudaError;
+use super::blas::{Operand, OutType, gemm_strided_batched};
+use super::device::{DevBuf, Gpu};
+use super::ops::AttnDims;
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+const BF16: usize = 2;
+/// Scores (f32) plus probabilities (bf16) of one query chunk stay under this many bytes.
+const SCORE_BUDGET: usize = 1 << 30;
+
+/// One sequence taking the GEMM path: its new tokens are rows `row0..row0 + n` of the step,
+/// at positions `start..start + n`; `seq` indexes the step's block tables.
+#[derive(Debug, Clone, Copy)]
+pub struct LongSeq {
+    pub row0: usize,
+    pub n: usize,
+    pub start: usize,
+    pub seq: usize,
+}
+
+/// Scratch buffers, grown on demand (after a device sync).
+#[derive(Default)]
+pub struct PrefillScratch {
+    /// Byte budget of one query chunk's scores + probabilities; 0 = [`SCORE_BUDGET`].
+    pub score_budget: usize,
+    kc: Option<DevBuf>,
+    vc: Option<DevBuf>,
+    qh: Option<DevBuf>,
+    oh: Option<DevBuf>,
+    s: Option<DevBuf>,
+    p: Option<DevBuf>,
+}
+
+fn ensure<'a>(gpu: &Gpu, b: &'a mut Option<DevBuf>, bytes: usize) -> Result<&'a DevBuf, CudaError> {
+    if b.as_ref().is_none_or(|x| x.bytes() < bytes) {
+        gpu.sync()?;
+        *b = None;
+        *b = Some(gpu.alloc(bytes.next_power_of_two())?);
+    }
+    b.as_ref().ok_or_else(|| CudaError::Shape {
+        op: "prefill scratch",
+        reason: "allocation vanished".into(),
+    })
+}
+
+fn cfg(grid: (u32, u32, u32), block: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: grid,
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+impl PrefillScratch {
+    /// Attention of the new tokens of `seqs` (layer `layer`), reading q rows from `q`
+    /// `[T, nh, hd]` and writing `out` `[T, nh, hd]` rows. `tables`: device i32 `[S, max_blocks]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run(
+        &mut self,
+        gpu: &Gpu,
+        d: &AttnDims,
+        pool: &DevBuf,
+        layer: usize,
+        q: &DevBuf,
+        out: &DevBuf,
+        total_tokens: usize,
+        tables: u64,
+        max_blocks: usize,
+        seqs: &[LongSeq],
+    ) -> Result<(), CudaError> {
+        let (nh, nkv, hd, bs) = (d.num_heads, d.num_kv_heads, d.head_dim, d.block_size);
+        let g_per = nh / nkv;
+        let op = "prefill_attention";
+        let shape_err = |reason: String| CudaError::Shape { op, reason };
+        if q.bytes() < total_tokens * nh * hd * BF16 || out.bytes() < total_tokens * nh * hd * BF16
+        {
+            return Err(shape_err(format!("q/out smaller than {total_tokens} rows")));
+        }
+        if pool.bytes() < (layer + 1) * d.layer_elems() * BF16 {
+            return Err(shape_err(format!("pool has no layer {layer}")));
+        }
+        let layer_ptr = pool.at(layer * d.layer_elems() * BF16);
+        let (nh_i, hd_i, nkv_i, bs_i) = (nh as i32, hd as i32, nkv as i32, bs as i32);
+        for s in seqs {
+            let e = s.start + s.n;
+            if s.row0 + s.n > total_tokens || e > max_blocks * bs || s.n == 0 {
+                return Err(shape_err(format!("{s:?} outside the step")));
+            }
+            let kc = ensure(gpu, &mut self.kc, nkv * e * hd * BF16)?.ptr();
+            let vc = ensure(gpu, &mut self.vc, nkv * e * hd * BF16)?.ptr();
+            let qh = ensure(gpu, &mut self.qh, nh * s.n * hd * BF16)?.ptr();
+            let oh = ensure(gpu, &mut self.oh, nh * s.n * hd * BF16)?.ptr();
+            let budget = if self.score_budget > 0 {
+                self.score_budget
+            } else {
+                SCORE_BUDGET
+            };
+            let tq = s.n.min((budget / (nh * e * 6)).max(1));
+            let sp = ensure(gpu, &mut self.s, nh * tq * e * 4)?.ptr();
+            let pp = ensure(gpu, &mut self.p, nh * tq * e * BF16)?.ptr();
+            let (row0, n) = (s.row0 as i32, s.n as i32);
+            // q rows -> head-major
+            let f = gpu.kernel("transpose_heads")?;
+            let one = 1i32;
+            let mut b = gpu.stream.launch_builder(f);
+            b.arg(q.ptr_ref())
+                .arg(&qh)
+                .arg(&row0)
+                .arg(&n)
+                .arg(&nh_i)
+                .arg(&hd_i)
+                .arg(&one);
+            // SAFETY: q holds total_tokens >= row0 + n rows; qh holds nh * n rows (ensured).
+            unsafe { b.launch(cfg((s.n as u32, nh as u32, 1), 64)) }
+                .map_err(super::drv("transpose_heads"))?;
+            // K/V of positions 0..e
+            let f = gpu.kernel("kv_gather_seq")?;
+            let table = tables + (s.seq * max_blocks * 4) as u64;
+            let e_i = e as i32;
+            let mut b = gpu.stream.launch_builder(f);
+            b.arg(&layer_ptr)
+                .arg(&table)
+                .arg(&nkv_i)
+                .arg(&hd_i)
+                .arg(&bs_i)
+                .arg(&e_i)
+                .arg(&kc)
+                .arg(&vc);
+            // SAFETY: the table covers e positions (checked by the step plan); kc/vc hold
+            // nkv * e rows (ensured).
+            unsafe { b.launch(cfg((e as u32, nkv as u32, 1), 64)) }
+                .map_err(super::drv("kv_gather_seq"))?;
+            let scale = 1.0f32 / (hd as f32).sqrt();
+            let mut c0 = 0;
+            while c0 < s.n {
+                let tqc = tq.min(s.n - c0);
+                let tk = s.start + c0 + tqc;
+                for g in 0..g_per {
+                    // SAFETY: every batch's operands lie inside kc (nkv * e rows), qh (nh * n
+                    // rows) and the score buffer (nh * tq * e f32), all ensured above.
+                    unsafe {
+                        gemm_strided_batched(
+                            &gpu.blas,
+                            tk,
+                            tqc,
+                            hd,
+                            Operand {
+                                ptr: kc,
+                                ld: hd,
+                                stride: e * hd,
+                                trans: true,
+                            },
+                            Operand {
+                                ptr: qh + ((g * s.n + c0) * hd * BF16) as u64,
+                                ld: hd,
+                                stride: g_per * s.n * hd,
+                                trans: false,
+                            },
+                            Operand {
+                                ptr: sp + (g * tqc * tk * 4) as u64,
+                                ld: tk,
+                                stride: g_per * tqc * tk,
+                                trans: false,
+                            },
+                            OutType::F32,
+                            nkv,
+                        )?;
+                    }
+                }
+                let f = gpu.kernel("causal_softmax")?;
+                let (tq_i, tk_i, q0) = (tqc as i32, tk as i32, (s.start + c0) as i32);
+                let mut b = gpu.stream.launch_builder(f);
+                b.arg(&sp)
+                    .arg(&pp)
+                    .arg(&tq_i)
+                    .arg(&tk_i)
+                    .arg(&q0)
+                    .arg(&scale);
+                // SAFETY: s and p hold nh * tqc rows of tk (ensured: tqc <= tq, tk <= e).
+                unsafe { b.launch(cfg(((nh * tqc) as u32, 1, 1), 256)) }
+                    .map_err(super::drv("causal_softmax"))?;
+                for g in 0..g_per {
+                    // SAFETY: as above, with vc, p and oh.
+                    unsafe {
+                        gemm_strided_batched(
+                            &gpu.blas,
+                            hd,
+                            tqc,
+                            tk,
+                            Operand {
+                                ptr: vc,
+                                ld: hd,
+                                stride: e * hd,
+                                trans: false,
+                            },
+                            Operand {
+                                ptr: pp + (g * tqc * tk * BF16) as u64,
+                                ld: tk,
+                                stride: g_per * tqc * tk,
+                                trans: false,
+                            },
+                            Operand {
+                                ptr: oh + ((g * s.n + c0) * hd * BF16) as u64,
+                                ld: hd,
+                                stride: g_per * s.n * hd,
+                                trans: false,
+                            },
+                            OutType::Bf16,
+                            nkv,
+                        )?;
+                    }
+                }
+                c0 += tqc;
+            }
+            // head-major -> out rows
+            let f = gpu.kernel("transpose_heads")?;
+            let zero = 0i32;
+            let mut b = gpu.stream.launch_builder(f);
+            b.arg(out.ptr_ref())
+                .arg(&oh)
+                .arg(&row0)
+                .arg(&n)
+                .arg(&nh_i)
+                .arg(&hd_i)
+                .arg(&zero);
+            // SAFETY: as for the first transpose.
+            unsafe { b.launch(cfg((s.n as u32, nh as u32, 1), 64)) }
+                .map_err(super::drv("transpose_heads"))?;
+        }
+        Ok(())
+    }
+}

@@ -564,3 +564,27 @@ async fn client_gone_during_prefill_aborts_both_nodes() {
     assert_eq!(h.router.inflight(), 0);
     h.stop().await;
 }
+
+#[tokio::test]
+async fn shutdown_drains_in_flight_streams() {
+    let h = Harness::start(1, 1).await;
+    h.decode[0].set(|b| b.token_interval = Duration::from_millis(20));
+    let r = reqwest::Client::new()
+        .post(h.url("/v1/completions"))
+        .json(&json!({"prompt": "x", "max_tokens": 100, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    h.begin_shutdown();
+    // The open stream still runs to its end.
+    let data = sse_data(&r.text().await.unwrap());
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    let text: String = data[..data.len() - 1]
+        .iter()
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|c| c["choices"][0]["text"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(text, OUTPUT);
+    h.stop().await;
+}

@@ -102,6 +102,11 @@ impl Harness {
         format!("http://{}{}", self.http, path)
     }
 
+    /// Cancels the shutdown token without waiting.
+    pub fn begin_shutdown(&self) {
+        self.shutdown.cancel();
+    }
+
     pub async fn stop(self) {
         self.shutdown.cancel();
         tokio::time::timeout(Duration::from_secs(10), self.task)

@@ -9,6 +9,7 @@
 //!   its implementations.
 
 pub mod backend;
+pub mod engine;
 pub mod loader;
 pub mod mock;
 pub mod sampling;

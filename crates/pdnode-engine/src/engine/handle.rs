@@ -1,0 +1,320 @@
+//! [`EngineHandle`]: the typed, cloneable way into an engine loop. Callers never build commands.
+//! Calls that wait for a reply have a deadline (`EngineLoopConfig::call_timeout`); request
+//! submission never waits (its errors arrive as the stream's first event).
+
+use super::{EngineError, EngineEvent, EngineInfo, EngineStats};
+use crate::sampling::SamplerState;
+use pdnode_core::request::GenerateRequest;
+use pdnode_core::{BlockId, RequestId};
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, mpsc};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc as tmpsc, oneshot};
+
+pub(crate) type Reply<T> = oneshot::Sender<Result<T, EngineError>>;
+
+pub(crate) enum Command {
+    Add {
+        req: GenerateRequest,
+        tx: tmpsc::UnboundedSender<EngineEvent>,
+    },
+    AdmitTransferred {
+        req: GenerateRequest,
+        first_token: u32,
+        sampler: Option<SamplerState>,
+        tx: tmpsc::UnboundedSender<EngineEvent>,
+    },
+    Reserve {
+        id: RequestId,
+        prompt_len: usize,
+        reply: Reply<Vec<BlockId>>,
+    },
+    ReleaseTransfer {
+        id: RequestId,
+        reply: Reply<usize>,
+    },
+    Abort {
+        id: RequestId,
+    },
+    ReadKv {
+        id: RequestId,
+        layers: Range<u32>,
+        reply: Reply<Vec<u8>>,
+    },
+    WriteKv {
+        id: RequestId,
+        layers: Range<u32>,
+        data: Vec<u8>,
+        reply: Reply<()>,
+    },
+    Stats {
+        reply: Reply<EngineStats>,
+    },
+    CheckAccounting {
+        reply: Reply<Result<(), String>>,
+    },
+    Shutdown,
+}
+
+/// A request's event stream. Dropping it aborts the request.
+#[derive(Debug)]
+pub struct RequestStream {
+    id: RequestId,
+    rx: tmpsc::UnboundedReceiver<EngineEvent>,
+}
+
+impl RequestStream {
+    pub fn id(&self) -> RequestId {
+        self.id
+    }
+    /// The next event; `None` once the stream has ended (after its terminal event).
+    pub async fn next(&mut self) -> Option<EngineEvent> {
+        self.rx.recv().await
+    }
+    /// The underlying receiver (dropping it aborts the request).
+    pub fn into_receiver(self) -> tmpsc::UnboundedReceiver<EngineEvent> {
+        self.rx
+    }
+}
+
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: mpsc::Sender<Command>,
+    info: Arc<EngineInfo>,
+    timeout: Duration,
+    thread: Arc<Mutex<Option<JoinHandle<()>>>>,
+    draining: Arc<AtomicBool>,
+}
+
+impl std::fmt::Debug for EngineHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineHandle")
+            .field("info", &self.info)
+            .finish()
+    }
+}
+
+impl EngineHandle {
+    pub(crate) fn new(
+        tx: mpsc::Sender<Command>,
+        info: EngineInfo,
+        timeout: Duration,
+        thread: JoinHandle<()>,
+    ) -> Self {
+        Self {
+            tx,
+            info: Arc::new(info),
+            timeout,
+            thread: Arc::new(Mutex::new(Some(thread))),
+            draining: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    pub fn info(&self) -> &EngineInfo {
+        &self.info
+    }
+
+    fn send(&self, cmd: Command) -> Result<(), EngineError> {
+        self.tx.send(cmd).map_err(|_| EngineError::Stopped)
+    }
+
+    async fn call<T>(
+        &self,
+        op: &'static str,
+        make: impl FnOnce(Reply<T>) -> Command,
+    ) -> Result<T, EngineError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(make(reply))?;
+        match tokio::time::timeout(self.timeout, rx).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(EngineError::Stopped),
+            Err(_) => Err(EngineError::Timeout {
+                op,
+                after: self.timeout,
+            }),
+        }
+    }
+
+    /// Refuses new requests and reservations from now on (`Draining`); in-flight work, hand-offs
+    /// and admissions of already reserved transfers continue. For graceful shutdown.
+    pub fn stop_admitting(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+
+    fn check(&self, req: &GenerateRequest) -> Result<(), EngineError> {
+        let id = req.id;
+        req.sampling
+            .validate()
+            .map_err(|e| EngineError::InvalidRequest {
+                id,
+                reason: e.to_string(),
+            })?;
+        if req.prompt_token_ids.is_empty() {
+            return Err(EngineError::InvalidRequest {
+                id,
+                reason: "empty prompt".into(),
+            });
+        }
+        if req.prompt_token_ids.len() >= self.info.context_length {
+            return Err(EngineError::ContextLength {
+                id,
+                prompt_len: req.prompt_token_ids.len(),
+                context_length: self.info.context_length,
+            });
+        }
+        if let Some(t) = req
+            .prompt_token_ids
+            .iter()
+            .find(|t| **t as usize >= self.info.vocab_size)
+        {
+            return Err(EngineError::InvalidRequest {
+                id,
+                reason: format!(
+                    "token id {t} outside the vocabulary of {}",
+                    self.info.vocab_size
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Queues a prompt (colocated or prefill-only). Never waits; refusals by the loop (queue
+    /// full, duplicate id, too large for the pool) arrive as an `Error` event.
+    pub fn add_request(&self, req: GenerateRequest) -> Result<RequestStream, EngineError> {
+        if self.is_draining() {
+            return Err(EngineError::Draining);
+        }
+        self.check(&req)?;
+        let (tx, rx) = tmpsc::unbounded_channel();
+        let id = req.id;
+        self.send(Command::Add { req, tx })?;
+        Ok(RequestStream { id, rx })
+    }
+
+    /// Decode side: reserves KV blocks for a prompt of `prompt_len` tokens under the request's
+    /// transfer lease (the engine's lease duration). Returns the blocks to fill, in order.
+    pub async fn reserve_for_transfer(
+        &self,
+        id: RequestId,
+        prompt_len: usize,
+    ) -> Result<Vec<BlockId>, EngineError> {
+        if self.is_draining() {
+            return Err(EngineError::Draining);
+        }
+        if prompt_len == 0 || prompt_len >= self.info.context_length {
+            return Err(EngineError::ContextLength {
+                id,
+                prompt_len,
+                context_length: self.info.context_length,
+            });
+        }
+        self.call("reserve_for_transfer", |reply| Command::Reserve {
+            id,
+            prompt_len,
+            reply,
+        })
+        .await
+    }
+
+    /// Decode side: the prompt's KV is in the reserved blocks; the request joins the batch and
+    /// streams the tokens after `first_token`. `sampler` (from `PrefillDone`) continues the
+    /// prefill side's random stream; `None` starts from the request's seed.
+    pub fn admit_transferred(
+        &self,
+        req: GenerateRequest,
+        first_token: u32,
+        sampler: Option<SamplerState>,
+    ) -> Result<RequestStream, EngineError> {
+        self.check(&req)?;
+        let (tx, rx) = tmpsc::unbounded_channel();
+        let id = req.id;
+        self.send(Command::AdmitTransferred {
+            req,
+            first_token,
+            sampler,
+            tx,
+        })?;
+        Ok(RequestStream { id, rx })
+    }
+
+    /// Ends a request's hand-off lease and frees its blocks (prefill side after the KV was
+    /// sent or the hand-off failed; decode side when a transfer fails before admission).
+    pub async fn release_transfer(&self, id: RequestId) -> Result<usize, EngineError> {
+        self.call("release_transfer", |reply| Command::ReleaseTransfer {
+            id,
+            reply,
+        })
+        .await
+    }
+
+    /// Aborts a request wherever it is; frees all it owns. Never waits.
+    pub fn abort(&self, id: RequestId) {
+        let _ = self.send(Command::Abort { id });
+    }
+
+    /// Copies layers `layers` of the blocks under the request's hand-off lease out of the pool,
+    /// ordered `[layer][block][layer-block bytes]`.
+    pub async fn read_kv(&self, id: RequestId, layers: Range<u32>) -> Result<Vec<u8>, EngineError> {
+        self.call("read_kv", |reply| Command::ReadKv { id, layers, reply })
+            .await
+    }
+
+    /// Writes `data` (as [`EngineHandle::read_kv`] lays it out) into the request's reserved blocks.
+    pub async fn write_kv(
+        &self,
+        id: RequestId,
+        layers: Range<u32>,
+        data: Vec<u8>,
+    ) -> Result<(), EngineError> {
+        self.call("write_kv", |reply| Command::WriteKv {
+            id,
+            layers,
+            data,
+            reply,
+        })
+        .await
+    }
+
+    pub async fn stats(&self) -> Result<EngineStats, EngineError> {
+        self.call("stats", |reply| Command::Stats { reply }).await
+    }
+
+    /// The KV accounting check (`Err(details)` if any block leaked or has two owners).
+    pub async fn check_accounting(&self) -> Result<Result<(), String>, EngineError> {
+        self.call("check_accounting", |reply| Command::CheckAccounting {
+            reply,
+        })
+        .await
+    }
+
+    /// Stops the loop (in-flight requests end with `Error { Stopped }`) and waits up to
+    /// `timeout` for its thread to exit. Returns whether it exited.
+    pub async fn shutdown(&self, timeout: Duration) -> bool {
+        let _ = self.send(Command::Shutdown);
+        let deadline = Instant::now() + timeout;
+        loop {
+            let finished = match self.thread.lock() {
+                Ok(g) => g.as_ref().is_none_or(JoinHandle::is_finished),
+                Err(_) => true,
+            };
+            if finished {
+                if let Ok(mut g) = self.thread.lock()
+                    && let Some(t) = g.take()
+                {
+                    let _ = t.join();
+                }
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+}

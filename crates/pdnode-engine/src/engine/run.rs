@@ -1,0 +1,561 @@
+//! The loop itself (see the module docs of [`crate::engine`]).
+
+use super::handle::{Command, EngineHandle};
+use super::{EngineError, EngineEvent, EngineInfo, EngineLoopConfig, EngineStats};
+use crate::backend::Backend;
+use crate::sampling::{OutputAssembler, SamplerState, SamplingError, SequenceSampler};
+use crate::scheduler::{Mode, Scheduler, SchedulerConfig, SeqOutput};
+use crate::text::Tokenizer;
+use pdnode_core::error::Classify;
+use pdnode_core::request::{GenerateRequest, TokenLogprob};
+use pdnode_core::{ErrorKind, FinishReason, RequestId, SamplingParams};
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::{Arc, mpsc};
+use std::time::Instant;
+use tokio::sync::mpsc as tmpsc;
+
+/// Starts an engine loop on its own OS thread, owning `backend`.
+pub fn spawn(
+    backend: Box<dyn Backend>,
+    cfg: EngineLoopConfig,
+    tokenizer: Option<Arc<Tokenizer>>,
+) -> Result<EngineHandle, EngineError> {
+    let bad = |reason: String| Err(EngineError::Config { reason });
+    if cfg.vocab_size == 0 {
+        return bad("vocab_size is 0".into());
+    }
+    if backend.num_kv_blocks() == 0 || backend.kv_layout().block_size == 0 {
+        return bad(format!("backend {} has an empty KV pool", backend.name()));
+    }
+    if cfg.max_batch_tokens == 0 || cfg.max_running_requests == 0 {
+        return bad("max_batch_tokens and max_running_requests must be at least 1".into());
+    }
+    let num_blocks = u32::try_from(backend.num_kv_blocks()).map_err(|_| EngineError::Config {
+        reason: "more than 2^32 KV blocks".into(),
+    })?;
+    let info = EngineInfo {
+        backend_name: backend.name(),
+        kv_layout: backend.kv_layout().clone(),
+        num_kv_blocks: backend.num_kv_blocks(),
+        mode: cfg.mode,
+        context_length: cfg.context_length,
+        vocab_size: cfg.vocab_size,
+        max_running_requests: cfg.max_running_requests,
+    };
+    let sched = Scheduler::new(SchedulerConfig {
+        mode: cfg.mode,
+        num_blocks,
+        block_size: info.kv_layout.block_size,
+        max_batch_tokens: cfg.max_batch_tokens,
+        max_running_requests: cfg.max_running_requests,
+        prefix_cache: cfg.prefix_cache,
+        lease: cfg.lease,
+    });
+    let (tx, rx) = mpsc::channel();
+    let timeout = cfg.call_timeout;
+    let name = format!("pdnode-engine-{}", info.backend_name);
+    let mut lp = Loop {
+        backend,
+        sched,
+        cfg,
+        tokenizer,
+        active: HashMap::new(),
+        stats: EngineStats::default(),
+    };
+    let thread = std::thread::Builder::new()
+        .name(name)
+        .spawn(move || {
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| lp.run(rx)));
+            if r.is_err() {
+                // A bug (or a backend panic): end every stream with an error instead of silence.
+                tracing::error!("engine loop panicked; failing its requests");
+                for (_, a) in lp.active.drain() {
+                    let _ = a.tx.send(EngineEvent::Error {
+                        error: EngineError::Stopped,
+                    });
+                }
+            }
+        })
+        .map_err(|e| EngineError::Config {
+            reason: format!("cannot start the engine thread: {e}"),
+        })?;
+    tracing::info!(backend = %info.backend_name, mode = ?info.mode, blocks = info.num_kv_blocks, "engine loop started");
+    Ok(EngineHandle::new(tx, info, timeout, thread))
+}
+
+struct Active {
+    tx: tmpsc::UnboundedSender<EngineEvent>,
+    sampler: SequenceSampler,
+    out: OutputAssembler,
+    prompt_len: usize,
+    generated: usize,
+}
+
+struct Loop {
+    backend: Box<dyn Backend>,
+    sched: Scheduler,
+    cfg: EngineLoopConfig,
+    tokenizer: Option<Arc<Tokenizer>>,
+    active: HashMap<RequestId, Active>,
+    stats: EngineStats,
+}
+
+fn sampling_error(id: RequestId, e: SamplingError) -> EngineError {
+    if e.kind() == ErrorKind::InvalidRequest {
+        EngineError::InvalidRequest {
+            id,
+            reason: e.to_string(),
+        }
+    } else {
+        EngineError::Sampling {
+            id,
+            message: e.to_string(),
+        }
+    }
+}
+
+impl Loop {
+    fn run(&mut self, rx: mpsc::Receiver<Command>) {
+        let mut idle = true;
+        let mut disconnected = false;
+        'outer: loop {
+            if (idle || !self.sched.has_work()) && !disconnected {
+                let now = Instant::now();
+                let wait = self.sched.next_deadline().map_or(self.cfg.idle_wait, |d| {
+                    d.saturating_duration_since(now).min(self.cfg.idle_wait)
+                });
+                match rx.recv_timeout(wait) {
+                    Ok(cmd) => {
+                        if !self.handle(cmd) {
+                            break 'outer;
+                        }
+                    }
+                    Err(mpsc::RecvTimeoutError::Timeout) => {}
+                    Err(mpsc::RecvTimeoutError::Disconnected) => disconnected = true,
+                }
+            }
+            loop {
+                match rx.try_recv() {
+                    Ok(cmd) => {
+                        if !self.handle(cmd) {
+                            break 'outer;
+                        }
+                    }
+                    Err(mpsc::TryRecvError::Empty) => break,
+                    Err(mpsc::TryRecvError::Disconnected) => {
+                        disconnected = true;
+                        break;
+                    }
+                }
+            }
+            self.expire_and_prune();
+            if disconnected && !self.sched.has_work() && self.sched.next_deadline().is_none() {
+                break;
+            }
+            idle = !self.step();
+            if idle && disconnected {
+                // Nobody can send anything any more; wait for leases without spinning.
+                std::thread::sleep(self.cfg.idle_wait);
+            }
+        }
+        for (id, a) in self.active.drain() {
+            let _ = a.tx.send(EngineEvent::Error {
+                error: EngineError::Stopped,
+            });
+            self.sched.abort(id);
+        }
+        tracing::info!("engine loop stopped");
+    }
+
+    fn expire_and_prune(&mut self) {
+        for id in self.sched.expire(Instant::now()) {
+            tracing::debug!(%id, "transfer lease expired");
+            if let Some(a) = self.active.remove(&id) {
+                let _ = a.tx.send(EngineEvent::Error {
+                    error: EngineError::LeaseExpired { id },
+                });
+            }
+        }
+        let closed: Vec<RequestId> = self
+            .active
+            .iter()
+            .filter(|(_, a)| a.tx.is_closed())
+            .map(|(id, _)| *id)
+            .collect();
+        for id in closed {
+            tracing::debug!(%id, "stream dropped; aborting");
+            self.active.remove(&id);
+            self.sched.abort(id);
+        }
+    }
+
+    fn fail(&mut self, id: RequestId, error: EngineError) {
+        self.sched.abort(id);
+        if let Some(a) = self.active.remove(&id) {
+            let _ = a.tx.send(EngineEvent::Error { error });
+        }
+    }
+
+    fn params(&self, p: &SamplingParams) -> SamplingParams {
+        let mut p = p.clone();
+        if let Some(cap) = self.cfg.max_output_tokens {
+            p.max_tokens = p.max_tokens.min(cap.max(1));
+        }
+        p
+    }
+
+    fn new_request(
+        &self,
+        req: &GenerateRequest,
+        tx: &tmpsc::UnboundedSender<EngineEvent>,
+        resume: Option<(u32, Option<SamplerState>)>,
+    ) -> Result<Active, EngineError> {
+        let id = req.id;
+        if self.active.contains_key(&id) {
+            return Err(crate::scheduler::SchedulerError::DuplicateRequest { id }.into());
+        }
+        let params = self.params(&req.sampling);
+        let prompt = &req.prompt_token_ids;
+        let v = self.cfg.vocab_size;
+        let sampler = match resume {
+            Some((first, Some(state))) => {
+                SequenceSampler::restore(&params, v, prompt, &[first], state)
+            }
+            Some((first, None)) => SequenceSampler::new(&params, v, prompt).and_then(|mut s| {
+                s.accept(first)?;
+                Ok(s)
+            }),
+            None => SequenceSampler::new(&params, v, prompt),
+        }
+        .map_err(|e| sampling_error(id, e))?;
+        let out = OutputAssembler::new(
+            self.tokenizer.clone(),
+            &params,
+            &self.cfg.eos_token_ids,
+            prompt,
+            self.cfg.context_length,
+        )
+        .map_err(|e| sampling_error(id, e))?;
+        Ok(Active {
+            tx: tx.clone(),
+            sampler,
+            out,
+            prompt_len: prompt.len(),
+            generated: 0,
+        })
+    }
+
+    /// Handles one command; false means stop.
+    fn handle(&mut self, cmd: Command) -> bool {
+        match cmd {
+            Command::Add { req, tx } => {
+                let id = req.id;
+                let queued = self.sched.stats().waiting;
+                let r = if queued >= self.cfg.max_queued_requests {
+                    Err(EngineError::Overloaded { id, queued })
+                } else {
+                    self.new_request(&req, &tx, None).and_then(|a| {
+                        self.sched
+                            .add_request(id, req.prompt_token_ids)
+                            .map_err(EngineError::from)?;
+                        Ok(a)
+                    })
+                };
+                match r {
+                    Ok(a) => {
+                        self.stats.prompt_tokens_total += a.prompt_len as u64;
+                        self.active.insert(id, a);
+                    }
+                    Err(error) => {
+                        let _ = tx.send(EngineEvent::Error { error });
+                    }
+                }
+            }
+            Command::AdmitTransferred {
+                req,
+                first_token,
+                sampler,
+                tx,
+            } => self.admit(req, first_token, sampler, tx),
+            Command::Reserve {
+                id,
+                prompt_len,
+                reply,
+            } => {
+                let r = if self.active.contains_key(&id) {
+                    Err(crate::scheduler::SchedulerError::DuplicateRequest { id }.into())
+                } else {
+                    self.sched
+                        .reserve_for_transfer(id, prompt_len, Instant::now())
+                        .map_err(EngineError::from)
+                };
+                let _ = reply.send(r);
+            }
+            Command::ReleaseTransfer { id, reply } => {
+                let _ = reply.send(self.sched.release_transfer(id).map_err(EngineError::from));
+            }
+            Command::Abort { id } => {
+                self.sched.abort(id);
+                if let Some(a) = self.active.remove(&id) {
+                    let _ = a.tx.send(EngineEvent::Finished {
+                        reason: FinishReason::Abort,
+                        prompt_tokens: a.prompt_len,
+                        output_tokens: a.generated,
+                    });
+                }
+            }
+            Command::ReadKv { id, layers, reply } => {
+                let _ = reply.send(self.read_kv(id, layers));
+            }
+            Command::WriteKv {
+                id,
+                layers,
+                data,
+                reply,
+            } => {
+                let r = match self.sched.transfer_blocks(id) {
+                    Some(blocks) => self
+                        .backend
+                        .write_kv(layers, blocks, &data)
+                        .map_err(EngineError::from),
+                    None => Err(EngineError::NoLease { id }),
+                };
+                let _ = reply.send(r);
+            }
+            Command::Stats { reply } => {
+                let mut s = self.stats;
+                s.scheduler = self.sched.stats();
+                let _ = reply.send(Ok(s));
+            }
+            Command::CheckAccounting { reply } => {
+                let r = self
+                    .sched
+                    .kv()
+                    .check_accounting()
+                    .map_err(|e| e.to_string());
+                let _ = reply.send(Ok(r));
+            }
+            Command::Shutdown => return false,
+        }
+        true
+    }
+
+    fn read_kv(&self, id: RequestId, layers: Range<u32>) -> Result<Vec<u8>, EngineError> {
+        let blocks = self
+            .sched
+            .transfer_blocks(id)
+            .ok_or(EngineError::NoLease { id })?;
+        let layout = self.backend.kv_layout();
+        if layers.start > layers.end || layers.end > layout.num_layers {
+            return Err(EngineError::KvIo {
+                message: format!("layers {layers:?} outside 0..{}", layout.num_layers),
+            });
+        }
+        let len = (layers.end - layers.start) as usize
+            * blocks.len()
+            * layout.block_layer_bytes()
+            * layout.tp_size.max(1) as usize;
+        let mut buf = vec![0u8; len];
+        self.backend.read_kv(layers, blocks, &mut buf)?;
+        Ok(buf)
+    }
+
+    fn admit(
+        &mut self,
+        req: GenerateRequest,
+        first_token: u32,
+        sampler: Option<SamplerState>,
+        tx: tmpsc::UnboundedSender<EngineEvent>,
+    ) {
+        let id = req.id;
+        let mut a = match self.new_request(&req, &tx, Some((first_token, sampler))) {
+            Ok(a) => a,
+            Err(error) => {
+                self.sched.abort(id);
+                let _ = tx.send(EngineEvent::Error { error });
+                return;
+            }
+        };
+        // The first token was streamed by the prefill side; account for it without sending it.
+        a.generated = 1;
+        match a.out.push(first_token) {
+            Ok(step) => {
+                if let Some(c) = step.finish {
+                    self.sched.abort(id);
+                    let _ = tx.send(EngineEvent::Finished {
+                        reason: c.finish_reason(),
+                        prompt_tokens: a.prompt_len,
+                        output_tokens: 1,
+                    });
+                    return;
+                }
+            }
+            Err(e) => {
+                self.sched.abort(id);
+                let _ = tx.send(EngineEvent::Error {
+                    error: sampling_error(id, e),
+                });
+                return;
+            }
+        }
+        match self
+            .sched
+            .admit_transferred(id, req.prompt_token_ids, first_token)
+        {
+            Ok(()) => {
+                self.active.insert(id, a);
+            }
+            Err(e) => {
+                self.sched.abort(id);
+                let _ = tx.send(EngineEvent::Error { error: e.into() });
+            }
+        }
+    }
+
+    /// Runs one step; false when there was nothing to run.
+    fn step(&mut self) -> bool {
+        if !self.sched.has_work() {
+            return false;
+        }
+        let plan = self.sched.next_step();
+        for &(id, reason) in &plan.finished {
+            if let Some(a) = self.active.remove(&id) {
+                let _ = a.tx.send(EngineEvent::Finished {
+                    reason,
+                    prompt_tokens: a.prompt_len,
+                    output_tokens: a.generated,
+                });
+            }
+        }
+        if plan.is_empty() {
+            return false;
+        }
+        let want = plan.seqs.iter().filter(|s| s.want_logits).count();
+        let logits = match self.backend.forward(&plan.forward_batch()) {
+            Ok(l) if l.rows() == want && l.vocab == self.cfg.vocab_size => l,
+            Ok(l) => {
+                let m = format!(
+                    "backend returned {} rows of {} logits, expected {want} of {}",
+                    l.rows(),
+                    l.vocab,
+                    self.cfg.vocab_size
+                );
+                self.fail_all(&plan, &m);
+                return true;
+            }
+            Err(e) => {
+                self.fail_all(&plan, &e.to_string());
+                return true;
+            }
+        };
+        self.stats.steps_total += 1;
+        let prefill_only = self.cfg.mode == Mode::PrefillOnly;
+        let mut outputs = Vec::with_capacity(want);
+        let mut pending: HashMap<RequestId, (Option<TokenLogprob>, String)> = HashMap::new();
+        for (row, s) in plan.seqs.iter().filter(|s| s.want_logits).enumerate() {
+            let id = s.id;
+            let Some(a) = self.active.get_mut(&id) else {
+                // Not ours any more (a race with abort is impossible on this thread): drop it.
+                self.sched.abort(id);
+                continue;
+            };
+            let sampled = a
+                .sampler
+                .sample(logits.row(row))
+                .and_then(|o| a.out.push(o.token).map(|step| (o, step)));
+            let (o, step) = match sampled {
+                Ok(x) => x,
+                Err(e) => {
+                    self.fail(id, sampling_error(id, e));
+                    continue;
+                }
+            };
+            a.generated += 1;
+            self.stats.output_tokens_total += 1;
+            let finish = step.finish.map(|c| c.finish_reason());
+            let (sent, finished) = if prefill_only {
+                if finish.is_some() {
+                    let ev = EngineEvent::PrefillDone {
+                        first_token: o.token,
+                        logprob: o.logprob,
+                        delta: step.delta,
+                        finish,
+                        blocks: Vec::new(),
+                        sampler: a.sampler.state(),
+                        prompt_tokens: a.prompt_len,
+                    };
+                    (a.tx.send(ev).is_ok(), true)
+                } else {
+                    pending.insert(id, (o.logprob, step.delta));
+                    (true, false)
+                }
+            } else {
+                let mut ok =
+                    a.tx.send(EngineEvent::Token {
+                        token: o.token,
+                        logprob: o.logprob,
+                        delta: step.delta,
+                    })
+                    .is_ok();
+                if let Some(reason) = finish {
+                    ok &=
+                        a.tx.send(EngineEvent::Finished {
+                            reason,
+                            prompt_tokens: a.prompt_len,
+                            output_tokens: a.generated,
+                        })
+                        .is_ok();
+                }
+                (ok, finish.is_some())
+            };
+            if !sent && !finished {
+                self.active.remove(&id);
+                self.sched.abort(id);
+                continue;
+            }
+            if finished {
+                self.active.remove(&id);
+            }
+            outputs.push(SeqOutput {
+                id,
+                token: o.token,
+                finished,
+            });
+        }
+        for h in self.sched.on_step_done(&outputs, Instant::now()) {
+            let (Some(a), Some((logprob, delta))) =
+                (self.active.remove(&h.id), pending.remove(&h.id))
+            else {
+                self.sched.abort(h.id);
+                continue;
+            };
+            let ev = EngineEvent::PrefillDone {
+                first_token: h.first_token,
+                logprob,
+                delta,
+                finish: None,
+                blocks: h.blocks,
+                sampler: a.sampler.state(),
+                prompt_tokens: a.prompt_len,
+            };
+            if a.tx.send(ev).is_err() {
+                self.sched.abort(h.id);
+            }
+        }
+        true
+    }
+
+    fn fail_all(&mut self, plan: &crate::scheduler::StepPlan, message: &str) {
+        tracing::error!(error = message, "forward step failed; failing its requests");
+        for s in &plan.seqs {
+            self.fail(
+                s.id,
+                EngineError::Backend {
+                    id: s.id,
+                    message: message.to_string(),
+                },
+            );
+        }
+    }
+}

@@ -77,6 +77,9 @@ pub struct OutputAssembler {
 
 impl OutputAssembler {
     /// `tokenizer` is `None` for a model without one (token ids only; stop strings are refused).
+    /// Ids are checked against the model's vocabulary by [`super::SequenceSampler`]; an id the
+    /// tokenizer does not know (a padding row of the embedding, e.g. Qwen2.5's 152064 rows for
+    /// 151665 tokens) counts as a token with no text.
     /// `eos_ids` are the model's end-of-sequence ids; `context_len` the model's context window.
     /// Special tokens are left out of the text (vLLM's `skip_special_tokens = true`).
     pub fn new(
@@ -90,11 +93,17 @@ impl OutputAssembler {
         if tokenizer.is_none() && !params.stop.is_empty() {
             return Err(SamplingError::StopStringsWithoutTokenizer);
         }
-        if let Some(t) = &tokenizer {
-            t.check_ids(prompt_ids)?;
-        }
+        // Ids the tokenizer does not know (rows a model pads its vocabulary with) have no text.
+        let known: Vec<u32> = match &tokenizer {
+            Some(t) => prompt_ids
+                .iter()
+                .copied()
+                .filter(|&id| (id as usize) < t.vocab_size())
+                .collect(),
+            None => Vec::new(),
+        };
         Ok(Self {
-            decoder: IncrementalDecoder::with_prompt(prompt_ids, true),
+            decoder: IncrementalDecoder::with_prompt(&known, true),
             tokenizer,
             eos_ids: if params.ignore_eos {
                 Vec::new()
@@ -121,9 +130,6 @@ impl OutputAssembler {
                 reason: c.finish_reason().as_str(),
             });
         }
-        if let Some(t) = &self.tokenizer {
-            t.check_ids(&[token])?;
-        }
         self.token_ids.push(token);
         let mut cause = if self.eos_ids.contains(&token) {
             Some(StopCause::Eos(token))
@@ -134,6 +140,7 @@ impl OutputAssembler {
         };
         if cause.is_none()
             && let Some(t) = &self.tokenizer
+            && (token as usize) < t.vocab_size()
         {
             let new = self.decoder.step(t, token)?;
             let before = self.text.len();

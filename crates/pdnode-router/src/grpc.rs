@@ -1,6 +1,10 @@
 //! The `pdnode.v1.Inference` gRPC frontend: `Generate` (server streaming), `Health`,
 //! `ListNodes`. API keys come as `authorization: Bearer <key>` metadata.
 
+// Wire messages are built with `..Default::default()` even when every field is set today, so
+// fields added to pdnode.v1 (additive within v1) do not break this code.
+#![allow(clippy::needless_update)]
+
 use crate::error::RouterError;
 use crate::router::{GenEvent, GenRequest, Router};
 use crate::tokenize::ChatMessage;
@@ -101,6 +105,7 @@ fn usage_wire(u: &crate::router::Usage) -> v1::Usage {
         prompt_tokens: u.prompt_tokens,
         completion_tokens: u.completion_tokens,
         cached_prompt_tokens: u.cached_tokens,
+        ..Default::default()
     }
 }
 
@@ -163,6 +168,7 @@ impl v1::inference_server::Inference for InferenceService {
                     request_id: st.request_id.clone(),
                     client_request_id: st.client_request_id.clone(),
                     error,
+                    ..Default::default()
                 })
             };
             let event = match ev {
@@ -174,6 +180,7 @@ impl v1::inference_server::Inference for InferenceService {
                     token_ids,
                     text: if st.return_text { text } else { String::new() },
                     logprobs: logprobs.iter().map(Into::into).collect(),
+                    ..Default::default()
                 }),
                 Some(GenEvent::Done { finish, usage }) => {
                     st.done = true;
@@ -220,6 +227,7 @@ impl v1::inference_server::Inference for InferenceService {
             node_id: String::new(),
             role: v1::Role::Router as i32,
             version: env!("CARGO_PKG_VERSION").to_string(),
+            ..Default::default()
         }))
     }
 
@@ -240,6 +248,9 @@ impl v1::inference_server::Inference for InferenceService {
             .flat_map(|r| mem.workers(r))
             .map(|w| v1::NodeCard::from(&w.card))
             .collect();
-        Ok(Response::new(v1::ListNodesResponse { nodes }))
+        Ok(Response::new(v1::ListNodesResponse {
+            nodes,
+            ..Default::default()
+        }))
     }
 }

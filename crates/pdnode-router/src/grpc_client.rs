@@ -2,6 +2,10 @@
 //! built from node cards (the registry's membership view) with one lazily connected gRPC client
 //! per node.
 
+// Wire messages are built with `..Default::default()` even when every field is set today, so
+// fields added to pdnode.v1 (additive within v1) do not break this code.
+#![allow(clippy::needless_update)]
+
 use crate::error::NodeError;
 use crate::membership::{Membership, Worker};
 use crate::node::{
@@ -72,9 +76,8 @@ impl NodeClient for GrpcNodeClient {
                 request_id: req.request_id.0,
                 prompt_len: req.prompt_token_ids.len() as u32,
                 max_tokens: req.max_tokens,
-                prefill_layout: None,
-                lease_ms: 0,
                 prompt_token_ids: req.prompt_token_ids,
+                ..Default::default()
             };
             let r = c.reserve_kv(wire).await.map_err(status_err)?.into_inner();
             let t = r.target.ok_or_else(|| {
@@ -108,6 +111,7 @@ impl NodeClient for GrpcNodeClient {
                 prompt_token_ids: req.prompt_token_ids,
                 sampling: Some((&req.sampling).into()),
                 kv_target,
+                ..Default::default()
             };
             let r = c.prefill(wire).await.map_err(status_err)?.into_inner();
             let finish = finish_reason_from_wire(r.finish_reason)
@@ -134,6 +138,7 @@ impl NodeClient for GrpcNodeClient {
                 first_logprob: req.first_logprob.as_ref().map(Into::into),
                 sampling: Some((&req.sampling).into()),
                 prompt_token_ids: req.prompt_token_ids,
+                ..Default::default()
             };
             let stream = c.decode(wire).await.map_err(status_err)?.into_inner();
             let mapped = stream.map(|item| {
@@ -162,6 +167,7 @@ impl NodeClient for GrpcNodeClient {
                 .abort(v1::AbortRequest {
                     request_id: id.0,
                     reason,
+                    ..Default::default()
                 })
                 .await
                 .map_err(status_err)?;

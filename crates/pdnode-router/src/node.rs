@@ -15,6 +15,8 @@ use pdnode_core::{FinishReason, NodeId, RequestId, SamplingParams};
 #[derive(Debug, Clone, PartialEq)]
 pub struct ReserveKv {
     pub request_id: RequestId,
+    /// The prefill node paired with this reservation (decode may refuse hand-offs from others).
+    pub prefill_node: NodeId,
     pub prompt_token_ids: Vec<u32>,
     pub max_tokens: u32,
 }

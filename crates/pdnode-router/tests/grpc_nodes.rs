@@ -2,6 +2,10 @@
 //! on 127.0.0.1 (a thin adapter over `FakeNode`). Checks the wire conversions end to end: the KV
 //! target decode mints reaches prefill intact, tokens stream back, aborts arrive.
 
+// Wire messages are built with `..Default::default()` even when every field is set today, so
+// fields added to pdnode.v1 (additive within v1) do not break this code.
+#![allow(clippy::needless_update)]
+
 mod common;
 
 use futures::StreamExt;
@@ -42,6 +46,7 @@ impl Node for Adapter {
             .fake
             .reserve_kv(ReserveKv {
                 request_id: RequestId(r.request_id),
+                prefill_node: NodeId::new("unknown"),
                 prompt_token_ids: r.prompt_token_ids,
                 max_tokens: r.max_tokens,
             })
@@ -92,6 +97,7 @@ impl Node for Adapter {
                 ..Default::default()
             }),
             finish_reason: finish_reason_to_wire(o.finish),
+            ..Default::default()
         }))
     }
 
@@ -116,8 +122,7 @@ impl Node for Adapter {
                 token_ids: c.token_ids,
                 logprobs: c.logprobs.iter().map(Into::into).collect(),
                 finish_reason: finish_reason_to_wire(c.finish),
-                usage: None,
-                error: None,
+                ..Default::default()
             }),
             Err(e) => Err(status_of(&e)),
         });
@@ -141,7 +146,10 @@ impl Node for Adapter {
             .abort(RequestId(r.request_id), r.reason)
             .await
             .map_err(|e| status_of(&e))?;
-        Ok(Response::new(v1::AbortResponse { found }))
+        Ok(Response::new(v1::AbortResponse {
+            found,
+            ..Default::default()
+        }))
     }
 
     async fn stats(

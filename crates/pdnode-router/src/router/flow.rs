@@ -217,6 +217,7 @@ async fn drive(
 
         let reserve = ReserveKv {
             request_id: req_id,
+            prefill_node: p.id().clone(),
             prompt_token_ids: tokens.clone(),
             max_tokens: req.sampling.max_tokens,
         };

@@ -12,13 +12,15 @@
 //! - [`MembershipWatch`]: events from [`Registry::watch`]: a [`MembershipEvent::Snapshot`] first
 //!   and after every resync, then puts and deletes; [`MembershipEvent::Stale`] when the watch
 //!   broke and is being re-established.
-//! - [`MembershipView`]: plain state fed by those events.
+//! - [`MembershipView`]: plain state fed by those events; [`LiveMembership`] keeps one up to
+//!   date in a background task (what a router reads: `serving(role)`).
 //!
 //! A second registration of a key that a live lease holds fails with
 //! [`RegistryError::AlreadyRegistered`] (an etcd transaction: put only if `create_revision == 0`).
 
 mod error;
 mod etcd;
+mod live;
 mod memory;
 mod registration;
 mod store;
@@ -27,6 +29,7 @@ mod watch;
 
 pub use error::RegistryError;
 pub use etcd::EtcdRegistry;
+pub use live::LiveMembership;
 pub use memory::MemoryRegistry;
 pub use registration::{Registration, RegistrationStatus, register_waiting_out_stale};
 pub use view::MembershipView;

@@ -157,3 +157,32 @@ async fn an_outage_longer_than_the_ttl_re_registers_under_a_new_lease() {
     })
     .await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn live_membership_follows_the_registry() {
+    let reg = MemoryRegistry::new(opts());
+    let _p = reg.register(card(Role::Prefill, "p0")).await.unwrap();
+    let live = pdnode_registry::LiveMembership::start(&reg, "t")
+        .await
+        .unwrap();
+    assert_eq!(
+        live.serving(Role::Prefill).len(),
+        1,
+        "the snapshot is applied at start"
+    );
+    let mut changes = live.changes();
+    let d = reg.register(card(Role::All, "a0")).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(1), changes.changed())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(live.serving(Role::Decode).len(), 1);
+    assert_eq!(live.serving(Role::Prefill).len(), 2);
+    d.shutdown().await.unwrap();
+    tokio::time::timeout(Duration::from_secs(1), changes.changed())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(live.serving(Role::Decode).is_empty());
+    assert!(!live.is_stale());
+}

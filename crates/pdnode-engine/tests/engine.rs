@@ -5,6 +5,7 @@ use pdnode_core::config::MockEngineConfig;
 use pdnode_core::error::Classify;
 use pdnode_core::request::GenerateRequest;
 use pdnode_core::{ErrorKind, FinishReason, RequestId, SamplingParams};
+use pdnode_engine::backend::Backend;
 use pdnode_engine::engine::{
     EngineError, EngineEvent, EngineHandle, EngineLoopConfig, RequestStream, spawn,
 };
@@ -295,6 +296,29 @@ async fn pd_hand_off_gives_the_colocated_tokens_and_leaks_nothing() {
 }
 
 #[tokio::test]
+async fn the_pool_memory_is_published_for_zero_copy() {
+    let t = timing(0, 0, 8);
+    let b = MockBackend::with_pool(&t, 4, 32).unwrap();
+    let bytes = b.kv_layout().block_bytes() * 32;
+    let e = pdnode_engine::engine::spawn_with_memory(
+        b,
+        loop_cfg(Mode::DecodeOnly, Duration::from_secs(5), 8),
+        None,
+    )
+    .unwrap();
+    let r = &e.info().kv_regions;
+    assert_eq!(r.len(), 1);
+    assert_eq!(r[0].len, bytes);
+    assert!(
+        engine(Mode::Colocated, 8, t, Duration::from_secs(1))
+            .info()
+            .kv_regions
+            .is_empty()
+    );
+    assert!(e.shutdown(DEADLINE).await);
+}
+
+#[tokio::test]
 async fn a_missing_kv_transfer_is_an_error_not_wrong_tokens() {
     let t = timing(0, 0, 8);
     let d = engine(Mode::DecodeOnly, 64, t, Duration::from_secs(5));
@@ -461,5 +485,39 @@ async fn mock_throughput() {
         st.steps_total,
         dt * 1e6 / st.steps_total as f64
     );
+    assert_drained(&e).await;
+}
+
+#[tokio::test]
+async fn a_mock_engine_from_the_node_config_caps_outputs_at_output_len() {
+    use pdnode_core::config::{Backend as Kind, EngineConfig};
+    let cfg = EngineConfig {
+        backend: Kind::Mock,
+        num_kv_blocks: 0,
+        max_running_requests: 4,
+        context_length: 64,
+        mock: timing(0, 0, 5),
+        ..EngineConfig::default()
+    };
+    let b = MockBackend::new(&cfg).unwrap();
+    assert_eq!(b.num_kv_blocks(), 4 * 64 / 16);
+    let lc = EngineLoopConfig::from_config(
+        &cfg,
+        Mode::Colocated,
+        Duration::from_secs(5),
+        VOCAB as usize,
+        vec![MockBackend::EOS_TOKEN],
+    );
+    assert_eq!(lc.max_output_tokens, Some(5));
+    let e = spawn(Box::new(b), lc, None).unwrap();
+    let (tokens, end) = collect(e.add_request(request(1, 10, 100)).unwrap()).await;
+    assert_eq!(tokens.len(), 5);
+    assert!(matches!(
+        end,
+        EngineEvent::Finished {
+            reason: FinishReason::Length,
+            ..
+        }
+    ));
     assert_drained(&e).await;
 }

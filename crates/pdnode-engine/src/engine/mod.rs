@@ -33,9 +33,9 @@ mod handle;
 mod run;
 
 pub use handle::{EngineHandle, RequestStream};
-pub use run::spawn;
+pub use run::{spawn, spawn_with_memory};
 
-use crate::backend::BackendError;
+use crate::backend::{BackendError, KvRegion};
 use crate::sampling::SamplerState;
 use crate::scheduler::{Mode, SchedulerError, SchedulerStats};
 use pdnode_core::config::{Backend as BackendKind, EngineConfig};
@@ -143,6 +143,12 @@ pub struct EngineInfo {
     pub context_length: usize,
     pub vocab_size: usize,
     pub max_running_requests: usize,
+    /// The pool's memory, one region per TP rank, when the backend exposes it
+    /// ([`spawn_with_memory`]); empty otherwise. Block `b` of layer `l` starts at
+    /// `crate::backend::layer_block_offset(layout, num_kv_blocks, l, b)` in each region. Only
+    /// blocks under a request's hand-off lease may be read or written through it, and only
+    /// between the reservation (or `PrefillDone`) and the admission (or release).
+    pub kv_regions: Vec<KvRegion>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

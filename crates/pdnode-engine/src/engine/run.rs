@@ -2,7 +2,7 @@
 
 use super::handle::{Command, EngineHandle};
 use super::{EngineError, EngineEvent, EngineInfo, EngineLoopConfig, EngineStats};
-use crate::backend::Backend;
+use crate::backend::{Backend, KvMemory, KvRegion};
 use crate::sampling::{OutputAssembler, SamplerState, SamplingError, SequenceSampler};
 use crate::scheduler::{Mode, Scheduler, SchedulerConfig, SeqOutput};
 use crate::text::Tokenizer;
@@ -15,9 +15,29 @@ use std::sync::{Arc, mpsc};
 use std::time::Instant;
 use tokio::sync::mpsc as tmpsc;
 
+/// As [`spawn`], for a backend whose pool memory can be registered with a transport: the
+/// regions are published in [`EngineInfo::kv_regions`].
+pub fn spawn_with_memory<B: Backend + KvMemory + 'static>(
+    backend: B,
+    cfg: EngineLoopConfig,
+    tokenizer: Option<Arc<Tokenizer>>,
+) -> Result<EngineHandle, EngineError> {
+    let regions = backend.kv_regions();
+    start(Box::new(backend), regions, cfg, tokenizer)
+}
+
 /// Starts an engine loop on its own OS thread, owning `backend`.
 pub fn spawn(
     backend: Box<dyn Backend>,
+    cfg: EngineLoopConfig,
+    tokenizer: Option<Arc<Tokenizer>>,
+) -> Result<EngineHandle, EngineError> {
+    start(backend, Vec::new(), cfg, tokenizer)
+}
+
+fn start(
+    backend: Box<dyn Backend>,
+    kv_regions: Vec<KvRegion>,
     cfg: EngineLoopConfig,
     tokenizer: Option<Arc<Tokenizer>>,
 ) -> Result<EngineHandle, EngineError> {
@@ -42,6 +62,7 @@ pub fn spawn(
         context_length: cfg.context_length,
         vocab_size: cfg.vocab_size,
         max_running_requests: cfg.max_running_requests,
+        kv_regions,
     };
     let sched = Scheduler::new(SchedulerConfig {
         mode: cfg.mode,

@@ -27,6 +27,17 @@ async fn models() -> Json<serde_json::Value> {
 }
 
 async fn completions(State(f): State<Fake>, Json(body): Json<serde_json::Value>) -> Response {
+    stream_answer(f, body, false)
+}
+
+async fn chat(State(f): State<Fake>, Json(body): Json<serde_json::Value>) -> Response {
+    if body["messages"][0]["role"] != "user" {
+        return (StatusCode::BAD_REQUEST, "expected one user message").into_response();
+    }
+    stream_answer(f, body, true)
+}
+
+fn stream_answer(f: Fake, body: serde_json::Value, chat: bool) -> Response {
     let n = f.seen.fetch_add(1, Ordering::SeqCst) + 1;
     if body["ignore_eos"] == serde_json::Value::Bool(true) {
         f.ignore_eos_seen.fetch_add(1, Ordering::SeqCst);
@@ -35,7 +46,12 @@ async fn completions(State(f): State<Fake>, Json(body): Json<serde_json::Value>)
         return (StatusCode::SERVICE_UNAVAILABLE, "overloaded").into_response();
     }
     let max_tokens = body["max_tokens"].as_u64().unwrap_or(16) as usize;
-    let prompt_words = body["prompt"].as_str().map_or(0, |p| p.split(' ').count());
+    let prompt = if chat {
+        body["messages"][0]["content"].as_str()
+    } else {
+        body["prompt"].as_str()
+    };
+    let prompt_words = prompt.map_or(0, |p| p.split(' ').count());
     let stream = futures::stream::unfold(0usize, move |i| {
         let f = f.clone();
         async move {
@@ -46,10 +62,17 @@ async fn completions(State(f): State<Fake>, Json(body): Json<serde_json::Value>)
                 } else {
                     serde_json::Value::Null
                 };
-                let chunk = serde_json::json!({
-                    "object": "text_completion",
-                    "choices": [{"index": 0, "text": format!(" t{i}"), "finish_reason": finish}],
-                });
+                let chunk = if chat {
+                    serde_json::json!({
+                        "object": "chat.completion.chunk",
+                        "choices": [{"index": 0, "delta": {"content": format!(" t{i}")}, "finish_reason": finish}],
+                    })
+                } else {
+                    serde_json::json!({
+                        "object": "text_completion",
+                        "choices": [{"index": 0, "text": format!(" t{i}"), "finish_reason": finish}],
+                    })
+                };
                 format!("data: {chunk}\n\n")
             } else if i == max_tokens {
                 let usage = serde_json::json!({
@@ -95,6 +118,7 @@ async fn serve(ttft_ms: u64, per_token_ms: u64, fail_every: usize) -> Server {
     let app = axum::Router::new()
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat))
         .with_state(fake.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -305,5 +329,26 @@ async fn model_discovery_and_poisson_pacing() {
         m.duration_s > 0.2,
         "Poisson pacing spreads sends: {} s",
         m.duration_s
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_api_is_timed_from_delta_content() {
+    let s = serve(100, 20, 0).await;
+    let mut ep = endpoint(&s.url, false);
+    ep.api = Api::Chat;
+    let report = run(&config(vec![ep], vec![2], 4, 5)).await.unwrap();
+    let m = &report.runs[0].summary;
+    assert_eq!((m.completed, m.failed), (4, 0), "{m:?}");
+    assert_eq!(m.total_output_tokens, 20);
+    assert!(
+        (95.0..350.0).contains(&m.ttft.p50_ms),
+        "TTFT {}",
+        m.ttft.p50_ms
+    );
+    assert!(
+        (18.0..70.0).contains(&m.tpot.p50_ms),
+        "TPOT {}",
+        m.tpot.p50_ms
     );
 }

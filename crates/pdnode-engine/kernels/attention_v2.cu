@@ -7,6 +7,7 @@
 
 #define ATT2_NW 4
 #define ATT2_MAXG 4
+#define ATT2_SMEM_BT 1024  // block-table entries of one split staged in shared memory
 
 template <int DPL>
 __device__ __forceinline__ void load_row(const bf16_t* p, float* f) {
@@ -25,6 +26,7 @@ __device__ void attn_v2(const bf16_t* __restrict__ q, const bf16_t* __restrict__
     __shared__ float sm_acc[ATT2_NW * ATT2_MAXG * 32 * DPL];
     __shared__ float sm_m[SLOTS][ATT2_MAXG];
     __shared__ float sm_l[SLOTS][ATT2_MAXG];
+    __shared__ int sm_bt[ATT2_SMEM_BT];
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const int LPK = hd / DPL, KPW = 32 / LPK;
     const int kg = lane / LPK, li = lane - kg * LPK, d0 = li * DPL;
@@ -57,6 +59,14 @@ __device__ void attn_v2(const bf16_t* __restrict__ q, const bf16_t* __restrict__
         }
     }
     const int* bt = block_tables + (i64)tok_seq[t] * max_blocks;
+    // This split's block-table entries in shared memory: the K/V loads then depend on one
+    // shared-memory read instead of a global one.
+    const int b0 = k0 / block_size;
+    const int nbt = k1 > k0 ? (k1 - 1) / block_size - b0 + 1 : 0;
+    const bool bt_sm = nbt <= ATT2_SMEM_BT;
+    if (bt_sm)
+        for (int i = threadIdx.x; i < nbt; i += blockDim.x) sm_bt[i] = bt[b0 + i];
+    __syncthreads();
     const i64 row = (i64)nkv * hd;
     const int step = ATT2_NW * KPW;
     for (int kb = k0 + w * KPW; kb < k1; kb += 2 * step) {
@@ -67,7 +77,8 @@ __device__ void attn_v2(const bf16_t* __restrict__ q, const bf16_t* __restrict__
             const int k = kb + u * step + kg;
             valid[u] = k < k1;
             if (valid[u]) {
-                const i64 blk = bt[k / block_size];
+                const int bi = k / block_size;
+                const i64 blk = bt_sm ? sm_bt[bi - b0] : bt[bi];
                 const bf16_t* kp = layer_kv + (blk * 2 * block_size + (k % block_size)) * row +
                                    (i64)kvh * hd + d0;
                 load_row<DPL>(kp, kr[u]);

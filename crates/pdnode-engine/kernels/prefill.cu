@@ -34,36 +34,46 @@ extern "C" __global__ void kv_gather_seq(const bf16_t* __restrict__ layer_kv,
 }
 
 // Row r = (h, t) of s [nh, tq, tk] (f32 scores): p = softmax(scale * s) over keys 0..=q0 + t,
-// zeros beyond (causal). grid: nh * tq, block: 256.
+// zeros beyond (causal). One pass for the running max and sum, one to write. grid: nh * tq,
+// block: 256.
 extern "C" __global__ void causal_softmax(const float* __restrict__ s, bf16_t* __restrict__ p,
                                           int tq, int tk, int q0, float scale) {
-    __shared__ float sh[33];
+    __shared__ float sh_m[32], sh_l[32];
     const i64 r = blockIdx.x;
     const int t = (int)(r % tq);
     const int lim = min(tk, q0 + t + 1);
     const float* x = s + r * tk;
     bf16_t* y = p + r * tk;
-    float mx = -INFINITY;
-    for (int k = threadIdx.x; k < lim; k += blockDim.x) mx = fmaxf(mx, x[k]);
-    // block max via the sum helper's shared slots
-    {
-        const int lane = threadIdx.x & 31, wi = threadIdx.x >> 5, nw = blockDim.x >> 5;
-        mx = warp_max(mx);
-        __syncthreads();
-        if (lane == 0) sh[wi] = mx;
-        __syncthreads();
-        if (wi == 0) {
-            float v = lane < nw ? sh[lane] : -INFINITY;
-            v = warp_max(v);
-            if (lane == 0) sh[32] = v;
+    float m = -INFINITY, l = 0.f;
+    for (int k = threadIdx.x; k < lim; k += blockDim.x) {
+        const float v = x[k] * scale;
+        if (v > m) {
+            l = l * __expf(m - v) + 1.f;
+            m = v;
+        } else {
+            l += __expf(v - m);
         }
-        __syncthreads();
-        mx = sh[32];
     }
-    float sum = 0.f;
-    for (int k = threadIdx.x; k < lim; k += blockDim.x) sum += __expf((x[k] - mx) * scale);
-    sum = block_sum(sum, sh);
-    const float inv = 1.f / sum;
+    const int lane = threadIdx.x & 31, wi = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float mo = __shfl_xor_sync(0xffffffffu, m, o);
+        const float lo = __shfl_xor_sync(0xffffffffu, l, o);
+        const float mn = fmaxf(m, mo);
+        l = (m == -INFINITY ? 0.f : l * __expf(m - mn)) + (mo == -INFINITY ? 0.f : lo * __expf(mo - mn));
+        m = mn;
+    }
+    if (lane == 0) {
+        sh_m[wi] = m;
+        sh_l[wi] = l;
+    }
+    __syncthreads();
+    float M = -INFINITY;
+    for (int i = 0; i < nw; i++) M = fmaxf(M, sh_m[i]);
+    float L = 0.f;
+    for (int i = 0; i < nw; i++)
+        if (sh_m[i] != -INFINITY) L += sh_l[i] * __expf(sh_m[i] - M);
+    const float inv = 1.f / L;
     for (int k = threadIdx.x; k < tk; k += blockDim.x)
-        y[k] = k < lim ? f2bf(__expf((x[k] - mx) * scale) * inv) : (bf16_t)0;
+        y[k] = k < lim ? f2bf(__expf(x[k] * scale - M) * inv) : (bf16_t)0;
 }

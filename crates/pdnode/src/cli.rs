@@ -30,6 +30,9 @@ pub enum Command {
     BenchTransfer(cmd::bench_transfer::Args),
     /// List the nodes registered in a cluster.
     Nodes(cmd::nodes::Args),
+    /// CUDA backend step times at Llama-3.1-8B shapes vs measured ceilings (GPU hosts).
+    #[command(hide = true)]
+    BenchEngine(cmd::bench_engine::Args),
 }
 
 /// Runs one subcommand. Commands with a config file initialise logging from it; the others use
@@ -43,5 +46,6 @@ pub async fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::Bench(a) => cmd::bench::run(*a).await,
         Command::BenchTransfer(a) => cmd::bench_transfer::run(a).await,
         Command::Nodes(a) => cmd::nodes::run(a).await,
+        Command::BenchEngine(a) => cmd::bench_engine::run(a).await,
     }
 }

@@ -2,7 +2,7 @@
 
 use super::CudaError;
 use super::blas::OutType;
-use super::device::{DevBuf, Gpu};
+use super::device::{DevBuf, Gpu, Pinned};
 use super::ops::{self, AttnDims, AttnMeta, AttnVariant, AttnWorkspace};
 use super::prefill::{LongSeq, PrefillScratch};
 use super::weights::DevWeights;
@@ -156,6 +156,8 @@ pub struct CudaBackend {
     opts: CudaOptions,
     dims: AttnDims,
     prefill: PrefillScratch,
+    /// Page-locked landing buffer of the logits (`max_seqs x vocab`).
+    logits_host: Pinned,
     gpu: Gpu,
 }
 
@@ -274,6 +276,7 @@ impl CudaBackend {
             opts: opts.clone(),
             dims,
             prefill: PrefillScratch::default(),
+            logits_host: gpu.alloc_pinned(opts.max_seqs * spec.vocab_size)?,
             gpu,
         })
     }
@@ -642,8 +645,10 @@ impl Backend for CudaBackend {
     fn forward(&mut self, batch: &ForwardBatch<'_>) -> Result<Logits, BackendError> {
         let rows = self.forward_device(batch)?;
         let vocab = self.spec.vocab_size;
-        let mut data = vec![0f32; rows * vocab];
-        self.gpu.download(&mut data, &self.ws.logits, 0)?;
+        let data = self
+            .gpu
+            .download_pinned(&mut self.logits_host, &self.ws.logits, rows * vocab)?
+            .to_vec();
         Ok(Logits { vocab, data })
     }
 

@@ -126,6 +126,42 @@ impl std::fmt::Debug for DevBuf {
     }
 }
 
+/// Page-locked host memory (`cuMemHostAlloc`), for fast device-to-host copies; freed on drop.
+pub struct Pinned {
+    ctx: Arc<CudaContext>,
+    ptr: *mut f32,
+    len: usize,
+}
+
+// SAFETY: the allocation is owned uniquely by this value; access goes through &/&mut self.
+unsafe impl Send for Pinned {}
+
+impl Pinned {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn as_slice(&self) -> &[f32] {
+        // SAFETY: `ptr` points to `len` f32 of page-locked memory owned by self.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+    fn as_mut_slice(&mut self) -> &mut [f32] {
+        // SAFETY: as above, uniquely borrowed.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated by cuMemHostAlloc in `Gpu::alloc_pinned`, freed once.
+            let _ = unsafe { result::free_host(self.ptr as *mut std::ffi::c_void) };
+        }
+    }
+}
+
 /// One GPU with its stream, cuBLAS handle and kernels.
 pub struct Gpu {
     pub ordinal: u32,
@@ -221,6 +257,36 @@ impl Gpu {
             ptr,
             bytes,
         })
+    }
+
+    /// Page-locked host buffer of `len` f32 (at least one).
+    pub fn alloc_pinned(&self, len: usize) -> Result<Pinned, CudaError> {
+        self.bind()?;
+        let len = len.max(1);
+        // SAFETY: the context is current; flags 0 = plain page-locked memory.
+        let p = unsafe { result::malloc_host(len * 4, 0) }.map_err(drv("cuMemHostAlloc"))?;
+        Ok(Pinned {
+            ctx: self.ctx.clone(),
+            ptr: p as *mut f32,
+            len,
+        })
+    }
+
+    /// Copies `n` f32 from `src` into `dst` (page-locked) and waits; returns them.
+    pub fn download_pinned<'a>(
+        &self,
+        dst: &'a mut Pinned,
+        src: &DevBuf,
+        n: usize,
+    ) -> Result<&'a [f32], CudaError> {
+        if n > dst.len() || n * 4 > src.bytes {
+            return Err(CudaError::Shape {
+                op: "download_pinned",
+                reason: format!("{n} f32 into {} / from {} bytes", dst.len(), src.bytes),
+            });
+        }
+        self.download(&mut dst.as_mut_slice()[..n], src, 0)?;
+        Ok(&dst.as_slice()[..n])
     }
 
     /// Fills `buf` with the byte `v` (0xFF poisons bf16 and f32 buffers with NaN).

@@ -1,0 +1,85 @@
+//! `pdnode bench-engine` (hidden): the CUDA backend's step times at Llama-3.1-8B shapes with
+//! dummy weights, against ceilings measured in the same run (HBM copy traffic, bf16 GEMM peak).
+//! Owned by the CUDA backend work; the same code runs in `tests/cuda_bench.rs`.
+
+use anyhow::Context;
+use pdnode_engine::backend::cuda::{bench, probe};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Decode points as BATCHxCONTEXT, comma-separated.
+    #[arg(
+        long,
+        default_value = "1x512,1x2048,1x8192,8x512,8x2048,8x8192,32x512,32x2048,32x8192,64x512,64x2048,64x8192"
+    )]
+    pub decode: String,
+    /// Prefill prompt lengths, comma-separated (empty: none).
+    #[arg(long, default_value = "2048,8192")]
+    pub prefill: String,
+    /// Timed steps per point.
+    #[arg(long, default_value_t = 20)]
+    pub iters: usize,
+}
+
+fn parse_list<T: std::str::FromStr>(s: &str, what: &str) -> anyhow::Result<Vec<T>> {
+    s.split(',')
+        .filter(|x| !x.trim().is_empty())
+        .map(|x| {
+            x.trim()
+                .parse()
+                .map_err(|_| anyhow::anyhow!("bad {what} value {x:?}"))
+        })
+        .collect()
+}
+
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    crate::logging::init_default()?;
+    let p = probe().context("bench-engine needs a CUDA device")?;
+    let decode: Vec<(usize, usize)> = args
+        .decode
+        .split(',')
+        .filter(|x| !x.trim().is_empty())
+        .map(|x| {
+            let (b, c) = x
+                .split_once('x')
+                .ok_or_else(|| anyhow::anyhow!("decode point {x:?} is not BATCHxCONTEXT"))?;
+            Ok((b.trim().parse()?, c.trim().parse()?))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let prefill: Vec<usize> = parse_list(&args.prefill, "prefill")?;
+    let iters = args.iters.max(1);
+    let (ceil, rows) = tokio::task::spawn_blocking(move || {
+        bench::run(&decode, &prefill, iters, |r| {
+            eprintln!(
+                "{} batch={} ctx={}: {:.3} ms (ceiling {:.3} ms, {:.2})",
+                r.what,
+                r.batch,
+                r.ctx,
+                r.ms,
+                r.floor_ms,
+                r.ratio()
+            )
+        })
+    })
+    .await??;
+    println!("device: {:?}", p.devices.first());
+    println!(
+        "ceilings: HBM copy traffic {:.0} GB/s (read+write), bf16 GEMM 8192^3 {:.0} TFLOP/s",
+        ceil.hbm_traffic_bps / 1e9,
+        ceil.gemm_flops / 1e12
+    );
+    println!("| what | batch | ctx | ms/step | ceiling ms | ratio |");
+    println!("|---|---|---|---|---|---|");
+    for r in rows {
+        println!(
+            "| {} | {} | {} | {:.3} | {:.3} | {:.2} |",
+            r.what,
+            r.batch,
+            r.ctx,
+            r.ms,
+            r.floor_ms,
+            r.ratio()
+        );
+    }
+    Ok(())
+}

@@ -77,6 +77,7 @@ impl NodeClient for GrpcNodeClient {
                 prompt_len: req.prompt_token_ids.len() as u32,
                 max_tokens: req.max_tokens,
                 prompt_token_ids: req.prompt_token_ids,
+                prefill_node_id: req.prefill_node.to_string(),
                 ..Default::default()
             };
             let r = c.reserve_kv(wire).await.map_err(status_err)?.into_inner();
@@ -195,9 +196,13 @@ impl NodeClient for GrpcNodeClient {
     }
 }
 
-/// A [`Membership`] over node cards: `cards(role)` gives the current cards (e.g. from the
-/// registry's membership view); each card gets a gRPC client, reused while the card's id, start
-/// time and address stay the same.
+/// A [`Membership`] over node cards: `cards(role)` gives the current cards; each card gets a gRPC
+/// client, reused while the card's id, start time and address stay the same. With the registry:
+///
+/// ```ignore
+/// let live = Arc::new(pdnode_registry::LiveMembership::start(&registry, cluster).await?);
+/// let membership = CardMembership::new(move |role| live.serving(role));
+/// ```
 pub struct CardMembership<F> {
     cards: F,
     clients: Mutex<HashMap<(NodeId, u64, String), Arc<GrpcNodeClient>>>,

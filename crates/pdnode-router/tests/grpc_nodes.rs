@@ -31,6 +31,8 @@ use tonic::{Request, Response, Status};
 struct Adapter {
     fake: Arc<FakeNode>,
     targets_seen: parking_lot::Mutex<Vec<v1::KvTarget>>,
+    /// `prefill_node_id` of each ReserveKv.
+    paired_with: parking_lot::Mutex<Vec<String>>,
 }
 
 type DecodeOut = Pin<Box<dyn futures::Stream<Item = Result<v1::DecodeResponse, Status>> + Send>>;
@@ -42,11 +44,12 @@ impl Node for Adapter {
         r: Request<v1::ReserveKvRequest>,
     ) -> Result<Response<v1::ReserveKvResponse>, Status> {
         let r = r.into_inner();
+        self.paired_with.lock().push(r.prefill_node_id.clone());
         let t = self
             .fake
             .reserve_kv(ReserveKv {
                 request_id: RequestId(r.request_id),
-                prefill_node: NodeId::new("unknown"),
+                prefill_node: NodeId::new(r.prefill_node_id.clone()),
                 prompt_token_ids: r.prompt_token_ids,
                 max_tokens: r.max_tokens,
             })
@@ -180,6 +183,7 @@ async fn serve_node(fake: Arc<FakeNode>, stop: CancellationToken) -> (String, Ar
     let adapter = Arc::new(Adapter {
         fake,
         targets_seen: parking_lot::Mutex::new(Vec::new()),
+        paired_with: parking_lot::Mutex::new(Vec::new()),
     });
     let svc = NodeServer::from_arc(adapter.clone());
     tokio::spawn(async move {
@@ -201,7 +205,7 @@ async fn router_drives_nodes_over_grpc() {
     let p = FakeNode::new("p0");
     let d = FakeNode::new("d0");
     let (p_addr, p_adapter) = serve_node(p.clone(), stop.clone()).await;
-    let (d_addr, _d_adapter) = serve_node(d.clone(), stop.clone()).await;
+    let (d_addr, d_adapter) = serve_node(d.clone(), stop.clone()).await;
     let card = |id: &str, role: Role, addr: &str| {
         let mut c = fake_card(id, role);
         c.addresses = NodeAddresses {
@@ -254,6 +258,7 @@ async fn router_drives_nodes_over_grpc() {
     assert_eq!(seen.len(), 1);
     assert_eq!(seen[0].block_ids, vec![7, 8, 9]);
     assert_eq!(seen[0].decode_node_id, "d0");
+    assert_eq!(*d_adapter.paired_with.lock(), vec!["p0".to_string()]);
     assert_eq!(seen[0].secret, seen[0].request_id.to_le_bytes().to_vec());
 
     // /v1/models names the simulated engine.

@@ -119,7 +119,7 @@ fn out_of_range_ids_and_missing_tokenizers_are_typed_errors() {
         Err(TextError::NoTokenizer)
     ));
     let mut g = toy_gguf();
-    g.model = "llama".into();
+    g.model = "t5".into();
     assert!(matches!(
         Tokenizer::from_source(&TokenizerSource::Gguf(Box::new(g))),
         Err(TextError::Unsupported { .. })
@@ -212,4 +212,83 @@ fn every_supported_pre_tokenizer_splits_like_transformers() {
     }
     // The fixture tells the pre-tokenizers apart (they do not all give the same ids).
     assert!(distinct.len() > strings.len());
+}
+
+#[test]
+fn sentencepiece_gguf_vocabularies_tokenize_like_transformers() {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/text/sentencepiece.json"
+    );
+    let fx: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let ids = |v: &Value| -> Vec<u32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let g = pdnode_engine::loader::GgufTokenizer {
+        model: "llama".into(),
+        tokens: fx["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_str().unwrap().to_string())
+            .collect(),
+        token_types: fx["token_types"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_i64().unwrap() as i32)
+            .collect(),
+        scores: fx["scores"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_f64().unwrap() as f32)
+            .collect(),
+        bos_token_id: Some(1),
+        eos_token_id: Some(2),
+        unk_token_id: Some(0),
+        ..Default::default()
+    };
+    let tok = Tokenizer::from_gguf(&g).unwrap();
+    for case in fx["cases"].as_array().unwrap() {
+        let text = case["text"].as_str().unwrap();
+        let want = ids(&case["ids"]);
+        assert_eq!(tok.encode(text, false).unwrap(), want, "encode {text:?}");
+        assert_eq!(
+            tok.decode(&want, false).unwrap(),
+            case["decoded"].as_str().unwrap(),
+            "decode {text:?}"
+        );
+        assert_eq!(
+            tok.decode(&want, true).unwrap(),
+            case["decoded_skip_special"].as_str().unwrap(),
+            "decode skipping specials {text:?}"
+        );
+        // llama.cpp adds BOS to SentencePiece prompts unless the file says not to.
+        let mut with_bos = vec![1];
+        with_bos.extend(&want);
+        assert_eq!(tok.encode(text, true).unwrap(), with_bos, "BOS {text:?}");
+    }
+    let mut no_bos = g.clone();
+    no_bos.add_bos_token = Some(false);
+    let tok = Tokenizer::from_gguf(&no_bos).unwrap();
+    assert_eq!(
+        tok.encode("the", true).unwrap(),
+        tok.encode("the", false).unwrap()
+    );
+    // Streaming through byte-fallback tokens yields whole characters.
+    let stream = tok.encode("中文 é 😀 ab", false).unwrap();
+    let mut dec = pdnode_engine::text::IncrementalDecoder::new(true);
+    let mut out = String::new();
+    for &id in &stream {
+        let d = dec.step(&tok, id).unwrap();
+        assert!(!d.contains('\u{FFFD}'), "{d:?}");
+        out.push_str(&d);
+    }
+    out.push_str(&dec.flush(&tok).unwrap());
+    assert_eq!(out, tok.decode(&stream, true).unwrap());
 }

@@ -6,14 +6,17 @@
 //! parse it, so the resulting tokenizer is the same kind of object an HF directory gives.
 //!
 //! Supported: `tokenizer.ggml.model = "gpt2"` (byte-level BPE) with the pre-tokenizers in
-//! [`pre_tokenizer_for`]. SentencePiece (`"llama"`) vocabularies are refused with a clear error:
-//! they need merges recovered from scores and byte-fallback handling this build does not verify.
+//! [`pre_tokenizer_for`], and `"llama"` (SentencePiece BPE, as HF's `LlamaTokenizer`: Metaspace
+//! with a prefix space on the first word, byte fallback, merges recovered from the scores when the
+//! file has none, BOS added unless `add_bos_token` is false). Other kinds (`t5`, `bert`, ...) are
+//! refused with an error naming the supported ones.
 
 use super::TextError;
 use crate::loader::GgufTokenizer;
 use serde_json::{Value, json};
 
 /// GGUF token types (llama.cpp `llama_token_type`).
+const TOKEN_TYPE_UNKNOWN: i32 = 2;
 const TOKEN_TYPE_CONTROL: i32 = 3;
 const TOKEN_TYPE_USER_DEFINED: i32 = 4;
 
@@ -95,25 +98,20 @@ fn check_id(what: &str, id: Option<u32>, n: usize) -> Result<(), TextError> {
     }
 }
 
-/// The `tokenizer.json` document equivalent to a GGUF byte-level BPE tokenizer.
+/// The `tokenizer.json` document equivalent to a GGUF tokenizer.
 pub(crate) fn tokenizer_json(g: &GgufTokenizer) -> Result<Value, TextError> {
-    match g.model.as_str() {
-        "gpt2" => {}
-        "llama" => {
-            return Err(TextError::Unsupported {
-                model: "llama".into(),
-                reason: "SentencePiece vocabularies from GGUF metadata are not supported yet; \
-                         use the model's HF directory (tokenizer.json) instead"
-                    .into(),
-            });
-        }
+    let spm = match g.model.as_str() {
+        "gpt2" => false,
+        "llama" => true,
         other => {
             return Err(TextError::Unsupported {
                 model: other.into(),
-                reason: "only `gpt2` (byte-level BPE) GGUF tokenizers are supported".into(),
+                reason: "supported GGUF tokenizers: `gpt2` (byte-level BPE), `llama` \
+                         (SentencePiece BPE)"
+                    .into(),
             });
         }
-    }
+    };
     let n = g.tokens.len();
     if n == 0 {
         return Err(TextError::Load {
@@ -135,27 +133,35 @@ pub(crate) fn tokenizer_json(g: &GgufTokenizer) -> Result<Value, TextError> {
     check_id("unknown_token_id", g.unk_token_id, n)?;
     check_id("padding_token_id", g.pad_token_id, n)?;
 
+    // A duplicated spelling maps to its last id, as `{token: id for id, token in ...}` does in
+    // transformers (control/user-defined duplicates stay reachable as added tokens).
     let mut vocab = serde_json::Map::with_capacity(n);
     for (id, tok) in g.tokens.iter().enumerate() {
-        // A duplicated spelling keeps its first id (the later one stays reachable as an added
-        // token if it is a control/user-defined token).
-        vocab.entry(tok.clone()).or_insert(Value::from(id as u64));
+        vocab.insert(tok.clone(), Value::from(id as u64));
     }
-    let mut merges = Vec::with_capacity(g.merges.len());
-    for (i, m) in g.merges.iter().enumerate() {
-        let Some((a, b)) = m.split_once(' ') else {
-            return Err(TextError::Load {
-                path: None,
-                reason: format!("GGUF merge {i} ({m:?}) is not two tokens separated by a space"),
-            });
-        };
-        merges.push(json!([a, b]));
-    }
+    let merges = if spm && g.merges.is_empty() {
+        spm_merges(g)?
+    } else {
+        let mut merges = Vec::with_capacity(g.merges.len());
+        for (i, m) in g.merges.iter().enumerate() {
+            let Some((a, b)) = m.split_once(' ') else {
+                return Err(TextError::Load {
+                    path: None,
+                    reason: format!(
+                        "GGUF merge {i} ({m:?}) is not two tokens separated by a space"
+                    ),
+                });
+            };
+            merges.push(json!([a, b]));
+        }
+        merges
+    };
     let mut added = Vec::new();
     for (id, ty) in g.token_types.iter().enumerate() {
         let special = match *ty {
             TOKEN_TYPE_CONTROL => true,
             TOKEN_TYPE_USER_DEFINED => false,
+            TOKEN_TYPE_UNKNOWN if spm => true,
             _ => continue,
         };
         added.push(json!({
@@ -163,8 +169,29 @@ pub(crate) fn tokenizer_json(g: &GgufTokenizer) -> Result<Value, TextError> {
             "rstrip": false, "normalized": false, "special": special,
         }));
     }
+    let post_processor = post_processor(g, spm)?;
+    if spm {
+        let unk = g.unk_token_id.map(|id| g.tokens[id as usize].clone());
+        return Ok(json!({
+            "version": "1.0", "truncation": null, "padding": null,
+            "added_tokens": added,
+            "normalizer": null,
+            "pre_tokenizer": {"type": "Metaspace", "replacement": "\u{2581}", "prepend_scheme": "first", "split": false},
+            "post_processor": post_processor,
+            "decoder": {"type": "Sequence", "decoders": [
+                {"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "},
+                {"type": "ByteFallback"},
+                {"type": "Fuse"},
+                {"type": "Strip", "content": " ", "start": 1, "stop": 0},
+            ]},
+            "model": {
+                "type": "BPE", "dropout": null, "unk_token": unk, "continuing_subword_prefix": null,
+                "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true,
+                "ignore_merges": false, "vocab": vocab, "merges": merges,
+            },
+        }));
+    }
     let (pre_tokenizer, ignore_merges) = pre_tokenizer_for(g.pre.as_deref())?;
-    let post_processor = post_processor(g)?;
     Ok(json!({
         "version": "1.0",
         "truncation": null,
@@ -182,9 +209,52 @@ pub(crate) fn tokenizer_json(g: &GgufTokenizer) -> Result<Value, TextError> {
     }))
 }
 
+/// BPE merges implied by a SentencePiece vocabulary and its scores (GGUF files of SentencePiece
+/// models carry no merges): every split of a token into two vocabulary pieces is a merge ranked by
+/// the token's score, highest first (then longer left, longer right piece), as transformers'
+/// `generate_merges` ranks them.
+fn spm_merges(g: &GgufTokenizer) -> Result<Vec<Value>, TextError> {
+    if g.scores.len() != g.tokens.len() {
+        return Err(TextError::Load {
+            path: None,
+            reason: format!(
+                "GGUF SentencePiece vocabulary has {} scores for {} tokens and no merges",
+                g.scores.len(),
+                g.tokens.len()
+            ),
+        });
+    }
+    let mut id: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+    let mut score: std::collections::HashMap<&str, f32> = std::collections::HashMap::new();
+    let mut order: Vec<&str> = Vec::new();
+    for (i, (t, &sc)) in g.tokens.iter().zip(&g.scores).enumerate() {
+        id.insert(t, i);
+        if score.insert(t, sc).is_none() {
+            order.push(t);
+        }
+    }
+    // (left, right, score, chars of left, chars of right)
+    let mut merges: Vec<(&str, &str, f32, usize, usize)> = Vec::new();
+    for &tok in &order {
+        let sc = score[tok];
+        let mut local = Vec::new();
+        for (cut, _) in tok.char_indices().skip(1) {
+            let (l, r) = tok.split_at(cut);
+            if id.contains_key(l) && id.contains_key(r) {
+                local.push((l, r, sc, l.chars().count(), r.chars().count()));
+            }
+        }
+        local.sort_by_key(|m| (id[m.0], id[m.1]));
+        merges.extend(local);
+    }
+    // Stable: equal keys keep their order.
+    merges.sort_by(|a, b| b.2.total_cmp(&a.2).then(b.3.cmp(&a.3)).then(b.4.cmp(&a.4)));
+    Ok(merges.into_iter().map(|(l, r, ..)| json!([l, r])).collect())
+}
+
 /// BOS/EOS insertion as the GGUF flags say (`encode(text, add_special = true)` applies it).
-/// A byte-level vocabulary adds nothing unless the file asks for it.
-fn post_processor(g: &GgufTokenizer) -> Result<Value, TextError> {
+/// A byte-level vocabulary adds nothing unless the file asks for it; a SentencePiece one adds BOS.
+fn post_processor(g: &GgufTokenizer, spm: bool) -> Result<Value, TextError> {
     let mut single = Vec::new();
     let mut specials = serde_json::Map::new();
     let mut add = |id: Option<u32>, flag: &str| -> Result<Option<Value>, TextError> {
@@ -201,7 +271,8 @@ fn post_processor(g: &GgufTokenizer) -> Result<Value, TextError> {
         );
         Ok(Some(json!({"SpecialToken": {"id": tok, "type_id": 0}})))
     };
-    let bos = if g.add_bos_token == Some(true) {
+    // llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise.
+    let bos = if g.add_bos_token.unwrap_or(spm) {
         add(g.bos_token_id, "bos")?
     } else {
         None
@@ -242,13 +313,18 @@ mod tests {
     }
 
     #[test]
-    fn sentencepiece_and_unknown_pre_tokenizers_are_clear_errors() {
+    fn unknown_models_and_pre_tokenizers_are_clear_errors() {
         let mut g = tiny(None);
-        g.model = "llama".into();
+        g.model = "t5".into();
         assert!(matches!(
             tokenizer_json(&g),
-            Err(TextError::Unsupported { model, .. }) if model == "llama"
+            Err(TextError::Unsupported { model, .. }) if model == "t5"
         ));
+        // SentencePiece without merges needs scores.
+        let mut g = tiny(None);
+        g.model = "llama".into();
+        g.merges.clear();
+        assert!(matches!(tokenizer_json(&g), Err(TextError::Load { .. })));
         assert!(matches!(
             tokenizer_json(&tiny(Some("klingon"))),
             Err(TextError::Unsupported { .. })

@@ -76,7 +76,7 @@ echo "== 2. device memory (needs the CUDA pool; reports clearly while unsupporte
 bench cuda0-to-cuda1 120 --tls cuda_ipc,cuda_copy,tcp --mem cuda:0 $LLAMA
 echo "== 3. ceilings: ucx_perftest put_bw (one layer = 16 MiB, the request = 512 MiB)"
 perftest pt-host-sm-16MiB sm host 16777216 "" ""
-perftest pt-host-sm-512MiB sm host 536870912 "" ""
+[ "${1:-}" = quick ] || perftest pt-host-sm-512MiB sm host 536870912 "" ""
 perftest pt-cuda_ipc-gpu0-gpu1-64KiB cuda_ipc,cuda_copy,tcp cuda 65536 CUDA_VISIBLE_DEVICES=1 CUDA_VISIBLE_DEVICES=0
 perftest pt-cuda_ipc-gpu0-gpu1-16MiB cuda_ipc,cuda_copy,tcp cuda 16777216 CUDA_VISIBLE_DEVICES=1 CUDA_VISIBLE_DEVICES=0
 perftest pt-cuda_ipc-gpu0-gpu1-512MiB cuda_ipc,cuda_copy,tcp cuda 536870912 CUDA_VISIBLE_DEVICES=1 CUDA_VISIBLE_DEVICES=0

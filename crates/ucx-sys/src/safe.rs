@@ -561,6 +561,9 @@ impl Drop for MemHandle {
     }
 }
 
+/// Zero bytes appended to a packed rkey before UCX parses it.
+const RKEY_PAD: usize = 256;
+
 /// A peer's region key, unpacked on an endpoint.
 pub struct RemoteKey {
     ep: Rc<Endpoint>,
@@ -575,10 +578,15 @@ impl RemoteKey {
             });
         }
         let ucp = ep.worker.ucp();
+        // UCX parses the buffer without a length: pad it so a truncated key cannot make it read
+        // past our allocation.
+        let mut buf = Vec::with_capacity(packed.len() + RKEY_PAD);
+        buf.extend_from_slice(packed);
+        buf.resize(packed.len() + RKEY_PAD, 0);
         let mut h: ucp_rkey_h = std::ptr::null_mut();
-        // SAFETY: valid endpoint; the buffer is readable for the call (UCX parses and copies it).
-        let st =
-            unsafe { (ucp.ucp_ep_rkey_unpack)(ep.h, packed.as_ptr() as *const c_void, &mut h) };
+        // SAFETY: valid endpoint; the padded buffer is readable for the call (UCX parses and
+        // copies what it needs).
+        let st = unsafe { (ucp.ucp_ep_rkey_unpack)(ep.h, buf.as_ptr() as *const c_void, &mut h) };
         ucp.check("ucp_ep_rkey_unpack", st)?;
         Ok(RemoteKey { ep: ep.clone(), h })
     }

@@ -19,6 +19,9 @@ use thread::Cmd;
 
 pub(crate) const NAME: &str = "ucx";
 
+/// Largest accepted worker address or packed rkey (real ones are a few hundred bytes).
+const MAX_DESCRIPTOR_BYTES: usize = 64 << 10;
+
 /// How long dropping a registration waits for the worker thread to unmap it.
 const DEREGISTER_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -229,6 +232,17 @@ impl KvTransport for UcxTransport {
         if peer_address.is_empty() || region.rkey.is_empty() || region.len == 0 {
             return Err(TransferError::InvalidDescriptor {
                 reason: "empty worker address, rkey or region".into(),
+            });
+        }
+        // UCX parses both without a length: bound them (they come from an authenticated
+        // control channel; see docs/protocol.md).
+        if peer_address.len() > MAX_DESCRIPTOR_BYTES || region.rkey.len() > MAX_DESCRIPTOR_BYTES {
+            return Err(TransferError::InvalidDescriptor {
+                reason: format!(
+                    "worker address of {} bytes or rkey of {} bytes exceeds {MAX_DESCRIPTOR_BYTES}",
+                    peer_address.len(),
+                    region.rkey.len()
+                ),
             });
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);

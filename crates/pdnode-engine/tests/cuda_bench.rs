@@ -4,6 +4,7 @@
 #![cfg(feature = "cuda")]
 
 use pdnode_engine::backend::cuda::bench;
+use pdnode_engine::backend::cuda::ops::{AttnVariant, LinearImpl};
 
 fn env_list(name: &str, default: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| default.to_string())
@@ -27,7 +28,28 @@ fn bench_llama31_8b_shapes() {
         .filter_map(|s| s.trim().parse().ok())
         .collect();
     let iters: usize = env_list("PDNODE_BENCH_ITERS", "20").parse().unwrap_or(20);
-    let (ceil, rows) = bench::run(&decode, &prefill, iters, |r| {
+    // e.g. "auto/auto,v2narrow/auto,v1/auto,auto/cublas" (attention/linear)
+    let variants: Vec<(AttnVariant, LinearImpl)> = env_list("PDNODE_BENCH_VARIANTS", "auto/auto")
+        .split(',')
+        .filter_map(|v| {
+            let (a, l) = v.trim().split_once('/')?;
+            let a = match a {
+                "auto" => AttnVariant::Auto,
+                "v1" => AttnVariant::V1,
+                "v2" => AttnVariant::V2,
+                "v2narrow" => AttnVariant::V2Narrow,
+                _ => return None,
+            };
+            let l = match l {
+                "auto" => LinearImpl::Auto,
+                "cublas" => LinearImpl::Cublas,
+                "gemv" => LinearImpl::Gemv,
+                _ => return None,
+            };
+            Some((a, l))
+        })
+        .collect();
+    let (ceil, rows) = bench::run_variants(&decode, &prefill, iters, &variants, |r| {
         eprintln!(
             "BENCH {} batch={} ctx={} ms={:.3} floor_ms={:.3} ratio={:.3}",
             r.what,

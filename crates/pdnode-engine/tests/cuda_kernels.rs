@@ -418,6 +418,9 @@ fn paged_attention_prefill_chunks_and_split_decode() {
         if ops::v2_dims_per_lane(hd).is_some() {
             variants.push(AttnVariant::V2);
         }
+        if hd % 8 == 0 && 32 % (hd / 8) == 0 {
+            variants.push(AttnVariant::V2Narrow);
+        }
         let (ml, acc) = (poisoned(&g, 1 << 20), poisoned(&g, 64 << 20));
         let ws = AttnWorkspace {
             part_ml: &ml,

@@ -7,7 +7,7 @@ mod cuda_support;
 
 use cuda_support::*;
 use pdnode_core::BlockId;
-use pdnode_engine::backend::cuda::ops::LinearImpl;
+use pdnode_engine::backend::cuda::ops::{AttnVariant, LinearImpl};
 use pdnode_engine::backend::cuda::{CudaBackend, CudaOptions};
 use pdnode_engine::backend::{Backend, BackendError, ForwardBatch, KvMemory, MemKind, SeqStep};
 use rand::Rng;
@@ -29,6 +29,7 @@ fn opts_gemm(block_size: u32, gemm_min: usize) -> CudaOptions {
         max_seqs: 8,
         prefill_gemm_min_tokens: gemm_min,
         linear: LinearImpl::Auto,
+        attention: AttnVariant::Auto,
     }
 }
 

@@ -9,7 +9,7 @@ mod cuda_support;
 use cuda_support::rel_err;
 use pdnode_core::BlockId;
 use pdnode_engine::backend::cpu::{CpuBackend, CpuBackendConfig};
-use pdnode_engine::backend::cuda::ops::LinearImpl;
+use pdnode_engine::backend::cuda::ops::{AttnVariant, LinearImpl};
 use pdnode_engine::backend::cuda::{CudaBackend, CudaOptions};
 use pdnode_engine::backend::{Backend, ForwardBatch, SeqStep};
 use pdnode_engine::loader::load_path;
@@ -151,6 +151,7 @@ fn every_fixture_matches_transformers_and_the_cpu_backend() {
                 max_seqs: 4,
                 prefill_gemm_min_tokens: gemm_min,
                 linear: LinearImpl::Auto,
+                attention: AttnVariant::Auto,
             };
             let mut cuda = CudaBackend::from_loaded(&model, &opts).unwrap();
             let got = rows(&mut cuda, &r, 5);

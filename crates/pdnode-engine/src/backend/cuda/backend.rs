@@ -34,8 +34,10 @@ pub struct CudaOptions {
     /// Sequences with at least this many new tokens in a step take the cuBLAS prefill
     /// attention path; the others the paged-attention kernel.
     pub prefill_gemm_min_tokens: usize,
-    /// Projection implementation (Auto: gemv kernel for <= 8 tokens, cuBLAS above).
+    /// Projection implementation (Auto: gemv kernel for one token, cuBLAS above).
     pub linear: ops::LinearImpl,
+    /// Paged-attention kernel for decode and short chunks.
+    pub attention: AttnVariant,
 }
 
 impl CudaOptions {
@@ -50,6 +52,7 @@ impl CudaOptions {
             max_seqs: e.max_running_requests.max(1) as usize,
             prefill_gemm_min_tokens: 64,
             linear: ops::LinearImpl::Auto,
+            attention: AttnVariant::Auto,
         }
     }
 }
@@ -285,6 +288,12 @@ impl CudaBackend {
         &self.gpu
     }
 
+    /// Switches the kernels later steps use (benchmarks compare variants on one backend).
+    pub fn set_kernels(&mut self, attention: AttnVariant, linear: ops::LinearImpl) {
+        self.opts.attention = attention;
+        self.opts.linear = linear;
+    }
+
     /// Fills the whole KV pool with seeded random bf16 values (benchmarks: never time on zeros).
     pub fn fill_kv_random(&mut self, seed: u64) -> Result<(), CudaError> {
         self.gpu.bind()?;
@@ -493,7 +502,7 @@ impl CudaBackend {
                     list,
                     &ws.attn,
                     &attn_ws,
-                    AttnVariant::Auto,
+                    self.opts.attention,
                 )?;
             }
             if !p.long.is_empty() {

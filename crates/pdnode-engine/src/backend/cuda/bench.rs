@@ -152,8 +152,31 @@ pub fn run(
     decode: &[(usize, usize)],
     prefill: &[usize],
     iters: usize,
+    report: impl FnMut(&BenchRow),
+) -> Result<(Ceilings, Vec<BenchRow>), CudaError> {
+    run_variants(
+        decode,
+        prefill,
+        iters,
+        &[(ops::AttnVariant::Auto, ops::LinearImpl::Auto)],
+        report,
+    )
+}
+
+/// [`run`] with the decode sweep repeated for each `(attention, linear)` kernel choice (the
+/// first one also runs the prefills).
+pub fn run_variants(
+    decode: &[(usize, usize)],
+    prefill: &[usize],
+    iters: usize,
+    variants: &[(ops::AttnVariant, ops::LinearImpl)],
     mut report: impl FnMut(&BenchRow),
 ) -> Result<(Ceilings, Vec<BenchRow>), CudaError> {
+    if variants.is_empty() {
+        return Err(CudaError::Unsupported {
+            reason: "no kernel variant to benchmark".into(),
+        });
+    }
     let spec = llama31_8b();
     let bs = 16usize;
     let max_decode_blocks = decode
@@ -173,6 +196,7 @@ pub fn run(
         max_seqs: decode.iter().map(|d| d.0).max().unwrap_or(1).max(1),
         prefill_gemm_min_tokens: 64,
         linear: ops::LinearImpl::Auto,
+        attention: ops::AttnVariant::Auto,
     };
     let mut be = CudaBackend::new_dummy(&spec, 1234, &opts, "bench".into())?;
     be.fill_kv_random(99)?;
@@ -180,49 +204,58 @@ pub fn run(
     let wbytes = be.weight_bytes() as f64;
     let kv_per_tok = (spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 2) as f64;
     let mut rows = Vec::new();
-    for &(batch, ctx) in decode {
-        let nbps = ctx.div_ceil(bs);
-        let tables: Vec<Vec<BlockId>> = (0..batch)
-            .map(|i| (0..nbps).map(|j| BlockId((i * nbps + j) as u32)).collect())
-            .collect();
-        let toks: Vec<[u32; 1]> = (0..batch).map(|i| [(i * 7919 % 128000) as u32]).collect();
-        let fb = ForwardBatch {
-            seqs: (0..batch)
-                .map(|i| SeqStep {
-                    tokens: &toks[i],
-                    start_pos: ctx - 1,
-                    block_table: &tables[i],
-                    want_logits: true,
-                })
-                .collect(),
+    for (vi, &(attn, lin)) in variants.iter().enumerate() {
+        be.set_kernels(attn, lin);
+        let tag = if vi == 0 && variants.len() == 1 {
+            String::new()
+        } else {
+            format!(" [{attn:?}/{lin:?}]")
         };
-        let gpu_t = timed_steps(&mut be, iters, &fb)?;
-        // with the logits copy to the host (what Backend::forward costs)
-        let t0 = Instant::now();
-        for _ in 0..iters.min(5) {
-            be.forward(&fb).map_err(err)?;
+        for &(batch, ctx) in decode {
+            let nbps = ctx.div_ceil(bs);
+            let tables: Vec<Vec<BlockId>> = (0..batch)
+                .map(|i| (0..nbps).map(|j| BlockId((i * nbps + j) as u32)).collect())
+                .collect();
+            let toks: Vec<[u32; 1]> = (0..batch).map(|i| [(i * 7919 % 128000) as u32]).collect();
+            let fb = ForwardBatch {
+                seqs: (0..batch)
+                    .map(|i| SeqStep {
+                        tokens: &toks[i],
+                        start_pos: ctx - 1,
+                        block_table: &tables[i],
+                        want_logits: true,
+                    })
+                    .collect(),
+            };
+            let gpu_t = timed_steps(&mut be, iters, &fb)?;
+            // with the logits copy to the host (what Backend::forward costs)
+            let t0 = Instant::now();
+            for _ in 0..iters.min(5) {
+                be.forward(&fb).map_err(err)?;
+            }
+            let host_t = t0.elapsed().as_secs_f64() / iters.min(5) as f64;
+            let bytes = wbytes + kv_per_tok * (batch * ctx) as f64;
+            let row = BenchRow {
+                what: format!("decode{tag}"),
+                batch,
+                ctx,
+                ms: gpu_t * 1e3,
+                floor_ms: bytes / ceil.hbm_traffic_bps * 1e3,
+            };
+            report(&row);
+            rows.push(row);
+            let row = BenchRow {
+                what: format!("decode+logits D2H{tag}"),
+                batch,
+                ctx,
+                ms: host_t * 1e3,
+                floor_ms: bytes / ceil.hbm_traffic_bps * 1e3,
+            };
+            report(&row);
+            rows.push(row);
         }
-        let host_t = t0.elapsed().as_secs_f64() / iters.min(5) as f64;
-        let bytes = wbytes + kv_per_tok * (batch * ctx) as f64;
-        let row = BenchRow {
-            what: "decode".into(),
-            batch,
-            ctx,
-            ms: gpu_t * 1e3,
-            floor_ms: bytes / ceil.hbm_traffic_bps * 1e3,
-        };
-        report(&row);
-        rows.push(row);
-        let row = BenchRow {
-            what: "decode+logits D2H".into(),
-            batch,
-            ctx,
-            ms: host_t * 1e3,
-            floor_ms: bytes / ceil.hbm_traffic_bps * 1e3,
-        };
-        report(&row);
-        rows.push(row);
     }
+    be.set_kernels(variants[0].0, variants[0].1);
     for &len in prefill {
         let tbl: Vec<BlockId> = (0..len.div_ceil(bs)).map(|j| BlockId(j as u32)).collect();
         let toks: Vec<u32> = (0..len).map(|i| (i * 31 % 128000) as u32).collect();

@@ -309,8 +309,11 @@ pub enum AttnVariant {
     Auto,
     /// attention.cu: a warp per key, any even head_dim <= 256, up to 8 heads per block.
     V1,
-    /// attention_v2.cu: lane groups per key, 16-byte loads, up to 4 heads per block.
+    /// attention_v2.cu: lane groups per key, 16-byte loads, up to 4 heads per block; 16 dims
+    /// per lane from head_dim 128 up (fewer shuffles, more registers).
     V2,
+    /// attention_v2.cu with 8 dims per lane at every head_dim (fewer registers, more shuffles).
+    V2Narrow,
 }
 
 /// Dims per lane of the v2 kernel for `hd`, if it can run it.
@@ -431,12 +434,18 @@ pub fn paged_attention_ex(
     if grid_tokens == 0 {
         return Ok(());
     }
-    let dpl = v2_dims_per_lane(hd);
+    let narrow = (hd.is_multiple_of(8) && 32 % (hd / 8).max(1) == 0 && hd >= 8).then_some(8);
+    let dpl = match variant {
+        AttnVariant::V2Narrow => narrow,
+        _ => v2_dims_per_lane(hd),
+    };
     let v2 = match variant {
         AttnVariant::Auto => dpl.is_some(),
         AttnVariant::V1 => false,
-        AttnVariant::V2 => {
-            shape(OP, dpl.is_some(), || format!("v2 cannot run head_dim {hd}"))?;
+        AttnVariant::V2 | AttnVariant::V2Narrow => {
+            shape(OP, dpl.is_some(), || {
+                format!("{variant:?} cannot run head_dim {hd}")
+            })?;
             true
         }
     };

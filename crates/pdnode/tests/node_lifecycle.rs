@@ -1,9 +1,8 @@
 //! `pdnode start` processes against a real etcd: registration, `pdnode nodes`, health, etcd
 //! restart, SIGTERM (gone at once), kill -9 (gone within the lease TTL), duplicate ids.
 //!
-//! Prefill/decode nodes here use `engine.backend = "mock"` with dummy weights; the engine is
-//! not wired into the node runtime yet, so these nodes register and serve health only (the
-//! node logs say so).
+//! Prefill/decode nodes here run the simulated engine (`engine.backend = "mock"`, dummy model
+//! preset): their cards carry the mock's KV layout and load.
 
 use pdnode_testkit::{ChildGuard, EtcdServer, skip_etcd_tests, wait_for};
 use std::io::{Read, Write};
@@ -147,6 +146,22 @@ fn three_nodes_register_survive_an_etcd_restart_and_leave_on_sigterm_and_kill() 
     ] {
         assert!(table.contains(want), "missing {want:?} in:\n{table}");
     }
+
+    // The engine's layout and load reach the card (the Registrar publishes load changes).
+    must(
+        wait_for(
+            "p0 publishes its KV capacity",
+            Duration::from_secs(10),
+            || {
+                nodes_json(&e).iter().any(|c| {
+                    c["id"] == "p0"
+                        && c["capacity"]["kv_blocks_total"].as_u64().unwrap_or(0) > 0
+                        && c["kv_layout"]["model_fingerprint"] == "mock-v32000"
+                })
+            },
+        ),
+        &[&p0],
+    );
 
     // Health over HTTP on the prefill node (its address is in its card).
     let cards = nodes_json(&e);

@@ -3,6 +3,7 @@
 //! admission when shutdown begins. A restart of this actor does not restart the engine: the
 //! engine lives in [`EngineService`], shared through the arguments.
 
+pub mod adapter;
 mod handle;
 mod messages;
 pub mod service;

@@ -35,13 +35,15 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         ),
         Role::Prefill | Role::Decode => {}
     }
-    if c.node.role != Role::Router {
+    let engine = pdnode_node::engine::adapter::engine_for(c).context("the engine did not start")?;
+    if engine.is_none() && c.node.role != Role::Router {
         tracing::warn!(
             backend = ?c.engine.backend,
             gpus = ?c.engine.gpus,
-            "the engine is not wired into the node runtime yet: this node registers its card \
-             (model {:?}, no KV layout, zero capacity) and serves health only; the node gRPC \
-             work methods answer UNIMPLEMENTED",
+            "engine.backend {:?} is not wired into the node runtime yet (only \"mock\" is): this \
+             node registers its card (model {:?}, no KV layout, zero capacity) and serves health \
+             only",
+            c.engine.backend,
             pdnode_node::served_model(c)
         );
     }
@@ -57,7 +59,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         c,
         NodeDeps {
             registry,
-            engine: None,
+            engine,
             options: NodeOptions::default(),
         },
     )

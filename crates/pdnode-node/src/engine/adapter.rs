@@ -1,0 +1,139 @@
+//! [`EngineService`] over the engine loop (`pdnode_engine::engine::EngineHandle`), and the
+//! engine a node's config asks for.
+//!
+//! Wired today: `engine.backend = "mock"` (the simulated engine: a real host KV pool and
+//! scheduler, timed steps; named "mock" in the card and logs). The cpu/cuda backends need the
+//! model loader hooked into the node; until then [`engine_for`] returns `None` for them and the
+//! node runs without an engine (it says so in its log).
+
+use super::service::{EngineDescription, EngineService};
+use crate::NodeError;
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use pdnode_core::card::NodeCapacity;
+use pdnode_core::config::{Backend, Config};
+use pdnode_core::{KvLayout, Role};
+use pdnode_engine::engine::{EngineHandle, EngineLoopConfig};
+use pdnode_engine::mock::MockBackend;
+use pdnode_engine::scheduler::Mode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+/// The engine loop as the node sees it.
+pub struct EngineHandleService {
+    handle: EngineHandle,
+    model_id: String,
+    max_running: u32,
+    admitting: AtomicBool,
+}
+
+impl EngineHandleService {
+    pub fn new(handle: EngineHandle, model_id: String, max_running: u32) -> Self {
+        Self {
+            handle,
+            model_id,
+            max_running,
+            admitting: AtomicBool::new(true),
+        }
+    }
+
+    pub fn handle(&self) -> &EngineHandle {
+        &self.handle
+    }
+
+    /// Whether new requests may be admitted (false once shutdown began).
+    pub fn is_admitting(&self) -> bool {
+        self.admitting.load(Ordering::SeqCst)
+    }
+
+    fn layout(&self) -> &KvLayout {
+        &self.handle.info().kv_layout
+    }
+}
+
+impl EngineService for EngineHandleService {
+    fn describe(&self) -> EngineDescription {
+        let info = self.handle.info();
+        EngineDescription {
+            backend: info.backend_name.clone(),
+            model_id: self.model_id.clone(),
+            model_fingerprint: self.layout().model_fingerprint.clone(),
+            kv_layout: Some(self.layout().clone()),
+            tp_size: self.layout().tp_size,
+        }
+    }
+
+    fn load(&self) -> BoxFuture<'_, Result<NodeCapacity, String>> {
+        async move {
+            let s = self.handle.stats().await.map_err(|e| e.to_string())?;
+            let sch = s.scheduler;
+            Ok(NodeCapacity {
+                kv_blocks_total: sch.kv.total as u64,
+                kv_blocks_free: sch.kv.free as u64,
+                max_running_requests: self.max_running,
+                running_requests: sch.running as u32,
+                queued_requests: (sch.waiting + sch.transferred) as u32,
+            })
+        }
+        .boxed()
+    }
+
+    fn stop_admitting(&self) {
+        self.admitting.store(false, Ordering::SeqCst);
+    }
+
+    fn in_flight(&self) -> BoxFuture<'_, Result<usize, String>> {
+        async move {
+            let s = self.handle.stats().await.map_err(|e| e.to_string())?;
+            Ok(s.scheduler.running + s.scheduler.waiting + s.scheduler.transferred)
+        }
+        .boxed()
+    }
+
+    fn shutdown(&self, timeout: Duration) -> BoxFuture<'_, bool> {
+        async move { self.handle.shutdown(timeout).await }.boxed()
+    }
+}
+
+/// The scheduler mode of a role.
+pub fn mode_for(role: Role) -> Option<Mode> {
+    match role {
+        Role::Prefill => Some(Mode::PrefillOnly),
+        Role::Decode => Some(Mode::DecodeOnly),
+        Role::All => Some(Mode::Colocated),
+        Role::Router => None,
+    }
+}
+
+/// Starts the engine the config asks for, if the node runtime can run it (see the module
+/// docs); `Ok(None)` for routers and for backends not wired yet.
+pub fn engine_for(cfg: &Config) -> Result<Option<Arc<dyn EngineService>>, NodeError> {
+    let Some(mode) = mode_for(cfg.node.role) else {
+        return Ok(None);
+    };
+    if cfg.engine.backend != Backend::Mock {
+        return Ok(None);
+    }
+    let e = &cfg.engine;
+    let backend = MockBackend::new(e).map_err(|err| NodeError::Engine(err.to_string()))?;
+    let loop_cfg = EngineLoopConfig::from_config(
+        e,
+        mode,
+        Duration::from_millis(cfg.transfer.lease_ms),
+        e.mock.vocab_size as usize,
+        Vec::new(),
+    );
+    let handle = pdnode_engine::engine::spawn(Box::new(backend), loop_cfg, None)
+        .map_err(|err| NodeError::Engine(err.to_string()))?;
+    tracing::warn!(
+        ?mode,
+        "engine.backend = \"mock\": a SIMULATED engine (timed steps, generated tokens are not a \
+         model's); for router benchmarks and fault tests only"
+    );
+    Ok(Some(Arc::new(EngineHandleService::new(
+        handle,
+        crate::served_model(cfg),
+        e.max_running_requests,
+    ))))
+}

@@ -521,3 +521,33 @@ async fn a_mock_engine_from_the_node_config_caps_outputs_at_output_len() {
     ));
     assert_drained(&e).await;
 }
+
+#[tokio::test]
+async fn logprobs_and_seeded_sampling_reach_the_stream() {
+    let e = engine(Mode::Colocated, 64, timing(0, 0, 6), Duration::from_secs(5));
+    let mut r = request(1, 8, 6);
+    r.sampling.logprobs = Some(3);
+    let mut s = e.add_request(r).unwrap();
+    let EngineEvent::Token { token, logprob, .. } = next_event(&mut s).await else {
+        panic!("expected a token");
+    };
+    let lp = logprob.expect("logprobs asked for");
+    assert_eq!(lp.token_id, token);
+    assert_eq!(lp.top.len(), 3);
+    assert_eq!(lp.top[0].0, token, "greedy picks the top token");
+    collect(s).await;
+    // Same seed, same tokens; temperature sampling goes through the request's sampler.
+    let mut a = request(2, 8, 6);
+    a.sampling = SamplingParams {
+        temperature: 1.0,
+        seed: Some(7),
+        max_tokens: 6,
+        ..SamplingParams::default()
+    };
+    let mut b = a.clone();
+    b.id = RequestId(3);
+    let (ta, _) = collect(e.add_request(a).unwrap()).await;
+    let (tb, _) = collect(e.add_request(b).unwrap()).await;
+    assert_eq!(ta, tb);
+    assert_drained(&e).await;
+}

@@ -445,3 +445,96 @@ fn a_transferred_prompt_that_fills_its_blocks_gets_a_block_for_its_first_decode(
     assert!(s.abort(id));
     assert_all_free(&s);
 }
+
+/// splitmix64, so a failing seed replays.
+struct Rng(u64);
+impl Rng {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        ((z ^ (z >> 31)) % n.max(1) as u64) as usize
+    }
+}
+
+#[test]
+fn random_operations_in_every_mode_keep_the_accounting_and_free_everything() {
+    for seed in 0..300u64 {
+        let mut r = Rng(seed);
+        let mode = [Mode::Colocated, Mode::PrefillOnly, Mode::DecodeOnly][r.below(3)];
+        let bs = 1 + r.below(4) as u32;
+        let mut s = Scheduler::new(cfg(
+            mode,
+            8 + r.below(40) as u32,
+            bs,
+            1 + r.below(32),
+            1 + r.below(8),
+        ));
+        let t0 = Instant::now();
+        let mut ids: Vec<RequestId> = Vec::new();
+        let mut reserved: Vec<(RequestId, usize)> = Vec::new();
+        for op in 0..200u64 {
+            let now = t0 + Duration::from_millis(op * 50);
+            let id = RequestId(seed * 1000 + op);
+            match r.below(8) {
+                0 | 1 => {
+                    let stem = r.below(3) as u32;
+                    let mut p = prompt(1 + r.below(12), stem);
+                    p.extend(prompt(r.below(5), 50 + op as u32));
+                    if s.add_request(id, p).is_ok() {
+                        ids.push(id);
+                    }
+                }
+                2 | 3 | 4 => {
+                    let plan = s.next_step();
+                    let outs: Vec<SeqOutput> = plan
+                        .seqs
+                        .iter()
+                        .filter(|q| q.want_logits)
+                        .map(|q| SeqOutput {
+                            id: q.id,
+                            token: (q.start_pos + q.tokens.len()) as u32,
+                            finished: r.below(5) == 0,
+                        })
+                        .collect();
+                    s.on_step_done(&outs, now);
+                }
+                5 if !ids.is_empty() => {
+                    let victim = ids.swap_remove(r.below(ids.len()));
+                    s.abort(victim);
+                }
+                6 => {
+                    let len = 1 + r.below(16);
+                    if s.reserve_for_transfer(id, len, now).is_ok() {
+                        reserved.push((id, len));
+                    }
+                }
+                7 if !reserved.is_empty() => {
+                    let (rid, len) = reserved.swap_remove(r.below(reserved.len()));
+                    match r.below(3) {
+                        0 => {
+                            let _ = s.release_transfer(rid);
+                        }
+                        _ => {
+                            if s.admit_transferred(rid, prompt(len, 7), 1).is_ok() {
+                                ids.push(rid);
+                            }
+                        }
+                    }
+                }
+                _ => {
+                    s.expire(now);
+                }
+            }
+            if let Err(e) = s.kv().check_accounting() {
+                panic!("seed {seed} op {op}: {e}");
+            }
+        }
+        for id in ids {
+            s.abort(id);
+        }
+        s.expire(t0 + Duration::from_secs(3600));
+        assert_all_free(&s);
+    }
+}

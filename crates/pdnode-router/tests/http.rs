@@ -588,3 +588,35 @@ async fn shutdown_drains_in_flight_streams() {
     assert_eq!(text, OUTPUT);
     h.stop().await;
 }
+
+#[tokio::test]
+async fn failed_reservation_is_retried_once_on_another_decode_node() {
+    let h = Harness::start(1, 2).await;
+    let full = NodeError::new(ErrorKind::Overloaded, "no free KV blocks");
+    h.decode[0].set(|b| b.fail_reserve = Some(full.clone()));
+    let (s, b) = post(
+        &h,
+        "/v1/completions",
+        json!({"prompt": "x", "max_tokens": 100}),
+    )
+    .await;
+    assert_eq!(s, 200, "{b}");
+    assert_eq!(b["choices"][0]["text"], OUTPUT);
+    let reserves =
+        |n: &pdnode_router::testing::FakeNode| n.count(|c| matches!(c, FakeCall::ReserveKv(_)));
+    assert_eq!((reserves(&h.decode[0]), reserves(&h.decode[1])), (1, 1));
+    assert_eq!(h.decode[1].count(|c| matches!(c, FakeCall::Decode(_))), 1);
+    // Both refuse: one retry, then the node's verdict (overloaded: 429).
+    h.decode[1].set(|b| b.fail_reserve = Some(full.clone()));
+    let (s, b) = post(&h, "/v1/completions", json!({"prompt": "x"})).await;
+    assert_eq!(s, 429, "{b}");
+    assert!(
+        b["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("no free KV blocks")
+    );
+    assert_eq!(reserves(&h.decode[0]) + reserves(&h.decode[1]), 4);
+    assert_eq!(h.prefill[0].count(|c| matches!(c, FakeCall::Prefill(_))), 1);
+    h.stop().await;
+}

@@ -4,8 +4,9 @@
 //! 2. `D.ReserveKv` -> KV target; `P.Prefill(target)` -> first token, KV handed off. Each call
 //!    is bounded by `prefill_timeout_s` (and the request's `request_timeout_s`).
 //! 3. A prefill failure before the hand-off aborts the request on P and D and is retried once,
-//!    under a fresh request id, on another prefill node (D reserves again); then the error goes
-//!    to the client.
+//!    under a fresh request id, on another prefill node (D reserves again); a failed reservation
+//!    likewise, on another decode node. Then the error goes to the client. Invalid-request
+//!    verdicts of a node are not retried.
 //! 4. `D.Decode` streams the rest; each gap between messages is bounded by `token_timeout_s`.
 //!    A broken or stalled stream aborts D and ends the client's stream with an error.
 //! 5. The client going away (the event receiver dropped) aborts the request on both nodes.
@@ -191,28 +192,43 @@ async fn drive(
     let prefills = router.deps.membership.workers(Role::Prefill);
     let decodes = router.deps.membership.workers(Role::Decode);
     let now = Instant::now();
-    let d_idx = router
-        .state
-        .lock()
-        .pick(Role::Decode, &decodes, tokens, &[], now)
-        .ok_or(RouterError::NoNode { role: Role::Decode })?;
-    let d = decodes[d_idx].clone();
-    let _d_booking = Booking::new(router, d.id());
-
     let mut excluded: Vec<NodeId> = Vec::new();
+    let mut excluded_d: Vec<NodeId> = Vec::new();
     let mut last_err: Option<RouterError> = None;
+    let mut missing = Role::Prefill;
     let mut req_id = id;
+    // The decode node and its booking; picked again only after it failed a reservation.
+    let mut d_slot: Option<(Worker, Booking<'_>)> = None;
     for attempt in 0..2 {
+        if d_slot.is_none() {
+            let picked = router
+                .state
+                .lock()
+                .pick(Role::Decode, &decodes, tokens, &excluded_d, now);
+            let Some(d_idx) = picked else {
+                missing = Role::Decode;
+                break;
+            };
+            let w = decodes[d_idx].clone();
+            let b = Booking::new(router, w.id());
+            d_slot = Some((w, b));
+        }
+        let Some(d) = d_slot.as_ref().map(|(w, _)| w.clone()) else {
+            break;
+        };
         let picked = router
             .state
             .lock()
             .pick(Role::Prefill, &prefills, tokens, &excluded, now);
-        let Some(p_idx) = picked else { break };
+        let Some(p_idx) = picked else {
+            missing = Role::Prefill;
+            break;
+        };
         let p = prefills[p_idx].clone();
         let p_booking = Booking::new(router, p.id());
         if attempt > 0 {
             req_id = RequestId::random();
-            tracing::info!(request = %id, retry_id = %req_id, prefill = %p.id(), "retrying prefill on another node");
+            tracing::info!(request = %id, retry_id = %req_id, prefill = %p.id(), decode = %d.id(), "retrying on another node");
         }
 
         let reserve = ReserveKv {
@@ -237,7 +253,17 @@ async fn drive(
             }
             Err(StepErr::Failed(e)) => {
                 abort(&d, req_id, "reserve_kv failed").await;
-                return Err(e);
+                tracing::warn!(request = %req_id, decode = %d.id(), error = %e, "reserve_kv failed");
+                if matches!(
+                    e.kind(),
+                    ErrorKind::InvalidRequest | ErrorKind::ContextLengthExceeded
+                ) {
+                    return Err(e);
+                }
+                excluded_d.push(d.id().clone());
+                d_slot = None;
+                last_err = Some(e);
+                continue;
             }
         };
         let secret = target.secret.clone();
@@ -432,9 +458,7 @@ async fn drive(
             }
         }
     }
-    Err(last_err.unwrap_or(RouterError::NoNode {
-        role: Role::Prefill,
-    }))
+    Err(last_err.unwrap_or(RouterError::NoNode { role: missing }))
 }
 
 fn decode_err(node: &NodeId, request: RequestId, msg: &str) -> RouterError {

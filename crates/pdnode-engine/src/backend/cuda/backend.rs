@@ -34,7 +34,7 @@ pub struct CudaOptions {
     /// Sequences with at least this many new tokens in a step take the cuBLAS prefill
     /// attention path; the others the paged-attention kernel.
     pub prefill_gemm_min_tokens: usize,
-    /// Projection implementation (Auto: gemv kernel for one token, cuBLAS above).
+    /// Projection implementation (Auto: cuBLAS; Gemv: the hand-written kernel for <= 8 rows).
     pub linear: ops::LinearImpl,
     /// Paged-attention kernel for decode and short chunks.
     pub attention: AttnVariant,

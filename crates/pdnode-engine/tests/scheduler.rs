@@ -538,3 +538,18 @@ fn random_operations_in_every_mode_keep_the_accounting_and_free_everything() {
         assert_all_free(&s);
     }
 }
+
+#[test]
+fn more_running_slots_than_budget_are_clamped_so_no_decode_starves() {
+    let mut s = Scheduler::new(cfg(Mode::Colocated, 64, 4, 3, 10));
+    assert_eq!(s.config().max_running_requests, 3);
+    let mut limits = HashMap::new();
+    for i in 1..=6 {
+        s.add_request(RequestId(i), prompt(2, i as u32)).unwrap();
+        limits.insert(RequestId(i), 4);
+    }
+    let (plans, generated) = drive(&mut s, &limits);
+    assert!(plans.iter().all(|p| p.num_tokens() <= 3));
+    assert!(generated.values().all(|g| g.len() == 4));
+    assert_all_free(&s);
+}

@@ -61,7 +61,8 @@ fn start(
         mode: cfg.mode,
         context_length: cfg.context_length,
         vocab_size: cfg.vocab_size,
-        max_running_requests: cfg.max_running_requests,
+        // As the scheduler clamps it.
+        max_running_requests: cfg.max_running_requests.min(cfg.max_batch_tokens),
         kv_regions,
     };
     let sched = Scheduler::new(SchedulerConfig {

@@ -38,7 +38,12 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
-    pub fn new(cfg: SchedulerConfig) -> Self {
+    /// A scheduler over a fresh KV pool. `max_running_requests` is clamped to
+    /// `max_batch_tokens` (and both to at least 1), so every running decode fits each step and
+    /// none starves.
+    pub fn new(mut cfg: SchedulerConfig) -> Self {
+        cfg.max_batch_tokens = cfg.max_batch_tokens.max(1);
+        cfg.max_running_requests = cfg.max_running_requests.clamp(1, cfg.max_batch_tokens);
         let kv = KvCache::new(cfg.num_blocks, cfg.block_size, cfg.prefix_cache);
         Self {
             cfg,

@@ -326,13 +326,13 @@ pub fn v2_dims_per_lane(hd: usize) -> Option<usize> {
 /// Splits for `work` (token, head group) blocks: enough blocks to fill the device, at least 64
 /// keys per split, no more partials than the workspace holds. Returns `(nsplit, split_len)`.
 pub fn attention_splits(
-    gpu: &Gpu,
+    sm_count: usize,
     work: usize,
     max_ctx: usize,
     partial_rows: usize,
     ws_rows_splits: usize,
 ) -> (usize, usize) {
-    let target = gpu.sm_count as usize * 4;
+    let target = sm_count * 4;
     let mut nsplit = if work >= target {
         1
     } else {
@@ -453,7 +453,7 @@ pub fn paged_attention_ex(
     let groups = d.num_kv_heads * (nh / d.num_kv_heads).div_ceil(maxg);
     let ws_rows_splits = (ws.part_acc.bytes() / (hd * F32)).min(ws.part_ml.bytes() / (2 * F32));
     let (nsplit, split_len) = attention_splits(
-        gpu,
+        gpu.sm_count as usize,
         grid_tokens * groups,
         max_ctx,
         total_tokens * nh,
@@ -680,4 +680,40 @@ pub fn linear(
     // SAFETY: sizes checked above.
     unsafe { b.launch(cfg((blocks, 1, 1), 256)) }.map_err(launched(OP))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splits_cover_the_context_and_respect_the_workspace() {
+        for &(sms, work, ctx, rows, cap) in &[
+            (132, 8, 512, 32, 1 << 17),
+            (132, 512, 8192, 2048, 1 << 17),
+            (132, 65536, 8192, 262144, 1 << 17),
+            (132, 1, 100_000, 32, 64),
+            (4, 3, 1, 3, 10),
+        ] {
+            let (n, len) = attention_splits(sms, work, ctx, rows, cap);
+            assert!(n >= 1 && len >= 1);
+            assert!(n * len >= ctx, "splits cover every key");
+            assert!((n - 1) * len < ctx, "no empty trailing split");
+            assert!(n == 1 || n * rows <= cap, "partials fit the workspace");
+            assert!(n == 1 || len >= 64 || ctx < 128);
+        }
+        // small work spreads over the device; large work does not split
+        assert!(attention_splits(132, 8, 8192, 32, 1 << 17).0 > 1);
+        assert_eq!(attention_splits(132, 65536, 8192, 262144, 1 << 17).0, 1);
+    }
+
+    #[test]
+    fn v2_runs_the_usual_head_dims() {
+        assert_eq!(v2_dims_per_lane(128), Some(16));
+        assert_eq!(v2_dims_per_lane(256), Some(16));
+        assert_eq!(v2_dims_per_lane(64), Some(8));
+        assert_eq!(v2_dims_per_lane(16), Some(8));
+        assert_eq!(v2_dims_per_lane(96), None);
+        assert_eq!(v2_dims_per_lane(80), None);
+    }
 }

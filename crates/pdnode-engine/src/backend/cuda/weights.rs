@@ -208,3 +208,58 @@ pub fn inv_freq(spec: &ModelSpec) -> Vec<f32> {
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::Arch;
+
+    fn spec(scaling: Option<RopeScaling>) -> ModelSpec {
+        ModelSpec {
+            arch: Arch::Llama,
+            hidden_size: 64,
+            intermediate_size: 128,
+            num_layers: 1,
+            num_heads: 2,
+            num_kv_heads: 1,
+            head_dim: 128,
+            vocab_size: 10,
+            rms_norm_eps: 1e-5,
+            rope_theta: 500000.0,
+            rope_scaling: scaling,
+            max_position_embeddings: 8192,
+            tie_word_embeddings: true,
+            qkv_bias: false,
+            qk_norm: false,
+            bos_token_id: None,
+            eos_token_ids: vec![],
+        }
+    }
+
+    #[test]
+    fn llama3_scaling_keeps_high_and_divides_low_frequencies() {
+        let plain = inv_freq(&spec(None));
+        let scaled = inv_freq(&spec(Some(RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        })));
+        assert_eq!(plain.len(), 64);
+        assert!((plain[0] - 1.0).abs() < 1e-7);
+        assert!((plain[1] - 500000f64.powf(-2.0 / 128.0) as f32).abs() < 1e-7);
+        // wavelength 2*pi/f below 8192/4 = 2048: unchanged; above 8192: divided by 8
+        for (p, s) in plain.iter().zip(&scaled) {
+            let wl = 2.0 * std::f32::consts::PI / p;
+            if wl < 2048.0 {
+                assert_eq!(p, s);
+            } else if wl > 8192.0 {
+                assert!((p / 8.0 - s).abs() <= 1e-6 * p);
+            } else {
+                assert!(*s < *p && *s > p / 8.0);
+            }
+        }
+        let linear = inv_freq(&spec(Some(RopeScaling::Linear { factor: 4.0 })));
+        assert!((linear[5] - plain[5] / 4.0).abs() < 1e-9);
+    }
+}

@@ -49,7 +49,21 @@ pub async fn serve(
     grpc: Option<TcpListener>,
     shutdown: CancellationToken,
 ) -> Result<(), ServeError> {
-    let refresh = Duration::from_millis(router.deps().config.power_of_two.load_refresh_ms.max(50));
+    let deps = router.deps();
+    tracing::info!(
+        http = ?http.local_addr().ok(),
+        grpc = ?grpc.as_ref().and_then(|l| l.local_addr().ok()),
+        model = %deps.model.served_name,
+        simulated_engine = deps.model.simulated.as_deref().unwrap_or("no"),
+        prefill_policy = ?deps.config.prefill_policy,
+        decode_policy = ?deps.config.decode_policy,
+        auth = !deps.api_keys.is_empty(),
+        "router serving"
+    );
+    if let Some(b) = &deps.model.simulated {
+        tracing::warn!(backend = %b, "the engine is SIMULATED: outputs are not model outputs");
+    }
+    let refresh = Duration::from_millis(deps.config.power_of_two.load_refresh_ms.max(50));
     let stats_task = {
         let router = router.clone();
         let stop = shutdown.clone();

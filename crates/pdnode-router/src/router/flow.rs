@@ -319,11 +319,13 @@ async fn drive(
 
         // The first token.
         let mut detok = Detokenizer::new(router.deps.tokenizer.as_ref(), req.sampling.stop.clone());
-        let text = detok
-            .push(&[outcome.first_token_id])
-            .map_err(|e| RouterError::Internal {
-                message: format!("detokenizing output: {e}"),
-            })?;
+        let text = match detok.push(&[outcome.first_token_id]) {
+            Ok(t) => t,
+            Err(e) => {
+                abort(&d, req_id, "output does not detokenize").await;
+                return Err(detok_err(e));
+            }
+        };
         progress.tokens = 1;
         progress.first_at = Some(Instant::now());
         mx.observe(m::ROUTER_TTFT_SECONDS, &[], start.elapsed().as_secs_f64());
@@ -432,11 +434,14 @@ async fn drive(
             }
             if !chunk.token_ids.is_empty() {
                 progress.tokens += chunk.token_ids.len() as u32;
-                let text = detok
-                    .push(&chunk.token_ids)
-                    .map_err(|e| RouterError::Internal {
-                        message: format!("detokenizing output: {e}"),
-                    })?;
+                let text = match detok.push(&chunk.token_ids) {
+                    Ok(t) => t,
+                    Err(e) => {
+                        drop(stream);
+                        abort(&d, req_id, "output does not detokenize").await;
+                        return Err(detok_err(e));
+                    }
+                };
                 let ev = GenEvent::Tokens {
                     token_ids: chunk.token_ids,
                     text,
@@ -459,6 +464,12 @@ async fn drive(
         }
     }
     Err(last_err.unwrap_or(RouterError::NoNode { role: missing }))
+}
+
+fn detok_err(e: crate::tokenize::TokenizeError) -> RouterError {
+    RouterError::Internal {
+        message: format!("detokenizing output: {e}"),
+    }
 }
 
 fn decode_err(node: &NodeId, request: RequestId, msg: &str) -> RouterError {

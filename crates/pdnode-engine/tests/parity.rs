@@ -219,3 +219,104 @@ fn batched_sequences_do_not_interfere() {
     assert_close(name, 0, out.row(0), &r.logits[0]);
     assert_close(name, 2, out.row(1), &r.logits[2]);
 }
+
+/// A PD hand-off on the CPU: prefill on one backend, copy the prompt's KV blocks out with
+/// `read_kv` and into other block ids of a second backend with `write_kv`, then decode there:
+/// the logits match the reference exactly as if the prompt had been run locally.
+#[test]
+fn kv_copied_between_backends_continues_the_sequence() {
+    use pdnode_engine::backend::KvMemory;
+    let name = "qwen3_qknorm";
+    let r = reference(name);
+    let mut p = backend(name, 4);
+    let mut d = backend(name, 4);
+    assert_eq!(p.kv_layout(), d.kv_layout());
+    let n = r.prompt.len();
+    let nblocks = n.div_ceil(4);
+    let src: Vec<BlockId> = (0..nblocks as u32).map(|i| BlockId(40 + i)).collect();
+    let dst: Vec<BlockId> = (0..16u32).map(|i| BlockId(63 - i)).collect();
+    let out = p
+        .forward(&ForwardBatch {
+            seqs: vec![SeqStep {
+                tokens: &r.prompt,
+                start_pos: 0,
+                block_table: &src,
+                want_logits: true,
+            }],
+        })
+        .unwrap();
+    assert_close(name, 0, out.row(0), &r.logits[0]);
+    let layers = p.kv_layout().num_layers;
+    let mut buf = vec![0u8; layers as usize * nblocks * p.kv_layout().block_layer_bytes()];
+    p.read_kv(0..layers, &src, &mut buf).unwrap();
+    // Copy layer by layer, as a transfer that overlaps with prefill would.
+    let per_layer = buf.len() / layers as usize;
+    for l in 0..layers {
+        let chunk = &buf[l as usize * per_layer..(l as usize + 1) * per_layer];
+        d.write_kv(l..l + 1, &dst[..nblocks], chunk).unwrap();
+    }
+    let out = d
+        .forward(&ForwardBatch {
+            seqs: vec![SeqStep {
+                tokens: &r.greedy[..1],
+                start_pos: n,
+                block_table: &dst,
+                want_logits: true,
+            }],
+        })
+        .unwrap();
+    assert_close(name, 1, out.row(0), &r.logits[1]);
+    // Wrong sizes and blocks are errors, not panics.
+    assert!(d.write_kv(0..layers, &dst[..nblocks], &buf[1..]).is_err());
+    assert!(p.read_kv(0..layers + 1, &src, &mut buf).is_err());
+    assert!(
+        p.read_kv(0..1, &[BlockId(64)], &mut buf[..per_layer / nblocks])
+            .is_err()
+    );
+    let regions = d.kv_regions();
+    assert_eq!(regions.len(), 1);
+    assert_eq!(
+        regions[0].len,
+        64 * layers as usize * d.kv_layout().block_layer_bytes()
+    );
+}
+
+#[test]
+fn invalid_batches_are_errors() {
+    let mut b = backend("llama_gqa", 4);
+    let table = [BlockId(0), BlockId(1)];
+    fn bad<'a>(tokens: &'a [u32], start_pos: usize, table: &'a [BlockId]) -> Vec<SeqStep<'a>> {
+        vec![SeqStep {
+            tokens,
+            start_pos,
+            block_table: table,
+            want_logits: true,
+        }]
+    }
+    for seqs in [
+        bad(&[], 0, &table),          // no tokens
+        bad(&[1, 2, 3], 6, &table),   // positions past the table
+        bad(&[1000], 0, &table),      // token outside the vocabulary
+        bad(&[1], 0, &[BlockId(64)]), // block outside the pool
+    ] {
+        assert!(b.forward(&ForwardBatch { seqs }).is_err());
+    }
+    // Two sequences writing the same KV slot in one step.
+    let out = b.forward(&ForwardBatch {
+        seqs: vec![
+            SeqStep {
+                tokens: &[1, 2],
+                start_pos: 0,
+                block_table: &table,
+                want_logits: true,
+            },
+            SeqStep {
+                tokens: &[3],
+                start_pos: 1,
+                block_table: &table,
+                want_logits: true,
+            },
+        ],
+    });
+    assert!(out.is_err());
+}

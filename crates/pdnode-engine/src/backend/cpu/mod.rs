@@ -155,7 +155,7 @@ impl CpuBackend {
 
     fn validate(&self, batch: &ForwardBatch<'_>) -> Result<Vec<Vec<usize>>, BackendError> {
         let bs = self.dims.block_size;
-        let mut tables = Vec::with_capacity(batch.seqs.len());
+        let mut tables: Vec<Vec<usize>> = Vec::with_capacity(batch.seqs.len());
         for (i, s) in batch.seqs.iter().enumerate() {
             if s.tokens.is_empty() {
                 return Err(BackendError::InvalidBatch {
@@ -193,6 +193,21 @@ impl CpuBackend {
                 });
             }
             tables.push(table.iter().map(|b| b.0 as usize).collect());
+        }
+        // No two new tokens of the step may write the same KV slot.
+        let mut slots = std::collections::HashSet::new();
+        for (i, (s, table)) in batch.seqs.iter().zip(&tables).enumerate() {
+            for p in s.start_pos..s.start_pos + s.tokens.len() {
+                if !slots.insert((table[p / bs], p % bs)) {
+                    return Err(BackendError::InvalidBatch {
+                        reason: format!(
+                            "sequence {i} writes KV slot {} of block {} that another token of this step also writes",
+                            p % bs,
+                            table[p / bs]
+                        ),
+                    });
+                }
+            }
         }
         Ok(tables)
     }

@@ -67,6 +67,8 @@ pub enum RouterError {
     Overloaded { limit: u32 },
     #[error("no {role} node is available")]
     NoNode { role: Role },
+    #[error("the router is shutting down")]
+    Draining,
     #[error("model `{model}` is not served here (served: `{served}`)")]
     UnknownModel { model: String, served: String },
     #[error("{step} on node {node} failed for {request}: {source}")]
@@ -111,7 +113,7 @@ impl Classify for RouterError {
             RouterError::ContextLength { .. } => ErrorKind::ContextLengthExceeded,
             RouterError::Unauthenticated => ErrorKind::Unauthenticated,
             RouterError::Overloaded { .. } => ErrorKind::Overloaded,
-            RouterError::NoNode { .. } => ErrorKind::Unavailable,
+            RouterError::NoNode { .. } | RouterError::Draining => ErrorKind::Unavailable,
             RouterError::Node { source, .. } => match source.kind {
                 // A node's own invalid-request verdict stays one; anything else is the server's.
                 k @ (ErrorKind::InvalidRequest | ErrorKind::ContextLengthExceeded) => k,

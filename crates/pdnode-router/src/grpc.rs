@@ -213,7 +213,9 @@ impl v1::inference_server::Inference for InferenceService {
         let mem = &self.router.deps().membership;
         let p = mem.workers(Role::Prefill).len();
         let d = mem.workers(Role::Decode).len();
-        let (status, detail) = if p > 0 && d > 0 {
+        let (status, detail) = if self.router.is_draining() {
+            (v1::ServingStatus::NotServing, "shutting down".to_string())
+        } else if p > 0 && d > 0 {
             (v1::ServingStatus::Serving, String::new())
         } else {
             (

@@ -109,6 +109,7 @@ pub async fn serve(
     };
 
     shutdown.cancelled().await;
+    router.start_draining();
     // Drain: the servers stop accepting and finish open connections; flows end on their own
     // (every step has a deadline), bounded here by the request timeout.
     let drain = Duration::from_secs(router.deps().config.request_timeout_s);

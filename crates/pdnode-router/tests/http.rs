@@ -577,6 +577,18 @@ async fn shutdown_drains_in_flight_streams() {
         .unwrap();
     assert_eq!(r.status().as_u16(), 200);
     h.begin_shutdown();
+    // New work is refused once draining is seen (the flag is set right after the token fires).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !h.router.is_draining() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(h.router.is_draining());
+    let refused = h.router.generate(pdnode_router::GenRequest {
+        prompt_token_ids: vec![1, 2],
+        sampling: pdnode_core::SamplingParams::default(),
+        endpoint: "test",
+    });
+    assert!(matches!(refused, Err(pdnode_router::RouterError::Draining)));
     // The open stream still runs to its end.
     let data = sse_data(&r.text().await.unwrap());
     assert_eq!(data.last().map(String::as_str), Some("[DONE]"));

@@ -152,14 +152,15 @@ async fn health(State(st): State<AppState>) -> Response {
     let mem = &st.router.deps().membership;
     let p = mem.workers(Role::Prefill).len();
     let d = mem.workers(Role::Decode).len();
-    let ok = p > 0 && d > 0;
+    let draining = st.router.is_draining();
+    let ok = p > 0 && d > 0 && !draining;
     let status = if ok {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
     let body = json!({
-        "status": if ok { "ok" } else { "unavailable" },
+        "status": if draining { "draining" } else if ok { "ok" } else { "unavailable" },
         "prefill_nodes": p,
         "decode_nodes": d,
         "inflight_requests": st.router.inflight(),

@@ -20,7 +20,7 @@ use pdnode_core::metrics as m;
 use pdnode_core::request::TokenLogprob;
 use pdnode_core::{FinishReason, NodeId, RequestId, Role, SamplingParams};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
 use tokio::sync::mpsc;
 
@@ -91,6 +91,7 @@ pub struct Router {
     pub(crate) state: Mutex<RouterState>,
     pub(crate) metrics: Arc<Metrics>,
     inflight: Arc<AtomicU32>,
+    draining: AtomicBool,
 }
 
 /// Decrements the in-flight count when the flow ends, however it ends.
@@ -123,6 +124,7 @@ impl Router {
             state: Mutex::new(RouterState::new(prefill, decode)),
             metrics,
             inflight: Arc::new(AtomicU32::new(0)),
+            draining: AtomicBool::new(false),
         })
     }
 
@@ -136,6 +138,15 @@ impl Router {
 
     pub fn inflight(&self) -> u32 {
         self.inflight.load(Ordering::Acquire)
+    }
+
+    /// Stops admitting requests (shutdown); those in flight go on.
+    pub fn start_draining(&self) {
+        self.draining.store(true, Ordering::Release);
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Acquire)
     }
 
     /// Checks the prompt against the context length and the vocabulary.
@@ -165,6 +176,9 @@ impl Router {
     /// Admits `req` and starts its flow. Fails at once when the request is invalid, the router is
     /// at `max_inflight_requests`, or no prefill or decode node exists.
     pub fn generate(self: &Arc<Self>, req: GenRequest) -> Result<Generation, RouterError> {
+        if self.is_draining() {
+            return Err(RouterError::Draining);
+        }
         self.check_prompt(&req)?;
         for role in [Role::Prefill, Role::Decode] {
             if self.deps.membership.workers(role).is_empty() {

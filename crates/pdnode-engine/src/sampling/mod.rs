@@ -14,8 +14,8 @@
 //! Log-probabilities are those of the raw model logits (`logprobs`, vLLM's default).
 //!
 //! Cost per step is O(vocab) when top-k/top-p are off (no sort); top-k uses a selection
-//! (`select_nth_unstable`) and sorts only the k kept; top-p alone selects and sorts a head of 256
-//! candidates, growing it only if that head holds less than `top_p` of the mass.
+//! (`select_nth_unstable`) and sorts only the k kept; top-p alone finds its set with a quickselect
+//! on probability mass (expected O(vocab), no sort).
 //!
 //! [`OutputAssembler`] (in `stop`) turns sampled tokens into text deltas and decides when the
 //! request finishes (EOS, stop ids, stop strings, `max_tokens`, context length).
@@ -35,9 +35,6 @@ use pdnode_core::{ErrorKind, SamplingParams};
 use penalties::Penalties;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha20Rng;
-
-/// First size of the candidate head examined for top-p without top-k.
-const TOP_P_HEAD: usize = 256;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SamplingError {
@@ -275,37 +272,73 @@ impl SequenceSampler {
             };
         }
 
-        // The candidates, most likely first.
-        let head_len = if self.top_k > 0 {
-            self.top_k
+        // Top-p: the most likely tokens whose mass first reaches top_p (at least one token).
+        let need = f64::from(self.top_p) * total;
+        let keep = if self.top_k > 0 {
+            // The k candidates are sorted: cut the prefix.
+            let mut acc = 0.0;
+            idx.iter()
+                .position(|&i| {
+                    acc += f64::from(w[i as usize]);
+                    acc >= need
+                })
+                .map_or(idx.len(), |j| j + 1)
         } else {
             idx.extend(0..w.len() as u32);
-            let mut n = TOP_P_HEAD.min(w.len());
-            loop {
-                idx.select_nth_unstable_by(n - 1, |&a, &b| desc(w, a, b));
-                idx[..n].sort_unstable_by(|&a, &b| desc(w, a, b));
-                let head: f64 = idx[..n].iter().map(|&i| f64::from(w[i as usize])).sum();
-                if n == w.len() || head >= f64::from(self.top_p) * total {
-                    break n;
-                }
-                n = (n * 8).min(w.len());
-            }
+            top_mass(w, idx, need)
         };
-        // Top-p: the shortest most-likely prefix whose mass reaches top_p (at least one token).
-        let need = f64::from(self.top_p) * total;
-        let mut keep = head_len;
-        let mut acc = 0.0;
-        for (j, &i) in idx[..head_len].iter().enumerate() {
-            acc += f64::from(w[i as usize]);
-            if acc >= need {
-                keep = j + 1;
-                break;
-            }
-        }
         let kept = &idx[..keep];
         let kept_mass: f64 = kept.iter().map(|&i| f64::from(w[i as usize])).sum();
         pick(w, kept.iter().copied(), u * kept_mass)
     }
+}
+
+/// Moves the most likely tokens that together hold at least `need` of the weight to the front of
+/// `idx` and returns how many they are: the shortest such set, ties broken toward lower ids (the
+/// same set as cutting the sorted order). A quickselect on mass with three-way partitions:
+/// expected O(len), no sort of the vocabulary.
+fn top_mass(w: &[f32], idx: &mut [u32], mut need: f64) -> usize {
+    let (mut lo, mut hi) = (0, idx.len());
+    while lo < hi {
+        let win = &mut idx[lo..hi];
+        let (a, b, c) = (
+            w[win[0] as usize],
+            w[win[win.len() / 2] as usize],
+            w[win[win.len() - 1] as usize],
+        );
+        let pivot = a.max(b).min(a.min(b).max(c)); // median of three
+        // Three-way partition: [> pivot][== pivot][< pivot].
+        let (mut gt, mut i, mut lt) = (0, 0, win.len());
+        while i < lt {
+            let x = w[win[i] as usize];
+            if x > pivot {
+                win.swap(gt, i);
+                gt += 1;
+                i += 1;
+            } else if x < pivot {
+                lt -= 1;
+                win.swap(i, lt);
+            } else {
+                i += 1;
+            }
+        }
+        let mass_gt: f64 = win[..gt].iter().map(|&j| f64::from(w[j as usize])).sum();
+        if gt > 0 && mass_gt >= need {
+            hi = lo + gt;
+            continue;
+        }
+        need -= mass_gt;
+        let eq = &mut win[gt..lt];
+        let mass_eq = f64::from(pivot) * eq.len() as f64;
+        if mass_eq >= need && pivot > 0.0 {
+            eq.sort_unstable();
+            let k = ((need / f64::from(pivot)).ceil() as usize).clamp(1, eq.len());
+            return lo + gt + k;
+        }
+        need -= mass_eq;
+        lo += lt;
+    }
+    lo.max(1).min(idx.len())
 }
 
 /// The first candidate at which the running sum of weights passes `target`; the last candidate
@@ -343,4 +376,55 @@ pub fn argmax(row: &[f32]) -> Result<u32, SamplingError> {
     }
     best.map(|(i, _)| i as u32)
         .ok_or(SamplingError::NoFiniteLogits)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::Rng;
+
+    /// The reference: sort descending (ties by id) and cut the shortest prefix reaching `need`.
+    fn by_sort(w: &[f32], need: f64) -> Vec<u32> {
+        let mut idx: Vec<u32> = (0..w.len() as u32).collect();
+        idx.sort_by(|&a, &b| desc(w, a, b));
+        let mut acc = 0.0;
+        let n = idx
+            .iter()
+            .position(|&i| {
+                acc += f64::from(w[i as usize]);
+                acc >= need
+            })
+            .map_or(idx.len(), |j| j + 1);
+        let mut v = idx[..n].to_vec();
+        v.sort_unstable();
+        v
+    }
+
+    #[test]
+    fn top_mass_keeps_the_same_set_as_sorting() {
+        let mut rng = ChaCha20Rng::seed_from_u64(1);
+        for case in 0..500 {
+            let n = rng.random_range(1..300);
+            // Few distinct values (ties), some zeros.
+            let levels = [1, 2, 4, 8][rng.random_range(0..4)];
+            let w: Vec<f32> = (0..n)
+                .map(|_| rng.random_range(0..=levels) as f32 / levels as f32)
+                .collect();
+            let total: f64 = w.iter().map(|&x| f64::from(x)).sum();
+            if total == 0.0 {
+                continue;
+            }
+            // Dyadic top_p values keep the float sums exact, so both cuts agree exactly.
+            let p = [0.25, 0.5, 0.75, 0.875, 1.0][rng.random_range(0..5)];
+            let need = p * total;
+            let mut idx: Vec<u32> = (0..n as u32).collect();
+            let k = top_mass(&w, &mut idx, need);
+            let mut got = idx[..k].to_vec();
+            got.sort_unstable();
+            let want = by_sort(&w, need);
+            // Same mass; the same set unless the cut falls inside a run of equal weights with
+            // float rounding, which the dyadic values above avoid.
+            assert_eq!(got, want, "case {case}: w {w:?} p {p}");
+        }
+    }
 }

@@ -5,7 +5,17 @@
 //! - [`probe`]: is there a driver and a device? (`backend = "auto"` / `"cuda"` selection).
 //! - [`device`]: one GPU: context, stream, cuBLAS handle, compiled kernels, raw device buffers.
 //! - [`ops`]: shape-checked launch wrappers, one per kernel (also what the kernel tests call).
+//! - [`prefill`]: prefill attention through cuBLAS for sequences with many new tokens.
+//! - [`bench`]: Llama-3.1-8B-shape step benchmarks with in-run ceilings (`pdnode bench-engine`).
 //! - [`CudaBackend`]: the [`crate::backend::Backend`] implementation.
+//!
+//! # One step
+//! Embedding gather into an f32 residual; per layer: RMSNorm -> fused QKV GEMM (bf16) ->
+//! `rope_qkv` (bias, q/k norm, RoPE; k/v written into the pool) -> attention (paged kernel for
+//! decode and short chunks, cuBLAS S/P GEMMs for long prefills) -> o-proj GEMM accumulated into the
+//! f32 residual -> RMSNorm -> fused gate/up GEMM -> SwiGLU -> down GEMM accumulated into the
+//! residual; then the final norm on the rows that want logits and the lm_head GEMM (f32 logits).
+//! Not implemented yet: CUDA graphs, GPU sampling, tensor parallelism.
 //!
 //! # KV pool layout
 //! Exactly the engine-wide layout (`crate::backend` docs) on each rank: bf16,

@@ -296,7 +296,9 @@ impl State {
                 // Some transports (UCX 1.13's shared memory) have no peer-failure handling:
                 // connect without it; a dead peer is then caught by the deadlines and the
                 // control channel.
+                // Remembered for this worker: UCX logs every failed attempt.
                 tracing::warn!(error = %e, "no UCX transport with peer-failure handling; connecting without");
+                self.peer_failure = false;
                 Endpoint::connect(&self.worker, address, false)?
             }
             Err(e) => return Err(e.into()),

@@ -269,3 +269,23 @@ fn a_second_node_with_the_same_id_fails_with_a_clear_error() {
     assert_eq!(ids(&e), ["same"]);
     drop(first);
 }
+
+#[test]
+fn an_unreachable_etcd_at_start_is_a_clear_error() {
+    let port = pdnode_testkit::free_port().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(
+        dir.path(),
+        &format!("http://127.0.0.1:{port}"),
+        "decode",
+        "lonely",
+    );
+    let mut p = start(dir.path(), &cfg, "lonely");
+    let st = p
+        .guard
+        .wait_timeout(Duration::from_secs(20))
+        .unwrap()
+        .unwrap_or_else(|| panic!("kept running without etcd; log:\n{}", p.log()));
+    assert_eq!(st.code(), Some(1), "{}", p.log());
+    assert!(p.log().contains("cannot reach"), "{}", p.log());
+}

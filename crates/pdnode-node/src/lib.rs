@@ -18,6 +18,7 @@ pub mod engine;
 mod error;
 pub mod grpc;
 pub mod http;
+pub mod pd;
 mod node;
 pub mod registrar;
 pub mod supervisor;

@@ -387,3 +387,80 @@ pub fn load(dir: &Path) -> Result<HfModel, LoadError> {
         metadata,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn base() -> Value {
+        json!({
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+            "rope_theta": 500000.0, "max_position_embeddings": 1024,
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+            "bos_token_id": 7, "eos_token_id": [8, 9]
+        })
+    }
+
+    #[test]
+    fn config_fields_map_to_the_spec() {
+        let p = Path::new("config.json");
+        let gen_cfg = json!({"eos_token_id": [9, 10]});
+        let s = spec_from_config(&base(), Some(&gen_cfg), p).unwrap();
+        assert_eq!(s.head_dim, 16);
+        assert_eq!(s.eos_token_ids, vec![8, 9, 10]);
+        assert_eq!(s.bos_token_id, Some(7));
+        assert_eq!(s.rope_theta, 500000.0);
+        assert!(
+            matches!(s.rope_scaling, Some(RopeScaling::Llama3 { factor, .. }) if factor == 8.0)
+        );
+        assert!(!s.qkv_bias && !s.qk_norm && !s.tie_word_embeddings);
+        let mut q = base();
+        q["architectures"] = json!(["Qwen3ForCausalLM"]);
+        q["head_dim"] = json!(32);
+        q["eos_token_id"] = json!(8);
+        q["rope_scaling"] = Value::Null;
+        let s = spec_from_config(&q, None, p).unwrap();
+        assert!(s.qk_norm && s.head_dim == 32 && s.eos_token_ids == vec![8]);
+        assert!(s.rope_scaling.is_none());
+        let mut bad = base();
+        bad["hidden_act"] = json!("gelu");
+        assert!(matches!(
+            spec_from_config(&bad, None, p),
+            Err(LoadError::Unsupported { .. })
+        ));
+        let mut bad = base();
+        bad["num_key_value_heads"] = json!(3);
+        assert!(matches!(
+            spec_from_config(&bad, None, p),
+            Err(LoadError::Config { .. })
+        ));
+    }
+
+    #[test]
+    fn tokenizer_config_reads_template_and_special_tokens() {
+        let dir = std::env::temp_dir().join(format!("pdnode-hf-tok-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(
+            dir.join("tokenizer_config.json"),
+            json!({
+                "bos_token": {"content": "<s>", "special": true},
+                "eos_token": "</s>",
+                "add_bos_token": true,
+                "chat_template": [{"name": "tool_use", "template": "T"},
+                                  {"name": "default", "template": "D"}]
+            })
+            .to_string(),
+        )
+        .unwrap();
+        let c = tokenizer_config(&dir).unwrap();
+        std::fs::remove_dir_all(&dir).ok();
+        assert_eq!(c.bos_token.as_deref(), Some("<s>"));
+        assert_eq!(c.eos_token.as_deref(), Some("</s>"));
+        assert_eq!(c.add_bos_token, Some(true));
+        assert_eq!(c.chat_template.as_deref(), Some("D"));
+    }
+}

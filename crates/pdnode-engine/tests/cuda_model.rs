@@ -307,6 +307,27 @@ fn invalid_batches_are_typed_errors() {
         }],
     });
     assert!(matches!(r, Err(BackendError::BlockOutOfRange { .. })));
+    // two sequences sharing a block and writing the same slot
+    let r = be.forward(&ForwardBatch {
+        seqs: vec![
+            SeqStep {
+                tokens: &[1],
+                start_pos: 3,
+                block_table: &[BlockId(2)],
+                want_logits: true,
+            },
+            SeqStep {
+                tokens: &[2],
+                start_pos: 3,
+                block_table: &[BlockId(2)],
+                want_logits: true,
+            },
+        ],
+    });
+    assert!(
+        matches!(r, Err(BackendError::InvalidBatch { .. })),
+        "duplicate slot"
+    );
 }
 
 #[test]

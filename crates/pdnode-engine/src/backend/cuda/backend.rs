@@ -396,6 +396,16 @@ impl CudaBackend {
                 row_idx.push((ids.len() - 1) as i32);
             }
         }
+        // Two tokens writing one KV slot in one step would race in rope_qkv (the CPU backend
+        // refuses the same batches).
+        let mut seen = std::collections::HashSet::with_capacity(slots.len());
+        if let Some(dup) = slots.iter().find(|s| !seen.insert(**s)) {
+            return Err(bad(format!(
+                "two tokens of this step write KV slot {} of block {}",
+                dup % bs as i64,
+                dup / bs as i64
+            )));
+        }
         let mut bytes = Vec::new();
         let off = MetaOffsets {
             ids: push(&mut bytes, &ids),

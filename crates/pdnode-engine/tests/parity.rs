@@ -294,10 +294,11 @@ fn invalid_batches_are_errors() {
         }]
     }
     for seqs in [
-        bad(&[], 0, &table),          // no tokens
-        bad(&[1, 2, 3], 6, &table),   // positions past the table
-        bad(&[1000], 0, &table),      // token outside the vocabulary
-        bad(&[1], 0, &[BlockId(64)]), // block outside the pool
+        bad(&[], 0, &table),           // no tokens
+        bad(&[1, 2, 3], 6, &table),    // positions past the table
+        bad(&[1000], 0, &table),       // token outside the vocabulary
+        bad(&[1], 0, &[BlockId(64)]),  // block outside the pool
+        bad(&[1], usize::MAX, &table), // position overflow
     ] {
         assert!(b.forward(&ForwardBatch { seqs }).is_err());
     }

@@ -174,7 +174,11 @@ impl CpuBackend {
                     ),
                 });
             }
-            let end = s.start_pos + s.tokens.len();
+            let end = s.start_pos.checked_add(s.tokens.len()).ok_or_else(|| {
+                BackendError::InvalidBatch {
+                    reason: format!("sequence {i}: start position {} overflows", s.start_pos),
+                }
+            })?;
             let need = end.div_ceil(bs);
             if s.block_table.len() < need {
                 return Err(BackendError::InvalidBatch {

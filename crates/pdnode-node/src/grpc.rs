@@ -1,10 +1,11 @@
 //! The node's gRPC server: `pdnode.v1.Node` and the standard `grpc.health.v1.Health`.
 //!
-//! Served now: `Health` and `Stats`. `ReserveKv`, `Prefill`, `Decode`, `KvDone` and `Abort`
-//! need the engine and the KV transfer wired into the node; until they are, they answer
-//! `UNIMPLEMENTED` with a message that says so (never a fake answer).
+//! `Health` and `Stats` are always served. `ReserveKv`, `Prefill`, `Decode` and `Abort` go to the
+//! node's data path ([`crate::pd::PdNode`], see `crate::pd::wire`); a node without one (a router)
+//! answers `UNIMPLEMENTED` with a message that says so. `KvDone` is unused in protocol v1.
 
 use crate::board::LoadBoard;
+use crate::pd::wire;
 use crate::supervisor::SupervisorHandle;
 use pdnode_core::{NodeId, Role};
 use pdnode_proto::v1;
@@ -24,12 +25,19 @@ pub struct NodeGrpc {
     pub version: String,
     pub supervisor: SupervisorHandle,
     pub load: LoadBoard,
+    /// The data path; `None` on nodes without one (routers, engine-less nodes).
+    pub pd: Option<std::sync::Arc<dyn pdnode_router::NodeClient>>,
+}
+
+impl NodeGrpc {
+    fn pd(&self, method: &str) -> Result<&dyn pdnode_router::NodeClient, Status> {
+        self.pd.as_deref().ok_or_else(|| not_wired(method))
+    }
 }
 
 fn not_wired(method: &str) -> Status {
     Status::unimplemented(format!(
-        "pdnode.v1.Node/{method} is not served by this node yet: the node runtime does not wire \
-         the engine and the KV transfer into the node gRPC API (see docs/runtime-semantics.md)"
+        "pdnode.v1.Node/{method} is not served by this node: it has no prefill or decode engine"
     ))
 }
 
@@ -37,39 +45,47 @@ fn not_wired(method: &str) -> Status {
 impl Node for NodeGrpc {
     async fn reserve_kv(
         &self,
-        _r: Request<v1::ReserveKvRequest>,
+        r: Request<v1::ReserveKvRequest>,
     ) -> Result<Response<v1::ReserveKvResponse>, Status> {
-        Err(not_wired("ReserveKv"))
+        wire::reserve_kv(self.pd("ReserveKv")?, r.into_inner())
+            .await
+            .map(Response::new)
     }
 
     async fn prefill(
         &self,
-        _r: Request<v1::PrefillRequest>,
+        r: Request<v1::PrefillRequest>,
     ) -> Result<Response<v1::PrefillResponse>, Status> {
-        Err(not_wired("Prefill"))
+        wire::prefill(self.pd("Prefill")?, r.into_inner())
+            .await
+            .map(Response::new)
     }
 
-    type DecodeStream = futures::stream::Empty<Result<v1::DecodeResponse, Status>>;
+    type DecodeStream = wire::WireDecodeStream;
 
     async fn decode(
         &self,
-        _r: Request<v1::DecodeRequest>,
+        r: Request<v1::DecodeRequest>,
     ) -> Result<Response<Self::DecodeStream>, Status> {
-        Err(not_wired("Decode"))
+        wire::decode(self.pd("Decode")?, r.into_inner())
+            .await
+            .map(Response::new)
     }
 
     async fn kv_done(
         &self,
         _r: Request<v1::KvDoneRequest>,
     ) -> Result<Response<v1::KvDoneResponse>, Status> {
-        Err(not_wired("KvDone"))
+        Err(wire::kv_done_unused())
     }
 
     async fn abort(
         &self,
-        _r: Request<v1::AbortRequest>,
+        r: Request<v1::AbortRequest>,
     ) -> Result<Response<v1::AbortResponse>, Status> {
-        Err(not_wired("Abort"))
+        wire::abort(self.pd("Abort")?, r.into_inner())
+            .await
+            .map(Response::new)
     }
 
     async fn stats(

@@ -13,6 +13,7 @@
 //! `node.drain_timeout_s`, then stops everything. See `docs/runtime-semantics.md`.
 
 pub mod affinity;
+pub mod assemble;
 mod board;
 pub mod engine;
 mod error;

@@ -48,6 +48,14 @@ pub struct NodeDeps {
     /// not wired).
     pub engine: Option<Arc<dyn EngineService>>,
     pub options: NodeOptions,
+    /// The data path served by `pdnode.v1.Node` ReserveKv/Prefill/Decode/Abort (a
+    /// [`crate::pd::PdNode`] on prefill and decode nodes); `None`: those answer UNIMPLEMENTED.
+    pub pd: Option<Arc<dyn pdnode_router::NodeClient>>,
+    /// The KV transport's UCX worker address (hex), published in the card.
+    pub ucx_worker: Option<String>,
+    /// Router frontends (OpenAI HTTP on `router.http_listen`, `pdnode.v1.Inference` gRPC on
+    /// `router.grpc_listen`) for role = "router" | "all".
+    pub router: Option<pdnode_router::RouterDeps>,
 }
 
 /// What a graceful shutdown did.
@@ -173,7 +181,7 @@ impl Node {
             addresses: NodeAddresses {
                 grpc: advertise,
                 http: http_addr.map(|a| a.to_string()),
-                ucx_worker: None,
+                ucx_worker: deps.ucx_worker.clone(),
             },
             capacity: NodeCapacity::default(),
             version: env!("CARGO_PKG_VERSION").to_string(),
@@ -233,6 +241,7 @@ impl Node {
             version: card.version.clone(),
             supervisor: supervisor.clone(),
             load: load.clone(),
+            pd: deps.pd.clone(),
         };
         let c = cancel.clone();
         let h = health.clone();
@@ -257,7 +266,26 @@ impl Node {
                 }
             }));
         }
-        tracing::info!(node = %id, %role, grpc = %grpc_addr, http = ?http_addr, "node started");
+        let mut router_http = None;
+        if let Some(rdeps) = deps.router {
+            let http_l = bind("router.http_listen", &cfg.router.http_listen).await?;
+            router_http = http_l.local_addr().ok();
+            let grpc_l = if cfg.router.grpc_listen.is_empty() {
+                None
+            } else {
+                Some(bind("router.grpc_listen", &cfg.router.grpc_listen).await?)
+            };
+            let router = pdnode_router::Router::new(rdeps);
+            let c = cancel.clone();
+            let h = health.clone();
+            servers.push(tokio::spawn(async move {
+                if let Err(e) = pdnode_router::server::serve(router, http_l, grpc_l, c).await {
+                    tracing::error!(error = %e, "router frontends failed");
+                    h.set_failed(format!("router frontends failed: {e}"));
+                }
+            }));
+        }
+        tracing::info!(node = %id, %role, grpc = %grpc_addr, http = ?http_addr, router_http = ?router_http, "node started");
         Ok(Node {
             card,
             drain_timeout: Duration::from_secs(cfg.node.drain_timeout_s),

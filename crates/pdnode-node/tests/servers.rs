@@ -1,5 +1,5 @@
 //! The node's servers in-process: pdnode.v1.Node Health/Stats, grpc.health.v1, HTTP /health,
-//! and UNIMPLEMENTED (with a reason) for the methods the runtime does not serve yet.
+//! and UNIMPLEMENTED (with a reason) for the data-path methods on a node without an engine.
 
 use pdnode_core::Role;
 use pdnode_core::config::Config;
@@ -29,6 +29,9 @@ async fn grpc_and_http_health_stats_and_unimplemented_methods() {
     let node = Node::start(
         &c,
         NodeDeps {
+            pd: None,
+            ucx_worker: None,
+            router: None,
             registry: reg,
             engine: None,
             options: NodeOptions::default(),
@@ -60,7 +63,7 @@ async fn grpc_and_http_health_stats_and_unimplemented_methods() {
         .await
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::Unimplemented);
-    assert!(e.message().contains("not served by this node yet"), "{e}");
+    assert!(e.message().contains("not served by this node"), "{e}");
 
     let channel = tonic::transport::Channel::from_shared(url)
         .unwrap()

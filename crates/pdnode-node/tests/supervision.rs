@@ -108,6 +108,9 @@ async fn a_panicking_actor_is_restarted_and_health_keeps_serving() {
     let node = Node::start(
         &config(),
         NodeDeps {
+            pd: None,
+            ucx_worker: None,
+            router: None,
             registry: reg.clone(),
             engine: Some(engine.clone()),
             options: options(5),
@@ -167,6 +170,9 @@ async fn past_the_restart_limit_the_node_fails_with_a_clear_reason() {
     let node = Node::start(
         &config(),
         NodeDeps {
+            pd: None,
+            ucx_worker: None,
+            router: None,
             registry: reg.clone(),
             engine: Some(engine.clone()),
             options: options(3),

@@ -8,8 +8,7 @@
 
 use super::{ConfigArgs, load_config};
 use anyhow::Context;
-use pdnode_core::Role;
-use pdnode_node::{Node, NodeDeps, NodeOptions};
+use pdnode_node::Node;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -28,25 +27,6 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         "effective configuration:\n{}",
         loaded.effective_toml()
     );
-    match c.node.role {
-        Role::Router | Role::All => tracing::warn!(
-            "the router frontends (OpenAI HTTP, pdnode.v1.Inference gRPC) are not started by \
-             `pdnode start` yet: this node registers and serves health only"
-        ),
-        Role::Prefill | Role::Decode => {}
-    }
-    let engine = pdnode_node::engine::adapter::engine_for(c).context("the engine did not start")?;
-    if engine.is_none() && c.node.role != Role::Router {
-        tracing::warn!(
-            backend = ?c.engine.backend,
-            gpus = ?c.engine.gpus,
-            "engine.backend {:?} is not wired into the node runtime yet (only \"mock\" is): this \
-             node registers its card (model {:?}, no KV layout, zero capacity) and serves health \
-             only",
-            c.engine.backend,
-            pdnode_node::served_model(c)
-        );
-    }
     let registry = pdnode_registry::from_config(&c.registry)
         .await
         .with_context(|| {
@@ -55,16 +35,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 c.registry.kind, c.registry.endpoints
             )
         })?;
-    let node = Node::start(
-        c,
-        NodeDeps {
-            registry,
-            engine,
-            options: NodeOptions::default(),
-        },
-    )
-    .await
-    .context("the node did not start")?;
+    let deps = pdnode_node::assemble::assemble(c, registry)
+        .await
+        .context("the node's engine or frontends did not start")?;
+    let node = Node::start(c, deps)
+        .await
+        .context("the node did not start")?;
     let report = node.run_until_signal().await?;
     tracing::info!(
         deregistered = report.deregistered,

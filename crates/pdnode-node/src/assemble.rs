@@ -1,0 +1,105 @@
+//! What `pdnode start` runs for each role: the engine(s), the data path, the KV transport and
+//! the router frontends, as [`NodeDeps`] for [`crate::Node::start`].
+//!
+//! | role | engine | data path | KV transport | router frontends |
+//! |---|---|---|---|---|
+//! | prefill | prefill-only | `PdNode` on node gRPC | UCX | - |
+//! | decode | decode-only | `PdNode` on node gRPC | UCX | - |
+//! | all | prefill-only + decode-only | in process | in process | membership = the two engines |
+//! | router | - | - | - | membership = registry watch, node gRPC clients |
+
+use crate::engine::adapter::EngineHandleService;
+use crate::node::{NodeDeps, NodeOptions, node_id};
+use crate::pd;
+use crate::{EngineService, NodeError};
+use pdnode_core::Role;
+use pdnode_core::config::Config;
+use pdnode_registry::{LiveMembership, Registry};
+use pdnode_router::RouterDeps;
+use pdnode_router::grpc_client::CardMembership;
+use std::sync::Arc;
+
+/// Builds the node's dependencies for its role. Loads the model (blocking work runs on a blocking
+/// thread).
+pub async fn assemble(cfg: &Config, registry: Arc<dyn Registry>) -> Result<NodeDeps, NodeError> {
+    let id = node_id(cfg);
+    let role = cfg.node.role;
+    let engine_err = |e: pd::BuildError| NodeError::Engine(e.to_string());
+    match role {
+        Role::Prefill | Role::Decode => {
+            let c = cfg.clone();
+            let nid = id.clone();
+            let s = tokio::task::spawn_blocking(move || pd::pd_node(&c, &nid, role))
+                .await
+                .map_err(|e| NodeError::Engine(format!("engine start panicked: {e}")))?
+                .map_err(engine_err)?;
+            let engine: Arc<dyn EngineService> = Arc::new(EngineHandleService::new(
+                s.built.handle.clone(),
+                s.built.model_id.clone(),
+                cfg.engine.max_running_requests,
+            ));
+            let ucx = pd::ucx_address_hex(&s.transport);
+            tracing::info!(backend = %s.built.handle.info().backend_name, blocks = s.built.handle.info().num_kv_blocks, "engine ready");
+            Ok(NodeDeps {
+                registry,
+                engine: Some(engine),
+                options: NodeOptions::default(),
+                pd: Some(s.node),
+                ucx_worker: Some(ucx),
+                router: None,
+            })
+        }
+        Role::All => {
+            let c = cfg.clone();
+            let nid = id.clone();
+            let aio = tokio::task::spawn_blocking(move || pd::all_in_one(&c, &nid))
+                .await
+                .map_err(|e| NodeError::Engine(format!("engine start panicked: {e}")))?
+                .map_err(engine_err)?;
+            let engine: Arc<dyn EngineService> = Arc::new(EngineHandleService::new(
+                aio.decode.engine().clone(),
+                aio.deps.model.served_name.clone(),
+                cfg.engine.max_running_requests,
+            ));
+            tracing::info!(
+                prefill = %aio.prefill.id(),
+                decode = %aio.decode.id(),
+                backend = %aio.decode.engine().info().backend_name,
+                "all-in-one: prefill and decode engines ready, KV moves in process"
+            );
+            Ok(NodeDeps {
+                registry,
+                engine: Some(engine),
+                options: NodeOptions::default(),
+                pd: None,
+                ucx_worker: None,
+                router: Some(aio.deps),
+            })
+        }
+        Role::Router => {
+            let c = cfg.clone();
+            let rm = tokio::task::spawn_blocking(move || pd::router_tokenizer(&c))
+                .await
+                .map_err(|e| NodeError::Engine(format!("tokenizer load panicked: {e}")))?
+                .map_err(engine_err)?;
+            let live = Arc::new(LiveMembership::start(&*registry, &cfg.node.cluster).await?);
+            let membership = CardMembership::new(move |r| live.serving(r));
+            let deps = RouterDeps {
+                config: cfg.router.clone(),
+                api_keys: pd::api_keys(cfg).map_err(engine_err)?,
+                membership: Arc::new(membership),
+                tokenizer: rm.tokenizer,
+                chat: rm.chat,
+                model: rm.model,
+            };
+            Ok(NodeDeps {
+                registry,
+                engine: None,
+                options: NodeOptions::default(),
+                pd: None,
+                ucx_worker: None,
+                router: Some(deps),
+            })
+        }
+    }
+}

@@ -22,9 +22,10 @@ step "cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
 
 step "cargo test"
-# Build the tests once, then run them; tests bind 127.0.0.1 only and start etcd themselves.
+# Build the tests once, then run them all (--no-fail-fast: every failure is listed); tests bind
+# 127.0.0.1 only and start etcd themselves.
 cargo test --workspace --no-run
-cargo test --workspace
+cargo test --workspace --no-fail-fast
 
 echo >&2
 echo "==> all checks passed" >&2

@@ -355,3 +355,17 @@ fn docs_configuration_md_describes_every_key() {
         "docs/configuration.md lacks a row for {missing:?}"
     );
 }
+
+#[test]
+fn colocated_engine_only_with_role_all() {
+    let errs = errors("[node]\nrole = \"decode\"\n", &["engine.colocated=true"]);
+    let keys: Vec<&str> = errs.iter().filter_map(|e| e.key()).collect();
+    assert!(keys.contains(&"engine.colocated"), "{keys:?}");
+    let ok = load_from_str(
+        FILE,
+        "[node]\nrole = \"all\"\n",
+        &sets(&["engine.colocated=true"]),
+    )
+    .expect("role all + colocated loads");
+    assert!(ok.config.engine.colocated);
+}

@@ -153,6 +153,9 @@ pub struct EngineConfig {
     pub cpu_affinity: Vec<u32>,
     /// Keep finished prompts' KV blocks in the prefix cache.
     pub prefix_cache: bool,
+    /// role = "all" only: one colocated engine (prefill and decode in one continuous batch)
+    /// instead of a prefill-only plus a decode-only engine; the baseline PD is compared with.
+    pub colocated: bool,
     pub mock: MockEngineConfig,
 }
 
@@ -172,6 +175,7 @@ impl Default for EngineConfig {
             cpu_threads: 0,
             cpu_affinity: Vec::new(),
             prefix_cache: true,
+            colocated: false,
             mock: MockEngineConfig::default(),
         }
     }

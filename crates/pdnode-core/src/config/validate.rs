@@ -184,6 +184,15 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
     if e.max_running_requests == 0 {
         bad("engine.max_running_requests", "must be at least 1".into());
     }
+    if e.colocated && c.node.role != Role::All {
+        bad(
+            "engine.colocated",
+            format!(
+                "a colocated engine serves prefill and decode itself: it needs node.role = \"all\", not \"{}\"",
+                c.node.role
+            ),
+        );
+    }
     if e.mock.vocab_size < 2 || e.mock.output_len == 0 {
         bad(
             "engine.mock",

@@ -74,13 +74,18 @@ pub enum TransferError {
     Control { reason: String },
     #[error("verification failed: {reason}")]
     Verify { reason: String },
+    /// A CUDA driver call failed (device memory of `bench-transfer --mem cuda:N`).
+    #[error("CUDA {op}: {reason}")]
+    Device { op: &'static str, reason: String },
 }
 
 impl Classify for TransferError {
     fn kind(&self) -> ErrorKind {
         use TransferError::*;
         match self {
-            Ucx(_) | Closed { .. } | PeerGone { .. } | Control { .. } => ErrorKind::Unavailable,
+            Ucx(_) | Closed { .. } | PeerGone { .. } | Control { .. } | Device { .. } => {
+                ErrorKind::Unavailable
+            }
             UnknownRegion { .. }
             | UnknownTarget { .. }
             | SpanOutOfRange { .. }

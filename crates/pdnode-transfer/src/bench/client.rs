@@ -1,6 +1,7 @@
 //! The bench's sender (prefill role): per request, reserve on the server, gather into the
 //! registered staging area, put layer group by layer group, flush, KvDone; time every phase.
 
+use super::devmem::DevBuf;
 use super::wire::{self, Msg};
 use super::{HostBuf, Options, pattern};
 use crate::TransferError;
@@ -107,6 +108,20 @@ fn run_point(
     let pool_reg = unsafe { transport.register(LocalRegion::host(pool.bytes_mut())) }?;
     // SAFETY: as above.
     let staging_reg = unsafe { transport.register(LocalRegion::host(staging.bytes_mut())) }?;
+    // Device memory: the registered staging the puts read lives on the GPU (the request's KV
+    // contiguous per layer, as a pipelined engine would leave it).
+    let dev = match opts.mem {
+        crate::region::MemKind::Cuda(ordinal) => {
+            Some(DevBuf::new(ordinal, geo.staging_bytes(n) as usize)?)
+        }
+        crate::region::MemKind::Host => None,
+    };
+    let dev_reg = match &dev {
+        // SAFETY: `dev` outlives its registration (declared later, dropped first) and every put
+        // is waited for before the registration drops.
+        Some(d) => Some(unsafe { transport.register(d.region()) }?),
+        None => None,
+    };
     let ours = match &opts.faults.layout_mismatch {
         Some(f) => mismatched(&layout, f)?,
         None => layout.clone(),
@@ -145,6 +160,7 @@ fn run_point(
             pool_reg: &pool_reg,
             staging: &mut staging,
             staging_reg: &staging_reg,
+            dev: dev.as_ref().zip(dev_reg.as_ref()),
             peer_address: &peer_address,
             first: i == 0,
         };
@@ -154,6 +170,7 @@ fn run_point(
         }
     }
     drop(remote);
+    drop(dev_reg);
     drop(pool_reg);
     drop(staging_reg);
     Ok(summarize(block_bytes, geo.staging_bytes(n), &samples))
@@ -169,6 +186,8 @@ struct Req<'a> {
     pool_reg: &'a Registration,
     staging: &'a mut HostBuf,
     staging_reg: &'a Registration,
+    /// Device staging and its registration (`--mem cuda:N`).
+    dev: Option<(&'a DevBuf, &'a Registration)>,
     peer_address: &'a [u8],
     first: bool,
 }
@@ -255,11 +274,19 @@ fn one_request(
     let mut push_time = Duration::ZERO;
     let result = (|| -> Result<(u64, u64), TransferError> {
         push.check_layout(c.ours)?;
+        if let Some((dev, _)) = c.dev {
+            // Untimed: the request's KV onto the GPU, contiguous per layer.
+            let all = 0..c.layout.num_layers;
+            gather_host(&c.geo, c.pool.bytes(), &src, all, c.staging.bytes_mut())?;
+            dev.upload(0, c.staging.bytes())?;
+        }
         let t_push = Instant::now();
         let plans = push.layers_ready(c.layout.num_layers, t_push)?;
         let mut paused = false;
         for plan in plans {
-            let local = if plan.staged {
+            let local = if let Some((_, reg)) = c.dev {
+                reg
+            } else if plan.staged {
                 gather_host(
                     &c.geo,
                     c.pool.bytes(),

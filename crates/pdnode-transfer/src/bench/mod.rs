@@ -7,6 +7,7 @@
 //! [`Options`] passed as JSON) on loopback and waits for them with a deadline.
 
 mod client;
+mod devmem;
 mod pattern;
 mod server;
 pub mod wire;
@@ -50,7 +51,12 @@ pub struct Options {
     pub layers_per_put: u32,
     /// Put straight into the receiver's pool instead of its staging area.
     pub pool_placement: bool,
+    /// Memory of this role's KV (the client's, and the server's unless `server_mem` is set).
+    /// Device memory (`cuda:N`) holds the registered staging areas the puts read and write;
+    /// the bench's pattern is written and checked through host copies outside the timing.
     pub mem: MemKind,
+    /// The server's memory when it differs from `mem` (e.g. client `cuda:0`, server `cuda:1`).
+    pub server_mem: Option<MemKind>,
     pub ucx_lib: Option<String>,
     /// UCX_TLS for the transport (and the child processes of `--local`).
     pub tls: Option<String>,
@@ -98,6 +104,7 @@ impl Default for Options {
             layers_per_put: 1,
             pool_placement: false,
             mem: MemKind::Host,
+            server_mem: None,
             ucx_lib: None,
             tls: None,
             net_devices: Some("lo".into()),
@@ -138,9 +145,9 @@ impl Options {
 
     /// Starts the UCX transport this process uses.
     pub fn transport(&self) -> Result<UcxTransport, TransferError> {
-        if self.mem != MemKind::Host {
+        if self.mem != MemKind::Host && self.pool_placement {
             return Err(TransferError::UnsupportedMemory {
-                transport: "bench-transfer",
+                transport: "bench-transfer --pool-placement (device memory uses staging)",
                 mem: self.mem.to_string(),
             });
         }
@@ -207,6 +214,28 @@ impl HostBuf {
     }
 }
 
+/// A `--local` child with device memory sees only its own GPU (cuda_ipc between processes
+/// that each see one GPU moved real bytes over NVLink; see GPU.md): `cuda:N` becomes
+/// `CUDA_VISIBLE_DEVICES=<N-th visible device>` and `cuda:0` inside the child.
+fn one_gpu(role: &Options) -> (Options, Option<String>) {
+    let MemKind::Cuda(n) = role.mem else {
+        return (role.clone(), None);
+    };
+    let visible = std::env::var("CUDA_VISIBLE_DEVICES")
+        .ok()
+        .and_then(|list| {
+            list.split(',')
+                .nth(n as usize)
+                .map(|s| s.trim().to_string())
+        })
+        .unwrap_or_else(|| n.to_string());
+    let child = Options {
+        mem: MemKind::Cuda(0),
+        ..role.clone()
+    };
+    (child, Some(visible))
+}
+
 /// Kills a child on drop (by its own handle, never by name).
 struct ChildGuard(Child);
 
@@ -224,7 +253,8 @@ pub fn run_local(opts: &Options, exe: &Path, prefix: &[String]) -> Result<i32, T
     // Fail here, once and clearly, when the library is missing (the children would both fail).
     ucx_sys::Ucp::load(opts.ucx_lib.as_deref())?;
     let spawn = |role: &Options, stdout: Stdio| -> Result<Child, TransferError> {
-        let json = serde_json::to_string(role).map_err(|e| TransferError::Control {
+        let (role, visible) = one_gpu(role);
+        let json = serde_json::to_string(&role).map_err(|e| TransferError::Control {
             reason: e.to_string(),
         })?;
         let mut cmd = Command::new(exe);
@@ -238,6 +268,9 @@ pub fn run_local(opts: &Options, exe: &Path, prefix: &[String]) -> Result<i32, T
         if let Some(d) = &opts.net_devices {
             cmd.env("UCX_NET_DEVICES", d);
         }
+        if let Some(v) = visible {
+            cmd.env("CUDA_VISIBLE_DEVICES", v);
+        }
         cmd.spawn().map_err(|e| TransferError::Control {
             reason: format!("spawn {}: {e}", exe.display()),
         })
@@ -246,6 +279,8 @@ pub fn run_local(opts: &Options, exe: &Path, prefix: &[String]) -> Result<i32, T
         role: BenchRole::Server,
         listen: "127.0.0.1:0".into(),
         serve_once: true,
+        mem: opts.server_mem.unwrap_or(opts.mem),
+        server_mem: None,
         ..opts.clone()
     };
     let mut server = ChildGuard(spawn(&server_opts, Stdio::piped())?);

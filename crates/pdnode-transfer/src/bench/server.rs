@@ -1,11 +1,12 @@
 //! The bench's receiver (decode role): registers a pool and a receive staging area, reserves
 //! blocks under a lease, hands out KV targets, and on KvDone scatters, verifies and frees.
 
+use super::devmem::DevBuf;
 use super::wire::{self, Msg};
 use super::{HostBuf, Options, pattern};
 use crate::TransferError;
 use crate::negotiation::{DoneStatus, KvTarget, Placement, Reservation, ReservationEnd};
-use crate::region::{LocalRegion, PoolGeometry, scatter_host};
+use crate::region::{LocalRegion, MemKind, PoolGeometry, scatter_host};
 use crate::transport::{KvTransport, Registration};
 use crate::ucx::UcxTransport;
 use pdnode_core::{BlockId, KvLayout, NodeId, RequestId};
@@ -26,6 +27,8 @@ struct Point {
     pool: HostBuf,
     /// The receive staging memory when it is ours (else UCX allocated it).
     _staging_buf: Option<HostBuf>,
+    /// Device receive staging (`--mem cuda:N`); read back to host for scatter and verify.
+    dev_staging: Option<DevBuf>,
     pool_placement: bool,
     free: Vec<BlockId>,
     reservation: Option<Reservation>,
@@ -52,7 +55,7 @@ pub fn run(opts: &Options, transport: &UcxTransport) -> Result<(), TransferError
             reason: format!("accept: {e}"),
         })?;
         tracing::info!(%peer, "bench client connected");
-        let bye = serve(stream, transport, opts.ucx_alloc_staging)?;
+        let bye = serve(stream, transport, opts.ucx_alloc_staging, opts.mem)?;
         if bye || opts.serve_once {
             return Ok(());
         }
@@ -64,6 +67,7 @@ fn serve(
     mut stream: TcpStream,
     transport: &UcxTransport,
     ucx_alloc: bool,
+    mem: MemKind,
 ) -> Result<bool, TransferError> {
     let _ = stream.set_nodelay(true);
     let mut point: Option<Point> = None;
@@ -113,6 +117,7 @@ fn serve(
                     max_request_blocks,
                     pool_placement,
                     ucx_alloc,
+                    mem,
                 ) {
                     Ok(p) => {
                         point = Some(p);
@@ -192,6 +197,7 @@ fn setup(
     max_request_blocks: u32,
     pool_placement: bool,
     ucx_alloc: bool,
+    mem: MemKind,
 ) -> Result<Point, TransferError> {
     if max_request_blocks == 0 || max_request_blocks > pool_blocks {
         return Err(TransferError::Geometry {
@@ -208,7 +214,21 @@ fn setup(
     // SAFETY: the pool moves into the returned Point, whose registrations are declared (and so
     // dropped) before the buffers; a HostBuf's heap memory does not move with it.
     let pool_reg = unsafe { transport.register(LocalRegion::host(pool.bytes_mut())) }?;
-    let (staging_reg, staging_buf) = if ucx_alloc {
+    let mut dev_staging = None;
+    let (staging_reg, staging_buf) = if let MemKind::Cuda(ordinal) = mem {
+        if pool_placement {
+            return Err(TransferError::UnsupportedMemory {
+                transport: "bench-transfer --pool-placement (device memory uses staging)",
+                mem: mem.to_string(),
+            });
+        }
+        let dev = DevBuf::new(ordinal, staging_len)?;
+        // SAFETY: the device buffer moves into the returned Point after its registration,
+        // which drops first; device memory does not move.
+        let reg = unsafe { transport.register(dev.region()) }?;
+        dev_staging = Some(dev);
+        (reg, None)
+    } else if ucx_alloc {
         (transport.allocate_registered(staging_len)?, None)
     } else {
         let mut buf = HostBuf::new(staging_len)?;
@@ -221,6 +241,7 @@ fn setup(
         geo,
         pool,
         _staging_buf: staging_buf,
+        dev_staging,
         pool_reg,
         staging_reg,
         pool_placement,
@@ -318,10 +339,18 @@ fn done(
     if !p.pool_placement {
         let layers = 0..p.layout.num_layers;
         let region = p.staging_reg.region();
-        // SAFETY: the staging region is valid while its registration (owned by `p`) lives, and
-        // the sender stopped writing it (its KvDone came after its flush).
-        let staging = unsafe { std::slice::from_raw_parts(region.addr as *const u8, region.len) };
-        scatter_host(&p.geo, staging, &blocks, layers, p.pool.bytes_mut())?;
+        if let Some(dev) = &p.dev_staging {
+            // The sender stopped writing (its KvDone came after its flush): read back, scatter.
+            let mut host = HostBuf::new(region.len)?;
+            dev.download(0, host.bytes_mut())?;
+            scatter_host(&p.geo, host.bytes(), &blocks, layers, p.pool.bytes_mut())?;
+        } else {
+            // SAFETY: the staging region is valid while its registration (owned by `p`) lives,
+            // and the sender stopped writing it (its KvDone came after its flush).
+            let staging =
+                unsafe { std::slice::from_raw_parts(region.addr as *const u8, region.len) };
+            scatter_host(&p.geo, staging, &blocks, layers, p.pool.bytes_mut())?;
+        }
     }
     let scatter_us = t.elapsed().as_micros() as u64;
     let t = Instant::now();

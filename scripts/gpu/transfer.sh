@@ -11,6 +11,11 @@ set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/pdnode-gpu/transfer}
+# With .gpu-pd/bundle.tar.xz (scripts/gpu/pack.sh: pdnode + trimmed UCX 1.22, one carried file):
+if [ -e .gpu-pd/bundle.tar.xz ] && [ -z "${BIN:-}" ]; then
+    mkdir -p /tmp/pd && { [ -x /tmp/pd/pdnode ] || tar -xJf .gpu-pd/bundle.tar.xz -C /tmp/pd; }
+    BIN=/tmp/pd/pdnode UCX_DIR=/tmp/pd/ucx
+fi
 BIN=${BIN:-.gpu/pdnode}
 UCX_DIR=${UCX_DIR:-/tmp/ucx}
 mkdir -p "$OUT"
@@ -72,8 +77,22 @@ bench host-sm-sweep 300 --tls sm --block-bytes "$SIZES" --requests "$REQS"
 bench host-sm-llama8b-4k 300 --tls sm $LLAMA
 bench host-sm-llama8b-4k-pool 300 --tls sm $LLAMA --pool-placement
 bench host-sm-llama8b-4k-8lpp 300 --tls sm $LLAMA --layers-per-put 8
-echo "== 2. device memory (needs the CUDA pool; reports clearly while unsupported)"
-bench cuda0-to-cuda1 120 --tls cuda_ipc,cuda_copy,tcp --mem cuda:0 $LLAMA
+echo "== 2. device memory: cuMemAlloc staging on GPU0 (client) and GPU1 (server), one GPU per process"
+CU="--tls cuda_ipc,cuda_copy,tcp --mem cuda:0 --server-mem cuda:1"
+bench cuda-llama8b-4k 120 $CU $LLAMA
+bench cuda-llama8b-4k-4lpp 120 $CU $LLAMA --layers-per-put 4
+bench cuda-llama8b-4k-32lpp 120 $CU $LLAMA --layers-per-put 32
+# Block-size sweep at the same 512 MiB per request (puts stay one layer = 16 MiB each: the device
+# staging is contiguous per layer, so block size changes only the untimed gather).
+for bb in 16K:1024 256K:64 1M:16; do
+    bench "cuda-512MiB-blk${bb%%:*}" 120 $CU --layers 32 --block-bytes "${bb%%:*}" \
+        --blocks-per-request "${bb##*:}" --requests "$REQS" --warmup 1
+done
+# Smaller requests (one put per layer of 64 KiB x n blocks): 2k, 512 and 64 tokens.
+for n in 128 32 4; do
+    bench "cuda-64K-x${n}blk" 120 $CU --layers 32 --block-bytes 64K --blocks-per-request "$n" \
+        --requests "$REQS" --warmup 1
+done
 echo "== 3. ceilings: ucx_perftest put_bw (one layer = 16 MiB, the request = 512 MiB)"
 perftest pt-host-sm-16MiB sm host 16777216 "" ""
 [ "${1:-}" = quick ] || perftest pt-host-sm-512MiB sm host 536870912 "" ""

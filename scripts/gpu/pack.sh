@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Packs what scripts/gpu/{transfer,serve}.sh need on the H200 host into one xz tarball under the
+# 64 MiB the device tool carries: the stripped pdnode, etcd (Debian's static binary, for the PD
+# registry) and the shared libraries + ucx_info/ucx_perftest of the libucx-cu13 1.22 wheel.
+# Run on a build host after `cargo build --release -p pdnode`; carry `.gpu-pd` (in .git/info/exclude).
+# On the GPU host: `mkdir -p /tmp/pd && tar -xJf .gpu-pd/bundle.tar.xz -C /tmp/pd`.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+WHL_DIR=${WHL_DIR:-/tmp/whl}
+stage=$(mktemp -d)
+trap 'rm -rf "$stage"' EXIT
+[ -e "$WHL_DIR"/libucx_cu13-1.22.0-*.whl ] 2>/dev/null || ls "$WHL_DIR"/libucx_cu13-1.22.0-*.whl >/dev/null ||
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 -d "$WHL_DIR" libucx-cu13==1.22.0
+python3 -m zipfile -e "$(ls "$WHL_DIR"/libucx_cu13-1.22.0-*.whl | head -1)" "$stage/w"
+u=$stage/ucx/libucx
+mkdir -p "$u/lib/ucx" "$u/bin"
+for d in lib lib/ucx; do
+    for f in "$stage/w/libucx/$d"/*.so.0.0.0; do
+        b=$(basename "$f" .so.0.0.0)
+        cp "$f" "$u/$d/"
+        ln -s "$b.so.0.0.0" "$u/$d/$b.so.0"
+        ln -s "$b.so.0.0.0" "$u/$d/$b.so"
+    done
+done
+cp "$stage/w/libucx/bin/ucx_info" "$stage/w/libucx/bin/ucx_perftest" "$u/bin/"
+chmod +x "$u/bin"/*
+cp target/release/pdnode "$stage/pdnode" && strip "$stage/pdnode"
+cp /usr/bin/etcd "$stage/etcd"
+mkdir -p .gpu-pd
+tar -C "$stage" -cJf .gpu-pd/bundle.tar.xz pdnode etcd ucx
+ls -la .gpu-pd/bundle.tar.xz

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs every GPU-only test and the benchmarks from the prebuilt binaries in .gpu/ (see
 # scripts/gpu/build.sh) on a GPU host. Builds nothing. Logs go to $OUT; a short table is printed
-# last. Usage: scripts/gpu/run-all.sh [kernels|model|unit|bench ...] (default: all).
+# last. Usage: scripts/gpu/run-all.sh [kernels|model|unit|bench|tp ...] (default: all; tp needs 2 GPUs).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 cd "$(dirname "$0")/../.."
@@ -23,7 +23,7 @@ run() { # name timeout_s cmd...
     local res
     res=$(grep -E '^test result:' "$OUT/$name.log" | tail -1 | sed 's/^test result: //; s/; finished in.*//')
     summary+=("$(printf '%-8s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "${res:-no result line}")")
-    grep -E '^test .* FAILED|panicked at|rel err|worst|^PARITY' "$OUT/$name.log" | head -24
+    grep -E '^test .* FAILED|panicked at|rel err|worst|^PARITY|^TP ' "$OUT/$name.log" | head -24
 }
 for p in "${parts[@]}"; do
     case $p in
@@ -32,10 +32,12 @@ for p in "${parts[@]}"; do
         model) run model 300 "$BIN/cuda_model" --ignored --test-threads=1 --nocapture ;;
         parity) run parity 300 "$BIN/cuda_parity" --ignored --test-threads=1 --nocapture ;;
         bench) run bench 420 "$BIN/cuda_bench" --ignored --nocapture ;;
+        tp) run tp 420 "$BIN/cuda_tp" --ignored --test-threads=1 --nocapture ;;
         *) echo "unknown part $p" ;;
     esac
 done
 echo
 grep -E '^ceilings|^\|' "$OUT/bench.log" 2>/dev/null
+grep -E '^TP |^ceilings|^\|' "$OUT/tp.log" 2>/dev/null
 echo
 printf '%s\n' "${summary[@]}"

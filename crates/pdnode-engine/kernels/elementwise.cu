@@ -64,6 +64,21 @@ extern "C" __global__ void fill_uniform_bf16(bf16_t* __restrict__ p, i64 n, unsi
     }
 }
 
+// A rows x cols block of a larger random matrix: p[r * cols + c] = the fill_uniform_bf16 value of
+// global element src_off + r * src_ld + c (tensor-parallel shards of dummy weights: every rank
+// generates exactly its slice of the tensor that TP = 1 would generate).
+extern "C" __global__ void fill_uniform_bf16_2d(bf16_t* __restrict__ p, i64 rows, i64 cols, i64 src_ld,
+                                               i64 src_off, unsigned long long seed, float scale) {
+    const i64 n = rows * cols;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const i64 r = i / cols, c = i - r * cols;
+        const i64 g = src_off + r * src_ld + c;
+        const unsigned long long h = splitmix64(seed ^ splitmix64((unsigned long long)g));
+        const float u = (float)(h >> 40) * (1.0f / 16777216.0f);  // [0, 1)
+        p[i] = f2bf((2.f * u - 1.f) * scale);
+    }
+}
+
 extern "C" __global__ void fill_f32(float* __restrict__ p, i64 n, float v) {
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
         p[i] = v;

@@ -5,7 +5,8 @@ use super::blas::OutType;
 use super::device::{DevBuf, Gpu, Pinned};
 use super::ops::{self, AttnDims, AttnMeta, AttnVariant, AttnWorkspace};
 use super::prefill::{LongSeq, PrefillScratch};
-use super::weights::DevWeights;
+use super::tp::NcclComm;
+use super::weights::{DevWeights, Shard};
 use crate::backend::{
     Backend, BackendError, ForwardBatch, KvMemory, KvRegion, Logits, MemKind, check_kv_io,
 };
@@ -18,9 +19,10 @@ use std::ops::Range;
 /// Sizing of a [`CudaBackend`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct CudaOptions {
-    /// Device ordinal.
+    /// Device ordinal (of rank 0 with tensor parallelism: rank `r` runs on `gpu + r`).
     pub gpu: u32,
-    /// Tensor-parallel degree (only 1 is implemented).
+    /// Tensor-parallel degree: 1 for [`CudaBackend`]; more through
+    /// [`super::tp::CudaTpBackend`] (one thread and GPU per rank).
     pub tensor_parallel: u32,
     /// Fraction of the device's free memory (at start) for weights + workspace + KV pool.
     pub mem_fraction: f32,
@@ -161,6 +163,10 @@ pub struct CudaBackend {
     prefill: PrefillScratch,
     /// Page-locked landing buffer of the logits (`max_seqs x vocab`).
     logits_host: Pinned,
+    /// This GPU's slice of the model (`Shard::WHOLE` without tensor parallelism).
+    shard: Shard,
+    /// The all-reduce group of the tensor-parallel ranks (None at TP = 1).
+    comm: Option<NcclComm>,
     gpu: Gpu,
 }
 
@@ -172,8 +178,8 @@ impl CudaBackend {
         opts: &CudaOptions,
         model_fingerprint: String,
     ) -> Result<Self, CudaError> {
-        Self::build(spec, opts, model_fingerprint, |gpu| {
-            DevWeights::upload(gpu, spec, weights)
+        Self::build(spec, opts, model_fingerprint, Shard::WHOLE, |gpu| {
+            DevWeights::upload(gpu, spec, weights, Shard::WHOLE)
         })
     }
 
@@ -184,37 +190,81 @@ impl CudaBackend {
         opts: &CudaOptions,
         model_fingerprint: String,
     ) -> Result<Self, CudaError> {
-        Self::build(spec, opts, model_fingerprint, |gpu| {
-            DevWeights::dummy(gpu, spec, seed, None)
+        Self::build(spec, opts, model_fingerprint, Shard::WHOLE, |gpu| {
+            DevWeights::dummy(gpu, spec, seed, None, Shard::WHOLE)
         })
     }
 
     /// Builds from a loaded model: host weights are uploaded as bf16; dummy weights are
     /// generated on the device (uniform with the requested standard deviation).
     pub fn from_loaded(model: &LoadedModel, opts: &CudaOptions) -> Result<Self, CudaError> {
+        Self::from_loaded_rank(model, opts, Shard::WHOLE)
+    }
+
+    /// One tensor-parallel rank of a loaded model on GPU `opts.gpu + shard.rank` (the caller,
+    /// [`super::tp::CudaTpBackend`], then joins the ranks with [`CudaBackend::attach_comm`]).
+    pub(crate) fn from_loaded_rank(
+        model: &LoadedModel,
+        opts: &CudaOptions,
+        shard: Shard,
+    ) -> Result<Self, CudaError> {
         let fp = model.fingerprint.clone();
+        let spec = &model.spec;
         match &model.weights {
-            ModelWeights::Host(w) => Self::new(&model.spec, w, opts, fp),
-            ModelWeights::Dummy(d) => Self::build(&model.spec, opts, fp, |gpu| {
-                DevWeights::dummy(gpu, &model.spec, d.seed, Some(d.std))
+            ModelWeights::Host(w) => Self::build(spec, opts, fp, shard, |gpu| {
+                DevWeights::upload(gpu, spec, w, shard)
+            }),
+            ModelWeights::Dummy(d) => Self::build(spec, opts, fp, shard, |gpu| {
+                DevWeights::dummy(gpu, spec, d.seed, Some(d.std), shard)
             }),
         }
     }
 
+    /// One tensor-parallel rank with host weights (see [`CudaBackend::from_loaded_rank`]).
+    pub(crate) fn new_rank(
+        spec: &ModelSpec,
+        weights: &Weights,
+        opts: &CudaOptions,
+        model_fingerprint: String,
+        shard: Shard,
+    ) -> Result<Self, CudaError> {
+        Self::build(spec, opts, model_fingerprint, shard, |gpu| {
+            DevWeights::upload(gpu, spec, weights, shard)
+        })
+    }
+
+    /// One tensor-parallel rank with dummy weights generated on its device.
+    pub(crate) fn dummy_rank(
+        spec: &ModelSpec,
+        seed: u64,
+        std: Option<f32>,
+        opts: &CudaOptions,
+        model_fingerprint: String,
+        shard: Shard,
+    ) -> Result<Self, CudaError> {
+        Self::build(spec, opts, model_fingerprint, shard, |gpu| {
+            DevWeights::dummy(gpu, spec, seed, std, shard)
+        })
+    }
+
+    /// `spec` is the whole model's; this backend runs `shard`'s slice of it.
     fn build(
         spec: &ModelSpec,
         opts: &CudaOptions,
         model_fingerprint: String,
+        shard: Shard,
         load: impl FnOnce(&Gpu) -> Result<DevWeights, CudaError>,
     ) -> Result<Self, CudaError> {
-        if opts.tensor_parallel != 1 {
+        if opts.tensor_parallel as usize != shard.size {
             return Err(CudaError::Unsupported {
                 reason: format!(
-                    "tensor_parallel = {}: the CUDA backend runs TP = 1 only so far",
+                    "tensor_parallel = {}: CudaBackend runs one GPU; use CudaTpBackend for TP > 1",
                     opts.tensor_parallel
                 ),
             });
         }
+        shard.check(spec)?;
+        let spec = &shard.rank_spec(spec);
         if opts.block_size == 0 || !(0.0..=1.0).contains(&opts.mem_fraction) {
             return Err(CudaError::Unsupported {
                 reason: format!(
@@ -223,7 +273,7 @@ impl CudaBackend {
                 ),
             });
         }
-        let gpu = Gpu::new(opts.gpu)?;
+        let gpu = Gpu::new(opts.gpu + shard.rank as u32)?;
         let (free0, _) = gpu.mem_info()?;
         let w = load(&gpu)?;
         let ws = Workspace::new(&gpu, spec, opts.max_batch_tokens, opts.max_seqs)?;
@@ -233,7 +283,7 @@ impl CudaBackend {
             block_size: opts.block_size,
             kv_heads_per_rank: spec.num_kv_heads as u32,
             head_dim: spec.head_dim as u32,
-            tp_size: 1,
+            tp_size: shard.size as u32,
             model_fingerprint,
         };
         let block_bytes = layout.block_bytes();
@@ -256,7 +306,9 @@ impl CudaBackend {
         gpu.memset(&pool, 0)?;
         gpu.sync()?;
         tracing::info!(
-            gpu = opts.gpu,
+            gpu = gpu.ordinal,
+            rank = shard.rank,
+            tp = shard.size,
             weights_mib = w.bytes >> 20,
             kv_blocks = num_blocks,
             kv_mib = (num_blocks * block_bytes) >> 20,
@@ -280,8 +332,51 @@ impl CudaBackend {
             dims,
             prefill: PrefillScratch::default(),
             logits_host: gpu.alloc_pinned(opts.max_seqs * spec.vocab_size)?,
+            shard,
+            comm: None,
             gpu,
         })
+    }
+
+    /// Joins the all-reduce group of the tensor-parallel ranks (every rank must call this at the
+    /// same time: NCCL's init waits for all of them).
+    pub(crate) fn attach_comm(&mut self, id: &super::tp::NcclId) -> Result<(), CudaError> {
+        self.comm = Some(NcclComm::init(
+            &self.gpu,
+            id,
+            self.shard.rank,
+            self.shard.size,
+        )?);
+        Ok(())
+    }
+
+    /// Re-lays the (zeroed) KV pool out for `num_blocks` blocks (tensor-parallel ranks agree on
+    /// the smallest count any of them can hold).
+    pub(crate) fn set_num_blocks(&mut self, num_blocks: usize) -> Result<(), CudaError> {
+        if num_blocks == self.num_blocks {
+            return Ok(());
+        }
+        self.gpu.sync()?;
+        let bytes = num_blocks * self.layout.block_bytes();
+        self.pool = self.gpu.alloc(bytes.max(1))?;
+        self.gpu.memset(&self.pool, 0)?;
+        self.gpu.sync()?;
+        self.num_blocks = num_blocks;
+        self.dims.num_blocks = num_blocks;
+        Ok(())
+    }
+
+    /// The smallest KV block count any rank holds (every rank must call this together).
+    pub(crate) fn min_blocks(&mut self) -> Result<u64, CudaError> {
+        match &self.comm {
+            Some(c) => c.min_u64(&self.gpu, self.num_blocks as u64),
+            None => Ok(self.num_blocks as u64),
+        }
+    }
+
+    /// This GPU's slice of the model.
+    pub fn shard(&self) -> Shard {
+        self.shard
     }
 
     pub fn gpu(&self) -> &Gpu {
@@ -538,9 +633,10 @@ impl CudaBackend {
                 &ws.attn,
                 &ws.resid,
                 OutType::F32,
-                true,
+                self.shard.rank == 0,
                 self.opts.linear,
             )?;
+            self.all_reduce_resid(t * h)?;
             ops::add_rmsnorm(
                 g,
                 &ws.resid,
@@ -575,9 +671,10 @@ impl CudaBackend {
                 &ws.act,
                 &ws.resid,
                 OutType::F32,
-                true,
+                self.shard.rank == 0,
                 self.opts.linear,
             )?;
+            self.all_reduce_resid(t * h)?;
         }
         if p.rows > 0 {
             ops::add_rmsnorm(
@@ -606,6 +703,15 @@ impl CudaBackend {
             )?;
         }
         Ok(p.rows)
+    }
+
+    /// With tensor parallelism, rank 0 added its partial projection to the residual and every
+    /// other rank wrote its partial in place of it: the f32 sum over ranks is the next residual.
+    fn all_reduce_resid(&self, elems: usize) -> Result<(), CudaError> {
+        match &self.comm {
+            Some(c) => c.all_reduce_sum_f32(&self.gpu, self.ws.resid.ptr(), elems),
+            None => Ok(()),
+        }
     }
 
     /// Waits for the device (surfaces asynchronous errors).

@@ -22,7 +22,7 @@ const SOURCES: [&str; 8] = [
 ];
 
 /// Kernel entry points (extern "C" names in the .cu files).
-pub const KERNEL_NAMES: [&str; 19] = [
+pub const KERNEL_NAMES: [&str; 20] = [
     "gemv_t1",
     "gemv_t2",
     "gemv_t4",
@@ -36,6 +36,7 @@ pub const KERNEL_NAMES: [&str; 19] = [
     "add_rmsnorm",
     "swiglu",
     "fill_uniform_bf16",
+    "fill_uniform_bf16_2d",
     "fill_f32",
     "rope_qkv",
     "paged_attention",

@@ -15,14 +15,23 @@
 //! decode and short chunks, cuBLAS S/P GEMMs for long prefills) -> o-proj GEMM accumulated into the
 //! f32 residual -> RMSNorm -> fused gate/up GEMM -> SwiGLU -> down GEMM accumulated into the
 //! residual; then the final norm on the rows that want logits and the lm_head GEMM (f32 logits).
-//! Not implemented yet: CUDA graphs, GPU sampling, tensor parallelism.
+//! Not implemented yet: CUDA graphs, GPU sampling.
+//!
+//! # Tensor parallelism ([`tp`])
+//! [`CudaTpBackend`] runs `tp` [`CudaBackend`] ranks, one OS thread and GPU each (`gpu + r`).
+//! Rank `r` holds query heads `r * nh / tp ..`, KV heads `r * nkv / tp ..` (q/k/v rows of those
+//! heads; o-proj the matching columns), intermediate rows `r * I / tp ..` of gate/up and the
+//! matching columns of down; embeddings, norms and lm_head are replicated. After the o-proj and
+//! down GEMMs one NCCL f32 all-reduce (sum) of the residual stream: rank 0 adds its partial to the
+//! residual, the others write theirs in place of it. Rank 0's logits are returned.
 //!
 //! # KV pool layout
 //! Exactly the engine-wide layout (`crate::backend` docs) on each rank: bf16,
 //! `[num_layers][num_blocks][2][block_size][kv_heads_per_rank][head_dim]`, one `cuMemAlloc`
-//! region per rank ([`crate::backend::KvMemory`]). With tensor parallelism (not implemented yet:
-//! `tensor_parallel > 1` is refused with a typed error) rank `r` of `tp` would hold KV heads
-//! `r * nkv / tp .. (r + 1) * nkv / tp` in that same layout, `kv_heads_per_rank = nkv / tp`.
+//! region per rank ([`crate::backend::KvMemory`]). With tensor parallelism rank `r` of `tp` holds
+//! KV heads `r * nkv / tp .. (r + 1) * nkv / tp` in that same layout, `kv_heads_per_rank =
+//! nkv / tp`; all ranks have the same block count; `read_kv`/`write_kv` move all ranks' bytes
+//! back to back, rank-major.
 
 pub mod backend;
 pub mod bench;
@@ -31,10 +40,13 @@ pub mod device;
 pub mod ops;
 pub mod prefill;
 pub mod probe;
+pub mod tp;
+pub mod tp_bench;
 pub mod weights;
 
 pub use backend::{CudaBackend, CudaOptions};
 pub use probe::{BackendChoice, CudaProbe, probe, select_backend};
+pub use tp::CudaTpBackend;
 
 /// Errors of the CUDA backend. Converted into [`crate::backend::BackendError::Device`] at the
 /// trait boundary.
@@ -60,6 +72,10 @@ pub enum CudaError {
     Shape { op: &'static str, reason: String },
     #[error("unsupported configuration: {reason}")]
     Unsupported { reason: String },
+    #[error("NCCL call {op} failed: {msg}")]
+    Nccl { op: &'static str, msg: String },
+    #[error("tensor-parallel rank {rank}: {msg}")]
+    Rank { rank: usize, msg: String },
 }
 
 impl pdnode_core::error::Classify for CudaError {
@@ -68,7 +84,10 @@ impl pdnode_core::error::Classify for CudaError {
             CudaError::NoDriver | CudaError::NoDevice { .. } | CudaError::OutOfMemory { .. } => {
                 pdnode_core::ErrorKind::Unavailable
             }
-            CudaError::Driver { .. } | CudaError::Blas { .. } => pdnode_core::ErrorKind::Retryable,
+            CudaError::Driver { .. } | CudaError::Blas { .. } | CudaError::Nccl { .. } => {
+                pdnode_core::ErrorKind::Retryable
+            }
+            CudaError::Rank { .. } => pdnode_core::ErrorKind::Unavailable,
             CudaError::Compile { .. } | CudaError::Shape { .. } | CudaError::Unsupported { .. } => {
                 pdnode_core::ErrorKind::Internal
             }

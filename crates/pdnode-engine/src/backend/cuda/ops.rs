@@ -175,6 +175,43 @@ pub fn fill_uniform_bf16(
     Ok(())
 }
 
+/// Writes a `rows x cols` block of the random matrix [`fill_uniform_bf16`] would generate with
+/// `seed`: element `(r, c)` of `p` (at byte offset `off`) gets the value of global element
+/// `src_off + r * src_ld + c`. Tensor-parallel shards of dummy weights use it.
+#[allow(clippy::too_many_arguments)]
+pub fn fill_uniform_bf16_2d(
+    gpu: &Gpu,
+    p: &DevBuf,
+    off: usize,
+    rows: usize,
+    cols: usize,
+    src_ld: usize,
+    src_off: usize,
+    seed: u64,
+    scale: f32,
+) -> Result<(), CudaError> {
+    const OP: &str = "fill_uniform_bf16_2d";
+    let n = rows * cols;
+    need(OP, "p", p, off + n * BF16)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let f = gpu.kernel(OP)?;
+    let ptr = p.at(off);
+    let (r, c, ld, so) = (rows as i64, cols as i64, src_ld as i64, src_off as i64);
+    let mut b = gpu.stream.launch_builder(f);
+    b.arg(&ptr)
+        .arg(&r)
+        .arg(&c)
+        .arg(&ld)
+        .arg(&so)
+        .arg(&seed)
+        .arg(&scale);
+    // SAFETY: `off + rows * cols` bf16 elements checked above.
+    unsafe { b.launch(cfg((stride_grid(gpu, n, 256), 1, 1), 256)) }.map_err(launched(OP))?;
+    Ok(())
+}
+
 /// Fills `n` f32 elements of `p` with `v`.
 pub fn fill_f32(gpu: &Gpu, p: &DevBuf, n: usize, v: f32) -> Result<(), CudaError> {
     const OP: &str = "fill_f32";

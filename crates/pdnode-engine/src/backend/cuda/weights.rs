@@ -7,6 +7,68 @@ use super::ops;
 use crate::spec::{ModelSpec, RopeScaling};
 use crate::weights::Weights;
 
+/// Which tensor-parallel slice of the model one GPU holds: rank `rank` of `size`. Heads,
+/// KV heads and the MLP intermediate dimension are split evenly (q/k/v and gate/up by rows,
+/// o-proj and down by columns); embeddings, norms and the lm_head are replicated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shard {
+    pub rank: usize,
+    pub size: usize,
+}
+
+impl Shard {
+    pub const WHOLE: Shard = Shard { rank: 0, size: 1 };
+
+    /// Checks that `spec` splits evenly over `size` ranks.
+    pub fn check(&self, spec: &ModelSpec) -> Result<(), CudaError> {
+        let n = self.size;
+        if n == 0 || self.rank >= n {
+            return Err(CudaError::Unsupported {
+                reason: format!("tensor-parallel rank {} of {n}", self.rank),
+            });
+        }
+        for (what, v) in [
+            ("num_kv_heads", spec.num_kv_heads),
+            ("num_heads", spec.num_heads),
+            ("intermediate_size", spec.intermediate_size),
+        ] {
+            if v % n != 0 {
+                return Err(CudaError::Unsupported {
+                    reason: format!("tensor_parallel = {n} does not divide {what} = {v}"),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The shapes one rank runs: heads, KV heads and the intermediate size divided by `size`.
+    pub fn rank_spec(&self, spec: &ModelSpec) -> ModelSpec {
+        let mut s = spec.clone();
+        s.num_heads /= self.size;
+        s.num_kv_heads /= self.size;
+        s.intermediate_size /= self.size;
+        s
+    }
+
+    /// This rank's part `[rank * len / size, (rank + 1) * len / size)` of `0..len`.
+    pub fn part(&self, len: usize) -> std::ops::Range<usize> {
+        let k = len / self.size;
+        self.rank * k..(self.rank + 1) * k
+    }
+}
+
+/// Rows `r` of a row-major `[rows, cols]` matrix.
+fn rows_of(data: &[f32], cols: usize, r: std::ops::Range<usize>) -> &[f32] {
+    &data[r.start * cols..r.end * cols]
+}
+
+/// Columns `c` of a row-major `[rows, cols]` matrix, as a `[rows, c.len()]` matrix.
+fn cols_of(data: &[f32], cols: usize, c: std::ops::Range<usize>) -> Vec<f32> {
+    data.chunks_exact(cols)
+        .flat_map(|row| row[c.clone()].iter().copied())
+        .collect()
+}
+
 pub struct DevLayer {
     pub attn_norm: DevBuf,
     pub wqkv: DevBuf,
@@ -34,12 +96,25 @@ impl DevWeights {
         self.lm_head.as_ref().unwrap_or(&self.embed)
     }
 
-    /// Uploads host f32 weights (converted to bf16 / kept f32 as above).
-    pub fn upload(gpu: &Gpu, spec: &ModelSpec, w: &Weights) -> Result<Self, CudaError> {
+    /// Uploads host f32 weights (converted to bf16 / kept f32 as above); `shard`'s slice only.
+    pub fn upload(
+        gpu: &Gpu,
+        spec: &ModelSpec,
+        w: &Weights,
+        shard: Shard,
+    ) -> Result<Self, CudaError> {
         w.check_shapes(spec).map_err(|reason| CudaError::Shape {
             op: "weights",
             reason,
         })?;
+        shard.check(spec)?;
+        let (h, q, kv, i) = (
+            spec.hidden_size,
+            spec.q_dim(),
+            spec.kv_dim(),
+            spec.intermediate_size,
+        );
+        let (qr, kvr, ir) = (shard.part(q), shard.part(kv), shard.part(i));
         let mut bytes = 0usize;
         let mut bf = |data: &[f32]| -> Result<DevBuf, CudaError> {
             bytes += data.len() * 2;
@@ -48,14 +123,23 @@ impl DevWeights {
         let cat = |parts: &[&[f32]]| parts.concat();
         let mut layers = Vec::with_capacity(spec.num_layers);
         for l in &w.layers {
-            let wqkv = bf(&cat(&[&l.wq.data, &l.wk.data, &l.wv.data]))?;
-            let wo = bf(&l.wo.data)?;
-            let w_gate_up = bf(&cat(&[&l.w_gate.data, &l.w_up.data]))?;
-            let w_down = bf(&l.w_down.data)?;
+            let wqkv = bf(&cat(&[
+                rows_of(&l.wq.data, h, qr.clone()),
+                rows_of(&l.wk.data, h, kvr.clone()),
+                rows_of(&l.wv.data, h, kvr.clone()),
+            ]))?;
+            let wo = bf(&cols_of(&l.wo.data, q, qr.clone()))?;
+            let w_gate_up = bf(&cat(&[
+                rows_of(&l.w_gate.data, h, ir.clone()),
+                rows_of(&l.w_up.data, h, ir.clone()),
+            ]))?;
+            let w_down = bf(&cols_of(&l.w_down.data, i, ir.clone()))?;
             let bqkv = match (&l.bq, &l.bk, &l.bv) {
-                (Some(q), Some(k), Some(v)) => {
-                    Some(gpu.upload_f32(&cat(&[&q.data, &k.data, &v.data]))?)
-                }
+                (Some(bq), Some(bk), Some(bv)) => Some(gpu.upload_f32(&cat(&[
+                    &bq.data[qr.clone()],
+                    &bk.data[kvr.clone()],
+                    &bv.data[kvr.clone()],
+                ]))?),
                 _ => None,
             };
             layers.push(DevLayer {
@@ -92,33 +176,53 @@ impl DevWeights {
 
     /// Random weights generated on the device (benchmarks at real shapes without host copies):
     /// projections uniform in `±1/sqrt(in)`, embeddings in `±1` (or every matrix uniform with
-    /// standard deviation `std` when given), norms 1, biases 0.
+    /// standard deviation `std` when given), norms 1, biases 0. Each element's value depends only
+    /// on `seed`, the tensor and its index in the whole (unsharded) tensor, so every `shard`
+    /// holds exactly its slice of what `Shard::WHOLE` generates.
     pub fn dummy(
         gpu: &Gpu,
         spec: &ModelSpec,
         seed: u64,
         std: Option<f32>,
+        shard: Shard,
     ) -> Result<Self, CudaError> {
+        shard.check(spec)?;
         let (h, q, kv, i) = (
             spec.hidden_size,
             spec.q_dim(),
             spec.kv_dim(),
             spec.intermediate_size,
         );
+        let (qr, kvr, ir) = (shard.part(q), shard.part(kv), shard.part(i));
         let mut bytes = 0usize;
         let mut n = 0u64;
         let fixed = std.map(|s| s * 3f32.sqrt());
-        let mut rnd = |elems: usize, scale: f32| -> Result<DevBuf, CudaError> {
+        // One global tensor of `cols` columns per call; `blocks`: (first row, rows, first col,
+        // cols) of the parts this rank keeps, stacked in order.
+        let mut rnd = |cols: usize,
+                       blocks: &[(usize, usize, usize, usize)],
+                       scale: f32|
+         -> Result<DevBuf, CudaError> {
             let scale = fixed.unwrap_or(scale);
+            let elems: usize = blocks.iter().map(|b| b.1 * b.3).sum();
             let b = gpu.alloc(elems * 2)?;
             n += 1;
-            ops::fill_uniform_bf16(
-                gpu,
-                &b,
-                elems,
-                seed.wrapping_mul(1_000_003).wrapping_add(n),
-                scale,
-            )?;
+            let tseed = seed.wrapping_mul(1_000_003).wrapping_add(n);
+            let mut off = 0;
+            for &(r0, rows, c0, ncols) in blocks {
+                ops::fill_uniform_bf16_2d(
+                    gpu,
+                    &b,
+                    off,
+                    rows,
+                    ncols,
+                    cols,
+                    r0 * cols + c0,
+                    tseed,
+                    scale,
+                )?;
+                off += rows * ncols * 2;
+            }
             bytes += elems * 2;
             Ok(b)
         };
@@ -128,13 +232,14 @@ impl DevWeights {
             Ok(b)
         };
         let sh = 1.0 / (h as f32).sqrt();
+        let rows = |r: &std::ops::Range<usize>, base: usize| (base + r.start, r.len(), 0, h);
         let mut layers = Vec::with_capacity(spec.num_layers);
         for _ in 0..spec.num_layers {
             layers.push(DevLayer {
                 attn_norm: ones(h, 1.0)?,
-                wqkv: rnd((q + 2 * kv) * h, sh)?,
+                wqkv: rnd(h, &[rows(&qr, 0), rows(&kvr, q), rows(&kvr, q + kv)], sh)?,
                 bqkv: if spec.qkv_bias {
-                    Some(ones(q + 2 * kv, 0.0)?)
+                    Some(ones(qr.len() + 2 * kvr.len(), 0.0)?)
                 } else {
                     None
                 },
@@ -148,17 +253,18 @@ impl DevWeights {
                 } else {
                     None
                 },
-                wo: rnd(h * q, 1.0 / (q as f32).sqrt())?,
+                wo: rnd(q, &[(0, h, qr.start, qr.len())], 1.0 / (q as f32).sqrt())?,
                 mlp_norm: ones(h, 1.0)?,
-                w_gate_up: rnd(2 * i * h, sh)?,
-                w_down: rnd(h * i, 1.0 / (i as f32).sqrt())?,
+                w_gate_up: rnd(h, &[rows(&ir, 0), rows(&ir, i)], sh)?,
+                w_down: rnd(i, &[(0, h, ir.start, ir.len())], 1.0 / (i as f32).sqrt())?,
             });
         }
-        let embed = rnd(spec.vocab_size * h, 1.0)?;
+        let whole = [(0, spec.vocab_size, 0, h)];
+        let embed = rnd(h, &whole, 1.0)?;
         let lm_head = if spec.tie_word_embeddings {
             None
         } else {
-            Some(rnd(spec.vocab_size * h, sh)?)
+            Some(rnd(h, &whole, sh)?)
         };
         gpu.sync()?;
         Ok(Self {
@@ -233,6 +339,52 @@ mod tests {
             qk_norm: false,
             bos_token_id: None,
             eos_token_ids: vec![],
+        }
+    }
+
+    #[test]
+    fn shards_split_heads_and_intermediate_evenly() {
+        let s = spec(None); // 2 heads, 1 KV head, intermediate 128
+        assert!(Shard::WHOLE.check(&s).is_ok());
+        let e = Shard { rank: 0, size: 2 }.check(&s).unwrap_err();
+        assert!(e.to_string().contains("num_kv_heads = 1"), "{e}");
+        assert!(Shard { rank: 2, size: 2 }.check(&s).is_err());
+        let mut s2 = s.clone();
+        s2.num_kv_heads = 2;
+        let sh = Shard { rank: 1, size: 2 };
+        sh.check(&s2).unwrap();
+        let r = sh.rank_spec(&s2);
+        assert_eq!(
+            (r.num_heads, r.num_kv_heads, r.intermediate_size),
+            (1, 1, 64)
+        );
+        assert_eq!((r.hidden_size, r.vocab_size, r.head_dim), (64, 10, 128));
+        assert_eq!(sh.part(256), 128..256);
+        assert_eq!(Shard::WHOLE.part(7), 0..7);
+    }
+
+    #[test]
+    fn row_and_column_slices_of_a_matrix() {
+        // 3 x 4, element (r, c) = 10 r + c
+        let m: Vec<f32> = (0..3)
+            .flat_map(|r| (0..4).map(move |c| (10 * r + c) as f32))
+            .collect();
+        assert_eq!(rows_of(&m, 4, 1..2), &[10.0, 11.0, 12.0, 13.0]);
+        assert_eq!(cols_of(&m, 4, 2..4), vec![2.0, 3.0, 12.0, 13.0, 22.0, 23.0]);
+        // The column shards of a row-split matmul sum to the whole product.
+        let x = [1.0f32, -2.0, 0.5, 3.0];
+        let dot = |w: &[f32], xs: &[f32], cols: usize| -> Vec<f32> {
+            w.chunks_exact(cols)
+                .map(|row| row.iter().zip(xs).map(|(a, b)| a * b).sum())
+                .collect()
+        };
+        let whole = dot(&m, &x, 4);
+        let (a, b) = (
+            dot(&cols_of(&m, 4, 0..2), &x[..2], 2),
+            dot(&cols_of(&m, 4, 2..4), &x[2..], 2),
+        );
+        for i in 0..3 {
+            assert!((whole[i] - (a[i] + b[i])).abs() < 1e-4);
         }
     }
 

@@ -1,0 +1,710 @@
+//! Tensor parallelism inside one node's GPU group: [`CudaTpBackend`] runs one [`CudaBackend`]
+//! rank per GPU, each on its own OS thread (a CUDA context is bound to the thread using it),
+//! joined by an NCCL communicator ([`NcclComm`]) for the all-reduces of the residual stream.
+//!
+//! The engine sees one [`Backend`]: each call is fanned out to every rank over channels and
+//! waited for with a deadline; `forward` returns rank 0's logits (every rank computes the same
+//! ones), `read_kv`/`write_kv` move all ranks' bytes back to back, rank-major.
+//!
+//! A rank that fails or misses a deadline leaves the group unusable (the others may be waiting
+//! inside an NCCL collective): the backend then refuses every later call with a typed error.
+
+use super::CudaError;
+use super::backend::{CudaBackend, CudaOptions};
+use super::device::Gpu;
+use super::weights::Shard;
+use crate::backend::{
+    Backend, BackendError, ForwardBatch, KvMemory, KvRegion, Logits, SeqStep, check_kv_io,
+};
+use crate::loader::LoadedModel;
+use crate::spec::ModelSpec;
+use crate::weights::Weights;
+use cudarc::nccl::{result as nccl, sys as nccl_sys};
+use pdnode_core::{BlockId, KvLayout};
+use std::ops::Range;
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+/// Longest wait for one step or KV copy on every rank.
+const STEP_DEADLINE: Duration = Duration::from_secs(300);
+/// Longest wait for a rank thread to finish after being told to stop.
+const EXIT_DEADLINE: Duration = Duration::from_secs(30);
+
+fn nccl_err(op: &'static str) -> impl FnOnce(nccl::NcclError) -> CudaError {
+    move |e| CudaError::Nccl {
+        op,
+        msg: format!("{e:?}"),
+    }
+}
+
+/// The unique id that names one NCCL communicator (made once, handed to every rank).
+#[derive(Clone, Copy)]
+pub struct NcclId(nccl_sys::ncclUniqueId);
+
+impl NcclId {
+    /// Checks that libnccl can be loaded (cudarc panics on a call into a missing library), then
+    /// makes a fresh id.
+    pub fn new() -> Result<Self, CudaError> {
+        // SAFETY: only tries to dlopen libnccl; no symbol is called.
+        if !unsafe { nccl_sys::is_culib_present() } {
+            return Err(CudaError::Unsupported {
+                reason: "tensor parallelism needs NCCL (libnccl.so.2), not found on this host"
+                    .into(),
+            });
+        }
+        nccl::get_uniqueid()
+            .map(NcclId)
+            .map_err(nccl_err("ncclGetUniqueId"))
+    }
+}
+
+/// One rank's handle on an NCCL communicator, bound to that rank's GPU and stream.
+pub struct NcclComm {
+    comm: nccl_sys::ncclComm_t,
+    pub rank: usize,
+    pub size: usize,
+}
+
+// SAFETY: the communicator is used by one thread at a time (the owner of the rank's backend),
+// always with that rank's context bound; NCCL allows a communicator to move between threads.
+unsafe impl Send for NcclComm {}
+
+impl NcclComm {
+    /// Joins communicator `id` as `rank` of `size` on `gpu` (blocks until every rank joined).
+    pub fn init(gpu: &Gpu, id: &NcclId, rank: usize, size: usize) -> Result<Self, CudaError> {
+        gpu.bind()?;
+        let mut comm = std::mem::MaybeUninit::uninit();
+        let (n, r) = (
+            i32::try_from(size).map_err(|_| CudaError::Unsupported {
+                reason: format!("tensor_parallel = {size}"),
+            })?,
+            rank as i32,
+        );
+        // SAFETY: `comm` is written by NCCL on success and read only then; the id came from
+        // ncclGetUniqueId (NcclId::new checked the library is present).
+        let comm = unsafe {
+            nccl::comm_init_rank(comm.as_mut_ptr(), n, id.0, r)
+                .map_err(nccl_err("ncclCommInitRank"))?;
+            comm.assume_init()
+        };
+        Ok(Self { comm, rank, size })
+    }
+
+    fn all_reduce(
+        &self,
+        gpu: &Gpu,
+        buf: u64,
+        count: usize,
+        ty: nccl_sys::ncclDataType_t,
+        op: nccl_sys::ncclRedOp_t,
+    ) -> Result<(), CudaError> {
+        if count == 0 {
+            return Ok(());
+        }
+        // SAFETY: `buf` is a live device allocation of this rank's context holding `count`
+        // elements of `ty` (callers pass workspace buffers sized for them); the reduction is
+        // ordered on this rank's stream like the kernels around it.
+        unsafe {
+            nccl::all_reduce(
+                buf as *const std::ffi::c_void,
+                buf as *mut std::ffi::c_void,
+                count,
+                ty,
+                op,
+                self.comm,
+                gpu.stream.cu_stream() as _,
+            )
+        }
+        .map_err(nccl_err("ncclAllReduce"))?;
+        Ok(())
+    }
+
+    /// In-place f32 sum of `count` elements at `buf` over the ranks (asynchronous).
+    pub fn all_reduce_sum_f32(&self, gpu: &Gpu, buf: u64, count: usize) -> Result<(), CudaError> {
+        self.all_reduce(
+            gpu,
+            buf,
+            count,
+            nccl_sys::ncclDataType_t::ncclFloat32,
+            nccl_sys::ncclRedOp_t::ncclSum,
+        )
+    }
+
+    /// The smallest of every rank's `v` (synchronous).
+    pub fn min_u64(&self, gpu: &Gpu, v: u64) -> Result<u64, CudaError> {
+        let buf = gpu.alloc(8)?;
+        gpu.upload(&buf, 0, &[v])?;
+        self.all_reduce(
+            gpu,
+            buf.ptr(),
+            1,
+            nccl_sys::ncclDataType_t::ncclUint64,
+            nccl_sys::ncclRedOp_t::ncclMin,
+        )?;
+        let mut out = [0u64];
+        gpu.download(&mut out, &buf, 0)?;
+        gpu.sync()?;
+        Ok(out[0])
+    }
+}
+
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        // SAFETY: the communicator was initialized and is released once, here; its owner
+        // synchronized the stream before dropping (CudaBackend's Drop runs first).
+        let _ = unsafe { nccl::comm_destroy(self.comm) };
+    }
+}
+
+/// One sequence of a step, owned (sent to every rank thread).
+struct OwnedSeq {
+    tokens: Vec<u32>,
+    start_pos: usize,
+    block_table: Vec<BlockId>,
+    want_logits: bool,
+}
+
+enum Cmd {
+    /// Runs a step; `download`: rank 0 copies its logits back (else the step is only enqueued).
+    Forward {
+        batch: Arc<Vec<OwnedSeq>>,
+        download: bool,
+        reply: Sender<Result<Option<Logits>, BackendError>>,
+    },
+    Sync {
+        reply: Sender<Result<Option<Logits>, BackendError>>,
+    },
+    FillKv {
+        seed: u64,
+        reply: Sender<Result<Option<Logits>, BackendError>>,
+    },
+    ReadKv {
+        layers: Range<u32>,
+        blocks: Arc<Vec<BlockId>>,
+        bytes: usize,
+        reply: Sender<Result<Vec<u8>, BackendError>>,
+    },
+    WriteKv {
+        layers: Range<u32>,
+        blocks: Arc<Vec<BlockId>>,
+        data: Arc<Vec<u8>>,
+        range: Range<usize>,
+        reply: Sender<Result<Option<Logits>, BackendError>>,
+    },
+}
+
+fn rank_loop(mut be: CudaBackend, rx: Receiver<Cmd>) {
+    let rank = be.shard().rank;
+    for cmd in rx {
+        match cmd {
+            Cmd::Forward {
+                batch,
+                download,
+                reply,
+            } => {
+                let fb = ForwardBatch {
+                    seqs: batch
+                        .iter()
+                        .map(|s| SeqStep {
+                            tokens: &s.tokens,
+                            start_pos: s.start_pos,
+                            block_table: &s.block_table,
+                            want_logits: s.want_logits,
+                        })
+                        .collect(),
+                };
+                let r = if download && rank == 0 {
+                    be.forward(&fb).map(Some)
+                } else if download {
+                    be.forward_device(&fb)
+                        .and_then(|_| be.synchronize())
+                        .map(|_| None)
+                } else {
+                    be.forward_device(&fb).map(|_| None)
+                };
+                let _ = reply.send(r);
+            }
+            Cmd::Sync { reply } => {
+                let _ = reply.send(be.synchronize().map(|_| None));
+            }
+            Cmd::FillKv { seed, reply } => {
+                let r = be.fill_kv_random(seed.wrapping_add(rank as u64));
+                let _ = reply.send(r.map(|_| None).map_err(BackendError::from));
+            }
+            Cmd::ReadKv {
+                layers,
+                blocks,
+                bytes,
+                reply,
+            } => {
+                let mut out = vec![0u8; bytes];
+                let r = be.read_kv(layers, &blocks, &mut out).map(|_| out);
+                let _ = reply.send(r);
+            }
+            Cmd::WriteKv {
+                layers,
+                blocks,
+                data,
+                range,
+                reply,
+            } => {
+                let r = be.write_kv(layers, &blocks, &data[range]).map(|_| None);
+                let _ = reply.send(r);
+            }
+        }
+    }
+    // `be` drops here, on its own thread (its Drop synchronizes the stream first).
+}
+
+struct RankThread {
+    tx: Option<Sender<Cmd>>,
+    handle: Option<JoinHandle<()>>,
+    done: Receiver<()>,
+}
+
+/// Tensor-parallel CUDA backend: `tensor_parallel` GPUs (`gpu .. gpu + tp`), one thread each.
+pub struct CudaTpBackend {
+    ranks: Vec<RankThread>,
+    layout: KvLayout,
+    num_blocks: usize,
+    regions: Vec<KvRegion>,
+    first_gpu: u32,
+    weight_bytes: usize,
+    /// Set once a rank failed or missed a deadline: the group may be stuck in a collective.
+    broken: Option<String>,
+}
+
+impl CudaTpBackend {
+    /// Host weights, sharded and uploaded to each rank's GPU.
+    pub fn new(
+        spec: &ModelSpec,
+        weights: &Weights,
+        opts: &CudaOptions,
+        model_fingerprint: String,
+    ) -> Result<Self, CudaError> {
+        Self::build(spec, opts, |o, shard| {
+            CudaBackend::new_rank(spec, weights, o, model_fingerprint.clone(), shard)
+        })
+    }
+
+    /// Dummy weights generated on each device: rank `r` holds exactly its slice of what
+    /// [`CudaBackend::new_dummy`] generates with the same seed (`std` as the loader's dummy).
+    pub fn new_dummy(
+        spec: &ModelSpec,
+        seed: u64,
+        std: Option<f32>,
+        opts: &CudaOptions,
+        model_fingerprint: String,
+    ) -> Result<Self, CudaError> {
+        Self::build(spec, opts, |o, shard| {
+            CudaBackend::dummy_rank(spec, seed, std, o, model_fingerprint.clone(), shard)
+        })
+    }
+
+    pub fn from_loaded(model: &LoadedModel, opts: &CudaOptions) -> Result<Self, CudaError> {
+        Self::build(&model.spec, opts, |o, shard| {
+            CudaBackend::from_loaded_rank(model, o, shard)
+        })
+    }
+
+    /// Builds every rank on the calling thread (weights one GPU after the other), joins them in
+    /// one NCCL communicator, agrees on the KV block count, then moves each rank to its thread.
+    fn build(
+        spec: &ModelSpec,
+        opts: &CudaOptions,
+        mut make: impl FnMut(&CudaOptions, Shard) -> Result<CudaBackend, CudaError>,
+    ) -> Result<Self, CudaError> {
+        let tp = opts.tensor_parallel.max(1) as usize;
+        Shard { rank: 0, size: tp }.check(spec)?;
+        let probe = super::probe::probe()?;
+        if opts.gpu as usize + tp > probe.device_count as usize {
+            return Err(CudaError::NoDevice {
+                ordinal: opts.gpu + tp as u32 - 1,
+                count: probe.device_count,
+            });
+        }
+        let id = if tp > 1 { Some(NcclId::new()?) } else { None };
+        let mut bes = Vec::with_capacity(tp);
+        for rank in 0..tp {
+            bes.push(make(opts, Shard { rank, size: tp })?);
+        }
+        if let Some(id) = &id {
+            // NCCL's init returns only once every rank joined: one thread per rank.
+            let results: Vec<Result<(), CudaError>> = std::thread::scope(|sc| {
+                let hs: Vec<_> = bes
+                    .iter_mut()
+                    .map(|be| sc.spawn(move || be.attach_comm(id)))
+                    .collect();
+                hs.into_iter()
+                    .enumerate()
+                    .map(|(rank, h)| {
+                        h.join().unwrap_or_else(|_| {
+                            Err(CudaError::Rank {
+                                rank,
+                                msg: "NCCL init thread panicked".into(),
+                            })
+                        })
+                    })
+                    .collect()
+            });
+            results.into_iter().collect::<Result<Vec<()>, _>>()?;
+            if opts.num_kv_blocks == 0 {
+                let counts: Vec<Result<u64, CudaError>> = std::thread::scope(|sc| {
+                    let hs: Vec<_> = bes
+                        .iter_mut()
+                        .map(|be| sc.spawn(move || be.min_blocks()))
+                        .collect();
+                    hs.into_iter()
+                        .enumerate()
+                        .map(|(rank, h)| {
+                            h.join().unwrap_or_else(|_| {
+                                Err(CudaError::Rank {
+                                    rank,
+                                    msg: "thread panicked".into(),
+                                })
+                            })
+                        })
+                        .collect()
+                });
+                let n = counts.into_iter().collect::<Result<Vec<u64>, _>>()?;
+                let n = n.into_iter().min().unwrap_or(0) as usize;
+                for be in &mut bes {
+                    be.set_num_blocks(n)?;
+                }
+            }
+        }
+        let layout = bes[0].kv_layout().clone();
+        let num_blocks = bes[0].num_kv_blocks();
+        let regions = bes.iter().flat_map(|b| b.kv_regions()).collect();
+        let weight_bytes = bes[0].weight_bytes();
+        let mut ranks = Vec::with_capacity(tp);
+        for (rank, be) in bes.into_iter().enumerate() {
+            let (tx, rx) = channel();
+            let (done_tx, done) = channel();
+            let handle = std::thread::Builder::new()
+                .name(format!("cuda-tp-{rank}"))
+                .spawn(move || {
+                    rank_loop(be, rx);
+                    let _ = done_tx.send(());
+                })
+                .map_err(|e| CudaError::Rank {
+                    rank,
+                    msg: format!("spawning its thread: {e}"),
+                })?;
+            ranks.push(RankThread {
+                tx: Some(tx),
+                handle: Some(handle),
+                done,
+            });
+        }
+        Ok(Self {
+            ranks,
+            layout,
+            num_blocks,
+            regions,
+            first_gpu: opts.gpu,
+            weight_bytes,
+            broken: None,
+        })
+    }
+
+    pub fn tensor_parallel(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// Bytes of weights on each GPU.
+    pub fn weight_bytes_per_rank(&self) -> usize {
+        self.weight_bytes
+    }
+
+    /// Sends one command per rank (`make(rank)`), then waits for every reply with the deadline.
+    fn fan_out<T>(
+        &mut self,
+        mut make: impl FnMut(usize, Sender<Result<T, BackendError>>) -> Cmd,
+    ) -> Result<Vec<T>, BackendError> {
+        if let Some(why) = &self.broken {
+            return Err(BackendError::Device(format!(
+                "tensor-parallel group unusable: {why}"
+            )));
+        }
+        let mut rxs = Vec::with_capacity(self.ranks.len());
+        for (rank, r) in self.ranks.iter().enumerate() {
+            let (tx, rx) = channel();
+            let sent = r.tx.as_ref().map(|t| t.send(make(rank, tx)).is_ok());
+            if sent != Some(true) {
+                let why = format!("rank {rank} thread is gone");
+                self.broken = Some(why.clone());
+                return Err(BackendError::Device(why));
+            }
+            rxs.push(rx);
+        }
+        let deadline = std::time::Instant::now() + STEP_DEADLINE;
+        let mut out = Vec::with_capacity(rxs.len());
+        let mut first_err = None;
+        for (rank, rx) in rxs.into_iter().enumerate() {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(Ok(v)) => out.push(v),
+                Ok(Err(e)) => {
+                    first_err.get_or_insert(e);
+                }
+                Err(_) => {
+                    let why = format!("rank {rank} gave no answer within {STEP_DEADLINE:?}");
+                    self.broken = Some(why.clone());
+                    return Err(BackendError::Device(why));
+                }
+            }
+        }
+        match first_err {
+            // A rank refusing a batch before any collective refuses it on every rank (same
+            // checks, same inputs); a device error on one rank leaves the group unusable.
+            Some(e @ BackendError::Device(_)) => {
+                self.broken = Some(e.to_string());
+                Err(e)
+            }
+            Some(e) => Err(e),
+            None => Ok(out),
+        }
+    }
+
+    fn owned(batch: &ForwardBatch<'_>) -> Arc<Vec<OwnedSeq>> {
+        Arc::new(
+            batch
+                .seqs
+                .iter()
+                .map(|s| OwnedSeq {
+                    tokens: s.tokens.to_vec(),
+                    start_pos: s.start_pos,
+                    block_table: s.block_table.to_vec(),
+                    want_logits: s.want_logits,
+                })
+                .collect(),
+        )
+    }
+
+    /// Enqueues a step on every rank without waiting for the devices (benchmarks; pair with
+    /// [`CudaTpBackend::synchronize`]).
+    pub fn forward_device(&mut self, batch: &ForwardBatch<'_>) -> Result<(), BackendError> {
+        let b = Self::owned(batch);
+        self.fan_out(|_, reply| Cmd::Forward {
+            batch: b.clone(),
+            download: false,
+            reply,
+        })
+        .map(|_| ())
+    }
+
+    /// Fills every rank's KV pool with seeded random values (benchmarks: never time on zeros).
+    pub fn fill_kv_random(&mut self, seed: u64) -> Result<(), BackendError> {
+        self.fan_out(|_, reply| Cmd::FillKv { seed, reply })
+            .map(|_| ())
+    }
+
+    /// Waits for every rank's device.
+    pub fn synchronize(&mut self) -> Result<(), BackendError> {
+        self.fan_out(|_, reply| Cmd::Sync { reply }).map(|_| ())
+    }
+}
+
+impl Backend for CudaTpBackend {
+    fn name(&self) -> String {
+        let n = self.ranks.len() as u32;
+        if n == 1 {
+            format!("cuda:{}", self.first_gpu)
+        } else {
+            format!("cuda:{}-{}", self.first_gpu, self.first_gpu + n - 1)
+        }
+    }
+
+    fn kv_layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    fn num_kv_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    fn forward(&mut self, batch: &ForwardBatch<'_>) -> Result<Logits, BackendError> {
+        let b = Self::owned(batch);
+        let mut out = self.fan_out(|_, reply| Cmd::Forward {
+            batch: b.clone(),
+            download: true,
+            reply,
+        })?;
+        out.swap_remove(0)
+            .ok_or_else(|| BackendError::Device("rank 0 returned no logits".into()))
+    }
+
+    fn read_kv(
+        &self,
+        layers: Range<u32>,
+        blocks: &[BlockId],
+        out: &mut [u8],
+    ) -> Result<(), BackendError> {
+        let tp = self.ranks.len();
+        let per_rank = check_kv_io(
+            &self.layout,
+            self.num_blocks,
+            &layers,
+            blocks,
+            out.len(),
+            tp,
+        )?;
+        if let Some(why) = &self.broken {
+            return Err(BackendError::Device(format!(
+                "tensor-parallel group unusable: {why}"
+            )));
+        }
+        // `&self`: no broken-flag update here; a failure is reported to the caller.
+        let blocks = Arc::new(blocks.to_vec());
+        let mut rxs = Vec::with_capacity(tp);
+        for (rank, r) in self.ranks.iter().enumerate() {
+            let (tx, rx) = channel();
+            let cmd = Cmd::ReadKv {
+                layers: layers.clone(),
+                blocks: blocks.clone(),
+                bytes: per_rank,
+                reply: tx,
+            };
+            if r.tx.as_ref().map(|t| t.send(cmd).is_ok()) != Some(true) {
+                return Err(BackendError::Device(format!("rank {rank} thread is gone")));
+            }
+            rxs.push(rx);
+        }
+        let deadline = std::time::Instant::now() + STEP_DEADLINE;
+        for (rank, rx) in rxs.into_iter().enumerate() {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let bytes = rx.recv_timeout(left).map_err(|_| {
+                BackendError::Device(format!("rank {rank}: no KV read within {STEP_DEADLINE:?}"))
+            })??;
+            out[rank * per_rank..(rank + 1) * per_rank].copy_from_slice(&bytes);
+        }
+        Ok(())
+    }
+
+    fn write_kv(
+        &mut self,
+        layers: Range<u32>,
+        blocks: &[BlockId],
+        data: &[u8],
+    ) -> Result<(), BackendError> {
+        let tp = self.ranks.len();
+        let per_rank = check_kv_io(
+            &self.layout,
+            self.num_blocks,
+            &layers,
+            blocks,
+            data.len(),
+            tp,
+        )?;
+        let blocks = Arc::new(blocks.to_vec());
+        let data = Arc::new(data.to_vec());
+        self.fan_out(|rank, reply| Cmd::WriteKv {
+            layers: layers.clone(),
+            blocks: blocks.clone(),
+            data: data.clone(),
+            range: rank * per_rank..(rank + 1) * per_rank,
+            reply,
+        })
+        .map(|_| ())
+    }
+}
+
+impl KvMemory for CudaTpBackend {
+    fn kv_regions(&self) -> Vec<KvRegion> {
+        self.regions.clone()
+    }
+}
+
+impl Drop for CudaTpBackend {
+    fn drop(&mut self) {
+        // Closing the channels ends each rank's loop; its backend is dropped on its thread.
+        for r in &mut self.ranks {
+            r.tx = None;
+        }
+        for r in &mut self.ranks {
+            if r.done.recv_timeout(EXIT_DEADLINE).is_ok()
+                && let Some(h) = r.handle.take()
+            {
+                let _ = h.join();
+            }
+            // Else the thread is left detached (stuck in a device call); the process exit
+            // reclaims it.
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::Arch;
+
+    fn spec(kv_heads: usize) -> ModelSpec {
+        ModelSpec {
+            arch: Arch::Llama,
+            hidden_size: 64,
+            intermediate_size: 128,
+            num_layers: 1,
+            num_heads: 4,
+            num_kv_heads: kv_heads,
+            head_dim: 16,
+            vocab_size: 10,
+            rms_norm_eps: 1e-5,
+            rope_theta: 10000.0,
+            rope_scaling: None,
+            max_position_embeddings: 128,
+            tie_word_embeddings: true,
+            qkv_bias: false,
+            qk_norm: false,
+            bos_token_id: None,
+            eos_token_ids: vec![],
+        }
+    }
+
+    fn opts(tp: u32) -> CudaOptions {
+        CudaOptions {
+            gpu: 0,
+            tensor_parallel: tp,
+            mem_fraction: 0.5,
+            num_kv_blocks: 4,
+            block_size: 16,
+            max_batch_tokens: 16,
+            max_seqs: 2,
+            prefill_gemm_min_tokens: 64,
+            linear: super::super::ops::LinearImpl::Auto,
+            attention: super::super::ops::AttnVariant::Auto,
+        }
+    }
+
+    // Shape checks come before any device or library is touched: the same typed error on a
+    // build host without a GPU and on the GPU host.
+    #[test]
+    fn kv_heads_not_divisible_by_tp_is_a_typed_error() {
+        let e = CudaTpBackend::new_dummy(&spec(1), 1, None, &opts(2), "t".into())
+            .err()
+            .expect("1 KV head over 2 ranks must be refused");
+        match &e {
+            CudaError::Unsupported { reason } => {
+                assert!(reason.contains("num_kv_heads = 1"), "{reason}")
+            }
+            other => panic!("unexpected error {other:?}"),
+        }
+        let e = CudaTpBackend::new_dummy(&spec(2), 1, None, &opts(3), "t".into())
+            .err()
+            .expect("tp = 3 must be refused");
+        assert!(matches!(e, CudaError::Unsupported { .. }), "{e:?}");
+    }
+
+    #[test]
+    fn plain_cuda_backend_refuses_tp_above_one() {
+        let e = CudaBackend::new_dummy(&spec(2), 1, &opts(2), "t".into())
+            .err()
+            .expect("CudaBackend is one GPU");
+        match e {
+            CudaError::Unsupported { reason } => assert!(reason.contains("CudaTpBackend")),
+            other => panic!("unexpected error {other:?}"),
+        }
+    }
+}

@@ -1,0 +1,106 @@
+//! Decode step time of [`CudaTpBackend`] at Llama-3.1-8B shapes (dummy weights) for a given
+//! tensor-parallel degree, against each GPU's HBM roofline (its weight slice plus its KV heads'
+//! bytes over the measured copy bandwidth). TP = 1 runs through the same wrapper (one rank
+//! thread) so the figures compare like with like.
+
+use super::CudaError;
+use super::backend::CudaOptions;
+use super::bench::{BenchRow, Ceilings, llama31_8b, measure_ceilings};
+use super::device::Gpu;
+use super::ops;
+use super::tp::CudaTpBackend;
+use crate::backend::{Backend, BackendError, ForwardBatch, SeqStep};
+use pdnode_core::BlockId;
+use std::time::Instant;
+
+fn err(e: BackendError) -> CudaError {
+    CudaError::Driver {
+        op: "forward",
+        msg: e.to_string(),
+    }
+}
+
+/// Decode steps at each `(batch, ctx)` with `tp` GPUs (`0 .. tp`). Rows: `decode tp=N` (device
+/// time of back-to-back steps) and `decode+logits D2H tp=N` (what `Backend::forward` costs).
+pub fn run_decode(
+    tp: usize,
+    decode: &[(usize, usize)],
+    iters: usize,
+    mut report: impl FnMut(&BenchRow),
+) -> Result<(Ceilings, Vec<BenchRow>), CudaError> {
+    let spec = llama31_8b();
+    let ceil = {
+        let gpu = Gpu::new(0)?;
+        measure_ceilings(&gpu)?
+    };
+    let bs = 16usize;
+    let num_blocks = decode
+        .iter()
+        .map(|&(b, c)| b * c.div_ceil(bs))
+        .max()
+        .unwrap_or(0)
+        + 8;
+    let opts = CudaOptions {
+        gpu: 0,
+        tensor_parallel: tp as u32,
+        mem_fraction: 0.95,
+        num_kv_blocks: num_blocks as u32,
+        block_size: bs as u32,
+        max_batch_tokens: 64,
+        max_seqs: decode.iter().map(|d| d.0).max().unwrap_or(1).max(1),
+        prefill_gemm_min_tokens: 64,
+        linear: ops::LinearImpl::Auto,
+        attention: ops::AttnVariant::Auto,
+    };
+    let mut be = CudaTpBackend::new_dummy(&spec, 1234, None, &opts, "bench".into())?;
+    be.fill_kv_random(99).map_err(err)?;
+    let wbytes = be.weight_bytes_per_rank() as f64;
+    let kv_per_tok = (spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 2) as f64;
+    let mut rows = Vec::new();
+    for &(batch, ctx) in decode {
+        let nbps = ctx.div_ceil(bs);
+        let tables: Vec<Vec<BlockId>> = (0..batch)
+            .map(|i| (0..nbps).map(|j| BlockId((i * nbps + j) as u32)).collect())
+            .collect();
+        let toks: Vec<[u32; 1]> = (0..batch).map(|i| [(i * 7919 % 128000) as u32]).collect();
+        let fb = ForwardBatch {
+            seqs: (0..batch)
+                .map(|i| SeqStep {
+                    tokens: &toks[i],
+                    start_pos: ctx - 1,
+                    block_table: &tables[i],
+                    want_logits: true,
+                })
+                .collect(),
+        };
+        be.forward_device(&fb).map_err(err)?;
+        be.synchronize().map_err(err)?;
+        let t0 = Instant::now();
+        for _ in 0..iters {
+            be.forward_device(&fb).map_err(err)?;
+        }
+        be.synchronize().map_err(err)?;
+        let dev_t = t0.elapsed().as_secs_f64() / iters as f64;
+        let n_host = iters.clamp(1, 5);
+        let t0 = Instant::now();
+        for _ in 0..n_host {
+            be.forward(&fb).map_err(err)?;
+        }
+        let host_t = t0.elapsed().as_secs_f64() / n_host as f64;
+        // Per GPU: its weight slice and its share of the KV heads.
+        let bytes = wbytes + kv_per_tok * (batch * ctx) as f64 / tp as f64;
+        let floor_ms = bytes / ceil.hbm_traffic_bps * 1e3;
+        for (what, t) in [("decode", dev_t), ("decode+logits D2H", host_t)] {
+            let row = BenchRow {
+                what: format!("{what} tp={tp}"),
+                batch,
+                ctx,
+                ms: t * 1e3,
+                floor_ms,
+            };
+            report(&row);
+            rows.push(row);
+        }
+    }
+    Ok((ceil, rows))
+}

@@ -61,7 +61,11 @@ impl Membership for StaticMembership {
         self.workers
             .read()
             .iter()
-            .filter(|w| w.card.role == role)
+            .filter(|w| {
+                // As the registry's view: `all` nodes serve prefill and decode work too.
+                w.card.role == role
+                    || (w.card.role == Role::All && matches!(role, Role::Prefill | Role::Decode))
+            })
             .cloned()
             .collect()
     }

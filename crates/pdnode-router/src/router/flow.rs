@@ -189,8 +189,7 @@ async fn drive(
     let token_timeout = Duration::from_secs(cfg.token_timeout_s);
     let tokens = &req.prompt_token_ids;
 
-    let prefills = router.deps.membership.workers(Role::Prefill);
-    let decodes = router.deps.membership.workers(Role::Decode);
+    let (prefills, decodes) = candidates(router.deps.membership.as_ref());
     let now = Instant::now();
     let mut excluded: Vec<NodeId> = Vec::new();
     let mut excluded_d: Vec<NodeId> = Vec::new();
@@ -216,15 +215,20 @@ async fn drive(
         let Some(d) = d_slot.as_ref().map(|(w, _)| w.clone()) else {
             break;
         };
-        let picked = router
-            .state
-            .lock()
-            .pick(Role::Prefill, &prefills, tokens, &excluded, now);
-        let Some(p_idx) = picked else {
-            missing = Role::Prefill;
-            break;
+        // A colocated worker prefills and decodes its own requests: P == D.
+        let p = if is_colocated(&d) {
+            d.clone()
+        } else {
+            let picked = router
+                .state
+                .lock()
+                .pick(Role::Prefill, &prefills, tokens, &excluded, now);
+            let Some(p_idx) = picked else {
+                missing = Role::Prefill;
+                break;
+            };
+            prefills[p_idx].clone()
         };
-        let p = prefills[p_idx].clone();
         let p_booking = Booking::new(router, p.id());
         if attempt > 0 {
             req_id = RequestId::random();
@@ -298,6 +302,11 @@ async fn drive(
                     return Err(e);
                 }
                 excluded.push(p.id().clone());
+                if is_colocated(&d) {
+                    // Its decode side goes with it.
+                    excluded_d.push(d.id().clone());
+                    d_slot = None;
+                }
                 last_err = Some(e);
                 continue;
             }
@@ -464,6 +473,29 @@ async fn drive(
         }
     }
     Err(last_err.unwrap_or(RouterError::NoNode { role: missing }))
+}
+
+/// A worker that serves both phases itself (role `All`: a colocated engine).
+fn is_colocated(w: &Worker) -> bool {
+    w.card.role == Role::All
+}
+
+/// Prefill candidates (prefill-only workers) and decode candidates (decode-only workers plus the
+/// colocated ones, each once). A colocated worker is picked by the decode policy and then
+/// prefills for itself; the prefill policy never pairs it with another decode node.
+pub(crate) fn candidates(m: &dyn crate::membership::Membership) -> (Vec<Worker>, Vec<Worker>) {
+    let prefills: Vec<Worker> = m
+        .workers(Role::Prefill)
+        .into_iter()
+        .filter(|w| !is_colocated(w))
+        .collect();
+    let mut decodes: Vec<Worker> = m
+        .workers(Role::Decode)
+        .into_iter()
+        .filter(|w| !is_colocated(w))
+        .collect();
+    decodes.extend(m.workers(Role::All).into_iter().filter(is_colocated));
+    (prefills, decodes)
 }
 
 fn detok_err(e: crate::tokenize::TokenizeError) -> RouterError {

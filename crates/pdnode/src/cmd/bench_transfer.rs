@@ -48,9 +48,13 @@ pub struct Args {
     /// shared memory, UCX then emulates the puts through the receiver's progress: slow).
     #[arg(long)]
     pub user_staging: bool,
-    /// Memory of the KV pools: `host` (`cuda:N` needs the CUDA backend's pool).
+    /// Memory of the KV staging the puts read and write: `host` or `cuda:N` (`cuMemAlloc`;
+    /// with `--local` each process then sees only its own GPU).
     #[arg(long, default_value = "host")]
     pub mem: MemKind,
+    /// The server's memory when it differs from `--mem` (e.g. `--mem cuda:0 --server-mem cuda:1`).
+    #[arg(long)]
+    pub server_mem: Option<MemKind>,
     /// libucp to load (default: libucp.so.0, then libucp.so).
     #[arg(long, value_name = "PATH")]
     pub ucx_lib: Option<String>,
@@ -97,6 +101,7 @@ fn options(args: &Args, role: BenchRole) -> Options {
         layers_per_put: args.layers_per_put,
         pool_placement: args.pool_placement,
         mem: args.mem,
+        server_mem: args.server_mem,
         ucx_lib: args.ucx_lib.clone(),
         tls: args.tls.clone(),
         net_devices: Some(args.net_devices.clone()),

@@ -6,6 +6,7 @@
 //! | prefill | prefill-only | `PdNode` on node gRPC | UCX | - |
 //! | decode | decode-only | `PdNode` on node gRPC | UCX | - |
 //! | all | prefill-only + decode-only | in process | in process | membership = the two engines |
+//! | all, `engine.colocated` | colocated | `ColocatedNode`, also on node gRPC | none | membership = itself |
 //! | router | - | - | - | membership = registry watch, node gRPC clients |
 
 use crate::engine::adapter::EngineHandleService;
@@ -47,6 +48,32 @@ pub async fn assemble(cfg: &Config, registry: Arc<dyn Registry>) -> Result<NodeD
                 pd: Some(s.node),
                 ucx_worker: Some(ucx),
                 router: None,
+            })
+        }
+        Role::All if cfg.engine.colocated => {
+            let c = cfg.clone();
+            let nid = id.clone();
+            let col = tokio::task::spawn_blocking(move || pd::colocated(&c, &nid))
+                .await
+                .map_err(|e| NodeError::Engine(format!("engine start panicked: {e}")))?
+                .map_err(engine_err)?;
+            let engine: Arc<dyn EngineService> = Arc::new(EngineHandleService::new(
+                col.built.handle.clone(),
+                col.built.model_id.clone(),
+                cfg.engine.max_running_requests,
+            ));
+            tracing::info!(
+                backend = %col.built.handle.info().backend_name,
+                blocks = col.built.handle.info().num_kv_blocks,
+                "colocated engine ready (prefill and decode in one batch); node gRPC serves it too"
+            );
+            Ok(NodeDeps {
+                registry,
+                engine: Some(engine),
+                options: NodeOptions::default(),
+                pd: Some(col.node),
+                ucx_worker: None,
+                router: Some(col.deps),
             })
         }
         Role::All => {

@@ -8,8 +8,11 @@
 //!   dependencies in one process, KV moved in process.
 //! - [`pd_node`]: role = "prefill" | "decode": one engine and a UCX transport.
 //! - [`router_tokenizer`]: the tokenizer a router (any role) serves with.
+//! - [`ColocatedNode`], [`colocated`]: role = "all" with `engine.colocated`: one colocated engine
+//!   (the baseline PD is measured against), paired with itself by the router.
 
 mod build;
+mod colocated;
 mod kv;
 mod local;
 mod mock_tok;
@@ -17,6 +20,7 @@ mod tokenize;
 pub mod wire;
 
 pub use build::{BuildError, BuiltEngine, build_engine, served_name};
+pub use colocated::{Colocated, ColocatedNode, colocated};
 pub use kv::{InProcessDirectory, KvMover};
 pub use local::PdNode;
 pub use mock_tok::MockTokenizer;

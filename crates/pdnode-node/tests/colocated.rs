@@ -1,0 +1,202 @@
+//! role = "all" with `engine.colocated`: one colocated engine behind the router ([`ColocatedNode`],
+//! paired with itself). Its greedy output equals the PD path's (mock engine and the CPU SmolLM2
+//! engine), and every way a request ends (finish, a dropped stream, an abort, an unclaimed
+//! reservation) leaves the engine's KV accounting clean.
+
+use pdnode_core::config::{Backend, Config, ModelFormat, RegistryKind, TransferKind};
+use pdnode_core::{NodeId, RequestId, SamplingParams};
+use pdnode_engine::engine::EngineHandle;
+use pdnode_node::pd;
+use pdnode_router::{
+    DecodeCall, GenEvent, GenRequest, NodeClient, PrefillCall, ReserveKv, Router, RouterDeps,
+};
+use std::time::{Duration, Instant};
+
+fn mock_config() -> Config {
+    let mut c = Config::default();
+    c.engine.backend = Backend::Mock;
+    c.engine.mock.prefill_us_per_token = 1;
+    c.engine.mock.decode_us_per_token = 100;
+    c.engine.mock.output_len = 12;
+    c.engine.num_kv_blocks = 64;
+    c.engine.block_size = 4;
+    c.model.format = ModelFormat::Dummy;
+    c.model.preset = "smollm2-135m".into();
+    c.registry.kind = RegistryKind::Memory;
+    c.transfer.kind = TransferKind::InProcess;
+    c.transfer.lease_ms = 5_000;
+    c
+}
+
+fn prompt() -> Vec<u32> {
+    (0..23).map(|i| (i * 7 + 3) % 200).collect()
+}
+
+/// Greedy tokens of one request through a router over `deps`.
+async fn through_router(deps: RouterDeps, ids: Vec<u32>, max_tokens: u32) -> Vec<u32> {
+    let router = Router::new(deps);
+    let mut g = router
+        .generate(GenRequest {
+            prompt_token_ids: ids,
+            sampling: SamplingParams::greedy(max_tokens),
+            endpoint: "test",
+        })
+        .unwrap();
+    let mut got = Vec::new();
+    loop {
+        let ev = tokio::time::timeout(Duration::from_secs(120), g.events.recv())
+            .await
+            .expect("router stalled");
+        match ev {
+            Some(GenEvent::Tokens { token_ids, .. }) => got.extend(token_ids),
+            Some(GenEvent::Done { .. }) => return got,
+            Some(GenEvent::Error(e)) => panic!("request failed: {e}"),
+            None => panic!("stream ended without Done"),
+        }
+    }
+}
+
+async fn assert_clean(engine: &EngineHandle) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let s = engine.stats().await.unwrap().scheduler;
+        if s.kv.free + s.kv.cached_unreferenced == s.kv.total
+            && s.kv.leases == 0
+            && s.running == 0
+            && s.waiting == 0
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "engine still holds: {s:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    engine.check_accounting().await.unwrap().unwrap();
+}
+
+async fn colocated_equals_pd(cfg: &Config, ids: Vec<u32>, max_tokens: u32) {
+    let aio = tokio::task::block_in_place(|| pd::all_in_one(cfg, &NodeId::new("pd"))).unwrap();
+    let want = through_router(aio.deps.clone(), ids.clone(), max_tokens).await;
+    assert!(!want.is_empty());
+    let col = tokio::task::block_in_place(|| pd::colocated(cfg, &NodeId::new("co"))).unwrap();
+    let got = through_router(col.deps.clone(), ids, max_tokens).await;
+    assert_eq!(got, want, "colocated output differs from PD");
+    assert_eq!(col.node.pending(), 0);
+    assert_clean(col.node.engine()).await;
+    aio.prefill.engine().shutdown(Duration::from_secs(5)).await;
+    aio.decode.engine().shutdown(Duration::from_secs(5)).await;
+    col.node.engine().shutdown(Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn colocated_matches_pd_on_the_mock_engine() {
+    colocated_equals_pd(&mock_config(), prompt(), 10).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn colocated_matches_pd_on_the_cpu_smollm2_engine() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let model = root.join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if !model.is_file() {
+        eprintln!(
+            "SKIP: {} is missing (scripts/fetch-model.sh)",
+            model.display()
+        );
+        return;
+    }
+    let mut c = mock_config();
+    c.engine.backend = Backend::Cpu;
+    c.engine.context_length = 256;
+    c.engine.num_kv_blocks = 64;
+    c.engine.block_size = 16;
+    c.engine.max_running_requests = 4;
+    c.model.format = ModelFormat::Gguf;
+    c.model.path = model.to_string_lossy().into_owned();
+    let ids: Vec<u32> = vec![1, 504, 3458, 282, 4649, 314, 2];
+    colocated_equals_pd(&c, ids, 6).await;
+}
+
+async fn reserve(node: &pd::ColocatedNode, id: RequestId) -> pdnode_router::KvTarget {
+    node.reserve_kv(ReserveKv {
+        request_id: id,
+        prompt_token_ids: prompt(),
+        max_tokens: 50,
+        prefill_node: node.id().clone(),
+    })
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drops_aborts_refusals_and_leases_free_everything() {
+    let mut cfg = mock_config();
+    cfg.engine.mock.output_len = 200;
+    cfg.engine.mock.decode_us_per_token = 2_000;
+    cfg.transfer.lease_ms = 300;
+    let col = tokio::task::block_in_place(|| pd::colocated(&cfg, &NodeId::new("c"))).unwrap();
+    let node = col.node.clone();
+    let call = |id: RequestId, t: &pdnode_router::KvTarget| PrefillCall {
+        request_id: id,
+        prompt_token_ids: prompt(),
+        sampling: SamplingParams::greedy(50),
+        target: t.clone(),
+    };
+    let dcall = |id: RequestId, secret: Vec<u8>, first: u32| DecodeCall {
+        request_id: id,
+        secret,
+        first_token_id: first,
+        first_logprob: None,
+        sampling: SamplingParams::greedy(50),
+        prompt_token_ids: prompt(),
+    };
+
+    // A wrong secret is refused; decode before prefill is refused.
+    let id = RequestId(1);
+    let t = reserve(&node, id).await;
+    let mut wrong = t.clone();
+    wrong.secret = vec![0; 16];
+    assert!(node.prefill(call(id, &wrong)).await.is_err());
+    let t = reserve(&node, RequestId(2)).await;
+    assert!(
+        node.decode(dcall(RequestId(2), t.secret.clone(), 0))
+            .await
+            .is_err()
+    );
+
+    // A decode stream dropped after two tokens aborts the request.
+    let id = RequestId(3);
+    let t = reserve(&node, id).await;
+    let first = node.prefill(call(id, &t)).await.unwrap();
+    let mut s = node
+        .decode(dcall(id, t.secret.clone(), first.first_token_id))
+        .await
+        .unwrap();
+    use futures::StreamExt;
+    for _ in 0..2 {
+        let c = s.next().await.unwrap().unwrap();
+        assert_eq!(c.token_ids.len(), 1);
+    }
+    drop(s);
+    assert_clean(node.engine()).await;
+
+    // An abort after prefill frees the kept stream and the request.
+    let id = RequestId(4);
+    let t = reserve(&node, id).await;
+    node.prefill(call(id, &t)).await.unwrap();
+    let before = node.pending();
+    assert!(node.abort(id, "test".into()).await.unwrap());
+    assert_eq!(node.pending(), before - 1);
+    assert_clean(node.engine()).await;
+
+    // A prefilled request nobody decodes is aborted at its lease (by the next reservation's sweep).
+    let id = RequestId(5);
+    let t = reserve(&node, id).await;
+    node.prefill(call(id, &t)).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while node.pending() > 0 {
+        assert!(Instant::now() < deadline, "lease never expired");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        node.sweep();
+    }
+    assert_clean(node.engine()).await;
+    node.engine().shutdown(Duration::from_secs(5)).await;
+}

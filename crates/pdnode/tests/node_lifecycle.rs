@@ -29,7 +29,10 @@ impl Proc {
 
 fn config(dir: &Path, etcd: &str, role: &str, id: &str) -> PathBuf {
     let model = if role == "router" {
-        String::new()
+        // A router over simulated nodes serves with the mock's tokenizer (no model file needed).
+        "[model]\nformat = \"dummy\"\npreset = \"smollm2-135m\"\n[engine]\nbackend = \"mock\"\n\
+         [router]\nhttp_listen = \"127.0.0.1:0\"\ngrpc_listen = \"127.0.0.1:0\"\n"
+            .to_string()
     } else {
         "[model]\nformat = \"dummy\"\npreset = \"smollm2-135m\"\n[engine]\nbackend = \"mock\"\n\
          [transfer]\nkind = \"ucx\"\n"

@@ -374,6 +374,31 @@ impl CudaBackend {
         }
     }
 
+    /// Mean seconds of one in-place f32 all-reduce of `elems` residual elements over the ranks
+    /// (every rank must call this together; benchmarks).
+    pub(crate) fn time_all_reduce(&mut self, elems: usize, iters: usize) -> Result<f64, CudaError> {
+        let Some(c) = &self.comm else {
+            return Err(CudaError::Unsupported {
+                reason: "no tensor-parallel group to time".into(),
+            });
+        };
+        if elems * 4 > self.ws.resid.bytes() || iters == 0 {
+            return Err(CudaError::Shape {
+                op: "time_all_reduce",
+                reason: format!("{elems} elements x {iters} iterations"),
+            });
+        }
+        self.gpu.bind()?;
+        c.all_reduce_sum_f32(&self.gpu, self.ws.resid.ptr(), elems)?;
+        self.gpu.sync()?;
+        let t0 = std::time::Instant::now();
+        for _ in 0..iters {
+            c.all_reduce_sum_f32(&self.gpu, self.ws.resid.ptr(), elems)?;
+        }
+        self.gpu.sync()?;
+        Ok(t0.elapsed().as_secs_f64() / iters as f64)
+    }
+
     /// This GPU's slice of the model.
     pub fn shard(&self) -> Shard {
         self.shard

@@ -176,6 +176,11 @@ enum Cmd {
     Sync {
         reply: Sender<Result<Option<Logits>, BackendError>>,
     },
+    TimeAllReduce {
+        elems: usize,
+        iters: usize,
+        reply: Sender<Result<f64, BackendError>>,
+    },
     FillKv {
         seed: u64,
         reply: Sender<Result<Option<Logits>, BackendError>>,
@@ -228,6 +233,14 @@ fn rank_loop(mut be: CudaBackend, rx: Receiver<Cmd>) {
             }
             Cmd::Sync { reply } => {
                 let _ = reply.send(be.synchronize().map(|_| None));
+            }
+            Cmd::TimeAllReduce {
+                elems,
+                iters,
+                reply,
+            } => {
+                let r = be.time_all_reduce(elems, iters);
+                let _ = reply.send(r.map_err(BackendError::from));
             }
             Cmd::FillKv { seed, reply } => {
                 let r = be.fill_kv_random(seed.wrapping_add(rank as u64));
@@ -500,6 +513,17 @@ impl CudaTpBackend {
     pub fn fill_kv_random(&mut self, seed: u64) -> Result<(), BackendError> {
         self.fan_out(|_, reply| Cmd::FillKv { seed, reply })
             .map(|_| ())
+    }
+
+    /// Mean seconds of one f32 all-reduce of `elems` elements of the residual stream (what each
+    /// step does twice per layer), timed on rank 0 over `iters` back-to-back calls.
+    pub fn time_all_reduce(&mut self, elems: usize, iters: usize) -> Result<f64, BackendError> {
+        let t = self.fan_out(|_, reply| Cmd::TimeAllReduce {
+            elems,
+            iters,
+            reply,
+        })?;
+        Ok(t[0])
     }
 
     /// Waits for every rank's device.

@@ -20,6 +20,16 @@ fn err(e: BackendError) -> CudaError {
     }
 }
 
+/// What [`run_decode`] measured.
+#[derive(Debug, Clone)]
+pub struct TpDecode {
+    pub ceilings: Ceilings,
+    pub rows: Vec<BenchRow>,
+    /// Per decode batch: ms per step spent in the residual all-reduces alone (2 per layer of
+    /// `batch x hidden` f32, timed back to back; empty at TP = 1).
+    pub all_reduce_ms: Vec<(usize, f64)>,
+}
+
 /// Decode steps at each `(batch, ctx)` with `tp` GPUs (`0 .. tp`). Rows: `decode tp=N` (device
 /// time of back-to-back steps) and `decode+logits D2H tp=N` (what `Backend::forward` costs).
 pub fn run_decode(
@@ -27,7 +37,7 @@ pub fn run_decode(
     decode: &[(usize, usize)],
     iters: usize,
     mut report: impl FnMut(&BenchRow),
-) -> Result<(Ceilings, Vec<BenchRow>), CudaError> {
+) -> Result<TpDecode, CudaError> {
     let spec = llama31_8b();
     let ceil = {
         let gpu = Gpu::new(0)?;
@@ -57,6 +67,7 @@ pub fn run_decode(
     let wbytes = be.weight_bytes_per_rank() as f64;
     let kv_per_tok = (spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 2) as f64;
     let mut rows = Vec::new();
+    let mut all_reduce_ms = Vec::new();
     for &(batch, ctx) in decode {
         let nbps = ctx.div_ceil(bs);
         let tables: Vec<Vec<BlockId>> = (0..batch)
@@ -101,6 +112,16 @@ pub fn run_decode(
             report(&row);
             rows.push(row);
         }
+        if tp > 1 {
+            let t = be
+                .time_all_reduce(batch * spec.hidden_size, 200)
+                .map_err(err)?;
+            all_reduce_ms.push((batch, t * 2.0 * spec.num_layers as f64 * 1e3));
+        }
     }
-    Ok((ceil, rows))
+    Ok(TpDecode {
+        ceilings: ceil,
+        rows,
+        all_reduce_ms,
+    })
 }

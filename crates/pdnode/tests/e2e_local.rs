@@ -65,6 +65,9 @@ async fn all_in_one_serves_http_sse_grpc_with_the_chat_template() {
     // role markers, so it counts more tokens than the question sent as a plain prompt.
     let chat_prompt_tokens = chat["usage"]["prompt_tokens"].as_u64().unwrap();
     let (_, _, bare_tokens) = greedy_completion(&http, QUESTION, 1).await;
+    eprintln!(
+        "chat answer {answer:?}; prompt tokens: chat {chat_prompt_tokens}, bare {bare_tokens}"
+    );
     assert!(
         chat_prompt_tokens >= bare_tokens + 5,
         "chat prompt {chat_prompt_tokens} tokens vs bare question {bare_tokens}: template not applied"
@@ -164,6 +167,9 @@ async fn all_in_one_serves_http_sse_grpc_with_the_chat_template() {
     assert_eq!(u64::from(u.prompt_tokens), prompt_tokens);
     assert_eq!(ids.len() as u64, completion_tokens);
     assert_eq!(gtext, text, "gRPC vs HTTP");
+    eprintln!(
+        "greedy {PROMPT:?} -> {text:?} ({completion_tokens} tokens; {text_chunks} SSE text chunks; gRPC ids {ids:?})"
+    );
 }
 
 fn assert_openai_error(status: u16, body: &Value, want: &[u16], etype: &str, param: Option<&str>) {

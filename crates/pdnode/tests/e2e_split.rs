@@ -118,6 +118,7 @@ async fn split_processes_match_all_in_one_and_serve_the_openai_client() {
             dump(&split.nodes())
         );
         assert!(lc >= 1, "{prompt:?}: no tokens");
+        eprintln!("{prompt:?} -> {st:?} ({sc} tokens) on both");
     }
     drop(local);
 
@@ -271,12 +272,12 @@ async fn decode_killed_mid_stream_gives_a_clean_error_and_no_leaked_prefill_bloc
     }
     assert!(!head.contains("[DONE]"), "finished before the kill: {head}");
 
+    let killed = Instant::now();
     split
         .decode
         .guard
         .signal("KILL")
         .expect("kill -KILL decode");
-    let killed = Instant::now();
     let (events, ended) = read_sse(resp, Duration::from_secs(10)).await;
     let took = killed.elapsed();
     assert!(
@@ -284,6 +285,7 @@ async fn decode_killed_mid_stream_gives_a_clean_error_and_no_leaked_prefill_bloc
         "the stream hung after the decode node died: {events:?}"
     );
     assert!(took < Duration::from_secs(5), "error took {took:?}");
+    eprintln!("after the kill ({took:?}): {events:?}");
     let err = events
         .iter()
         .find_map(|e| {
@@ -316,23 +318,8 @@ async fn decode_killed_mid_stream_gives_a_clean_error_and_no_leaked_prefill_bloc
     );
 
     // The prefill node ends with every block free and nothing running.
-    let addr = split.prefill_grpc.clone();
-    let r = wait_for_async("prefill blocks all free", Duration::from_secs(15), || {
-        let addr = addr.clone();
-        async move {
-            prefill_stats(&addr).await.is_some_and(|s| {
-                s.kv_blocks_free == s.kv_blocks_total
-                    && s.kv_blocks_total == before.kv_blocks_total
-                    && s.running_requests == 0
-                    && s.queued_requests == 0
-            })
-        }
-    })
-    .await;
-    if let Err(e) = r {
-        let now = prefill_stats(&split.prefill_grpc).await;
-        panic!("{e}: {now:?}{}", dump(&split.nodes()));
-    }
+    eprintln!("prefill before: {before:?}");
+    assert_prefill_drained(&split, before.kv_blocks_total).await;
 
     // With the decode node gone (lease 3 s), the router says so: 503, OpenAI-style.
     let http = split.http.clone();
@@ -360,5 +347,114 @@ async fn decode_killed_mid_stream_gives_a_clean_error_and_no_leaked_prefill_bloc
     .await;
     assert_eq!(st, 503, "{v}");
     assert!(v["error"]["message"].is_string(), "{v}");
+    drop(etcd);
+}
+
+/// Waits until the prefill node holds no KV block and runs nothing (its block count unchanged).
+async fn assert_prefill_drained(split: &Split, total: u64) {
+    let addr = split.prefill_grpc.clone();
+    let r = wait_for_async("prefill blocks all free", Duration::from_secs(20), || {
+        let addr = addr.clone();
+        async move {
+            prefill_stats(&addr).await.is_some_and(|s| {
+                s.kv_blocks_free == s.kv_blocks_total
+                    && s.kv_blocks_total == total
+                    && s.running_requests == 0
+                    && s.queued_requests == 0
+            })
+        }
+    })
+    .await;
+    if let Err(e) = r {
+        let now = prefill_stats(&split.prefill_grpc).await;
+        panic!("{e}: {now:?}{}", dump(&split.nodes()));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decode_killed_while_prefill_holds_blocks_frees_them_and_fails_the_request() {
+    if skip_etcd_tests() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = EtcdServer::start().expect("etcd");
+    let mock: Vec<String> = [
+        "engine.backend=\"mock\"",
+        "model.format=\"dummy\"",
+        "model.preset=\"smollm2-135m\"",
+        "model.path=\"\"",
+        "engine.prefix_cache=false",
+    ]
+    .map(String::from)
+    .to_vec();
+    // The mock tokenizer is one token per byte: a 512-token prompt prefilled 32 tokens per step at
+    // 10 ms per token is 16 steps of 320 ms (about 5 s) with KV blocks held between steps.
+    let mut engine = mock.clone();
+    engine.extend(
+        [
+            "engine.mock.prefill_us_per_token=10000",
+            "engine.max_batch_tokens=32",
+        ]
+        .map(String::from),
+    );
+    let split = start_split(
+        dir.path(),
+        &etcd.endpoint(),
+        "e2e-kill-prefill",
+        &engine,
+        &[],
+        &mock[..4],
+    );
+    e2e_support::wait_healthy(&split.http, READY, &split.nodes()).await;
+    let before = prefill_stats(&split.prefill_grpc)
+        .await
+        .expect("prefill Stats");
+    assert_eq!(before.kv_blocks_free, before.kv_blocks_total, "{before:?}");
+
+    let http = split.http.clone();
+    let request = tokio::spawn(async move {
+        let prompt = "0123456789abcdef".repeat(32);
+        e2e_support::post_json(
+            &http,
+            "/v1/completions",
+            &json!({"prompt": prompt, "max_tokens": 4}),
+        )
+        .await
+    });
+    // The prefill node is part-way through the prompt: it holds blocks.
+    let addr = split.prefill_grpc.clone();
+    let r = wait_for_async("prefill holds KV blocks", Duration::from_secs(10), || {
+        let addr = addr.clone();
+        async move {
+            prefill_stats(&addr)
+                .await
+                .is_some_and(|s| s.kv_blocks_free < s.kv_blocks_total)
+        }
+    })
+    .await;
+    if let Err(e) = r {
+        panic!("{e}{}", dump(&split.nodes()));
+    }
+    let killed = Instant::now();
+    split
+        .decode
+        .guard
+        .signal("KILL")
+        .expect("kill -KILL decode");
+    let (st, v) = tokio::time::timeout(Duration::from_secs(15), request)
+        .await
+        .unwrap_or_else(|_| panic!("the request hung after the kill{}", dump(&split.nodes())))
+        .unwrap();
+    let took = killed.elapsed();
+    eprintln!("after the kill ({took:?}): {st} {v}");
+    assert!(st >= 500, "status {st}: {v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()),
+        "{v}"
+    );
+    assert!(v["error"]["type"].is_string(), "{v}");
+    assert_prefill_drained(&split, before.kv_blocks_total).await;
     drop(etcd);
 }

@@ -73,6 +73,19 @@ async fn all_in_one_serves_http_sse_grpc_with_the_chat_template() {
         "chat prompt {chat_prompt_tokens} tokens vs bare question {bare_tokens}: template not applied"
     );
 
+    // Exactly: SmolLM2's ChatML template (with its default system prompt) rendered by hand and
+    // sent as a plain prompt is the same token sequence, so the same count and greedy answer.
+    let rendered = format!(
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging \
+         Face<|im_end|>\n<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
+    );
+    let (rtext, _, rtokens) = greedy_completion(&http, &rendered, 16).await;
+    assert_eq!(
+        rtokens, chat_prompt_tokens,
+        "hand-rendered template vs chat"
+    );
+    assert_eq!(rtext, answer, "hand-rendered template vs chat");
+
     // Completions, whole, greedy.
     let (text, completion_tokens, prompt_tokens) =
         greedy_completion(&http, PROMPT, MAX_TOKENS).await;

@@ -76,3 +76,11 @@ if command -v rustup >/dev/null 2>&1; then
     fi
   done
 fi
+
+# The official openai Python client: the end-to-end tests drive the router with it.
+if ! python3 -c "import openai" >/dev/null 2>&1; then
+  log "installing the openai Python client (pip)"
+  python3 -m pip install --quiet openai || python3 -m pip install --quiet --break-system-packages openai
+else
+  log "openai Python client present"
+fi

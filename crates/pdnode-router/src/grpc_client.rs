@@ -30,6 +30,15 @@ use tonic::transport::{Channel, Endpoint};
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 fn status_err(s: tonic::Status) -> NodeError {
+    // A status the node never sent (the connection broke: h2/transport error underneath) means
+    // the node is gone or unreachable, not that it has a bug.
+    use std::error::Error as _;
+    if matches!(s.code(), tonic::Code::Unknown | tonic::Code::Internal) && s.source().is_some() {
+        return NodeError::new(
+            ErrorKind::Unavailable,
+            format!("lost the connection to the node: {}", s.message()),
+        );
+    }
     NodeError::new(kind_of_status(&s), s.message().to_string())
 }
 

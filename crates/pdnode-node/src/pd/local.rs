@@ -86,13 +86,16 @@ impl PdNode {
         self.slots.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Drops reservations whose lease has passed (the engine freed their blocks already).
-    /// Returns how many were dropped.
+    /// Drops reservations whose lease has passed, after a grace of one more lease: the engine
+    /// freed their blocks at the deadline already, but a prefill node may still be putting into
+    /// the receive staging until its own push deadline (its start + one lease), so the staging
+    /// region stays registered until then. Returns how many were dropped.
     pub fn sweep(&self) -> usize {
         let now = Instant::now();
+        let grace = self.lease;
         let mut slots = self.slots();
         let before = slots.len();
-        slots.retain(|_, s| s.expires > now);
+        slots.retain(|_, s| s.expires + grace > now);
         before - slots.len()
     }
 

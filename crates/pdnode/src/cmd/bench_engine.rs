@@ -3,7 +3,7 @@
 //! Owned by the CUDA backend work; the same code runs in `tests/cuda_bench.rs`.
 
 use anyhow::Context;
-use pdnode_engine::backend::cuda::{bench, probe};
+use pdnode_engine::backend::cuda::{bench, probe, tp_bench};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -19,6 +19,10 @@ pub struct Args {
     /// Timed steps per point.
     #[arg(long, default_value_t = 20)]
     pub iters: usize,
+    /// Tensor-parallel degree (GPUs 0..tp). Above 1: the decode points only, through the
+    /// tensor-parallel backend, with the residual all-reduce cost per step.
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
 }
 
 fn parse_list<T: std::str::FromStr>(s: &str, what: &str) -> anyhow::Result<Vec<T>> {
@@ -48,6 +52,43 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .collect::<anyhow::Result<_>>()?;
     let prefill: Vec<usize> = parse_list(&args.prefill, "prefill")?;
     let iters = args.iters.max(1);
+    if args.tp > 1 {
+        let tp = args.tp;
+        let r = tokio::task::spawn_blocking(move || {
+            tp_bench::run_decode(tp, &decode, iters, |r| {
+                eprintln!(
+                    "{} batch={} ctx={}: {:.3} ms (ceiling {:.3} ms, {:.2})",
+                    r.what,
+                    r.batch,
+                    r.ctx,
+                    r.ms,
+                    r.floor_ms,
+                    r.ratio()
+                )
+            })
+        })
+        .await??;
+        println!(
+            "ceilings (GPU 0): HBM copy traffic {:.0} GB/s (read+write); ceiling = per-GPU bytes",
+            r.ceilings.hbm_traffic_bps / 1e9
+        );
+        println!("| what | batch | ctx | ms/step | ceiling ms | ratio | all-reduce ms/step |");
+        println!("|---|---|---|---|---|---|---|");
+        for row in r.rows {
+            let ar = r.all_reduce_ms.iter().find(|x| x.0 == row.batch);
+            println!(
+                "| {} | {} | {} | {:.3} | {:.3} | {:.2} | {:.3} |",
+                row.what,
+                row.batch,
+                row.ctx,
+                row.ms,
+                row.floor_ms,
+                row.ratio(),
+                ar.map_or(f64::NAN, |x| x.1)
+            );
+        }
+        return Ok(());
+    }
     let (ceil, rows) = tokio::task::spawn_blocking(move || {
         bench::run(&decode, &prefill, iters, |r| {
             eprintln!(

@@ -8,11 +8,12 @@
 #   mock-router configs/local.toml with the mock engine (tiny timings): requests/s the router sustains
 # Everything binds 127.0.0.1 on its own ports (PORT_BASE..PORT_BASE+20) and is stopped by PID.
 #
+#   compare     pd-local (A) and colocated (B) running side by side, `pdnode bench --compare`
 #   colocated-x2 two colocated role-"all" replicas (engine.cpu_threads=1 each) registered in etcd
 #               behind one separate router (colocated-x2-mock: the same with the mock engine)
 #
 # usage: scripts/bench-cpu-serving.sh [pd-local] [pd-split] [colocated] [colocated-x2]
-#                                     [colocated-x2-mock] [mock-router]
+#                                     [colocated-x2-mock] [compare] [mock-router]
 #        (default: pd-local pd-split colocated mock-router)
 # env:   PDNODE_BIN (default target/release/pdnode)  OUT_DIR (default target/bench-cpu-serving)
 #        CONCURRENCY (1,4,8)  NUM_REQUESTS (24)  INPUT_LEN (128)  OUTPUT_LEN (32)  PORT_BASE (18200)
@@ -160,6 +161,19 @@ for w in $WHICH; do
         $(local_router)
       wait_health "http://127.0.0.1:$HTTP" 60
       sweep "$w" "http://127.0.0.1:$HTTP"
+      stop_all
+      ;;
+    compare)
+      # pd-local (A) and colocated (B) side by side, the same workload in alternation (B / A ratios).
+      # shellcheck disable=SC2046
+      start pd-local-a --config configs/local.toml $(local_router)
+      start colocated-b --config configs/local.toml --set engine.colocated=true --set node.id=\"colocated-b\" \
+        --set router.http_listen=\"127.0.0.1:$((PORT_BASE + 16))\" \
+        --set router.grpc_listen=\"127.0.0.1:$((PORT_BASE + 17))\"
+      wait_health "http://127.0.0.1:$HTTP" 120
+      wait_health "http://127.0.0.1:$((PORT_BASE + 16))" 120
+      bench compare "http://127.0.0.1:$HTTP" --compare "http://127.0.0.1:$((PORT_BASE + 16))" \
+        --concurrency "$CONCURRENCY" --num-requests "$NUM_REQUESTS" --warmup 2
       stop_all
       ;;
     mock-router)

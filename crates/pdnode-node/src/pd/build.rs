@@ -204,13 +204,19 @@ fn spawn_cuda(
     loop_cfg: EngineLoopConfig,
     tokenizer: Option<Arc<Tokenizer>>,
 ) -> Result<Result<EngineHandle, pdnode_engine::engine::EngineError>, BuildError> {
-    use pdnode_engine::backend::cuda::{CudaBackend, CudaOptions};
+    use pdnode_engine::backend::cuda::{CudaBackend, CudaOptions, CudaTpBackend};
     let opts = CudaOptions::from_config(&cfg.engine);
-    let backend = CudaBackend::from_loaded(loaded, &opts).map_err(|err| BuildError::Backend {
+    let err = |err: pdnode_engine::backend::cuda::CudaError| BuildError::Backend {
         backend: "cuda".into(),
         message: err.to_string(),
-    })?;
-    Ok(spawn_with_memory(backend, loop_cfg, tokenizer))
+    };
+    if opts.tensor_parallel > 1 {
+        let backend = CudaTpBackend::from_loaded(loaded, &opts).map_err(err)?;
+        Ok(spawn_with_memory(backend, loop_cfg, tokenizer))
+    } else {
+        let backend = CudaBackend::from_loaded(loaded, &opts).map_err(err)?;
+        Ok(spawn_with_memory(backend, loop_cfg, tokenizer))
+    }
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -128,13 +128,17 @@ fn make_backend(
         .into()),
         kind @ (BackendKind::Auto | BackendKind::Cuda) => {
             use pdnode_engine::backend::cuda::{
-                BackendChoice, CudaBackend, CudaOptions, select_backend,
+                BackendChoice, CudaBackend, CudaOptions, CudaTpBackend, select_backend,
             };
             match select_backend(kind, &engine.gpus)? {
                 BackendChoice::Cuda => {
                     let mut opts = CudaOptions::from_config(engine);
                     opts.num_kv_blocks = blocks.max(1);
-                    Ok(Box::new(CudaBackend::from_loaded(&model, &opts)?))
+                    if opts.tensor_parallel > 1 {
+                        Ok(Box::new(CudaTpBackend::from_loaded(&model, &opts)?))
+                    } else {
+                        Ok(Box::new(CudaBackend::from_loaded(&model, &opts)?))
+                    }
                 }
                 _ => cpu(model),
             }

@@ -24,6 +24,8 @@ for d in lib lib/ucx; do
     done
 done
 cp "$stage/w/libucx/bin/ucx_info" "$stage/w/libucx/bin/ucx_perftest" "$u/bin/"
+# libucm_cuda needs the wheel's libcudart, ucx_perftest its libgomp ($ORIGIN/../../libucx_cu13.libs).
+cp -r "$stage/w/libucx_cu13.libs" "$stage/ucx/"
 chmod +x "$u/bin"/*
 cp target/release/pdnode "$stage/pdnode" && strip "$stage/pdnode"
 cp /usr/bin/etcd "$stage/etcd"

@@ -161,12 +161,13 @@ T
     done
     for g in 0 1; do
         ok=0
-        for _ in $(seq 1 300); do
-            curl -sf http://127.0.0.1:$((8100 + g))/v1/completions -H 'content-type: application/json' \
-                -d '{"model":"llama-3.1-8b","prompt":"the of and","max_tokens":2}' > "$OUT/colo$g.probe.json" 2>&1 && ok=1 && break
+        for _ in $(seq 1 ${PROBES:-300}); do
+            code=$(curl -s -o "$OUT/colo$g.probe.json" -w '%{http_code}' http://127.0.0.1:$((8100 + g))/v1/completions \
+                -H 'content-type: application/json' -d '{"model":"llama-3.1-8b","prompt":"the of and","max_tokens":2}')
+            [ "$code" = 200 ] && ok=1 && break
             sleep 0.5
         done
-        [ $ok = 1 ] || { echo "colocated $g never answered"; tail -5 "$OUT/colo$g.log"; }
+        [ $ok = 1 ] || { echo "colocated $g never answered: HTTP $code $(head -c 400 "$OUT/colo$g.probe.json")"; }
     done
     half=$((CONC / 2)) nhalf=$((NREQ / 2))
     CONC=$half NREQ=$nhalf bench colo0 http://127.0.0.1:8100 &

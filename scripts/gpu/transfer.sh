@@ -6,7 +6,7 @@
 # memory) with the KV shape of a 4k-token Llama-3.1-8B prompt (32 layers x 256 blocks x 64 KiB =
 # 512 MiB, TP=1) and the wheel's ucx_perftest as the ceiling: host put_bw, and GPU0 -> GPU1
 # cuda_ipc put_bw with one visible GPU per process. Logs in $OUT; a table is printed last.
-# usage: scripts/gpu/transfer.sh [quick]      (quick: fewer requests, smaller sweep)
+# usage: scripts/gpu/transfer.sh [quick|cuda]   (quick: fewer requests, smaller sweep; cuda: device rows only)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 cd "$(dirname "$0")/../.."
@@ -71,31 +71,33 @@ perftest() { # name tls mem size server_env client_env
 }
 
 LLAMA="--layers 32 --blocks-per-request 256 --block-bytes 64K --requests $REQS --warmup 1"
-echo "== 1. host memory, UCX 1.22 (binding compatibility + figures)"
-bench host-tcp-sweep 300 --tls tcp --block-bytes "$SIZES" --requests "$REQS"
-bench host-sm-sweep 300 --tls sm --block-bytes "$SIZES" --requests "$REQS"
-bench host-sm-llama8b-4k 300 --tls sm $LLAMA
-bench host-sm-llama8b-4k-pool 300 --tls sm $LLAMA --pool-placement
-bench host-sm-llama8b-4k-8lpp 300 --tls sm $LLAMA --layers-per-put 8
+HOST=1
+[ "${1:-}" = cuda ] && HOST=0
+[ $HOST = 1 ] && echo "== 1. host memory, UCX 1.22 (binding compatibility + figures)"
+[ $HOST = 1 ] && bench host-tcp-sweep 300 --tls tcp --block-bytes "$SIZES" --requests "$REQS"
+[ $HOST = 1 ] && bench host-sm-sweep 300 --tls sm --block-bytes "$SIZES" --requests "$REQS"
+[ $HOST = 1 ] && bench host-sm-llama8b-4k 300 --tls sm $LLAMA
+[ $HOST = 1 ] && bench host-sm-llama8b-4k-pool 300 --tls sm $LLAMA --pool-placement
+[ $HOST = 1 ] && bench host-sm-llama8b-4k-8lpp 300 --tls sm $LLAMA --layers-per-put 8
 echo "== 2. device memory: cuMemAlloc staging on GPU0 (client) and GPU1 (server), one GPU per process"
 CU="--tls cuda_ipc,cuda_copy,tcp --mem cuda:0 --server-mem cuda:1"
-bench cuda-llama8b-4k 120 $CU $LLAMA
-bench cuda-llama8b-4k-4lpp 120 $CU $LLAMA --layers-per-put 4
-bench cuda-llama8b-4k-32lpp 120 $CU $LLAMA --layers-per-put 32
+bench cuda-llama8b-4k 30 $CU $LLAMA
+bench cuda-llama8b-4k-4lpp 30 $CU $LLAMA --layers-per-put 4
+bench cuda-llama8b-4k-32lpp 30 $CU $LLAMA --layers-per-put 32
 # Block-size sweep at the same 512 MiB per request (puts stay one layer = 16 MiB each: the device
 # staging is contiguous per layer, so block size changes only the untimed gather).
-for bb in 16K:1024 256K:64 1M:16; do
-    bench "cuda-512MiB-blk${bb%%:*}" 120 $CU --layers 32 --block-bytes "${bb%%:*}" \
+for bb in 16K:1024 1M:16; do
+    bench "cuda-512MiB-blk${bb%%:*}" 30 $CU --layers 32 --block-bytes "${bb%%:*}" \
         --blocks-per-request "${bb##*:}" --requests "$REQS" --warmup 1
 done
-# Smaller requests (one put per layer of 64 KiB x n blocks): 2k, 512 and 64 tokens.
-for n in 128 32 4; do
-    bench "cuda-64K-x${n}blk" 120 $CU --layers 32 --block-bytes 64K --blocks-per-request "$n" \
+# Smaller requests (one put per layer of 64 KiB x n blocks): 512 and 64 tokens.
+for n in 32 4; do
+    bench "cuda-64K-x${n}blk" 30 $CU --layers 32 --block-bytes 64K --blocks-per-request "$n" \
         --requests "$REQS" --warmup 1
 done
 echo "== 3. ceilings: ucx_perftest put_bw (one layer = 16 MiB, the request = 512 MiB)"
-perftest pt-host-sm-16MiB sm host 16777216 "" ""
-[ "${1:-}" = quick ] || perftest pt-host-sm-512MiB sm host 536870912 "" ""
+[ $HOST = 1 ] && perftest pt-host-sm-16MiB sm host 16777216 "" ""
+[ "${1:-}" = quick ] || [ $HOST = 0 ] || perftest pt-host-sm-512MiB sm host 536870912 "" ""
 perftest pt-cuda_ipc-gpu0-gpu1-64KiB cuda_ipc,cuda_copy,tcp cuda 65536 CUDA_VISIBLE_DEVICES=1 CUDA_VISIBLE_DEVICES=0
 perftest pt-cuda_ipc-gpu0-gpu1-16MiB cuda_ipc,cuda_copy,tcp cuda 16777216 CUDA_VISIBLE_DEVICES=1 CUDA_VISIBLE_DEVICES=0
 perftest pt-cuda_ipc-gpu0-gpu1-512MiB cuda_ipc,cuda_copy,tcp cuda 536870912 CUDA_VISIBLE_DEVICES=1 CUDA_VISIBLE_DEVICES=0

@@ -123,6 +123,30 @@ mod imp {
         }
     }
 
+    /// Retains `ordinal`'s primary context and makes it current on the calling thread (for the
+    /// process's lifetime: the retain is not released).
+    pub fn bind_primary_context(ordinal: u32) -> Result<(), TransferError> {
+        // SAFETY: only tries to dlopen libcuda.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(TransferError::UnsupportedMemory {
+                transport: "UCX (libcuda not found)",
+                mem: MemKind::Cuda(ordinal).to_string(),
+            });
+        }
+        let mut dev: sys::CUdevice = 0;
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: libcuda is present; the out-pointers are valid locals.
+        unsafe {
+            check("cuInit", sys::cuInit(0))?;
+            check("cuDeviceGet", sys::cuDeviceGet(&mut dev, ordinal as i32))?;
+            check(
+                "cuDevicePrimaryCtxRetain",
+                sys::cuDevicePrimaryCtxRetain(&mut ctx, dev),
+            )?;
+            check("cuCtxSetCurrent", sys::cuCtxSetCurrent(ctx))
+        }
+    }
+
     impl Drop for DevBuf {
         fn drop(&mut self) {
             // SAFETY: the allocation and the context retain are ours; errors at teardown are
@@ -146,6 +170,14 @@ mod imp {
         never: std::convert::Infallible,
     }
 
+    /// Without the `cuda` feature there is no device context to bind.
+    pub fn bind_primary_context(ordinal: u32) -> Result<(), TransferError> {
+        Err(TransferError::UnsupportedMemory {
+            transport: "UCX (built without the cuda feature)",
+            mem: MemKind::Cuda(ordinal).to_string(),
+        })
+    }
+
     impl DevBuf {
         pub(crate) fn new(ordinal: u32, _len: usize) -> Result<Self, TransferError> {
             Err(TransferError::UnsupportedMemory {
@@ -166,6 +198,7 @@ mod imp {
 }
 
 pub(crate) use imp::DevBuf;
+pub use imp::bind_primary_context;
 
 #[cfg(test)]
 mod tests {

@@ -13,6 +13,7 @@ mod server;
 pub mod wire;
 
 pub use client::PointResult;
+pub use devmem::bind_primary_context;
 
 use crate::TransferError;
 use crate::region::MemKind;
@@ -157,6 +158,10 @@ impl Options {
             peer_failure: self.peer_failure,
             tls: self.tls.clone(),
             net_devices: self.net_devices.clone(),
+            cuda_device: match self.mem {
+                MemKind::Cuda(n) => Some(n),
+                MemKind::Host => None,
+            },
             ..UcxConfig::default()
         })
     }
@@ -324,6 +329,14 @@ pub fn run_local(opts: &Options, exe: &Path, prefix: &[String]) -> Result<i32, T
         if let Some(status) = client.0.try_wait().map_err(|e| TransferError::Control {
             reason: e.to_string(),
         })? {
+            #[cfg(unix)]
+            {
+                use std::os::unix::process::ExitStatusExt;
+                if let Some(sig) = status.signal() {
+                    eprintln!("bench-transfer client killed by signal {sig}");
+                    return Ok(128 + sig);
+                }
+            }
             return Ok(status.code().unwrap_or(1));
         }
         if Instant::now() >= deadline {

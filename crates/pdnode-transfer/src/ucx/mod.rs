@@ -40,6 +40,10 @@ pub struct UcxConfig {
     pub net_devices: Option<String>,
     /// Deadline for synchronous calls into the worker thread (register, connect, start).
     pub call_timeout: Duration,
+    /// Make this CUDA device's primary context current on the worker thread before UCX starts
+    /// (UCX's CUDA transports work in the calling thread's context: without one, a put from
+    /// device memory is not done by cuda_copy/cuda_ipc). Needs the `cuda` feature.
+    pub cuda_device: Option<u32>,
 }
 
 impl Default for UcxConfig {
@@ -51,6 +55,7 @@ impl Default for UcxConfig {
             tls: None,
             net_devices: None,
             call_timeout: Duration::from_secs(30),
+            cuda_device: None,
         }
     }
 }

@@ -107,6 +107,9 @@ pub(crate) fn run(
     ready: mpsc::SyncSender<Result<Vec<u8>, TransferError>>,
 ) {
     let setup = || -> Result<(State, Vec<u8>, i32), TransferError> {
+        if let Some(device) = cfg.cuda_device {
+            crate::bench::bind_primary_context(device)?;
+        }
         let mut overrides = Vec::new();
         if let Some(t) = cfg.tls.as_deref().filter(|t| !t.is_empty()) {
             overrides.push(("TLS", t));

@@ -19,8 +19,8 @@ pub mod engine;
 mod error;
 pub mod grpc;
 pub mod http;
-pub mod pd;
 mod node;
+pub mod pd;
 pub mod registrar;
 pub mod supervisor;
 

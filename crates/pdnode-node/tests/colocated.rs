@@ -34,7 +34,10 @@ fn prompt() -> Vec<u32> {
 
 /// Greedy tokens of one request through a router over `deps`.
 async fn through_router(deps: RouterDeps, ids: Vec<u32>, max_tokens: u32) -> Vec<u32> {
-    let router = Router::new(deps);
+    on_router(&Router::new(deps), ids, max_tokens).await
+}
+
+async fn on_router(router: &std::sync::Arc<Router>, ids: Vec<u32>, max_tokens: u32) -> Vec<u32> {
     let mut g = router
         .generate(GenRequest {
             prompt_token_ids: ids,
@@ -199,4 +202,59 @@ async fn drops_aborts_refusals_and_leases_free_everything() {
     }
     assert_clean(node.engine()).await;
     node.engine().shutdown(Duration::from_secs(5)).await;
+}
+
+/// Two role-"all" colocated nodes registered in one registry, served over node gRPC, behind a
+/// separate router whose membership is the registry's view (as `role = "router"` builds it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_colocated_replicas_behind_a_separate_router_over_grpc() {
+    use pdnode_core::Role;
+    use pdnode_node::{Node, assemble::assemble};
+    use pdnode_registry::{LiveMembership, MemoryRegistry, Registry, RegistryOptions};
+    use pdnode_router::grpc_client::CardMembership;
+    use std::sync::Arc;
+
+    let reg: Arc<dyn Registry> = Arc::new(MemoryRegistry::new(RegistryOptions::default()));
+    let mut nodes = Vec::new();
+    for i in 0..2 {
+        let mut c = mock_config();
+        c.node.role = Role::All;
+        c.node.cluster = "colo".into();
+        c.node.id = format!("colo-{i}");
+        c.node.listen = "127.0.0.1:0".into();
+        c.router.http_listen = "127.0.0.1:0".into();
+        c.router.grpc_listen = "127.0.0.1:0".into();
+        c.engine.colocated = true;
+        let deps = assemble(&c, reg.clone()).await.unwrap();
+        assert!(deps.pd.is_some(), "a colocated node serves pdnode.v1.Node");
+        nodes.push(Node::start(&c, deps).await.unwrap());
+    }
+    let live = Arc::new(LiveMembership::start(&*reg, "colo").await.unwrap());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while live.serving(Role::All).len() < 2 {
+        assert!(Instant::now() < deadline, "the replicas never showed up");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let cfg = mock_config();
+    let rm = pd::router_tokenizer(&cfg).unwrap();
+    let deps = RouterDeps {
+        config: cfg.router.clone(),
+        api_keys: Vec::new(),
+        membership: Arc::new(CardMembership::new(move |r| live.serving(r))),
+        tokenizer: rm.tokenizer,
+        chat: rm.chat,
+        model: rm.model,
+    };
+    let router = Router::new(deps);
+    assert_eq!(router.deps().membership.workers(Role::All).len(), 2);
+    // One router, round robin over the two replicas; every request is served whole by one of
+    // them (D == P), and greedy mock output does not depend on which.
+    let first = on_router(&router, prompt(), 8).await;
+    assert_eq!(first.len(), 8);
+    for _ in 0..3 {
+        assert_eq!(on_router(&router, prompt(), 8).await, first);
+    }
+    for n in nodes {
+        n.shutdown().await;
+    }
 }

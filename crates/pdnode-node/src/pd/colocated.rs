@@ -13,6 +13,7 @@
 //! request in the engine, which frees its KV blocks.
 
 use super::build::{BuildError, BuiltEngine, build_engine};
+use super::local::decode_chunk;
 use super::{api_keys, card, router_model};
 use futures::future::BoxFuture;
 use pdnode_core::config::Config;
@@ -23,7 +24,7 @@ use pdnode_engine::engine::{EngineEvent, EngineHandle, RequestStream};
 use pdnode_engine::scheduler::Mode;
 use pdnode_proto::v1;
 use pdnode_router::{
-    DecodeCall, DecodeChunk, DecodeStream, KvTarget, NodeClient, NodeError, NodeStats, PrefillCall,
+    DecodeCall, DecodeStream, KvTarget, NodeClient, NodeError, NodeStats, PrefillCall,
     PrefillOutcome, ReserveKv, RouterDeps, StaticMembership, Worker,
 };
 use pdnode_transfer::Secret;
@@ -232,29 +233,9 @@ impl ColocatedNode {
                 return None;
             }
             let ev = rx.next().await?;
-            let item = match ev {
-                EngineEvent::Token { token, logprob, .. } => Ok(DecodeChunk {
-                    token_ids: vec![token],
-                    logprobs: logprob.into_iter().collect(),
-                    finish: None,
-                    error: None,
-                }),
-                EngineEvent::Finished { reason, .. } => {
-                    guard.done = true;
-                    Ok(DecodeChunk {
-                        finish: Some(reason),
-                        ..Default::default()
-                    })
-                }
-                EngineEvent::Error { error } => {
-                    guard.done = true;
-                    Err(eerr(&error))
-                }
-                EngineEvent::PrefillDone { .. } => Err(NodeError::new(
-                    ErrorKind::Internal,
-                    "colocated engine answered like a prefill-only engine",
-                )),
-            };
+            let (item, last) =
+                decode_chunk(ev, "colocated engine answered like a prefill-only engine");
+            guard.done = last;
             Some((item, (rx, guard)))
         });
         Ok(Box::pin(s))

@@ -363,31 +363,8 @@ impl PdNode {
                 return None;
             }
             let ev = rx.recv().await?;
-            let item = match ev {
-                EngineEvent::Token { token, logprob, .. } => Ok(DecodeChunk {
-                    token_ids: vec![token],
-                    logprobs: logprob.into_iter().collect(),
-                    finish: None,
-                    error: None,
-                }),
-                EngineEvent::Finished { reason, .. } => {
-                    return Some((
-                        Ok(DecodeChunk {
-                            finish: Some(reason),
-                            ..Default::default()
-                        }),
-                        (rx, true),
-                    ));
-                }
-                EngineEvent::Error { error } => {
-                    return Some((Err(eerr(&error)), (rx, true)));
-                }
-                EngineEvent::PrefillDone { .. } => Err(nerr(
-                    ErrorKind::Internal,
-                    "decode engine answered like a prefill engine",
-                )),
-            };
-            Some((item, (rx, false)))
+            let (item, last) = decode_chunk(ev, "decode engine answered like a prefill engine");
+            Some((item, (rx, last)))
         });
         Ok(Box::pin(s))
     }
@@ -430,5 +407,33 @@ impl NodeClient for PdNode {
                 kv_blocks_reserved: sch.kv.leases as u64,
             })
         })
+    }
+}
+
+/// One engine event of a decode stream as a [`DecodeChunk`], and whether it is the last one.
+/// `PrefillDone` never belongs in a decode stream: it becomes an internal error saying `unexpected`.
+pub(super) fn decode_chunk(
+    ev: EngineEvent,
+    unexpected: &'static str,
+) -> (Result<DecodeChunk, NodeError>, bool) {
+    match ev {
+        EngineEvent::Token { token, logprob, .. } => (
+            Ok(DecodeChunk {
+                token_ids: vec![token],
+                logprobs: logprob.into_iter().collect(),
+                finish: None,
+                error: None,
+            }),
+            false,
+        ),
+        EngineEvent::Finished { reason, .. } => (
+            Ok(DecodeChunk {
+                finish: Some(reason),
+                ..Default::default()
+            }),
+            true,
+        ),
+        EngineEvent::Error { error } => (Err(eerr(&error)), true),
+        EngineEvent::PrefillDone { .. } => (Err(nerr(ErrorKind::Internal, unexpected)), false),
     }
 }

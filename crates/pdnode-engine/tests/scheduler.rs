@@ -486,7 +486,7 @@ fn random_operations_in_every_mode_keep_the_accounting_and_free_everything() {
                         ids.push(id);
                     }
                 }
-                2 | 3 | 4 => {
+                2..=4 => {
                     let plan = s.next_step();
                     let outs: Vec<SeqOutput> = plan
                         .seqs

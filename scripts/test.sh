@@ -15,6 +15,9 @@ if ! command -v cargo >/dev/null 2>&1; then export PATH="$HOME/.cargo/bin:$PATH"
 step "fetch model"
 bash scripts/fetch-model.sh
 
+step "fetch NVRTC (the CUDA kernels are compiled by the tests; no GPU needed)"
+bash scripts/fetch-nvrtc.sh
+
 # A one-shot build (CI, a fresh clone) gains nothing from incremental artifacts.
 if [ "${CI:-}" = "true" ]; then export CARGO_INCREMENTAL=0; fi
 

@@ -45,6 +45,12 @@ pub const KERNEL_NAMES: [&str; 20] = [
     "kv_scatter",
 ];
 
+/// Compiles the kernel program for `arch` (e.g. "compute_90") and returns its PTX text; needs
+/// libnvrtc but no GPU. The CUDA backend does this at start; tests use it to check the sources.
+pub fn compile_kernels(arch: &str) -> Result<String, CudaError> {
+    Ok(ptx_for(arch)?.to_src())
+}
+
 /// PTX per target architecture, compiled once per process.
 fn ptx_for(arch: &str) -> Result<cudarc::nvrtc::Ptx, CudaError> {
     static CACHE: OnceLock<Mutex<HashMap<String, cudarc::nvrtc::Ptx>>> = OnceLock::new();

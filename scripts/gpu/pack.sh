@@ -3,6 +3,7 @@
 # 64 MiB the device tool carries: the stripped pdnode, etcd (Debian's static binary, for the PD
 # registry) and the shared libraries + ucx_info/ucx_perftest of the libucx-cu13 1.22 wheel.
 # Run on a build host after `cargo build --release -p pdnode`; carry `.gpu-pd` (in .git/info/exclude).
+# PERFTEST=0 leaves ucx_perftest out; TESTS_DIR=.gpu adds the GPU test binaries as t/.
 # On the GPU host: `mkdir -p /tmp/pd && tar -xJf .gpu-pd/bundle.tar.xz -C /tmp/pd`.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -27,8 +28,15 @@ cp "$stage/w/libucx/bin/ucx_info" "$stage/w/libucx/bin/ucx_perftest" "$u/bin/"
 # libucm_cuda needs the wheel's libcudart, ucx_perftest its libgomp ($ORIGIN/../../libucx_cu13.libs).
 cp -r "$stage/w/libucx_cu13.libs" "$stage/ucx/"
 chmod +x "$u/bin"/*
+if [ "${PERFTEST:-1}" = 0 ]; then # the ceiling tools stay behind (saves ~4 MB of the carry)
+    rm -f "$u/bin/ucx_perftest" "$u/lib/ucx"/libucx_perftest_cuda.so* "$stage"/ucx/libucx_cu13.libs/libgomp*
+fi
 cp target/release/pdnode "$stage/pdnode" && strip "$stage/pdnode"
+extra=()
+if [ -n "${TESTS_DIR:-}" ]; then # the GPU test binaries of scripts/gpu/build.sh, as t/
+    cp -r "$TESTS_DIR" "$stage/t" && extra+=(t)
+fi
 cp /usr/bin/etcd "$stage/etcd"
 mkdir -p .gpu-pd
-tar -C "$stage" -cJf .gpu-pd/bundle.tar.xz pdnode etcd ucx
+tar -C "$stage" -cf - pdnode etcd ucx "${extra[@]}" | xz -9 -T2 > .gpu-pd/bundle.tar.xz
 ls -la .gpu-pd/bundle.tar.xz

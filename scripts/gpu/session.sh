@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# One device call of a GPU session, from the files of scripts/gpu/stage.sh (builds nothing).
+# usage: scripts/gpu/session.sh PART...   parts, run in order:
+#   tests[:names]  scripts/gpu/run-all.sh over the bundle's test binaries (names: run-all parts,
+#                  comma separated; default all of them, with tp)
+#   transfer       scripts/gpu/transfer.sh cuda (bench-transfer GPU0 -> GPU1)
+#   serve[:what]   scripts/gpu/serve.sh pd|colo|both (default both)
+#   smol           the demo model (.gpu-m/a from an earlier call on this machine + .gpu-m2/b):
+#                  scripts/gpu/smollm2.sh
+# Every log goes to one tarball $OUT/logs.tar.xz (the device tool brings back at most 8 files);
+# the table of each part is printed last and kept in $OUT/summary.txt.
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/pdnode-gpu}
+LOGS=/tmp/pdnode-logs
+PD=/tmp/pd
+mkdir -p "$OUT" "$LOGS" "$PD"
+if [ -e .gpu-pd/bundle.tar.xz ]; then
+    rm -rf "$PD/t" && tar -xJf .gpu-pd/bundle.tar.xz -C "$PD"
+fi
+# The first half of the demo model waits on this machine for the call that brings the second.
+[ -e .gpu-m/a ] && cp .gpu-m/a "$PD/model.a"
+summary=$LOGS/summary.txt
+: > "$summary"
+t_start=$SECONDS
+for part in "$@"; do
+    name=${part%%:*}
+    arg=${part#*:}
+    [ "$arg" = "$part" ] && arg=
+    t0=$SECONDS
+    echo "=== $part" | tee -a "$summary"
+    case $name in
+        tests)
+            IFS=, read -r -a names <<< "${arg:-unit,kernels,model,parity,bench,tp}"
+            BIN=$PD/t OUT=$LOGS/tests bash scripts/gpu/run-all.sh "${names[@]}" 2>&1 |
+                tee "$LOGS/tests.out" | tail -40 >> "$summary" ;;
+        transfer)
+            OUT=$LOGS/transfer bash scripts/gpu/transfer.sh cuda 2>&1 |
+                tee "$LOGS/transfer.out" | tail -20 >> "$summary" ;;
+        serve)
+            PD=$PD OUT=$LOGS/serve bash scripts/gpu/serve.sh "${arg:-both}" 2>&1 |
+                tee "$LOGS/serve.out" | tail -40 >> "$summary" ;;
+        smol)
+            if [ -e "$PD/model.a" ] && [ -e .gpu-m2/b ]; then
+                cat "$PD/model.a" .gpu-m2/b > "$PD/smollm2.gguf"
+                if [ "$(sha256sum "$PD/smollm2.gguf" | cut -d' ' -f1)" = "$(cat .gpu-m2/sha256)" ]; then
+                    OUT=$LOGS/smol bash scripts/gpu/smollm2.sh "$PD/smollm2.gguf" "$PD/pdnode" 2>&1 |
+                        tee "$LOGS/smol.out" | tail -30 >> "$summary"
+                else
+                    echo "FAIL the two model parts do not give the model (sha256)" >> "$summary"
+                fi
+            else
+                echo "FAIL smol: model part missing ($PD/model.a from the earlier call, .gpu-m2/b)" >> "$summary"
+            fi ;;
+        *) echo "unknown part $part" >> "$summary" ;;
+    esac
+    echo "--- $part: $((SECONDS - t0)) s" >> "$summary"
+done
+echo "total $((SECONDS - t_start)) s" >> "$summary"
+cp "$summary" "$OUT/summary.txt"
+tar -C "$LOGS" -cJf "$OUT/logs.tar.xz" . 2>/dev/null
+cat "$summary"

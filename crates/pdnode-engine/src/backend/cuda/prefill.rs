@@ -1,15 +1,98 @@
-//! Prefill attention for sequences with many new tokens, through cuBLAS: per query chunk, two
-//! strided-batched GEMMs per head of a GQA group (`S = Q K^T` in f32, `O = P V`) around a causal
-//! softmax kernel. The sequence's cached and new K/V are gathered from the paged pool into
-//! contiguous `[nkv, len, hd]` buffers first, so chunked prefill (a cached prefix) works the same.
+//! Prefill attention for sequences with many new tokens, in one of two implementations
+//! ([`PrefillAttn`]):
+//! - cuBLAS: per query chunk, two strided-batched GEMMs per head of a GQA group (`S = Q K^T` in
+//!   f32, `O = P V`) around a causal softmax kernel. The sequence's cached and new K/V are gathered
+//!   from the paged pool into contiguous `[nkv, len, hd]` buffers first, so chunked prefill (a
+//!   cached prefix) works the same.
+//! - flash (kernels/prefill_flash.cu): one fused causal flash-attention kernel on bf16 tensor
+//!   cores reading K/V straight from the paged pool (head_dim 64 and 128; other head dims fall
+//!   back to cuBLAS). No scratch memory, no score matrix.
 
 use super::CudaError;
 use super::blas::{Operand, OutType, gemm_strided_batched};
 use super::device::{DevBuf, Gpu};
 use super::ops::AttnDims;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU8, Ordering};
 
 const BF16: usize = 2;
+
+/// Which implementation runs prefill attention for the long sequences of a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PrefillAttn {
+    /// The process default: [`set_default_attn`], else the environment variable
+    /// `PDNODE_PREFILL_ATTN` (`gemm`, `flash`, `flash8`), else [`PrefillAttn::Gemm`].
+    #[default]
+    Auto,
+    /// cuBLAS GEMMs around a causal softmax kernel (materialized f32 scores).
+    Gemm,
+    /// Fused flash attention, 64 query rows (4 warps) per CTA.
+    Flash,
+    /// Fused flash attention, 128 query rows (8 warps) per CTA.
+    Flash8,
+}
+
+impl PrefillAttn {
+    /// `gemm`, `flash`, `flash8` or `auto` (case-insensitive).
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Some(Self::Auto),
+            "gemm" | "cublas" => Some(Self::Gemm),
+            "flash" | "flash4" => Some(Self::Flash),
+            "flash8" => Some(Self::Flash8),
+            _ => None,
+        }
+    }
+
+    fn code(self) -> u8 {
+        match self {
+            Self::Auto => 0,
+            Self::Gemm => 1,
+            Self::Flash => 2,
+            Self::Flash8 => 3,
+        }
+    }
+
+    fn from_code(c: u8) -> Self {
+        match c {
+            1 => Self::Gemm,
+            2 => Self::Flash,
+            3 => Self::Flash8,
+            _ => Self::Auto,
+        }
+    }
+
+    /// `Auto` resolved to the process default (never `Auto`).
+    pub fn resolve(self) -> Self {
+        if self != Self::Auto {
+            return self;
+        }
+        match Self::from_code(DEFAULT_ATTN.load(Ordering::Relaxed)) {
+            Self::Auto => {
+                static ENV: OnceLock<PrefillAttn> = OnceLock::new();
+                *ENV.get_or_init(|| {
+                    match std::env::var("PDNODE_PREFILL_ATTN")
+                        .ok()
+                        .and_then(|v| Self::parse(&v))
+                    {
+                        Some(Self::Auto) | None => Self::Gemm,
+                        Some(a) => a,
+                    }
+                })
+            }
+            a => a,
+        }
+    }
+}
+
+static DEFAULT_ATTN: AtomicU8 = AtomicU8::new(0);
+
+/// Sets the implementation that [`PrefillAttn::Auto`] means in this process (benchmarks compare
+/// both on one backend); `Auto` goes back to the environment variable / built-in default.
+pub fn set_default_attn(a: PrefillAttn) {
+    DEFAULT_ATTN.store(a.code(), Ordering::Relaxed);
+}
 /// Scores (f32) plus probabilities (bf16) of one query chunk stay under this many bytes.
 const SCORE_BUDGET: usize = 1 << 30;
 
@@ -28,6 +111,8 @@ pub struct LongSeq {
 pub struct PrefillScratch {
     /// Byte budget of one query chunk's scores + probabilities; 0 = [`SCORE_BUDGET`].
     pub score_budget: usize,
+    /// Implementation; `Auto` = the process default ([`PrefillAttn::resolve`]).
+    pub attn: PrefillAttn,
     kc: Option<DevBuf>,
     vc: Option<DevBuf>,
     qh: Option<DevBuf>,
@@ -57,6 +142,14 @@ fn cfg(grid: (u32, u32, u32), block: u32) -> LaunchConfig {
 }
 
 impl PrefillScratch {
+    /// Empty scratch using implementation `attn`.
+    pub fn new(attn: PrefillAttn) -> Self {
+        Self {
+            attn,
+            ..Self::default()
+        }
+    }
+
     /// Attention of the new tokens of `seqs` (layer `layer`), reading q rows from `q`
     /// `[T, nh, hd]` and writing `out` `[T, nh, hd]` rows. `tables`: device i32 `[S, max_blocks]`.
     #[allow(clippy::too_many_arguments)]
@@ -74,9 +167,12 @@ impl PrefillScratch {
         seqs: &[LongSeq],
     ) -> Result<(), CudaError> {
         let (nh, nkv, hd, bs) = (d.num_heads, d.num_kv_heads, d.head_dim, d.block_size);
-        let g_per = nh / nkv;
         let op = "prefill_attention";
         let shape_err = |reason: String| CudaError::Shape { op, reason };
+        if nkv == 0 || !nh.is_multiple_of(nkv) || hd == 0 || bs == 0 {
+            return Err(shape_err(format!("{d:?}: need nh % nkv == 0, hd > 0")));
+        }
+        let g_per = nh / nkv;
         if q.bytes() < total_tokens * nh * hd * BF16 || out.bytes() < total_tokens * nh * hd * BF16
         {
             return Err(shape_err(format!("q/out smaller than {total_tokens} rows")));
@@ -85,6 +181,22 @@ impl PrefillScratch {
             return Err(shape_err(format!("pool has no layer {layer}")));
         }
         let layer_ptr = pool.at(layer * d.layer_elems() * BF16);
+        for s in seqs {
+            let e = s.start + s.n;
+            if s.row0 + s.n > total_tokens
+                || e > max_blocks * bs
+                || s.n == 0
+                || e > i32::MAX as usize
+                || s.row0 > i32::MAX as usize
+            {
+                return Err(shape_err(format!("{s:?} outside the step")));
+            }
+        }
+        let attn = self.attn.resolve();
+        if matches!(attn, PrefillAttn::Flash | PrefillAttn::Flash8) && (hd == 64 || hd == 128) {
+            let wide = attn == PrefillAttn::Flash8;
+            return run_flash(gpu, d, layer_ptr, q, out, tables, max_blocks, seqs, wide);
+        }
         let (nh_i, hd_i, nkv_i, bs_i) = (nh as i32, hd as i32, nkv as i32, bs as i32);
         for s in seqs {
             let e = s.start + s.n;
@@ -233,5 +345,79 @@ impl PrefillScratch {
                 .map_err(super::drv("transpose_heads"))?;
         }
         Ok(())
+    }
+}
+
+/// The fused kernel for each sequence of `seqs` (already checked against the step by the caller):
+/// grid (query tiles, nh), 64 (`wide`: 128) query rows per CTA.
+#[allow(clippy::too_many_arguments)]
+fn run_flash(
+    gpu: &Gpu,
+    d: &AttnDims,
+    layer_ptr: u64,
+    q: &DevBuf,
+    out: &DevBuf,
+    tables: u64,
+    max_blocks: usize,
+    seqs: &[LongSeq],
+    wide: bool,
+) -> Result<(), CudaError> {
+    let (nh, nkv, hd, bs) = (d.num_heads, d.num_kv_heads, d.head_dim, d.block_size);
+    let name = match (hd, wide) {
+        (64, false) => "flash_prefill_hd64_w4",
+        (128, false) => "flash_prefill_hd128_w4",
+        (64, true) => "flash_prefill_hd64_w8",
+        (128, true) => "flash_prefill_hd128_w8",
+        _ => {
+            return Err(CudaError::Unsupported {
+                reason: format!("flash prefill attention with head_dim {hd} (64 or 128 only)"),
+            });
+        }
+    };
+    let warps = if wide { 8usize } else { 4 };
+    let rows_per_cta = 16 * warps;
+    let f = gpu.kernel(name)?;
+    let (nh_i, nkv_i, bs_i) = (nh as i32, nkv as i32, bs as i32);
+    let scale_log2 = std::f32::consts::LOG2_E / (hd as f32).sqrt();
+    for s in seqs {
+        let table = tables + (s.seq * max_blocks * 4) as u64;
+        let (row0, n, start) = (s.row0 as i32, s.n as i32, s.start as i32);
+        let mut b = gpu.stream.launch_builder(f);
+        b.arg(q.ptr_ref())
+            .arg(out.ptr_ref())
+            .arg(&layer_ptr)
+            .arg(&table)
+            .arg(&row0)
+            .arg(&n)
+            .arg(&start)
+            .arg(&nh_i)
+            .arg(&nkv_i)
+            .arg(&bs_i)
+            .arg(&scale_log2);
+        let grid = (s.n.div_ceil(rows_per_cta) as u32, nh as u32, 1);
+        // SAFETY: q/out hold rows row0 .. row0 + n of [T, nh, hd] (checked by `run`); the block
+        // table row covers positions 0 .. start + n (checked: start + n <= max_blocks * bs) and
+        // the step plan wrote those K/V into layer `layer` of the pool; static shared memory only.
+        unsafe { b.launch(cfg(grid, (32 * warps) as u32)) }.map_err(super::drv(name))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PrefillAttn;
+
+    #[test]
+    fn prefill_attn_parses_names_and_keeps_explicit_choices() {
+        assert_eq!(PrefillAttn::parse(" Flash "), Some(PrefillAttn::Flash));
+        assert_eq!(PrefillAttn::parse("flash8"), Some(PrefillAttn::Flash8));
+        assert_eq!(PrefillAttn::parse("cublas"), Some(PrefillAttn::Gemm));
+        assert_eq!(PrefillAttn::parse("auto"), Some(PrefillAttn::Auto));
+        assert_eq!(PrefillAttn::parse("fast"), None);
+        for a in [PrefillAttn::Gemm, PrefillAttn::Flash, PrefillAttn::Flash8] {
+            assert_eq!(a.resolve(), a);
+            assert_eq!(PrefillAttn::from_code(a.code()), a);
+        }
+        assert_ne!(PrefillAttn::Auto.resolve(), PrefillAttn::Auto);
     }
 }

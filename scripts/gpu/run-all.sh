@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every GPU-only test and the benchmarks from the prebuilt binaries in .gpu/ (see
 # scripts/gpu/build.sh) on a GPU host. Builds nothing. Logs go to $OUT; a short table is printed
-# last. Usage: scripts/gpu/run-all.sh [kernels|model|unit|bench|tp ...] (default: all; tp needs 2 GPUs).
+# last. Usage: scripts/gpu/run-all.sh [kernels|model|unit|parity|graphs|bench|tp ...] (default: all but tp;
+# tp needs 2 GPUs and also runs the TP=2 CUDA-graph test).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 cd "$(dirname "$0")/../.."
@@ -9,7 +10,7 @@ OUT=${OUT:-/tmp/pdnode-gpu}
 BIN=${BIN:-.gpu}
 mkdir -p "$OUT"
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(unit kernels model parity bench)
+[ ${#parts[@]} -eq 0 ] && parts=(unit kernels model parity graphs bench)
 export PDNODE_FIXTURES=$PWD/crates/pdnode-engine/tests/fixtures
 nvidia-smi --query-gpu=index,name,memory.total,memory.used,clocks.sm,clocks.mem,temperature.gpu \
     --format=csv > "$OUT/nvidia-smi.csv" 2>&1 || true
@@ -23,7 +24,7 @@ run() { # name timeout_s cmd...
     local res
     res=$(grep -E '^test result:' "$OUT/$name.log" | tail -1 | sed 's/^test result: //; s/; finished in.*//')
     summary+=("$(printf '%-8s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "${res:-no result line}")")
-    grep -E '^test .* FAILED|panicked at|rel err|worst|^PARITY|^TP ' "$OUT/$name.log" | head -24
+    grep -E '^test .* FAILED|panicked at|rel err|worst|^PARITY|^TP |^GRAPH ' "$OUT/$name.log" | head -24
 }
 for p in "${parts[@]}"; do
     case $p in
@@ -32,7 +33,11 @@ for p in "${parts[@]}"; do
         model) run model 300 "$BIN/cuda_model" --ignored --test-threads=1 --nocapture ;;
         parity) run parity 300 "$BIN/cuda_parity" --ignored --test-threads=1 --nocapture ;;
         bench) run bench 420 "$BIN/cuda_bench" --ignored --nocapture ;;
-        tp) run tp 420 "$BIN/cuda_tp" --ignored --test-threads=1 --nocapture ;;
+        graphs) run graphs 300 "$BIN/cuda_graphs" --ignored --test-threads=1 --nocapture ;;
+        tp)
+            run tp 420 "$BIN/cuda_tp" --ignored --test-threads=1 --nocapture
+            run tpgraphs 300 "$BIN/cuda_graphs" --ignored --test-threads=1 --nocapture tp2
+            ;;
         *) echo "unknown part $p" ;;
     esac
 done

@@ -30,6 +30,7 @@ fn opts_gemm(block_size: u32, gemm_min: usize) -> CudaOptions {
         prefill_gemm_min_tokens: gemm_min,
         linear: LinearImpl::Auto,
         attention: AttnVariant::Auto,
+        cuda_graphs: true,
     }
 }
 

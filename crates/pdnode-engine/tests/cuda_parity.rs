@@ -152,6 +152,7 @@ fn every_fixture_matches_transformers_and_the_cpu_backend() {
                 prefill_gemm_min_tokens: gemm_min,
                 linear: LinearImpl::Auto,
                 attention: AttnVariant::Auto,
+                cuda_graphs: true,
             };
             let mut cuda = CudaBackend::from_loaded(&model, &opts).unwrap();
             let got = rows(&mut cuda, &r, 5);

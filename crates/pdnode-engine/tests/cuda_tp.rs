@@ -30,6 +30,7 @@ fn opts(tp: u32, blocks: u32, gemm_min: usize) -> CudaOptions {
         prefill_gemm_min_tokens: gemm_min,
         linear: LinearImpl::Auto,
         attention: AttnVariant::Auto,
+        cuda_graphs: false,
     }
 }
 

@@ -156,6 +156,9 @@ pub struct EngineConfig {
     /// role = "all" only: one colocated engine (prefill and decode in one continuous batch)
     /// instead of a prefill-only plus a decode-only engine; the baseline PD is compared with.
     pub colocated: bool,
+    /// CUDA backend: replay decode steps as CUDA graphs captured per batch-size bucket;
+    /// false: launch every kernel eagerly.
+    pub cuda_graphs: bool,
     pub mock: MockEngineConfig,
 }
 
@@ -176,6 +179,7 @@ impl Default for EngineConfig {
             cpu_affinity: Vec::new(),
             prefix_cache: true,
             colocated: false,
+            cuda_graphs: true,
             mock: MockEngineConfig::default(),
         }
     }

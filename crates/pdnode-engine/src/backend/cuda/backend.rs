@@ -16,7 +16,10 @@ use crate::weights::Weights;
 use pdnode_core::{BlockId, DType, KvLayout};
 use std::ops::Range;
 
+mod graph;
 mod plan;
+
+pub use graph::{GraphStats, decode_bucket};
 
 /// Sizing of a [`CudaBackend`].
 #[derive(Debug, Clone, PartialEq)]
@@ -42,6 +45,9 @@ pub struct CudaOptions {
     pub linear: ops::LinearImpl,
     /// Paged-attention kernel for decode and short chunks.
     pub attention: AttnVariant,
+    /// Replay decode steps (one new token per sequence, all wanting logits) from CUDA graphs
+    /// captured per (batch-size bucket, context bucket); false: eager launches only.
+    pub cuda_graphs: bool,
 }
 
 impl CudaOptions {
@@ -57,6 +63,7 @@ impl CudaOptions {
             prefill_gemm_min_tokens: 64,
             linear: ops::LinearImpl::Auto,
             attention: AttnVariant::Auto,
+            cuda_graphs: e.cuda_graphs,
         }
     }
 }
@@ -118,7 +125,9 @@ impl Workspace {
 }
 
 pub struct CudaBackend {
-    // Field order is drop order: buffers before the Gpu (context, cuBLAS handle).
+    // Field order is drop order: graphs (which read the buffers) first, buffers before the Gpu
+    // (context, cuBLAS handle).
+    graphs: graph::DecodeGraphs,
     w: DevWeights,
     ws: Workspace,
     pool: DevBuf,
@@ -289,6 +298,7 @@ impl CudaBackend {
             num_blocks,
         };
         Ok(Self {
+            graphs: graph::DecodeGraphs::new(opts.cuda_graphs),
             w,
             ws,
             pool,
@@ -324,6 +334,8 @@ impl CudaBackend {
             return Ok(());
         }
         self.gpu.sync()?;
+        // Captured graphs point into the old pool.
+        self.graphs.clear();
         let bytes = num_blocks * self.layout.block_bytes();
         self.pool = self.gpu.alloc(bytes.max(1))?;
         self.gpu.memset(&self.pool, 0)?;
@@ -377,8 +389,28 @@ impl CudaBackend {
 
     /// Switches the kernels later steps use (benchmarks compare variants on one backend).
     pub fn set_kernels(&mut self, attention: AttnVariant, linear: ops::LinearImpl) {
+        if (attention, linear) != (self.opts.attention, self.opts.linear) {
+            // Captured graphs hold the old kernels; wait for any replay before dropping them.
+            if self.gpu.bind().is_ok() && self.gpu.sync().is_ok() {
+                self.graphs.clear();
+            } else {
+                self.graphs.disable();
+            }
+        }
         self.opts.attention = attention;
         self.opts.linear = linear;
+    }
+
+    /// Turns decode-step CUDA graphs on or off for later steps (benchmarks and tests compare
+    /// both on one backend); graphs captured so far are kept for when they are turned back on.
+    pub fn set_cuda_graphs(&mut self, on: bool) {
+        self.opts.cuda_graphs = on;
+        self.graphs.set_enabled(on);
+    }
+
+    /// Counters of the decode-step graphs (captures, replays, eager fall-backs).
+    pub fn graph_stats(&self) -> GraphStats {
+        self.graphs.stats()
     }
 
     /// Fills the whole KV pool with seeded random bf16 values (benchmarks: never time on zeros).
@@ -401,12 +433,25 @@ impl CudaBackend {
         if p.tokens == 0 {
             return Ok(0);
         }
+        if self.graphs.enabled() && graph::is_decode(batch) && self.replay_decode(batch, &p)? {
+            return Ok(p.rows);
+        }
         if self.ws.meta.bytes() < p.bytes.len() {
             self.gpu.sync()?;
             self.ws.meta = self.gpu.alloc(p.bytes.len().next_power_of_two())?;
         }
         self.gpu.upload(&self.ws.meta, 0, &p.bytes)?;
-        let m = |o: usize| self.ws.meta.at(o);
+        let shape = plan::StepShape::of(&p);
+        self.encode(self.ws.meta.ptr(), &shape)?;
+        Ok(p.rows)
+    }
+
+    /// Enqueues every kernel of one step whose metadata (laid out as `p.off` says) starts at
+    /// device address `meta`. Allocates nothing and never waits for the device when no sequence
+    /// takes the prefill GEMM path (`p.long` empty), so decode steps can be captured into a
+    /// CUDA graph.
+    fn encode(&mut self, meta: u64, p: &plan::StepShape<'_>) -> Result<(), CudaError> {
+        let m = |o: usize| meta + o as u64;
         let s = &self.spec;
         let (g, w, ws, d) = (&self.gpu, &self.w, &self.ws, &self.dims);
         let (h, t) = (s.hidden_size, p.tokens);
@@ -491,7 +536,7 @@ impl CudaBackend {
                     t,
                     m(p.off.tables),
                     p.max_blocks,
-                    &p.long,
+                    p.long,
                 )?;
             }
             ops::linear(
@@ -572,7 +617,7 @@ impl CudaBackend {
                 self.opts.linear,
             )?;
         }
-        Ok(p.rows)
+        Ok(())
     }
 
     /// With tensor parallelism, rank 0 added its partial projection to the residual and every

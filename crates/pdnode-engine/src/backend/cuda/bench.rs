@@ -7,6 +7,7 @@ use super::backend::{CudaBackend, CudaOptions};
 use super::blas::{OutType, gemm};
 use super::device::Gpu;
 use super::ops;
+use super::prefill::{self, LongSeq, PrefillAttn, PrefillScratch};
 use crate::backend::{Backend, BackendError, ForwardBatch, SeqStep};
 
 use crate::spec::{Arch, ModelSpec, RopeScaling};
@@ -197,6 +198,7 @@ pub fn run_variants(
         prefill_gemm_min_tokens: 64,
         linear: ops::LinearImpl::Auto,
         attention: ops::AttnVariant::Auto,
+        cuda_graphs: true,
     };
     let mut be = CudaBackend::new_dummy(&spec, 1234, &opts, "bench".into())?;
     be.fill_kv_random(99)?;
@@ -227,16 +229,31 @@ pub fn run_variants(
                     })
                     .collect(),
             };
+            // eager launches, then the decode CUDA graph of this (batch, ctx) bucket (captured
+            // in the warm-up step); the logits-copy row runs the graph (the shipped default)
+            be.set_cuda_graphs(false);
+            let eager_t = timed_steps(&mut be, iters, &fb)?;
+            be.set_cuda_graphs(true);
+            let replays0 = be.graph_stats().replays;
             let gpu_t = timed_steps(&mut be, iters, &fb)?;
-            // with the logits copy to the host (what Backend::forward costs)
-            let t0 = Instant::now();
-            for _ in 0..iters.min(5) {
-                be.forward(&fb).map_err(err)?;
-            }
-            let host_t = t0.elapsed().as_secs_f64() / iters.min(5) as f64;
+            let graph_ran = be.graph_stats().replays >= replays0 + iters as u64;
             let bytes = wbytes + kv_per_tok * (batch * ctx) as f64;
             let row = BenchRow {
-                what: format!("decode{tag}"),
+                what: format!("decode eager{tag}"),
+                batch,
+                ctx,
+                ms: eager_t * 1e3,
+                floor_ms: bytes / ceil.hbm_traffic_bps * 1e3,
+            };
+            report(&row);
+            rows.push(row);
+            let what = if graph_ran {
+                "decode graph"
+            } else {
+                "decode graph (FELL BACK TO EAGER)"
+            };
+            let row = BenchRow {
+                what: format!("{what}{tag}"),
                 batch,
                 ctx,
                 ms: gpu_t * 1e3,
@@ -244,6 +261,12 @@ pub fn run_variants(
             };
             report(&row);
             rows.push(row);
+            // with the logits copy to the host (what Backend::forward costs)
+            let t0 = Instant::now();
+            for _ in 0..iters.min(5) {
+                be.forward(&fb).map_err(err)?;
+            }
+            let host_t = t0.elapsed().as_secs_f64() / iters.min(5) as f64;
             let row = BenchRow {
                 what: format!("decode+logits D2H{tag}"),
                 batch,
@@ -267,20 +290,91 @@ pub fn run_variants(
                 want_logits: true,
             }],
         };
-        let t = timed_steps(&mut be, iters.min(5), &fb)?;
         let dense =
             2.0 * (spec.num_params() - spec.vocab_size * spec.hidden_size * 2) as f64 * len as f64;
         let attn =
             2.0 * (len as f64).powi(2) * (spec.head_dim * spec.num_heads * spec.num_layers) as f64;
-        let row = BenchRow {
-            what: "prefill".into(),
+        // the whole step with each prefill-attention implementation (the process default
+        // switched for the step; restored to the environment's choice after)
+        let result = PREFILL_ATTNS.iter().try_for_each(|&pa| {
+            prefill::set_default_attn(pa);
+            let t = timed_steps(&mut be, iters.min(5), &fb)?;
+            let row = BenchRow {
+                what: format!("prefill [{pa:?}]"),
+                batch: 1,
+                ctx: len,
+                ms: t * 1e3,
+                floor_ms: (dense + attn) / ceil.gemm_flops * 1e3,
+            };
+            report(&row);
+            rows.push(row);
+            Ok::<(), CudaError>(())
+        });
+        prefill::set_default_attn(PrefillAttn::Auto);
+        result?;
+        for row in prefill_attention_rows(be.gpu(), &spec, len, iters, &ceil)? {
+            report(&row);
+            rows.push(row);
+        }
+    }
+    Ok((ceil, rows))
+}
+
+/// Prefill-attention implementations the benchmark compares.
+const PREFILL_ATTNS: [PrefillAttn; 3] =
+    [PrefillAttn::Gemm, PrefillAttn::Flash, PrefillAttn::Flash8];
+
+/// Prefill attention alone, one layer of `spec`'s heads, one sequence of `len` new tokens from
+/// position 0 (K/V already in a one-layer pool of random values), per implementation. Ceiling:
+/// the causal half of `4 len^2 hd nh` FLOP (QK^T and PV) at the bf16 GEMM peak.
+fn prefill_attention_rows(
+    gpu: &Gpu,
+    spec: &ModelSpec,
+    len: usize,
+    iters: usize,
+    ceil: &Ceilings,
+) -> Result<Vec<BenchRow>, CudaError> {
+    let bs = 16;
+    let blocks = len.div_ceil(bs);
+    let d = ops::AttnDims {
+        num_heads: spec.num_heads,
+        num_kv_heads: spec.num_kv_heads,
+        head_dim: spec.head_dim,
+        block_size: bs,
+        num_blocks: blocks,
+    };
+    let q_elems = len * spec.num_heads * spec.head_dim;
+    let (pool, q, out) = (
+        gpu.alloc(d.layer_elems() * 2)?,
+        gpu.alloc(q_elems * 2)?,
+        gpu.alloc(q_elems * 2)?,
+    );
+    ops::fill_uniform_bf16(gpu, &pool, d.layer_elems(), 11, 1.0)?;
+    ops::fill_uniform_bf16(gpu, &q, q_elems, 12, 1.0)?;
+    let table: Vec<i32> = (0..blocks as i32).rev().collect();
+    let tab = gpu.alloc(blocks * 4)?;
+    gpu.upload(&tab, 0, &table)?;
+    let seqs = [LongSeq {
+        row0: 0,
+        n: len,
+        start: 0,
+        seq: 0,
+    }];
+    let flops = 2.0 * (len as f64).powi(2) * (spec.head_dim * spec.num_heads) as f64;
+    let mut rows = Vec::new();
+    for pa in PREFILL_ATTNS {
+        let mut scratch = PrefillScratch::new(pa);
+        let t = timed(gpu, iters, || {
+            scratch.run(gpu, &d, &pool, 0, &q, &out, len, tab.ptr(), blocks, &seqs)
+        })?;
+        rows.push(BenchRow {
+            what: format!("prefill attention, 1 layer [{pa:?}]"),
             batch: 1,
             ctx: len,
             ms: t * 1e3,
-            floor_ms: (dense + attn) / ceil.gemm_flops * 1e3,
-        };
-        report(&row);
-        rows.push(row);
+            floor_ms: flops / ceil.gemm_flops * 1e3,
+        });
     }
-    Ok((ceil, rows))
+    gpu.sync()?;
+    Ok(rows)
 }

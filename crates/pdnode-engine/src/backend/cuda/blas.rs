@@ -6,10 +6,18 @@
 
 use super::CudaError;
 use cudarc::cublas::{result, sys};
-use cudarc::driver::CudaStream;
+use cudarc::driver::{CudaContext, CudaStream};
+use std::sync::Arc;
+
+/// Bytes of the fixed cuBLAS workspace (NVIDIA's recommendation for Hopper): cuBLAS then never
+/// allocates one itself, which a CUDA graph capture of the decode step could not contain.
+pub const BLAS_WORKSPACE_BYTES: usize = 32 << 20;
 
 pub struct Blas {
     handle: sys::cublasHandle_t,
+    /// `cuMemAlloc` workspace handed to cuBLAS (freed after the handle).
+    workspace: u64,
+    ctx: Arc<CudaContext>,
 }
 
 impl Blas {
@@ -30,9 +38,31 @@ impl Blas {
         let handle = result::create_handle().map_err(err("cublasCreate"))?;
         // SAFETY: `handle` was just created in the current context; the stream is alive as long
         // as the owning Gpu, which also owns this handle.
-        unsafe { result::set_stream(handle, stream.cu_stream() as sys::cudaStream_t) }
-            .map_err(err("cublasSetStream"))?;
-        Ok(Self { handle })
+        let set = unsafe { result::set_stream(handle, stream.cu_stream() as sys::cudaStream_t) }
+            .map_err(err("cublasSetStream"));
+        // The value owns the handle from here on: its drop destroys it on any error below.
+        let mut blas = Self {
+            handle,
+            workspace: 0,
+            ctx: stream.context().clone(),
+        };
+        set?;
+        // SAFETY: the stream's context is current (the caller created the stream on this thread);
+        // the size is non-zero.
+        blas.workspace = unsafe { cudarc::driver::result::malloc_sync(BLAS_WORKSPACE_BYTES) }
+            .map_err(super::drv("cuMemAlloc (cuBLAS workspace)"))?;
+        // SAFETY: `workspace` is a live allocation of BLAS_WORKSPACE_BYTES in the handle's
+        // context, kept until after the handle is destroyed (Drop).
+        unsafe {
+            sys::cublasSetWorkspace_v2(
+                blas.handle,
+                blas.workspace as *mut std::ffi::c_void,
+                BLAS_WORKSPACE_BYTES,
+            )
+        }
+        .result()
+        .map_err(err("cublasSetWorkspace"))?;
+        Ok(blas)
     }
 }
 
@@ -40,6 +70,11 @@ impl Drop for Blas {
     fn drop(&mut self) {
         // SAFETY: created in `new`, destroyed once.
         let _ = unsafe { result::destroy_handle(self.handle) };
+        if self.workspace != 0 && self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated with cuMemAlloc in `new` in this context, freed once, after
+            // the handle that used it; the owning Gpu synchronizes its stream before dropping.
+            let _ = unsafe { cudarc::driver::result::free_sync(self.workspace) };
+        }
     }
 }
 

@@ -699,6 +699,7 @@ mod tests {
             prefill_gemm_min_tokens: 64,
             linear: super::super::ops::LinearImpl::Auto,
             attention: super::super::ops::AttnVariant::Auto,
+            cuda_graphs: false,
         }
     }
 

@@ -61,6 +61,7 @@ pub fn run_decode(
         prefill_gemm_min_tokens: 64,
         linear: ops::LinearImpl::Auto,
         attention: ops::AttnVariant::Auto,
+        cuda_graphs: true,
     };
     let mut be = CudaTpBackend::new_dummy(&spec, 1234, None, &opts, "bench".into())?;
     be.fill_kv_random(99).map_err(err)?;

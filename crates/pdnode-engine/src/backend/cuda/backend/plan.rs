@@ -29,7 +29,32 @@ pub(super) struct StepPlan {
     pub(super) short_len: usize,
 }
 
-fn push<T: Copy>(buf: &mut Vec<u8>, data: &[T]) -> usize {
+/// What [`CudaBackend::encode`] needs of a step: the metadata layout and the launch shapes.
+pub(super) struct StepShape<'a> {
+    pub(super) off: &'a MetaOffsets,
+    pub(super) tokens: usize,
+    pub(super) rows: usize,
+    pub(super) max_blocks: usize,
+    pub(super) max_ctx: usize,
+    pub(super) long: &'a [LongSeq],
+    pub(super) short_len: usize,
+}
+
+impl<'a> StepShape<'a> {
+    pub(super) fn of(p: &'a StepPlan) -> Self {
+        Self {
+            off: &p.off,
+            tokens: p.tokens,
+            rows: p.rows,
+            max_blocks: p.max_blocks,
+            max_ctx: p.max_ctx,
+            long: &p.long,
+            short_len: p.short_len,
+        }
+    }
+}
+
+pub(super) fn push<T: Copy>(buf: &mut Vec<u8>, data: &[T]) -> usize {
     let off = buf.len().next_multiple_of(16);
     buf.resize(off, 0);
     // SAFETY: T is a plain integer type here (u32/i32/i64); reading its bytes is sound.

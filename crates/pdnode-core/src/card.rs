@@ -91,6 +91,13 @@ pub struct NodeCard {
     pub version: String,
     /// Unix time (ms) the process started; tells a restart apart from the same id.
     pub started_at_ms: u64,
+    /// The node runs both phases of a request itself and its node API (`pdnode.v1.Node`) serves
+    /// ReserveKv, Prefill and Decode for it, so a router pairs it with itself (P == D). Set by a
+    /// role-`all` node with `engine.colocated`. A role-`all` node without it keeps its prefill
+    /// and decode engines in process: other routers must not use it. Cards without the field
+    /// (older nodes) read as `false`.
+    #[serde(default)]
+    pub colocated: bool,
 }
 
 impl NodeCard {
@@ -166,9 +173,24 @@ mod tests {
             capacity: NodeCapacity::default(),
             version: "0.1.0".into(),
             started_at_ms: 1,
+            colocated: false,
         };
         let back = NodeCard::from_json(card.to_json().as_bytes()).unwrap();
         assert_eq!(back, card);
         assert!(NodeCard::from_json(b"{not json").is_err());
+
+        // `colocated` round-trips, and a card written before the field existed reads as false.
+        let colo = NodeCard {
+            role: Role::All,
+            colocated: true,
+            ..card.clone()
+        };
+        let back = NodeCard::from_json(colo.to_json().as_bytes()).unwrap();
+        assert!(back.colocated);
+        let mut old: serde_json::Value = serde_json::from_str(&colo.to_json()).unwrap();
+        old.as_object_mut().unwrap().remove("colocated");
+        let back = NodeCard::from_json(old.to_string().as_bytes()).unwrap();
+        assert_eq!(back.role, Role::All);
+        assert!(!back.colocated);
     }
 }

@@ -186,6 +186,7 @@ impl Node {
             capacity: NodeCapacity::default(),
             version: env!("CARGO_PKG_VERSION").to_string(),
             started_at_ms: now_ms(),
+            colocated: role == Role::All && cfg.engine.colocated,
         };
 
         let ttl = Duration::from_secs(cfg.registry.lease_ttl_s);

@@ -474,6 +474,8 @@ impl TryFrom<v1::NodeCard> for NodeCard {
             capacity: c.capacity.map(NodeCapacity::from).unwrap_or_default(),
             version: c.version,
             started_at_ms: c.started_at_ms,
+            // pdnode.v1.NodeCard does not carry it (yet); the registry keeps the JSON card.
+            colocated: false,
         })
     }
 }

@@ -136,6 +136,7 @@ mod tests {
             },
             version: "0".into(),
             started_at_ms: 0,
+            colocated: false,
         }
     }
 

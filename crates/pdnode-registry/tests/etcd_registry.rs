@@ -25,6 +25,7 @@ fn card(role: Role, id: &str) -> NodeCard {
         capacity: NodeCapacity::default(),
         version: "0".into(),
         started_at_ms: 1,
+        colocated: false,
     }
 }
 

@@ -86,6 +86,14 @@ pub enum RouterError {
         request: RequestId,
         after_ms: u64,
     },
+    #[error(
+        "decode node {node} was lost while {request} was in prefill ({reason}); the prefill was aborted"
+    )]
+    DecodeLost {
+        node: NodeId,
+        request: RequestId,
+        reason: String,
+    },
     #[error("tokenizer: {message}")]
     Tokenize { message: String },
     #[error("request {request} was cancelled")]
@@ -113,7 +121,9 @@ impl Classify for RouterError {
             RouterError::ContextLength { .. } => ErrorKind::ContextLengthExceeded,
             RouterError::Unauthenticated => ErrorKind::Unauthenticated,
             RouterError::Overloaded { .. } => ErrorKind::Overloaded,
-            RouterError::NoNode { .. } | RouterError::Draining => ErrorKind::Unavailable,
+            RouterError::NoNode { .. } | RouterError::Draining | RouterError::DecodeLost { .. } => {
+                ErrorKind::Unavailable
+            }
             RouterError::Node { source, .. } => match source.kind {
                 // A node's own invalid-request verdict stays one; anything else is the server's.
                 k @ (ErrorKind::InvalidRequest | ErrorKind::ContextLengthExceeded) => k,

@@ -77,6 +77,8 @@ pub struct FakeBehavior {
     pub prefill_delay: Duration,
     pub fail_reserve: Option<NodeError>,
     pub fail_prefill: Option<NodeError>,
+    /// `Stats` (the router's liveness probe) fails with this: a node that stopped answering.
+    pub fail_stats: Option<NodeError>,
     /// The decode stream breaks with this error after this many chunks.
     pub die_after: Option<(usize, NodeError)>,
     pub stats: NodeStats,
@@ -93,6 +95,7 @@ impl Default for FakeBehavior {
             prefill_delay: Duration::ZERO,
             fail_reserve: None,
             fail_prefill: None,
+            fail_stats: None,
             die_after: None,
             stats: NodeStats {
                 kv_blocks_total: 100,
@@ -114,13 +117,28 @@ pub enum FakeCall {
     Stats,
 }
 
+/// KV block size of the fake's block accounting, tokens.
+pub const FAKE_BLOCK_TOKENS: usize = 16;
+
+fn blocks_for(tokens: usize) -> u64 {
+    tokens.div_ceil(FAKE_BLOCK_TOKENS) as u64
+}
+
 /// A scriptable prefill or decode node.
+///
+/// It keeps KV block accounting per request ([`FakeNode::kv_blocks_held`]): `ReserveKv` holds the
+/// prompt's blocks until the decode stream ends or `Abort`; `Prefill` holds them while it
+/// computes and frees them when it answers or on `Abort`. A prefill call the caller merely drops
+/// keeps its blocks (as a remote node that never heard of the cancel would), so a test can tell
+/// whether the router sent the Abort.
 pub struct FakeNode {
     id: NodeId,
     behavior: Mutex<FakeBehavior>,
     calls: Mutex<Vec<FakeCall>>,
     /// Per request: cancelled by Abort.
     live: Mutex<HashMap<RequestId, CancellationToken>>,
+    /// KV blocks held per request.
+    held: Arc<Mutex<HashMap<RequestId, u64>>>,
     changed: Notify,
 }
 
@@ -131,6 +149,7 @@ impl FakeNode {
             behavior: Mutex::new(FakeBehavior::default()),
             calls: Mutex::new(Vec::new()),
             live: Mutex::new(HashMap::new()),
+            held: Arc::new(Mutex::new(HashMap::new())),
             changed: Notify::new(),
         })
     }
@@ -176,6 +195,19 @@ impl FakeNode {
         }
     }
 
+    /// KV blocks the node's requests hold now (0: every block free).
+    pub fn kv_blocks_held(&self) -> u64 {
+        self.held.lock().values().sum()
+    }
+
+    fn hold(&self, id: RequestId, blocks: u64) {
+        *self.held.lock().entry(id).or_default() += blocks;
+    }
+
+    fn free(&self, id: RequestId) {
+        self.held.lock().remove(&id);
+    }
+
     /// A [`Worker`] for this node with the given role.
     pub fn worker(self: &Arc<Self>, role: Role) -> Worker {
         Worker {
@@ -208,6 +240,8 @@ pub fn fake_card(id: &str, role: Role) -> NodeCard {
         capacity: NodeCapacity::default(),
         version: "test".into(),
         started_at_ms: 0,
+        // Role `all` cards of tests are colocated engines unless a test says otherwise.
+        colocated: role == Role::All,
     }
 }
 
@@ -219,6 +253,7 @@ impl NodeClient for FakeNode {
                 return Err(e);
             }
             self.token(req.request_id);
+            self.hold(req.request_id, blocks_for(req.prompt_token_ids.len()));
             Ok(KvTarget {
                 decode_node: self.id.clone(),
                 secret: req.request_id.0.to_le_bytes().to_vec(),
@@ -232,12 +267,15 @@ impl NodeClient for FakeNode {
             self.record(FakeCall::Prefill(req.request_id));
             let b = self.behavior.lock().clone();
             let cancel = self.token(req.request_id);
+            self.hold(req.request_id, blocks_for(req.prompt_token_ids.len()));
             tokio::select! {
                 _ = tokio::time::sleep(b.prefill_delay) => {}
                 _ = cancel.cancelled() => {
                     return Err(NodeError::new(ErrorKind::Cancelled, "aborted"));
                 }
             }
+            // Answered (handed off or failed): the blocks are free again.
+            self.free(req.request_id);
             if let Some(e) = b.fail_prefill {
                 return Err(e);
             }
@@ -269,7 +307,17 @@ impl NodeClient for FakeNode {
             let logprobs = req.sampling.logprobs;
             let rest: Vec<u32> = b.output.iter().skip(1).copied().collect();
             let (tx, rx) = tokio::sync::mpsc::channel(4);
+            let held = self.held.clone();
+            let id = req.request_id;
             tokio::spawn(async move {
+                // However the stream ends, the request's blocks are free.
+                struct Free(Arc<Mutex<HashMap<RequestId, u64>>>, RequestId);
+                impl Drop for Free {
+                    fn drop(&mut self) {
+                        self.0.lock().remove(&self.1);
+                    }
+                }
+                let _free = Free(held, id);
                 let mut sent = 1usize;
                 for (n, tok) in rest.iter().enumerate() {
                     if let Some((after, e)) = &b.die_after
@@ -315,6 +363,7 @@ impl NodeClient for FakeNode {
             if let Some(t) = &found {
                 t.cancel();
             }
+            self.free(id);
             self.record(FakeCall::Abort(id));
             Ok(found.is_some())
         })
@@ -323,7 +372,11 @@ impl NodeClient for FakeNode {
     fn stats(&self) -> BoxFuture<'_, Result<NodeStats, NodeError>> {
         Box::pin(async move {
             self.record(FakeCall::Stats);
-            Ok(self.behavior.lock().stats.clone())
+            let b = self.behavior.lock();
+            match &b.fail_stats {
+                Some(e) => Err(e.clone()),
+                None => Ok(b.stats.clone()),
+            }
         })
     }
 }

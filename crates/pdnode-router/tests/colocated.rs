@@ -134,3 +134,41 @@ async fn a_failed_colocated_prefill_retries_on_another_colocated_node() {
     assert_eq!(n(|c| matches!(c, FakeCall::Prefill(_))), 1);
     assert_eq!(n(|c| matches!(c, FakeCall::Decode(_))), 1);
 }
+
+/// A role-`all` node whose card is not `colocated` (router + prefill-only + decode-only engines
+/// in one process, KV moved in process) does not serve its phases on its node API: another router
+/// never pairs it with itself, nor uses it as a prefill or decode node.
+#[tokio::test]
+async fn an_all_node_that_is_not_colocated_is_never_used() {
+    let p = FakeNode::new("p0");
+    let d = FakeNode::new("d0");
+    let a = FakeNode::new("a0");
+    let c = FakeNode::new("c0");
+    let mut in_process = a.worker(Role::All);
+    in_process.card.colocated = false;
+    let colocated = c.worker(Role::All);
+    assert!(colocated.card.colocated);
+    let r = router(vec![
+        p.worker(Role::Prefill),
+        d.worker(Role::Decode),
+        in_process.clone(),
+        colocated,
+    ]);
+    for i in 0..6 {
+        let out = run(&r, &format!("req {i}")).await;
+        assert_eq!(out.as_deref(), Ok("Hello from the fake node."));
+    }
+    assert!(a.calls().is_empty(), "{:?}", a.calls());
+    let n = |node: &FakeNode, f: fn(&FakeCall) -> bool| node.count(f);
+    let reserve: fn(&FakeCall) -> bool = |x| matches!(x, FakeCall::ReserveKv(_));
+    let prefill: fn(&FakeCall) -> bool = |x| matches!(x, FakeCall::Prefill(_));
+    // Round robin over the two decode candidates, d0 and c0: c0 served its three requests whole,
+    // the PD pair the other three.
+    assert_eq!((n(&c, reserve), n(&c, prefill)), (3, 3));
+    assert_eq!((n(&d, reserve), n(&p, prefill)), (3, 3));
+
+    // Alone, it is no node at all: refused at admission, without a call to it.
+    let r = router(vec![in_process]);
+    assert_eq!(run(&r, "x").await, Err(ErrorKind::Unavailable));
+    assert!(a.calls().is_empty(), "{:?}", a.calls());
+}

@@ -144,6 +144,8 @@ pub fn card(cfg: &Config, id: &NodeId, role: Role, built: &BuiltEngine, grpc: &s
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_millis() as u64)
             .unwrap_or(0),
+        // In process, only `pd::colocated` builds an `all` card: one engine serving both phases.
+        colocated: role == Role::All,
     }
 }
 

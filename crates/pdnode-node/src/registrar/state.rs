@@ -50,6 +50,7 @@ mod tests {
             capacity: NodeCapacity::default(),
             version: "0".into(),
             started_at_ms: 0,
+            colocated: false,
         };
         let mut s = RegistrarState::new(NodeCapacity::default());
         assert!(s.next_card(&card, &NodeCapacity::default()).is_none());

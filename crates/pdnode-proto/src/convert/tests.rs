@@ -36,6 +36,7 @@ fn card(kv_layout: Option<KvLayout>) -> NodeCard {
         },
         version: "0.1.0".into(),
         started_at_ms: 1_700_000_000_000,
+        colocated: false,
     }
 }
 

@@ -7,6 +7,11 @@
 //!    under a fresh request id, on another prefill node (D reserves again); a failed reservation
 //!    likewise, on another decode node. Then the error goes to the client. Invalid-request
 //!    verdicts of a node are not retried.
+//!    While P computes, the router watches D: D leaving the membership (lease ended, restart) or
+//!    failing a liveness probe (`Stats`, from [`PROBE_EVERY`] into the prefill) drops the
+//!    prefill call, aborts it on P (which frees its blocks) and treats D like a failed
+//!    reservation: retried once on another decode node, else the client gets
+//!    [`RouterError::DecodeLost`] without waiting for the prefill to end.
 //! 4. `D.Decode` streams the rest; each gap between messages is bounded by `token_timeout_s`.
 //!    A broken or stalled stream aborts D and ends the client's stream with an error.
 //! 5. The client going away (the event receiver dropped) aborts the request on both nodes.
@@ -15,7 +20,7 @@
 use super::{GenEvent, GenRequest, InflightGuard, Router, Usage};
 use crate::error::{RouterError, Step};
 use crate::membership::Worker;
-use crate::node::{DecodeCall, PrefillCall, ReserveKv};
+use crate::node::{DecodeCall, PrefillCall, PrefillOutcome, ReserveKv};
 use crate::tokenize::Detokenizer;
 use futures::StreamExt;
 use pdnode_core::error::Classify;
@@ -28,6 +33,13 @@ use tokio::sync::mpsc;
 
 /// Longest wait for a node to acknowledge an Abort.
 const ABORT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often a running prefill checks that its decode node is still in the membership.
+const MEMBERSHIP_CHECK: Duration = Duration::from_millis(100);
+/// From this long into a prefill, and then as often, its decode node is probed with `Stats`
+/// (each probe bounded by the same time). Short prefills send no probe at all.
+pub(crate) const PROBE_EVERY: Duration = Duration::from_secs(1);
+/// Probes timing out in a row that count as the decode node being gone.
+const PROBE_MISSES: u32 = 3;
 
 enum Exit {
     Done(FinishReason),
@@ -171,6 +183,57 @@ async fn abort(w: &Worker, id: RequestId, reason: &str) {
     }
 }
 
+/// Aborts on a node that may be gone, without waiting for the answer.
+fn abort_detached(w: &Worker, id: RequestId, reason: &'static str) {
+    let w = w.clone();
+    tokio::spawn(async move { abort(&w, id, reason).await });
+}
+
+/// How a watched prefill ended.
+enum PrefillEnd {
+    Done(Result<PrefillOutcome, StepErr>),
+    /// The decode node went away first; why.
+    DecodeLost(String),
+}
+
+/// Whether `d` (same id, same process start) is still a decode candidate.
+fn still_member(router: &Router, d: &Worker) -> bool {
+    let (_, decodes) = candidates(router.deps.membership.as_ref());
+    decodes
+        .iter()
+        .any(|w| w.id() == d.id() && w.card.started_at_ms == d.card.started_at_ms)
+}
+
+/// Resolves only when the decode node `d` is gone: it left the membership, a liveness probe
+/// failed, or [`PROBE_MISSES`] probes in a row timed out. Returns why.
+async fn decode_lost(router: &Router, d: &Worker) -> String {
+    let mut next_probe = Instant::now() + PROBE_EVERY;
+    let mut misses = 0u32;
+    loop {
+        tokio::time::sleep(MEMBERSHIP_CHECK).await;
+        if !still_member(router, d) {
+            return "it left the membership (lease ended, restarted or removed)".to_string();
+        }
+        if Instant::now() < next_probe {
+            continue;
+        }
+        match tokio::time::timeout(PROBE_EVERY, d.client.stats()).await {
+            Ok(Ok(_)) => misses = 0,
+            Ok(Err(e)) => return format!("its liveness probe failed: {e}"),
+            Err(_) => {
+                misses += 1;
+                if misses >= PROBE_MISSES {
+                    return format!(
+                        "{misses} liveness probes in a row got no answer within {} ms",
+                        PROBE_EVERY.as_millis()
+                    );
+                }
+            }
+        }
+        next_probe = Instant::now() + PROBE_EVERY;
+    }
+}
+
 async fn abort_both(p: &Worker, d: &Worker, id: RequestId, reason: &str) {
     futures::join!(abort(p, id, reason), abort(d, id, reason));
 }
@@ -277,21 +340,42 @@ async fn drive(
             sampling: req.sampling.clone(),
             target,
         };
-        let outcome = match step(
+        let prefill = step(
             tx,
             prefill_timeout,
             deadline,
             (Step::Prefill, p.id(), req_id),
             p.client.prefill(call),
-        )
-        .await
-        {
-            Ok(o) => o,
-            Err(StepErr::ClientGone) => {
+        );
+        // A colocated worker's decode side is the prefilling node itself: nothing to watch.
+        let watch = !is_colocated(&d);
+        let ended = tokio::select! {
+            r = prefill => PrefillEnd::Done(r),
+            why = decode_lost(router, &d), if watch => PrefillEnd::DecodeLost(why),
+        };
+        let outcome = match ended {
+            PrefillEnd::Done(Ok(o)) => o,
+            PrefillEnd::DecodeLost(reason) => {
+                // The prefill call is dropped already; Abort frees what it holds on P. D may be
+                // dead: its Abort is not waited for.
+                abort(&p, req_id, "decode node lost during prefill").await;
+                abort_detached(&d, req_id, "decode node lost during prefill");
+                let e = RouterError::DecodeLost {
+                    node: d.id().clone(),
+                    request: req_id,
+                    reason,
+                };
+                tracing::warn!(request = %req_id, prefill = %p.id(), decode = %d.id(), error = %e, "decode node lost during prefill; prefill aborted");
+                excluded_d.push(d.id().clone());
+                d_slot = None;
+                last_err = Some(e);
+                continue;
+            }
+            PrefillEnd::Done(Err(StepErr::ClientGone)) => {
                 abort_both(&p, &d, req_id, "client disconnected").await;
                 return Ok(Exit::ClientGone);
             }
-            Err(StepErr::Failed(e)) => {
+            PrefillEnd::Done(Err(StepErr::Failed(e))) => {
                 abort_both(&p, &d, req_id, "prefill failed").await;
                 let kind = e.kind();
                 tracing::warn!(request = %req_id, prefill = %p.id(), error = %e, "prefill failed");
@@ -475,26 +559,32 @@ async fn drive(
     Err(last_err.unwrap_or(RouterError::NoNode { role: missing }))
 }
 
-/// A worker that serves both phases itself (role `All`: a colocated engine).
-fn is_colocated(w: &Worker) -> bool {
-    w.card.role == Role::All
+/// A worker that serves both phases itself on its node API: role `All` with `colocated` set
+/// on its card. A role-`All` card without it (prefill and decode engines kept in process, or an
+/// older node) is not a worker for this router at all.
+pub(crate) fn is_colocated(w: &Worker) -> bool {
+    w.card.role == Role::All && w.card.colocated
 }
 
-/// Prefill candidates (prefill-only workers) and decode candidates (decode-only workers plus the
-/// colocated ones, each once). A colocated worker is picked by the decode policy and then
+/// Prefill candidates (role `Prefill` workers) and decode candidates (role `Decode` workers plus
+/// the colocated ones, each once). A colocated worker is picked by the decode policy and then
 /// prefills for itself; the prefill policy never pairs it with another decode node.
 pub(crate) fn candidates(m: &dyn crate::membership::Membership) -> (Vec<Worker>, Vec<Worker>) {
     let prefills: Vec<Worker> = m
         .workers(Role::Prefill)
         .into_iter()
-        .filter(|w| !is_colocated(w))
+        .filter(|w| w.card.role == Role::Prefill)
         .collect();
     let mut decodes: Vec<Worker> = m
         .workers(Role::Decode)
         .into_iter()
-        .filter(|w| !is_colocated(w))
+        .filter(|w| w.card.role == Role::Decode)
         .collect();
-    decodes.extend(m.workers(Role::All).into_iter().filter(is_colocated));
+    for w in m.workers(Role::All).into_iter().filter(is_colocated) {
+        if !decodes.iter().any(|x| x.id() == w.id()) {
+            decodes.push(w);
+        }
+    }
     (prefills, decodes)
 }
 

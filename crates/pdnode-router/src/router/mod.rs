@@ -180,10 +180,15 @@ impl Router {
             return Err(RouterError::Draining);
         }
         self.check_prompt(&req)?;
-        for role in [Role::Prefill, Role::Decode] {
-            if self.deps.membership.workers(role).is_empty() {
-                return Err(RouterError::NoNode { role });
-            }
+        // The same candidates the flow pairs from: role-`all` nodes count only if colocated.
+        let (prefills, decodes) = flow::candidates(self.deps.membership.as_ref());
+        if prefills.is_empty() && !decodes.iter().any(flow::is_colocated) {
+            return Err(RouterError::NoNode {
+                role: Role::Prefill,
+            });
+        }
+        if decodes.is_empty() {
+            return Err(RouterError::NoNode { role: Role::Decode });
         }
         let limit = self.deps.config.max_inflight_requests;
         let admitted = self

@@ -1,0 +1,168 @@
+//! The decode node going away while its prefill runs: the router drops the prefill call, aborts
+//! it on the prefill node (every KV block free again) and answers the client long before the
+//! prefill would have ended; with another decode node it retries there instead.
+
+mod common;
+
+use pdnode_core::{ErrorKind, NodeId, SamplingParams};
+use pdnode_router::testing::FakeCall;
+use pdnode_router::{GenEvent, GenRequest, Generation, NodeError, RouterError};
+use std::time::{Duration, Instant};
+
+/// How long the fake prefill takes: far beyond anything the tests wait for.
+const LONG_PREFILL: Duration = Duration::from_secs(60);
+
+async fn harness(n_decode: usize) -> common::Harness {
+    let h = common::Harness::start_with(1, n_decode, |deps| {
+        // The router's own deadlines must not be what ends the request.
+        deps.config.prefill_timeout_s = 120;
+        deps.config.request_timeout_s = 120;
+    })
+    .await;
+    h.prefill[0].set(|b| b.prefill_delay = LONG_PREFILL);
+    h
+}
+
+fn start(h: &common::Harness) -> Generation {
+    h.router
+        .generate(GenRequest {
+            // 40 tokens: 3 blocks of 16.
+            prompt_token_ids: vec![b'x'.into(); 40],
+            sampling: SamplingParams {
+                max_tokens: 20,
+                ..SamplingParams::default()
+            },
+            endpoint: "completions",
+        })
+        .expect("admitted")
+}
+
+fn is_prefill(c: &FakeCall) -> bool {
+    matches!(c, FakeCall::Prefill(_))
+}
+
+/// Waits until the prefill node is computing the request; returns which decode node reserved.
+async fn wait_prefilling(h: &common::Harness) -> usize {
+    let p = &h.prefill[0];
+    assert!(
+        p.wait_for(Duration::from_secs(5), |cs| cs.iter().any(is_prefill))
+            .await,
+        "prefill never started: {:?}",
+        p.calls()
+    );
+    assert_eq!(
+        p.kv_blocks_held(),
+        3,
+        "the running prefill holds its blocks"
+    );
+    h.decode
+        .iter()
+        .position(|d| d.count(|c| matches!(c, FakeCall::ReserveKv(_))) > 0)
+        .expect("a decode node reserved")
+}
+
+/// The next event, at most `within` away.
+async fn next_event(g: &mut Generation, within: Duration) -> GenEvent {
+    tokio::time::timeout(within, g.events.recv())
+        .await
+        .unwrap_or_else(|_| panic!("no event within {within:?}"))
+        .expect("the flow reports Done or Error")
+}
+
+#[tokio::test]
+async fn decode_leaving_membership_aborts_the_prefill_at_once() {
+    let h = harness(1).await;
+    let mut g = start(&h);
+    let d = wait_prefilling(&h).await;
+    assert_eq!(d, 0);
+    let gone_at = Instant::now();
+    h.membership.remove(&NodeId::new("d0"));
+
+    let ev = next_event(&mut g, Duration::from_secs(3)).await;
+    let took = gone_at.elapsed();
+    let GenEvent::Error(e) = ev else {
+        panic!("expected an error, got {ev:?}")
+    };
+    assert!(
+        matches!(&e, RouterError::DecodeLost { node, .. } if node.as_str() == "d0"),
+        "{e:?}"
+    );
+    assert_eq!(
+        pdnode_core::error::Classify::kind(&e),
+        ErrorKind::Unavailable
+    );
+    assert!(e.to_string().contains("left the membership"), "{e}");
+    println!("decode removed -> client error in {took:?} (prefill would take {LONG_PREFILL:?})");
+    assert!(took < Duration::from_secs(2), "took {took:?}");
+
+    // P got the Abort before the client got the error, and holds no block.
+    let p = &h.prefill[0];
+    assert_eq!(p.aborts().len(), 1, "{:?}", p.calls());
+    assert_eq!(p.kv_blocks_held(), 0);
+    assert!(g.events.recv().await.is_none(), "nothing after the error");
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn a_decode_node_that_stops_answering_aborts_the_prefill() {
+    let h = harness(1).await;
+    let mut g = start(&h);
+    wait_prefilling(&h).await;
+    let down_at = Instant::now();
+    // Still in the membership (its lease has not run out), but its calls fail.
+    h.decode[0].set(|b| {
+        b.fail_stats = Some(NodeError::new(
+            ErrorKind::Unavailable,
+            "transport error: connection refused",
+        ))
+    });
+
+    let ev = next_event(&mut g, Duration::from_secs(5)).await;
+    let took = down_at.elapsed();
+    let GenEvent::Error(e) = ev else {
+        panic!("expected an error, got {ev:?}")
+    };
+    assert!(matches!(&e, RouterError::DecodeLost { .. }), "{e:?}");
+    assert!(e.to_string().contains("connection refused"), "{e}");
+    println!("decode probe failing -> client error in {took:?}");
+    // One probe period plus a membership tick, with slack for a loaded machine.
+    assert!(took < Duration::from_secs(3), "took {took:?}");
+    assert_eq!(h.prefill[0].kv_blocks_held(), 0);
+    assert_eq!(h.prefill[0].aborts().len(), 1);
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn a_lost_decode_node_is_replaced_by_another() {
+    let h = harness(2).await;
+    let mut g = start(&h);
+    let first = wait_prefilling(&h).await;
+    let other = 1 - first;
+    // The retry's prefill is quick.
+    h.prefill[0].set(|b| b.prefill_delay = Duration::ZERO);
+    h.membership
+        .remove(&NodeId::new(format!("d{first}").as_str()));
+
+    let mut text = String::new();
+    loop {
+        match next_event(&mut g, Duration::from_secs(5)).await {
+            GenEvent::Tokens { text: t, .. } => text.push_str(&t),
+            GenEvent::Done { .. } => break,
+            GenEvent::Error(e) => panic!("the retry should have served it: {e}"),
+        }
+    }
+    assert_eq!(
+        text, "Hello from the fake ",
+        "max_tokens 20 of the fake output"
+    );
+    let d = &h.decode[other];
+    assert_eq!(d.count(|c| matches!(c, FakeCall::Decode(_))), 1);
+    assert_eq!(h.prefill[0].count(is_prefill), 2);
+    assert_eq!(h.prefill[0].kv_blocks_held(), 0);
+    // The finished request released its reservation on the decode node that served it.
+    assert!(
+        d.wait_for(Duration::from_secs(5), |_| d.kv_blocks_held() == 0)
+            .await
+    );
+    h.stop().await;
+}

@@ -144,6 +144,6 @@ extern "C" __global__ void attention_combine(const float* __restrict__ part_ml,
             L += part_ml[pi * 2 + 1] * wz;
             A += part_acc[pi * hd + d] * wz;
         }
-        out[th * hd + d] = f2bf(A / L);
+        out[th * hd + d] = f2bf(L > 0.f ? A / L : 0.f);  // L == 0: no key (padding token)
     }
 }

@@ -2,6 +2,7 @@
 //! NaN first so an unwritten element fails. GPU only: `#[ignore]`d, run by scripts/gpu/run-all.sh.
 #![cfg(feature = "cuda")]
 
+mod cuda_kernels_attn;
 mod cuda_support;
 
 use cuda_support::*;
@@ -420,6 +421,9 @@ fn paged_attention_prefill_chunks_and_split_decode() {
         }
         if hd % 8 == 0 && 32 % (hd / 8) == 0 {
             variants.push(AttnVariant::V2Narrow);
+        }
+        if ops::v3_supports(hd) {
+            variants.push(AttnVariant::V3);
         }
         let (ml, acc) = (poisoned(&g, 1 << 20), poisoned(&g, 64 << 20));
         let ws = AttnWorkspace {

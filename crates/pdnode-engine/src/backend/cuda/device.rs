@@ -10,12 +10,13 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// The kernel sources, compiled together as one NVRTC program.
-const SOURCES: [&str; 9] = [
+const SOURCES: [&str; 10] = [
     include_str!("../../../kernels/common.cuh"),
     include_str!("../../../kernels/elementwise.cu"),
     include_str!("../../../kernels/rope.cu"),
     include_str!("../../../kernels/attention.cu"),
     include_str!("../../../kernels/attention_v2.cu"),
+    include_str!("../../../kernels/attention_v3.cu"),
     include_str!("../../../kernels/kv_copy.cu"),
     include_str!("../../../kernels/prefill.cu"),
     include_str!("../../../kernels/prefill_flash.cu"),
@@ -23,13 +24,15 @@ const SOURCES: [&str; 9] = [
 ];
 
 /// Kernel entry points (extern "C" names in the .cu files).
-pub const KERNEL_NAMES: [&str; 24] = [
+pub const KERNEL_NAMES: [&str; 26] = [
     "gemv_t1",
     "gemv_t2",
     "gemv_t4",
     "gemv_t8",
     "paged_attention_v2_d8",
     "paged_attention_v2_d16",
+    "paged_attention_v3_d64",
+    "paged_attention_v3_d128",
     "transpose_heads",
     "kv_gather_seq",
     "causal_softmax",

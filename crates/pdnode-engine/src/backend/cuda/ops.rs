@@ -342,7 +342,8 @@ pub struct AttnWorkspace<'a> {
 /// Which paged-attention kernel to run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttnVariant {
-    /// v2 when the head_dim allows it, else v1.
+    /// v3 when the head_dim allows it, else v2, else v1 ([`auto_variant`]; the environment
+    /// variable `PDNODE_ATTN_KERNEL` overrides it).
     Auto,
     /// attention.cu: a warp per key, any even head_dim <= 256, up to 8 heads per block.
     V1,
@@ -351,6 +352,95 @@ pub enum AttnVariant {
     V2,
     /// attention_v2.cu with 8 dims per lane at every head_dim (fewer registers, more shuffles).
     V2Narrow,
+    /// attention_v3.cu: K/V tiles staged in shared memory by cp.async, every query head of a
+    /// GQA group (up to 8) per block, one online-softmax update per tile; head_dim 64 or 128.
+    V3,
+}
+
+impl AttnVariant {
+    /// Parses `auto`, `v1`, `v2`, `v2narrow`, `v3` (the names of the `PDNODE_ATTN_KERNEL`
+    /// override and of the benchmarks).
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Self::Auto,
+            "v1" => Self::V1,
+            "v2" => Self::V2,
+            "v2narrow" => Self::V2Narrow,
+            "v3" => Self::V3,
+            _ => return None,
+        })
+    }
+}
+
+/// What [`AttnVariant::Auto`] runs: the `PDNODE_ATTN_KERNEL` environment variable (`v1`, `v2`,
+/// `v2narrow`, `v3`; read once per process) when set, so a faulty kernel can be switched off on a
+/// GPU host without a rebuild; else v3 for head_dim 64 / 128, v2 where it runs, v1 otherwise.
+pub fn auto_variant(hd: usize) -> AttnVariant {
+    static FORCED: std::sync::OnceLock<Option<AttnVariant>> = std::sync::OnceLock::new();
+    let forced = *FORCED.get_or_init(|| {
+        std::env::var("PDNODE_ATTN_KERNEL")
+            .ok()
+            .and_then(|v| AttnVariant::parse(&v))
+            .filter(|v| *v != AttnVariant::Auto)
+    });
+    let runs = |v: AttnVariant| match v {
+        AttnVariant::V3 => v3_supports(hd),
+        AttnVariant::V2 => v2_dims_per_lane(hd).is_some(),
+        AttnVariant::V2Narrow => hd >= 8 && hd.is_multiple_of(8) && 32 % (hd / 8) == 0,
+        AttnVariant::V1 => true,
+        AttnVariant::Auto => false,
+    };
+    match forced {
+        Some(v) if runs(v) => v,
+        _ if v3_supports(hd) => AttnVariant::V3,
+        _ if v2_dims_per_lane(hd).is_some() => AttnVariant::V2,
+        _ => AttnVariant::V1,
+    }
+}
+
+/// Head dims the v3 kernel is compiled for.
+pub fn v3_supports(hd: usize) -> bool {
+    hd == 64 || hd == 128
+}
+
+/// Query heads one v3 block serves (larger GQA groups take several blocks per KV head).
+pub const V3_MAX_GROUP: usize = 8;
+/// Block-table entries of one partition the v3 kernel stages in shared memory (`ATT3_BT`).
+pub const V3_BT_ENTRIES: usize = 512;
+
+/// Partitions of the v3 kernel for `work` (token, head group) blocks and contexts up to
+/// `max_ctx`: about 16 blocks per SM (4 resident, several waves so uneven contexts balance), at
+/// least 128 keys per partition, each partition's block-table slice within [`V3_BT_ENTRIES`],
+/// and no more partials than the workspace holds (`ws_rows_splits / partial_rows`). Returns
+/// `(nsplit, split_len)` with `nsplit * split_len >= max_ctx > (nsplit - 1) * split_len`.
+pub fn attention_splits_v3(
+    sm_count: usize,
+    work: usize,
+    max_ctx: usize,
+    block_size: usize,
+    partial_rows: usize,
+    ws_rows_splits: usize,
+) -> (usize, usize) {
+    let max_ctx = max_ctx.max(1);
+    let want = (sm_count * 16).div_ceil(work.max(1));
+    let nsplit = want.min(max_ctx.div_ceil(128)).max(1);
+    // Partitions start at multiples of split_len: with split_len a multiple of the block size
+    // they are block-aligned and span split_len / block_size blocks, else one more.
+    let bs = block_size.max(1);
+    let (align, max_len) = if bs.is_multiple_of(16) {
+        (bs, V3_BT_ENTRIES * bs)
+    } else {
+        (16, (V3_BT_ENTRIES - 1) * bs / 16 * 16)
+    };
+    let mut split_len = max_ctx
+        .div_ceil(nsplit)
+        .next_multiple_of(align)
+        .min(max_len);
+    let cap = (ws_rows_splits / partial_rows.max(1)).max(1);
+    if max_ctx.div_ceil(split_len) > cap {
+        split_len = max_ctx.div_ceil(cap);
+    }
+    (max_ctx.div_ceil(split_len), split_len)
 }
 
 /// Dims per lane of the v2 kernel for `hd`, if it can run it.
@@ -471,31 +561,49 @@ pub fn paged_attention_ex(
     if grid_tokens == 0 {
         return Ok(());
     }
+    let variant = match variant {
+        AttnVariant::Auto => auto_variant(hd),
+        v => v,
+    };
     let narrow = (hd.is_multiple_of(8) && 32 % (hd / 8).max(1) == 0 && hd >= 8).then_some(8);
     let dpl = match variant {
         AttnVariant::V2Narrow => narrow,
         _ => v2_dims_per_lane(hd),
     };
-    let v2 = match variant {
-        AttnVariant::Auto => dpl.is_some(),
-        AttnVariant::V1 => false,
-        AttnVariant::V2 | AttnVariant::V2Narrow => {
-            shape(OP, dpl.is_some(), || {
-                format!("{variant:?} cannot run head_dim {hd}")
-            })?;
-            true
-        }
+    match variant {
+        AttnVariant::V2 | AttnVariant::V2Narrow => shape(OP, dpl.is_some(), || {
+            format!("{variant:?} cannot run head_dim {hd}")
+        })?,
+        AttnVariant::V3 => shape(OP, v3_supports(hd), || {
+            format!("V3 cannot run head_dim {hd} (64 or 128)")
+        })?,
+        _ => {}
+    }
+    let maxg = match variant {
+        AttnVariant::V3 => V3_MAX_GROUP,
+        AttnVariant::V2 | AttnVariant::V2Narrow => 4,
+        _ => 8,
     };
-    let maxg = if v2 { 4 } else { 8 };
     let groups = d.num_kv_heads * (nh / d.num_kv_heads).div_ceil(maxg);
     let ws_rows_splits = (ws.part_acc.bytes() / (hd * F32)).min(ws.part_ml.bytes() / (2 * F32));
-    let (nsplit, split_len) = attention_splits(
-        gpu.sm_count as usize,
-        grid_tokens * groups,
-        max_ctx,
-        total_tokens * nh,
-        ws_rows_splits,
-    );
+    let (nsplit, split_len) = if variant == AttnVariant::V3 {
+        attention_splits_v3(
+            gpu.sm_count as usize,
+            grid_tokens * groups,
+            max_ctx,
+            d.block_size,
+            total_tokens * nh,
+            ws_rows_splits,
+        )
+    } else {
+        attention_splits(
+            gpu.sm_count as usize,
+            grid_tokens * groups,
+            max_ctx,
+            total_tokens * nh,
+            ws_rows_splits,
+        )
+    };
     if nsplit > 1 {
         need(
             OP,
@@ -510,10 +618,12 @@ pub fn paged_attention_ex(
             total_tokens * nh * nsplit * 2 * F32,
         )?;
     }
-    let name = match (v2, dpl) {
-        (true, Some(16)) => "paged_attention_v2_d16",
-        (true, _) => "paged_attention_v2_d8",
-        (false, _) => "paged_attention",
+    let name = match variant {
+        AttnVariant::V3 if hd == 64 => "paged_attention_v3_d64",
+        AttnVariant::V3 => "paged_attention_v3_d128",
+        AttnVariant::V2 if dpl == Some(16) => "paged_attention_v2_d16",
+        AttnVariant::V2 | AttnVariant::V2Narrow => "paged_attention_v2_d8",
+        AttnVariant::V1 | AttnVariant::Auto => "paged_attention",
     };
     let f = gpu.kernel(name)?;
     let layer_ptr = pool.at(layer * d.layer_elems() * BF16);
@@ -742,6 +852,77 @@ mod tests {
         // small work spreads over the device; large work does not split
         assert!(attention_splits(132, 8, 8192, 32, 1 << 17).0 > 1);
         assert_eq!(attention_splits(132, 65536, 8192, 262144, 1 << 17).0, 1);
+    }
+
+    #[test]
+    fn v3_partitions_cover_the_context_fit_smem_and_workspace() {
+        let bs_list = [1usize, 16, 32, 24];
+        for &(sms, work, ctx, rows, cap) in &[
+            (132, 8, 512, 32, 1 << 17),    // batch 1, Llama shapes
+            (132, 64, 2048, 256, 1 << 17), // batch 8
+            (132, 256, 8192, 1024, 1 << 17),
+            (132, 512, 8192, 2048, 1 << 17),
+            (132, 512, 131072, 2048, 1 << 17), // long context: smem block table bound
+            (132, 1, 100_000, 32, 64),         // tiny workspace
+            (132, 8, 1, 32, 1 << 17),          // context 1
+            (132, 100_000, 8192, 400_000, 1 << 17),
+        ] {
+            for bs in bs_list {
+                let (n, len) = attention_splits_v3(sms, work, ctx, bs, rows, cap);
+                let tag = format!("sms={sms} work={work} ctx={ctx} bs={bs} cap={cap}: {n} x {len}");
+                assert!(n >= 1 && len >= 1, "{tag}");
+                assert!(n * len >= ctx, "every key in a partition: {tag}");
+                assert!(
+                    (n - 1) * len < ctx,
+                    "no partition starts past max_ctx: {tag}"
+                );
+                assert!(
+                    n == 1 || n * rows <= cap,
+                    "partials fit the workspace: {tag}"
+                );
+                if cap / rows >= ctx.div_ceil((V3_BT_ENTRIES - 1) * bs) {
+                    // a partition of len keys spans len / bs blocks when aligned to blocks,
+                    // at most (len - 1) / bs + 2 otherwise
+                    let span = if bs % 16 == 0 {
+                        assert!(len % bs == 0, "block-aligned partitions: {tag}");
+                        len.div_ceil(bs)
+                    } else {
+                        (len - 1) / bs + 2
+                    };
+                    assert!(span <= V3_BT_ENTRIES, "block table in smem: {tag}");
+                }
+            }
+        }
+        // small batches spread over the device; long contexts are split even at large batch
+        let (n, len) = attention_splits_v3(132, 8, 8192, 16, 32, 1 << 17);
+        assert!(n >= 32 && len >= 128, "{n} x {len}");
+        assert_eq!(
+            attention_splits_v3(132, 1 << 20, 8192, 16, 1 << 22, 1 << 30).0,
+            1
+        );
+        assert!(attention_splits_v3(132, 1 << 20, 131072, 16, 1 << 22, 1 << 30).0 >= 16);
+    }
+
+    #[test]
+    fn variant_names_parse_and_v3_head_dims() {
+        for (s, v) in [
+            ("auto", AttnVariant::Auto),
+            ("v1", AttnVariant::V1),
+            ("V2", AttnVariant::V2),
+            (" v2narrow ", AttnVariant::V2Narrow),
+            ("v3", AttnVariant::V3),
+        ] {
+            assert_eq!(AttnVariant::parse(s), Some(v));
+        }
+        assert_eq!(AttnVariant::parse("v4"), None);
+        assert!(v3_supports(64) && v3_supports(128));
+        assert!(!v3_supports(96) && !v3_supports(256) && !v3_supports(16));
+        if std::env::var_os("PDNODE_ATTN_KERNEL").is_none() {
+            assert_eq!(auto_variant(128), AttnVariant::V3);
+            assert_eq!(auto_variant(64), AttnVariant::V3);
+            assert_eq!(auto_variant(256), AttnVariant::V2);
+            assert_eq!(auto_variant(96), AttnVariant::V1);
+        }
     }
 
     #[test]

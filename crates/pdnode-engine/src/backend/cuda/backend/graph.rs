@@ -226,7 +226,7 @@ impl CudaBackend {
                 self.gpu.sync()?;
                 self.graphs.map.clear();
             }
-            match self.capture(bucket, ctx_b, mb, &off, bytes.len()) {
+            match self.capture(bucket, ctx_b, mb, &off, &bytes) {
                 Ok(e) => {
                     self.graphs.stats.captures += 1;
                     self.graphs.map.insert(key, e);
@@ -259,19 +259,20 @@ impl CudaBackend {
     }
 
     /// Captures the decode step of `bucket` rows over contexts up to `ctx_b` (tables of `mb`
-    /// blocks) reading its metadata from a fresh buffer of `meta_bytes`.
+    /// blocks) reading its metadata from a fresh buffer, after running this step's padded
+    /// metadata `bytes` once eagerly with the same shapes: that loads every kernel (cuBLAS
+    /// included) and sets NCCL's connections up outside the capture. The caller's replay then
+    /// runs the same step again, writing the same K/V values to the same slots.
     fn capture(
         &mut self,
         bucket: usize,
         ctx_b: usize,
         mb: usize,
         off: &MetaOffsets,
-        meta_bytes: usize,
+        bytes: &[u8],
     ) -> Result<Entry, CudaError> {
-        let meta = self.gpu.alloc(meta_bytes)?;
-        // Nothing of an earlier step may be pending in the stream when capture begins (and a
-        // device error of one surfaces here, not as a failed capture).
-        self.gpu.sync()?;
+        let meta = self.gpu.alloc(bytes.len())?;
+        self.gpu.upload(&meta, 0, bytes)?;
         let shape = StepShape {
             off,
             tokens: bucket,
@@ -282,6 +283,10 @@ impl CudaBackend {
             short_len: bucket,
         };
         let t0 = std::time::Instant::now();
+        self.encode(meta.ptr(), &shape)?;
+        // Nothing may be pending in the stream when capture begins (and a device error of the
+        // warm-up surfaces here, not as a failed capture).
+        self.gpu.sync()?;
         self.gpu
             .stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)

@@ -6,8 +6,8 @@
 // every query head of its GQA group, so each K/V byte is read from HBM once per token. Per tile of
 // TK keys:
 //   1. QK: LPK = HD / 8 lanes per key, each lane one 16-byte chunk of K against its chunk of q
-//      (q of the group staged once in shared memory, f32), a log2(LPK)-step shuffle reduction
-//      per head;
+//      (q of the group staged once in shared memory, f32), one butterfly reduce-scatter of all
+//      heads' and keys' partial dots over the LPK lanes;
 //      scores go to shared memory (log2 domain: q . k * scale * log2(e)).
 //   2. softmax: a warp per head updates the running max / sum once per tile and turns the tile's
 //      scores into probabilities.
@@ -48,6 +48,23 @@ __device__ __forceinline__ void att3_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// Butterfly reduce-scatter over lane groups of 2 * O lanes: each stage keeps half of the N values
+// (the upper half where lane bit O is set), adds the partner's copy of it, and sends the other
+// half; after log2(2 * O) stages lane c holds the group sums of values c * NF .. c * NF + NF - 1
+// in v[0 .. NF), NF = N / (2 * O).
+template <int N, int O>
+__device__ __forceinline__ void att3_reduce_scatter(float* v, int lane) {
+    if constexpr (O > 0) {
+        const bool up = (lane & O) != 0;
+#pragma unroll
+        for (int i = 0; i < N / 2; i++) {
+            const float lo = v[i], hi = v[i + N / 2];
+            v[i] = (up ? hi : lo) + __shfl_xor_sync(0xffffffffu, up ? lo : hi, O);
+        }
+        att3_reduce_scatter<N / 2, O / 2>(v, lane);
+    }
+}
+
 template <int HD, int TK, int NST>
 __device__ __forceinline__ void attn_v3(const bf16_t* __restrict__ q,
                                         const bf16_t* __restrict__ layer_kv,
@@ -61,12 +78,16 @@ __device__ __forceinline__ void attn_v3(const bf16_t* __restrict__ q,
     constexpr int NCH = HD / 8;          // 16-byte chunks per K/V row
     constexpr int LPK = NCH;             // QK: lanes per key
     constexpr int KPP = ATT3_NT / LPK;   // QK: keys per pass
+    constexpr int NP = TK / KPP;         // QK: keys per lane per tile
+    constexpr int NV = NP * ATT3_MAXG;   // QK: partial dots per lane per tile
+    constexpr int NF = NV / LPK;         // QK: full dots per lane after the reduce-scatter
     constexpr int ROWS = ATT3_NT / NCH;  // PV: thread rows
     constexpr int ROW = HD + 8;          // padded shared-memory row (bf16): no bank conflicts
     constexpr int STAGE = TK * ROW;
     constexpr int CPT = 2 * TK * NCH / ATT3_NT;  // 16-byte copies per thread per tile
     static_assert(HD % 8 == 0 && 32 % LPK == 0, "LPK lanes per key within a warp");
     static_assert(TK <= 32 && TK % KPP == 0, "a warp covers a tile's scores");
+    static_assert(NV % LPK == 0 && NF >= 1, "the reduce-scatter ends with whole values per lane");
     static_assert((2 * TK * NCH) % ATT3_NT == 0, "whole copies per thread");
     static_assert(ROWS >= ATT3_MAXG, "every head gets a PV row");
     static_assert(NST * STAGE * 2 >= ROWS * HD * 4, "reduction scratch fits the K stages");
@@ -180,28 +201,41 @@ __device__ __forceinline__ void attn_v3(const bf16_t* __restrict__ q,
 
         const int kt = k0 + j * TK;
         const int nk = min(TK, k1 - kt);
-        // 1. scores
-        const bf16_t* ks = sk + st * STAGE;
+        // 1. scores: this lane's chunk of NP keys (kq, kq + KPP, ...) against every head's q
+        // chunk (q read once for all NP keys), then one reduce-scatter over the LPK lanes of the
+        // key group for all NV = NP * MAXG partial dots at once: log2(LPK) butterfly stages that
+        // each send half of the values still held, NV - NV / LPK shuffles in all instead of
+        // NV * log2(LPK). Lane cq ends with the full dots of values cq * NF .. cq * NF + NF - 1.
+        const bf16_t* ks = sk + st * STAGE + kq * ROW + cq * 8;
+        float kf[NP][8];
 #pragma unroll
-        for (int p = 0; p < TK / KPP; p++) {
-            const int kk = p * KPP + kq;
-            float kf[8];
-            unpack8(*(const uint4*)(ks + kk * ROW + cq * 8), kf);
+        for (int p = 0; p < NP; p++) unpack8(*(const uint4*)(ks + p * KPP * ROW), kf[p]);
+        float v[NV];  // v[p * ATT3_MAXG + g]
 #pragma unroll
-            for (int g = 0; g < ATT3_MAXG; g++) {
-                if (g < ng) {
-                    const float4 qa = *(const float4*)(sq + g * HD + cq * 8);
-                    const float4 qb = *(const float4*)(sq + g * HD + cq * 8 + 4);
-                    const float qf[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+        for (int g = 0; g < ATT3_MAXG; g++) {
+            if (g < ng) {
+                const float4 qa = *(const float4*)(sq + g * HD + cq * 8);
+                const float4 qb = *(const float4*)(sq + g * HD + cq * 8 + 4);
+                const float qf[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+#pragma unroll
+                for (int p = 0; p < NP; p++) {
                     float dot = 0.f;
 #pragma unroll
-                    for (int x = 0; x < 8; x++) dot = fmaf(qf[x], kf[x], dot);
-#pragma unroll
-                    for (int o = LPK >> 1; o > 0; o >>= 1)
-                        dot += __shfl_xor_sync(0xffffffffu, dot, o);
-                    if (cq == 0) ss[g][kk] = kk < nk ? dot * qscale : -INFINITY;
+                    for (int x = 0; x < 8; x++) dot = fmaf(qf[x], kf[p][x], dot);
+                    v[p * ATT3_MAXG + g] = dot;
                 }
+            } else {
+#pragma unroll
+                for (int p = 0; p < NP; p++) v[p * ATT3_MAXG + g] = 0.f;
             }
+        }
+        att3_reduce_scatter<NV, LPK / 2>(v, cq);
+#pragma unroll
+        for (int i = 0; i < NF; i++) {
+            const int idx = cq * NF + i;
+            const int p = idx / ATT3_MAXG, g = idx - p * ATT3_MAXG;
+            const int kk = p * KPP + kq;
+            if (g < ng) ss[g][kk] = kk < nk ? v[i] * qscale : -INFINITY;
         }
         __syncthreads();
         // 2. online softmax, once per tile and head

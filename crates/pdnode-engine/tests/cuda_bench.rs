@@ -3,16 +3,20 @@
 //! `PDNODE_BENCH_DECODE="1x512,8x2048"`, `PDNODE_BENCH_PREFILL="2048,8192"`, `PDNODE_BENCH_ITERS`.
 #![cfg(feature = "cuda")]
 
-use pdnode_engine::backend::cuda::bench;
 use pdnode_engine::backend::cuda::ops::{AttnVariant, LinearImpl};
+use pdnode_engine::backend::cuda::{attn_bench, bench};
 
 fn env_list(name: &str, default: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| default.to_string())
 }
 
+/// The benchmarks share the GPU: one at a time, or each disturbs the other's timings.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 #[ignore = "needs a CUDA GPU (about 90 GB free): run scripts/gpu/run-all.sh on the GPU host"]
 fn bench_llama31_8b_shapes() {
+    let _gpu = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let decode: Vec<(usize, usize)> = env_list(
         "PDNODE_BENCH_DECODE",
         "1x512,1x2048,1x8192,8x512,8x2048,8x8192,32x512,32x2048,32x8192,64x512,64x2048,64x8192",
@@ -38,6 +42,7 @@ fn bench_llama31_8b_shapes() {
                 "v1" => AttnVariant::V1,
                 "v2" => AttnVariant::V2,
                 "v2narrow" => AttnVariant::V2Narrow,
+                "v3" => AttnVariant::V3,
                 _ => return None,
             };
             let l = match l {
@@ -79,4 +84,55 @@ fn bench_llama31_8b_shapes() {
             r.ratio()
         );
     }
+}
+
+/// The decode attention kernel alone at Llama-3.1-8B attention shapes (one layer): K/V bytes read
+/// per second and their fraction of the measured copy ceiling, per kernel variant; each variant's
+/// output checked against the first's. `PDNODE_BENCH_ATTN="1x512,8x2048,32x8192,64x8192"`,
+/// `PDNODE_BENCH_ATTN_VARIANTS="v3,v2,v2narrow"`, `PDNODE_BENCH_ITERS`.
+#[test]
+#[ignore = "needs a CUDA GPU (about 3 GB free): run scripts/gpu/run-all.sh on the GPU host"]
+fn bench_decode_attention_kernel() {
+    let _gpu = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let cases: Vec<(usize, usize)> = env_list("PDNODE_BENCH_ATTN", "1x512,8x2048,32x8192,64x8192")
+        .split(',')
+        .filter_map(|s| {
+            let (b, c) = s.split_once('x')?;
+            Some((b.trim().parse().ok()?, c.trim().parse().ok()?))
+        })
+        .collect();
+    let variants: Vec<AttnVariant> = env_list("PDNODE_BENCH_ATTN_VARIANTS", "v3,v2,v2narrow")
+        .split(',')
+        .filter_map(AttnVariant::parse)
+        .collect();
+    let iters: usize = env_list("PDNODE_BENCH_ITERS", "20").parse().unwrap_or(20);
+    let (copy, rows) = attn_bench::run_attention(&cases, &variants, iters, |r| {
+        eprintln!(
+            "ATTN {:?} batch={} ctx={} us={:.1} GB/s={:.0} frac_of_copy={:.3} rel_to_first={:.1e}",
+            r.variant, r.batch, r.ctx, r.us, r.gbps, r.frac_of_copy, r.rel_to_first
+        )
+    })
+    .expect("attention benchmark");
+    println!(
+        "ceilings: HBM copy traffic {:.0} GB/s (read+write); decode attention alone, 32 q / 8 kv heads, hd 128",
+        copy / 1e9
+    );
+    println!(
+        "| attention kernel | batch | ctx | us/layer | K/V GB/s | of copy ceiling | rel. diff vs first |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    let mut bad = Vec::new();
+    for r in &rows {
+        println!(
+            "| {:?} | {} | {} | {:.1} | {:.0} | {:.2} | {:.1e} |",
+            r.variant, r.batch, r.ctx, r.us, r.gbps, r.frac_of_copy, r.rel_to_first
+        );
+        if r.rel_to_first.is_nan() || r.rel_to_first > 1e-2 {
+            bad.push(format!("{:?} {}x{}", r.variant, r.batch, r.ctx));
+        }
+    }
+    assert!(
+        bad.is_empty(),
+        "outputs differ from the first variant: {bad:?}"
+    );
 }

@@ -33,6 +33,7 @@
 //! nkv / tp`; all ranks have the same block count; `read_kv`/`write_kv` move all ranks' bytes
 //! back to back, rank-major.
 
+pub mod attn_bench;
 pub mod backend;
 pub mod bench;
 pub mod blas;

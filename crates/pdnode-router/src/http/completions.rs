@@ -91,7 +91,8 @@ async fn completions_inner(
     let common = req.common();
     let model = check_model(&router, &common.model)?;
     let tokens = match req.prompt.clone().into_input()? {
-        PromptInput::Text(s) => encode(&router, &s, true)?,
+        // vLLM's default for completions: add the model's special tokens (BOS).
+        PromptInput::Text(s) => encode(&router, &s, common.add_special_tokens.unwrap_or(true))?,
         PromptInput::Tokens(t) => t,
     };
     let sampling = common.sampling(16, req.logprobs)?;
@@ -133,7 +134,8 @@ async fn chat_inner(
         .chat
         .render(&messages)
         .map_err(|e| RouterError::Tokenize { message: e.0 })?;
-    let tokens = encode(&router, &text, false)?;
+    // The chat template writes the special tokens itself (vLLM's default: false).
+    let tokens = encode(&router, &text, common.add_special_tokens.unwrap_or(false))?;
     let ctx = router.deps().model.context_length;
     let default_max = ctx.saturating_sub(tokens.len() as u32).max(1);
     let logprobs = (req.logprobs == Some(true)).then(|| req.top_logprobs.unwrap_or(0));

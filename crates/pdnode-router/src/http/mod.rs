@@ -56,6 +56,8 @@ pub fn error_body(e: &RouterError) -> (StatusCode, serde_json::Value) {
     let kind = e.kind();
     let status = match e {
         RouterError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+        // As OpenAI and vLLM answer an unknown model (their clients raise NotFoundError).
+        RouterError::UnknownModel { .. } => StatusCode::NOT_FOUND,
         _ => StatusCode::from_u16(kind.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
     };
     let (etype, code) = match e {
@@ -214,6 +216,13 @@ mod tests {
                 400,
             ),
             (RouterError::BodyTooLarge { limit: 1 }, 413),
+            (
+                RouterError::UnknownModel {
+                    model: "a".into(),
+                    served: "b".into(),
+                },
+                404,
+            ),
             (RouterError::Unauthenticated, 401),
             (RouterError::Overloaded { limit: 1 }, 429),
             (RouterError::NoNode { role: Role::Decode }, 503),

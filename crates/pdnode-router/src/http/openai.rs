@@ -1,5 +1,14 @@
 //! OpenAI request bodies: parsing (unknown fields refused, the offending parameter named) and
 //! conversion into sampling params and a prompt.
+//!
+//! Fields that OpenAI, vLLM or SGLang clients commonly send are known here even where this
+//! server has nothing to do with them ([`CommonParams::check_compat`]): bookkeeping that cannot
+//! change the output (`store`, `metadata`, `service_tier`, `stream_options.include_obfuscation`)
+//! is accepted and ignored; `add_special_tokens` is honoured; output-changing extras are
+//! accepted at the value that matches what this server does (`skip_special_tokens = true`,
+//! `include_stop_str_in_output = false`, `min_tokens = 0`, `priority = 0`, ...) and refused,
+//! naming the parameter, at any other value. Anything else unknown is refused rather than
+//! silently ignored, as OpenAI does.
 
 use crate::error::RouterError;
 use crate::tokenize::ChatMessage;
@@ -65,6 +74,9 @@ pub struct StreamOptions {
     pub include_usage: bool,
     #[serde(default)]
     pub continuous_usage_stats: bool,
+    /// OpenAI's random padding of stream events; never sent here, so accepted and ignored.
+    #[serde(default)]
+    pub include_obfuscation: Option<bool>,
 }
 
 /// `prompt` of `/v1/completions`.
@@ -132,6 +144,16 @@ pub struct CommonParams {
     pub user: Option<String>,
     pub ignore_eos: Option<bool>,
     pub stop_token_ids: Option<Vec<u32>>,
+    // OpenAI / vLLM / SGLang extras: see `CommonParams::check_compat`.
+    pub store: Option<bool>,
+    pub metadata: Option<serde_json::Value>,
+    pub service_tier: Option<String>,
+    pub priority: Option<i64>,
+    pub skip_special_tokens: Option<bool>,
+    pub spaces_between_special_tokens: Option<bool>,
+    pub include_stop_str_in_output: Option<bool>,
+    pub add_special_tokens: Option<bool>,
+    pub min_tokens: Option<i64>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -161,6 +183,16 @@ pub struct CompletionRequest {
     pub user: Option<String>,
     pub ignore_eos: Option<bool>,
     pub stop_token_ids: Option<Vec<u32>>,
+    // OpenAI / vLLM / SGLang extras: see `CommonParams::check_compat`.
+    pub store: Option<bool>,
+    pub metadata: Option<serde_json::Value>,
+    pub service_tier: Option<String>,
+    pub priority: Option<i64>,
+    pub skip_special_tokens: Option<bool>,
+    pub spaces_between_special_tokens: Option<bool>,
+    pub include_stop_str_in_output: Option<bool>,
+    pub add_special_tokens: Option<bool>,
+    pub min_tokens: Option<i64>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -200,6 +232,10 @@ pub struct ChatRequest {
     pub tool_choice: Option<serde_json::Value>,
     pub parallel_tool_calls: Option<bool>,
     pub response_format: Option<serde_json::Value>,
+    // vLLM / SGLang chat extras, accepted at the value this server implements.
+    pub add_generation_prompt: Option<bool>,
+    pub continue_final_message: Option<bool>,
+    pub echo: Option<bool>,
     pub model: Option<String>,
     pub max_tokens: Option<i64>,
     pub temperature: Option<f32>,
@@ -218,6 +254,16 @@ pub struct ChatRequest {
     pub user: Option<String>,
     pub ignore_eos: Option<bool>,
     pub stop_token_ids: Option<Vec<u32>>,
+    // OpenAI / vLLM / SGLang extras: see `CommonParams::check_compat`.
+    pub store: Option<bool>,
+    pub metadata: Option<serde_json::Value>,
+    pub service_tier: Option<String>,
+    pub priority: Option<i64>,
+    pub skip_special_tokens: Option<bool>,
+    pub spaces_between_special_tokens: Option<bool>,
+    pub include_stop_str_in_output: Option<bool>,
+    pub add_special_tokens: Option<bool>,
+    pub min_tokens: Option<i64>,
 }
 
 macro_rules! common_of {
@@ -241,6 +287,15 @@ macro_rules! common_of {
             user: $r.user.clone(),
             ignore_eos: $r.ignore_eos,
             stop_token_ids: $r.stop_token_ids.clone(),
+            store: $r.store,
+            metadata: $r.metadata.clone(),
+            service_tier: $r.service_tier.clone(),
+            priority: $r.priority,
+            skip_special_tokens: $r.skip_special_tokens,
+            spaces_between_special_tokens: $r.spaces_between_special_tokens,
+            include_stop_str_in_output: $r.include_stop_str_in_output,
+            add_special_tokens: $r.add_special_tokens,
+            min_tokens: $r.min_tokens,
         }
     };
 }
@@ -266,7 +321,7 @@ impl CompletionRequest {
         if self.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
             return Err(RouterError::param("suffix", "suffix is not supported"));
         }
-        Ok(())
+        self.common().check_compat()
     }
 }
 
@@ -312,7 +367,20 @@ impl ChatRequest {
                 "top_logprobs needs logprobs = true",
             ));
         }
-        Ok(())
+        only(
+            "add_generation_prompt",
+            self.add_generation_prompt,
+            true,
+            "the chat template always ends with the assistant's turn",
+        )?;
+        only(
+            "continue_final_message",
+            self.continue_final_message,
+            false,
+            "continuing the final message is not supported",
+        )?;
+        only("echo", self.echo, false, "echo = true is not supported")?;
+        self.common().check_compat()
     }
 
     /// The messages as plain text.
@@ -364,7 +432,55 @@ impl ChatRequest {
     }
 }
 
+/// Refuses `param` when it is set to anything but `supported`.
+fn only(param: &str, v: Option<bool>, supported: bool, why: &str) -> Result<(), RouterError> {
+    match v {
+        Some(b) if b != supported => Err(RouterError::param(param, why)),
+        _ => Ok(()),
+    }
+}
+
 impl CommonParams {
+    /// Checks the OpenAI / vLLM / SGLang extras (module docs): bookkeeping is ignored, the rest
+    /// must ask for what this server does anyway.
+    pub fn check_compat(&self) -> Result<(), RouterError> {
+        only(
+            "skip_special_tokens",
+            self.skip_special_tokens,
+            true,
+            "special tokens are always skipped in the output text",
+        )?;
+        only(
+            "spaces_between_special_tokens",
+            self.spaces_between_special_tokens,
+            true,
+            "only the default (true) is supported",
+        )?;
+        only(
+            "include_stop_str_in_output",
+            self.include_stop_str_in_output,
+            false,
+            "the matched stop string is never included in the output",
+        )?;
+        if let Some(n) = self.min_tokens
+            && n != 0
+        {
+            return Err(RouterError::param(
+                "min_tokens",
+                "min_tokens is not supported (only 0)",
+            ));
+        }
+        if let Some(p) = self.priority
+            && p != 0
+        {
+            return Err(RouterError::param(
+                "priority",
+                "priority scheduling is not supported (only 0)",
+            ));
+        }
+        Ok(())
+    }
+
     pub fn stream(&self) -> bool {
         self.stream.unwrap_or(false)
     }

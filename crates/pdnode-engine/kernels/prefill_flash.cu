@@ -73,17 +73,17 @@ __device__ __forceinline__ unsigned fp_pack(float lo, float hi) {
     return r;
 }
 
-// Keys k0 .. k0 + 63 of part `kv` (0 = K, 1 = V) of kv head `kvh` into dst [64][HD + 8]; keys at
-// or past kv_end are zero-filled.
-template <int HD, int NW>
+// Keys k0 .. k0 + BN - 1 of part `kv` (0 = K, 1 = V) of kv head `kvh` into dst [BN][HD + 8];
+// keys at or past kv_end are zero-filled.
+template <int HD, int NW, int BN = FP_BN>
 __device__ __forceinline__ void fp_load_tile(bf16_t* dst, const bf16_t* __restrict__ layer_kv,
                                              const int* __restrict__ table, int k0, int kv_end,
                                              int kv, int kvh, int nkv, int block_size) {
     constexpr int CPR = HD / 8;  // 16-byte chunks per row
     constexpr int LD = HD + 8;
-    static_assert((FP_BN * CPR) % (NW * 32) == 0, "tile chunks split evenly over the threads");
+    static_assert((BN * CPR) % (NW * 32) == 0, "tile chunks split evenly over the threads");
 #pragma unroll
-    for (int it = 0; it < FP_BN * CPR / (NW * 32); it++) {
+    for (int it = 0; it < BN * CPR / (NW * 32); it++) {
         const int c = threadIdx.x + it * NW * 32;
         const int r = c / CPR, col = (c % CPR) * 8;
         const int j = k0 + r;
@@ -262,3 +262,192 @@ FLASH_PREFILL_KERNEL(flash_prefill_hd64_w4, 64, 4)
 FLASH_PREFILL_KERNEL(flash_prefill_hd128_w4, 128, 4)
 FLASH_PREFILL_KERNEL(flash_prefill_hd64_w8, 64, 8)
 FLASH_PREFILL_KERNEL(flash_prefill_hd128_w8, 128, 8)
+
+// The same attention with 32 query rows per warp (two 16-row m-tiles sharing every K/V fragment
+// read from shared memory: 160 instead of 256 shared bytes per mma), 4 warps, BM = 128. Q stays
+// in shared memory (read per k-step with ldmatrix, A layout above: matrices (rows 0-7, cols 0-7),
+// (rows 8-15, cols 0-7), (rows 0-7, cols 8-15), (rows 8-15, cols 8-15) = a0..a3, so lane l gives
+// row (l & 15), col 8 * (l >> 4)). Dynamic shared memory: (128 + 2 * 64) * (HD + 8) bf16
+// (69632 bytes at hd 128: the launcher raises the kernel's dynamic limit).
+template <int HD, int BN>
+__device__ __forceinline__ void flash_prefill_m32_impl(const bf16_t* __restrict__ q,
+                                                       bf16_t* __restrict__ out,
+                                                       const bf16_t* __restrict__ layer_kv,
+                                                       const int* __restrict__ table, int row0,
+                                                       int n, int start, int nh, int nkv,
+                                                       int block_size, float scale_log2,
+                                                       bf16_t* smem) {
+    constexpr int NW = 4, BM = 32 * NW, LD = HD + 8, KS = HD / 16, NT = HD / 8, CPR = HD / 8;
+    constexpr int KT = BN / 8;  // key n-tiles per tile
+    bf16_t* qs = smem;
+    bf16_t* ks = qs + BM * LD;
+    bf16_t* vs = ks + BN * LD;
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;
+    const int h = blockIdx.y;
+    const int kvh = h / (nh / nkv);
+    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int wrow = m0 + w * 32;  // first of this warp's 32 rows (relative to the sequence)
+    const int kv_end = start + min(m0 + BM, n);
+    const int ntiles = (kv_end + BN - 1) / BN;
+    const i64 qstride = (i64)nh * HD;
+
+    // Q tile (rows past n zero-filled) and K of tile 0: one group.
+    static_assert((BM * CPR) % (NW * 32) == 0, "Q chunks split evenly over the threads");
+#pragma unroll
+    for (int it = 0; it < BM * CPR / (NW * 32); it++) {
+        const int c = threadIdx.x + it * NW * 32;
+        const int r = c / CPR, col = (c % CPR) * 8;
+        const bool ok = m0 + r < n;
+        const bf16_t* src = ok ? q + (i64)(row0 + m0 + r) * qstride + (i64)h * HD + col : q;
+        fp_cp_async16(qs + r * LD + col, src, ok ? 16 : 0);
+    }
+    fp_load_tile<HD, NW, BN>(ks, layer_kv, table, 0, kv_end, 0, kvh, nkv, block_size);
+    fp_cp_commit();
+
+    float o[2][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int i = 0; i < NT; i++) o[mt][i][0] = o[mt][i][1] = o[mt][i][2] = o[mt][i][3] = 0.f;
+    float mrow[2][2] = {{-INFINITY, -INFINITY}, {-INFINITY, -INFINITY}};
+    float lrow[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+
+    for (int jt = 0; jt < ntiles; jt++) {
+        const int k0 = jt * BN;
+        fp_load_tile<HD, NW, BN>(vs, layer_kv, table, k0, kv_end, 1, kvh, nkv, block_size);
+        fp_cp_commit();
+        fp_cp_wait<1>();  // (Q and) K of tile jt
+        __syncthreads();
+
+        float s[2][KT][4];
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int i = 0; i < KT; i++) s[mt][i][0] = s[mt][i][1] = s[mt][i][2] = s[mt][i][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < KS; kk++) {
+            unsigned a[2][4];
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+                fp_ldsm_x4(a[mt], qs + (w * 32 + mt * 16 + (lane & 15)) * LD + kk * 16 + (lane >> 4) * 8);
+#pragma unroll
+            for (int np = 0; np < KT / 2; np++) {
+                unsigned b[4];
+                fp_ldsm_x4(b, ks + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * LD + kk * 16 +
+                                  ((lane >> 3) & 1) * 8);
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++) {
+                    fp_mma(s[mt][2 * np], a[mt], b[0], b[1]);
+                    fp_mma(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+                }
+            }
+        }
+        __syncthreads();  // every warp is done with K of tile jt
+        if (jt + 1 < ntiles)
+            fp_load_tile<HD, NW, BN>(ks, layer_kv, table, k0 + BN, kv_end, 0, kvh, nkv, block_size);
+        fp_cp_commit();
+
+        const bool diag = k0 + BN - 1 > start + m0;
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++) {
+            const int qpos0 = start + wrow + mt * 16 + g, qpos1 = qpos0 + 8;
+#pragma unroll
+            for (int nt = 0; nt < KT; nt++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int key = k0 + nt * 8 + 2 * t + (e & 1);
+                    float x = s[mt][nt][e] * scale_log2;
+                    if (diag && key > (e < 2 ? qpos0 : qpos1)) x = -INFINITY;
+                    s[mt][nt][e] = x;
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                float mx = -INFINITY;
+#pragma unroll
+                for (int nt = 0; nt < KT; nt++)
+                    mx = fmaxf(mx, fmaxf(s[mt][nt][2 * i], s[mt][nt][2 * i + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                const float mnew = fmaxf(mrow[mt][i], mx);
+                const float mref = mnew == -INFINITY ? 0.f : mnew;
+                const float alpha = exp2f(mrow[mt][i] - mref);
+                float sum = 0.f;
+#pragma unroll
+                for (int nt = 0; nt < KT; nt++) {
+                    s[mt][nt][2 * i] = exp2f(s[mt][nt][2 * i] - mref);
+                    s[mt][nt][2 * i + 1] = exp2f(s[mt][nt][2 * i + 1] - mref);
+                    sum += s[mt][nt][2 * i] + s[mt][nt][2 * i + 1];
+                }
+                lrow[mt][i] = lrow[mt][i] * alpha + sum;
+                mrow[mt][i] = mnew;
+#pragma unroll
+                for (int dt = 0; dt < NT; dt++) {
+                    o[mt][dt][2 * i] *= alpha;
+                    o[mt][dt][2 * i + 1] *= alpha;
+                }
+            }
+        }
+
+        fp_cp_wait<1>();  // V of tile jt
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; kk++) {
+            unsigned pa[2][4];
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++) {
+                pa[mt][0] = fp_pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                pa[mt][1] = fp_pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                pa[mt][2] = fp_pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                pa[mt][3] = fp_pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+            }
+#pragma unroll
+            for (int dp = 0; dp < NT / 2; dp++) {
+                unsigned b[4];
+                fp_ldsm_x4_t(b, vs + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD +
+                                    dp * 16 + (lane >> 4) * 8);
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++) {
+                    fp_mma(o[mt][2 * dp], pa[mt], b[0], b[1]);
+                    fp_mma(o[mt][2 * dp + 1], pa[mt], b[2], b[3]);
+                }
+            }
+        }
+        __syncthreads();  // every warp is done with V of tile jt
+    }
+    fp_cp_wait<0>();
+
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++) {
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            float l = lrow[mt][i];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const float inv = l > 0.f ? 1.f / l : 0.f;
+            const int r = wrow + mt * 16 + g + 8 * i;
+            if (r < n) {
+                bf16_t* y = out + (i64)(row0 + r) * qstride + (i64)h * HD + 2 * t;
+#pragma unroll
+                for (int dt = 0; dt < NT; dt++)
+                    *(unsigned*)(y + dt * 8) =
+                        fp_pack(o[mt][dt][2 * i] * inv, o[mt][dt][2 * i + 1] * inv);
+            }
+        }
+    }
+}
+
+// grid: (ceil(n / 128), nh), block: 128, dynamic shared memory ((128 + 2 BN) * (HD + 8) * 2
+// bytes).
+#define FLASH_PREFILL_M32_KERNEL(NAME, HD, BN)                                                        \
+    extern "C" __global__ void __launch_bounds__(128) NAME(                                       \
+        const bf16_t* __restrict__ q, bf16_t* __restrict__ out,                                   \
+        const bf16_t* __restrict__ layer_kv, const int* __restrict__ table, int row0, int n,      \
+        int start, int nh, int nkv, int block_size, float scale_log2) {                           \
+        extern __shared__ __align__(16) unsigned char fp_dyn_smem[];                              \
+        flash_prefill_m32_impl<HD, BN>(q, out, layer_kv, table, row0, n, start, nh, nkv, block_size,  \
+                                   scale_log2, (bf16_t*)fp_dyn_smem);                             \
+    }
+
+FLASH_PREFILL_M32_KERNEL(flash_prefill_hd64_m32, 64, 64)
+FLASH_PREFILL_M32_KERNEL(flash_prefill_hd128_m32, 128, 32)

@@ -687,7 +687,11 @@ fn prefill_flash_attention_matches_reference() {
         let q = randv(&mut r, t * nh * hd, 2.0);
         let dq = g.upload_bf16(&q).unwrap();
         let rowl = nh * hd;
-        for attn in [PrefillAttn::Flash, PrefillAttn::Flash8] {
+        for attn in [
+            PrefillAttn::Flash,
+            PrefillAttn::Flash8,
+            PrefillAttn::Flash32,
+        ] {
             let got =
                 run_prefill_attn(&g, &d, &pool, layer, &dq, t, &dtab, max_blocks, &seqs, attn);
             let untouched = got[..2 * rowl].iter().chain(&got[(t - 1) * rowl..]);
@@ -748,7 +752,11 @@ fn prefill_flash_attention_matches_gemm_path_at_llama_shapes() {
         }];
         let run = |a| run_prefill_attn(&g, &d, &pool, 0, &dq, t, &dtab, max_blocks, &seqs, a);
         let want = run(PrefillAttn::Gemm);
-        for attn in [PrefillAttn::Flash, PrefillAttn::Flash8] {
+        for attn in [
+            PrefillAttn::Flash,
+            PrefillAttn::Flash8,
+            PrefillAttn::Flash32,
+        ] {
             let e = rel_err(&run(attn), &want);
             println!(
                 "{} flash prefill {attn:?} vs cuBLAS path, nh=32 nkv=8 hd=128 start={start} \

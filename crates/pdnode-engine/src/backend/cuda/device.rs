@@ -24,7 +24,7 @@ const SOURCES: [&str; 10] = [
 ];
 
 /// Kernel entry points (extern "C" names in the .cu files).
-pub const KERNEL_NAMES: [&str; 26] = [
+pub const KERNEL_NAMES: [&str; 28] = [
     "gemv_t1",
     "gemv_t2",
     "gemv_t4",
@@ -40,6 +40,8 @@ pub const KERNEL_NAMES: [&str; 26] = [
     "flash_prefill_hd128_w4",
     "flash_prefill_hd64_w8",
     "flash_prefill_hd128_w8",
+    "flash_prefill_hd64_m32",
+    "flash_prefill_hd128_m32",
     "embed_gather",
     "add_rmsnorm",
     "swiglu",

@@ -22,7 +22,7 @@ const BF16: usize = 2;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PrefillAttn {
     /// The process default: [`set_default_attn`], else the environment variable
-    /// `PDNODE_PREFILL_ATTN` (`gemm`, `flash`, `flash8`), else [`PrefillAttn::Gemm`].
+    /// `PDNODE_PREFILL_ATTN` (`gemm`, `flash`, `flash8`, `flash32`), else [`PrefillAttn::Gemm`].
     #[default]
     Auto,
     /// cuBLAS GEMMs around a causal softmax kernel (materialized f32 scores).
@@ -31,16 +31,20 @@ pub enum PrefillAttn {
     Flash,
     /// Fused flash attention, 128 query rows (8 warps) per CTA.
     Flash8,
+    /// Fused flash attention, 128 query rows per CTA, 32 per warp (4 warps; Q in shared memory,
+    /// each K/V fragment used for two 16-row tiles).
+    Flash32,
 }
 
 impl PrefillAttn {
-    /// `gemm`, `flash`, `flash8` or `auto` (case-insensitive).
+    /// `gemm`, `flash`, `flash8`, `flash32` or `auto` (case-insensitive).
     pub fn parse(s: &str) -> Option<Self> {
         match s.trim().to_ascii_lowercase().as_str() {
             "auto" => Some(Self::Auto),
             "gemm" | "cublas" => Some(Self::Gemm),
             "flash" | "flash4" => Some(Self::Flash),
             "flash8" => Some(Self::Flash8),
+            "flash32" => Some(Self::Flash32),
             _ => None,
         }
     }
@@ -51,6 +55,7 @@ impl PrefillAttn {
             Self::Gemm => 1,
             Self::Flash => 2,
             Self::Flash8 => 3,
+            Self::Flash32 => 4,
         }
     }
 
@@ -59,6 +64,7 @@ impl PrefillAttn {
             1 => Self::Gemm,
             2 => Self::Flash,
             3 => Self::Flash8,
+            4 => Self::Flash32,
             _ => Self::Auto,
         }
     }
@@ -193,9 +199,8 @@ impl PrefillScratch {
             }
         }
         let attn = self.attn.resolve();
-        if matches!(attn, PrefillAttn::Flash | PrefillAttn::Flash8) && (hd == 64 || hd == 128) {
-            let wide = attn == PrefillAttn::Flash8;
-            return run_flash(gpu, d, layer_ptr, q, out, tables, max_blocks, seqs, wide);
+        if attn != PrefillAttn::Gemm && (hd == 64 || hd == 128) {
+            return run_flash(gpu, d, layer_ptr, q, out, tables, max_blocks, seqs, attn);
         }
         let (nh_i, hd_i, nkv_i, bs_i) = (nh as i32, hd as i32, nkv as i32, bs as i32);
         for s in seqs {
@@ -348,8 +353,8 @@ impl PrefillScratch {
     }
 }
 
-/// The fused kernel for each sequence of `seqs` (already checked against the step by the caller):
-/// grid (query tiles, nh), 64 (`wide`: 128) query rows per CTA.
+/// The fused kernel `attn` (a flash variant) for each sequence of `seqs` (already checked against
+/// the step by the caller): grid (query tiles, nh).
 #[allow(clippy::too_many_arguments)]
 fn run_flash(
     gpu: &Gpu,
@@ -360,23 +365,33 @@ fn run_flash(
     tables: u64,
     max_blocks: usize,
     seqs: &[LongSeq],
-    wide: bool,
+    attn: PrefillAttn,
 ) -> Result<(), CudaError> {
     let (nh, nkv, hd, bs) = (d.num_heads, d.num_kv_heads, d.head_dim, d.block_size);
-    let name = match (hd, wide) {
-        (64, false) => "flash_prefill_hd64_w4",
-        (128, false) => "flash_prefill_hd128_w4",
-        (64, true) => "flash_prefill_hd64_w8",
-        (128, true) => "flash_prefill_hd128_w8",
+    // (kernel, warps, query rows per CTA, dynamic shared bytes)
+    let (name, warps, rows_per_cta, dyn_smem) = match (hd, attn) {
+        (64, PrefillAttn::Flash8) => ("flash_prefill_hd64_w8", 8usize, 128usize, 0usize),
+        (128, PrefillAttn::Flash8) => ("flash_prefill_hd128_w8", 8, 128, 0),
+        // (128 + 2 * BN) rows of hd + 8 bf16; BN = 64 at hd 64, 32 at hd 128
+        (64, PrefillAttn::Flash32) => ("flash_prefill_hd64_m32", 4, 128, 256 * 72 * 2),
+        (128, PrefillAttn::Flash32) => ("flash_prefill_hd128_m32", 4, 128, 192 * 136 * 2),
+        (64, _) => ("flash_prefill_hd64_w4", 4, 64, 0),
+        (128, _) => ("flash_prefill_hd128_w4", 4, 64, 0),
         _ => {
             return Err(CudaError::Unsupported {
                 reason: format!("flash prefill attention with head_dim {hd} (64 or 128 only)"),
             });
         }
     };
-    let warps = if wide { 8usize } else { 4 };
-    let rows_per_cta = 16 * warps;
     let f = gpu.kernel(name)?;
+    if dyn_smem > 0 {
+        use cudarc::driver::sys::CUfunction_attribute_enum as A;
+        f.set_attribute(
+            A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            dyn_smem as i32,
+        )
+        .map_err(super::drv("cuFuncSetAttribute"))?;
+    }
     let (nh_i, nkv_i, bs_i) = (nh as i32, nkv as i32, bs as i32);
     let scale_log2 = std::f32::consts::LOG2_E / (hd as f32).sqrt();
     for s in seqs {
@@ -395,10 +410,16 @@ fn run_flash(
             .arg(&bs_i)
             .arg(&scale_log2);
         let grid = (s.n.div_ceil(rows_per_cta) as u32, nh as u32, 1);
+        let lc = LaunchConfig {
+            grid_dim: grid,
+            block_dim: ((32 * warps) as u32, 1, 1),
+            shared_mem_bytes: dyn_smem as u32,
+        };
         // SAFETY: q/out hold rows row0 .. row0 + n of [T, nh, hd] (checked by `run`); the block
         // table row covers positions 0 .. start + n (checked: start + n <= max_blocks * bs) and
-        // the step plan wrote those K/V into layer `layer` of the pool; static shared memory only.
-        unsafe { b.launch(cfg(grid, (32 * warps) as u32)) }.map_err(super::drv(name))?;
+        // the step plan wrote those K/V into layer `layer` of the pool; the dynamic shared memory
+        // is what the kernel indexes, and its limit was raised above.
+        unsafe { b.launch(lc) }.map_err(super::drv(name))?;
     }
     Ok(())
 }
@@ -414,7 +435,13 @@ mod tests {
         assert_eq!(PrefillAttn::parse("cublas"), Some(PrefillAttn::Gemm));
         assert_eq!(PrefillAttn::parse("auto"), Some(PrefillAttn::Auto));
         assert_eq!(PrefillAttn::parse("fast"), None);
-        for a in [PrefillAttn::Gemm, PrefillAttn::Flash, PrefillAttn::Flash8] {
+        assert_eq!(PrefillAttn::parse("FLASH32"), Some(PrefillAttn::Flash32));
+        for a in [
+            PrefillAttn::Gemm,
+            PrefillAttn::Flash,
+            PrefillAttn::Flash8,
+            PrefillAttn::Flash32,
+        ] {
             assert_eq!(a.resolve(), a);
             assert_eq!(PrefillAttn::from_code(a.code()), a);
         }

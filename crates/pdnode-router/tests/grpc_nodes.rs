@@ -22,7 +22,7 @@ use pdnode_router::{
 use serde_json::{Value, json};
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
@@ -301,4 +301,78 @@ async fn router_drives_nodes_over_grpc() {
         .unwrap()
         .unwrap()
         .unwrap();
+}
+
+/// The decode node's server goes away while prefill runs (its registry card not yet expired):
+/// the router's liveness probe fails over gRPC, the prefill call is dropped and aborted on P
+/// (every block free) and the caller gets the error within seconds, not at the end of prefill.
+#[tokio::test]
+async fn decode_server_gone_during_prefill_aborts_the_prefill_over_grpc() {
+    let p_stop = CancellationToken::new();
+    let d_stop = CancellationToken::new();
+    let p = FakeNode::new("p0");
+    let d = FakeNode::new("d0");
+    p.set(|b| b.prefill_delay = Duration::from_secs(60));
+    let (p_addr, _) = serve_node(p.clone(), p_stop.clone()).await;
+    let (d_addr, _) = serve_node(d.clone(), d_stop.clone()).await;
+    let card = |id: &str, role: Role, addr: &str| {
+        let mut c = fake_card(id, role);
+        c.addresses.grpc = addr.to_string();
+        c
+    };
+    let cards = [
+        card("p0", Role::Prefill, &p_addr),
+        card("d0", Role::Decode, &d_addr),
+    ];
+    let membership =
+        CardMembership::new(move |role| cards.iter().filter(|c| c.role == role).cloned().collect());
+    let mut config = common::config();
+    config.prefill_timeout_s = 120;
+    config.request_timeout_s = 120;
+    let router = Router::new(RouterDeps {
+        config,
+        api_keys: Vec::new(),
+        membership: Arc::new(membership),
+        tokenizer: Arc::new(FakeTokenizer),
+        chat: Arc::new(FakeTokenizer),
+        model: ModelInfo {
+            served_name: "fake-model".into(),
+            context_length: 256,
+            simulated: None,
+        },
+    });
+    let mut g = router
+        .generate(pdnode_router::GenRequest {
+            prompt_token_ids: vec![b'x'.into(); 20],
+            sampling: pdnode_core::SamplingParams {
+                max_tokens: 8,
+                ..Default::default()
+            },
+            endpoint: "grpc",
+        })
+        .unwrap();
+    let prefilling = |calls: &[FakeCall]| calls.iter().any(|c| matches!(c, FakeCall::Prefill(_)));
+    assert!(p.wait_for(Duration::from_secs(5), prefilling).await);
+    assert_eq!(p.kv_blocks_held(), 2);
+    let gone_at = Instant::now();
+    d_stop.cancel();
+
+    let ev = tokio::time::timeout(Duration::from_secs(10), g.events.recv())
+        .await
+        .expect("an answer long before the 60 s prefill ends")
+        .expect("an event");
+    let took = gone_at.elapsed();
+    let pdnode_router::GenEvent::Error(e) = ev else {
+        panic!("expected an error, got {ev:?}")
+    };
+    assert!(
+        matches!(&e, pdnode_router::RouterError::DecodeLost { .. }),
+        "{e:?}"
+    );
+    println!("decode server stopped -> error in {took:?}: {e}");
+    assert!(took < Duration::from_secs(5), "took {took:?}");
+    // The Abort went to P over gRPC before the error was reported.
+    assert_eq!(p.aborts().len(), 1, "{:?}", p.calls());
+    assert_eq!(p.kv_blocks_held(), 0);
+    p_stop.cancel();
 }

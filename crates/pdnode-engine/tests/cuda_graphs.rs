@@ -286,5 +286,14 @@ fn tp2_graph_replay_matches_eager() {
         }
         println!("GRAPH tp2 batch {n}: {STEPS} steps, worst logits rel err {worst:.2e}");
     }
+    let stats = graph.graph_stats().unwrap();
+    println!("GRAPH tp2 per-rank stats {stats:?}");
+    assert!(
+        stats
+            .iter()
+            .all(|s| s.capture_failures == 0 && s.replays == 3 * STEPS as u64),
+        "every rank replayed every step from its graph: {stats:?}"
+    );
+    assert!(eager.graph_stats().unwrap().iter().all(|s| s.replays == 0));
     println!("GRAPH tp2: PASS");
 }

@@ -10,7 +10,7 @@
 //! inside an NCCL collective): the backend then refuses every later call with a typed error.
 
 use super::CudaError;
-use super::backend::{CudaBackend, CudaOptions};
+use super::backend::{CudaBackend, CudaOptions, GraphStats};
 use super::device::Gpu;
 use super::weights::Shard;
 use crate::backend::{
@@ -176,6 +176,11 @@ enum Cmd {
     Sync {
         reply: Sender<Result<Option<Logits>, BackendError>>,
     },
+    /// Turns the rank's decode CUDA graphs on or off; replies with its graph counters.
+    Graphs {
+        on: Option<bool>,
+        reply: Sender<Result<GraphStats, BackendError>>,
+    },
     TimeAllReduce {
         elems: usize,
         iters: usize,
@@ -233,6 +238,12 @@ fn rank_loop(mut be: CudaBackend, rx: Receiver<Cmd>) {
             }
             Cmd::Sync { reply } => {
                 let _ = reply.send(be.synchronize().map(|_| None));
+            }
+            Cmd::Graphs { on, reply } => {
+                if let Some(on) = on {
+                    be.set_cuda_graphs(on);
+                }
+                let _ = reply.send(Ok(be.graph_stats()));
             }
             Cmd::TimeAllReduce {
                 elems,
@@ -529,6 +540,21 @@ impl CudaTpBackend {
     /// Waits for every rank's device.
     pub fn synchronize(&mut self) -> Result<(), BackendError> {
         self.fan_out(|_, reply| Cmd::Sync { reply }).map(|_| ())
+    }
+
+    /// Turns decode-step CUDA graphs on or off on every rank (each rank captures and replays
+    /// its own, NCCL all-reduces included); see [`CudaBackend::set_cuda_graphs`].
+    pub fn set_cuda_graphs(&mut self, on: bool) -> Result<(), BackendError> {
+        self.fan_out(|_, reply| Cmd::Graphs {
+            on: Some(on),
+            reply,
+        })
+        .map(|_| ())
+    }
+
+    /// Each rank's decode-graph counters, in rank order.
+    pub fn graph_stats(&mut self) -> Result<Vec<GraphStats>, BackendError> {
+        self.fan_out(|_, reply| Cmd::Graphs { on: None, reply })
     }
 }
 

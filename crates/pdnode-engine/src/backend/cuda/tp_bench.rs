@@ -85,15 +85,37 @@ pub fn run_decode(
                 })
                 .collect(),
         };
-        be.forward_device(&fb).map_err(err)?;
-        be.synchronize().map_err(err)?;
-        let t0 = Instant::now();
-        for _ in 0..iters {
+        // Pipelined device time (steps enqueued back to back), eager then from the decode
+        // CUDA graphs (captured in the warm-up step).
+        let pipelined = |be: &mut CudaTpBackend| -> Result<f64, CudaError> {
             be.forward_device(&fb).map_err(err)?;
-        }
-        be.synchronize().map_err(err)?;
-        let dev_t = t0.elapsed().as_secs_f64() / iters as f64;
+            be.synchronize().map_err(err)?;
+            let t0 = Instant::now();
+            for _ in 0..iters {
+                be.forward_device(&fb).map_err(err)?;
+            }
+            be.synchronize().map_err(err)?;
+            Ok(t0.elapsed().as_secs_f64() / iters as f64)
+        };
+        be.set_cuda_graphs(false).map_err(err)?;
+        let eager_t = pipelined(&mut be)?;
+        be.set_cuda_graphs(true).map_err(err)?;
+        let replays0 = be.graph_stats().map_err(err)?;
+        let dev_t = pipelined(&mut be)?;
+        let replays1 = be.graph_stats().map_err(err)?;
+        let graph_ran = replays0
+            .iter()
+            .zip(&replays1)
+            .all(|(a, b)| b.replays >= a.replays + iters as u64);
         let n_host = iters.clamp(1, 5);
+        // Each step waited for (what the engine loop sees), without then with the logits copy:
+        // the difference is the copy of `batch x vocab` f32 to a host Vec on rank 0.
+        let t0 = Instant::now();
+        for _ in 0..n_host {
+            be.forward_device(&fb).map_err(err)?;
+            be.synchronize().map_err(err)?;
+        }
+        let serial_t = t0.elapsed().as_secs_f64() / n_host as f64;
         let t0 = Instant::now();
         for _ in 0..n_host {
             be.forward(&fb).map_err(err)?;
@@ -102,7 +124,17 @@ pub fn run_decode(
         // Per GPU: its weight slice and its share of the KV heads.
         let bytes = wbytes + kv_per_tok * (batch * ctx) as f64 / tp as f64;
         let floor_ms = bytes / ceil.hbm_traffic_bps * 1e3;
-        for (what, t) in [("decode", dev_t), ("decode+logits D2H", host_t)] {
+        let graph = if graph_ran {
+            "decode graph"
+        } else {
+            "decode graph (FELL BACK TO EAGER)"
+        };
+        for (what, t) in [
+            ("decode eager", eager_t),
+            (graph, dev_t),
+            ("decode graph, each step waited", serial_t),
+            ("decode graph+logits D2H", host_t),
+        ] {
             let row = BenchRow {
                 what: format!("{what} tp={tp}"),
                 batch,

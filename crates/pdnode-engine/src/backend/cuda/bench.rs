@@ -336,8 +336,12 @@ pub fn run_variants(
 }
 
 /// Prefill-attention implementations the benchmark compares.
-const PREFILL_ATTNS: [PrefillAttn; 3] =
-    [PrefillAttn::Gemm, PrefillAttn::Flash, PrefillAttn::Flash8];
+const PREFILL_ATTNS: [PrefillAttn; 4] = [
+    PrefillAttn::Gemm,
+    PrefillAttn::Flash,
+    PrefillAttn::Flash8,
+    PrefillAttn::Flash32,
+];
 
 /// Prefill attention alone, one layer of `spec`'s heads, one sequence of `len` new tokens from
 /// position 0 (K/V already in a one-layer pool of random values), per implementation. Ceiling:

@@ -275,3 +275,254 @@ async fn ucx_hand_off_matches_colocated() {
     assert_clean(&pn).await;
     assert_clean(&d.node).await;
 }
+
+/// The CPU backend over a tiny HF fixture, prefill and decode nodes over UCX on loopback: the
+/// KV goes through the nodes' registered staging arenas (or host staging, when they are absent
+/// or full).
+fn cpu_ucx_config() -> Config {
+    let mut c = Config::default();
+    c.engine.backend = Backend::Cpu;
+    c.engine.cpu_threads = 1;
+    c.engine.num_kv_blocks = 64;
+    c.engine.block_size = 4;
+    c.model.format = ModelFormat::Hf;
+    c.model.path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../pdnode-engine/tests/fixtures/llama_gqa"
+    )
+    .into();
+    c.registry.kind = RegistryKind::Memory;
+    c.transfer.kind = TransferKind::Ucx;
+    c.transfer.lease_ms = 5_000;
+    c
+}
+
+fn cpu_prompt(seed: u32) -> Vec<u32> {
+    (0..23).map(|i| (i * 7 + 3 + seed * 11) % 120).collect()
+}
+
+/// Starts a prefill and a decode node; `None` when UCX is missing outside CI.
+fn pd_pair(cfg: &Config) -> Option<(pd::ServingNode, pd::ServingNode)> {
+    let mut pcfg = cfg.clone();
+    pcfg.node.role = Role::Prefill;
+    let mut dcfg = cfg.clone();
+    dcfg.node.role = Role::Decode;
+    let p = tokio::task::block_in_place(|| pd::pd_node(&pcfg, &NodeId::new("p"), Role::Prefill));
+    let p = match p {
+        Ok(p) => p,
+        Err(e) if std::env::var("CI").is_err() && e.to_string().contains("libucp") => {
+            eprintln!("skipped: UCX library not available here: {e}");
+            return None;
+        }
+        Err(e) => panic!("{e}"),
+    };
+    let d = tokio::task::block_in_place(|| pd::pd_node(&dcfg, &NodeId::new("d"), Role::Decode))
+        .unwrap();
+    Some((p, d))
+}
+
+/// One request through reserve -> prefill (push) -> decode; the tokens and the prefill outcome.
+async fn pd_request(
+    p: &pd::ServingNode,
+    d: &pd::ServingNode,
+    id: u64,
+    ids: &[u32],
+    max_tokens: u32,
+) -> (Vec<u32>, pdnode_router::PrefillOutcome) {
+    let id = RequestId(id);
+    let target = d
+        .node
+        .reserve_kv(ReserveKv {
+            request_id: id,
+            prompt_token_ids: ids.to_vec(),
+            max_tokens,
+            prefill_node: NodeId::new("p"),
+        })
+        .await
+        .unwrap();
+    let out = p
+        .node
+        .prefill(PrefillCall {
+            request_id: id,
+            prompt_token_ids: ids.to_vec(),
+            sampling: SamplingParams::greedy(max_tokens),
+            target: target.clone(),
+        })
+        .await
+        .unwrap();
+    let mut got = vec![out.first_token_id];
+    let mut s = d
+        .node
+        .decode(DecodeCall {
+            request_id: id,
+            secret: target.secret.clone(),
+            first_token_id: out.first_token_id,
+            first_logprob: None,
+            sampling: SamplingParams::greedy(max_tokens),
+            prompt_token_ids: ids.to_vec(),
+        })
+        .await
+        .unwrap();
+    use futures::StreamExt;
+    while let Some(c) = tokio::time::timeout(Duration::from_secs(20), s.next())
+        .await
+        .unwrap()
+    {
+        let c = c.unwrap();
+        got.extend(c.token_ids);
+        if c.finish.is_some() {
+            break;
+        }
+    }
+    (got, out)
+}
+
+fn arena_free(n: &pd::ServingNode) -> bool {
+    n.node.staging_arena().is_none_or(|a| a.all_free())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ucx_staging_arena_hand_off_matches_colocated_and_frees_its_slices() {
+    // SAFETY (env): set before any UCX context exists in this test process.
+    unsafe { std::env::set_var("UCX_NET_DEVICES", "lo") };
+    let cfg = cpu_ucx_config();
+    let prompts: Vec<Vec<u32>> = (0..3).map(cpu_prompt).collect();
+    let mut want = Vec::new();
+    for ids in &prompts {
+        want.push(colocated_tokens(&cfg, ids, 6).await);
+    }
+    let Some((p, d)) = pd_pair(&cfg) else { return };
+    let (pa, da) = (
+        p.node.staging_arena().expect("prefill arena").clone(),
+        d.node.staging_arena().expect("decode arena").clone(),
+    );
+    assert!(!pa.is_device() && !da.is_device());
+    assert!(!pa.is_empty() && da.len() == pa.len());
+
+    // Through both arenas, two requests in flight at once.
+    let (a, b) = tokio::join!(
+        pd_request(&p, &d, 1, &prompts[0], 6),
+        pd_request(&p, &d, 2, &prompts[1], 6)
+    );
+    assert_eq!(a.0, want[0], "PD (arena) differs from colocated");
+    assert_eq!(b.0, want[1], "PD (arena) differs from colocated");
+    let layout = &d.built.handle.info().kv_layout;
+    let per_request = layout.num_layers as u64 * 6 * layout.block_layer_bytes() as u64;
+    assert_eq!(a.1.transfer_bytes, per_request);
+    assert!(pa.all_free() && da.all_free(), "arena slices freed");
+    assert_eq!(
+        p.node.staging_counts(),
+        (2, 0),
+        "prefill pushed from its arena"
+    );
+    assert_eq!(
+        d.node.staging_counts(),
+        (2, 0),
+        "decode received into its arena"
+    );
+
+    // Decode's arena full: its target is host staging; prefill still puts from its arena.
+    let hold = da.reserve(da.len()).expect("whole decode arena");
+    assert!(da.reserve(1).is_none());
+    let (got, _) = pd_request(&p, &d, 3, &prompts[2], 6).await;
+    assert_eq!(
+        got, want[2],
+        "PD (decode host staging) differs from colocated"
+    );
+    assert_eq!(p.node.staging_counts(), (3, 0));
+    assert_eq!(d.node.staging_counts(), (2, 1));
+    drop(hold);
+    // Prefill's arena full: it reads to the host and puts from per-request staging.
+    let hold = pa.reserve(pa.len()).expect("whole prefill arena");
+    let (got, _) = pd_request(&p, &d, 4, &prompts[0], 6).await;
+    assert_eq!(
+        got, want[0],
+        "PD (prefill host staging) differs from colocated"
+    );
+    assert_eq!(p.node.staging_counts(), (3, 1));
+    assert_eq!(d.node.staging_counts(), (3, 1));
+    drop(hold);
+
+    // A reservation aborted, and one left to its lease: their slices come back.
+    for (i, ids) in prompts.iter().enumerate() {
+        d.node
+            .reserve_kv(ReserveKv {
+                request_id: RequestId(10 + i as u64),
+                prompt_token_ids: ids.clone(),
+                max_tokens: 4,
+                prefill_node: NodeId::new("p"),
+            })
+            .await
+            .unwrap();
+    }
+    assert!(!da.all_free());
+    assert!(d.node.abort(RequestId(10), "test".into()).await.unwrap());
+    assert!(d.node.abort(RequestId(11), "test".into()).await.unwrap());
+    assert!(!da.all_free(), "request 12 still holds its slice");
+    assert!(d.node.abort(RequestId(12), "test".into()).await.unwrap());
+    assert!(arena_free(&p) && arena_free(&d));
+    assert_clean(&p.node).await;
+    assert_clean(&d.node).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ucx_without_room_in_the_arena_falls_back_to_host_staging() {
+    // SAFETY (env): set before any UCX context exists in this test process.
+    unsafe { std::env::set_var("UCX_NET_DEVICES", "lo") };
+    let mut cfg = cpu_ucx_config();
+    // Two blocks of room: a 23-token prompt (6 blocks) never fits, on either side.
+    cfg.engine.kv_staging_tokens = 8;
+    cfg.transfer.lease_ms = 400;
+    let ids = cpu_prompt(5);
+    let want = colocated_tokens(&cfg, &ids, 5).await;
+    let Some((p, d)) = pd_pair(&cfg) else { return };
+    assert!(p.node.staging_arena().is_some() && d.node.staging_arena().is_some());
+    let (got, out) = pd_request(&p, &d, 1, &ids, 5).await;
+    assert_eq!(got, want, "PD (host staging) differs from colocated");
+    assert!(out.transfer_bytes > 0);
+    assert_eq!(p.node.staging_counts(), (0, 1));
+    assert_eq!(d.node.staging_counts(), (0, 1));
+
+    // A reservation nobody claims: the engine frees its blocks at the lease, the node its
+    // staging one lease later.
+    d.node
+        .reserve_kv(ReserveKv {
+            request_id: RequestId(2),
+            prompt_token_ids: vec![1, 2, 3],
+            max_tokens: 4,
+            prefill_node: NodeId::new("p"),
+        })
+        .await
+        .unwrap();
+    let da = d.node.staging_arena().unwrap().clone();
+    assert!(!da.all_free(), "a 3-token prompt fits the arena");
+    assert_clean(&d.node).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while d.node.pending_reservations() > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "reservation never swept"
+        );
+        d.node.sweep();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(da.all_free(), "the swept reservation freed its slice");
+    assert_clean(&p.node).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_arena_when_kv_staging_tokens_is_zero() {
+    // SAFETY (env): set before any UCX context exists in this test process.
+    unsafe { std::env::set_var("UCX_NET_DEVICES", "lo") };
+    let mut cfg = cpu_ucx_config();
+    cfg.engine.kv_staging_tokens = 0;
+    let ids = cpu_prompt(7);
+    let want = colocated_tokens(&cfg, &ids, 4).await;
+    let Some((p, d)) = pd_pair(&cfg) else { return };
+    assert!(p.node.staging_arena().is_none() && d.node.staging_arena().is_none());
+    assert!(d.built.handle.info().staging_regions.is_empty());
+    let (got, _) = pd_request(&p, &d, 1, &ids, 4).await;
+    assert_eq!(got, want);
+    assert_clean(&p.node).await;
+    assert_clean(&d.node).await;
+}

@@ -159,6 +159,10 @@ pub struct EngineConfig {
     /// CUDA backend: replay decode steps as CUDA graphs captured per batch-size bucket;
     /// false: launch every kernel eagerly.
     pub cuda_graphs: bool,
+    /// Tokens of KV each TP rank's hand-off staging arena holds (allocated once at start, device
+    /// memory on CUDA, UCX-registered host memory on CPU); capped at `context_length`; 0: no
+    /// arena (every hand-off goes through per-request host staging).
+    pub kv_staging_tokens: u32,
     pub mock: MockEngineConfig,
 }
 
@@ -180,6 +184,7 @@ impl Default for EngineConfig {
             prefix_cache: true,
             colocated: false,
             cuda_graphs: true,
+            kv_staging_tokens: 8192,
             mock: MockEngineConfig::default(),
         }
     }

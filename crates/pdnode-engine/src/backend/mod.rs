@@ -6,7 +6,8 @@
 //! per sequence that asked for it. Sampling happens on the host (`crate::sampling`) unless a backend
 //! also implements an optional capability trait for it. KV blocks are copied in and out for the
 //! hand-off through [`Backend::read_kv`] / [`Backend::write_kv`]; zero-copy access to the pool
-//! memory (UCX registration) is the optional [`KvMemory`] capability.
+//! memory (UCX registration) is the optional [`KvMemory`] capability, and a per-rank staging
+//! arena that stays registered (gather/scatter device to device) the optional [`KvStaging`] one.
 //!
 //! # KV pool layout (every backend, every TP rank)
 //! One rank's pool is `[num_layers][num_blocks][2][block_size][kv_heads_per_rank][head_dim]`,
@@ -73,6 +74,14 @@ pub enum BackendError {
     KvBufferSize { got: usize, expected: usize },
     #[error("device error: {0}")]
     Device(String),
+    #[error("KV staging of {len} bytes at offset {offset} is outside the arena of {arena} bytes")]
+    StagingRange {
+        offset: usize,
+        len: usize,
+        arena: usize,
+    },
+    #[error("this backend has no KV staging arena")]
+    NoStaging,
 }
 
 impl pdnode_core::error::Classify for BackendError {
@@ -80,7 +89,9 @@ impl pdnode_core::error::Classify for BackendError {
         match self {
             BackendError::InvalidBatch { .. }
             | BackendError::BlockOutOfRange { .. }
-            | BackendError::KvBufferSize { .. } => pdnode_core::ErrorKind::Internal,
+            | BackendError::KvBufferSize { .. }
+            | BackendError::StagingRange { .. }
+            | BackendError::NoStaging => pdnode_core::ErrorKind::Internal,
             BackendError::Device(_) => pdnode_core::ErrorKind::Retryable,
         }
     }
@@ -111,6 +122,72 @@ pub trait Backend: Send {
         blocks: &[BlockId],
         data: &[u8],
     ) -> Result<(), BackendError>;
+    /// The [`KvStaging`] capability, when this backend has a staging arena. A capability query
+    /// (like `Any::downcast`), not a stub: a backend without an arena answers `None` and the
+    /// hand-off copies through the host ([`Backend::read_kv`] / [`Backend::write_kv`]).
+    fn kv_staging(&mut self) -> Option<&mut dyn KvStaging> {
+        None
+    }
+}
+
+/// Optional capability: one KV staging arena per TP rank, allocated once (device memory on
+/// CUDA, exportable; host memory on CPU) so that a transport registers it once, and copies
+/// between the pool and the arena that never leave the device.
+///
+/// Layout in each rank's arena, at the caller's `offset`: `[layer][block][layer-block bytes]`
+/// over `layers` and `blocks` in order (what [`Backend::read_kv`] gives for one rank). Rank `r`
+/// moves its own pool's bytes to and from its own arena at the same offset. Both copies are
+/// complete (synchronized) when they return. The caller owns the arena's sub-allocation: the
+/// backend only checks that the span lies inside the arena.
+pub trait KvStaging {
+    /// One region per TP rank, in rank order; all of one length.
+    fn staging_regions(&self) -> Vec<KvRegion>;
+    /// Copies layers `layers` of `blocks` from the pool into each rank's arena at `offset`.
+    fn gather_kv_to_staging(
+        &mut self,
+        layers: Range<u32>,
+        blocks: &[BlockId],
+        offset: usize,
+    ) -> Result<(), BackendError>;
+    /// The inverse: writes each rank's arena bytes at `offset` into those layers of `blocks`.
+    fn scatter_kv_from_staging(
+        &mut self,
+        layers: Range<u32>,
+        blocks: &[BlockId],
+        offset: usize,
+    ) -> Result<(), BackendError>;
+}
+
+/// Arena offsets (and so span starts) are multiples of this (the copy kernels move 16-byte
+/// vectors; 256 keeps every span on its own cache lines).
+pub const STAGING_ALIGN: usize = 256;
+
+/// Checks a staging copy against a pool and an arena of `arena_len` bytes; returns the byte
+/// count it moves per rank.
+pub fn check_staging_io(
+    layout: &KvLayout,
+    num_blocks: usize,
+    layers: &Range<u32>,
+    blocks: &[BlockId],
+    offset: usize,
+    arena_len: usize,
+) -> Result<usize, BackendError> {
+    let per_rank = layers.end.saturating_sub(layers.start) as usize
+        * blocks.len()
+        * layout.block_layer_bytes();
+    check_kv_io(layout, num_blocks, layers, blocks, per_rank, 1)?;
+    if !offset.is_multiple_of(STAGING_ALIGN)
+        || offset
+            .checked_add(per_rank)
+            .is_none_or(|end| end > arena_len)
+    {
+        return Err(BackendError::StagingRange {
+            offset,
+            len: per_rank,
+            arena: arena_len,
+        });
+    }
+    Ok(per_rank)
 }
 
 /// Where a backend's KV pool lives, for registering it with a transport (zero-copy hand-off).
@@ -173,4 +250,53 @@ pub fn check_kv_io(
         });
     }
     Ok(per_rank)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pdnode_core::DType;
+
+    fn layout() -> KvLayout {
+        KvLayout {
+            dtype: DType::F32,
+            num_layers: 2,
+            block_size: 4,
+            kv_heads_per_rank: 1,
+            head_dim: 8,
+            tp_size: 1,
+            model_fingerprint: "t".into(),
+        }
+    }
+
+    #[test]
+    fn staging_io_is_bounded_and_aligned() {
+        let l = layout();
+        let lb = l.block_layer_bytes();
+        let blocks = [BlockId(0), BlockId(3)];
+        assert_eq!(
+            check_staging_io(&l, 4, &(0..2), &blocks, 0, 4 * lb).unwrap(),
+            4 * lb
+        );
+        assert!(matches!(
+            check_staging_io(&l, 4, &(0..2), &blocks, 0, 4 * lb - 1),
+            Err(BackendError::StagingRange { .. })
+        ));
+        assert!(matches!(
+            check_staging_io(&l, 4, &(0..2), &blocks, 16, 1 << 20),
+            Err(BackendError::StagingRange { .. })
+        ));
+        assert!(matches!(
+            check_staging_io(&l, 4, &(0..2), &blocks, usize::MAX - 255, 1 << 20),
+            Err(BackendError::StagingRange { .. })
+        ));
+        assert!(matches!(
+            check_staging_io(&l, 4, &(0..2), &[BlockId(4)], 0, 1 << 20),
+            Err(BackendError::BlockOutOfRange { .. })
+        ));
+        assert!(matches!(
+            check_staging_io(&l, 4, &(1..3), &blocks, 0, 1 << 20),
+            Err(BackendError::InvalidBatch { .. })
+        ));
+    }
 }

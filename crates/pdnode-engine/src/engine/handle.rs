@@ -49,6 +49,14 @@ pub(crate) enum Command {
         data: Vec<u8>,
         reply: Reply<()>,
     },
+    /// Pool <-> staging arena (`gather`: pool -> arena), device to device.
+    StagingKv {
+        id: RequestId,
+        layers: Range<u32>,
+        offset: usize,
+        gather: bool,
+        reply: Reply<()>,
+    },
     Stats {
         reply: Reply<EngineStats>,
     },
@@ -276,6 +284,44 @@ impl EngineHandle {
             id,
             layers,
             data,
+            reply,
+        })
+        .await
+    }
+
+    /// Copies layers `layers` of the blocks under the request's hand-off lease into every TP
+    /// rank's staging arena ([`EngineInfo::staging_regions`]) at `offset`, laid out as
+    /// [`EngineHandle::read_kv`] lays out one rank; done when this returns. The caller owns the
+    /// arena span (`offset` is a multiple of `crate::backend::STAGING_ALIGN`).
+    pub async fn gather_kv(
+        &self,
+        id: RequestId,
+        layers: Range<u32>,
+        offset: usize,
+    ) -> Result<(), EngineError> {
+        self.call("gather_kv", |reply| Command::StagingKv {
+            id,
+            layers,
+            offset,
+            gather: true,
+            reply,
+        })
+        .await
+    }
+
+    /// The inverse of [`EngineHandle::gather_kv`]: writes each rank's arena bytes at `offset`
+    /// into the request's reserved blocks.
+    pub async fn scatter_kv(
+        &self,
+        id: RequestId,
+        layers: Range<u32>,
+        offset: usize,
+    ) -> Result<(), EngineError> {
+        self.call("scatter_kv", |reply| Command::StagingKv {
+            id,
+            layers,
+            offset,
+            gather: false,
             reply,
         })
         .await

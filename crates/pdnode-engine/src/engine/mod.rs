@@ -149,6 +149,10 @@ pub struct EngineInfo {
     /// blocks under a request's hand-off lease may be read or written through it, and only
     /// between the reservation (or `PrefillDone`) and the admission (or release).
     pub kv_regions: Vec<KvRegion>,
+    /// The backend's KV staging arenas ([`crate::backend::KvStaging`]), one per TP rank, for
+    /// [`EngineHandle::gather_kv`] / [`EngineHandle::scatter_kv`]; empty when it has none.
+    /// Allocated once for the engine's life: a transport registers them once.
+    pub staging_regions: Vec<KvRegion>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -36,7 +36,7 @@ pub fn spawn(
 }
 
 fn start(
-    backend: Box<dyn Backend>,
+    mut backend: Box<dyn Backend>,
     kv_regions: Vec<KvRegion>,
     cfg: EngineLoopConfig,
     tokenizer: Option<Arc<Tokenizer>>,
@@ -54,6 +54,10 @@ fn start(
     let num_blocks = u32::try_from(backend.num_kv_blocks()).map_err(|_| EngineError::Config {
         reason: "more than 2^32 KV blocks".into(),
     })?;
+    let staging_regions = backend
+        .kv_staging()
+        .map(|s| s.staging_regions())
+        .unwrap_or_default();
     let info = EngineInfo {
         backend_name: backend.name(),
         kv_layout: backend.kv_layout().clone(),
@@ -64,6 +68,7 @@ fn start(
         // As the scheduler clamps it.
         max_running_requests: cfg.max_running_requests.min(cfg.max_batch_tokens),
         kv_regions,
+        staging_regions,
     };
     let sched = Scheduler::new(SchedulerConfig {
         mode: cfg.mode,
@@ -342,6 +347,27 @@ impl Loop {
                         .write_kv(layers, blocks, &data)
                         .map_err(EngineError::from),
                     None => Err(EngineError::NoLease { id }),
+                };
+                let _ = reply.send(r);
+            }
+            Command::StagingKv {
+                id,
+                layers,
+                offset,
+                gather,
+                reply,
+            } => {
+                let r = match (self.sched.transfer_blocks(id), self.backend.kv_staging()) {
+                    (None, _) => Err(EngineError::NoLease { id }),
+                    (Some(_), None) => {
+                        Err(EngineError::from(crate::backend::BackendError::NoStaging))
+                    }
+                    (Some(blocks), Some(s)) if gather => s
+                        .gather_kv_to_staging(layers, blocks, offset)
+                        .map_err(EngineError::from),
+                    (Some(blocks), Some(s)) => s
+                        .scatter_kv_from_staging(layers, blocks, offset)
+                        .map_err(EngineError::from),
                 };
                 let _ = reply.send(r);
             }

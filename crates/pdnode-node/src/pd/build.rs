@@ -1,9 +1,11 @@
 //! Building the engine a node's config asks for: load the model, pick the backend (cpu, cuda,
 //! auto, mock), size the KV pool, start the engine loop thread, and build the tokenizer.
 
+use pdnode_core::KvLayout;
 use pdnode_core::config::{Backend as BackendKind, Config, ModelFormat};
 use pdnode_core::error::{Classify, ErrorKind};
-use pdnode_engine::backend::cpu::{CpuBackend, CpuBackendConfig};
+use pdnode_engine::backend::STAGING_ALIGN;
+use pdnode_engine::backend::cpu::{CpuBackend, CpuBackendConfig, HostArena};
 use pdnode_engine::engine::{EngineHandle, EngineLoopConfig, spawn_with_memory};
 use pdnode_engine::loader::{TokenizerSource, load_model};
 use pdnode_engine::mock::MockBackend;
@@ -75,6 +77,31 @@ fn tokenizer_from(src: &TokenizerSource, path: &str) -> Result<Option<Arc<Tokeni
 /// Builds and starts the engine of `cfg` in `mode`. Blocking (loads weights): call it from a
 /// blocking context.
 pub fn build_engine(cfg: &Config, mode: Mode) -> Result<BuiltEngine, BuildError> {
+    build_engine_with(cfg, mode, None)
+}
+
+/// Lends the CPU backend host memory for its KV staging arena: called with the arena's length,
+/// answers the memory (e.g. a UCX-allocated registered region) or `None` (no arena).
+pub type HostArenaSource<'a> = &'a dyn Fn(usize) -> Option<HostArena>;
+
+/// Bytes of one TP rank's KV staging arena for `layout` under `cfg`
+/// (`engine.kv_staging_tokens`, capped at the context length, in whole blocks); 0: none.
+pub fn staging_bytes(cfg: &Config, layout: &KvLayout, context: usize) -> usize {
+    let tokens = (cfg.engine.kv_staging_tokens as usize).min(context);
+    let blocks = tokens.div_ceil(layout.block_size.max(1) as usize);
+    (blocks * layout.num_layers as usize * layout.block_layer_bytes())
+        .next_multiple_of(STAGING_ALIGN)
+}
+
+/// As [`build_engine`], and with a KV staging arena per TP rank when `staging` is given (a
+/// prefill or decode node over UCX): the CUDA backend allocates its own (`cuMemAlloc`), the CPU
+/// backend takes the memory `staging` lends. An arena that cannot be had is logged and left out
+/// (the hand-off then copies through per-request host staging); it never fails the build.
+pub fn build_engine_with(
+    cfg: &Config,
+    mode: Mode,
+    staging: Option<HostArenaSource<'_>>,
+) -> Result<BuiltEngine, BuildError> {
     let lease = Duration::from_millis(cfg.transfer.lease_ms);
     let model_id = served_name(cfg);
     let e = &cfg.engine;
@@ -137,7 +164,7 @@ pub fn build_engine(cfg: &Config, mode: Mode) -> Result<BuiltEngine, BuildError>
                     let cap = (CPU_KV_POOL_BUDGET_BYTES / block_bytes.max(1)).max(1);
                     want.min(cap).max(1) as u32
                 };
-                let backend = CpuBackend::from_loaded(
+                let mut backend = CpuBackend::from_loaded(
                     loaded,
                     CpuBackendConfig {
                         block_size: e.block_size,
@@ -149,9 +176,18 @@ pub fn build_engine(cfg: &Config, mode: Mode) -> Result<BuiltEngine, BuildError>
                     backend: "cpu".into(),
                     message: err.to_string(),
                 })?;
+                use pdnode_engine::backend::Backend;
+                let bytes = staging_bytes(cfg, backend.kv_layout(), context);
+                if let Some(lend) = staging.filter(|_| bytes > 0)
+                    && let Some(arena) = lend(bytes)
+                {
+                    tracing::info!(bytes, "KV staging arena (host) attached");
+                    backend.attach_staging(arena);
+                }
                 spawn_with_memory(backend, loop_cfg, tokenizer.clone())
             } else {
-                spawn_cuda(cfg, &loaded, loop_cfg, tokenizer.clone())?
+                let arena_tokens = staging.map(|_| context);
+                spawn_cuda(cfg, &loaded, loop_cfg, tokenizer.clone(), arena_tokens)?
             }
             .map_err(|err| BuildError::Engine(err.to_string()))?;
             Ok(BuiltEngine {
@@ -165,14 +201,14 @@ pub fn build_engine(cfg: &Config, mode: Mode) -> Result<BuiltEngine, BuildError>
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Choice {
+pub(super) enum Choice {
     Cpu,
     Cuda,
     Mock,
 }
 
 #[cfg(feature = "cuda")]
-fn resolve_backend(cfg: &Config) -> Result<Choice, BuildError> {
+pub(super) fn resolve_backend(cfg: &Config) -> Result<Choice, BuildError> {
     use pdnode_engine::backend::cuda::probe::{BackendChoice, select_backend};
     match select_backend(cfg.engine.backend, &cfg.engine.gpus) {
         Ok(BackendChoice::Cpu) => Ok(Choice::Cpu),
@@ -186,7 +222,7 @@ fn resolve_backend(cfg: &Config) -> Result<Choice, BuildError> {
 }
 
 #[cfg(not(feature = "cuda"))]
-fn resolve_backend(cfg: &Config) -> Result<Choice, BuildError> {
+pub(super) fn resolve_backend(cfg: &Config) -> Result<Choice, BuildError> {
     match cfg.engine.backend {
         BackendKind::Cpu | BackendKind::Auto => Ok(Choice::Cpu),
         BackendKind::Mock => Ok(Choice::Mock),
@@ -203,18 +239,39 @@ fn spawn_cuda(
     loaded: &pdnode_engine::loader::LoadedModel,
     loop_cfg: EngineLoopConfig,
     tokenizer: Option<Arc<Tokenizer>>,
+    staging_context: Option<usize>,
 ) -> Result<Result<EngineHandle, pdnode_engine::engine::EngineError>, BuildError> {
+    use pdnode_engine::backend::Backend;
     use pdnode_engine::backend::cuda::{CudaBackend, CudaOptions, CudaTpBackend};
     let opts = CudaOptions::from_config(&cfg.engine);
     let err = |err: pdnode_engine::backend::cuda::CudaError| BuildError::Backend {
         backend: "cuda".into(),
         message: err.to_string(),
     };
+    let arena_failed = |e: String| {
+        tracing::warn!(error = %e, "no KV staging arena: the hand-off copies through host staging");
+    };
     if opts.tensor_parallel > 1 {
-        let backend = CudaTpBackend::from_loaded(loaded, &opts).map_err(err)?;
+        let mut backend = CudaTpBackend::from_loaded(loaded, &opts).map_err(err)?;
+        if let Some(context) = staging_context {
+            let bytes = staging_bytes(cfg, backend.kv_layout(), context);
+            if bytes > 0
+                && let Err(e) = backend.enable_kv_staging(bytes)
+            {
+                arena_failed(e.to_string());
+            }
+        }
         Ok(spawn_with_memory(backend, loop_cfg, tokenizer))
     } else {
-        let backend = CudaBackend::from_loaded(loaded, &opts).map_err(err)?;
+        let mut backend = CudaBackend::from_loaded(loaded, &opts).map_err(err)?;
+        if let Some(context) = staging_context {
+            let bytes = staging_bytes(cfg, backend.kv_layout(), context);
+            if bytes > 0
+                && let Err(e) = backend.enable_kv_staging(bytes)
+            {
+                arena_failed(e.to_string());
+            }
+        }
         Ok(spawn_with_memory(backend, loop_cfg, tokenizer))
     }
 }
@@ -225,6 +282,7 @@ fn spawn_cuda(
     _loaded: &pdnode_engine::loader::LoadedModel,
     _loop_cfg: EngineLoopConfig,
     _tokenizer: Option<Arc<Tokenizer>>,
+    _staging_context: Option<usize>,
 ) -> Result<Result<EngineHandle, pdnode_engine::engine::EngineError>, BuildError> {
     Err(BuildError::Backend {
         backend: "cuda".into(),

@@ -51,7 +51,8 @@ impl KvMover {
         }
     }
 
-    /// Decode side: a registered receive region of `len` bytes (UCX only).
+    /// Decode side: a registered host receive region of `len` bytes (UCX only), for a hand-off
+    /// that does not go through the staging arena.
     pub fn receive_staging(&self, len: usize) -> Result<Option<Registration>, String> {
         match self {
             KvMover::InProcess(_) => Ok(None),
@@ -86,53 +87,21 @@ impl KvMover {
                     .map_err(|e| format!("writing KV into decode node {node}: {e}"))
             }
             (KvMover::Ucx(t), v1::TransportKind::Ucx) => {
-                let rank = target.ranks.first().ok_or("KV target has no rank region")?;
-                let len = data.len();
-                if target.staging_offset.saturating_add(len as u64) > rank.region_len {
+                let ranks = target.ranks.len();
+                if ranks == 0 || !data.len().is_multiple_of(ranks) {
                     return Err(format!(
-                        "KV of {len} bytes does not fit the decode staging region of {} bytes at offset {}",
-                        rank.region_len, target.staging_offset
+                        "KV of {} bytes does not split over the target's {ranks} rank regions",
+                        data.len()
                     ));
                 }
+                let per_rank = data.len() / ranks;
                 let reg = t
-                    .allocate_registered(len.max(1))
-                    .map_err(|e| format!("allocating {len} bytes of send staging: {e}"))?;
+                    .allocate_registered(data.len().max(1))
+                    .map_err(|e| format!("allocating {} bytes of send staging: {e}", data.len()))?;
                 copy_into(&reg, &data)?;
-                let worker = if rank.ucx_worker_address.is_empty() {
-                    &target.ucx_worker_address
-                } else {
-                    &rank.ucx_worker_address
-                };
-                let remote = t
-                    .connect(
-                        worker,
-                        &RemoteRegion {
-                            base_addr: rank.remote_base_addr,
-                            len: rank.region_len,
-                            rkey: rank.rkey.clone(),
-                        },
-                    )
-                    .map_err(|e| {
-                        format!("connecting to decode node {}: {e}", target.decode_node_id)
-                    })?;
-                let span = Span {
-                    local_offset: 0,
-                    remote_offset: target.staging_offset,
-                    len: len as u64,
-                };
-                t.put(&reg, &remote, &[span])
-                    .map_err(|e| format!("put: {e}"))?
-                    .wait_async(deadline)
-                    .await
-                    .map_err(|e| format!("put: {e}"))?;
-                t.flush(&remote)
-                    .map_err(|e| format!("flush: {e}"))?
-                    .wait_async(deadline)
-                    .await
-                    .map_err(|e| format!("flush: {e}"))?;
-                drop(remote);
-                drop(reg);
-                Ok(())
+                let sources: Vec<(&Registration, u64)> =
+                    (0..ranks).map(|r| (&reg, (r * per_rank) as u64)).collect();
+                put_ranks(t, target, &sources, per_rank as u64, deadline).await
             }
             (_, other) => Err(format!(
                 "KV target asks for transport {other:?}, this node moves KV with {:?}",
@@ -140,6 +109,84 @@ impl KvMover {
             )),
         }
     }
+}
+
+/// Puts rank `r`'s `len` bytes, at `sources[r].1` of `sources[r].0`, to the target's rank `r`
+/// region at `staging_offset` (one put per rank, all issued before any is waited for), then
+/// flushes every rank: on return the bytes are visible at the decode node.
+pub async fn put_ranks(
+    t: &UcxTransport,
+    target: &v1::KvTarget,
+    sources: &[(&Registration, u64)],
+    len: u64,
+    deadline: Instant,
+) -> Result<(), String> {
+    if sources.len() != target.ranks.len() {
+        return Err(format!(
+            "KV target has {} rank regions, this node sends {} ranks",
+            target.ranks.len(),
+            sources.len()
+        ));
+    }
+    let mut remotes = Vec::with_capacity(sources.len());
+    let mut puts = Vec::with_capacity(sources.len());
+    for (r, ((reg, local_offset), rank)) in sources.iter().zip(&target.ranks).enumerate() {
+        if target.staging_offset.saturating_add(len) > rank.region_len {
+            return Err(format!(
+                "KV of {len} bytes does not fit rank {r}'s region of {} bytes at offset {}",
+                rank.region_len, target.staging_offset
+            ));
+        }
+        let worker = if rank.ucx_worker_address.is_empty() {
+            &target.ucx_worker_address
+        } else {
+            &rank.ucx_worker_address
+        };
+        let remote = t
+            .connect(
+                worker,
+                &RemoteRegion {
+                    base_addr: rank.remote_base_addr,
+                    len: rank.region_len,
+                    rkey: rank.rkey.clone(),
+                },
+            )
+            .map_err(|e| {
+                format!(
+                    "connecting to decode node {} rank {r}: {e}",
+                    target.decode_node_id
+                )
+            })?;
+        let span = Span {
+            local_offset: *local_offset,
+            remote_offset: target.staging_offset,
+            len,
+        };
+        puts.push(
+            t.put(reg, &remote, &[span])
+                .map_err(|e| format!("put rank {r}: {e}"))?,
+        );
+        remotes.push(remote);
+    }
+    for (r, p) in puts.into_iter().enumerate() {
+        p.wait_async(deadline)
+            .await
+            .map_err(|e| format!("put rank {r}: {e}"))?;
+    }
+    let mut flushes = Vec::with_capacity(remotes.len());
+    for (r, remote) in remotes.iter().enumerate() {
+        flushes.push(
+            t.flush(remote)
+                .map_err(|e| format!("flush rank {r}: {e}"))?,
+        );
+    }
+    for (r, f) in flushes.into_iter().enumerate() {
+        f.wait_async(deadline)
+            .await
+            .map_err(|e| format!("flush rank {r}: {e}"))?;
+    }
+    drop(remotes);
+    Ok(())
 }
 
 /// Copies `data` into a registered host region.

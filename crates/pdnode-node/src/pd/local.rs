@@ -3,14 +3,19 @@
 //! `pdnode.v1.Node` gRPC API (`super::wire`).
 //!
 //! Decode side: `reserve_kv` reserves blocks under the engine's transfer lease, mints a secret and
-//! (UCX) a registered receive staging region, and answers the KV target. `decode` checks the
-//! secret, scatters the staged bytes into the reserved blocks, admits the request and streams.
-//! Prefill side: `prefill` runs the prompt (prefill-only engine), reads the request's KV out of
-//! its hand-off lease, pushes it to the target, releases the lease and answers the first token.
-//! Every failure after a reservation or a lease releases it; a reservation nobody claims is freed
-//! by the engine at its lease deadline, and its staging here by [`PdNode::sweep`].
+//! (UCX) a span of the node's registered staging arena (every TP rank's, at one offset), or, when
+//! there is no arena or it is full, a fresh registered host staging region; then answers the KV
+//! target (one rank region per TP rank). `decode` checks the secret, scatters the staged bytes
+//! into the reserved blocks (device to device from the arena), admits the request and streams.
+//! Prefill side: `prefill` runs the prompt (prefill-only engine), gathers the request's KV from
+//! its hand-off lease into a span of its own arena (or reads it to the host when it has no arena
+//! span, or its arena is device memory and the target is not), puts rank `r`'s bytes to the
+//! target's rank `r` region, flushes, releases the lease and the span, and answers the first
+//! token. Every failure after a reservation or a lease releases it; a reservation nobody claims
+//! is freed by the engine at its lease deadline, and its staging here by [`PdNode::sweep`].
 
-use super::kv::{KvMover, copy_out};
+use super::arena::{ArenaSlice, StagingArena};
+use super::kv::{KvMover, copy_out, put_ranks};
 use futures::future::BoxFuture;
 use pdnode_core::error::{Classify, ErrorKind};
 use pdnode_core::request::GenerateRequest;
@@ -24,13 +29,24 @@ use pdnode_router::{
 use pdnode_transfer::{Registration, Secret};
 use prost::Message;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// Where a reservation's KV lands before the scatter.
+enum Staging {
+    /// In process: the prefill node writes the pool itself.
+    None,
+    /// A registered host region for this request alone (all ranks back to back).
+    Host(Registration),
+    /// A span of the node's staging arena (same offset on every rank).
+    Arena(ArenaSlice),
+}
 
 struct DecodeSlot {
     secret: Secret,
     blocks: usize,
-    staging: Option<Registration>,
+    staging: Staging,
     expires: Instant,
 }
 
@@ -42,6 +58,12 @@ pub struct PdNode {
     mover: KvMover,
     lease: Duration,
     slots: Mutex<HashMap<RequestId, DecodeSlot>>,
+    arena: Option<Arc<StagingArena>>,
+    /// Whether the fall-back to host staging was logged (once per node).
+    fallback_logged: AtomicBool,
+    /// Hand-offs (prefill: pushes; decode: reservations) through the arena and through the host.
+    via_arena: AtomicU64,
+    via_host: AtomicU64,
 }
 
 fn nerr(kind: ErrorKind, msg: impl Into<String>) -> NodeError {
@@ -60,6 +82,19 @@ impl PdNode {
         mover: KvMover,
         lease: Duration,
     ) -> Arc<Self> {
+        Self::with_staging(id, role, engine, mover, lease, None)
+    }
+
+    /// As [`PdNode::new`], with the node's registered KV staging arena (UCX movers; one region
+    /// per TP rank of the engine).
+    pub fn with_staging(
+        id: NodeId,
+        role: Role,
+        engine: EngineHandle,
+        mover: KvMover,
+        lease: Duration,
+        arena: Option<Arc<StagingArena>>,
+    ) -> Arc<Self> {
         Arc::new(Self {
             id,
             role,
@@ -67,7 +102,42 @@ impl PdNode {
             mover,
             lease,
             slots: Mutex::new(HashMap::new()),
+            arena,
+            fallback_logged: AtomicBool::new(false),
+            via_arena: AtomicU64::new(0),
+            via_host: AtomicU64::new(0),
         })
+    }
+
+    /// The node's staging arena, if it has one.
+    pub fn staging_arena(&self) -> Option<&Arc<StagingArena>> {
+        self.arena.as_ref()
+    }
+
+    /// Hand-offs so far through the staging arena and through host staging (prefill node:
+    /// pushes; decode node: reservations over UCX).
+    pub fn staging_counts(&self) -> (u64, u64) {
+        (
+            self.via_arena.load(Ordering::Relaxed),
+            self.via_host.load(Ordering::Relaxed),
+        )
+    }
+
+    fn tp_ranks(&self) -> usize {
+        self.layout().tp_size.max(1) as usize
+    }
+
+    fn note_fallback(&self, side: &str, bytes: usize) {
+        self.via_host.fetch_add(1, Ordering::Relaxed);
+        if !self.fallback_logged.swap(true, Ordering::Relaxed) {
+            tracing::debug!(
+                node = %self.id,
+                side,
+                bytes,
+                arena = self.arena.as_ref().map(|a| a.len()).unwrap_or(0),
+                "KV staging arena absent, full or not usable for this peer: host staging (logged once)"
+            );
+        }
     }
 
     pub fn id(&self) -> &NodeId {
@@ -129,8 +199,8 @@ impl PdNode {
             .await
             .map_err(|e| eerr(&e))?;
         let layout = self.layout().clone();
-        let bytes = layout.num_layers as usize * blocks.len() * layout.block_layer_bytes();
-        let staging = match self.mover.receive_staging(bytes) {
+        let per_rank = layout.num_layers as usize * blocks.len() * layout.block_layer_bytes();
+        let (staging, ranks, staging_offset) = match self.receive_staging(per_rank) {
             Ok(s) => s,
             Err(e) => {
                 let _ = self.engine.release_transfer(id).await;
@@ -152,20 +222,13 @@ impl PdNode {
             secret: secret.as_bytes().to_vec(),
             lease_deadline_ms: deadline_ms,
             placement: v1::KvPlacement::Staging as i32,
-            staging_offset: 0,
+            staging_offset,
+            ranks,
             ..Default::default()
         };
-        if let (Some(reg), KvMover::Ucx(t)) = (&staging, &self.mover) {
+        if let KvMover::Ucx(t) = &self.mover {
             use pdnode_transfer::KvTransport;
-            let d = reg.descriptor();
             target.ucx_worker_address = t.local_address();
-            target.ranks = vec![v1::RankTarget {
-                rank: 0,
-                rkey: d.rkey.clone(),
-                remote_base_addr: d.base_addr,
-                region_len: d.len,
-                ucx_worker_address: Vec::new(),
-            }];
         }
         self.slots().insert(
             id,
@@ -181,6 +244,56 @@ impl PdNode {
             secret: target.secret.clone(),
             encoded: target.encode_to_vec().into(),
         })
+    }
+
+    /// Decode side: where a reservation of `per_rank` bytes per TP rank lands, the rank regions
+    /// of its KV target, and the target's `staging_offset`.
+    fn receive_staging(
+        &self,
+        per_rank: usize,
+    ) -> Result<(Staging, Vec<v1::RankTarget>, u64), String> {
+        if matches!(self.mover, KvMover::InProcess(_)) {
+            return Ok((Staging::None, Vec::new(), 0));
+        }
+        let ranks = self.tp_ranks();
+        if let Some(slice) = self
+            .arena
+            .as_ref()
+            .filter(|a| a.ranks() == ranks)
+            .and_then(|a| a.reserve(per_rank))
+        {
+            let arena = slice.arena().clone();
+            let targets = (0..ranks)
+                .filter_map(|r| arena.registration(r).map(|reg| (r, reg.descriptor())))
+                .map(|(r, d)| v1::RankTarget {
+                    rank: r as u32,
+                    rkey: d.rkey.clone(),
+                    remote_base_addr: d.base_addr,
+                    region_len: d.len,
+                    ucx_worker_address: Vec::new(),
+                    device_memory: arena.is_device(),
+                })
+                .collect();
+            let offset = slice.offset() as u64;
+            self.via_arena.fetch_add(1, Ordering::Relaxed);
+            return Ok((Staging::Arena(slice), targets, offset));
+        }
+        self.note_fallback("decode", per_rank * ranks);
+        let Some(reg) = self.mover.receive_staging(per_rank * ranks)? else {
+            return Ok((Staging::None, Vec::new(), 0));
+        };
+        let d = reg.descriptor();
+        let targets = (0..ranks)
+            .map(|r| v1::RankTarget {
+                rank: r as u32,
+                rkey: d.rkey.clone(),
+                remote_base_addr: d.base_addr + (r * per_rank) as u64,
+                region_len: per_rank as u64,
+                ucx_worker_address: Vec::new(),
+                device_memory: false,
+            })
+            .collect();
+        Ok((Staging::Host(reg), targets, 0))
     }
 
     async fn do_prefill(&self, req: PrefillCall) -> Result<PrefillOutcome, NodeError> {
@@ -280,19 +393,49 @@ impl PdNode {
                 ),
             ));
         }
-        let layers = self.layout().num_layers;
+        let layout = self.layout();
+        let layers = layout.num_layers;
+        let per_rank = layers as usize * ours * layout.block_layer_bytes();
+        let ranks = self.tp_ranks();
+        let t0 = Instant::now();
+        let deadline = (started + self.lease).max(Instant::now() + Duration::from_secs(1));
+        let failed = |m: String| nerr(ErrorKind::Retryable, format!("KV hand-off of {id}: {m}"));
+        if let KvMover::Ucx(t) = &self.mover
+            && let Some(arena) = self.arena.as_ref().filter(|a| {
+                a.ranks() == ranks
+                    && target.ranks.len() == ranks
+                    && (!a.is_device() || target.ranks.iter().all(|r| r.device_memory))
+            })
+            && let Some(slice) = arena.reserve(per_rank)
+        {
+            self.engine
+                .gather_kv(id, 0..layers, slice.offset())
+                .await
+                .map_err(|e| eerr(&e))?;
+            let sources: Vec<_> = (0..ranks)
+                .filter_map(|r| arena.registration(r))
+                .map(|reg| (reg, slice.offset() as u64))
+                .collect();
+            put_ranks(t, target, &sources, per_rank as u64, deadline)
+                .await
+                .map_err(failed)?;
+            drop(slice);
+            self.via_arena.fetch_add(1, Ordering::Relaxed);
+            return Ok(((per_rank * ranks) as u64, t0.elapsed().as_micros() as u64));
+        }
+        if matches!(self.mover, KvMover::Ucx(_)) {
+            self.note_fallback("prefill", per_rank * ranks);
+        }
         let data = self
             .engine
             .read_kv(id, 0..layers)
             .await
             .map_err(|e| eerr(&e))?;
         let bytes = data.len() as u64;
-        let t0 = Instant::now();
-        let deadline = (started + self.lease).max(Instant::now() + Duration::from_secs(1));
         self.mover
             .push(id, target, layers, data, deadline)
             .await
-            .map_err(|m| nerr(ErrorKind::Retryable, format!("KV hand-off of {id}: {m}")))?;
+            .map_err(failed)?;
         Ok((bytes, t0.elapsed().as_micros() as u64))
     }
 
@@ -320,23 +463,31 @@ impl PdNode {
                 Some(_) => slots.remove(&id).expect("present"),
             }
         };
-        if let Some(reg) = &slot.staging {
-            let layout = self.layout();
-            let len = layout.num_layers as usize * slot.blocks * layout.block_layer_bytes();
-            let scattered = match copy_out(reg, len) {
+        let layout = self.layout();
+        let layers = layout.num_layers;
+        let per_rank = layers as usize * slot.blocks * layout.block_layer_bytes();
+        let scattered = match &slot.staging {
+            Staging::None => Ok(()),
+            Staging::Arena(slice) => self
+                .engine
+                .scatter_kv(id, 0..layers, slice.offset())
+                .await
+                .map_err(|e| eerr(&e)),
+            Staging::Host(reg) => match copy_out(reg, per_rank * self.tp_ranks()) {
                 Ok(data) => self
                     .engine
-                    .write_kv(id, 0..layout.num_layers, data)
+                    .write_kv(id, 0..layers, data)
                     .await
                     .map_err(|e| eerr(&e)),
                 Err(m) => Err(nerr(ErrorKind::Internal, m)),
-            };
-            if let Err(e) = scattered {
-                let _ = self.engine.release_transfer(id).await;
-                return Err(e);
-            }
-        }
+            },
+        };
+        // The staging (arena span or host region) is free from here on, whatever happened.
         drop(slot);
+        if let Err(e) = scattered {
+            let _ = self.engine.release_transfer(id).await;
+            return Err(e);
+        }
         let prompt = req.prompt_token_ids.clone();
         if prompt.is_empty() {
             self.engine.abort(id);

@@ -11,6 +11,7 @@
 //! - [`ColocatedNode`], [`colocated`]: role = "all" with `engine.colocated`: one colocated engine
 //!   (the baseline PD is measured against), paired with itself by the router.
 
+pub mod arena;
 mod build;
 mod colocated;
 mod kv;
@@ -19,7 +20,10 @@ mod mock_tok;
 mod tokenize;
 pub mod wire;
 
-pub use build::{BuildError, BuiltEngine, build_engine, served_name};
+pub use build::{
+    BuildError, BuiltEngine, HostArenaSource, build_engine, build_engine_with, served_name,
+    staging_bytes,
+};
 pub use colocated::{Colocated, ColocatedNode, colocated};
 pub use kv::{InProcessDirectory, KvMover};
 pub use local::PdNode;
@@ -243,12 +247,17 @@ pub fn pd_node(cfg: &Config, id: &NodeId, role: Role) -> Result<ServingNode, Bui
             )));
         }
     };
+    // A CUDA engine's staging arena is device memory: UCX's CUDA transports need the engine
+    // GPU's primary context current on the worker thread.
+    let cuda_device = (build::resolve_backend(cfg)? == build::Choice::Cuda)
+        .then(|| cfg.engine.gpus.first().copied().unwrap_or(0));
     let ucx = UcxTransport::start(UcxConfig {
         library: (!cfg.transfer.ucx_lib.is_empty()).then(|| cfg.transfer.ucx_lib.clone()),
         name: id.to_string(),
         net_devices: (!cfg.transfer.ucx_net_devices.is_empty())
             .then(|| cfg.transfer.ucx_net_devices.clone()),
         tls: (!cfg.transfer.ucx_tls.is_empty()).then(|| cfg.transfer.ucx_tls.clone()),
+        cuda_device,
         ..UcxConfig::default()
     })
     .map_err(|e| BuildError::Backend {
@@ -256,19 +265,50 @@ pub fn pd_node(cfg: &Config, id: &NodeId, role: Role) -> Result<ServingNode, Bui
         message: e.to_string(),
     })?;
     let transport = Arc::new(ucx);
-    let built = build_engine(cfg, mode)?;
-    let node = PdNode::new(
+    let (built, host) = build_with_host_arena(cfg, mode, &transport)?;
+    let arena = arena::register(&transport, &built.handle.info().staging_regions, host);
+    let node = PdNode::with_staging(
         id.clone(),
         role,
         built.handle.clone(),
         KvMover::Ucx(transport.clone()),
         Duration::from_millis(cfg.transfer.lease_ms),
+        arena,
     );
     Ok(ServingNode {
         node,
         built,
         transport,
     })
+}
+
+/// Builds the engine with a KV staging arena: the CPU backend's is host memory UCX allocates
+/// and registers (`allocate_registered`: shared-memory transports map it, unlike a user buffer);
+/// returned beside the engine so that it is registered once, not twice.
+fn build_with_host_arena(
+    cfg: &Config,
+    mode: Mode,
+    transport: &Arc<UcxTransport>,
+) -> Result<(BuiltEngine, Option<Arc<pdnode_transfer::Registration>>), BuildError> {
+    let host = std::sync::Mutex::new(None);
+    let lend = |len: usize| {
+        let reg = match transport.allocate_registered(len) {
+            Ok(r) => Arc::new(r),
+            Err(e) => {
+                tracing::warn!(len, error = %e, "no host KV staging arena");
+                return None;
+            }
+        };
+        let r = reg.region();
+        *host.lock().unwrap_or_else(|p| p.into_inner()) = Some(reg.clone());
+        // SAFETY: the registration owns `r.len` bytes of host memory at `r.addr`, kept alive
+        // by the arena's owner handle (and by `host` for the node); only the engine (gather,
+        // scatter) and UCX (puts of the span a request owns) touch it, per span.
+        Some(unsafe { pdnode_engine::backend::cpu::HostArena::new(r.addr as *mut u8, r.len, reg) })
+    };
+    let built = build_engine_with(cfg, mode, Some(&lend))?;
+    let host = host.into_inner().unwrap_or_else(|p| p.into_inner());
+    Ok((built, host))
 }
 
 /// Hex of the UCX worker address, for the node card.

@@ -7,6 +7,9 @@
 
 mod attention;
 pub mod ops;
+mod staging;
+
+pub use staging::HostArena;
 
 use super::{
     Backend, BackendError, ForwardBatch, KvMemory, KvRegion, Logits, MemKind, check_kv_io,
@@ -49,6 +52,8 @@ pub struct CpuBackend {
     pool: Vec<f32>,
     inv_freq: Vec<f32>,
     threads: std::sync::Arc<rayon::ThreadPool>,
+    /// The hand-off staging arena, when the node lent one (`attach_staging`).
+    staging: Option<HostArena>,
 }
 
 impl std::fmt::Debug for CpuBackend {
@@ -123,6 +128,7 @@ impl CpuBackend {
             pool,
             inv_freq,
             threads,
+            staging: None,
         })
     }
 
@@ -385,6 +391,14 @@ impl Backend for CpuBackend {
             }
         }
         Ok(())
+    }
+
+    fn kv_staging(&mut self) -> Option<&mut dyn super::KvStaging> {
+        if self.staging.is_some() {
+            Some(self)
+        } else {
+            None
+        }
     }
 }
 

@@ -18,6 +18,8 @@ use std::ops::Range;
 
 mod graph;
 mod plan;
+#[path = "staging.rs"]
+mod staging;
 
 pub use graph::{GraphStats, decode_bucket};
 
@@ -131,6 +133,8 @@ pub struct CudaBackend {
     w: DevWeights,
     ws: Workspace,
     pool: DevBuf,
+    /// The KV hand-off staging arena, once enabled (`staging.rs`).
+    staging: Option<DevBuf>,
     num_blocks: usize,
     layout: KvLayout,
     spec: ModelSpec,
@@ -302,6 +306,7 @@ impl CudaBackend {
             w,
             ws,
             pool,
+            staging: None,
             num_blocks,
             layout,
             spec: spec.clone(),
@@ -686,6 +691,14 @@ fn copy_logits(src: &[f32], dst: &mut [f32]) {
 }
 
 impl Backend for CudaBackend {
+    fn kv_staging(&mut self) -> Option<&mut dyn crate::backend::KvStaging> {
+        if self.staging.is_some() {
+            Some(self)
+        } else {
+            None
+        }
+    }
+
     fn name(&self) -> String {
         format!("cuda:{}", self.gpu.ordinal)
     }

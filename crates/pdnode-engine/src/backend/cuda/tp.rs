@@ -203,6 +203,8 @@ enum Cmd {
         range: Range<usize>,
         reply: Sender<Result<Option<Logits>, BackendError>>,
     },
+    /// Runs a closure on the rank's backend (the KV staging arena: `staging.rs`).
+    Run(Box<dyn FnOnce(&mut CudaBackend) + Send>),
 }
 
 fn rank_loop(mut be: CudaBackend, rx: Receiver<Cmd>) {
@@ -277,6 +279,7 @@ fn rank_loop(mut be: CudaBackend, rx: Receiver<Cmd>) {
                 let r = be.write_kv(layers, &blocks, &data[range]).map(|_| None);
                 let _ = reply.send(r);
             }
+            Cmd::Run(f) => f(&mut be),
         }
     }
     // `be` drops here, on its own thread (its Drop synchronizes the stream first).
@@ -298,6 +301,8 @@ pub struct CudaTpBackend {
     weight_bytes: usize,
     /// Set once a rank failed or missed a deadline: the group may be stuck in a collective.
     broken: Option<String>,
+    /// Each rank's KV staging arena, once enabled (`staging.rs`).
+    pub(super) staging: Vec<KvRegion>,
 }
 
 impl CudaTpBackend {
@@ -431,6 +436,21 @@ impl CudaTpBackend {
             first_gpu: opts.gpu,
             weight_bytes,
             broken: None,
+            staging: Vec::new(),
+        })
+    }
+
+    /// Runs `f` on every rank's backend, on the rank's thread, within the step deadline.
+    pub(super) fn on_each_rank<T: Send + 'static>(
+        &mut self,
+        f: impl Fn(&mut CudaBackend) -> Result<T, BackendError> + Send + Sync + 'static,
+    ) -> Result<Vec<T>, BackendError> {
+        let f = Arc::new(f);
+        self.fan_out(|_, reply| {
+            let f = f.clone();
+            Cmd::Run(Box::new(move |be| {
+                let _ = reply.send(f(be));
+            }))
         })
     }
 
@@ -559,6 +579,14 @@ impl CudaTpBackend {
 }
 
 impl Backend for CudaTpBackend {
+    fn kv_staging(&mut self) -> Option<&mut dyn crate::backend::KvStaging> {
+        if self.staging.is_empty() {
+            None
+        } else {
+            Some(self)
+        }
+    }
+
     fn name(&self) -> String {
         let n = self.ranks.len() as u32;
         if n == 1 {

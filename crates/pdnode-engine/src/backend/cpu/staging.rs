@@ -1,0 +1,206 @@
+//! The CPU backend's KV staging arena ([`KvStaging`]): host memory that the node allocated
+//! through its transport (on UCX 1.13 a region UCX allocated itself is mapped by the shared-memory
+//! transports; a plain user buffer goes through emulated RMA, several times slower), handed to
+//! the backend as a [`HostArena`]. Gather and scatter are the pool copies of `read_kv` /
+//! `write_kv`, straight into and out of the arena.
+
+use super::CpuBackend;
+use crate::backend::{Backend, BackendError, KvRegion, KvStaging, MemKind, check_staging_io};
+use pdnode_core::BlockId;
+use std::any::Any;
+use std::ops::Range;
+use std::sync::Arc;
+
+/// Host memory lent to a backend as its staging arena, kept alive by `owner`.
+pub struct HostArena {
+    ptr: *mut u8,
+    len: usize,
+    _owner: Arc<dyn Any + Send + Sync>,
+}
+
+// SAFETY: the arena is plain host memory owned by `_owner` (Send + Sync); `HostArena::new`'s
+// contract makes the backend the only one touching the spans it is asked to copy.
+unsafe impl Send for HostArena {}
+
+impl std::fmt::Debug for HostArena {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HostArena({:p}, {} bytes)", self.ptr, self.len)
+    }
+}
+
+impl HostArena {
+    /// # Safety
+    /// `ptr..ptr + len` must be host memory valid for reads and writes for as long as `owner`
+    /// lives (it is kept alive by the arena), and while the backend gathers into or scatters
+    /// from a span of it nobody else may write that span (the node's range allocator gives
+    /// each span to one request).
+    pub unsafe fn new(ptr: *mut u8, len: usize, owner: Arc<dyn Any + Send + Sync>) -> Self {
+        Self {
+            ptr,
+            len,
+            _owner: owner,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn region(&self) -> KvRegion {
+        KvRegion {
+            ptr: self.ptr as u64,
+            len: self.len,
+            mem: MemKind::Host,
+        }
+    }
+}
+
+impl CpuBackend {
+    /// Lends the backend its staging arena (replaces any earlier one).
+    pub fn attach_staging(&mut self, arena: HostArena) {
+        self.staging = Some(arena);
+    }
+
+    fn arena(&self) -> Result<(*mut u8, usize), BackendError> {
+        self.staging
+            .as_ref()
+            .map(|a| (a.ptr, a.len))
+            .ok_or(BackendError::NoStaging)
+    }
+}
+
+impl KvStaging for CpuBackend {
+    fn staging_regions(&self) -> Vec<KvRegion> {
+        self.staging.iter().map(HostArena::region).collect()
+    }
+
+    fn gather_kv_to_staging(
+        &mut self,
+        layers: Range<u32>,
+        blocks: &[BlockId],
+        offset: usize,
+    ) -> Result<(), BackendError> {
+        let (ptr, len) = self.arena()?;
+        let n = check_staging_io(
+            &self.layout,
+            self.dims.num_blocks,
+            &layers,
+            blocks,
+            offset,
+            len,
+        )?;
+        // SAFETY: `offset + n <= len` (checked) inside the arena, which `HostArena::new`'s
+        // contract keeps valid and unshared for this span; it is not the pool (`read_kv` reads
+        // `self.pool`), so the two slices do not overlap.
+        let out = unsafe { std::slice::from_raw_parts_mut(ptr.add(offset), n) };
+        self.read_kv(layers, blocks, out)
+    }
+
+    fn scatter_kv_from_staging(
+        &mut self,
+        layers: Range<u32>,
+        blocks: &[BlockId],
+        offset: usize,
+    ) -> Result<(), BackendError> {
+        let (ptr, len) = self.arena()?;
+        let n = check_staging_io(
+            &self.layout,
+            self.dims.num_blocks,
+            &layers,
+            blocks,
+            offset,
+            len,
+        )?;
+        // SAFETY: as in `gather_kv_to_staging`; the arena span is only read here.
+        let data = unsafe { std::slice::from_raw_parts(ptr.add(offset).cast_const(), n) };
+        self.write_kv(layers, blocks, data)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::ForwardBatch;
+    use crate::backend::cpu::CpuBackendConfig;
+    use crate::backend::{STAGING_ALIGN, SeqStep};
+
+    fn backend() -> CpuBackend {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama_gqa");
+        let model = crate::loader::load_path(&dir).unwrap();
+        CpuBackend::from_loaded(
+            model,
+            CpuBackendConfig {
+                block_size: 4,
+                num_blocks: 16,
+                threads: 1,
+            },
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn gather_and_scatter_match_read_and_write_kv() {
+        let mut be = backend();
+        assert!(be.kv_staging().is_none(), "no arena until one is attached");
+        let tokens: Vec<u32> = (0..10).map(|i| (i * 5 + 1) % 50).collect();
+        let table = [BlockId(3), BlockId(7), BlockId(1)];
+        be.forward(&ForwardBatch {
+            seqs: vec![SeqStep {
+                tokens: &tokens,
+                start_pos: 0,
+                block_table: &table,
+                want_logits: true,
+            }],
+        })
+        .unwrap();
+        let layers = be.kv_layout().num_layers;
+        let per = layers as usize * table.len() * be.kv_layout().block_layer_bytes();
+        let mut want = vec![0u8; per];
+        be.read_kv(0..layers, &table, &mut want).unwrap();
+        assert!(want.iter().any(|b| *b != 0));
+
+        let len = 2 * STAGING_ALIGN + per;
+        let mut mem = vec![0u8; len].into_boxed_slice();
+        let ptr = mem.as_mut_ptr();
+        let owner: Arc<dyn Any + Send + Sync> = Arc::new(std::sync::Mutex::new(mem));
+        // SAFETY: `mem`'s heap block lives inside `owner`, which the arena keeps; only the
+        // backend touches it during this test.
+        be.attach_staging(unsafe { HostArena::new(ptr, len, owner) });
+        let s = be.kv_staging().expect("arena attached");
+        assert_eq!(s.staging_regions().len(), 1);
+        assert_eq!(s.staging_regions()[0].len, len);
+        s.gather_kv_to_staging(0..layers, &table, STAGING_ALIGN)
+            .unwrap();
+        // SAFETY: as above; nothing writes the arena now.
+        let got = unsafe { std::slice::from_raw_parts(ptr.add(STAGING_ALIGN), per) };
+        assert_eq!(got, &want[..]);
+
+        // Scatter into other blocks: they read back equal.
+        let other = [BlockId(0), BlockId(2), BlockId(9)];
+        let s = be.kv_staging().unwrap();
+        s.scatter_kv_from_staging(0..layers, &other, STAGING_ALIGN)
+            .unwrap();
+        let mut back = vec![0u8; per];
+        be.read_kv(0..layers, &other, &mut back).unwrap();
+        assert_eq!(back, want);
+
+        // Out of the arena, misaligned, or a block outside the pool: typed errors.
+        let s = be.kv_staging().unwrap();
+        assert!(matches!(
+            s.gather_kv_to_staging(0..layers, &table, 2 * STAGING_ALIGN + 256),
+            Err(BackendError::StagingRange { .. })
+        ));
+        assert!(matches!(
+            s.gather_kv_to_staging(0..layers, &table, 8),
+            Err(BackendError::StagingRange { .. })
+        ));
+        assert!(matches!(
+            s.scatter_kv_from_staging(0..layers, &[BlockId(16)], 0),
+            Err(BackendError::BlockOutOfRange { .. })
+        ));
+    }
+}

@@ -1,0 +1,196 @@
+//! The KV staging arena of the CUDA backends ([`KvStaging`]): one `cuMemAlloc` region per TP
+//! rank (exportable through CUDA IPC, so UCX's cuda_ipc transport maps it in the peer process),
+//! allocated once by [`CudaBackend::enable_kv_staging`] / [`CudaTpBackend::enable_kv_staging`]
+//! and registered once by the node. Gather and scatter are the `kv_gather` / `kv_scatter`
+//! kernels between the pool and the arena at the caller's offset, device to device, synchronized
+//! before they return. (A child module of `backend.rs`, for the backend's private fields.)
+
+use super::super::CudaError;
+use super::super::tp::CudaTpBackend;
+use super::CudaBackend;
+use crate::backend::{BackendError, KvRegion, KvStaging, MemKind, check_staging_io};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use pdnode_core::BlockId;
+use std::ops::Range;
+use std::sync::Arc;
+
+impl CudaBackend {
+    /// Allocates this GPU's staging arena of `bytes` (0: none). Once: a second call is refused.
+    pub fn enable_kv_staging(&mut self, bytes: usize) -> Result<Option<KvRegion>, CudaError> {
+        if self.staging.is_some() {
+            return Err(CudaError::Unsupported {
+                reason: "the KV staging arena is allocated already".into(),
+            });
+        }
+        if bytes == 0 {
+            return Ok(None);
+        }
+        self.gpu.bind()?;
+        let arena = self.gpu.alloc(bytes)?;
+        let region = KvRegion {
+            ptr: arena.ptr(),
+            len: arena.bytes(),
+            mem: MemKind::Cuda(self.gpu.ordinal),
+        };
+        tracing::info!(
+            gpu = self.gpu.ordinal,
+            mib = bytes >> 20,
+            "KV staging arena allocated"
+        );
+        self.staging = Some(arena);
+        Ok(Some(region))
+    }
+
+    fn staging_region(&self) -> Option<KvRegion> {
+        self.staging.as_ref().map(|a| KvRegion {
+            ptr: a.ptr(),
+            len: a.bytes(),
+            mem: MemKind::Cuda(self.gpu.ordinal),
+        })
+    }
+
+    /// One `kv_gather` (`gather`) or `kv_scatter` launch between the pool and the arena at
+    /// `offset`, then a stream synchronize.
+    fn staging_copy(
+        &self,
+        gather: bool,
+        layers: &Range<u32>,
+        blocks: &[BlockId],
+        offset: usize,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "kv_staging_copy";
+        let arena = self.staging.as_ref().ok_or(BackendError::NoStaging)?;
+        let n = check_staging_io(
+            &self.layout,
+            self.num_blocks,
+            layers,
+            blocks,
+            offset,
+            arena.bytes(),
+        )?;
+        if n == 0 {
+            return Ok(());
+        }
+        let lb = self.layout.block_layer_bytes();
+        if !lb.is_multiple_of(16) {
+            return Err(BackendError::InvalidBatch {
+                reason: format!("layer-block of {lb} bytes is not a multiple of 16"),
+            });
+        }
+        let nlayers = (layers.end - layers.start) as usize;
+        let grid =
+            u32::try_from(nlayers * blocks.len()).map_err(|_| BackendError::InvalidBatch {
+                reason: format!("{nlayers} x {} layer-blocks exceed a grid", blocks.len()),
+            })?;
+        self.gpu.bind()?;
+        let ids: Vec<i32> = blocks.iter().map(|b| b.0 as i32).collect();
+        let idbuf = self.gpu.alloc(ids.len() * 4)?;
+        self.gpu.upload(&idbuf, 0, &ids)?;
+        let f = self
+            .gpu
+            .kernel(if gather { "kv_gather" } else { "kv_scatter" })?;
+        let (dst, idp) = (arena.at(offset), idbuf.ptr());
+        let (nb, l0, numb, lbv) = (
+            blocks.len() as i32,
+            layers.start as i32,
+            self.num_blocks as i32,
+            (lb / 16) as i64,
+        );
+        let mut b = self.gpu.stream.launch_builder(f);
+        b.arg(self.pool.ptr_ref())
+            .arg(&dst)
+            .arg(&idp)
+            .arg(&nb)
+            .arg(&l0)
+            .arg(&numb)
+            .arg(&lbv);
+        let cfg = LaunchConfig {
+            grid_dim: (grid, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the pool holds `num_blocks` blocks of every layer and each id is below
+        // `num_blocks` (check_staging_io); the arena span `offset..offset + n` is inside the
+        // allocation and 16-byte aligned (checked); `idbuf` holds `blocks.len()` ids and lives
+        // until the synchronize below.
+        unsafe { b.launch(cfg) }.map_err(super::super::drv(OP))?;
+        self.gpu.sync()?;
+        Ok(())
+    }
+}
+
+impl KvStaging for CudaBackend {
+    fn staging_regions(&self) -> Vec<KvRegion> {
+        self.staging_region().into_iter().collect()
+    }
+
+    fn gather_kv_to_staging(
+        &mut self,
+        layers: Range<u32>,
+        blocks: &[BlockId],
+        offset: usize,
+    ) -> Result<(), BackendError> {
+        self.staging_copy(true, &layers, blocks, offset)
+    }
+
+    fn scatter_kv_from_staging(
+        &mut self,
+        layers: Range<u32>,
+        blocks: &[BlockId],
+        offset: usize,
+    ) -> Result<(), BackendError> {
+        self.staging_copy(false, &layers, blocks, offset)
+    }
+}
+
+impl CudaTpBackend {
+    /// Allocates every rank's staging arena of `bytes` (0: none), each on its rank's GPU.
+    pub fn enable_kv_staging(&mut self, bytes: usize) -> Result<Vec<KvRegion>, BackendError> {
+        let regions = self.on_each_rank(move |be: &mut CudaBackend| {
+            be.enable_kv_staging(bytes).map_err(BackendError::from)
+        })?;
+        self.staging = regions.into_iter().flatten().collect();
+        Ok(self.staging.clone())
+    }
+
+    fn staging_fan_out(
+        &mut self,
+        gather: bool,
+        layers: Range<u32>,
+        blocks: &[BlockId],
+        offset: usize,
+    ) -> Result<(), BackendError> {
+        if self.staging.is_empty() {
+            return Err(BackendError::NoStaging);
+        }
+        let blocks = Arc::new(blocks.to_vec());
+        self.on_each_rank(move |be: &mut CudaBackend| {
+            be.staging_copy(gather, &layers, &blocks, offset)
+        })
+        .map(|_| ())
+    }
+}
+
+impl KvStaging for CudaTpBackend {
+    fn staging_regions(&self) -> Vec<KvRegion> {
+        self.staging.clone()
+    }
+
+    fn gather_kv_to_staging(
+        &mut self,
+        layers: Range<u32>,
+        blocks: &[BlockId],
+        offset: usize,
+    ) -> Result<(), BackendError> {
+        self.staging_fan_out(true, layers, blocks, offset)
+    }
+
+    fn scatter_kv_from_staging(
+        &mut self,
+        layers: Range<u32>,
+        blocks: &[BlockId],
+        offset: usize,
+    ) -> Result<(), BackendError> {
+        self.staging_fan_out(false, layers, blocks, offset)
+    }
+}

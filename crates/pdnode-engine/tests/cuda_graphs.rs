@@ -17,7 +17,7 @@ use rand::Rng;
 use rand::seq::SliceRandom;
 
 const BLOCK: usize = 16;
-const NUM_BLOCKS: u32 = 2048;
+const NUM_BLOCKS: u32 = 4096;
 const STEPS: usize = 4;
 
 fn opts(tp: u32, graphs: bool) -> CudaOptions {

@@ -687,6 +687,13 @@ fn prefill_flash_attention_matches_reference() {
         let q = randv(&mut r, t * nh * hd, 2.0);
         let dq = g.upload_bf16(&q).unwrap();
         let rowl = nh * hd;
+        let wants: Vec<Vec<f32>> = seqs
+            .iter()
+            .map(|s| {
+                let tab = &tables[s.seq * max_blocks..(s.seq + 1) * max_blocks];
+                ref_prefill(&d, &pool_h, layer, tab, &q, s.row0, s.n, s.start)
+            })
+            .collect();
         for attn in [
             PrefillAttn::Flash,
             PrefillAttn::Flash8,
@@ -699,11 +706,9 @@ fn prefill_flash_attention_matches_reference() {
                 untouched.into_iter().all(|x| x.is_nan()),
                 "{attn:?}: rows outside the sequences written"
             );
-            for s in &seqs {
-                let tab = &tables[s.seq * max_blocks..(s.seq + 1) * max_blocks];
-                let want = ref_prefill(&d, &pool_h, layer, tab, &q, s.row0, s.n, s.start);
+            for (s, want) in seqs.iter().zip(&wants) {
                 let have = &got[s.row0 * rowl..(s.row0 + s.n) * rowl];
-                let e = rel_err(have, &want);
+                let e = rel_err(have, want);
                 // the worst single (row, head), so one wrong row in a long sequence shows
                 let mut e_row = 0f32;
                 for (a, b) in have.chunks(hd).zip(want.chunks(hd)) {

@@ -2,7 +2,7 @@
 // tiles staged in shared memory by cp.async (several tiles in flight per block, so the loads in
 // flight do not depend on the register budget).
 //
-// One block of 128 threads per (token, kv head [, head group of ATT3_MAXG], partition): it serves
+// One block of 128 threads per (token, kv head [, head group of MG = 4 or 8], partition): it serves
 // every query head of its GQA group, so each K/V byte is read from HBM once per token. Per tile of
 // TK keys:
 //   1. QK: LPK = HD / 8 lanes per key, each lane one 16-byte chunk of K against its chunk of q
@@ -16,14 +16,13 @@
 //      their partial sums add up at the end.
 //
 // Same arguments, grid and partial outputs as paged_attention (attention.cu): grid (T or
-// len(tok_list), nkv * ceil(G / ATT3_MAXG), nsplit), block 128; partition z takes keys
+// len(tok_list), nkv * ceil(G / MG), nsplit), block 128; partition z takes keys
 // [z * split_len, (z + 1) * split_len) of the token's context tok_pos[t] + 1 (read from device
 // memory, so one launch serves every context up to the one nsplit was chosen for). A partition
 // past the context writes neutral partials (m = -inf, l = 0, acc = 0) that attention_combine
 // skips. With nsplit == 1 the block writes `out` directly.
 
 #define ATT3_NT 128
-#define ATT3_MAXG 8
 #define ATT3_BT 512  // block-table entries of one partition staged in shared memory
 #define ATT3_LOG2E 1.4426950408889634f
 #define ATT3_LN2 0.6931471805599453f
@@ -50,22 +49,28 @@ __device__ __forceinline__ void att3_wait() {
 
 // Butterfly reduce-scatter over lane groups of 2 * O lanes: each stage keeps half of the N values
 // (the upper half where lane bit O is set), adds the partner's copy of it, and sends the other
-// half; after log2(2 * O) stages lane c holds the group sums of values c * NF .. c * NF + NF - 1
-// in v[0 .. NF), NF = N / (2 * O).
+// half. With N >= 2 * O, lane c ends with the group sums of values c * NF .. c * NF + NF - 1 in
+// v[0 .. NF), NF = N / (2 * O). With fewer values, the stages left once one value remains are
+// a plain butterfly sum: lane c holds the sum of value c / DUP in v[0], DUP = 2 * O / N.
 template <int N, int O>
 __device__ __forceinline__ void att3_reduce_scatter(float* v, int lane) {
     if constexpr (O > 0) {
-        const bool up = (lane & O) != 0;
+        if constexpr (N >= 2) {
+            const bool up = (lane & O) != 0;
 #pragma unroll
-        for (int i = 0; i < N / 2; i++) {
-            const float lo = v[i], hi = v[i + N / 2];
-            v[i] = (up ? hi : lo) + __shfl_xor_sync(0xffffffffu, up ? lo : hi, O);
+            for (int i = 0; i < N / 2; i++) {
+                const float lo = v[i], hi = v[i + N / 2];
+                v[i] = (up ? hi : lo) + __shfl_xor_sync(0xffffffffu, up ? lo : hi, O);
+            }
+            att3_reduce_scatter<N / 2, O / 2>(v, lane);
+        } else {
+            v[0] += __shfl_xor_sync(0xffffffffu, v[0], O);
+            att3_reduce_scatter<1, O / 2>(v, lane);
         }
-        att3_reduce_scatter<N / 2, O / 2>(v, lane);
     }
 }
 
-template <int HD, int TK, int NST>
+template <int HD, int TK, int NST, int MG>
 __device__ __forceinline__ void attn_v3(const bf16_t* __restrict__ q,
                                         const bf16_t* __restrict__ layer_kv,
                                         const int* __restrict__ tok_seq,
@@ -79,33 +84,34 @@ __device__ __forceinline__ void attn_v3(const bf16_t* __restrict__ q,
     constexpr int LPK = NCH;             // QK: lanes per key
     constexpr int KPP = ATT3_NT / LPK;   // QK: keys per pass
     constexpr int NP = TK / KPP;         // QK: keys per lane per tile
-    constexpr int NV = NP * ATT3_MAXG;   // QK: partial dots per lane per tile
-    constexpr int NF = NV / LPK;         // QK: full dots per lane after the reduce-scatter
+    constexpr int NV = NP * MG;   // QK: partial dots per lane per tile
+    constexpr int NF = NV >= LPK ? NV / LPK : 1;  // QK: full dots per lane after the reduce-scatter
+    constexpr int DUP = NV >= LPK ? 1 : LPK / NV;  // QK: lanes holding the same full dot
     constexpr int ROWS = ATT3_NT / NCH;  // PV: thread rows
     constexpr int ROW = HD + 8;          // padded shared-memory row (bf16): no bank conflicts
     constexpr int STAGE = TK * ROW;
     constexpr int CPT = 2 * TK * NCH / ATT3_NT;  // 16-byte copies per thread per tile
     static_assert(HD % 8 == 0 && 32 % LPK == 0, "LPK lanes per key within a warp");
     static_assert(TK <= 32 && TK % KPP == 0, "a warp covers a tile's scores");
-    static_assert(NV % LPK == 0 && NF >= 1, "the reduce-scatter ends with whole values per lane");
+    static_assert(NV % LPK == 0 || LPK % NV == 0, "the reduce-scatter ends with whole values");
     static_assert((2 * TK * NCH) % ATT3_NT == 0, "whole copies per thread");
-    static_assert(ROWS >= ATT3_MAXG, "every head gets a PV row");
+    static_assert(ROWS >= MG, "every head gets a PV row");
     static_assert(NST * STAGE * 2 >= ROWS * HD * 4, "reduction scratch fits the K stages");
 
     __shared__ __align__(16) bf16_t sk[NST * STAGE];
     __shared__ __align__(16) bf16_t sv[NST * STAGE];
-    __shared__ __align__(16) float sq[ATT3_MAXG * HD];
-    __shared__ float ss[ATT3_MAXG][TK];
-    __shared__ float s_m[ATT3_MAXG], s_l[ATT3_MAXG], s_c[ATT3_MAXG];
+    __shared__ __align__(16) float sq[MG * HD];
+    __shared__ float ss[MG][TK];
+    __shared__ float s_m[MG], s_l[MG], s_c[MG];
     __shared__ int s_bt[ATT3_BT];
 
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
     const i64 t = tok_list ? (i64)tok_list[blockIdx.x] : (i64)blockIdx.x;
     const int G = nh / nkv;
-    const int hgroups = (G + ATT3_MAXG - 1) / ATT3_MAXG;
+    const int hgroups = (G + MG - 1) / MG;
     const int kvh = blockIdx.y / hgroups, hg = blockIdx.y % hgroups;
-    const int h0 = kvh * G + hg * ATT3_MAXG;
-    const int ng = min(ATT3_MAXG, G - hg * ATT3_MAXG);
+    const int h0 = kvh * G + hg * MG;
+    const int ng = min(MG, G - hg * MG);
     const int nsplit = gridDim.z;
     const int ctx = min(tok_pos[t] + 1, max_blocks * block_size);
     const int k0 = blockIdx.z * split_len;
@@ -143,7 +149,7 @@ __device__ __forceinline__ void attn_v3(const bf16_t* __restrict__ q,
     const bool bt_sm = nbt <= ATT3_BT;
     if (bt_sm)
         for (int i = tid; i < nbt; i += ATT3_NT) s_bt[i] = bt[b0 + i];
-    if (tid < ATT3_MAXG) {
+    if (tid < MG) {
         s_m[tid] = -INFINITY;
         s_l[tid] = 0.f;
         s_c[tid] = 0.f;
@@ -154,27 +160,28 @@ __device__ __forceinline__ void attn_v3(const bf16_t* __restrict__ q,
     const bf16_t* kv_head = layer_kv + (i64)kvh * HD;
     const int ntiles = (k1 - k0 + TK - 1) / TK;
 
-    // Issues the copies of tile j into stage st (keys past k1 are zero-filled, not read).
+    // Issues the copies of tile j into stage st (keys past k1 are zero-filled, not read): each
+    // thread copies the same 16-byte chunk of K and of V for CPT / 2 keys.
+    const bool bs_pow2 = (block_size & (block_size - 1)) == 0;
+    const int bs_shift = __ffs(block_size) - 1;
     auto load_tile = [&](int j, int st) {
         const int kt = k0 + j * TK;
 #pragma unroll
-        for (int i = 0; i < CPT; i++) {
-            const int e = tid + i * ATT3_NT;
-            const int isv = e / (TK * NCH);
-            const int r = e - isv * (TK * NCH);
-            const int kk = r / NCH, c = r - kk * NCH;
+        for (int i = 0; i < CPT / 2; i++) {
+            const int e = tid + i * ATT3_NT;  // < TK * NCH
+            const int kk = e / NCH, c = e - kk * NCH;
             const int k = kt + kk;
             const bf16_t* src = layer_kv;
             int bytes = 0;
             if (k < k1) {
-                const int bi = k / block_size;
+                const int bi = bs_pow2 ? k >> bs_shift : k / block_size;
                 const i64 blk = bt_sm ? s_bt[bi - b0] : bt[bi];
-                src = kv_head + (blk * 2 * block_size + isv * block_size + (k - bi * block_size)) * row +
-                      c * 8;
+                src = kv_head + (blk * 2 * block_size + (k - bi * block_size)) * row + c * 8;
                 bytes = 16;
             }
-            bf16_t* dst = (isv ? sv : sk) + st * STAGE + kk * ROW + c * 8;
-            att3_cp16(dst, src, bytes);
+            const int so = st * STAGE + kk * ROW + c * 8;
+            att3_cp16(sk + so, src, bytes);
+            att3_cp16(sv + so, bytes ? src + (i64)block_size * row : src, bytes);
         }
     };
 
@@ -205,14 +212,14 @@ __device__ __forceinline__ void attn_v3(const bf16_t* __restrict__ q,
         // chunk (q read once for all NP keys), then one reduce-scatter over the LPK lanes of the
         // key group for all NV = NP * MAXG partial dots at once: log2(LPK) butterfly stages that
         // each send half of the values still held, NV - NV / LPK shuffles in all instead of
-        // NV * log2(LPK). Lane cq ends with the full dots of values cq * NF .. cq * NF + NF - 1.
+        // NV * log2(LPK) (see att3_reduce_scatter for which lane ends with which dot).
         const bf16_t* ks = sk + st * STAGE + kq * ROW + cq * 8;
         float kf[NP][8];
 #pragma unroll
         for (int p = 0; p < NP; p++) unpack8(*(const uint4*)(ks + p * KPP * ROW), kf[p]);
-        float v[NV];  // v[p * ATT3_MAXG + g]
+        float v[NV];  // v[p * MG + g]
 #pragma unroll
-        for (int g = 0; g < ATT3_MAXG; g++) {
+        for (int g = 0; g < MG; g++) {
             if (g < ng) {
                 const float4 qa = *(const float4*)(sq + g * HD + cq * 8);
                 const float4 qb = *(const float4*)(sq + g * HD + cq * 8 + 4);
@@ -222,20 +229,22 @@ __device__ __forceinline__ void attn_v3(const bf16_t* __restrict__ q,
                     float dot = 0.f;
 #pragma unroll
                     for (int x = 0; x < 8; x++) dot = fmaf(qf[x], kf[p][x], dot);
-                    v[p * ATT3_MAXG + g] = dot;
+                    v[p * MG + g] = dot;
                 }
             } else {
 #pragma unroll
-                for (int p = 0; p < NP; p++) v[p * ATT3_MAXG + g] = 0.f;
+                for (int p = 0; p < NP; p++) v[p * MG + g] = 0.f;
             }
         }
         att3_reduce_scatter<NV, LPK / 2>(v, cq);
+        if (cq % DUP == 0) {
 #pragma unroll
-        for (int i = 0; i < NF; i++) {
-            const int idx = cq * NF + i;
-            const int p = idx / ATT3_MAXG, g = idx - p * ATT3_MAXG;
-            const int kk = p * KPP + kq;
-            if (g < ng) ss[g][kk] = kk < nk ? v[i] * qscale : -INFINITY;
+            for (int i = 0; i < NF; i++) {
+                const int idx = cq / DUP * NF + i;
+                const int p = idx / MG, g = idx - p * MG;
+                const int kk = p * KPP + kq;
+                if (g < ng) ss[g][kk] = kk < nk ? v[i] * qscale : -INFINITY;
+            }
         }
         __syncthreads();
         // 2. online softmax, once per tile and head
@@ -299,15 +308,20 @@ __device__ __forceinline__ void attn_v3(const bf16_t* __restrict__ q,
 
 // hd is a parameter only to keep paged_attention's signature; the wrapper launches the kernel whose
 // HD equals it.
-#define ATT3_KERNEL(NAME, HD, TK, NST)                                                            \
+#define ATT3_KERNEL(NAME, HD, TK, NST, MG)                                                        \
     extern "C" __global__ void __launch_bounds__(ATT3_NT, 4) NAME(                                \
         const bf16_t* q, const bf16_t* layer_kv, const int* tok_seq, const int* tok_pos,          \
         const int* block_tables, int max_blocks, int nh, int nkv, int hd, int block_size,         \
         float scale, int split_len, bf16_t* out, float* part_ml, float* part_acc,                 \
         const int* tok_list) {                                                                    \
-        attn_v3<HD, TK, NST>(q, layer_kv, tok_seq, tok_pos, block_tables, max_blocks, nh, nkv,    \
-                             block_size, scale, split_len, out, part_ml, part_acc, tok_list);     \
+        attn_v3<HD, TK, NST, MG>(q, layer_kv, tok_seq, tok_pos, block_tables, max_blocks, nh,     \
+                                 nkv, block_size, scale, split_len, out, part_ml, part_acc,       \
+                                 tok_list);                                                       \
     }
 
-ATT3_KERNEL(paged_attention_v3_d64, 64, 32, 4)
-ATT3_KERNEL(paged_attention_v3_d128, 128, 16, 4)
+// _gN: up to N query heads per block (N = 4 for GQA groups up to 4, else 8: larger groups take
+// ceil(G / 8) blocks per KV head).
+ATT3_KERNEL(paged_attention_v3_d64_g4, 64, 32, 4, 4)
+ATT3_KERNEL(paged_attention_v3_d64_g8, 64, 32, 4, 8)
+ATT3_KERNEL(paged_attention_v3_d128_g4, 128, 16, 4, 4)
+ATT3_KERNEL(paged_attention_v3_d128_g8, 128, 16, 4, 8)

@@ -208,7 +208,7 @@ fn paged_attention_v3_decode_matches_reference() {
     let edge = vec![1, 15, 16, 17, 511, 2049];
     let mut cases = Vec::new();
     for hd in [64, 128] {
-        for grp in [1, 4, 8] {
+        for grp in [1, 4, 5, 8] {
             cases.push(Case {
                 name: "edges",
                 nh: 2 * grp,

@@ -24,15 +24,17 @@ const SOURCES: [&str; 10] = [
 ];
 
 /// Kernel entry points (extern "C" names in the .cu files).
-pub const KERNEL_NAMES: [&str; 28] = [
+pub const KERNEL_NAMES: [&str; 30] = [
     "gemv_t1",
     "gemv_t2",
     "gemv_t4",
     "gemv_t8",
     "paged_attention_v2_d8",
     "paged_attention_v2_d16",
-    "paged_attention_v3_d64",
-    "paged_attention_v3_d128",
+    "paged_attention_v3_d64_g4",
+    "paged_attention_v3_d64_g8",
+    "paged_attention_v3_d128_g4",
+    "paged_attention_v3_d128_g8",
     "transpose_heads",
     "kv_gather_seq",
     "causal_softmax",

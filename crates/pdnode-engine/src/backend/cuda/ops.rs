@@ -354,6 +354,7 @@ pub enum AttnVariant {
     V2Narrow,
     /// attention_v3.cu: K/V tiles staged in shared memory by cp.async, every query head of a
     /// GQA group (up to 8) per block, one online-softmax update per tile; head_dim 64 or 128.
+    /// Kernels `paged_attention_v3_d{64,128}_g{4,8}` ([`v3_heads_per_block`]).
     V3,
 }
 
@@ -403,8 +404,11 @@ pub fn v3_supports(hd: usize) -> bool {
     hd == 64 || hd == 128
 }
 
-/// Query heads one v3 block serves (larger GQA groups take several blocks per KV head).
-pub const V3_MAX_GROUP: usize = 8;
+/// Query heads one v3 block serves for a GQA group of `g` heads: the `_g4` kernels for groups up
+/// to 4, the `_g8` ones otherwise (groups above 8 take `ceil(g / 8)` blocks per KV head).
+pub fn v3_heads_per_block(g: usize) -> usize {
+    if g <= 4 { 4 } else { 8 }
+}
 /// Block-table entries of one partition the v3 kernel stages in shared memory (`ATT3_BT`).
 pub const V3_BT_ENTRIES: usize = 512;
 
@@ -580,7 +584,7 @@ pub fn paged_attention_ex(
         _ => {}
     }
     let maxg = match variant {
-        AttnVariant::V3 => V3_MAX_GROUP,
+        AttnVariant::V3 => v3_heads_per_block(nh / d.num_kv_heads),
         AttnVariant::V2 | AttnVariant::V2Narrow => 4,
         _ => 8,
     };
@@ -619,8 +623,12 @@ pub fn paged_attention_ex(
         )?;
     }
     let name = match variant {
-        AttnVariant::V3 if hd == 64 => "paged_attention_v3_d64",
-        AttnVariant::V3 => "paged_attention_v3_d128",
+        AttnVariant::V3 => match (hd, maxg) {
+            (64, 4) => "paged_attention_v3_d64_g4",
+            (64, _) => "paged_attention_v3_d64_g8",
+            (_, 4) => "paged_attention_v3_d128_g4",
+            _ => "paged_attention_v3_d128_g8",
+        },
         AttnVariant::V2 if dpl == Some(16) => "paged_attention_v2_d16",
         AttnVariant::V2 | AttnVariant::V2Narrow => "paged_attention_v2_d8",
         AttnVariant::V1 | AttnVariant::Auto => "paged_attention",

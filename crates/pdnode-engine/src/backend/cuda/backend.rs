@@ -17,6 +17,7 @@ use pdnode_core::{BlockId, DType, KvLayout};
 use std::ops::Range;
 
 mod graph;
+mod logits;
 mod plan;
 #[path = "staging.rs"]
 mod staging;
@@ -674,22 +675,6 @@ impl CudaBackend {
     }
 }
 
-/// Copies the landed logits into the fresh host `Vec` the step returns. Past a few MiB (batch
-/// 64 x 128k vocab is 33 MB) the copy is split over the rayon pool: a single thread spends
-/// milliseconds in the page faults of the fresh allocation (zero pages from calloc, first
-/// touched here) and in the copy itself; split, both run on several cores.
-fn copy_logits(src: &[f32], dst: &mut [f32]) {
-    use rayon::prelude::*;
-    const CHUNK: usize = 1 << 20; // f32 elements: 4 MiB
-    if dst.len() <= CHUNK {
-        dst.copy_from_slice(src);
-    } else {
-        dst.par_chunks_mut(CHUNK)
-            .zip(src.par_chunks(CHUNK))
-            .for_each(|(d, s)| d.copy_from_slice(s));
-    }
-}
-
 impl Backend for CudaBackend {
     fn kv_staging(&mut self) -> Option<&mut dyn crate::backend::KvStaging> {
         if self.staging.is_some() {
@@ -718,7 +703,7 @@ impl Backend for CudaBackend {
             .gpu
             .download_pinned(&mut self.logits_host, &self.ws.logits, rows * vocab)?;
         let mut data = vec![0f32; rows * vocab];
-        copy_logits(src, &mut data);
+        logits::copy_logits(src, &mut data);
         Ok(Logits { vocab, data })
     }
 
@@ -788,19 +773,6 @@ impl Drop for CudaBackend {
         // Outstanding work may still use the buffers freed next.
         if self.gpu.bind().is_ok() {
             let _ = self.gpu.sync();
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn logits_copy_is_exact_small_and_split() {
-        for n in [0usize, 5, (1 << 20) + 3, 5 * (1 << 20) + 17] {
-            let src: Vec<f32> = (0..n).map(|i| i as f32 * 0.5 - 7.0).collect();
-            let mut dst = vec![0f32; n];
-            super::copy_logits(&src, &mut dst);
-            assert!(dst == src, "{n} elements");
         }
     }
 }

@@ -383,6 +383,12 @@ fn run_flash(
             });
         }
     };
+    if nh > 65535 {
+        return Err(CudaError::Shape {
+            op: "flash_prefill",
+            reason: format!("{nh} heads exceed the grid's y limit"),
+        });
+    }
     let f = gpu.kernel(name)?;
     if dyn_smem > 0 {
         use cudarc::driver::sys::CUfunction_attribute_enum as A;

@@ -210,9 +210,7 @@ impl v1::inference_server::Inference for InferenceService {
         request: Request<v1::HealthRequest>,
     ) -> Result<Response<v1::HealthResponse>, Status> {
         self.check_auth(&request)?;
-        let mem = &self.router.deps().membership;
-        let p = mem.workers(Role::Prefill).len();
-        let d = mem.workers(Role::Decode).len();
+        let (p, d) = self.router.usable_nodes();
         let (status, detail) = if self.router.is_draining() {
             (v1::ServingStatus::NotServing, "shutting down".to_string())
         } else if p > 0 && d > 0 {

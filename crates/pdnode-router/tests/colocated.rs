@@ -154,6 +154,8 @@ async fn an_all_node_that_is_not_colocated_is_never_used() {
         in_process.clone(),
         colocated,
     ]);
+    // p0 and c0 can prefill, d0 and c0 can decode (what /health and admission count).
+    assert_eq!(r.usable_nodes(), (2, 2));
     for i in 0..6 {
         let out = run(&r, &format!("req {i}")).await;
         assert_eq!(out.as_deref(), Ok("Hello from the fake node."));
@@ -169,6 +171,7 @@ async fn an_all_node_that_is_not_colocated_is_never_used() {
 
     // Alone, it is no node at all: refused at admission, without a call to it.
     let r = router(vec![in_process]);
+    assert_eq!(r.usable_nodes(), (0, 0));
     assert_eq!(run(&r, "x").await, Err(ErrorKind::Unavailable));
     assert!(a.calls().is_empty(), "{:?}", a.calls());
 }

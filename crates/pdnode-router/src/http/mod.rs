@@ -12,7 +12,6 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use pdnode_core::Role;
 use pdnode_core::error::Classify;
 use serde_json::json;
 use std::sync::Arc;
@@ -151,9 +150,7 @@ async fn models(State(st): State<AppState>) -> Response {
 }
 
 async fn health(State(st): State<AppState>) -> Response {
-    let mem = &st.router.deps().membership;
-    let p = mem.workers(Role::Prefill).len();
-    let d = mem.workers(Role::Decode).len();
+    let (p, d) = st.router.usable_nodes();
     let draining = st.router.is_draining();
     let ok = p > 0 && d > 0 && !draining;
     let status = if ok {
@@ -191,6 +188,7 @@ async fn not_found(req: Request) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use pdnode_core::Role;
 
     #[test]
     fn api_keys_are_checked_exactly() {

@@ -149,6 +149,15 @@ impl Router {
         self.draining.load(Ordering::Acquire)
     }
 
+    /// How many nodes can prefill and how many can decode a request of this router now: the
+    /// candidates the flow pairs from. A colocated `all` node counts in both; an `all` node
+    /// without `colocated` in neither (its engines are in process, behind its own router).
+    pub fn usable_nodes(&self) -> (usize, usize) {
+        let (prefills, decodes) = flow::candidates(self.deps.membership.as_ref());
+        let colocated = decodes.iter().filter(|w| flow::is_colocated(w)).count();
+        (prefills.len() + colocated, decodes.len())
+    }
+
     /// Checks the prompt against the context length and the vocabulary.
     pub fn check_prompt(&self, req: &GenRequest) -> Result<(), RouterError> {
         if req.prompt_token_ids.is_empty() {
@@ -180,14 +189,13 @@ impl Router {
             return Err(RouterError::Draining);
         }
         self.check_prompt(&req)?;
-        // The same candidates the flow pairs from: role-`all` nodes count only if colocated.
-        let (prefills, decodes) = flow::candidates(self.deps.membership.as_ref());
-        if prefills.is_empty() && !decodes.iter().any(flow::is_colocated) {
+        let (prefills, decodes) = self.usable_nodes();
+        if prefills == 0 {
             return Err(RouterError::NoNode {
                 role: Role::Prefill,
             });
         }
-        if decodes.is_empty() {
+        if decodes == 0 {
             return Err(RouterError::NoNode { role: Role::Decode });
         }
         let limit = self.deps.config.max_inflight_requests;

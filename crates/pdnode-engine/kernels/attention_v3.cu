@@ -269,6 +269,7 @@ __device__ __forceinline__ void attn_v3(const bf16_t* __restrict__ q,
 #pragma unroll
             for (int x = 0; x < 8; x++) acc[x] *= c;
             const bf16_t* vs = sv + st * STAGE + pc * 8;
+#pragma unroll 4
             for (int kk = pks; kk < nk; kk += KS) {
                 const float p = ss[pg][kk];
                 float vf[8];

@@ -5,6 +5,11 @@
 # backend). Dummy weights have no tokenizer: a word-level tokenizer.json over the bench's word
 # list (128256 entries, the preset's vocab) is written next to them, so one bench word is one token.
 # Needs .gpu-pd/bundle.tar.xz (scripts/gpu/pack.sh). Logs and JSON in $OUT; a table last.
+# `pd` (and `both`) also: each request's KV hand-off (bytes, transfer_us, arena or host staging)
+# from the prefill node's log, summarized; and greedy outputs of a few prompts (8 to 3500 tokens)
+# through PD against a colocated replica on GPU0 (same dummy weights): PASS when identical.
+# PD_UCX_TLS (default: UCX's choice, which includes cuda_ipc and cuda_copy); PD_ENGINE_EXTRA
+# adds [engine] lines to the PD nodes (e.g. "kv_staging_tokens = 0" for the host-staging path).
 # usage: scripts/gpu/serve.sh [pd|colo|both]
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -20,7 +25,7 @@ mkdir -p "$OUT" "$PD"
 BIN=$PD/pdnode
 LIB=$PD/ucx/libucx/lib/libucp.so.0
 export LD_LIBRARY_PATH=$PD/ucx/libucx/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-export UCX_NET_DEVICES=lo
+export UCX_NET_DEVICES=lo NO_COLOR=1
 MODEL=$PD/dummy-llama8b
 mkdir -p "$MODEL"
 python3 - "$MODEL" "${VOCAB:-128256}" <<'PY'
@@ -66,7 +71,7 @@ mem_fraction = 0.85
 ${ENGINE_EXTRA:-}
 [log]
 format = "human"
-filter = "info"
+filter = "${LOG_FILTER:-info}"
 T
 }
 wait_http() { # url seconds
@@ -75,6 +80,77 @@ wait_http() { # url seconds
     return 1
 }
 rows=()
+# Greedy completions of a few prompts (one word = one token) into $OUT/greedy.<name>.txt.
+greedy() { # name url
+    python3 - "$2" > "$OUT/greedy.$1.txt" 2> "$OUT/greedy.$1.err" <<'PY'
+import json, sys, urllib.request
+for n in (8, 300, 1500, 3500):
+    prompt = " ".join(f"w{(i * 7919 + n) % 100000}" for i in range(n))
+    body = {"model": "llama-3.1-8b", "prompt": prompt, "max_tokens": 32, "temperature": 0}
+    req = urllib.request.Request(sys.argv[1] + "/v1/completions", json.dumps(body).encode(),
+                                 {"content-type": "application/json"})
+    r = json.load(urllib.request.urlopen(req, timeout=120))
+    c = r["choices"][0]
+    print(n, c.get("finish_reason"), r.get("usage", {}).get("completion_tokens"), json.dumps(c["text"]))
+PY
+    echo "greedy $1: rc=$? $(wc -l < "$OUT/greedy.$1.txt") prompts"
+}
+check_greedy() {
+    if [ -s "$OUT/greedy.pd.txt" ] && cmp -s "$OUT/greedy.pd.txt" "$OUT/greedy.colo.txt"; then
+        rows+=("PASS greedy PD == colocated ($(wc -l < "$OUT/greedy.pd.txt") prompts, 32 tokens each)")
+    else
+        rows+=("FAIL greedy PD != colocated (see $OUT/greedy.{pd,colo}.txt)")
+        diff "$OUT/greedy.pd.txt" "$OUT/greedy.colo.txt" | head -c 2000
+    fi
+}
+# The prefill node's per-request hand-off lines (debug, pdnode_node::pd), summarized.
+handoffs() {
+    python3 - "$OUT/prefill.log" <<'PY'
+import re, sys
+rows = []
+for line in open(sys.argv[1], errors="replace"):
+    line = re.sub(r'\x1b\[[0-9;]*m', '', line)
+    if "KV hand-off done" not in line:
+        continue
+    f = dict(re.findall(r'(\w+)=("[^"]*"|\S+)', line))
+    rows.append((int(f.get("bytes", 0)), int(f.get("transfer_us", 0)), f.get("via", "?").strip('"')))
+print(f"KV hand-offs: {len(rows)}")
+for via in sorted({r[2] for r in rows}):
+    sel = sorted(r for r in rows if r[2] == via)
+    us = sorted(r[1] for r in sel)
+    b = sum(r[0] for r in sel)
+    p = lambda q: us[min(len(us) - 1, int(q * len(us)))]
+    print(f"  via {via}: {len(sel)} requests, {b / len(sel) / 2**20:.1f} MiB mean, transfer_us p50 {p(0.5)} "
+          f"p90 {p(0.9)} max {us[-1]}, {b / max(1, sum(us)) / 1e3:.2f} GB/s (bytes / summed time)")
+for r in rows[:5]:
+    print(f"  e.g. {r[0]} bytes in {r[1]} us via {r[2]}")
+PY
+}
+start_colo() { # gpu
+    local g=$1
+    { ENGINE_EXTRA="colocated = true" common all colo-$g 127.0.0.1:$((7100 + g)); cat <<T
+[registry]
+kind = "memory"
+[transfer]
+kind = "in-process"
+[router]
+http_listen = "127.0.0.1:$((8100 + g))"
+grpc_listen = "127.0.0.1:$((51100 + g))"
+T
+    } > "$OUT/colo$g.toml"
+    CUDA_VISIBLE_DEVICES=$g "$BIN" start -c "$OUT/colo$g.toml" > "$OUT/colo$g.log" 2>&1 &
+    pids+=($!)
+}
+wait_colo() { # gpu
+    local g=$1 ok=0 code=
+    for _ in $(seq 1 ${PROBES:-300}); do
+        code=$(curl -s -o "$OUT/colo$g.probe.json" -w '%{http_code}' http://127.0.0.1:$((8100 + g))/v1/completions \
+            -H 'content-type: application/json' -d '{"model":"llama-3.1-8b","prompt":"the of and","max_tokens":2}')
+        [ "$code" = 200 ] && ok=1 && break
+        sleep 0.5
+    done
+    [ $ok = 1 ] || { echo "colocated $g never answered: HTTP $code $(head -c 400 "$OUT/colo$g.probe.json")"; }
+}
 bench() { # name url
     timeout 300 "$BIN" bench --url "$2" --workload mixed --concurrency "$CONC" --num-requests "$NREQ" \
         --warmup 8 --ignore-eos --no-progress $SLO --out "$OUT/$1.json" > "$OUT/$1.bench.log" 2>&1
@@ -98,8 +174,11 @@ ucx_lib = \"$LIB\"
 ucx_net_devices = \"lo\"
 ucx_tls = \"${PD_UCX_TLS:-}\"
 staging_mib = 4096"
-    { common prefill prefill-0 127.0.0.1:7001; echo "$reg"; echo "$xfer"; } > "$OUT/prefill.toml"
-    { common decode decode-0 127.0.0.1:7002; echo "$reg"; echo "$xfer"; } > "$OUT/decode.toml"
+    pdlog="info,pdnode_node::pd=debug"
+    { ENGINE_EXTRA="${PD_ENGINE_EXTRA:-}" LOG_FILTER=$pdlog common prefill prefill-0 127.0.0.1:7001
+      echo "$reg"; echo "$xfer"; } > "$OUT/prefill.toml"
+    { ENGINE_EXTRA="${PD_ENGINE_EXTRA:-}" LOG_FILTER=$pdlog common decode decode-0 127.0.0.1:7002
+      echo "$reg"; echo "$xfer"; } > "$OUT/decode.toml"
     cat > "$OUT/router.toml" <<T
 [node]
 role = "router"
@@ -136,39 +215,32 @@ T
     done
     [ $ok = 1 ] || { echo "PD never answered"; curl -s http://127.0.0.1:8000/v1/models; tail -5 "$OUT"/prefill.log "$OUT"/decode.log "$OUT"/router.log; }
     cat "$OUT/pd.probe.json"; echo
+    grep -hE "KV staging arena|no KV staging|cannot register" "$OUT/prefill.log" "$OUT/decode.log" | head -6
+    greedy pd http://127.0.0.1:8000
     bench pd http://127.0.0.1:8000
+    handoffs | tee "$OUT/pd.handoffs.txt"
     curl -s http://127.0.0.1:8000/metrics > "$OUT/pd.router.metrics" 2>&1
     grep -E '^pdnode_transfer' "$OUT/pd.router.metrics" | head -20
     nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv >> "$OUT/nvidia-smi.csv" 2>&1
     stop_all
+    if [ "$WHAT" = pd ]; then
+        echo "== colocated replica on GPU0 for the greedy comparison"
+        start_colo 0
+        wait_colo 0
+        greedy colo http://127.0.0.1:8100
+        check_greedy
+        stop_all
+    fi
 fi
 
 if [ "$WHAT" != pd ]; then
     echo "== colocated: role all + engine.colocated, one replica per GPU (the bench's concurrency split)"
-    for g in 0 1; do
-        { ENGINE_EXTRA="colocated = true" common all colo-$g 127.0.0.1:$((7100 + g)); cat <<T
-[registry]
-kind = "memory"
-[transfer]
-kind = "in-process"
-[router]
-http_listen = "127.0.0.1:$((8100 + g))"
-grpc_listen = "127.0.0.1:$((51100 + g))"
-T
-        } > "$OUT/colo$g.toml"
-        CUDA_VISIBLE_DEVICES=$g "$BIN" start -c "$OUT/colo$g.toml" > "$OUT/colo$g.log" 2>&1 &
-        pids+=($!)
-    done
-    for g in 0 1; do
-        ok=0
-        for _ in $(seq 1 ${PROBES:-300}); do
-            code=$(curl -s -o "$OUT/colo$g.probe.json" -w '%{http_code}' http://127.0.0.1:$((8100 + g))/v1/completions \
-                -H 'content-type: application/json' -d '{"model":"llama-3.1-8b","prompt":"the of and","max_tokens":2}')
-            [ "$code" = 200 ] && ok=1 && break
-            sleep 0.5
-        done
-        [ $ok = 1 ] || { echo "colocated $g never answered: HTTP $code $(head -c 400 "$OUT/colo$g.probe.json")"; }
-    done
+    for g in 0 1; do start_colo $g; done
+    for g in 0 1; do wait_colo $g; done
+    if [ "$WHAT" = both ]; then
+        greedy colo http://127.0.0.1:8100
+        check_greedy
+    fi
     half=$((CONC / 2)) nhalf=$((NREQ / 2))
     CONC=$half NREQ=$nhalf bench colo0 http://127.0.0.1:8100 &
     b0=$!
@@ -184,4 +256,5 @@ for f in pd colo0 colo1; do
     [ -e "$OUT/$f.bench.log" ] || continue
     echo "-- $f"; grep -iE 'ttft|tpot|goodput|throughput|error|req/s|tok/s' "$OUT/$f.bench.log" | head -14
 done
+[ -e "$OUT/pd.handoffs.txt" ] && cat "$OUT/pd.handoffs.txt"
 printf '%s\n' "${rows[@]}"

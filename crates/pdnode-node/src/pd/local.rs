@@ -365,8 +365,16 @@ impl PdNode {
         }
         let result = self.push(id, &target, blocks.len(), started).await;
         let released = self.engine.release_transfer(id).await;
-        let (bytes, us) = result?;
+        let (bytes, us, via_arena) = result?;
         released.map_err(|e| eerr(&e))?;
+        tracing::debug!(
+            request = %id,
+            bytes,
+            transfer_us = us,
+            via = if via_arena { "arena" } else { "host" },
+            gbps = %format_args!("{:.2}", bytes as f64 / (us.max(1) as f64 * 1e3)),
+            "KV hand-off done"
+        );
         Ok(PrefillOutcome {
             first_token_id: first,
             first_logprob: logprob,
@@ -383,7 +391,7 @@ impl PdNode {
         target: &v1::KvTarget,
         ours: usize,
         started: Instant,
-    ) -> Result<(u64, u64), NodeError> {
+    ) -> Result<(u64, u64, bool), NodeError> {
         if target.block_ids.len() != ours {
             return Err(nerr(
                 ErrorKind::Internal,
@@ -421,7 +429,11 @@ impl PdNode {
                 .map_err(failed)?;
             drop(slice);
             self.via_arena.fetch_add(1, Ordering::Relaxed);
-            return Ok(((per_rank * ranks) as u64, t0.elapsed().as_micros() as u64));
+            return Ok((
+                (per_rank * ranks) as u64,
+                t0.elapsed().as_micros() as u64,
+                true,
+            ));
         }
         if matches!(self.mover, KvMover::Ucx(_)) {
             self.note_fallback("prefill", per_rank * ranks);
@@ -436,7 +448,7 @@ impl PdNode {
             .push(id, target, layers, data, deadline)
             .await
             .map_err(failed)?;
-        Ok((bytes, t0.elapsed().as_micros() as u64))
+        Ok((bytes, t0.elapsed().as_micros() as u64, false))
     }
 
     async fn do_decode(&self, req: DecodeCall) -> Result<DecodeStream, NodeError> {

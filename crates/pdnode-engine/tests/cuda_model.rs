@@ -392,7 +392,7 @@ fn kv_staging_arena_round_trip() {
     s.gather_kv_to_staging(0..l, &src, 256).unwrap();
     s.scatter_kv_from_staging(0..l, &dst, 256).unwrap();
     assert!(matches!(
-        s.gather_kv_to_staging(0..l, &src, 4096),
+        s.gather_kv_to_staging(0..l, &src, 4096 + 256),
         Err(BackendError::StagingRange { .. })
     ));
     assert!(matches!(

@@ -11,9 +11,10 @@
 //      scores go to shared memory (log2 domain: q . k * scale * log2(e)).
 //   2. softmax: a warp per head updates the running max / sum once per tile and turns the tile's
 //      scores into probabilities.
-//   3. PV: thread (row r, chunk c) accumulates head g = r % ng over keys r / ng, r / ng + KS, ...
-//      of the tile for dims [8c, 8c + 8) (fp32); all rows of one head share the running max, so
-//      their partial sums add up at the end.
+//   3. PV: thread (row r, chunk c) accumulates 4 heads (MG / 4 rows per key slice) over keys
+//      r / (MG / 4) + i * KS of the tile for dims [8c, 8c + 8) (fp32), so each V chunk read from
+//      shared memory feeds 32 FMAs; all key slices of a head share the running max, so their
+//      partial sums add up at the end.
 //
 // Same arguments, grid and partial outputs as paged_attention (attention.cu): grid (T or
 // len(tok_list), nkv * ceil(G / MG), nsplit), block 128; partition z takes keys
@@ -96,12 +97,17 @@ __device__ __forceinline__ void attn_v3(const bf16_t* __restrict__ q,
     static_assert(NV % LPK == 0 || LPK % NV == 0, "the reduce-scatter ends with whole values");
     static_assert((2 * TK * NCH) % ATT3_NT == 0, "whole copies per thread");
     static_assert(ROWS >= MG, "every head gets a PV row");
-    static_assert(NST * STAGE * 2 >= ROWS * HD * 4, "reduction scratch fits the K stages");
+    constexpr int HPT = MG < 4 ? MG : 4;  // PV: heads per thread
+    constexpr int HH = MG / HPT;           // PV: head quarters/halves (thread rows per key slice)
+    constexpr int KS = ROWS / HH;          // PV: key slices
+    static_assert(MG % HPT == 0 && ROWS % HH == 0, "PV rows split evenly");
+    static_assert(2 * NST * STAGE * 2 >= KS * MG * HD * 4, "reduction scratch fits the stages");
 
-    __shared__ __align__(16) bf16_t sk[NST * STAGE];
-    __shared__ __align__(16) bf16_t sv[NST * STAGE];
+    __shared__ __align__(16) bf16_t skv[2 * NST * STAGE];  // K stages, then V stages
     __shared__ __align__(16) float sq[MG * HD];
-    __shared__ float ss[MG][TK];
+    __shared__ __align__(16) float ss[TK][MG];  // scores, then probabilities, key-major
+    bf16_t* const sk = skv;
+    bf16_t* const sv = skv + NST * STAGE;
     __shared__ float s_m[MG], s_l[MG], s_c[MG];
     __shared__ int s_bt[ATT3_BT];
 
@@ -149,6 +155,7 @@ __device__ __forceinline__ void attn_v3(const bf16_t* __restrict__ q,
     const bool bt_sm = nbt <= ATT3_BT;
     if (bt_sm)
         for (int i = tid; i < nbt; i += ATT3_NT) s_bt[i] = bt[b0 + i];
+    for (int i = tid; i < TK * MG; i += ATT3_NT) (&ss[0][0])[i] = 0.f;  // heads >= ng stay 0
     if (tid < MG) {
         s_m[tid] = -INFINITY;
         s_l[tid] = 0.f;
@@ -185,14 +192,16 @@ __device__ __forceinline__ void attn_v3(const bf16_t* __restrict__ q,
         }
     };
 
-    // PV role of this thread.
+    // PV role of this thread: dims [8 pc, 8 pc + 8) of heads ph * HPT .. ph * HPT + HPT - 1
+    // over keys pks, pks + KS, ... of each tile.
     const int pr = tid / NCH, pc = tid - pr * NCH;
-    const int KS = ROWS / ng;
-    const int pg = pr % ng, pks = pr / ng;
-    const bool pv_on = pks < KS;
-    float acc[8];
+    const int ph = pr % HH, pks = pr / HH;
+    const bool pv_on = ph * HPT < ng;
+    float acc[HPT][8];
 #pragma unroll
-    for (int j = 0; j < 8; j++) acc[j] = 0.f;
+    for (int g = 0; g < HPT; g++)
+#pragma unroll
+        for (int x = 0; x < 8; x++) acc[g][x] = 0.f;
 
 #pragma unroll
     for (int j = 0; j < NST - 1; j++) {
@@ -243,17 +252,17 @@ __device__ __forceinline__ void attn_v3(const bf16_t* __restrict__ q,
                 const int idx = cq / DUP * NF + i;
                 const int p = idx / MG, g = idx - p * MG;
                 const int kk = p * KPP + kq;
-                if (g < ng) ss[g][kk] = kk < nk ? v[i] * qscale : -INFINITY;
+                if (g < ng) ss[kk][g] = kk < nk ? v[i] * qscale : -INFINITY;
             }
         }
         __syncthreads();
         // 2. online softmax, once per tile and head
         for (int g = w; g < ng; g += ATT3_NT / 32) {
-            const float s = lane < TK ? ss[g][lane] : -INFINITY;
+            const float s = lane < TK ? ss[lane][g] : -INFINITY;
             const float mo = s_m[g];
             const float mn = fmaxf(mo, warp_max(s));  // finite: key kt is valid
             const float p = exp2f(s - mn);
-            if (lane < TK) ss[g][lane] = p;
+            if (lane < TK) ss[lane][g] = p;
             const float ps = warp_sum(p);
             if (lane == 0) {
                 const float c = exp2f(mo - mn);
@@ -265,33 +274,48 @@ __device__ __forceinline__ void attn_v3(const bf16_t* __restrict__ q,
         __syncthreads();
         // 3. P V
         if (pv_on) {
-            const float c = s_c[pg];
 #pragma unroll
-            for (int x = 0; x < 8; x++) acc[x] *= c;
+            for (int g = 0; g < HPT; g++) {
+                const float c = s_c[ph * HPT + g];
+#pragma unroll
+                for (int x = 0; x < 8; x++) acc[g][x] *= c;
+            }
             const bf16_t* vs = sv + st * STAGE + pc * 8;
-#pragma unroll 4
+#pragma unroll 2
             for (int kk = pks; kk < nk; kk += KS) {
-                const float p = ss[pg][kk];
+                float p[HPT];
+                if constexpr (HPT == 4) {
+                    const float4 p4 = *(const float4*)(&ss[kk][ph * HPT]);
+                    p[0] = p4.x, p[1] = p4.y, p[2] = p4.z, p[3] = p4.w;
+                } else {
+#pragma unroll
+                    for (int g = 0; g < HPT; g++) p[g] = ss[kk][ph * HPT + g];
+                }
                 float vf[8];
                 unpack8(*(const uint4*)(vs + kk * ROW), vf);
 #pragma unroll
-                for (int x = 0; x < 8; x++) acc[x] = fmaf(p, vf[x], acc[x]);
+                for (int g = 0; g < HPT; g++)
+#pragma unroll
+                    for (int x = 0; x < 8; x++) acc[g][x] = fmaf(p[g], vf[x], acc[g][x]);
             }
         }
     }
     att3_wait<0>();
-    __syncthreads();  // K stages free: reuse them as the reduction scratch
-    float* red = (float*)sk;  // [ROWS][HD]
+    __syncthreads();  // K/V stages free: reuse them as the reduction scratch
+    float* red = (float*)skv;  // [KS][MG][HD]
     if (pv_on) {
-        float4* dst = (float4*)(red + pr * HD + pc * 8);
-        dst[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-        dst[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+#pragma unroll
+        for (int g = 0; g < HPT; g++) {
+            float4* dst = (float4*)(red + (pks * MG + ph * HPT + g) * HD + pc * 8);
+            dst[0] = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+            dst[1] = make_float4(acc[g][4], acc[g][5], acc[g][6], acc[g][7]);
+        }
     }
     __syncthreads();
     for (int idx = tid; idx < ng * HD; idx += ATT3_NT) {
         const int g = idx / HD, d = idx - g * HD;
         float A = 0.f;
-        for (int s = 0; s < KS; s++) A += red[(s * ng + g) * HD + d];
+        for (int ks = 0; ks < KS; ks++) A += red[(ks * MG + g) * HD + d];
         const float L = s_l[g];
         const i64 th = t * nh + h0 + g;
         if (nsplit == 1) {
@@ -310,7 +334,7 @@ __device__ __forceinline__ void attn_v3(const bf16_t* __restrict__ q,
 // hd is a parameter only to keep paged_attention's signature; the wrapper launches the kernel whose
 // HD equals it.
 #define ATT3_KERNEL(NAME, HD, TK, NST, MG)                                                        \
-    extern "C" __global__ void __launch_bounds__(ATT3_NT, 4) NAME(                                \
+    extern "C" __global__ void __launch_bounds__(ATT3_NT, 5) NAME(                                \
         const bf16_t* q, const bf16_t* layer_kv, const int* tok_seq, const int* tok_pos,          \
         const int* block_tables, int max_blocks, int nh, int nkv, int hd, int block_size,         \
         float scale, int split_len, bf16_t* out, float* part_ml, float* part_acc,                 \

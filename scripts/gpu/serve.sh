@@ -8,8 +8,10 @@
 # `pd` (and `both`) also: each request's KV hand-off (bytes, transfer_us, arena or host staging)
 # from the prefill node's log, summarized; and greedy outputs of a few prompts (8 to 3500 tokens)
 # through PD against a colocated replica on GPU0 (same dummy weights): PASS when identical.
-# PD_UCX_TLS (default: UCX's choice, which includes cuda_ipc and cuda_copy); PD_ENGINE_EXTRA
-# adds [engine] lines to the PD nodes (e.g. "kv_staging_tokens = 0" for the host-staging path).
+# PD_UCX_TLS (default: UCX's choice, which includes cuda_ipc and cuda_copy). KV staging arenas
+# (engine.kv_staging_tokens): PREFILL_STAGING_TOKENS (default 16384 = 2 GiB) and
+# DECODE_STAGING_TOKENS (default 65536 = 8 GiB: decode holds a span from ReserveKv to Decode,
+# i.e. across prefill queueing); 0 on both = the per-request host-staging path, for comparison.
 # usage: scripts/gpu/serve.sh [pd|colo|both]
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -175,10 +177,10 @@ ucx_net_devices = \"lo\"
 ucx_tls = \"${PD_UCX_TLS:-}\"
 staging_mib = 4096"
     pdlog="info,pdnode_node::pd=debug"
-    { ENGINE_EXTRA="${PD_ENGINE_EXTRA:-}" LOG_FILTER=$pdlog common prefill prefill-0 127.0.0.1:7001
-      echo "$reg"; echo "$xfer"; } > "$OUT/prefill.toml"
-    { ENGINE_EXTRA="${PD_ENGINE_EXTRA:-}" LOG_FILTER=$pdlog common decode decode-0 127.0.0.1:7002
-      echo "$reg"; echo "$xfer"; } > "$OUT/decode.toml"
+    { ENGINE_EXTRA="kv_staging_tokens = ${PREFILL_STAGING_TOKENS:-16384}" LOG_FILTER=$pdlog \
+        common prefill prefill-0 127.0.0.1:7001; echo "$reg"; echo "$xfer"; } > "$OUT/prefill.toml"
+    { ENGINE_EXTRA="kv_staging_tokens = ${DECODE_STAGING_TOKENS:-65536}" LOG_FILTER=$pdlog \
+        common decode decode-0 127.0.0.1:7002; echo "$reg"; echo "$xfer"; } > "$OUT/decode.toml"
     cat > "$OUT/router.toml" <<T
 [node]
 role = "router"

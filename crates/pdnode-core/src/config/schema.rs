@@ -159,9 +159,9 @@ pub struct EngineConfig {
     /// CUDA backend: replay decode steps as CUDA graphs captured per batch-size bucket;
     /// false: launch every kernel eagerly.
     pub cuda_graphs: bool,
-    /// Tokens of KV each TP rank's hand-off staging arena holds (allocated once at start, device
-    /// memory on CUDA, UCX-registered host memory on CPU); capped at `context_length`; 0: no
-    /// arena (every hand-off goes through per-request host staging).
+    /// Tokens of KV each TP rank's hand-off staging arena holds, summed over the hand-offs in
+    /// flight (allocated once at start: device memory on CUDA, UCX-registered host memory on
+    /// CPU); 0: no arena (every hand-off goes through per-request host staging).
     pub kv_staging_tokens: u32,
     pub mock: MockEngineConfig,
 }

@@ -84,10 +84,10 @@ pub fn build_engine(cfg: &Config, mode: Mode) -> Result<BuiltEngine, BuildError>
 /// answers the memory (e.g. a UCX-allocated registered region) or `None` (no arena).
 pub type HostArenaSource<'a> = &'a dyn Fn(usize) -> Option<HostArena>;
 
-/// Bytes of one TP rank's KV staging arena for `layout` under `cfg`
-/// (`engine.kv_staging_tokens`, capped at the context length, in whole blocks); 0: none.
-pub fn staging_bytes(cfg: &Config, layout: &KvLayout, context: usize) -> usize {
-    let tokens = (cfg.engine.kv_staging_tokens as usize).min(context);
+/// Bytes of one TP rank's KV staging arena for `layout` under `cfg` (`engine.kv_staging_tokens`
+/// in whole blocks); 0: none.
+pub fn staging_bytes(cfg: &Config, layout: &KvLayout) -> usize {
+    let tokens = cfg.engine.kv_staging_tokens as usize;
     let blocks = tokens.div_ceil(layout.block_size.max(1) as usize);
     (blocks * layout.num_layers as usize * layout.block_layer_bytes())
         .next_multiple_of(STAGING_ALIGN)
@@ -177,7 +177,7 @@ pub fn build_engine_with(
                     message: err.to_string(),
                 })?;
                 use pdnode_engine::backend::Backend;
-                let bytes = staging_bytes(cfg, backend.kv_layout(), context);
+                let bytes = staging_bytes(cfg, backend.kv_layout());
                 if let Some(lend) = staging.filter(|_| bytes > 0)
                     && let Some(arena) = lend(bytes)
                 {
@@ -186,8 +186,7 @@ pub fn build_engine_with(
                 }
                 spawn_with_memory(backend, loop_cfg, tokenizer.clone())
             } else {
-                let arena_tokens = staging.map(|_| context);
-                spawn_cuda(cfg, &loaded, loop_cfg, tokenizer.clone(), arena_tokens)?
+                spawn_cuda(cfg, &loaded, loop_cfg, tokenizer.clone(), staging.is_some())?
             }
             .map_err(|err| BuildError::Engine(err.to_string()))?;
             Ok(BuiltEngine {
@@ -239,7 +238,7 @@ fn spawn_cuda(
     loaded: &pdnode_engine::loader::LoadedModel,
     loop_cfg: EngineLoopConfig,
     tokenizer: Option<Arc<Tokenizer>>,
-    staging_context: Option<usize>,
+    with_staging: bool,
 ) -> Result<Result<EngineHandle, pdnode_engine::engine::EngineError>, BuildError> {
     use pdnode_engine::backend::Backend;
     use pdnode_engine::backend::cuda::{CudaBackend, CudaOptions, CudaTpBackend};
@@ -253,8 +252,8 @@ fn spawn_cuda(
     };
     if opts.tensor_parallel > 1 {
         let mut backend = CudaTpBackend::from_loaded(loaded, &opts).map_err(err)?;
-        if let Some(context) = staging_context {
-            let bytes = staging_bytes(cfg, backend.kv_layout(), context);
+        if with_staging {
+            let bytes = staging_bytes(cfg, backend.kv_layout());
             if bytes > 0
                 && let Err(e) = backend.enable_kv_staging(bytes)
             {
@@ -264,8 +263,8 @@ fn spawn_cuda(
         Ok(spawn_with_memory(backend, loop_cfg, tokenizer))
     } else {
         let mut backend = CudaBackend::from_loaded(loaded, &opts).map_err(err)?;
-        if let Some(context) = staging_context {
-            let bytes = staging_bytes(cfg, backend.kv_layout(), context);
+        if with_staging {
+            let bytes = staging_bytes(cfg, backend.kv_layout());
             if bytes > 0
                 && let Err(e) = backend.enable_kv_staging(bytes)
             {
@@ -282,7 +281,7 @@ fn spawn_cuda(
     _loaded: &pdnode_engine::loader::LoadedModel,
     _loop_cfg: EngineLoopConfig,
     _tokenizer: Option<Arc<Tokenizer>>,
-    _staging_context: Option<usize>,
+    _with_staging: bool,
 ) -> Result<Result<EngineHandle, pdnode_engine::engine::EngineError>, BuildError> {
     Err(BuildError::Backend {
         backend: "cuda".into(),

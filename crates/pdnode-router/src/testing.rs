@@ -79,6 +79,8 @@ pub struct FakeBehavior {
     pub fail_prefill: Option<NodeError>,
     /// `Stats` (the router's liveness probe) fails with this: a node that stopped answering.
     pub fail_stats: Option<NodeError>,
+    /// `Stats` answers only after this long: a hung node.
+    pub stats_delay: Duration,
     /// The decode stream breaks with this error after this many chunks.
     pub die_after: Option<(usize, NodeError)>,
     pub stats: NodeStats,
@@ -96,6 +98,7 @@ impl Default for FakeBehavior {
             fail_reserve: None,
             fail_prefill: None,
             fail_stats: None,
+            stats_delay: Duration::ZERO,
             die_after: None,
             stats: NodeStats {
                 kv_blocks_total: 100,
@@ -372,10 +375,11 @@ impl NodeClient for FakeNode {
     fn stats(&self) -> BoxFuture<'_, Result<NodeStats, NodeError>> {
         Box::pin(async move {
             self.record(FakeCall::Stats);
-            let b = self.behavior.lock();
-            match &b.fail_stats {
-                Some(e) => Err(e.clone()),
-                None => Ok(b.stats.clone()),
+            let b = self.behavior.lock().clone();
+            tokio::time::sleep(b.stats_delay).await;
+            match b.fail_stats {
+                Some(e) => Err(e),
+                None => Ok(b.stats),
             }
         })
     }

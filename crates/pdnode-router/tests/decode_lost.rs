@@ -133,6 +133,28 @@ async fn a_decode_node_that_stops_answering_aborts_the_prefill() {
 }
 
 #[tokio::test]
+async fn a_hung_decode_node_is_lost_after_three_unanswered_probes() {
+    let h = harness(1).await;
+    let mut g = start(&h);
+    wait_prefilling(&h).await;
+    let hung_at = Instant::now();
+    h.decode[0].set(|b| b.stats_delay = Duration::from_secs(600));
+
+    let ev = next_event(&mut g, Duration::from_secs(10)).await;
+    let took = hung_at.elapsed();
+    let GenEvent::Error(e) = ev else {
+        panic!("expected an error, got {ev:?}")
+    };
+    assert!(e.to_string().contains("3 liveness probes in a row"), "{e}");
+    println!("decode hung -> client error in {took:?}");
+    // Probes start 1 s into the prefill, one a second, each given 1 s: three misses by ~4 s.
+    assert!(took >= Duration::from_secs(3), "took {took:?}");
+    assert!(took < Duration::from_secs(6), "took {took:?}");
+    assert_eq!(h.prefill[0].kv_blocks_held(), 0);
+    h.stop().await;
+}
+
+#[tokio::test]
 async fn a_lost_decode_node_is_replaced_by_another() {
     let h = harness(2).await;
     let mut g = start(&h);

@@ -205,7 +205,8 @@ fn still_member(router: &Router, d: &Worker) -> bool {
 }
 
 /// Resolves only when the decode node `d` is gone: it left the membership, a liveness probe
-/// failed, or [`PROBE_MISSES`] probes in a row timed out. Returns why.
+/// found it unreachable (`Unavailable`), or [`PROBE_MISSES`] probes in a row timed out. Any
+/// other answer, even an error, came from a live process. Returns why.
 async fn decode_lost(router: &Router, d: &Worker) -> String {
     let mut next_probe = Instant::now() + PROBE_EVERY;
     let mut misses = 0u32;
@@ -217,20 +218,31 @@ async fn decode_lost(router: &Router, d: &Worker) -> String {
         if Instant::now() < next_probe {
             continue;
         }
+        let probe_at = Instant::now();
         match tokio::time::timeout(PROBE_EVERY, d.client.stats()).await {
             Ok(Ok(_)) => misses = 0,
-            Ok(Err(e)) => return format!("its liveness probe failed: {e}"),
+            // Unreachable (connection refused or reset, engine stopped): gone.
+            Ok(Err(e)) if e.kind == ErrorKind::Unavailable => {
+                return format!("its liveness probe failed: {e}");
+            }
+            Ok(Err(e)) if e.kind == ErrorKind::Timeout => misses += 1,
+            // Any other answer (refused, overloaded, ...) came from a live process.
+            Ok(Err(e)) => {
+                misses = 0;
+                tracing::debug!(node = %d.id(), error = %e, "liveness probe answered with an error");
+            }
             Err(_) => {
                 misses += 1;
-                if misses >= PROBE_MISSES {
-                    return format!(
-                        "{misses} liveness probes in a row got no answer within {} ms",
-                        PROBE_EVERY.as_millis()
-                    );
-                }
             }
         }
-        next_probe = Instant::now() + PROBE_EVERY;
+        if misses >= PROBE_MISSES {
+            return format!(
+                "{misses} liveness probes in a row got no answer within {} ms",
+                PROBE_EVERY.as_millis()
+            );
+        }
+        // One probe starts every PROBE_EVERY, however long the last one took.
+        next_probe = probe_at + PROBE_EVERY;
     }
 }
 

@@ -106,13 +106,17 @@ fn bench_decode_attention_kernel() {
         .filter_map(AttnVariant::parse)
         .collect();
     let iters: usize = env_list("PDNODE_BENCH_ITERS", "20").parse().unwrap_or(20);
-    let (copy, rows) = attn_bench::run_attention(&cases, &variants, iters, |r| {
+    let res = attn_bench::run_attention(&cases, &variants, iters, |r| {
         eprintln!(
             "ATTN {:?} batch={} ctx={} us={:.1} GB/s={:.0} frac_of_copy={:.3} rel_to_first={:.1e}",
             r.variant, r.batch, r.ctx, r.us, r.gbps, r.frac_of_copy, r.rel_to_first
         )
     })
     .expect("attention benchmark");
+    let (copy, rows) = (res.copy_bps, res.rows);
+    for (k, n) in &res.occupancy {
+        println!("OCCUPANCY {k}: {n} blocks of 128 threads per SM");
+    }
     println!(
         "ceilings: HBM copy traffic {:.0} GB/s (read+write); decode attention alone, 32 q / 8 kv heads, hd 128",
         copy / 1e9

@@ -43,14 +43,33 @@ fn rel(a: &[f32], b: &[f32]) -> f64 {
     (num / den.max(1e-30)).sqrt()
 }
 
+/// Kernels whose resident blocks per SM (128 threads) the bench reports.
+pub const OCCUPANCY_KERNELS: [&str; 4] = [
+    "paged_attention_v3_d128_g4",
+    "paged_attention_v3_d128_g8",
+    "paged_attention_v2_d16",
+    "paged_attention",
+];
+
+/// What [`run_attention`] measured.
+#[derive(Debug, Clone)]
+pub struct AttnBench {
+    /// The copy ceiling, bytes read + written per second.
+    pub copy_bps: f64,
+    pub rows: Vec<AttnBenchRow>,
+    /// Resident blocks per SM of each of [`OCCUPANCY_KERNELS`] (after the runs, so with the
+    /// shared-memory carveout the launches asked for).
+    pub occupancy: Vec<(&'static str, u32)>,
+}
+
 /// Runs every `(batch, ctx)` case for every variant, `iters` timed calls each (after one
-/// warm-up), timed with CUDA events. Returns the copy ceiling (bytes/s) and the rows.
+/// warm-up), timed with CUDA events.
 pub fn run_attention(
     cases: &[(usize, usize)],
     variants: &[AttnVariant],
     iters: usize,
     mut report: impl FnMut(&AttnBenchRow),
-) -> Result<(f64, Vec<AttnBenchRow>), CudaError> {
+) -> Result<AttnBench, CudaError> {
     if cases.is_empty() || variants.is_empty() || cases.iter().any(|&(b, c)| b == 0 || c == 0) {
         return Err(CudaError::Unsupported {
             reason: "attention bench: no case, no variant, or an empty case".into(),
@@ -157,5 +176,17 @@ pub fn run_attention(
             rows.push(row);
         }
     }
-    Ok((copy_bps, rows))
+    let mut occupancy = Vec::new();
+    for name in OCCUPANCY_KERNELS {
+        let n = gpu
+            .kernel(name)?
+            .occupancy_max_active_blocks_per_multiprocessor(128, 0, None)
+            .map_err(super::drv("cuOccupancyMaxActiveBlocksPerMultiprocessor"))?;
+        occupancy.push((name, n));
+    }
+    Ok(AttnBench {
+        copy_bps,
+        rows,
+        occupancy,
+    })
 }

@@ -399,6 +399,25 @@ pub fn auto_variant(hd: usize) -> AttnVariant {
     }
 }
 
+/// Asks once per loaded function for the largest shared-memory carveout: a v3 block holds about
+/// 40 KB of static shared memory and 5 blocks per SM need about 205 KB, more than the driver's
+/// default split with L1 may leave.
+fn prefer_shared_memory(f: &cudarc::driver::CudaFunction) -> Result<(), CudaError> {
+    use cudarc::driver::sys::CUfunction_attribute_enum as A;
+    use std::sync::{Mutex, OnceLock};
+    static DONE: OnceLock<Mutex<std::collections::HashSet<usize>>> = OnceLock::new();
+    let key = f.cu_function() as usize;
+    let mut done = DONE
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if done.insert(key) {
+        f.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
+            .map_err(super::drv("cuFuncSetAttribute"))?;
+    }
+    Ok(())
+}
+
 /// Head dims the v3 kernel is compiled for.
 pub fn v3_supports(hd: usize) -> bool {
     hd == 64 || hd == 128
@@ -634,6 +653,9 @@ pub fn paged_attention_ex(
         AttnVariant::V1 | AttnVariant::Auto => "paged_attention",
     };
     let f = gpu.kernel(name)?;
+    if variant == AttnVariant::V3 {
+        prefer_shared_memory(f)?;
+    }
     let layer_ptr = pool.at(layer * d.layer_elems() * BF16);
     let scale = 1.0f32 / (hd as f32).sqrt();
     let (mb, nh_i, nkv_i, hd_i, bs_i, sl_i) = (

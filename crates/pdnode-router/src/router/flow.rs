@@ -34,7 +34,7 @@ use tokio::sync::mpsc;
 /// Longest wait for a node to acknowledge an Abort.
 const ABORT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often a running prefill checks that its decode node is still in the membership.
-const MEMBERSHIP_CHECK: Duration = Duration::from_millis(100);
+const MEMBERSHIP_CHECK: Duration = Duration::from_millis(200);
 /// From this long into a prefill, and then as often, its decode node is probed with `Stats`
 /// (each probe bounded by the same time). Short prefills send no probe at all.
 pub(crate) const PROBE_EVERY: Duration = Duration::from_secs(1);
@@ -196,10 +196,12 @@ enum PrefillEnd {
     DecodeLost(String),
 }
 
-/// Whether `d` (same id, same process start) is still a decode candidate.
+/// Whether `d` (same id, same process start) still serves decode in the membership view.
 fn still_member(router: &Router, d: &Worker) -> bool {
-    let (_, decodes) = candidates(router.deps.membership.as_ref());
-    decodes
+    router
+        .deps
+        .membership
+        .workers(Role::Decode)
         .iter()
         .any(|w| w.id() == d.id() && w.card.started_at_ms == d.card.started_at_ms)
 }

@@ -1,0 +1,494 @@
+//! Paged attention for decode and short chunks: the kernel variants (v1, v2, v3), how the split
+//! count / partition length is chosen, and the launch wrapper [`paged_attention_ex`] with its
+//! workspace. Re-exported from [`super`] (`ops::paged_attention_ex` etc.).
+
+use super::super::CudaError;
+use super::super::device::{DevBuf, Gpu};
+use super::{AttnDims, BF16, F32, cfg, launched, need, shape, u32_of};
+use cudarc::driver::PushKernelArg;
+
+/// Split-K workspace of [`paged_attention`]: `part_ml` f32 `[rows, nsplit, 2]`,
+/// `part_acc` f32 `[rows, nsplit, hd]` with `rows = tokens * nh`.
+pub struct AttnWorkspace<'a> {
+    pub part_ml: &'a DevBuf,
+    pub part_acc: &'a DevBuf,
+}
+
+/// Which paged-attention kernel to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttnVariant {
+    /// v3 when the head_dim allows it, else v2, else v1 ([`auto_variant`]; the environment
+    /// variable `PDNODE_ATTN_KERNEL` overrides it).
+    Auto,
+    /// attention.cu: a warp per key, any even head_dim <= 256, up to 8 heads per block.
+    V1,
+    /// attention_v2.cu: lane groups per key, 16-byte loads, up to 4 heads per block; 16 dims
+    /// per lane from head_dim 128 up (fewer shuffles, more registers).
+    V2,
+    /// attention_v2.cu with 8 dims per lane at every head_dim (fewer registers, more shuffles).
+    V2Narrow,
+    /// attention_v3.cu: K/V tiles staged in shared memory by cp.async, every query head of a
+    /// GQA group (up to 8) per block, one online-softmax update per tile; head_dim 64 or 128.
+    /// Kernels `paged_attention_v3_d{64,128}_g{4,8}` ([`v3_heads_per_block`]).
+    V3,
+}
+
+impl AttnVariant {
+    /// Parses `auto`, `v1`, `v2`, `v2narrow`, `v3` (the names of the `PDNODE_ATTN_KERNEL`
+    /// override and of the benchmarks).
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Self::Auto,
+            "v1" => Self::V1,
+            "v2" => Self::V2,
+            "v2narrow" => Self::V2Narrow,
+            "v3" => Self::V3,
+            _ => return None,
+        })
+    }
+}
+
+/// What [`AttnVariant::Auto`] runs: the `PDNODE_ATTN_KERNEL` environment variable (`v1`, `v2`,
+/// `v2narrow`, `v3`; read once per process) when set, so a faulty kernel can be switched off on a
+/// GPU host without a rebuild; else v3 for head_dim 64 / 128, v2 where it runs, v1 otherwise.
+pub fn auto_variant(hd: usize) -> AttnVariant {
+    static FORCED: std::sync::OnceLock<Option<AttnVariant>> = std::sync::OnceLock::new();
+    let forced = *FORCED.get_or_init(|| {
+        std::env::var("PDNODE_ATTN_KERNEL")
+            .ok()
+            .and_then(|v| AttnVariant::parse(&v))
+            .filter(|v| *v != AttnVariant::Auto)
+    });
+    let runs = |v: AttnVariant| match v {
+        AttnVariant::V3 => v3_supports(hd),
+        AttnVariant::V2 => v2_dims_per_lane(hd).is_some(),
+        AttnVariant::V2Narrow => hd >= 8 && hd.is_multiple_of(8) && 32 % (hd / 8) == 0,
+        AttnVariant::V1 => true,
+        AttnVariant::Auto => false,
+    };
+    match forced {
+        Some(v) if runs(v) => v,
+        _ if v3_supports(hd) => AttnVariant::V3,
+        _ if v2_dims_per_lane(hd).is_some() => AttnVariant::V2,
+        _ => AttnVariant::V1,
+    }
+}
+
+/// Asks once per loaded function for the largest shared-memory carveout: a v3 block holds about
+/// 40 KB of static shared memory and 5 blocks per SM need about 205 KB, more than the driver's
+/// default split with L1 may leave.
+fn prefer_shared_memory(f: &cudarc::driver::CudaFunction) -> Result<(), CudaError> {
+    use cudarc::driver::sys::CUfunction_attribute_enum as A;
+    use std::sync::{Mutex, OnceLock};
+    static DONE: OnceLock<Mutex<std::collections::HashSet<usize>>> = OnceLock::new();
+    let key = f.cu_function() as usize;
+    let mut done = DONE
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if done.insert(key) {
+        f.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
+            .map_err(super::super::drv("cuFuncSetAttribute"))?;
+    }
+    Ok(())
+}
+
+/// Head dims the v3 kernel is compiled for.
+pub fn v3_supports(hd: usize) -> bool {
+    hd == 64 || hd == 128
+}
+
+/// Query heads one v3 block serves for a GQA group of `g` heads: the `_g4` kernels for groups up
+/// to 4, the `_g8` ones otherwise (groups above 8 take `ceil(g / 8)` blocks per KV head).
+pub fn v3_heads_per_block(g: usize) -> usize {
+    if g <= 4 { 4 } else { 8 }
+}
+/// Block-table entries of one partition the v3 kernel stages in shared memory (`ATT3_BT`).
+pub const V3_BT_ENTRIES: usize = 512;
+
+/// Partitions of the v3 kernel for `work` (token, head group) blocks and contexts up to
+/// `max_ctx`: about 16 blocks per SM (4 resident, several waves so uneven contexts balance), at
+/// least 128 keys per partition, each partition's block-table slice within [`V3_BT_ENTRIES`],
+/// and no more partials than the workspace holds (`ws_rows_splits / partial_rows`). Returns
+/// `(nsplit, split_len)` with `nsplit * split_len >= max_ctx > (nsplit - 1) * split_len`.
+pub fn attention_splits_v3(
+    sm_count: usize,
+    work: usize,
+    max_ctx: usize,
+    block_size: usize,
+    partial_rows: usize,
+    ws_rows_splits: usize,
+) -> (usize, usize) {
+    let max_ctx = max_ctx.max(1);
+    let want = (sm_count * 16).div_ceil(work.max(1));
+    let nsplit = want.min(max_ctx.div_ceil(128)).max(1);
+    // Partitions start at multiples of split_len: with split_len a multiple of the block size
+    // they are block-aligned and span split_len / block_size blocks, else one more.
+    let bs = block_size.max(1);
+    let (align, max_len) = if bs.is_multiple_of(16) {
+        (bs, V3_BT_ENTRIES * bs)
+    } else {
+        (16, (V3_BT_ENTRIES - 1) * bs / 16 * 16)
+    };
+    let mut split_len = max_ctx
+        .div_ceil(nsplit)
+        .next_multiple_of(align)
+        .min(max_len);
+    let cap = (ws_rows_splits / partial_rows.max(1)).max(1);
+    if max_ctx.div_ceil(split_len) > cap {
+        split_len = max_ctx.div_ceil(cap);
+    }
+    (max_ctx.div_ceil(split_len), split_len)
+}
+
+/// Dims per lane of the v2 kernel for `hd`, if it can run it.
+pub fn v2_dims_per_lane(hd: usize) -> Option<usize> {
+    let dpl = if hd >= 128 { 16 } else { 8 };
+    let lpk = hd / dpl;
+    (hd.is_multiple_of(dpl) && lpk >= 1 && 32 % lpk == 0).then_some(dpl)
+}
+
+/// Splits for `work` (token, head group) blocks: enough blocks to fill the device, at least 64
+/// keys per split, no more partials than the workspace holds. Returns `(nsplit, split_len)`.
+pub fn attention_splits(
+    sm_count: usize,
+    work: usize,
+    max_ctx: usize,
+    partial_rows: usize,
+    ws_rows_splits: usize,
+) -> (usize, usize) {
+    let target = sm_count * 4;
+    let mut nsplit = if work >= target {
+        1
+    } else {
+        target.div_ceil(work.max(1))
+    };
+    nsplit = nsplit.min(max_ctx.div_ceil(64)).max(1);
+    let cap = ws_rows_splits / partial_rows.max(1);
+    nsplit = nsplit.min(cap.max(1));
+    let split_len = max_ctx.div_ceil(nsplit);
+    (max_ctx.div_ceil(split_len), split_len)
+}
+
+/// Attention of `tokens` query rows `q` `[tokens, nh, hd]` over layer `layer` of `pool`. Token
+/// `t` belongs to sequence `tok_seq[t]` (device i32) at position `tok_pos[t]` (device i32) and
+/// attends to keys `0..=tok_pos[t]` through `block_tables` (device i32 `[S, max_blocks]`).
+/// `max_ctx` bounds `tok_pos[t] + 1`. Writes `out` `[tokens, nh, hd]`.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention(
+    gpu: &Gpu,
+    d: &AttnDims,
+    q: &DevBuf,
+    pool: &DevBuf,
+    layer: usize,
+    tok_seq: u64,
+    tok_pos: u64,
+    block_tables: u64,
+    max_blocks: usize,
+    tokens: usize,
+    max_ctx: usize,
+    out: &DevBuf,
+    ws: &AttnWorkspace<'_>,
+) -> Result<(), CudaError> {
+    let meta = AttnMeta {
+        tok_seq,
+        tok_pos,
+        block_tables,
+        max_blocks,
+        max_ctx,
+    };
+    paged_attention_ex(
+        gpu,
+        d,
+        q,
+        pool,
+        layer,
+        &meta,
+        tokens,
+        None,
+        out,
+        ws,
+        AttnVariant::Auto,
+    )
+}
+
+/// Per-token metadata of a step (device pointers) for [`paged_attention_ex`].
+#[derive(Debug, Clone, Copy)]
+pub struct AttnMeta {
+    pub tok_seq: u64,
+    pub tok_pos: u64,
+    pub block_tables: u64,
+    pub max_blocks: usize,
+    pub max_ctx: usize,
+}
+
+/// [`paged_attention`] over all `total_tokens` tokens, or only those in `list` (device i32 token
+/// indices, `list.1` of them), with a chosen kernel.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention_ex(
+    gpu: &Gpu,
+    d: &AttnDims,
+    q: &DevBuf,
+    pool: &DevBuf,
+    layer: usize,
+    meta: &AttnMeta,
+    total_tokens: usize,
+    list: Option<(u64, usize)>,
+    out: &DevBuf,
+    ws: &AttnWorkspace<'_>,
+    variant: AttnVariant,
+) -> Result<(), CudaError> {
+    const OP: &str = "paged_attention";
+    d.check(OP)?;
+    let (nh, hd) = (d.num_heads, d.head_dim);
+    need(OP, "q", q, total_tokens * nh * hd * BF16)?;
+    need(OP, "out", out, total_tokens * nh * hd * BF16)?;
+    need(OP, "pool", pool, (layer + 1) * d.layer_elems() * BF16)?;
+    let (max_ctx, max_blocks) = (meta.max_ctx, meta.max_blocks);
+    shape(
+        OP,
+        max_ctx > 0 && max_ctx <= max_blocks * d.block_size,
+        || {
+            format!(
+                "max_ctx {max_ctx} beyond {max_blocks} blocks of {}",
+                d.block_size
+            )
+        },
+    )?;
+    let grid_tokens = list.map_or(total_tokens, |l| l.1);
+    if grid_tokens == 0 {
+        return Ok(());
+    }
+    let variant = match variant {
+        AttnVariant::Auto => auto_variant(hd),
+        v => v,
+    };
+    let narrow = (hd.is_multiple_of(8) && 32 % (hd / 8).max(1) == 0 && hd >= 8).then_some(8);
+    let dpl = match variant {
+        AttnVariant::V2Narrow => narrow,
+        _ => v2_dims_per_lane(hd),
+    };
+    match variant {
+        AttnVariant::V2 | AttnVariant::V2Narrow => shape(OP, dpl.is_some(), || {
+            format!("{variant:?} cannot run head_dim {hd}")
+        })?,
+        AttnVariant::V3 => shape(OP, v3_supports(hd), || {
+            format!("V3 cannot run head_dim {hd} (64 or 128)")
+        })?,
+        _ => {}
+    }
+    let maxg = match variant {
+        AttnVariant::V3 => v3_heads_per_block(nh / d.num_kv_heads),
+        AttnVariant::V2 | AttnVariant::V2Narrow => 4,
+        _ => 8,
+    };
+    let groups = d.num_kv_heads * (nh / d.num_kv_heads).div_ceil(maxg);
+    let ws_rows_splits = (ws.part_acc.bytes() / (hd * F32)).min(ws.part_ml.bytes() / (2 * F32));
+    let (nsplit, split_len) = if variant == AttnVariant::V3 {
+        attention_splits_v3(
+            gpu.sm_count as usize,
+            grid_tokens * groups,
+            max_ctx,
+            d.block_size,
+            total_tokens * nh,
+            ws_rows_splits,
+        )
+    } else {
+        attention_splits(
+            gpu.sm_count as usize,
+            grid_tokens * groups,
+            max_ctx,
+            total_tokens * nh,
+            ws_rows_splits,
+        )
+    };
+    if nsplit > 1 {
+        need(
+            OP,
+            "part_acc",
+            ws.part_acc,
+            total_tokens * nh * nsplit * hd * F32,
+        )?;
+        need(
+            OP,
+            "part_ml",
+            ws.part_ml,
+            total_tokens * nh * nsplit * 2 * F32,
+        )?;
+    }
+    let name = match variant {
+        AttnVariant::V3 => match (hd, maxg) {
+            (64, 4) => "paged_attention_v3_d64_g4",
+            (64, _) => "paged_attention_v3_d64_g8",
+            (_, 4) => "paged_attention_v3_d128_g4",
+            _ => "paged_attention_v3_d128_g8",
+        },
+        AttnVariant::V2 if dpl == Some(16) => "paged_attention_v2_d16",
+        AttnVariant::V2 | AttnVariant::V2Narrow => "paged_attention_v2_d8",
+        AttnVariant::V1 | AttnVariant::Auto => "paged_attention",
+    };
+    let f = gpu.kernel(name)?;
+    if variant == AttnVariant::V3 {
+        prefer_shared_memory(f)?;
+    }
+    let layer_ptr = pool.at(layer * d.layer_elems() * BF16);
+    let scale = 1.0f32 / (hd as f32).sqrt();
+    let (mb, nh_i, nkv_i, hd_i, bs_i, sl_i) = (
+        max_blocks as i32,
+        nh as i32,
+        d.num_kv_heads as i32,
+        hd as i32,
+        d.block_size as i32,
+        split_len as i32,
+    );
+    let list_ptr = list.map_or(0u64, |l| l.0);
+    let mut b = gpu.stream.launch_builder(f);
+    b.arg(q.ptr_ref())
+        .arg(&layer_ptr)
+        .arg(&meta.tok_seq)
+        .arg(&meta.tok_pos)
+        .arg(&meta.block_tables)
+        .arg(&mb)
+        .arg(&nh_i)
+        .arg(&nkv_i)
+        .arg(&hd_i)
+        .arg(&bs_i)
+        .arg(&scale)
+        .arg(&sl_i)
+        .arg(out.ptr_ref())
+        .arg(ws.part_ml.ptr_ref())
+        .arg(ws.part_acc.ptr_ref())
+        .arg(&list_ptr);
+    // SAFETY: sizes checked above; metadata arrays are the caller's (positions < max_ctx,
+    // block ids < num_blocks, listed tokens < total_tokens).
+    unsafe {
+        b.launch(cfg(
+            (u32_of(OP, grid_tokens)?, groups as u32, nsplit as u32),
+            128,
+        ))
+    }
+    .map_err(launched(OP))?;
+    if nsplit > 1 {
+        let f = gpu.kernel("attention_combine")?;
+        let ns = nsplit as i32;
+        let mut b = gpu.stream.launch_builder(f);
+        b.arg(ws.part_ml.ptr_ref())
+            .arg(ws.part_acc.ptr_ref())
+            .arg(out.ptr_ref())
+            .arg(&hd_i)
+            .arg(&ns)
+            .arg(&list_ptr)
+            .arg(&nh_i);
+        // SAFETY: workspace sizes checked above.
+        unsafe { b.launch(cfg((u32_of(OP, grid_tokens * nh)?, 1, 1), 128)) }
+            .map_err(launched("attention_combine"))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splits_cover_the_context_and_respect_the_workspace() {
+        for &(sms, work, ctx, rows, cap) in &[
+            (132, 8, 512, 32, 1 << 17),
+            (132, 512, 8192, 2048, 1 << 17),
+            (132, 65536, 8192, 262144, 1 << 17),
+            (132, 1, 100_000, 32, 64),
+            (4, 3, 1, 3, 10),
+        ] {
+            let (n, len) = attention_splits(sms, work, ctx, rows, cap);
+            assert!(n >= 1 && len >= 1);
+            assert!(n * len >= ctx, "splits cover every key");
+            assert!((n - 1) * len < ctx, "no empty trailing split");
+            assert!(n == 1 || n * rows <= cap, "partials fit the workspace");
+            assert!(n == 1 || len >= 64 || ctx < 128);
+        }
+        // small work spreads over the device; large work does not split
+        assert!(attention_splits(132, 8, 8192, 32, 1 << 17).0 > 1);
+        assert_eq!(attention_splits(132, 65536, 8192, 262144, 1 << 17).0, 1);
+    }
+
+    #[test]
+    fn v3_partitions_cover_the_context_fit_smem_and_workspace() {
+        let bs_list = [1usize, 16, 32, 24];
+        for &(sms, work, ctx, rows, cap) in &[
+            (132, 8, 512, 32, 1 << 17),    // batch 1, Llama shapes
+            (132, 64, 2048, 256, 1 << 17), // batch 8
+            (132, 256, 8192, 1024, 1 << 17),
+            (132, 512, 8192, 2048, 1 << 17),
+            (132, 512, 131072, 2048, 1 << 17), // long context: smem block table bound
+            (132, 1, 100_000, 32, 64),         // tiny workspace
+            (132, 8, 1, 32, 1 << 17),          // context 1
+            (132, 100_000, 8192, 400_000, 1 << 17),
+        ] {
+            for bs in bs_list {
+                let (n, len) = attention_splits_v3(sms, work, ctx, bs, rows, cap);
+                let tag = format!("sms={sms} work={work} ctx={ctx} bs={bs} cap={cap}: {n} x {len}");
+                assert!(n >= 1 && len >= 1, "{tag}");
+                assert!(n * len >= ctx, "every key in a partition: {tag}");
+                assert!(
+                    (n - 1) * len < ctx,
+                    "no partition starts past max_ctx: {tag}"
+                );
+                assert!(
+                    n == 1 || n * rows <= cap,
+                    "partials fit the workspace: {tag}"
+                );
+                if cap / rows >= ctx.div_ceil((V3_BT_ENTRIES - 1) * bs) {
+                    // a partition of len keys spans len / bs blocks when aligned to blocks,
+                    // at most (len - 1) / bs + 2 otherwise
+                    let span = if bs % 16 == 0 {
+                        assert!(len % bs == 0, "block-aligned partitions: {tag}");
+                        len.div_ceil(bs)
+                    } else {
+                        (len - 1) / bs + 2
+                    };
+                    assert!(span <= V3_BT_ENTRIES, "block table in smem: {tag}");
+                }
+            }
+        }
+        // small batches spread over the device; long contexts are split even at large batch
+        let (n, len) = attention_splits_v3(132, 8, 8192, 16, 32, 1 << 17);
+        assert!(n >= 32 && len >= 128, "{n} x {len}");
+        assert_eq!(
+            attention_splits_v3(132, 1 << 20, 8192, 16, 1 << 22, 1 << 30).0,
+            1
+        );
+        assert!(attention_splits_v3(132, 1 << 20, 131072, 16, 1 << 22, 1 << 30).0 >= 16);
+    }
+
+    #[test]
+    fn variant_names_parse_and_v3_head_dims() {
+        for (s, v) in [
+            ("auto", AttnVariant::Auto),
+            ("v1", AttnVariant::V1),
+            ("V2", AttnVariant::V2),
+            (" v2narrow ", AttnVariant::V2Narrow),
+            ("v3", AttnVariant::V3),
+        ] {
+            assert_eq!(AttnVariant::parse(s), Some(v));
+        }
+        assert_eq!(AttnVariant::parse("v4"), None);
+        assert!(v3_supports(64) && v3_supports(128));
+        assert!(!v3_supports(96) && !v3_supports(256) && !v3_supports(16));
+        if std::env::var_os("PDNODE_ATTN_KERNEL").is_none() {
+            assert_eq!(auto_variant(128), AttnVariant::V3);
+            assert_eq!(auto_variant(64), AttnVariant::V3);
+            assert_eq!(auto_variant(256), AttnVariant::V2);
+            assert_eq!(auto_variant(96), AttnVariant::V1);
+        }
+    }
+
+    #[test]
+    fn v2_runs_the_usual_head_dims() {
+        assert_eq!(v2_dims_per_lane(128), Some(16));
+        assert_eq!(v2_dims_per_lane(256), Some(16));
+        assert_eq!(v2_dims_per_lane(64), Some(8));
+        assert_eq!(v2_dims_per_lane(16), Some(8));
+        assert_eq!(v2_dims_per_lane(96), None);
+        assert_eq!(v2_dims_per_lane(80), None);
+    }
+}

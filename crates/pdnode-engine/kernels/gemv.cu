@@ -59,3 +59,139 @@ GEMV_KERNEL(gemv_t1, 1)
 GEMV_KERNEL(gemv_t2, 2)
 GEMV_KERNEL(gemv_t4, 4)
 GEMV_KERNEL(gemv_t8, 8)
+
+// ---- gemv_mma: tensor-core skinny GEMM for decode (T <= 8 token rows) ----------------------------
+// Same contract as gemv_t*: y[t, o] (+)= sum_i w[o, i] * x[t, i], w bf16 [out, in], x bf16 [T, in],
+// in % 8 == 0, w and x 16-byte aligned; y f32 (accumulate != 0: y += result) or bf16.
+// One mma.sync m16n8k16 (bf16, f32 accumulate) multiplies 16 weight rows by the T (<= 8) tokens
+// (zero columns past T). The k order inside an mma is free as long as A and B agree, so each lane
+// reads whole 16-byte segments: lane (g = lane >> 2, c = lane & 3) loads segment c (elements
+// 8c .. 8c+7) of a 32-element chunk from rows g and g+8, and the same segment of x[token g]; the
+// first half of each uint4 feeds one mma, the second half a second mma (per PTX fragment layout:
+// a0 = (row g, k 2c,2c+1), a1 = (row g+8, ...), a2 = (row g, k 2c+8,+9), a3 = (row g+8, ...);
+// b0 = (k 2c,2c+1; n g), b1 = (k 2c+8,+9; n g); c0,c1 = (row g, n 2c,2c+1), c2,c3 = (row g+8, ...)).
+// A block owns 16*MT rows and its nw warps (blockDim.x = 32*nw, nw <= 16) split the chunks
+// (interleaved); each warp keeps U chunks of loads in flight (weights streamed past L1), then
+// the warps' partial sums are added in warp order through shared memory (deterministic).
+// No allocation, no host sync: capture-safe.
+
+// 16-byte load from an always-valid address (the caller clamps it), zeroed when `!ok` by a select
+// after the load, not a branch, so every load of an unrolled batch is issued before the first mma
+// waits. `stream`: weights, read once, not kept in L1.
+#define GM_LD(NAME, QUAL)                                                                         \
+    __device__ __forceinline__ uint4 NAME(const uint4* p, bool ok) {                              \
+        uint4 r;                                                                                  \
+        asm volatile("ld.global.nc" QUAL ".v4.u32 {%0, %1, %2, %3}, [%4];\n"                              \
+            : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)                                          \
+            : "l"(p));                                                                            \
+        r.x = ok ? r.x : 0u;                                                                      \
+        r.y = ok ? r.y : 0u;                                                                      \
+        r.z = ok ? r.z : 0u;                                                                      \
+        r.w = ok ? r.w : 0u;                                                                      \
+        return r;                                                                                 \
+    }
+GM_LD(gm_ld_stream, ".L1::no_allocate")
+GM_LD(gm_ld, "")
+
+__device__ __forceinline__ void gm_mma(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                       unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+#define GM_MAX_WARPS 16
+
+template <int MT, int U>
+__device__ void gemv_mma_impl(const bf16_t* __restrict__ w, const bf16_t* __restrict__ x,
+                              void* __restrict__ y, int T, int out, int in, int y_f32,
+                              int accumulate) {
+    __shared__ float red[GM_MAX_WARPS][MT * 4][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int nw = min((int)(blockDim.x >> 5), GM_MAX_WARPS);
+    const int g = lane >> 2, c = lane & 3;
+    const int row0 = blockIdx.x * (16 * MT);
+    const int nseg = in >> 3;          // 16-byte segments per row
+    const int nc = (nseg + 3) >> 2;    // 32-element chunks per row
+    const uint4* wp[MT][2];
+    bool wv[MT][2];
+#pragma unroll
+    for (int m = 0; m < MT; m++) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = row0 + m * 16 + g + 8 * h;
+            wv[m][h] = r < out;
+            wp[m][h] = (const uint4*)(w + (i64)(r < out ? r : 0) * in);
+        }
+    }
+    const bool xv = g < T;
+    const uint4* xp = (const uint4*)(x + (i64)(xv ? g : 0) * in);
+    float acc[MT][4];
+#pragma unroll
+    for (int m = 0; m < MT; m++) {
+#pragma unroll
+        for (int r = 0; r < 4; r++) acc[m][r] = 0.f;
+    }
+    if (warp < nw) {
+        for (int base = warp; base < nc; base += nw * U) {
+            uint4 a[U][MT][2];
+            uint4 b[U];
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                const int s = (base + u * nw) * 4 + c;
+                const bool ok = s < nseg;
+#pragma unroll
+                for (int m = 0; m < MT; m++) {
+#pragma unroll
+                    for (int h = 0; h < 2; h++)
+                        a[u][m][h] = gm_ld_stream(wp[m][h] + (ok ? s : 0), ok && wv[m][h]);
+                }
+                b[u] = gm_ld(xp + (ok ? s : 0), ok && xv);
+            }
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+#pragma unroll
+                for (int m = 0; m < MT; m++) {
+                    gm_mma(acc[m], a[u][m][0].x, a[u][m][1].x, a[u][m][0].y, a[u][m][1].y, b[u].x,
+                           b[u].y);
+                    gm_mma(acc[m], a[u][m][0].z, a[u][m][1].z, a[u][m][0].w, a[u][m][1].w, b[u].z,
+                           b[u].w);
+                }
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < MT; m++) {
+#pragma unroll
+            for (int r = 0; r < 4; r++) red[warp][m * 4 + r][lane] = acc[m][r];
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < MT * 4 * 32; e += blockDim.x) {
+        const int q = e >> 5, l = e & 31;
+        float s = 0.f;
+        for (int k = 0; k < nw; k++) s += red[k][q][l];
+        const int m = q >> 2, r = q & 3;
+        const int row = row0 + m * 16 + (l >> 2) + ((r & 2) ? 8 : 0);
+        const int col = 2 * (l & 3) + (r & 1);
+        if (row < out && col < T) {
+            const i64 k = (i64)col * out + row;
+            if (y_f32) {
+                float* yf = (float*)y;
+                yf[k] = accumulate ? yf[k] + s : s;
+            } else {
+                ((bf16_t*)y)[k] = f2bf(s);
+            }
+        }
+    }
+}
+
+#define GEMV_MMA_KERNEL(NAME, MT, U)                                                              \
+    extern "C" __global__ void __launch_bounds__(512, 1) NAME(const bf16_t* w, const bf16_t* x,      \
+                                                           void* y, int T, int out, int in,       \
+                                                           int y_f32, int accumulate) {           \
+        gemv_mma_impl<MT, U>(w, x, y, T, out, in, y_f32, accumulate);                            \
+    }
+
+GEMV_MMA_KERNEL(gemv_mma_m1, 1, 4)
+GEMV_MMA_KERNEL(gemv_mma_m2, 2, 2)

@@ -32,7 +32,7 @@ fn bench_llama31_8b_shapes() {
         .filter_map(|s| s.trim().parse().ok())
         .collect();
     let iters: usize = env_list("PDNODE_BENCH_ITERS", "20").parse().unwrap_or(20);
-    // e.g. "auto/auto,v2narrow/auto,v1/auto,auto/cublas" (attention/linear)
+    // e.g. "auto/auto,v2narrow/auto,v1/auto,auto/cublas,auto/mma" (attention/linear)
     let variants: Vec<(AttnVariant, LinearImpl)> = env_list("PDNODE_BENCH_VARIANTS", "auto/auto")
         .split(',')
         .filter_map(|v| {
@@ -45,12 +45,7 @@ fn bench_llama31_8b_shapes() {
                 "v3" => AttnVariant::V3,
                 _ => return None,
             };
-            let l = match l {
-                "auto" => LinearImpl::Auto,
-                "cublas" => LinearImpl::Cublas,
-                "gemv" => LinearImpl::Gemv,
-                _ => return None,
-            };
+            let l = LinearImpl::parse(l)?;
             Some((a, l))
         })
         .collect();
@@ -139,4 +134,66 @@ fn bench_decode_attention_kernel() {
         bad.is_empty(),
         "outputs differ from the first variant: {bad:?}"
     );
+}
+
+/// The linear layers of a Llama-3.1-8B decode step alone, per implementation and token count:
+/// weight bytes read per second against the copy ceiling, each output checked against cuBLAS,
+/// then the step's linear time (32 layers + lm_head) per implementation and for the best one
+/// per layer. `PDNODE_BENCH_LINEAR_TOKENS="1,2,4,8,16,32,64"`,
+/// `PDNODE_BENCH_LINEAR_IMPLS="mma,gemv,cublas,auto"`, `PDNODE_BENCH_ITERS`.
+#[test]
+#[ignore = "needs a CUDA GPU (about 4 GB free): run scripts/gpu/run-all.sh on the GPU host"]
+fn bench_linear_layers() {
+    let _gpu = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let tokens: Vec<usize> = env_list("PDNODE_BENCH_LINEAR_TOKENS", "1,2,4,8,16,32,64")
+        .split(',')
+        .filter_map(|s| s.trim().parse().ok())
+        .collect();
+    let impls: Vec<LinearImpl> = env_list("PDNODE_BENCH_LINEAR_IMPLS", "mma,gemv,cublas,auto")
+        .split(',')
+        .filter_map(LinearImpl::parse)
+        .collect();
+    let iters: usize = env_list("PDNODE_BENCH_ITERS", "20").parse().unwrap_or(20);
+    let (copy, rows, steps) = bench::run_linear(&tokens, &impls, iters.max(50), |r| {
+        eprintln!(
+            "LINEAR {} {:?} t={} us={:.1} GB/s={:.0} frac_of_copy={:.3} rel_to_cublas={:.1e}",
+            r.name, r.how, r.tokens, r.us, r.gbps, r.frac_of_copy, r.rel_to_cublas
+        )
+    })
+    .expect("linear benchmark");
+    println!(
+        "ceilings: HBM copy traffic {:.0} GB/s (read+write); Llama-3.1-8B linear layers alone",
+        copy / 1e9
+    );
+    println!(
+        "| layer | out x in | tokens | impl | us | weight GB/s | of copy ceiling | rel. diff vs cuBLAS |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    let mut bad = Vec::new();
+    for r in &rows {
+        println!(
+            "| {} | {}x{} | {} | {:?} | {:.1} | {:.0} | {:.2} | {:.1e} |",
+            r.name, r.out, r.inp, r.tokens, r.how, r.us, r.gbps, r.frac_of_copy, r.rel_to_cublas
+        );
+        if r.rel_to_cublas.is_nan() || r.rel_to_cublas > 1e-2 {
+            bad.push(format!("{} {:?} t={}", r.name, r.how, r.tokens));
+        }
+    }
+    println!(
+        "| decode step linears (32 layers + lm_head) | tokens | impl | ms | floor ms | ratio |"
+    );
+    println!("|---|---|---|---|---|---|");
+    for s in &steps {
+        let how = s
+            .how
+            .map_or("best per layer".to_string(), |h| format!("{h:?}"));
+        println!(
+            "| step linears | {} | {how} | {:.3} | {:.3} | {:.2} |",
+            s.tokens,
+            s.ms,
+            s.floor_ms,
+            s.floor_ms / s.ms
+        );
+    }
+    assert!(bad.is_empty(), "outputs differ from cuBLAS: {bad:?}");
 }

@@ -113,7 +113,7 @@ fn linear_gemv_and_cublas_agree_with_reference() {
                 })
                 .collect()
         };
-        for how in [LinearImpl::Gemv, LinearImpl::Cublas] {
+        for how in [LinearImpl::Gemv, LinearImpl::GemvMma, LinearImpl::Cublas] {
             let yb = poisoned(&g, t * out * 2);
             ops::linear(&g, out, t, inp, &dw, &dx, &yb, OutType::Bf16, false, how).unwrap();
             let e = rel_err(&g.download_bf16(&yb, t * out).unwrap(), &reference(false));
@@ -140,6 +140,139 @@ fn linear_gemv_and_cublas_agree_with_reference() {
         )
         .is_err()
     );
+}
+
+/// The tensor-core GEMV (and Auto, which picks it for <= 8 tokens) at every token count 1..=8 on
+/// odd shapes (rows not a multiple of 16 or 32, inputs not a multiple of 32, a single chunk), both
+/// kernel heights (32-row blocks need > 2 tokens and out / 32 >= SMs), bf16 and f32-accumulate
+/// outputs, each element within bf16 bounds of the host reference; bitwise deterministic.
+#[test]
+#[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
+fn linear_gemv_mma_every_token_count_and_odd_shapes() {
+    let g = gpu();
+    let mut r = rng("linear_mma");
+    let sms = g.sm_count as usize;
+    let tall = 32 * sms + 26; // 32-row blocks from 3 tokens on, a partial last block
+    let mut cases: Vec<(usize, usize, usize)> = Vec::new();
+    for t in 1..=8 {
+        for &(out, inp) in &[(200, 64), (77, 2056), (33, 8), (513, 1032), (tall, 264)] {
+            cases.push((out, t, inp));
+        }
+    }
+    cases.extend([(4096, 1, 4096), (6144, 3, 4096), (4096, 8, 14336)]);
+    for (out, t, inp) in cases {
+        let w = randv(&mut r, out * inp, 1.0);
+        let x = randv(&mut r, t * inp, 1.0);
+        let y0 = randv(&mut r, t * out, 1.0);
+        let (dw, dx) = (g.upload_bf16(&w).unwrap(), g.upload_bf16(&x).unwrap());
+        let dot: Vec<f32> = (0..t * out)
+            .map(|k| {
+                let (ti, o) = (k / out, k % out);
+                let (wr, xr) = (&w[o * inp..(o + 1) * inp], &x[ti * inp..(ti + 1) * inp]);
+                wr.iter()
+                    .zip(xr)
+                    .map(|(a, b)| (*a as f64) * (*b as f64))
+                    .sum::<f64>() as f32
+            })
+            .collect();
+        let scale = dot.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-3);
+        let launch = ops::mma_launch(sms, out, t, inp);
+        for how in [LinearImpl::GemvMma, LinearImpl::Auto] {
+            let yb = poisoned(&g, t * out * 2);
+            ops::linear(&g, out, t, inp, &dw, &dx, &yb, OutType::Bf16, false, how).unwrap();
+            let got = g.download_bf16(&yb, t * out).unwrap();
+            let e = rel_err(&got, &dot);
+            let worst = got
+                .iter()
+                .zip(&dot)
+                .map(|(a, b)| {
+                    if a.is_finite() {
+                        (a - b).abs()
+                    } else {
+                        f32::INFINITY
+                    }
+                })
+                .fold(0f32, f32::max);
+            let ok = e < 1e-2 && worst <= 1e-2 * scale + 1e-3;
+            println!(
+                "{} gemv_mma {how:?} bf16 out={out} t={t} in={inp} {launch:?}: rel {e:.1e} max abs {worst:.2e} (scale {scale:.1})",
+                if ok { "PASS" } else { "FAIL" }
+            );
+            assert!(ok, "{how:?} bf16 {out}x{t}x{inp}: rel {e}, max abs {worst}");
+            let yf = g.upload_f32(&y0).unwrap();
+            ops::linear(&g, out, t, inp, &dw, &dx, &yf, OutType::F32, true, how).unwrap();
+            let got = g.download_f32(&yf, t * out).unwrap();
+            let want: Vec<f32> = dot.iter().zip(&y0).map(|(d, y)| d + y).collect();
+            let e = rel_err(&got, &want);
+            let worst = got
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| {
+                    if a.is_finite() {
+                        (a - b).abs()
+                    } else {
+                        f32::INFINITY
+                    }
+                })
+                .fold(0f32, f32::max);
+            let ok = e < 1e-3 && worst <= 1e-3 * scale + 1e-3;
+            println!(
+                "{} gemv_mma {how:?} f32+= out={out} t={t} in={inp}: rel {e:.1e} max abs {worst:.2e}",
+                if ok { "PASS" } else { "FAIL" }
+            );
+            assert!(
+                ok,
+                "{how:?} f32 accumulate {out}x{t}x{inp}: rel {e}, max abs {worst}"
+            );
+        }
+        // same inputs, same bits (fixed-order split-K reduction)
+        let (ya, yb) = (poisoned(&g, t * out * 4), poisoned(&g, t * out * 4));
+        for y in [&ya, &yb] {
+            ops::linear(
+                &g,
+                out,
+                t,
+                inp,
+                &dw,
+                &dx,
+                y,
+                OutType::F32,
+                false,
+                LinearImpl::GemvMma,
+            )
+            .unwrap();
+        }
+        let (a, b) = (
+            g.download_f32(&ya, t * out).unwrap(),
+            g.download_f32(&yb, t * out).unwrap(),
+        );
+        assert!(
+            a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()),
+            "gemv_mma not deterministic at {out}x{t}x{inp}"
+        );
+    }
+    // shapes the kernel cannot take are typed errors, never launches
+    let (w, x, y) = (
+        g.alloc(1 << 16).unwrap(),
+        g.alloc(1 << 16).unwrap(),
+        g.alloc(1 << 16).unwrap(),
+    );
+    for (out, t, inp) in [(8, 9, 8), (8, 1, 12)] {
+        let res = ops::linear(
+            &g,
+            out,
+            t,
+            inp,
+            &w,
+            &x,
+            &y,
+            OutType::F32,
+            false,
+            LinearImpl::GemvMma,
+        );
+        assert!(res.is_err(), "gemv_mma accepted {out}x{t}x{inp}");
+    }
+    println!("PASS gemv_mma rejects 9 tokens and inp % 8 != 0");
 }
 
 #[test]

@@ -12,6 +12,9 @@
 # (engine.kv_staging_tokens): PREFILL_STAGING_TOKENS (default 16384 = 2 GiB) and
 # DECODE_STAGING_TOKENS (default 65536 = 8 GiB: decode holds a span from ReserveKv to Decode,
 # i.e. across prefill queueing); 0 on both = the per-request host-staging path, for comparison.
+# PD_MAX_BATCH_TOKENS (default 8192) sets the PD nodes' prefill chunk: with e.g. 512, each
+# chunk's finished KV blocks are pushed while the next chunks compute (the summary's
+# early_blocks), and transfer_us is only the part left after the prompt's last chunk.
 # usage: scripts/gpu/serve.sh [pd|colo|both]
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -67,7 +70,7 @@ backend = "cuda"
 gpus = [0]
 context_length = 4096
 block_size = 16
-max_batch_tokens = 8192
+max_batch_tokens = ${MAX_BATCH_TOKENS:-8192}
 max_running_requests = 64
 mem_fraction = 0.85
 ${ENGINE_EXTRA:-}
@@ -115,15 +118,18 @@ for line in open(sys.argv[1], errors="replace"):
     if "KV hand-off done" not in line:
         continue
     f = dict(re.findall(r'(\w+)=("[^"]*"|\S+)', line))
-    rows.append((int(f.get("bytes", 0)), int(f.get("transfer_us", 0)), f.get("via", "?").strip('"')))
+    rows.append((int(f.get("bytes", 0)), int(f.get("transfer_us", 0)), f.get("via", "?").strip('"'),
+                 int(f.get("early_blocks", 0)), int(f.get("blocks", 0))))
 print(f"KV hand-offs: {len(rows)}")
 for via in sorted({r[2] for r in rows}):
     sel = sorted(r for r in rows if r[2] == via)
     us = sorted(r[1] for r in sel)
     b = sum(r[0] for r in sel)
     p = lambda q: us[min(len(us) - 1, int(q * len(us)))]
+    early = sum(r[3] for r in sel) / max(1, sum(r[4] for r in sel))
     print(f"  via {via}: {len(sel)} requests, {b / len(sel) / 2**20:.1f} MiB mean, transfer_us p50 {p(0.5)} "
-          f"p90 {p(0.9)} max {us[-1]}, {b / max(1, sum(us)) / 1e3:.2f} GB/s (bytes / summed time)")
+          f"p90 {p(0.9)} max {us[-1]}, {b / max(1, sum(us)) / 1e3:.2f} GB/s (bytes / summed exposed time), "
+          f"{100 * early:.0f}% of blocks pushed before the last prefill chunk")
 for r in rows[:5]:
     print(f"  e.g. {r[0]} bytes in {r[1]} us via {r[2]}")
 PY
@@ -177,9 +183,11 @@ ucx_net_devices = \"lo\"
 ucx_tls = \"${PD_UCX_TLS:-}\"
 staging_mib = 4096"
     pdlog="info,pdnode_node::pd=debug"
-    { ENGINE_EXTRA="kv_staging_tokens = ${PREFILL_STAGING_TOKENS:-16384}" LOG_FILTER=$pdlog \
+    { MAX_BATCH_TOKENS=${PD_MAX_BATCH_TOKENS:-8192} \
+      ENGINE_EXTRA="kv_staging_tokens = ${PREFILL_STAGING_TOKENS:-16384}" LOG_FILTER=$pdlog \
         common prefill prefill-0 127.0.0.1:7001; echo "$reg"; echo "$xfer"; } > "$OUT/prefill.toml"
-    { ENGINE_EXTRA="kv_staging_tokens = ${DECODE_STAGING_TOKENS:-65536}" LOG_FILTER=$pdlog \
+    { MAX_BATCH_TOKENS=${PD_MAX_BATCH_TOKENS:-8192} \
+      ENGINE_EXTRA="kv_staging_tokens = ${DECODE_STAGING_TOKENS:-65536}" LOG_FILTER=$pdlog \
         common decode decode-0 127.0.0.1:7002; echo "$reg"; echo "$xfer"; } > "$OUT/decode.toml"
     cat > "$OUT/router.toml" <<T
 [node]

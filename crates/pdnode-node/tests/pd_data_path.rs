@@ -526,3 +526,37 @@ async fn no_arena_when_kv_staging_tokens_is_zero() {
     assert_clean(&p.node).await;
     assert_clean(&d.node).await;
 }
+
+/// Chunked prefill (8-token chunks of a 23-token prompt, 4-token blocks): the prefill engine
+/// gathers each chunk's finished blocks into the arena span as the chunk's step ends and the
+/// node puts them while the next chunks compute; the output still equals colocated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunked_prefill_pushes_finished_blocks_before_prefill_ends() {
+    // SAFETY (env): set before any UCX context exists in this test process.
+    unsafe { std::env::set_var("UCX_NET_DEVICES", "lo") };
+    let mut cfg = cpu_ucx_config();
+    cfg.engine.max_batch_tokens = 8;
+    cfg.engine.max_running_requests = 2;
+    let prompts: Vec<Vec<u32>> = (0..2).map(|i| cpu_prompt(i + 20)).collect();
+    let mut want = Vec::new();
+    for ids in &prompts {
+        want.push(colocated_tokens(&cfg, ids, 6).await);
+    }
+    let Some((p, d)) = pd_pair(&cfg) else { return };
+    let (a, b) = tokio::join!(
+        pd_request(&p, &d, 1, &prompts[0], 6),
+        pd_request(&p, &d, 2, &prompts[1], 6)
+    );
+    assert_eq!(a.0, want[0], "PD (overlapped push) differs from colocated");
+    assert_eq!(b.0, want[1], "PD (overlapped push) differs from colocated");
+    // Chunks end at 8 and 16 tokens: blocks 0..4 of each prompt go out before its last chunk.
+    assert_eq!(
+        p.node.overlapped_blocks(),
+        8,
+        "4 blocks per request pushed early"
+    );
+    assert_eq!(p.node.staging_counts(), (2, 0));
+    assert!(arena_free(&p) && arena_free(&d));
+    assert_clean(&p.node).await;
+    assert_clean(&d.node).await;
+}

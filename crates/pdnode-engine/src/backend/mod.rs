@@ -149,6 +149,17 @@ pub trait KvStaging {
         blocks: &[BlockId],
         offset: usize,
     ) -> Result<(), BackendError>;
+    /// As [`KvStaging::gather_kv_to_staging`] for part of a larger span: layer `layers.start + i`
+    /// of `blocks` goes to `offset + i * layer_stride` (`[layer][block]` with room for more
+    /// blocks per layer than `blocks`; a prefill fills its span chunk by chunk). `offset` and
+    /// `layer_stride` are multiples of 16.
+    fn gather_kv_layers_to_staging(
+        &mut self,
+        layers: Range<u32>,
+        blocks: &[BlockId],
+        offset: usize,
+        layer_stride: usize,
+    ) -> Result<(), BackendError>;
     /// The inverse: writes each rank's arena bytes at `offset` into those layers of `blocks`.
     fn scatter_kv_from_staging(
         &mut self,
@@ -252,6 +263,38 @@ pub fn check_kv_io(
     Ok(per_rank)
 }
 
+/// Checks a strided staging gather ([`KvStaging::gather_kv_layers_to_staging`]); returns the
+/// bytes per layer (`blocks.len()` layer-blocks).
+pub fn check_staging_strided(
+    layout: &KvLayout,
+    num_blocks: usize,
+    layers: &Range<u32>,
+    blocks: &[BlockId],
+    offset: usize,
+    layer_stride: usize,
+    arena_len: usize,
+) -> Result<usize, BackendError> {
+    let per_layer = blocks.len() * layout.block_layer_bytes();
+    let nl = layers.end.saturating_sub(layers.start) as usize;
+    check_kv_io(layout, num_blocks, layers, blocks, nl * per_layer, 1)?;
+    let end = (nl.saturating_sub(1))
+        .checked_mul(layer_stride)
+        .and_then(|x| x.checked_add(offset))
+        .and_then(|x| x.checked_add(per_layer));
+    if !offset.is_multiple_of(16)
+        || !layer_stride.is_multiple_of(16)
+        || layer_stride < per_layer
+        || end.is_none_or(|e| e > arena_len)
+    {
+        return Err(BackendError::StagingRange {
+            offset,
+            len: nl * per_layer,
+            arena: arena_len,
+        });
+    }
+    Ok(per_layer)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -298,5 +341,24 @@ mod tests {
             check_staging_io(&l, 4, &(1..3), &blocks, 0, 1 << 20),
             Err(BackendError::InvalidBatch { .. })
         ));
+    }
+
+    #[test]
+    fn strided_staging_is_bounded() {
+        let l = layout();
+        let lb = l.block_layer_bytes();
+        let blocks = [BlockId(1)];
+        // Two layers of one block each, in a span with room for 3 blocks per layer.
+        assert_eq!(
+            check_staging_strided(&l, 4, &(0..2), &blocks, 2 * lb, 3 * lb, 6 * lb).unwrap(),
+            lb
+        );
+        assert!(check_staging_strided(&l, 4, &(0..2), &blocks, 3 * lb, 3 * lb, 6 * lb).is_err());
+        assert!(
+            check_staging_strided(&l, 4, &(0..2), &[BlockId(1), BlockId(2)], 0, lb, 1 << 20)
+                .is_err()
+        );
+        assert!(check_staging_strided(&l, 4, &(0..2), &blocks, 8, 3 * lb, 1 << 20).is_err());
+        assert!(check_staging_strided(&l, 4, &(0..2), &blocks, 0, usize::MAX, 1 << 20).is_err());
     }
 }

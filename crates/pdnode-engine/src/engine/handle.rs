@@ -15,10 +15,20 @@ use tokio::sync::{mpsc as tmpsc, oneshot};
 
 pub(crate) type Reply<T> = oneshot::Sender<Result<T, EngineError>>;
 
+/// A prefill whose KV the loop gathers into a staging-arena span as it becomes final.
+pub(crate) struct StagedGather {
+    pub offset: usize,
+    /// Blocks per layer the span has room for (the prompt's blocks).
+    pub blocks: usize,
+    /// Leading blocks now in the span, after each gather.
+    pub ready: tmpsc::UnboundedSender<usize>,
+}
+
 pub(crate) enum Command {
     Add {
         req: GenerateRequest,
         tx: tmpsc::UnboundedSender<EngineEvent>,
+        staged: Option<StagedGather>,
     },
     AdmitTransferred {
         req: GenerateRequest,
@@ -201,8 +211,45 @@ impl EngineHandle {
         self.check(&req)?;
         let (tx, rx) = tmpsc::unbounded_channel();
         let id = req.id;
-        self.send(Command::Add { req, tx })?;
+        self.send(Command::Add {
+            req,
+            tx,
+            staged: None,
+        })?;
         Ok(RequestStream { id, rx })
+    }
+
+    /// Prefill-only: as [`EngineHandle::add_request`], and the loop gathers the prompt's KV into
+    /// every TP rank's staging arena span at `offset` (`[layer][block]`, room for `blocks`
+    /// blocks per layer: the prompt's) as it becomes final, so that it can be sent while the
+    /// prompt's later chunks compute: after each prefill chunk the whole blocks it completed,
+    /// after the last chunk the rest. After each gather the count of leading blocks now in the
+    /// span arrives on the returned receiver, which closes when the request leaves the loop
+    /// (after `PrefillDone`, or on abort). A failed gather stops the counts short of `blocks`:
+    /// the caller then gathers the rest itself ([`EngineHandle::gather_kv`]).
+    pub fn add_request_staged(
+        &self,
+        req: GenerateRequest,
+        offset: usize,
+        blocks: usize,
+    ) -> Result<(RequestStream, tmpsc::UnboundedReceiver<usize>), EngineError> {
+        if self.is_draining() {
+            return Err(EngineError::Draining);
+        }
+        self.check(&req)?;
+        let (tx, rx) = tmpsc::unbounded_channel();
+        let (ready, ready_rx) = tmpsc::unbounded_channel();
+        let id = req.id;
+        self.send(Command::Add {
+            req,
+            tx,
+            staged: Some(StagedGather {
+                offset,
+                blocks,
+                ready,
+            }),
+        })?;
+        Ok((RequestStream { id, rx }, ready_rx))
     }
 
     /// Decode side: reserves KV blocks for a prompt of `prompt_len` tokens under the request's

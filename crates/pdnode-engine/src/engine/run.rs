@@ -1,6 +1,6 @@
 //! The loop itself (see the module docs of [`crate::engine`]).
 
-use super::handle::{Command, EngineHandle};
+use super::handle::{Command, EngineHandle, StagedGather};
 use super::{EngineError, EngineEvent, EngineInfo, EngineLoopConfig, EngineStats};
 use crate::backend::{Backend, KvMemory, KvRegion};
 use crate::sampling::{OutputAssembler, SamplerState, SamplingError, SequenceSampler};
@@ -117,6 +117,9 @@ struct Active {
     out: OutputAssembler,
     prompt_len: usize,
     generated: usize,
+    /// Prefill-only: the staging span its KV goes to as it becomes final, and how many leading
+    /// blocks are in it.
+    staged: Option<(StagedGather, usize)>,
 }
 
 struct Loop {
@@ -270,13 +273,14 @@ impl Loop {
             out,
             prompt_len: prompt.len(),
             generated: 0,
+            staged: None,
         })
     }
 
     /// Handles one command; false means stop.
     fn handle(&mut self, cmd: Command) -> bool {
         match cmd {
-            Command::Add { req, tx } => {
+            Command::Add { req, tx, staged } => {
                 let id = req.id;
                 let queued = self.sched.stats().waiting;
                 let r = if queued >= self.cfg.max_queued_requests {
@@ -290,8 +294,11 @@ impl Loop {
                     })
                 };
                 match r {
-                    Ok(a) => {
+                    Ok(mut a) => {
                         self.stats.prompt_tokens_total += a.prompt_len as u64;
+                        a.staged = staged
+                            .filter(|_| self.cfg.mode == Mode::PrefillOnly)
+                            .map(|g| (g, 0));
                         self.active.insert(id, a);
                     }
                     Err(error) => {
@@ -499,6 +506,9 @@ impl Loop {
         };
         self.stats.steps_total += 1;
         let prefill_only = self.cfg.mode == Mode::PrefillOnly;
+        if prefill_only {
+            self.gather_staged(&plan);
+        }
         let mut outputs = Vec::with_capacity(want);
         let mut pending: HashMap<RequestId, (Option<TokenLogprob>, String)> = HashMap::new();
         for (row, s) in plan.seqs.iter().filter(|s| s.want_logits).enumerate() {
@@ -592,6 +602,55 @@ impl Loop {
             }
         }
         true
+    }
+
+    /// After a step: each staged prefill's blocks that became final (every whole block below
+    /// the chunk's end; all of them after the last chunk) go to its arena span, and the count is
+    /// reported. A failed gather ends the staging of that request (logged); its count stays short.
+    fn gather_staged(&mut self, plan: &crate::scheduler::StepPlan) {
+        let layout = self.backend.kv_layout();
+        let (bs, lb, layers) = (
+            layout.block_size.max(1) as usize,
+            layout.block_layer_bytes(),
+            layout.num_layers,
+        );
+        for s in &plan.seqs {
+            let Some(a) = self.active.get_mut(&s.id) else {
+                continue;
+            };
+            let Some((g, sent)) = a.staged.as_mut() else {
+                continue;
+            };
+            let end = s.start_pos + s.tokens.len();
+            let done = if end >= a.prompt_len {
+                g.blocks
+            } else {
+                end / bs
+            };
+            let done = done.min(g.blocks).min(s.block_table.len());
+            if done <= *sent {
+                continue;
+            }
+            let r = match self.backend.kv_staging() {
+                Some(st) => st.gather_kv_layers_to_staging(
+                    0..layers,
+                    &s.block_table[*sent..done],
+                    g.offset + *sent * lb,
+                    g.blocks * lb,
+                ),
+                None => Err(crate::backend::BackendError::NoStaging),
+            };
+            match r {
+                Ok(()) => {
+                    *sent = done;
+                    let _ = g.ready.send(done);
+                }
+                Err(e) => {
+                    tracing::warn!(request = %s.id, error = %e, "staged KV gather failed; the hand-off gathers after prefill");
+                    a.staged = None;
+                }
+            }
+        }
     }
 
     fn fail_all(&mut self, plan: &crate::scheduler::StepPlan, message: &str) {

@@ -16,6 +16,7 @@
 
 use super::arena::{ArenaSlice, StagingArena};
 use super::kv::{KvMover, copy_out, put_ranks};
+use super::overlap::OverlapPush;
 use futures::future::BoxFuture;
 use pdnode_core::error::{Classify, ErrorKind};
 use pdnode_core::request::GenerateRequest;
@@ -64,6 +65,8 @@ pub struct PdNode {
     /// Hand-offs (prefill: pushes; decode: reservations) through the arena and through the host.
     via_arena: AtomicU64,
     via_host: AtomicU64,
+    /// Blocks pushed while the prompt's later chunks were still computing (prefill node).
+    early_blocks: AtomicU64,
 }
 
 fn nerr(kind: ErrorKind, msg: impl Into<String>) -> NodeError {
@@ -106,6 +109,7 @@ impl PdNode {
             fallback_logged: AtomicBool::new(false),
             via_arena: AtomicU64::new(0),
             via_host: AtomicU64::new(0),
+            early_blocks: AtomicU64::new(0),
         })
     }
 
@@ -121,6 +125,11 @@ impl PdNode {
             self.via_arena.load(Ordering::Relaxed),
             self.via_host.load(Ordering::Relaxed),
         )
+    }
+
+    /// Blocks (per layer) this prefill node pushed while later prefill chunks were computing.
+    pub fn overlapped_blocks(&self) -> u64 {
+        self.early_blocks.load(Ordering::Relaxed)
     }
 
     fn tp_ranks(&self) -> usize {
@@ -322,16 +331,42 @@ impl PdNode {
             return Err(nerr(ErrorKind::InvalidRequest, m.to_string()));
         }
         let started = Instant::now();
-        let mut stream = self
-            .engine
-            .add_request(GenerateRequest {
-                id,
-                prompt_token_ids: req.prompt_token_ids.clone(),
-                sampling: req.sampling.clone(),
-            })
-            .map_err(|e| eerr(&e))?;
+        let deadline = (started + self.lease).max(Instant::now() + Duration::from_secs(1));
+        let failed = |m: String| nerr(ErrorKind::Retryable, format!("KV hand-off of {id}: {m}"));
+        let mut overlap = self.start_overlap(&target).map_err(failed)?;
+        let greq = GenerateRequest {
+            id,
+            prompt_token_ids: req.prompt_token_ids.clone(),
+            sampling: req.sampling.clone(),
+        };
+        let (mut stream, mut ready) = match &overlap {
+            Some(o) => {
+                let (s, r) = self
+                    .engine
+                    .add_request_staged(greq, o.offset(), o.blocks())
+                    .map_err(|e| eerr(&e))?;
+                (s, Some(r))
+            }
+            None => (self.engine.add_request(greq).map_err(|e| eerr(&e))?, None),
+        };
         let (first, logprob, finish, blocks) = loop {
-            match stream.next().await {
+            let ev = tokio::select! {
+                biased;
+                u = async {
+                    match ready.as_mut() {
+                        Some(r) => r.recv().await,
+                        None => std::future::pending().await,
+                    }
+                } => {
+                    match (u, overlap.as_mut()) {
+                        (Some(u), Some(o)) => o.ready(u).map_err(failed)?,
+                        _ => ready = None,
+                    }
+                    continue;
+                }
+                ev = stream.next() => ev,
+            };
+            match ev {
                 Some(EngineEvent::PrefillDone {
                     first_token,
                     logprob,
@@ -363,7 +398,13 @@ impl PdNode {
                 transfer_us: 0,
             });
         }
-        let result = self.push(id, &target, blocks.len(), started).await;
+        let (result, early) = match overlap.take() {
+            Some(o) => {
+                self.finish_overlap(id, o, ready, blocks.len(), deadline)
+                    .await
+            }
+            None => (self.push(id, &target, blocks.len(), started).await, 0),
+        };
         let released = self.engine.release_transfer(id).await;
         let (bytes, us, via_arena) = result?;
         released.map_err(|e| eerr(&e))?;
@@ -372,6 +413,8 @@ impl PdNode {
             bytes,
             transfer_us = us,
             via = if via_arena { "arena" } else { "host" },
+            early_blocks = early,
+            blocks = blocks.len(),
             gbps = %format_args!("{:.2}", bytes as f64 / (us.max(1) as f64 * 1e3)),
             "KV hand-off done"
         );
@@ -383,6 +426,64 @@ impl PdNode {
             transfer_bytes: bytes,
             transfer_us: us,
         })
+    }
+
+    /// The overlapped push (`super::overlap`) when this node and the target allow it: a UCX
+    /// mover, an arena of the engine's rank count facing the same number of rank regions (of
+    /// device memory when the arena is), and room in it. `Ok(None)`: push after prefill.
+    fn start_overlap(&self, target: &v1::KvTarget) -> Result<Option<OverlapPush>, String> {
+        let ranks = self.tp_ranks();
+        let (KvMover::Ucx(t), Some(arena)) = (&self.mover, self.arena.as_ref()) else {
+            return Ok(None);
+        };
+        if arena.ranks() != ranks
+            || target.ranks.len() != ranks
+            || (arena.is_device() && !target.ranks.iter().all(|r| r.device_memory))
+        {
+            return Ok(None);
+        }
+        OverlapPush::start(t, arena, target, self.layout(), target.block_ids.len())
+    }
+
+    /// After `PrefillDone`: the engine's last counts, the rest of the puts and the flush.
+    /// Returns what [`PdNode::push`] does, and how many blocks went out before the last
+    /// chunk's step (the part hidden behind the forward pass).
+    async fn finish_overlap(
+        &self,
+        id: RequestId,
+        mut o: OverlapPush,
+        ready: Option<tokio::sync::mpsc::UnboundedReceiver<usize>>,
+        ours: usize,
+        deadline: Instant,
+    ) -> (Result<(u64, u64, bool), NodeError>, usize) {
+        let t0 = Instant::now();
+        let fail = |m: String| nerr(ErrorKind::Retryable, format!("KV hand-off of {id}: {m}"));
+        if ours != o.blocks() {
+            let m = format!(
+                "decode reserved {} blocks for {id}, prefill holds {ours}",
+                o.blocks()
+            );
+            return (Err(nerr(ErrorKind::Internal, m)), 0);
+        }
+        if let Some(mut r) = ready {
+            // The loop drops the sender when the request leaves it (it just did).
+            while let Ok(Some(u)) = tokio::time::timeout_at(deadline.into(), r.recv()).await {
+                if let Err(m) = o.ready(u) {
+                    return (Err(fail(m)), 0);
+                }
+            }
+        }
+        let early = o.sent_early;
+        self.early_blocks.fetch_add(early as u64, Ordering::Relaxed);
+        let r = o
+            .finish(&self.engine, id, deadline)
+            .await
+            .map(|bytes| {
+                self.via_arena.fetch_add(1, Ordering::Relaxed);
+                (bytes, t0.elapsed().as_micros() as u64, true)
+            })
+            .map_err(fail);
+        (r, early)
     }
 
     async fn push(

@@ -17,6 +17,7 @@ mod colocated;
 mod kv;
 mod local;
 mod mock_tok;
+mod overlap;
 mod tokenize;
 pub mod wire;
 

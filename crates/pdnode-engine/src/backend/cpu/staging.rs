@@ -5,7 +5,9 @@
 //! `write_kv`, straight into and out of the arena.
 
 use super::CpuBackend;
-use crate::backend::{Backend, BackendError, KvRegion, KvStaging, MemKind, check_staging_io};
+use crate::backend::{
+    Backend, BackendError, KvRegion, KvStaging, MemKind, check_staging_io, check_staging_strided,
+};
 use pdnode_core::BlockId;
 use std::any::Any;
 use std::ops::Range;
@@ -100,6 +102,33 @@ impl KvStaging for CpuBackend {
         self.read_kv(layers, blocks, out)
     }
 
+    fn gather_kv_layers_to_staging(
+        &mut self,
+        layers: Range<u32>,
+        blocks: &[BlockId],
+        offset: usize,
+        layer_stride: usize,
+    ) -> Result<(), BackendError> {
+        let (ptr, len) = self.arena()?;
+        let per_layer = check_staging_strided(
+            &self.layout,
+            self.dims.num_blocks,
+            &layers,
+            blocks,
+            offset,
+            layer_stride,
+            len,
+        )?;
+        for (i, layer) in layers.enumerate() {
+            let at = offset + i * layer_stride;
+            // SAFETY: `at + per_layer <= len` for every layer (check_staging_strided); the
+            // arena is valid and this span unshared (HostArena::new), and it is not the pool.
+            let out = unsafe { std::slice::from_raw_parts_mut(ptr.add(at), per_layer) };
+            self.read_kv(layer..layer + 1, blocks, out)?;
+        }
+        Ok(())
+    }
+
     fn scatter_kv_from_staging(
         &mut self,
         layers: Range<u32>,
@@ -163,7 +192,7 @@ mod tests {
         be.read_kv(0..layers, &table, &mut want).unwrap();
         assert!(want.iter().any(|b| *b != 0));
 
-        let len = 2 * STAGING_ALIGN + per;
+        let len = 2 * STAGING_ALIGN + 2 * per;
         let mut mem = vec![0u8; len].into_boxed_slice();
         let ptr = mem.as_mut_ptr();
         let owner: Arc<dyn Any + Send + Sync> = Arc::new(std::sync::Mutex::new(mem));
@@ -179,6 +208,22 @@ mod tests {
         let got = unsafe { std::slice::from_raw_parts(ptr.add(STAGING_ALIGN), per) };
         assert_eq!(got, &want[..]);
 
+        // The same span filled in two parts (blocks 0..2, then 2..3, layer by layer).
+        let lb = be.kv_layout().block_layer_bytes();
+        let stride = table.len() * lb;
+        let s = be.kv_staging().unwrap();
+        s.gather_kv_layers_to_staging(0..layers, &table[..2], STAGING_ALIGN + per, stride)
+            .unwrap();
+        s.gather_kv_layers_to_staging(0..layers, &table[2..], STAGING_ALIGN + per + 2 * lb, stride)
+            .unwrap();
+        // SAFETY: as above.
+        let parts = unsafe { std::slice::from_raw_parts(ptr.add(STAGING_ALIGN + per), per) };
+        assert_eq!(
+            parts,
+            &want[..],
+            "strided gather fills the span like one gather"
+        );
+
         // Scatter into other blocks: they read back equal.
         let other = [BlockId(0), BlockId(2), BlockId(9)];
         let s = be.kv_staging().unwrap();
@@ -191,7 +236,7 @@ mod tests {
         // Out of the arena, misaligned, or a block outside the pool: typed errors.
         let s = be.kv_staging().unwrap();
         assert!(matches!(
-            s.gather_kv_to_staging(0..layers, &table, 2 * STAGING_ALIGN + 256),
+            s.gather_kv_to_staging(0..layers, &table, 2 * STAGING_ALIGN + per + 256),
             Err(BackendError::StagingRange { .. })
         ));
         assert!(matches!(

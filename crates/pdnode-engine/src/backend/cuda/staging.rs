@@ -8,7 +8,9 @@
 use super::super::CudaError;
 use super::super::tp::CudaTpBackend;
 use super::CudaBackend;
-use crate::backend::{BackendError, KvRegion, KvStaging, MemKind, check_staging_io};
+use crate::backend::{
+    BackendError, KvRegion, KvStaging, MemKind, check_staging_io, check_staging_strided,
+};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use pdnode_core::BlockId;
 use std::ops::Range;
@@ -58,7 +60,6 @@ impl CudaBackend {
         blocks: &[BlockId],
         offset: usize,
     ) -> Result<(), BackendError> {
-        const OP: &str = "kv_staging_copy";
         let arena = self.staging.as_ref().ok_or(BackendError::NoStaging)?;
         let n = check_staging_io(
             &self.layout,
@@ -71,17 +72,57 @@ impl CudaBackend {
         if n == 0 {
             return Ok(());
         }
+        self.staging_launch(gather, &[(layers.clone(), offset)], blocks)
+    }
+
+    /// `kv_gather` of each layer of `layers` into `offset + i * layer_stride`, then one
+    /// synchronize.
+    fn staging_gather_strided(
+        &self,
+        layers: &Range<u32>,
+        blocks: &[BlockId],
+        offset: usize,
+        layer_stride: usize,
+    ) -> Result<(), BackendError> {
+        let arena = self.staging.as_ref().ok_or(BackendError::NoStaging)?;
+        let per_layer = check_staging_strided(
+            &self.layout,
+            self.num_blocks,
+            layers,
+            blocks,
+            offset,
+            layer_stride,
+            arena.bytes(),
+        )?;
+        if per_layer == 0 {
+            return Ok(());
+        }
+        let parts: Vec<(Range<u32>, usize)> = layers
+            .clone()
+            .enumerate()
+            .map(|(i, l)| (l..l + 1, offset + i * layer_stride))
+            .collect();
+        self.staging_launch(true, &parts, blocks)
+    }
+
+    /// For each `(layers, offset)` of `parts` (checked by the caller against the arena), one
+    /// launch between the pool and the arena at `offset`; then a stream synchronize.
+    fn staging_launch(
+        &self,
+        gather: bool,
+        parts: &[(Range<u32>, usize)],
+        blocks: &[BlockId],
+    ) -> Result<(), BackendError> {
+        const OP: &str = "kv_staging_copy";
+        let arena = self.staging.as_ref().ok_or(BackendError::NoStaging)?;
         let lb = self.layout.block_layer_bytes();
-        if !lb.is_multiple_of(16) {
+        if !lb.is_multiple_of(16) || parts.iter().any(|(_, o)| !o.is_multiple_of(16)) {
             return Err(BackendError::InvalidBatch {
-                reason: format!("layer-block of {lb} bytes is not a multiple of 16"),
+                reason: format!(
+                    "layer-block of {lb} bytes or a staging offset is not a multiple of 16"
+                ),
             });
         }
-        let nlayers = (layers.end - layers.start) as usize;
-        let grid =
-            u32::try_from(nlayers * blocks.len()).map_err(|_| BackendError::InvalidBatch {
-                reason: format!("{nlayers} x {} layer-blocks exceed a grid", blocks.len()),
-            })?;
         self.gpu.bind()?;
         let ids: Vec<i32> = blocks.iter().map(|b| b.0 as i32).collect();
         let idbuf = self.gpu.alloc(ids.len() * 4)?;
@@ -89,31 +130,41 @@ impl CudaBackend {
         let f = self
             .gpu
             .kernel(if gather { "kv_gather" } else { "kv_scatter" })?;
-        let (dst, idp) = (arena.at(offset), idbuf.ptr());
-        let (nb, l0, numb, lbv) = (
+        let idp = idbuf.ptr();
+        let (nb, numb, lbv) = (
             blocks.len() as i32,
-            layers.start as i32,
             self.num_blocks as i32,
             (lb / 16) as i64,
         );
-        let mut b = self.gpu.stream.launch_builder(f);
-        b.arg(self.pool.ptr_ref())
-            .arg(&dst)
-            .arg(&idp)
-            .arg(&nb)
-            .arg(&l0)
-            .arg(&numb)
-            .arg(&lbv);
-        let cfg = LaunchConfig {
-            grid_dim: (grid, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: the pool holds `num_blocks` blocks of every layer and each id is below
-        // `num_blocks` (check_staging_io); the arena span `offset..offset + n` is inside the
-        // allocation and 16-byte aligned (checked); `idbuf` holds `blocks.len()` ids and lives
-        // until the synchronize below.
-        unsafe { b.launch(cfg) }.map_err(super::super::drv(OP))?;
+        for (layers, offset) in parts {
+            let nlayers = (layers.end - layers.start) as usize;
+            let grid =
+                u32::try_from(nlayers * blocks.len()).map_err(|_| BackendError::InvalidBatch {
+                    reason: format!("{nlayers} x {} layer-blocks exceed a grid", blocks.len()),
+                })?;
+            if grid == 0 {
+                continue;
+            }
+            let (dst, l0) = (arena.at(*offset), layers.start as i32);
+            let mut b = self.gpu.stream.launch_builder(f);
+            b.arg(self.pool.ptr_ref())
+                .arg(&dst)
+                .arg(&idp)
+                .arg(&nb)
+                .arg(&l0)
+                .arg(&numb)
+                .arg(&lbv);
+            let cfg = LaunchConfig {
+                grid_dim: (grid, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: the pool holds `num_blocks` blocks of every layer and each id is below
+            // `num_blocks`; the arena span of this part is inside the allocation and 16-byte
+            // aligned (checked by the callers, check_staging_io / check_staging_strided, and
+            // above); `idbuf` holds `blocks.len()` ids and lives until the synchronize below.
+            unsafe { b.launch(cfg) }.map_err(super::super::drv(OP))?;
+        }
         self.gpu.sync()?;
         Ok(())
     }
@@ -131,6 +182,16 @@ impl KvStaging for CudaBackend {
         offset: usize,
     ) -> Result<(), BackendError> {
         self.staging_copy(true, &layers, blocks, offset)
+    }
+
+    fn gather_kv_layers_to_staging(
+        &mut self,
+        layers: Range<u32>,
+        blocks: &[BlockId],
+        offset: usize,
+        layer_stride: usize,
+    ) -> Result<(), BackendError> {
+        self.staging_gather_strided(&layers, blocks, offset, layer_stride)
     }
 
     fn scatter_kv_from_staging(
@@ -183,6 +244,23 @@ impl KvStaging for CudaTpBackend {
         offset: usize,
     ) -> Result<(), BackendError> {
         self.staging_fan_out(true, layers, blocks, offset)
+    }
+
+    fn gather_kv_layers_to_staging(
+        &mut self,
+        layers: Range<u32>,
+        blocks: &[BlockId],
+        offset: usize,
+        layer_stride: usize,
+    ) -> Result<(), BackendError> {
+        if self.staging.is_empty() {
+            return Err(BackendError::NoStaging);
+        }
+        let blocks = Arc::new(blocks.to_vec());
+        self.on_each_rank(move |be: &mut CudaBackend| {
+            be.staging_gather_strided(&layers, &blocks, offset, layer_stride)
+        })
+        .map(|_| ())
     }
 
     fn scatter_kv_from_staging(

@@ -8,7 +8,7 @@ use super::blas::{OutType, gemm};
 use super::device::Gpu;
 use super::ops;
 use super::prefill::{self, LongSeq, PrefillAttn, PrefillScratch};
-use crate::backend::{Backend, BackendError, ForwardBatch, SeqStep};
+use crate::backend::{Backend, BackendError, ForwardBatch, LogitsWant, SeqStep, StepLogits};
 
 use crate::spec::{Arch, ModelSpec, RopeScaling};
 use pdnode_core::BlockId;
@@ -291,6 +291,30 @@ pub fn run_variants(
             };
             report(&row);
             rows.push(row);
+            // what the engine's step does (Backend::forward_select): the full rows into a
+            // buffer reused across steps, then the greedy case (arg-max on the device, one id
+            // per row copied)
+            for (want, what) in [
+                (LogitsWant::Full, "decode+logits D2H reused"),
+                (LogitsWant::Argmax, "decode+argmax D2H"),
+            ] {
+                let wants = vec![want; batch];
+                let mut out = StepLogits::default();
+                be.forward_select(&fb, &wants, &mut out).map_err(err)?;
+                let t0 = Instant::now();
+                for _ in 0..iters.min(5) {
+                    be.forward_select(&fb, &wants, &mut out).map_err(err)?;
+                }
+                let row = BenchRow {
+                    what: format!("{what}{tag}"),
+                    batch,
+                    ctx,
+                    ms: t0.elapsed().as_secs_f64() / iters.min(5) as f64 * 1e3,
+                    floor_ms: bytes / ceil.hbm_traffic_bps * 1e3,
+                };
+                report(&row);
+                rows.push(row);
+            }
         }
     }
     be.set_kernels(variants[0].0, variants[0].1);

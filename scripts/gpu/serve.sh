@@ -15,6 +15,8 @@
 # PD_MAX_BATCH_TOKENS (default 8192) sets the PD nodes' prefill chunk: with e.g. 512, each
 # chunk's finished KV blocks are pushed while the next chunks compute (the summary's
 # early_blocks), and transfer_us is only the part left after the prompt's last chunk.
+# PD_TTFT=0 skips the 4 x 4000-token TTFT probe, PD_BENCH=0 the load bench, GREEDY=0 the
+# greedy comparison (scripts/gpu/overlap.sh uses them).
 # usage: scripts/gpu/serve.sh [pd|colo|both]
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -99,6 +101,25 @@ for n in (8, 300, 1500, 3500):
     print(n, c.get("finish_reason"), r.get("usage", {}).get("completion_tokens"), json.dumps(c["text"]))
 PY
     echo "greedy $1: rc=$? $(wc -l < "$OUT/greedy.$1.txt") prompts"
+}
+# Time to first token of 4 sequential 4000-token prompts (distinct: no prefix-cache hits),
+# max_tokens 1, into $OUT/ttft.txt (ms per request, then the median).
+ttft() { # url
+    python3 - "$1" > "$OUT/ttft.txt" 2>&1 <<'PY'
+import json, sys, time, urllib.request
+ms = []
+for k in range(4):
+    prompt = " ".join(f"w{(i * 104729 + 7 * k + 1) % 100000}" for i in range(4000))
+    body = {"model": "llama-3.1-8b", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    req = urllib.request.Request(sys.argv[1] + "/v1/completions", json.dumps(body).encode(),
+                                 {"content-type": "application/json"})
+    t = time.time()
+    json.load(urllib.request.urlopen(req, timeout=120))
+    ms.append((time.time() - t) * 1e3)
+    print(f"request {k}: {ms[-1]:.1f} ms")
+print(f"ttft_ms_median {sorted(ms)[len(ms) // 2]:.1f}")
+PY
+    cat "$OUT/ttft.txt"
 }
 check_greedy() {
     if [ -s "$OUT/greedy.pd.txt" ] && cmp -s "$OUT/greedy.pd.txt" "$OUT/greedy.colo.txt"; then
@@ -226,14 +247,15 @@ T
     [ $ok = 1 ] || { echo "PD never answered"; curl -s http://127.0.0.1:8000/v1/models; tail -5 "$OUT"/prefill.log "$OUT"/decode.log "$OUT"/router.log; }
     cat "$OUT/pd.probe.json"; echo
     grep -hE "KV staging arena|no KV staging|cannot register" "$OUT/prefill.log" "$OUT/decode.log" | head -6
-    greedy pd http://127.0.0.1:8000
-    bench pd http://127.0.0.1:8000
+    [ "${GREEDY:-1}" = 1 ] && greedy pd http://127.0.0.1:8000
+    [ "${PD_TTFT:-1}" = 1 ] && ttft http://127.0.0.1:8000
+    [ "${PD_BENCH:-1}" = 1 ] && bench pd http://127.0.0.1:8000
     handoffs | tee "$OUT/pd.handoffs.txt"
     curl -s http://127.0.0.1:8000/metrics > "$OUT/pd.router.metrics" 2>&1
     grep -E '^pdnode_transfer' "$OUT/pd.router.metrics" | head -20
     nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv >> "$OUT/nvidia-smi.csv" 2>&1
     stop_all
-    if [ "$WHAT" = pd ]; then
+    if [ "$WHAT" = pd ] && [ "${GREEDY:-1}" = 1 ]; then
         echo "== colocated replica on GPU0 for the greedy comparison"
         start_colo 0
         wait_colo 0
@@ -247,7 +269,7 @@ if [ "$WHAT" != pd ]; then
     echo "== colocated: role all + engine.colocated, one replica per GPU (the bench's concurrency split)"
     for g in 0 1; do start_colo $g; done
     for g in 0 1; do wait_colo $g; done
-    if [ "$WHAT" = both ]; then
+    if [ "$WHAT" = both ] && [ "${GREEDY:-1}" = 1 ]; then
         greedy colo http://127.0.0.1:8100
         check_greedy
     fi

@@ -297,3 +297,229 @@ fn tp2_graph_replay_matches_eager() {
     assert!(eager.graph_stats().unwrap().iter().all(|s| s.replays == 0));
     println!("GRAPH tp2: PASS");
 }
+
+// ---- greedy rows reduced to their arg-max on the device (Backend::forward_select) -------------
+
+/// The `argmax_rows` kernel against `sampling::argmax` on crafted rows of a 128k vocabulary:
+/// bf16-rounded values (many ties at the top), the maximum first or last, NaN and -inf
+/// sprinkled, rows of only NaN / -inf, +inf twice, all equal, -0 against +0. Exact ids.
+#[test]
+#[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
+fn device_argmax_matches_host_argmax_on_crafted_rows() {
+    let mut rng = rng("device_argmax");
+    let spec = ModelSpec {
+        vocab_size: 128_256,
+        ..tiny_spec(false, false)
+    };
+    let w = tiny_weights(&spec, &mut rng);
+    let mut be = CudaBackend::new(&spec, &w, &opts(1, false), "test".into()).unwrap();
+    let v = spec.vocab_size;
+    let (nan, inf) = (f32::NAN, f32::INFINITY);
+    let mut rows: Vec<Vec<f32>> = Vec::new();
+    for k in 0..40 {
+        // coarse values: bf16 of [-8, 8) has few distinct values near the top
+        let mut r: Vec<f32> = (0..v)
+            .map(|_| half::bf16::from_f32(rng.random_range(-8.0..8.0)).to_f32())
+            .collect();
+        match k % 8 {
+            1 => r[v - 1] = 100.0,
+            2 => r[0] = 100.0,
+            3 => r.iter_mut().step_by(7).for_each(|x| *x = nan),
+            4 => r.iter_mut().step_by(5).for_each(|x| *x = -inf),
+            5 => {
+                r[1000] = inf;
+                r[77] = inf;
+            }
+            6 => {
+                let m = rng.random_range(0..v);
+                r[m] = 9.0;
+                r[v - 2] = 9.0;
+            }
+            _ => {}
+        }
+        rows.push(r);
+    }
+    rows.push(
+        (0..v)
+            .map(|i| if i % 2 == 0 { nan } else { -inf })
+            .collect(),
+    );
+    rows.push(vec![nan; v]);
+    rows.push(vec![1.25; v]);
+    let mut r = vec![-1.0; v];
+    r[500] = -0.0;
+    r[300] = 0.0;
+    rows.push(r);
+    let mut r = vec![-inf; v];
+    r[v - 1] = -3.0e38;
+    rows.push(r);
+    let flat: Vec<f32> = rows.iter().flatten().copied().collect();
+    let got = be.device_argmax(&flat).unwrap();
+    assert_eq!(got.len(), rows.len());
+    let mut ties = 0;
+    for (i, r) in rows.iter().enumerate() {
+        let want = pdnode_engine::sampling::argmax(r).ok();
+        if let Some(t) = want {
+            ties += usize::from(r.iter().filter(|&&x| x == r[t as usize]).count() > 1);
+        }
+        assert_eq!(
+            got[i], want,
+            "ARGMAX row {i}: device {:?} host {want:?}",
+            got[i]
+        );
+    }
+    println!(
+        "ARGMAX kernel: PASS, {} rows of {v}, {ties} with ties at the top, all ids exact",
+        rows.len()
+    );
+}
+
+/// `forward_select` of a decode batch (every other kind of row) against `forward` of the same
+/// step on the same backend (the step rewrites the same KV slots with the same values): arg-max
+/// rows equal the host arg-max of the full rows (a flip only at a top-2 gap under 1e-3), full
+/// rows equal. Then a prefill step (no graph) with a row that wants no logits.
+fn select_matches_forward(be: &mut dyn Backend, spec: &ModelSpec, name: &str) {
+    use pdnode_engine::backend::{LogitsWant, RowOut, StepLogits};
+    let mut rng = rng(name);
+    let mut free: Vec<u32> = (0..NUM_BLOCKS).collect();
+    let mut out = StepLogits::default();
+    let (mut exact, mut flips, mut worst) = (0usize, 0usize, 0f32);
+    for n in [1usize, 3, 33] {
+        let s = seqs(&mut rng, &mut free, n);
+        for step in 0..STEPS {
+            let toks: Vec<[u32; 1]> = (0..n)
+                .map(|_| [rng.random_range(0..spec.vocab_size as u32)])
+                .collect();
+            let b = batch(&s, &toks, step);
+            let full = be.forward(&b).unwrap();
+            let want: Vec<LogitsWant> = (0..n)
+                .map(|i| {
+                    if (i + step) % 3 == 1 {
+                        LogitsWant::Full
+                    } else {
+                        LogitsWant::Argmax
+                    }
+                })
+                .collect();
+            be.forward_select(&b, &want, &mut out).unwrap();
+            assert_eq!(out.rows().len(), n);
+            assert_eq!(out.vocab(), spec.vocab_size);
+            for (i, r) in out.rows().iter().enumerate() {
+                let host = full.row(i);
+                match (*r, want[i]) {
+                    (RowOut::Full(k), LogitsWant::Full) => {
+                        let e = rel_err(out.full_row(k).unwrap(), host);
+                        worst = worst.max(e);
+                        assert!(
+                            e < 1e-3,
+                            "{name} batch {n} step {step} row {i}: full rel err {e}"
+                        );
+                    }
+                    (RowOut::Argmax(t), LogitsWant::Argmax) => {
+                        let h = pdnode_engine::sampling::argmax(host).unwrap();
+                        let t = t.expect("a finite row has an arg-max");
+                        if t == h {
+                            exact += 1;
+                        } else {
+                            let (a, b) = (host[t as usize], host[h as usize]);
+                            assert!(
+                                (b - a).abs() <= 1e-3 * b.abs().max(1.0),
+                                "{name} batch {n} step {step} row {i}: device {t} ({a}) host {h} ({b})"
+                            );
+                            flips += 1;
+                        }
+                    }
+                    other => panic!("{name} row {i}: {other:?}"),
+                }
+            }
+        }
+    }
+    // a prefill step: two prompts, the first a non-final chunk (no row)
+    let p1: Vec<u32> = (0..20).map(|i| (i * 13 % spec.vocab_size) as u32).collect();
+    let p2: Vec<u32> = (0..9).map(|i| (i * 7 % spec.vocab_size) as u32).collect();
+    let t1: Vec<BlockId> = free.drain(..2).map(BlockId).collect();
+    let t2: Vec<BlockId> = free.drain(..1).map(BlockId).collect();
+    let b = ForwardBatch {
+        seqs: vec![
+            SeqStep {
+                tokens: &p1,
+                start_pos: 0,
+                block_table: &t1,
+                want_logits: false,
+            },
+            SeqStep {
+                tokens: &p2,
+                start_pos: 0,
+                block_table: &t2,
+                want_logits: true,
+            },
+        ],
+    };
+    let full = be.forward(&b).unwrap();
+    be.forward_select(&b, &[LogitsWant::Argmax], &mut out)
+        .unwrap();
+    let h = pdnode_engine::sampling::argmax(full.row(0)).unwrap();
+    assert_eq!(out.rows().len(), 1);
+    match out.rows()[0] {
+        RowOut::Argmax(Some(t)) if t == h => exact += 1,
+        RowOut::Argmax(Some(t)) => {
+            let (a, b) = (full.row(0)[t as usize], full.row(0)[h as usize]);
+            assert!(
+                (b - a).abs() <= 1e-3 * b.abs().max(1.0),
+                "{name} prefill: {t} vs {h}"
+            );
+            flips += 1;
+        }
+        other => panic!("{name} prefill: {other:?}"),
+    }
+    // a wish list of the wrong length is refused
+    assert!(be.forward_select(&b, &[], &mut out).is_err());
+    println!(
+        "ARGMAX {name}: PASS, {exact} arg-max rows exact, {flips} near-tie flips, full rows worst rel err {worst:.2e}"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
+fn argmax_rows_match_host_argmax_graphs_on_and_off() {
+    let spec = tiny_spec(false, false);
+    for graphs in [false, true] {
+        let mut rng = rng("argmax_rows");
+        let w = tiny_weights(&spec, &mut rng);
+        let mut be = CudaBackend::new(&spec, &w, &opts(1, graphs), "test".into()).unwrap();
+        be.fill_kv_random(rng.random()).unwrap();
+        select_matches_forward(&mut be, &spec, &format!("tp1 graphs={graphs}"));
+        let st = be.graph_stats();
+        if graphs {
+            assert!(st.replays >= 2 * 3 * STEPS as u64, "steps replayed: {st:?}");
+        } else {
+            assert_eq!(st.replays, 0, "{st:?}");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs two CUDA GPUs: run scripts/gpu/run-all.sh tp on the x2 host"]
+fn tp2_argmax_rows_match_host_argmax() {
+    let gpus = pdnode_engine::backend::cuda::probe()
+        .map(|p| p.device_count)
+        .unwrap_or(0);
+    if gpus < 2 {
+        println!("ARGMAX tp2: SKIP ({gpus} GPU)");
+        return;
+    }
+    let spec = tiny_spec(false, false);
+    for graphs in [false, true] {
+        let mut rng = rng("tp2_argmax");
+        let w = tiny_weights(&spec, &mut rng);
+        let mut be = CudaTpBackend::new(&spec, &w, &opts(2, graphs), "test".into()).unwrap();
+        be.fill_kv_random(rng.random()).unwrap();
+        select_matches_forward(&mut be, &spec, &format!("tp2 graphs={graphs}"));
+        let st = be.graph_stats().unwrap();
+        assert!(
+            st.iter()
+                .all(|s| s.capture_failures == 0 && (s.replays > 0) == graphs),
+            "{st:?}"
+        );
+    }
+}

@@ -64,6 +64,129 @@ impl Logits {
     }
 }
 
+/// What the engine needs from the logits row of one sequence with `want_logits`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsWant {
+    /// The whole row (sampling, logprobs, penalties).
+    Full,
+    /// Only the id of its largest value, NaN and -inf skipped, the lowest id on ties: exactly
+    /// [`crate::sampling::argmax`] of the row (a CUDA backend computes it on the device and
+    /// copies one id instead of the row).
+    Argmax,
+}
+
+/// One sequence's result in [`StepLogits::rows`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowOut {
+    /// Row `i` of the full rows ([`StepLogits::full_row`]).
+    Full(usize),
+    /// The arg-max id; `None` when the row holds only NaN and -inf.
+    Argmax(Option<u32>),
+}
+
+/// The result of [`Backend::forward_select`]: for each sequence with `want_logits`, in batch
+/// order, its full row or its arg-max. Reused across steps (the engine hands the previous one
+/// back): the full rows land in a buffer whose capacity is kept, so a step does not allocate and
+/// fault in tens of MB of fresh memory.
+#[derive(Debug, Clone, Default)]
+pub struct StepLogits {
+    vocab: usize,
+    rows: Vec<RowOut>,
+    /// The full rows, back to back, `vocab` each.
+    full: Vec<f32>,
+}
+
+impl StepLogits {
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+    /// One entry per sequence with `want_logits`, in batch order.
+    pub fn rows(&self) -> &[RowOut] {
+        &self.rows
+    }
+    /// Full row `i` (as named by [`RowOut::Full`]); `None` past the end.
+    pub fn full_row(&self, i: usize) -> Option<&[f32]> {
+        let (a, b) = (i.checked_mul(self.vocab)?, (i + 1).checked_mul(self.vocab)?);
+        self.full.get(a..b)
+    }
+    /// Number of full rows held.
+    pub fn full_rows(&self) -> usize {
+        self.full.len().checked_div(self.vocab).unwrap_or(0)
+    }
+
+    /// Starts a step's result: `want` lays out the rows (full rows numbered in order, arg-max
+    /// rows `Argmax(None)` until [`StepLogits::set_argmax`]); returns the buffer of the full rows
+    /// (`full x vocab`, its old contents left in place: the caller overwrites all of it). Keeps
+    /// the capacity of the previous step; grows (and so writes) only past it.
+    pub fn begin(&mut self, vocab: usize, want: &[LogitsWant]) -> &mut [f32] {
+        self.vocab = vocab;
+        self.rows.clear();
+        let mut full = 0;
+        for w in want {
+            self.rows.push(match w {
+                LogitsWant::Full => {
+                    full += 1;
+                    RowOut::Full(full - 1)
+                }
+                LogitsWant::Argmax => RowOut::Argmax(None),
+            });
+        }
+        self.full.resize(full * vocab, 0.0);
+        &mut self.full
+    }
+
+    /// Sets the arg-max of row `row` (an `Argmax` row of [`StepLogits::begin`]); false when
+    /// that row is not an arg-max row.
+    pub fn set_argmax(&mut self, row: usize, token: Option<u32>) -> bool {
+        match self.rows.get_mut(row) {
+            Some(r @ RowOut::Argmax(_)) => {
+                *r = RowOut::Argmax(token);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Fills `self` from full logits rows (one per `want` entry): what a backend without a
+    /// device arg-max returns. The arg-max rows are reduced on the host; the full rows are moved
+    /// down in place (no copy of the buffer, no allocation).
+    pub fn fill_from(&mut self, logits: Logits, want: &[LogitsWant]) -> Result<(), BackendError> {
+        if logits.rows() != want.len() || logits.data.len() != want.len() * logits.vocab {
+            return Err(BackendError::InvalidBatch {
+                reason: format!(
+                    "{} logits values of vocabulary {} for {} rows",
+                    logits.data.len(),
+                    logits.vocab,
+                    want.len()
+                ),
+            });
+        }
+        let v = logits.vocab;
+        self.vocab = v;
+        self.full = logits.data;
+        self.rows.clear();
+        let mut kept = 0;
+        for (i, w) in want.iter().enumerate() {
+            let row = &self.full[i * v..(i + 1) * v];
+            match w {
+                LogitsWant::Argmax => {
+                    self.rows
+                        .push(RowOut::Argmax(crate::sampling::argmax(row).ok()));
+                }
+                LogitsWant::Full => {
+                    if kept != i {
+                        self.full.copy_within(i * v..(i + 1) * v, kept * v);
+                    }
+                    self.rows.push(RowOut::Full(kept));
+                    kept += 1;
+                }
+            }
+        }
+        self.full.truncate(kept * v);
+        Ok(())
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
     #[error("invalid batch: {reason}")]
@@ -107,6 +230,26 @@ pub trait Backend: Send {
     fn num_kv_blocks(&self) -> usize;
     /// Runs one step; writes K/V of the new positions into the pool and returns logits rows.
     fn forward(&mut self, batch: &ForwardBatch<'_>) -> Result<Logits, BackendError>;
+    /// Runs one step as [`Backend::forward`] and puts, for each sequence with `want_logits` (in
+    /// batch order; `want` has one entry per such sequence), its full row or its arg-max into
+    /// `out`, reusing `out`'s buffers (pass the previous step's result back). The default runs
+    /// [`Backend::forward`] and reduces the arg-max rows on the host ([`StepLogits::fill_from`]);
+    /// a device backend computes them on the device and copies only the full rows.
+    fn forward_select(
+        &mut self,
+        batch: &ForwardBatch<'_>,
+        want: &[LogitsWant],
+        out: &mut StepLogits,
+    ) -> Result<(), BackendError> {
+        let rows = batch.seqs.iter().filter(|s| s.want_logits).count();
+        if want.len() != rows {
+            return Err(BackendError::InvalidBatch {
+                reason: format!("{} logits wishes for {rows} rows", want.len()),
+            });
+        }
+        let logits = self.forward(batch)?;
+        out.fill_from(logits, want)
+    }
     /// Copies layers `layers` of `blocks` out of the pool into `out`, ordered
     /// `[layer][block][layer-block bytes]` (all ranks' pools back to back, rank-major, when TP > 1).
     fn read_kv(
@@ -310,6 +453,91 @@ mod tests {
             tp_size: 1,
             model_fingerprint: "t".into(),
         }
+    }
+
+    #[test]
+    fn step_logits_from_full_rows_matches_host_argmax_and_keeps_full_rows() {
+        let (nan, inf) = (f32::NAN, f32::INFINITY);
+        let rows: [[f32; 4]; 6] = [
+            [1.0, 3.0, 3.0, 2.0],    // tie: lowest id
+            [nan, -inf, nan, -inf],  // nothing finite
+            [nan, -5.0, -inf, -7.0], // NaN and -inf skipped
+            [0.5, inf, 1.0, inf],    // +inf counts, lowest of equal
+            [9.0, 8.0, 7.0, 6.0],    // a full row
+            [-0.0, 0.0, -1.0, -2.0], // -0 == 0: lowest id
+        ];
+        let data: Vec<f32> = rows.iter().flatten().copied().collect();
+        use LogitsWant::{Argmax as A, Full as F};
+        let want = [A, A, F, A, F, A];
+        let mut out = StepLogits::default();
+        out.fill_from(Logits { vocab: 4, data }, &want).unwrap();
+        assert_eq!(out.vocab(), 4);
+        assert_eq!(
+            out.rows(),
+            &[
+                RowOut::Argmax(Some(1)),
+                RowOut::Argmax(None),
+                RowOut::Full(0),
+                RowOut::Argmax(Some(1)),
+                RowOut::Full(1),
+                RowOut::Argmax(Some(0)),
+            ]
+        );
+        for (i, r) in rows.iter().enumerate() {
+            if want[i] == A {
+                assert_eq!(
+                    out.rows()[i],
+                    RowOut::Argmax(crate::sampling::argmax(r).ok()),
+                    "row {i}"
+                );
+            }
+        }
+        assert_eq!(out.full_rows(), 2);
+        assert_eq!(out.full_row(1), Some(&rows[4][..]));
+        let r0: Vec<u32> = out
+            .full_row(0)
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect();
+        let e0: Vec<u32> = rows[2].iter().map(|x| x.to_bits()).collect();
+        assert_eq!(r0, e0, "NaN bits kept");
+        assert_eq!(out.full_row(2), None);
+        // wrong shapes are typed errors
+        assert!(matches!(
+            out.fill_from(
+                Logits {
+                    vocab: 4,
+                    data: vec![0.0; 8]
+                },
+                &[A]
+            ),
+            Err(BackendError::InvalidBatch { .. })
+        ));
+    }
+
+    #[test]
+    fn step_logits_begin_reuses_its_buffer() {
+        use LogitsWant::{Argmax as A, Full as F};
+        let mut out = StepLogits::default();
+        let buf = out.begin(1000, &[F, F, F]);
+        assert_eq!(buf.len(), 3000);
+        buf.fill(1.5);
+        let ptr = out.full.as_ptr();
+        let buf = out.begin(1000, &[A, F, A]);
+        assert_eq!(buf.len(), 1000);
+        assert_eq!(out.full.as_ptr(), ptr, "same allocation");
+        assert_eq!(
+            out.rows(),
+            &[RowOut::Argmax(None), RowOut::Full(0), RowOut::Argmax(None)]
+        );
+        assert!(out.set_argmax(2, Some(7)));
+        assert!(!out.set_argmax(1, Some(7)), "row 1 is a full row");
+        assert!(!out.set_argmax(3, Some(7)), "no row 3");
+        assert_eq!(out.rows()[2], RowOut::Argmax(Some(7)));
+        out.begin(1000, &[F, F]);
+        assert_eq!(out.full.as_ptr(), ptr, "grows within its capacity");
+        assert_eq!(out.full_rows(), 2);
     }
 
     #[test]

@@ -2,7 +2,7 @@
 
 use super::handle::{Command, EngineHandle, StagedGather};
 use super::{EngineError, EngineEvent, EngineInfo, EngineLoopConfig, EngineStats};
-use crate::backend::{Backend, KvMemory, KvRegion};
+use crate::backend::{Backend, KvMemory, KvRegion, LogitsWant, RowOut, StepLogits};
 use crate::sampling::{OutputAssembler, SamplerState, SamplingError, SequenceSampler};
 use crate::scheduler::{Mode, Scheduler, SchedulerConfig, SeqOutput};
 use crate::text::Tokenizer;
@@ -89,6 +89,8 @@ fn start(
         tokenizer,
         active: HashMap::new(),
         stats: EngineStats::default(),
+        logits: StepLogits::default(),
+        want: Vec::new(),
     };
     let thread = std::thread::Builder::new()
         .name(name)
@@ -129,6 +131,10 @@ struct Loop {
     tokenizer: Option<Arc<Tokenizer>>,
     active: HashMap<RequestId, Active>,
     stats: EngineStats,
+    /// The last step's logits, handed back to the backend to reuse its buffers.
+    logits: StepLogits,
+    /// Per logits row of the step: the full row, or only its arg-max (plain greedy sequences).
+    want: Vec<LogitsWant>,
 }
 
 fn sampling_error(id: RequestId, e: SamplingError) -> EngineError {
@@ -486,14 +492,41 @@ impl Loop {
         if plan.is_empty() {
             return false;
         }
-        let want = plan.seqs.iter().filter(|s| s.want_logits).count();
-        let logits = match self.backend.forward(&plan.forward_batch()) {
-            Ok(l) if l.rows() == want && l.vocab == self.cfg.vocab_size => l,
-            Ok(l) => {
+        // A plain greedy sequence needs only the arg-max of its row (computed on the device by a
+        // device backend): exactly what its sampler would pick from the full row.
+        self.want.clear();
+        for s in plan.seqs.iter().filter(|s| s.want_logits) {
+            let greedy = self
+                .active
+                .get(&s.id)
+                .is_none_or(|a| a.sampler.is_plain_greedy());
+            self.want.push(if greedy {
+                LogitsWant::Argmax
+            } else {
+                LogitsWant::Full
+            });
+        }
+        let want = self.want.len();
+        let r = self
+            .backend
+            .forward_select(&plan.forward_batch(), &self.want, &mut self.logits);
+        let logits = &self.logits;
+        match r {
+            Ok(())
+                if logits.rows().len() == want
+                    && logits.vocab() == self.cfg.vocab_size
+                    && self.want.iter().zip(logits.rows()).all(|(w, r)| {
+                        matches!(
+                            (w, r),
+                            (LogitsWant::Argmax, RowOut::Argmax(_))
+                                | (LogitsWant::Full, RowOut::Full(_))
+                        )
+                    }) => {}
+            Ok(()) => {
                 let m = format!(
                     "backend returned {} rows of {} logits, expected {want} of {}",
-                    l.rows(),
-                    l.vocab,
+                    logits.rows().len(),
+                    logits.vocab(),
                     self.cfg.vocab_size
                 );
                 self.fail_all(&plan, &m);
@@ -518,10 +551,17 @@ impl Loop {
                 self.sched.abort(id);
                 continue;
             };
-            let sampled = a
-                .sampler
-                .sample(logits.row(row))
-                .and_then(|o| a.out.push(o.token).map(|step| (o, step)));
+            let picked = match self.logits.rows()[row] {
+                RowOut::Argmax(token) => a.sampler.accept_argmax(token),
+                RowOut::Full(i) => match self.logits.full_row(i) {
+                    Some(r) => a.sampler.sample(r),
+                    None => Err(crate::sampling::SamplingError::LogitsSize {
+                        got: 0,
+                        vocab_size: self.cfg.vocab_size,
+                    }),
+                },
+            };
+            let sampled = picked.and_then(|o| a.out.push(o.token).map(|step| (o, step)));
             let (o, step) = match sampled {
                 Ok(x) => x,
                 Err(e) => {

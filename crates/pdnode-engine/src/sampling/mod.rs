@@ -185,6 +185,32 @@ impl SequenceSampler {
         self.penalties.record(token)
     }
 
+    /// Whether [`SequenceSampler::sample`] of a row is exactly [`argmax`] of that raw row with
+    /// nothing else computed from it: temperature 0, no penalties, no logprobs. Then the row
+    /// itself is not needed: [`SequenceSampler::accept_argmax`] takes its arg-max instead (a
+    /// device computes it).
+    pub fn is_plain_greedy(&self) -> bool {
+        self.temperature == 0.0 && self.logprobs.is_none() && !self.penalties.is_active()
+    }
+
+    /// What [`SequenceSampler::sample`] returns for a row whose [`argmax`] is `token` (`None`:
+    /// the row had no finite value), when [`SequenceSampler::is_plain_greedy`]; otherwise the
+    /// row is needed and this is an error.
+    pub fn accept_argmax(&mut self, token: Option<u32>) -> Result<SampleOut, SamplingError> {
+        if !self.is_plain_greedy() {
+            return Err(SamplingError::LogitsSize {
+                got: 0,
+                vocab_size: self.vocab_size,
+            });
+        }
+        let token = token.ok_or(SamplingError::NoFiniteLogits)?;
+        self.penalties.record(token)?;
+        Ok(SampleOut {
+            token,
+            logprob: None,
+        })
+    }
+
     /// Picks the next token from one logits row of `vocab_size` values.
     pub fn sample(&mut self, logits: &[f32]) -> Result<SampleOut, SamplingError> {
         if logits.len() != self.vocab_size {

@@ -8,7 +8,8 @@ use super::prefill::PrefillScratch;
 use super::tp::NcclComm;
 use super::weights::{DevWeights, Shard};
 use crate::backend::{
-    Backend, BackendError, ForwardBatch, KvMemory, KvRegion, Logits, MemKind, check_kv_io,
+    Backend, BackendError, ForwardBatch, KvMemory, KvRegion, Logits, LogitsWant, MemKind,
+    StepLogits, check_kv_io,
 };
 use crate::loader::{LoadedModel, ModelWeights};
 use crate::spec::ModelSpec;
@@ -81,6 +82,7 @@ struct Workspace {
     gate_up: DevBuf, // bf16 [T, 2 I]
     act: DevBuf,     // bf16 [T, I]
     logits: DevBuf,  // f32 [S, V]
+    tokens: DevBuf,  // i32 [S]: arg-max of each logits row
     part_ml: DevBuf,
     part_acc: DevBuf,
     meta: DevBuf,
@@ -101,6 +103,7 @@ impl Workspace {
             gate_up: gpu.alloc(t * 2 * i * 2)?,
             act: gpu.alloc(t * i * 2)?,
             logits: gpu.alloc(seqs * s.vocab_size * 4)?,
+            tokens: gpu.alloc(seqs * 4)?,
             part_ml: gpu.alloc(rows_splits * 2 * 4)?,
             part_acc: gpu.alloc(rows_splits * s.head_dim * 4)?,
             meta: gpu.alloc(1 << 20)?,
@@ -117,6 +120,7 @@ impl Workspace {
             &self.gate_up,
             &self.act,
             &self.logits,
+            &self.tokens,
             &self.part_ml,
             &self.part_acc,
             &self.meta,
@@ -705,6 +709,22 @@ impl Backend for CudaBackend {
         let mut data = vec![0f32; rows * vocab];
         logits::copy_logits(src, &mut data);
         Ok(Logits { vocab, data })
+    }
+
+    fn forward_select(
+        &mut self,
+        batch: &ForwardBatch<'_>,
+        want: &[LogitsWant],
+        out: &mut StepLogits,
+    ) -> Result<(), BackendError> {
+        let rows = batch.seqs.iter().filter(|s| s.want_logits).count();
+        if want.len() != rows {
+            return Err(BackendError::InvalidBatch {
+                reason: format!("{} logits wishes for {rows} rows", want.len()),
+            });
+        }
+        let rows = self.forward_device(batch)?;
+        self.land_logits(rows, want, out)
     }
 
     fn read_kv(

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// The kernel sources, compiled together as one NVRTC program.
-const SOURCES: [&str; 10] = [
+const SOURCES: [&str; 11] = [
     include_str!("../../../kernels/common.cuh"),
     include_str!("../../../kernels/elementwise.cu"),
     include_str!("../../../kernels/rope.cu"),
@@ -21,10 +21,11 @@ const SOURCES: [&str; 10] = [
     include_str!("../../../kernels/prefill.cu"),
     include_str!("../../../kernels/prefill_flash.cu"),
     include_str!("../../../kernels/gemv.cu"),
+    include_str!("../../../kernels/sample.cu"),
 ];
 
 /// Kernel entry points (extern "C" names in the .cu files).
-pub const KERNEL_NAMES: [&str; 32] = [
+pub const KERNEL_NAMES: [&str; 33] = [
     "gemv_t1",
     "gemv_t2",
     "gemv_t4",
@@ -57,6 +58,7 @@ pub const KERNEL_NAMES: [&str; 32] = [
     "attention_combine",
     "kv_gather",
     "kv_scatter",
+    "argmax_rows",
 ];
 
 /// Compiles the kernel program for `arch` (e.g. "compute_90") and returns its PTX text; needs
@@ -308,6 +310,50 @@ impl Gpu {
         }
         self.download(&mut dst.as_mut_slice()[..n], src, 0)?;
         Ok(&dst.as_slice()[..n])
+    }
+
+    /// Copies runs of f32 from `src`, each `(element offset, length)`, into `dst` (page-locked)
+    /// back to back, with one wait for all of them; returns the landed prefix.
+    pub fn download_pinned_runs<'a>(
+        &self,
+        dst: &'a mut Pinned,
+        src: &DevBuf,
+        runs: &[(usize, usize)],
+    ) -> Result<&'a [f32], CudaError> {
+        let mut at = 0usize;
+        for &(off, len) in runs {
+            let end = off.checked_add(len).and_then(|e| e.checked_mul(4));
+            if at + len > dst.len() || end.is_none_or(|e| e > src.bytes) {
+                return Err(CudaError::Shape {
+                    op: "download_pinned_runs",
+                    reason: format!(
+                        "{len} f32 at {off} into {at} of {} / from {} bytes",
+                        dst.len(),
+                        src.bytes
+                    ),
+                });
+            }
+            at += len;
+        }
+        let mut at = 0usize;
+        for &(off, len) in runs {
+            if len == 0 {
+                continue;
+            }
+            let d = &mut dst.as_mut_slice()[at..at + len];
+            // SAFETY: bounds checked above; `dst` is page-locked and stays borrowed (so alive and
+            // untouched by the host) until a wait: the one below, or this one on a failed enqueue.
+            let r = unsafe {
+                result::memcpy_dtoh_async(d, src.ptr + off as u64 * 4, self.stream.cu_stream())
+            };
+            if let Err(e) = r {
+                let _ = self.sync();
+                return Err(drv("cuMemcpyDtoHAsync")(e));
+            }
+            at += len;
+        }
+        self.sync()?;
+        Ok(&dst.as_slice()[..at])
     }
 
     /// Fills `buf` with the byte `v` (0xFF poisons bf16 and f32 buffers with NaN).

@@ -14,7 +14,8 @@ use super::backend::{CudaBackend, CudaOptions, GraphStats};
 use super::device::Gpu;
 use super::weights::Shard;
 use crate::backend::{
-    Backend, BackendError, ForwardBatch, KvMemory, KvRegion, Logits, SeqStep, check_kv_io,
+    Backend, BackendError, ForwardBatch, KvMemory, KvRegion, Logits, LogitsWant, SeqStep,
+    StepLogits, check_kv_io,
 };
 use crate::loader::LoadedModel;
 use crate::spec::ModelSpec;
@@ -173,6 +174,14 @@ enum Cmd {
         download: bool,
         reply: Sender<Result<Option<Logits>, BackendError>>,
     },
+    /// Runs a step; rank 0 lands its logits rows into `out` as `want` says
+    /// ([`Backend::forward_select`]) and sends `out` back; the other ranks reply `None`.
+    ForwardSelect {
+        batch: Arc<Vec<OwnedSeq>>,
+        want: Arc<Vec<LogitsWant>>,
+        out: Option<StepLogits>,
+        reply: Sender<Result<Option<StepLogits>, BackendError>>,
+    },
     Sync {
         reply: Sender<Result<Option<Logits>, BackendError>>,
     },
@@ -235,6 +244,33 @@ fn rank_loop(mut be: CudaBackend, rx: Receiver<Cmd>) {
                         .map(|_| None)
                 } else {
                     be.forward_device(&fb).map(|_| None)
+                };
+                let _ = reply.send(r);
+            }
+            Cmd::ForwardSelect {
+                batch,
+                want,
+                out,
+                reply,
+            } => {
+                let fb = ForwardBatch {
+                    seqs: batch
+                        .iter()
+                        .map(|s| SeqStep {
+                            tokens: &s.tokens,
+                            start_pos: s.start_pos,
+                            block_table: &s.block_table,
+                            want_logits: s.want_logits,
+                        })
+                        .collect(),
+                };
+                let r = if rank == 0 {
+                    let mut out = out.unwrap_or_default();
+                    be.forward_select(&fb, &want, &mut out).map(|_| Some(out))
+                } else {
+                    be.forward_device(&fb)
+                        .and_then(|_| be.synchronize())
+                        .map(|_| None)
                 };
                 let _ = reply.send(r);
             }
@@ -613,6 +649,35 @@ impl Backend for CudaTpBackend {
         })?;
         out.swap_remove(0)
             .ok_or_else(|| BackendError::Device("rank 0 returned no logits".into()))
+    }
+
+    fn forward_select(
+        &mut self,
+        batch: &ForwardBatch<'_>,
+        want: &[LogitsWant],
+        out: &mut StepLogits,
+    ) -> Result<(), BackendError> {
+        let rows = batch.seqs.iter().filter(|s| s.want_logits).count();
+        if want.len() != rows {
+            return Err(BackendError::InvalidBatch {
+                reason: format!("{} logits wishes for {rows} rows", want.len()),
+            });
+        }
+        let b = Self::owned(batch);
+        let w = Arc::new(want.to_vec());
+        // Rank 0 fills the caller's buffer and hands it back (lost on an error: the next step
+        // starts a fresh one).
+        let mut buf = Some(std::mem::take(out));
+        let mut res = self.fan_out(|rank, reply| Cmd::ForwardSelect {
+            batch: b.clone(),
+            want: w.clone(),
+            out: if rank == 0 { buf.take() } else { None },
+            reply,
+        })?;
+        *out = res
+            .swap_remove(0)
+            .ok_or_else(|| BackendError::Device("rank 0 returned no logits".into()))?;
+        Ok(())
     }
 
     fn read_kv(

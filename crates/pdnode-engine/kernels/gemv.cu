@@ -70,7 +70,7 @@ GEMV_KERNEL(gemv_t8, 8)
 // first half of each uint4 feeds one mma, the second half a second mma (per PTX fragment layout:
 // a0 = (row g, k 2c,2c+1), a1 = (row g+8, ...), a2 = (row g, k 2c+8,+9), a3 = (row g+8, ...);
 // b0 = (k 2c,2c+1; n g), b1 = (k 2c+8,+9; n g); c0,c1 = (row g, n 2c,2c+1), c2,c3 = (row g+8, ...)).
-// A block owns 16*MT rows and its nw warps (blockDim.x = 32*nw, nw <= 16) split the chunks
+// PF: weight loads carry .L2::256B. A block owns 16*MT rows and its nw warps (blockDim.x = 32*nw, nw <= 16) split the chunks
 // (interleaved); each warp keeps U chunks of loads in flight (weights streamed past L1), then
 // the warps' partial sums are added in warp order through shared memory (deterministic).
 // No allocation, no host sync: capture-safe.
@@ -91,6 +91,7 @@ GEMV_KERNEL(gemv_t8, 8)
         return r;                                                                                 \
     }
 GM_LD(gm_ld_stream, ".L1::no_allocate")
+GM_LD(gm_ld_stream_pf, ".L1::no_allocate.L2::256B")
 GM_LD(gm_ld, "")
 
 __device__ __forceinline__ void gm_mma(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
@@ -103,7 +104,7 @@ __device__ __forceinline__ void gm_mma(float* c, unsigned a0, unsigned a1, unsig
 
 #define GM_MAX_WARPS 16
 
-template <int MT, int U>
+template <int MT, int U, int PF>
 __device__ void gemv_mma_impl(const bf16_t* __restrict__ w, const bf16_t* __restrict__ x,
                               void* __restrict__ y, int T, int out, int in, int y_f32,
                               int accumulate) {
@@ -145,7 +146,8 @@ __device__ void gemv_mma_impl(const bf16_t* __restrict__ w, const bf16_t* __rest
                 for (int m = 0; m < MT; m++) {
 #pragma unroll
                     for (int h = 0; h < 2; h++)
-                        a[u][m][h] = gm_ld_stream(wp[m][h] + (ok ? s : 0), ok && wv[m][h]);
+                        a[u][m][h] = PF ? gm_ld_stream_pf(wp[m][h] + (ok ? s : 0), ok && wv[m][h])
+                                        : gm_ld_stream(wp[m][h] + (ok ? s : 0), ok && wv[m][h]);
                 }
                 b[u] = gm_ld(xp + (ok ? s : 0), ok && xv);
             }
@@ -186,12 +188,16 @@ __device__ void gemv_mma_impl(const bf16_t* __restrict__ w, const bf16_t* __rest
     }
 }
 
-#define GEMV_MMA_KERNEL(NAME, MT, U)                                                              \
+#define GEMV_MMA_KERNEL(NAME, MT, U, PF)                                                            \
     extern "C" __global__ void __launch_bounds__(512, 1) NAME(const bf16_t* w, const bf16_t* x,      \
                                                            void* y, int T, int out, int in,       \
                                                            int y_f32, int accumulate) {           \
-        gemv_mma_impl<MT, U>(w, x, y, T, out, in, y_f32, accumulate);                            \
+        gemv_mma_impl<MT, U, PF>(w, x, y, T, out, in, y_f32, accumulate);                           \
     }
 
-GEMV_MMA_KERNEL(gemv_mma_m1, 1, 4)
-GEMV_MMA_KERNEL(gemv_mma_m2, 2, 2)
+GEMV_MMA_KERNEL(gemv_mma_m1, 1, 4, 0)
+GEMV_MMA_KERNEL(gemv_mma_m2, 2, 2, 0)
+// the same with an L2 prefetch hint of 256 bytes on the weight loads (the 4 chunks around each
+// 64-byte row piece, read by neighbouring warps): fewer, larger DRAM requests
+GEMV_MMA_KERNEL(gemv_mma_m1_pf, 1, 4, 1)
+GEMV_MMA_KERNEL(gemv_mma_m2_pf, 2, 2, 1)

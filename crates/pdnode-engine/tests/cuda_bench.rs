@@ -136,6 +136,20 @@ fn bench_decode_attention_kernel() {
     );
 }
 
+/// " m1 w12 b256" (tiles, warps, blocks; " pf": L2 prefetch hint) for tensor-core GEMV rows, "*" when not the default.
+fn launch_tag(r: &bench::LinearRow) -> String {
+    r.launch.map_or(String::new(), |l| {
+        format!(
+            " m{} w{} b{}{}{}",
+            l.tiles,
+            l.warps,
+            l.blocks,
+            if l.l2_prefetch { " pf" } else { "" },
+            if r.forced { "*" } else { "" }
+        )
+    })
+}
+
 /// The linear layers of a Llama-3.1-8B decode step alone, per implementation and token count:
 /// weight bytes read per second against the copy ceiling, each output checked against cuBLAS,
 /// then the step's linear time (32 layers + lm_head) per implementation and for the best one
@@ -156,8 +170,15 @@ fn bench_linear_layers() {
     let iters: usize = env_list("PDNODE_BENCH_ITERS", "20").parse().unwrap_or(20);
     let (copy, rows, steps) = bench::run_linear(&tokens, &impls, iters.max(50), |r| {
         eprintln!(
-            "LINEAR {} {:?} t={} us={:.1} GB/s={:.0} frac_of_copy={:.3} rel_to_cublas={:.1e}",
-            r.name, r.how, r.tokens, r.us, r.gbps, r.frac_of_copy, r.rel_to_cublas
+            "LINEAR {} {:?}{} t={} us={:.1} GB/s={:.0} frac_of_copy={:.3} rel_to_cublas={:.1e}",
+            r.name,
+            r.how,
+            launch_tag(r),
+            r.tokens,
+            r.us,
+            r.gbps,
+            r.frac_of_copy,
+            r.rel_to_cublas
         )
     })
     .expect("linear benchmark");
@@ -172,8 +193,17 @@ fn bench_linear_layers() {
     let mut bad = Vec::new();
     for r in &rows {
         println!(
-            "| {} | {}x{} | {} | {:?} | {:.1} | {:.0} | {:.2} | {:.1e} |",
-            r.name, r.out, r.inp, r.tokens, r.how, r.us, r.gbps, r.frac_of_copy, r.rel_to_cublas
+            "| {} | {}x{} | {} | {:?}{} | {:.1} | {:.0} | {:.2} | {:.1e} |",
+            r.name,
+            r.out,
+            r.inp,
+            r.tokens,
+            r.how,
+            launch_tag(r),
+            r.us,
+            r.gbps,
+            r.frac_of_copy,
+            r.rel_to_cublas
         );
         if r.rel_to_cublas.is_nan() || r.rel_to_cublas > 1e-2 {
             bad.push(format!("{} {:?} t={}", r.name, r.how, r.tokens));

@@ -225,6 +225,30 @@ fn linear_gemv_mma_every_token_count_and_odd_shapes() {
                 "{how:?} f32 accumulate {out}x{t}x{inp}: rel {e}, max abs {worst}"
             );
         }
+        // every launch shape is correct, not only the one linear picks
+        for l in [
+            ops::mma_launch_tiles(sms, out, inp, 1),
+            ops::mma_launch_tiles(sms, out, inp, 2),
+            ops::MmaLaunch { warps: 1, ..launch },
+            ops::MmaLaunch { warps: 3, ..launch },
+            ops::MmaLaunch {
+                warps: 16,
+                ..launch
+            },
+            ops::MmaLaunch {
+                l2_prefetch: true,
+                ..launch
+            },
+            ops::MmaLaunch {
+                l2_prefetch: true,
+                ..ops::mma_launch_tiles(sms, out, inp, 2)
+            },
+        ] {
+            let yf = poisoned(&g, t * out * 4);
+            ops::gemv_mma(&g, l, out, t, inp, &dw, &dx, &yf, OutType::F32, false).unwrap();
+            let e = rel_err(&g.download_f32(&yf, t * out).unwrap(), &dot);
+            assert!(e < 1e-3, "gemv_mma {l:?} f32 {out}x{t}x{inp}: rel {e}");
+        }
         // same inputs, same bits (fixed-order split-K reduction)
         let (ya, yb) = (poisoned(&g, t * out * 4), poisoned(&g, t * out * 4));
         for y in [&ya, &yb] {

@@ -441,6 +441,10 @@ pub struct LinearRow {
     pub inp: usize,
     pub tokens: usize,
     pub how: ops::LinearImpl,
+    /// The tensor-core GEMV's launch shape (`None` for the others).
+    pub launch: Option<ops::MmaLaunch>,
+    /// A launch shape other than the one `linear` picks (compared, not part of the step sums).
+    pub forced: bool,
     pub us: f64,
     /// Weight bytes read per second.
     pub gbps: f64,
@@ -495,11 +499,40 @@ pub fn run_linear(
             };
             run(ops::LinearImpl::Cublas, &y_ref, &ws[0])?;
             let want = gpu.download_f32(&y_ref, t * out)?;
+            let sms = gpu.sm_count as usize;
+            let auto_launch = ops::mma_launch(sms, out, t, inp);
+            let mut cases: Vec<(ops::LinearImpl, Option<ops::MmaLaunch>)> = Vec::new();
             for &how in impls {
                 let gemv = !matches!(how, ops::LinearImpl::Cublas | ops::LinearImpl::Auto);
                 if t == 0 || (gemv && t > ops::GEMV_MAX_TOKENS) {
                     continue;
                 }
+                if how != ops::LinearImpl::GemvMma {
+                    cases.push((how, None));
+                    continue;
+                }
+                cases.push((how, Some(auto_launch)));
+                // the other tile height, the auto one at half the warps, and with the L2 hint
+                let other = ops::mma_launch_tiles(sms, out, inp, 3 - auto_launch.tiles);
+                let half = ops::MmaLaunch {
+                    warps: (auto_launch.warps / 2).max(1),
+                    ..auto_launch
+                };
+                let pf = ops::MmaLaunch {
+                    l2_prefetch: true,
+                    ..auto_launch
+                };
+                for l in [other, half, pf] {
+                    if !cases.contains(&(how, Some(l))) {
+                        cases.push((how, Some(l)));
+                    }
+                }
+            }
+            for (how, launch) in cases {
+                let run = |how, y: &super::device::DevBuf, w: &super::device::DevBuf| match launch {
+                    Some(l) => ops::gemv_mma(&gpu, l, out, t, inp, w, &x, y, OutType::F32, false),
+                    None => run(how, y, w),
+                };
                 gpu.memset(&y, 0xFF)?;
                 run(how, &y, &ws[0])?;
                 let got = gpu.download_f32(&y, t * out)?;
@@ -525,6 +558,8 @@ pub fn run_linear(
                     inp,
                     tokens: t,
                     how,
+                    launch,
+                    forced: launch.is_some_and(|l| l != auto_launch),
                     us: s * 1e6,
                     gbps: gbps / 1e9,
                     frac_of_copy: gbps / copy,
@@ -545,7 +580,8 @@ pub fn run_linear(
             * 1e3;
         let layer_us = |name: &str, how: Option<ops::LinearImpl>| {
             rows.iter()
-                .filter(|r| r.tokens == t && r.name == name && how.is_none_or(|h| r.how == h))
+                .filter(|r| r.tokens == t && r.name == name)
+                .filter(|r| how.is_none_or(|h| r.how == h && !r.forced))
                 .map(|r| r.us)
                 .reduce(f64::min)
         };

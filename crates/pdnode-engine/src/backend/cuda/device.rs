@@ -25,13 +25,15 @@ const SOURCES: [&str; 11] = [
 ];
 
 /// Kernel entry points (extern "C" names in the .cu files).
-pub const KERNEL_NAMES: [&str; 33] = [
+pub const KERNEL_NAMES: [&str; 35] = [
     "gemv_t1",
     "gemv_t2",
     "gemv_t4",
     "gemv_t8",
     "gemv_mma_m1",
     "gemv_mma_m2",
+    "gemv_mma_m1_pf",
+    "gemv_mma_m2_pf",
     "paged_attention_v2_d8",
     "paged_attention_v2_d16",
     "paged_attention_v3_d64_g4",

@@ -7,7 +7,7 @@ use super::device::{DevBuf, Gpu};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 mod linear;
-pub use linear::{GEMV_MAX_TOKENS, LinearImpl, MmaLaunch, linear, mma_launch};
+pub use linear::*;
 
 mod attention;
 pub use attention::*;

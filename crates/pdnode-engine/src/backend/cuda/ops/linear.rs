@@ -53,6 +53,8 @@ pub struct MmaLaunch {
     pub tiles: usize,
     pub blocks: usize,
     pub warps: usize,
+    /// Weight loads with a 256-byte L2 prefetch hint (`gemv_mma_m*_pf`).
+    pub l2_prefetch: bool,
 }
 
 /// Chunks of 32 inputs each warp keeps in flight per iteration (the kernels' `U`).
@@ -65,16 +67,23 @@ const fn mma_unroll(tiles: usize) -> usize {
 const RESIDENT_WARPS: usize = 24;
 
 /// Picks the tile height and the split-K width: 32-row blocks (half the x re-reads) when there
-/// are more than 2 tokens and enough of them to cover every SM, else 16-row blocks; then the
-/// widest block (16, 12, 8, 6 or 4 warps) whose grid fits in one resident wave, so every SM has
-/// about 24 warps of loads in flight. Never more warps than chunk batches along `inp`.
+/// are more than 2 tokens and enough of them to cover every SM, else 16-row blocks; then see
+/// [`mma_launch_tiles`].
 pub fn mma_launch(sm_count: usize, out: usize, tokens: usize, inp: usize) -> MmaLaunch {
-    let sms = sm_count.max(1);
-    let tiles = if tokens > 2 && out.div_ceil(32) >= sms {
+    let tiles = if tokens > 2 && out.div_ceil(32) >= sm_count.max(1) {
         2
     } else {
         1
     };
+    mma_launch_tiles(sm_count, out, inp, tiles)
+}
+
+/// The launch for a given tile height (1 or 2 tiles of 16 rows; anything else is taken as 2):
+/// the widest block (16, 12, 8, 6 or 4 warps) whose grid fits in one resident wave, so every SM
+/// has about 24 warps of loads in flight; never more warps than chunk batches along `inp`.
+pub fn mma_launch_tiles(sm_count: usize, out: usize, inp: usize, tiles: usize) -> MmaLaunch {
+    let sms = sm_count.max(1);
+    let tiles = if tiles == 1 { 1 } else { 2 };
     let blocks = out.div_ceil(16 * tiles).max(1);
     let mut warps = 4;
     for w in [16usize, 12, 8, 6] {
@@ -88,6 +97,7 @@ pub fn mma_launch(sm_count: usize, out: usize, tokens: usize, inp: usize) -> Mma
         tiles,
         blocks,
         warps: warps.min(batches),
+        l2_prefetch: false,
     }
 }
 
@@ -154,24 +164,102 @@ pub fn linear(
             )
         };
     };
-    let (name, grid, block) = if kernel == LinearImpl::GemvMma {
+    if kernel == LinearImpl::GemvMma {
         let l = mma_launch(gpu.sm_count as usize, out, tokens, inp);
-        let name = if l.tiles == 1 {
-            "gemv_mma_m1"
-        } else {
-            "gemv_mma_m2"
-        };
-        (name, u32_of(OP, l.blocks)?, 32 * l.warps as u32)
-    } else {
-        let name = match tokens {
-            1 => "gemv_t1",
-            2 => "gemv_t2",
-            3 | 4 => "gemv_t4",
-            _ => "gemv_t8",
-        };
-        let blocks = out.div_ceil(8).min(gpu.sm_count as usize * 8) as u32;
-        (name, blocks, 256)
+        return gemv_mma(gpu, l, out, tokens, inp, w, x, y, ty, accumulate);
+    }
+    let name = match tokens {
+        1 => "gemv_t1",
+        2 => "gemv_t2",
+        3 | 4 => "gemv_t4",
+        _ => "gemv_t8",
     };
+    let blocks = out.div_ceil(8).min(gpu.sm_count as usize * 8) as u32;
+    launch_gemv(
+        gpu, name, blocks, 256, out, tokens, inp, w, x, y, ty, accumulate,
+    )
+}
+
+/// [`linear`] through the tensor-core GEMV with an explicit launch shape (benchmarks compare
+/// shapes with it). Checks what [`linear`] checks plus the launch: 1 or 2 tiles, 1..=16 warps,
+/// enough blocks for every row.
+#[allow(clippy::too_many_arguments)]
+pub fn gemv_mma(
+    gpu: &Gpu,
+    l: MmaLaunch,
+    out: usize,
+    tokens: usize,
+    inp: usize,
+    w: &DevBuf,
+    x: &DevBuf,
+    y: &DevBuf,
+    ty: OutType,
+    accumulate: bool,
+) -> Result<(), CudaError> {
+    const OP: &str = "gemv_mma";
+    let ysz = if ty == OutType::F32 { F32 } else { BF16 };
+    need(OP, "w", w, out * inp * BF16)?;
+    need(OP, "x", x, tokens * inp * BF16)?;
+    need(OP, "y", y, tokens * out * ysz)?;
+    shape(OP, !(accumulate && ty == OutType::Bf16), || {
+        "accumulation needs an f32 output".into()
+    })?;
+    shape(
+        OP,
+        tokens <= GEMV_MAX_TOKENS
+            && inp.is_multiple_of(8)
+            && w.ptr().is_multiple_of(16)
+            && x.ptr().is_multiple_of(16),
+        || "gemv_mma needs tokens <= 8, inp % 8 == 0, 16-byte aligned w and x".into(),
+    )?;
+    shape(
+        OP,
+        (1..=2).contains(&l.tiles) && (1..=16).contains(&l.warps) && l.blocks * 16 * l.tiles >= out,
+        || format!("bad launch {l:?} for {out} rows"),
+    )?;
+    if out * tokens * inp == 0 {
+        return Ok(());
+    }
+    let name = match (l.tiles, l.l2_prefetch) {
+        (1, false) => "gemv_mma_m1",
+        (1, true) => "gemv_mma_m1_pf",
+        (_, false) => "gemv_mma_m2",
+        (_, true) => "gemv_mma_m2_pf",
+    };
+    let grid = u32_of(OP, l.blocks)?;
+    launch_gemv(
+        gpu,
+        name,
+        grid,
+        32 * l.warps as u32,
+        out,
+        tokens,
+        inp,
+        w,
+        x,
+        y,
+        ty,
+        accumulate,
+    )
+}
+
+/// Launches one of the GEMV kernels (all share one signature); the caller checked the shapes.
+#[allow(clippy::too_many_arguments)]
+fn launch_gemv(
+    gpu: &Gpu,
+    name: &'static str,
+    grid: u32,
+    block: u32,
+    out: usize,
+    tokens: usize,
+    inp: usize,
+    w: &DevBuf,
+    x: &DevBuf,
+    y: &DevBuf,
+    ty: OutType,
+    accumulate: bool,
+) -> Result<(), CudaError> {
+    const OP: &str = "linear";
     let f = gpu.kernel(name)?;
     let (t_i, o_i, i_i, yf, acc) = (
         tokens as i32,

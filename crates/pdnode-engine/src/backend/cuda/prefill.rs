@@ -22,7 +22,9 @@ const BF16: usize = 2;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PrefillAttn {
     /// The process default: [`set_default_attn`], else the environment variable
-    /// `PDNODE_PREFILL_ATTN` (`gemm`, `flash`, `flash8`, `flash32`), else [`PrefillAttn::Gemm`].
+    /// `PDNODE_PREFILL_ATTN` (`gemm`, `flash`, `flash8`, `flash32`), else [`PrefillAttn::Flash8`]
+    /// (measured on the H200: 8k prefill step 0.57 of the GEMM floor vs 0.34 with cuBLAS). Head
+    /// dims other than 64 and 128 always take the cuBLAS path.
     #[default]
     Auto,
     /// cuBLAS GEMMs around a causal softmax kernel (materialized f32 scores).
@@ -82,7 +84,7 @@ impl PrefillAttn {
                         .ok()
                         .and_then(|v| Self::parse(&v))
                     {
-                        Some(Self::Auto) | None => Self::Gemm,
+                        Some(Self::Auto) | None => Self::Flash8,
                         Some(a) => a,
                     }
                 })

@@ -84,16 +84,39 @@ pub enum RowOut {
     Argmax(Option<u32>),
 }
 
+/// Host memory a backend lends to a [`StepLogits`] for its full rows (a CUDA backend: the
+/// page-locked buffer the device copies into, so the rows are copied once). The `StepLogits`
+/// owns it between steps (nothing else points to it); the backend that made it takes it back at
+/// its next step ([`StepLogits::begin_store`], downcasting through `into_any`).
+pub trait RowStore: Send {
+    fn as_slice(&self) -> &[f32];
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send>;
+}
+
 /// The result of [`Backend::forward_select`]: for each sequence with `want_logits`, in batch
 /// order, its full row or its arg-max. Reused across steps (the engine hands the previous one
-/// back): the full rows land in a buffer whose capacity is kept, so a step does not allocate and
-/// fault in tens of MB of fresh memory.
-#[derive(Debug, Clone, Default)]
+/// back): the full rows land in a buffer kept from step to step (a `Vec` whose capacity is kept,
+/// or a backend's [`RowStore`]), so a step does not allocate and fault in tens of MB of memory.
+#[derive(Default)]
 pub struct StepLogits {
     vocab: usize,
     rows: Vec<RowOut>,
-    /// The full rows, back to back, `vocab` each.
+    /// The full rows, back to back, `vocab` each (when `store` is None).
     full: Vec<f32>,
+    /// A backend's buffer holding the full rows in its first `store_len` values.
+    store: Option<Box<dyn RowStore>>,
+    store_len: usize,
+}
+
+impl std::fmt::Debug for StepLogits {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StepLogits")
+            .field("vocab", &self.vocab)
+            .field("rows", &self.rows)
+            .field("full_rows", &self.full_rows())
+            .field("backend_store", &self.store.is_some())
+            .finish()
+    }
 }
 
 impl StepLogits {
@@ -107,18 +130,22 @@ impl StepLogits {
     /// Full row `i` (as named by [`RowOut::Full`]); `None` past the end.
     pub fn full_row(&self, i: usize) -> Option<&[f32]> {
         let (a, b) = (i.checked_mul(self.vocab)?, (i + 1).checked_mul(self.vocab)?);
-        self.full.get(a..b)
+        self.full_data().get(a..b)
     }
     /// Number of full rows held.
     pub fn full_rows(&self) -> usize {
-        self.full.len().checked_div(self.vocab).unwrap_or(0)
+        self.full_data().len().checked_div(self.vocab).unwrap_or(0)
     }
 
-    /// Starts a step's result: `want` lays out the rows (full rows numbered in order, arg-max
-    /// rows `Argmax(None)` until [`StepLogits::set_argmax`]); returns the buffer of the full rows
-    /// (`full x vocab`, its old contents left in place: the caller overwrites all of it). Keeps
-    /// the capacity of the previous step; grows (and so writes) only past it.
-    pub fn begin(&mut self, vocab: usize, want: &[LogitsWant]) -> &mut [f32] {
+    fn full_data(&self) -> &[f32] {
+        match &self.store {
+            Some(s) => s.as_slice().get(..self.store_len).unwrap_or(&[]),
+            None => &self.full,
+        }
+    }
+
+    /// Lays the rows out as `want` says; returns the number of full rows.
+    fn layout(&mut self, vocab: usize, want: &[LogitsWant]) -> usize {
         self.vocab = vocab;
         self.rows.clear();
         let mut full = 0;
@@ -131,6 +158,48 @@ impl StepLogits {
                 LogitsWant::Argmax => RowOut::Argmax(None),
             });
         }
+        full
+    }
+
+    /// As [`StepLogits::begin`] for a backend that lands the full rows in its own
+    /// [`RowStore`]: lays the rows out and hands back the store of the previous step (if any)
+    /// for reuse; returns the number of full rows. Finish with [`StepLogits::set_store`].
+    pub fn begin_store(
+        &mut self,
+        vocab: usize,
+        want: &[LogitsWant],
+    ) -> (usize, Option<Box<dyn RowStore>>) {
+        let full = self.layout(vocab, want);
+        self.store_len = 0;
+        (full, self.store.take())
+    }
+
+    /// Puts the store holding this step's full rows (in its first `full rows x vocab` values)
+    /// into `self`. An error when it is shorter than that.
+    pub fn set_store(&mut self, store: Box<dyn RowStore>) -> Result<(), BackendError> {
+        let n = self
+            .rows
+            .iter()
+            .filter(|r| matches!(r, RowOut::Full(_)))
+            .count()
+            * self.vocab;
+        if store.as_slice().len() < n {
+            return Err(BackendError::InvalidBatch {
+                reason: format!("a row store of {} values for {n}", store.as_slice().len()),
+            });
+        }
+        self.store = Some(store);
+        self.store_len = n;
+        Ok(())
+    }
+
+    /// Starts a step's result: `want` lays out the rows (full rows numbered in order, arg-max
+    /// rows `Argmax(None)` until [`StepLogits::set_argmax`]); returns the buffer of the full rows
+    /// (`full x vocab`, its old contents left in place: the caller overwrites all of it). Keeps
+    /// the capacity of the previous step; grows (and so writes) only past it.
+    pub fn begin(&mut self, vocab: usize, want: &[LogitsWant]) -> &mut [f32] {
+        let full = self.layout(vocab, want);
+        self.store = None;
         self.full.resize(full * vocab, 0.0);
         &mut self.full
     }
@@ -163,6 +232,7 @@ impl StepLogits {
         }
         let v = logits.vocab;
         self.vocab = v;
+        self.store = None;
         self.full = logits.data;
         self.rows.clear();
         let mut kept = 0;
@@ -538,6 +608,49 @@ mod tests {
         out.begin(1000, &[F, F]);
         assert_eq!(out.full.as_ptr(), ptr, "grows within its capacity");
         assert_eq!(out.full_rows(), 2);
+    }
+
+    /// A backend's buffer, as a CUDA backend lends its page-locked memory.
+    struct Store(Vec<f32>);
+    impl RowStore for Store {
+        fn as_slice(&self) -> &[f32] {
+            &self.0
+        }
+        fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
+            self
+        }
+    }
+
+    #[test]
+    fn step_logits_lend_a_backend_store_and_give_it_back() {
+        use LogitsWant::{Argmax as A, Full as F};
+        let mut out = StepLogits::default();
+        let (full, old) = out.begin_store(3, &[F, A, F]);
+        assert_eq!((full, old.is_none()), (2, true));
+        let data: Vec<f32> = (0..12).map(|i| i as f32).collect();
+        out.set_store(Box::new(Store(data))).unwrap();
+        assert!(out.set_argmax(1, Some(2)));
+        assert_eq!(out.full_rows(), 2, "the store's first 2 x 3 values");
+        assert_eq!(out.full_row(1), Some(&[3.0, 4.0, 5.0][..]));
+        assert_eq!(out.full_row(2), None);
+        // next step: the same store comes back for reuse, downcast by its maker
+        let (full, old) = out.begin_store(3, &[A]);
+        assert_eq!(full, 0);
+        let s = old.unwrap().into_any().downcast::<Store>().unwrap();
+        assert_eq!(s.0.len(), 12);
+        // a store too short for the full rows is refused
+        out.begin_store(3, &[F, F, F, F, F]);
+        assert!(matches!(
+            out.set_store(s),
+            Err(BackendError::InvalidBatch { .. })
+        ));
+        assert_eq!(out.full_rows(), 0);
+        // the Vec path drops a lent store
+        out.begin_store(3, &[F]);
+        out.set_store(Box::new(Store(vec![1.0; 3]))).unwrap();
+        out.begin(3, &[F]).copy_from_slice(&[7.0, 8.0, 9.0]);
+        assert_eq!(out.full_row(0), Some(&[7.0, 8.0, 9.0][..]));
+        assert!(out.begin_store(3, &[]).1.is_none());
     }
 
     #[test]

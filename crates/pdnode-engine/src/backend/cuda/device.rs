@@ -172,6 +172,10 @@ impl Pinned {
         // SAFETY: `ptr` points to `len` f32 of page-locked memory owned by self.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
+    /// Whether this buffer was allocated in `gpu`'s context (device copies may target it).
+    pub fn is_of(&self, gpu: &Gpu) -> bool {
+        Arc::ptr_eq(&self.ctx, &gpu.ctx)
+    }
     fn as_mut_slice(&mut self) -> &mut [f32] {
         // SAFETY: as above, uniquely borrowed.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }

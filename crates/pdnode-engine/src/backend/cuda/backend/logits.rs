@@ -1,9 +1,12 @@
-//! The logits landing on the host: full rows into the engine's reused buffer, greedy rows reduced
-//! to their arg-max on the device (`kernels/sample.cu`) so only one id per row crosses PCIe.
+//! The logits landing on the host: full rows straight into a page-locked buffer the engine's
+//! [`StepLogits`] owns between steps (one copy, no allocation after the first step), greedy rows
+//! reduced to their arg-max on the device (`kernels/sample.cu`) so only one id per row crosses
+//! PCIe.
 
 use super::CudaBackend;
 use crate::backend::cuda::CudaError;
-use crate::backend::{BackendError, LogitsWant, StepLogits};
+use crate::backend::cuda::device::Pinned;
+use crate::backend::{BackendError, LogitsWant, RowStore, StepLogits};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 /// Copies the landed logits into the host buffer the step returns. Past a few MiB (batch
@@ -33,6 +36,15 @@ pub(super) fn full_runs(want: &[LogitsWant], vocab: usize) -> Vec<(usize, usize)
         }
     }
     runs
+}
+
+impl RowStore for Pinned {
+    fn as_slice(&self) -> &[f32] {
+        Pinned::as_slice(self)
+    }
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
+        self
+    }
 }
 
 /// Threads per block of `argmax_rows` (a multiple of 32, at most 1024).
@@ -128,15 +140,29 @@ impl CudaBackend {
             self.gpu.download(&mut tokens, &self.ws.tokens, 0)?;
         }
         let runs = full_runs(want, vocab);
-        let dst = out.begin(vocab, want);
-        if !runs.is_empty() {
-            let src =
-                self.gpu
-                    .download_pinned_runs(&mut self.logits_host, &self.ws.logits, &runs)?;
-            copy_logits(src, dst);
-        } else if tokens.is_empty() {
-            // Nothing to land (no rows): still surface the step's asynchronous errors.
-            self.gpu.sync()?;
+        let (full, old) = out.begin_store(vocab, want);
+        if full > 0 {
+            // The previous step's buffer when it is ours (this context) and large enough; else a
+            // fresh one sized for the most rows a step can have.
+            let reuse = old.map(|s| s.into_any().downcast::<Pinned>());
+            let mut pinned = match reuse {
+                Some(Ok(p)) if p.is_of(&self.gpu) && p.len() >= full * vocab => *p,
+                _ => self
+                    .gpu
+                    .alloc_pinned(self.opts.max_seqs.max(rows) * vocab)?,
+            };
+            self.gpu
+                .download_pinned_runs(&mut pinned, &self.ws.logits, &runs)?;
+            out.set_store(Box::new(pinned))?;
+        } else {
+            if let Some(old) = old {
+                // Kept for a later step with full rows (it holds none now).
+                out.set_store(old)?;
+            }
+            if tokens.is_empty() {
+                // Nothing to land (no rows): still surface the step's asynchronous errors.
+                self.gpu.sync()?;
+            }
         }
         for (i, w) in want.iter().enumerate() {
             if *w != LogitsWant::Argmax {

@@ -16,7 +16,8 @@ const F32: usize = 4;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LinearImpl {
     /// [`LinearImpl::GemvMma`] where it applies (tokens <= 8, `inp % 8 == 0`, 16-byte aligned
-    /// operands), cuBLAS otherwise.
+    /// operands), cuBLAS otherwise; `PDNODE_LINEAR=cublas|gemv|mma` changes the preference
+    /// ([`auto_choice`]).
     Auto,
     /// cuBLAS `cublasGemmEx` (H200, Llama-3.1-8B shapes: 5.87 ms per batch-1 decode step).
     Cublas,
@@ -41,6 +42,19 @@ impl LinearImpl {
 
     /// Every implementation other than `Auto`.
     pub const ALL: [LinearImpl; 3] = [Self::GemvMma, Self::Gemv, Self::Cublas];
+}
+
+/// What `Auto` prefers for the calls a GEMV kernel can take: `PDNODE_LINEAR` (`mma`, `gemv`,
+/// `cublas`; read once per process) so prebuilt binaries can switch a kernel off, else the
+/// tensor-core GEMV.
+pub fn auto_choice() -> LinearImpl {
+    static CHOICE: std::sync::OnceLock<LinearImpl> = std::sync::OnceLock::new();
+    *CHOICE.get_or_init(|| {
+        std::env::var("PDNODE_LINEAR")
+            .ok()
+            .and_then(|v| LinearImpl::parse(&v))
+            .unwrap_or(LinearImpl::GemvMma)
+    })
 }
 
 /// Most token rows the GEMV kernels take.
@@ -138,7 +152,11 @@ pub fn linear(
     };
     let kernel = match how {
         LinearImpl::Cublas => None,
-        LinearImpl::Auto => gemv_ok.then_some(LinearImpl::GemvMma),
+        LinearImpl::Auto => match auto_choice() {
+            LinearImpl::Cublas => None,
+            LinearImpl::Gemv => gemv_ok.then_some(LinearImpl::Gemv),
+            _ => gemv_ok.then_some(LinearImpl::GemvMma),
+        },
         LinearImpl::Gemv => {
             need_gemv("gemv")?;
             Some(LinearImpl::Gemv)

@@ -3,8 +3,10 @@
 //! A backend owns the model weights and the paged KV pool of one node (one GPU group). The
 //! scheduler hands it a [`ForwardBatch`] (for each sequence: the new tokens, their first position
 //! and the block table covering every position up to the last new one) and gets back one logits row
-//! per sequence that asked for it. Sampling happens on the host (`crate::sampling`) unless a backend
-//! also implements an optional capability trait for it. KV blocks are copied in and out for the
+//! per sequence that asked for it. Sampling happens on the host (`crate::sampling`); the engine
+//! steps through [`Backend::forward_select`], which returns only the arg-max of the rows of plain
+//! greedy sequences ([`LogitsWant::Argmax`], computed on the device by the CUDA backends) and
+//! lands the other rows in a [`StepLogits`] reused from step to step. KV blocks are copied in and out for the
 //! hand-off through [`Backend::read_kv`] / [`Backend::write_kv`]; zero-copy access to the pool
 //! memory (UCX registration) is the optional [`KvMemory`] capability, and a per-rank staging
 //! arena that stays registered (gather/scatter device to device) the optional [`KvStaging`] one.

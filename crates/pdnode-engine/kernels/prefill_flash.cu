@@ -73,6 +73,16 @@ __device__ __forceinline__ unsigned fp_pack(float lo, float hi) {
     return r;
 }
 
+// 2^x on the MUFU unit (flush-to-zero; ex2(-inf) = +0), without exp2f's range fix-up.
+__device__ __forceinline__ float fp_ex2(float x) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+    return r;
+}
+
+// log2 of a power of two.
+__device__ __forceinline__ int fp_log2i(int x) { return __ffs(x) - 1; }
+
 // Keys k0 .. k0 + BN - 1 of part `kv` (0 = K, 1 = V) of kv head `kvh` into dst [BN][HD + 8];
 // keys at or past kv_end are zero-filled.
 template <int HD, int NW, int BN = FP_BN>
@@ -451,3 +461,224 @@ __device__ __forceinline__ void flash_prefill_m32_impl(const bf16_t* __restrict_
 
 FLASH_PREFILL_M32_KERNEL(flash_prefill_hd64_m32, 64, 64)
 FLASH_PREFILL_M32_KERNEL(flash_prefill_hd128_m32, 128, 32)
+
+// ---- v2: multistage pipeline, one barrier per K/V tile ----
+// The same attention (16 query rows per warp, 8 warps, BM = 128, Q fragments in registers,
+// 64-key tiles) restructured for throughput:
+// - K and V of a tile travel together through an FP2_STAGES-deep ring of shared buffers filled by
+//   cp.async: tile jt + 2 is in flight while tile jt is used, and one __syncthreads per tile both
+//   publishes tile jt and frees the buffer of tile jt - 1 (which the new load then fills).
+// - Paged addressing for power-of-two block sizes only (shift and mask, no division); a thread
+//   loads the same 16-byte column of RPT key rows, one table lookup per row serving K and V, and
+//   those lookups are fetched one tile ahead into registers so no load waits on the table.
+// - Softmax on raw scores: max first, then p = 2^(s * scale_log2 - m * scale_log2) as one FFMA and
+//   one MUFU ex2; the causal mask only on tiles that reach past a warp's first query, and a warp
+//   skips the math of a tile entirely past its last query.
+// - grid (nh, query tiles): the heads vary fastest, so the heaviest (last) query tile of every
+//   head is scheduled first and the q heads sharing a kv head run side by side (K/V hits in L2).
+// Dynamic shared memory: FP2_STAGES * 2 * 64 * (HD + 8) bf16 (104448 bytes at hd 128).
+#define FP2_STAGES 3
+
+template <int HD, int NW>
+__device__ __forceinline__ void flash_prefill_v2_impl(const bf16_t* __restrict__ q,
+                                                      bf16_t* __restrict__ out,
+                                                      const bf16_t* __restrict__ layer_kv,
+                                                      const int* __restrict__ table, int row0,
+                                                      int n, int start, int nh, int nkv,
+                                                      int block_size, float scale_log2,
+                                                      bf16_t* smem) {
+    constexpr int BN = FP_BN, BM = 16 * NW, LD = HD + 8, KS = HD / 16, NT = HD / 8;
+    constexpr int CPR = HD / 8;              // 16-byte chunks per key row
+    constexpr int STEP = NW * 32 / CPR;      // key rows between one thread's chunks
+    constexpr int RPT = BN / STEP;           // key rows (chunks of K, and of V) per thread
+    constexpr int TILE = 2 * BN * LD;        // one stage: K then V
+    static_assert(NW * 32 % CPR == 0 && BN % STEP == 0, "tile rows split evenly over the threads");
+    const int h = blockIdx.x;
+    const int m0 = (gridDim.y - 1 - blockIdx.y) * BM;
+    const int kvh = h / (nh / nkv);
+    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int r0 = m0 + w * 16 + g, r1 = r0 + 8;
+    const int kv_end = start + min(m0 + BM, n);
+    const int ntiles = (kv_end + BN - 1) / BN;
+    const i64 qstride = (i64)nh * HD;
+
+    // Loader geometry: this thread copies column `lcol` of key rows ldrow + it * STEP.
+    const int bs_shift = fp_log2i(block_size), bs_mask = block_size - 1;
+    const int row_stride = nkv * HD;              // elements between slots of a block
+    const int vofs = block_size * row_stride;     // K part -> V part of a block
+    const int blk_stride = 2 * vofs;              // elements per block
+    const int ldrow = threadIdx.x / CPR, lcol = (threadIdx.x % CPR) * 8;
+    const bf16_t* kv_base = layer_kv + (i64)kvh * HD + lcol;
+
+    // Table entries (block ids, -1 past kv_end) of this thread's rows of one tile.
+    auto fetch_blocks = [&](int tile, int* blk) {
+#pragma unroll
+        for (int it = 0; it < RPT; it++) {
+            const int j = tile * BN + ldrow + it * STEP;
+            blk[it] = j < kv_end ? table[j >> bs_shift] : -1;
+        }
+    };
+    auto load_tile = [&](int tile, const int* blk) {
+        bf16_t* ks = smem + (tile % FP2_STAGES) * TILE;
+        bf16_t* vs = ks + BN * LD;
+#pragma unroll
+        for (int it = 0; it < RPT; it++) {
+            const int r = ldrow + it * STEP, j = tile * BN + r;
+            const bool ok = blk[it] >= 0;
+            const bf16_t* src =
+                ok ? kv_base + (i64)blk[it] * blk_stride + (j & bs_mask) * row_stride : layer_kv;
+            fp_cp_async16(ks + r * LD + lcol, src, ok ? 16 : 0);
+            fp_cp_async16(vs + r * LD + lcol, ok ? src + vofs : layer_kv, ok ? 16 : 0);
+        }
+    };
+
+    // Prologue: tiles 0 .. STAGES - 2 in flight (one commit group each, empty past the end).
+    int blk[RPT];
+#pragma unroll
+    for (int st = 0; st < FP2_STAGES - 1; st++) {
+        if (st < ntiles) {
+            fetch_blocks(st, blk);
+            load_tile(st, blk);
+        }
+        fp_cp_commit();
+    }
+    fetch_blocks(FP2_STAGES - 1, blk);  // the next tile to load (entries -1 past the end)
+
+    unsigned qf[KS][4];
+    {
+        const bf16_t* q0 = q + (i64)(row0 + r0) * qstride + (i64)h * HD + 2 * t;
+        const bf16_t* q1 = q0 + 8 * qstride;
+        const bool v0 = r0 < n, v1 = r1 < n;
+#pragma unroll
+        for (int kk = 0; kk < KS; kk++) {
+            qf[kk][0] = v0 ? *(const unsigned*)(q0 + kk * 16) : 0u;
+            qf[kk][1] = v1 ? *(const unsigned*)(q1 + kk * 16) : 0u;
+            qf[kk][2] = v0 ? *(const unsigned*)(q0 + kk * 16 + 8) : 0u;
+            qf[kk][3] = v1 ? *(const unsigned*)(q1 + kk * 16 + 8) : 0u;
+        }
+    }
+
+    float o[NT][4];
+#pragma unroll
+    for (int i = 0; i < NT; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    float mrow[2] = {-INFINITY, -INFINITY};  // running max of the raw scores
+    float lrow[2] = {0.f, 0.f};              // this thread's part of the running sum
+    const int qpos0 = start + r0, qpos1 = start + r1;
+    const int wfirst = start + m0 + w * 16, wlast = wfirst + 15;  // this warp's query positions
+
+    for (int jt = 0; jt < ntiles; jt++) {
+        fp_cp_wait<FP2_STAGES - 2>();  // this thread's copies of tile jt have landed
+        __syncthreads();               // everyone's have; everyone is done with tile jt - 1
+        {
+            const int nxt = jt + FP2_STAGES - 1;  // into the buffer of tile jt - 1
+            if (nxt < ntiles) {
+                load_tile(nxt, blk);
+                fetch_blocks(nxt + 1, blk);
+            }
+            fp_cp_commit();
+        }
+        const int k0 = jt * BN;
+        if (k0 > wlast) continue;  // every key of the tile is masked for this warp (uniform)
+        const bf16_t* ks = smem + (jt % FP2_STAGES) * TILE;
+        const bf16_t* vs = ks + BN * LD;
+
+        float s[8][4];
+#pragma unroll
+        for (int i = 0; i < 8; i++) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < KS; kk++) {
+#pragma unroll
+            for (int np = 0; np < 4; np++) {
+                unsigned b[4];
+                fp_ldsm_x4(b, ks + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * LD + kk * 16 +
+                                  ((lane >> 3) & 1) * 8);
+                fp_mma(s[2 * np], qf[kk], b[0], b[1]);
+                fp_mma(s[2 * np + 1], qf[kk], b[2], b[3]);
+            }
+        }
+
+        if (k0 + BN - 1 > wfirst) {  // some key of the tile lies past some query of the warp
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int key = k0 + nt * 8 + 2 * t + (e & 1);
+                    if (key > (e < 2 ? qpos0 : qpos1)) s[nt][e] = -INFINITY;
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            float mx = mrow[i];
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++) mx = fmaxf(mx, fmaxf(s[nt][2 * i], s[nt][2 * i + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            // mx: the new running max (raw); -inf only while every key so far is masked
+            const float ms = (mx == -INFINITY ? 0.f : mx) * scale_log2;
+            const float alpha = fp_ex2(mrow[i] * scale_log2 - ms);  // 0 when mrow was -inf
+            float sum = 0.f;
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++) {
+                s[nt][2 * i] = fp_ex2(fmaf(s[nt][2 * i], scale_log2, -ms));
+                s[nt][2 * i + 1] = fp_ex2(fmaf(s[nt][2 * i + 1], scale_log2, -ms));
+                sum += s[nt][2 * i] + s[nt][2 * i + 1];
+            }
+            lrow[i] = lrow[i] * alpha + sum;
+            mrow[i] = mx;
+#pragma unroll
+            for (int dt = 0; dt < NT; dt++) {
+                o[dt][2 * i] *= alpha;
+                o[dt][2 * i + 1] *= alpha;
+            }
+        }
+
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            unsigned pa[4];
+            pa[0] = fp_pack(s[2 * kk][0], s[2 * kk][1]);
+            pa[1] = fp_pack(s[2 * kk][2], s[2 * kk][3]);
+            pa[2] = fp_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            pa[3] = fp_pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+            for (int dp = 0; dp < NT / 2; dp++) {
+                unsigned b[4];
+                fp_ldsm_x4_t(b, vs + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD +
+                                    dp * 16 + (lane >> 4) * 8);
+                fp_mma(o[2 * dp], pa, b[0], b[1]);
+                fp_mma(o[2 * dp + 1], pa, b[2], b[3]);
+            }
+        }
+    }
+    fp_cp_wait<0>();
+
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        float l = lrow[i];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const int r = i == 0 ? r0 : r1;
+        if (r < n) {
+            bf16_t* y = out + (i64)(row0 + r) * qstride + (i64)h * HD + 2 * t;
+#pragma unroll
+            for (int dt = 0; dt < NT; dt++)
+                *(unsigned*)(y + dt * 8) = fp_pack(o[dt][2 * i] * inv, o[dt][2 * i + 1] * inv);
+        }
+    }
+}
+
+// grid: (nh, ceil(n / 128)), block: 256, dynamic shared memory FP2_STAGES * 2 * 64 * (HD + 8) * 2
+// bytes; block_size must be a power of two (the launcher falls back to the w8 kernel otherwise).
+#define FLASH_PREFILL_V2_KERNEL(NAME, HD, MINB)                                                   \
+    extern "C" __global__ void __launch_bounds__(256, MINB) NAME(                                 \
+        const bf16_t* __restrict__ q, bf16_t* __restrict__ out,                                   \
+        const bf16_t* __restrict__ layer_kv, const int* __restrict__ table, int row0, int n,      \
+        int start, int nh, int nkv, int block_size, float scale_log2) {                           \
+        extern __shared__ __align__(16) unsigned char fp_dyn_smem[];                              \
+        flash_prefill_v2_impl<HD, 8>(q, out, layer_kv, table, row0, n, start, nh, nkv,            \
+                                     block_size, scale_log2, (bf16_t*)fp_dyn_smem);              \
+    }
+
+FLASH_PREFILL_V2_KERNEL(flash_prefill_hd64_v2, 64, 1)
+FLASH_PREFILL_V2_KERNEL(flash_prefill_hd128_v2, 128, 1)

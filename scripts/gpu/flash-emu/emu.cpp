@@ -71,14 +71,16 @@ static void launch(Kern k, unsigned gx, unsigned gy, unsigned threads, const bf1
 int main() {
     std::mt19937 rng(7);
     std::uniform_real_distribution<float> U(-1.f, 1.f);
-    struct K { const char* name; Kern k; int hd, threads, bm; };
+    struct K { const char* name; Kern k; int hd, threads, bm; bool heads_x = false; };
     K ks[] = {
         {"hd64_w4", flash_prefill_hd64_w4, 64, 128, 64},   {"hd128_w4", flash_prefill_hd128_w4, 128, 128, 64},
         {"hd64_w8", flash_prefill_hd64_w8, 64, 256, 128},  {"hd128_w8", flash_prefill_hd128_w8, 128, 256, 128},
         {"hd64_m32", flash_prefill_hd64_m32, 64, 128, 128}, {"hd128_m32", flash_prefill_hd128_m32, 128, 128, 128},
+        {"hd64_v2", flash_prefill_hd64_v2, 64, 256, 128, true}, {"hd128_v2", flash_prefill_hd128_v2, 128, 256, 128, true},
     };
     // (nh, nkv, bs, start, n)
-    int cases[][5] = {{2, 1, 16, 37, 129}, {1, 1, 32, 0, 1}, {4, 1, 32, 0, 70}, {2, 2, 16, 100, 17}};
+    int cases[][5] = {{2, 1, 16, 37, 129}, {1, 1, 32, 0, 1}, {4, 1, 32, 0, 70}, {2, 2, 16, 100, 17},
+                      {1, 1, 64, 0, 300}, {2, 1, 16, 200, 150}};
     int fails = 0;
     for (auto& kk : ks) {
         for (auto& c : cases) {
@@ -92,7 +94,8 @@ int main() {
             std::vector<int> used(nb, 0);
             for (int i = 0; i < nblk; i++) { while (used[tab[i]]) tab[i] = (tab[i] + 1) % nb; used[tab[i]] = 1; }
             float sl2 = 1.4426950408889634f / std::sqrt((float)hd);
-            launch(kk.k, (n + kk.bm - 1) / kk.bm, nh, kk.threads, q.data(), out.data(), pool.data(), tab.data(),
+            const unsigned tiles = (n + kk.bm - 1) / kk.bm;
+            launch(kk.k, kk.heads_x ? nh : tiles, kk.heads_x ? tiles : nh, kk.threads, q.data(), out.data(), pool.data(), tab.data(),
                    row0, n, start, nh, nkv, bs, sl2);
             double num = 0, den = 0;
             int untouched_bad = 0;

@@ -20,7 +20,7 @@ a = src.index("__device__ __forceinline__ unsigned fp_smem_addr")
 b = src.index("// Keys k0 .. k0 + BN - 1")
 src = src[:a] + open(helpers).read() + src[b:]
 src = src.replace("extern __shared__ __align__(16) unsigned char fp_dyn_smem[];",
-                  "static __align__(16) unsigned char fp_dyn_smem[80000];")
+                  "static __align__(16) unsigned char fp_dyn_smem[131072];")
 open(dst, "w").write(open(k + "/common.cuh").read() + src)
 PY
 g++ -std=c++20 -O2 -pthread -w -I"$work" "$here/emu.cpp" -o "$work/emu"

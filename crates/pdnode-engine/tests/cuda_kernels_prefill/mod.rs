@@ -1,8 +1,9 @@
 //! Fused flash prefill attention (kernels/prefill_flash.cu, every variant: 16 rows per warp with
-//! 4 or 8 warps, 32 rows per warp) against an f32 host reference: head_dim 64 and 128, GQA 1 / 4 /
-//! 8, 1 to 1000 new tokens, with and without a cached prefix (chunked prefill), block sizes 16 and
-//! 32, two sequences in one call; and against the cuBLAS path at Llama-3.1-8B shapes. Part of the
-//! `cuda_kernels` test binary (scripts/gpu/run-all.sh kernels); prints one PASS/FAIL line a case.
+//! 4 or 8 warps, 32 rows per warp, v2) against an f32 host reference: head_dim 64 and 128, GQA
+//! 1 / 4 / 8, 1 to 1000 new tokens, with and without a cached prefix (chunked prefill), block
+//! sizes 16, 32, 64 and 24, two sequences in one call; and against the cuBLAS path at
+//! Llama-3.1-8B shapes. Part of the `cuda_kernels` test binary (scripts/gpu/run-all.sh kernels);
+//! prints one PASS/FAIL line a case.
 
 use super::cuda_support::*;
 use super::{gpu, poisoned, pool_dims, pool_idx, up_i32};
@@ -110,6 +111,9 @@ fn prefill_flash_attention_matches_reference() {
         (8, 2, 64, 16, vec![(1000, 17), (3, 1)]),
         (8, 1, 128, 16, vec![(0, 1000)]),
         (4, 1, 64, 32, vec![(77, 1000)]),
+        // a 64-key block per tile; a block size that is no power of two (v2 falls back to w8)
+        (8, 2, 128, 64, vec![(100, 300)]),
+        (4, 1, 128, 24, vec![(10, 100)]),
     ];
     let mut worst = 0f32;
     for (nh, nkv, hd, bs, sq) in cases {
@@ -149,6 +153,7 @@ fn prefill_flash_attention_matches_reference() {
             PrefillAttn::Flash,
             PrefillAttn::Flash8,
             PrefillAttn::Flash32,
+            PrefillAttn::FlashV2,
         ] {
             let got =
                 run_prefill_attn(&g, &d, &pool, layer, &dq, t, &dtab, max_blocks, &seqs, attn);
@@ -212,6 +217,7 @@ fn prefill_flash_attention_matches_gemm_path_at_llama_shapes() {
             PrefillAttn::Flash,
             PrefillAttn::Flash8,
             PrefillAttn::Flash32,
+            PrefillAttn::FlashV2,
         ] {
             let e = rel_err(&run(attn), &want);
             println!(

@@ -360,11 +360,12 @@ pub fn run_variants(
 }
 
 /// Prefill-attention implementations the benchmark compares.
-const PREFILL_ATTNS: [PrefillAttn; 4] = [
+const PREFILL_ATTNS: [PrefillAttn; 5] = [
     PrefillAttn::Gemm,
     PrefillAttn::Flash,
     PrefillAttn::Flash8,
     PrefillAttn::Flash32,
+    PrefillAttn::FlashV2,
 ];
 
 /// Prefill attention alone, one layer of `spec`'s heads, one sequence of `len` new tokens from

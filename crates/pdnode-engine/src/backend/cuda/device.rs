@@ -25,7 +25,7 @@ const SOURCES: [&str; 11] = [
 ];
 
 /// Kernel entry points (extern "C" names in the .cu files).
-pub const KERNEL_NAMES: [&str; 35] = [
+pub const KERNEL_NAMES: [&str; 37] = [
     "gemv_t1",
     "gemv_t2",
     "gemv_t4",
@@ -49,6 +49,8 @@ pub const KERNEL_NAMES: [&str; 35] = [
     "flash_prefill_hd128_w8",
     "flash_prefill_hd64_m32",
     "flash_prefill_hd128_m32",
+    "flash_prefill_hd64_v2",
+    "flash_prefill_hd128_v2",
     "embed_gather",
     "add_rmsnorm",
     "swiglu",

@@ -22,7 +22,7 @@ const BF16: usize = 2;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PrefillAttn {
     /// The process default: [`set_default_attn`], else the environment variable
-    /// `PDNODE_PREFILL_ATTN` (`gemm`, `flash`, `flash8`, `flash32`), else [`PrefillAttn::Flash8`]
+    /// `PDNODE_PREFILL_ATTN` (`gemm`, `flash`, `flash8`, `flash32`, `flashv2`), else [`PrefillAttn::Flash8`]
     /// (measured on the H200: 8k prefill step 0.57 of the GEMM floor vs 0.34 with cuBLAS). Head
     /// dims other than 64 and 128 always take the cuBLAS path.
     #[default]
@@ -36,10 +36,15 @@ pub enum PrefillAttn {
     /// Fused flash attention, 128 query rows per CTA, 32 per warp (4 warps; Q in shared memory,
     /// each K/V fragment used for two 16-row tiles).
     Flash32,
+    /// Fused flash attention v2: 128 query rows (8 warps) per CTA, K/V tiles through a 3-stage
+    /// cp.async ring with one barrier per tile, shift/mask paged addressing with the block table
+    /// read a tile ahead, FFMA + ex2 softmax, heaviest query tiles of every head first. Needs a
+    /// power-of-two block size (otherwise runs [`PrefillAttn::Flash8`]).
+    FlashV2,
 }
 
 impl PrefillAttn {
-    /// `gemm`, `flash`, `flash8`, `flash32` or `auto` (case-insensitive).
+    /// `gemm`, `flash`, `flash8`, `flash32`, `flashv2` or `auto` (case-insensitive).
     pub fn parse(s: &str) -> Option<Self> {
         match s.trim().to_ascii_lowercase().as_str() {
             "auto" => Some(Self::Auto),
@@ -47,6 +52,7 @@ impl PrefillAttn {
             "flash" | "flash4" => Some(Self::Flash),
             "flash8" => Some(Self::Flash8),
             "flash32" => Some(Self::Flash32),
+            "flashv2" | "flash_v2" => Some(Self::FlashV2),
             _ => None,
         }
     }
@@ -58,6 +64,7 @@ impl PrefillAttn {
             Self::Flash => 2,
             Self::Flash8 => 3,
             Self::Flash32 => 4,
+            Self::FlashV2 => 5,
         }
     }
 
@@ -67,6 +74,7 @@ impl PrefillAttn {
             2 => Self::Flash,
             3 => Self::Flash8,
             4 => Self::Flash32,
+            5 => Self::FlashV2,
             _ => Self::Auto,
         }
     }
@@ -355,8 +363,14 @@ impl PrefillScratch {
     }
 }
 
+/// Stages of the v2 kernels' K/V ring (FP2_STAGES in kernels/prefill_flash.cu).
+const FLASH_V2_STAGES: usize = 3;
+/// Dynamic shared memory of the v2 kernels: the ring of (K, V) tiles of 64 rows of hd + 8 bf16.
+const V2_SMEM_HD64: usize = FLASH_V2_STAGES * 2 * 64 * (64 + 8) * BF16;
+const V2_SMEM_HD128: usize = FLASH_V2_STAGES * 2 * 64 * (128 + 8) * BF16;
+
 /// The fused kernel `attn` (a flash variant) for each sequence of `seqs` (already checked against
-/// the step by the caller): grid (query tiles, nh).
+/// the step by the caller): grid (query tiles, nh), or (nh, query tiles) for v2.
 #[allow(clippy::too_many_arguments)]
 fn run_flash(
     gpu: &Gpu,
@@ -370,8 +384,21 @@ fn run_flash(
     attn: PrefillAttn,
 ) -> Result<(), CudaError> {
     let (nh, nkv, hd, bs) = (d.num_heads, d.num_kv_heads, d.head_dim, d.block_size);
+    // v2 addresses the pool with shifts and i32 block strides: other shapes take the w8 kernel
+    let attn = if attn == PrefillAttn::FlashV2
+        && (!bs.is_power_of_two() || 2 * bs * nkv * hd > i32::MAX as usize)
+    {
+        PrefillAttn::Flash8
+    } else {
+        attn
+    };
+    // v2's grid is (heads, query tiles), the others' (query tiles, heads)
+    let heads_x = attn == PrefillAttn::FlashV2;
     // (kernel, warps, query rows per CTA, dynamic shared bytes)
     let (name, warps, rows_per_cta, dyn_smem) = match (hd, attn) {
+        // FLASH_V2_STAGES stages of K + V: 2 * 64 rows of hd + 8 bf16 each
+        (64, PrefillAttn::FlashV2) => ("flash_prefill_hd64_v2", 8, 128, V2_SMEM_HD64),
+        (128, PrefillAttn::FlashV2) => ("flash_prefill_hd128_v2", 8, 128, V2_SMEM_HD128),
         (64, PrefillAttn::Flash8) => ("flash_prefill_hd64_w8", 8usize, 128usize, 0usize),
         (128, PrefillAttn::Flash8) => ("flash_prefill_hd128_w8", 8, 128, 0),
         // (128 + 2 * BN) rows of hd + 8 bf16; BN = 64 at hd 64, 32 at hd 128
@@ -385,7 +412,7 @@ fn run_flash(
             });
         }
     };
-    if nh > 65535 {
+    if !heads_x && nh > 65535 {
         return Err(CudaError::Shape {
             op: "flash_prefill",
             reason: format!("{nh} heads exceed the grid's y limit"),
@@ -417,7 +444,18 @@ fn run_flash(
             .arg(&nkv_i)
             .arg(&bs_i)
             .arg(&scale_log2);
-        let grid = (s.n.div_ceil(rows_per_cta) as u32, nh as u32, 1);
+        let tiles = s.n.div_ceil(rows_per_cta);
+        if heads_x && tiles > 65535 {
+            return Err(CudaError::Shape {
+                op: "flash_prefill",
+                reason: format!("{} query rows exceed the grid's y limit", s.n),
+            });
+        }
+        let grid = if heads_x {
+            (nh as u32, tiles as u32, 1)
+        } else {
+            (tiles as u32, nh as u32, 1)
+        };
         let lc = LaunchConfig {
             grid_dim: grid,
             block_dim: ((32 * warps) as u32, 1, 1),
@@ -444,11 +482,13 @@ mod tests {
         assert_eq!(PrefillAttn::parse("auto"), Some(PrefillAttn::Auto));
         assert_eq!(PrefillAttn::parse("fast"), None);
         assert_eq!(PrefillAttn::parse("FLASH32"), Some(PrefillAttn::Flash32));
+        assert_eq!(PrefillAttn::parse("flashv2"), Some(PrefillAttn::FlashV2));
         for a in [
             PrefillAttn::Gemm,
             PrefillAttn::Flash,
             PrefillAttn::Flash8,
             PrefillAttn::Flash32,
+            PrefillAttn::FlashV2,
         ] {
             assert_eq!(a.resolve(), a);
             assert_eq!(PrefillAttn::from_code(a.code()), a);

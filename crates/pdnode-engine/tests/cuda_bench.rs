@@ -84,7 +84,7 @@ fn bench_llama31_8b_shapes() {
 /// The decode attention kernel alone at Llama-3.1-8B attention shapes (one layer): K/V bytes read
 /// per second and their fraction of the measured copy ceiling, per kernel variant; each variant's
 /// output checked against the first's. `PDNODE_BENCH_ATTN="1x512,8x2048,32x8192,64x8192"`,
-/// `PDNODE_BENCH_ATTN_VARIANTS="v3,v2,v2narrow"`, `PDNODE_BENCH_ITERS`.
+/// `PDNODE_BENCH_ATTN_VARIANTS="v3,v4,v2,v2narrow"`, `PDNODE_BENCH_ITERS`.
 #[test]
 #[ignore = "needs a CUDA GPU (about 3 GB free): run scripts/gpu/run-all.sh on the GPU host"]
 fn bench_decode_attention_kernel() {
@@ -96,7 +96,7 @@ fn bench_decode_attention_kernel() {
             Some((b.trim().parse().ok()?, c.trim().parse().ok()?))
         })
         .collect();
-    let variants: Vec<AttnVariant> = env_list("PDNODE_BENCH_ATTN_VARIANTS", "v3,v2,v2narrow")
+    let variants: Vec<AttnVariant> = env_list("PDNODE_BENCH_ATTN_VARIANTS", "v3,v4,v2,v2narrow")
         .split(',')
         .filter_map(AttnVariant::parse)
         .collect();

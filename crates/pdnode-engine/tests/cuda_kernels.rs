@@ -582,6 +582,7 @@ fn paged_attention_prefill_chunks_and_split_decode() {
         }
         if ops::v3_supports(hd) {
             variants.push(AttnVariant::V3);
+            variants.push(AttnVariant::V4);
         }
         let (ml, acc) = (poisoned(&g, 1 << 20), poisoned(&g, 64 << 20));
         let ws = AttnWorkspace {

@@ -1,4 +1,5 @@
-//! Decode attention (the v3 kernel, attention_v3.cu) against an f64 host reference: head_dim 64
+//! Decode attention (the v3 and v4 kernels, attention_v3.cu / attention_v4.cu) against an f64
+//! host reference: head_dim 64
 //! and 128, GQA groups 1 / 4 / 8 / 12, contexts 1 to 8192, batches up to 64, partitions past
 //! every context (the launch's max context above the real ones), the direct path (one partition),
 //! a block table too long for shared memory, and a workspace too small to split. Part of the
@@ -108,7 +109,11 @@ struct Case {
     ws_rows_splits: Option<usize>,
 }
 
-fn run_case(c: &Case, r: &mut rand_chacha::ChaCha8Rng) -> Result<f32, String> {
+fn run_case(
+    c: &Case,
+    r: &mut rand_chacha::ChaCha8Rng,
+    variant: AttnVariant,
+) -> Result<f32, String> {
     let g = gpu();
     let (bs, hd) = (c.bs, c.hd);
     let max_blocks = c.max_ctx.div_ceil(bs);
@@ -160,17 +165,7 @@ fn run_case(c: &Case, r: &mut rand_chacha::ChaCha8Rng) -> Result<f32, String> {
     };
     let out = poisoned(&g, t * c.nh * hd * 2);
     ops::paged_attention_ex(
-        &g,
-        &d,
-        &dq,
-        &pool,
-        layer,
-        &meta,
-        t,
-        None,
-        &out,
-        &ws,
-        AttnVariant::V3,
+        &g, &d, &dq, &pool, layer, &meta, t, None, &out, &ws, variant,
     )
     .map_err(|e| format!("launch: {e}"))?;
     let got = g.download_bf16(&out, t * c.nh * hd).unwrap();
@@ -204,7 +199,17 @@ fn run_case(c: &Case, r: &mut rand_chacha::ChaCha8Rng) -> Result<f32, String> {
 #[test]
 #[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
 fn paged_attention_v3_decode_matches_reference() {
-    let mut r = rng("attention_v3");
+    decode_matches_reference(AttnVariant::V3, "attention_v3");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
+fn paged_attention_v4_decode_matches_reference() {
+    decode_matches_reference(AttnVariant::V4, "attention_v4");
+}
+
+fn decode_matches_reference(variant: AttnVariant, label: &str) {
+    let mut r = rng(label);
     let edge = vec![1, 15, 16, 17, 511, 2049];
     let mut cases = Vec::new();
     for hd in [64, 128] {
@@ -292,6 +297,16 @@ fn paged_attention_v3_decode_matches_reference() {
         max_ctx: 2100,
         ws_rows_splits: None,
     });
+    cases.push(Case {
+        name: "block size 32, G=20 (v4: two blocks of 16 heads)",
+        nh: 40,
+        nkv: 2,
+        hd: 128,
+        bs: 32,
+        ctxs: vec![3000, 31, 32, 33],
+        max_ctx: 3000,
+        ws_rows_splits: None,
+    });
     let mut failed = Vec::new();
     for c in &cases {
         let tag = format!(
@@ -309,10 +324,10 @@ fn paged_attention_v3_decode_matches_reference() {
             },
             c.max_ctx
         );
-        match run_case(c, &mut r) {
-            Ok(e) => println!("PASS attention_v3 {tag}: worst rel err {e:.2e}"),
+        match run_case(c, &mut r, variant) {
+            Ok(e) => println!("PASS {label} {tag}: worst rel err {e:.2e}"),
             Err(e) => {
-                println!("FAIL attention_v3 {tag}: {e}");
+                println!("FAIL {label} {tag}: {e}");
                 failed.push(tag);
             }
         }
@@ -325,8 +340,18 @@ fn paged_attention_v3_decode_matches_reference() {
 #[test]
 #[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
 fn paged_attention_v3_one_max_context_serves_growing_contexts() {
+    one_max_context_serves_growing_contexts(AttnVariant::V3, "attention_v3");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
+fn paged_attention_v4_one_max_context_serves_growing_contexts() {
+    one_max_context_serves_growing_contexts(AttnVariant::V4, "attention_v4");
+}
+
+fn one_max_context_serves_growing_contexts(variant: AttnVariant, label: &str) {
     let g = gpu();
-    let mut r = rng("attention_v3_grow");
+    let mut r = rng(&format!("{label}_grow"));
     let (nh, nkv, hd, bs, max_ctx) = (32, 8, 128, 16, 2048);
     let max_blocks = max_ctx / bs;
     let t = 4;
@@ -363,20 +388,7 @@ fn paged_attention_v3_one_max_context_serves_growing_contexts() {
         let pos: Vec<i32> = ctxs.iter().map(|&c| c as i32 - 1).collect();
         g.upload(&dpos, 0, &pos).unwrap();
         let out = poisoned(&g, t * nh * hd * 2);
-        ops::paged_attention_ex(
-            &g,
-            &d,
-            &dq,
-            &pool,
-            0,
-            &meta,
-            t,
-            None,
-            &out,
-            &ws,
-            AttnVariant::V3,
-        )
-        .unwrap();
+        ops::paged_attention_ex(&g, &d, &dq, &pool, 0, &meta, t, None, &out, &ws, variant).unwrap();
         let got = g.download_bf16(&out, t * nh * hd).unwrap();
         let mut want = Vec::new();
         for (ti, &ctx) in ctxs.iter().enumerate() {
@@ -396,7 +408,7 @@ fn paged_attention_v3_one_max_context_serves_growing_contexts() {
         }
         let e = rel_err(&got, &want);
         let verdict = if e < 1e-2 { "PASS" } else { "FAIL" };
-        println!("{verdict} attention_v3 max_ctx {max_ctx}, contexts {ctxs:?}: rel err {e:.2e}");
+        println!("{verdict} {label} max_ctx {max_ctx}, contexts {ctxs:?}: rel err {e:.2e}");
         assert!(e < 1e-2, "contexts {ctxs:?}: rel err {e}");
     }
 }

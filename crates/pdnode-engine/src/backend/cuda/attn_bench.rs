@@ -43,12 +43,15 @@ fn rel(a: &[f32], b: &[f32]) -> f64 {
     (num / den.max(1e-30)).sqrt()
 }
 
-/// Kernels whose resident blocks per SM (128 threads) the bench reports.
-pub const OCCUPANCY_KERNELS: [&str; 4] = [
-    "paged_attention_v3_d128_g4",
-    "paged_attention_v3_d128_g8",
-    "paged_attention_v2_d16",
-    "paged_attention",
+/// Kernels whose resident blocks per SM (128 threads) the bench reports, with their dynamic
+/// shared memory per block (head_dim 128).
+pub const OCCUPANCY_KERNELS: [(&str, usize); 6] = [
+    ("paged_attention_v4_d128_g8", ops::v4_smem_bytes(HEAD_DIM)),
+    ("paged_attention_v4_d128_g16", ops::v4_smem_bytes(HEAD_DIM)),
+    ("paged_attention_v3_d128_g4", 0),
+    ("paged_attention_v3_d128_g8", 0),
+    ("paged_attention_v2_d16", 0),
+    ("paged_attention", 0),
 ];
 
 /// What [`run_attention`] measured.
@@ -177,10 +180,10 @@ pub fn run_attention(
         }
     }
     let mut occupancy = Vec::new();
-    for name in OCCUPANCY_KERNELS {
+    for (name, dyn_smem) in OCCUPANCY_KERNELS {
         let n = gpu
             .kernel(name)?
-            .occupancy_max_active_blocks_per_multiprocessor(128, 0, None)
+            .occupancy_max_active_blocks_per_multiprocessor(128, dyn_smem, None)
             .map_err(super::drv("cuOccupancyMaxActiveBlocksPerMultiprocessor"))?;
         occupancy.push((name, n));
     }

@@ -10,13 +10,14 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// The kernel sources, compiled together as one NVRTC program.
-const SOURCES: [&str; 11] = [
+const SOURCES: [&str; 12] = [
     include_str!("../../../kernels/common.cuh"),
     include_str!("../../../kernels/elementwise.cu"),
     include_str!("../../../kernels/rope.cu"),
     include_str!("../../../kernels/attention.cu"),
     include_str!("../../../kernels/attention_v2.cu"),
     include_str!("../../../kernels/attention_v3.cu"),
+    include_str!("../../../kernels/attention_v4.cu"),
     include_str!("../../../kernels/kv_copy.cu"),
     include_str!("../../../kernels/prefill.cu"),
     include_str!("../../../kernels/prefill_flash.cu"),
@@ -25,7 +26,7 @@ const SOURCES: [&str; 11] = [
 ];
 
 /// Kernel entry points (extern "C" names in the .cu files).
-pub const KERNEL_NAMES: [&str; 37] = [
+pub const KERNEL_NAMES: [&str; 41] = [
     "gemv_t1",
     "gemv_t2",
     "gemv_t4",
@@ -40,6 +41,10 @@ pub const KERNEL_NAMES: [&str; 37] = [
     "paged_attention_v3_d64_g8",
     "paged_attention_v3_d128_g4",
     "paged_attention_v3_d128_g8",
+    "paged_attention_v4_d64_g8",
+    "paged_attention_v4_d64_g16",
+    "paged_attention_v4_d128_g8",
+    "paged_attention_v4_d128_g16",
     "transpose_heads",
     "kv_gather_seq",
     "causal_softmax",

@@ -14,6 +14,8 @@ using std::max;
 
 struct uint4 { unsigned x, y, z, w; };
 struct float4 { float x, y, z, w; };
+struct float2 { float x, y; };
+static inline float2 make_float2(float a, float b) { return {a, b}; }
 struct dim3e { unsigned x, y, z; };
 static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 static inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
@@ -45,6 +47,17 @@ static int g_wbuf_i[32][32];
 static void emu_yield(int st) { g_f[g_cur].state = st; swapcontext(&g_f[g_cur].ctx, &g_sched); }
 static void __syncthreads() { emu_yield(CTA_WAIT); }
 static void emu_warp_sync() { emu_yield(WARP_WAIT); }
+static void __syncwarp() { emu_warp_sync(); }
+static int g_wany[32][32];
+static bool __any_sync(unsigned, bool p) {
+    int t = g_cur, w = t / 32, l = t % 32;
+    g_wany[w][l] = p;
+    emu_warp_sync();
+    bool r = false;
+    for (int i = 0; i < 32; i++) r = r || g_wany[w][i];
+    emu_warp_sync();
+    return r;
+}
 static float __shfl_xor_sync(unsigned, float v, int o) {
     int t = g_cur, w = t / 32, l = t % 32;
     g_wbuf[w][l] = v;

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# CPU check of the v3 decode attention kernel without a GPU: compiles attention_v3.cu (with
+# CPU check of the v3 and v4 decode attention kernels without a GPU: compiles attention_v3.cu and attention_v4.cu (with
 # common.cuh and attention_combine from attention.cu) as C++ against a tiny SIMT emulator
 # (prelude.h: each CUDA thread a ucontext fiber, __syncthreads and warp shuffles as barriers,
-# cp.async copies deferred to cp.async.wait_group, or immediate with EMU_SYNC=1) and runs
+# cp.async copies deferred to cp.async.wait_group, or immediate with EMU_SYNC=1; ldmatrix and mma.sync of v4 by emu_v4.h from
+# the PTX fragment layouts) and runs
 # main.cpp: GQA groups 1-12, head_dim 64/128, several partition lengths, partitions past the
 # context, token lists, block sizes 8/16/24, against an f64 reference. Needs g++ (C++17).
 # Usage: crates/pdnode-engine/tests/cuda_kernels_attn/emu/run.sh   (about 15 s per mode)
@@ -11,7 +12,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 K=$here/../../../kernels
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-python3 - "$K" "$tmp/kernels.inc" "$here/prelude.h" <<'PY'
+python3 - "$K" "$tmp/kernels.inc" "$here/prelude.h" "$here/emu_v4.h" <<'PY'
 import sys
 K, out, prelude = sys.argv[1:4]
 v3 = open(K + "/attention_v3.cu").read()
@@ -32,7 +33,15 @@ template <int N> static inline void att3_wait() {
 }
 
 '''
-src = '#include "%s"\n' % prelude + open(K + "/common.cuh").read() + open(K + "/attention.cu").read() + v3[:a] + emu + v3[b:]
+v4 = open(K + "/attention_v4.cu").read()
+c = v4.index("__device__ __forceinline__ unsigned att4_smem_addr")
+d = v4.index("// Two floats as bf16x2")
+emu4 = open(sys.argv[4]).read()
+v4 = v4[:c] + emu4 + v4[d:]
+ext = "extern __shared__ __align__(16) unsigned char att4_dsmem[];"
+assert ext in v4
+v4 = v4.replace(ext, "__shared__ __align__(16) unsigned char att4_dsmem[ATT4_SMEM(128)];")
+src = '#include "%s"\n' % prelude + open(K + "/common.cuh").read() + open(K + "/attention.cu").read() + v3[:a] + emu + v3[b:] + v4
 open(out, "w").write(src)
 PY
 cp "$here/main.cpp" "$tmp/main.cpp"

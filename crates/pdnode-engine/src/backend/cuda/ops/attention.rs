@@ -1,4 +1,4 @@
-//! Paged attention for decode and short chunks: the kernel variants (v1, v2, v3), how the split
+//! Paged attention for decode and short chunks: the kernel variants (v1 .. v4), how the split
 //! count / partition length is chosen, and the launch wrapper [`paged_attention_ex`] with its
 //! workspace. Re-exported from [`super`] (`ops::paged_attention_ex` etc.).
 
@@ -31,6 +31,11 @@ pub enum AttnVariant {
     /// GQA group (up to 8) per block, one online-softmax update per tile; head_dim 64 or 128.
     /// Kernels `paged_attention_v3_d{64,128}_g{4,8}` ([`v3_heads_per_block`]).
     V3,
+    /// attention_v4.cu: v3's partitions with QK^T and PV on tensor cores (mma.sync m16n8k16,
+    /// the GQA group's heads as the 16 rows), a cp.async pipeline per warp and the 4 warps'
+    /// results merged at the end; head_dim 64 or 128, dynamic shared memory
+    /// ([`v4_smem_bytes`]). Kernels `paged_attention_v4_d{64,128}_g{8,16}`.
+    V4,
 }
 
 impl AttnVariant {
@@ -43,13 +48,14 @@ impl AttnVariant {
             "v2" => Self::V2,
             "v2narrow" => Self::V2Narrow,
             "v3" => Self::V3,
+            "v4" => Self::V4,
             _ => return None,
         })
     }
 }
 
 /// What [`AttnVariant::Auto`] runs: the `PDNODE_ATTN_KERNEL` environment variable (`v1`, `v2`,
-/// `v2narrow`, `v3`; read once per process) when set, so a faulty kernel can be switched off on a
+/// `v2narrow`, `v3`, `v4`; read once per process) when set, so a faulty kernel can be switched off on a
 /// GPU host without a rebuild; else v3 for head_dim 64 / 128, v2 where it runs, v1 otherwise.
 pub fn auto_variant(hd: usize) -> AttnVariant {
     static FORCED: std::sync::OnceLock<Option<AttnVariant>> = std::sync::OnceLock::new();
@@ -60,7 +66,7 @@ pub fn auto_variant(hd: usize) -> AttnVariant {
             .filter(|v| *v != AttnVariant::Auto)
     });
     let runs = |v: AttnVariant| match v {
-        AttnVariant::V3 => v3_supports(hd),
+        AttnVariant::V3 | AttnVariant::V4 => v3_supports(hd),
         AttnVariant::V2 => v2_dims_per_lane(hd).is_some(),
         AttnVariant::V2Narrow => hd >= 8 && hd.is_multiple_of(8) && 32 % (hd / 8) == 0,
         AttnVariant::V1 => true,
@@ -74,10 +80,10 @@ pub fn auto_variant(hd: usize) -> AttnVariant {
     }
 }
 
-/// Asks once per loaded function for the largest shared-memory carveout: a v3 block holds about
+/// Asks once per loaded function for the largest shared-memory carveout (a v3 block holds about
 /// 40 KB of static shared memory and 5 blocks per SM need about 205 KB, more than the driver's
-/// default split with L1 may leave.
-fn prefer_shared_memory(f: &cudarc::driver::CudaFunction) -> Result<(), CudaError> {
+/// default split with L1 may leave) and allows `dynamic` bytes of dynamic shared memory (v4).
+fn prefer_shared_memory(f: &cudarc::driver::CudaFunction, dynamic: usize) -> Result<(), CudaError> {
     use cudarc::driver::sys::CUfunction_attribute_enum as A;
     use std::sync::{Mutex, OnceLock};
     static DONE: OnceLock<Mutex<std::collections::HashSet<usize>>> = OnceLock::new();
@@ -89,6 +95,13 @@ fn prefer_shared_memory(f: &cudarc::driver::CudaFunction) -> Result<(), CudaErro
     if done.insert(key) {
         f.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
             .map_err(super::super::drv("cuFuncSetAttribute"))?;
+        if dynamic > 0 {
+            f.set_attribute(
+                A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                dynamic as i32,
+            )
+            .map_err(super::super::drv("cuFuncSetAttribute"))?;
+        }
     }
     Ok(())
 }
@@ -106,6 +119,45 @@ pub fn v3_heads_per_block(g: usize) -> usize {
 /// Block-table entries of one partition the v3 kernel stages in shared memory (`ATT3_BT`).
 pub const V3_BT_ENTRIES: usize = 512;
 
+/// Query heads one v4 block serves for a GQA group of `g` heads: the `_g8` kernels for groups up
+/// to 8, the `_g16` ones otherwise (groups above 16 take `ceil(g / 16)` blocks per KV head).
+pub fn v4_heads_per_block(g: usize) -> usize {
+    if g <= 8 { 8 } else { 16 }
+}
+
+/// Dynamic shared memory of a v4 block (`ATT4_SMEM(HD)`: 4 warps x 3 stages x K and V x 16 rows
+/// of `hd + 8` bf16): 104 KB at head_dim 128 (2 blocks per SM), 55 KB at 64 (3 per SM).
+pub const fn v4_smem_bytes(hd: usize) -> usize {
+    4 * 3 * 2 * 16 * (hd + 8) * 2
+}
+
+/// Resident v4 blocks per SM at `hd` (shared memory bound, 228 KB per SM on sm_90).
+pub fn v4_blocks_per_sm(hd: usize) -> usize {
+    (228 * 1024 / (v4_smem_bytes(hd) + 4 * 1024)).max(1)
+}
+
+/// Partitions of the v4 kernel: as [`attention_splits_v3`] with about 4 waves of resident blocks
+/// ([`v4_blocks_per_sm`] per SM) and at least 128 keys (2 tiles per warp) per partition; v4
+/// shares v3's block-table bound ([`V3_BT_ENTRIES`]). Returns `(nsplit, split_len)`.
+pub fn attention_splits_v4(
+    sm_count: usize,
+    hd: usize,
+    work: usize,
+    max_ctx: usize,
+    block_size: usize,
+    partial_rows: usize,
+    ws_rows_splits: usize,
+) -> (usize, usize) {
+    splits_tiled(
+        sm_count * v4_blocks_per_sm(hd) * 4,
+        work,
+        max_ctx,
+        block_size,
+        partial_rows,
+        ws_rows_splits,
+    )
+}
+
 /// Partitions of the v3 kernel for `work` (token, head group) blocks and contexts up to
 /// `max_ctx`: about 16 blocks per SM (4 resident, several waves so uneven contexts balance), at
 /// least 128 keys per partition, each partition's block-table slice within [`V3_BT_ENTRIES`],
@@ -119,8 +171,29 @@ pub fn attention_splits_v3(
     partial_rows: usize,
     ws_rows_splits: usize,
 ) -> (usize, usize) {
+    splits_tiled(
+        sm_count * 16,
+        work,
+        max_ctx,
+        block_size,
+        partial_rows,
+        ws_rows_splits,
+    )
+}
+
+/// Partitions for about `target_blocks` blocks of `work` (token, head group) each, at least 128
+/// keys each, block-aligned where the block size allows, each partition's block table within
+/// [`V3_BT_ENTRIES`], and no more partials than the workspace holds.
+fn splits_tiled(
+    target_blocks: usize,
+    work: usize,
+    max_ctx: usize,
+    block_size: usize,
+    partial_rows: usize,
+    ws_rows_splits: usize,
+) -> (usize, usize) {
     let max_ctx = max_ctx.max(1);
-    let want = (sm_count * 16).div_ceil(work.max(1));
+    let want = target_blocks.div_ceil(work.max(1));
     let nsplit = want.min(max_ctx.div_ceil(128)).max(1);
     // Partitions start at multiples of split_len: with split_len a multiple of the block size
     // they are block-aligned and span split_len / block_size blocks, else one more.
@@ -272,19 +345,30 @@ pub fn paged_attention_ex(
         AttnVariant::V2 | AttnVariant::V2Narrow => shape(OP, dpl.is_some(), || {
             format!("{variant:?} cannot run head_dim {hd}")
         })?,
-        AttnVariant::V3 => shape(OP, v3_supports(hd), || {
-            format!("V3 cannot run head_dim {hd} (64 or 128)")
+        AttnVariant::V3 | AttnVariant::V4 => shape(OP, v3_supports(hd), || {
+            format!("{variant:?} cannot run head_dim {hd} (64 or 128)")
         })?,
         _ => {}
     }
     let maxg = match variant {
         AttnVariant::V3 => v3_heads_per_block(nh / d.num_kv_heads),
+        AttnVariant::V4 => v4_heads_per_block(nh / d.num_kv_heads),
         AttnVariant::V2 | AttnVariant::V2Narrow => 4,
         _ => 8,
     };
     let groups = d.num_kv_heads * (nh / d.num_kv_heads).div_ceil(maxg);
     let ws_rows_splits = (ws.part_acc.bytes() / (hd * F32)).min(ws.part_ml.bytes() / (2 * F32));
-    let (nsplit, split_len) = if variant == AttnVariant::V3 {
+    let (nsplit, split_len) = if variant == AttnVariant::V4 {
+        attention_splits_v4(
+            gpu.sm_count as usize,
+            hd,
+            grid_tokens * groups,
+            max_ctx,
+            d.block_size,
+            total_tokens * nh,
+            ws_rows_splits,
+        )
+    } else if variant == AttnVariant::V3 {
         attention_splits_v3(
             gpu.sm_count as usize,
             grid_tokens * groups,
@@ -323,13 +407,24 @@ pub fn paged_attention_ex(
             (_, 4) => "paged_attention_v3_d128_g4",
             _ => "paged_attention_v3_d128_g8",
         },
+        AttnVariant::V4 => match (hd, maxg) {
+            (64, 8) => "paged_attention_v4_d64_g8",
+            (64, _) => "paged_attention_v4_d64_g16",
+            (_, 8) => "paged_attention_v4_d128_g8",
+            _ => "paged_attention_v4_d128_g16",
+        },
         AttnVariant::V2 if dpl == Some(16) => "paged_attention_v2_d16",
         AttnVariant::V2 | AttnVariant::V2Narrow => "paged_attention_v2_d8",
         AttnVariant::V1 | AttnVariant::Auto => "paged_attention",
     };
     let f = gpu.kernel(name)?;
-    if variant == AttnVariant::V3 {
-        prefer_shared_memory(f)?;
+    let dyn_smem = if variant == AttnVariant::V4 {
+        v4_smem_bytes(hd)
+    } else {
+        0
+    };
+    if matches!(variant, AttnVariant::V3 | AttnVariant::V4) {
+        prefer_shared_memory(f, dyn_smem)?;
     }
     let layer_ptr = pool.at(layer * d.layer_elems() * BF16);
     let scale = 1.0f32 / (hd as f32).sqrt();
@@ -359,15 +454,15 @@ pub fn paged_attention_ex(
         .arg(ws.part_ml.ptr_ref())
         .arg(ws.part_acc.ptr_ref())
         .arg(&list_ptr);
+    let mut lc = cfg(
+        (u32_of(OP, grid_tokens)?, groups as u32, nsplit as u32),
+        128,
+    );
+    lc.shared_mem_bytes = dyn_smem as u32;
     // SAFETY: sizes checked above; metadata arrays are the caller's (positions < max_ctx,
-    // block ids < num_blocks, listed tokens < total_tokens).
-    unsafe {
-        b.launch(cfg(
-            (u32_of(OP, grid_tokens)?, groups as u32, nsplit as u32),
-            128,
-        ))
-    }
-    .map_err(launched(OP))?;
+    // block ids < num_blocks, listed tokens < total_tokens); the v4 kernels were allowed
+    // dyn_smem bytes of dynamic shared memory (prefer_shared_memory).
+    unsafe { b.launch(lc) }.map_err(launched(OP))?;
     if nsplit > 1 {
         let f = gpu.kernel("attention_combine")?;
         let ns = nsplit as i32;
@@ -424,9 +519,15 @@ mod tests {
             (132, 8, 1, 32, 1 << 17),          // context 1
             (132, 100_000, 8192, 400_000, 1 << 17),
         ] {
-            for bs in bs_list {
-                let (n, len) = attention_splits_v3(sms, work, ctx, bs, rows, cap);
-                let tag = format!("sms={sms} work={work} ctx={ctx} bs={bs} cap={cap}: {n} x {len}");
+            for (bs, v4) in bs_list.into_iter().flat_map(|b| [(b, false), (b, true)]) {
+                let (n, len) = if v4 {
+                    attention_splits_v4(sms, 128, work, ctx, bs, rows, cap)
+                } else {
+                    attention_splits_v3(sms, work, ctx, bs, rows, cap)
+                };
+                let tag = format!(
+                    "v4={v4} sms={sms} work={work} ctx={ctx} bs={bs} cap={cap}: {n} x {len}"
+                );
                 assert!(n >= 1 && len >= 1, "{tag}");
                 assert!(n * len >= ctx, "every key in a partition: {tag}");
                 assert!(
@@ -458,6 +559,17 @@ mod tests {
             1
         );
         assert!(attention_splits_v3(132, 1 << 20, 131072, 16, 1 << 22, 1 << 30).0 >= 16);
+        // v4: 2 resident blocks per SM at head_dim 128 (3 at 64); batch 8 x 2k (64 blocks of
+        // work) takes 16 partitions of 128 keys, 64 x 8k (512) 3 of 2736
+        assert_eq!((v4_blocks_per_sm(128), v4_blocks_per_sm(64)), (2, 3));
+        assert_eq!(
+            attention_splits_v4(132, 128, 64, 2048, 16, 256, 1 << 17),
+            (16, 128)
+        );
+        assert_eq!(
+            attention_splits_v4(132, 128, 512, 8192, 16, 2048, 1 << 17),
+            (3, 2736)
+        );
     }
 
     #[test]
@@ -471,7 +583,8 @@ mod tests {
         ] {
             assert_eq!(AttnVariant::parse(s), Some(v));
         }
-        assert_eq!(AttnVariant::parse("v4"), None);
+        assert_eq!(AttnVariant::parse("v4"), Some(AttnVariant::V4));
+        assert_eq!(AttnVariant::parse("v5"), None);
         assert!(v3_supports(64) && v3_supports(128));
         assert!(!v3_supports(96) && !v3_supports(256) && !v3_supports(16));
         if std::env::var_os("PDNODE_ATTN_KERNEL").is_none() {

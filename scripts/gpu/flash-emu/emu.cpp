@@ -77,6 +77,7 @@ int main() {
         {"hd64_w8", flash_prefill_hd64_w8, 64, 256, 128},  {"hd128_w8", flash_prefill_hd128_w8, 128, 256, 128},
         {"hd64_m32", flash_prefill_hd64_m32, 64, 128, 128}, {"hd128_m32", flash_prefill_hd128_m32, 128, 128, 128},
         {"hd64_v2", flash_prefill_hd64_v2, 64, 256, 128, true}, {"hd128_v2", flash_prefill_hd128_v2, 128, 256, 128, true},
+        {"hd64_v3", flash_prefill_hd64_v3, 64, 256, 128, true}, {"hd128_v3", flash_prefill_hd128_v3, 128, 256, 128, true},
     };
     // (nh, nkv, bs, start, n)
     int cases[][5] = {{2, 1, 16, 37, 129}, {1, 1, 32, 0, 1}, {4, 1, 32, 0, 70}, {2, 2, 16, 100, 17},

@@ -1,7 +1,7 @@
-//! Fused flash prefill attention (kernels/prefill_flash.cu, every variant: 16 rows per warp with
-//! 4 or 8 warps, 32 rows per warp, v2) against an f32 host reference: head_dim 64 and 128, GQA
-//! 1 / 4 / 8, 1 to 1000 new tokens, with and without a cached prefix (chunked prefill), block
-//! sizes 16, 32, 64 and 24, two sequences in one call; and against the cuBLAS path at
+//! Fused flash prefill attention (kernels/prefill_flash*.cu, every variant: 16 rows per warp
+//! with 4 or 8 warps, 32 rows per warp, v2, v3) against an f32 host reference: head_dim 64 and
+//! 128, GQA 1 / 4 / 8, 1 to 1000 new tokens, with and without a cached prefix (chunked prefill),
+//! block sizes 16, 32, 64 and 24, two sequences in one call; and against the cuBLAS path at
 //! Llama-3.1-8B shapes. Part of the `cuda_kernels` test binary (scripts/gpu/run-all.sh kernels);
 //! prints one PASS/FAIL line a case.
 
@@ -154,6 +154,7 @@ fn prefill_flash_attention_matches_reference() {
             PrefillAttn::Flash8,
             PrefillAttn::Flash32,
             PrefillAttn::FlashV2,
+            PrefillAttn::FlashV3,
         ] {
             let got =
                 run_prefill_attn(&g, &d, &pool, layer, &dq, t, &dtab, max_blocks, &seqs, attn);
@@ -218,6 +219,7 @@ fn prefill_flash_attention_matches_gemm_path_at_llama_shapes() {
             PrefillAttn::Flash8,
             PrefillAttn::Flash32,
             PrefillAttn::FlashV2,
+            PrefillAttn::FlashV3,
         ] {
             let e = rel_err(&run(attn), &want);
             println!(

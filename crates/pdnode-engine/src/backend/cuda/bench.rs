@@ -360,12 +360,13 @@ pub fn run_variants(
 }
 
 /// Prefill-attention implementations the benchmark compares.
-const PREFILL_ATTNS: [PrefillAttn; 5] = [
+const PREFILL_ATTNS: [PrefillAttn; 6] = [
     PrefillAttn::Gemm,
     PrefillAttn::Flash,
     PrefillAttn::Flash8,
     PrefillAttn::Flash32,
     PrefillAttn::FlashV2,
+    PrefillAttn::FlashV3,
 ];
 
 /// Prefill attention alone, one layer of `spec`'s heads, one sequence of `len` new tokens from

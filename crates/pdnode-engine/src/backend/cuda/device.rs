@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// The kernel sources, compiled together as one NVRTC program.
-const SOURCES: [&str; 12] = [
+const SOURCES: [&str; 13] = [
     include_str!("../../../kernels/common.cuh"),
     include_str!("../../../kernels/elementwise.cu"),
     include_str!("../../../kernels/rope.cu"),
@@ -21,12 +21,13 @@ const SOURCES: [&str; 12] = [
     include_str!("../../../kernels/kv_copy.cu"),
     include_str!("../../../kernels/prefill.cu"),
     include_str!("../../../kernels/prefill_flash.cu"),
+    include_str!("../../../kernels/prefill_flash_v3.cu"),
     include_str!("../../../kernels/gemv.cu"),
     include_str!("../../../kernels/sample.cu"),
 ];
 
 /// Kernel entry points (extern "C" names in the .cu files).
-pub const KERNEL_NAMES: [&str; 41] = [
+pub const KERNEL_NAMES: [&str; 43] = [
     "gemv_t1",
     "gemv_t2",
     "gemv_t4",
@@ -56,6 +57,8 @@ pub const KERNEL_NAMES: [&str; 41] = [
     "flash_prefill_hd128_m32",
     "flash_prefill_hd64_v2",
     "flash_prefill_hd128_v2",
+    "flash_prefill_hd64_v3",
+    "flash_prefill_hd128_v3",
     "embed_gather",
     "add_rmsnorm",
     "swiglu",

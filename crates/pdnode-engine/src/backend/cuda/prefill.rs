@@ -6,7 +6,9 @@
 //!   cached prefix) works the same.
 //! - flash (kernels/prefill_flash.cu): one fused causal flash-attention kernel on bf16 tensor
 //!   cores reading K/V straight from the paged pool (head_dim 64 and 128; other head dims fall
-//!   back to cuBLAS). No scratch memory, no score matrix.
+//!   back to cuBLAS). No scratch memory, no score matrix. Variants: 16 query rows per warp with
+//!   4 or 8 warps, 32 rows per warp, v2 (multistage K/V ring, one barrier per tile) and v3 (v2 with
+//!   the next tile's scores overlapping the softmax, kernels/prefill_flash_v3.cu).
 
 use super::CudaError;
 use super::blas::{Operand, OutType, gemm_strided_batched};
@@ -22,9 +24,9 @@ const BF16: usize = 2;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PrefillAttn {
     /// The process default: [`set_default_attn`], else the environment variable
-    /// `PDNODE_PREFILL_ATTN` (`gemm`, `flash`, `flash8`, `flash32`, `flashv2`), else [`PrefillAttn::Flash8`]
-    /// (measured on the H200: 8k prefill step 0.57 of the GEMM floor vs 0.34 with cuBLAS). Head
-    /// dims other than 64 and 128 always take the cuBLAS path.
+    /// `PDNODE_PREFILL_ATTN` (`gemm`, `flash`, `flash8`, `flash32`, `flashv2`, `flashv3`), else
+    /// [`PrefillAttn::Flash8`] (measured on the H200: 8k prefill step 0.57 of the GEMM floor vs
+    /// 0.34 with cuBLAS). Head dims other than 64 and 128 always take the cuBLAS path.
     #[default]
     Auto,
     /// cuBLAS GEMMs around a causal softmax kernel (materialized f32 scores).
@@ -41,10 +43,15 @@ pub enum PrefillAttn {
     /// read a tile ahead, FFMA + ex2 softmax, heaviest query tiles of every head first. Needs a
     /// power-of-two block size (otherwise runs [`PrefillAttn::Flash8`]).
     FlashV2,
+    /// v2 with software pipelining in each warp (kernels/prefill_flash_v3.cu): the scores of tile
+    /// j + 1 are computed in the same block as the softmax and P V of tile j, so one warp's
+    /// softmax overlaps its own tensor-core work; 4-stage K/V ring. Power-of-two block sizes
+    /// (otherwise [`PrefillAttn::Flash8`]).
+    FlashV3,
 }
 
 impl PrefillAttn {
-    /// `gemm`, `flash`, `flash8`, `flash32`, `flashv2` or `auto` (case-insensitive).
+    /// `gemm`, `flash`, `flash8`, `flash32`, `flashv2`, `flashv3` or `auto` (case-insensitive).
     pub fn parse(s: &str) -> Option<Self> {
         match s.trim().to_ascii_lowercase().as_str() {
             "auto" => Some(Self::Auto),
@@ -53,6 +60,7 @@ impl PrefillAttn {
             "flash8" => Some(Self::Flash8),
             "flash32" => Some(Self::Flash32),
             "flashv2" | "flash_v2" => Some(Self::FlashV2),
+            "flashv3" | "flash_v3" => Some(Self::FlashV3),
             _ => None,
         }
     }
@@ -65,6 +73,7 @@ impl PrefillAttn {
             Self::Flash8 => 3,
             Self::Flash32 => 4,
             Self::FlashV2 => 5,
+            Self::FlashV3 => 6,
         }
     }
 
@@ -75,6 +84,7 @@ impl PrefillAttn {
             3 => Self::Flash8,
             4 => Self::Flash32,
             5 => Self::FlashV2,
+            6 => Self::FlashV3,
             _ => Self::Auto,
         }
     }
@@ -368,6 +378,11 @@ const FLASH_V2_STAGES: usize = 3;
 /// Dynamic shared memory of the v2 kernels: the ring of (K, V) tiles of 64 rows of hd + 8 bf16.
 const V2_SMEM_HD64: usize = FLASH_V2_STAGES * 2 * 64 * (64 + 8) * BF16;
 const V2_SMEM_HD128: usize = FLASH_V2_STAGES * 2 * 64 * (128 + 8) * BF16;
+/// Stages of the v3 kernels' ring (FP3_STAGES in kernels/prefill_flash_v3.cu) and their dynamic
+/// shared memory (139264 bytes at hd 128).
+const FLASH_V3_STAGES: usize = 4;
+const V3_SMEM_HD64: usize = FLASH_V3_STAGES * 2 * 64 * (64 + 8) * BF16;
+const V3_SMEM_HD128: usize = FLASH_V3_STAGES * 2 * 64 * (128 + 8) * BF16;
 
 /// The fused kernel `attn` (a flash variant) for each sequence of `seqs` (already checked against
 /// the step by the caller): grid (query tiles, nh), or (nh, query tiles) for v2.
@@ -385,20 +400,21 @@ fn run_flash(
 ) -> Result<(), CudaError> {
     let (nh, nkv, hd, bs) = (d.num_heads, d.num_kv_heads, d.head_dim, d.block_size);
     // v2 addresses the pool with shifts and i32 block strides: other shapes take the w8 kernel
-    let attn = if attn == PrefillAttn::FlashV2
-        && (!bs.is_power_of_two() || 2 * bs * nkv * hd > i32::MAX as usize)
-    {
+    let v2_or_v3 = matches!(attn, PrefillAttn::FlashV2 | PrefillAttn::FlashV3);
+    let attn = if v2_or_v3 && (!bs.is_power_of_two() || 2 * bs * nkv * hd > i32::MAX as usize) {
         PrefillAttn::Flash8
     } else {
         attn
     };
-    // v2's grid is (heads, query tiles), the others' (query tiles, heads)
-    let heads_x = attn == PrefillAttn::FlashV2;
+    // v2's and v3's grid is (heads, query tiles), the others' (query tiles, heads)
+    let heads_x = matches!(attn, PrefillAttn::FlashV2 | PrefillAttn::FlashV3);
     // (kernel, warps, query rows per CTA, dynamic shared bytes)
     let (name, warps, rows_per_cta, dyn_smem) = match (hd, attn) {
         // FLASH_V2_STAGES stages of K + V: 2 * 64 rows of hd + 8 bf16 each
         (64, PrefillAttn::FlashV2) => ("flash_prefill_hd64_v2", 8, 128, V2_SMEM_HD64),
         (128, PrefillAttn::FlashV2) => ("flash_prefill_hd128_v2", 8, 128, V2_SMEM_HD128),
+        (64, PrefillAttn::FlashV3) => ("flash_prefill_hd64_v3", 8, 128, V3_SMEM_HD64),
+        (128, PrefillAttn::FlashV3) => ("flash_prefill_hd128_v3", 8, 128, V3_SMEM_HD128),
         (64, PrefillAttn::Flash8) => ("flash_prefill_hd64_w8", 8usize, 128usize, 0usize),
         (128, PrefillAttn::Flash8) => ("flash_prefill_hd128_w8", 8, 128, 0),
         // (128 + 2 * BN) rows of hd + 8 bf16; BN = 64 at hd 64, 32 at hd 128
@@ -483,12 +499,14 @@ mod tests {
         assert_eq!(PrefillAttn::parse("fast"), None);
         assert_eq!(PrefillAttn::parse("FLASH32"), Some(PrefillAttn::Flash32));
         assert_eq!(PrefillAttn::parse("flashv2"), Some(PrefillAttn::FlashV2));
+        assert_eq!(PrefillAttn::parse("FlashV3"), Some(PrefillAttn::FlashV3));
         for a in [
             PrefillAttn::Gemm,
             PrefillAttn::Flash,
             PrefillAttn::Flash8,
             PrefillAttn::Flash32,
             PrefillAttn::FlashV2,
+            PrefillAttn::FlashV3,
         ] {
             assert_eq!(a.resolve(), a);
             assert_eq!(PrefillAttn::from_code(a.code()), a);

@@ -560,3 +560,49 @@ async fn chunked_prefill_pushes_finished_blocks_before_prefill_ends() {
     assert_clean(&p.node).await;
     assert_clean(&d.node).await;
 }
+
+/// Figures, not a check (`--ignored --nocapture`): the hand-off time (`transfer_us`) of a
+/// 512-token prompt of a smollm2-135m-shaped CPU model over UCX on loopback, through the staging
+/// arenas and through per-request host staging (`engine.kv_staging_tokens = 0`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "figures: run with --ignored --nocapture"]
+async fn cpu_hand_off_figures_arena_vs_host_staging() {
+    // SAFETY (env): set before any UCX context exists in this test process.
+    unsafe { std::env::set_var("UCX_NET_DEVICES", "lo") };
+    let ids: Vec<u32> = (0..512).map(|i| (i * 7 + 3) % 4000).collect();
+    for tokens in [8192u32, 0] {
+        let mut cfg = cpu_ucx_config();
+        cfg.model.format = ModelFormat::Dummy;
+        cfg.model.preset = "smollm2-135m".into();
+        cfg.model.path = String::new();
+        cfg.engine.cpu_threads = 2;
+        cfg.engine.num_kv_blocks = 256;
+        cfg.engine.block_size = 16;
+        cfg.engine.max_batch_tokens = 1024;
+        cfg.engine.kv_staging_tokens = tokens;
+        // A 512-token prefill of this model takes seconds on a loaded 2-core machine.
+        cfg.transfer.lease_ms = 60_000;
+        let Some((p, d)) = pd_pair(&cfg) else { return };
+        let mut us = Vec::new();
+        let mut bytes = 0;
+        for i in 0..5 {
+            let mut ids = ids.clone();
+            ids[0] = i; // no prefix-cache hits
+            let (_, out) = pd_request(&p, &d, 100 + i as u64, &ids, 2).await;
+            us.push(out.transfer_us);
+            bytes = out.transfer_bytes;
+        }
+        us.sort();
+        println!(
+            "{}: {bytes} bytes, transfer_us median {} (min {}, max {}), {:.2} GB/s; counts {:?}",
+            if tokens > 0 { "arena" } else { "host staging" },
+            us[2],
+            us[0],
+            us[4],
+            bytes as f64 / us[2].max(1) as f64 / 1e3,
+            p.node.staging_counts()
+        );
+        assert_clean(&p.node).await;
+        assert_clean(&d.node).await;
+    }
+}

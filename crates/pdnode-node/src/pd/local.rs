@@ -331,7 +331,6 @@ impl PdNode {
             return Err(nerr(ErrorKind::InvalidRequest, m.to_string()));
         }
         let started = Instant::now();
-        let deadline = (started + self.lease).max(Instant::now() + Duration::from_secs(1));
         let failed = |m: String| nerr(ErrorKind::Retryable, format!("KV hand-off of {id}: {m}"));
         let mut overlap = self.start_overlap(&target).map_err(failed)?;
         let greq = GenerateRequest {
@@ -400,7 +399,7 @@ impl PdNode {
         }
         let (result, early) = match overlap.take() {
             Some(o) => {
-                self.finish_overlap(id, o, ready, blocks.len(), deadline)
+                self.finish_overlap(id, o, ready, blocks.len(), started)
                     .await
             }
             None => (self.push(id, &target, blocks.len(), started).await, 0),
@@ -454,9 +453,11 @@ impl PdNode {
         mut o: OverlapPush,
         ready: Option<tokio::sync::mpsc::UnboundedReceiver<usize>>,
         ours: usize,
-        deadline: Instant,
+        started: Instant,
     ) -> (Result<(u64, u64, bool), NodeError>, usize) {
         let t0 = Instant::now();
+        // As the after-prefill push: the request's start plus one lease, and at least a second.
+        let deadline = (started + self.lease).max(t0 + Duration::from_secs(1));
         let fail = |m: String| nerr(ErrorKind::Retryable, format!("KV hand-off of {id}: {m}"));
         if ours != o.blocks() {
             let m = format!(

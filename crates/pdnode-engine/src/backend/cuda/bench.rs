@@ -355,6 +355,10 @@ pub fn run_variants(
             report(&row);
             rows.push(row);
         }
+        for row in prefill_op_rows(be.gpu(), &spec, len, iters, &ceil)? {
+            report(&row);
+            rows.push(row);
+        }
     }
     Ok((ceil, rows))
 }
@@ -420,6 +424,111 @@ fn prefill_attention_rows(
             floor_ms: flops / ceil.gemm_flops * 1e3,
         });
     }
+    gpu.sync()?;
+    Ok(rows)
+}
+
+/// The non-attention ops of a prefill step of `len` tokens, each alone and scaled to the whole
+/// step (x layers; every op at `spec`'s real shape, random inputs): the four projections through
+/// cuBLAS as the step calls them (o and down accumulate into the f32 residual) against the bf16
+/// GEMM peak; add_rmsnorm (twice a layer) and swiglu against the copy ceiling (bytes read +
+/// written). rope_qkv is left out (it needs the step's metadata; it moves about the q/k/v rows
+/// once more).
+fn prefill_op_rows(
+    gpu: &Gpu,
+    spec: &ModelSpec,
+    len: usize,
+    iters: usize,
+    ceil: &Ceilings,
+) -> Result<Vec<BenchRow>, CudaError> {
+    let (h, qd, kvd, inter) = (
+        spec.hidden_size,
+        spec.q_dim(),
+        spec.kv_dim(),
+        spec.intermediate_size,
+    );
+    // (name, out, in, output type, accumulate)
+    let linears = [
+        ("qkv", qd + 2 * kvd, h, OutType::Bf16, false),
+        ("o (+= f32 resid)", h, qd, OutType::F32, true),
+        ("gate_up", 2 * inter, h, OutType::Bf16, false),
+        ("down (+= f32 resid)", h, inter, OutType::F32, true),
+    ];
+    let w_elems = linears.iter().map(|l| l.1 * l.2).max().unwrap_or(0);
+    let x_elems = len * linears.iter().map(|l| l.2).max().unwrap_or(0);
+    let y_bytes = linears
+        .iter()
+        .map(|l| len * l.1 * if l.3 == OutType::F32 { 4 } else { 2 })
+        .max()
+        .unwrap_or(0);
+    let (w, x, y) = (
+        gpu.alloc(w_elems * 2)?,
+        gpu.alloc(x_elems * 2)?,
+        gpu.alloc(y_bytes)?,
+    );
+    let (resid, norm_w) = (gpu.alloc(len * h * 4)?, gpu.alloc(h * 4)?);
+    ops::fill_uniform_bf16(gpu, &w, w_elems, 21, 0.02)?;
+    ops::fill_uniform_bf16(gpu, &x, x_elems, 22, 1.0)?;
+    ops::fill_f32(gpu, &resid, len * h, 0.5)?;
+    ops::fill_f32(gpu, &norm_w, h, 1.0)?;
+    let layers = spec.num_layers as f64;
+    let mut rows = Vec::new();
+    let mut row = |what: String, t: f64, floor_s: f64| {
+        rows.push(BenchRow {
+            what: format!("prefill op x{} layers: {what}", spec.num_layers),
+            batch: 1,
+            ctx: len,
+            ms: t * layers * 1e3,
+            floor_ms: floor_s * layers * 1e3,
+        });
+    };
+    for (name, out, inp, ty, acc) in linears {
+        let t = timed(gpu, iters, || {
+            ops::linear(
+                gpu,
+                out,
+                len,
+                inp,
+                &w,
+                &x,
+                &y,
+                ty,
+                acc,
+                ops::LinearImpl::Cublas,
+            )
+        })?;
+        let flops = 2.0 * (out * inp * len) as f64;
+        row(
+            format!("linear {name} {out}x{inp}"),
+            t,
+            flops / ceil.gemm_flops,
+        );
+    }
+    let t = timed(gpu, iters, || {
+        ops::add_rmsnorm(
+            gpu,
+            &resid,
+            len,
+            None,
+            &norm_w,
+            &x,
+            None,
+            len,
+            h,
+            spec.rms_norm_eps,
+        )
+    })?;
+    // f32 residual row read, bf16 row written; twice a layer
+    let bytes = (len * h * 6) as f64;
+    row(
+        "add_rmsnorm x2".into(),
+        2.0 * t,
+        2.0 * bytes / ceil.hbm_traffic_bps,
+    );
+    // gate/up [len, 2 inter] bf16 (y, written by the gate_up GEMM above) -> [len, inter] (x)
+    let t = timed(gpu, iters, || ops::swiglu(gpu, &y, &x, len, inter))?;
+    let bytes = (len * inter * 6) as f64;
+    row("swiglu".into(), t, bytes / ceil.hbm_traffic_bps);
     gpu.sync()?;
     Ok(rows)
 }

@@ -104,7 +104,14 @@ __device__ __forceinline__ void gm_mma(float* c, unsigned a0, unsigned a1, unsig
 
 #define GM_MAX_WARPS 16
 
-template <int MT, int U, int PF>
+// GLU = 1 (gemv_mma_glu_*): w is the [2 * out, in] gate|up weight (rows 0..out gate, out..2out up)
+// and y the bf16 [T, out] SwiGLU activation. Each 16-row mma tile takes 8 gate rows (A rows g) and
+// the 8 up rows of the same outputs (A rows g + 8), so c0/c1 hold gate and c2/c3 up of one output:
+// the epilogue rounds both to bf16 (as the unfused gate_up output is) and writes
+// bf16(silu(gate) * up) with the swiglu kernel's formula. With the launch of the unfused m1 call
+// on the gate_up weight (same blocks, same warps) every sum is the same, so the result is the
+// unfused gemv_mma + swiglu one, bit for bit; one launch and the gate_up round trip less.
+template <int MT, int U, int PF, int GLU>
 __device__ void gemv_mma_impl(const bf16_t* __restrict__ w, const bf16_t* __restrict__ x,
                               void* __restrict__ y, int T, int out, int in, int y_f32,
                               int accumulate) {
@@ -121,9 +128,10 @@ __device__ void gemv_mma_impl(const bf16_t* __restrict__ w, const bf16_t* __rest
     for (int m = 0; m < MT; m++) {
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            const int r = row0 + m * 16 + g + 8 * h;
-            wv[m][h] = r < out;
-            wp[m][h] = (const uint4*)(w + (i64)(r < out ? r : 0) * in);
+            const int o = GLU ? blockIdx.x * (8 * MT) + m * 8 + g : row0 + m * 16 + g + 8 * h;
+            const int r = GLU ? o + h * out : o;
+            wv[m][h] = o < out;
+            wp[m][h] = (const uint4*)(w + (i64)(o < out ? r : 0) * in);
         }
     }
     const bool xv = g < T;
@@ -169,20 +177,38 @@ __device__ void gemv_mma_impl(const bf16_t* __restrict__ w, const bf16_t* __rest
         }
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < MT * 4 * 32; e += blockDim.x) {
-        const int q = e >> 5, l = e & 31;
-        float s = 0.f;
-        for (int k = 0; k < nw; k++) s += red[k][q][l];
-        const int m = q >> 2, r = q & 3;
-        const int row = row0 + m * 16 + (l >> 2) + ((r & 2) ? 8 : 0);
-        const int col = 2 * (l & 3) + (r & 1);
-        if (row < out && col < T) {
-            const i64 k = (i64)col * out + row;
-            if (y_f32) {
-                float* yf = (float*)y;
-                yf[k] = accumulate ? yf[k] + s : s;
-            } else {
-                ((bf16_t*)y)[k] = f2bf(s);
+    if (GLU) {
+        for (int e = threadIdx.x; e < MT * 2 * 32; e += blockDim.x) {
+            const int q = e >> 5, l = e & 31;
+            const int m = q >> 1, r = q & 1;
+            float sg = 0.f, su = 0.f;
+            for (int k = 0; k < nw; k++) {
+                sg += red[k][m * 4 + r][l];
+                su += red[k][m * 4 + 2 + r][l];
+            }
+            const int o = blockIdx.x * (8 * MT) + m * 8 + (l >> 2);
+            const int col = 2 * (l & 3) + r;
+            if (o < out && col < T) {
+                const float gg = bf2f(f2bf(sg)), uu = bf2f(f2bf(su));
+                ((bf16_t*)y)[(i64)col * out + o] = f2bf(gg / (1.f + __expf(-gg)) * uu);
+            }
+        }
+    } else {
+        for (int e = threadIdx.x; e < MT * 4 * 32; e += blockDim.x) {
+            const int q = e >> 5, l = e & 31;
+            float s = 0.f;
+            for (int k = 0; k < nw; k++) s += red[k][q][l];
+            const int m = q >> 2, r = q & 3;
+            const int row = row0 + m * 16 + (l >> 2) + ((r & 2) ? 8 : 0);
+            const int col = 2 * (l & 3) + (r & 1);
+            if (row < out && col < T) {
+                const i64 k = (i64)col * out + row;
+                if (y_f32) {
+                    float* yf = (float*)y;
+                    yf[k] = accumulate ? yf[k] + s : s;
+                } else {
+                    ((bf16_t*)y)[k] = f2bf(s);
+                }
             }
         }
     }
@@ -192,7 +218,7 @@ __device__ void gemv_mma_impl(const bf16_t* __restrict__ w, const bf16_t* __rest
     extern "C" __global__ void __launch_bounds__(512, 1) NAME(const bf16_t* w, const bf16_t* x,      \
                                                            void* y, int T, int out, int in,       \
                                                            int y_f32, int accumulate) {           \
-        gemv_mma_impl<MT, U, PF>(w, x, y, T, out, in, y_f32, accumulate);                           \
+        gemv_mma_impl<MT, U, PF, 0>(w, x, y, T, out, in, y_f32, accumulate);                        \
     }
 
 GEMV_MMA_KERNEL(gemv_mma_m1, 1, 4, 0)
@@ -201,3 +227,14 @@ GEMV_MMA_KERNEL(gemv_mma_m2, 2, 2, 0)
 // 64-byte row piece, read by neighbouring warps): fewer, larger DRAM requests
 GEMV_MMA_KERNEL(gemv_mma_m1_pf, 1, 4, 1)
 GEMV_MMA_KERNEL(gemv_mma_m2_pf, 2, 2, 1)
+
+// Fused gate_up + SwiGLU (GLU = 1 above): w bf16 [2 * out, in] (gate rows then up rows), x bf16
+// [T, in], y bf16 [T, out] = silu(x w_gate^T) * (x w_up^T); blocks of 8 outputs (16 weight rows).
+#define GEMV_MMA_GLU_KERNEL(NAME, PF)                                                               \
+    extern "C" __global__ void __launch_bounds__(512, 1) NAME(const bf16_t* w, const bf16_t* x,      \
+                                                           bf16_t* y, int T, int out, int in) {   \
+        gemv_mma_impl<1, 4, PF, 1>(w, x, y, T, out, in, 0, 0);                                      \
+    }
+
+GEMV_MMA_GLU_KERNEL(gemv_mma_glu_m1, 0)
+GEMV_MMA_GLU_KERNEL(gemv_mma_glu_m1_pf, 1)

@@ -227,3 +227,52 @@ fn bench_linear_layers() {
     }
     assert!(bad.is_empty(), "outputs differ from cuBLAS: {bad:?}");
 }
+
+/// Where a decode step's time goes, op by op (eager steps, a CUDA event after each op):
+/// `PDNODE_BENCH_OPS="1x512,8x512,64x512"` (batch x ctx), `PDNODE_BENCH_ITERS`.
+#[test]
+#[ignore = "needs a CUDA GPU (about 20 GB free): run scripts/gpu/run-all.sh on the GPU host"]
+fn bench_decode_op_breakdown() {
+    let _gpu = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let decode: Vec<(usize, usize)> = env_list("PDNODE_BENCH_OPS", "1x512,8x512,64x512")
+        .split(',')
+        .filter_map(|s| {
+            let (b, c) = s.split_once('x')?;
+            Some((b.trim().parse().ok()?, c.trim().parse().ok()?))
+        })
+        .collect();
+    let iters: usize = env_list("PDNODE_BENCH_ITERS", "20").parse().unwrap_or(20);
+    let rows = bench::run_op_breakdown(&decode, iters, |r| {
+        eprintln!(
+            "OPS batch={} ctx={} op={} calls={} us_per_step={:.1} us_per_call={:.2} share={:.3}",
+            r.batch,
+            r.ctx,
+            r.op,
+            r.calls,
+            r.us_per_step,
+            r.us_per_step / r.calls.max(1) as f64,
+            r.share
+        )
+    })
+    .expect("op breakdown");
+    println!(
+        "| decode op (eager, events) | batch | ctx | calls/step | us/step | us/call | share |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for r in &rows {
+        println!(
+            "| {} | {} | {} | {} | {:.1} | {:.2} | {:.3} |",
+            r.op,
+            r.batch,
+            r.ctx,
+            r.calls,
+            r.us_per_step,
+            r.us_per_step / r.calls.max(1) as f64,
+            r.share
+        );
+    }
+    assert!(
+        rows.iter().any(|r| r.op == "TOTAL" && r.us_per_step > 0.0),
+        "no op was timed"
+    );
+}

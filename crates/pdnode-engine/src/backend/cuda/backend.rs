@@ -19,11 +19,13 @@ use std::ops::Range;
 
 mod graph;
 mod logits;
+mod opprof;
 mod plan;
 #[path = "staging.rs"]
 mod staging;
 
 pub use graph::{GraphStats, decode_bucket};
+pub use opprof::STEP_START;
 
 /// Sizing of a [`CudaBackend`].
 #[derive(Debug, Clone, PartialEq)]
@@ -152,6 +154,8 @@ pub struct CudaBackend {
     shard: Shard,
     /// The all-reduce group of the tensor-parallel ranks (None at TP = 1).
     comm: Option<NcclComm>,
+    /// Per-op event timing of eager steps (benchmarks; `opprof.rs`).
+    prof: Option<opprof::OpProfile>,
     gpu: Gpu,
 }
 
@@ -321,6 +325,7 @@ impl CudaBackend {
             logits_host: gpu.alloc_pinned(opts.max_seqs * spec.vocab_size)?,
             shard,
             comm: None,
+            prof: None,
             gpu,
         })
     }
@@ -414,6 +419,9 @@ impl CudaBackend {
     /// Turns decode-step CUDA graphs on or off for later steps (benchmarks and tests compare
     /// both on one backend); graphs captured so far are kept for when they are turned back on.
     pub fn set_cuda_graphs(&mut self, on: bool) {
+        if on {
+            self.prof = None; // never an event inside a capture
+        }
         self.opts.cuda_graphs = on;
         self.graphs.set_enabled(on);
     }
@@ -466,7 +474,10 @@ impl CudaBackend {
         let (g, w, ws, d) = (&self.gpu, &self.w, &self.ws, &self.dims);
         let (h, t) = (s.hidden_size, p.tokens);
         let (qd, kvd, inter) = (s.q_dim(), s.kv_dim(), s.intermediate_size);
+        let mark = |name| self.prof.as_ref().map_or(Ok(()), |pr| pr.mark(g, name));
+        mark(opprof::STEP_START)?;
         ops::embed_gather(g, &w.embed, s.vocab_size, m(p.off.ids), t, &ws.resid, h)?;
+        mark("embed")?;
         let attn_ws = AttnWorkspace {
             part_ml: &ws.part_ml,
             part_acc: &ws.part_acc,
@@ -484,6 +495,7 @@ impl CudaBackend {
                 h,
                 s.rms_norm_eps,
             )?;
+            mark("attn_norm")?;
             ops::linear(
                 g,
                 qd + 2 * kvd,
@@ -496,6 +508,7 @@ impl CudaBackend {
                 false,
                 self.opts.linear,
             )?;
+            mark("qkv")?;
             ops::rope_qkv(
                 g,
                 d,
@@ -512,6 +525,7 @@ impl CudaBackend {
                 li,
                 s.rms_norm_eps,
             )?;
+            mark("rope_kv_write")?;
             if p.short_len > 0 {
                 let meta = AttnMeta {
                     tok_seq: m(p.off.tok_seq),
@@ -534,6 +548,7 @@ impl CudaBackend {
                     &attn_ws,
                     self.opts.attention,
                 )?;
+                mark("attention")?;
             }
             if !p.long.is_empty() {
                 self.prefill.run(
@@ -548,6 +563,7 @@ impl CudaBackend {
                     p.max_blocks,
                     p.long,
                 )?;
+                mark("prefill_attention")?;
             }
             ops::linear(
                 g,
@@ -561,6 +577,7 @@ impl CudaBackend {
                 self.shard.rank == 0,
                 self.opts.linear,
             )?;
+            mark("o_proj")?;
             self.all_reduce_resid(t * h)?;
             ops::add_rmsnorm(
                 g,
@@ -574,19 +591,20 @@ impl CudaBackend {
                 h,
                 s.rms_norm_eps,
             )?;
-            ops::linear(
+            mark("mlp_norm")?;
+            // fused at 1-2 tokens under Auto (PDNODE_FUSE_SWIGLU_MAX_T), else gate_up, swiglu
+            ops::gate_up_swiglu(
                 g,
-                2 * inter,
+                inter,
                 t,
                 h,
                 &l.w_gate_up,
                 &ws.normed,
                 &ws.gate_up,
-                OutType::Bf16,
-                false,
+                &ws.act,
                 self.opts.linear,
             )?;
-            ops::swiglu(g, &ws.gate_up, &ws.act, t, inter)?;
+            mark("gate_up+swiglu")?;
             ops::linear(
                 g,
                 h,
@@ -599,6 +617,7 @@ impl CudaBackend {
                 self.shard.rank == 0,
                 self.opts.linear,
             )?;
+            mark("down")?;
             self.all_reduce_resid(t * h)?;
         }
         if p.rows > 0 {
@@ -614,6 +633,7 @@ impl CudaBackend {
                 h,
                 s.rms_norm_eps,
             )?;
+            mark("final_norm")?;
             ops::linear(
                 g,
                 s.vocab_size,
@@ -626,6 +646,7 @@ impl CudaBackend {
                 false,
                 self.opts.linear,
             )?;
+            mark("lm_head")?;
         }
         Ok(())
     }

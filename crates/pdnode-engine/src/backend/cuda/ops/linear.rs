@@ -44,16 +44,67 @@ impl LinearImpl {
     pub const ALL: [LinearImpl; 3] = [Self::GemvMma, Self::Gemv, Self::Cublas];
 }
 
-/// What `Auto` prefers for the calls a GEMV kernel can take: `PDNODE_LINEAR` (`mma`, `gemv`,
-/// `cublas`; read once per process) so prebuilt binaries can switch a kernel off, else the
-/// tensor-core GEMV.
-pub fn auto_choice() -> LinearImpl {
-    static CHOICE: std::sync::OnceLock<LinearImpl> = std::sync::OnceLock::new();
+/// What `Auto` does for the calls a GEMV kernel can take (`PDNODE_LINEAR`, read once per
+/// process, so prebuilt binaries can switch a kernel off without a rebuild).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AutoPref {
+    /// The default (`PDNODE_LINEAR` unset or `table`): the measured table of [`table_launch`].
+    Table,
+    /// `mma`: the tensor-core GEMV at [`mma_launch`] for every shape, no L2 prefetch (the
+    /// previous default).
+    Mma,
+    /// `gemv`: the CUDA-core GEMV.
+    Gemv,
+    /// `cublas`: cuBLAS everywhere.
+    Cublas,
+}
+
+/// `PDNODE_LINEAR` as an [`AutoPref`] (`table`, `mma`, `gemv`, `cublas`; anything else is
+/// `table`).
+pub fn auto_choice() -> AutoPref {
+    static CHOICE: std::sync::OnceLock<AutoPref> = std::sync::OnceLock::new();
     *CHOICE.get_or_init(|| {
-        std::env::var("PDNODE_LINEAR")
+        match std::env::var("PDNODE_LINEAR")
             .ok()
-            .and_then(|v| LinearImpl::parse(&v))
-            .unwrap_or(LinearImpl::GemvMma)
+            .as_deref()
+            .map(str::trim)
+        {
+            Some("mma") | Some("gemv_mma") => AutoPref::Mma,
+            Some("gemv") => AutoPref::Gemv,
+            Some("cublas") => AutoPref::Cublas,
+            _ => AutoPref::Table,
+        }
+    })
+}
+
+/// `Auto`'s measured choice for `tokens` rows through an `out x inp` weight: the tensor-core
+/// GEMV launch to use, or `None` for cuBLAS. From the H200 linear-layer table (GPU run 3,
+/// Llama-3.1-8B, us per call, weights streamed from HBM):
+///
+/// | layer (out x in) | t | mma | mma + L2 prefetch (pf) | cuBLAS |
+/// |---|---|---|---|---|
+/// | qkv 6144x4096 | 1, 2 | 16.9, 17.1 | **16.3, 16.5** | 19.0, 18.9 |
+/// | qkv | 4, 8 | m2 18.2, 18.4; m1 **17.2, 17.4** | m2 17.4, 17.5 | 18.8, 18.5 |
+/// | o 4096x4096 | 1..8 | 12.5 .. 12.9 | **12.1 .. 12.6** | 15.3 |
+/// | gate_up 28672x4096 | 1, 2 | 62.4, 62.6 | 58.0, 58.1 | **57.0, 57.0** |
+/// | gate_up | 4, 8 | 63.1 / 69.5, 64.3 / 70.8 | m2 64.1, 64.6 | **57.2, 57.7** |
+/// | down 4096x14336 | 1..8 | 32.8 .. 34.2 | **31.2 .. 31.8** | 32.8 .. 33.3 |
+/// | lm_head 128256x4096 | 1, 2 | 261.4, 264.0 | **237.9, 237.6** | 238.6, 239.8 |
+/// | lm_head | 4, 8 | 271.8, 277.4 | m2 **239.6, 238.5** | 241.6, 244.1 |
+///
+/// So: the prefetching launch always; 16-row blocks (m1) except for vocabulary-sized outputs
+/// (`out >= 12 inp`) past 2 tokens (m2); cuBLAS for the MLP up-projection class
+/// (`3 inp <= out < 12 inp`, which also holds for its tensor-parallel shards), where no GEMV
+/// launch reached it. At t <= 2 the decode step fuses gate_up with SwiGLU instead
+/// ([`gate_up_swiglu`]), which saves more than the 1 us cuBLAS is ahead.
+pub fn table_launch(sm_count: usize, out: usize, tokens: usize, inp: usize) -> Option<MmaLaunch> {
+    if tokens == 0 || tokens > GEMV_MAX_TOKENS || (out >= 3 * inp && out < 12 * inp) {
+        return None;
+    }
+    let tiles = if tokens > 2 && out >= 12 * inp { 2 } else { 1 };
+    Some(MmaLaunch {
+        l2_prefetch: true,
+        ..mma_launch_tiles(sm_count, out, inp, tiles)
     })
 }
 
@@ -150,12 +201,19 @@ pub fn linear(
             format!("{what} needs tokens <= 8, inp % 8 == 0, 16-byte aligned w and x")
         })
     };
+    let sms = gpu.sm_count as usize;
     let kernel = match how {
         LinearImpl::Cublas => None,
         LinearImpl::Auto => match auto_choice() {
-            LinearImpl::Cublas => None,
-            LinearImpl::Gemv => gemv_ok.then_some(LinearImpl::Gemv),
-            _ => gemv_ok.then_some(LinearImpl::GemvMma),
+            AutoPref::Cublas => None,
+            AutoPref::Gemv => gemv_ok.then_some(LinearImpl::Gemv),
+            AutoPref::Mma => gemv_ok.then_some(LinearImpl::GemvMma),
+            AutoPref::Table => match table_launch(sms, out, tokens, inp) {
+                Some(l) if gemv_ok => {
+                    return gemv_mma(gpu, l, out, tokens, inp, w, x, y, ty, accumulate);
+                }
+                _ => None,
+            },
         },
         LinearImpl::Gemv => {
             need_gemv("gemv")?;
@@ -183,7 +241,7 @@ pub fn linear(
         };
     };
     if kernel == LinearImpl::GemvMma {
-        let l = mma_launch(gpu.sm_count as usize, out, tokens, inp);
+        let l = mma_launch(sms, out, tokens, inp);
         return gemv_mma(gpu, l, out, tokens, inp, w, x, y, ty, accumulate);
     }
     let name = match tokens {
@@ -259,6 +317,135 @@ pub fn gemv_mma(
         ty,
         accumulate,
     )
+}
+
+/// Most tokens at which [`gate_up_swiglu`] fuses (under `Auto`): `PDNODE_FUSE_SWIGLU_MAX_T`
+/// (0 switches the fusion off, at most [`GEMV_MAX_TOKENS`]; read once per process), default 2:
+/// at 1-2 tokens the fused launch streams gate_up as fast as cuBLAS (58.0 vs 57.0 us) and saves
+/// the swiglu launch; from 4 tokens cuBLAS is 6-7 us ahead of the GEMV on this shape.
+pub fn swiglu_fuse_max_tokens() -> usize {
+    static MAX_T: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MAX_T.get_or_init(|| {
+        std::env::var("PDNODE_FUSE_SWIGLU_MAX_T")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .unwrap_or(2)
+            .min(GEMV_MAX_TOKENS)
+    })
+}
+
+/// Whether [`gate_up_swiglu`] takes the fused kernel for `tokens` rows with `how`.
+pub fn swiglu_fused(how: LinearImpl, tokens: usize) -> bool {
+    how == LinearImpl::Auto
+        && matches!(auto_choice(), AutoPref::Table | AutoPref::Mma)
+        && tokens >= 1
+        && tokens <= swiglu_fuse_max_tokens()
+}
+
+/// The MLP input half: `act[t, i] = silu(g) * u` with `[g | u] = x[t] W_gate_up^T` (w bf16
+/// `[2 inter, inp]`, gate rows first; x bf16 `[tokens, inp]`; act bf16 `[tokens, inter]`).
+/// Fused into one tensor-core GEMV launch ([`gemv_mma_swiglu`]) where [`swiglu_fused`] says so
+/// and the operands allow it, else [`linear`] into `gu` (bf16 `[tokens, 2 inter]`) and the
+/// swiglu kernel, as before.
+#[allow(clippy::too_many_arguments)]
+pub fn gate_up_swiglu(
+    gpu: &Gpu,
+    inter: usize,
+    tokens: usize,
+    inp: usize,
+    w: &DevBuf,
+    x: &DevBuf,
+    gu: &DevBuf,
+    act: &DevBuf,
+    how: LinearImpl,
+) -> Result<(), CudaError> {
+    let aligned = inp.is_multiple_of(8) && w.ptr().is_multiple_of(16) && x.ptr().is_multiple_of(16);
+    if swiglu_fused(how, tokens) && aligned {
+        let l = glu_launch(gpu.sm_count as usize, inter, inp);
+        return gemv_mma_swiglu(gpu, l, inter, tokens, inp, w, x, act);
+    }
+    linear(
+        gpu,
+        2 * inter,
+        tokens,
+        inp,
+        w,
+        x,
+        gu,
+        OutType::Bf16,
+        false,
+        how,
+    )?;
+    super::swiglu(gpu, gu, act, tokens, inter)
+}
+
+/// The fused gate_up + SwiGLU launch: the 16-row (m1) launch the unfused GEMV would use on the
+/// `2 inter x inp` weight (same blocks and warps, so the same sums), with the L2 prefetch.
+pub fn glu_launch(sm_count: usize, inter: usize, inp: usize) -> MmaLaunch {
+    MmaLaunch {
+        l2_prefetch: true,
+        ..mma_launch_tiles(sm_count, 2 * inter, inp, 1)
+    }
+}
+
+/// `act = silu(x W_gate^T) * (x W_up^T)` in one launch of `gemv_mma_glu_m1[_pf]` (see
+/// [`gate_up_swiglu`] for the layouts); `l` must be a 16-row launch with a block per 8 outputs.
+#[allow(clippy::too_many_arguments)]
+pub fn gemv_mma_swiglu(
+    gpu: &Gpu,
+    l: MmaLaunch,
+    inter: usize,
+    tokens: usize,
+    inp: usize,
+    w: &DevBuf,
+    x: &DevBuf,
+    act: &DevBuf,
+) -> Result<(), CudaError> {
+    const OP: &str = "gemv_mma_swiglu";
+    need(OP, "w", w, 2 * inter * inp * BF16)?;
+    need(OP, "x", x, tokens * inp * BF16)?;
+    need(OP, "act", act, tokens * inter * BF16)?;
+    shape(
+        OP,
+        tokens <= GEMV_MAX_TOKENS
+            && inp.is_multiple_of(8)
+            && w.ptr().is_multiple_of(16)
+            && x.ptr().is_multiple_of(16),
+        || "gemv_mma_swiglu needs tokens <= 8, inp % 8 == 0, 16-byte aligned w and x".into(),
+    )?;
+    shape(
+        OP,
+        l.tiles == 1 && (1..=16).contains(&l.warps) && l.blocks * 8 >= inter,
+        || format!("bad launch {l:?} for {inter} outputs (16-row blocks of 8 outputs)"),
+    )?;
+    if inter * tokens * inp == 0 {
+        return Ok(());
+    }
+    let name = if l.l2_prefetch {
+        "gemv_mma_glu_m1_pf"
+    } else {
+        "gemv_mma_glu_m1"
+    };
+    let f = gpu.kernel(name)?;
+    let (t_i, o_i, i_i) = (tokens as i32, i32_of(OP, inter)?, i32_of(OP, inp)?);
+    let mut b = gpu.stream.launch_builder(f);
+    b.arg(w.ptr_ref())
+        .arg(x.ptr_ref())
+        .arg(act.ptr_ref())
+        .arg(&t_i)
+        .arg(&o_i)
+        .arg(&i_i);
+    let (grid, block) = (u32_of(OP, l.blocks)?, 32 * l.warps as u32);
+    // SAFETY: sizes and alignment checked above (w holds 2 inter rows); tokens <= 8.
+    unsafe { b.launch(cfg((grid, 1, 1), block)) }.map_err(launched(OP))?;
+    Ok(())
+}
+
+fn i32_of(op: &'static str, v: usize) -> Result<i32, CudaError> {
+    i32::try_from(v).map_err(|_| CudaError::Shape {
+        op,
+        reason: format!("{v} exceeds i32"),
+    })
 }
 
 /// Launches one of the GEMV kernels (all share one signature); the caller checked the shapes.
@@ -343,6 +530,42 @@ mod tests {
         let l = mma_launch(132, 3, 1, 8);
         assert_eq!((l.blocks, l.warps, l.tiles), (1, 1, 1));
         assert_eq!(mma_launch(0, 0, 0, 0).warps, 1);
+    }
+
+    #[test]
+    fn table_follows_the_measurements() {
+        let t = |out, tok, inp| table_launch(132, out, tok, inp);
+        for tok in 1..=8 {
+            // gate_up (and its TP = 2 shard): cuBLAS
+            assert_eq!(t(28672, tok, 4096), None);
+            assert_eq!(t(14336, tok, 4096), None);
+            // qkv, o, down: 16-row blocks with the prefetch (m1 w8 b384, m1 w12 b256)
+            for (out, inp, warps) in [(6144, 4096, 8), (4096, 4096, 12), (4096, 14336, 12)] {
+                let l = t(out, tok, inp).expect("a GEMV launch");
+                assert_eq!(
+                    (l.tiles, l.warps, l.l2_prefetch),
+                    (1, warps, true),
+                    "{out}x{inp}"
+                );
+            }
+            // lm_head: m1 up to 2 tokens, m2 after
+            let l = t(128256, tok, 4096).expect("lm_head launch");
+            assert_eq!(l.tiles, if tok <= 2 { 1 } else { 2 });
+            assert!(l.l2_prefetch);
+        }
+        assert_eq!(t(4096, 9, 4096), None);
+        assert_eq!(t(4096, 0, 4096), None);
+        // the fused gate_up launch is the unfused m1 one on 2 inter rows: a block per 8 outputs
+        let g = glu_launch(132, 14336, 4096);
+        assert_eq!(g.blocks * 8, 14336);
+        assert_eq!(
+            MmaLaunch {
+                l2_prefetch: false,
+                ..g
+            },
+            mma_launch_tiles(132, 28672, 4096, 1)
+        );
+        assert_eq!(glu_launch(132, 13, 64).blocks, 2);
     }
 
     #[test]

@@ -117,6 +117,7 @@ __device__ __forceinline__ void attn_v4(const bf16_t* __restrict__ q,
     const int h0 = kvh * G + hg * MG;
     const int ng = min(MG, G - hg * MG);
     const int nsplit = gridDim.z;
+    const int seq = tok_seq[t];  // issued with tok_pos: one dependent load less before the copies
     const int ctx = min(tok_pos[t] + 1, max_blocks * block_size);
     const int k0 = blockIdx.z * split_len;
     const int k1 = min(ctx, k0 + split_len);
@@ -139,10 +140,15 @@ __device__ __forceinline__ void attn_v4(const bf16_t* __restrict__ q,
         return;
     }
 
-    const int* bt = block_tables + (i64)tok_seq[t] * max_blocks;
+    const int* bt = block_tables + (i64)seq * max_blocks;
     const int b0 = k0 / block_size;
     const int nbt = (k1 - 1) / block_size - b0 + 1;
-    const bool bt_sm = nbt <= ATT4_BT;
+    // A tile of TK keys starting at a multiple of TK lies in one cache block when the block size
+    // is a multiple of TK (partitions start at multiples of the block size then, see
+    // attention_splits_v4): one block-table lookup per tile, straight from global memory (no
+    // shared-memory staging on the way to the first copies); else one per key, staged.
+    const bool one_block = block_size % TK == 0 && k0 % TK == 0;
+    const bool bt_sm = !one_block && nbt <= ATT4_BT;
     if (bt_sm)
         for (int i = tid; i < nbt; i += ATT4_NT) s_bt[i] = bt[b0 + i];
 
@@ -168,10 +174,6 @@ __device__ __forceinline__ void attn_v4(const bf16_t* __restrict__ q,
     const int ntiles = (k1 - k0 + TK - 1) / TK;
     const int nmine = ntiles > w ? (ntiles - w + NW - 1) / NW : 0;  // tiles w, w + NW, ...
     bf16_t* const wbuf = sbuf + w * NST * STAGE;
-    // A tile of TK keys starting at a multiple of TK lies in one cache block when the block size
-    // is a multiple of TK (partitions start at multiples of the block size then, see
-    // attention_splits_v4): one block-table lookup per tile.
-    const bool one_block = block_size % TK == 0 && k0 % TK == 0;
     const bool bs_pow2 = (block_size & (block_size - 1)) == 0;
     const int bs_shift = __ffs(block_size) - 1;
     const int vstride = block_size * (int)row;  // V rows follow a block's K rows
@@ -183,7 +185,7 @@ __device__ __forceinline__ void attn_v4(const bf16_t* __restrict__ q,
         const bf16_t* base = layer_kv;
         if (one_block) {
             const int bi = bs_pow2 ? kt >> bs_shift : kt / block_size;
-            const i64 blk = bt_sm ? s_bt[bi - b0] : bt[bi];
+            const i64 blk = bt[bi];
             base = kv_head + (blk * 2 * block_size + (kt - bi * block_size)) * row;
         }
 #pragma unroll

@@ -181,8 +181,11 @@ pub fn run_attention(
     }
     let mut occupancy = Vec::new();
     for (name, dyn_smem) in OCCUPANCY_KERNELS {
-        let n = gpu
-            .kernel(name)?
+        let f = gpu.kernel(name)?;
+        if dyn_smem > 0 {
+            ops::prefer_shared_memory(f, dyn_smem)?;
+        }
+        let n = f
             .occupancy_max_active_blocks_per_multiprocessor(128, dyn_smem, None)
             .map_err(super::drv("cuOccupancyMaxActiveBlocksPerMultiprocessor"))?;
         occupancy.push((name, n));

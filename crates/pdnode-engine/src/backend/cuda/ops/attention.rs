@@ -80,12 +80,27 @@ pub fn auto_variant(hd: usize) -> AttnVariant {
     }
 }
 
-/// Asks once per loaded function for the largest shared-memory carveout (a v3 block holds about
-/// 40 KB of static shared memory and 5 blocks per SM need about 205 KB, more than the driver's
-/// default split with L1 may leave) and allows `dynamic` bytes of dynamic shared memory (v4).
-fn prefer_shared_memory(f: &cudarc::driver::CudaFunction, dynamic: usize) -> Result<(), CudaError> {
+/// Asks for the largest shared-memory carveout (a v3 block holds about 40 KB of static shared
+/// memory and 5 blocks per SM need about 205 KB, more than the driver's default split with L1 may
+/// leave; once per loaded function) and, with `dynamic` > 0, allows that many bytes of dynamic
+/// shared memory (v4; set before every launch: a launch above 48 KB without it fails, and a
+/// CUfunction handle of an unloaded module can come back for a new one, so no cache keyed by it).
+pub fn prefer_shared_memory(
+    f: &cudarc::driver::CudaFunction,
+    dynamic: usize,
+) -> Result<(), CudaError> {
     use cudarc::driver::sys::CUfunction_attribute_enum as A;
     use std::sync::{Mutex, OnceLock};
+    if dynamic > 0 {
+        f.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
+            .map_err(super::super::drv("cuFuncSetAttribute"))?;
+        let bytes = i32::try_from(dynamic).map_err(|_| CudaError::Unsupported {
+            reason: format!("{dynamic} bytes of dynamic shared memory"),
+        })?;
+        return f
+            .set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes)
+            .map_err(super::super::drv("cuFuncSetAttribute"));
+    }
     static DONE: OnceLock<Mutex<std::collections::HashSet<usize>>> = OnceLock::new();
     let key = f.cu_function() as usize;
     let mut done = DONE
@@ -95,13 +110,6 @@ fn prefer_shared_memory(f: &cudarc::driver::CudaFunction, dynamic: usize) -> Res
     if done.insert(key) {
         f.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
             .map_err(super::super::drv("cuFuncSetAttribute"))?;
-        if dynamic > 0 {
-            f.set_attribute(
-                A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                dynamic as i32,
-            )
-            .map_err(super::super::drv("cuFuncSetAttribute"))?;
-        }
     }
     Ok(())
 }
@@ -136,12 +144,31 @@ pub fn v4_blocks_per_sm(hd: usize) -> usize {
     (228 * 1024 / (v4_smem_bytes(hd) + 4 * 1024)).max(1)
 }
 
-/// Partitions of the v4 kernel: as [`attention_splits_v3`] with about 4 waves of resident blocks
-/// ([`v4_blocks_per_sm`] per SM) and at least 128 keys (2 tiles per warp) per partition; v4
-/// shares v3's block-table bound ([`V3_BT_ENTRIES`]). Returns `(nsplit, split_len)`.
+/// Waves of resident v4 blocks [`attention_splits_v4`] aims for: `PDNODE_ATTN_V4_WAVES` (1 to 64,
+/// read once per process) when set, else [`V4_WAVES`].
+pub fn v4_waves() -> usize {
+    static W: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *W.get_or_init(|| {
+        std::env::var("PDNODE_ATTN_V4_WAVES")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .filter(|w| (1..=64).contains(w))
+            .unwrap_or(V4_WAVES)
+    })
+}
+
+/// Default of [`v4_waves`]. On the H200 (Llama-3.1-8B shapes, uniform contexts) 1 wave was best
+/// by 0-6 %, 2 nearly as good; more waves balance uneven contexts under one max context.
+pub const V4_WAVES: usize = 2;
+
+/// Partitions of the v4 kernel: as [`attention_splits_v3`] with about `waves` waves of resident
+/// blocks ([`v4_blocks_per_sm`] per SM) and at least 128 keys (2 tiles per warp) per partition;
+/// v4 shares v3's block-table bound ([`V3_BT_ENTRIES`]). Returns `(nsplit, split_len)`.
+#[allow(clippy::too_many_arguments)]
 pub fn attention_splits_v4(
     sm_count: usize,
     hd: usize,
+    waves: usize,
     work: usize,
     max_ctx: usize,
     block_size: usize,
@@ -149,7 +176,7 @@ pub fn attention_splits_v4(
     ws_rows_splits: usize,
 ) -> (usize, usize) {
     splits_tiled(
-        sm_count * v4_blocks_per_sm(hd) * 4,
+        sm_count * v4_blocks_per_sm(hd) * waves.max(1),
         work,
         max_ctx,
         block_size,
@@ -362,6 +389,7 @@ pub fn paged_attention_ex(
         attention_splits_v4(
             gpu.sm_count as usize,
             hd,
+            v4_waves(),
             grid_tokens * groups,
             max_ctx,
             d.block_size,
@@ -521,7 +549,7 @@ mod tests {
         ] {
             for (bs, v4) in bs_list.into_iter().flat_map(|b| [(b, false), (b, true)]) {
                 let (n, len) = if v4 {
-                    attention_splits_v4(sms, 128, work, ctx, bs, rows, cap)
+                    attention_splits_v4(sms, 128, V4_WAVES, work, ctx, bs, rows, cap)
                 } else {
                     attention_splits_v3(sms, work, ctx, bs, rows, cap)
                 };
@@ -563,11 +591,11 @@ mod tests {
         // work) takes 16 partitions of 128 keys, 64 x 8k (512) 3 of 2736
         assert_eq!((v4_blocks_per_sm(128), v4_blocks_per_sm(64)), (2, 3));
         assert_eq!(
-            attention_splits_v4(132, 128, 64, 2048, 16, 256, 1 << 17),
+            attention_splits_v4(132, 128, 4, 64, 2048, 16, 256, 1 << 17),
             (16, 128)
         );
         assert_eq!(
-            attention_splits_v4(132, 128, 512, 8192, 16, 2048, 1 << 17),
+            attention_splits_v4(132, 128, 4, 512, 8192, 16, 2048, 1 << 17),
             (3, 2736)
         );
     }

@@ -472,8 +472,9 @@ FLASH_PREFILL_M32_KERNEL(flash_prefill_hd128_m32, 128, 32)
 //   loads the same 16-byte column of RPT key rows, one table lookup per row serving K and V, and
 //   those lookups are fetched one tile ahead into registers so no load waits on the table.
 // - Softmax on raw scores: max first, then p = 2^(s * scale_log2 - m * scale_log2) as one FFMA and
-//   one MUFU ex2; the causal mask only on tiles that reach past a warp's first query, and a warp
-//   skips the math of a tile entirely past its last query.
+//   one MUFU ex2; o is rescaled only when some row's max moved (warp vote); the causal mask only
+//   on tiles that reach past a warp's first query, and a warp skips the math of a tile entirely
+//   past its last query.
 // - grid (nh, query tiles): the heads vary fastest, so the heaviest (last) query tile of every
 //   head is scheduled first and the q heads sharing a kv head run side by side (K/V hits in L2).
 // Dynamic shared memory: FP2_STAGES * 2 * 64 * (HD + 8) bf16 (104448 bytes at hd 128).
@@ -607,6 +608,8 @@ __device__ __forceinline__ void flash_prefill_v2_impl(const bf16_t* __restrict__
                 }
             }
         }
+        float alpha[2];
+        bool grew = false;  // some row's running max moved: o needs rescaling
 #pragma unroll
         for (int i = 0; i < 2; i++) {
             float mx = mrow[i];
@@ -616,7 +619,9 @@ __device__ __forceinline__ void flash_prefill_v2_impl(const bf16_t* __restrict__
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             // mx: the new running max (raw); -inf only while every key so far is masked
             const float ms = (mx == -INFINITY ? 0.f : mx) * scale_log2;
-            const float alpha = fp_ex2(mrow[i] * scale_log2 - ms);  // 0 when mrow was -inf
+            const bool moved = mx != mrow[i];
+            grew |= moved;
+            alpha[i] = moved ? fp_ex2(mrow[i] * scale_log2 - ms) : 1.f;  // 0 when mrow was -inf
             float sum = 0.f;
 #pragma unroll
             for (int nt = 0; nt < 8; nt++) {
@@ -624,12 +629,18 @@ __device__ __forceinline__ void flash_prefill_v2_impl(const bf16_t* __restrict__
                 s[nt][2 * i + 1] = fp_ex2(fmaf(s[nt][2 * i + 1], scale_log2, -ms));
                 sum += s[nt][2 * i] + s[nt][2 * i + 1];
             }
-            lrow[i] = lrow[i] * alpha + sum;
+            lrow[i] = lrow[i] * alpha[i] + sum;
             mrow[i] = mx;
+        }
+        // Once the running max settles (most tiles after the first few) no row moves and the
+        // 2 * NT multiplies are skipped (warp-uniform vote).
+        if (__any_sync(0xffffffffu, grew)) {
 #pragma unroll
             for (int dt = 0; dt < NT; dt++) {
-                o[dt][2 * i] *= alpha;
-                o[dt][2 * i + 1] *= alpha;
+                o[dt][0] *= alpha[0];
+                o[dt][1] *= alpha[0];
+                o[dt][2] *= alpha[1];
+                o[dt][3] *= alpha[1];
             }
         }
 

@@ -43,6 +43,16 @@ static inline float __shfl_xor_sync(unsigned, float v, int m) {
     W.bar.arrive_and_wait();
     return r;
 }
+static inline int __any_sync(unsigned, int v) {
+    WarpX& W = warp_of();
+    int l = threadIdx.x & 31;
+    W.f[l] = v ? 1.f : 0.f;
+    W.bar.arrive_and_wait();
+    int r = 0;
+    for (int i = 0; i < 32; i++) r |= W.f[i] != 0.f;
+    W.bar.arrive_and_wait();
+    return r;
+}
 #include "kern.inc"
 
 typedef void (*Kern)(const bf16_t*, bf16_t*, const bf16_t*, const int*, int, int, int, int, int, int, float);

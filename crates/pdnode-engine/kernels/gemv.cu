@@ -111,10 +111,16 @@ __device__ __forceinline__ void gm_mma(float* c, unsigned a0, unsigned a1, unsig
 // bf16(silu(gate) * up) with the swiglu kernel's formula. With the launch of the unfused m1 call
 // on the gate_up weight (same blocks, same warps) every sum is the same, so the result is the
 // unfused gemv_mma + swiglu one, bit for bit; one launch and the gate_up round trip less.
-template <int MT, int U, int PF, int GLU>
+// NORM = 1 (gemv_mma_m1*_norm; f32 y, the residual): after its outputs are written each block
+// takes a ticket; the last block (every other block's y visible: threadfence before the ticket,
+// L2 loads after it) writes normed[t] = bf16(rmsnorm(y[t]) * nw) for every token, exactly as
+// add_rmsnorm does (256 threads' strided sums, block_sum, the same expressions), then puts the
+// ticket counter back to 0 for the next launch (graph replays included).
+template <int MT, int U, int PF, int GLU, int NORM>
 __device__ void gemv_mma_impl(const bf16_t* __restrict__ w, const bf16_t* __restrict__ x,
                               void* __restrict__ y, int T, int out, int in, int y_f32,
-                              int accumulate) {
+                              int accumulate, const float* __restrict__ nw_,
+                              bf16_t* __restrict__ normed, unsigned int* ticket, float eps) {
     __shared__ float red[GM_MAX_WARPS][MT * 4][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nw = min((int)(blockDim.x >> 5), GM_MAX_WARPS);
@@ -211,6 +217,31 @@ __device__ void gemv_mma_impl(const bf16_t* __restrict__ w, const bf16_t* __rest
                 }
             }
         }
+        if (NORM) {
+            __shared__ unsigned int last;
+            __shared__ float sh[33];
+            __threadfence();
+            __syncthreads();
+            if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == gridDim.x - 1 ? 1u : 0u;
+            __syncthreads();
+            if (!last) return;
+            __threadfence();
+            const float* yf = (const float*)y;
+            for (int t = 0; t < T; t++) {
+                const float* row = yf + (i64)t * out;
+                float ss = 0.f;
+                if (threadIdx.x < 256) {
+                    for (int i = threadIdx.x; i < out; i += 256) {
+                        const float v = __ldcg(row + i);
+                        ss += v * v;
+                    }
+                }
+                const float inv = rsqrtf(block_sum(ss, sh) / (float)out + eps);
+                bf16_t* o = normed + (i64)t * out;
+                for (int i = threadIdx.x; i < out; i += blockDim.x) o[i] = f2bf(__ldcg(row + i) * inv * nw_[i]);
+            }
+            if (threadIdx.x == 0) *ticket = 0u;
+        }
     }
 }
 
@@ -218,7 +249,8 @@ __device__ void gemv_mma_impl(const bf16_t* __restrict__ w, const bf16_t* __rest
     extern "C" __global__ void __launch_bounds__(512, 1) NAME(const bf16_t* w, const bf16_t* x,      \
                                                            void* y, int T, int out, int in,       \
                                                            int y_f32, int accumulate) {           \
-        gemv_mma_impl<MT, U, PF, 0>(w, x, y, T, out, in, y_f32, accumulate);                        \
+        gemv_mma_impl<MT, U, PF, 0, 0>(w, x, y, T, out, in, y_f32, accumulate, nullptr, nullptr,     \
+                                       nullptr, 0.f);                                               \
     }
 
 GEMV_MMA_KERNEL(gemv_mma_m1, 1, 4, 0)
@@ -233,8 +265,23 @@ GEMV_MMA_KERNEL(gemv_mma_m2_pf, 2, 2, 1)
 #define GEMV_MMA_GLU_KERNEL(NAME, PF)                                                               \
     extern "C" __global__ void __launch_bounds__(512, 1) NAME(const bf16_t* w, const bf16_t* x,      \
                                                            bf16_t* y, int T, int out, int in) {   \
-        gemv_mma_impl<1, 4, PF, 1>(w, x, y, T, out, in, 0, 0);                                      \
+        gemv_mma_impl<1, 4, PF, 1, 0>(w, x, y, T, out, in, 0, 0, nullptr, nullptr, nullptr, 0.f);  \
     }
 
 GEMV_MMA_GLU_KERNEL(gemv_mma_glu_m1, 0)
 GEMV_MMA_GLU_KERNEL(gemv_mma_glu_m1_pf, 1)
+
+// Linear into the f32 residual, then the RMSNorm of the next op's input in the same launch
+// (NORM = 1 above): y f32 [T, out] (accumulate != 0: y += result), nw f32 [out], normed bf16
+// [T, out], ticket: a device u32 that is 0 before the launch (and is again after it). At most 12
+// warps a block, 2 blocks an SM (the bounds keep it at the plain kernels' 80 registers: the o and
+// down launches, 12 warps x 2 blocks, stay one wave).
+#define GEMV_MMA_NORM_KERNEL(NAME, PF)                                                              \
+    extern "C" __global__ void __launch_bounds__(384, 2) NAME(                                      \
+        const bf16_t* w, const bf16_t* x, float* y, int T, int out, int in, int accumulate,        \
+        const float* nw, bf16_t* normed, unsigned int* ticket, float eps) {                         \
+        gemv_mma_impl<1, 4, PF, 0, 1>(w, x, y, T, out, in, 1, accumulate, nw, normed, ticket, eps); \
+    }
+
+GEMV_MMA_NORM_KERNEL(gemv_mma_m1_norm, 0)
+GEMV_MMA_NORM_KERNEL(gemv_mma_m1_pf_norm, 1)

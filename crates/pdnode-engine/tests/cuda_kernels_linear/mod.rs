@@ -174,3 +174,158 @@ fn linear_auto_table_matches_cublas() {
         }
     }
 }
+
+/// The tensor-core GEMV with the next RMSNorm in its launch (`gemv_mma_m1[_pf]_norm`) against the
+/// same launch of the plain kernel followed by `add_rmsnorm`: the residual bit for bit, the
+/// normed rows within 1 bf16 ulp (the same sums: expected equal), the ticket back at 0, twice
+/// in a row (the second launch needs the reset).
+#[test]
+#[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
+fn linear_rmsnorm_fused_matches_unfused() {
+    let g = gpu();
+    let mut r = rng("linear_norm");
+    let sms = g.sm_count as usize;
+    let ticket = g.alloc(256).unwrap();
+    g.memset(&ticket, 0).unwrap();
+    let eps = 1e-5f32;
+    let mut cases: Vec<(usize, usize, usize)> = Vec::new();
+    for t in 1..=8 {
+        for &(out, inp) in &[(200, 64), (4096, 1032), (77, 2056)] {
+            cases.push((out, t, inp));
+        }
+    }
+    cases.extend([(4096, 1, 4096), (4096, 2, 14336)]);
+    for (out, t, inp) in cases {
+        let w = randv(&mut r, out * inp, 0.05);
+        let x = randv(&mut r, t * inp, 1.0);
+        let y0 = randv(&mut r, t * out, 1.0);
+        let nw: Vec<f32> = randv(&mut r, out, 1.0).iter().map(|v| v + 1.0).collect();
+        let (dw, dx, dnw) = (
+            g.upload_bf16(&w).unwrap(),
+            g.upload_bf16(&x).unwrap(),
+            g.upload_f32(&nw).unwrap(),
+        );
+        for (pf, acc) in [(true, true), (false, true), (true, false)] {
+            let base = ops::table_launch(sms, out, t, inp)
+                .filter(|l| l.tiles == 1)
+                .unwrap_or_else(|| ops::mma_launch_tiles(sms, out, inp, 1));
+            let l = ops::MmaLaunch {
+                l2_prefetch: pf,
+                warps: base.warps.min(ops::NORM_MAX_WARPS),
+                ..base
+            };
+            // unfused: the plain kernel at the same launch, then add_rmsnorm
+            let y_ref = g.upload_f32(&y0).unwrap();
+            ops::gemv_mma(&g, l, out, t, inp, &dw, &dx, &y_ref, OutType::F32, acc).unwrap();
+            let n_ref = poisoned(&g, t * out * 2);
+            ops::add_rmsnorm(&g, &y_ref, t, None, &dnw, &n_ref, None, t, out, eps).unwrap();
+            let (y_ref, n_ref) = (
+                g.download_f32(&y_ref, t * out).unwrap(),
+                g.download_bf16(&n_ref, t * out).unwrap(),
+            );
+            for round in 0..2 {
+                let y = g.upload_f32(&y0).unwrap();
+                let normed = poisoned(&g, t * out * 2);
+                let nf = ops::NormFuse {
+                    w: &dnw,
+                    out: &normed,
+                    ticket: &ticket,
+                    eps,
+                };
+                ops::gemv_mma_norm(&g, l, out, t, inp, &dw, &dx, &y, acc, &nf).unwrap();
+                let (yv, nv) = (
+                    g.download_f32(&y, t * out).unwrap(),
+                    g.download_bf16(&normed, t * out).unwrap(),
+                );
+                let tk = g.download_f32(&ticket, 1).unwrap()[0].to_bits();
+                let y_same = yv
+                    .iter()
+                    .zip(&y_ref)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                let max_ulp = nv
+                    .iter()
+                    .zip(&n_ref)
+                    .map(|(a, b)| {
+                        if a.is_finite() {
+                            (bits(*a) - bits(*b)).abs()
+                        } else {
+                            i32::MAX
+                        }
+                    })
+                    .max()
+                    .unwrap_or(0);
+                let n_same = nv
+                    .iter()
+                    .zip(&n_ref)
+                    .filter(|(a, b)| a.to_bits() == b.to_bits())
+                    .count();
+                let ok = y_same && max_ulp <= 1 && tk == 0;
+                println!(
+                    "{} gemv_mma_norm out={out} t={t} in={inp} pf={pf} acc={acc} round {round} {l:?}: residual bit-equal {y_same}, normed {n_same}/{} bit-equal (max {max_ulp} ulp), ticket {tk}",
+                    if ok { "PASS" } else { "FAIL" },
+                    t * out
+                );
+                assert!(
+                    ok,
+                    "fused norm {out}x{t}x{inp} pf={pf} acc={acc} round {round}"
+                );
+            }
+        }
+        // linear_rmsnorm (the decode step's call): fused under Auto at <= 2 tokens by default
+        let y = g.upload_f32(&y0).unwrap();
+        let normed = poisoned(&g, t * out * 2);
+        let nf = ops::NormFuse {
+            w: &dnw,
+            out: &normed,
+            ticket: &ticket,
+            eps,
+        };
+        let fused = ops::linear_rmsnorm(
+            &g,
+            out,
+            t,
+            inp,
+            &dw,
+            &dx,
+            &y,
+            true,
+            LinearImpl::Auto,
+            Some(&nf),
+        )
+        .unwrap();
+        let expect = ops::norm_fuse_launch(sms, out, t, inp, &dw, &dx, LinearImpl::Auto).is_some();
+        if !fused {
+            ops::add_rmsnorm(&g, &y, t, None, &dnw, &normed, None, t, out, eps).unwrap();
+        }
+        let got = g.download_bf16(&normed, t * out).unwrap();
+        let yh = g.download_f32(&y, t * out).unwrap();
+        let host: Vec<f32> = yh
+            .chunks(out)
+            .flat_map(|row| super::cuda_support::rmsnorm(row, &nw, eps))
+            .collect();
+        let e = rel_err(&got, &host);
+        let ok = fused == expect && e < 1e-2;
+        println!(
+            "{} linear_rmsnorm Auto out={out} t={t} in={inp}: fused {fused}, rel vs host {e:.1e}",
+            if ok { "PASS" } else { "FAIL" }
+        );
+        assert!(ok, "linear_rmsnorm {out}x{t}x{inp}: fused {fused}, rel {e}");
+    }
+    let (w, x, y) = (
+        g.alloc(1 << 16).unwrap(),
+        g.alloc(1 << 16).unwrap(),
+        g.alloc(1 << 16).unwrap(),
+    );
+    let nf = ops::NormFuse {
+        w: &y,
+        out: &x,
+        ticket: &ticket,
+        eps,
+    };
+    let l = ops::mma_launch_tiles(sms, 64, 64, 1);
+    let wide = ops::MmaLaunch { warps: 16, ..l };
+    assert!(ops::gemv_mma_norm(&g, wide, 64, 1, 64, &w, &x, &y, false, &nf).is_err());
+    assert!(ops::gemv_mma_norm(&g, l, 64, 9, 64, &w, &x, &y, false, &nf).is_err());
+    assert!(ops::gemv_mma_norm(&g, l, 64, 0, 64, &w, &x, &y, false, &nf).is_err());
+    println!("PASS gemv_mma_norm rejects 16 warps, 9 and 0 tokens");
+}

@@ -88,6 +88,7 @@ struct Workspace {
     part_ml: DevBuf,
     part_acc: DevBuf,
     meta: DevBuf,
+    ticket: DevBuf, // u32, 0 between launches: the fused linear + RMSNorm's block counter
 }
 
 const ATTN_WS_BYTES: usize = 64 << 20;
@@ -109,6 +110,11 @@ impl Workspace {
             part_ml: gpu.alloc(rows_splits * 2 * 4)?,
             part_acc: gpu.alloc(rows_splits * s.head_dim * 4)?,
             meta: gpu.alloc(1 << 20)?,
+            ticket: {
+                let b = gpu.alloc(256)?;
+                gpu.memset(&b, 0)?;
+                b
+            },
         })
     }
 
@@ -126,6 +132,7 @@ impl Workspace {
             &self.part_ml,
             &self.part_acc,
             &self.meta,
+            &self.ticket,
         ]
         .iter()
         .map(|b| b.bytes())
@@ -482,20 +489,27 @@ impl CudaBackend {
             part_ml: &ws.part_ml,
             part_acc: &ws.part_acc,
         };
+        // the RMSNorm after o_proj / down rides in their launch where linear_rmsnorm can (not
+        // with tensor parallelism: the norm must follow the all-reduce)
+        let norm_of = |nw| {
+            let (out, ticket, eps) = (&ws.normed, &ws.ticket, s.rms_norm_eps);
+            self.comm.is_none().then_some(ops::NormFuse {
+                w: nw,
+                out,
+                ticket,
+                eps,
+            })
+        };
+        let rmsnorm = |nw| {
+            let eps = s.rms_norm_eps;
+            ops::add_rmsnorm(g, &ws.resid, t, None, nw, &ws.normed, None, t, h, eps)
+        };
+        let mut normed = false;
         for (li, l) in w.layers.iter().enumerate() {
-            ops::add_rmsnorm(
-                g,
-                &ws.resid,
-                t,
-                None,
-                &l.attn_norm,
-                &ws.normed,
-                None,
-                t,
-                h,
-                s.rms_norm_eps,
-            )?;
-            mark("attn_norm")?;
+            if !normed {
+                rmsnorm(&l.attn_norm)?;
+                mark("attn_norm")?;
+            }
             ops::linear(
                 g,
                 qd + 2 * kvd,
@@ -565,7 +579,9 @@ impl CudaBackend {
                 )?;
                 mark("prefill_attention")?;
             }
-            ops::linear(
+            let nf = norm_of(&l.mlp_norm);
+            let (rank0, lin) = (self.shard.rank == 0, self.opts.linear);
+            normed = ops::linear_rmsnorm(
                 g,
                 h,
                 t,
@@ -573,25 +589,16 @@ impl CudaBackend {
                 &l.wo,
                 &ws.attn,
                 &ws.resid,
-                OutType::F32,
-                self.shard.rank == 0,
-                self.opts.linear,
+                rank0,
+                lin,
+                nf.as_ref(),
             )?;
-            mark("o_proj")?;
+            mark(if normed { "o_proj+mlp_norm" } else { "o_proj" })?;
             self.all_reduce_resid(t * h)?;
-            ops::add_rmsnorm(
-                g,
-                &ws.resid,
-                t,
-                None,
-                &l.mlp_norm,
-                &ws.normed,
-                None,
-                t,
-                h,
-                s.rms_norm_eps,
-            )?;
-            mark("mlp_norm")?;
+            if !normed {
+                rmsnorm(&l.mlp_norm)?;
+                mark("mlp_norm")?;
+            }
             // fused at 1-2 tokens under Auto (PDNODE_FUSE_SWIGLU_MAX_T), else gate_up, swiglu
             ops::gate_up_swiglu(
                 g,
@@ -605,7 +612,8 @@ impl CudaBackend {
                 self.opts.linear,
             )?;
             mark("gate_up+swiglu")?;
-            ops::linear(
+            let nf = w.layers.get(li + 1).and_then(|n| norm_of(&n.attn_norm));
+            normed = ops::linear_rmsnorm(
                 g,
                 h,
                 t,
@@ -613,11 +621,11 @@ impl CudaBackend {
                 &l.w_down,
                 &ws.act,
                 &ws.resid,
-                OutType::F32,
-                self.shard.rank == 0,
-                self.opts.linear,
+                rank0,
+                lin,
+                nf.as_ref(),
             )?;
-            mark("down")?;
+            mark(if normed { "down+attn_norm" } else { "down" })?;
             self.all_reduce_resid(t * h)?;
         }
         if p.rows > 0 {

@@ -27,7 +27,7 @@ const SOURCES: [&str; 13] = [
 ];
 
 /// Kernel entry points (extern "C" names in the .cu files).
-pub const KERNEL_NAMES: [&str; 45] = [
+pub const KERNEL_NAMES: [&str; 47] = [
     "gemv_t1",
     "gemv_t2",
     "gemv_t4",
@@ -38,6 +38,8 @@ pub const KERNEL_NAMES: [&str; 45] = [
     "gemv_mma_m2_pf",
     "gemv_mma_glu_m1",
     "gemv_mma_glu_m1_pf",
+    "gemv_mma_m1_norm",
+    "gemv_mma_m1_pf_norm",
     "paged_attention_v2_d8",
     "paged_attention_v2_d16",
     "paged_attention_v3_d64_g4",

@@ -441,6 +441,173 @@ pub fn gemv_mma_swiglu(
     Ok(())
 }
 
+/// Where [`linear_rmsnorm`] puts the RMSNorm of the residual it just updated.
+#[derive(Debug, Clone, Copy)]
+pub struct NormFuse<'a> {
+    /// f32 `[out]` norm weight.
+    pub w: &'a DevBuf,
+    /// bf16 `[tokens, out]`.
+    pub out: &'a DevBuf,
+    /// A device u32 that is 0 (the kernel leaves it 0): the blocks' finishing counter.
+    pub ticket: &'a DevBuf,
+    pub eps: f32,
+}
+
+/// Most tokens at which [`linear_rmsnorm`] fuses: `PDNODE_FUSE_NORM_MAX_T` (0 switches it off,
+/// at most [`GEMV_MAX_TOKENS`]; read once per process), default 2. The fused norm runs in one
+/// block after the GEMV (tokens one after the other), the separate kernel in a block a token.
+pub fn norm_fuse_max_tokens() -> usize {
+    static MAX_T: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MAX_T.get_or_init(|| {
+        std::env::var("PDNODE_FUSE_NORM_MAX_T")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .unwrap_or(2)
+            .min(GEMV_MAX_TOKENS)
+    })
+}
+
+/// The launch [`linear_rmsnorm`] fuses with (`None`: it does not): Auto under the measured
+/// table, a 16-row tensor-core launch (at most 12 warps, the norm kernels' bound), `1..=`
+/// [`norm_fuse_max_tokens`] tokens, aligned operands.
+#[allow(clippy::too_many_arguments)]
+pub fn norm_fuse_launch(
+    sm_count: usize,
+    out: usize,
+    tokens: usize,
+    inp: usize,
+    w: &DevBuf,
+    x: &DevBuf,
+    how: LinearImpl,
+) -> Option<MmaLaunch> {
+    let ok = how == LinearImpl::Auto
+        && auto_choice() == AutoPref::Table
+        && tokens >= 1
+        && tokens <= norm_fuse_max_tokens()
+        && out > 0
+        && inp > 0
+        && inp.is_multiple_of(8)
+        && w.ptr().is_multiple_of(16)
+        && x.ptr().is_multiple_of(16);
+    let l = table_launch(sm_count, out, tokens, inp).filter(|l| ok && l.tiles == 1)?;
+    Some(MmaLaunch {
+        warps: l.warps.min(NORM_MAX_WARPS),
+        ..l
+    })
+}
+
+/// Most warps a block of the `gemv_mma_m1*_norm` kernels (`__launch_bounds__(384, 2)`).
+pub const NORM_MAX_WARPS: usize = 12;
+
+/// [`linear`] into the f32 residual `y` (`[tokens, out]`, `accumulate` as there) and, where
+/// [`norm_fuse_launch`] allows and `norm` is given, `norm.out[t] = rmsnorm(y[t]) * norm.w` in
+/// the same launch ([`gemv_mma_norm`]). Returns whether `norm.out` was written (else the caller
+/// runs `add_rmsnorm` as before).
+#[allow(clippy::too_many_arguments)]
+pub fn linear_rmsnorm(
+    gpu: &Gpu,
+    out: usize,
+    tokens: usize,
+    inp: usize,
+    w: &DevBuf,
+    x: &DevBuf,
+    y: &DevBuf,
+    accumulate: bool,
+    how: LinearImpl,
+    norm: Option<&NormFuse<'_>>,
+) -> Result<bool, CudaError> {
+    let sms = gpu.sm_count as usize;
+    if let Some(n) = norm
+        && let Some(l) = norm_fuse_launch(sms, out, tokens, inp, w, x, how)
+    {
+        gemv_mma_norm(gpu, l, out, tokens, inp, w, x, y, accumulate, n)?;
+        return Ok(true);
+    }
+    linear(
+        gpu,
+        out,
+        tokens,
+        inp,
+        w,
+        x,
+        y,
+        OutType::F32,
+        accumulate,
+        how,
+    )?;
+    Ok(false)
+}
+
+/// `y (+)= x W^T` (f32 y) then `norm.out = rmsnorm(y) * norm.w` in one launch of
+/// `gemv_mma_m1[_pf]_norm`: the last block to finish normalizes every token row (as
+/// `add_rmsnorm` does, same sums) and resets the ticket. `l`: 16-row, 1..=12 warps.
+#[allow(clippy::too_many_arguments)]
+pub fn gemv_mma_norm(
+    gpu: &Gpu,
+    l: MmaLaunch,
+    out: usize,
+    tokens: usize,
+    inp: usize,
+    w: &DevBuf,
+    x: &DevBuf,
+    y: &DevBuf,
+    accumulate: bool,
+    norm: &NormFuse<'_>,
+) -> Result<(), CudaError> {
+    const OP: &str = "gemv_mma_norm";
+    need(OP, "w", w, out * inp * BF16)?;
+    need(OP, "x", x, tokens * inp * BF16)?;
+    need(OP, "y", y, tokens * out * F32)?;
+    need(OP, "norm.w", norm.w, out * F32)?;
+    need(OP, "norm.out", norm.out, tokens * out * BF16)?;
+    need(OP, "ticket", norm.ticket, 4)?;
+    shape(
+        OP,
+        (1..=GEMV_MAX_TOKENS).contains(&tokens)
+            && out > 0
+            && inp > 0
+            && inp.is_multiple_of(8)
+            && w.ptr().is_multiple_of(16)
+            && x.ptr().is_multiple_of(16)
+            && norm.ticket.ptr().is_multiple_of(4),
+        || "gemv_mma_norm needs 1..=8 tokens, inp % 8 == 0 (> 0), 16-byte aligned w and x".into(),
+    )?;
+    shape(
+        OP,
+        l.tiles == 1 && (1..=NORM_MAX_WARPS).contains(&l.warps) && l.blocks * 16 >= out,
+        || format!("bad launch {l:?} for {out} rows (16-row blocks, <= 12 warps)"),
+    )?;
+    let name = if l.l2_prefetch {
+        "gemv_mma_m1_pf_norm"
+    } else {
+        "gemv_mma_m1_norm"
+    };
+    let f = gpu.kernel(name)?;
+    let (t_i, o_i, i_i, acc) = (
+        tokens as i32,
+        i32_of(OP, out)?,
+        i32_of(OP, inp)?,
+        accumulate as i32,
+    );
+    let mut b = gpu.stream.launch_builder(f);
+    b.arg(w.ptr_ref())
+        .arg(x.ptr_ref())
+        .arg(y.ptr_ref())
+        .arg(&t_i)
+        .arg(&o_i)
+        .arg(&i_i)
+        .arg(&acc)
+        .arg(norm.w.ptr_ref())
+        .arg(norm.out.ptr_ref())
+        .arg(norm.ticket.ptr_ref())
+        .arg(&norm.eps);
+    let (grid, block) = (u32_of(OP, l.blocks)?, 32 * l.warps as u32);
+    // SAFETY: sizes and alignment checked above; the ticket is a zeroed u32 that only these
+    // kernels touch (stream-ordered, so one launch at a time), left zeroed by the last block.
+    unsafe { b.launch(cfg((grid, 1, 1), block)) }.map_err(launched(OP))?;
+    Ok(())
+}
+
 fn i32_of(op: &'static str, v: usize) -> Result<i32, CudaError> {
     i32::try_from(v).map_err(|_| CudaError::Shape {
         op,

@@ -15,9 +15,11 @@ const F32: usize = 4;
 /// Which implementation [`linear`] uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LinearImpl {
-    /// [`LinearImpl::GemvMma`] where it applies (tokens <= 8, `inp % 8 == 0`, 16-byte aligned
-    /// operands), cuBLAS otherwise; `PDNODE_LINEAR=cublas|gemv|mma` changes the preference
-    /// ([`auto_choice`]).
+    /// Per (tokens, shape) what the H200 measurements say is fastest ([`table_launch`]: the
+    /// L2-prefetch tensor-core GEMV or cuBLAS) where a GEMV applies (tokens <= 8, `inp % 8 ==
+    /// 0`, 16-byte aligned operands), cuBLAS otherwise; `PDNODE_LINEAR=cublas|gemv|mma` changes
+    /// the preference ([`auto_choice`]). Only `Auto` fuses ([`gate_up_swiglu`],
+    /// [`linear_rmsnorm`]).
     Auto,
     /// cuBLAS `cublasGemmEx` (H200, Llama-3.1-8B shapes: 5.87 ms per batch-1 decode step).
     Cublas,
@@ -334,10 +336,11 @@ pub fn swiglu_fuse_max_tokens() -> usize {
     })
 }
 
-/// Whether [`gate_up_swiglu`] takes the fused kernel for `tokens` rows with `how`.
+/// Whether [`gate_up_swiglu`] takes the fused kernel for `tokens` rows with `how` (only `Auto`
+/// under the measured table: `PDNODE_LINEAR=mma` is the previous step exactly).
 pub fn swiglu_fused(how: LinearImpl, tokens: usize) -> bool {
     how == LinearImpl::Auto
-        && matches!(auto_choice(), AutoPref::Table | AutoPref::Mma)
+        && auto_choice() == AutoPref::Table
         && tokens >= 1
         && tokens <= swiglu_fuse_max_tokens()
 }

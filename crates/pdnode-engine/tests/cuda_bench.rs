@@ -244,7 +244,8 @@ fn bench_decode_op_breakdown() {
     let iters: usize = env_list("PDNODE_BENCH_ITERS", "20").parse().unwrap_or(20);
     let rows = bench::run_op_breakdown(&decode, iters, |r| {
         eprintln!(
-            "OPS batch={} ctx={} op={} calls={} us_per_step={:.1} us_per_call={:.2} share={:.3}",
+            "OPS {} batch={} ctx={} op={} calls={} us_per_step={:.1} us_per_call={:.2} share={:.3}",
+            r.variant,
             r.batch,
             r.ctx,
             r.op,
@@ -256,13 +257,14 @@ fn bench_decode_op_breakdown() {
     })
     .expect("op breakdown");
     println!(
-        "| decode op (eager, events) | batch | ctx | calls/step | us/step | us/call | share |"
+        "| decode op (eager, events) | run | batch | ctx | calls/step | us/step | us/call | share |"
     );
-    println!("|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|");
     for r in &rows {
         println!(
-            "| {} | {} | {} | {} | {:.1} | {:.2} | {:.3} |",
+            "| {} | {} | {} | {} | {} | {:.1} | {:.2} | {:.3} |",
             r.op,
+            r.variant,
             r.batch,
             r.ctx,
             r.calls,

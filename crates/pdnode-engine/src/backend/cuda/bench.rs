@@ -721,6 +721,8 @@ pub fn run_linear(
 /// One op of a decode step: its summed device time over the step.
 #[derive(Debug, Clone)]
 pub struct OpRow {
+    /// `fused` (the fusion limits in force) or `unfused` (both set to 0 for the run).
+    pub variant: &'static str,
     pub batch: usize,
     pub ctx: usize,
     /// The op's label in the backend's step (`qkv`, `attention`, ... or `TOTAL`).
@@ -736,8 +738,9 @@ pub struct OpRow {
 /// Eager decode steps of Llama-3.1-8B shapes at each `(batch, ctx)` with an event after every
 /// op (`CudaBackend::set_op_timing`), so the lead sees where the time outside the linear layers
 /// goes. Event gaps include the idle time between launches an eager step has (the graph step
-/// has less); the `TOTAL` row is the sum. Linear: `Auto` (the measured table + the fused
-/// gate_up/SwiGLU at 1-2 tokens).
+/// has less); the `TOTAL` row is the sum, `GRAPH STEP (wall)` the same step from a CUDA graph. Linear: `Auto` (the measured table + the fused
+/// gate_up/SwiGLU and GEMV/RMSNorm fusions at 1-2 tokens); where a fusion applies at the
+/// batch, the step runs a second time with both fusions off (`unfused` rows).
 pub fn run_op_breakdown(
     decode: &[(usize, usize)],
     iters: usize,
@@ -769,7 +772,19 @@ pub fn run_op_breakdown(
     be.set_op_timing(true);
     let iters = iters.max(1);
     let mut rows = Vec::new();
-    for &(batch, ctx) in decode {
+    let limits = (ops::swiglu_fuse_max_tokens(), ops::norm_fuse_max_tokens());
+    let runs = decode.iter().flat_map(|&(b, c)| {
+        let both = b <= limits.0.max(limits.1);
+        [("fused", b, c), ("unfused", b, c)]
+            .into_iter()
+            .take(if both { 2 } else { 1 })
+    });
+    for (variant, batch, ctx) in runs {
+        if variant == "unfused" {
+            ops::set_fuse_max_tokens(0, 0);
+        } else {
+            ops::set_fuse_max_tokens(limits.0, limits.1);
+        }
         let nbps = ctx.div_ceil(bs);
         let tables: Vec<Vec<BlockId>> = (0..batch)
             .map(|i| (0..nbps).map(|j| BlockId((i * nbps + j) as u32)).collect())
@@ -803,12 +818,21 @@ pub fn run_op_breakdown(
         }
         let total: f64 = sums.iter().map(|s| s.2).sum::<f64>() / iters as f64;
         let calls: usize = sums.iter().map(|s| s.1).sum();
-        for (op, calls, us) in sums
-            .into_iter()
-            .chain([("TOTAL", calls, total * iters as f64)])
-        {
+        // the same step replayed from a CUDA graph (wall time of back-to-back steps); the
+        // kernel switch drops graphs captured under the other fusion limits
+        be.set_op_timing(false);
+        be.set_kernels(ops::AttnVariant::Auto, ops::LinearImpl::Cublas);
+        be.set_kernels(ops::AttnVariant::Auto, ops::LinearImpl::Auto);
+        be.set_cuda_graphs(true);
+        let graph_us = timed_steps(&mut be, iters, &fb)? * 1e6;
+        be.set_op_timing(true);
+        for (op, calls, us) in sums.into_iter().chain([
+            ("TOTAL", calls, total * iters as f64),
+            ("GRAPH STEP (wall)", 1, graph_us * iters as f64),
+        ]) {
             let us_per_step = us / iters as f64;
             let row = OpRow {
+                variant,
                 batch,
                 ctx,
                 op,
@@ -821,5 +845,6 @@ pub fn run_op_breakdown(
         }
     }
     be.set_op_timing(false);
+    ops::set_fuse_max_tokens(limits.0, limits.1);
     Ok(rows)
 }

@@ -8,6 +8,7 @@ use super::super::blas::OutType;
 use super::super::device::{DevBuf, Gpu};
 use super::{cfg, launched, need, shape, u32_of};
 use cudarc::driver::PushKernelArg;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 const BF16: usize = 2;
 const F32: usize = 4;
@@ -322,18 +323,38 @@ pub fn gemv_mma(
 }
 
 /// Most tokens at which [`gate_up_swiglu`] fuses (under `Auto`): `PDNODE_FUSE_SWIGLU_MAX_T`
-/// (0 switches the fusion off, at most [`GEMV_MAX_TOKENS`]; read once per process), default 2:
+/// (0 switches the fusion off, at most [`GEMV_MAX_TOKENS`]; read once per process, or set by
+/// [`set_fuse_max_tokens`]), default 2:
 /// at 1-2 tokens the fused launch streams gate_up as fast as cuBLAS (58.0 vs 57.0 us) and saves
 /// the swiglu launch; from 4 tokens cuBLAS is 6-7 us ahead of the GEMV on this shape.
 pub fn swiglu_fuse_max_tokens() -> usize {
-    static MAX_T: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *MAX_T.get_or_init(|| {
-        std::env::var("PDNODE_FUSE_SWIGLU_MAX_T")
-            .ok()
-            .and_then(|v| v.trim().parse::<usize>().ok())
-            .unwrap_or(2)
-            .min(GEMV_MAX_TOKENS)
-    })
+    fuse_knob(&SWIGLU_MAX_T, "PDNODE_FUSE_SWIGLU_MAX_T")
+}
+
+/// `usize::MAX`: not read from the environment yet.
+static SWIGLU_MAX_T: AtomicUsize = AtomicUsize::new(usize::MAX);
+static NORM_MAX_T: AtomicUsize = AtomicUsize::new(usize::MAX);
+
+fn fuse_knob(k: &AtomicUsize, env: &str) -> usize {
+    let v = k.load(Ordering::Relaxed);
+    if v != usize::MAX {
+        return v;
+    }
+    let v = std::env::var(env)
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .unwrap_or(2)
+        .min(GEMV_MAX_TOKENS);
+    k.store(v, Ordering::Relaxed);
+    v
+}
+
+/// Overrides the two fusion limits ([`swiglu_fuse_max_tokens`], [`norm_fuse_max_tokens`]) for
+/// this process (benchmarks compare both ways in one run). Steps already captured in CUDA graphs
+/// keep what they were captured with.
+pub fn set_fuse_max_tokens(swiglu: usize, norm: usize) {
+    SWIGLU_MAX_T.store(swiglu.min(GEMV_MAX_TOKENS), Ordering::Relaxed);
+    NORM_MAX_T.store(norm.min(GEMV_MAX_TOKENS), Ordering::Relaxed);
 }
 
 /// Whether [`gate_up_swiglu`] takes the fused kernel for `tokens` rows with `how` (only `Auto`
@@ -457,17 +478,11 @@ pub struct NormFuse<'a> {
 }
 
 /// Most tokens at which [`linear_rmsnorm`] fuses: `PDNODE_FUSE_NORM_MAX_T` (0 switches it off,
-/// at most [`GEMV_MAX_TOKENS`]; read once per process), default 2. The fused norm runs in one
+/// at most [`GEMV_MAX_TOKENS`]; read once per process, or [`set_fuse_max_tokens`]), default 2.
+/// The fused norm runs in one
 /// block after the GEMV (tokens one after the other), the separate kernel in a block a token.
 pub fn norm_fuse_max_tokens() -> usize {
-    static MAX_T: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *MAX_T.get_or_init(|| {
-        std::env::var("PDNODE_FUSE_NORM_MAX_T")
-            .ok()
-            .and_then(|v| v.trim().parse::<usize>().ok())
-            .unwrap_or(2)
-            .min(GEMV_MAX_TOKENS)
-    })
+    fuse_knob(&NORM_MAX_T, "PDNODE_FUSE_NORM_MAX_T")
 }
 
 /// The launch [`linear_rmsnorm`] fuses with (`None`: it does not): Auto under the measured

@@ -231,6 +231,8 @@ __device__ void gemv_mma_impl(const bf16_t* __restrict__ w, const bf16_t* __rest
                 const float* row = yf + (i64)t * out;
                 float ss = 0.f;
                 if (threadIdx.x < 256) {
+                    // unrolled: 8 L2 loads in flight, the same sequential sum per thread
+#pragma unroll 8
                     for (int i = threadIdx.x; i < out; i += 256) {
                         const float v = __ldcg(row + i);
                         ss += v * v;
@@ -238,6 +240,7 @@ __device__ void gemv_mma_impl(const bf16_t* __restrict__ w, const bf16_t* __rest
                 }
                 const float inv = rsqrtf(block_sum(ss, sh) / (float)out + eps);
                 bf16_t* o = normed + (i64)t * out;
+#pragma unroll 4
                 for (int i = threadIdx.x; i < out; i += blockDim.x) o[i] = f2bf(__ldcg(row + i) * inv * nw_[i]);
             }
             if (threadIdx.x == 0) *ticket = 0u;

@@ -278,3 +278,33 @@ fn bench_decode_op_breakdown() {
         "no op was timed"
     );
 }
+
+/// The decode-step fusions alone (fused launch vs the launches it replaces) at 1..=8 tokens:
+/// what `PDNODE_FUSE_SWIGLU_MAX_T` / `PDNODE_FUSE_NORM_MAX_T` should be.
+#[test]
+#[ignore = "needs a CUDA GPU (about 2 GB free): run scripts/gpu/run-all.sh on the GPU host"]
+fn bench_decode_fusions() {
+    let _gpu = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let iters: usize = env_list("PDNODE_BENCH_ITERS", "20").parse().unwrap_or(20);
+    let rows = bench::run_fusions(&[1, 2, 3, 4, 8], iters.max(50), |r| {
+        eprintln!(
+            "FUSE {} t={} fused_us={:.1} unfused_same_launch_us={:.1} auto_unfused_us={:.1} saved_vs_auto_us={:.1}",
+            r.what,
+            r.tokens,
+            r.fused_us,
+            r.unfused_us,
+            r.auto_unfused_us,
+            r.auto_unfused_us - r.fused_us
+        )
+    })
+    .expect("fusion benchmark");
+    println!("| fusion | tokens | fused us | unfused (same GEMV) us | Auto unfused us |");
+    println!("|---|---|---|---|---|");
+    for r in &rows {
+        println!(
+            "| {} | {} | {:.1} | {:.1} | {:.1} |",
+            r.what, r.tokens, r.fused_us, r.unfused_us, r.auto_unfused_us
+        );
+    }
+    assert!(!rows.is_empty(), "no fusion was timed");
+}

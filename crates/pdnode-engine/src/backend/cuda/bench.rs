@@ -14,6 +14,9 @@ use crate::spec::{Arch, ModelSpec, RopeScaling};
 use pdnode_core::BlockId;
 use std::time::Instant;
 
+mod decode_ops;
+pub use decode_ops::*;
+
 /// Llama-3.1-8B shapes.
 pub fn llama31_8b() -> ModelSpec {
     ModelSpec {
@@ -714,137 +717,4 @@ pub fn run_linear(
         }
     }
     Ok((copy, rows, steps))
-}
-
-// ---- per-op breakdown of one decode step (eager, CUDA events) --------------------------------
-
-/// One op of a decode step: its summed device time over the step.
-#[derive(Debug, Clone)]
-pub struct OpRow {
-    /// `fused` (the fusion limits in force) or `unfused` (both set to 0 for the run).
-    pub variant: &'static str,
-    pub batch: usize,
-    pub ctx: usize,
-    /// The op's label in the backend's step (`qkv`, `attention`, ... or `TOTAL`).
-    pub op: &'static str,
-    /// Times it runs per step (layers).
-    pub calls: usize,
-    /// Device microseconds per step, all calls (mean over the timed steps).
-    pub us_per_step: f64,
-    /// Share of the step's summed device time.
-    pub share: f64,
-}
-
-/// Eager decode steps of Llama-3.1-8B shapes at each `(batch, ctx)` with an event after every
-/// op (`CudaBackend::set_op_timing`), so the lead sees where the time outside the linear layers
-/// goes. Event gaps include the idle time between launches an eager step has (the graph step
-/// has less); the `TOTAL` row is the sum, `GRAPH STEP (wall)` the same step from a CUDA graph. Linear: `Auto` (the measured table + the fused
-/// gate_up/SwiGLU and GEMV/RMSNorm fusions at 1-2 tokens); where a fusion applies at the
-/// batch, the step runs a second time with both fusions off (`unfused` rows).
-pub fn run_op_breakdown(
-    decode: &[(usize, usize)],
-    iters: usize,
-    mut report: impl FnMut(&OpRow),
-) -> Result<Vec<OpRow>, CudaError> {
-    let spec = llama31_8b();
-    let bs = 16usize;
-    let num_blocks = decode
-        .iter()
-        .map(|&(b, c)| b * c.div_ceil(bs))
-        .max()
-        .unwrap_or(0)
-        + 8;
-    let opts = CudaOptions {
-        gpu: 0,
-        tensor_parallel: 1,
-        mem_fraction: 0.95,
-        num_kv_blocks: num_blocks as u32,
-        block_size: bs as u32,
-        max_batch_tokens: 64,
-        max_seqs: decode.iter().map(|d| d.0).max().unwrap_or(1).max(1),
-        prefill_gemm_min_tokens: 64,
-        linear: ops::LinearImpl::Auto,
-        attention: ops::AttnVariant::Auto,
-        cuda_graphs: false,
-    };
-    let mut be = CudaBackend::new_dummy(&spec, 1234, &opts, "bench".into())?;
-    be.fill_kv_random(99)?;
-    be.set_op_timing(true);
-    let iters = iters.max(1);
-    let mut rows = Vec::new();
-    let limits = (ops::swiglu_fuse_max_tokens(), ops::norm_fuse_max_tokens());
-    let runs = decode.iter().flat_map(|&(b, c)| {
-        let both = b <= limits.0.max(limits.1);
-        [("fused", b, c), ("unfused", b, c)]
-            .into_iter()
-            .take(if both { 2 } else { 1 })
-    });
-    for (variant, batch, ctx) in runs {
-        if variant == "unfused" {
-            ops::set_fuse_max_tokens(0, 0);
-        } else {
-            ops::set_fuse_max_tokens(limits.0, limits.1);
-        }
-        let nbps = ctx.div_ceil(bs);
-        let tables: Vec<Vec<BlockId>> = (0..batch)
-            .map(|i| (0..nbps).map(|j| BlockId((i * nbps + j) as u32)).collect())
-            .collect();
-        let toks: Vec<[u32; 1]> = (0..batch).map(|i| [(i * 7919 % 128000) as u32]).collect();
-        let fb = ForwardBatch {
-            seqs: (0..batch)
-                .map(|i| SeqStep {
-                    tokens: &toks[i],
-                    start_pos: ctx - 1,
-                    block_table: &tables[i],
-                    want_logits: true,
-                })
-                .collect(),
-        };
-        be.forward_device(&fb).map_err(err)?;
-        be.take_op_times()?; // warm-up
-        // (label, calls per step, summed us over the timed steps), in first-seen order
-        let mut sums: Vec<(&'static str, usize, f64)> = Vec::new();
-        for it in 0..iters {
-            be.forward_device(&fb).map_err(err)?;
-            for (op, us) in be.take_op_times()? {
-                match sums.iter_mut().find(|s| s.0 == op) {
-                    Some(s) => {
-                        s.1 += usize::from(it == 0);
-                        s.2 += us;
-                    }
-                    None => sums.push((op, 1, us)),
-                }
-            }
-        }
-        let total: f64 = sums.iter().map(|s| s.2).sum::<f64>() / iters as f64;
-        let calls: usize = sums.iter().map(|s| s.1).sum();
-        // the same step replayed from a CUDA graph (wall time of back-to-back steps); the
-        // kernel switch drops graphs captured under the other fusion limits
-        be.set_op_timing(false);
-        be.set_kernels(ops::AttnVariant::Auto, ops::LinearImpl::Cublas);
-        be.set_kernels(ops::AttnVariant::Auto, ops::LinearImpl::Auto);
-        be.set_cuda_graphs(true);
-        let graph_us = timed_steps(&mut be, iters, &fb)? * 1e6;
-        be.set_op_timing(true);
-        for (op, calls, us) in sums.into_iter().chain([
-            ("TOTAL", calls, total * iters as f64),
-            ("GRAPH STEP (wall)", 1, graph_us * iters as f64),
-        ]) {
-            let us_per_step = us / iters as f64;
-            let row = OpRow {
-                variant,
-                batch,
-                ctx,
-                op,
-                calls,
-                us_per_step,
-                share: us_per_step / total.max(1e-9),
-            };
-            report(&row);
-            rows.push(row);
-        }
-    }
-    be.set_op_timing(false);
-    ops::set_fuse_max_tokens(limits.0, limits.1);
-    Ok(rows)
 }

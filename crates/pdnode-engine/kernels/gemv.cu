@@ -94,6 +94,14 @@ GM_LD(gm_ld_stream, ".L1::no_allocate")
 GM_LD(gm_ld_stream_pf, ".L1::no_allocate.L2::256B")
 GM_LD(gm_ld, "")
 
+// f32 load from L2 (not L1) that the compiler keeps after the barrier and fence before it: the
+// fused norm reads rows other blocks wrote.
+__device__ __forceinline__ float gm_ld_cg(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];\n" : "=f"(v) : "l"(p) : "memory");
+    return v;
+}
+
 __device__ __forceinline__ void gm_mma(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                        unsigned b0, unsigned b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
@@ -234,14 +242,14 @@ __device__ void gemv_mma_impl(const bf16_t* __restrict__ w, const bf16_t* __rest
                     // unrolled: 8 L2 loads in flight, the same sequential sum per thread
 #pragma unroll 8
                     for (int i = threadIdx.x; i < out; i += 256) {
-                        const float v = __ldcg(row + i);
+                        const float v = gm_ld_cg(row + i);
                         ss += v * v;
                     }
                 }
                 const float inv = rsqrtf(block_sum(ss, sh) / (float)out + eps);
                 bf16_t* o = normed + (i64)t * out;
 #pragma unroll 4
-                for (int i = threadIdx.x; i < out; i += blockDim.x) o[i] = f2bf(__ldcg(row + i) * inv * nw_[i]);
+                for (int i = threadIdx.x; i < out; i += blockDim.x) o[i] = f2bf(gm_ld_cg(row + i) * inv * nw_[i]);
             }
             if (threadIdx.x == 0) *ticket = 0u;
         }

@@ -479,8 +479,8 @@ pub struct NormFuse<'a> {
 
 /// Most tokens at which [`linear_rmsnorm`] fuses: `PDNODE_FUSE_NORM_MAX_T` (0 switches it off,
 /// at most [`GEMV_MAX_TOKENS`]; read once per process, or [`set_fuse_max_tokens`]), default 2.
-/// The fused norm runs in one
-/// block after the GEMV (tokens one after the other), the separate kernel in a block a token.
+/// The fused norm runs in one block after the GEMV (tokens one after the other), the separate
+/// kernel in a block a token, so it pays off at few tokens only.
 pub fn norm_fuse_max_tokens() -> usize {
     fuse_knob(&NORM_MAX_T, "PDNODE_FUSE_NORM_MAX_T")
 }

@@ -157,27 +157,49 @@ pub fn v4_waves() -> usize {
     })
 }
 
-/// Default of [`v4_waves`]. On the H200 (Llama-3.1-8B shapes, uniform contexts) 1 wave was best
-/// by 0-6 %, 2 nearly as good; more waves balance uneven contexts under one max context.
-pub const V4_WAVES: usize = 2;
+/// Default of [`v4_waves`]. On the H200 (Llama-3.1-8B shapes, uniform contexts, whole waves) one
+/// wave was best: 0.55 / 0.86 / 0.95 of the copy ceiling at 8 x 2k / 32 x 2k / 32 x 8k against
+/// 0.45 / 0.76 / 0.92 for two and 0.37 / 0.68 / 0.89 for four.
+pub const V4_WAVES: usize = 1;
 
-/// Partitions of the v4 kernel: as [`attention_splits_v3`] with about `waves` waves of resident
-/// blocks ([`v4_blocks_per_sm`] per SM) and at least 128 keys (2 tiles per warp) per partition;
+/// Longest v4 partition [`attention_splits_v4`] makes by default ([`v4_max_part`]): with one
+/// wave a lone long context among short ones would otherwise be one block's serial work.
+pub const V4_MAX_PART: usize = 4096;
+
+/// `PDNODE_ATTN_V4_MAX_PART` (128 to 1M keys, read once per process) when set, else
+/// [`V4_MAX_PART`].
+pub fn v4_max_part() -> usize {
+    static P: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *P.get_or_init(|| {
+        std::env::var("PDNODE_ATTN_V4_MAX_PART")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .filter(|p| (128..=1 << 20).contains(p))
+            .unwrap_or(V4_MAX_PART)
+    })
+}
+
+/// Partitions of the v4 kernel: as [`attention_splits_v3`] with at most `waves` whole waves of
+/// resident blocks ([`v4_blocks_per_sm`] per SM; at least one partition per work item) and at
+/// least 128 keys (2 tiles per warp) and at most about `max_part` keys per partition;
 /// v4 shares v3's block-table bound ([`V3_BT_ENTRIES`]). Returns `(nsplit, split_len)`.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_splits_v4(
     sm_count: usize,
     hd: usize,
     waves: usize,
+    max_part: usize,
     work: usize,
     max_ctx: usize,
     block_size: usize,
     partial_rows: usize,
     ws_rows_splits: usize,
 ) -> (usize, usize) {
+    // whole waves: floor, so a last, mostly idle round of short-lived blocks is not added
+    let slots = sm_count * v4_blocks_per_sm(hd) * waves.max(1);
+    let want = (slots / work.max(1)).max(max_ctx.div_ceil(max_part.max(128)));
     splits_tiled(
-        sm_count * v4_blocks_per_sm(hd) * waves.max(1),
-        work,
+        want.max(1),
         max_ctx,
         block_size,
         partial_rows,
@@ -199,8 +221,7 @@ pub fn attention_splits_v3(
     ws_rows_splits: usize,
 ) -> (usize, usize) {
     splits_tiled(
-        sm_count * 16,
-        work,
+        (sm_count * 16).div_ceil(work.max(1)),
         max_ctx,
         block_size,
         partial_rows,
@@ -208,19 +229,17 @@ pub fn attention_splits_v3(
     )
 }
 
-/// Partitions for about `target_blocks` blocks of `work` (token, head group) each, at least 128
-/// keys each, block-aligned where the block size allows, each partition's block table within
-/// [`V3_BT_ENTRIES`], and no more partials than the workspace holds.
+/// About `want` partitions (at most one per 128 keys), block-aligned where the block size
+/// allows, each partition's block table within [`V3_BT_ENTRIES`], and no more partials than the
+/// workspace holds.
 fn splits_tiled(
-    target_blocks: usize,
-    work: usize,
+    want: usize,
     max_ctx: usize,
     block_size: usize,
     partial_rows: usize,
     ws_rows_splits: usize,
 ) -> (usize, usize) {
     let max_ctx = max_ctx.max(1);
-    let want = target_blocks.div_ceil(work.max(1));
     let nsplit = want.min(max_ctx.div_ceil(128)).max(1);
     // Partitions start at multiples of split_len: with split_len a multiple of the block size
     // they are block-aligned and span split_len / block_size blocks, else one more.
@@ -390,6 +409,7 @@ pub fn paged_attention_ex(
             gpu.sm_count as usize,
             hd,
             v4_waves(),
+            v4_max_part(),
             grid_tokens * groups,
             max_ctx,
             d.block_size,
@@ -549,7 +569,7 @@ mod tests {
         ] {
             for (bs, v4) in bs_list.into_iter().flat_map(|b| [(b, false), (b, true)]) {
                 let (n, len) = if v4 {
-                    attention_splits_v4(sms, 128, V4_WAVES, work, ctx, bs, rows, cap)
+                    attention_splits_v4(sms, 128, V4_WAVES, V4_MAX_PART, work, ctx, bs, rows, cap)
                 } else {
                     attention_splits_v3(sms, work, ctx, bs, rows, cap)
                 };
@@ -587,16 +607,30 @@ mod tests {
             1
         );
         assert!(attention_splits_v3(132, 1 << 20, 131072, 16, 1 << 22, 1 << 30).0 >= 16);
-        // v4: 2 resident blocks per SM at head_dim 128 (3 at 64); batch 8 x 2k (64 blocks of
-        // work) takes 16 partitions of 128 keys, 64 x 8k (512) 3 of 2736
+        // v4: 2 resident blocks per SM at head_dim 128 (3 at 64), whole waves: batch 8 x 2k
+        // (64 blocks of work) takes 4 partitions of 512 keys for one wave, 8 of 256 for two, 16 of
+        // 128 for four; 64 x 8k (512) one partition for one or two waves, 2 of 4096 for four
         assert_eq!((v4_blocks_per_sm(128), v4_blocks_per_sm(64)), (2, 3));
+        for (waves, work, ctx, want) in [
+            (1, 64, 2048, (4, 512)),
+            (2, 64, 2048, (8, 256)),
+            (4, 64, 2048, (16, 128)),
+            (1, 512, 8192, (1, 8192)),
+            (2, 512, 8192, (1, 8192)),
+            (4, 512, 8192, (2, 4096)),
+        ] {
+            let got =
+                attention_splits_v4(132, 128, waves, 1 << 20, work, ctx, 16, work * 4, 1 << 17);
+            assert_eq!(got, want, "waves {waves} work {work} ctx {ctx}");
+        }
+        // the partition cap splits long contexts even when the batch fills the device
         assert_eq!(
-            attention_splits_v4(132, 128, 4, 64, 2048, 16, 256, 1 << 17),
-            (16, 128)
+            attention_splits_v4(132, 128, 1, 4096, 512, 8192, 16, 2048, 1 << 17),
+            (2, 4096)
         );
         assert_eq!(
-            attention_splits_v4(132, 128, 4, 512, 8192, 16, 2048, 1 << 17),
-            (3, 2736)
+            attention_splits_v4(132, 128, 1, 4096, 4096, 131072, 16, 16384, 1 << 30).0,
+            32
         );
     }
 

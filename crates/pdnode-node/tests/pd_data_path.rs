@@ -606,3 +606,99 @@ async fn cpu_hand_off_figures_arena_vs_host_staging() {
         assert_clean(&d.node).await;
     }
 }
+
+/// Polls `cond` every 5 ms until it holds; panics at a 10 s deadline.
+async fn wait_until(what: &str, cond: impl Fn() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !cond() {
+        assert!(std::time::Instant::now() < deadline, "timed out: {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_momentarily_full_arena_is_waited_for_not_bypassed() {
+    // SAFETY (env): set before any UCX context exists in this test process.
+    unsafe { std::env::set_var("UCX_NET_DEVICES", "lo") };
+    let mut cfg = cpu_ucx_config();
+    // Room for exactly one 23-token prompt (6 blocks of 4) on each side.
+    cfg.engine.kv_staging_tokens = 24;
+    let prompts: Vec<Vec<u32>> = (0..3).map(cpu_prompt).collect();
+    let mut want = Vec::new();
+    for ids in &prompts {
+        want.push(colocated_tokens(&cfg, ids, 5).await);
+    }
+    let Some((p, d)) = pd_pair(&cfg) else { return };
+    let p = Arc::new(p);
+    let d = Arc::new(d);
+    let (pa, da) = (
+        p.node.staging_arena().expect("prefill arena").clone(),
+        d.node.staging_arena().expect("decode arena").clone(),
+    );
+
+    // Decode's arena taken: the reservation waits for room instead of staging through the host.
+    let hold = da.reserve(da.len()).expect("whole decode arena");
+    let (p2, d2, ids) = (p.clone(), d.clone(), prompts[0].clone());
+    let r = tokio::spawn(async move { pd_request(&p2, &d2, 1, &ids, 5).await });
+    wait_until("decode reservation waits", || da.wait_counts().0 == 1).await;
+    assert!(!r.is_finished());
+    drop(hold);
+    let (got, _) = tokio::time::timeout(Duration::from_secs(20), r)
+        .await
+        .expect("request stalled")
+        .unwrap();
+    assert_eq!(got, want[0], "PD after a decode-side wait differs");
+    assert_eq!(
+        d.node.staging_counts(),
+        (1, 0),
+        "decode received into its arena"
+    );
+    assert_eq!(da.wait_counts(), (1, 0));
+
+    // Prefill's arena taken while the request queues and prefills: the engine finds no room
+    // after its chunk, the push waits for a slice, then gathers into it (no host staging).
+    let hold = pa.reserve(pa.len()).expect("whole prefill arena");
+    let (p2, d2, ids) = (p.clone(), d.clone(), prompts[1].clone());
+    let r = tokio::spawn(async move { pd_request(&p2, &d2, 2, &ids, 5).await });
+    wait_until("prefill push waits", || pa.wait_counts().0 == 1).await;
+    assert!(!r.is_finished());
+    drop(hold);
+    let (got, _) = tokio::time::timeout(Duration::from_secs(20), r)
+        .await
+        .expect("request stalled")
+        .unwrap();
+    assert_eq!(got, want[1], "PD after a prefill-side wait differs");
+    assert_eq!(
+        p.node.staging_counts(),
+        (2, 0),
+        "prefill pushed from its arena"
+    );
+    assert_eq!(pa.wait_counts(), (1, 0));
+
+    // Three at once through arenas with room for one each: all through the arenas, waiting
+    // for each other; the prefill span is taken only once a request's prefill has run.
+    let mut all = Vec::new();
+    for (i, ids) in prompts.iter().enumerate() {
+        let (p2, d2, ids) = (p.clone(), d.clone(), ids.clone());
+        all.push(tokio::spawn(async move {
+            pd_request(&p2, &d2, 10 + i as u64, &ids, 5).await
+        }));
+    }
+    for (i, r) in all.into_iter().enumerate() {
+        let (got, _) = tokio::time::timeout(Duration::from_secs(30), r)
+            .await
+            .expect("request stalled")
+            .unwrap();
+        assert_eq!(got, want[i], "PD of request {i} under contention differs");
+    }
+    assert_eq!(p.node.staging_counts(), (5, 0), "no prefill host staging");
+    assert_eq!(d.node.staging_counts(), (5, 0), "no decode host staging");
+    assert_eq!(
+        pa.wait_counts().1 + da.wait_counts().1,
+        0,
+        "no wait gave up"
+    );
+    assert!(pa.all_free() && da.all_free(), "arena slices freed");
+    assert_clean(&p.node).await;
+    assert_clean(&d.node).await;
+}

@@ -15,9 +15,16 @@ use tokio::sync::{mpsc as tmpsc, oneshot};
 
 pub(crate) type Reply<T> = oneshot::Sender<Result<T, EngineError>>;
 
+/// Takes a staging-arena span for a staged prefill, on the engine thread, when its first
+/// prefill chunk has run (not while it queues): the span's byte offset, or `None` when the
+/// arena has no room now (asked again after the next chunk). Must not block.
+pub type StagingAlloc = Box<dyn FnMut() -> Option<usize> + Send>;
+
 /// A prefill whose KV the loop gathers into a staging-arena span as it becomes final.
 pub(crate) struct StagedGather {
-    pub offset: usize,
+    /// The span's offset, once `alloc` gave one.
+    pub offset: Option<usize>,
+    pub alloc: StagingAlloc,
     /// Blocks per layer the span has room for (the prompt's blocks).
     pub blocks: usize,
     /// Leading blocks now in the span, after each gather.
@@ -220,18 +227,21 @@ impl EngineHandle {
     }
 
     /// Prefill-only: as [`EngineHandle::add_request`], and the loop gathers the prompt's KV into
-    /// every TP rank's staging arena span at `offset` (`[layer][block]`, room for `blocks`
-    /// blocks per layer: the prompt's) as it becomes final, so that it can be sent while the
+    /// a span of every TP rank's staging arena (`[layer][block]`, room for `blocks` blocks per
+    /// layer: the prompt's) as it becomes final, so that it can be sent while the
     /// prompt's later chunks compute: after each prefill chunk the whole blocks it completed,
     /// after the last chunk the rest. After each gather the count of leading blocks now in the
     /// span arrives on the returned receiver, which closes when the request leaves the loop
-    /// (after `PrefillDone`, or on abort). A failed gather stops the counts short of `blocks`:
-    /// the caller then gathers the rest itself ([`EngineHandle::gather_kv`]).
+    /// (after `PrefillDone`, or on abort). The span comes from `alloc`, called after the
+    /// request's first prefill step (so a queued request holds none) and again after each later
+    /// chunk while it answers `None`; the loop drops `alloc` when the request leaves it. A
+    /// failed gather, or no span by the last chunk, stops the counts short of `blocks`: the
+    /// caller then gathers the rest itself ([`EngineHandle::gather_kv`]).
     pub fn add_request_staged(
         &self,
         req: GenerateRequest,
-        offset: usize,
         blocks: usize,
+        alloc: StagingAlloc,
     ) -> Result<(RequestStream, tmpsc::UnboundedReceiver<usize>), EngineError> {
         if self.is_draining() {
             return Err(EngineError::Draining);
@@ -244,7 +254,8 @@ impl EngineHandle {
             req,
             tx,
             staged: Some(StagedGather {
-                offset,
+                offset: None,
+                alloc,
                 blocks,
                 ready,
             }),

@@ -671,11 +671,18 @@ impl Loop {
             if done <= *sent {
                 continue;
             }
+            if g.offset.is_none() {
+                g.offset = (g.alloc)();
+            }
+            let Some(offset) = g.offset else {
+                // No room in the arena yet: asked again after the next chunk.
+                continue;
+            };
             let r = match self.backend.kv_staging() {
                 Some(st) => st.gather_kv_layers_to_staging(
                     0..layers,
                     &s.block_table[*sent..done],
-                    g.offset + *sent * lb,
+                    offset + *sent * lb,
                     g.blocks * lb,
                 ),
                 None => Err(crate::backend::BackendError::NoStaging),

@@ -7,7 +7,10 @@
 use pdnode_engine::backend::{KvRegion, MemKind as EngineMem, STAGING_ALIGN};
 use pdnode_transfer::{KvTransport, LocalRegion, MemKind, Registration, UcxTransport};
 use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
+use tokio::sync::Notify;
 
 /// First fit over `0..len` in multiples of [`STAGING_ALIGN`]; free ranges kept sorted and
 /// coalesced.
@@ -89,6 +92,12 @@ pub struct StagingArena {
     regs: Vec<Arc<Registration>>,
     device: bool,
     alloc: Mutex<RangeAllocator>,
+    /// Woken (every waiter) whenever a slice is freed.
+    freed: Notify,
+    /// Reservations that found the arena full and waited ([`StagingArena::reserve_wait`]),
+    /// and those of them that gave up at their deadline.
+    waits: AtomicU64,
+    wait_timeouts: AtomicU64,
 }
 
 impl std::fmt::Debug for StagingArena {
@@ -97,6 +106,8 @@ impl std::fmt::Debug for StagingArena {
             .field("ranks", &self.regs.len())
             .field("device", &self.device)
             .field("alloc", &self.alloc)
+            .field("waits", &self.waits)
+            .field("wait_timeouts", &self.wait_timeouts)
             .finish()
     }
 }
@@ -112,6 +123,9 @@ impl StagingArena {
             regs,
             device,
             alloc: Mutex::new(RangeAllocator::new(len)),
+            freed: Notify::new(),
+            waits: AtomicU64::new(0),
+            wait_timeouts: AtomicU64::new(0),
         }))
     }
 
@@ -160,6 +174,48 @@ impl StagingArena {
             len,
         })
     }
+
+    /// As [`StagingArena::reserve`], but when the arena is momentarily full, waits (woken each
+    /// time a slice is freed) until a span fits or `deadline` passes. `None` at once when `n`
+    /// can never fit (0 or larger than the arena), or at the deadline (counted in
+    /// [`StagingArena::wait_counts`]).
+    pub async fn reserve_wait(self: &Arc<Self>, n: usize, deadline: Instant) -> Option<ArenaSlice> {
+        if n == 0 || n > self.len() {
+            return None;
+        }
+        if let Some(s) = self.reserve(n) {
+            return Some(s);
+        }
+        self.waits.fetch_add(1, Ordering::Relaxed);
+        loop {
+            let freed = self.freed.notified();
+            tokio::pin!(freed);
+            // Registered before the re-check, so a free between the two is not missed.
+            freed.as_mut().enable();
+            if let Some(s) = self.reserve(n) {
+                return Some(s);
+            }
+            if tokio::time::timeout_at(deadline.into(), freed)
+                .await
+                .is_err()
+            {
+                // One last look: a free may have raced the timer.
+                let last = self.reserve(n);
+                if last.is_none() {
+                    self.wait_timeouts.fetch_add(1, Ordering::Relaxed);
+                }
+                return last;
+            }
+        }
+    }
+
+    /// Reservations that waited for room, and those that gave up at their deadline.
+    pub fn wait_counts(&self) -> (u64, u64) {
+        (
+            self.waits.load(Ordering::Relaxed),
+            self.wait_timeouts.load(Ordering::Relaxed),
+        )
+    }
 }
 
 /// One request's span of the arenas; freed on drop.
@@ -188,6 +244,7 @@ impl Drop for ArenaSlice {
             "staging slice {}+{} freed twice",
             self.offset, self.len
         );
+        self.arena.freed.notify_waiters();
     }
 }
 

@@ -69,6 +69,9 @@ pub struct PdNode {
     early_blocks: AtomicU64,
 }
 
+/// The longest a hand-off waits for room in a full staging arena (see `PdNode::room_deadline`).
+pub const MAX_ARENA_WAIT: Duration = Duration::from_secs(5);
+
 fn nerr(kind: ErrorKind, msg: impl Into<String>) -> NodeError {
     NodeError::new(kind, msg)
 }
@@ -130,6 +133,21 @@ impl PdNode {
     /// Blocks (per layer) this prefill node pushed while later prefill chunks were computing.
     pub fn overlapped_blocks(&self) -> u64 {
         self.early_blocks.load(Ordering::Relaxed)
+    }
+
+    /// Arena reservations that found it full and waited, and those that then gave up (the
+    /// hand-off went through the host).
+    pub fn arena_wait_counts(&self) -> (u64, u64) {
+        self.arena
+            .as_ref()
+            .map(|a| a.wait_counts())
+            .unwrap_or((0, 0))
+    }
+
+    /// How long a hand-off waits for room in a full staging arena before it stages through
+    /// the host: a quarter of the lease, at most [`MAX_ARENA_WAIT`], and never past `limit`.
+    fn room_deadline(&self, limit: Instant) -> Instant {
+        (Instant::now() + (self.lease / 4).min(MAX_ARENA_WAIT)).min(limit)
     }
 
     fn tp_ranks(&self) -> usize {
@@ -209,7 +227,7 @@ impl PdNode {
             .map_err(|e| eerr(&e))?;
         let layout = self.layout().clone();
         let per_rank = layout.num_layers as usize * blocks.len() * layout.block_layer_bytes();
-        let (staging, ranks, staging_offset) = match self.receive_staging(per_rank) {
+        let (staging, ranks, staging_offset) = match self.receive_staging(id, per_rank).await {
             Ok(s) => s,
             Err(e) => {
                 let _ = self.engine.release_transfer(id).await;
@@ -257,20 +275,35 @@ impl PdNode {
 
     /// Decode side: where a reservation of `per_rank` bytes per TP rank lands, the rank regions
     /// of its KV target, and the target's `staging_offset`.
-    fn receive_staging(
+    /// A full arena is waited on (until [`PdNode::room_deadline`]) before host staging.
+    async fn receive_staging(
         &self,
+        id: RequestId,
         per_rank: usize,
     ) -> Result<(Staging, Vec<v1::RankTarget>, u64), String> {
         if matches!(self.mover, KvMover::InProcess(_)) {
             return Ok((Staging::None, Vec::new(), 0));
         }
         let ranks = self.tp_ranks();
-        if let Some(slice) = self
-            .arena
-            .as_ref()
-            .filter(|a| a.ranks() == ranks)
-            .and_then(|a| a.reserve(per_rank))
-        {
+        let slice = match self.arena.as_ref().filter(|a| a.ranks() == ranks) {
+            Some(a) => {
+                let t0 = Instant::now();
+                let s = a
+                    .reserve_wait(per_rank, self.room_deadline(t0 + self.lease))
+                    .await;
+                let waited = t0.elapsed();
+                if waited > Duration::from_millis(1) {
+                    let (waits, gave_up) = a.wait_counts();
+                    tracing::debug!(request = %id, bytes = per_rank * ranks,
+                        waited_ms = waited.as_millis() as u64, got = s.is_some(),
+                        arena_waits = waits, arena_wait_timeouts = gave_up,
+                        "KV reservation waited for staging arena room");
+                }
+                s
+            }
+            None => None,
+        };
+        if let Some(slice) = slice {
             let arena = slice.arena().clone();
             let targets = (0..ranks)
                 .filter_map(|r| arena.registration(r).map(|reg| (r, reg.descriptor())))
@@ -332,6 +365,7 @@ impl PdNode {
         }
         let started = Instant::now();
         let failed = |m: String| nerr(ErrorKind::Retryable, format!("KV hand-off of {id}: {m}"));
+        // The engine takes the overlap's arena span when the first chunk has run.
         let mut overlap = self.start_overlap(&target).map_err(failed)?;
         let greq = GenerateRequest {
             id,
@@ -342,7 +376,7 @@ impl PdNode {
             Some(o) => {
                 let (s, r) = self
                     .engine
-                    .add_request_staged(greq, o.offset(), o.blocks())
+                    .add_request_staged(greq, o.blocks(), o.alloc())
                     .map_err(|e| eerr(&e))?;
                 (s, Some(r))
             }
@@ -399,7 +433,7 @@ impl PdNode {
         }
         let (result, early) = match overlap.take() {
             Some(o) => {
-                self.finish_overlap(id, o, ready, blocks.len(), started)
+                self.finish_overlap(id, &target, o, ready, blocks.len(), started)
                     .await
             }
             None => (self.push(id, &target, blocks.len(), started).await, 0),
@@ -407,6 +441,7 @@ impl PdNode {
         let released = self.engine.release_transfer(id).await;
         let (bytes, us, via_arena) = result?;
         released.map_err(|e| eerr(&e))?;
+        let (arena_waits, arena_wait_timeouts) = self.arena_wait_counts();
         tracing::debug!(
             request = %id,
             bytes,
@@ -414,6 +449,9 @@ impl PdNode {
             via = if via_arena { "arena" } else { "host" },
             early_blocks = early,
             blocks = blocks.len(),
+            arena_waits,
+            arena_wait_timeouts,
+            host_fallbacks = self.via_host.load(Ordering::Relaxed),
             gbps = %format_args!("{:.2}", bytes as f64 / (us.max(1) as f64 * 1e3)),
             "KV hand-off done"
         );
@@ -446,10 +484,12 @@ impl PdNode {
 
     /// After `PrefillDone`: the engine's last counts, the rest of the puts and the flush.
     /// Returns what [`PdNode::push`] does, and how many blocks went out before the last
-    /// chunk's step (the part hidden behind the forward pass).
+    /// chunk's step (the part hidden behind the forward pass). When the engine found no room
+    /// in the arena all through the prefill, this is [`PdNode::push`] (which waits for room).
     async fn finish_overlap(
         &self,
         id: RequestId,
+        target: &v1::KvTarget,
         mut o: OverlapPush,
         ready: Option<tokio::sync::mpsc::UnboundedReceiver<usize>>,
         ours: usize,
@@ -473,6 +513,10 @@ impl PdNode {
                     return (Err(fail(m)), 0);
                 }
             }
+        }
+        if !o.has_slice() {
+            drop(o);
+            return (self.push(id, target, ours, started).await, 0);
         }
         let early = o.sent_early;
         self.early_blocks.fetch_add(early as u64, Ordering::Relaxed);
@@ -516,7 +560,10 @@ impl PdNode {
                     && target.ranks.len() == ranks
                     && (!a.is_device() || target.ranks.iter().all(|r| r.device_memory))
             })
-            && let Some(slice) = arena.reserve(per_rank)
+            && per_rank <= arena.len()
+            && let Some(slice) = arena
+                .reserve_wait(per_rank, self.room_deadline(deadline))
+                .await
         {
             self.engine
                 .gather_kv(id, 0..layers, slice.offset())

@@ -1,8 +1,10 @@
 //! Prefill side: the KV hand-off overlapped with the prompt's forward pass, chunk by chunk.
 //!
-//! The prefill engine gathers each prefill chunk's finished blocks into the request's span of
-//! the node's staging arena as soon as the chunk's step ends
-//! ([`EngineHandle::add_request_staged`]) and reports how many leading blocks are there; for
+//! The prefill engine takes the request's span of the node's staging arena when its first
+//! prefill chunk has run (through [`OverlapPush::alloc`]: a queued request holds none), gathers
+//! each chunk's finished blocks into it as soon as the chunk's step ends, the last ones right
+//! after the step that ends the prompt ([`EngineHandle::add_request_staged`]), and reports how
+//! many leading blocks are there; for
 //! each report this issues, per TP rank, one UCX put with one span per layer (the span is
 //! `[layer][block]`, so the new blocks of a layer are contiguous in it), which the copy engines
 //! carry while later chunks compute. After `PrefillDone` the last blocks follow, then one flush
@@ -11,16 +13,22 @@
 use super::arena::{ArenaSlice, StagingArena};
 use pdnode_core::{KvLayout, RequestId};
 use pdnode_engine::engine::EngineHandle;
+use pdnode_engine::engine::StagingAlloc;
 use pdnode_proto::v1;
 use pdnode_transfer::{Completion, KvTransport, RemoteRegion, RemoteTarget, Span, UcxTransport};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-/// One request's overlapped push: its arena span, the decode node's rank regions, the puts in
-/// flight.
+/// The request's arena span, once the engine took it.
+type SliceCell = Arc<Mutex<Option<ArenaSlice>>>;
+
+/// One request's overlapped push: its arena span (taken by the engine when the first chunk
+/// ran), the decode node's rank regions, the puts in flight.
 pub(super) struct OverlapPush {
     t: Arc<UcxTransport>,
-    slice: ArenaSlice,
+    arena: Arc<StagingArena>,
+    per_rank: usize,
+    slice: SliceCell,
     remotes: Vec<RemoteTarget>,
     staging_offset: u64,
     blocks: usize,
@@ -33,8 +41,9 @@ pub(super) struct OverlapPush {
 }
 
 impl OverlapPush {
-    /// Connects to every rank region of `target` and takes a span of `arena` for `blocks`
-    /// blocks per layer. `Ok(None)`: no room in the arena (the caller takes another path).
+    /// Connects to every rank region of `target`, for `blocks` blocks per layer; the span of
+    /// `arena` comes later ([`OverlapPush::alloc`]). `Ok(None)`: the KV can never fit the arena
+    /// (the caller pushes after prefill, through the host).
     pub fn start(
         t: &Arc<UcxTransport>,
         arena: &Arc<StagingArena>,
@@ -44,9 +53,9 @@ impl OverlapPush {
     ) -> Result<Option<Self>, String> {
         let layer_block = layout.block_layer_bytes() as u64;
         let per_rank = layout.num_layers as u64 * blocks as u64 * layer_block;
-        let Some(slice) = arena.reserve(per_rank as usize) else {
+        if per_rank == 0 || per_rank > arena.len() as u64 {
             return Ok(None);
-        };
+        }
         let mut remotes = Vec::with_capacity(target.ranks.len());
         for (r, rank) in target.ranks.iter().enumerate() {
             if target.staging_offset.saturating_add(per_rank) > rank.region_len {
@@ -79,7 +88,9 @@ impl OverlapPush {
         }
         Ok(Some(Self {
             t: t.clone(),
-            slice,
+            arena: arena.clone(),
+            per_rank: per_rank as usize,
+            slice: Arc::new(Mutex::new(None)),
             remotes,
             staging_offset: target.staging_offset,
             blocks,
@@ -91,8 +102,38 @@ impl OverlapPush {
         }))
     }
 
-    pub fn offset(&self) -> usize {
-        self.slice.offset()
+    fn cell(&self) -> std::sync::MutexGuard<'_, Option<ArenaSlice>> {
+        self.slice.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// For the engine ([`EngineHandle::add_request_staged`]): takes the request's span of the
+    /// arena without waiting (the engine thread must not block) and keeps it here; `None` while
+    /// the arena is full.
+    pub fn alloc(&self) -> StagingAlloc {
+        let (arena, n, cell) = (self.arena.clone(), self.per_rank, self.slice.clone());
+        Box::new(move || {
+            let mut c = cell.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(s) = c.as_ref() {
+                return Some(s.offset());
+            }
+            let s = arena.reserve(n)?;
+            let offset = s.offset();
+            *c = Some(s);
+            Some(offset)
+        })
+    }
+
+    /// Whether the engine took a span (if not by the end of prefill, the caller pushes after
+    /// prefill instead, waiting for room).
+    pub fn has_slice(&self) -> bool {
+        self.cell().is_some()
+    }
+
+    fn offset(&self) -> Result<usize, String> {
+        self.cell()
+            .as_ref()
+            .map(|s| s.offset())
+            .ok_or_else(|| "the engine reported staged blocks without an arena span".to_string())
     }
 
     pub fn blocks(&self) -> usize {
@@ -114,14 +155,15 @@ impl OverlapPush {
             self.sent_early = self.sent;
         }
         let (from, len) = (self.sent as u64, (upto - self.sent) as u64 * lb);
+        let base = self.offset()? as u64;
         let spans: Vec<Span> = (0..self.layers as u64)
             .map(|l| Span {
-                local_offset: self.slice.offset() as u64 + (l * n + from) * lb,
+                local_offset: base + (l * n + from) * lb,
                 remote_offset: self.staging_offset + (l * n + from) * lb,
                 len,
             })
             .collect();
-        let arena = self.slice.arena().clone();
+        let arena = self.arena.clone();
         for (r, remote) in self.remotes.iter().enumerate() {
             let reg = arena
                 .registration(r)
@@ -151,8 +193,9 @@ impl OverlapPush {
                     .await
                     .map_err(|e| format!("put: {e}"))?;
             }
+            let offset = self.offset()?;
             engine
-                .gather_kv(id, 0..self.layers, self.slice.offset())
+                .gather_kv(id, 0..self.layers, offset)
                 .await
                 .map_err(|e| format!("gathering the KV of {id}: {e}"))?;
             self.sent = 0;

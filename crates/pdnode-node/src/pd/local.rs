@@ -438,9 +438,17 @@ impl PdNode {
             }
             None => (self.push(id, &target, blocks.len(), started).await, 0),
         };
-        let released = self.engine.release_transfer(id).await;
+        // The lease is released off the answer's path: the call waits for the engine's current
+        // step (tens of ms under load), which must not delay the first token. The KV is at the
+        // decode node already (or the hand-off failed); a release that fails leaves the blocks
+        // to the lease's deadline.
+        let engine = self.engine.clone();
+        tokio::spawn(async move {
+            if let Err(e) = engine.release_transfer(id).await {
+                tracing::warn!(request = %id, error = %e, "releasing the prefill KV lease failed; freed at its deadline");
+            }
+        });
         let (bytes, us, via_arena) = result?;
-        released.map_err(|e| eerr(&e))?;
         let (arena_waits, arena_wait_timeouts) = self.arena_wait_counts();
         tracing::debug!(
             request = %id,

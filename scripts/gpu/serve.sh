@@ -9,9 +9,15 @@
 # from the prefill node's log, summarized; and greedy outputs of a few prompts (8 to 3500 tokens)
 # through PD against a colocated replica on GPU0 (same dummy weights): PASS when identical.
 # PD_UCX_TLS (default: UCX's choice, which includes cuda_ipc and cuda_copy). KV staging arenas
-# (engine.kv_staging_tokens): PREFILL_STAGING_TOKENS (default 16384 = 2 GiB) and
-# DECODE_STAGING_TOKENS (default 65536 = 8 GiB: decode holds a span from ReserveKv to Decode,
-# i.e. across prefill queueing); 0 on both = the per-request host-staging path, for comparison.
+# (engine.kv_staging_tokens, 128 KiB per token): PREFILL_STAGING_TOKENS (default 32768 = 4 GiB:
+# prefill takes a span when a request's first chunk has run, until its push is flushed) and
+# DECODE_STAGING_TOKENS (default 131072 = 16 GiB: decode holds a span from ReserveKv to Decode,
+# i.e. across prefill queueing: 64 in flight x 2048 tokens); 0 on both = the per-request
+# host-staging path, for comparison. A full arena is waited for (<= 5 s) before host staging;
+# the summary prints the waits and fallbacks of both nodes. The decode node's KV pool leaves room
+# for its arena: PD_DECODE_MEM_FRACTION (default 0.78), PD_PREFILL_MEM_FRACTION (default 0.82)
+# (of the free memory: weights + pool; the arena is allocated after the pool: check the
+# "KV staging arena allocated" lines).
 # PD_MAX_BATCH_TOKENS (default 8192) sets the PD nodes' prefill chunk: with e.g. 512, each
 # chunk's finished KV blocks are pushed while the next chunks compute (the summary's
 # early_blocks), and transfer_us is only the part left after the prompt's last chunk.
@@ -74,7 +80,7 @@ context_length = 4096
 block_size = 16
 max_batch_tokens = ${MAX_BATCH_TOKENS:-8192}
 max_running_requests = 64
-mem_fraction = 0.85
+mem_fraction = ${MEM_FRACTION:-0.85}
 ${ENGINE_EXTRA:-}
 [log]
 format = "human"
@@ -102,22 +108,45 @@ for n in (8, 300, 1500, 3500):
 PY
     echo "greedy $1: rc=$? $(wc -l < "$OUT/greedy.$1.txt") prompts"
 }
-# Time to first token of 4 sequential 4000-token prompts (distinct: no prefix-cache hits),
-# max_tokens 1, into $OUT/ttft.txt (ms per request, then the median).
+# 4000-token prompts, sequential, each distinct (no prefix-cache hits), into $OUT/ttft.txt:
+# 4 with max_tokens 1 (the prefill node answers alone: no KV hand-off = prefill alone), then 4
+# streamed with max_tokens 4 and ignore_eos (a real hand-off): time to the first streamed token.
 ttft() { # url
     python3 - "$1" > "$OUT/ttft.txt" 2>&1 <<'PY'
 import json, sys, time, urllib.request
-ms = []
+def prompt(k):
+    return " ".join(f"w{(i * 104729 + 7 * k + 1) % 100000}" for i in range(4000))
+def post(body):
+    return urllib.request.Request(sys.argv[1] + "/v1/completions", json.dumps(body).encode(),
+                                  {"content-type": "application/json"})
+alone, ttft = [], []
 for k in range(4):
-    prompt = " ".join(f"w{(i * 104729 + 7 * k + 1) % 100000}" for i in range(4000))
-    body = {"model": "llama-3.1-8b", "prompt": prompt, "max_tokens": 1, "temperature": 0}
-    req = urllib.request.Request(sys.argv[1] + "/v1/completions", json.dumps(body).encode(),
-                                 {"content-type": "application/json"})
+    body = {"model": "llama-3.1-8b", "prompt": prompt(100 + k), "max_tokens": 1, "temperature": 0}
     t = time.time()
-    json.load(urllib.request.urlopen(req, timeout=120))
-    ms.append((time.time() - t) * 1e3)
-    print(f"request {k}: {ms[-1]:.1f} ms")
-print(f"ttft_ms_median {sorted(ms)[len(ms) // 2]:.1f}")
+    json.load(urllib.request.urlopen(post(body), timeout=120))
+    alone.append((time.time() - t) * 1e3)
+    print(f"prefill only (max_tokens 1) {k}: {alone[-1]:.1f} ms")
+for k in range(4):
+    body = {"model": "llama-3.1-8b", "prompt": prompt(k), "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    t = time.time()
+    first, n = None, 0
+    with urllib.request.urlopen(post(body), timeout=120) as r:
+        for raw in r:
+            line = raw.decode(errors="replace").strip()
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            ev = json.loads(line[5:])
+            if ev.get("choices"):
+                n += 1
+                if first is None:
+                    first = (time.time() - t) * 1e3
+    ttft.append(first if first is not None else float("nan"))
+    print(f"streamed (max_tokens 4) {k}: first token {ttft[-1]:.1f} ms, {n} chunks, "
+          f"all {(time.time() - t) * 1e3:.1f} ms")
+med = lambda v: sorted(v)[len(v) // 2]
+print(f"prefill_alone_ms_median {med(alone):.1f}")
+print(f"ttft_ms_median {med(ttft):.1f}")
 PY
     cat "$OUT/ttft.txt"
 }
@@ -131,7 +160,7 @@ check_greedy() {
 }
 # The prefill node's per-request hand-off lines (debug, pdnode_node::pd), summarized.
 handoffs() {
-    python3 - "$OUT/prefill.log" <<'PY'
+    python3 - "$OUT/prefill.log" "$OUT/decode.log" <<'PY'
 import re, sys
 rows = []
 for line in open(sys.argv[1], errors="replace"):
@@ -142,6 +171,20 @@ for line in open(sys.argv[1], errors="replace"):
     rows.append((int(f.get("bytes", 0)), int(f.get("transfer_us", 0)), f.get("via", "?").strip('"'),
                  int(f.get("early_blocks", 0)), int(f.get("blocks", 0))))
 print(f"KV hand-offs: {len(rows)}")
+last = {}
+for line in open(sys.argv[1], errors="replace"):
+    if "KV hand-off done" in line:
+        last = dict(re.findall(r'(\w+)=("[^"]*"|\S+)', re.sub(r'\x1b\[[0-9;]*m', '', line)))
+print(f"  prefill arena: {last.get('arena_waits', 0)} waits for room, "
+      f"{last.get('arena_wait_timeouts', 0)} gave up; host-staging fallbacks {last.get('host_fallbacks', 0)}")
+waits, dlast = 0, {}
+for line in open(sys.argv[2], errors="replace"):
+    line = re.sub(r'\x1b\[[0-9;]*m', '', line)
+    if "KV reservation waited for staging arena room" in line:
+        waits += 1
+        dlast = dict(re.findall(r'(\w+)=("[^"]*"|\S+)', line))
+print(f"  decode arena: {dlast.get('arena_waits', 0)} waits for room (>1 ms: {waits}), "
+      f"{dlast.get('arena_wait_timeouts', 0)} gave up (host staging)")
 for via in sorted({r[2] for r in rows}):
     sel = sorted(r for r in rows if r[2] == via)
     us = sorted(r[1] for r in sel)
@@ -204,11 +247,11 @@ ucx_net_devices = \"lo\"
 ucx_tls = \"${PD_UCX_TLS:-}\"
 staging_mib = 4096"
     pdlog="info,pdnode_node::pd=debug"
-    { MAX_BATCH_TOKENS=${PD_MAX_BATCH_TOKENS:-8192} \
-      ENGINE_EXTRA="kv_staging_tokens = ${PREFILL_STAGING_TOKENS:-16384}" LOG_FILTER=$pdlog \
+    { MAX_BATCH_TOKENS=${PD_MAX_BATCH_TOKENS:-8192} MEM_FRACTION=${PD_PREFILL_MEM_FRACTION:-0.82} \
+      ENGINE_EXTRA="kv_staging_tokens = ${PREFILL_STAGING_TOKENS:-32768}" LOG_FILTER=$pdlog \
         common prefill prefill-0 127.0.0.1:7001; echo "$reg"; echo "$xfer"; } > "$OUT/prefill.toml"
-    { MAX_BATCH_TOKENS=${PD_MAX_BATCH_TOKENS:-8192} \
-      ENGINE_EXTRA="kv_staging_tokens = ${DECODE_STAGING_TOKENS:-65536}" LOG_FILTER=$pdlog \
+    { MAX_BATCH_TOKENS=${PD_MAX_BATCH_TOKENS:-8192} MEM_FRACTION=${PD_DECODE_MEM_FRACTION:-0.78} \
+      ENGINE_EXTRA="kv_staging_tokens = ${DECODE_STAGING_TOKENS:-131072}" LOG_FILTER=$pdlog \
         common decode decode-0 127.0.0.1:7002; echo "$reg"; echo "$xfer"; } > "$OUT/decode.toml"
     cat > "$OUT/router.toml" <<T
 [node]

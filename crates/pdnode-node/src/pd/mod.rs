@@ -27,7 +27,7 @@ pub use build::{
 };
 pub use colocated::{Colocated, ColocatedNode, colocated};
 pub use kv::{InProcessDirectory, KvMover};
-pub use local::PdNode;
+pub use local::{MAX_ARENA_WAIT, PdNode};
 pub use mock_tok::MockTokenizer;
 pub use tokenize::EngineTokenizer;
 

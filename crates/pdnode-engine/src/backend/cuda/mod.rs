@@ -5,18 +5,24 @@
 //! - [`probe`]: is there a driver and a device? (`backend = "auto"` / `"cuda"` selection).
 //! - [`device`]: one GPU: context, stream, cuBLAS handle, compiled kernels, raw device buffers.
 //! - [`ops`]: shape-checked launch wrappers, one per kernel (also what the kernel tests call).
-//! - [`prefill`]: prefill attention through cuBLAS for sequences with many new tokens.
+//! - [`prefill`]: prefill attention: fused flash attention on tensor cores (`mma.sync`, K/V read
+//!   straight from the paged pool, chunked-prefill aware; `PDNODE_PREFILL_ATTN` picks a variant),
+//!   or cuBLAS S/P GEMMs around a causal softmax for head dims the flash kernels do not cover.
 //! - [`bench`]: Llama-3.1-8B-shape step benchmarks with in-run ceilings (`pdnode bench-engine`).
 //! - [`CudaBackend`]: the [`crate::backend::Backend`] implementation.
 //!
 //! # One step
-//! Embedding gather into an f32 residual; per layer: RMSNorm -> fused QKV GEMM (bf16) ->
-//! `rope_qkv` (bias, q/k norm, RoPE; k/v written into the pool) -> attention (paged kernel for
-//! decode and short chunks, cuBLAS S/P GEMMs for long prefills) -> o-proj GEMM accumulated into the
-//! f32 residual -> RMSNorm -> fused gate/up GEMM -> SwiGLU -> down GEMM accumulated into the
-//! residual; then the final norm on the rows that want logits and the lm_head GEMM (f32 logits).
-//! Not implemented yet: CUDA graphs, GPU sampling.
-//!
+//! Embedding gather into an f32 residual; per layer: RMSNorm -> fused QKV projection (bf16) ->
+//! `rope_qkv` (bias, q/k norm, RoPE; k/v written into the pool) -> attention (paged decode kernel
+//! v4 on tensor cores, split-K over partitions, for decode and short chunks; flash prefill for long
+//! ones) -> o-proj accumulated into the f32 residual -> RMSNorm -> fused gate/up -> SwiGLU -> down
+//! accumulated into the residual; then the final norm on the rows that want logits and the lm_head
+//! (f32 logits). Projections of 1-8 tokens run on the tensor-core GEMV (`ops::linear`, with
+//! SwiGLU and the residual RMSNorm fused in at 1-2 tokens), larger ones on cuBLAS. Decode steps are
+//! captured once per (batch bucket, context bucket) into CUDA graphs and replayed
+//! (`engine.cuda_graphs`); rows the engine samples greedily get their arg-max on the GPU
+//! (`Backend::forward_select`), other rows land in a reused page-locked buffer.
+
 //! # Tensor parallelism ([`tp`])
 //! [`CudaTpBackend`] runs `tp` [`CudaBackend`] ranks, one OS thread and GPU each (`gpu + r`).
 //! Rank `r` holds query heads `r * nh / tp ..`, KV heads `r * nkv / tp ..` (q/k/v rows of those

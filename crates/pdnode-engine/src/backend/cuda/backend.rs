@@ -7,15 +7,11 @@ use super::ops::{self, AttnDims, AttnMeta, AttnVariant, AttnWorkspace};
 use super::prefill::PrefillScratch;
 use super::tp::NcclComm;
 use super::weights::{DevWeights, Shard};
-use crate::backend::{
-    Backend, BackendError, ForwardBatch, KvMemory, KvRegion, Logits, LogitsWant, MemKind,
-    StepLogits, check_kv_io,
-};
+use crate::backend::{BackendError, ForwardBatch};
 use crate::loader::{LoadedModel, ModelWeights};
 use crate::spec::ModelSpec;
 use crate::weights::Weights;
-use pdnode_core::{BlockId, DType, KvLayout};
-use std::ops::Range;
+use pdnode_core::{DType, KvLayout};
 
 mod graph;
 mod logits;
@@ -23,6 +19,7 @@ mod opprof;
 mod plan;
 #[path = "staging.rs"]
 mod staging;
+mod traits;
 
 pub use graph::{GraphStats, decode_bucket};
 pub use opprof::STEP_START;
@@ -672,148 +669,6 @@ impl CudaBackend {
     pub fn synchronize(&self) -> Result<(), BackendError> {
         self.gpu.bind()?;
         Ok(self.gpu.sync()?)
-    }
-
-    /// Gathers layers `layers` of `blocks` into a fresh staging buffer (synchronized).
-    fn gather(
-        &self,
-        layers: &Range<u32>,
-        blocks: &[BlockId],
-        len: usize,
-    ) -> Result<(DevBuf, usize), BackendError> {
-        self.gpu.bind()?;
-        let per_rank = check_kv_io(&self.layout, self.num_blocks, layers, blocks, len, 1)?;
-        let staging = self.gpu.alloc(per_rank)?;
-        if per_rank == 0 {
-            return Ok((staging, 0));
-        }
-        let ids: Vec<i32> = blocks.iter().map(|b| b.0 as i32).collect();
-        let idbuf = self.gpu.alloc(ids.len() * 4)?;
-        self.gpu.upload(&idbuf, 0, &ids)?;
-        ops::kv_copy(
-            &self.gpu,
-            true,
-            &self.pool,
-            &staging,
-            idbuf.ptr(),
-            blocks.len(),
-            layers.start as usize,
-            (layers.end - layers.start) as usize,
-            self.num_blocks,
-            self.layout.block_layer_bytes(),
-        )?;
-        // `idbuf` is freed on return: wait for the gather first.
-        self.gpu.sync()?;
-        Ok((staging, per_rank))
-    }
-}
-
-impl Backend for CudaBackend {
-    fn kv_staging(&mut self) -> Option<&mut dyn crate::backend::KvStaging> {
-        if self.staging.is_some() {
-            Some(self)
-        } else {
-            None
-        }
-    }
-
-    fn name(&self) -> String {
-        format!("cuda:{}", self.gpu.ordinal)
-    }
-
-    fn kv_layout(&self) -> &KvLayout {
-        &self.layout
-    }
-
-    fn num_kv_blocks(&self) -> usize {
-        self.num_blocks
-    }
-
-    fn forward(&mut self, batch: &ForwardBatch<'_>) -> Result<Logits, BackendError> {
-        let rows = self.forward_device(batch)?;
-        let vocab = self.spec.vocab_size;
-        let src = self
-            .gpu
-            .download_pinned(&mut self.logits_host, &self.ws.logits, rows * vocab)?;
-        let mut data = vec![0f32; rows * vocab];
-        logits::copy_logits(src, &mut data);
-        Ok(Logits { vocab, data })
-    }
-
-    fn forward_select(
-        &mut self,
-        batch: &ForwardBatch<'_>,
-        want: &[LogitsWant],
-        out: &mut StepLogits,
-    ) -> Result<(), BackendError> {
-        let rows = batch.seqs.iter().filter(|s| s.want_logits).count();
-        if want.len() != rows {
-            return Err(BackendError::InvalidBatch {
-                reason: format!("{} logits wishes for {rows} rows", want.len()),
-            });
-        }
-        let rows = self.forward_device(batch)?;
-        self.land_logits(rows, want, out)
-    }
-
-    fn read_kv(
-        &self,
-        layers: Range<u32>,
-        blocks: &[BlockId],
-        out: &mut [u8],
-    ) -> Result<(), BackendError> {
-        let (staging, n) = self.gather(&layers, blocks, out.len())?;
-        self.gpu.download(&mut out[..n], &staging, 0)?;
-        Ok(())
-    }
-
-    fn write_kv(
-        &mut self,
-        layers: Range<u32>,
-        blocks: &[BlockId],
-        data: &[u8],
-    ) -> Result<(), BackendError> {
-        self.gpu.bind()?;
-        let per_rank = check_kv_io(
-            &self.layout,
-            self.num_blocks,
-            &layers,
-            blocks,
-            data.len(),
-            1,
-        )?;
-        if per_rank == 0 {
-            return Ok(());
-        }
-        let staging = self.gpu.alloc(per_rank)?;
-        self.gpu.upload(&staging, 0, data)?;
-        let ids: Vec<i32> = blocks.iter().map(|b| b.0 as i32).collect();
-        let idbuf = self.gpu.alloc(ids.len() * 4)?;
-        self.gpu.upload(&idbuf, 0, &ids)?;
-        ops::kv_copy(
-            &self.gpu,
-            false,
-            &self.pool,
-            &staging,
-            idbuf.ptr(),
-            blocks.len(),
-            layers.start as usize,
-            (layers.end - layers.start) as usize,
-            self.num_blocks,
-            self.layout.block_layer_bytes(),
-        )?;
-        // The staging buffers are freed on drop: wait for the scatter first.
-        self.gpu.sync().map_err(BackendError::from)
-    }
-}
-
-impl KvMemory for CudaBackend {
-    fn kv_regions(&self) -> Vec<KvRegion> {
-        vec![KvRegion {
-            ptr: self.pool.ptr(),
-            len: self.pool.bytes(),
-            mem: MemKind::Cuda(self.gpu.ordinal),
-        }]
     }
 }
 

@@ -48,6 +48,11 @@ impl ForwardBatch<'_> {
     pub fn num_tokens(&self) -> usize {
         self.seqs.iter().map(|s| s.tokens.len()).sum()
     }
+
+    /// Sequences with `want_logits`: the logits rows the step returns.
+    pub fn logits_rows(&self) -> usize {
+        self.seqs.iter().filter(|s| s.want_logits).count()
+    }
 }
 
 /// Logits rows, one per sequence with `want_logits`, in batch order: `rows x vocab`, f32.
@@ -313,12 +318,7 @@ pub trait Backend: Send {
         want: &[LogitsWant],
         out: &mut StepLogits,
     ) -> Result<(), BackendError> {
-        let rows = batch.seqs.iter().filter(|s| s.want_logits).count();
-        if want.len() != rows {
-            return Err(BackendError::InvalidBatch {
-                reason: format!("{} logits wishes for {rows} rows", want.len()),
-            });
-        }
+        check_logits_wants(want, batch.logits_rows())?;
         let logits = self.forward(batch)?;
         out.fill_from(logits, want)
     }
@@ -448,6 +448,16 @@ pub fn layer_block_offset(
     (layer as usize * num_blocks + block.0 as usize) * layout.block_layer_bytes()
 }
 
+/// Checks the [`Backend::forward_select`] contract: one [`LogitsWant`] per logits row.
+pub fn check_logits_wants(want: &[LogitsWant], rows: usize) -> Result<(), BackendError> {
+    if want.len() != rows {
+        return Err(BackendError::InvalidBatch {
+            reason: format!("{} logits wishes for {rows} rows", want.len()),
+        });
+    }
+    Ok(())
+}
+
 /// Checks a read/write request against a pool; returns the byte count it moves per rank.
 pub fn check_kv_io(
     layout: &KvLayout,
@@ -524,6 +534,21 @@ mod tests {
             head_dim: 8,
             tp_size: 1,
             model_fingerprint: "t".into(),
+        }
+    }
+
+    #[test]
+    fn logits_wants_must_match_the_logits_rows() {
+        use LogitsWant::{Argmax as A, Full as F};
+        assert!(check_logits_wants(&[A, F], 2).is_ok());
+        assert!(check_logits_wants(&[], 0).is_ok());
+        for (want, rows) in [(&[A][..], 2), (&[A, F][..], 1), (&[][..], 1)] {
+            match check_logits_wants(want, rows) {
+                Err(BackendError::InvalidBatch { reason }) => {
+                    assert!(reason.contains("logits wishes"), "{reason}")
+                }
+                other => panic!("{} wishes for {rows} rows: {other:?}", want.len()),
+            }
         }
     }
 

@@ -14,7 +14,7 @@ use super::backend::{CudaBackend, CudaOptions, GraphStats};
 use super::weights::Shard;
 use crate::backend::{
     Backend, BackendError, ForwardBatch, KvMemory, KvRegion, Logits, LogitsWant, SeqStep,
-    StepLogits, check_kv_io,
+    StepLogits, check_kv_io, check_logits_wants,
 };
 use crate::loader::LoadedModel;
 use crate::spec::ModelSpec;
@@ -532,12 +532,7 @@ impl Backend for CudaTpBackend {
         want: &[LogitsWant],
         out: &mut StepLogits,
     ) -> Result<(), BackendError> {
-        let rows = batch.seqs.iter().filter(|s| s.want_logits).count();
-        if want.len() != rows {
-            return Err(BackendError::InvalidBatch {
-                reason: format!("{} logits wishes for {rows} rows", want.len()),
-            });
-        }
+        check_logits_wants(want, batch.logits_rows())?;
         let b = Self::owned(batch);
         let w = Arc::new(want.to_vec());
         // Rank 0 fills the caller's buffer and hands it back (lost on an error: the next step

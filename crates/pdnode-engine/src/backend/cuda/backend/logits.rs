@@ -6,7 +6,7 @@
 use super::CudaBackend;
 use crate::backend::cuda::CudaError;
 use crate::backend::cuda::device::Pinned;
-use crate::backend::{BackendError, LogitsWant, RowStore, StepLogits};
+use crate::backend::{BackendError, LogitsWant, RowStore, StepLogits, check_logits_wants};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 /// Copies the landed logits into the host buffer the step returns. Past a few MiB (batch
@@ -126,11 +126,7 @@ impl CudaBackend {
         want: &[LogitsWant],
         out: &mut StepLogits,
     ) -> Result<(), BackendError> {
-        if want.len() != rows {
-            return Err(BackendError::InvalidBatch {
-                reason: format!("{} logits wishes for {rows} rows", want.len()),
-            });
-        }
+        check_logits_wants(want, rows)?;
         let vocab = self.spec.vocab_size;
         let mut tokens = Vec::new();
         if want.contains(&LogitsWant::Argmax) {

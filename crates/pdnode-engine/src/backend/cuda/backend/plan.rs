@@ -76,7 +76,7 @@ impl CudaBackend {
                 self.opts.max_batch_tokens
             )));
         }
-        let rows = batch.seqs.iter().filter(|s| s.want_logits).count();
+        let rows = batch.logits_rows();
         if rows > self.opts.max_seqs {
             return Err(bad(format!(
                 "{rows} logits rows > max_seqs {}",

@@ -6,7 +6,7 @@ use crate::backend::cuda::device::DevBuf;
 use crate::backend::cuda::ops;
 use crate::backend::{
     Backend, BackendError, ForwardBatch, KvMemory, KvRegion, Logits, LogitsWant, MemKind,
-    StepLogits, check_kv_io,
+    StepLogits, check_kv_io, check_logits_wants,
 };
 use pdnode_core::{BlockId, KvLayout};
 use std::ops::Range;
@@ -84,12 +84,7 @@ impl Backend for CudaBackend {
         want: &[LogitsWant],
         out: &mut StepLogits,
     ) -> Result<(), BackendError> {
-        let rows = batch.seqs.iter().filter(|s| s.want_logits).count();
-        if want.len() != rows {
-            return Err(BackendError::InvalidBatch {
-                reason: format!("{} logits wishes for {rows} rows", want.len()),
-            });
-        }
+        check_logits_wants(want, batch.logits_rows())?;
         let rows = self.forward_device(batch)?;
         self.land_logits(rows, want, out)
     }

@@ -73,6 +73,26 @@ impl CpuBackend {
             .map(|a| (a.ptr, a.len))
             .ok_or(BackendError::NoStaging)
     }
+
+    /// The arena and the bytes a copy of `layers` of `blocks` at `offset` moves, checked
+    /// against the pool and the arena (`check_staging_io`).
+    fn arena_span(
+        &self,
+        layers: &Range<u32>,
+        blocks: &[BlockId],
+        offset: usize,
+    ) -> Result<(*mut u8, usize), BackendError> {
+        let (ptr, len) = self.arena()?;
+        let n = check_staging_io(
+            &self.layout,
+            self.dims.num_blocks,
+            layers,
+            blocks,
+            offset,
+            len,
+        )?;
+        Ok((ptr, n))
+    }
 }
 
 impl KvStaging for CpuBackend {
@@ -86,15 +106,7 @@ impl KvStaging for CpuBackend {
         blocks: &[BlockId],
         offset: usize,
     ) -> Result<(), BackendError> {
-        let (ptr, len) = self.arena()?;
-        let n = check_staging_io(
-            &self.layout,
-            self.dims.num_blocks,
-            &layers,
-            blocks,
-            offset,
-            len,
-        )?;
+        let (ptr, n) = self.arena_span(&layers, blocks, offset)?;
         // SAFETY: `offset + n <= len` (checked) inside the arena, which `HostArena::new`'s
         // contract keeps valid and unshared for this span; it is not the pool (`read_kv` reads
         // `self.pool`), so the two slices do not overlap.
@@ -135,15 +147,7 @@ impl KvStaging for CpuBackend {
         blocks: &[BlockId],
         offset: usize,
     ) -> Result<(), BackendError> {
-        let (ptr, len) = self.arena()?;
-        let n = check_staging_io(
-            &self.layout,
-            self.dims.num_blocks,
-            &layers,
-            blocks,
-            offset,
-            len,
-        )?;
+        let (ptr, n) = self.arena_span(&layers, blocks, offset)?;
         // SAFETY: as in `gather_kv_to_staging`; the arena span is only read here.
         let data = unsafe { std::slice::from_raw_parts(ptr.add(offset).cast_const(), n) };
         self.write_kv(layers, blocks, data)

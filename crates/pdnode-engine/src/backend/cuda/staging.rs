@@ -214,21 +214,17 @@ impl CudaTpBackend {
         Ok(self.staging.clone())
     }
 
-    fn staging_fan_out(
-        &mut self,
-        gather: bool,
-        layers: Range<u32>,
-        blocks: &[BlockId],
-        offset: usize,
-    ) -> Result<(), BackendError> {
+    /// Runs `copy` with `blocks` on every rank (each between its own pool and arena).
+    fn staging_fan_out<F>(&mut self, blocks: &[BlockId], copy: F) -> Result<(), BackendError>
+    where
+        F: Fn(&mut CudaBackend, &[BlockId]) -> Result<(), BackendError> + Send + Sync + 'static,
+    {
         if self.staging.is_empty() {
             return Err(BackendError::NoStaging);
         }
         let blocks = Arc::new(blocks.to_vec());
-        self.on_each_rank(move |be: &mut CudaBackend| {
-            be.staging_copy(gather, &layers, &blocks, offset)
-        })
-        .map(|_| ())
+        self.on_each_rank(move |be: &mut CudaBackend| copy(be, &blocks))
+            .map(|_| ())
     }
 }
 
@@ -243,7 +239,9 @@ impl KvStaging for CudaTpBackend {
         blocks: &[BlockId],
         offset: usize,
     ) -> Result<(), BackendError> {
-        self.staging_fan_out(true, layers, blocks, offset)
+        self.staging_fan_out(blocks, move |be, b| {
+            be.staging_copy(true, &layers, b, offset)
+        })
     }
 
     fn gather_kv_layers_to_staging(
@@ -253,14 +251,9 @@ impl KvStaging for CudaTpBackend {
         offset: usize,
         layer_stride: usize,
     ) -> Result<(), BackendError> {
-        if self.staging.is_empty() {
-            return Err(BackendError::NoStaging);
-        }
-        let blocks = Arc::new(blocks.to_vec());
-        self.on_each_rank(move |be: &mut CudaBackend| {
-            be.staging_gather_strided(&layers, &blocks, offset, layer_stride)
+        self.staging_fan_out(blocks, move |be, b| {
+            be.staging_gather_strided(&layers, b, offset, layer_stride)
         })
-        .map(|_| ())
     }
 
     fn scatter_kv_from_staging(
@@ -269,6 +262,8 @@ impl KvStaging for CudaTpBackend {
         blocks: &[BlockId],
         offset: usize,
     ) -> Result<(), BackendError> {
-        self.staging_fan_out(false, layers, blocks, offset)
+        self.staging_fan_out(blocks, move |be, b| {
+            be.staging_copy(false, &layers, b, offset)
+        })
     }
 }

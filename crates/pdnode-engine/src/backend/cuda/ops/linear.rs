@@ -185,20 +185,11 @@ pub fn linear(
     how: LinearImpl,
 ) -> Result<(), CudaError> {
     const OP: &str = "linear";
-    let ysz = if ty == OutType::F32 { F32 } else { BF16 };
-    need(OP, "w", w, out * inp * BF16)?;
-    need(OP, "x", x, tokens * inp * BF16)?;
-    need(OP, "y", y, tokens * out * ysz)?;
-    shape(OP, !(accumulate && ty == OutType::Bf16), || {
-        "accumulation needs an f32 output".into()
-    })?;
+    check_operands(OP, out, tokens, inp, w, x, y, ty, accumulate)?;
     if out * tokens * inp == 0 {
         return Ok(());
     }
-    let gemv_ok = tokens <= GEMV_MAX_TOKENS
-        && inp.is_multiple_of(8)
-        && w.ptr().is_multiple_of(16)
-        && x.ptr().is_multiple_of(16);
+    let gemv_ok = tokens <= GEMV_MAX_TOKENS && gemv_aligned(inp, w, x);
     let need_gemv = |what: &str| {
         shape(OP, gemv_ok, || {
             format!("{what} needs tokens <= 8, inp % 8 == 0, 16-byte aligned w and x")
@@ -276,19 +267,10 @@ pub fn gemv_mma(
     accumulate: bool,
 ) -> Result<(), CudaError> {
     const OP: &str = "gemv_mma";
-    let ysz = if ty == OutType::F32 { F32 } else { BF16 };
-    need(OP, "w", w, out * inp * BF16)?;
-    need(OP, "x", x, tokens * inp * BF16)?;
-    need(OP, "y", y, tokens * out * ysz)?;
-    shape(OP, !(accumulate && ty == OutType::Bf16), || {
-        "accumulation needs an f32 output".into()
-    })?;
+    check_operands(OP, out, tokens, inp, w, x, y, ty, accumulate)?;
     shape(
         OP,
-        tokens <= GEMV_MAX_TOKENS
-            && inp.is_multiple_of(8)
-            && w.ptr().is_multiple_of(16)
-            && x.ptr().is_multiple_of(16),
+        tokens <= GEMV_MAX_TOKENS && gemv_aligned(inp, w, x),
         || "gemv_mma needs tokens <= 8, inp % 8 == 0, 16-byte aligned w and x".into(),
     )?;
     shape(
@@ -383,7 +365,7 @@ pub fn gate_up_swiglu(
     act: &DevBuf,
     how: LinearImpl,
 ) -> Result<(), CudaError> {
-    let aligned = inp.is_multiple_of(8) && w.ptr().is_multiple_of(16) && x.ptr().is_multiple_of(16);
+    let aligned = gemv_aligned(inp, w, x);
     if swiglu_fused(how, tokens) && aligned {
         let l = glu_launch(gpu.sm_count as usize, inter, inp);
         return gemv_mma_swiglu(gpu, l, inter, tokens, inp, w, x, act);
@@ -431,10 +413,7 @@ pub fn gemv_mma_swiglu(
     need(OP, "act", act, tokens * inter * BF16)?;
     shape(
         OP,
-        tokens <= GEMV_MAX_TOKENS
-            && inp.is_multiple_of(8)
-            && w.ptr().is_multiple_of(16)
-            && x.ptr().is_multiple_of(16),
+        tokens <= GEMV_MAX_TOKENS && gemv_aligned(inp, w, x),
         || "gemv_mma_swiglu needs tokens <= 8, inp % 8 == 0, 16-byte aligned w and x".into(),
     )?;
     shape(
@@ -504,9 +483,7 @@ pub fn norm_fuse_launch(
         && tokens <= norm_fuse_max_tokens()
         && out > 0
         && inp > 0
-        && inp.is_multiple_of(8)
-        && w.ptr().is_multiple_of(16)
-        && x.ptr().is_multiple_of(16);
+        && gemv_aligned(inp, w, x);
     let l = table_launch(sm_count, out, tokens, inp).filter(|l| ok && l.tiles == 1)?;
     Some(MmaLaunch {
         warps: l.warps.min(NORM_MAX_WARPS),
@@ -584,9 +561,7 @@ pub fn gemv_mma_norm(
         (1..=GEMV_MAX_TOKENS).contains(&tokens)
             && out > 0
             && inp > 0
-            && inp.is_multiple_of(8)
-            && w.ptr().is_multiple_of(16)
-            && x.ptr().is_multiple_of(16)
+            && gemv_aligned(inp, w, x)
             && norm.ticket.ptr().is_multiple_of(4),
         || "gemv_mma_norm needs 1..=8 tokens, inp % 8 == 0 (> 0), 16-byte aligned w and x".into(),
     )?;
@@ -624,6 +599,34 @@ pub fn gemv_mma_norm(
     // kernels touch (stream-ordered, so one launch at a time), left zeroed by the last block.
     unsafe { b.launch(cfg((grid, 1, 1), block)) }.map_err(launched(OP))?;
     Ok(())
+}
+
+/// What every GEMV kernel needs of its operands: `inp` a multiple of 8, 16-byte aligned w and x.
+fn gemv_aligned(inp: usize, w: &DevBuf, x: &DevBuf) -> bool {
+    inp.is_multiple_of(8) && w.ptr().is_multiple_of(16) && x.ptr().is_multiple_of(16)
+}
+
+/// The operand checks of [`linear`] and [`gemv_mma`]: w bf16 `[out, inp]`, x bf16
+/// `[tokens, inp]`, y `[tokens, out]` of `ty`; accumulation only into f32.
+#[allow(clippy::too_many_arguments)]
+fn check_operands(
+    op: &'static str,
+    out: usize,
+    tokens: usize,
+    inp: usize,
+    w: &DevBuf,
+    x: &DevBuf,
+    y: &DevBuf,
+    ty: OutType,
+    accumulate: bool,
+) -> Result<(), CudaError> {
+    let ysz = if ty == OutType::F32 { F32 } else { BF16 };
+    need(op, "w", w, out * inp * BF16)?;
+    need(op, "x", x, tokens * inp * BF16)?;
+    need(op, "y", y, tokens * out * ysz)?;
+    shape(op, !(accumulate && ty == OutType::Bf16), || {
+        "accumulation needs an f32 output".into()
+    })
 }
 
 fn i32_of(op: &'static str, v: usize) -> Result<i32, CudaError> {

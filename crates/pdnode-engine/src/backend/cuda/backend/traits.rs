@@ -25,14 +25,27 @@ impl CudaBackend {
         if per_rank == 0 {
             return Ok((staging, 0));
         }
+        self.pool_copy(true, &staging, layers, blocks)?;
+        Ok((staging, per_rank))
+    }
+
+    /// One `kv_copy` of layers `layers` of `blocks` between the pool and `staging`
+    /// (`to_staging`: gather, else scatter), then a synchronize.
+    fn pool_copy(
+        &self,
+        to_staging: bool,
+        staging: &DevBuf,
+        layers: &Range<u32>,
+        blocks: &[BlockId],
+    ) -> Result<(), BackendError> {
         let ids: Vec<i32> = blocks.iter().map(|b| b.0 as i32).collect();
         let idbuf = self.gpu.alloc(ids.len() * 4)?;
         self.gpu.upload(&idbuf, 0, &ids)?;
         ops::kv_copy(
             &self.gpu,
-            true,
+            to_staging,
             &self.pool,
-            &staging,
+            staging,
             idbuf.ptr(),
             blocks.len(),
             layers.start as usize,
@@ -40,9 +53,10 @@ impl CudaBackend {
             self.num_blocks,
             self.layout.block_layer_bytes(),
         )?;
-        // `idbuf` is freed on return: wait for the gather first.
+        // `idbuf` (and the caller's `staging`, on a scatter) is freed after the return: wait
+        // for the copy first.
         self.gpu.sync()?;
-        Ok((staging, per_rank))
+        Ok(())
     }
 }
 
@@ -120,23 +134,7 @@ impl Backend for CudaBackend {
         }
         let staging = self.gpu.alloc(per_rank)?;
         self.gpu.upload(&staging, 0, data)?;
-        let ids: Vec<i32> = blocks.iter().map(|b| b.0 as i32).collect();
-        let idbuf = self.gpu.alloc(ids.len() * 4)?;
-        self.gpu.upload(&idbuf, 0, &ids)?;
-        ops::kv_copy(
-            &self.gpu,
-            false,
-            &self.pool,
-            &staging,
-            idbuf.ptr(),
-            blocks.len(),
-            layers.start as usize,
-            (layers.end - layers.start) as usize,
-            self.num_blocks,
-            self.layout.block_layer_bytes(),
-        )?;
-        // The staging buffers are freed on drop: wait for the scatter first.
-        self.gpu.sync().map_err(BackendError::from)
+        self.pool_copy(false, &staging, &layers, blocks)
     }
 }
 

@@ -42,6 +42,21 @@ struct OwnedSeq {
     want_logits: bool,
 }
 
+/// The step a rank runs: `seqs` borrowed as a [`ForwardBatch`].
+fn borrowed(seqs: &[OwnedSeq]) -> ForwardBatch<'_> {
+    ForwardBatch {
+        seqs: seqs
+            .iter()
+            .map(|s| SeqStep {
+                tokens: &s.tokens,
+                start_pos: s.start_pos,
+                block_table: &s.block_table,
+                want_logits: s.want_logits,
+            })
+            .collect(),
+    }
+}
+
 enum Cmd {
     /// Runs a step; `download`: rank 0 copies its logits back (else the step is only enqueued).
     Forward {
@@ -100,17 +115,7 @@ fn rank_loop(mut be: CudaBackend, rx: Receiver<Cmd>) {
                 download,
                 reply,
             } => {
-                let fb = ForwardBatch {
-                    seqs: batch
-                        .iter()
-                        .map(|s| SeqStep {
-                            tokens: &s.tokens,
-                            start_pos: s.start_pos,
-                            block_table: &s.block_table,
-                            want_logits: s.want_logits,
-                        })
-                        .collect(),
-                };
+                let fb = borrowed(&batch);
                 let r = if download && rank == 0 {
                     be.forward(&fb).map(Some)
                 } else if download {
@@ -128,17 +133,7 @@ fn rank_loop(mut be: CudaBackend, rx: Receiver<Cmd>) {
                 out,
                 reply,
             } => {
-                let fb = ForwardBatch {
-                    seqs: batch
-                        .iter()
-                        .map(|s| SeqStep {
-                            tokens: &s.tokens,
-                            start_pos: s.start_pos,
-                            block_table: &s.block_table,
-                            want_logits: s.want_logits,
-                        })
-                        .collect(),
-                };
+                let fb = borrowed(&batch);
                 let r = if rank == 0 {
                     let mut out = out.unwrap_or_default();
                     be.forward_select(&fb, &want, &mut out).map(|_| Some(out))

@@ -128,6 +128,39 @@ impl BenchRow {
     }
 }
 
+/// The inputs of a synthetic decode step: `batch` sequences at context `ctx`, each with its own
+/// blocks (`ctx / bs` of them, rounded up) and one token. [`DecodeStep::batch`] borrows them as
+/// the step.
+pub(crate) struct DecodeStep {
+    ctx: usize,
+    tables: Vec<Vec<BlockId>>,
+    toks: Vec<[u32; 1]>,
+}
+
+impl DecodeStep {
+    pub(crate) fn new(batch: usize, ctx: usize, bs: usize) -> Self {
+        let nbps = ctx.div_ceil(bs);
+        let tables: Vec<Vec<BlockId>> = (0..batch)
+            .map(|i| (0..nbps).map(|j| BlockId((i * nbps + j) as u32)).collect())
+            .collect();
+        let toks: Vec<[u32; 1]> = (0..batch).map(|i| [(i * 7919 % 128000) as u32]).collect();
+        Self { ctx, tables, toks }
+    }
+
+    pub(crate) fn batch(&self) -> ForwardBatch<'_> {
+        ForwardBatch {
+            seqs: (0..self.toks.len())
+                .map(|i| SeqStep {
+                    tokens: &self.toks[i],
+                    start_pos: self.ctx - 1,
+                    block_table: &self.tables[i],
+                    want_logits: true,
+                })
+                .collect(),
+        }
+    }
+}
+
 fn err(e: BackendError) -> CudaError {
     CudaError::Driver {
         op: "forward",
@@ -217,21 +250,8 @@ pub fn run_variants(
             format!(" [{attn:?}/{lin:?}]")
         };
         for &(batch, ctx) in decode {
-            let nbps = ctx.div_ceil(bs);
-            let tables: Vec<Vec<BlockId>> = (0..batch)
-                .map(|i| (0..nbps).map(|j| BlockId((i * nbps + j) as u32)).collect())
-                .collect();
-            let toks: Vec<[u32; 1]> = (0..batch).map(|i| [(i * 7919 % 128000) as u32]).collect();
-            let fb = ForwardBatch {
-                seqs: (0..batch)
-                    .map(|i| SeqStep {
-                        tokens: &toks[i],
-                        start_pos: ctx - 1,
-                        block_table: &tables[i],
-                        want_logits: true,
-                    })
-                    .collect(),
-            };
+            let step = DecodeStep::new(batch, ctx, bs);
+            let fb = step.batch();
             // eager launches, then the decode CUDA graph of this (batch, ctx) bucket (captured
             // in the warm-up step); the logits-copy row runs the graph (the shipped default)
             be.set_cuda_graphs(false);

@@ -5,12 +5,11 @@
 
 use super::CudaError;
 use super::backend::CudaOptions;
-use super::bench::{BenchRow, Ceilings, llama31_8b, measure_ceilings};
+use super::bench::{BenchRow, Ceilings, DecodeStep, llama31_8b, measure_ceilings};
 use super::device::Gpu;
 use super::ops;
 use super::tp::CudaTpBackend;
-use crate::backend::{Backend, BackendError, ForwardBatch, SeqStep};
-use pdnode_core::BlockId;
+use crate::backend::{Backend, BackendError};
 use std::time::Instant;
 
 fn err(e: BackendError) -> CudaError {
@@ -70,21 +69,8 @@ pub fn run_decode(
     let mut rows = Vec::new();
     let mut all_reduce_ms = Vec::new();
     for &(batch, ctx) in decode {
-        let nbps = ctx.div_ceil(bs);
-        let tables: Vec<Vec<BlockId>> = (0..batch)
-            .map(|i| (0..nbps).map(|j| BlockId((i * nbps + j) as u32)).collect())
-            .collect();
-        let toks: Vec<[u32; 1]> = (0..batch).map(|i| [(i * 7919 % 128000) as u32]).collect();
-        let fb = ForwardBatch {
-            seqs: (0..batch)
-                .map(|i| SeqStep {
-                    tokens: &toks[i],
-                    start_pos: ctx - 1,
-                    block_table: &tables[i],
-                    want_logits: true,
-                })
-                .collect(),
-        };
+        let step = DecodeStep::new(batch, ctx, bs);
+        let fb = step.batch();
         // Pipelined device time (steps enqueued back to back), eager then from the decode
         // CUDA graphs (captured in the warm-up step).
         let pipelined = |be: &mut CudaTpBackend| -> Result<f64, CudaError> {

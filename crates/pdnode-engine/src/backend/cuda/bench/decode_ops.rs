@@ -6,10 +6,8 @@ use super::super::backend::CudaOptions;
 use super::super::blas::OutType;
 use super::super::device::Gpu;
 use super::super::ops;
-use super::{err, llama31_8b, timed, timed_steps};
+use super::{DecodeStep, err, llama31_8b, timed, timed_steps};
 use crate::backend::cuda::backend::CudaBackend;
-use crate::backend::{ForwardBatch, SeqStep};
-use pdnode_core::BlockId;
 
 // ---- per-op breakdown of one decode step (eager, CUDA events) --------------------------------
 
@@ -80,21 +78,8 @@ pub fn run_op_breakdown(
         } else {
             ops::set_fuse_max_tokens(limits.0, limits.1);
         }
-        let nbps = ctx.div_ceil(bs);
-        let tables: Vec<Vec<BlockId>> = (0..batch)
-            .map(|i| (0..nbps).map(|j| BlockId((i * nbps + j) as u32)).collect())
-            .collect();
-        let toks: Vec<[u32; 1]> = (0..batch).map(|i| [(i * 7919 % 128000) as u32]).collect();
-        let fb = ForwardBatch {
-            seqs: (0..batch)
-                .map(|i| SeqStep {
-                    tokens: &toks[i],
-                    start_pos: ctx - 1,
-                    block_table: &tables[i],
-                    want_logits: true,
-                })
-                .collect(),
-        };
+        let step = DecodeStep::new(batch, ctx, bs);
+        let fb = step.batch();
         be.forward_device(&fb).map_err(err)?;
         be.take_op_times()?; // warm-up
         // (label, calls per step, summed us over the timed steps), in first-seen order

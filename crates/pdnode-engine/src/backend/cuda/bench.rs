@@ -261,29 +261,25 @@ pub fn run_variants(
             let gpu_t = timed_steps(&mut be, iters, &fb)?;
             let graph_ran = be.graph_stats().replays >= replays0 + iters as u64;
             let bytes = wbytes + kv_per_tok * (batch * ctx) as f64;
-            let row = BenchRow {
-                what: format!("decode eager{tag}"),
-                batch,
-                ctx,
-                ms: eager_t * 1e3,
-                floor_ms: bytes / ceil.hbm_traffic_bps * 1e3,
+            // every row of this (batch, ctx): reported, then kept
+            let mut add = |what: String, ms: f64| {
+                let row = BenchRow {
+                    what,
+                    batch,
+                    ctx,
+                    ms,
+                    floor_ms: bytes / ceil.hbm_traffic_bps * 1e3,
+                };
+                report(&row);
+                rows.push(row);
             };
-            report(&row);
-            rows.push(row);
+            add(format!("decode eager{tag}"), eager_t * 1e3);
             let what = if graph_ran {
                 "decode graph"
             } else {
                 "decode graph (FELL BACK TO EAGER)"
             };
-            let row = BenchRow {
-                what: format!("{what}{tag}"),
-                batch,
-                ctx,
-                ms: gpu_t * 1e3,
-                floor_ms: bytes / ceil.hbm_traffic_bps * 1e3,
-            };
-            report(&row);
-            rows.push(row);
+            add(format!("{what}{tag}"), gpu_t * 1e3);
             // each step waited for, without then with the logits copy to the host (what
             // Backend::forward costs): the difference is the copy alone
             let t0 = Instant::now();
@@ -291,29 +287,16 @@ pub fn run_variants(
                 be.forward_device(&fb).map_err(err)?;
                 be.synchronize().map_err(err)?;
             }
-            let row = BenchRow {
-                what: format!("decode graph, each step waited{tag}"),
-                batch,
-                ctx,
-                ms: t0.elapsed().as_secs_f64() / iters.min(5) as f64 * 1e3,
-                floor_ms: bytes / ceil.hbm_traffic_bps * 1e3,
-            };
-            report(&row);
-            rows.push(row);
+            add(
+                format!("decode graph, each step waited{tag}"),
+                t0.elapsed().as_secs_f64() / iters.min(5) as f64 * 1e3,
+            );
             let t0 = Instant::now();
             for _ in 0..iters.min(5) {
                 be.forward(&fb).map_err(err)?;
             }
             let host_t = t0.elapsed().as_secs_f64() / iters.min(5) as f64;
-            let row = BenchRow {
-                what: format!("decode+logits D2H{tag}"),
-                batch,
-                ctx,
-                ms: host_t * 1e3,
-                floor_ms: bytes / ceil.hbm_traffic_bps * 1e3,
-            };
-            report(&row);
-            rows.push(row);
+            add(format!("decode+logits D2H{tag}"), host_t * 1e3);
             // what the engine's step does (Backend::forward_select): the full rows into a
             // buffer reused across steps, then the greedy case (arg-max on the device, one id
             // per row copied)
@@ -328,15 +311,10 @@ pub fn run_variants(
                 for _ in 0..iters.min(5) {
                     be.forward_select(&fb, &wants, &mut out).map_err(err)?;
                 }
-                let row = BenchRow {
-                    what: format!("{what}{tag}"),
-                    batch,
-                    ctx,
-                    ms: t0.elapsed().as_secs_f64() / iters.min(5) as f64 * 1e3,
-                    floor_ms: bytes / ceil.hbm_traffic_bps * 1e3,
-                };
-                report(&row);
-                rows.push(row);
+                add(
+                    format!("{what}{tag}"),
+                    t0.elapsed().as_secs_f64() / iters.min(5) as f64 * 1e3,
+                );
             }
         }
     }

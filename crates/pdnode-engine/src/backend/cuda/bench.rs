@@ -128,6 +128,40 @@ impl BenchRow {
     }
 }
 
+/// KV blocks of `bs` tokens the largest step of the `(batch, ctx)` sweep `decode` holds.
+pub(crate) fn decode_blocks(decode: &[(usize, usize)], bs: usize) -> usize {
+    decode
+        .iter()
+        .map(|&(b, c)| b * c.div_ceil(bs))
+        .max()
+        .unwrap_or(0)
+}
+
+/// The benches' backend: GPU 0 (`tp` of them from there), 0.95 of its memory, `num_blocks`
+/// blocks of `bs`, room for the largest batch of `decode`, `Auto` kernels.
+pub(crate) fn bench_options(
+    tp: u32,
+    num_blocks: usize,
+    bs: usize,
+    max_batch_tokens: usize,
+    decode: &[(usize, usize)],
+    cuda_graphs: bool,
+) -> CudaOptions {
+    CudaOptions {
+        gpu: 0,
+        tensor_parallel: tp,
+        mem_fraction: 0.95,
+        num_kv_blocks: num_blocks as u32,
+        block_size: bs as u32,
+        max_batch_tokens,
+        max_seqs: decode.iter().map(|d| d.0).max().unwrap_or(1).max(1),
+        prefill_gemm_min_tokens: 64,
+        linear: ops::LinearImpl::Auto,
+        attention: ops::AttnVariant::Auto,
+        cuda_graphs,
+    }
+}
+
 /// The inputs of a synthetic decode step: `batch` sequences at context `ctx`, each with its own
 /// blocks (`ctx / bs` of them, rounded up) and one token. [`DecodeStep::batch`] borrows them as
 /// the step.
@@ -216,26 +250,10 @@ pub fn run_variants(
     }
     let spec = llama31_8b();
     let bs = 16usize;
-    let max_decode_blocks = decode
-        .iter()
-        .map(|&(b, c)| b * c.div_ceil(bs))
-        .max()
-        .unwrap_or(0);
+    let max_decode_blocks = decode_blocks(decode, bs);
     let max_prefill = prefill.iter().copied().max().unwrap_or(1);
     let num_blocks = max_decode_blocks.max(max_prefill.div_ceil(bs)) + 8;
-    let opts = CudaOptions {
-        gpu: 0,
-        tensor_parallel: 1,
-        mem_fraction: 0.95,
-        num_kv_blocks: num_blocks as u32,
-        block_size: bs as u32,
-        max_batch_tokens: max_prefill.max(64),
-        max_seqs: decode.iter().map(|d| d.0).max().unwrap_or(1).max(1),
-        prefill_gemm_min_tokens: 64,
-        linear: ops::LinearImpl::Auto,
-        attention: ops::AttnVariant::Auto,
-        cuda_graphs: true,
-    };
+    let opts = bench_options(1, num_blocks, bs, max_prefill.max(64), decode, true);
     let mut be = CudaBackend::new_dummy(&spec, 1234, &opts, "bench".into())?;
     be.fill_kv_random(99)?;
     let ceil = measure_ceilings(be.gpu())?;

@@ -4,10 +4,10 @@
 //! thread) so the figures compare like with like.
 
 use super::CudaError;
-use super::backend::CudaOptions;
-use super::bench::{BenchRow, Ceilings, DecodeStep, llama31_8b, measure_ceilings};
+use super::bench::{
+    BenchRow, Ceilings, DecodeStep, bench_options, decode_blocks, llama31_8b, measure_ceilings,
+};
 use super::device::Gpu;
-use super::ops;
 use super::tp::CudaTpBackend;
 use crate::backend::{Backend, BackendError};
 use std::time::Instant;
@@ -43,25 +43,8 @@ pub fn run_decode(
         measure_ceilings(&gpu)?
     };
     let bs = 16usize;
-    let num_blocks = decode
-        .iter()
-        .map(|&(b, c)| b * c.div_ceil(bs))
-        .max()
-        .unwrap_or(0)
-        + 8;
-    let opts = CudaOptions {
-        gpu: 0,
-        tensor_parallel: tp as u32,
-        mem_fraction: 0.95,
-        num_kv_blocks: num_blocks as u32,
-        block_size: bs as u32,
-        max_batch_tokens: 64,
-        max_seqs: decode.iter().map(|d| d.0).max().unwrap_or(1).max(1),
-        prefill_gemm_min_tokens: 64,
-        linear: ops::LinearImpl::Auto,
-        attention: ops::AttnVariant::Auto,
-        cuda_graphs: true,
-    };
+    let num_blocks = decode_blocks(decode, bs) + 8;
+    let opts = bench_options(tp as u32, num_blocks, bs, 64, decode, true);
     let mut be = CudaTpBackend::new_dummy(&spec, 1234, None, &opts, "bench".into())?;
     be.fill_kv_random(99).map_err(err)?;
     let wbytes = be.weight_bytes_per_rank() as f64;

@@ -2,11 +2,10 @@
 //! after each op of eager steps, and the same step from a graph) and the fusions alone.
 
 use super::super::CudaError;
-use super::super::backend::CudaOptions;
 use super::super::blas::OutType;
 use super::super::device::Gpu;
 use super::super::ops;
-use super::{DecodeStep, err, llama31_8b, timed, timed_steps};
+use super::{DecodeStep, bench_options, decode_blocks, err, llama31_8b, timed, timed_steps};
 use crate::backend::cuda::backend::CudaBackend;
 
 // ---- per-op breakdown of one decode step (eager, CUDA events) --------------------------------
@@ -41,25 +40,8 @@ pub fn run_op_breakdown(
 ) -> Result<Vec<OpRow>, CudaError> {
     let spec = llama31_8b();
     let bs = 16usize;
-    let num_blocks = decode
-        .iter()
-        .map(|&(b, c)| b * c.div_ceil(bs))
-        .max()
-        .unwrap_or(0)
-        + 8;
-    let opts = CudaOptions {
-        gpu: 0,
-        tensor_parallel: 1,
-        mem_fraction: 0.95,
-        num_kv_blocks: num_blocks as u32,
-        block_size: bs as u32,
-        max_batch_tokens: 64,
-        max_seqs: decode.iter().map(|d| d.0).max().unwrap_or(1).max(1),
-        prefill_gemm_min_tokens: 64,
-        linear: ops::LinearImpl::Auto,
-        attention: ops::AttnVariant::Auto,
-        cuda_graphs: false,
-    };
+    let num_blocks = decode_blocks(decode, bs) + 8;
+    let opts = bench_options(1, num_blocks, bs, 64, decode, false);
     let mut be = CudaBackend::new_dummy(&spec, 1234, &opts, "bench".into())?;
     be.fill_kv_random(99)?;
     be.set_op_timing(true);

@@ -26,7 +26,7 @@
 //! cannot use a graph (prefill rows, more sequences than the workspace) runs eagerly.
 
 use super::CudaBackend;
-use super::plan::{MetaOffsets, StepPlan, StepShape, push};
+use super::plan::{MetaOffsets, StepPlan, StepShape};
 use crate::backend::cuda::device::DevBuf;
 use crate::backend::cuda::{CudaError, drv};
 use crate::backend::{BackendError, ForwardBatch};
@@ -185,17 +185,7 @@ fn decode_layout(
         tok_seq.push(shortest as i32);
     }
     let rows: Vec<i32> = (0..bucket as i32).collect();
-    let mut bytes = Vec::new();
-    let off = MetaOffsets {
-        ids: push(&mut bytes, &ids),
-        pos: push(&mut bytes, &pos),
-        slots: push(&mut bytes, &slots),
-        tok_seq: push(&mut bytes, &tok_seq),
-        tables: push(&mut bytes, &tables),
-        rows: push(&mut bytes, &rows),
-        short: push::<i32>(&mut bytes, &[]),
-    };
-    (bytes, off)
+    MetaOffsets::pack(&ids, &pos, &slots, &tok_seq, &tables, &rows, &[])
 }
 
 impl CudaBackend {

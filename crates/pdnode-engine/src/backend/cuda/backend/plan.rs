@@ -17,6 +17,31 @@ pub(super) struct MetaOffsets {
     pub(super) short: usize,
 }
 
+impl MetaOffsets {
+    /// One step's metadata arrays in one buffer, each 16-byte aligned, in field order.
+    pub(super) fn pack(
+        ids: &[u32],
+        pos: &[i32],
+        slots: &[i64],
+        tok_seq: &[i32],
+        tables: &[i32],
+        rows: &[i32],
+        short: &[i32],
+    ) -> (Vec<u8>, Self) {
+        let mut bytes = Vec::new();
+        let off = MetaOffsets {
+            ids: push(&mut bytes, ids),
+            pos: push(&mut bytes, pos),
+            slots: push(&mut bytes, slots),
+            tok_seq: push(&mut bytes, tok_seq),
+            tables: push(&mut bytes, tables),
+            rows: push(&mut bytes, rows),
+            short: push(&mut bytes, short),
+        };
+        (bytes, off)
+    }
+}
+
 /// Host-side plan of one step, built and validated from a [`ForwardBatch`].
 pub(super) struct StepPlan {
     pub(super) bytes: Vec<u8>,
@@ -166,16 +191,8 @@ impl CudaBackend {
                 dup / bs as i64
             )));
         }
-        let mut bytes = Vec::new();
-        let off = MetaOffsets {
-            ids: push(&mut bytes, &ids),
-            pos: push(&mut bytes, &pos),
-            slots: push(&mut bytes, &slots),
-            tok_seq: push(&mut bytes, &tok_seq),
-            tables: push(&mut bytes, &tables),
-            rows: push(&mut bytes, &row_idx),
-            short: push(&mut bytes, &short),
-        };
+        let (bytes, off) =
+            MetaOffsets::pack(&ids, &pos, &slots, &tok_seq, &tables, &row_idx, &short);
         Ok(StepPlan {
             bytes,
             off,

@@ -6,6 +6,7 @@
 //! before they return. (A child module of `backend.rs`, for the backend's private fields.)
 
 use super::super::CudaError;
+use super::super::device::DevBuf;
 use super::super::tp::CudaTpBackend;
 use super::CudaBackend;
 use crate::backend::{
@@ -43,6 +44,11 @@ impl CudaBackend {
         Ok(Some(region))
     }
 
+    /// The staging arena, or [`BackendError::NoStaging`].
+    fn arena(&self) -> Result<&DevBuf, BackendError> {
+        self.staging.as_ref().ok_or(BackendError::NoStaging)
+    }
+
     fn staging_region(&self) -> Option<KvRegion> {
         self.staging.as_ref().map(|a| KvRegion {
             ptr: a.ptr(),
@@ -60,7 +66,7 @@ impl CudaBackend {
         blocks: &[BlockId],
         offset: usize,
     ) -> Result<(), BackendError> {
-        let arena = self.staging.as_ref().ok_or(BackendError::NoStaging)?;
+        let arena = self.arena()?;
         let n = check_staging_io(
             &self.layout,
             self.num_blocks,
@@ -84,7 +90,7 @@ impl CudaBackend {
         offset: usize,
         layer_stride: usize,
     ) -> Result<(), BackendError> {
-        let arena = self.staging.as_ref().ok_or(BackendError::NoStaging)?;
+        let arena = self.arena()?;
         let per_layer = check_staging_strided(
             &self.layout,
             self.num_blocks,
@@ -114,7 +120,7 @@ impl CudaBackend {
         blocks: &[BlockId],
     ) -> Result<(), BackendError> {
         const OP: &str = "kv_staging_copy";
-        let arena = self.staging.as_ref().ok_or(BackendError::NoStaging)?;
+        let arena = self.arena()?;
         let lb = self.layout.block_layer_bytes();
         if !lb.is_multiple_of(16) || parts.iter().any(|(_, o)| !o.is_multiple_of(16)) {
             return Err(BackendError::InvalidBatch {

@@ -25,8 +25,9 @@ const BF16: usize = 2;
 pub enum PrefillAttn {
     /// The process default: [`set_default_attn`], else the environment variable
     /// `PDNODE_PREFILL_ATTN` (`gemm`, `flash`, `flash8`, `flash32`, `flashv2`, `flashv3`), else
-    /// [`PrefillAttn::Flash8`] (measured on the H200: 8k prefill step 0.57 of the GEMM floor vs
-    /// 0.34 with cuBLAS). Head dims other than 64 and 128 always take the cuBLAS path.
+    /// [`PrefillAttn::FlashV3`] (measured on the H200: 8k prefill step 0.63 of the GEMM floor vs
+    /// 0.55 with Flash8 and 0.34 with cuBLAS). Head dims other than 64 and 128 always take the
+    /// cuBLAS path.
     #[default]
     Auto,
     /// cuBLAS GEMMs around a causal softmax kernel (materialized f32 scores).
@@ -102,7 +103,9 @@ impl PrefillAttn {
                         .ok()
                         .and_then(|v| Self::parse(&v))
                     {
-                        Some(Self::Auto) | None => Self::Flash8,
+                        // FlashV3 on the H200 (session 2): 8k step 266 ms (0.63 of the floor)
+                        // vs Flash8 304 ms (0.55) and cuBLAS 495 ms (0.34); parity unchanged.
+                        Some(Self::Auto) | None => Self::FlashV3,
                         Some(a) => a,
                     }
                 })

@@ -310,14 +310,14 @@ pub fn gemv_mma(
 /// at 1-2 tokens the fused launch streams gate_up as fast as cuBLAS (58.0 vs 57.0 us) and saves
 /// the swiglu launch; from 4 tokens cuBLAS is 6-7 us ahead of the GEMV on this shape.
 pub fn swiglu_fuse_max_tokens() -> usize {
-    fuse_knob(&SWIGLU_MAX_T, "PDNODE_FUSE_SWIGLU_MAX_T")
+    fuse_knob(&SWIGLU_MAX_T, "PDNODE_FUSE_SWIGLU_MAX_T", 2)
 }
 
 /// `usize::MAX`: not read from the environment yet.
 static SWIGLU_MAX_T: AtomicUsize = AtomicUsize::new(usize::MAX);
 static NORM_MAX_T: AtomicUsize = AtomicUsize::new(usize::MAX);
 
-fn fuse_knob(k: &AtomicUsize, env: &str) -> usize {
+fn fuse_knob(k: &AtomicUsize, env: &str, default: usize) -> usize {
     let v = k.load(Ordering::Relaxed);
     if v != usize::MAX {
         return v;
@@ -325,7 +325,7 @@ fn fuse_knob(k: &AtomicUsize, env: &str) -> usize {
     let v = std::env::var(env)
         .ok()
         .and_then(|v| v.trim().parse::<usize>().ok())
-        .unwrap_or(2)
+        .unwrap_or(default)
         .min(GEMV_MAX_TOKENS);
     k.store(v, Ordering::Relaxed);
     v
@@ -457,11 +457,13 @@ pub struct NormFuse<'a> {
 }
 
 /// Most tokens at which [`linear_rmsnorm`] fuses: `PDNODE_FUSE_NORM_MAX_T` (0 switches it off,
-/// at most [`GEMV_MAX_TOKENS`]; read once per process, or [`set_fuse_max_tokens`]), default 2.
-/// The fused norm runs in one block after the GEMV (tokens one after the other), the separate
-/// kernel in a block a token, so it pays off at few tokens only.
+/// at most [`GEMV_MAX_TOKENS`]; read once per process, or [`set_fuse_max_tokens`]), default 0
+/// (off): on the H200 (session 2) `linear_rmsnorm_fused_matches_unfused` failed (normed rows up
+/// to 185 ulp off with the prefetch launch) and the whole-model tests with it; with it off every
+/// GPU suite passes. The fused norm runs in one block after the GEMV (tokens one after the
+/// other), the separate kernel in a block a token, so it pays off at few tokens only.
 pub fn norm_fuse_max_tokens() -> usize {
-    fuse_knob(&NORM_MAX_T, "PDNODE_FUSE_NORM_MAX_T")
+    fuse_knob(&NORM_MAX_T, "PDNODE_FUSE_NORM_MAX_T", 0)
 }
 
 /// The launch [`linear_rmsnorm`] fuses with (`None`: it does not): Auto under the measured

@@ -238,10 +238,14 @@ __device__ void gemv_mma_impl(const bf16_t* __restrict__ w, const bf16_t* __rest
             for (int t = 0; t < T; t++) {
                 const float* row = yf + (i64)t * out;
                 float ss = 0.f;
-                if (threadIdx.x < 256) {
+                // At most 256 summing threads (a fixed order for any launch of >= 256 threads),
+                // but never more than the block has: a 1-warp launch must still cover every
+                // element (the H200 run of session 2 caught 32 threads striding by 256).
+                const int nsum = blockDim.x < 256 ? (int)blockDim.x : 256;
+                if ((int)threadIdx.x < nsum) {
                     // unrolled: 8 L2 loads in flight, the same sequential sum per thread
 #pragma unroll 8
-                    for (int i = threadIdx.x; i < out; i += 256) {
+                    for (int i = threadIdx.x; i < out; i += nsum) {
                         const float v = gm_ld_cg(row + i);
                         ss += v * v;
                     }

@@ -459,8 +459,10 @@ pub struct NormFuse<'a> {
 /// Most tokens at which [`linear_rmsnorm`] fuses: `PDNODE_FUSE_NORM_MAX_T` (0 switches it off,
 /// at most [`GEMV_MAX_TOKENS`]; read once per process, or [`set_fuse_max_tokens`]), default 0
 /// (off): on the H200 (session 2) `linear_rmsnorm_fused_matches_unfused` failed (normed rows up
-/// to 185 ulp off with the prefetch launch) and the whole-model tests with it; with it off every
-/// GPU suite passes. The fused norm runs in one block after the GEMV (tokens one after the
+/// to 185 ulp off on a 1-warp launch) and the tiny-model tests with it; with it off every GPU
+/// suite passes. The cause, found afterwards by reading the kernel: the sum of squares strided by
+/// 256 threads on blocks of fewer (fixed in gemv.cu, not yet re-run on a GPU; Llama-8B shapes
+/// launch 384-thread blocks and were not affected). The fused norm runs in one block after the GEMV (tokens one after the
 /// other), the separate kernel in a block a token, so it pays off at few tokens only.
 pub fn norm_fuse_max_tokens() -> usize {
     fuse_knob(&NORM_MAX_T, "PDNODE_FUSE_NORM_MAX_T", 0)

@@ -6,7 +6,9 @@
 use pdnode_core::{NodeId, RequestId};
 use pdnode_engine::engine::EngineHandle;
 use pdnode_proto::v1;
-use pdnode_transfer::{KvTransport, MemKind, Registration, RemoteRegion, Span, UcxTransport};
+use pdnode_transfer::{
+    KvTransport, MemKind, Registration, RemoteRegion, RemoteTarget, Span, UcxTransport,
+};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -131,32 +133,7 @@ pub async fn put_ranks(
     let mut remotes = Vec::with_capacity(sources.len());
     let mut puts = Vec::with_capacity(sources.len());
     for (r, ((reg, local_offset), rank)) in sources.iter().zip(&target.ranks).enumerate() {
-        if target.staging_offset.saturating_add(len) > rank.region_len {
-            return Err(format!(
-                "KV of {len} bytes does not fit rank {r}'s region of {} bytes at offset {}",
-                rank.region_len, target.staging_offset
-            ));
-        }
-        let worker = if rank.ucx_worker_address.is_empty() {
-            &target.ucx_worker_address
-        } else {
-            &rank.ucx_worker_address
-        };
-        let remote = t
-            .connect(
-                worker,
-                &RemoteRegion {
-                    base_addr: rank.remote_base_addr,
-                    len: rank.region_len,
-                    rkey: rank.rkey.clone(),
-                },
-            )
-            .map_err(|e| {
-                format!(
-                    "connecting to decode node {} rank {r}: {e}",
-                    target.decode_node_id
-                )
-            })?;
+        let remote = connect_rank(t, target, r, rank, len)?;
         let span = Span {
             local_offset: *local_offset,
             remote_offset: target.staging_offset,
@@ -220,4 +197,40 @@ pub fn copy_out(reg: &Registration, len: usize) -> Result<Vec<u8>, String> {
     // into it was flushed by the prefill node before it answered, and nothing writes it now.
     unsafe { std::ptr::copy_nonoverlapping(r.addr as *const u8, out.as_mut_ptr(), len) };
     Ok(out)
+}
+
+/// Checks that `len` bytes at the target's staging offset fit rank `r`'s region, and connects to
+/// that region (the rank's own worker address, else the target's).
+pub(super) fn connect_rank(
+    t: &UcxTransport,
+    target: &v1::KvTarget,
+    r: usize,
+    rank: &v1::RankTarget,
+    len: u64,
+) -> Result<RemoteTarget, String> {
+    if target.staging_offset.saturating_add(len) > rank.region_len {
+        return Err(format!(
+            "KV of {len} bytes does not fit rank {r}'s region of {} bytes at offset {}",
+            rank.region_len, target.staging_offset
+        ));
+    }
+    let worker = if rank.ucx_worker_address.is_empty() {
+        &target.ucx_worker_address
+    } else {
+        &rank.ucx_worker_address
+    };
+    t.connect(
+        worker,
+        &RemoteRegion {
+            base_addr: rank.remote_base_addr,
+            len: rank.region_len,
+            rkey: rank.rkey.clone(),
+        },
+    )
+    .map_err(|e| {
+        format!(
+            "connecting to decode node {} rank {r}: {e}",
+            target.decode_node_id
+        )
+    })
 }

@@ -15,7 +15,7 @@ use pdnode_core::{KvLayout, RequestId};
 use pdnode_engine::engine::EngineHandle;
 use pdnode_engine::engine::StagingAlloc;
 use pdnode_proto::v1;
-use pdnode_transfer::{Completion, KvTransport, RemoteRegion, RemoteTarget, Span, UcxTransport};
+use pdnode_transfer::{Completion, KvTransport, RemoteTarget, Span, UcxTransport};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -58,33 +58,7 @@ impl OverlapPush {
         }
         let mut remotes = Vec::with_capacity(target.ranks.len());
         for (r, rank) in target.ranks.iter().enumerate() {
-            if target.staging_offset.saturating_add(per_rank) > rank.region_len {
-                return Err(format!(
-                    "KV of {per_rank} bytes does not fit rank {r}'s region of {} bytes at offset {}",
-                    rank.region_len, target.staging_offset
-                ));
-            }
-            let worker = if rank.ucx_worker_address.is_empty() {
-                &target.ucx_worker_address
-            } else {
-                &rank.ucx_worker_address
-            };
-            let remote = t
-                .connect(
-                    worker,
-                    &RemoteRegion {
-                        base_addr: rank.remote_base_addr,
-                        len: rank.region_len,
-                        rkey: rank.rkey.clone(),
-                    },
-                )
-                .map_err(|e| {
-                    format!(
-                        "connecting to decode node {} rank {r}: {e}",
-                        target.decode_node_id
-                    )
-                })?;
-            remotes.push(remote);
+            remotes.push(super::kv::connect_rank(t, target, r, rank, per_rank)?);
         }
         Ok(Some(Self {
             t: t.clone(),

@@ -437,6 +437,7 @@ impl From<&NodeCard> for v1::NodeCard {
             capacity: Some(v1::NodeCapacity::from(&c.capacity)),
             version: c.version.clone(),
             started_at_ms: c.started_at_ms,
+            colocated: c.colocated,
         }
     }
 }
@@ -474,8 +475,7 @@ impl TryFrom<v1::NodeCard> for NodeCard {
             capacity: c.capacity.map(NodeCapacity::from).unwrap_or_default(),
             version: c.version,
             started_at_ms: c.started_at_ms,
-            // pdnode.v1.NodeCard does not carry it (yet); the registry keeps the JSON card.
-            colocated: false,
+            colocated: c.colocated,
         })
     }
 }

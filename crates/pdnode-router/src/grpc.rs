@@ -243,9 +243,12 @@ impl v1::inference_server::Inference for InferenceService {
             None => vec![Role::Prefill, Role::Decode],
         };
         let mem = &self.router.deps().membership;
+        // A role-`all` node is a prefill and a decode worker: list it once, as role `all`.
+        let mut seen = std::collections::HashSet::new();
         let nodes = roles
             .into_iter()
             .flat_map(|r| mem.workers(r))
+            .filter(|w| seen.insert(w.card.id.clone()))
             .map(|w| v1::NodeCard::from(&w.card))
             .collect();
         Ok(Response::new(v1::ListNodesResponse {

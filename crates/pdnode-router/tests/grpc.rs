@@ -149,6 +149,37 @@ async fn api_keys_health_list_nodes_and_reflection() {
     let mut ids: Vec<_> = nodes.iter().map(|n| n.id.clone()).collect();
     ids.sort();
     assert_eq!(ids, vec!["p0", "p1"]);
+
+    // A role-`all` node is listed once, as `all`, with its `colocated` flag; unspecified = any.
+    let mut all = h.prefill[0].worker(pdnode_core::Role::All);
+    all.card.id = pdnode_core::NodeId::new("a0");
+    all.card.colocated = true;
+    h.membership.add(all);
+    let mut req = tonic::Request::new(v1::ListNodesRequest {
+        role: v1::Role::Unspecified as i32,
+    });
+    req.metadata_mut()
+        .insert("authorization", "Bearer sk-grpc".parse().unwrap());
+    let nodes = c.list_nodes(req).await.unwrap().into_inner().nodes;
+    let mut listed: Vec<_> = nodes
+        .iter()
+        .map(|n| (n.id.as_str(), n.role, n.colocated))
+        .collect();
+    listed.sort();
+    let (p, d, a) = (
+        v1::Role::Prefill as i32,
+        v1::Role::Decode as i32,
+        v1::Role::All as i32,
+    );
+    assert_eq!(
+        listed,
+        vec![
+            ("a0", a, true),
+            ("d0", d, false),
+            ("p0", p, false),
+            ("p1", p, false)
+        ]
+    );
     let mut req = tonic::Request::new(v1::HealthRequest {});
     req.metadata_mut()
         .insert("authorization", "Bearer sk-grpc".parse().unwrap());

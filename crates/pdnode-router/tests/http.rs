@@ -214,6 +214,19 @@ async fn invalid_requests_get_400_413_and_the_server_keeps_serving() {
     let (s, b) = post(&h, "/v1/completions", json!({"prompt": "y".repeat(300)})).await;
     assert_eq!(s, 400, "{b}");
     assert_eq!(b["error"]["code"], "context_length_exceeded");
+    // It names the completions API's prompt field, as OpenAI does; chat names `messages`.
+    assert_eq!(b["error"]["param"], "prompt", "{b}");
+    let (s, b) = post(
+        &h,
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": "y".repeat(300)}]}),
+    )
+    .await;
+    assert_eq!(
+        (s, b["error"]["code"].clone(), b["error"]["param"].clone()),
+        (400, json!("context_length_exceeded"), json!("messages")),
+        "{b}"
+    );
     let (s, b) = post(
         &h,
         "/v1/completions",

@@ -203,10 +203,21 @@ fn token_logprobs_round_trip() {
 
 #[test]
 fn node_cards_round_trip() {
-    for c in [card(Some(layout())), card(None)] {
+    let colocated = NodeCard {
+        id: NodeId::new("all-0"),
+        role: Role::All,
+        colocated: true,
+        ..card(Some(layout()))
+    };
+    for c in [card(Some(layout())), card(None), colocated] {
         let wire = through_bytes(&v1::NodeCard::from(&c));
+        assert_eq!(wire.colocated, c.colocated);
         assert_eq!(NodeCard::try_from(wire).unwrap(), c);
     }
+    // A card from an older sender (no field 12) reads as not colocated.
+    let mut old = v1::NodeCard::from(card(Some(layout())));
+    old.colocated = false;
+    assert!(!NodeCard::try_from(through_bytes(&old)).unwrap().colocated);
 }
 
 #[test]

@@ -2,7 +2,7 @@
 //! body or as server-sent events ending with `data: [DONE]`.
 
 use super::openai::{self, ChatRequest, CompletionRequest, PromptInput};
-use super::{ApiError, AppState, MAX_BODY_BYTES, error_body};
+use super::{AppState, MAX_BODY_BYTES, error_body_for};
 use crate::error::RouterError;
 use crate::router::{GenEvent, GenRequest, Generation, Router, Usage};
 use axum::body::Body;
@@ -22,6 +22,22 @@ use std::time::{SystemTime, UNIX_EPOCH};
 enum Api {
     Completion,
     Chat,
+}
+
+impl Api {
+    /// The request field holding the prompt, named by a context-length error (as OpenAI does).
+    fn prompt_param(self) -> &'static str {
+        match self {
+            Api::Completion => "prompt",
+            Api::Chat => "messages",
+        }
+    }
+}
+
+/// The OpenAI-style error response of `e` on the `api` endpoint.
+fn error_response(e: &RouterError, api: Api) -> Response {
+    let (status, body) = error_body_for(e, api.prompt_param());
+    (status, axum::Json(body)).into_response()
 }
 
 /// What shapes the response.
@@ -76,7 +92,7 @@ pub(super) async fn completions(
 ) -> Response {
     match completions_inner(st.router, headers, body).await {
         Ok(r) => r,
-        Err(e) => ApiError(e).into_response(),
+        Err(e) => error_response(&e, Api::Completion),
     }
 }
 
@@ -114,7 +130,7 @@ async fn completions_inner(
 pub(super) async fn chat(State(st): State<AppState>, headers: HeaderMap, body: Body) -> Response {
     match chat_inner(st.router, headers, body).await {
         Ok(r) => r,
-        Err(e) => ApiError(e).into_response(),
+        Err(e) => error_response(&e, Api::Chat),
     }
 }
 
@@ -400,7 +416,7 @@ fn sse(
                 st.done = true;
             }
             Some(GenEvent::Error(e)) => {
-                out.push(Event::default().data(error_body(&e).1.to_string()));
+                out.push(Event::default().data(error_body_for(&e, st.shape.api.prompt_param()).1.to_string()));
                 out.push(Event::default().data("[DONE]"));
                 st.done = true;
             }
@@ -408,7 +424,7 @@ fn sse(
                 let e = RouterError::Internal {
                     message: "the request ended without a finish".into(),
                 };
-                out.push(Event::default().data(error_body(&e).1.to_string()));
+                out.push(Event::default().data(error_body_for(&e, st.shape.api.prompt_param()).1.to_string()));
                 out.push(Event::default().data("[DONE]"));
                 st.done = true;
             }

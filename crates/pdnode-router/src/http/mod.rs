@@ -41,7 +41,7 @@ pub fn app(router: Arc<Router>) -> AxumRouter {
         .with_state(state)
 }
 
-/// An OpenAI-style error response.
+/// An OpenAI-style error response (chat's parameter names; see [`error_body`]).
 pub struct ApiError(pub RouterError);
 
 impl From<RouterError> for ApiError {
@@ -50,8 +50,15 @@ impl From<RouterError> for ApiError {
     }
 }
 
-/// `(status, body)` of an error, OpenAI style.
+/// `(status, body)` of an error, OpenAI style, for `/v1/chat/completions` (a context-length
+/// error names `messages`). See [`error_body_for`] for other endpoints.
 pub fn error_body(e: &RouterError) -> (StatusCode, serde_json::Value) {
+    error_body_for(e, "messages")
+}
+
+/// `(status, body)` of an error, OpenAI style; a context-length error names `prompt_param`, the
+/// request field holding the prompt (`prompt` on `/v1/completions`, `messages` on chat).
+pub fn error_body_for(e: &RouterError, prompt_param: &str) -> (StatusCode, serde_json::Value) {
     let kind = e.kind();
     let status = match e {
         RouterError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
@@ -80,7 +87,7 @@ pub fn error_body(e: &RouterError) -> (StatusCode, serde_json::Value) {
     };
     let param = match e {
         RouterError::InvalidParam { param, .. } => json!(param),
-        RouterError::ContextLength { .. } => json!("messages"),
+        RouterError::ContextLength { .. } => json!(prompt_param),
         RouterError::UnknownModel { .. } => json!("model"),
         _ => serde_json::Value::Null,
     };
@@ -234,5 +241,19 @@ mod tests {
             context_length: 8,
         });
         assert_eq!(b["error"]["code"], "context_length_exceeded");
+        assert_eq!(b["error"]["param"], "messages");
+        let (s, b) = error_body_for(
+            &RouterError::ContextLength {
+                prompt_tokens: 9,
+                max_tokens: 1,
+                context_length: 8,
+            },
+            "prompt",
+        );
+        assert_eq!(s.as_u16(), 400);
+        assert_eq!(b["error"]["param"], "prompt");
+        // Only the context-length error takes the prompt's name.
+        let (_, b) = error_body_for(&RouterError::param("top_p", "bad"), "prompt");
+        assert_eq!(b["error"]["param"], "top_p");
     }
 }

@@ -91,6 +91,16 @@ fn age(ms: u64) -> String {
     }
 }
 
+/// The ROLE cell: the role, and for a role-`all` node whether it is colocated (serves both
+/// phases on its node API, so routers pair it with itself) or keeps its engines in process.
+fn role_cell(c: &NodeCard) -> String {
+    match (c.role, c.colocated) {
+        (pdnode_core::Role::All, true) => "all (colocated)".into(),
+        (pdnode_core::Role::All, false) => "all (in-process)".into(),
+        (r, _) => r.to_string(),
+    }
+}
+
 /// ROLE, ID, MODEL, GRPC, LOAD (running/max, queued, free KV blocks), AGE.
 fn table(cards: &[NodeCard], now: u64) -> String {
     let header = ["ROLE", "ID", "MODEL", "GRPC", "LOAD", "AGE"].map(String::from);
@@ -98,7 +108,7 @@ fn table(cards: &[NodeCard], now: u64) -> String {
     for c in cards {
         let k = &c.capacity;
         rows.push([
-            c.role.to_string(),
+            role_cell(c),
             c.id.to_string(),
             if c.model_id.is_empty() {
                 "-".into()
@@ -134,4 +144,51 @@ fn table(cards: &[NodeCard], now: u64) -> String {
         out.push_str("(no nodes registered)\n");
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pdnode_core::card::{NodeAddresses, NodeCapacity};
+    use pdnode_core::{NodeId, Role};
+
+    fn card(id: &str, role: Role, colocated: bool) -> NodeCard {
+        NodeCard {
+            id: NodeId::new(id),
+            role,
+            cluster: "default".into(),
+            model_id: "m".into(),
+            model_fingerprint: "fp".into(),
+            kv_layout: None,
+            tp_size: 1,
+            addresses: NodeAddresses {
+                grpc: "127.0.0.1:7000".into(),
+                http: None,
+                ucx_worker: None,
+            },
+            capacity: NodeCapacity::default(),
+            version: "0".into(),
+            started_at_ms: 0,
+            colocated,
+        }
+    }
+
+    #[test]
+    fn the_role_column_says_whether_an_all_node_is_colocated() {
+        let t = table(
+            &[
+                card("a0", Role::All, true),
+                card("a1", Role::All, false),
+                card("p0", Role::Prefill, false),
+            ],
+            61_000,
+        );
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines.len(), 4, "{t}");
+        assert!(lines[0].starts_with("ROLE "), "{t}");
+        assert!(lines[1].starts_with("all (colocated)   a0 "), "{t}");
+        assert!(lines[2].starts_with("all (in-process)  a1 "), "{t}");
+        assert!(lines[3].starts_with("prefill           p0 "), "{t}");
+        assert!(lines[1].ends_with("1m1s"), "{t}");
+    }
 }

@@ -61,24 +61,7 @@ fn bench_llama31_8b_shapes() {
         )
     })
     .expect("benchmark");
-    println!(
-        "ceilings: HBM copy traffic {:.0} GB/s (read+write), bf16 GEMM 8192^3 {:.0} TFLOP/s",
-        ceil.hbm_traffic_bps / 1e9,
-        ceil.gemm_flops / 1e12
-    );
-    println!("| what | batch | ctx | ms/step | ceiling ms | ratio |");
-    println!("|---|---|---|---|---|---|");
-    for r in rows {
-        println!(
-            "| {} | {} | {} | {:.3} | {:.3} | {:.2} |",
-            r.what,
-            r.batch,
-            r.ctx,
-            r.ms,
-            r.floor_ms,
-            r.ratio()
-        );
-    }
+    print!("{}", bench::step_table(&ceil, &rows));
 }
 
 /// The decode attention kernel alone at Llama-3.1-8B attention shapes (one layer): K/V bytes read

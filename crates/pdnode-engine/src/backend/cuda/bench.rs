@@ -128,6 +128,29 @@ impl BenchRow {
     }
 }
 
+/// The step table of a [`run_variants`] sweep as printed by `pdnode bench-engine` and the GPU
+/// bench test: the ceilings line, then one markdown row per result.
+pub fn step_table(ceil: &Ceilings, rows: &[BenchRow]) -> String {
+    let mut out = format!(
+        "ceilings: HBM copy traffic {:.0} GB/s (read+write), bf16 GEMM 8192^3 {:.0} TFLOP/s\n\
+         | what | batch | ctx | ms/step | ceiling ms | ratio |\n|---|---|---|---|---|---|\n",
+        ceil.hbm_traffic_bps / 1e9,
+        ceil.gemm_flops / 1e12
+    );
+    for r in rows {
+        out.push_str(&format!(
+            "| {} | {} | {} | {:.3} | {:.3} | {:.2} |\n",
+            r.what,
+            r.batch,
+            r.ctx,
+            r.ms,
+            r.floor_ms,
+            r.ratio()
+        ));
+    }
+    out
+}
+
 /// KV blocks of `bs` tokens the largest step of the `(batch, ctx)` sweep `decode` holds.
 pub(crate) fn decode_blocks(decode: &[(usize, usize)], bs: usize) -> usize {
     decode
@@ -733,4 +756,39 @@ pub fn run_linear(
         }
     }
     Ok((copy, rows, steps))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn step_table_has_the_ceilings_and_one_row_per_result() {
+        let ceil = Ceilings {
+            hbm_traffic_bps: 4.2e12,
+            gemm_flops: 7.9e14,
+        };
+        let rows = [BenchRow {
+            what: "decode graph".into(),
+            batch: 8,
+            ctx: 512,
+            ms: 5.0,
+            floor_ms: 4.0,
+        }];
+        let t = step_table(&ceil, &rows);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(
+            lines[0],
+            "ceilings: HBM copy traffic 4200 GB/s (read+write), bf16 GEMM 8192^3 790 TFLOP/s"
+        );
+        assert_eq!(
+            lines[1],
+            "| what | batch | ctx | ms/step | ceiling ms | ratio |"
+        );
+        assert_eq!(
+            lines[3],
+            "| decode graph | 8 | 512 | 5.000 | 4.000 | 0.80 |"
+        );
+        assert_eq!(lines.len(), 4);
+    }
 }

@@ -16,7 +16,6 @@ use crate::{EngineService, NodeError};
 use pdnode_core::Role;
 use pdnode_core::config::Config;
 use pdnode_registry::{LiveMembership, Registry};
-use pdnode_router::RouterDeps;
 use pdnode_router::grpc_client::CardMembership;
 use std::sync::Arc;
 
@@ -111,14 +110,9 @@ pub async fn assemble(cfg: &Config, registry: Arc<dyn Registry>) -> Result<NodeD
                 .map_err(engine_err)?;
             let live = Arc::new(LiveMembership::start(&*registry, &cfg.node.cluster).await?);
             let membership = CardMembership::new(move |r| live.serving(r));
-            let deps = RouterDeps {
-                config: cfg.router.clone(),
-                api_keys: pd::api_keys(cfg).map_err(engine_err)?,
-                membership: Arc::new(membership),
-                tokenizer: rm.tokenizer,
-                chat: rm.chat,
-                model: rm.model,
-            };
+            let deps = rm
+                .into_deps(cfg, Arc::new(membership))
+                .map_err(engine_err)?;
             Ok(NodeDeps {
                 registry,
                 engine: None,

@@ -247,30 +247,38 @@ fn spawn_cuda(
         backend: "cuda".into(),
         message: err.to_string(),
     };
-    let arena_failed = |e: String| {
-        tracing::warn!(error = %e, "no KV staging arena: the hand-off copies through host staging");
+    // The hand-off arena, when this engine hands KV off (a failure leaves host staging).
+    let with_arena = |layout: &KvLayout, enable: &mut dyn FnMut(usize) -> Result<(), String>| {
+        let bytes = if with_staging {
+            staging_bytes(cfg, layout)
+        } else {
+            0
+        };
+        if bytes > 0
+            && let Err(e) = enable(bytes)
+        {
+            tracing::warn!(error = %e, "no KV staging arena: the hand-off copies through host staging");
+        }
     };
     if opts.tensor_parallel > 1 {
         let mut backend = CudaTpBackend::from_loaded(loaded, &opts).map_err(err)?;
-        if with_staging {
-            let bytes = staging_bytes(cfg, backend.kv_layout());
-            if bytes > 0
-                && let Err(e) = backend.enable_kv_staging(bytes)
-            {
-                arena_failed(e.to_string());
-            }
-        }
+        let layout = backend.kv_layout().clone();
+        with_arena(&layout, &mut |b| {
+            backend
+                .enable_kv_staging(b)
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        });
         Ok(spawn_with_memory(backend, loop_cfg, tokenizer))
     } else {
         let mut backend = CudaBackend::from_loaded(loaded, &opts).map_err(err)?;
-        if with_staging {
-            let bytes = staging_bytes(cfg, backend.kv_layout());
-            if bytes > 0
-                && let Err(e) = backend.enable_kv_staging(bytes)
-            {
-                arena_failed(e.to_string());
-            }
-        }
+        let layout = backend.kv_layout().clone();
+        with_arena(&layout, &mut |b| {
+            backend
+                .enable_kv_staging(b)
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        });
         Ok(spawn_with_memory(backend, loop_cfg, tokenizer))
     }
 }

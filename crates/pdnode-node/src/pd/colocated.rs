@@ -14,7 +14,7 @@
 
 use super::build::{BuildError, BuiltEngine, build_engine};
 use super::local::decode_chunk;
-use super::{api_keys, card, router_model};
+use super::{card, router_model};
 use futures::future::BoxFuture;
 use pdnode_core::config::Config;
 use pdnode_core::error::{Classify, ErrorKind};
@@ -316,14 +316,7 @@ pub fn colocated(cfg: &Config, node_id: &NodeId) -> Result<Colocated, BuildError
         card: card(cfg, node_id, Role::All, &built, "in-process"),
         client: node.clone(),
     }]);
-    let rm = router_model(cfg, built.tokenizer.clone(), built.context_length)?;
-    let deps = RouterDeps {
-        config: cfg.router.clone(),
-        api_keys: api_keys(cfg)?,
-        membership: Arc::new(membership),
-        tokenizer: rm.tokenizer,
-        chat: rm.chat,
-        model: rm.model,
-    };
+    let deps = router_model(cfg, built.tokenizer.clone(), built.context_length)?
+        .into_deps(cfg, Arc::new(membership))?;
     Ok(Colocated { deps, node, built })
 }

@@ -36,7 +36,9 @@ use pdnode_core::config::{Backend as BackendKind, Config, ModelFormat};
 use pdnode_core::{NodeId, Role};
 use pdnode_engine::scheduler::Mode;
 use pdnode_engine::text::Tokenizer;
-use pdnode_router::{ChatRender, ModelInfo, RouterDeps, StaticMembership, Tokenize, Worker};
+use pdnode_router::{
+    ChatRender, Membership, ModelInfo, RouterDeps, StaticMembership, Tokenize, Worker,
+};
 use pdnode_transfer::{KvTransport, UcxConfig, UcxTransport};
 use std::sync::Arc;
 use std::time::Duration;
@@ -46,6 +48,25 @@ pub struct RouterModel {
     pub tokenizer: Arc<dyn Tokenize>,
     pub chat: Arc<dyn ChatRender>,
     pub model: ModelInfo,
+}
+
+impl RouterModel {
+    /// The router's dependencies: this model, `membership`, and the config's router section and
+    /// API keys.
+    pub fn into_deps(
+        self,
+        cfg: &Config,
+        membership: Arc<dyn Membership>,
+    ) -> Result<RouterDeps, BuildError> {
+        Ok(RouterDeps {
+            config: cfg.router.clone(),
+            api_keys: api_keys(cfg)?,
+            membership,
+            tokenizer: self.tokenizer,
+            chat: self.chat,
+            model: self.model,
+        })
+    }
 }
 
 /// Frontend-side model pieces from an engine's tokenizer (or the mock's).
@@ -215,15 +236,8 @@ pub fn all_in_one(cfg: &Config, node_id: &NodeId) -> Result<AllInOne, BuildError
             client: decode.clone(),
         },
     ]);
-    let rm = router_model(cfg, p.tokenizer.clone(), p.context_length)?;
-    let deps = RouterDeps {
-        config: cfg.router.clone(),
-        api_keys: api_keys(cfg)?,
-        membership: Arc::new(membership),
-        tokenizer: rm.tokenizer,
-        chat: rm.chat,
-        model: rm.model,
-    };
+    let deps = router_model(cfg, p.tokenizer.clone(), p.context_length)?
+        .into_deps(cfg, Arc::new(membership))?;
     Ok(AllInOne {
         deps,
         prefill,

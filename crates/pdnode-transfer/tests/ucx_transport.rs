@@ -125,3 +125,66 @@ fn missing_library_is_a_clear_error() {
     .expect("must fail");
     assert!(e.to_string().contains("UCX library not found"), "{e}");
 }
+
+/// Sequential requests to one peer reuse its endpoint (and unpacked key): reconnecting per
+/// request dropped what UCX cached for the peer (CUDA IPC mappings: ~17 ms per GPU hand-off).
+/// A second peer gets its own endpoint; data still lands every time.
+#[test]
+fn sequential_requests_to_one_peer_reuse_its_endpoint() {
+    let (Some(a), Some(b), Some(c)) = (start("a", "tcp"), start("b", "tcp"), start("c", "tcp"))
+    else {
+        return;
+    };
+    let len = 1 << 20;
+    let mut src = vec![0u8; len];
+    let mut dst_b = vec![0u8; len];
+    let mut dst_c = vec![0u8; len];
+    // SAFETY: the buffers outlive the registrations (dropped at the end of this function, after
+    // every completion was waited for).
+    let src_reg = unsafe { a.register(LocalRegion::host(&mut src)) }.unwrap();
+    // SAFETY: as above.
+    let reg_b = unsafe { b.register(LocalRegion::host(&mut dst_b)) }.unwrap();
+    // SAFETY: as above.
+    let reg_c = unsafe { c.register(LocalRegion::host(&mut dst_c)) }.unwrap();
+    let span = [Span {
+        local_offset: 0,
+        remote_offset: 0,
+        len: len as u64,
+    }];
+    let (rs, rb) = (src_reg.region(), reg_b.region());
+    for round in 0..4u8 {
+        // SAFETY: the source region is registered (alive) and no operation on it is in flight.
+        unsafe { std::ptr::write_bytes(rs.addr as *mut u8, round + 1, rs.len) };
+        let target = a.connect(&b.local_address(), reg_b.descriptor()).unwrap();
+        a.put(&src_reg, &target, &span)
+            .unwrap()
+            .wait(deadline())
+            .unwrap();
+        a.flush(&target).unwrap().wait(deadline()).unwrap();
+        drop(target);
+        // SAFETY: the destination region is registered (alive) and the writer flushed.
+        let got = unsafe { std::slice::from_raw_parts(rb.addr as *const u8, rb.len) };
+        assert!(
+            got.iter().all(|&x| x == round + 1),
+            "round {round}: data differs"
+        );
+        assert_eq!(
+            a.endpoints_created(),
+            1,
+            "round {round}: the endpoint to b was not kept"
+        );
+    }
+    let target = a.connect(&c.local_address(), reg_c.descriptor()).unwrap();
+    a.put(&src_reg, &target, &span)
+        .unwrap()
+        .wait(deadline())
+        .unwrap();
+    a.flush(&target).unwrap().wait(deadline()).unwrap();
+    assert_eq!(
+        a.endpoints_created(),
+        2,
+        "a second peer needs its own endpoint"
+    );
+    drop(target);
+    drop((src_reg, reg_b, reg_c));
+}

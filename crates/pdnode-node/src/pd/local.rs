@@ -450,6 +450,10 @@ impl PdNode {
         });
         let (bytes, us, via_arena) = result?;
         let (arena_waits, arena_wait_timeouts) = self.arena_wait_counts();
+        let ucx_endpoints = match &self.mover {
+            KvMover::Ucx(t) => t.endpoints_created(),
+            _ => 0,
+        };
         tracing::debug!(
             request = %id,
             bytes,
@@ -459,6 +463,7 @@ impl PdNode {
             blocks = blocks.len(),
             arena_waits,
             arena_wait_timeouts,
+            ucx_endpoints,
             host_fallbacks = self.via_host.load(Ordering::Relaxed),
             gbps = %format_args!("{:.2}", bytes as f64 / (us.max(1) as f64 * 1e3)),
             "KV hand-off done"

@@ -85,6 +85,7 @@ pub struct UcxTransport {
     next_id: AtomicU64,
     call_timeout: Duration,
     thread: Mutex<Option<JoinHandle<()>>>,
+    endpoints_created: Arc<AtomicU64>,
 }
 
 impl UcxTransport {
@@ -106,9 +107,11 @@ impl UcxTransport {
         }
         let (ready_tx, ready_rx) = mpsc::sync_channel(1);
         let thread_cfg = cfg.clone();
+        let endpoints_created = Arc::new(AtomicU64::new(0));
+        let counter = endpoints_created.clone();
         let handle = std::thread::Builder::new()
             .name(format!("ucx-{}", cfg.name))
-            .spawn(move || thread::run(ucp, thread_cfg, rx, wake_rx, ready_tx))
+            .spawn(move || thread::run(ucp, thread_cfg, rx, wake_rx, ready_tx, counter))
             .map_err(|e| TransferError::Control {
                 reason: format!("spawn the UCX thread: {e}"),
             })?;
@@ -137,12 +140,20 @@ impl UcxTransport {
             next_id: AtomicU64::new(1),
             call_timeout: cfg.call_timeout,
             thread: Mutex::new(Some(handle)),
+            endpoints_created,
         })
     }
 
     /// `(major, minor, release)` of the loaded UCX.
     pub fn version(&self) -> (u32, u32, u32) {
         self.version
+    }
+
+    /// UCX endpoints this transport has created so far. Endpoints are kept per peer between
+    /// requests (reconnecting drops what the transports cached for the peer, e.g. CUDA IPC
+    /// mappings): a steady stream of requests to one peer keeps this at one.
+    pub fn endpoints_created(&self) -> u64 {
+        self.endpoints_created.load(Ordering::Relaxed)
     }
 
     /// What was loaded.

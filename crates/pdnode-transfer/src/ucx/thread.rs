@@ -11,7 +11,9 @@ use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::rc::Rc;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
+use std::time::{Duration, Instant};
 use ucx_sys::{Context, Endpoint, MemHandle, RemoteKey, Request, RequestState, Ucp, Worker};
 
 type Reply<T> = mpsc::SyncSender<Result<T, TransferError>>;
@@ -71,14 +73,38 @@ struct Pending {
     _keep: (Option<Rc<MemHandle>>, Rc<RemoteKey>),
 }
 
+/// A remote worker: its endpoint and the remote keys unpacked on it, kept between requests.
+///
+/// Closing the endpoint when its last target went made the next request to the same peer
+/// create a new one, and UCX's CUDA IPC transport drops the peer's mapped memory with its
+/// endpoint: the next put re-opened the IPC handle (milliseconds) — the ~17 ms hand-offs of
+/// sequential requests on an idle GPU pair. Peers stay until they fail or sit unused for
+/// [`PEER_IDLE`]; unpacked keys of one peer are reused for the same packed key.
+struct Peer {
+    /// Declared before `ep`: keys are destroyed before their endpoint.
+    rkeys: HashMap<Vec<u8>, Rc<RemoteKey>>,
+    ep: Rc<Endpoint>,
+    last_used: Instant,
+}
+
+/// How long a peer with no target and nothing in flight keeps its endpoint.
+const PEER_IDLE: Duration = Duration::from_secs(600);
+/// Unused remote keys kept per peer (a peer that registers a region per request would
+/// otherwise grow the map without bound).
+const PEER_SPARE_RKEYS: usize = 32;
+/// How often idle peers are looked for.
+const SWEEP_EVERY: Duration = Duration::from_secs(5);
+
 struct State {
     worker: Rc<Worker>,
     ctx: Rc<Context>,
     peer_failure: bool,
     regions: HashMap<u64, Rc<MemHandle>>,
-    eps: HashMap<Vec<u8>, Rc<Endpoint>>,
+    peers: HashMap<Vec<u8>, Peer>,
     targets: HashMap<u64, Target>,
     pending: Vec<Pending>,
+    endpoints_created: Arc<AtomicU64>,
+    last_sweep: Instant,
 }
 
 fn peer_name(address: &[u8]) -> String {
@@ -105,6 +131,7 @@ pub(crate) fn run(
     rx: mpsc::Receiver<Cmd>,
     mut wake: UnixStream,
     ready: mpsc::SyncSender<Result<Vec<u8>, TransferError>>,
+    endpoints_created: Arc<AtomicU64>,
 ) {
     let setup = || -> Result<(State, Vec<u8>, i32), TransferError> {
         if let Some(device) = cfg.cuda_device {
@@ -127,9 +154,11 @@ pub(crate) fn run(
                 ctx,
                 peer_failure: cfg.peer_failure,
                 regions: HashMap::new(),
-                eps: HashMap::new(),
+                peers: HashMap::new(),
                 targets: HashMap::new(),
                 pending: Vec::new(),
+                endpoints_created,
+                last_sweep: Instant::now(),
             },
             address,
             efd,
@@ -165,6 +194,7 @@ pub(crate) fn run(
         if busy {
             continue;
         }
+        st.sweep_idle_peers();
         if !st.pending.is_empty() {
             // Operations in flight: keep progressing, but let the other threads of a small
             // machine run.
@@ -184,7 +214,7 @@ pub(crate) fn run(
     // dependency order.
     st.pending.clear();
     st.targets.clear();
-    st.eps.clear();
+    st.peers.clear();
     st.regions.clear();
     let State { worker, ctx, .. } = st;
     drop(worker);
@@ -239,12 +269,11 @@ impl State {
             Cmd::Disconnect { id } => {
                 if let Some(t) = self.targets.remove(&id) {
                     drop(t.rkey);
-                    if self
-                        .eps
-                        .get(&t.address)
-                        .is_some_and(|ep| Rc::strong_count(ep) == 1)
-                    {
-                        self.eps.remove(&t.address);
+                    if let Some(p) = self.peers.get_mut(&t.address) {
+                        p.last_used = Instant::now();
+                        if p.rkeys.len() > PEER_SPARE_RKEYS {
+                            p.rkeys.retain(|_, k| Rc::strong_count(k) > 1);
+                        }
                     }
                 }
             }
@@ -286,13 +315,53 @@ impl State {
         Ok((addr, rkey))
     }
 
-    fn endpoint(&mut self, address: &[u8]) -> Result<Rc<Endpoint>, TransferError> {
-        if let Some(ep) = self.eps.get(address) {
-            if ep.failure().is_none() {
-                return Ok(ep.clone());
-            }
-            self.eps.remove(address);
+    /// The peer at `address`, connected now unless a healthy endpoint is kept.
+    fn peer(&mut self, address: &[u8]) -> Result<&mut Peer, TransferError> {
+        if self
+            .peers
+            .get(address)
+            .is_some_and(|p| p.ep.failure().is_some())
+        {
+            self.peers.remove(address);
         }
+        if !self.peers.contains_key(address) {
+            let ep = self.endpoint(address)?;
+            self.endpoints_created.fetch_add(1, Ordering::Relaxed);
+            self.peers.insert(
+                address.to_vec(),
+                Peer {
+                    rkeys: HashMap::new(),
+                    ep,
+                    last_used: Instant::now(),
+                },
+            );
+        }
+        let p = self
+            .peers
+            .get_mut(address)
+            .ok_or_else(|| TransferError::Control {
+                reason: "UCX peer vanished".into(),
+            })?;
+        p.last_used = Instant::now();
+        Ok(p)
+    }
+
+    /// Closes endpoints of peers with no target and nothing in flight for [`PEER_IDLE`].
+    fn sweep_idle_peers(&mut self) {
+        let now = Instant::now();
+        if now.duration_since(self.last_sweep) < SWEEP_EVERY {
+            return;
+        }
+        self.last_sweep = now;
+        let (targets, pending) = (&self.targets, &self.pending);
+        self.peers.retain(|address, p| {
+            now.duration_since(p.last_used) < PEER_IDLE
+                || targets.values().any(|t| &t.address == address)
+                || pending.iter().any(|q| Rc::ptr_eq(&q.ep, &p.ep))
+        });
+    }
+
+    fn endpoint(&mut self, address: &[u8]) -> Result<Rc<Endpoint>, TransferError> {
         let ep = match Endpoint::connect(&self.worker, address, self.peer_failure) {
             Ok(ep) => ep,
             Err(e) if self.peer_failure => {
@@ -306,7 +375,6 @@ impl State {
             }
             Err(e) => return Err(e.into()),
         };
-        self.eps.insert(address.to_vec(), ep.clone());
         Ok(ep)
     }
 
@@ -317,13 +385,20 @@ impl State {
         rkey: &[u8],
         base: u64,
     ) -> Result<(), TransferError> {
-        let ep = self.endpoint(&address)?;
-        let rkey = RemoteKey::unpack(&ep, rkey)?;
+        let peer = self.peer(&address)?;
+        let rkey = match peer.rkeys.get(rkey) {
+            Some(k) => k.clone(),
+            None => {
+                let k = Rc::new(RemoteKey::unpack(&peer.ep, rkey)?);
+                peer.rkeys.insert(rkey.to_vec(), k.clone());
+                k
+            }
+        };
         self.targets.insert(
             id,
             Target {
                 address,
-                rkey: Rc::new(rkey),
+                rkey,
                 base,
             },
         );
@@ -424,9 +499,9 @@ impl State {
                 && p.error.is_none()
             {
                 let address = self
-                    .eps
+                    .peers
                     .iter()
-                    .find(|(_, v)| Rc::ptr_eq(v, &ep))
+                    .find(|(_, v)| Rc::ptr_eq(&v.ep, &ep))
                     .map(|(k, _)| k.clone())
                     .unwrap_or_default();
                 self.pending[i].error = Some(classify(&ep, &address, e));

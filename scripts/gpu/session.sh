@@ -4,6 +4,8 @@
 #   tests[:names]  scripts/gpu/run-all.sh over the bundle's test binaries (names: run-all parts,
 #                  comma separated; default all of them, with tp)
 #   transfer       scripts/gpu/transfer.sh cuda (bench-transfer GPU0 -> GPU1)
+#   transfer-exp   scripts/gpu/transfer.sh exp (UCX variants, isolated ucx_perftest puts)
+#   overlap        scripts/gpu/overlap.sh (the hand-off against prefill: one chunk vs 512-token chunks)
 #   serve[:what]   scripts/gpu/serve.sh pd|colo|both (default both)
 #   smol           the demo model (.gpu-m/a from an earlier call on this machine + .gpu-m2/b):
 #                  scripts/gpu/smollm2.sh
@@ -38,6 +40,12 @@ for part in "$@"; do
         transfer)
             OUT=$LOGS/transfer bash scripts/gpu/transfer.sh cuda 2>&1 |
                 tee "$LOGS/transfer.out" | tail -20 >> "$summary" ;;
+        transfer-exp)
+            OUT=$LOGS/transfer-exp bash scripts/gpu/transfer.sh exp 2>&1 |
+                tee "$LOGS/transfer-exp.out" | tail -20 >> "$summary" ;;
+        overlap)
+            PD=$PD OUT=$LOGS/overlap bash scripts/gpu/overlap.sh 2>&1 |
+                tee "$LOGS/overlap.out" | tail -12 >> "$summary" ;;
         serve)
             PD=$PD OUT=$LOGS/serve bash scripts/gpu/serve.sh "${arg:-both}" 2>&1 |
                 tee "$LOGS/serve.out" | tail -40 >> "$summary" ;;

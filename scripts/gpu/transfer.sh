@@ -6,7 +6,9 @@
 # memory) with the KV shape of a 4k-token Llama-3.1-8B prompt (32 layers x 256 blocks x 64 KiB =
 # 512 MiB, TP=1) and the wheel's ucx_perftest as the ceiling: host put_bw, and GPU0 -> GPU1
 # cuda_ipc put_bw with one visible GPU per process. Logs in $OUT; a table is printed last.
-# usage: scripts/gpu/transfer.sh [quick|cuda]   (quick: fewer requests, smaller sweep; cuda: device rows only)
+# usage: scripts/gpu/transfer.sh [quick|cuda|exp]   (quick: fewer requests, smaller sweep; cuda: device
+# rows only; exp: the device 4k-token row under UCX variants, and ucx_perftest with few iterations:
+# what one isolated put costs against the pipelined figure)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 cd "$(dirname "$0")/../.."
@@ -55,12 +57,13 @@ bench() { # name timeout_s args...
 
 perftest() { # name tls mem size server_env client_env
     local name=$1 tls=$2 mem=$3 size=$4 senv=$5 cenv=$6 port=$((20000 + RANDOM % 20000))
-    env $senv UCX_TLS="$tls" "$PERFTEST" -p "$port" -t ucp_put_bw -m "$mem" -s "$size" -n 100 \
+    local iters=${PT_ITERS:-100} warm=${PT_WARMUP:-}
+    env $senv UCX_TLS="$tls" "$PERFTEST" -p "$port" -t ucp_put_bw -m "$mem" -s "$size" -n "$iters" ${warm:+-w $warm} \
         > "$OUT/$name.server.log" 2>&1 &
     local srv=$! out="" i=0
     while [ $i -lt 50 ]; do
         out=$(env $cenv UCX_TLS="$tls" timeout 120 "$PERFTEST" 127.0.0.1 -p "$port" -t ucp_put_bw \
-            -m "$mem" -s "$size" -n 100 2>&1) && break
+            -m "$mem" -s "$size" -n "$iters" ${warm:+-w $warm} 2>&1) && break
         i=$((i + 1)); sleep 0.2
     done
     kill "$srv" 2>/dev/null; wait "$srv" 2>/dev/null
@@ -71,6 +74,21 @@ perftest() { # name tls mem size server_env client_env
 }
 
 LLAMA="--layers 32 --blocks-per-request 256 --block-bytes 64K --requests $REQS --warmup 1"
+if [ "${1:-}" = exp ]; then
+    CU="--tls cuda_ipc,cuda_copy,tcp --mem cuda:0 --server-mem cuda:1"
+    bench exp-4lpp 30 $CU $LLAMA --layers-per-put 4
+    UCX_PROTO_ENABLE=n bench exp-4lpp-proto-v1 30 $CU $LLAMA --layers-per-put 4
+    UCX_CUDA_IPC_CACHE=n bench exp-4lpp-no-ipc-cache 60 $CU $LLAMA --layers-per-put 4
+    UCX_CUDA_IPC_MAX_STREAMS=1 bench exp-4lpp-1-stream 30 $CU $LLAMA --layers-per-put 4
+    for n in 1 3 10 100; do
+        PT_ITERS=$n PT_WARMUP=1 perftest "pt-512MiB-n$n" cuda_ipc,cuda_copy,tcp cuda 536870912 \
+            CUDA_VISIBLE_DEVICES=1 CUDA_VISIBLE_DEVICES=0
+    done
+    PT_ITERS=1 PT_WARMUP=1 perftest pt-64MiB-n1 cuda_ipc,cuda_copy,tcp cuda 67108864 \
+        CUDA_VISIBLE_DEVICES=1 CUDA_VISIBLE_DEVICES=0
+    printf '%s\n' "${rows[@]}"
+    exit 0
+fi
 HOST=1
 [ "${1:-}" = cuda ] && HOST=0
 [ $HOST = 1 ] && echo "== 1. host memory, UCX 1.22 (binding compatibility + figures)"

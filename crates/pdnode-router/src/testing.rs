@@ -17,7 +17,7 @@ use pdnode_core::request::TokenLogprob;
 use pdnode_core::{ErrorKind, FinishReason, NodeCard, NodeId, RequestId, Role};
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
@@ -182,15 +182,15 @@ impl FakeNode {
     }
 
     /// Waits until `pred` holds over the recorded calls, or `timeout` passes; returns whether it
-    /// held.
+    /// held. On tokio's clock, so it also works in tests with paused time.
     pub async fn wait_for(&self, timeout: Duration, pred: impl Fn(&[FakeCall]) -> bool) -> bool {
-        let deadline = Instant::now() + timeout;
+        let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let notified = self.changed.notified();
             if pred(&self.calls.lock()) {
                 return true;
             }
-            let left = deadline.saturating_duration_since(Instant::now());
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
             if left.is_zero() {
                 return false;
             }

@@ -7,16 +7,18 @@
 //!    under a fresh request id, on another prefill node (D reserves again); a failed reservation
 //!    likewise, on another decode node. Then the error goes to the client. Invalid-request
 //!    verdicts of a node are not retried.
-//!    While P computes, the router watches D: D leaving the membership (lease ended, restart) or
-//!    failing a liveness probe (`Stats`, from [`PROBE_EVERY`] into the prefill) drops the
-//!    prefill call, aborts it on P (which frees its blocks) and treats D like a failed
-//!    reservation: retried once on another decode node, else the client gets
-//!    [`RouterError::DecodeLost`] without waiting for the prefill to end.
+//!    While P computes, the router watches D (one watch per decode node, shared by all requests
+//!    waiting on it: [`super::decode_watch`]): D leaving the membership (lease ended, restart)
+//!    or failing a liveness probe (`Stats`, from a second into the prefill) drops the prefill
+//!    call, aborts it on P (which frees its blocks) and treats D like a failed reservation:
+//!    retried once on another decode node, else the client gets [`RouterError::DecodeLost`]
+//!    without waiting for the prefill to end.
 //! 4. `D.Decode` streams the rest; each gap between messages is bounded by `token_timeout_s`.
 //!    A broken or stalled stream aborts D and ends the client's stream with an error.
 //! 5. The client going away (the event receiver dropped) aborts the request on both nodes.
 //! 6. A stop string matched by the router's detokenizer ends the request and aborts D.
 
+use super::decode_watch::DecodeWatch;
 use super::{GenEvent, GenRequest, InflightGuard, Router, Usage};
 use crate::error::{RouterError, Step};
 use crate::membership::Worker;
@@ -33,13 +35,6 @@ use tokio::sync::mpsc;
 
 /// Longest wait for a node to acknowledge an Abort.
 const ABORT_TIMEOUT: Duration = Duration::from_secs(5);
-/// How often a running prefill checks that its decode node is still in the membership.
-const MEMBERSHIP_CHECK: Duration = Duration::from_millis(200);
-/// From this long into a prefill, and then as often, its decode node is probed with `Stats`
-/// (each probe bounded by the same time). Short prefills send no probe at all.
-pub(crate) const PROBE_EVERY: Duration = Duration::from_secs(1);
-/// Probes timing out in a row that count as the decode node being gone.
-const PROBE_MISSES: u32 = 3;
 
 enum Exit {
     Done(FinishReason),
@@ -196,55 +191,11 @@ enum PrefillEnd {
     DecodeLost(String),
 }
 
-/// Whether `d` (same id, same process start) still serves decode in the membership view.
-fn still_member(router: &Router, d: &Worker) -> bool {
-    router
-        .deps
-        .membership
-        .workers(Role::Decode)
-        .iter()
-        .any(|w| w.id() == d.id() && w.card.started_at_ms == d.card.started_at_ms)
-}
-
-/// Resolves only when the decode node `d` is gone: it left the membership, a liveness probe
-/// found it unreachable (`Unavailable`), or [`PROBE_MISSES`] probes in a row timed out. Any
-/// other answer, even an error, came from a live process. Returns why.
-async fn decode_lost(router: &Router, d: &Worker) -> String {
-    let mut next_probe = Instant::now() + PROBE_EVERY;
-    let mut misses = 0u32;
-    loop {
-        tokio::time::sleep(MEMBERSHIP_CHECK).await;
-        if !still_member(router, d) {
-            return "it left the membership (lease ended, restarted or removed)".to_string();
-        }
-        if Instant::now() < next_probe {
-            continue;
-        }
-        let probe_at = Instant::now();
-        match tokio::time::timeout(PROBE_EVERY, d.client.stats()).await {
-            Ok(Ok(_)) => misses = 0,
-            // Unreachable (connection refused or reset, engine stopped): gone.
-            Ok(Err(e)) if e.kind == ErrorKind::Unavailable => {
-                return format!("its liveness probe failed: {e}");
-            }
-            Ok(Err(e)) if e.kind == ErrorKind::Timeout => misses += 1,
-            // Any other answer (refused, overloaded, ...) came from a live process.
-            Ok(Err(e)) => {
-                misses = 0;
-                tracing::debug!(node = %d.id(), error = %e, "liveness probe answered with an error");
-            }
-            Err(_) => {
-                misses += 1;
-            }
-        }
-        if misses >= PROBE_MISSES {
-            return format!(
-                "{misses} liveness probes in a row got no answer within {} ms",
-                PROBE_EVERY.as_millis()
-            );
-        }
-        // One probe starts every PROBE_EVERY, however long the last one took.
-        next_probe = probe_at + PROBE_EVERY;
+/// Resolves only when the watched decode node is gone; says why. Never without a watch.
+async fn decode_lost(watch: &mut Option<DecodeWatch>) -> String {
+    match watch {
+        Some(w) => w.lost().await,
+        None => std::future::pending().await,
     }
 }
 
@@ -362,11 +313,14 @@ async fn drive(
             p.client.prefill(call),
         );
         // A colocated worker's decode side is the prefilling node itself: nothing to watch.
-        let watch = !is_colocated(&d);
+        let mut watch = (!is_colocated(&d))
+            .then(|| router.decode_watches.subscribe(&d, &router.deps.membership));
         let ended = tokio::select! {
             r = prefill => PrefillEnd::Done(r),
-            why = decode_lost(router, &d), if watch => PrefillEnd::DecodeLost(why),
+            why = decode_lost(&mut watch) => PrefillEnd::DecodeLost(why),
         };
+        // Leave D's watch now: the last request to leave stops it.
+        drop(watch);
         let outcome = match ended {
             PrefillEnd::Done(Ok(o)) => o,
             PrefillEnd::DecodeLost(reason) => {

@@ -4,6 +4,7 @@
 //! [`GenEvent`]s on a channel. Dropping the receiver is how a frontend says its client went away:
 //! the flow notices at once and aborts the request on both nodes.
 
+mod decode_watch;
 mod flow;
 mod state;
 
@@ -90,6 +91,8 @@ pub struct Router {
     pub(crate) deps: RouterDeps,
     pub(crate) state: Mutex<RouterState>,
     pub(crate) metrics: Arc<Metrics>,
+    /// One liveness watch per decode node some prefill is waiting on.
+    pub(crate) decode_watches: decode_watch::DecodeWatches,
     inflight: Arc<AtomicU32>,
     draining: AtomicBool,
 }
@@ -123,6 +126,7 @@ impl Router {
             deps,
             state: Mutex::new(RouterState::new(prefill, decode)),
             metrics,
+            decode_watches: decode_watch::DecodeWatches::default(),
             inflight: Arc::new(AtomicU32::new(0)),
             draining: AtomicBool::new(false),
         })
@@ -138,6 +142,12 @@ impl Router {
 
     pub fn inflight(&self) -> u32 {
         self.inflight.load(Ordering::Acquire)
+    }
+
+    /// Decode-node liveness watches running now: one task per decode node that some request's
+    /// prefill is waiting on, however many requests wait on it; 0 once none does.
+    pub fn decode_watches(&self) -> usize {
+        self.decode_watches.tasks()
     }
 
     /// Stops admitting requests (shutdown); those in flight go on.

@@ -1,0 +1,477 @@
+//! The decode-liveness watch: while a prefill runs, is its decode node still there?
+//!
+//! One watch per decode node (and process start), shared by every request whose prefill waits
+//! on that node, instead of one probe loop per request: however many prefills are in flight
+//! against D, D gets one membership check every [`MEMBERSHIP_CHECK`] and at most one `Stats`
+//! liveness probe every [`PROBE_EVERY`].
+//!
+//! - [`DecodeWatches::subscribe`] joins D's watch, starting its task on the first subscriber.
+//!   The returned [`DecodeWatch`] resolves [`DecodeWatch::lost`] once D is judged gone; dropping
+//!   it leaves the watch, and the last one to leave stops the task.
+//! - D is gone when it leaves the membership (same id and process start), when a probe finds it
+//!   unreachable (`Unavailable`), or after [`PROBE_MISSES`] probes in a row got no answer. Any
+//!   other answer, even an error, came from a live process.
+//! - A probe is sent only once some subscriber has waited [`PROBE_EVERY`] (short prefills send
+//!   none, however many overlap), then one every [`PROBE_EVERY`], each bounded by the same time.
+//! - A verdict ends the watch: every subscriber of that moment sees it, and a request that
+//!   picks D afterwards starts a fresh watch (a fresh judgement) as it did before the sharing.
+//!
+//! [`NodeWatch`] holds the decisions, synchronous and unit-tested; the task does the I/O.
+
+use crate::error::NodeError;
+use crate::membership::{Membership, Worker};
+use futures::future::BoxFuture;
+use parking_lot::Mutex;
+use pdnode_core::{ErrorKind, NodeId, Role};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+use tokio::sync::watch;
+use tokio::task::AbortHandle;
+use tokio::time::{Instant, MissedTickBehavior};
+
+/// How often a watched decode node is checked against the membership.
+pub(crate) const MEMBERSHIP_CHECK: Duration = Duration::from_millis(200);
+/// From this long into the longest running watched prefill, and then as often, the decode node
+/// is probed with `Stats` (each probe bounded by the same time).
+pub(crate) const PROBE_EVERY: Duration = Duration::from_secs(1);
+/// Probes timing out in a row that count as the decode node being gone.
+pub(crate) const PROBE_MISSES: u32 = 3;
+
+const LEFT_MEMBERSHIP: &str = "it left the membership (lease ended, restarted or removed)";
+
+/// What one liveness probe got.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum ProbeAnswer {
+    /// Stats came back.
+    Alive,
+    /// An error other than unreachable or timed out (refused, overloaded, ...): a live process.
+    Answered(NodeError),
+    /// Unreachable: connection refused or reset, engine stopped.
+    Unreachable(NodeError),
+    /// No answer within [`PROBE_EVERY`].
+    NoAnswer,
+}
+
+impl ProbeAnswer {
+    fn of(
+        r: Result<Result<crate::node::NodeStats, NodeError>, tokio::time::error::Elapsed>,
+    ) -> Self {
+        match r {
+            Ok(Ok(_)) => Self::Alive,
+            Ok(Err(e)) if e.kind == ErrorKind::Unavailable => Self::Unreachable(e),
+            Ok(Err(e)) if e.kind == ErrorKind::Timeout => Self::NoAnswer,
+            Ok(Err(e)) => Self::Answered(e),
+            Err(_) => Self::NoAnswer,
+        }
+    }
+}
+
+/// The decision state of one decode node's watch. No I/O.
+#[derive(Debug, Default)]
+pub(crate) struct NodeWatch {
+    /// Subscriber id -> when it started watching.
+    watchers: HashMap<u64, Instant>,
+    /// Probes in a row that got no answer.
+    misses: u32,
+    /// When the last probe started.
+    last_probe: Option<Instant>,
+}
+
+impl NodeWatch {
+    pub(crate) fn add(&mut self, id: u64, since: Instant) {
+        self.watchers.insert(id, since);
+    }
+
+    /// Removes a subscriber; whether it was one.
+    pub(crate) fn remove(&mut self, id: u64) -> bool {
+        self.watchers.remove(&id).is_some()
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.watchers.is_empty()
+    }
+
+    /// Whether a probe starts at `now` (the caller has none in flight): some subscriber has
+    /// watched for [`PROBE_EVERY`] and the last probe started at least that long ago. Books the
+    /// probe when it does.
+    pub(crate) fn start_probe(&mut self, now: Instant) -> bool {
+        let Some(oldest) = self.watchers.values().min() else {
+            return false;
+        };
+        let watched_long = now.saturating_duration_since(*oldest) >= PROBE_EVERY;
+        let period_over = self
+            .last_probe
+            .is_none_or(|t| now.saturating_duration_since(t) >= PROBE_EVERY);
+        let start = watched_long && period_over;
+        if start {
+            self.last_probe = Some(now);
+        }
+        start
+    }
+
+    /// Books a probe's answer; `Some(why)` when the node is gone.
+    pub(crate) fn probe_answered(&mut self, a: ProbeAnswer) -> Option<String> {
+        match a {
+            ProbeAnswer::Alive | ProbeAnswer::Answered(_) => {
+                self.misses = 0;
+                None
+            }
+            ProbeAnswer::Unreachable(e) => Some(format!("its liveness probe failed: {e}")),
+            ProbeAnswer::NoAnswer => {
+                self.misses += 1;
+                (self.misses >= PROBE_MISSES).then(|| {
+                    format!(
+                        "{} liveness probes in a row got no answer within {} ms",
+                        self.misses,
+                        PROBE_EVERY.as_millis()
+                    )
+                })
+            }
+        }
+    }
+}
+
+/// A decode node process: id and start time (a restart under the same id is another node).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct WatchKey {
+    node: NodeId,
+    started_at_ms: u64,
+}
+
+impl WatchKey {
+    fn of(w: &Worker) -> Self {
+        Self {
+            node: w.id().clone(),
+            started_at_ms: w.card.started_at_ms,
+        }
+    }
+}
+
+/// A watched node: its decisions, the channel its verdict goes out on and its task.
+struct Entry {
+    /// Tells this watch from a later one of the same node.
+    generation: u64,
+    watch: NodeWatch,
+    lost: watch::Sender<Option<Arc<str>>>,
+    task: AbortHandle,
+}
+
+#[derive(Default)]
+struct Shared {
+    nodes: Mutex<HashMap<WatchKey, Entry>>,
+    next_id: AtomicU64,
+    /// Watch tasks alive (spawned and not yet ended or dropped).
+    tasks: AtomicUsize,
+}
+
+impl Shared {
+    /// Runs `f` on the node's watch if it is still the watch `generation`.
+    fn with<T>(
+        &self,
+        key: &WatchKey,
+        generation: u64,
+        f: impl FnOnce(&mut NodeWatch) -> T,
+    ) -> Option<T> {
+        let mut nodes = self.nodes.lock();
+        match nodes.get_mut(key) {
+            Some(e) if e.generation == generation => Some(f(&mut e.watch)),
+            _ => None,
+        }
+    }
+
+    /// Ends the watch `generation` with a verdict every subscriber sees.
+    fn conclude(&self, key: &WatchKey, generation: u64, why: String) {
+        let mut nodes = self.nodes.lock();
+        if nodes.get(key).is_some_and(|e| e.generation == generation)
+            && let Some(e) = nodes.remove(key)
+        {
+            e.lost.send_replace(Some(why.into()));
+        }
+    }
+}
+
+/// Counts a watch task from its spawn to its end, however it ends (even dropped unpolled).
+struct TaskAlive(Arc<Shared>);
+
+impl TaskAlive {
+    fn new(s: &Arc<Shared>) -> Self {
+        s.tasks.fetch_add(1, Ordering::AcqRel);
+        Self(s.clone())
+    }
+}
+
+impl Drop for TaskAlive {
+    fn drop(&mut self) {
+        self.0.tasks.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// The router's decode-node watches, one per node being waited on.
+#[derive(Default)]
+pub(crate) struct DecodeWatches {
+    shared: Arc<Shared>,
+}
+
+impl DecodeWatches {
+    /// Joins the watch of decode node `d`, starting it if nobody watches `d` yet. Must be called
+    /// inside a tokio runtime.
+    pub(crate) fn subscribe(&self, d: &Worker, membership: &Arc<dyn Membership>) -> DecodeWatch {
+        let s = &self.shared;
+        let id = s.next_id.fetch_add(1, Ordering::Relaxed);
+        let key = WatchKey::of(d);
+        let now = Instant::now();
+        let mut nodes = s.nodes.lock();
+        if let Some(e) = nodes.get_mut(&key) {
+            e.watch.add(id, now);
+            return DecodeWatch {
+                shared: s.clone(),
+                key,
+                generation: e.generation,
+                id,
+                lost: e.lost.subscribe(),
+            };
+        }
+        let generation = id;
+        let (tx, rx) = watch::channel(None);
+        let mut w = NodeWatch::default();
+        w.add(id, now);
+        // The entry goes in under the same lock, before the task can look for it.
+        let alive = TaskAlive::new(s);
+        let task = tokio::spawn(run_watch(
+            alive,
+            key.clone(),
+            generation,
+            d.clone(),
+            membership.clone(),
+        ));
+        nodes.insert(
+            key.clone(),
+            Entry {
+                generation,
+                watch: w,
+                lost: tx,
+                task: task.abort_handle(),
+            },
+        );
+        DecodeWatch {
+            shared: s.clone(),
+            key,
+            generation,
+            id,
+            lost: rx,
+        }
+    }
+
+    /// Watch tasks alive now: one per decode node some prefill is waiting on.
+    pub(crate) fn tasks(&self) -> usize {
+        self.shared.tasks.load(Ordering::Acquire)
+    }
+}
+
+/// One request's subscription to a decode node's watch; dropping it leaves the watch.
+pub(crate) struct DecodeWatch {
+    shared: Arc<Shared>,
+    key: WatchKey,
+    generation: u64,
+    id: u64,
+    lost: watch::Receiver<Option<Arc<str>>>,
+}
+
+impl DecodeWatch {
+    /// Resolves only when the node is judged gone; says why.
+    pub(crate) async fn lost(&mut self) -> String {
+        let why = match self.lost.wait_for(Option::is_some).await {
+            Ok(why) => Some(why.as_deref().unwrap_or_default().to_string()),
+            Err(_) => None,
+        };
+        match why {
+            Some(why) => why,
+            // The watch went away without a verdict (its task cannot end so while subscribed,
+            // short of a panic): no news of the node; the caller's own deadlines still hold.
+            None => std::future::pending().await,
+        }
+    }
+}
+
+impl Drop for DecodeWatch {
+    fn drop(&mut self) {
+        let mut nodes = self.shared.nodes.lock();
+        let last = match nodes.get_mut(&self.key) {
+            Some(e) if e.generation == self.generation => {
+                e.watch.remove(self.id);
+                e.watch.is_empty()
+            }
+            _ => false,
+        };
+        if last && let Some(e) = nodes.remove(&self.key) {
+            e.task.abort();
+        }
+    }
+}
+
+/// Whether `d` (same id, same process start) still serves decode in the membership view.
+fn still_member(m: &dyn Membership, d: &Worker) -> bool {
+    m.workers(Role::Decode)
+        .iter()
+        .any(|w| w.id() == d.id() && w.card.started_at_ms == d.card.started_at_ms)
+}
+
+fn probe(d: &Worker) -> BoxFuture<'static, ProbeAnswer> {
+    let client = d.client.clone();
+    Box::pin(
+        async move { ProbeAnswer::of(tokio::time::timeout(PROBE_EVERY, client.stats()).await) },
+    )
+}
+
+/// The in-flight probe's answer; pending while there is none.
+async fn answer(p: &mut Option<BoxFuture<'static, ProbeAnswer>>) -> ProbeAnswer {
+    match p {
+        Some(f) => f.await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The watch of one decode node: a membership check every [`MEMBERSHIP_CHECK`] and the
+/// probes [`NodeWatch`] asks for, running alongside. Ends with a verdict, or when its entry is
+/// gone (the last subscriber left; that also aborts it).
+async fn run_watch(
+    alive: TaskAlive,
+    key: WatchKey,
+    generation: u64,
+    d: Worker,
+    membership: Arc<dyn Membership>,
+) {
+    let shared = alive.0.clone();
+    let _alive = alive;
+    let mut tick = tokio::time::interval_at(Instant::now() + MEMBERSHIP_CHECK, MEMBERSHIP_CHECK);
+    tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut in_flight: Option<BoxFuture<'static, ProbeAnswer>> = None;
+    loop {
+        let verdict = tokio::select! {
+            _ = tick.tick() => {
+                (!still_member(membership.as_ref(), &d)).then(|| LEFT_MEMBERSHIP.to_string())
+            }
+            a = answer(&mut in_flight) => {
+                in_flight = None;
+                if let ProbeAnswer::Answered(e) = &a {
+                    tracing::debug!(node = %d.id(), error = %e, "liveness probe answered with an error");
+                }
+                match shared.with(&key, generation, |w| w.probe_answered(a)) {
+                    Some(v) => v,
+                    None => return,
+                }
+            }
+        };
+        if let Some(why) = verdict {
+            tracing::info!(node = %d.id(), reason = %why, "decode node lost");
+            shared.conclude(&key, generation, why);
+            return;
+        }
+        if in_flight.is_none() {
+            match shared.with(&key, generation, |w| w.start_probe(Instant::now())) {
+                None => return,
+                Some(true) => in_flight = Some(probe(&d)),
+                Some(false) => {}
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(kind: ErrorKind) -> NodeError {
+        NodeError::new(kind, "x")
+    }
+
+    #[test]
+    fn probes_start_once_a_watcher_waited_a_period_then_one_per_period() {
+        let t0 = Instant::now();
+        let mut w = NodeWatch::default();
+        assert!(!w.start_probe(t0 + PROBE_EVERY), "nobody watches: no probe");
+        w.add(1, t0);
+        assert!(
+            !w.start_probe(t0 + PROBE_EVERY / 2),
+            "a short wait sends none"
+        );
+        // Many later watchers change nothing.
+        for i in 2..50 {
+            w.add(i, t0 + PROBE_EVERY / 2);
+        }
+        assert!(w.start_probe(t0 + PROBE_EVERY));
+        assert!(!w.start_probe(t0 + PROBE_EVERY), "one per period");
+        assert!(!w.start_probe(t0 + PROBE_EVERY * 3 / 2));
+        assert!(w.start_probe(t0 + PROBE_EVERY * 2));
+        // The old watcher leaves: the young ones have waited long enough by now.
+        assert!(w.remove(1));
+        assert!(!w.remove(1));
+        assert!(w.start_probe(t0 + PROBE_EVERY * 3));
+        for i in 2..50 {
+            w.remove(i);
+        }
+        assert!(w.is_empty());
+        assert!(!w.start_probe(t0 + PROBE_EVERY * 10));
+    }
+
+    #[test]
+    fn young_watchers_alone_send_no_probe() {
+        let t0 = Instant::now();
+        let mut w = NodeWatch::default();
+        // Overlapping short prefills: each leaves before it waited a period.
+        for i in 0..20u64 {
+            let at = t0 + Duration::from_millis(100 * i);
+            w.add(i, at);
+            if i >= 3 {
+                w.remove(i - 3);
+            }
+            assert!(!w.start_probe(at), "at {i}");
+        }
+    }
+
+    #[test]
+    fn verdicts_follow_the_documented_rules() {
+        let mut w = NodeWatch::default();
+        assert_eq!(w.probe_answered(ProbeAnswer::NoAnswer), None);
+        assert_eq!(w.probe_answered(ProbeAnswer::NoAnswer), None);
+        // An answer, even an error, resets the count.
+        assert_eq!(
+            w.probe_answered(ProbeAnswer::Answered(err(ErrorKind::Overloaded))),
+            None
+        );
+        assert_eq!(w.probe_answered(ProbeAnswer::NoAnswer), None);
+        assert_eq!(w.probe_answered(ProbeAnswer::Alive), None);
+        for _ in 1..PROBE_MISSES {
+            assert_eq!(w.probe_answered(ProbeAnswer::NoAnswer), None);
+        }
+        let why = w.probe_answered(ProbeAnswer::NoAnswer).expect("gone");
+        assert!(why.contains("3 liveness probes in a row"), "{why}");
+
+        let mut w = NodeWatch::default();
+        let why = w
+            .probe_answered(ProbeAnswer::Unreachable(err(ErrorKind::Unavailable)))
+            .expect("gone");
+        assert!(why.contains("liveness probe failed"), "{why}");
+    }
+
+    #[test]
+    fn answers_are_classified_by_kind() {
+        use crate::node::NodeStats;
+        let ok: Result<NodeStats, NodeError> = Ok(NodeStats::default());
+        assert_eq!(ProbeAnswer::of(Ok(ok)), ProbeAnswer::Alive);
+        assert!(matches!(
+            ProbeAnswer::of(Ok(Err(err(ErrorKind::Unavailable)))),
+            ProbeAnswer::Unreachable(_)
+        ));
+        assert_eq!(
+            ProbeAnswer::of(Ok(Err(err(ErrorKind::Timeout)))),
+            ProbeAnswer::NoAnswer
+        );
+        assert!(matches!(
+            ProbeAnswer::of(Ok(Err(err(ErrorKind::Internal)))),
+            ProbeAnswer::Answered(_)
+        ));
+    }
+}

@@ -188,3 +188,48 @@ async fn a_lost_decode_node_is_replaced_by_another() {
     );
     h.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_prefills_share_one_watch_of_their_decode_node() {
+    let h = harness(1).await;
+    let n = 32;
+    let mut gens: Vec<_> = (0..n).map(|_| start(&h)).collect();
+    let p = &h.prefill[0];
+    assert!(
+        p.wait_for(Duration::from_secs(5), |cs| cs
+            .iter()
+            .filter(|c| is_prefill(c))
+            .count()
+            == n)
+            .await,
+        "{:?}",
+        p.calls()
+    );
+    assert_eq!(h.router.decode_watches(), 1);
+    // Two probe periods: one request's worth of probes, not n times that.
+    let d = &h.decode[0];
+    let stats = |cs: &[FakeCall]| cs.iter().filter(|c| matches!(c, FakeCall::Stats)).count();
+    assert!(
+        d.wait_for(Duration::from_secs(5), |cs| stats(cs) >= 2)
+            .await
+    );
+    let probes = stats(&d.calls());
+    println!("{n} prefills waiting on d0: {probes} probes in its first two periods");
+    assert!(probes <= 3, "{probes} probes");
+
+    h.membership.remove(&NodeId::new("d0"));
+    for g in &mut gens {
+        match next_event(g, Duration::from_secs(3)).await {
+            GenEvent::Error(RouterError::DecodeLost { .. }) => {}
+            ev => panic!("expected DecodeLost, got {ev:?}"),
+        }
+    }
+    assert_eq!(p.aborts().len(), n);
+    assert_eq!(p.kv_blocks_held(), 0);
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while h.router.decode_watches() > 0 {
+        assert!(Instant::now() < deadline, "the watch task did not end");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    h.stop().await;
+}

@@ -21,6 +21,8 @@ paged_attention(const bf16_t* __restrict__ q, const bf16_t* __restrict__ layer_k
                 int block_size, float scale, int split_len, bf16_t* __restrict__ out,
                 float* __restrict__ part_ml, float* __restrict__ part_acc,
                 const int* __restrict__ tok_list) {
+    PD_GRID_WAIT();
+    PD_GRID_LAUNCH_DEPENDENTS();
     __shared__ float sm_acc[ATT_NW][ATT_MAXG][ATT_MAXDPL * 32];
     __shared__ float sm_m[ATT_NW][ATT_MAXG];
     __shared__ float sm_l[ATT_NW][ATT_MAXG];
@@ -130,6 +132,8 @@ extern "C" __global__ void attention_combine(const float* __restrict__ part_ml,
                                              const float* __restrict__ part_acc,
                                              bf16_t* __restrict__ out, int hd, int nsplit,
                                              const int* __restrict__ tok_list, int nh) {
+    PD_GRID_WAIT();
+    PD_GRID_LAUNCH_DEPENDENTS();
     const i64 th = tok_list ? (i64)tok_list[blockIdx.x / nh] * nh + blockIdx.x % nh
                             : (i64)blockIdx.x;
     float M = -INFINITY;

@@ -158,6 +158,7 @@ __device__ void attn_v2(const bf16_t* __restrict__ q, const bf16_t* __restrict__
         const int* block_tables, int max_blocks, int nh, int nkv, int hd, int block_size,         \
         float scale, int split_len, bf16_t* out, float* part_ml, float* part_acc,                 \
         const int* tok_list) {                                                                    \
+        PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();                                             \
         attn_v2<DPL>(q, layer_kv, tok_seq, tok_pos, block_tables, max_blocks, nh, nkv, hd,        \
                      block_size, scale, split_len, out, part_ml, part_acc, tok_list);             \
     }

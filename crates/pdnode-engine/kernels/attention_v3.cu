@@ -339,6 +339,7 @@ __device__ __forceinline__ void attn_v3(const bf16_t* __restrict__ q,
         const int* block_tables, int max_blocks, int nh, int nkv, int hd, int block_size,         \
         float scale, int split_len, bf16_t* out, float* part_ml, float* part_acc,                 \
         const int* tok_list) {                                                                    \
+        PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();                                             \
         attn_v3<HD, TK, NST, MG>(q, layer_kv, tok_seq, tok_pos, block_tables, max_blocks, nh,     \
                                  nkv, block_size, scale, split_len, out, part_ml, part_acc,       \
                                  tok_list);                                                       \

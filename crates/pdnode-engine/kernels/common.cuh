@@ -6,6 +6,25 @@ typedef unsigned short bf16_t;
 typedef long long i64;
 #define INFINITY __int_as_float(0x7f800000)
 
+// Programmatic dependent launch (Hopper; the backend's `PDNODE_PDL` switch). Every kernel starts
+// with PD_GRID_WAIT() then PD_GRID_LAUNCH_DEPENDENTS(), before any global memory access. Launched
+// with the programmatic-stream-serialization attribute, a kernel may become resident while the
+// previous kernel of the stream still runs; the wait blocks until that kernel has completed and
+// its memory is visible. The trigger lets the next kernel be scheduled once every block of this
+// one has started (its own wait still holds it until this grid completes). Both are no-ops for a
+// grid launched without the attribute, and compile to nothing before sm_90.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define PD_GRID_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#define PD_GRID_LAUNCH_DEPENDENTS() asm volatile("griddepcontrol.launch_dependents;")
+#else
+#define PD_GRID_WAIT() \
+    do {               \
+    } while (0)
+#define PD_GRID_LAUNCH_DEPENDENTS() \
+    do {                            \
+    } while (0)
+#endif
+
 __device__ __forceinline__ float bf2f(bf16_t x) { return __uint_as_float(((unsigned int)x) << 16); }
 
 __device__ __forceinline__ bf16_t f2bf(float f) {

@@ -4,6 +4,8 @@
 extern "C" __global__ void embed_gather(const bf16_t* __restrict__ table,
                                         const unsigned int* __restrict__ ids,
                                         float* __restrict__ resid, int hidden) {
+    PD_GRID_WAIT();
+    PD_GRID_LAUNCH_DEPENDENTS();
     const i64 t = blockIdx.x;
     const bf16_t* src = table + (i64)ids[t] * hidden;
     float* dst = resid + t * hidden;
@@ -17,6 +19,8 @@ extern "C" __global__ void embed_gather(const bf16_t* __restrict__ table,
 extern "C" __global__ void add_rmsnorm(float* __restrict__ resid, const float* __restrict__ delta,
                                        const float* __restrict__ w, bf16_t* __restrict__ out,
                                        const int* __restrict__ rows, int hidden, float eps) {
+    PD_GRID_WAIT();
+    PD_GRID_LAUNCH_DEPENDENTS();
     __shared__ float sh[33];
     const i64 r = blockIdx.x;
     const i64 s = rows ? (i64)rows[r] : r;
@@ -38,6 +42,8 @@ extern "C" __global__ void add_rmsnorm(float* __restrict__ resid, const float* _
 // out[t, i] = silu(gu[t, i]) * gu[t, inter + i]; gu rows are [gate | up]. grid-stride.
 extern "C" __global__ void swiglu(const bf16_t* __restrict__ gu, bf16_t* __restrict__ out,
                                   int tokens, int inter) {
+    PD_GRID_WAIT();
+    PD_GRID_LAUNCH_DEPENDENTS();
     const i64 n = (i64)tokens * inter;
     for (i64 k = (i64)blockIdx.x * blockDim.x + threadIdx.x; k < n; k += (i64)gridDim.x * blockDim.x) {
         const i64 t = k / inter, i = k - t * inter;
@@ -57,6 +63,8 @@ __device__ __forceinline__ unsigned long long splitmix64(unsigned long long x) {
 // p[i] = uniform(-scale, scale) from a hash of (seed, i): dummy weights generated on the device.
 extern "C" __global__ void fill_uniform_bf16(bf16_t* __restrict__ p, i64 n, unsigned long long seed,
                                             float scale) {
+    PD_GRID_WAIT();
+    PD_GRID_LAUNCH_DEPENDENTS();
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         const unsigned long long h = splitmix64(seed ^ splitmix64((unsigned long long)i));
         const float u = (float)(h >> 40) * (1.0f / 16777216.0f);  // [0, 1)
@@ -69,6 +77,8 @@ extern "C" __global__ void fill_uniform_bf16(bf16_t* __restrict__ p, i64 n, unsi
 // generates exactly its slice of the tensor that TP = 1 would generate).
 extern "C" __global__ void fill_uniform_bf16_2d(bf16_t* __restrict__ p, i64 rows, i64 cols, i64 src_ld,
                                                i64 src_off, unsigned long long seed, float scale) {
+    PD_GRID_WAIT();
+    PD_GRID_LAUNCH_DEPENDENTS();
     const i64 n = rows * cols;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         const i64 r = i / cols, c = i - r * cols;
@@ -80,6 +90,8 @@ extern "C" __global__ void fill_uniform_bf16_2d(bf16_t* __restrict__ p, i64 rows
 }
 
 extern "C" __global__ void fill_f32(float* __restrict__ p, i64 n, float v) {
+    PD_GRID_WAIT();
+    PD_GRID_LAUNCH_DEPENDENTS();
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
         p[i] = v;
 }

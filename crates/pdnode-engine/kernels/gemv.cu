@@ -52,6 +52,7 @@ __device__ void gemv_impl(const bf16_t* __restrict__ w, const bf16_t* __restrict
     extern "C" __global__ void __launch_bounds__(256) NAME(const bf16_t* w, const bf16_t* x,      \
                                                            void* y, int T, int out, int in,       \
                                                            int y_f32, int accumulate) {           \
+        PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();                                            \
         gemv_impl<MT>(w, x, y, T, out, in, y_f32, accumulate);                                   \
     }
 
@@ -264,6 +265,7 @@ __device__ void gemv_mma_impl(const bf16_t* __restrict__ w, const bf16_t* __rest
     extern "C" __global__ void __launch_bounds__(512, 1) NAME(const bf16_t* w, const bf16_t* x,      \
                                                            void* y, int T, int out, int in,       \
                                                            int y_f32, int accumulate) {           \
+        PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();                                                \
         gemv_mma_impl<MT, U, PF, 0, 0>(w, x, y, T, out, in, y_f32, accumulate, nullptr, nullptr,     \
                                        nullptr, 0.f);                                               \
     }
@@ -280,6 +282,7 @@ GEMV_MMA_KERNEL(gemv_mma_m2_pf, 2, 2, 1)
 #define GEMV_MMA_GLU_KERNEL(NAME, PF)                                                               \
     extern "C" __global__ void __launch_bounds__(512, 1) NAME(const bf16_t* w, const bf16_t* x,      \
                                                            bf16_t* y, int T, int out, int in) {   \
+        PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();                                              \
         gemv_mma_impl<1, 4, PF, 1, 0>(w, x, y, T, out, in, 0, 0, nullptr, nullptr, nullptr, 0.f);  \
     }
 
@@ -295,6 +298,7 @@ GEMV_MMA_GLU_KERNEL(gemv_mma_glu_m1_pf, 1)
     extern "C" __global__ void __launch_bounds__(384, 2) NAME(                                      \
         const bf16_t* w, const bf16_t* x, float* y, int T, int out, int in, int accumulate,        \
         const float* nw, bf16_t* normed, unsigned int* ticket, float eps) {                         \
+        PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();                                               \
         gemv_mma_impl<1, 4, PF, 0, 1>(w, x, y, T, out, in, 1, accumulate, nw, normed, ticket, eps); \
     }
 

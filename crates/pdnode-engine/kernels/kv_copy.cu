@@ -5,6 +5,8 @@
 extern "C" __global__ void kv_gather(const uint4* __restrict__ pool, uint4* __restrict__ staging,
                                      const int* __restrict__ blocks, int nblocks, int layer0,
                                      int num_blocks, i64 lb_vec) {
+    PD_GRID_WAIT();
+    PD_GRID_LAUNCH_DEPENDENTS();
     const i64 idx = blockIdx.x;
     const i64 l = idx / nblocks, b = idx % nblocks;
     const uint4* src = pool + ((i64)(layer0 + l) * num_blocks + blocks[b]) * lb_vec;
@@ -15,6 +17,8 @@ extern "C" __global__ void kv_gather(const uint4* __restrict__ pool, uint4* __re
 extern "C" __global__ void kv_scatter(uint4* __restrict__ pool, const uint4* __restrict__ staging,
                                       const int* __restrict__ blocks, int nblocks, int layer0,
                                       int num_blocks, i64 lb_vec) {
+    PD_GRID_WAIT();
+    PD_GRID_LAUNCH_DEPENDENTS();
     const i64 idx = blockIdx.x;
     const i64 l = idx / nblocks, b = idx % nblocks;
     uint4* dst = pool + ((i64)(layer0 + l) * num_blocks + blocks[b]) * lb_vec;

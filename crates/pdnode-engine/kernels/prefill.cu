@@ -5,6 +5,8 @@
 // or head-major y back into those rows of x. grid: (n, nh), block: 64.
 extern "C" __global__ void transpose_heads(bf16_t* __restrict__ x, bf16_t* __restrict__ y,
                                            int row0, int n, int nh, int hd, int to_head_major) {
+    PD_GRID_WAIT();
+    PD_GRID_LAUNCH_DEPENDENTS();
     const i64 t = blockIdx.x, h = blockIdx.y;
     bf16_t* a = x + ((row0 + t) * nh + h) * hd;
     bf16_t* b = y + (h * n + t) * hd;
@@ -20,6 +22,8 @@ extern "C" __global__ void kv_gather_seq(const bf16_t* __restrict__ layer_kv,
                                          const int* __restrict__ table, int nkv, int hd,
                                          int block_size, int len_cap, bf16_t* __restrict__ kc,
                                          bf16_t* __restrict__ vc) {
+    PD_GRID_WAIT();
+    PD_GRID_LAUNCH_DEPENDENTS();
     const i64 p = blockIdx.x, h = blockIdx.y;
     const i64 row = (i64)nkv * hd;
     const i64 blk = table[p / block_size];
@@ -38,6 +42,8 @@ extern "C" __global__ void kv_gather_seq(const bf16_t* __restrict__ layer_kv,
 // block: 256.
 extern "C" __global__ void causal_softmax(const float* __restrict__ s, bf16_t* __restrict__ p,
                                           int tq, int tk, int q0, float scale) {
+    PD_GRID_WAIT();
+    PD_GRID_LAUNCH_DEPENDENTS();
     __shared__ float sh_m[32], sh_l[32];
     const i64 r = blockIdx.x;
     const int t = (int)(r % tq);

@@ -262,6 +262,7 @@ __device__ __forceinline__ void flash_prefill_impl(const bf16_t* __restrict__ q,
         const bf16_t* __restrict__ q, bf16_t* __restrict__ out,                                   \
         const bf16_t* __restrict__ layer_kv, const int* __restrict__ table, int row0, int n,      \
         int start, int nh, int nkv, int block_size, float scale_log2) {                           \
+        PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();                                             \
         __shared__ __align__(16) bf16_t ks[FP_BN * (HD + 8)];                                     \
         __shared__ __align__(16) bf16_t vs[FP_BN * (HD + 8)];                                     \
         flash_prefill_impl<HD, NW>(q, out, layer_kv, table, row0, n, start, nh, nkv, block_size,  \
@@ -454,6 +455,7 @@ __device__ __forceinline__ void flash_prefill_m32_impl(const bf16_t* __restrict_
         const bf16_t* __restrict__ q, bf16_t* __restrict__ out,                                   \
         const bf16_t* __restrict__ layer_kv, const int* __restrict__ table, int row0, int n,      \
         int start, int nh, int nkv, int block_size, float scale_log2) {                           \
+        PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();                                             \
         extern __shared__ __align__(16) unsigned char fp_dyn_smem[];                              \
         flash_prefill_m32_impl<HD, BN>(q, out, layer_kv, table, row0, n, start, nh, nkv, block_size,  \
                                    scale_log2, (bf16_t*)fp_dyn_smem);                             \
@@ -686,6 +688,7 @@ __device__ __forceinline__ void flash_prefill_v2_impl(const bf16_t* __restrict__
         const bf16_t* __restrict__ q, bf16_t* __restrict__ out,                                   \
         const bf16_t* __restrict__ layer_kv, const int* __restrict__ table, int row0, int n,      \
         int start, int nh, int nkv, int block_size, float scale_log2) {                           \
+        PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();                                             \
         extern __shared__ __align__(16) unsigned char fp_dyn_smem[];                              \
         flash_prefill_v2_impl<HD, 8>(q, out, layer_kv, table, row0, n, start, nh, nkv,            \
                                      block_size, scale_log2, (bf16_t*)fp_dyn_smem);              \

@@ -218,6 +218,7 @@ __device__ __forceinline__ void flash_prefill_v3_impl(const bf16_t* __restrict__
         const bf16_t* __restrict__ q, bf16_t* __restrict__ out,                                   \
         const bf16_t* __restrict__ layer_kv, const int* __restrict__ table, int row0, int n,      \
         int start, int nh, int nkv, int block_size, float scale_log2) {                           \
+        PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();                                             \
         extern __shared__ __align__(16) unsigned char fp_dyn_smem[];                              \
         flash_prefill_v3_impl<HD, 8>(q, out, layer_kv, table, row0, n, start, nh, nkv,            \
                                      block_size, scale_log2, (bf16_t*)fp_dyn_smem);              \

@@ -12,6 +12,8 @@ extern "C" __global__ void rope_qkv(const bf16_t* __restrict__ qkv, const float*
                                     const i64* __restrict__ slots, bf16_t* __restrict__ q_out,
                                     bf16_t* __restrict__ layer_kv, int nh, int nkv, int hd,
                                     int block_size, float eps) {
+    PD_GRID_WAIT();
+    PD_GRID_LAUNCH_DEPENDENTS();
     __shared__ float sh[33];
     const i64 t = blockIdx.x;
     const int j = blockIdx.y;

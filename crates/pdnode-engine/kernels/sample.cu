@@ -22,6 +22,8 @@ __device__ __forceinline__ void argmax_merge(float& best, int& idx, float v, int
 // on ties (exactly sampling::argmax on the host); -1 when the row has no such value.
 extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int vocab,
                                        int* __restrict__ out) {
+    PD_GRID_WAIT();
+    PD_GRID_LAUNCH_DEPENDENTS();
     const float* row = logits + (size_t)blockIdx.x * (size_t)vocab;
     float best = 0.0f;
     int idx = -1;

@@ -523,3 +523,140 @@ fn tp2_argmax_rows_match_host_argmax() {
         );
     }
 }
+
+// ---- programmatic dependent launch (PDNODE_PDL) ----------------------------------------------
+
+/// Elements whose bits differ, and the largest absolute difference among them.
+fn bit_diff(a: &[f32], b: &[f32]) -> (usize, f32) {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .filter(|(x, y)| x.to_bits() != y.to_bits())
+        .fold((0, 0f32), |(n, m), (x, y)| (n + 1, m.max((x - y).abs())))
+}
+
+/// `fb` on both backends: their logits and the KV of `fb`'s blocks must be bit-identical;
+/// returns how many logits were compared.
+fn same_out(
+    name: &str,
+    what: &str,
+    a: &mut CudaBackend,
+    b: &mut CudaBackend,
+    fb: &ForwardBatch,
+) -> usize {
+    let (la, lb) = (a.forward(fb).unwrap(), b.forward(fb).unwrap());
+    let (n, worst) = bit_diff(&lb.data, &la.data);
+    assert!(
+        n == 0,
+        "{name} {what}: {n} of {} logits differ with PDL (max |diff| {worst:e})",
+        la.data.len()
+    );
+    let used: Vec<BlockId> = fb
+        .seqs
+        .iter()
+        .flat_map(|s| s.block_table.iter().copied())
+        .collect();
+    let layers = a.kv_layout().num_layers;
+    let (ka, kb) = (read_all(a, layers, &used), read_all(b, layers, &used));
+    assert!(ka == kb, "{name} {what}: KV bytes differ with PDL");
+    la.data.len()
+}
+
+/// The same steps on two backends built alike (weights, KV contents), one launching our kernels
+/// with programmatic dependent launch and one without: a prefill step (a long prompt on the
+/// prefill attention path, a short one on the paged kernel), then decode steps eagerly and from
+/// CUDA graphs (captured with PDL launches in them) at batch sizes with padding rows. Logits and
+/// the KV written must be bit-identical: PDL changes when a kernel is scheduled, never what it
+/// computes, as long as every kernel waits (`griddepcontrol.wait`) before touching memory.
+fn pdl_matches_plain_launches(spec: &ModelSpec, name: &str) {
+    let mut rng = rng(name);
+    let w = tiny_weights(spec, &mut rng);
+    let mut plain = CudaBackend::new(spec, &w, &opts(1, true), "test".into()).unwrap();
+    let mut pdl = CudaBackend::new(spec, &w, &opts(1, true), "test".into()).unwrap();
+    assert!(!plain.set_pdl(false));
+    if !pdl.set_pdl(true) {
+        println!("GRAPH pdl {name}: SKIP (this GPU or driver takes no programmatic launches)");
+        return;
+    }
+    let seed: u64 = rng.random();
+    plain.fill_kv_random(seed).unwrap();
+    pdl.fill_kv_random(seed).unwrap();
+    let mut free: Vec<u32> = (0..NUM_BLOCKS).collect();
+    free.shuffle(&mut rng);
+    // prefill: 100 tokens (>= prefill_gemm_min_tokens) and 9
+    let p1: Vec<u32> = (0..100)
+        .map(|_| rng.random_range(0..spec.vocab_size as u32))
+        .collect();
+    let p2: Vec<u32> = (0..9)
+        .map(|_| rng.random_range(0..spec.vocab_size as u32))
+        .collect();
+    let t1: Vec<BlockId> = free
+        .drain(..100usize.div_ceil(BLOCK))
+        .map(BlockId)
+        .collect();
+    let t2: Vec<BlockId> = free.drain(..1).map(BlockId).collect();
+    let prefill = ForwardBatch {
+        seqs: vec![
+            SeqStep {
+                tokens: &p1,
+                start_pos: 0,
+                block_table: &t1,
+                want_logits: true,
+            },
+            SeqStep {
+                tokens: &p2,
+                start_pos: 0,
+                block_table: &t2,
+                want_logits: true,
+            },
+        ],
+    };
+    plain.set_cuda_graphs(false);
+    pdl.set_cuda_graphs(false);
+    let mut compared = same_out(name, "prefill", &mut plain, &mut pdl, &prefill);
+    let sizes = [1usize, 3, 8, 33];
+    for &n in &sizes {
+        let s = seqs(&mut rng, &mut free, n);
+        for step in 0..STEPS {
+            let toks: Vec<[u32; 1]> = (0..n)
+                .map(|_| [rng.random_range(0..spec.vocab_size as u32)])
+                .collect();
+            let b = batch(&s, &toks, step);
+            for graphs in [false, true] {
+                plain.set_cuda_graphs(graphs);
+                pdl.set_cuda_graphs(graphs);
+                let what = format!("batch {n} step {step} graphs={graphs}");
+                compared += same_out(name, &what, &mut plain, &mut pdl, &b);
+            }
+        }
+    }
+    let (sp, sq) = (plain.graph_stats(), pdl.graph_stats());
+    let steps = (sizes.len() * STEPS) as u64;
+    for st in [&sp, &sq] {
+        assert_eq!(st.capture_failures, 0, "{name}: {st:?}");
+        assert_eq!(
+            st.replays, steps,
+            "{name}: every decode step replayed: {st:?}"
+        );
+    }
+    assert!(pdl.pdl() && !plain.pdl());
+    println!(
+        "GRAPH pdl {name}: PASS, prefill + {steps} decode steps eager and replayed, {compared} logits and the KV bit-identical with and without PDL; graphs {sq:?}"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
+fn pdl_decode_steps_match_plain_launches() {
+    pdl_matches_plain_launches(&tiny_spec(false, false), "tiny-llama");
+    let qwen = ModelSpec {
+        hidden_size: 128,
+        intermediate_size: 192,
+        num_heads: 8,
+        num_kv_heads: 2,
+        head_dim: 128,
+        ..tiny_spec(true, true)
+    };
+    pdl_matches_plain_launches(&qwen, "qwen-like-hd128");
+    pdl_matches_plain_launches(&wide_spec(), "llama-hd128");
+}

@@ -420,6 +420,29 @@ impl CudaBackend {
         self.opts.linear = linear;
     }
 
+    /// Switches programmatic dependent launch of our kernels for later steps (`PDNODE_PDL` sets
+    /// it at start; tests and benchmarks compare both on one backend); returns what it is now
+    /// (false where the GPU cannot: [`Gpu::set_pdl`]). Captured graphs are dropped on a change:
+    /// they hold launches of the other kind.
+    pub fn set_pdl(&mut self, on: bool) -> bool {
+        let before = self.gpu.pdl();
+        let now = self.gpu.set_pdl(on);
+        if now != before {
+            // as set_kernels: wait for any replay before dropping the graphs
+            if self.gpu.bind().is_ok() && self.gpu.sync().is_ok() {
+                self.graphs.clear();
+            } else {
+                self.graphs.disable();
+            }
+        }
+        now
+    }
+
+    /// Whether our kernels' launches are programmatic dependent launches ([`Self::set_pdl`]).
+    pub fn pdl(&self) -> bool {
+        self.gpu.pdl()
+    }
+
     /// Turns decode-step CUDA graphs on or off for later steps (benchmarks and tests compare
     /// both on one backend); graphs captured so far are kept for when they are turned back on.
     pub fn set_cuda_graphs(&mut self, on: bool) {

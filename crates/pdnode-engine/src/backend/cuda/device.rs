@@ -4,7 +4,7 @@
 //! Every buffer is a plain `cuMemAlloc` region (never the stream-ordered pool), so the KV pool can
 //! be exported over CUDA IPC, and kernels take raw device pointers (`u64`).
 
-use super::{CudaError, drv};
+use super::{CudaError, drv, launch};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, result};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -214,6 +214,11 @@ pub struct Gpu {
     kernels: HashMap<&'static str, CudaFunction>,
     pub compute_capability: (i32, i32),
     pub sm_count: u32,
+    /// Launches of our kernels carry the programmatic-dependent-launch attribute
+    /// ([`super::launch`]); only ever true where `pdl_ok`.
+    pdl: bool,
+    /// The device and driver take programmatic dependent launches.
+    pdl_ok: bool,
 }
 
 // SAFETY: the cuBLAS handle and CUDA objects are used only by the thread holding `&mut`/`&` of the
@@ -250,6 +255,16 @@ impl Gpu {
             kernels.insert(name, f);
         }
         let blas = super::blas::Blas::new(&stream)?;
+        let pdl_ok = launch::pdl_supported(cc, launch::driver_version());
+        let pdl = launch::pdl_requested() && pdl_ok;
+        if launch::pdl_requested() && !pdl_ok {
+            tracing::warn!(
+                gpu = ordinal,
+                cc = ?cc,
+                driver = launch::driver_version(),
+                "PDNODE_PDL: programmatic dependent launch needs sm_90 and a 12.3+ driver; off"
+            );
+        }
         Ok(Self {
             ordinal,
             ctx,
@@ -258,7 +273,27 @@ impl Gpu {
             kernels,
             compute_capability: cc,
             sm_count,
+            pdl,
+            pdl_ok,
         })
+    }
+
+    /// Whether our kernel launches on this GPU are programmatic dependent launches.
+    pub fn pdl(&self) -> bool {
+        self.pdl
+    }
+
+    /// Switches programmatic dependent launch for later launches on this GPU (`PDNODE_PDL` sets
+    /// it when the GPU is opened); returns what it is now: false where the device or driver
+    /// cannot ([`launch::pdl_supported`]). Graphs captured before keep how they were captured.
+    pub fn set_pdl(&mut self, on: bool) -> bool {
+        self.pdl = on && self.pdl_ok;
+        self.pdl
+    }
+
+    /// A launch of `f` (one of [`Gpu::kernel`]'s) on this GPU's stream: see [`launch::Launch`].
+    pub fn launch_builder<'a>(&'a self, f: &'a CudaFunction) -> launch::Launch<'a> {
+        launch::Launch::new(self, f)
     }
 
     /// Makes this GPU's context current on the calling thread.

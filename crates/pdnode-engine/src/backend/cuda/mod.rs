@@ -4,6 +4,8 @@
 //!
 //! - [`probe`]: is there a driver and a device? (`backend = "auto"` / `"cuda"` selection).
 //! - [`device`]: one GPU: context, stream, cuBLAS handle, compiled kernels, raw device buffers.
+//! - [`launch`]: the one launch path of our kernels ([`launch::Launch`]), with programmatic
+//!   dependent launch behind `PDNODE_PDL`.
 //! - [`ops`]: shape-checked launch wrappers, one per kernel (also what the kernel tests call).
 //! - [`prefill`]: prefill attention: fused flash attention on tensor cores (`mma.sync`, K/V read
 //!   straight from the paged pool, chunked-prefill aware; `PDNODE_PREFILL_ATTN` picks a variant),
@@ -44,6 +46,7 @@ pub mod backend;
 pub mod bench;
 pub mod blas;
 pub mod device;
+pub mod launch;
 pub mod ops;
 pub mod prefill;
 pub mod probe;

@@ -4,7 +4,7 @@
 
 use super::CudaError;
 use super::device::{DevBuf, Gpu};
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 
 mod linear;
 pub use linear::*;
@@ -78,7 +78,7 @@ pub fn embed_gather(
     }
     let f = gpu.kernel(OP)?;
     let h = hidden as i32;
-    let mut b = gpu.stream.launch_builder(f);
+    let mut b = gpu.launch_builder(f);
     b.arg(table.ptr_ref())
         .arg(&ids)
         .arg(resid.ptr_ref())
@@ -122,7 +122,7 @@ pub fn add_rmsnorm(
         rows.unwrap_or(0),
         hidden as i32,
     );
-    let mut b = gpu.stream.launch_builder(f);
+    let mut b = gpu.launch_builder(f);
     b.arg(resid.ptr_ref())
         .arg(&dp)
         .arg(w.ptr_ref())
@@ -151,7 +151,7 @@ pub fn swiglu(
     }
     let f = gpu.kernel(OP)?;
     let (t, i) = (tokens as i32, inter as i32);
-    let mut b = gpu.stream.launch_builder(f);
+    let mut b = gpu.launch_builder(f);
     b.arg(gu.ptr_ref()).arg(out.ptr_ref()).arg(&t).arg(&i);
     // SAFETY: sizes checked above.
     unsafe { b.launch(cfg((stride_grid(gpu, tokens * inter, 256), 1, 1), 256)) }
@@ -174,7 +174,7 @@ pub fn fill_uniform_bf16(
     }
     let f = gpu.kernel(OP)?;
     let nn = n as i64;
-    let mut b = gpu.stream.launch_builder(f);
+    let mut b = gpu.launch_builder(f);
     b.arg(p.ptr_ref()).arg(&nn).arg(&seed).arg(&scale);
     // SAFETY: size checked above.
     unsafe { b.launch(cfg((stride_grid(gpu, n, 256), 1, 1), 256)) }.map_err(launched(OP))?;
@@ -205,7 +205,7 @@ pub fn fill_uniform_bf16_2d(
     let f = gpu.kernel(OP)?;
     let ptr = p.at(off);
     let (r, c, ld, so) = (rows as i64, cols as i64, src_ld as i64, src_off as i64);
-    let mut b = gpu.stream.launch_builder(f);
+    let mut b = gpu.launch_builder(f);
     b.arg(&ptr)
         .arg(&r)
         .arg(&c)
@@ -227,7 +227,7 @@ pub fn fill_f32(gpu: &Gpu, p: &DevBuf, n: usize, v: f32) -> Result<(), CudaError
     }
     let f = gpu.kernel(OP)?;
     let nn = n as i64;
-    let mut b = gpu.stream.launch_builder(f);
+    let mut b = gpu.launch_builder(f);
     b.arg(p.ptr_ref()).arg(&nn).arg(&v);
     // SAFETY: size checked above.
     unsafe { b.launch(cfg((stride_grid(gpu, n, 256), 1, 1), 256)) }.map_err(launched(OP))?;
@@ -311,7 +311,7 @@ pub fn rope_qkv(
         k_norm.map_or(0u64, |x| x.ptr()),
     );
     let (nh_i, nkv_i, hd_i, bs_i) = (nh as i32, nkv as i32, hd as i32, d.block_size as i32);
-    let mut b = gpu.stream.launch_builder(f);
+    let mut b = gpu.launch_builder(f);
     b.arg(qkv.ptr_ref())
         .arg(&bp)
         .arg(&qn)
@@ -380,7 +380,7 @@ pub fn kv_copy(
         num_blocks as i32,
         (layer_block_bytes / 16) as i64,
     );
-    let mut b = gpu.stream.launch_builder(f);
+    let mut b = gpu.launch_builder(f);
     b.arg(pool.ptr_ref())
         .arg(staging.ptr_ref())
         .arg(&blocks)

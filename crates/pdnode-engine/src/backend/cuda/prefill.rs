@@ -14,7 +14,7 @@ use super::CudaError;
 use super::blas::{Operand, OutType, gemm_strided_batched};
 use super::device::{DevBuf, Gpu};
 use super::ops::AttnDims;
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU8, Ordering};
 
@@ -247,7 +247,7 @@ impl PrefillScratch {
             // q rows -> head-major
             let f = gpu.kernel("transpose_heads")?;
             let one = 1i32;
-            let mut b = gpu.stream.launch_builder(f);
+            let mut b = gpu.launch_builder(f);
             b.arg(q.ptr_ref())
                 .arg(&qh)
                 .arg(&row0)
@@ -262,7 +262,7 @@ impl PrefillScratch {
             let f = gpu.kernel("kv_gather_seq")?;
             let table = tables + (s.seq * max_blocks * 4) as u64;
             let e_i = e as i32;
-            let mut b = gpu.stream.launch_builder(f);
+            let mut b = gpu.launch_builder(f);
             b.arg(&layer_ptr)
                 .arg(&table)
                 .arg(&nkv_i)
@@ -314,7 +314,7 @@ impl PrefillScratch {
                 }
                 let f = gpu.kernel("causal_softmax")?;
                 let (tq_i, tk_i, q0) = (tqc as i32, tk as i32, (s.start + c0) as i32);
-                let mut b = gpu.stream.launch_builder(f);
+                let mut b = gpu.launch_builder(f);
                 b.arg(&sp)
                     .arg(&pp)
                     .arg(&tq_i)
@@ -360,7 +360,7 @@ impl PrefillScratch {
             // head-major -> out rows
             let f = gpu.kernel("transpose_heads")?;
             let zero = 0i32;
-            let mut b = gpu.stream.launch_builder(f);
+            let mut b = gpu.launch_builder(f);
             b.arg(out.ptr_ref())
                 .arg(&oh)
                 .arg(&row0)
@@ -451,7 +451,7 @@ fn run_flash(
     for s in seqs {
         let table = tables + (s.seq * max_blocks * 4) as u64;
         let (row0, n, start) = (s.row0 as i32, s.n as i32, s.start as i32);
-        let mut b = gpu.stream.launch_builder(f);
+        let mut b = gpu.launch_builder(f);
         b.arg(q.ptr_ref())
             .arg(out.ptr_ref())
             .arg(&layer_ptr)

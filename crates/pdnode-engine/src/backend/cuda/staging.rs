@@ -12,7 +12,7 @@ use super::CudaBackend;
 use crate::backend::{
     BackendError, KvRegion, KvStaging, MemKind, check_staging_io, check_staging_strided,
 };
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 use pdnode_core::BlockId;
 use std::ops::Range;
 use std::sync::Arc;
@@ -152,7 +152,7 @@ impl CudaBackend {
                 continue;
             }
             let (dst, l0) = (arena.at(*offset), layers.start as i32);
-            let mut b = self.gpu.stream.launch_builder(f);
+            let mut b = self.gpu.launch_builder(f);
             b.arg(self.pool.ptr_ref())
                 .arg(&dst)
                 .arg(&idp)

@@ -7,7 +7,7 @@ use super::CudaBackend;
 use crate::backend::cuda::CudaError;
 use crate::backend::cuda::device::Pinned;
 use crate::backend::{BackendError, LogitsWant, RowStore, StepLogits, check_logits_wants};
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 
 /// Copies the landed logits into the host buffer the step returns. Past a few MiB (batch
 /// 64 x 128k vocab is 33 MB) the copy is split over the rayon pool.
@@ -70,7 +70,7 @@ impl CudaBackend {
             reason: format!("vocabulary {vocab} exceeds i32"),
         })?;
         let f = self.gpu.kernel(OP)?;
-        let mut b = self.gpu.stream.launch_builder(f);
+        let mut b = self.gpu.launch_builder(f);
         b.arg(self.ws.logits.ptr_ref())
             .arg(&v)
             .arg(self.ws.tokens.ptr_ref());

@@ -5,7 +5,6 @@
 use super::super::CudaError;
 use super::super::device::{DevBuf, Gpu};
 use super::{AttnDims, BF16, F32, cfg, launched, need, shape, u32_of};
-use cudarc::driver::PushKernelArg;
 
 /// Split-K workspace of [`paged_attention`]: `part_ml` f32 `[rows, nsplit, 2]`,
 /// `part_acc` f32 `[rows, nsplit, hd]` with `rows = tokens * nh`.
@@ -487,7 +486,7 @@ pub fn paged_attention_ex(
         split_len as i32,
     );
     let list_ptr = list.map_or(0u64, |l| l.0);
-    let mut b = gpu.stream.launch_builder(f);
+    let mut b = gpu.launch_builder(f);
     b.arg(q.ptr_ref())
         .arg(&layer_ptr)
         .arg(&meta.tok_seq)
@@ -516,7 +515,7 @@ pub fn paged_attention_ex(
     if nsplit > 1 {
         let f = gpu.kernel("attention_combine")?;
         let ns = nsplit as i32;
-        let mut b = gpu.stream.launch_builder(f);
+        let mut b = gpu.launch_builder(f);
         b.arg(ws.part_ml.ptr_ref())
             .arg(ws.part_acc.ptr_ref())
             .arg(out.ptr_ref())

@@ -7,7 +7,6 @@ use super::super::CudaError;
 use super::super::blas::OutType;
 use super::super::device::{DevBuf, Gpu};
 use super::{cfg, launched, need, shape, u32_of};
-use cudarc::driver::PushKernelArg;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 const BF16: usize = 2;
@@ -431,7 +430,7 @@ pub fn gemv_mma_swiglu(
     };
     let f = gpu.kernel(name)?;
     let (t_i, o_i, i_i) = (tokens as i32, i32_of(OP, inter)?, i32_of(OP, inp)?);
-    let mut b = gpu.stream.launch_builder(f);
+    let mut b = gpu.launch_builder(f);
     b.arg(w.ptr_ref())
         .arg(x.ptr_ref())
         .arg(act.ptr_ref())
@@ -586,7 +585,7 @@ pub fn gemv_mma_norm(
         i32_of(OP, inp)?,
         accumulate as i32,
     );
-    let mut b = gpu.stream.launch_builder(f);
+    let mut b = gpu.launch_builder(f);
     b.arg(w.ptr_ref())
         .arg(x.ptr_ref())
         .arg(y.ptr_ref())
@@ -671,7 +670,7 @@ fn launch_gemv(
         (ty == OutType::F32) as i32,
         accumulate as i32,
     );
-    let mut b = gpu.stream.launch_builder(f);
+    let mut b = gpu.launch_builder(f);
     b.arg(w.ptr_ref())
         .arg(x.ptr_ref())
         .arg(y.ptr_ref())

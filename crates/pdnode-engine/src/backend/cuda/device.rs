@@ -256,8 +256,9 @@ impl Gpu {
         }
         let blas = super::blas::Blas::new(&stream)?;
         let pdl_ok = launch::pdl_supported(cc, launch::driver_version());
-        let pdl = launch::pdl_requested() && pdl_ok;
-        if launch::pdl_requested() && !pdl_ok {
+        let requested = launch::pdl_requested();
+        let pdl = requested && pdl_ok;
+        if requested && !pdl_ok {
             tracing::warn!(
                 gpu = ordinal,
                 cc = ?cc,

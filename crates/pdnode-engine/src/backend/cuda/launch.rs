@@ -65,8 +65,9 @@ pub fn pdl_supported(cc: (i32, i32), driver: i32) -> bool {
     cc.0 >= 9 && driver >= PDL_MIN_DRIVER
 }
 
-/// `cuDriverGetVersion` (e.g. 13000 for CUDA 13.0); 0 if the call fails.
-pub(crate) fn driver_version() -> i32 {
+/// `cuDriverGetVersion` (e.g. 13000 for CUDA 13.0); 0 if the call fails. Call it after
+/// [`super::probe`] found a driver (cudarc panics on a driver call when libcuda is absent).
+pub fn driver_version() -> i32 {
     let mut v: std::ffi::c_int = 0;
     // SAFETY: the driver library is loaded (the probe ran before any GPU is opened) and the call
     // writes one int through a valid pointer.

@@ -59,7 +59,15 @@ print("tokenizer.json:", len(words), "bench words,", len(vocab), "entries")
 PY
 
 pids=()
-stop_all() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done; for p in "${pids[@]}"; do wait "$p" 2>/dev/null; done; pids=(); }
+# Newest first, each waited for: the nodes deregister while etcd (started first) still runs.
+stop_all() {
+    local i
+    for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
+        kill "${pids[$i]}" 2>/dev/null
+        wait "${pids[$i]}" 2>/dev/null
+    done
+    pids=()
+}
 trap stop_all EXIT
 common() { # role id listen
     cat <<T
@@ -232,6 +240,7 @@ bench() { # name url
 
 if [ "$WHAT" != colo ]; then
     echo "== PD: prefill GPU0, decode GPU1, router; KV over UCX ($LIB)"
+    rm -rf /tmp/pd-etcd # a fresh registry per run: no lease of an earlier run's node
     "$PD/etcd" --data-dir /tmp/pd-etcd --listen-client-urls http://127.0.0.1:2379 \
         --advertise-client-urls http://127.0.0.1:2379 --listen-peer-urls http://127.0.0.1:2380 \
         > "$OUT/etcd.log" 2>&1 &

@@ -394,3 +394,133 @@ fn tp2_kv_staging_arena_round_trip() {
         "TP2 gather + scatter through the arenas changed the KV"
     );
 }
+
+/// The NVLink ceiling the KV hand-off is compared against, measured the way a hand-off uses the
+/// link: GPU0 -> GPU1 copies of one 4k-token Llama-3.1-8B request's KV (512 MiB) in `cuMemAlloc`
+/// memory, one process, peer access on. "isolated": one copy after an idle pause, timed from
+/// enqueue to the stream's completion (what one hand-off sees); "back-to-back": the per-copy time
+/// of 10 copies in a row (the pipelined figure a bandwidth test reports); "warm": a copy enqueued
+/// right after another one finished. Also the same 512 MiB as 32 x 16 MiB copies (one per
+/// layer), and split over 2 and 4 streams (more copy engines). Prints `|` table rows.
+#[test]
+#[ignore]
+fn bench_peer_copy_isolated_vs_pipelined() {
+    use cudarc::driver::{CudaContext, result, sys};
+    use std::time::{Duration, Instant};
+    if CudaContext::device_count().unwrap_or(0) < 2 {
+        eprintln!("SKIP: needs two GPUs");
+        return;
+    }
+    const N: usize = 512 << 20;
+    let c0 = CudaContext::new(0).unwrap();
+    let c1 = CudaContext::new(1).unwrap();
+    c1.bind_to_thread().unwrap();
+    // SAFETY: plain device allocations of N bytes, freed at the end of this test.
+    let dst = unsafe { result::malloc_sync(N) }.unwrap();
+    c0.bind_to_thread().unwrap();
+    // SAFETY: as above.
+    let src = unsafe { result::malloc_sync(N) }.unwrap();
+    // SAFETY: both contexts are alive; enabling peer access from the current one (GPU0).
+    let r = unsafe { sys::cuCtxEnablePeerAccess(c1.cu_ctx(), 0) };
+    assert!(
+        matches!(
+            r,
+            sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+        ),
+        "cuCtxEnablePeerAccess: {r:?}"
+    );
+    let streams: Vec<_> = (0..4).map(|_| c0.new_stream().unwrap()).collect();
+    // Copies `parts` pieces of `piece` bytes (covering `parts * piece` <= N), round-robin over
+    // `nstreams` streams, and waits for all of them.
+    let copy = |parts: usize, piece: usize, nstreams: usize| {
+        for i in 0..parts {
+            let off = (i * piece) as u64;
+            // SAFETY: [off, off + piece) lies inside both N-byte allocations.
+            let r = unsafe {
+                sys::cuMemcpyDtoDAsync_v2(
+                    dst + off,
+                    src + off,
+                    piece,
+                    streams[i % nstreams].cu_stream(),
+                )
+            };
+            assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "cuMemcpyDtoDAsync");
+        }
+        for s in &streams[..nstreams] {
+            s.synchronize().unwrap();
+        }
+    };
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let gbps = |ms: f64| N as f64 / (ms * 1e-3) / 1e9;
+    copy(1, N, 1); // first touch of the peer mapping
+    let mut rows = Vec::new();
+    let mut isolated = |name: &str, parts: usize, nstreams: usize| {
+        let mut v = Vec::new();
+        for _ in 0..5 {
+            std::thread::sleep(Duration::from_millis(100));
+            let t = Instant::now();
+            copy(parts, N / parts, nstreams);
+            v.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        let ms = median(v);
+        rows.push(format!("| {name} | {ms:.3} | {:.1} |", gbps(ms)));
+    };
+    isolated("isolated, 1 x 512 MiB, 1 stream", 1, 1);
+    isolated("isolated, 32 x 16 MiB, 1 stream", 32, 1);
+    isolated("isolated, 2 x 256 MiB, 2 streams", 2, 2);
+    isolated("isolated, 4 x 128 MiB, 4 streams", 4, 4);
+    isolated("isolated, 32 x 16 MiB, 4 streams", 32, 4);
+    let mut warm = Vec::new();
+    for _ in 0..5 {
+        copy(1, N, 1);
+        let t = Instant::now();
+        copy(1, N, 1);
+        warm.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    let ms = median(warm);
+    rows.push(format!(
+        "| warm (right after a copy), 1 x 512 MiB | {ms:.3} | {:.1} |",
+        gbps(ms)
+    ));
+    let t = Instant::now();
+    for _ in 0..10 {
+        copy(1, N, 1);
+    }
+    // The loop waits after each copy; also time 10 enqueued at once.
+    let each_waited = t.elapsed().as_secs_f64() * 1e3 / 10.0;
+    let t = Instant::now();
+    for _ in 0..10 {
+        // SAFETY: as in `copy`.
+        let r = unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, N, streams[0].cu_stream()) };
+        assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+    }
+    streams[0].synchronize().unwrap();
+    let pipelined = t.elapsed().as_secs_f64() * 1e3 / 10.0;
+    rows.push(format!(
+        "| back-to-back, each waited, per copy | {each_waited:.3} | {:.1} |",
+        gbps(each_waited)
+    ));
+    rows.push(format!(
+        "| back-to-back, 10 enqueued, per copy | {pipelined:.3} | {:.1} |",
+        gbps(pipelined)
+    ));
+    println!("TP peer-copy GPU0 -> GPU1, 512 MiB (one 4k-token Llama-3.1-8B request's KV)");
+    println!("| copy | ms | GB/s |");
+    println!("|---|---|---|");
+    for r in rows {
+        println!("{r}");
+    }
+    for s in &streams {
+        s.synchronize().unwrap();
+    }
+    // SAFETY: every copy finished; the pointers came from malloc_sync in these contexts.
+    unsafe {
+        c0.bind_to_thread().unwrap();
+        result::free_sync(src).unwrap();
+        c1.bind_to_thread().unwrap();
+        result::free_sync(dst).unwrap();
+    }
+}

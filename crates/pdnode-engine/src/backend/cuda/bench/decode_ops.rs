@@ -130,7 +130,7 @@ pub struct FuseRow {
 
 /// Times each fusion of the decode step at Llama-3.1-8B shapes for each token count (1..=8),
 /// weights rotated over copies (>= 256 MB) so none is served from L2: the numbers behind
-/// `PDNODE_FUSE_SWIGLU_MAX_T` (default 2) / `PDNODE_FUSE_NORM_MAX_T` (default 0: off).
+/// `PDNODE_FUSE_SWIGLU_MAX_T` (default 2) / `PDNODE_FUSE_NORM_MAX_T` (default 1).
 pub fn run_fusions(
     tokens: &[usize],
     iters: usize,

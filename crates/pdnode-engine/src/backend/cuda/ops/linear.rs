@@ -456,15 +456,15 @@ pub struct NormFuse<'a> {
 }
 
 /// Most tokens at which [`linear_rmsnorm`] fuses: `PDNODE_FUSE_NORM_MAX_T` (0 switches it off,
-/// at most [`GEMV_MAX_TOKENS`]; read once per process, or [`set_fuse_max_tokens`]), default 0
-/// (off): on the H200 (session 2) `linear_rmsnorm_fused_matches_unfused` failed (normed rows up
-/// to 185 ulp off on a 1-warp launch) and the tiny-model tests with it; with it off every GPU
-/// suite passes. The cause, found afterwards by reading the kernel: the sum of squares strided by
-/// 256 threads on blocks of fewer (fixed in gemv.cu, not yet re-run on a GPU; Llama-8B shapes
-/// launch 384-thread blocks and were not affected). The fused norm runs in one block after the GEMV (tokens one after the
-/// other), the separate kernel in a block a token, so it pays off at few tokens only.
+/// at most [`GEMV_MAX_TOKENS`]; read once per process, or [`set_fuse_max_tokens`]), default 1.
+/// The fused norm runs in one block after the GEMV (tokens one after the other), the separate
+/// kernel in a block a token, so it pays off at one token only: on the H200 (session 3,
+/// `bench_decode_fusions`) o+norm 18.4 vs 19.5 us and down+norm 38.1 vs 38.9 us at 1 token, but
+/// 4 us slower at 2 tokens and 37 us slower at 8. (Session 2 shipped it off after its GPU test
+/// failed on 1-warp launches: the sum of squares strided by 256 threads on smaller blocks; fixed,
+/// and `linear_rmsnorm_fused_matches_unfused` passes on the H200 since.)
 pub fn norm_fuse_max_tokens() -> usize {
-    fuse_knob(&NORM_MAX_T, "PDNODE_FUSE_NORM_MAX_T", 0)
+    fuse_knob(&NORM_MAX_T, "PDNODE_FUSE_NORM_MAX_T", 1)
 }
 
 /// The launch [`linear_rmsnorm`] fuses with (`None`: it does not): Auto under the measured

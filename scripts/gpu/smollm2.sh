@@ -18,7 +18,7 @@ for b in cpu cuda; do
     for p in "${PROMPTS[@]}"; do
         timeout 300 "$PD" generate --model "$MODEL" --chat --prompt "$p" --temperature 0 \
             --max-tokens 64 --json --logits-out "$OUT/smol_logits_${b}_$i.json" \
-            --set engine.backend=$b > "$OUT/smol_${b}_$i.json" 2> "$OUT/smol_${b}_$i.log"
+            --set engine.backend=$b $( [ $b = cuda ] && echo "--set engine.gpus=[0]" ) > "$OUT/smol_${b}_$i.json" 2> "$OUT/smol_${b}_$i.log"
         echo "generate $b prompt $i rc=$?"
         i=$((i + 1))
     done

@@ -55,7 +55,7 @@ impl AttnVariant {
 
 /// What [`AttnVariant::Auto`] runs: the `PDNODE_ATTN_KERNEL` environment variable (`v1`, `v2`,
 /// `v2narrow`, `v3`, `v4`; read once per process) when set, so a faulty kernel can be switched off on a
-/// GPU host without a rebuild; else v3 for head_dim 64 / 128, v2 where it runs, v1 otherwise.
+/// GPU host without a rebuild; else v4 for head_dim 64 / 128, v2 where it runs, v1 otherwise.
 pub fn auto_variant(hd: usize) -> AttnVariant {
     static FORCED: std::sync::OnceLock<Option<AttnVariant>> = std::sync::OnceLock::new();
     let forced = *FORCED.get_or_init(|| {

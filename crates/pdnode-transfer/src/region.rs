@@ -213,6 +213,26 @@ pub fn scatter_host(
     Ok(())
 }
 
+/// Merges each span into the one before it where both sides continue it (local and remote
+/// offsets both adjacent), keeping the order: fewer, larger puts for the same bytes. (One
+/// 512 MiB copy over NVLink takes 1.57 ms where 32 x 16 MiB take 1.70 ms; docs/benchmarks.md.)
+pub fn coalesce_spans(spans: &[Span]) -> Vec<Span> {
+    let mut out: Vec<Span> = Vec::with_capacity(spans.len());
+    for s in spans {
+        match out.last_mut() {
+            Some(p)
+                if p.local_offset + p.len == s.local_offset
+                    && p.remote_offset + p.len == s.remote_offset =>
+            {
+                p.len += s.len;
+            }
+            _ if s.len == 0 => {}
+            _ => out.push(*s),
+        }
+    }
+    out
+}
+
 /// Spans for one staged layer group: staging `[layer][i]` to the same offsets of a remote
 /// staging area starting at `remote_base`.
 pub fn staging_spans(
@@ -323,6 +343,35 @@ mod tests {
         assert!(gather_host(&g, &pool, &[BlockId(0)], 0..4, &mut st).is_err());
         assert!(gather_host(&g, &pool[..10], &[BlockId(0)], 0..1, &mut st).is_err());
         assert!(gather_host(&g, &pool, &[BlockId(0), BlockId(1)], 0..3, &mut st[..40]).is_err());
+    }
+
+    #[test]
+    fn coalesce_spans_merges_only_where_both_sides_continue() {
+        let sp = |l, r, n| Span {
+            local_offset: l,
+            remote_offset: r,
+            len: n,
+        };
+        // Layers of a whole request in a [layer][block] span: one span.
+        let whole: Vec<Span> = (0..4)
+            .map(|l| sp(100 + l * 10, 7000 + l * 10, 10))
+            .collect();
+        assert_eq!(coalesce_spans(&whole), vec![sp(100, 7000, 40)]);
+        // Part of each layer (blocks 2..5 of 8): gaps on both sides, nothing merges.
+        let part: Vec<Span> = (0..3).map(|l| sp(l * 80 + 20, l * 80 + 20, 30)).collect();
+        assert_eq!(coalesce_spans(&part), part);
+        // Local continues, remote does not (and the reverse): kept apart; empty spans dropped.
+        let mixed = [
+            sp(0, 0, 8),
+            sp(8, 100, 8),
+            sp(16, 108, 8),
+            sp(50, 116, 0),
+            sp(30, 116, 4),
+        ];
+        assert_eq!(
+            coalesce_spans(&mixed),
+            vec![sp(0, 0, 8), sp(8, 100, 16), sp(30, 116, 4)]
+        );
     }
 
     #[test]

@@ -145,17 +145,19 @@ pub async fn put_ranks(
         );
         remotes.push(remote);
     }
-    for (r, p) in puts.into_iter().enumerate() {
-        p.wait_async(deadline)
-            .await
-            .map_err(|e| format!("put rank {r}: {e}"))?;
-    }
+    // Flushed right behind the puts (a flush completes after every put issued before it on the
+    // endpoint): no wake-up of this task between the last put and the flush.
     let mut flushes = Vec::with_capacity(remotes.len());
     for (r, remote) in remotes.iter().enumerate() {
         flushes.push(
             t.flush(remote)
                 .map_err(|e| format!("flush rank {r}: {e}"))?,
         );
+    }
+    for (r, p) in puts.into_iter().enumerate() {
+        p.wait_async(deadline)
+            .await
+            .map_err(|e| format!("put rank {r}: {e}"))?;
     }
     for (r, f) in flushes.into_iter().enumerate() {
         f.wait_async(deadline)

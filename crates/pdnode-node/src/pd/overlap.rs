@@ -15,6 +15,7 @@ use pdnode_core::{KvLayout, RequestId};
 use pdnode_engine::engine::EngineHandle;
 use pdnode_engine::engine::StagingAlloc;
 use pdnode_proto::v1;
+use pdnode_transfer::region::coalesce_spans;
 use pdnode_transfer::{Completion, KvTransport, RemoteTarget, Span, UcxTransport};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -137,6 +138,9 @@ impl OverlapPush {
                 len,
             })
             .collect();
+        // All of a request's blocks at once (one prefill chunk): the layers are adjacent in both
+        // spans, so this is one put per rank instead of one per layer.
+        let spans = coalesce_spans(&spans);
         let arena = self.arena.clone();
         for (r, remote) in self.remotes.iter().enumerate() {
             let reg = arena
@@ -175,11 +179,8 @@ impl OverlapPush {
             self.sent = 0;
             self.ready(self.blocks)?;
         }
-        for p in std::mem::take(&mut self.puts) {
-            p.wait_async(deadline)
-                .await
-                .map_err(|e| format!("put: {e}"))?;
-        }
+        // Flushed right behind the last puts (a flush completes after every put issued before it
+        // on the endpoint), then everything waited for.
         let mut flushes = Vec::with_capacity(self.remotes.len());
         for (r, remote) in self.remotes.iter().enumerate() {
             flushes.push(
@@ -187,6 +188,11 @@ impl OverlapPush {
                     .flush(remote)
                     .map_err(|e| format!("flush rank {r}: {e}"))?,
             );
+        }
+        for p in std::mem::take(&mut self.puts) {
+            p.wait_async(deadline)
+                .await
+                .map_err(|e| format!("put: {e}"))?;
         }
         for (r, f) in flushes.into_iter().enumerate() {
             f.wait_async(deadline)

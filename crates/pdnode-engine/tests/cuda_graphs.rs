@@ -22,7 +22,7 @@ const STEPS: usize = 4;
 
 fn opts(tp: u32, graphs: bool) -> CudaOptions {
     CudaOptions {
-        gpu: 0,
+        gpus: (0..tp).collect(),
         tensor_parallel: tp,
         mem_fraction: 0.9,
         num_kv_blocks: NUM_BLOCKS,

@@ -20,7 +20,7 @@ fn opts(block_size: u32) -> CudaOptions {
 /// `gemm_min`: sequences with at least this many new tokens take the cuBLAS prefill path.
 fn opts_gemm(block_size: u32, gemm_min: usize) -> CudaOptions {
     CudaOptions {
-        gpu: 0,
+        gpus: vec![0],
         tensor_parallel: 1,
         mem_fraction: 0.9,
         num_kv_blocks: 96,

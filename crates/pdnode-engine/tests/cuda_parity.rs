@@ -142,7 +142,7 @@ fn every_fixture_matches_transformers_and_the_cpu_backend() {
         let cpu_rows = rows(&mut cpu, &r, 5);
         for gemm_min in [1usize, 1000] {
             let opts = CudaOptions {
-                gpu: 0,
+                gpus: vec![0],
                 tensor_parallel: 1,
                 mem_fraction: 0.9,
                 num_kv_blocks: 64,

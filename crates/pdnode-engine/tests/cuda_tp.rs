@@ -20,7 +20,7 @@ use std::path::PathBuf;
 
 fn opts(tp: u32, blocks: u32, gemm_min: usize) -> CudaOptions {
     CudaOptions {
-        gpu: 0,
+        gpus: (0..tp).collect(),
         tensor_parallel: tp,
         mem_fraction: 0.9,
         num_kv_blocks: blocks,

@@ -27,8 +27,9 @@ pub use opprof::STEP_START;
 /// Sizing of a [`CudaBackend`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct CudaOptions {
-    /// Device ordinal (of rank 0 with tensor parallelism: rank `r` runs on `gpu + r`).
-    pub gpu: u32,
+    /// Device ordinals, one per tensor-parallel rank: rank `r` runs on `gpus[r]` (any order,
+    /// gaps allowed). Exactly `tensor_parallel` distinct ordinals (checked at build).
+    pub gpus: Vec<u32>,
     /// Tensor-parallel degree: 1 for [`CudaBackend`]; more through
     /// [`super::tp::CudaTpBackend`] (one thread and GPU per rank).
     pub tensor_parallel: u32,
@@ -56,7 +57,7 @@ pub struct CudaOptions {
 impl CudaOptions {
     pub fn from_config(e: &pdnode_core::config::EngineConfig) -> Self {
         Self {
-            gpu: e.gpus.first().copied().unwrap_or(0),
+            gpus: super::tp::gpus_from_config(&e.gpus, e.tensor_parallel),
             tensor_parallel: e.tensor_parallel.max(1),
             mem_fraction: e.mem_fraction,
             num_kv_blocks: e.num_kv_blocks,
@@ -194,7 +195,7 @@ impl CudaBackend {
         Self::from_loaded_rank(model, opts, Shard::WHOLE)
     }
 
-    /// One tensor-parallel rank of a loaded model on GPU `opts.gpu + shard.rank` (the caller,
+    /// One tensor-parallel rank of a loaded model on GPU `opts.gpus[shard.rank]` (the caller,
     /// [`super::tp::CudaTpBackend`], then joins the ranks with [`CudaBackend::attach_comm`]).
     pub(crate) fn from_loaded_rank(
         model: &LoadedModel,
@@ -257,6 +258,7 @@ impl CudaBackend {
             });
         }
         shard.check(spec)?;
+        super::tp::check_gpu_list(&opts.gpus, opts.tensor_parallel)?;
         let spec = &shard.rank_spec(spec);
         if opts.block_size == 0 || !(0.0..=1.0).contains(&opts.mem_fraction) {
             return Err(CudaError::Unsupported {
@@ -266,7 +268,16 @@ impl CudaBackend {
                 ),
             });
         }
-        let gpu = Gpu::new(opts.gpu + shard.rank as u32)?;
+        let ordinal = *opts
+            .gpus
+            .get(shard.rank)
+            .ok_or_else(|| CudaError::Unsupported {
+                reason: format!(
+                    "rank {} of {}: no GPU listed for it",
+                    shard.rank, shard.size
+                ),
+            })?;
+        let gpu = Gpu::new(ordinal)?;
         let (free0, _) = gpu.mem_info()?;
         let w = load(&gpu)?;
         let ws = Workspace::new(&gpu, spec, opts.max_batch_tokens, opts.max_seqs)?;

@@ -171,7 +171,7 @@ pub(crate) fn bench_options(
     cuda_graphs: bool,
 ) -> CudaOptions {
     CudaOptions {
-        gpu: 0,
+        gpus: (0..tp).collect(),
         tensor_parallel: tp,
         mem_fraction: 0.95,
         num_kv_blocks: num_blocks as u32,

@@ -26,7 +26,8 @@
 //! (`Backend::forward_select`), other rows land in a reused page-locked buffer.
 
 //! # Tensor parallelism ([`tp`])
-//! [`CudaTpBackend`] runs `tp` [`CudaBackend`] ranks, one OS thread and GPU each (`gpu + r`).
+//! [`CudaTpBackend`] runs `tp` [`CudaBackend`] ranks, one OS thread and GPU each (rank `r` on
+//! `CudaOptions::gpus[r]`, the listed ordinals in their order: [`tp::device_label`] names them).
 //! Rank `r` holds query heads `r * nh / tp ..`, KV heads `r * nkv / tp ..` (q/k/v rows of those
 //! heads; o-proj the matching columns), intermediate rows `r * I / tp ..` of gate/up and the
 //! matching columns of down; embeddings, norms and lm_head are replicated. After the o-proj and

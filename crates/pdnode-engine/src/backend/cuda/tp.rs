@@ -26,7 +26,9 @@ use std::sync::mpsc::{Receiver, Sender, channel};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+mod gpus;
 mod nccl;
+pub use gpus::{check_gpu_list, check_present, device_label, gpus_from_config};
 pub use nccl::{NcclComm, NcclId};
 
 /// Longest wait for one step or KV copy on every rank.
@@ -197,13 +199,15 @@ struct RankThread {
     done: Receiver<()>,
 }
 
-/// Tensor-parallel CUDA backend: `tensor_parallel` GPUs (`gpu .. gpu + tp`), one thread each.
+/// Tensor-parallel CUDA backend: the `tensor_parallel` GPUs of `CudaOptions::gpus` (rank `r` on
+/// `gpus[r]`), one thread each.
 pub struct CudaTpBackend {
     ranks: Vec<RankThread>,
     layout: KvLayout,
     num_blocks: usize,
     regions: Vec<KvRegion>,
-    first_gpu: u32,
+    /// Device ordinal of each rank, in rank order.
+    gpus: Vec<u32>,
     weight_bytes: usize,
     /// Set once a rank failed or missed a deadline: the group may be stuck in a collective.
     broken: Option<String>,
@@ -253,13 +257,9 @@ impl CudaTpBackend {
     ) -> Result<Self, CudaError> {
         let tp = opts.tensor_parallel.max(1) as usize;
         Shard { rank: 0, size: tp }.check(spec)?;
+        check_gpu_list(&opts.gpus, opts.tensor_parallel)?;
         let probe = super::probe::probe()?;
-        if opts.gpu as usize + tp > probe.device_count as usize {
-            return Err(CudaError::NoDevice {
-                ordinal: opts.gpu + tp as u32 - 1,
-                count: probe.device_count,
-            });
-        }
+        check_present(&opts.gpus, probe.device_count)?;
         let id = if tp > 1 { Some(NcclId::new()?) } else { None };
         let mut bes = Vec::with_capacity(tp);
         for rank in 0..tp {
@@ -319,7 +319,7 @@ impl CudaTpBackend {
             let (tx, rx) = channel();
             let (done_tx, done) = channel();
             let handle = std::thread::Builder::new()
-                .name(format!("cuda-tp-{rank}"))
+                .name(format!("cuda{}-tp{rank}", be.gpu().ordinal))
                 .spawn(move || {
                     rank_loop(be, rx);
                     let _ = done_tx.send(());
@@ -339,7 +339,7 @@ impl CudaTpBackend {
             layout,
             num_blocks,
             regions,
-            first_gpu: opts.gpu,
+            gpus: opts.gpus.clone(),
             weight_bytes,
             broken: None,
             staging: Vec::new(),
@@ -362,6 +362,11 @@ impl CudaTpBackend {
 
     pub fn tensor_parallel(&self) -> usize {
         self.ranks.len()
+    }
+
+    /// Device ordinal of each rank, in rank order (`CudaOptions::gpus`).
+    pub fn gpus(&self) -> &[u32] {
+        &self.gpus
     }
 
     /// Bytes of weights on each GPU.
@@ -494,12 +499,7 @@ impl Backend for CudaTpBackend {
     }
 
     fn name(&self) -> String {
-        let n = self.ranks.len() as u32;
-        if n == 1 {
-            format!("cuda:{}", self.first_gpu)
-        } else {
-            format!("cuda:{}-{}", self.first_gpu, self.first_gpu + n - 1)
-        }
+        device_label(&self.gpus)
     }
 
     fn kv_layout(&self) -> &KvLayout {
@@ -673,7 +673,7 @@ mod tests {
 
     fn opts(tp: u32) -> CudaOptions {
         CudaOptions {
-            gpu: 0,
+            gpus: (0..tp).collect(),
             tensor_parallel: tp,
             mem_fraction: 0.5,
             num_kv_blocks: 4,
@@ -704,6 +704,39 @@ mod tests {
             .err()
             .expect("tp = 3 must be refused");
         assert!(matches!(e, CudaError::Unsupported { .. }), "{e:?}");
+    }
+
+    // The GPU list is checked before any device or library is touched too: never a silent
+    // subset of the listed GPUs, never two ranks on one GPU.
+    #[test]
+    fn a_gpu_list_that_is_not_one_gpu_per_rank_is_a_typed_error() {
+        for gpus in [vec![0, 1, 2, 3], vec![0], vec![], vec![1, 1]] {
+            let o = CudaOptions {
+                gpus: gpus.clone(),
+                ..opts(2)
+            };
+            match CudaTpBackend::new_dummy(&spec(2), 1, None, &o, "t".into()) {
+                Err(CudaError::Unsupported { reason }) => {
+                    assert!(
+                        reason.contains("one node per") || reason.contains("twice"),
+                        "{reason}"
+                    )
+                }
+                Err(other) => panic!("{gpus:?}: unexpected error {other:?}"),
+                Ok(_) => panic!("{gpus:?} must be refused at tensor_parallel 2"),
+            }
+        }
+        let o = CudaOptions {
+            gpus: vec![0, 1],
+            ..opts(1)
+        };
+        match CudaBackend::new_dummy(&spec(2), 1, &o, "t".into()) {
+            Err(CudaError::Unsupported { reason }) => {
+                assert!(reason.contains("one node per"), "{reason}")
+            }
+            Err(other) => panic!("unexpected error {other:?}"),
+            Ok(_) => panic!("two GPUs listed for one rank must be refused"),
+        }
     }
 
     #[test]

@@ -155,7 +155,7 @@ fn every_error_of_a_file_is_reported_at_once() {
 #[test]
 fn gpu_listed_twice_is_an_error() {
     let errs = errors(
-        "[engine]\nbackend = \"cuda\"\ngpus = [0, 1, 1, 3]\ntensor_parallel = 2\n",
+        "[engine]\nbackend = \"cuda\"\ngpus = [0, 1, 1, 3]\ntensor_parallel = 4\n",
         &[],
     );
     assert_eq!(errs.len(), 1, "{errs:?}");
@@ -187,6 +187,71 @@ fn tensor_parallel_must_divide_the_gpus() {
         &[],
     )
     .unwrap();
+}
+
+fn reason_of(e: &ConfigError) -> &str {
+    match e {
+        ConfigError::Invalid { reason, .. } => reason,
+        other => panic!("expected ConfigError::Invalid, got {other:?}"),
+    }
+}
+
+#[test]
+fn cuda_binds_exactly_the_gpus_it_lists() {
+    let cfg = |backend: &str, gpus: &str, tp: u32| {
+        format!("[engine]\nbackend = \"{backend}\"\ngpus = {gpus}\ntensor_parallel = {tp}\n")
+    };
+    // One rank per listed GPU, in any order, with gaps.
+    for (gpus, tp) in [
+        ("[4, 5, 6, 7]", 4),
+        ("[1, 0]", 2),
+        ("[0, 2]", 2),
+        ("[7]", 1),
+    ] {
+        for backend in ["cuda", "auto"] {
+            let text = cfg(backend, gpus, tp);
+            let l = load_from_str(FILE, &text, &[]).unwrap_or_else(|e| panic!("{text}: {e:?}"));
+            assert_eq!(l.config.engine.gpus.len(), tp as usize);
+        }
+    }
+    // More GPUs than ranks: never a silent subset; the error suggests one node per group.
+    for backend in ["cuda", "auto"] {
+        let errs = errors(&cfg(backend, "[0, 1, 2, 3]", 2), &[]);
+        assert_eq!(errs.len(), 1, "{errs:?}");
+        assert_eq!(errs[0].key(), Some("engine.tensor_parallel"));
+        let reason = reason_of(&errs[0]);
+        assert!(
+            reason.contains("one node per group") && reason.contains("[0, 1], [2, 3]"),
+            "{reason}"
+        );
+    }
+    let errs = errors(&cfg("cuda", "[0, 1]", 1), &[]);
+    assert_eq!(errs.len(), 1, "{errs:?}");
+    assert_eq!(errs[0].key(), Some("engine.tensor_parallel"));
+    assert!(reason_of(&errs[0]).contains("[0]"), "{errs:?}");
+    // Fewer GPUs than ranks (and a count tp does not divide).
+    for (gpus, tp) in [("[0]", 2), ("[0, 1, 2]", 2), ("[0, 1]", 4)] {
+        let errs = errors(&cfg("cuda", gpus, tp), &[]);
+        assert_eq!(errs.len(), 1, "{gpus} tp {tp}: {errs:?}");
+        assert_eq!(errs[0].key(), Some("engine.tensor_parallel"));
+        assert!(
+            reason_of(&errs[0]).contains(&format!("exactly {tp} GPUs")),
+            "{errs:?}"
+        );
+    }
+    // No list at TP > 1.
+    let errs = errors("[engine]\nbackend = \"auto\"\ntensor_parallel = 2\n", &[]);
+    assert_eq!(errs.len(), 1, "{errs:?}");
+    assert_eq!(errs[0].key(), Some("engine.tensor_parallel"));
+    // Duplicates are still refused, also when the count matches.
+    let errs = errors(&cfg("cuda", "[3, 3]", 2), &[]);
+    assert_eq!(errs.len(), 1, "{errs:?}");
+    assert_eq!(errs[0].key(), Some("engine.gpus"));
+    // cpu and mock keep their rules: the list is not bound, tp must divide it.
+    load_from_str(FILE, &cfg("cpu", "[0, 1]", 1), &[]).unwrap();
+    load_from_str(FILE, &cfg("mock", "[0, 1, 2, 3]", 2), &[]).unwrap();
+    let errs = errors(&cfg("mock", "[0, 1, 2]", 2), &[]);
+    assert!(reason_of(&errs[0]).contains("does not divide"), "{errs:?}");
 }
 
 #[test]

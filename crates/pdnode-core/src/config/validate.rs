@@ -127,8 +127,31 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
             );
         }
     }
+    // A CUDA node binds exactly the GPUs it lists, rank `r` on `gpus[r]` (`auto` may resolve to
+    // CUDA, so it follows the same rule): never a silent subset of the list.
+    let binds_gpus = matches!(e.backend, Backend::Cuda | Backend::Auto);
     if e.tensor_parallel == 0 {
         bad("engine.tensor_parallel", "must be at least 1".into());
+    } else if binds_gpus && !e.gpus.is_empty() && e.gpus.len() != e.tensor_parallel as usize {
+        let tp = e.tensor_parallel as usize;
+        let fix = if e.gpus.len().is_multiple_of(tp) {
+            let groups: Vec<String> = e.gpus.chunks(tp).map(|g| format!("{g:?}")).collect();
+            format!(
+                "run one node per group instead, with engine.gpus = {}",
+                groups.join(", ")
+            )
+        } else {
+            format!("list exactly {tp} GPUs, and run one node per group for more")
+        };
+        bad(
+            "engine.tensor_parallel",
+            format!(
+                "{tp} but engine.gpus lists {} GPUs {:?}: a node runs one tensor-parallel group, \
+                 on exactly the GPUs it lists (rank r on the r-th); {fix}",
+                e.gpus.len(),
+                e.gpus,
+            ),
+        );
     } else if !e.gpus.is_empty() && !e.gpus.len().is_multiple_of(e.tensor_parallel as usize) {
         bad(
             "engine.tensor_parallel",
@@ -143,7 +166,7 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
         bad(
             "engine.tensor_parallel",
             format!(
-                "{} needs engine.gpus to list at least that many GPUs",
+                "{} needs engine.gpus to list that many GPUs, one per rank",
                 e.tensor_parallel
             ),
         );

@@ -1,5 +1,10 @@
 // Embedding gather, RMSNorm, SwiGLU, dummy-weight fill.
 
+// Two bf16 (low, high) in one 32-bit word.
+__device__ __forceinline__ unsigned int pack_bf16x2(float lo, float hi) {
+    return (unsigned int)f2bf(lo) | ((unsigned int)f2bf(hi) << 16);
+}
+
 // resid[t, :] = table[ids[t], :] (bf16 -> f32). grid: T, block: 256.
 extern "C" __global__ void embed_gather(const bf16_t* __restrict__ table,
                                         const unsigned int* __restrict__ ids,
@@ -39,7 +44,77 @@ extern "C" __global__ void add_rmsnorm(float* __restrict__ resid, const float* _
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) o[i] = f2bf(x[i] * inv * w[i]);
 }
 
-// out[t, i] = silu(gu[t, i]) * gu[t, inter + i]; gu rows are [gate | up]. grid-stride.
+// float4 words of a row each thread of add_rmsnorm_v4 holds in registers: rows of up to
+// 4 * RMS_V4_MAX * 1024 floats (32768) fit one block.
+#define RMS_V4_MAX 8
+
+// add_rmsnorm in one pass over memory: hidden % 4 == 0, resid, delta and w 16-byte aligned, out
+// 8-byte aligned, hidden / 4 <= RMS_V4_MAX * blockDim.x (the wrapper checks all of it, else runs
+// add_rmsnorm). Each thread loads its float4 words of the row (word j * blockDim.x + threadIdx.x,
+// j < RMS_V4_MAX) into registers, all loads in flight at once; adds delta and writes resid back
+// only when delta is given; then one block sum and the bf16 row as 8-byte stores. Same f32 math
+// as add_rmsnorm (the order of the sum of squares differs).
+// grid: R, block: a multiple of 32, at most 1024.
+extern "C" __global__ void add_rmsnorm_v4(float* __restrict__ resid, const float* __restrict__ delta,
+                                          const float* __restrict__ w, bf16_t* __restrict__ out,
+                                          const int* __restrict__ rows, int hidden, float eps) {
+    PD_GRID_WAIT();
+    PD_GRID_LAUNCH_DEPENDENTS();
+    __shared__ float sh[33];
+    const i64 r = blockIdx.x;
+    const i64 s = rows ? (i64)rows[r] : r;
+    const int n4 = hidden >> 2;
+    float4* x = (float4*)(resid + s * hidden);
+    float4 v[RMS_V4_MAX];
+#pragma unroll
+    for (int j = 0; j < RMS_V4_MAX; ++j) {
+        const int c = j * blockDim.x + threadIdx.x;
+        v[j] = c < n4 ? x[c] : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    if (delta) {
+        const float4* d = (const float4*)(delta + s * hidden);
+        float4 dv[RMS_V4_MAX];
+#pragma unroll
+        for (int j = 0; j < RMS_V4_MAX; ++j) {
+            const int c = j * blockDim.x + threadIdx.x;
+            dv[j] = c < n4 ? d[c] : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int j = 0; j < RMS_V4_MAX; ++j) {
+            const int c = j * blockDim.x + threadIdx.x;
+            v[j].x += dv[j].x;
+            v[j].y += dv[j].y;
+            v[j].z += dv[j].z;
+            v[j].w += dv[j].w;
+            if (c < n4) x[c] = v[j];
+        }
+    }
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < RMS_V4_MAX; ++j)
+        ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+    const float inv = rsqrtf(block_sum(ss, sh) / (float)hidden + eps);
+    const float4* w4 = (const float4*)w;
+    uint2* o = (uint2*)(out + r * hidden);
+#pragma unroll
+    for (int j = 0; j < RMS_V4_MAX; ++j) {
+        const int c = j * blockDim.x + threadIdx.x;
+        if (c < n4) {
+            const float4 ww = w4[c];
+            uint2 p;
+            p.x = pack_bf16x2(v[j].x * inv * ww.x, v[j].y * inv * ww.y);
+            p.y = pack_bf16x2(v[j].z * inv * ww.z, v[j].w * inv * ww.w);
+            o[c] = p;
+        }
+    }
+}
+
+// silu(g) * u in f32, as every swiglu kernel computes it (one expression, so the scalar and the
+// vectorized kernels give bit-identical bf16 outputs).
+__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + __expf(-g)) * u; }
+
+// out[t, i] = silu(gu[t, i]) * gu[t, inter + i]; gu rows are [gate | up]. grid-stride. The
+// fallback of swiglu_v8 (any inter, any alignment).
 extern "C" __global__ void swiglu(const bf16_t* __restrict__ gu, bf16_t* __restrict__ out,
                                   int tokens, int inter) {
     PD_GRID_WAIT();
@@ -49,7 +124,52 @@ extern "C" __global__ void swiglu(const bf16_t* __restrict__ gu, bf16_t* __restr
         const i64 t = k / inter, i = k - t * inter;
         const float g = bf2f(gu[t * 2 * inter + i]);
         const float u = bf2f(gu[t * 2 * inter + inter + i]);
-        out[k] = f2bf(g / (1.f + __expf(-g)) * u);
+        out[k] = f2bf(silu_mul(g, u));
+    }
+}
+
+// 16-byte words (8 bf16) of gate and of up each thread of swiglu_v8 has in flight per row.
+#define SWIGLU_V8_UNROLL 2
+
+// swiglu with 16-byte loads and stores: inter % 8 == 0, gu and out 16-byte aligned (the wrapper
+// checks both). Row t = blockIdx.y (+ k * gridDim.y), so no division per element; block b of a
+// row covers the 16-byte words [b * blockDim.x * UNROLL, (b + 1) * blockDim.x * UNROLL) of it,
+// word j * blockDim.x + threadIdx.x for j < UNROLL, all loads issued before the math.
+// grid: (ceil(inter / 8 / (blockDim.x * UNROLL)), min(tokens, 65535)), block: any.
+extern "C" __global__ void swiglu_v8(const bf16_t* __restrict__ gu, bf16_t* __restrict__ out,
+                                     int tokens, int inter) {
+    PD_GRID_WAIT();
+    PD_GRID_LAUNCH_DEPENDENTS();
+    const int n8 = inter >> 3;
+    const int c0 = blockIdx.x * blockDim.x * SWIGLU_V8_UNROLL + threadIdx.x;
+    for (int t = blockIdx.y; t < tokens; t += gridDim.y) {
+        const uint4* g8 = (const uint4*)(gu + (i64)t * 2 * inter);
+        const uint4* u8 = g8 + n8;
+        uint4* o8 = (uint4*)(out + (i64)t * inter);
+        uint4 gv[SWIGLU_V8_UNROLL], uv[SWIGLU_V8_UNROLL];
+#pragma unroll
+        for (int j = 0; j < SWIGLU_V8_UNROLL; ++j) {
+            const int c = c0 + j * blockDim.x;
+            if (c < n8) {
+                gv[j] = g8[c];
+                uv[j] = u8[c];
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < SWIGLU_V8_UNROLL; ++j) {
+            const int c = c0 + j * blockDim.x;
+            if (c < n8) {
+                float g[8], u[8];
+                unpack8(gv[j], g);
+                unpack8(uv[j], u);
+                uint4 o;
+                o.x = pack_bf16x2(silu_mul(g[0], u[0]), silu_mul(g[1], u[1]));
+                o.y = pack_bf16x2(silu_mul(g[2], u[2]), silu_mul(g[3], u[3]));
+                o.z = pack_bf16x2(silu_mul(g[4], u[4]), silu_mul(g[5], u[5]));
+                o.w = pack_bf16x2(silu_mul(g[6], u[6]), silu_mul(g[7], u[7]));
+                o8[c] = o;
+            }
+        }
     }
 }
 

@@ -3,7 +3,9 @@
 //! `PDNODE_BENCH_DECODE="1x512,8x2048"`, `PDNODE_BENCH_PREFILL="2048,8192"`, `PDNODE_BENCH_ITERS`.
 #![cfg(feature = "cuda")]
 
-use pdnode_engine::backend::cuda::ops::{AttnVariant, LinearImpl};
+use pdnode_engine::backend::cuda::CudaError;
+use pdnode_engine::backend::cuda::device::Gpu;
+use pdnode_engine::backend::cuda::ops::{self, AttnVariant, EwKernel, LinearImpl};
 use pdnode_engine::backend::cuda::{attn_bench, bench, launch};
 
 fn env_list(name: &str, default: &str) -> String {
@@ -300,4 +302,156 @@ fn bench_decode_fusions() {
         );
     }
     assert!(!rows.is_empty(), "no fusion was timed");
+}
+
+/// Seconds per call of `f` (after one warm-up call), `iters` calls back to back, one sync.
+fn time_calls(
+    gpu: &Gpu,
+    iters: usize,
+    mut f: impl FnMut() -> Result<(), CudaError>,
+) -> Result<f64, CudaError> {
+    f()?;
+    gpu.sync()?;
+    let t0 = std::time::Instant::now();
+    for _ in 0..iters {
+        f()?;
+    }
+    gpu.sync()?;
+    Ok(t0.elapsed().as_secs_f64() / iters as f64)
+}
+
+/// One op of [`bench_prefill_elementwise_old_vs_new`]: (op, tokens, [old, new] seconds a call,
+/// bytes moved a call, calls a layer, whether the outputs agree).
+type EwRow = (&'static str, usize, [f64; 2], f64, f64, String);
+
+/// The prefill elementwise kernels alone, old (scalar) against new (vectorized) at Llama-3.1-8B
+/// shapes (hidden 4096, inter 14336): swiglu, add_rmsnorm without delta (the model's call, twice
+/// a layer) and with delta (the TP residual add). Bytes moved per second against the copy
+/// ceiling, the time scaled to the 32 layers of a prefill step as `bench_llama31_8b_shapes`
+/// reports it ("prefill op x32 layers"), and the two kernels' outputs compared (swiglu
+/// bit-identical). `PDNODE_BENCH_PREFILL="2048,8192"`, `PDNODE_BENCH_ITERS`.
+#[test]
+#[ignore = "needs a CUDA GPU (about 4 GB free): run scripts/gpu/run-all.sh on the GPU host"]
+fn bench_prefill_elementwise_old_vs_new() {
+    let _gpu = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let tokens: Vec<usize> = env_list("PDNODE_BENCH_PREFILL", "2048,8192")
+        .split(',')
+        .filter_map(|s| s.trim().parse().ok())
+        .collect();
+    let iters = env_list("PDNODE_BENCH_ITERS", "20")
+        .parse::<usize>()
+        .unwrap_or(20)
+        .max(50);
+    let gpu = Gpu::new(0).expect("open GPU 0");
+    let copy = bench::measure_ceilings(&gpu)
+        .expect("ceilings")
+        .hbm_traffic_bps;
+    let (h, inter, layers, eps) = (4096usize, 14336usize, 32.0, 1e-5f32);
+    let tmax = tokens.iter().copied().max().unwrap_or(0);
+    let alloc = |bytes: usize| gpu.alloc(bytes).expect("alloc");
+    let (gu, act) = (alloc(tmax * 2 * inter * 2), alloc(tmax * inter * 2));
+    let (resid, delta, w, normed) = (
+        alloc(tmax * h * 4),
+        alloc(tmax * h * 4),
+        alloc(h * 4),
+        alloc(tmax * h * 2),
+    );
+    ops::fill_uniform_bf16(&gpu, &gu, tmax * 2 * inter, 5, 4.0).expect("fill");
+    let host: Vec<f32> = (0..tmax * h)
+        .map(|i| ((i as u64 * 2654435761) % 2001) as f32 / 1000.0 - 1.0)
+        .collect();
+    gpu.upload(&resid, 0, &host).expect("upload");
+    ops::fill_f32(&gpu, &delta, tmax * h, 0.0).expect("fill");
+    ops::fill_f32(&gpu, &w, h, 1.0).expect("fill");
+    let mut rows: Vec<EwRow> = Vec::new();
+    let mut bad = Vec::new();
+    let kinds = [EwKernel::Scalar, EwKernel::Vector];
+    for &t in &tokens {
+        // swiglu: [t, 2 inter] bf16 read, [t, inter] bf16 written
+        let mut s = [0.0; 2];
+        let mut outs = Vec::new();
+        for (i, k) in kinds.into_iter().enumerate() {
+            s[i] = time_calls(&gpu, iters, || {
+                ops::swiglu_with(&gpu, &gu, &act, t, inter, Some(k)).map(|_| ())
+            })
+            .expect("swiglu");
+            let n = (t * inter).min(1 << 22);
+            let mut v = vec![0u16; n];
+            gpu.download(&mut v, &act, 0).expect("download");
+            outs.push(v);
+        }
+        let same = outs[0] == outs[1];
+        if !same {
+            bad.push(format!("swiglu t={t}: outputs differ"));
+        }
+        let agree = format!("bit-identical {same}");
+        rows.push(("swiglu", t, s, (t * inter * 6) as f64, 1.0, agree));
+        // add_rmsnorm: f32 row read, bf16 row written (with delta: delta read, resid written)
+        for with_delta in [false, true] {
+            let mut s = [0.0; 2];
+            let mut outs = Vec::new();
+            for (i, k) in kinds.into_iter().enumerate() {
+                s[i] = time_calls(&gpu, iters, || {
+                    let d = with_delta.then_some(&delta);
+                    ops::add_rmsnorm_with(&gpu, &resid, t, d, &w, &normed, None, t, h, eps, Some(k))
+                        .map(|_| ())
+                })
+                .expect("add_rmsnorm");
+                outs.push(
+                    gpu.download_bf16(&normed, (t * h).min(1 << 22))
+                        .expect("dl"),
+                );
+            }
+            let num: f64 = outs[0]
+                .iter()
+                .zip(&outs[1])
+                .map(|(a, b)| ((a - b) as f64).powi(2))
+                .sum();
+            let den: f64 = outs[0].iter().map(|a| (*a as f64).powi(2)).sum();
+            let rel = (num / den.max(1e-30)).sqrt();
+            if rel.is_nan() || rel > 1e-2 {
+                bad.push(format!("add_rmsnorm t={t} delta={with_delta}: rel {rel}"));
+            }
+            let (op, bytes, calls) = if with_delta {
+                ("add_rmsnorm +delta", t * h * 14, 1.0)
+            } else {
+                ("add_rmsnorm x2", t * h * 6, 2.0)
+            };
+            rows.push((op, t, s, bytes as f64, calls, format!("rel diff {rel:.1e}")));
+        }
+    }
+    println!(
+        "ceilings: HBM copy traffic {:.0} GB/s (read+write); prefill elementwise kernels alone, \
+         hidden {h}, inter {inter}, x{layers} layers",
+        copy / 1e9
+    );
+    println!(
+        "| elementwise op | tokens | old us | new us | speedup | old GB/s | new GB/s | new of copy ceiling | x32 layers old ms | new ms | floor ms | outputs |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    for (op, t, s, bytes, calls, agree) in &rows {
+        let scale = layers * calls * 1e3;
+        eprintln!(
+            "EW {op} tokens={t} old_us={:.1} new_us={:.1} speedup={:.2} old_GB/s={:.0} new_GB/s={:.0} new_frac_of_copy={:.3}",
+            s[0] * 1e6,
+            s[1] * 1e6,
+            s[0] / s[1],
+            bytes / s[0] / 1e9,
+            bytes / s[1] / 1e9,
+            bytes / s[1] / copy
+        );
+        println!(
+            "| {op} | {t} | {:.1} | {:.1} | {:.2} | {:.0} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {agree} |",
+            s[0] * 1e6,
+            s[1] * 1e6,
+            s[0] / s[1],
+            bytes / s[0] / 1e9,
+            bytes / s[1] / 1e9,
+            bytes / s[1] / copy,
+            s[0] * scale,
+            s[1] * scale,
+            bytes / copy * scale
+        );
+    }
+    assert!(bad.is_empty(), "old and new kernels disagree: {bad:?}");
 }

@@ -3,6 +3,7 @@
 #![cfg(feature = "cuda")]
 
 mod cuda_kernels_attn;
+mod cuda_kernels_elementwise;
 mod cuda_kernels_linear;
 mod cuda_kernels_pdl;
 mod cuda_kernels_prefill;

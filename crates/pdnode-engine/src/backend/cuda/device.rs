@@ -27,7 +27,7 @@ const SOURCES: [&str; 13] = [
 ];
 
 /// Kernel entry points (extern "C" names in the .cu files).
-pub const KERNEL_NAMES: [&str; 47] = [
+pub const KERNEL_NAMES: [&str; 49] = [
     "gemv_t1",
     "gemv_t2",
     "gemv_t4",
@@ -65,7 +65,9 @@ pub const KERNEL_NAMES: [&str; 47] = [
     "flash_prefill_hd128_v3",
     "embed_gather",
     "add_rmsnorm",
+    "add_rmsnorm_v4",
     "swiglu",
+    "swiglu_v8",
     "fill_uniform_bf16",
     "fill_uniform_bf16_2d",
     "fill_f32",

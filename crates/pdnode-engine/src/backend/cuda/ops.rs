@@ -88,8 +88,68 @@ pub fn embed_gather(
     Ok(())
 }
 
+/// Which kernel [`add_rmsnorm_with`] and [`swiglu_with`] run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EwKernel {
+    /// 16-byte loads and stores (`swiglu_v8`; `add_rmsnorm_v4`, one pass with the row held in
+    /// registers): taken wherever the shape and the pointers' alignment allow it.
+    Vector,
+    /// The first kernels (`swiglu`, `add_rmsnorm`): any shape, any alignment.
+    Scalar,
+}
+
+/// float4 words of a row each `add_rmsnorm_v4` thread holds (`RMS_V4_MAX` in elementwise.cu).
+const RMS_V4_MAX: usize = 8;
+/// Threads per block of `swiglu_v8`.
+const SWIGLU_V8_BLOCK: u32 = 128;
+/// 16-byte words of gate (and of up) per `swiglu_v8` thread and row (`SWIGLU_V8_UNROLL`).
+const SWIGLU_V8_UNROLL: usize = 2;
+/// The most rows `swiglu_v8` puts on grid y (the hardware limit); more rows loop.
+const GRID_Y_MAX: usize = 65535;
+
+/// Threads per block of `add_rmsnorm_v4` for rows of `hidden` f32, or `None` where it cannot run:
+/// `hidden` not a multiple of 4, a row longer than `4 * RMS_V4_MAX * 1024` floats, an f32 pointer
+/// (resid, delta, w) not 16-byte aligned, or `out` not 8-byte aligned. The block is the fewest
+/// warps that cover the row with `RMS_V4_MAX` float4 words a thread (128 threads at 4096).
+pub fn rmsnorm_vector_block(hidden: usize, f32_ptrs: &[u64], out: u64) -> Option<u32> {
+    if hidden == 0
+        || !hidden.is_multiple_of(4)
+        || f32_ptrs.iter().any(|p| !p.is_multiple_of(16))
+        || !out.is_multiple_of(8)
+    {
+        return None;
+    }
+    let block = (hidden / 4).div_ceil(RMS_V4_MAX).div_ceil(32) * 32;
+    (block <= 1024).then_some(block as u32)
+}
+
+/// Grid `(blocks per row, rows on y)` of `swiglu_v8`, or `None` where it cannot run: `inter` not
+/// a multiple of 8, `gu` or `out` not 16-byte aligned (or nothing to do).
+pub fn swiglu_vector_grid(tokens: usize, inter: usize, gu: u64, out: u64) -> Option<(u32, u32)> {
+    if tokens == 0
+        || inter == 0
+        || !inter.is_multiple_of(8)
+        || !gu.is_multiple_of(16)
+        || !out.is_multiple_of(16)
+    {
+        return None;
+    }
+    let per_block = SWIGLU_V8_BLOCK as usize * SWIGLU_V8_UNROLL;
+    let x = u32::try_from((inter / 8).div_ceil(per_block)).ok()?;
+    Some((x, tokens.min(GRID_Y_MAX) as u32))
+}
+
+/// `v` as a kernel's `int` argument.
+fn i32_of(op: &'static str, v: usize) -> Result<i32, CudaError> {
+    i32::try_from(v).map_err(|_| CudaError::Shape {
+        op,
+        reason: format!("{v} exceeds i32"),
+    })
+}
+
 /// Optional `resid[s] += delta[s]`, then `out[r] = rmsnorm(resid[s]) * w` for `r < rows_n`, with
 /// `s = rows[r]` when `rows` (a device i32 array of `rows_n` indices `< resid_rows`) is given.
+/// Runs the vectorized one-pass kernel where it can ([`add_rmsnorm_with`]).
 #[allow(clippy::too_many_arguments)]
 pub fn add_rmsnorm(
     gpu: &Gpu,
@@ -103,6 +163,30 @@ pub fn add_rmsnorm(
     hidden: usize,
     eps: f32,
 ) -> Result<(), CudaError> {
+    add_rmsnorm_with(
+        gpu, resid, resid_rows, delta, w, out, rows, rows_n, hidden, eps, None,
+    )
+    .map(|_| ())
+}
+
+/// [`add_rmsnorm`] with the kernel chosen: `None` takes [`EwKernel::Vector`] where
+/// [`rmsnorm_vector_block`] allows it, else [`EwKernel::Scalar`]; `Some(k)` runs `k` (a shape
+/// error when `Vector` cannot run). Returns the kernel that ran (also for `rows_n == 0`, where
+/// nothing is launched).
+#[allow(clippy::too_many_arguments)]
+pub fn add_rmsnorm_with(
+    gpu: &Gpu,
+    resid: &DevBuf,
+    resid_rows: usize,
+    delta: Option<&DevBuf>,
+    w: &DevBuf,
+    out: &DevBuf,
+    rows: Option<u64>,
+    rows_n: usize,
+    hidden: usize,
+    eps: f32,
+    kernel: Option<EwKernel>,
+) -> Result<EwKernel, CudaError> {
     const OP: &str = "add_rmsnorm";
     need(OP, "resid", resid, resid_rows * hidden * F32)?;
     if let Some(d) = delta {
@@ -113,15 +197,31 @@ pub fn add_rmsnorm(
     shape(OP, rows.is_some() || rows_n <= resid_rows, || {
         format!("{rows_n} rows of {resid_rows}")
     })?;
+    let dp = delta.map_or(0u64, |d| d.ptr());
+    let f32_ptrs = [resid.ptr(), dp, w.ptr()];
+    let vector = rmsnorm_vector_block(hidden, &f32_ptrs, out.ptr());
+    let (k, block) = match (kernel, vector) {
+        (None | Some(EwKernel::Vector), Some(b)) => (EwKernel::Vector, b),
+        (Some(EwKernel::Vector), None) => {
+            return Err(CudaError::Shape {
+                op: OP,
+                reason: format!(
+                    "add_rmsnorm_v4 needs hidden % 4 == 0 and <= {}, 16-byte aligned f32 \
+                     and 8-byte aligned bf16 pointers (hidden {hidden})",
+                    4 * RMS_V4_MAX * 1024
+                ),
+            });
+        }
+        (None | Some(EwKernel::Scalar), _) => (EwKernel::Scalar, 256),
+    };
     if rows_n == 0 {
-        return Ok(());
+        return Ok(k);
     }
-    let f = gpu.kernel(OP)?;
-    let (dp, rp, h) = (
-        delta.map_or(0u64, |d| d.ptr()),
-        rows.unwrap_or(0),
-        hidden as i32,
-    );
+    let f = gpu.kernel(match k {
+        EwKernel::Vector => "add_rmsnorm_v4",
+        EwKernel::Scalar => "add_rmsnorm",
+    })?;
+    let (rp, h) = (rows.unwrap_or(0), i32_of(OP, hidden)?);
     let mut b = gpu.launch_builder(f);
     b.arg(resid.ptr_ref())
         .arg(&dp)
@@ -130,12 +230,14 @@ pub fn add_rmsnorm(
         .arg(&rp)
         .arg(&h)
         .arg(&eps);
-    // SAFETY: sizes checked above; row indices are the caller's (< resid_rows).
-    unsafe { b.launch(cfg((u32_of(OP, rows_n)?, 1, 1), 256)) }.map_err(launched(OP))?;
-    Ok(())
+    // SAFETY: sizes checked above (and, for the vector kernel, the alignment and that a block of
+    // `block` threads covers the row); row indices are the caller's (< resid_rows).
+    unsafe { b.launch(cfg((u32_of(OP, rows_n)?, 1, 1), block)) }.map_err(launched(OP))?;
+    Ok(k)
 }
 
-/// `out[t, i] = silu(gu[t, i]) * gu[t, inter + i]`.
+/// `out[t, i] = silu(gu[t, i]) * gu[t, inter + i]`. Runs the vectorized kernel where it can
+/// ([`swiglu_with`]); both kernels give bit-identical outputs.
 pub fn swiglu(
     gpu: &Gpu,
     gu: &DevBuf,
@@ -143,20 +245,56 @@ pub fn swiglu(
     tokens: usize,
     inter: usize,
 ) -> Result<(), CudaError> {
+    swiglu_with(gpu, gu, out, tokens, inter, None).map(|_| ())
+}
+
+/// [`swiglu`] with the kernel chosen: `None` takes [`EwKernel::Vector`] where
+/// [`swiglu_vector_grid`] allows it, else [`EwKernel::Scalar`]; `Some(k)` runs `k` (a shape
+/// error when `Vector` cannot run). Returns the kernel that ran (nothing is launched for an
+/// empty shape: then `Scalar` unless `Vector` was asked for).
+pub fn swiglu_with(
+    gpu: &Gpu,
+    gu: &DevBuf,
+    out: &DevBuf,
+    tokens: usize,
+    inter: usize,
+    kernel: Option<EwKernel>,
+) -> Result<EwKernel, CudaError> {
     const OP: &str = "swiglu";
     need(OP, "gu", gu, tokens * 2 * inter * BF16)?;
     need(OP, "out", out, tokens * inter * BF16)?;
+    let (t, i) = (i32_of(OP, tokens)?, i32_of(OP, inter)?);
     if tokens * inter == 0 {
-        return Ok(());
+        return Ok(kernel.unwrap_or(EwKernel::Scalar));
     }
-    let f = gpu.kernel(OP)?;
-    let (t, i) = (tokens as i32, inter as i32);
+    let vector = swiglu_vector_grid(tokens, inter, gu.ptr(), out.ptr());
+    let (k, grid, block) = match (kernel, vector) {
+        (None | Some(EwKernel::Vector), Some((x, y))) => {
+            (EwKernel::Vector, (x, y, 1), SWIGLU_V8_BLOCK)
+        }
+        (Some(EwKernel::Vector), None) => {
+            return Err(CudaError::Shape {
+                op: OP,
+                reason: format!(
+                    "swiglu_v8 needs inter % 8 == 0 and 16-byte aligned gu and out (inter {inter})"
+                ),
+            });
+        }
+        (None | Some(EwKernel::Scalar), _) => (
+            EwKernel::Scalar,
+            (stride_grid(gpu, tokens * inter, 256), 1, 1),
+            256,
+        ),
+    };
+    let f = gpu.kernel(match k {
+        EwKernel::Vector => "swiglu_v8",
+        EwKernel::Scalar => "swiglu",
+    })?;
     let mut b = gpu.launch_builder(f);
     b.arg(gu.ptr_ref()).arg(out.ptr_ref()).arg(&t).arg(&i);
-    // SAFETY: sizes checked above.
-    unsafe { b.launch(cfg((stride_grid(gpu, tokens * inter, 256), 1, 1), 256)) }
-        .map_err(launched(OP))?;
-    Ok(())
+    // SAFETY: sizes checked above (and, for the vector kernel, inter % 8 and the alignment).
+    unsafe { b.launch(cfg(grid, block)) }.map_err(launched(OP))?;
+    Ok(k)
 }
 
 /// Fills `n` bf16 elements of `p` with uniform(-scale, scale) values hashed from `(seed, index)`.
@@ -391,4 +529,88 @@ pub fn kv_copy(
     // SAFETY: sizes checked above; block ids are the caller's (< num_blocks).
     unsafe { b.launch(cfg((u32_of(OP, nblocks * nlayers)?, 1, 1), 256)) }.map_err(launched(OP))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rmsnorm_vector_block_covers_the_row() {
+        // the fewest warps holding RMS_V4_MAX float4 words a thread
+        assert_eq!(rmsnorm_vector_block(4096, &[0, 0, 256], 512), Some(128));
+        assert_eq!(rmsnorm_vector_block(8192, &[16, 0, 32], 8), Some(256));
+        assert_eq!(rmsnorm_vector_block(576, &[0], 0), Some(32));
+        assert_eq!(rmsnorm_vector_block(4, &[0], 0), Some(32));
+        assert_eq!(rmsnorm_vector_block(4136, &[0], 0), Some(160));
+        assert_eq!(rmsnorm_vector_block(32768, &[0], 0), Some(1024));
+        for h in [
+            64usize, 576, 896, 2048, 4096, 4136, 5120, 8192, 16384, 32768,
+        ] {
+            let b = rmsnorm_vector_block(h, &[0], 0).unwrap() as usize;
+            assert!(b.is_multiple_of(32) && b <= 1024, "{h}: {b}");
+            assert!(
+                b * RMS_V4_MAX * 4 >= h,
+                "{h}: {b} threads do not cover the row"
+            );
+            assert!(
+                (b - 32) * RMS_V4_MAX * 4 < h,
+                "{h}: {b} threads, a warp too many"
+            );
+        }
+    }
+
+    #[test]
+    fn rmsnorm_vector_refuses_what_it_cannot_run() {
+        assert_eq!(rmsnorm_vector_block(4097, &[0], 0), None, "hidden % 4");
+        assert_eq!(rmsnorm_vector_block(4098, &[0], 0), None, "hidden % 4");
+        assert_eq!(rmsnorm_vector_block(0, &[0], 0), None);
+        assert_eq!(
+            rmsnorm_vector_block(32772, &[0], 0),
+            None,
+            "row past 1024 threads"
+        );
+        assert_eq!(
+            rmsnorm_vector_block(4096, &[0, 8, 0], 0),
+            None,
+            "delta at 8 bytes"
+        );
+        assert_eq!(
+            rmsnorm_vector_block(4096, &[4], 0),
+            None,
+            "resid at 4 bytes"
+        );
+        assert_eq!(rmsnorm_vector_block(4096, &[0], 4), None, "out at 4 bytes");
+        assert_eq!(
+            rmsnorm_vector_block(4096, &[0], 8),
+            Some(128),
+            "out at 8 bytes is enough"
+        );
+    }
+
+    #[test]
+    fn swiglu_vector_grid_covers_every_word() {
+        // Llama-3.1-8B: 1792 words a row, 256 a block
+        assert_eq!(swiglu_vector_grid(8192, 14336, 0, 256), Some((7, 8192)));
+        assert_eq!(swiglu_vector_grid(1, 8, 16, 32), Some((1, 1)));
+        assert_eq!(swiglu_vector_grid(100_000, 1536, 0, 0), Some((1, 65535)));
+        for inter in [8usize, 256, 1000, 1536, 2048, 2056, 7168, 14336] {
+            let (x, _) = swiglu_vector_grid(3, inter, 0, 0).unwrap();
+            let per = (SWIGLU_V8_BLOCK as usize) * SWIGLU_V8_UNROLL;
+            assert!(x as usize * per * 8 >= inter, "{inter}: {x} blocks short");
+            assert!(
+                (x as usize - 1) * per * 8 < inter,
+                "{inter}: {x} blocks, one too many"
+            );
+        }
+    }
+
+    #[test]
+    fn swiglu_vector_refuses_what_it_cannot_run() {
+        assert_eq!(swiglu_vector_grid(4, 1004, 0, 0), None, "inter % 8");
+        assert_eq!(swiglu_vector_grid(4, 1024, 8, 0), None, "gu at 8 bytes");
+        assert_eq!(swiglu_vector_grid(4, 1024, 0, 2), None, "out at 2 bytes");
+        assert_eq!(swiglu_vector_grid(0, 1024, 0, 0), None);
+        assert_eq!(swiglu_vector_grid(4, 0, 0, 0), None);
+    }
 }

@@ -4,9 +4,9 @@
 
 mod common;
 
-use pdnode_core::{ErrorKind, NodeId, SamplingParams};
+use pdnode_core::{ErrorKind, NodeId};
 use pdnode_router::testing::FakeCall;
-use pdnode_router::{GenEvent, GenRequest, Generation, NodeError, RouterError};
+use pdnode_router::{GenEvent, Generation, NodeError, RouterError};
 use std::time::{Duration, Instant};
 
 /// How long the fake prefill takes: far beyond anything the tests wait for.
@@ -25,15 +25,7 @@ async fn harness(n_decode: usize) -> common::Harness {
 
 fn start(h: &common::Harness) -> Generation {
     h.router
-        .generate(GenRequest {
-            // 40 tokens: 3 blocks of 16.
-            prompt_token_ids: vec![b'x'.into(); 40],
-            sampling: SamplingParams {
-                max_tokens: 20,
-                ..SamplingParams::default()
-            },
-            endpoint: "completions",
-        })
+        .generate(common::request_40_tokens())
         .expect("admitted")
 }
 

@@ -7,12 +7,9 @@
 
 mod common;
 
-use pdnode_core::{NodeId, Role, SamplingParams};
-use pdnode_router::testing::{FakeCall, FakeNode, FakeTokenizer};
-use pdnode_router::{
-    GenEvent, GenRequest, Generation, ModelInfo, NodeError, Router, RouterDeps, RouterError,
-    StaticMembership,
-};
+use pdnode_core::NodeId;
+use pdnode_router::testing::{FakeCall, FakeNode};
+use pdnode_router::{GenEvent, Generation, NodeError, Router, RouterError, StaticMembership};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -26,49 +23,26 @@ struct Setup {
 }
 
 fn setup(n_decode: usize) -> Setup {
-    let prefill = FakeNode::new("p0");
-    let decode: Vec<_> = (0..n_decode)
-        .map(|i| FakeNode::new(&format!("d{i}")))
-        .collect();
-    let mut workers = vec![prefill.worker(Role::Prefill)];
-    workers.extend(decode.iter().map(|n| n.worker(Role::Decode)));
-    let membership = Arc::new(StaticMembership::new(workers));
-    let mut config = common::config();
+    let common::Fakes {
+        mut prefill,
+        decode,
+        membership,
+        mut deps,
+    } = common::fakes(1, n_decode);
     // The router's own deadlines must not be what ends a request.
-    config.prefill_timeout_s = 120;
-    config.request_timeout_s = 120;
-    config.max_inflight_requests = 256;
-    let router = Router::new(RouterDeps {
-        config,
-        api_keys: Vec::new(),
-        membership: membership.clone(),
-        tokenizer: Arc::new(FakeTokenizer),
-        chat: Arc::new(FakeTokenizer),
-        model: ModelInfo {
-            served_name: "fake-model".into(),
-            context_length: 256,
-            simulated: None,
-        },
-    });
+    deps.config.prefill_timeout_s = 120;
+    deps.config.request_timeout_s = 120;
+    deps.config.max_inflight_requests = 256;
     Setup {
-        router,
-        prefill,
+        router: Router::new(deps),
+        prefill: prefill.remove(0),
         decode,
         membership,
     }
 }
 
 fn start(r: &Arc<Router>) -> Generation {
-    r.generate(GenRequest {
-        // 40 tokens: 3 blocks of 16.
-        prompt_token_ids: vec![b'x'.into(); 40],
-        sampling: SamplingParams {
-            max_tokens: 20,
-            ..SamplingParams::default()
-        },
-        endpoint: "completions",
-    })
-    .expect("admitted")
+    r.generate(common::request_40_tokens()).expect("admitted")
 }
 
 fn is_prefill(c: &FakeCall) -> bool {

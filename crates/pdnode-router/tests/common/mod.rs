@@ -2,10 +2,10 @@
 
 #![allow(dead_code)]
 
-use pdnode_core::Role;
 use pdnode_core::config::{PolicyName, RouterConfig};
+use pdnode_core::{Role, SamplingParams};
 use pdnode_router::testing::{FakeNode, FakeTokenizer};
-use pdnode_router::{ModelInfo, Router, RouterDeps, StaticMembership};
+use pdnode_router::{GenRequest, ModelInfo, Router, RouterDeps, StaticMembership};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -39,6 +39,58 @@ pub fn config() -> RouterConfig {
     c
 }
 
+/// Fake nodes in a static membership and router deps over them.
+pub struct Fakes {
+    pub prefill: Vec<Arc<FakeNode>>,
+    pub decode: Vec<Arc<FakeNode>>,
+    pub membership: Arc<StaticMembership>,
+    pub deps: RouterDeps,
+}
+
+/// `n_prefill` + `n_decode` fake nodes (`p0..`, `d0..`) in a static membership, and router
+/// deps over them with [`config`].
+pub fn fakes(n_prefill: usize, n_decode: usize) -> Fakes {
+    let prefill: Vec<_> = (0..n_prefill)
+        .map(|i| FakeNode::new(&format!("p{i}")))
+        .collect();
+    let decode: Vec<_> = (0..n_decode)
+        .map(|i| FakeNode::new(&format!("d{i}")))
+        .collect();
+    let mut workers: Vec<_> = prefill.iter().map(|n| n.worker(Role::Prefill)).collect();
+    workers.extend(decode.iter().map(|n| n.worker(Role::Decode)));
+    let membership = Arc::new(StaticMembership::new(workers));
+    let deps = RouterDeps {
+        config: config(),
+        api_keys: Vec::new(),
+        membership: membership.clone(),
+        tokenizer: Arc::new(FakeTokenizer),
+        chat: Arc::new(FakeTokenizer),
+        model: ModelInfo {
+            served_name: "fake-model".into(),
+            context_length: 256,
+            simulated: None,
+        },
+    };
+    Fakes {
+        prefill,
+        decode,
+        membership,
+        deps,
+    }
+}
+
+/// A 40-token prompt (3 blocks of 16) asking for 20 tokens.
+pub fn request_40_tokens() -> GenRequest {
+    GenRequest {
+        prompt_token_ids: vec![b'x'.into(); 40],
+        sampling: SamplingParams {
+            max_tokens: 20,
+            ..SamplingParams::default()
+        },
+        endpoint: "completions",
+    }
+}
+
 impl Harness {
     pub async fn start(n_prefill: usize, n_decode: usize) -> Self {
         Self::start_with(n_prefill, n_decode, |_| {}).await
@@ -49,27 +101,12 @@ impl Harness {
         n_decode: usize,
         tweak: impl FnOnce(&mut RouterDeps),
     ) -> Self {
-        let prefill: Vec<_> = (0..n_prefill)
-            .map(|i| FakeNode::new(&format!("p{i}")))
-            .collect();
-        let decode: Vec<_> = (0..n_decode)
-            .map(|i| FakeNode::new(&format!("d{i}")))
-            .collect();
-        let mut workers: Vec<_> = prefill.iter().map(|n| n.worker(Role::Prefill)).collect();
-        workers.extend(decode.iter().map(|n| n.worker(Role::Decode)));
-        let membership = Arc::new(StaticMembership::new(workers));
-        let mut deps = RouterDeps {
-            config: config(),
-            api_keys: Vec::new(),
-            membership: membership.clone(),
-            tokenizer: Arc::new(FakeTokenizer),
-            chat: Arc::new(FakeTokenizer),
-            model: ModelInfo {
-                served_name: "fake-model".into(),
-                context_length: 256,
-                simulated: None,
-            },
-        };
+        let Fakes {
+            prefill,
+            decode,
+            membership,
+            mut deps,
+        } = fakes(n_prefill, n_decode);
         tweak(&mut deps);
         let router = Router::new(deps);
         let http_l = TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -4,6 +4,7 @@
 //! thread) so the figures compare like with like.
 
 use super::CudaError;
+use super::backend::CudaOptions;
 use super::bench::{
     BenchRow, Ceilings, DecodeStep, bench_options, decode_blocks, llama31_8b, measure_ceilings,
 };
@@ -35,16 +36,33 @@ pub fn run_decode(
     tp: usize,
     decode: &[(usize, usize)],
     iters: usize,
+    report: impl FnMut(&BenchRow),
+) -> Result<TpDecode, CudaError> {
+    let gpus: Vec<u32> = (0..tp.max(1) as u32).collect();
+    run_decode_on(&gpus, decode, iters, report)
+}
+
+/// [`run_decode`] on the listed GPUs (rank `r` on `gpus[r]`, TP = `gpus.len()`); the ceilings
+/// are measured on rank 0's GPU.
+pub fn run_decode_on(
+    gpus: &[u32],
+    decode: &[(usize, usize)],
+    iters: usize,
     mut report: impl FnMut(&BenchRow),
 ) -> Result<TpDecode, CudaError> {
+    let tp = gpus.len();
+    super::tp::check_gpu_list(gpus, tp as u32)?;
     let spec = llama31_8b();
     let ceil = {
-        let gpu = Gpu::new(0)?;
+        let gpu = Gpu::new(gpus[0])?;
         measure_ceilings(&gpu)?
     };
     let bs = 16usize;
     let num_blocks = decode_blocks(decode, bs) + 8;
-    let opts = bench_options(tp as u32, num_blocks, bs, 64, decode, true);
+    let opts = CudaOptions {
+        gpus: gpus.to_vec(),
+        ..bench_options(tp as u32, num_blocks, bs, 64, decode, true)
+    };
     let mut be = CudaTpBackend::new_dummy(&spec, 1234, None, &opts, "bench".into())?;
     be.fill_kv_random(99).map_err(err)?;
     let wbytes = be.weight_bytes_per_rank() as f64;

@@ -3,7 +3,10 @@
 //! and logprobs it streams equal a reference decode that samples every full row on the host
 //! (`Backend::forward` + `SequenceSampler::sample`), for greedy requests alone and for a batch
 //! mixing greedy, sampled, logprobs and penalized requests. A recording wrapper checks which rows
-//! took which path (so the test cannot pass with every row full).
+//! took which path (so the test cannot pass with every row full). With a backend that samples on
+//! the device (`Backend::samples_on_device`; here the CPU backend's host twin of `sample_rows`),
+//! sampled requests without penalties or logprobs take `LogitsWant::Sample` and stream the tokens
+//! of `sampling::sample_row` with the uniforms their samplers draw.
 
 use pdnode_core::request::{GenerateRequest, TokenLogprob};
 use pdnode_core::{BlockId, KvLayout, RequestId, SamplingParams};
@@ -13,7 +16,7 @@ use pdnode_engine::backend::{
 };
 use pdnode_engine::engine::{EngineEvent, EngineHandle, EngineLoopConfig, RequestStream, spawn};
 use pdnode_engine::loader::load_path;
-use pdnode_engine::sampling::SequenceSampler;
+use pdnode_engine::sampling::{SequenceSampler, sample_row};
 use pdnode_engine::scheduler::Mode;
 use std::ops::Range;
 use std::path::PathBuf;
@@ -43,11 +46,13 @@ fn cpu() -> CpuBackend {
 struct Counts {
     argmax: AtomicUsize,
     full: AtomicUsize,
+    sample: AtomicUsize,
 }
 
 struct Recording {
     inner: CpuBackend,
     counts: Arc<Counts>,
+    device_sampling: bool,
 }
 
 impl Backend for Recording {
@@ -73,9 +78,13 @@ impl Backend for Recording {
             match w {
                 LogitsWant::Argmax => self.counts.argmax.fetch_add(1, Ordering::Relaxed),
                 LogitsWant::Full => self.counts.full.fetch_add(1, Ordering::Relaxed),
+                LogitsWant::Sample(_) => self.counts.sample.fetch_add(1, Ordering::Relaxed),
             };
         }
         self.inner.forward_select(batch, want, out)
+    }
+    fn samples_on_device(&self) -> bool {
+        self.device_sampling
     }
     fn read_kv(
         &self,
@@ -96,12 +105,20 @@ impl Backend for Recording {
 }
 
 fn engine(max_batch_tokens: usize) -> (EngineHandle, Arc<Counts>, usize) {
+    engine_with(max_batch_tokens, false)
+}
+
+fn engine_with(
+    max_batch_tokens: usize,
+    device_sampling: bool,
+) -> (EngineHandle, Arc<Counts>, usize) {
     let inner = cpu();
     let vocab = load_path(&fixture()).unwrap().spec.vocab_size;
     let counts = Arc::new(Counts::default());
     let b = Recording {
         inner,
         counts: counts.clone(),
+        device_sampling,
     };
     let lc = EngineLoopConfig {
         mode: Mode::Colocated,
@@ -140,6 +157,12 @@ async fn collect(mut s: RequestStream) -> Out {
 /// The reference: one request alone on a fresh CPU backend, every step's full row sampled on
 /// the host by the request's own sampler (same seed).
 fn reference(req: &GenerateRequest, vocab: usize) -> Out {
+    reference_with(req, vocab, false)
+}
+
+/// As [`reference`]; with `device`, rows a device may sample are picked by `sample_row` with the
+/// uniform `SequenceSampler::device_draw` draws.
+fn reference_with(req: &GenerateRequest, vocab: usize, device: bool) -> Out {
     let mut be = cpu();
     let mut sampler = SequenceSampler::new(&req.sampling, vocab, &req.prompt_token_ids).unwrap();
     let table: Vec<BlockId> = (0..BLOCKS).map(BlockId).collect();
@@ -156,7 +179,12 @@ fn reference(req: &GenerateRequest, vocab: usize) -> Out {
             }],
         };
         let l = be.forward(&b).unwrap();
-        let o = sampler.sample(l.row(0)).unwrap();
+        // (`device_draw` advances the stream: only when the engine would call it)
+        let draw = if device { sampler.device_draw() } else { None };
+        let o = match draw {
+            Some(d) => sampler.accept_sampled(sample_row(l.row(0), &d)).unwrap(),
+            None => sampler.sample(l.row(0)).unwrap(),
+        };
         pos += toks.len();
         toks = vec![o.token];
         out.push((o.token, o.logprob));
@@ -264,6 +292,69 @@ async fn mixed_batch_of_greedy_sampled_logprobs_and_penalties_matches_host_sampl
     // two plain greedy requests took the arg-max path; the four others full rows
     assert_eq!(counts.argmax.load(Ordering::Relaxed), 2 * n as usize);
     assert_eq!(counts.full.load(Ordering::Relaxed), 4 * n as usize);
+    assert_eq!(
+        counts.sample.load(Ordering::Relaxed),
+        0,
+        "no device sampling here"
+    );
+    e.check_accounting().await.unwrap().unwrap();
+    assert!(e.shutdown(DEADLINE).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_device_sampling_plain_sampled_rows_take_the_sample_path() {
+    let (e, counts, vocab) = engine_with(24, true);
+    let v = vocab as u32;
+    let n = 6u32;
+    let sampled =
+        |temperature: f32, top_k: u32, top_p: f32, min_p: f32, seed: u64| SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            seed: Some(seed),
+            max_tokens: n,
+            ..SamplingParams::default()
+        };
+    let params = [
+        SamplingParams::greedy(n),
+        sampled(0.9, 20, 1.0, 0.0, 7),
+        sampled(1.0, 0, 1.0, 0.0, 8),
+        sampled(0.7, 0, 0.8, 0.05, 9),
+        SamplingParams {
+            logprobs: Some(1),
+            ..sampled(0.7, 0, 0.8, 0.0, 11)
+        },
+        SamplingParams {
+            presence_penalty: 0.5,
+            ..sampled(1.2, 5, 1.0, 0.0, 12)
+        },
+    ];
+    let reqs: Vec<GenerateRequest> = params
+        .iter()
+        .enumerate()
+        .map(|(i, p)| GenerateRequest {
+            id: RequestId(i as u64 + 1),
+            prompt_token_ids: prompt(i as u32 + 1, v),
+            sampling: p.clone(),
+        })
+        .collect();
+    let streams: Vec<_> = reqs
+        .iter()
+        .map(|r| e.add_request(r.clone()).unwrap())
+        .collect();
+    for (r, s) in reqs.iter().zip(streams) {
+        let got = collect(s).await;
+        same(
+            &got,
+            &reference_with(r, vocab, true),
+            &format!("request {}", r.id),
+        );
+    }
+    // greedy: arg-max; three plain sampled: device sampling; logprobs and penalties: full rows
+    assert_eq!(counts.argmax.load(Ordering::Relaxed), n as usize);
+    assert_eq!(counts.sample.load(Ordering::Relaxed), 3 * n as usize);
+    assert_eq!(counts.full.load(Ordering::Relaxed), 2 * n as usize);
     e.check_accounting().await.unwrap().unwrap();
     assert!(e.shutdown(DEADLINE).await);
 }

@@ -3,10 +3,12 @@
 //! A backend owns the model weights and the paged KV pool of one node (one GPU group). The
 //! scheduler hands it a [`ForwardBatch`] (for each sequence: the new tokens, their first position
 //! and the block table covering every position up to the last new one) and gets back one logits row
-//! per sequence that asked for it. Sampling happens on the host (`crate::sampling`); the engine
+//! per sequence that asked for it. Sampling is defined on the host (`crate::sampling`); the engine
 //! steps through [`Backend::forward_select`], which returns only the arg-max of the rows of plain
-//! greedy sequences ([`LogitsWant::Argmax`], computed on the device by the CUDA backends) and
-//! lands the other rows in a [`StepLogits`] reused from step to step. KV blocks are copied in and out for the
+//! greedy sequences ([`LogitsWant::Argmax`], computed on the device by the CUDA backends), only
+//! the sampled token of rows a device samples ([`LogitsWant::Sample`], where
+//! [`Backend::samples_on_device`]), and lands the other rows in a [`StepLogits`] reused from step
+//! to step. KV blocks are copied in and out for the
 //! hand-off through [`Backend::read_kv`] / [`Backend::write_kv`]; zero-copy access to the pool
 //! memory (UCX registration) is the optional [`KvMemory`] capability, and a per-rank staging
 //! arena that stays registered (gather/scatter device to device) the optional [`KvStaging`] one.
@@ -22,6 +24,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
+use crate::sampling::RowDraw;
 use pdnode_core::{BlockId, KvLayout};
 use std::ops::Range;
 
@@ -72,7 +75,7 @@ impl Logits {
 }
 
 /// What the engine needs from the logits row of one sequence with `want_logits`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum LogitsWant {
     /// The whole row (sampling, logprobs, penalties).
     Full,
@@ -80,6 +83,11 @@ pub enum LogitsWant {
     /// [`crate::sampling::argmax`] of the row (a CUDA backend computes it on the device and
     /// copies one id instead of the row).
     Argmax,
+    /// Only the token [`crate::sampling::sample_row`] picks from the row with these parameters
+    /// and uniform (temperature > 0, top-k, top-p, min-p). A backend with
+    /// [`Backend::samples_on_device`] computes it on the device and copies one id; every other
+    /// backend computes it on the host ([`StepLogits::fill_from`]).
+    Sample(RowDraw),
 }
 
 /// One sequence's result in [`StepLogits::rows`].
@@ -89,6 +97,21 @@ pub enum RowOut {
     Full(usize),
     /// The arg-max id; `None` when the row holds only NaN and -inf.
     Argmax(Option<u32>),
+    /// The sampled id of a [`LogitsWant::Sample`] row; `None` when the row has no finite value
+    /// (or nothing with weight among its top-k).
+    Sampled(Option<u32>),
+}
+
+impl RowOut {
+    /// Whether this is the kind of result `want` asks for.
+    pub fn answers(&self, want: &LogitsWant) -> bool {
+        matches!(
+            (want, self),
+            (LogitsWant::Full, RowOut::Full(_))
+                | (LogitsWant::Argmax, RowOut::Argmax(_))
+                | (LogitsWant::Sample(_), RowOut::Sampled(_))
+        )
+    }
 }
 
 /// Host memory a backend lends to a [`StepLogits`] for its full rows (a CUDA backend: the
@@ -163,6 +186,7 @@ impl StepLogits {
                     RowOut::Full(full - 1)
                 }
                 LogitsWant::Argmax => RowOut::Argmax(None),
+                LogitsWant::Sample(_) => RowOut::Sampled(None),
             });
         }
         full
@@ -223,9 +247,22 @@ impl StepLogits {
         }
     }
 
+    /// Sets the sampled token of row `row` (a `Sample` row of [`StepLogits::begin`]); false
+    /// when that row is not a sampled row.
+    pub fn set_sampled(&mut self, row: usize, token: Option<u32>) -> bool {
+        match self.rows.get_mut(row) {
+            Some(r @ RowOut::Sampled(_)) => {
+                *r = RowOut::Sampled(token);
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Fills `self` from full logits rows (one per `want` entry): what a backend without a
-    /// device arg-max returns. The arg-max rows are reduced on the host; the full rows are moved
-    /// down in place (no copy of the buffer, no allocation).
+    /// device arg-max or device sampling returns. The arg-max and sampled rows are computed on
+    /// the host ([`crate::sampling::argmax`], [`crate::sampling::sample_row`]); the full rows
+    /// are moved down in place (no copy of the buffer, no allocation).
     pub fn fill_from(&mut self, logits: Logits, want: &[LogitsWant]) -> Result<(), BackendError> {
         if logits.rows() != want.len() || logits.data.len() != want.len() * logits.vocab {
             return Err(BackendError::InvalidBatch {
@@ -249,6 +286,10 @@ impl StepLogits {
                 LogitsWant::Argmax => {
                     self.rows
                         .push(RowOut::Argmax(crate::sampling::argmax(row).ok()));
+                }
+                LogitsWant::Sample(d) => {
+                    self.rows
+                        .push(RowOut::Sampled(crate::sampling::sample_row(row, d)));
                 }
                 LogitsWant::Full => {
                     if kept != i {
@@ -308,10 +349,11 @@ pub trait Backend: Send {
     /// Runs one step; writes K/V of the new positions into the pool and returns logits rows.
     fn forward(&mut self, batch: &ForwardBatch<'_>) -> Result<Logits, BackendError>;
     /// Runs one step as [`Backend::forward`] and puts, for each sequence with `want_logits` (in
-    /// batch order; `want` has one entry per such sequence), its full row or its arg-max into
-    /// `out`, reusing `out`'s buffers (pass the previous step's result back). The default runs
-    /// [`Backend::forward`] and reduces the arg-max rows on the host ([`StepLogits::fill_from`]);
-    /// a device backend computes them on the device and copies only the full rows.
+    /// batch order; `want` has one entry per such sequence), its full row, its arg-max or its
+    /// sampled token into `out`, reusing `out`'s buffers (pass the previous step's result back).
+    /// The default runs [`Backend::forward`] and reduces the arg-max and sampled rows on the
+    /// host ([`StepLogits::fill_from`]); a device backend computes them on the device and
+    /// copies only the full rows.
     fn forward_select(
         &mut self,
         batch: &ForwardBatch<'_>,
@@ -337,6 +379,13 @@ pub trait Backend: Send {
         blocks: &[BlockId],
         data: &[u8],
     ) -> Result<(), BackendError>;
+    /// Whether [`Backend::forward_select`] computes [`LogitsWant::Sample`] rows on the device
+    /// (one id copied instead of the row). Every backend serves every want; the engine asks for
+    /// `Sample` rows only where this is true, and keeps sampling full rows on the host (its
+    /// own draw order) elsewhere.
+    fn samples_on_device(&self) -> bool {
+        false
+    }
     /// The [`KvStaging`] capability, when this backend has a staging arena. A capability query
     /// (like `Any::downcast`), not a stub: a backend without an arena answers `None` and the
     /// hand-off copies through the host ([`Backend::read_kv`] / [`Backend::write_kv`]).
@@ -448,12 +497,28 @@ pub fn layer_block_offset(
     (layer as usize * num_blocks + block.0 as usize) * layout.block_layer_bytes()
 }
 
-/// Checks the [`Backend::forward_select`] contract: one [`LogitsWant`] per logits row.
+/// Checks the [`Backend::forward_select`] contract: one [`LogitsWant`] per logits row, and
+/// every [`LogitsWant::Sample`] with a finite temperature > 0, a uniform in `[0, 1)`, `top_p`
+/// > 0 and `min_p` in `[0, 1]`.
 pub fn check_logits_wants(want: &[LogitsWant], rows: usize) -> Result<(), BackendError> {
     if want.len() != rows {
         return Err(BackendError::InvalidBatch {
             reason: format!("{} logits wishes for {rows} rows", want.len()),
         });
+    }
+    for (i, w) in want.iter().enumerate() {
+        if let LogitsWant::Sample(d) = w {
+            let ok = d.temperature.is_finite()
+                && d.temperature > 0.0
+                && (0.0..1.0).contains(&d.u)
+                && d.top_p > 0.0
+                && (0.0..=1.0).contains(&d.min_p);
+            if !ok {
+                return Err(BackendError::InvalidBatch {
+                    reason: format!("row {i}: sampling parameters out of range: {d:?}"),
+                });
+            }
+        }
     }
     Ok(())
 }
@@ -550,6 +615,95 @@ mod tests {
                 other => panic!("{} wishes for {rows} rows: {other:?}", want.len()),
             }
         }
+    }
+
+    fn sample(temperature: f32, u: f64) -> LogitsWant {
+        LogitsWant::Sample(RowDraw {
+            temperature,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            u,
+        })
+    }
+
+    #[test]
+    fn sample_wishes_need_sane_parameters() {
+        assert!(check_logits_wants(&[sample(1.0, 0.0), sample(0.5, 0.999)], 2).is_ok());
+        for bad in [
+            sample(0.0, 0.5),
+            sample(-1.0, 0.5),
+            sample(f32::NAN, 0.5),
+            sample(f32::INFINITY, 0.5),
+            sample(1.0, 1.0),
+            sample(1.0, -0.1),
+            sample(1.0, f64::NAN),
+            LogitsWant::Sample(RowDraw {
+                temperature: 1.0,
+                top_k: 0,
+                top_p: 0.0,
+                min_p: 0.0,
+                u: 0.5,
+            }),
+            LogitsWant::Sample(RowDraw {
+                temperature: 1.0,
+                top_k: 0,
+                top_p: 1.0,
+                min_p: 1.5,
+                u: 0.5,
+            }),
+        ] {
+            assert!(
+                matches!(
+                    check_logits_wants(&[LogitsWant::Full, bad], 2),
+                    Err(BackendError::InvalidBatch { .. })
+                ),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn step_logits_sample_rows_on_the_host_are_the_reference() {
+        let (nan, inf) = (f32::NAN, f32::INFINITY);
+        let rows: [[f32; 4]; 4] = [
+            [1.0, 3.0, 3.0, 2.0],
+            [nan, -inf, nan, inf], // nothing finite
+            [9.0, 8.0, 7.0, 6.0],  // a full row
+            [0.0, 0.0, 0.0, 0.0],
+        ];
+        let data: Vec<f32> = rows.iter().flatten().copied().collect();
+        let want = [
+            sample(1.0, 0.7),
+            sample(2.0, 0.2),
+            LogitsWant::Full,
+            sample(1.0, 0.6),
+        ];
+        let mut out = StepLogits::default();
+        out.fill_from(Logits { vocab: 4, data }, &want).unwrap();
+        for (i, (w, r)) in want.iter().zip(out.rows()).enumerate() {
+            assert!(r.answers(w), "row {i}: {r:?} for {w:?}");
+            if let LogitsWant::Sample(d) = w {
+                assert_eq!(
+                    *r,
+                    RowOut::Sampled(crate::sampling::sample_row(&rows[i], d)),
+                    "row {i}"
+                );
+            }
+        }
+        assert_eq!(out.rows()[1], RowOut::Sampled(None));
+        assert_eq!(out.rows()[3], RowOut::Sampled(Some(2)), "u 0.6 of 4 equal");
+        assert_eq!(out.full_rows(), 1);
+        assert_eq!(out.full_row(0), Some(&rows[2][..]));
+        // the begin/set path
+        out.begin(4, &want);
+        assert_eq!(out.rows()[0], RowOut::Sampled(None));
+        assert!(out.set_sampled(0, Some(3)));
+        assert!(!out.set_sampled(2, Some(3)), "row 2 is a full row");
+        assert!(!out.set_argmax(0, Some(3)), "row 0 is a sampled row");
+        assert_eq!(out.rows()[0], RowOut::Sampled(Some(3)));
+        assert!(!RowOut::Sampled(None).answers(&LogitsWant::Argmax));
+        assert!(!RowOut::Argmax(None).answers(&want[0]));
     }
 
     #[test]

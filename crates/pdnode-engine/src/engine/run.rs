@@ -493,18 +493,22 @@ impl Loop {
             return false;
         }
         // A plain greedy sequence needs only the arg-max of its row (computed on the device by a
-        // device backend): exactly what its sampler would pick from the full row.
+        // device backend): exactly what its sampler would pick from the full row. A sampled one
+        // without penalties or logprobs, on a backend that samples on the device, needs only the
+        // token the device draws with the uniform its sampler draws now (the host's draw).
+        let device_sampling = self.backend.samples_on_device();
         self.want.clear();
         for s in plan.seqs.iter().filter(|s| s.want_logits) {
-            let greedy = self
-                .active
-                .get(&s.id)
-                .is_none_or(|a| a.sampler.is_plain_greedy());
-            self.want.push(if greedy {
-                LogitsWant::Argmax
-            } else {
-                LogitsWant::Full
-            });
+            let want = match self.active.get_mut(&s.id) {
+                None => LogitsWant::Argmax,
+                Some(a) if a.sampler.is_plain_greedy() => LogitsWant::Argmax,
+                Some(a) if device_sampling => a
+                    .sampler
+                    .device_draw()
+                    .map_or(LogitsWant::Full, LogitsWant::Sample),
+                Some(_) => LogitsWant::Full,
+            };
+            self.want.push(want);
         }
         let want = self.want.len();
         let r = self
@@ -515,13 +519,11 @@ impl Loop {
             Ok(())
                 if logits.rows().len() == want
                     && logits.vocab() == self.cfg.vocab_size
-                    && self.want.iter().zip(logits.rows()).all(|(w, r)| {
-                        matches!(
-                            (w, r),
-                            (LogitsWant::Argmax, RowOut::Argmax(_))
-                                | (LogitsWant::Full, RowOut::Full(_))
-                        )
-                    }) => {}
+                    && self
+                        .want
+                        .iter()
+                        .zip(logits.rows())
+                        .all(|(w, r)| r.answers(w)) => {}
             Ok(()) => {
                 let m = format!(
                     "backend returned {} rows of {} logits, expected {want} of {}",
@@ -553,6 +555,7 @@ impl Loop {
             };
             let picked = match self.logits.rows()[row] {
                 RowOut::Argmax(token) => a.sampler.accept_argmax(token),
+                RowOut::Sampled(token) => a.sampler.accept_sampled(token),
                 RowOut::Full(i) => match self.logits.full_row(i) {
                     Some(r) => a.sampler.sample(r),
                     None => Err(crate::sampling::SamplingError::LogitsSize {

@@ -20,10 +20,12 @@
 //! [`OutputAssembler`] (in `stop`) turns sampled tokens into text deltas and decides when the
 //! request finishes (EOS, stop ids, stop strings, `max_tokens`, context length).
 
+pub mod device;
 mod logprobs;
 mod penalties;
 mod stop;
 
+pub use device::{RowDraw, sample_row};
 pub use logprobs::LOGPROB_FLOOR;
 pub use stop::{OutputAssembler, StepOutput, StopCause};
 
@@ -211,6 +213,47 @@ impl SequenceSampler {
         })
     }
 
+    /// Whether a device may sample this request's rows ([`device::sample_row`] semantics):
+    /// temperature > 0, no penalties, no logprobs (the row itself is then not needed).
+    pub fn is_device_sampleable(&self) -> bool {
+        self.temperature > 0.0 && self.logprobs.is_none() && !self.penalties.is_active()
+    }
+
+    /// For a request whose next token a device may sample ([`Self::is_device_sampleable`]):
+    /// draws the step's uniform from the request's stream, exactly the draw
+    /// [`SequenceSampler::sample`] would make, and returns the row's [`RowDraw`]; finish with
+    /// [`SequenceSampler::accept_sampled`]. `None` (nothing drawn) for any other request.
+    pub fn device_draw(&mut self) -> Option<RowDraw> {
+        if !self.is_device_sampleable() {
+            return None;
+        }
+        Some(RowDraw {
+            temperature: self.temperature,
+            top_k: self.top_k as u32,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            u: self.rng.random(),
+        })
+    }
+
+    /// What [`SequenceSampler::sample`] returns for a token a device sampled under
+    /// [`SequenceSampler::device_draw`] (`None`: the row had no finite value, the host path's
+    /// error). An error for a request a device may not sample.
+    pub fn accept_sampled(&mut self, token: Option<u32>) -> Result<SampleOut, SamplingError> {
+        if !self.is_device_sampleable() {
+            return Err(SamplingError::LogitsSize {
+                got: 0,
+                vocab_size: self.vocab_size,
+            });
+        }
+        let token = token.ok_or(SamplingError::NoFiniteLogits)?;
+        self.penalties.record(token)?;
+        Ok(SampleOut {
+            token,
+            logprob: None,
+        })
+    }
+
     /// Picks the next token from one logits row of `vocab_size` values.
     pub fn sample(&mut self, logits: &[f32]) -> Result<SampleOut, SamplingError> {
         if logits.len() != self.vocab_size {
@@ -244,14 +287,21 @@ impl SequenceSampler {
 
     /// Temperature, min-p, top-k, top-p, then one draw.
     fn draw(&mut self, row: &[f32]) -> Result<u32, SamplingError> {
-        let max = row
-            .iter()
-            .copied()
-            .filter(|v| v.is_finite())
-            .fold(f32::NEG_INFINITY, f32::max);
-        if !max.is_finite() {
-            return Err(SamplingError::NoFiniteLogits);
+        let max = finite_max(row).ok_or(SamplingError::NoFiniteLogits)?;
+        let u: f64 = self.rng.random();
+        let (kept, mass) = self.keep(row, max);
+        let w = &self.weights[..];
+        match kept {
+            // Plain (min-p) sampling: no sort.
+            None => pick(w, 0..w.len() as u32, u * mass),
+            Some(n) => pick(w, self.idx[..n].iter().copied(), u * mass),
         }
+    }
+
+    /// The tokens `draw` picks from (temperature, min-p, top-k, top-p over `row`, whose largest
+    /// finite value is `max`): `None` for every token, `Some(n)` for `self.idx[..n]`, with their
+    /// weights in `self.weights` (by id) and their mass.
+    fn keep(&mut self, row: &[f32], max: f32) -> (Option<usize>, f64) {
         // Weight of a token relative to the top one: exp((l - max) / T), 0 below min-p and for
         // non-finite logits.
         let inv_t = 1.0 / self.temperature;
@@ -263,7 +313,6 @@ impl SequenceSampler {
             let x = ((l - max) * inv_t).exp();
             if x < min_w { 0.0 } else { x }
         };
-        let u: f64 = self.rng.random();
         let idx = &mut self.idx;
         idx.clear();
         let w = &mut self.weights;
@@ -291,10 +340,9 @@ impl SequenceSampler {
 
         if self.top_p >= 1.0 {
             return if self.top_k > 0 {
-                pick(w, idx.iter().copied(), u * total)
+                (Some(idx.len()), total)
             } else {
-                // Plain (min-p) sampling: no sort.
-                pick(w, 0..w.len() as u32, u * total)
+                (None, total)
             };
         }
 
@@ -315,8 +363,18 @@ impl SequenceSampler {
         };
         let kept = &idx[..keep];
         let kept_mass: f64 = kept.iter().map(|&i| f64::from(w[i as usize])).sum();
-        pick(w, kept.iter().copied(), u * kept_mass)
+        (Some(keep), kept_mass)
     }
+}
+
+/// The largest finite value of `row`, if any.
+fn finite_max(row: &[f32]) -> Option<f32> {
+    let max = row
+        .iter()
+        .copied()
+        .filter(|v| v.is_finite())
+        .fold(f32::NEG_INFINITY, f32::max);
+    max.is_finite().then_some(max)
 }
 
 /// Moves the most likely tokens that together hold at least `need` of the weight to the front of

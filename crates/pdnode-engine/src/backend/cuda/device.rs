@@ -27,7 +27,7 @@ const SOURCES: [&str; 13] = [
 ];
 
 /// Kernel entry points (extern "C" names in the .cu files).
-pub const KERNEL_NAMES: [&str; 49] = [
+pub const KERNEL_NAMES: [&str; 50] = [
     "gemv_t1",
     "gemv_t2",
     "gemv_t4",
@@ -77,6 +77,7 @@ pub const KERNEL_NAMES: [&str; 49] = [
     "kv_gather",
     "kv_scatter",
     "argmax_rows",
+    "sample_rows",
 ];
 
 /// Compiles the kernel program for `arch` (e.g. "compute_90") and returns its PTX text; needs

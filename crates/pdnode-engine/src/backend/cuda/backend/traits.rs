@@ -73,6 +73,11 @@ impl Backend for CudaBackend {
         format!("cuda:{}", self.gpu.ordinal)
     }
 
+    /// `sample_rows` on the device, unless `PDNODE_GPU_SAMPLING` turns it off.
+    fn samples_on_device(&self) -> bool {
+        logits::gpu_sampling_enabled()
+    }
+
     fn kv_layout(&self) -> &KvLayout {
         &self.layout
     }

@@ -1,10 +1,12 @@
 //! Decode steps replayed from CUDA graphs against the same steps launched eagerly: logits and KV
 //! writes within bf16 bounds for batch sizes that need padding rows (3 -> 4, 33 -> 48), mixed
 //! context lengths over several context buckets, several steps; KV blocks outside the batch's
-//! sequences untouched. GPU only: `#[ignore]`d, run by scripts/gpu/run-all.sh (`graphs`; the
-//! TP=2 test also from `tp`, and skips on a single GPU).
+//! sequences untouched. Sampled rows on the device: `cuda_graphs_sample`. GPU only: `#[ignore]`d,
+//! run by scripts/gpu/run-all.sh (`graphs`; the TP=2 tests also from `tp`, and skip on a single
+//! GPU).
 #![cfg(feature = "cuda")]
 
+mod cuda_graphs_sample;
 mod cuda_support;
 
 use cuda_support::*;

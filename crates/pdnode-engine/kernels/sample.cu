@@ -199,13 +199,14 @@ __device__ void samp_walk(SampleSmem* sm, bool mass, unsigned need_c, double nee
     }
 }
 
-// Radix select over the keys `key_of(i, &k)` gives (false: token not counted), four 8-bit passes:
-// by count (`mass` false: the key of the need_c-th largest) or by summed `mass_of(i)` (the key at
-// which the mass from the top reaches need_m). Results in sm->sel_* (see samp_walk), for all
-// threads after the return.
-template <class K, class M>
+// Radix select over the keys `key_of(i, &k, &m)` gives (false: token not counted; m: its mass),
+// four 8-bit passes: by count (`mass` false: the key of the need_c-th largest) or by summed mass
+// (the key at which the mass from the top reaches need_m). Results in sm->sel_* (see samp_walk),
+// for all threads after the return. Each thread adds runs of one digit at once (the digits of a
+// pass are few and shared by most tokens: per-token shared atomics would serialize).
+template <class K>
 __device__ void samp_select(SampleSmem* sm, int n, bool mass, unsigned need_c, double need_m,
-                            K key_of, M mass_of) {
+                            K key_of) {
     unsigned prefix = 0, hi = 0;
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int b = threadIdx.x; b < 256; b += blockDim.x) {
@@ -213,12 +214,28 @@ __device__ void samp_select(SampleSmem* sm, int n, bool mass, unsigned need_c, d
             sm->mass[b] = 0.0;
         }
         __syncthreads();
+        unsigned run_d = 256u, run_c = 0;
+        double run_m = 0.0;
         for (int i = threadIdx.x; i < n; i += blockDim.x) {
             unsigned k;
-            if (!key_of(i, k) || (k & hi) != prefix) continue;
+            double m;
+            if (!key_of(i, k, m) || (k & hi) != prefix) continue;
             const unsigned d = (k >> shift) & 255u;
-            atomicAdd(&sm->cnt[d], 1u);
-            if (mass) atomicAdd(&sm->mass[d], mass_of(i));
+            if (d != run_d) {
+                if (run_c) {
+                    atomicAdd(&sm->cnt[run_d], run_c);
+                    if (mass) atomicAdd(&sm->mass[run_d], run_m);
+                }
+                run_d = d;
+                run_c = 0;
+                run_m = 0.0;
+            }
+            run_c++;
+            run_m += m;
+        }
+        if (run_c) {
+            atomicAdd(&sm->cnt[run_d], run_c);
+            if (mass) atomicAdd(&sm->mass[run_d], run_m);
         }
         __syncthreads();
         if (threadIdx.x < 32) samp_walk(sm, mass, need_c, need_m, prefix, shift);
@@ -264,24 +281,20 @@ extern "C" __global__ void __launch_bounds__(1024)
     const bool topk = a.top_k > 0 && a.top_k < (unsigned)n;
     unsigned kk = 0, ik = 0xffffffffu;
     if (topk) {
-        samp_select(
-            &sm, n, false, a.top_k, 0.0,
-            [&](int i, unsigned& k) {
-                k = samp_key(x[i]);
-                return true;
-            },
-            [&](int) { return 0.0; });
+        samp_select(&sm, n, false, a.top_k, 0.0, [&](int i, unsigned& k, double& m) {
+            k = samp_key(x[i]);
+            m = 0.0;
+            return true;
+        });
         kk = sm.sel_prefix;
         const unsigned need = sm.sel_rem, eq = sm.sel_eq;
         if (need < eq) {
             // the `need` lowest ids among the ties: the need-th largest of ~id
-            samp_select(
-                &sm, n, false, need, 0.0,
-                [&](int i, unsigned& k) {
-                    k = ~(unsigned)i;
-                    return samp_key(x[i]) == kk;
-                },
-                [&](int) { return 0.0; });
+            samp_select(&sm, n, false, need, 0.0, [&](int i, unsigned& k, double& m) {
+                k = ~(unsigned)i;
+                m = 0.0;
+                return samp_key(x[i]) == kk;
+            });
             ik = ~sm.sel_prefix;
         }
     }
@@ -313,30 +326,27 @@ extern "C" __global__ void __launch_bounds__(1024)
         const double total = sm.total;
         __syncthreads();
         if (total > 0.0) {
-            auto wkey = [&](int i, unsigned& k) {
+            auto wkey = [&](int i, unsigned& k, double& m) {
                 const float l = x[i];
                 if (!cand(i, l)) return false;
                 const float w = samp_weight(l, mx, inv_t, min_p);
                 k = __float_as_uint(w);
+                m = (double)w;
                 return w > 0.f;
             };
-            samp_select(&sm, n, true, 0u, (double)a.top_p * total, wkey,
-                        [&](int i) { return (double)samp_weight(x[i], mx, inv_t, min_p); });
+            samp_select(&sm, n, true, 0u, (double)a.top_p * total, wkey);
             wb = sm.sel_prefix;
             const unsigned eq = sm.sel_eq;
             const double wv = (double)__uint_as_float(wb);
             const double q = wv > 0.0 ? ceil(sm.sel_need / wv) : 1.0;
             const unsigned nt = q < 1.0 ? 1u : (q >= (double)eq ? eq : (unsigned)q);
             if (nt < eq) {
-                samp_select(
-                    &sm, n, false, nt, 0.0,
-                    [&](int i, unsigned& k) {
-                        unsigned kw;
-                        if (!wkey(i, kw) || kw != wb) return false;
-                        k = ~(unsigned)i;
-                        return true;
-                    },
-                    [&](int) { return 0.0; });
+                samp_select(&sm, n, false, nt, 0.0, [&](int i, unsigned& k, double& m) {
+                    unsigned kw;
+                    if (!wkey(i, kw, m) || kw != wb) return false;
+                    k = ~(unsigned)i;
+                    return true;
+                });
                 ip = ~sm.sel_prefix;
             }
         }

@@ -13,6 +13,12 @@
 //!
 //! Log-probabilities are those of the raw model logits (`logprobs`, vLLM's default).
 //!
+//! A device may sample instead (`device`): for a request with temperature > 0 and no penalties or
+//! logprobs, [`SequenceSampler::device_draw`] takes the step's uniform from the same stream at the
+//! same point as the host draw, the device picks the token with [`device::sample_row`]'s
+//! semantics (same kept set and probabilities as step 3), and
+//! [`SequenceSampler::accept_sampled`] records it.
+//!
 //! Cost per step is O(vocab) when top-k/top-p are off (no sort); top-k uses a selection
 //! (`select_nth_unstable`) and sorts only the k kept; top-p alone finds its set with a quickselect
 //! on probability mass (expected O(vocab), no sort).

@@ -106,9 +106,7 @@ fn sample_rows_match_the_reference_on_crafted_rows() {
         };
         let w = tiny_weights(&spec, &mut rng);
         let mut be = CudaBackend::new(&spec, &w, &opts(1, false), "test".into()).unwrap();
-        let off = std::env::var("PDNODE_GPU_SAMPLING")
-            .is_ok_and(|v| v.trim() == "0" || v.trim().eq_ignore_ascii_case("off"));
-        assert_eq!(be.samples_on_device(), !off, "PDNODE_GPU_SAMPLING");
+        assert_eq!(be.samples_on_device(), CudaBackend::gpu_sampling_enabled());
         let mut t = Tally::default();
         for chunk in 0..rows.div_ceil(64) {
             let n = 64.min(rows - chunk * 64);

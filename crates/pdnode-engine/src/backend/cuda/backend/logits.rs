@@ -186,6 +186,14 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Whether CUDA backends sample rows on the device ([`gpu_sampling_enabled`]:
+    /// `PDNODE_GPU_SAMPLING`, read once per process). What [`CudaBackend`]'s
+    /// `Backend::samples_on_device` answers; a backend built on `CudaBackend::forward_select`
+    /// (tensor parallelism) can answer the same.
+    pub fn gpu_sampling_enabled() -> bool {
+        gpu_sampling_enabled()
+    }
+
     /// Enqueues `sample_rows` for the [`LogitsWant::Sample`] rows of `want` (over the first
     /// `want.len()` logits rows) into their entries of `ws.tokens`, after whatever the stream
     /// holds (the step, the arg-max).

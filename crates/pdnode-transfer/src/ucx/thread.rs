@@ -55,7 +55,20 @@ pub(crate) enum Cmd {
         target: u64,
         done: Completer,
     },
+    /// `put` (a [`Cmd::Put`]) once `gate` opens, or failed at `deadline`.
+    PutWhen {
+        put: Box<Cmd>,
+        gate: super::Gate,
+        deadline: Instant,
+    },
     Shutdown,
+}
+
+/// A put waiting for its gate.
+struct Gated {
+    put: Box<Cmd>,
+    gate: super::Gate,
+    deadline: Instant,
 }
 
 struct Target {
@@ -103,6 +116,7 @@ struct State {
     peers: HashMap<Vec<u8>, Peer>,
     targets: HashMap<u64, Target>,
     pending: Vec<Pending>,
+    gated: Vec<Gated>,
     endpoints_created: Arc<AtomicU64>,
     last_sweep: Instant,
 }
@@ -157,6 +171,7 @@ pub(crate) fn run(
                 peers: HashMap::new(),
                 targets: HashMap::new(),
                 pending: Vec::new(),
+                gated: Vec::new(),
                 endpoints_created,
                 last_sweep: Instant::now(),
             },
@@ -191,11 +206,14 @@ pub(crate) fn run(
             busy = true;
         }
         st.poll_pending();
+        if st.poll_gated() {
+            busy = true;
+        }
         if busy {
             continue;
         }
         st.sweep_idle_peers();
-        if !st.pending.is_empty() {
+        if !st.pending.is_empty() || !st.gated.is_empty() {
             // Operations in flight: keep progressing, but let the other threads of a small
             // machine run.
             std::thread::yield_now();
@@ -212,6 +230,7 @@ pub(crate) fn run(
     }
     // Dropping the pending completers reports `Closed` to their waiters; then UCP objects go in
     // dependency order.
+    st.gated.clear();
     st.pending.clear();
     st.targets.clear();
     st.peers.clear();
@@ -286,6 +305,15 @@ impl State {
                 done,
             } => self.put(local, local_addr, mem, target, &spans, done),
             Cmd::Flush { target, done } => self.flush(target, done),
+            Cmd::PutWhen {
+                put,
+                gate,
+                deadline,
+            } => self.gated.push(Gated {
+                put,
+                gate,
+                deadline,
+            }),
             Cmd::Shutdown => {}
         }
     }
@@ -479,6 +507,45 @@ impl State {
             ep,
             _keep: (mh, rkey),
         });
+    }
+
+    /// Issues the gated puts whose gate opened, fails those whose gate failed or whose
+    /// deadline passed. Returns whether any left the list.
+    fn poll_gated(&mut self) -> bool {
+        if self.gated.is_empty() {
+            return false;
+        }
+        let now = Instant::now();
+        let mut moved = false;
+        let mut i = 0;
+        while i < self.gated.len() {
+            let g = &mut self.gated[i];
+            let verdict = if now >= g.deadline {
+                Err(TransferError::Timeout {
+                    what: "UCX gated put (its data never became ready)".into(),
+                })
+            } else {
+                (g.gate)().map_err(|reason| TransferError::Control {
+                    reason: format!("gated put: {reason}"),
+                })
+            };
+            match verdict {
+                Ok(false) => i += 1,
+                Ok(true) => {
+                    moved = true;
+                    let g = self.gated.remove(i);
+                    self.handle(*g.put);
+                }
+                Err(e) => {
+                    moved = true;
+                    let g = self.gated.remove(i);
+                    if let Cmd::Put { done, .. } = *g.put {
+                        done.complete(Err(e));
+                    }
+                }
+            }
+        }
+        moved
     }
 
     fn poll_pending(&mut self) {

@@ -234,12 +234,23 @@ fn gated_puts_wait_for_their_gate() {
         put.try_result().is_none(),
         "a put went out with its gate closed"
     );
+    // A flush covers the gated put: it waits for it to go out.
+    let flush = a.flush(&target).unwrap();
+    let seen = polls.load(Ordering::Relaxed);
+    while polls.load(Ordering::Relaxed) < seen + 3 {
+        assert!(Instant::now() < t, "the gate was not polled any more");
+        std::thread::yield_now();
+    }
+    assert!(
+        flush.try_result().is_none(),
+        "a flush completed before the gated put it covers went out"
+    );
     // The data is written only now, then the gate opens: what lands is the new data.
     // SAFETY: the source region is registered (alive) and no put reads it yet (gate closed).
     unsafe { std::ptr::write_bytes(rs.addr as *mut u8, 0x5a, rs.len) };
     open.store(true, Ordering::Release);
     put.wait(deadline()).unwrap();
-    a.flush(&target).unwrap().wait(deadline()).unwrap();
+    flush.wait(deadline()).unwrap();
     // SAFETY: the destination region is registered (alive) and the writer flushed.
     let got = unsafe { std::slice::from_raw_parts(rd.addr as *const u8, rd.len) };
     assert!(

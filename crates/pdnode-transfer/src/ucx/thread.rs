@@ -117,6 +117,9 @@ struct State {
     targets: HashMap<u64, Target>,
     pending: Vec<Pending>,
     gated: Vec<Gated>,
+    /// Flushes waiting for the gated puts to their target to go out first (a flush covers
+    /// every put submitted before it, gated ones included).
+    gated_flushes: Vec<(u64, Completer)>,
     endpoints_created: Arc<AtomicU64>,
     last_sweep: Instant,
 }
@@ -172,6 +175,7 @@ pub(crate) fn run(
                 targets: HashMap::new(),
                 pending: Vec::new(),
                 gated: Vec::new(),
+                gated_flushes: Vec::new(),
                 endpoints_created,
                 last_sweep: Instant::now(),
             },
@@ -213,7 +217,7 @@ pub(crate) fn run(
             continue;
         }
         st.sweep_idle_peers();
-        if !st.pending.is_empty() || !st.gated.is_empty() {
+        if !st.pending.is_empty() || !st.gated.is_empty() || !st.gated_flushes.is_empty() {
             // Operations in flight: keep progressing, but let the other threads of a small
             // machine run.
             std::thread::yield_now();
@@ -231,6 +235,7 @@ pub(crate) fn run(
     // Dropping the pending completers reports `Closed` to their waiters; then UCP objects go in
     // dependency order.
     st.gated.clear();
+    st.gated_flushes.clear();
     st.pending.clear();
     st.targets.clear();
     st.peers.clear();
@@ -304,7 +309,13 @@ impl State {
                 spans,
                 done,
             } => self.put(local, local_addr, mem, target, &spans, done),
-            Cmd::Flush { target, done } => self.flush(target, done),
+            Cmd::Flush { target, done } => {
+                if self.gates_target(target) {
+                    self.gated_flushes.push((target, done));
+                } else {
+                    self.flush(target, done);
+                }
+            }
             Cmd::PutWhen {
                 put,
                 gate,
@@ -509,9 +520,36 @@ impl State {
         });
     }
 
+    /// Whether a gated put to `target` still waits for its gate.
+    fn gates_target(&self, target: u64) -> bool {
+        self.gated
+            .iter()
+            .any(|g| matches!(&*g.put, Cmd::Put { target: t, .. } if *t == target))
+    }
+
     /// Issues the gated puts whose gate opened, fails those whose gate failed or whose
-    /// deadline passed. Returns whether any left the list.
+    /// deadline passed, then the flushes no gated put holds back any more. Returns whether any
+    /// left the lists.
     fn poll_gated(&mut self) -> bool {
+        if self.gated.is_empty() && self.gated_flushes.is_empty() {
+            return false;
+        }
+        let moved = self.poll_gates();
+        let mut i = 0;
+        let mut flushed = false;
+        while i < self.gated_flushes.len() {
+            if self.gates_target(self.gated_flushes[i].0) {
+                i += 1;
+            } else {
+                let (target, done) = self.gated_flushes.remove(i);
+                self.flush(target, done);
+                flushed = true;
+            }
+        }
+        moved || flushed
+    }
+
+    fn poll_gates(&mut self) -> bool {
         if self.gated.is_empty() {
             return false;
         }

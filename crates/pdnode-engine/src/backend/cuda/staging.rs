@@ -155,9 +155,10 @@ impl CudaBackend {
         let (nb, numb, lbv) = (nblocks as i32, self.num_blocks as i32, (lb / 16) as i64);
         for (layers, offset) in parts {
             let nlayers = (layers.end - layers.start) as usize;
-            let grid = u32::try_from(nlayers * nblocks).map_err(|_| BackendError::InvalidBatch {
-                reason: format!("{nlayers} x {nblocks} layer-blocks exceed a grid"),
-            })?;
+            let grid =
+                u32::try_from(nlayers * nblocks).map_err(|_| BackendError::InvalidBatch {
+                    reason: format!("{nlayers} x {nblocks} layer-blocks exceed a grid"),
+                })?;
             if grid == 0 {
                 continue;
             }

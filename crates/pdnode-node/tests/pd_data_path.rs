@@ -382,6 +382,35 @@ fn arena_free(n: &pd::ServingNode) -> bool {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_step_layer_groups_of_any_size_match_colocated() {
+    // SAFETY (env): set before any UCX context exists in this test process.
+    unsafe { std::env::set_var("UCX_NET_DEVICES", "lo") };
+    let cfg = cpu_ucx_config();
+    let ids = cpu_prompt(4);
+    let want = colocated_tokens(&cfg, &ids, 6).await;
+    let Some((p, d)) = pd_pair(&cfg) else { return };
+    let layers = d.built.handle.info().kv_layout.num_layers;
+    let mut puts = 0;
+    for (i, group) in [1u32, 3, layers + 5, 0].into_iter().enumerate() {
+        p.node.set_push_layer_group(group);
+        let (got, out) = pd_request(&p, &d, 100 + i as u64, &ids, 6).await;
+        assert_eq!(
+            got, want,
+            "PD with layer groups of {group} differs from colocated"
+        );
+        assert!(out.transfer_bytes > 0);
+        if group > 0 {
+            puts += layers.div_ceil(group) as u64;
+        }
+        assert_eq!(p.node.layer_puts(), puts, "puts after groups of {group}");
+    }
+    assert_eq!(p.node.staging_counts(), (4, 0), "every push from the arena");
+    assert!(arena_free(&p) && arena_free(&d));
+    assert_clean(&p.node).await;
+    assert_clean(&d.node).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ucx_staging_arena_hand_off_matches_colocated_and_frees_its_slices() {
     // SAFETY (env): set before any UCX context exists in this test process.
     unsafe { std::env::set_var("UCX_NET_DEVICES", "lo") };
@@ -409,6 +438,12 @@ async fn ucx_staging_arena_hand_off_matches_colocated_and_frees_its_slices() {
     let layout = &d.built.handle.info().kv_layout;
     let per_request = layout.num_layers as u64 * 6 * layout.block_layer_bytes() as u64;
     assert_eq!(a.1.transfer_bytes, per_request);
+    // The prompts' last steps gathered and put their KV 4 layers at a time (the default group).
+    assert_eq!(
+        p.node.layer_puts(),
+        2 * layout.num_layers.div_ceil(4) as u64,
+        "in-step layer-group puts"
+    );
     assert!(pa.all_free() && da.all_free(), "arena slices freed");
     assert_eq!(
         p.node.staging_counts(),

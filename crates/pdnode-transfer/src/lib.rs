@@ -29,4 +29,4 @@ pub use negotiation::{
 };
 pub use region::{LocalRegion, MemKind, PoolGeometry, RemoteRegion, Span};
 pub use transport::{KvTransport, Registration, RemoteTarget, TransportKind};
-pub use ucx::{UcxConfig, UcxTransport};
+pub use ucx::{Gate, UcxConfig, UcxTransport};

@@ -188,3 +188,92 @@ fn sequential_requests_to_one_peer_reuse_its_endpoint() {
     drop(target);
     drop((src_reg, reg_b, reg_c));
 }
+
+/// A gated put leaves only once its gate opens (the data written after the put was submitted
+/// arrives), a failing gate fails the put with its reason, and a gate that never opens fails at
+/// the deadline; nothing hangs.
+#[test]
+fn gated_puts_wait_for_their_gate() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+    let (Some(a), Some(b)) = (start("a", "tcp"), start("b", "tcp")) else {
+        return;
+    };
+    let len = 1 << 20;
+    let mut src = vec![0u8; len];
+    let mut dst = vec![0u8; len];
+    // SAFETY: the buffers outlive the registrations (dropped at the end of this function, after
+    // every completion was waited for).
+    let src_reg = unsafe { a.register(LocalRegion::host(&mut src)) }.unwrap();
+    // SAFETY: as above.
+    let dst_reg = unsafe { b.register(LocalRegion::host(&mut dst)) }.unwrap();
+    let target = a.connect(&b.local_address(), dst_reg.descriptor()).unwrap();
+    let span = [Span {
+        local_offset: 0,
+        remote_offset: 0,
+        len: len as u64,
+    }];
+    let (rs, rd) = (src_reg.region(), dst_reg.region());
+    let open = Arc::new(AtomicBool::new(false));
+    let polls = Arc::new(AtomicU32::new(0));
+    let (o, n) = (open.clone(), polls.clone());
+    let gate = Box::new(move || {
+        n.fetch_add(1, Ordering::Relaxed);
+        Ok(o.load(Ordering::Acquire))
+    });
+    let put = a
+        .put_when(&src_reg, &target, &span, gate, deadline())
+        .unwrap();
+    // The gate is polled and the put does not complete while it is closed.
+    let t = Instant::now() + Duration::from_secs(10);
+    while polls.load(Ordering::Relaxed) < 3 {
+        assert!(Instant::now() < t, "the gate was never polled");
+        std::thread::yield_now();
+    }
+    assert!(
+        put.try_result().is_none(),
+        "a put went out with its gate closed"
+    );
+    // A flush covers the gated put: it waits for it to go out.
+    let flush = a.flush(&target).unwrap();
+    let seen = polls.load(Ordering::Relaxed);
+    while polls.load(Ordering::Relaxed) < seen + 3 {
+        assert!(Instant::now() < t, "the gate was not polled any more");
+        std::thread::yield_now();
+    }
+    assert!(
+        flush.try_result().is_none(),
+        "a flush completed before the gated put it covers went out"
+    );
+    // The data is written only now, then the gate opens: what lands is the new data.
+    // SAFETY: the source region is registered (alive) and no put reads it yet (gate closed).
+    unsafe { std::ptr::write_bytes(rs.addr as *mut u8, 0x5a, rs.len) };
+    open.store(true, Ordering::Release);
+    put.wait(deadline()).unwrap();
+    flush.wait(deadline()).unwrap();
+    // SAFETY: the destination region is registered (alive) and the writer flushed.
+    let got = unsafe { std::slice::from_raw_parts(rd.addr as *const u8, rd.len) };
+    assert!(
+        got.iter().all(|&x| x == 0x5a),
+        "the gated put carried stale data"
+    );
+    // A failing gate fails the put with its reason.
+    let failing = Box::new(|| Err("the gather failed".to_string()));
+    let e = a
+        .put_when(&src_reg, &target, &span, failing, deadline())
+        .unwrap()
+        .wait(deadline())
+        .unwrap_err();
+    assert!(e.to_string().contains("the gather failed"), "{e}");
+    // A gate that never opens fails at its deadline, not later.
+    let never = Box::new(|| Ok(false));
+    let soon = Instant::now() + Duration::from_millis(50);
+    let e = a
+        .put_when(&src_reg, &target, &span, never, soon)
+        .unwrap()
+        .wait(deadline())
+        .unwrap_err();
+    assert!(matches!(e, TransferError::Timeout { .. }), "{e}");
+    drop(target);
+    drop((src_reg, dst_reg));
+}

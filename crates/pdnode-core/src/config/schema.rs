@@ -163,6 +163,11 @@ pub struct EngineConfig {
     /// flight (allocated once at start: device memory on CUDA, UCX-registered host memory on
     /// CPU); 0: no arena (every hand-off goes through per-request host staging).
     pub kv_staging_tokens: u32,
+    /// Prefill nodes with an arena: during the step that ends a prompt, its KV goes to the
+    /// decode node this many layers at a time while the later layers compute (one put per group);
+    /// 0: all of it after the step. Single-GPU CUDA and CPU backends (a TP group pushes after
+    /// the step).
+    pub kv_push_layer_group: u32,
     pub mock: MockEngineConfig,
 }
 
@@ -185,6 +190,7 @@ impl Default for EngineConfig {
             colocated: false,
             cuda_graphs: true,
             kv_staging_tokens: 8192,
+            kv_push_layer_group: 4,
             mock: MockEngineConfig::default(),
         }
     }

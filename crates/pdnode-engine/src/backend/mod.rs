@@ -403,6 +403,42 @@ pub trait Backend: Send {
 /// moves its own pool's bytes to and from its own arena at the same offset. Both copies are
 /// complete (synchronized) when they return. The caller owns the arena's sub-allocation: the
 /// backend only checks that the span lies inside the arena.
+/// Says whether data a step is producing is in place: `Ok(true)` ready, `Ok(false)` not yet,
+/// `Err` it never will be. Polled from another thread (the transport's), so it must not block.
+pub type LayerGate = Box<dyn FnMut() -> Result<bool, String> + Send>;
+
+/// One sequence whose KV a prefill step gathers into the staging arena layer group by layer
+/// group as the step computes ([`KvStaging::stage_next_step`]).
+#[derive(Debug, Clone)]
+pub struct StageSeq {
+    /// The blocks to gather, in span order.
+    pub blocks: Vec<BlockId>,
+    /// Arena offset of `blocks[0]` in layer 0.
+    pub offset: usize,
+    /// Bytes from one layer of the span to the next (`[layer][block]` spans hold more blocks
+    /// per layer than `blocks` when earlier chunks filled the front).
+    pub layer_stride: usize,
+}
+
+/// The next step's in-step staging: after the KV of every `group` layers (and of the last
+/// layer) is written, the backend enqueues the gather of those layers of each sequence and
+/// calls `notify(sequence index, layers, gate)` on the step's thread, at once; `gate` opens when
+/// the gathered bytes are in the arena. The hand-off puts them while later layers compute.
+pub struct StepStaging {
+    pub seqs: Vec<StageSeq>,
+    pub group: u32,
+    pub notify: Box<dyn FnMut(usize, Range<u32>, LayerGate) + Send>,
+}
+
+impl std::fmt::Debug for StepStaging {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StepStaging")
+            .field("seqs", &self.seqs)
+            .field("group", &self.group)
+            .finish_non_exhaustive()
+    }
+}
+
 pub trait KvStaging {
     /// One region per TP rank, in rank order; all of one length.
     fn staging_regions(&self) -> Vec<KvRegion>;
@@ -431,6 +467,17 @@ pub trait KvStaging {
         blocks: &[BlockId],
         offset: usize,
     ) -> Result<(), BackendError>;
+    /// Whether [`KvStaging::stage_next_step`] works here (default: no; the engine then gathers
+    /// after each step).
+    fn supports_step_staging(&self) -> bool {
+        false
+    }
+    /// Arms the next `forward` with an in-step staging plan (consumed by it, whether it runs or
+    /// fails). Only where [`KvStaging::supports_step_staging`].
+    fn stage_next_step(&mut self, plan: StepStaging) -> Result<(), BackendError> {
+        drop(plan);
+        Err(BackendError::NoStaging)
+    }
 }
 
 /// Arena offsets (and so span starts) are multiples of this (the copy kernels move 16-byte

@@ -20,6 +20,30 @@ pub(crate) type Reply<T> = oneshot::Sender<Result<T, EngineError>>;
 /// arena has no room now (asked again after the next chunk). Must not block.
 pub type StagingAlloc = Box<dyn FnMut() -> Option<usize> + Send>;
 
+/// What the loop reports about a staged prefill's span.
+pub enum StagedReady {
+    /// Leading blocks `0..n` of every layer are in the span (gathered after a step).
+    Blocks(usize),
+    /// Layers `layers` of blocks `blocks` are being gathered into the span inside the running
+    /// step (the one that ends the prompt); `gate` opens once they are there.
+    Layers {
+        blocks: Range<usize>,
+        layers: Range<u32>,
+        gate: crate::backend::LayerGate,
+    },
+}
+
+impl std::fmt::Debug for StagedReady {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Blocks(n) => write!(f, "Blocks({n})"),
+            Self::Layers { blocks, layers, .. } => {
+                write!(f, "Layers {{ blocks: {blocks:?}, layers: {layers:?} }}")
+            }
+        }
+    }
+}
+
 /// A prefill whose KV the loop gathers into a staging-arena span as it becomes final.
 pub(crate) struct StagedGather {
     /// The span's offset, once `alloc` gave one.
@@ -27,8 +51,10 @@ pub(crate) struct StagedGather {
     pub alloc: StagingAlloc,
     /// Blocks per layer the span has room for (the prompt's blocks).
     pub blocks: usize,
-    /// Leading blocks now in the span, after each gather.
-    pub ready: tmpsc::UnboundedSender<usize>,
+    /// Layers per in-step gather during the prompt's last step (0: after the step).
+    pub layer_group: u32,
+    /// What is in the span, after each gather.
+    pub ready: tmpsc::UnboundedSender<StagedReady>,
 }
 
 pub(crate) enum Command {
@@ -237,12 +263,19 @@ impl EngineHandle {
     /// chunk while it answers `None`; the loop drops `alloc` when the request leaves it. A
     /// failed gather, or no span by the last chunk, stops the counts short of `blocks`: the
     /// caller then gathers the rest itself ([`EngineHandle::gather_kv`]).
+    ///
+    /// With `layer_group` > 0 and a backend that stages inside a step
+    /// ([`crate::backend::KvStaging::supports_step_staging`]), the step that ends the prompt
+    /// gathers its blocks `layer_group` layers at a time as their KV is written and reports
+    /// each group at once with a gate ([`StagedReady::Layers`]), so the hand-off can put them
+    /// while the later layers compute.
     pub fn add_request_staged(
         &self,
         req: GenerateRequest,
         blocks: usize,
         alloc: StagingAlloc,
-    ) -> Result<(RequestStream, tmpsc::UnboundedReceiver<usize>), EngineError> {
+        layer_group: u32,
+    ) -> Result<(RequestStream, tmpsc::UnboundedReceiver<StagedReady>), EngineError> {
         if self.is_draining() {
             return Err(EngineError::Draining);
         }
@@ -257,6 +290,7 @@ impl EngineHandle {
                 offset: None,
                 alloc,
                 blocks,
+                layer_group,
                 ready,
             }),
         })?;

@@ -32,7 +32,7 @@
 mod handle;
 mod run;
 
-pub use handle::{EngineHandle, RequestStream, StagingAlloc};
+pub use handle::{EngineHandle, RequestStream, StagedReady, StagingAlloc};
 pub use run::{spawn, spawn_with_memory};
 
 use crate::backend::{BackendError, KvRegion};

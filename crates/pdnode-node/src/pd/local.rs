@@ -21,7 +21,7 @@ use futures::future::BoxFuture;
 use pdnode_core::error::{Classify, ErrorKind};
 use pdnode_core::request::GenerateRequest;
 use pdnode_core::{KvLayout, NodeId, RequestId, Role};
-use pdnode_engine::engine::{EngineEvent, EngineHandle};
+use pdnode_engine::engine::{EngineEvent, EngineHandle, StagedReady};
 use pdnode_proto::v1;
 use pdnode_router::{
     DecodeCall, DecodeChunk, DecodeStream, KvTarget, NodeClient, NodeError, NodeStats, PrefillCall,
@@ -30,7 +30,7 @@ use pdnode_router::{
 use pdnode_transfer::{Registration, Secret};
 use prost::Message;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -67,6 +67,10 @@ pub struct PdNode {
     via_host: AtomicU64,
     /// Blocks pushed while the prompt's later chunks were still computing (prefill node).
     early_blocks: AtomicU64,
+    /// `engine.kv_push_layer_group`: layers per in-step gather and put of a prompt's last step.
+    push_layer_group: AtomicU32,
+    /// Puts issued for layer groups gathered inside a prefill step.
+    layer_puts: AtomicU64,
 }
 
 /// The longest a hand-off waits for room in a full staging arena (see `PdNode::room_deadline`).
@@ -113,7 +117,22 @@ impl PdNode {
             via_arena: AtomicU64::new(0),
             via_host: AtomicU64::new(0),
             early_blocks: AtomicU64::new(0),
+            push_layer_group: AtomicU32::new(
+                pdnode_core::config::EngineConfig::default().kv_push_layer_group,
+            ),
+            layer_puts: AtomicU64::new(0),
         })
+    }
+
+    /// Layers per in-step gather and put during a prompt's last prefill step
+    /// (`engine.kv_push_layer_group`; 0: the whole KV after the step).
+    pub fn set_push_layer_group(&self, layers: u32) {
+        self.push_layer_group.store(layers, Ordering::Relaxed);
+    }
+
+    /// Puts this prefill node issued for layer groups gathered inside a prefill step.
+    pub fn layer_puts(&self) -> u64 {
+        self.layer_puts.load(Ordering::Relaxed)
     }
 
     /// The node's staging arena, if it has one.
@@ -376,7 +395,12 @@ impl PdNode {
             Some(o) => {
                 let (s, r) = self
                     .engine
-                    .add_request_staged(greq, o.blocks(), o.alloc())
+                    .add_request_staged(
+                        greq,
+                        o.blocks(),
+                        o.alloc(),
+                        self.push_layer_group.load(Ordering::Relaxed),
+                    )
                     .map_err(|e| eerr(&e))?;
                 (s, Some(r))
             }
@@ -392,7 +416,9 @@ impl PdNode {
                     }
                 } => {
                     match (u, overlap.as_mut()) {
-                        (Some(u), Some(o)) => o.ready(u).map_err(failed)?,
+                        (Some(u), Some(o)) => {
+                            o.on_ready(u, started + self.lease).map_err(failed)?
+                        }
                         _ => ready = None,
                     }
                     continue;
@@ -464,6 +490,7 @@ impl PdNode {
             arena_waits,
             arena_wait_timeouts,
             ucx_endpoints,
+            layer_puts = self.layer_puts.load(Ordering::Relaxed),
             host_fallbacks = self.via_host.load(Ordering::Relaxed),
             gbps = %format_args!("{:.2}", bytes as f64 / (us.max(1) as f64 * 1e3)),
             "KV hand-off done"
@@ -504,7 +531,7 @@ impl PdNode {
         id: RequestId,
         target: &v1::KvTarget,
         mut o: OverlapPush,
-        ready: Option<tokio::sync::mpsc::UnboundedReceiver<usize>>,
+        ready: Option<tokio::sync::mpsc::UnboundedReceiver<StagedReady>>,
         ours: usize,
         started: Instant,
     ) -> (Result<(u64, u64, bool), NodeError>, usize) {
@@ -522,7 +549,7 @@ impl PdNode {
         if let Some(mut r) = ready {
             // The loop drops the sender when the request leaves it (it just did).
             while let Ok(Some(u)) = tokio::time::timeout_at(deadline.into(), r.recv()).await {
-                if let Err(m) = o.ready(u) {
+                if let Err(m) = o.on_ready(u, deadline) {
                     return (Err(fail(m)), 0);
                 }
             }
@@ -533,6 +560,8 @@ impl PdNode {
         }
         let early = o.sent_early;
         self.early_blocks.fetch_add(early as u64, Ordering::Relaxed);
+        self.layer_puts
+            .fetch_add(o.layer_puts as u64, Ordering::Relaxed);
         let r = o
             .finish(&self.engine, id, deadline)
             .await

@@ -290,6 +290,7 @@ pub fn pd_node(cfg: &Config, id: &NodeId, role: Role) -> Result<ServingNode, Bui
         Duration::from_millis(cfg.transfer.lease_ms),
         arena,
     );
+    node.set_push_layer_group(cfg.engine.kv_push_layer_group);
     Ok(ServingNode {
         node,
         built,

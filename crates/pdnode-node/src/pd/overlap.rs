@@ -13,10 +13,11 @@
 use super::arena::{ArenaSlice, StagingArena};
 use pdnode_core::{KvLayout, RequestId};
 use pdnode_engine::engine::EngineHandle;
-use pdnode_engine::engine::StagingAlloc;
+use pdnode_engine::engine::{StagedReady, StagingAlloc};
 use pdnode_proto::v1;
 use pdnode_transfer::region::coalesce_spans;
 use pdnode_transfer::{Completion, KvTransport, RemoteTarget, Span, UcxTransport};
+use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -39,6 +40,8 @@ pub(super) struct OverlapPush {
     puts: Vec<Completion>,
     /// Blocks sent before `PrefillDone` (the overlapped part).
     pub sent_early: usize,
+    /// Puts of layer groups gathered inside the prompt's last step.
+    pub layer_puts: usize,
 }
 
 impl OverlapPush {
@@ -74,6 +77,7 @@ impl OverlapPush {
             sent: 0,
             puts: Vec::new(),
             sent_early: 0,
+            layer_puts: 0,
         }))
     }
 
@@ -117,6 +121,76 @@ impl OverlapPush {
 
     pub fn bytes(&self) -> u64 {
         self.remotes.len() as u64 * self.layers as u64 * self.blocks as u64 * self.layer_block
+    }
+
+    /// What the engine reports about the span: leading blocks after a step, or a layer group
+    /// being gathered inside the prompt's last step (put once its gate opens, until `deadline`).
+    pub fn on_ready(&mut self, r: StagedReady, deadline: Instant) -> Result<(), String> {
+        match r {
+            StagedReady::Blocks(upto) => self.ready(upto),
+            StagedReady::Layers {
+                blocks,
+                layers,
+                gate,
+            } => self.ready_layers(blocks, layers, gate, deadline),
+        }
+    }
+
+    /// Layers `layers` of blocks `blocks` (the blocks after those already sent) are being
+    /// gathered in the running step: one gated put (spans coalesced) to the decode node's span.
+    /// The engine stages inside a step only on one GPU (one rank).
+    fn ready_layers(
+        &mut self,
+        blocks: Range<usize>,
+        layers: Range<u32>,
+        gate: pdnode_transfer::Gate,
+        deadline: Instant,
+    ) -> Result<(), String> {
+        if self.remotes.len() != 1 {
+            return Err(format!(
+                "in-step staging for {} ranks (one is supported)",
+                self.remotes.len()
+            ));
+        }
+        if blocks.start != self.sent || blocks.end > self.blocks || layers.end > self.layers {
+            return Err(format!(
+                "layers {layers:?} of blocks {blocks:?} do not follow the {} blocks sent of {} \
+                 ({} layers)",
+                self.sent, self.blocks, self.layers
+            ));
+        }
+        let (n, lb) = (self.blocks as u64, self.layer_block);
+        let (from, len) = (blocks.start as u64, (blocks.end - blocks.start) as u64 * lb);
+        let base = self.offset()? as u64;
+        let spans: Vec<Span> = layers
+            .clone()
+            .map(|l| {
+                let at = (l as u64 * n + from) * lb;
+                Span {
+                    local_offset: base + at,
+                    remote_offset: self.staging_offset + at,
+                    len,
+                }
+            })
+            .collect();
+        let spans = coalesce_spans(&spans);
+        let reg = self
+            .arena
+            .registration(0)
+            .ok_or_else(|| "no staging arena for rank 0".to_string())?;
+        let put = self
+            .t
+            .put_when(reg, &self.remotes[0], &spans, gate, deadline)
+            .map_err(|e| format!("gated put: {e}"))?;
+        self.puts.push(put);
+        self.layer_puts += 1;
+        if layers.end == self.layers {
+            if blocks.end == self.blocks {
+                self.sent_early = self.sent;
+            }
+            self.sent = blocks.end;
+        }
+        Ok(())
     }
 
     /// The engine reports leading blocks `0..upto` in the span: put the new ones, every rank.

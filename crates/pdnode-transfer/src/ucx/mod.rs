@@ -14,6 +14,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+
+/// Says whether the bytes a gated put reads are in place ([`UcxTransport::put_when`]).
+pub type Gate = Box<dyn FnMut() -> Result<bool, String> + Send>;
 use std::time::Duration;
 use thread::Cmd;
 
@@ -154,6 +157,37 @@ impl UcxTransport {
     /// mappings): a steady stream of requests to one peer keeps this at one.
     pub fn endpoints_created(&self) -> u64 {
         self.endpoints_created.load(Ordering::Relaxed)
+    }
+
+    /// As [`KvTransport::put`], but the put is issued only once `gate` says its bytes are in
+    /// place: the worker thread polls `gate` (`Ok(true)`: put now; `Ok(false)`: not yet; `Err`:
+    /// the operation fails with that reason) between its other work, until `deadline` (then the
+    /// operation fails with a timeout). For a GPU node's layer-by-layer hand-off: the gate asks a
+    /// CUDA event whether the gather of a layer group into the staging arena has run, so the put
+    /// leaves while the prefill step computes later layers.
+    pub fn put_when(
+        &self,
+        local: &Registration,
+        remote: &RemoteTarget,
+        spans: &[Span],
+        gate: Gate,
+        deadline: std::time::Instant,
+    ) -> Result<Completion, TransferError> {
+        check_spans(spans, local.region.len as u64, remote.region.len)?;
+        let (completion, done) = Completion::pending("UCX gated put", NAME);
+        self.shared.send(Cmd::PutWhen {
+            put: Box::new(Cmd::Put {
+                local: local.id,
+                local_addr: local.region.addr,
+                mem: local.region.mem,
+                target: remote.id,
+                spans: spans.to_vec(),
+                done,
+            }),
+            gate,
+            deadline,
+        })?;
+        Ok(completion)
     }
 
     /// What was loaded.

@@ -55,7 +55,20 @@ pub(crate) enum Cmd {
         target: u64,
         done: Completer,
     },
+    /// `put` (a [`Cmd::Put`]) once `gate` opens, or failed at `deadline`.
+    PutWhen {
+        put: Box<Cmd>,
+        gate: super::Gate,
+        deadline: Instant,
+    },
     Shutdown,
+}
+
+/// A put waiting for its gate.
+struct Gated {
+    put: Box<Cmd>,
+    gate: super::Gate,
+    deadline: Instant,
 }
 
 struct Target {
@@ -103,6 +116,10 @@ struct State {
     peers: HashMap<Vec<u8>, Peer>,
     targets: HashMap<u64, Target>,
     pending: Vec<Pending>,
+    gated: Vec<Gated>,
+    /// Flushes waiting for the gated puts to their target to go out first (a flush covers
+    /// every put submitted before it, gated ones included).
+    gated_flushes: Vec<(u64, Completer)>,
     endpoints_created: Arc<AtomicU64>,
     last_sweep: Instant,
 }
@@ -157,6 +174,8 @@ pub(crate) fn run(
                 peers: HashMap::new(),
                 targets: HashMap::new(),
                 pending: Vec::new(),
+                gated: Vec::new(),
+                gated_flushes: Vec::new(),
                 endpoints_created,
                 last_sweep: Instant::now(),
             },
@@ -191,11 +210,14 @@ pub(crate) fn run(
             busy = true;
         }
         st.poll_pending();
+        if st.poll_gated() {
+            busy = true;
+        }
         if busy {
             continue;
         }
         st.sweep_idle_peers();
-        if !st.pending.is_empty() {
+        if !st.pending.is_empty() || !st.gated.is_empty() || !st.gated_flushes.is_empty() {
             // Operations in flight: keep progressing, but let the other threads of a small
             // machine run.
             std::thread::yield_now();
@@ -212,6 +234,8 @@ pub(crate) fn run(
     }
     // Dropping the pending completers reports `Closed` to their waiters; then UCP objects go in
     // dependency order.
+    st.gated.clear();
+    st.gated_flushes.clear();
     st.pending.clear();
     st.targets.clear();
     st.peers.clear();
@@ -285,7 +309,22 @@ impl State {
                 spans,
                 done,
             } => self.put(local, local_addr, mem, target, &spans, done),
-            Cmd::Flush { target, done } => self.flush(target, done),
+            Cmd::Flush { target, done } => {
+                if self.gates_target(target) {
+                    self.gated_flushes.push((target, done));
+                } else {
+                    self.flush(target, done);
+                }
+            }
+            Cmd::PutWhen {
+                put,
+                gate,
+                deadline,
+            } => self.gated.push(Gated {
+                put,
+                gate,
+                deadline,
+            }),
             Cmd::Shutdown => {}
         }
     }
@@ -479,6 +518,72 @@ impl State {
             ep,
             _keep: (mh, rkey),
         });
+    }
+
+    /// Whether a gated put to `target` still waits for its gate.
+    fn gates_target(&self, target: u64) -> bool {
+        self.gated
+            .iter()
+            .any(|g| matches!(&*g.put, Cmd::Put { target: t, .. } if *t == target))
+    }
+
+    /// Issues the gated puts whose gate opened, fails those whose gate failed or whose
+    /// deadline passed, then the flushes no gated put holds back any more. Returns whether any
+    /// left the lists.
+    fn poll_gated(&mut self) -> bool {
+        if self.gated.is_empty() && self.gated_flushes.is_empty() {
+            return false;
+        }
+        let moved = self.poll_gates();
+        let mut i = 0;
+        let mut flushed = false;
+        while i < self.gated_flushes.len() {
+            if self.gates_target(self.gated_flushes[i].0) {
+                i += 1;
+            } else {
+                let (target, done) = self.gated_flushes.remove(i);
+                self.flush(target, done);
+                flushed = true;
+            }
+        }
+        moved || flushed
+    }
+
+    fn poll_gates(&mut self) -> bool {
+        if self.gated.is_empty() {
+            return false;
+        }
+        let now = Instant::now();
+        let mut moved = false;
+        let mut i = 0;
+        while i < self.gated.len() {
+            let g = &mut self.gated[i];
+            let verdict = if now >= g.deadline {
+                Err(TransferError::Timeout {
+                    what: "UCX gated put (its data never became ready)".into(),
+                })
+            } else {
+                (g.gate)().map_err(|reason| TransferError::Control {
+                    reason: format!("gated put: {reason}"),
+                })
+            };
+            match verdict {
+                Ok(false) => i += 1,
+                Ok(true) => {
+                    moved = true;
+                    let g = self.gated.remove(i);
+                    self.handle(*g.put);
+                }
+                Err(e) => {
+                    moved = true;
+                    let g = self.gated.remove(i);
+                    if let Cmd::Put { done, .. } = *g.put {
+                        done.complete(Err(e));
+                    }
+                }
+            }
+        }
+        moved
     }
 
     fn poll_pending(&mut self) {

@@ -12,8 +12,8 @@ mod staging;
 pub use staging::HostArena;
 
 use super::{
-    Backend, BackendError, ForwardBatch, KvMemory, KvRegion, Logits, MemKind, check_kv_io,
-    layer_block_offset,
+    Backend, BackendError, ForwardBatch, KvMemory, KvRegion, Logits, MemKind, StepStaging,
+    check_kv_io, layer_block_offset,
 };
 use crate::loader::{LoadedModel, ModelWeights, dummy};
 use crate::spec::{ModelSpec, rope_inv_freqs};
@@ -54,6 +54,8 @@ pub struct CpuBackend {
     threads: std::sync::Arc<rayon::ThreadPool>,
     /// The hand-off staging arena, when the node lent one (`attach_staging`).
     staging: Option<HostArena>,
+    /// The next forward's in-step staging plan ([`KvStaging::stage_next_step`]).
+    step_staging: Option<StepStaging>,
 }
 
 impl std::fmt::Debug for CpuBackend {
@@ -129,6 +131,7 @@ impl CpuBackend {
             inv_freq,
             threads,
             staging: None,
+            step_staging: None,
         })
     }
 
@@ -222,7 +225,12 @@ impl CpuBackend {
         Ok(tables)
     }
 
-    fn forward_inner(&mut self, batch: &ForwardBatch<'_>, tables: &[Vec<usize>]) -> Logits {
+    fn forward_inner(
+        &mut self,
+        batch: &ForwardBatch<'_>,
+        tables: &[Vec<usize>],
+        mut stage: Option<StepStaging>,
+    ) -> Logits {
         let s = &self.spec;
         let (h, qd, kvd, inter) = (s.hidden_size, s.q_dim(), s.kv_dim(), s.intermediate_size);
         let (nh, nkv, hd, eps) = (s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps);
@@ -253,6 +261,8 @@ impl CpuBackend {
         let mut att = vec![0f32; t * qd];
         let mut gate = vec![0f32; t * inter];
         let mut up = vec![0f32; t * inter];
+        let num_layers = self.w.layers.len() as u32;
+        let mut group_start = 0u32;
         for (li, l) in self.w.layers.iter().enumerate() {
             ops::rms_norm(&mut xn, &x, &l.attn_norm.data, h, eps);
             ops::matmul_wt(&mut q, &xn, &l.wq.data, t, qd, h, false);
@@ -270,6 +280,13 @@ impl CpuBackend {
             ops::rope(&mut q, nh, hd, &cos, &sin);
             ops::rope(&mut k, nkv, hd, &cos, &sin);
             attention::write_kv(&mut self.pool, self.dims, li, &seqs, &k, &v);
+            if let Some(plan) = stage.as_mut() {
+                let done = li as u32 + 1;
+                if done.is_multiple_of(plan.group.max(1)) || done == num_layers {
+                    self.stage_layers(plan, group_start..done);
+                    group_start = done;
+                }
+            }
             attention::attention(&mut att, &self.pool, self.dims, li, &seqs, &q, nh);
             ops::matmul_wt(&mut x, &att, &l.wo.data, t, h, qd, true);
             ops::rms_norm(&mut xn, &x, &l.mlp_norm.data, h, eps);
@@ -325,6 +342,8 @@ impl Backend for CpuBackend {
     }
 
     fn forward(&mut self, batch: &ForwardBatch<'_>) -> Result<Logits, BackendError> {
+        // Taken first: an armed plan belongs to this step, whether it runs or fails.
+        let stage = self.step_staging.take();
         let tables = self.validate(batch)?;
         if batch.seqs.is_empty() {
             return Ok(Logits {
@@ -333,7 +352,7 @@ impl Backend for CpuBackend {
             });
         }
         let threads = std::sync::Arc::clone(&self.threads);
-        let out = threads.install(|| self.forward_inner(batch, &tables));
+        let out = threads.install(|| self.forward_inner(batch, &tables, stage));
         Ok(out)
     }
 

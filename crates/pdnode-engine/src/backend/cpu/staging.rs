@@ -6,7 +6,8 @@
 
 use super::CpuBackend;
 use crate::backend::{
-    Backend, BackendError, KvRegion, KvStaging, MemKind, check_staging_io, check_staging_strided,
+    Backend, BackendError, KvRegion, KvStaging, LayerGate, MemKind, StepStaging, check_staging_io,
+    check_staging_strided,
 };
 use pdnode_core::BlockId;
 use std::any::Any;
@@ -95,6 +96,53 @@ impl CpuBackend {
     }
 }
 
+impl CpuBackend {
+    /// `gather_kv_layers_to_staging` through `&self` (the forward pass calls it mid-step).
+    fn gather_strided(
+        &self,
+        layers: Range<u32>,
+        blocks: &[BlockId],
+        offset: usize,
+        layer_stride: usize,
+    ) -> Result<(), BackendError> {
+        let (ptr, len) = self.arena()?;
+        let per_layer = check_staging_strided(
+            &self.layout,
+            self.dims.num_blocks,
+            &layers,
+            blocks,
+            offset,
+            layer_stride,
+            len,
+        )?;
+        for (i, layer) in layers.enumerate() {
+            let at = offset + i * layer_stride;
+            // SAFETY: `at + per_layer <= len` for every layer (check_staging_strided); the
+            // arena is valid and this span unshared (HostArena::new), and it is not the pool.
+            let out = unsafe { std::slice::from_raw_parts_mut(ptr.add(at), per_layer) };
+            self.read_kv(layer..layer + 1, blocks, out)?;
+        }
+        Ok(())
+    }
+
+    /// In-step staging: `layers` of every planned sequence into its span, then `notify` each
+    /// (the copy is done when this returns, so the gate is open; a failed copy's gate fails).
+    pub(super) fn stage_layers(&self, plan: &mut StepStaging, layers: Range<u32>) {
+        for (i, sq) in plan.seqs.iter().enumerate() {
+            let offset = sq.offset + layers.start as usize * sq.layer_stride;
+            let r = self.gather_strided(layers.clone(), &sq.blocks, offset, sq.layer_stride);
+            let gate: LayerGate = match r {
+                Ok(()) => Box::new(|| Ok(true)),
+                Err(e) => {
+                    let m = e.to_string();
+                    Box::new(move || Err(m.clone()))
+                }
+            };
+            (plan.notify)(i, layers.clone(), gate);
+        }
+    }
+}
+
 impl KvStaging for CpuBackend {
     fn staging_regions(&self) -> Vec<KvRegion> {
         self.staging.iter().map(HostArena::region).collect()
@@ -121,24 +169,7 @@ impl KvStaging for CpuBackend {
         offset: usize,
         layer_stride: usize,
     ) -> Result<(), BackendError> {
-        let (ptr, len) = self.arena()?;
-        let per_layer = check_staging_strided(
-            &self.layout,
-            self.dims.num_blocks,
-            &layers,
-            blocks,
-            offset,
-            layer_stride,
-            len,
-        )?;
-        for (i, layer) in layers.enumerate() {
-            let at = offset + i * layer_stride;
-            // SAFETY: `at + per_layer <= len` for every layer (check_staging_strided); the
-            // arena is valid and this span unshared (HostArena::new), and it is not the pool.
-            let out = unsafe { std::slice::from_raw_parts_mut(ptr.add(at), per_layer) };
-            self.read_kv(layer..layer + 1, blocks, out)?;
-        }
-        Ok(())
+        self.gather_strided(layers, blocks, offset, layer_stride)
     }
 
     fn scatter_kv_from_staging(
@@ -151,6 +182,16 @@ impl KvStaging for CpuBackend {
         // SAFETY: as in `gather_kv_to_staging`; the arena span is only read here.
         let data = unsafe { std::slice::from_raw_parts(ptr.add(offset).cast_const(), n) };
         self.write_kv(layers, blocks, data)
+    }
+
+    fn supports_step_staging(&self) -> bool {
+        self.staging.is_some()
+    }
+
+    fn stage_next_step(&mut self, plan: StepStaging) -> Result<(), BackendError> {
+        self.arena()?;
+        self.step_staging = Some(plan);
+        Ok(())
     }
 }
 

@@ -147,6 +147,12 @@ pub struct CudaBackend {
     pool: DevBuf,
     /// The KV hand-off staging arena, once enabled (`staging.rs`).
     staging: Option<DevBuf>,
+    /// The next prefill step's in-step staging plan, then that step's run (`staging.rs`).
+    step_staging: Option<crate::backend::StepStaging>,
+    stage_run: Option<staging::StageRun>,
+    /// Block ids of the in-step gathers (reused; it lives until the next such step, after the
+    /// step that read it synchronized).
+    stage_ids: Option<DevBuf>,
     num_blocks: usize,
     layout: KvLayout,
     spec: ModelSpec,
@@ -331,6 +337,9 @@ impl CudaBackend {
             ws,
             pool,
             staging: None,
+            step_staging: None,
+            stage_run: None,
+            stage_ids: None,
             num_blocks,
             layout,
             spec: spec.clone(),
@@ -484,6 +493,8 @@ impl CudaBackend {
     /// Runs a step on the device up to the logits (left in the device workspace, `rows x vocab`
     /// f32); returns the row count. Does not wait for the device.
     pub fn forward_device(&mut self, batch: &ForwardBatch<'_>) -> Result<usize, BackendError> {
+        // Taken first: an armed plan belongs to this step, whether it runs or fails.
+        let stage = self.step_staging.take();
         self.gpu.bind()?;
         let p = self.plan(batch)?;
         if p.tokens == 0 {
@@ -498,7 +509,12 @@ impl CudaBackend {
         }
         self.gpu.upload(&self.ws.meta, 0, &p.bytes)?;
         let shape = plan::StepShape::of(&p);
-        self.encode(self.ws.meta.ptr(), &shape)?;
+        if let Some(plan) = stage {
+            self.stage_run = Some(self.prepare_stage_run(plan)?);
+        }
+        let encoded = self.encode(self.ws.meta.ptr(), &shape);
+        self.stage_run = None;
+        encoded?;
         Ok(p.rows)
     }
 
@@ -508,6 +524,7 @@ impl CudaBackend {
     /// CUDA graph.
     fn encode(&mut self, meta: u64, p: &plan::StepShape<'_>) -> Result<(), CudaError> {
         let m = |o: usize| meta + o as u64;
+        let mut stage = self.stage_run.take();
         let s = &self.spec;
         let (g, w, ws, d) = (&self.gpu, &self.w, &self.ws, &self.dims);
         let (h, t) = (s.hidden_size, p.tokens);
@@ -571,6 +588,10 @@ impl CudaBackend {
                 s.rms_norm_eps,
             )?;
             mark("rope_kv_write")?;
+            if let Some(run) = stage.as_mut() {
+                // This layer's KV is final: at a group's end, its gather and the hand-off.
+                self.stage_after_layer(run, li)?;
+            }
             if p.short_len > 0 {
                 let meta = AttnMeta {
                     tok_seq: m(p.off.tok_seq),

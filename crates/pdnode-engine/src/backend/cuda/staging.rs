@@ -10,7 +10,8 @@ use super::super::device::DevBuf;
 use super::super::tp::CudaTpBackend;
 use super::CudaBackend;
 use crate::backend::{
-    BackendError, KvRegion, KvStaging, MemKind, check_staging_io, check_staging_strided,
+    BackendError, KvRegion, KvStaging, LayerGate, MemKind, StepStaging, check_staging_io,
+    check_staging_strided,
 };
 use cudarc::driver::LaunchConfig;
 use pdnode_core::BlockId;
@@ -119,6 +120,25 @@ impl CudaBackend {
         parts: &[(Range<u32>, usize)],
         blocks: &[BlockId],
     ) -> Result<(), BackendError> {
+        self.gpu.bind()?;
+        let ids: Vec<i32> = blocks.iter().map(|b| b.0 as i32).collect();
+        let idbuf = self.gpu.alloc(ids.len() * 4)?;
+        self.gpu.upload(&idbuf, 0, &ids)?;
+        self.launch_copies(gather, parts, idbuf.ptr(), blocks.len())?;
+        // `idbuf` lives until here: the copies that read it are done.
+        self.gpu.sync()?;
+        Ok(())
+    }
+
+    /// The copy launches of [`Self::staging_launch`], enqueued only: block ids at device
+    /// address `idp` (`nblocks` i32, alive until the copies ran), parts checked by the caller.
+    fn launch_copies(
+        &self,
+        gather: bool,
+        parts: &[(Range<u32>, usize)],
+        idp: u64,
+        nblocks: usize,
+    ) -> Result<(), BackendError> {
         const OP: &str = "kv_staging_copy";
         let arena = self.arena()?;
         let lb = self.layout.block_layer_bytes();
@@ -129,24 +149,15 @@ impl CudaBackend {
                 ),
             });
         }
-        self.gpu.bind()?;
-        let ids: Vec<i32> = blocks.iter().map(|b| b.0 as i32).collect();
-        let idbuf = self.gpu.alloc(ids.len() * 4)?;
-        self.gpu.upload(&idbuf, 0, &ids)?;
         let f = self
             .gpu
             .kernel(if gather { "kv_gather" } else { "kv_scatter" })?;
-        let idp = idbuf.ptr();
-        let (nb, numb, lbv) = (
-            blocks.len() as i32,
-            self.num_blocks as i32,
-            (lb / 16) as i64,
-        );
+        let (nb, numb, lbv) = (nblocks as i32, self.num_blocks as i32, (lb / 16) as i64);
         for (layers, offset) in parts {
             let nlayers = (layers.end - layers.start) as usize;
             let grid =
-                u32::try_from(nlayers * blocks.len()).map_err(|_| BackendError::InvalidBatch {
-                    reason: format!("{nlayers} x {} layer-blocks exceed a grid", blocks.len()),
+                u32::try_from(nlayers * nblocks).map_err(|_| BackendError::InvalidBatch {
+                    reason: format!("{nlayers} x {nblocks} layer-blocks exceed a grid"),
                 })?;
             if grid == 0 {
                 continue;
@@ -168,12 +179,99 @@ impl CudaBackend {
             // SAFETY: the pool holds `num_blocks` blocks of every layer and each id is below
             // `num_blocks`; the arena span of this part is inside the allocation and 16-byte
             // aligned (checked by the callers, check_staging_io / check_staging_strided, and
-            // above); `idbuf` holds `blocks.len()` ids and lives until the synchronize below.
+            // above); `idp` holds `nblocks` ids and outlives the copies (the callers' contract).
             unsafe { b.launch(cfg) }.map_err(super::super::drv(OP))?;
         }
-        self.gpu.sync()?;
         Ok(())
     }
+
+    /// Checks an in-step staging plan against the pool and the arena and puts every
+    /// sequence's block ids on the device (`stage_ids`, reused).
+    pub(super) fn prepare_stage_run(
+        &mut self,
+        plan: StepStaging,
+    ) -> Result<StageRun, BackendError> {
+        let arena_len = self.arena()?.bytes();
+        let all = 0..self.layout.num_layers;
+        let mut ids: Vec<i32> = Vec::new();
+        let mut id_off = Vec::with_capacity(plan.seqs.len());
+        for sq in &plan.seqs {
+            check_staging_strided(
+                &self.layout,
+                self.num_blocks,
+                &all,
+                &sq.blocks,
+                sq.offset,
+                sq.layer_stride,
+                arena_len,
+            )?;
+            id_off.push(ids.len());
+            ids.extend(sq.blocks.iter().map(|b| b.0 as i32));
+        }
+        let need = (ids.len() * 4).max(16);
+        if self.stage_ids.as_ref().is_none_or(|b| b.bytes() < need) {
+            self.stage_ids = Some(self.gpu.alloc(need.next_power_of_two())?);
+        }
+        if let Some(buf) = &self.stage_ids {
+            self.gpu.upload(buf, 0, &ids)?;
+        }
+        Ok(StageRun {
+            plan,
+            id_off,
+            group_start: 0,
+        })
+    }
+
+    /// After layer `li`'s KV is written: at the end of a layer group (or the last layer), the
+    /// gather of the group's layers of every planned sequence into its span (enqueued on the
+    /// step's stream), one event behind them, and a notification per sequence whose gate is
+    /// that event.
+    pub(super) fn stage_after_layer(&self, run: &mut StageRun, li: usize) -> Result<(), CudaError> {
+        let done = li as u32 + 1;
+        let last = done == self.layout.num_layers;
+        if !(done.is_multiple_of(run.plan.group.max(1)) || last) {
+            return Ok(());
+        }
+        let layers = run.group_start..done;
+        run.group_start = done;
+        let idbase = self.stage_ids.as_ref().map_or(0, DevBuf::ptr);
+        for (i, sq) in run.plan.seqs.iter().enumerate() {
+            let parts: Vec<(Range<u32>, usize)> = layers
+                .clone()
+                .map(|l| (l..l + 1, sq.offset + l as usize * sq.layer_stride))
+                .collect();
+            let idp = idbase + 4 * run.id_off[i] as u64;
+            self.launch_copies(true, &parts, idp, sq.blocks.len())
+                .map_err(|e| CudaError::Unsupported {
+                    reason: format!("in-step KV staging: {e}"),
+                })?;
+        }
+        let ev = Arc::new(
+            self.gpu
+                .ctx
+                .new_event(None)
+                .map_err(super::super::drv("cuEventCreate"))?,
+        );
+        ev.record(&self.gpu.stream)
+            .map_err(super::super::drv("cuEventRecord"))?;
+        for i in 0..run.plan.seqs.len() {
+            let ev = ev.clone();
+            let gate: LayerGate = Box::new(move || {
+                ev.context().bind_to_thread().map_err(|e| e.to_string())?;
+                ev.try_is_complete().map_err(|e| format!("KV gather: {e}"))
+            });
+            (run.plan.notify)(i, layers.clone(), gate);
+        }
+        Ok(())
+    }
+}
+
+/// One step's in-step staging (see [`CudaBackend::stage_after_layer`]).
+pub(super) struct StageRun {
+    plan: StepStaging,
+    /// Where each sequence's ids start in `stage_ids` (in ids).
+    id_off: Vec<usize>,
+    group_start: u32,
 }
 
 impl KvStaging for CudaBackend {
@@ -207,6 +305,20 @@ impl KvStaging for CudaBackend {
         offset: usize,
     ) -> Result<(), BackendError> {
         self.staging_copy(false, &layers, blocks, offset)
+    }
+
+    /// One GPU only: a tensor-parallel rank's staging is driven by [`CudaTpBackend`], which
+    /// gathers after the step.
+    fn supports_step_staging(&self) -> bool {
+        self.staging.is_some() && self.comm.is_none()
+    }
+
+    fn stage_next_step(&mut self, plan: StepStaging) -> Result<(), BackendError> {
+        if !self.supports_step_staging() {
+            return Err(BackendError::NoStaging);
+        }
+        self.step_staging = Some(plan);
+        Ok(())
     }
 }
 

@@ -23,7 +23,9 @@
 //! SwiGLU and the residual RMSNorm fused in at 1-2 tokens), larger ones on cuBLAS. Decode steps are
 //! captured once per (batch bucket, context bucket) into CUDA graphs and replayed
 //! (`engine.cuda_graphs`); rows the engine samples greedily get their arg-max on the GPU
-//! (`Backend::forward_select`), other rows land in a reused page-locked buffer.
+//! (`Backend::forward_select`), temperature / top-k / top-p / min-p rows without penalties or
+//! logprobs are drawn on the GPU (`sample_rows`, with the request's own uniform), and only the
+//! other rows land in a reused page-locked buffer.
 
 //! # Tensor parallelism ([`tp`])
 //! [`CudaTpBackend`] runs `tp` [`CudaBackend`] ranks, one OS thread and GPU each (rank `r` on

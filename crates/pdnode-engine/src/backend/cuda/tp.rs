@@ -502,6 +502,12 @@ impl Backend for CudaTpBackend {
         device_label(&self.gpus)
     }
 
+    /// Rank 0's logits go through [`CudaBackend::forward_select`]: sampled rows are drawn on
+    /// its GPU as on one GPU (`cuda_graphs::tp2_sampled_rows_in_decode_steps`).
+    fn samples_on_device(&self) -> bool {
+        CudaBackend::gpu_sampling_enabled()
+    }
+
     fn kv_layout(&self) -> &KvLayout {
         &self.layout
     }

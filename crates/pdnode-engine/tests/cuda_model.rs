@@ -448,3 +448,106 @@ fn kv_staging_arena_round_trip() {
         bytes as f64 / sc / 1e9
     );
 }
+
+/// In-step staging (`KvStaging::stage_next_step`): during a prefill step the backend gathers the
+/// prompt's KV into the arena layer group by layer group as it is written and notifies each group
+/// with a gate (a CUDA event); every group is announced once, in order, covering all layers, each
+/// gate opens, and what landed in the arena is the step's final KV (scattered into other blocks,
+/// it reads back equal to the source blocks). The plan is consumed by its step.
+#[test]
+#[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
+fn in_step_staging_gathers_each_layer_group_behind_its_gate() {
+    use pdnode_engine::backend::{LayerGate, StageSeq, StepStaging};
+    use std::sync::{Arc, Mutex};
+    let mut rng = rng("in-step staging");
+    let spec = tiny_spec(false, false);
+    let w = tiny_weights(&spec, &mut rng);
+    let mut be = CudaBackend::new(&spec, &w, &opts(4), "test".into()).unwrap();
+    let layout = be.kv_layout().clone();
+    let (l, lb) = (layout.num_layers, layout.block_layer_bytes());
+    let src = [BlockId(5), BlockId(9), BlockId(2), BlockId(40)];
+    let dst = [BlockId(60), BlockId(61), BlockId(7), BlockId(80)];
+    let per = l as usize * src.len() * lb;
+    be.enable_kv_staging(per + 4096).unwrap().expect("an arena");
+    for group in [1u32, 2, l + 3] {
+        type Announced = Vec<(usize, std::ops::Range<u32>, LayerGate)>;
+        let seen: Arc<Mutex<Announced>> = Arc::default();
+        let sink = seen.clone();
+        let plan = StepStaging {
+            seqs: vec![StageSeq {
+                blocks: src.to_vec(),
+                offset: 256,
+                layer_stride: src.len() * lb,
+            }],
+            group,
+            notify: Box::new(move |i, layers, gate| sink.lock().unwrap().push((i, layers, gate))),
+        };
+        let s = be.kv_staging().expect("arena enabled");
+        assert!(
+            s.supports_step_staging(),
+            "one GPU with an arena stages in a step"
+        );
+        s.stage_next_step(plan).unwrap();
+        let prompt: Vec<u32> = (0..14u32).map(|i| (i * 3 + group) % 251).collect();
+        be.forward(&ForwardBatch {
+            seqs: vec![SeqStep {
+                tokens: &prompt,
+                start_pos: 0,
+                block_table: &src,
+                want_logits: true,
+            }],
+        })
+        .unwrap();
+        let mut got = std::mem::take(&mut *seen.lock().unwrap());
+        let ranges: Vec<_> = got.iter().map(|(_, r, _)| r.clone()).collect();
+        let mut want = Vec::new();
+        let mut a = 0;
+        while a < l {
+            let b = (a + group).min(l);
+            want.push(a..b);
+            a = b;
+        }
+        assert_eq!(ranges, want, "groups of {group}: announced layer groups");
+        assert!(got.iter().all(|(i, _, _)| *i == 0));
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        for (_, r, gate) in &mut got {
+            loop {
+                match gate() {
+                    Ok(true) => break,
+                    Ok(false) => assert!(
+                        std::time::Instant::now() < deadline,
+                        "gate of layers {r:?} never opened"
+                    ),
+                    Err(e) => panic!("gate of layers {r:?} failed: {e}"),
+                }
+            }
+        }
+        let s = be.kv_staging().unwrap();
+        s.scatter_kv_from_staging(0..l, &dst, 256).unwrap();
+        let (mut x, mut y) = (vec![0u8; per], vec![0u8; per]);
+        be.read_kv(0..l, &src, &mut x).unwrap();
+        be.read_kv(0..l, &dst, &mut y).unwrap();
+        assert!(x.iter().any(|v| *v != 0), "the prompt wrote KV");
+        let same = x == y;
+        println!(
+            "{} in_step_staging groups of {group}: {} groups announced, gates open, {per} bytes equal",
+            if same { "PASS" } else { "FAIL" },
+            ranges.len()
+        );
+        assert!(
+            same,
+            "groups of {group}: the arena does not hold the step's KV"
+        );
+        // Consumed: the next step announces nothing.
+        be.forward(&ForwardBatch {
+            seqs: vec![SeqStep {
+                tokens: &prompt[..1],
+                start_pos: 14,
+                block_table: &src,
+                want_logits: true,
+            }],
+        })
+        .unwrap();
+        assert!(seen.lock().unwrap().is_empty(), "a plan outlived its step");
+    }
+}

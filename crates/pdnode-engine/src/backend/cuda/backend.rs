@@ -500,7 +500,13 @@ impl CudaBackend {
         if p.tokens == 0 {
             return Ok(0);
         }
-        if self.graphs.enabled() && graph::is_decode(batch) && self.replay_decode(batch, &p)? {
+        // A staged step runs eagerly (its gathers ride in the layer loop): a one-token last
+        // chunk of a prompt looks like a decode step.
+        if stage.is_none()
+            && self.graphs.enabled()
+            && graph::is_decode(batch)
+            && self.replay_decode(batch, &p)?
+        {
             return Ok(p.rows);
         }
         if self.ws.meta.bytes() < p.bytes.len() {

@@ -45,7 +45,8 @@ extern "C" __global__ void add_rmsnorm(float* __restrict__ resid, const float* _
 }
 
 // float4 words of a row each thread of add_rmsnorm_v4 holds in registers: rows of up to
-// 4 * RMS_V4_MAX * 1024 floats (32768) fit one block.
+// 4 * RMS_V4_MAX * 512 floats (16384) fit one block (the wrapper caps blocks at 512 threads:
+// the row lives in registers, 1024 threads of it exceed a block's register file).
 #define RMS_V4_MAX 8
 
 // add_rmsnorm in one pass over memory: hidden % 4 == 0, resid, delta and w 16-byte aligned, out

@@ -107,10 +107,13 @@ const SWIGLU_V8_UNROLL: usize = 2;
 /// The most rows `swiglu_v8` puts on grid y (the hardware limit); more rows loop.
 const GRID_Y_MAX: usize = 65535;
 
+/// Most threads of an `add_rmsnorm_v4` block (see [`rmsnorm_vector_block`]).
+const RMS_V4_MAX_BLOCK: usize = 512;
+
 /// Threads per block of `add_rmsnorm_v4` for rows of `hidden` f32, or `None` where it cannot run:
-/// `hidden` not a multiple of 4, a row longer than `4 * RMS_V4_MAX * 1024` floats, an f32 pointer
-/// (resid, delta, w) not 16-byte aligned, or `out` not 8-byte aligned. The block is the fewest
-/// warps that cover the row with `RMS_V4_MAX` float4 words a thread (128 threads at 4096).
+/// `hidden` not a multiple of 4, a row longer than `4 * RMS_V4_MAX * 512` floats (16384), an f32
+/// pointer (resid, delta, w) not 16-byte aligned, or `out` not 8-byte aligned. The block is the
+/// fewest warps that cover the row with `RMS_V4_MAX` float4 words a thread (128 threads at 4096).
 pub fn rmsnorm_vector_block(hidden: usize, f32_ptrs: &[u64], out: u64) -> Option<u32> {
     if hidden == 0
         || !hidden.is_multiple_of(4)
@@ -120,7 +123,10 @@ pub fn rmsnorm_vector_block(hidden: usize, f32_ptrs: &[u64], out: u64) -> Option
         return None;
     }
     let block = (hidden / 4).div_ceil(RMS_V4_MAX).div_ceil(32) * 32;
-    (block <= 1024).then_some(block as u32)
+    // At most 512 threads: the kernel keeps the row in registers (70 a thread on sm_90), and a
+    // 1024-thread block of it asks for more than the 64K registers of a block
+    // (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES at hidden 32768 on the H200). Rows up to 16384.
+    (block <= RMS_V4_MAX_BLOCK).then_some(block as u32)
 }
 
 /// Grid `(blocks per row, rows on y)` of `swiglu_v8`, or `None` where it cannot run: `inter` not
@@ -543,10 +549,13 @@ mod tests {
         assert_eq!(rmsnorm_vector_block(576, &[0], 0), Some(32));
         assert_eq!(rmsnorm_vector_block(4, &[0], 0), Some(32));
         assert_eq!(rmsnorm_vector_block(4136, &[0], 0), Some(160));
-        assert_eq!(rmsnorm_vector_block(32768, &[0], 0), Some(1024));
-        for h in [
-            64usize, 576, 896, 2048, 4096, 4136, 5120, 8192, 16384, 32768,
-        ] {
+        assert_eq!(rmsnorm_vector_block(16384, &[0], 0), Some(512));
+        assert_eq!(
+            rmsnorm_vector_block(32768, &[0], 0),
+            None,
+            "registers: scalar kernel"
+        );
+        for h in [64usize, 576, 896, 2048, 4096, 4136, 5120, 8192, 16384] {
             let b = rmsnorm_vector_block(h, &[0], 0).unwrap() as usize;
             assert!(b.is_multiple_of(32) && b <= 1024, "{h}: {b}");
             assert!(

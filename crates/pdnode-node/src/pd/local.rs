@@ -559,6 +559,15 @@ impl PdNode {
             return (self.push(id, target, ours, started).await, 0);
         }
         let early = o.sent_early;
+        let (puts_done, puts) = o.puts_done();
+        tracing::debug!(
+            request = %id,
+            puts_done,
+            puts,
+            layer_puts = o.layer_puts,
+            drained_us = t0.elapsed().as_micros() as u64,
+            "KV hand-off: puts finished when prefill ended"
+        );
         self.early_blocks.fetch_add(early as u64, Ordering::Relaxed);
         self.layer_puts
             .fetch_add(o.layer_puts as u64, Ordering::Relaxed);

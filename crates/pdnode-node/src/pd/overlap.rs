@@ -230,6 +230,12 @@ impl OverlapPush {
         Ok(())
     }
 
+    /// Puts finished so far, of those issued.
+    pub fn puts_done(&self) -> (usize, usize) {
+        let done = self.puts.iter().filter(|p| p.try_result().is_some()).count();
+        (done, self.puts.len())
+    }
+
     /// After `PrefillDone`: the rest of the span (gathered here if the engine's staged gather
     /// stopped short), every put waited for, then every rank flushed. Returns the bytes.
     pub async fn finish(

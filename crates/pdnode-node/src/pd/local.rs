@@ -417,6 +417,12 @@ impl PdNode {
                 } => {
                     match (u, overlap.as_mut()) {
                         (Some(u), Some(o)) => {
+                            tracing::debug!(
+                                request = %id,
+                                since_start_us = started.elapsed().as_micros() as u64,
+                                report = ?u,
+                                "staged KV report"
+                            );
                             o.on_ready(u, started + self.lease).map_err(failed)?
                         }
                         _ => ready = None,

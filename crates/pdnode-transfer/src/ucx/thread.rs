@@ -69,6 +69,7 @@ struct Gated {
     put: Box<Cmd>,
     gate: super::Gate,
     deadline: Instant,
+    submitted: Instant,
 }
 
 struct Target {
@@ -324,6 +325,7 @@ impl State {
                 put,
                 gate,
                 deadline,
+                submitted: Instant::now(),
             }),
             Cmd::Shutdown => {}
         }
@@ -572,6 +574,10 @@ impl State {
                 Ok(true) => {
                     moved = true;
                     let g = self.gated.remove(i);
+                    tracing::debug!(
+                        waited_us = g.submitted.elapsed().as_micros() as u64,
+                        "gated put issued"
+                    );
                     self.handle(*g.put);
                 }
                 Err(e) => {

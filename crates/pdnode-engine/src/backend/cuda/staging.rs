@@ -219,6 +219,7 @@ impl CudaBackend {
             plan,
             id_off,
             group_start: 0,
+            prev: None,
         })
     }
 
@@ -254,6 +255,14 @@ impl CudaBackend {
         );
         ev.record(&self.gpu.stream)
             .map_err(super::super::drv("cuEventRecord"))?;
+        // Keep the host at most one group ahead of the GPU: a whole prefill step enqueued at
+        // once fills the context's command queue, and the hand-off's copies (UCX's cuda_ipc
+        // puts, in this context) then block in their enqueue until the step has nearly
+        // drained (seen on the H200: every put after the first left at the end of the step).
+        if let Some(prev) = run.prev.replace(ev.clone()) {
+            prev.synchronize()
+                .map_err(super::super::drv("cuEventSynchronize"))?;
+        }
         for i in 0..run.plan.seqs.len() {
             let ev = ev.clone();
             let gate: LayerGate = Box::new(move || {
@@ -272,6 +281,8 @@ pub(super) struct StageRun {
     /// Where each sequence's ids start in `stage_ids` (in ids).
     id_off: Vec<usize>,
     group_start: u32,
+    /// The previous group's event (the host waits for it before running further ahead).
+    prev: Option<Arc<cudarc::driver::CudaEvent>>,
 }
 
 impl KvStaging for CudaBackend {

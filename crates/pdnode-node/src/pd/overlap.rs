@@ -232,7 +232,11 @@ impl OverlapPush {
 
     /// Puts finished so far, of those issued.
     pub fn puts_done(&self) -> (usize, usize) {
-        let done = self.puts.iter().filter(|p| p.try_result().is_some()).count();
+        let done = self
+            .puts
+            .iter()
+            .filter(|p| p.try_result().is_some())
+            .count();
         (done, self.puts.len())
     }
 

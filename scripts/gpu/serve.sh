@@ -206,6 +206,8 @@ for r in rows[:5]:
     print(f"  e.g. {r[0]} bytes in {r[1]} us via {r[2]}")
 PY
 }
+# Fixed ports stay below the ephemeral range (32768-60999): a listener on 51100 once failed with
+# "Address already in use" because a client socket of the PD run held that local port.
 start_colo() { # gpu
     local g=$1
     { ENGINE_EXTRA="colocated = true" common all colo-$g 127.0.0.1:$((7100 + g)); cat <<T
@@ -215,7 +217,7 @@ kind = "memory"
 kind = "in-process"
 [router]
 http_listen = "127.0.0.1:$((8100 + g))"
-grpc_listen = "127.0.0.1:$((51100 + g))"
+grpc_listen = "127.0.0.1:$((9100 + g))"
 T
     } > "$OUT/colo$g.toml"
     CUDA_VISIBLE_DEVICES=$g "$BIN" start -c "$OUT/colo$g.toml" > "$OUT/colo$g.log" 2>&1 &

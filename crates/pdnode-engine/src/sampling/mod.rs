@@ -205,7 +205,19 @@ impl SequenceSampler {
     /// the row had no finite value), when [`SequenceSampler::is_plain_greedy`]; otherwise the
     /// row is needed and this is an error.
     pub fn accept_argmax(&mut self, token: Option<u32>) -> Result<SampleOut, SamplingError> {
-        if !self.is_plain_greedy() {
+        let allowed = self.is_plain_greedy();
+        self.accept_device_token(allowed, token)
+    }
+
+    /// A token picked without the row (on a device): recorded as [`SequenceSampler::sample`]
+    /// records its own; the row was needed (`!allowed`) or had no finite value: the host
+    /// path's errors.
+    fn accept_device_token(
+        &mut self,
+        allowed: bool,
+        token: Option<u32>,
+    ) -> Result<SampleOut, SamplingError> {
+        if !allowed {
             return Err(SamplingError::LogitsSize {
                 got: 0,
                 vocab_size: self.vocab_size,
@@ -246,18 +258,8 @@ impl SequenceSampler {
     /// [`SequenceSampler::device_draw`] (`None`: the row had no finite value, the host path's
     /// error). An error for a request a device may not sample.
     pub fn accept_sampled(&mut self, token: Option<u32>) -> Result<SampleOut, SamplingError> {
-        if !self.is_device_sampleable() {
-            return Err(SamplingError::LogitsSize {
-                got: 0,
-                vocab_size: self.vocab_size,
-            });
-        }
-        let token = token.ok_or(SamplingError::NoFiniteLogits)?;
-        self.penalties.record(token)?;
-        Ok(SampleOut {
-            token,
-            logprob: None,
-        })
+        let allowed = self.is_device_sampleable();
+        self.accept_device_token(allowed, token)
     }
 
     /// Picks the next token from one logits row of `vocab_size` values.

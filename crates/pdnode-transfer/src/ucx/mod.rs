@@ -176,14 +176,7 @@ impl UcxTransport {
         check_spans(spans, local.region.len as u64, remote.region.len)?;
         let (completion, done) = Completion::pending("UCX gated put", NAME);
         self.shared.send(Cmd::PutWhen {
-            put: Box::new(Cmd::Put {
-                local: local.id,
-                local_addr: local.region.addr,
-                mem: local.region.mem,
-                target: remote.id,
-                spans: spans.to_vec(),
-                done,
-            }),
+            put: Box::new(put_cmd(local, remote, spans, done)),
             gate,
             deadline,
         })?;
@@ -324,14 +317,7 @@ impl KvTransport for UcxTransport {
     ) -> Result<Completion, TransferError> {
         check_spans(spans, local.region.len as u64, remote.region.len)?;
         let (completion, done) = Completion::pending("UCX put", NAME);
-        self.shared.send(Cmd::Put {
-            local: local.id,
-            local_addr: local.region.addr,
-            mem: local.region.mem,
-            target: remote.id,
-            spans: spans.to_vec(),
-            done,
-        })?;
+        self.shared.send(put_cmd(local, remote, spans, done))?;
         Ok(completion)
     }
 
@@ -351,6 +337,23 @@ impl Drop for UcxTransport {
         if let Some(h) = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
             let _ = h.join();
         }
+    }
+}
+
+/// The worker's command for a put of `spans` from `local` to `remote` (checked by the caller).
+fn put_cmd(
+    local: &Registration,
+    remote: &RemoteTarget,
+    spans: &[Span],
+    done: crate::completion::Completer,
+) -> Cmd {
+    Cmd::Put {
+        local: local.id,
+        local_addr: local.region.addr,
+        mem: local.region.mem,
+        target: remote.id,
+        spans: spans.to_vec(),
+        done,
     }
 }
 

@@ -152,24 +152,30 @@ const ARGMAX_THREADS: u32 = 1024;
 const SAMPLE_THREADS: u32 = 1024;
 
 impl CudaBackend {
+    /// Checks that `rows` logits rows fit `ws.logits` and their ids `ws.tokens`; the
+    /// vocabulary as the kernels' `int`.
+    fn token_rows_vocab(&self, op: &'static str, rows: usize) -> Result<i32, CudaError> {
+        let vocab = self.spec.vocab_size;
+        if rows * vocab * 4 > self.ws.logits.bytes() || rows * 4 > self.ws.tokens.bytes() {
+            return Err(CudaError::Shape {
+                op,
+                reason: format!("{rows} rows of {vocab}"),
+            });
+        }
+        i32::try_from(vocab).map_err(|_| CudaError::Shape {
+            op,
+            reason: format!("vocabulary {vocab} exceeds i32"),
+        })
+    }
+
     /// Enqueues `argmax_rows` over the first `rows` logits rows into `ws.tokens` (i32, -1 for a
     /// row without a finite value), on the step's stream right after the step (graph or eager).
     pub(crate) fn enqueue_argmax(&self, rows: usize) -> Result<(), CudaError> {
         const OP: &str = "argmax_rows";
-        let vocab = self.spec.vocab_size;
-        if rows * vocab * 4 > self.ws.logits.bytes() || rows * 4 > self.ws.tokens.bytes() {
-            return Err(CudaError::Shape {
-                op: OP,
-                reason: format!("{rows} rows of {vocab}"),
-            });
-        }
+        let v = self.token_rows_vocab(OP, rows)?;
         if rows == 0 {
             return Ok(());
         }
-        let v = i32::try_from(vocab).map_err(|_| CudaError::Shape {
-            op: OP,
-            reason: format!("vocabulary {vocab} exceeds i32"),
-        })?;
         let f = self.gpu.kernel(OP)?;
         let mut b = self.gpu.launch_builder(f);
         b.arg(self.ws.logits.ptr_ref())
@@ -199,18 +205,7 @@ impl CudaBackend {
     /// holds (the step, the arg-max).
     pub(crate) fn enqueue_sample(&self, want: &[LogitsWant]) -> Result<(), CudaError> {
         const OP: &str = "sample_rows";
-        let vocab = self.spec.vocab_size;
-        let rows = want.len();
-        if rows * vocab * 4 > self.ws.logits.bytes() || rows * 4 > self.ws.tokens.bytes() {
-            return Err(CudaError::Shape {
-                op: OP,
-                reason: format!("{rows} rows of {vocab}"),
-            });
-        }
-        let v = i32::try_from(vocab).map_err(|_| CudaError::Shape {
-            op: OP,
-            reason: format!("vocabulary {vocab} exceeds i32"),
-        })?;
+        let v = self.token_rows_vocab(OP, want.len())?;
         let f = self.gpu.kernel(OP)?;
         for (batch, n) in sample_batches(want) {
             let mut b = self.gpu.launch_builder(f);

@@ -106,6 +106,8 @@ const PEER_IDLE: Duration = Duration::from_secs(600);
 /// Unused remote keys kept per peer (a peer that registers a region per request would
 /// otherwise grow the map without bound).
 const PEER_SPARE_RKEYS: usize = 32;
+/// How often gates are polled while nothing else is in flight.
+const GATE_POLL: Duration = Duration::from_micros(50);
 /// How often idle peers are looked for.
 const SWEEP_EVERY: Duration = Duration::from_secs(5);
 
@@ -218,10 +220,17 @@ pub(crate) fn run(
             continue;
         }
         st.sweep_idle_peers();
-        if !st.pending.is_empty() || !st.gated.is_empty() || !st.gated_flushes.is_empty() {
+        if !st.pending.is_empty() {
             // Operations in flight: keep progressing, but let the other threads of a small
             // machine run.
             std::thread::yield_now();
+            continue;
+        }
+        if !st.gated.is_empty() || !st.gated_flushes.is_empty() {
+            // Only puts waiting for their data (a prefill step's layer groups, tens of ms
+            // apart): look at the gates often enough not to matter, without spinning a core
+            // through the whole step.
+            std::thread::sleep(GATE_POLL);
             continue;
         }
         match st.worker.arm() {

@@ -1,0 +1,155 @@
+//! The prefill node's KV push: overlapped with the prompt's forward pass through the staging
+//! arena (`super::super::overlap`), or after prefill (arena or host staging).
+
+use super::*;
+
+impl PdNode {
+    /// The overlapped push (`super::overlap`) when this node and the target allow it: a UCX
+    /// mover, an arena of the engine's rank count facing the same number of rank regions (of
+    /// device memory when the arena is), and room in it. `Ok(None)`: push after prefill.
+    pub(super) fn start_overlap(
+        &self,
+        target: &v1::KvTarget,
+    ) -> Result<Option<OverlapPush>, String> {
+        let ranks = self.tp_ranks();
+        let (KvMover::Ucx(t), Some(arena)) = (&self.mover, self.arena.as_ref()) else {
+            return Ok(None);
+        };
+        if arena.ranks() != ranks
+            || target.ranks.len() != ranks
+            || (arena.is_device() && !target.ranks.iter().all(|r| r.device_memory))
+        {
+            return Ok(None);
+        }
+        OverlapPush::start(t, arena, target, self.layout(), target.block_ids.len())
+    }
+
+    /// After `PrefillDone`: the engine's last counts, the rest of the puts and the flush.
+    /// Returns what [`PdNode::push`] does, and how many blocks went out before the last
+    /// chunk's step (the part hidden behind the forward pass). When the engine found no room
+    /// in the arena all through the prefill, this is [`PdNode::push`] (which waits for room).
+    pub(super) async fn finish_overlap(
+        &self,
+        id: RequestId,
+        target: &v1::KvTarget,
+        mut o: OverlapPush,
+        ready: Option<tokio::sync::mpsc::UnboundedReceiver<StagedReady>>,
+        ours: usize,
+        started: Instant,
+    ) -> (Result<(u64, u64, bool), NodeError>, usize) {
+        let t0 = Instant::now();
+        // As the after-prefill push: the request's start plus one lease, and at least a second.
+        let deadline = (started + self.lease).max(t0 + Duration::from_secs(1));
+        let fail = |m: String| nerr(ErrorKind::Retryable, format!("KV hand-off of {id}: {m}"));
+        if ours != o.blocks() {
+            let m = format!(
+                "decode reserved {} blocks for {id}, prefill holds {ours}",
+                o.blocks()
+            );
+            return (Err(nerr(ErrorKind::Internal, m)), 0);
+        }
+        if let Some(mut r) = ready {
+            // The loop drops the sender when the request leaves it (it just did).
+            while let Ok(Some(u)) = tokio::time::timeout_at(deadline.into(), r.recv()).await {
+                if let Err(m) = o.on_ready(u, deadline) {
+                    return (Err(fail(m)), 0);
+                }
+            }
+        }
+        if !o.has_slice() {
+            drop(o);
+            return (self.push(id, target, ours, started).await, 0);
+        }
+        let early = o.sent_early;
+        let (puts_done, puts) = o.puts_done();
+        tracing::debug!(
+            request = %id,
+            puts_done,
+            puts,
+            layer_puts = o.layer_puts,
+            drained_us = t0.elapsed().as_micros() as u64,
+            "KV hand-off: puts finished when prefill ended"
+        );
+        self.early_blocks.fetch_add(early as u64, Ordering::Relaxed);
+        self.layer_puts
+            .fetch_add(o.layer_puts as u64, Ordering::Relaxed);
+        let r = o
+            .finish(&self.engine, id, deadline)
+            .await
+            .map(|bytes| {
+                self.via_arena.fetch_add(1, Ordering::Relaxed);
+                (bytes, t0.elapsed().as_micros() as u64, true)
+            })
+            .map_err(fail);
+        (r, early)
+    }
+
+    pub(super) async fn push(
+        &self,
+        id: RequestId,
+        target: &v1::KvTarget,
+        ours: usize,
+        started: Instant,
+    ) -> Result<(u64, u64, bool), NodeError> {
+        if target.block_ids.len() != ours {
+            return Err(nerr(
+                ErrorKind::Internal,
+                format!(
+                    "decode reserved {} blocks for {id}, prefill holds {ours}",
+                    target.block_ids.len()
+                ),
+            ));
+        }
+        let layout = self.layout();
+        let layers = layout.num_layers;
+        let per_rank = layers as usize * ours * layout.block_layer_bytes();
+        let ranks = self.tp_ranks();
+        let t0 = Instant::now();
+        let deadline = (started + self.lease).max(Instant::now() + Duration::from_secs(1));
+        let failed = |m: String| nerr(ErrorKind::Retryable, format!("KV hand-off of {id}: {m}"));
+        if let KvMover::Ucx(t) = &self.mover
+            && let Some(arena) = self.arena.as_ref().filter(|a| {
+                a.ranks() == ranks
+                    && target.ranks.len() == ranks
+                    && (!a.is_device() || target.ranks.iter().all(|r| r.device_memory))
+            })
+            && per_rank <= arena.len()
+            && let Some(slice) = arena
+                .reserve_wait(per_rank, self.room_deadline(deadline))
+                .await
+        {
+            self.engine
+                .gather_kv(id, 0..layers, slice.offset())
+                .await
+                .map_err(|e| eerr(&e))?;
+            let sources: Vec<_> = (0..ranks)
+                .filter_map(|r| arena.registration(r))
+                .map(|reg| (reg, slice.offset() as u64))
+                .collect();
+            put_ranks(t, target, &sources, per_rank as u64, deadline)
+                .await
+                .map_err(failed)?;
+            drop(slice);
+            self.via_arena.fetch_add(1, Ordering::Relaxed);
+            return Ok((
+                (per_rank * ranks) as u64,
+                t0.elapsed().as_micros() as u64,
+                true,
+            ));
+        }
+        if matches!(self.mover, KvMover::Ucx(_)) {
+            self.note_fallback("prefill", per_rank * ranks);
+        }
+        let data = self
+            .engine
+            .read_kv(id, 0..layers)
+            .await
+            .map_err(|e| eerr(&e))?;
+        let bytes = data.len() as u64;
+        self.mover
+            .push(id, target, layers, data, deadline)
+            .await
+            .map_err(failed)?;
+        Ok((bytes, t0.elapsed().as_micros() as u64, false))
+    }
+}

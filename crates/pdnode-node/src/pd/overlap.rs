@@ -159,21 +159,7 @@ impl OverlapPush {
                 self.sent, self.blocks, self.layers
             ));
         }
-        let (n, lb) = (self.blocks as u64, self.layer_block);
-        let (from, len) = (blocks.start as u64, (blocks.end - blocks.start) as u64 * lb);
-        let base = self.offset()? as u64;
-        let spans: Vec<Span> = layers
-            .clone()
-            .map(|l| {
-                let at = (l as u64 * n + from) * lb;
-                Span {
-                    local_offset: base + at,
-                    remote_offset: self.staging_offset + at,
-                    len,
-                }
-            })
-            .collect();
-        let spans = coalesce_spans(&spans);
+        let spans = self.spans(blocks.clone(), layers.clone())?;
         let reg = self
             .arena
             .registration(0)
@@ -193,28 +179,36 @@ impl OverlapPush {
         Ok(())
     }
 
+    /// The spans (same offsets on both sides of the `[layer][block]` span) of `blocks` in
+    /// `layers`: one per layer, coalesced where the layers are adjacent (all of a request's
+    /// blocks at once: one put instead of one per layer).
+    fn spans(&self, blocks: Range<usize>, layers: Range<u32>) -> Result<Vec<Span>, String> {
+        let (n, lb) = (self.blocks as u64, self.layer_block);
+        let (from, len) = (blocks.start as u64, (blocks.end - blocks.start) as u64 * lb);
+        let base = self.offset()? as u64;
+        let spans: Vec<Span> = layers
+            .map(|l| {
+                let at = (l as u64 * n + from) * lb;
+                Span {
+                    local_offset: base + at,
+                    remote_offset: self.staging_offset + at,
+                    len,
+                }
+            })
+            .collect();
+        Ok(coalesce_spans(&spans))
+    }
+
     /// The engine reports leading blocks `0..upto` in the span: put the new ones, every rank.
     pub fn ready(&mut self, upto: usize) -> Result<(), String> {
         let upto = upto.min(self.blocks);
         if upto <= self.sent {
             return Ok(());
         }
-        let (n, lb) = (self.blocks as u64, self.layer_block);
         if upto == self.blocks {
             self.sent_early = self.sent;
         }
-        let (from, len) = (self.sent as u64, (upto - self.sent) as u64 * lb);
-        let base = self.offset()? as u64;
-        let spans: Vec<Span> = (0..self.layers as u64)
-            .map(|l| Span {
-                local_offset: base + (l * n + from) * lb,
-                remote_offset: self.staging_offset + (l * n + from) * lb,
-                len,
-            })
-            .collect();
-        // All of a request's blocks at once (one prefill chunk): the layers are adjacent in both
-        // spans, so this is one put per rank instead of one per layer.
-        let spans = coalesce_spans(&spans);
+        let spans = self.spans(self.sent..upto, 0..self.layers)?;
         let arena = self.arena.clone();
         for (r, remote) in self.remotes.iter().enumerate() {
             let reg = arena

@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
 # Installs what pdnode needs to build and test on Debian 12 (bookworm): system packages with
-# apt-get (protobuf-compiler for etcd-client's build, etcd-server for the registry tests, UCX for
-# the KV transfer, pip for fetching the demo model) and a Rust toolchain when cargo is missing.
+# apt-get (each package says why below) and a Rust toolchain when cargo is missing.
 # Idempotent: installs only what is missing. Runs as root, or with sudo when it is available.
 set -euo pipefail
 
 PACKAGES=(
-  build-essential pkg-config ca-certificates curl git
-  protobuf-compiler
-  etcd-server
-  libucx0 ucx-utils libucx-dev
-  python3 python3-pip
+  build-essential       # cc and the linker: cargo links every crate; some -sys dependencies compile C
+  ca-certificates curl  # rustup (when cargo is missing) and pip over https
+  git                   # cargo's git index, scripts/fresh-check.sh's clean clone
+  protobuf-compiler     # protoc: etcd-client's build compiles etcd's .proto files with it
+  libprotobuf-dev       # google/protobuf/*.proto: Debian's protoc ships without the well-known types
+  etcd-server           # etcd: the registry tests and the multi-process tests start their own
+  libucx0               # libucp.so.0: ucx-sys loads it at run time for the KV hand-off between processes
+  ucx-utils             # ucx_info: which transports UCX sees (docs/troubleshooting, scripts/gpu)
+  libucx-dev            # UCX headers: crates/ucx-sys/layout/check.sh re-derives the struct layouts
+  python3 python3-pip   # fetch-model.sh / fetch-nvrtc.sh unpack PyPI wheels; the openai client tests
 )
 RUST_TOOLCHAIN="${PDNODE_RUST_TOOLCHAIN:-1.95.0}"
 

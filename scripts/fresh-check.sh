@@ -64,7 +64,7 @@ mirror="$(
   { grep -hs '^URIs:' /etc/apt/sources.list.d/*.sources | awk '{print $2}'
     grep -hs '^deb ' /etc/apt/sources.list /etc/apt/sources.list.d/*.list | awk '{print $2}'
   } | grep -v security | head -n1
-)"
+)" || true
 mirror="${mirror:-http://deb.debian.org/debian}"
 
 # --- the README's commands --------------------------------------------------------------------
@@ -190,8 +190,8 @@ unshare --mount --pid --fork --propagation private bash -c '
   mount --bind "$2" "$w/opt/rustup"; mount -o remount,bind,ro "$w/opt/rustup"
   mount --bind "$3/bin" "$w/opt/cargo/bin"; mount -o remount,bind,ro "$w/opt/cargo/bin"
   mount --bind "$3/registry" "$w/root/.cargo/registry"
-  exec env -i chroot "$w" /fresh-steps.sh
-' _ "$work" "$rustup_home" "$cargo_home"
+  exec env -i "$4" "$w" /fresh-steps.sh
+' _ "$work" "$rustup_home" "$cargo_home" "$(command -v chroot)"
 rc=$?
 set -e
 cp -a "$work/fresh-logs/." "$logs/" 2>/dev/null || true

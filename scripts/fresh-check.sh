@@ -113,6 +113,12 @@ for f in /etc/apt/apt.conf.d/*; do
   [ -e "$work/etc/apt/apt.conf.d/$(basename "$f")" ] || cp "$f" "$work/etc/apt/apt.conf.d/"
 done
 [ -f /etc/pip.conf ] && cp /etc/pip.conf "$work/etc/pip.conf"
+# Local certificate authorities of this machine (e.g. an egress proxy's): ca-certificates, which
+# setup.sh installs, adds them to the system bundle that pip and cargo use.
+if [ -d /usr/local/share/ca-certificates ]; then
+  mkdir -p "$work/usr/local/share/ca-certificates"
+  cp -a /usr/local/share/ca-certificates/. "$work/usr/local/share/ca-certificates/"
+fi
 cp -L /etc/resolv.conf "$work/etc/resolv.conf"
 # Services do not start inside a chroot (as in Debian's container images): etcd-server's package
 # would otherwise start a system etcd on the host's port 2379.
@@ -213,7 +219,7 @@ if [ -n "$failed" ] || [ "$rc" != 0 ]; then
   step="${failed:-setup}"
   echo
   log "step '$step' failed (commit $commit); last lines of $logs/$step.log:"
-  tail -n 40 "$logs/$step.log" 2>/dev/null >&2 || true
+  tail -n 40 "$logs/$step.log" >&2 2>/dev/null || true
   [ "$keep" = 1 ] || rm -rf "$work"
   exit 1
 fi

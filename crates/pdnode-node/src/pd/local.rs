@@ -15,7 +15,8 @@
 //! is freed by the engine at its lease deadline, and its staging here by [`PdNode::sweep`].
 
 use super::arena::{ArenaSlice, StagingArena};
-use super::kv::{KvMover, copy_out, put_ranks};
+use super::fence::{self, FenceCounters, FenceError, FenceStats, RECORD_LEN};
+use super::kv::{KvMover, copy_ranks, put_ranks};
 use super::overlap::OverlapPush;
 use futures::future::BoxFuture;
 use pdnode_core::error::{Classify, ErrorKind};
@@ -41,16 +42,98 @@ enum Staging {
     /// In process: the prefill node writes the pool itself.
     None,
     /// A registered host region for this request alone (all ranks back to back).
-    Host(Registration),
+    Host(HostStage),
     /// A span of the node's staging arena (same offset on every rank).
     Arena(ArenaSlice),
+}
+
+/// A per-request host staging region, counted in the node's host staging budget
+/// (`transfer.host_staging_bytes`) until it is dropped.
+struct HostStage {
+    reg: Registration,
+    bytes: u64,
+    used: Arc<AtomicU64>,
+}
+
+impl Drop for HostStage {
+    fn drop(&mut self) {
+        self.used.fetch_sub(self.bytes, Ordering::Relaxed);
+    }
+}
+
+/// How the KV of a fenced staging span is laid out: rank `r`'s bytes at its data offset
+/// (arena: the span's offset in rank `r`'s arena; host: `r * stride`), its fence record right
+/// behind them.
+#[derive(Debug, Clone, Copy)]
+struct FenceSpec {
+    per_rank: usize,
+    stride: usize,
+    ranks: usize,
+    verify: bool,
 }
 
 struct DecodeSlot {
     secret: Secret,
     blocks: usize,
     staging: Staging,
+    /// This reservation's staging generation (unique per span handed out by this node).
+    generation: u64,
+    /// Set when the prefill node writes fence records (host staging over UCX).
+    fence: Option<FenceSpec>,
     expires: Instant,
+}
+
+/// A span released by an abort, a lease end or a failed check while its writer may still be
+/// putting into it: freed when the writer's record shows it finished, or at `until`.
+struct Quarantined {
+    request: RequestId,
+    staging: Staging,
+    generation: u64,
+    fence: Option<FenceSpec>,
+    /// Whether an intact record of the generation ends the quarantine early (not after a
+    /// checksum mismatch: some other writer touched the span).
+    trust_record: bool,
+    until: Instant,
+}
+
+/// Staging spans of a decode node by state (the arena's and per-request host regions alike).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StagingStats {
+    /// Held by a reservation waiting for its `decode` call.
+    pub owned: usize,
+    /// Released but fenced (a late put may still land).
+    pub quarantined: usize,
+    /// Bytes of the arena free for the next reservation (0 without an arena).
+    pub arena_free_bytes: usize,
+    pub arena_bytes: usize,
+    /// Bytes of per-request host staging held (owned and quarantined).
+    pub host_bytes: u64,
+}
+
+/// Where rank `r`'s bytes of a fenced staging span start, in which registration.
+fn rank_data<'a>(
+    staging: &'a Staging,
+    spec: &FenceSpec,
+    r: usize,
+) -> Option<(&'a Registration, usize)> {
+    match staging {
+        Staging::None => None,
+        Staging::Arena(slice) => slice
+            .arena()
+            .registration(r)
+            .map(|reg| (reg, slice.offset())),
+        Staging::Host(h) => r.checked_mul(spec.stride).map(|at| (&h.reg, at)),
+    }
+}
+
+/// Whether every rank of the span carries an intact fence record of `generation`.
+fn records_present(staging: &Staging, spec: &FenceSpec, generation: u64) -> bool {
+    (0..spec.ranks).all(|r| {
+        rank_data(staging, spec, r)
+            .and_then(|(reg, at)| at.checked_add(spec.per_rank).map(|o| (reg, o)))
+            .and_then(|(reg, o)| fence::read_record(reg, o).ok().flatten())
+            .is_some_and(|rec| rec.generation == generation)
+    })
 }
 
 /// A prefill or decode engine as a router sees it.
@@ -73,7 +156,21 @@ pub struct PdNode {
     push_layer_group: AtomicU32,
     /// Puts issued for layer groups gathered inside a prefill step.
     layer_puts: AtomicU64,
+    /// The next staging generation (decode).
+    generation: AtomicU64,
+    /// Staging spans released while a writer may still put into them (decode).
+    quarantine: Mutex<Vec<Quarantined>>,
+    fence: Arc<FenceCounters>,
+    /// `transfer.verify`: ask for and check a CRC32C of the landed KV (decode).
+    verify: AtomicBool,
+    /// `transfer.host_staging_bytes`, and the bytes of per-request host staging held now
+    /// (decode: owned and quarantined).
+    host_cap: AtomicU64,
+    host_used: Arc<AtomicU64>,
 }
+
+/// How often a UCX node's quarantined staging spans are looked at.
+const SWEEP_EVERY: Duration = Duration::from_millis(100);
 
 /// The longest a hand-off waits for room in a full staging arena (see `PdNode::room_deadline`).
 pub const MAX_ARENA_WAIT: Duration = Duration::from_secs(5);
@@ -107,7 +204,8 @@ impl PdNode {
         lease: Duration,
         arena: Option<Arc<StagingArena>>,
     ) -> Arc<Self> {
-        Arc::new(Self {
+        let ucx = matches!(mover, KvMover::Ucx(_));
+        let node = Arc::new(Self {
             id,
             role,
             engine,
@@ -123,7 +221,153 @@ impl PdNode {
                 pdnode_core::config::EngineConfig::default().kv_push_layer_group,
             ),
             layer_puts: AtomicU64::new(0),
-        })
+            generation: AtomicU64::new(1),
+            quarantine: Mutex::new(Vec::new()),
+            fence: Arc::new(FenceCounters::default()),
+            verify: AtomicBool::new(pdnode_core::config::TransferConfig::default().verify),
+            host_cap: AtomicU64::new(
+                pdnode_core::config::TransferConfig::default().host_staging_bytes,
+            ),
+            host_used: Arc::new(AtomicU64::new(0)),
+        });
+        // Quarantined spans come back without waiting for the next reservation's sweep (a
+        // reservation waiting for arena room is woken by the free).
+        if ucx && let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let weak = Arc::downgrade(&node);
+            rt.spawn(async move {
+                loop {
+                    tokio::time::sleep(SWEEP_EVERY).await;
+                    let Some(n) = weak.upgrade() else { break };
+                    n.sweep();
+                }
+            });
+        }
+        node
+    }
+
+    /// `transfer.verify`: whether this decode node asks for and checks a CRC32C of the KV that
+    /// lands in its host staging.
+    pub fn set_verify(&self, on: bool) {
+        self.verify.store(on, Ordering::Relaxed);
+    }
+
+    /// `transfer.host_staging_bytes`: the most bytes of per-request host staging this decode
+    /// node holds at once; a reservation that would need more is refused (Unavailable).
+    pub fn set_host_staging_bytes(&self, cap: u64) {
+        self.host_cap.store(cap, Ordering::Relaxed);
+    }
+
+    /// Fencing counters, with the number of spans in quarantine now.
+    pub fn fence_stats(&self) -> FenceStats {
+        self.fence.snapshot(self.quarantined().len() as u64)
+    }
+
+    /// Staging spans by state: owned by a reservation, quarantined, and the arena's free bytes.
+    pub fn staging_stats(&self) -> StagingStats {
+        let owned = self
+            .slots()
+            .values()
+            .filter(|s| !matches!(s.staging, Staging::None))
+            .count();
+        let quarantined = self.quarantined().len();
+        StagingStats {
+            owned,
+            quarantined,
+            arena_free_bytes: self.arena.as_ref().map(|a| a.free_bytes()).unwrap_or(0),
+            arena_bytes: self.arena.as_ref().map(|a| a.len()).unwrap_or(0),
+            host_bytes: self.host_used.load(Ordering::Relaxed),
+        }
+    }
+
+    fn quarantined(&self) -> std::sync::MutexGuard<'_, Vec<Quarantined>> {
+        self.quarantine.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Releases a reservation's staging: at once when nothing can write it any more (no
+    /// staging, or every rank carries its writer's record, which is put only after that
+    /// writer's KV puts were flushed), else into quarantine until one lease past its lease.
+    fn release_staging(&self, id: RequestId, slot: DecodeSlot, trust_record: bool) {
+        if matches!(slot.staging, Staging::None) {
+            return;
+        }
+        if trust_record
+            && slot
+                .fence
+                .is_some_and(|f| records_present(&slot.staging, &f, slot.generation))
+        {
+            return;
+        }
+        self.fence.quarantined.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(request = %id, generation = slot.generation, "staging span quarantined");
+        self.quarantined().push(Quarantined {
+            request: id,
+            staging: slot.staging,
+            generation: slot.generation,
+            fence: slot.fence,
+            trust_record,
+            until: slot.expires + self.lease,
+        });
+    }
+
+    /// Frees quarantined spans whose writer finished (its record is there) or whose fence
+    /// deadline passed.
+    fn sweep_quarantine(&self, now: Instant) {
+        let mut q = self.quarantined();
+        // Freed after the lock is let go (a host region's deregistration waits for UCX).
+        let mut freed = Vec::new();
+        let mut keep = Vec::new();
+        for e in q.drain(..) {
+            let done = e.trust_record
+                && e.fence
+                    .is_some_and(|f| records_present(&e.staging, &f, e.generation));
+            if done {
+                self.fence
+                    .released_by_record
+                    .fetch_add(1, Ordering::Relaxed);
+            } else if now >= e.until {
+                self.fence
+                    .released_at_deadline
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(request = %e.request, generation = e.generation,
+                    "quarantined staging span freed at its fence deadline");
+            }
+            if !done && now < e.until {
+                keep.push(e);
+            } else {
+                freed.push(e);
+            }
+        }
+        *q = keep;
+        drop(q);
+        drop(freed);
+    }
+
+    /// Checks what landed in a fenced span before the scatter: every rank's record of this
+    /// reservation's generation, request and length, and (with `verify`) the checksum.
+    fn check_landed(&self, id: RequestId, slot: &DecodeSlot) -> Result<(), FenceError> {
+        let Some(spec) = slot.fence else {
+            return Ok(());
+        };
+        for r in 0..spec.ranks {
+            let (reg, at) = rank_data(&slot.staging, &spec, r).ok_or(FenceError::NotHost {
+                what: "rank region",
+                offset: 0,
+                len: spec.per_rank,
+            })?;
+            let rec_at = at.checked_add(spec.per_rank).ok_or(FenceError::NotHost {
+                what: "record offset",
+                offset: at,
+                len: spec.per_rank,
+            })?;
+            let rec = fence::read_record(reg, rec_at)?.ok_or(FenceError::Missing { rank: r })?;
+            let crc = if spec.verify {
+                Some(fence::crc_at(reg, at, spec.per_rank)?)
+            } else {
+                None
+            };
+            rec.check(r, slot.generation, id.0, spec.per_rank as u64, crc)?;
+        }
+        Ok(())
     }
 
     /// Layers per in-step gather and put during a prompt's last prefill step
@@ -211,10 +455,20 @@ impl PdNode {
     pub fn sweep(&self) -> usize {
         let now = Instant::now();
         let grace = self.lease;
-        let mut slots = self.slots();
-        let before = slots.len();
-        slots.retain(|_, s| s.expires + grace > now);
-        before - slots.len()
+        let expired: Vec<DecodeSlot> = {
+            let mut slots = self.slots();
+            let ids: Vec<RequestId> = slots
+                .iter()
+                .filter(|(_, s)| s.expires + grace <= now)
+                .map(|(id, _)| *id)
+                .collect();
+            ids.iter().filter_map(|id| slots.remove(id)).collect()
+        };
+        let n = expired.len();
+        // Held one lease past their lease already: their fence deadline has passed.
+        drop(expired);
+        self.sweep_quarantine(now);
+        n
     }
 
     /// Reservations waiting for their `decode` call.
@@ -248,13 +502,15 @@ impl PdNode {
             .map_err(|e| eerr(&e))?;
         let layout = self.layout().clone();
         let per_rank = layout.num_layers as usize * blocks.len() * layout.block_layer_bytes();
-        let (staging, ranks, staging_offset) = match self.receive_staging(id, per_rank).await {
+        let (staging, ranks, staging_offset, fence) = match self.receive_staging(id, per_rank).await
+        {
             Ok(s) => s,
             Err(e) => {
                 let _ = self.engine.release_transfer(id).await;
-                return Err(nerr(ErrorKind::Retryable, e));
+                return Err(e);
             }
         };
+        let generation = self.generation.fetch_add(1, Ordering::Relaxed);
         let secret = Secret::random();
         let deadline_ms = SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -272,6 +528,9 @@ impl PdNode {
             placement: v1::KvPlacement::Staging as i32,
             staging_offset,
             ranks,
+            staging_generation: generation,
+            fence_record: fence.is_some(),
+            verify: fence.is_some_and(|f| f.verify),
             ..Default::default()
         };
         if let KvMover::Ucx(t) = &self.mover {
@@ -284,6 +543,8 @@ impl PdNode {
                 secret,
                 blocks: blocks.len(),
                 staging,
+                generation,
+                fence,
                 expires: Instant::now() + self.lease,
             },
         );
@@ -295,22 +556,27 @@ impl PdNode {
     }
 
     /// Decode side: where a reservation of `per_rank` bytes per TP rank lands, the rank regions
-    /// of its KV target, and the target's `staging_offset`.
+    /// of its KV target, the target's `staging_offset`, and how its fence records lie (host
+    /// memory only: each rank's span has room for one behind its KV).
     /// A full arena is waited on (until [`PdNode::room_deadline`]) before host staging.
     async fn receive_staging(
         &self,
         id: RequestId,
         per_rank: usize,
-    ) -> Result<(Staging, Vec<v1::RankTarget>, u64), String> {
+    ) -> Result<(Staging, Vec<v1::RankTarget>, u64, Option<FenceSpec>), NodeError> {
         if matches!(self.mover, KvMover::InProcess(_)) {
-            return Ok((Staging::None, Vec::new(), 0));
+            return Ok((Staging::None, Vec::new(), 0, None));
         }
         let ranks = self.tp_ranks();
+        let verify = self.verify.load(Ordering::Relaxed);
+        let overflow = || nerr(ErrorKind::InvalidRequest, "the KV of this prompt overflows");
+        let with_record = per_rank.checked_add(RECORD_LEN).ok_or_else(overflow)?;
         let slice = match self.arena.as_ref().filter(|a| a.ranks() == ranks) {
             Some(a) => {
                 let t0 = Instant::now();
+                let want = if a.is_device() { per_rank } else { with_record };
                 let s = a
-                    .reserve_wait(per_rank, self.room_deadline(t0 + self.lease))
+                    .reserve_wait(want, self.room_deadline(t0 + self.lease))
                     .await;
                 let waited = t0.elapsed();
                 if waited > Duration::from_millis(1) {
@@ -338,25 +604,69 @@ impl PdNode {
                 })
                 .collect();
             let offset = slice.offset() as u64;
+            let fence = (!arena.is_device()).then_some(FenceSpec {
+                per_rank,
+                stride: 0,
+                ranks,
+                verify,
+            });
             self.via_arena.fetch_add(1, Ordering::Relaxed);
-            return Ok((Staging::Arena(slice), targets, offset));
+            return Ok((Staging::Arena(slice), targets, offset, fence));
         }
-        self.note_fallback("decode", per_rank * ranks);
-        let Some(reg) = self.mover.receive_staging(per_rank * ranks)? else {
-            return Ok((Staging::None, Vec::new(), 0));
+        // Rank `r`'s KV at `r * stride`, its fence record right behind it.
+        let stride = with_record;
+        let total = stride.checked_mul(ranks).ok_or_else(overflow)?;
+        // Host staging is capped: past the cap the reservation is refused (the router tries
+        // another decode node or answers 503), never an allocation without bound.
+        let cap = self.host_cap.load(Ordering::Relaxed);
+        let taken = self
+            .host_used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
+                u.checked_add(total as u64).filter(|n| *n <= cap)
+            });
+        if let Err(in_use) = taken {
+            return Err(nerr(
+                ErrorKind::Unavailable,
+                format!(
+                    "decode node {}: no staging arena room for {id} and host staging is full                      ({in_use} of transfer.host_staging_bytes = {cap} bytes in use, {total} more needed)",
+                    self.id
+                ),
+            ));
+        }
+        let budget = HostStage {
+            reg: match self.mover.receive_staging(total) {
+                Ok(Some(reg)) => reg,
+                other => {
+                    self.host_used.fetch_sub(total as u64, Ordering::Relaxed);
+                    return match other {
+                        Err(e) => Err(nerr(ErrorKind::Retryable, e)),
+                        _ => Ok((Staging::None, Vec::new(), 0, None)),
+                    };
+                }
+            },
+            bytes: total as u64,
+            used: self.host_used.clone(),
         };
+        self.note_fallback("decode", total);
+        let reg = &budget.reg;
         let d = reg.descriptor();
         let targets = (0..ranks)
             .map(|r| v1::RankTarget {
                 rank: r as u32,
                 rkey: d.rkey.clone(),
-                remote_base_addr: d.base_addr + (r * per_rank) as u64,
-                region_len: per_rank as u64,
+                remote_base_addr: d.base_addr + (r * stride) as u64,
+                region_len: stride as u64,
                 ucx_worker_address: Vec::new(),
                 device_memory: false,
             })
             .collect();
-        Ok((Staging::Host(reg), targets, 0))
+        let fence = FenceSpec {
+            per_rank,
+            stride,
+            ranks,
+            verify,
+        };
+        Ok((Staging::Host(budget), targets, 0, Some(fence)))
     }
 
     async fn do_prefill(&self, req: PrefillCall) -> Result<PrefillOutcome, NodeError> {
@@ -425,7 +735,7 @@ impl PdNode {
                                 report = ?u,
                                 "staged KV report"
                             );
-                            o.on_ready(u, started + self.lease).map_err(failed)?
+                            o.on_ready(u, self.push_deadline(started, &target)).map_err(failed)?
                         }
                         _ => ready = None,
                     }
@@ -534,12 +844,34 @@ impl PdNode {
                         format!("wrong secret for the KV reservation of {id}"),
                     ));
                 }
-                Some(_) => slots.remove(&id).expect("present"),
+                Some(_) => match slots.remove(&id) {
+                    Some(s) => s,
+                    None => return Err(nerr(ErrorKind::Internal, "reservation vanished")),
+                },
             }
         };
+        // Nothing is scattered unless this reservation's own writer finished (its fence record)
+        // and, with `transfer.verify`, the bytes are the ones it sent.
+        if let Err(e) = self.check_landed(id, &slot) {
+            let counter = if e.is_checksum() {
+                &self.fence.checksum_failures
+            } else {
+                &self.fence.record_failures
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(request = %id, generation = slot.generation, error = %e,
+                "landed KV refused before the scatter; the request fails and frees its blocks");
+            let _ = self.engine.release_transfer(id).await;
+            self.release_staging(id, slot, false);
+            return Err(nerr(
+                ErrorKind::Retryable,
+                format!("KV hand-off of {id} refused before the scatter: {e}"),
+            ));
+        }
         let layout = self.layout();
         let layers = layout.num_layers;
         let per_rank = layers as usize * slot.blocks * layout.block_layer_bytes();
+        let stride = slot.fence.map_or(per_rank, |f| f.stride);
         let scattered = match &slot.staging {
             Staging::None => Ok(()),
             Staging::Arena(slice) => self
@@ -547,7 +879,7 @@ impl PdNode {
                 .scatter_kv(id, 0..layers, slice.offset())
                 .await
                 .map_err(|e| eerr(&e)),
-            Staging::Host(reg) => match copy_out(reg, per_rank * self.tp_ranks()) {
+            Staging::Host(h) => match copy_ranks(&h.reg, self.tp_ranks(), per_rank, stride) {
                 Ok(data) => self
                     .engine
                     .write_kv(id, 0..layers, data)
@@ -556,7 +888,8 @@ impl PdNode {
                 Err(m) => Err(nerr(ErrorKind::Internal, m)),
             },
         };
-        // The staging (arena span or host region) is free from here on, whatever happened.
+        // The writer finished (its records are there, or the prefill node answered after its
+        // flush): the staging (arena span or host region) is free from here on.
         drop(slot);
         if let Err(e) = scattered {
             let _ = self.engine.release_transfer(id).await;
@@ -613,7 +946,13 @@ impl NodeClient for PdNode {
             tracing::debug!(request = %id, %reason, node = %self.id, "abort");
             // The engine frees whatever the request holds (queued, running, lease); a
             // reservation's staging goes with its slot.
-            let had_slot = self.slots().remove(&id).is_some();
+            let slot = self.slots().remove(&id);
+            let had_slot = slot.is_some();
+            if let Some(slot) = slot {
+                // A prefill node may still be putting into it: fenced until its writer's
+                // record shows up or the fence deadline passes.
+                self.release_staging(id, slot, true);
+            }
             self.engine.abort(id);
             Ok(had_slot || self.role != Role::Decode)
         })

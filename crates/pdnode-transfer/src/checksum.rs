@@ -176,15 +176,24 @@ mod hw {
         let op = shift_op();
         let mut blocks = data.chunks_exact(3 * LANE);
         for blk in &mut blocks {
-            let (a, rest) = blk.split_at(LANE);
-            let (b, d) = rest.split_at(LANE);
-            let (mut ca, mut cb, mut cd) = (c, 0u32, 0u32);
+            let p = blk.as_ptr();
+            let (mut ca, mut cb, mut cd) = (c as u64, 0u64, 0u64);
             for i in (0..LANE).step_by(8) {
-                ca = _mm_crc32_u64(ca as u64, word(&a[i..])) as u32;
-                cb = _mm_crc32_u64(cb as u64, word(&b[i..])) as u32;
-                cd = _mm_crc32_u64(cd as u64, word(&d[i..])) as u32;
+                // SAFETY: `blk` is 3 * LANE bytes and `i + 8 <= LANE`, so the three words at
+                // `i`, `LANE + i` and `2 * LANE + i` are inside it; unaligned reads of bytes.
+                let (wa, wb, wd) = unsafe {
+                    (
+                        std::ptr::read_unaligned(p.add(i) as *const u64),
+                        std::ptr::read_unaligned(p.add(LANE + i) as *const u64),
+                        std::ptr::read_unaligned(p.add(2 * LANE + i) as *const u64),
+                    )
+                };
+                ca = _mm_crc32_u64(ca, u64::from_le(wa));
+                cb = _mm_crc32_u64(cb, u64::from_le(wb));
+                cd = _mm_crc32_u64(cd, u64::from_le(wd));
             }
             // crc(A || B) = shift(crc(A), |B|) ^ crc0(B), with crc0 started from 0.
+            let (ca, cb, cd) = (ca as u32, cb as u32, cd as u32);
             c = super::gf2::apply(op, super::gf2::apply(op, ca) ^ cb) ^ cd;
         }
         // SAFETY: same CPU requirement as this function's.

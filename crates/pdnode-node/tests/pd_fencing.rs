@@ -257,6 +257,7 @@ async fn a_put_landing_after_its_abort_never_reaches_a_scatter_or_the_next_reser
         request: 1,
         len: n as u64,
         crc: None,
+        aborted: false,
     };
     raw_put(&p, &x, x.staging_offset + n as u64, &rec.encode());
     wait_until(
@@ -299,6 +300,7 @@ async fn a_put_landing_after_its_abort_never_reaches_a_scatter_or_the_next_reser
         request: 3,
         len: n as u64,
         crc: None,
+        aborted: false,
     };
     raw_put(&p, &v, v.staging_offset + n as u64, &stale.encode());
     let e = decode(&d, 5, &ids, &tv, &out).await.unwrap_err();
@@ -415,6 +417,52 @@ async fn a_full_decode_arena_with_capped_host_staging_refuses_instead_of_growing
     assert_eq!(decode(&d, 3, &ids, &tb, &out).await.unwrap(), want);
     assert_eq!(d.node.staging_counts(), (0, 2), "both through host staging");
     drop(full);
+    assert_clean(&d.node).await;
+    assert_clean(&p.node).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandoned_push_frees_the_decode_span_without_waiting_for_the_fence_deadline() {
+    // SAFETY (env): set before any UCX context exists in this test process.
+    unsafe { std::env::set_var("UCX_NET_DEVICES", "lo") };
+    let cfg = cpu_ucx_config();
+    let ids = cpu_prompt(4);
+    let want = colocated_tokens(&cfg, &ids, 5).await;
+    let Some((p, d)) = pd_pair(&cfg) else { return };
+    let arena = d.node.staging_arena().expect("decode arena").clone();
+    for id in 1..=3u64 {
+        let (t, _) = reserve(&d, id, &ids).await;
+        // The router drops the prefill call at once (the client went away): the prefill node
+        // abandons the push, and once its puts are over it says so with a fence record.
+        let call = p.node.prefill(PrefillCall {
+            request_id: RequestId(id),
+            prompt_token_ids: ids.clone(),
+            sampling: SamplingParams::greedy(5),
+            target: t,
+        });
+        let _ = tokio::time::timeout(Duration::from_millis(id * 3), call).await;
+        assert!(
+            p.node
+                .abort(RequestId(id), "client gone".into())
+                .await
+                .is_ok()
+        );
+        assert!(
+            d.node
+                .abort(RequestId(id), "client gone".into())
+                .await
+                .unwrap()
+        );
+    }
+    // Well before the fence deadline (one lease past the 5 s lease).
+    wait_until("abandoned spans freed", Duration::from_secs(3), || {
+        arena.all_free()
+    })
+    .await;
+    assert_eq!(d.node.fence_stats().released_at_deadline, 0);
+    let (t, _) = reserve(&d, 9, &ids).await;
+    let out = prefill(&p, 9, &ids, &t).await;
+    assert_eq!(decode(&d, 9, &ids, &t, &out).await.unwrap(), want);
     assert_clean(&d.node).await;
     assert_clean(&p.node).await;
 }

@@ -26,6 +26,8 @@ pub const RECORD_LEN: usize = 64;
 const MAGIC: [u8; 8] = *b"PDKVFNC1";
 /// Flag: the record carries the CRC32C of the rank's bytes.
 const HAS_CRC: u32 = 1;
+/// Flag: the writer abandoned the push (its puts are over, the bytes are not the whole KV).
+const ABORTED: u32 = 2;
 
 /// What the prefill node writes behind one rank's KV in the decode node's staging span.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,6 +38,9 @@ pub struct FenceRecord {
     pub len: u64,
     /// CRC32C of those bytes, when the decode node asked for it.
     pub crc: Option<u32>,
+    /// The writer gave the push up; its puts are all over (the span may be freed, never
+    /// scattered).
+    pub aborted: bool,
 }
 
 /// Why landed KV is not scattered.
@@ -59,6 +64,8 @@ pub enum FenceError {
         want_request: u64,
         want_len: u64,
     },
+    #[error("rank {rank}: the writer abandoned this push")]
+    Aborted { rank: usize },
     #[error("rank {rank}: the fence record carries no checksum but transfer.verify is on")]
     NoChecksum { rank: usize },
     #[error("rank {rank}: CRC32C {found:08x} of the landed bytes, the sender's is {want:08x}")]
@@ -85,10 +92,13 @@ impl FenceRecord {
         b[8..16].copy_from_slice(&self.generation.to_le_bytes());
         b[16..24].copy_from_slice(&self.request.to_le_bytes());
         b[24..32].copy_from_slice(&self.len.to_le_bytes());
-        let (flags, crc) = match self.crc {
+        let (mut flags, crc) = match self.crc {
             Some(c) => (HAS_CRC, c),
             None => (0, 0),
         };
+        if self.aborted {
+            flags |= ABORTED;
+        }
         b[32..36].copy_from_slice(&flags.to_le_bytes());
         b[36..40].copy_from_slice(&crc.to_le_bytes());
         let own = crc32c(&b[..RECORD_LEN - 4]);
@@ -117,6 +127,7 @@ impl FenceRecord {
             request: u64_at(16),
             len: u64_at(24),
             crc: (u32_at(32) & HAS_CRC != 0).then(|| u32_at(36)),
+            aborted: u32_at(32) & ABORTED != 0,
         })
     }
 
@@ -130,6 +141,9 @@ impl FenceRecord {
         len: u64,
         crc: Option<u32>,
     ) -> Result<(), FenceError> {
+        if self.aborted {
+            return Err(FenceError::Aborted { rank });
+        }
         if self.generation != generation {
             return Err(FenceError::Generation {
                 rank,
@@ -263,6 +277,8 @@ impl FenceCounters {
 pub struct SourceHold {
     puts: Vec<Completion>,
     keep: Option<Box<dyn Any + Send>>,
+    /// Run once every put is over, when the push was abandoned (see [`SourceHold::on_abandon`]).
+    abandon: Option<Box<dyn FnOnce() + Send>>,
     until: Instant,
     counters: std::sync::Arc<FenceCounters>,
 }
@@ -275,6 +291,7 @@ impl SourceHold {
     ) -> Self {
         Self {
             puts: Vec::new(),
+            abandon: None,
             keep: Some(keep),
             until,
             counters,
@@ -290,6 +307,13 @@ impl SourceHold {
         &self.puts
     }
 
+    /// `f` runs on the hold's thread once every put finished or failed (never when one is
+    /// still in flight at the hold deadline), before the source is freed: the prefill node's
+    /// "abandoned" fence record, which ends the decode node's quarantine early.
+    pub fn on_abandon(&mut self, f: Box<dyn FnOnce() + Send>) {
+        self.abandon = Some(f);
+    }
+
     fn in_flight(&self) -> bool {
         self.puts.iter().any(|p| p.try_result().is_none())
     }
@@ -297,9 +321,11 @@ impl SourceHold {
 
 impl Drop for SourceHold {
     fn drop(&mut self) {
-        if !self.in_flight() {
+        let abandon = self.abandon.take();
+        if !self.in_flight() && abandon.is_none() {
             return;
         }
+        let in_flight = self.in_flight();
         let puts = std::mem::take(&mut self.puts);
         // Shared with the waiting thread: if that thread cannot start, the reference kept here
         // is forgotten, so the source is never freed under its puts.
@@ -307,16 +333,21 @@ impl Drop for SourceHold {
         let theirs = keep.clone();
         let until = self.until;
         let counters = self.counters.clone();
-        counters.sources_held.fetch_add(1, Ordering::Relaxed);
-        tracing::warn!(
-            puts = puts.len(),
-            "KV push ended with puts in flight: their source is kept until they finish"
-        );
+        if in_flight {
+            counters.sources_held.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                puts = puts.len(),
+                "KV push ended with puts in flight: their source is kept until they finish"
+            );
+        }
         let wait = move || {
             for p in &puts {
                 let _ = p.wait(until);
             }
             if puts.iter().all(|p| p.try_result().is_some()) {
+                if let Some(f) = abandon {
+                    f();
+                }
                 drop(theirs);
             } else {
                 counters.sources_leaked.fetch_add(1, Ordering::Relaxed);
@@ -351,9 +382,16 @@ mod tests {
             request: 0xabc,
             len: 4096,
             crc: Some(0xdead_beef),
+            aborted: false,
         };
         let b = r.encode();
         assert_eq!(FenceRecord::decode(&b), Some(r));
+        let gone = FenceRecord { aborted: true, ..r };
+        assert_eq!(FenceRecord::decode(&gone.encode()), Some(gone));
+        assert!(matches!(
+            gone.check(0, 7, 0xabc, 4096, None),
+            Err(FenceError::Aborted { rank: 0 })
+        ));
         for i in [0, 9, 20, 33, 37, 63] {
             let mut t = b;
             t[i] ^= 1;
@@ -372,6 +410,7 @@ mod tests {
             request: 9,
             len: 100,
             crc: Some(5),
+            aborted: false,
         };
         assert_eq!(r.check(0, 3, 9, 100, Some(5)), Ok(()));
         assert_eq!(r.check(0, 3, 9, 100, None), Ok(()));

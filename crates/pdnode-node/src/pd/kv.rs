@@ -233,6 +233,7 @@ pub(super) async fn put_records(
             request: id.0,
             len: *len as u64,
             crc,
+            aborted: false,
         };
         fence::write_record(reg, rec_at, &record).map_err(|e| e.to_string())?;
         let span = Span {

@@ -11,7 +11,7 @@
 //! per rank. Only the part after `PrefillDone` adds to the time to first token.
 
 use super::arena::{ArenaSlice, StagingArena};
-use super::fence::{FenceCounters, RECORD_LEN, SourceHold};
+use super::fence::{self, FenceCounters, FenceRecord, RECORD_LEN, SourceHold};
 use pdnode_core::{KvLayout, RequestId};
 use pdnode_engine::engine::EngineHandle;
 use pdnode_engine::engine::{StagedReady, StagingAlloc};
@@ -47,6 +47,61 @@ pub(super) struct OverlapPush {
     pub sent_early: usize,
     /// Puts of layer groups gathered inside the prompt's last step.
     pub layer_puts: usize,
+    /// The record to send when this push is abandoned (the target asked for fence records),
+    /// and whether the push ended as planned (its own record sent, or another push took over).
+    abandon_record: Option<FenceRecord>,
+    settled: bool,
+}
+
+impl Drop for OverlapPush {
+    /// An abandoned push (failed, or its call dropped: the client went away) tells the decode
+    /// node, once every put it issued is over and flushed, that it wrote its last byte: an
+    /// "abandoned" fence record of the span's generation, which ends the span's quarantine
+    /// there at once instead of at its fence deadline (and is never scattered).
+    fn drop(&mut self) {
+        let Some(rec) = self.abandon_record.take().filter(|_| !self.settled) else {
+            return;
+        };
+        let Some(at) = self.staging_offset.checked_add(self.per_rank as u64) else {
+            return;
+        };
+        let t = self.t.clone();
+        let remotes = std::mem::take(&mut self.remotes);
+        self.hold.on_abandon(Box::new(move || {
+            let deadline = Instant::now() + std::time::Duration::from_secs(5);
+            // Every put issued before a flush is visible at the peer when the flush completes.
+            for r in &remotes {
+                if t.flush(r).and_then(|f| f.wait(deadline)).is_err() {
+                    return;
+                }
+            }
+            let Ok(reg) = t.allocate_registered(RECORD_LEN) else {
+                return;
+            };
+            if fence::write_record(&reg, 0, &rec).is_err() {
+                return;
+            }
+            let span = Span {
+                local_offset: 0,
+                remote_offset: at,
+                len: RECORD_LEN as u64,
+            };
+            let puts: Vec<_> = remotes
+                .iter()
+                .filter_map(|r| t.put(&reg, r, &[span]).ok())
+                .collect();
+            for p in &puts {
+                let _ = p.wait(deadline);
+            }
+            for r in &remotes {
+                let _ = t.flush(r).and_then(|f| f.wait(deadline));
+            }
+            tracing::debug!(
+                generation = rec.generation,
+                "abandoned KV push: fence record sent"
+            );
+        }));
+    }
 }
 
 impl OverlapPush {
@@ -81,6 +136,13 @@ impl OverlapPush {
             remotes.push(super::kv::connect_rank(t, target, r, rank, span_len)?);
         }
         let slice: SliceCell = Arc::new(Mutex::new(None));
+        let abandon_record = target.fence_record.then_some(FenceRecord {
+            generation: target.staging_generation,
+            request: target.request_id,
+            len: per_rank,
+            crc: None,
+            aborted: true,
+        });
         Ok(Some(Self {
             t: t.clone(),
             arena: arena.clone(),
@@ -94,6 +156,8 @@ impl OverlapPush {
             layers: layout.num_layers,
             layer_block,
             sent: 0,
+            abandon_record,
+            settled: false,
             sent_early: 0,
             layer_puts: 0,
         }))
@@ -242,6 +306,12 @@ impl OverlapPush {
         Ok(())
     }
 
+    /// Another push takes over the hand-off (the engine never got a span): nothing to tell the
+    /// decode node when this one is dropped.
+    pub fn hand_over(&mut self) {
+        self.settled = true;
+    }
+
     /// Puts finished so far, of those issued.
     pub fn puts_done(&self) -> (usize, usize) {
         let puts = self.hold.puts();
@@ -315,6 +385,7 @@ impl OverlapPush {
             )
             .await?;
         }
+        self.settled = true;
         Ok(self.bytes())
     }
 }

@@ -91,6 +91,7 @@ impl PdNode {
             }
         }
         if !o.has_slice() {
+            o.hand_over();
             drop(o);
             return (self.push(id, target, ours, started).await, 0);
         }

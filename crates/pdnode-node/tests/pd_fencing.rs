@@ -466,3 +466,39 @@ async fn an_abandoned_push_frees_the_decode_span_without_waiting_for_the_fence_d
     assert_clean(&d.node).await;
     assert_clean(&p.node).await;
 }
+
+/// `transfer.verify` and `transfer.host_staging_bytes` as `pd_node` reads them from the config.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_transfer_keys_reach_the_decode_node() {
+    // SAFETY (env): set before any UCX context exists in this test process.
+    unsafe { std::env::set_var("UCX_NET_DEVICES", "lo") };
+    let mut cfg = cpu_ucx_config();
+    cfg.transfer.verify = false;
+    cfg.transfer.host_staging_bytes = 0;
+    cfg.transfer.lease_ms = 1_000;
+    let ids = cpu_prompt(5);
+    let Some((_p, d)) = pd_pair(&cfg) else { return };
+    let (_, t) = reserve(&d, 1, &ids).await;
+    assert!(
+        t.fence_record && !t.verify,
+        "verify off: a record without a checksum"
+    );
+    assert!(d.node.abort(RequestId(1), "test".into()).await.unwrap());
+    let arena = d.node.staging_arena().expect("decode arena").clone();
+    let full = arena
+        .reserve(arena.free_bytes())
+        .expect("the rest of the arena");
+    let e = d
+        .node
+        .reserve_kv(ReserveKv {
+            request_id: RequestId(2),
+            prompt_token_ids: ids.clone(),
+            max_tokens: 5,
+            prefill_node: NodeId::new("p"),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind, pdnode_core::error::ErrorKind::Unavailable, "{e}");
+    drop(full);
+    assert_clean(&d.node).await;
+}

@@ -15,6 +15,20 @@ use std::time::{Duration, Instant};
 
 const READY: Duration = Duration::from_secs(120);
 
+/// `n` distinct free loopback addresses (two calls in a row may be given the same port).
+fn free_addrs(n: usize) -> Vec<String> {
+    let mut out: Vec<String> = Vec::with_capacity(n);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while out.len() < n {
+        assert!(Instant::now() < deadline, "no {n} distinct free ports");
+        let a = free_addr();
+        if !out.contains(&a) {
+            out.push(a);
+        }
+    }
+    out
+}
+
 async fn stats(addr: &str) -> Option<pdnode_proto::v1::StatsResponse> {
     let mut c = NodeClient::connect(format!("http://{addr}")).await.ok()?;
     let r = tokio::time::timeout(Duration::from_secs(2), c.stats(StatsRequest {}))
@@ -54,16 +68,17 @@ async fn prefill_killed_mid_prefill_ends_the_request_and_frees_the_decode_reserv
         "transfer.lease_ms=3000",
     ]
     .map(String::from);
-    let http = free_addr();
-    let mut r = common("router", &free_addr());
+    let a = free_addrs(7);
+    let http = a[0].clone();
+    let mut r = common("router", &a[1]);
     r.push(format!("router.http_listen=\"{http}\""));
-    r.push(format!("router.grpc_listen=\"{}\"", free_addr()));
-    let mut p = common("prefill", &free_addr());
-    p.push(format!("node.http_listen=\"{}\"", free_addr()));
+    r.push(format!("router.grpc_listen=\"{}\"", a[2]));
+    let mut p = common("prefill", &a[3]);
+    p.push(format!("node.http_listen=\"{}\"", a[4]));
     p.extend(engine.iter().cloned());
-    let decode_grpc = free_addr();
+    let decode_grpc = a[5].clone();
     let mut d = common("decode", &decode_grpc);
-    d.push(format!("node.http_listen=\"{}\"", free_addr()));
+    d.push(format!("node.http_listen=\"{}\"", a[6]));
     d.extend(engine.iter().cloned());
     let prefill = Node::start(dir.path(), "prefill", "configs/cpu-prefill.toml", &p);
     let decode = Node::start(dir.path(), "decode", "configs/cpu-decode.toml", &d);

@@ -495,6 +495,17 @@ async fn ucx_staging_arena_hand_off_matches_colocated_and_frees_its_slices() {
     assert!(d.node.abort(RequestId(11), "test".into()).await.unwrap());
     assert!(!da.all_free(), "request 12 still holds its slice");
     assert!(d.node.abort(RequestId(12), "test".into()).await.unwrap());
+    // Their targets went out and no writer's fence record came back: quarantined until one
+    // lease past their lease (a late put must not land in another request's span).
+    assert_eq!(d.node.staging_stats().quarantined, 3);
+    assert!(!da.all_free(), "aborted slices are fenced");
+    wait_until_for(
+        "aborted slices come back at their fence deadline",
+        Duration::from_secs(15),
+        || da.all_free(),
+    )
+    .await;
+    assert_eq!(d.node.fence_stats().released_at_deadline, 3);
     assert!(arena_free(&p) && arena_free(&d));
     assert_clean(&p.node).await;
     assert_clean(&d.node).await;
@@ -644,7 +655,12 @@ async fn cpu_hand_off_figures_arena_vs_host_staging() {
 
 /// Polls `cond` every 5 ms until it holds; panics at a 10 s deadline.
 async fn wait_until(what: &str, cond: impl Fn() -> bool) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    wait_until_for(what, Duration::from_secs(10), cond).await
+}
+
+/// Polls `cond` every 5 ms until it holds; panics at `limit`.
+async fn wait_until_for(what: &str, limit: Duration, cond: impl Fn() -> bool) {
+    let deadline = std::time::Instant::now() + limit;
     while !cond() {
         assert!(std::time::Instant::now() < deadline, "timed out: {what}");
         tokio::time::sleep(Duration::from_millis(5)).await;

@@ -11,6 +11,12 @@ pub enum TransferError {
     Ucx(#[from] ucx_sys::UcxError),
     #[error("transport {transport} is closed")]
     Closed { transport: &'static str },
+    /// The transport's command queue is full (back-pressure): retry later or elsewhere.
+    #[error("transport {transport} is busy: {queued} commands queued")]
+    Busy {
+        transport: &'static str,
+        queued: usize,
+    },
     #[error("region {id} is not registered with this transport")]
     UnknownRegion { id: u64 },
     #[error("remote target {id} is not connected on this transport")]
@@ -83,9 +89,12 @@ impl Classify for TransferError {
     fn kind(&self) -> ErrorKind {
         use TransferError::*;
         match self {
-            Ucx(_) | Closed { .. } | PeerGone { .. } | Control { .. } | Device { .. } => {
-                ErrorKind::Unavailable
-            }
+            Ucx(_)
+            | Closed { .. }
+            | Busy { .. }
+            | PeerGone { .. }
+            | Control { .. }
+            | Device { .. } => ErrorKind::Unavailable,
             UnknownRegion { .. }
             | UnknownTarget { .. }
             | SpanOutOfRange { .. }

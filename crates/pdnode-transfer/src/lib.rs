@@ -3,6 +3,7 @@
 //! - [`KvTransport`]: register memory, connect to a peer region, put spans, flush. Two
 //!   implementations: [`UcxTransport`] (between processes and hosts; a dedicated thread owns the
 //!   UCP worker) and [`InProcessTransport`] (role = "all": memory copies).
+//! - [`checksum`]: CRC32C, the per-rank checksum of a hand-off's KV bytes.
 //! - [`region`]: regions, spans, the pool geometry, host gather/scatter and span planning.
 //! - [`negotiation`]: the KV target, the per-request secret, and the synchronous state
 //!   machines [`Reservation`] (decode) and [`Push`] (prefill); see docs/protocol.md.
@@ -12,6 +13,7 @@
 //! regions into [`LocalRegion`]s.
 
 pub mod bench;
+pub mod checksum;
 pub mod completion;
 mod error;
 pub mod inproc;

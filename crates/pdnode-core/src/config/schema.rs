@@ -241,6 +241,12 @@ pub struct TransferConfig {
     pub lease_ms: u64,
     /// Registered staging region for gathered KV spans, MiB.
     pub staging_mib: u32,
+    /// Decode side: ask the prefill node for a CRC32C of each rank's KV bytes (in the fence
+    /// record behind them) and check it before the scatter (host staging only).
+    pub verify: bool,
+    /// Decode side: the most bytes of per-request host staging (the fall-back when the staging
+    /// arena has no room) held at once; past it a reservation is refused (Unavailable).
+    pub host_staging_bytes: u64,
 }
 
 impl Default for TransferConfig {
@@ -252,6 +258,8 @@ impl Default for TransferConfig {
             ucx_tls: String::new(),
             lease_ms: 30_000,
             staging_mib: 256,
+            verify: true,
+            host_staging_bytes: 1 << 30,
         }
     }
 }

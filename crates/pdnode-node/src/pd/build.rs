@@ -93,6 +93,19 @@ pub fn staging_bytes(cfg: &Config, layout: &KvLayout) -> usize {
         .next_multiple_of(STAGING_ALIGN)
 }
 
+/// Bytes of a host staging arena (the CPU backend's): [`staging_bytes`], plus room for the
+/// fence record behind each span (`pd::fence`): one aligned slot per block, as many as there can
+/// be spans.
+pub fn host_staging_bytes(cfg: &Config, layout: &KvLayout) -> usize {
+    let bytes = staging_bytes(cfg, layout);
+    if bytes == 0 {
+        return 0;
+    }
+    let blocks =
+        (cfg.engine.kv_staging_tokens as usize).div_ceil(layout.block_size.max(1) as usize);
+    bytes + blocks * STAGING_ALIGN
+}
+
 /// As [`build_engine`], and with a KV staging arena per TP rank when `staging` is given (a
 /// prefill or decode node over UCX): the CUDA backend allocates its own (`cuMemAlloc`), the CPU
 /// backend takes the memory `staging` lends. An arena that cannot be had is logged and left out
@@ -177,7 +190,7 @@ pub fn build_engine_with(
                     message: err.to_string(),
                 })?;
                 use pdnode_engine::backend::Backend;
-                let bytes = staging_bytes(cfg, backend.kv_layout());
+                let bytes = host_staging_bytes(cfg, backend.kv_layout());
                 if let Some(lend) = staging.filter(|_| bytes > 0)
                     && let Some(arena) = lend(bytes)
                 {

@@ -3,6 +3,7 @@
 //! the decode side, one put from a registered send staging region on the prefill side, then a
 //! flush). The KV target travels as an encoded `pdnode.v1.KvTarget`.
 
+use super::fence::{self, FenceRecord, RECORD_LEN, SourceHold};
 use pdnode_core::{NodeId, RequestId};
 use pdnode_engine::engine::EngineHandle;
 use pdnode_proto::v1;
@@ -66,7 +67,9 @@ impl KvMover {
     }
 
     /// Prefill side: writes `data` (`[layer][block][layer-block bytes]`) into the decode node's
-    /// reservation described by `target`, and returns once the bytes are visible there.
+    /// reservation described by `target`, and returns once the bytes are visible there. The
+    /// host staging it puts from is kept by the [`SourceHold`] `hold` makes until its puts are
+    /// done.
     pub async fn push(
         &self,
         id: RequestId,
@@ -74,6 +77,7 @@ impl KvMover {
         layers: u32,
         data: Vec<u8>,
         deadline: Instant,
+        hold: impl FnOnce(Box<dyn std::any::Any + Send>) -> SourceHold,
     ) -> Result<(), String> {
         let transport = v1::TransportKind::try_from(target.transport)
             .map_err(|_| format!("KV target names unknown transport {}", target.transport))?;
@@ -97,13 +101,29 @@ impl KvMover {
                     ));
                 }
                 let per_rank = data.len() / ranks;
-                let reg = t
-                    .allocate_registered(data.len().max(1))
-                    .map_err(|e| format!("allocating {} bytes of send staging: {e}", data.len()))?;
-                copy_into(&reg, &data)?;
+                // Rank `r`'s bytes at `r * stride`, with room for its fence record behind them.
+                let stride = per_rank + if target.fence_record { RECORD_LEN } else { 0 };
+                let total = stride.checked_mul(ranks).ok_or("send staging overflows")?;
+                let reg = Arc::new(
+                    t.allocate_registered(total.max(1))
+                        .map_err(|e| format!("allocating {total} bytes of send staging: {e}"))?,
+                );
+                for (r, chunk) in data.chunks(per_rank.max(1)).enumerate() {
+                    copy_into(&reg, r * stride, chunk)?;
+                }
+                let mut hold = hold(Box::new(reg.clone()));
                 let sources: Vec<(&Registration, u64)> =
-                    (0..ranks).map(|r| (&reg, (r * per_rank) as u64)).collect();
-                put_ranks(t, target, &sources, per_rank as u64, deadline).await
+                    (0..ranks).map(|r| (&*reg, (r * stride) as u64)).collect();
+                put_ranks(
+                    t,
+                    id,
+                    target,
+                    &sources,
+                    per_rank as u64,
+                    deadline,
+                    &mut hold,
+                )
+                .await
             }
             (_, other) => Err(format!(
                 "KV target asks for transport {other:?}, this node moves KV with {:?}",
@@ -115,13 +135,18 @@ impl KvMover {
 
 /// Puts rank `r`'s `len` bytes, at `sources[r].1` of `sources[r].0`, to the target's rank `r`
 /// region at `staging_offset` (one put per rank, all issued before any is waited for), then
-/// flushes every rank: on return the bytes are visible at the decode node.
+/// flushes every rank: on return the bytes are visible at the decode node. When the target asks
+/// for fence records, each rank's record (written into the source right behind its bytes, which
+/// must have room) follows once the KV is flushed, and is flushed too. Every put goes into
+/// `hold`, which keeps the sources until they are done.
 pub async fn put_ranks(
     t: &UcxTransport,
+    id: RequestId,
     target: &v1::KvTarget,
     sources: &[(&Registration, u64)],
     len: u64,
     deadline: Instant,
+    hold: &mut SourceHold,
 ) -> Result<(), String> {
     if sources.len() != target.ranks.len() {
         return Err(format!(
@@ -130,16 +155,21 @@ pub async fn put_ranks(
             sources.len()
         ));
     }
+    let record = if target.fence_record {
+        RECORD_LEN as u64
+    } else {
+        0
+    };
     let mut remotes = Vec::with_capacity(sources.len());
-    let mut puts = Vec::with_capacity(sources.len());
+    let first = hold.puts().len();
     for (r, ((reg, local_offset), rank)) in sources.iter().zip(&target.ranks).enumerate() {
-        let remote = connect_rank(t, target, r, rank, len)?;
+        let remote = connect_rank(t, target, r, rank, len.saturating_add(record))?;
         let span = Span {
             local_offset: *local_offset,
             remote_offset: target.staging_offset,
             len,
         };
-        puts.push(
+        hold.push(
             t.put(reg, &remote, &[span])
                 .map_err(|e| format!("put rank {r}: {e}"))?,
         );
@@ -154,7 +184,7 @@ pub async fn put_ranks(
                 .map_err(|e| format!("flush rank {r}: {e}"))?,
         );
     }
-    for (r, p) in puts.into_iter().enumerate() {
+    for (r, p) in hold.puts()[first..].iter().enumerate() {
         p.wait_async(deadline)
             .await
             .map_err(|e| format!("put rank {r}: {e}"))?;
@@ -164,40 +194,132 @@ pub async fn put_ranks(
             .await
             .map_err(|e| format!("flush rank {r}: {e}"))?;
     }
+    if target.fence_record {
+        let spans: Vec<_> = sources
+            .iter()
+            .map(|(reg, at)| (*reg, *at as usize, len as usize))
+            .collect();
+        put_records(t, id, target, &spans, &remotes, deadline, hold).await?;
+    }
     drop(remotes);
     Ok(())
 }
 
-/// Copies `data` into a registered host region.
-fn copy_into(reg: &Registration, data: &[u8]) -> Result<(), String> {
+/// Behind KV already flushed to the decode node: each rank's fence record (generation,
+/// request, length, and the CRC32C of the rank's source bytes when the target asks for it),
+/// written into the source right behind the rank's `len` bytes at `at`, put to the same place
+/// behind the rank's KV at the decode node, and flushed.
+pub(super) async fn put_records(
+    t: &UcxTransport,
+    id: RequestId,
+    target: &v1::KvTarget,
+    sources: &[(&Registration, usize, usize)],
+    remotes: &[RemoteTarget],
+    deadline: Instant,
+    hold: &mut SourceHold,
+) -> Result<(), String> {
+    let first = hold.puts().len();
+    for (r, ((reg, at, len), remote)) in sources.iter().zip(remotes).enumerate() {
+        let crc = if target.verify {
+            Some(fence::crc_at(reg, *at, *len).map_err(|e| e.to_string())?)
+        } else {
+            None
+        };
+        let rec_at = at
+            .checked_add(*len)
+            .ok_or("fence record offset overflows")?;
+        let record = FenceRecord {
+            generation: target.staging_generation,
+            request: id.0,
+            len: *len as u64,
+            crc,
+            aborted: false,
+        };
+        fence::write_record(reg, rec_at, &record).map_err(|e| e.to_string())?;
+        let span = Span {
+            local_offset: rec_at as u64,
+            remote_offset: target
+                .staging_offset
+                .checked_add(*len as u64)
+                .ok_or("fence record offset overflows")?,
+            len: RECORD_LEN as u64,
+        };
+        hold.push(
+            t.put(reg, remote, &[span])
+                .map_err(|e| format!("fence record put rank {r}: {e}"))?,
+        );
+    }
+    let mut flushes = Vec::with_capacity(remotes.len());
+    for (r, remote) in remotes.iter().enumerate() {
+        flushes.push(
+            t.flush(remote)
+                .map_err(|e| format!("fence record flush rank {r}: {e}"))?,
+        );
+    }
+    for p in &hold.puts()[first..] {
+        p.wait_async(deadline)
+            .await
+            .map_err(|e| format!("fence record put: {e}"))?;
+    }
+    for f in flushes {
+        f.wait_async(deadline)
+            .await
+            .map_err(|e| format!("fence record flush: {e}"))?;
+    }
+    Ok(())
+}
+
+/// Copies `data` into a registered host region at `offset`.
+fn copy_into(reg: &Registration, offset: usize, data: &[u8]) -> Result<(), String> {
     let r = reg.region();
-    if r.mem != MemKind::Host || r.len < data.len() {
+    if r.mem != MemKind::Host || offset.checked_add(data.len()).is_none_or(|e| e > r.len) {
         return Err(format!(
-            "staging region {:?} of {} bytes cannot take {} host bytes",
+            "staging region {:?} of {} bytes cannot take {} host bytes at {offset}",
             r.mem,
             r.len,
             data.len()
         ));
     }
     // SAFETY: the registration owns `r.len` bytes of host memory at `r.addr` that stay
-    // allocated while `reg` lives; no transfer uses this fresh region yet.
-    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), r.addr as *mut u8, data.len()) };
+    // allocated while `reg` lives, and the range is inside (checked); no transfer uses this
+    // fresh region yet.
+    unsafe {
+        std::ptr::copy_nonoverlapping(data.as_ptr(), (r.addr + offset) as *mut u8, data.len())
+    };
     Ok(())
 }
 
-/// Copies the first `len` bytes out of a registered host region.
-pub fn copy_out(reg: &Registration, len: usize) -> Result<Vec<u8>, String> {
+/// Copies `ranks` runs of `len` bytes, rank `r`'s at `r * stride`, out of a registered host
+/// region, back to back.
+pub fn copy_ranks(
+    reg: &Registration,
+    ranks: usize,
+    len: usize,
+    stride: usize,
+) -> Result<Vec<u8>, String> {
     let r = reg.region();
-    if r.mem != MemKind::Host || r.len < len {
+    let need = ranks
+        .checked_sub(1)
+        .map_or(Some(0), |last| last.checked_mul(stride)?.checked_add(len));
+    if r.mem != MemKind::Host || stride < len || need.is_none_or(|n| n > r.len) {
         return Err(format!(
-            "staging region {:?} of {} bytes cannot give {len} host bytes",
+            "staging region {:?} of {} bytes cannot give {ranks} x {len} host bytes (stride {stride})",
             r.mem, r.len
         ));
     }
-    let mut out = vec![0u8; len];
-    // SAFETY: the registration owns `r.len >= len` bytes of host memory at `r.addr`; the put
-    // into it was flushed by the prefill node before it answered, and nothing writes it now.
-    unsafe { std::ptr::copy_nonoverlapping(r.addr as *const u8, out.as_mut_ptr(), len) };
+    let mut out = vec![0u8; ranks * len];
+    for (i, dst) in out.chunks_mut(len.max(1)).enumerate() {
+        // SAFETY: the registration owns `r.len` bytes of host memory at `r.addr`, and
+        // `i * stride + len <= r.len` (checked above); the writer's puts were flushed before its
+        // fence record, which the caller checked.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                (r.addr + i * stride) as *const u8,
+                dst.as_mut_ptr(),
+                dst.len(),
+            )
+        };
+    }
     Ok(out)
 }
 

@@ -15,7 +15,8 @@
 //! is freed by the engine at its lease deadline, and its staging here by [`PdNode::sweep`].
 
 use super::arena::{ArenaSlice, StagingArena};
-use super::kv::{KvMover, copy_out, put_ranks};
+use super::fence::{self, FenceCounters, FenceError, FenceStats, RECORD_LEN};
+use super::kv::{KvMover, copy_ranks, put_ranks};
 use super::overlap::OverlapPush;
 use futures::future::BoxFuture;
 use pdnode_core::error::{Classify, ErrorKind};
@@ -35,13 +36,17 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 mod push;
+mod staging;
+
+pub use staging::StagingStats;
+use staging::{FenceSpec, HostStage, Quarantined};
 
 /// Where a reservation's KV lands before the scatter.
 enum Staging {
     /// In process: the prefill node writes the pool itself.
     None,
     /// A registered host region for this request alone (all ranks back to back).
-    Host(Registration),
+    Host(HostStage),
     /// A span of the node's staging arena (same offset on every rank).
     Arena(ArenaSlice),
 }
@@ -50,6 +55,10 @@ struct DecodeSlot {
     secret: Secret,
     blocks: usize,
     staging: Staging,
+    /// This reservation's staging generation (unique per span handed out by this node).
+    generation: u64,
+    /// Set when the prefill node writes fence records (host staging over UCX).
+    fence: Option<FenceSpec>,
     expires: Instant,
 }
 
@@ -73,7 +82,21 @@ pub struct PdNode {
     push_layer_group: AtomicU32,
     /// Puts issued for layer groups gathered inside a prefill step.
     layer_puts: AtomicU64,
+    /// The next staging generation (decode).
+    generation: AtomicU64,
+    /// Staging spans released while a writer may still put into them (decode).
+    quarantine: Mutex<Vec<Quarantined>>,
+    fence: Arc<FenceCounters>,
+    /// `transfer.verify`: ask for and check a CRC32C of the landed KV (decode).
+    verify: AtomicBool,
+    /// `transfer.host_staging_bytes`, and the bytes of per-request host staging held now
+    /// (decode: owned and quarantined).
+    host_cap: AtomicU64,
+    host_used: Arc<AtomicU64>,
 }
+
+/// How often a UCX node's quarantined staging spans are looked at.
+const SWEEP_EVERY: Duration = Duration::from_millis(100);
 
 /// The longest a hand-off waits for room in a full staging arena (see `PdNode::room_deadline`).
 pub const MAX_ARENA_WAIT: Duration = Duration::from_secs(5);
@@ -107,7 +130,8 @@ impl PdNode {
         lease: Duration,
         arena: Option<Arc<StagingArena>>,
     ) -> Arc<Self> {
-        Arc::new(Self {
+        let ucx = matches!(mover, KvMover::Ucx(_));
+        let node = Arc::new(Self {
             id,
             role,
             engine,
@@ -123,7 +147,28 @@ impl PdNode {
                 pdnode_core::config::EngineConfig::default().kv_push_layer_group,
             ),
             layer_puts: AtomicU64::new(0),
-        })
+            generation: AtomicU64::new(1),
+            quarantine: Mutex::new(Vec::new()),
+            fence: Arc::new(FenceCounters::default()),
+            verify: AtomicBool::new(pdnode_core::config::TransferConfig::default().verify),
+            host_cap: AtomicU64::new(
+                pdnode_core::config::TransferConfig::default().host_staging_bytes,
+            ),
+            host_used: Arc::new(AtomicU64::new(0)),
+        });
+        // Quarantined spans come back without waiting for the next reservation's sweep (a
+        // reservation waiting for arena room is woken by the free).
+        if ucx && let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let weak = Arc::downgrade(&node);
+            rt.spawn(async move {
+                loop {
+                    tokio::time::sleep(SWEEP_EVERY).await;
+                    let Some(n) = weak.upgrade() else { break };
+                    n.sweep();
+                }
+            });
+        }
+        node
     }
 
     /// Layers per in-step gather and put during a prompt's last prefill step
@@ -211,10 +256,20 @@ impl PdNode {
     pub fn sweep(&self) -> usize {
         let now = Instant::now();
         let grace = self.lease;
-        let mut slots = self.slots();
-        let before = slots.len();
-        slots.retain(|_, s| s.expires + grace > now);
-        before - slots.len()
+        let expired: Vec<DecodeSlot> = {
+            let mut slots = self.slots();
+            let ids: Vec<RequestId> = slots
+                .iter()
+                .filter(|(_, s)| s.expires + grace <= now)
+                .map(|(id, _)| *id)
+                .collect();
+            ids.iter().filter_map(|id| slots.remove(id)).collect()
+        };
+        let n = expired.len();
+        // Held one lease past their lease already: their fence deadline has passed.
+        drop(expired);
+        self.sweep_quarantine(now);
+        n
     }
 
     /// Reservations waiting for their `decode` call.
@@ -248,13 +303,15 @@ impl PdNode {
             .map_err(|e| eerr(&e))?;
         let layout = self.layout().clone();
         let per_rank = layout.num_layers as usize * blocks.len() * layout.block_layer_bytes();
-        let (staging, ranks, staging_offset) = match self.receive_staging(id, per_rank).await {
+        let (staging, ranks, staging_offset, fence) = match self.receive_staging(id, per_rank).await
+        {
             Ok(s) => s,
             Err(e) => {
                 let _ = self.engine.release_transfer(id).await;
-                return Err(nerr(ErrorKind::Retryable, e));
+                return Err(e);
             }
         };
+        let generation = self.generation.fetch_add(1, Ordering::Relaxed);
         let secret = Secret::random();
         let deadline_ms = SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -272,6 +329,9 @@ impl PdNode {
             placement: v1::KvPlacement::Staging as i32,
             staging_offset,
             ranks,
+            staging_generation: generation,
+            fence_record: fence.is_some(),
+            verify: fence.is_some_and(|f| f.verify),
             ..Default::default()
         };
         if let KvMover::Ucx(t) = &self.mover {
@@ -284,6 +344,8 @@ impl PdNode {
                 secret,
                 blocks: blocks.len(),
                 staging,
+                generation,
+                fence,
                 expires: Instant::now() + self.lease,
             },
         );
@@ -292,71 +354,6 @@ impl PdNode {
             secret: target.secret.clone(),
             encoded: target.encode_to_vec().into(),
         })
-    }
-
-    /// Decode side: where a reservation of `per_rank` bytes per TP rank lands, the rank regions
-    /// of its KV target, and the target's `staging_offset`.
-    /// A full arena is waited on (until [`PdNode::room_deadline`]) before host staging.
-    async fn receive_staging(
-        &self,
-        id: RequestId,
-        per_rank: usize,
-    ) -> Result<(Staging, Vec<v1::RankTarget>, u64), String> {
-        if matches!(self.mover, KvMover::InProcess(_)) {
-            return Ok((Staging::None, Vec::new(), 0));
-        }
-        let ranks = self.tp_ranks();
-        let slice = match self.arena.as_ref().filter(|a| a.ranks() == ranks) {
-            Some(a) => {
-                let t0 = Instant::now();
-                let s = a
-                    .reserve_wait(per_rank, self.room_deadline(t0 + self.lease))
-                    .await;
-                let waited = t0.elapsed();
-                if waited > Duration::from_millis(1) {
-                    let (waits, gave_up) = a.wait_counts();
-                    tracing::debug!(request = %id, bytes = per_rank * ranks,
-                        waited_ms = waited.as_millis() as u64, got = s.is_some(),
-                        arena_waits = waits, arena_wait_timeouts = gave_up,
-                        "KV reservation waited for staging arena room");
-                }
-                s
-            }
-            None => None,
-        };
-        if let Some(slice) = slice {
-            let arena = slice.arena().clone();
-            let targets = (0..ranks)
-                .filter_map(|r| arena.registration(r).map(|reg| (r, reg.descriptor())))
-                .map(|(r, d)| v1::RankTarget {
-                    rank: r as u32,
-                    rkey: d.rkey.clone(),
-                    remote_base_addr: d.base_addr,
-                    region_len: d.len,
-                    ucx_worker_address: Vec::new(),
-                    device_memory: arena.is_device(),
-                })
-                .collect();
-            let offset = slice.offset() as u64;
-            self.via_arena.fetch_add(1, Ordering::Relaxed);
-            return Ok((Staging::Arena(slice), targets, offset));
-        }
-        self.note_fallback("decode", per_rank * ranks);
-        let Some(reg) = self.mover.receive_staging(per_rank * ranks)? else {
-            return Ok((Staging::None, Vec::new(), 0));
-        };
-        let d = reg.descriptor();
-        let targets = (0..ranks)
-            .map(|r| v1::RankTarget {
-                rank: r as u32,
-                rkey: d.rkey.clone(),
-                remote_base_addr: d.base_addr + (r * per_rank) as u64,
-                region_len: per_rank as u64,
-                ucx_worker_address: Vec::new(),
-                device_memory: false,
-            })
-            .collect();
-        Ok((Staging::Host(reg), targets, 0))
     }
 
     async fn do_prefill(&self, req: PrefillCall) -> Result<PrefillOutcome, NodeError> {
@@ -425,7 +422,7 @@ impl PdNode {
                                 report = ?u,
                                 "staged KV report"
                             );
-                            o.on_ready(u, started + self.lease).map_err(failed)?
+                            o.on_ready(u, self.push_deadline(started, &target)).map_err(failed)?
                         }
                         _ => ready = None,
                     }
@@ -534,12 +531,34 @@ impl PdNode {
                         format!("wrong secret for the KV reservation of {id}"),
                     ));
                 }
-                Some(_) => slots.remove(&id).expect("present"),
+                Some(_) => match slots.remove(&id) {
+                    Some(s) => s,
+                    None => return Err(nerr(ErrorKind::Internal, "reservation vanished")),
+                },
             }
         };
+        // Nothing is scattered unless this reservation's own writer finished (its fence record)
+        // and, with `transfer.verify`, the bytes are the ones it sent.
+        if let Err(e) = self.check_landed(id, &slot) {
+            let counter = if e.is_checksum() {
+                &self.fence.checksum_failures
+            } else {
+                &self.fence.record_failures
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(request = %id, generation = slot.generation, error = %e,
+                "landed KV refused before the scatter; the request fails and frees its blocks");
+            let _ = self.engine.release_transfer(id).await;
+            self.release_staging(id, slot, false);
+            return Err(nerr(
+                ErrorKind::Retryable,
+                format!("KV hand-off of {id} refused before the scatter: {e}"),
+            ));
+        }
         let layout = self.layout();
         let layers = layout.num_layers;
         let per_rank = layers as usize * slot.blocks * layout.block_layer_bytes();
+        let stride = slot.fence.map_or(per_rank, |f| f.stride);
         let scattered = match &slot.staging {
             Staging::None => Ok(()),
             Staging::Arena(slice) => self
@@ -547,7 +566,7 @@ impl PdNode {
                 .scatter_kv(id, 0..layers, slice.offset())
                 .await
                 .map_err(|e| eerr(&e)),
-            Staging::Host(reg) => match copy_out(reg, per_rank * self.tp_ranks()) {
+            Staging::Host(h) => match copy_ranks(&h.reg, self.tp_ranks(), per_rank, stride) {
                 Ok(data) => self
                     .engine
                     .write_kv(id, 0..layers, data)
@@ -556,7 +575,8 @@ impl PdNode {
                 Err(m) => Err(nerr(ErrorKind::Internal, m)),
             },
         };
-        // The staging (arena span or host region) is free from here on, whatever happened.
+        // The writer finished (its records are there, or the prefill node answered after its
+        // flush): the staging (arena span or host region) is free from here on.
         drop(slot);
         if let Err(e) = scattered {
             let _ = self.engine.release_transfer(id).await;
@@ -613,7 +633,13 @@ impl NodeClient for PdNode {
             tracing::debug!(request = %id, %reason, node = %self.id, "abort");
             // The engine frees whatever the request holds (queued, running, lease); a
             // reservation's staging goes with its slot.
-            let had_slot = self.slots().remove(&id).is_some();
+            let slot = self.slots().remove(&id);
+            let had_slot = slot.is_some();
+            if let Some(slot) = slot {
+                // A prefill node may still be putting into it: fenced until its writer's
+                // record shows up or the fence deadline passes.
+                self.release_staging(id, slot, true);
+            }
             self.engine.abort(id);
             Ok(had_slot || self.role != Role::Decode)
         })

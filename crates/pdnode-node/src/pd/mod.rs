@@ -14,6 +14,7 @@
 pub mod arena;
 mod build;
 mod colocated;
+pub mod fence;
 mod kv;
 mod local;
 mod mock_tok;
@@ -27,7 +28,7 @@ pub use build::{
 };
 pub use colocated::{Colocated, ColocatedNode, colocated};
 pub use kv::{InProcessDirectory, KvMover};
-pub use local::{MAX_ARENA_WAIT, PdNode};
+pub use local::{MAX_ARENA_WAIT, PdNode, StagingStats};
 pub use mock_tok::MockTokenizer;
 pub use tokenize::EngineTokenizer;
 
@@ -291,6 +292,8 @@ pub fn pd_node(cfg: &Config, id: &NodeId, role: Role) -> Result<ServingNode, Bui
         arena,
     );
     node.set_push_layer_group(cfg.engine.kv_push_layer_group);
+    node.set_verify(cfg.transfer.verify);
+    node.set_host_staging_bytes(cfg.transfer.host_staging_bytes);
     Ok(ServingNode {
         node,
         built,

@@ -63,8 +63,14 @@ impl Default for UcxConfig {
     }
 }
 
+/// Commands queued for the UCX thread at most. A put or flush that finds the queue full fails
+/// at once ([`TransferError::Busy`]): back-pressure on the data path instead of an unbounded
+/// queue. Control commands (register, connect, deregister) wait for room: the thread drains the
+/// queue continuously, and they wait for its answer anyway.
+pub const COMMAND_QUEUE: usize = 4096;
+
 struct Shared {
-    tx: mpsc::Sender<Cmd>,
+    tx: mpsc::SyncSender<Cmd>,
     wake: UnixStream,
 }
 
@@ -73,9 +79,26 @@ impl Shared {
         self.tx
             .send(cmd)
             .map_err(|_| TransferError::Closed { transport: NAME })?;
+        self.wake();
+        Ok(())
+    }
+
+    /// As [`Shared::send`], failing with [`TransferError::Busy`] when the queue is full.
+    fn try_send(&self, cmd: Cmd) -> Result<(), TransferError> {
+        self.tx.try_send(cmd).map_err(|e| match e {
+            mpsc::TrySendError::Full(_) => TransferError::Busy {
+                transport: NAME,
+                queued: COMMAND_QUEUE,
+            },
+            mpsc::TrySendError::Disconnected(_) => TransferError::Closed { transport: NAME },
+        })?;
+        self.wake();
+        Ok(())
+    }
+
+    fn wake(&self) {
         // A full socket buffer already means a pending wake-up.
         let _ = (&self.wake).write(&[1]);
-        Ok(())
     }
 }
 
@@ -98,7 +121,7 @@ impl UcxTransport {
         let ucp = ucx_sys::Ucp::load(cfg.library.as_deref())?;
         let version = ucp.version();
         let library = ucp.library.clone();
-        let (tx, rx) = mpsc::channel();
+        let (tx, rx) = mpsc::sync_channel(COMMAND_QUEUE);
         let (wake_tx, wake_rx) = UnixStream::pair().map_err(|e| TransferError::Control {
             reason: format!("wake-up socket: {e}"),
         })?;
@@ -175,7 +198,7 @@ impl UcxTransport {
     ) -> Result<Completion, TransferError> {
         check_spans(spans, local.region.len as u64, remote.region.len)?;
         let (completion, done) = Completion::pending("UCX gated put", NAME);
-        self.shared.send(Cmd::PutWhen {
+        self.shared.try_send(Cmd::PutWhen {
             put: Box::new(put_cmd(local, remote, spans, done)),
             gate,
             deadline,
@@ -317,13 +340,13 @@ impl KvTransport for UcxTransport {
     ) -> Result<Completion, TransferError> {
         check_spans(spans, local.region.len as u64, remote.region.len)?;
         let (completion, done) = Completion::pending("UCX put", NAME);
-        self.shared.send(put_cmd(local, remote, spans, done))?;
+        self.shared.try_send(put_cmd(local, remote, spans, done))?;
         Ok(completion)
     }
 
     fn flush(&self, remote: &RemoteTarget) -> Result<Completion, TransferError> {
         let (completion, done) = Completion::pending("UCX flush", NAME);
-        self.shared.send(Cmd::Flush {
+        self.shared.try_send(Cmd::Flush {
             target: remote.id,
             done,
         })?;

@@ -2,8 +2,32 @@
 //! arena (`super::super::overlap`), or after prefill (arena or host staging).
 
 use super::*;
+use crate::pd::fence::SourceHold;
 
 impl PdNode {
+    /// When the prefill node stops issuing puts for a hand-off that started at `started`: its
+    /// start plus one lease (at least a second from now), and never past the lease deadline the
+    /// decode node put in the target (after it, the decode node may give the span away; puts
+    /// still in flight then are fenced there).
+    pub(super) fn push_deadline(&self, started: Instant, target: &v1::KvTarget) -> Instant {
+        let now = Instant::now();
+        let ours = (started + self.lease).max(now + Duration::from_secs(1));
+        let now_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0);
+        if target.lease_deadline_ms == 0 {
+            return ours;
+        }
+        let left = Duration::from_millis(target.lease_deadline_ms.saturating_sub(now_ms));
+        ours.min(now + left)
+    }
+
+    /// How long a push's source is kept for puts still in flight after the push ended.
+    pub(super) fn hold_until(&self, deadline: Instant) -> Instant {
+        deadline + self.lease
+    }
+
     /// The overlapped push (`super::overlap`) when this node and the target allow it: a UCX
     /// mover, an arena of the engine's rank count facing the same number of rank regions (of
     /// device memory when the arena is), and room in it. `Ok(None)`: push after prefill.
@@ -21,7 +45,18 @@ impl PdNode {
         {
             return Ok(None);
         }
-        OverlapPush::start(t, arena, target, self.layout(), target.block_ids.len())
+        if arena.is_device() && target.fence_record {
+            return Ok(None);
+        }
+        OverlapPush::start(
+            t,
+            arena,
+            target,
+            self.layout(),
+            target.block_ids.len(),
+            self.hold_until(self.push_deadline(Instant::now(), target)),
+            &self.fence,
+        )
     }
 
     /// After `PrefillDone`: the engine's last counts, the rest of the puts and the flush.
@@ -38,8 +73,7 @@ impl PdNode {
         started: Instant,
     ) -> (Result<(u64, u64, bool), NodeError>, usize) {
         let t0 = Instant::now();
-        // As the after-prefill push: the request's start plus one lease, and at least a second.
-        let deadline = (started + self.lease).max(t0 + Duration::from_secs(1));
+        let deadline = self.push_deadline(started, target);
         let fail = |m: String| nerr(ErrorKind::Retryable, format!("KV hand-off of {id}: {m}"));
         if ours != o.blocks() {
             let m = format!(
@@ -57,6 +91,7 @@ impl PdNode {
             }
         }
         if !o.has_slice() {
+            o.hand_over();
             drop(o);
             return (self.push(id, target, ours, started).await, 0);
         }
@@ -74,7 +109,7 @@ impl PdNode {
         self.layer_puts
             .fetch_add(o.layer_puts as u64, Ordering::Relaxed);
         let r = o
-            .finish(&self.engine, id, deadline)
+            .finish(&self.engine, id, target, deadline)
             .await
             .map(|bytes| {
                 self.via_arena.fetch_add(1, Ordering::Relaxed);
@@ -105,31 +140,47 @@ impl PdNode {
         let per_rank = layers as usize * ours * layout.block_layer_bytes();
         let ranks = self.tp_ranks();
         let t0 = Instant::now();
-        let deadline = (started + self.lease).max(Instant::now() + Duration::from_secs(1));
+        let deadline = self.push_deadline(started, target);
         let failed = |m: String| nerr(ErrorKind::Retryable, format!("KV hand-off of {id}: {m}"));
+        // Room for the fence record behind each rank's bytes when the decode node asks for it.
+        let span = per_rank + if target.fence_record { RECORD_LEN } else { 0 };
         if let KvMover::Ucx(t) = &self.mover
             && let Some(arena) = self.arena.as_ref().filter(|a| {
                 a.ranks() == ranks
                     && target.ranks.len() == ranks
                     && (!a.is_device() || target.ranks.iter().all(|r| r.device_memory))
+                    && !(a.is_device() && target.fence_record)
             })
-            && per_rank <= arena.len()
-            && let Some(slice) = arena
-                .reserve_wait(per_rank, self.room_deadline(deadline))
-                .await
+            && span <= arena.len()
+            && let Some(slice) = arena.reserve_wait(span, self.room_deadline(deadline)).await
         {
+            let offset = slice.offset();
             self.engine
-                .gather_kv(id, 0..layers, slice.offset())
+                .gather_kv(id, 0..layers, offset)
                 .await
                 .map_err(|e| eerr(&e))?;
+            // The span stays allocated until every put reading it is done, whatever happens.
+            let mut hold = SourceHold::new(
+                Box::new(slice),
+                self.hold_until(deadline),
+                self.fence.clone(),
+            );
             let sources: Vec<_> = (0..ranks)
                 .filter_map(|r| arena.registration(r))
-                .map(|reg| (reg, slice.offset() as u64))
+                .map(|reg| (reg, offset as u64))
                 .collect();
-            put_ranks(t, target, &sources, per_rank as u64, deadline)
-                .await
-                .map_err(failed)?;
-            drop(slice);
+            put_ranks(
+                t,
+                id,
+                target,
+                &sources,
+                per_rank as u64,
+                deadline,
+                &mut hold,
+            )
+            .await
+            .map_err(failed)?;
+            drop(hold);
             self.via_arena.fetch_add(1, Ordering::Relaxed);
             return Ok((
                 (per_rank * ranks) as u64,
@@ -147,7 +198,9 @@ impl PdNode {
             .map_err(|e| eerr(&e))?;
         let bytes = data.len() as u64;
         self.mover
-            .push(id, target, layers, data, deadline)
+            .push(id, target, layers, data, deadline, |keep| {
+                SourceHold::new(keep, self.hold_until(deadline), self.fence.clone())
+            })
             .await
             .map_err(failed)?;
         Ok((bytes, t0.elapsed().as_micros() as u64, false))

@@ -1,0 +1,325 @@
+//! The decode node's staging: where a reservation's KV lands (an arena span or a per-request
+//! host region within `transfer.host_staging_bytes`), and its fencing (docs/protocol.md,
+//! "Fencing and verification"): quarantine of released spans, the check of what landed before
+//! the scatter, and the counts of spans by state.
+
+use super::*;
+
+/// A per-request host staging region, counted in the node's host staging budget
+/// (`transfer.host_staging_bytes`) until it is dropped.
+pub(super) struct HostStage {
+    pub(super) reg: Registration,
+    pub(super) bytes: u64,
+    pub(super) used: Arc<AtomicU64>,
+}
+
+impl Drop for HostStage {
+    fn drop(&mut self) {
+        self.used.fetch_sub(self.bytes, Ordering::Relaxed);
+    }
+}
+
+/// How the KV of a fenced staging span is laid out: rank `r`'s bytes at its data offset
+/// (arena: the span's offset in rank `r`'s arena; host: `r * stride`), its fence record right
+/// behind them.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct FenceSpec {
+    pub(super) per_rank: usize,
+    pub(super) stride: usize,
+    pub(super) ranks: usize,
+    pub(super) verify: bool,
+}
+
+/// A span released by an abort, a lease end or a failed check while its writer may still be
+/// putting into it: freed when the writer's record shows it finished, or at `until`.
+pub(super) struct Quarantined {
+    pub(super) request: RequestId,
+    pub(super) staging: Staging,
+    pub(super) generation: u64,
+    pub(super) fence: Option<FenceSpec>,
+    /// Whether an intact record of the generation ends the quarantine early (not after a
+    /// checksum mismatch: some other writer touched the span).
+    pub(super) trust_record: bool,
+    pub(super) until: Instant,
+}
+
+/// Staging spans of a decode node by state (the arena's and per-request host regions alike).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StagingStats {
+    /// Held by a reservation waiting for its `decode` call.
+    pub owned: usize,
+    /// Released but fenced (a late put may still land).
+    pub quarantined: usize,
+    /// Bytes of the arena free for the next reservation (0 without an arena).
+    pub arena_free_bytes: usize,
+    pub arena_bytes: usize,
+    /// Bytes of per-request host staging held (owned and quarantined).
+    pub host_bytes: u64,
+}
+
+/// Where rank `r`'s bytes of a fenced staging span start, in which registration.
+pub(super) fn rank_data<'a>(
+    staging: &'a Staging,
+    spec: &FenceSpec,
+    r: usize,
+) -> Option<(&'a Registration, usize)> {
+    match staging {
+        Staging::None => None,
+        Staging::Arena(slice) => slice
+            .arena()
+            .registration(r)
+            .map(|reg| (reg, slice.offset())),
+        Staging::Host(h) => r.checked_mul(spec.stride).map(|at| (&h.reg, at)),
+    }
+}
+
+/// Whether every rank of the span carries an intact fence record of `generation`.
+pub(super) fn records_present(staging: &Staging, spec: &FenceSpec, generation: u64) -> bool {
+    (0..spec.ranks).all(|r| {
+        rank_data(staging, spec, r)
+            .and_then(|(reg, at)| at.checked_add(spec.per_rank).map(|o| (reg, o)))
+            .and_then(|(reg, o)| fence::read_record(reg, o).ok().flatten())
+            .is_some_and(|rec| rec.generation == generation)
+    })
+}
+
+impl PdNode {
+    /// `transfer.verify`: whether this decode node asks for and checks a CRC32C of the KV that
+    /// lands in its host staging.
+    pub fn set_verify(&self, on: bool) {
+        self.verify.store(on, Ordering::Relaxed);
+    }
+
+    /// `transfer.host_staging_bytes`: the most bytes of per-request host staging this decode
+    /// node holds at once; a reservation that would need more is refused (Unavailable).
+    pub fn set_host_staging_bytes(&self, cap: u64) {
+        self.host_cap.store(cap, Ordering::Relaxed);
+    }
+
+    /// Fencing counters, with the number of spans in quarantine now.
+    pub fn fence_stats(&self) -> FenceStats {
+        self.fence.snapshot(self.quarantined().len() as u64)
+    }
+
+    /// Staging spans by state: owned by a reservation, quarantined, and the arena's free bytes.
+    pub fn staging_stats(&self) -> StagingStats {
+        let owned = self
+            .slots()
+            .values()
+            .filter(|s| !matches!(s.staging, Staging::None))
+            .count();
+        let quarantined = self.quarantined().len();
+        StagingStats {
+            owned,
+            quarantined,
+            arena_free_bytes: self.arena.as_ref().map(|a| a.free_bytes()).unwrap_or(0),
+            arena_bytes: self.arena.as_ref().map(|a| a.len()).unwrap_or(0),
+            host_bytes: self.host_used.load(Ordering::Relaxed),
+        }
+    }
+
+    pub(super) fn quarantined(&self) -> std::sync::MutexGuard<'_, Vec<Quarantined>> {
+        self.quarantine.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Releases a reservation's staging: at once when nothing can write it any more (no
+    /// staging, or every rank carries its writer's record, which is put only after that
+    /// writer's KV puts were flushed), else into quarantine until one lease past its lease.
+    pub(super) fn release_staging(&self, id: RequestId, slot: DecodeSlot, trust_record: bool) {
+        if matches!(slot.staging, Staging::None) {
+            return;
+        }
+        if trust_record
+            && slot
+                .fence
+                .is_some_and(|f| records_present(&slot.staging, &f, slot.generation))
+        {
+            return;
+        }
+        self.fence.quarantined.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(request = %id, generation = slot.generation, "staging span quarantined");
+        self.quarantined().push(Quarantined {
+            request: id,
+            staging: slot.staging,
+            generation: slot.generation,
+            fence: slot.fence,
+            trust_record,
+            until: slot.expires + self.lease,
+        });
+    }
+
+    /// Frees quarantined spans whose writer finished (its record is there) or whose fence
+    /// deadline passed.
+    pub(super) fn sweep_quarantine(&self, now: Instant) {
+        let mut q = self.quarantined();
+        // Freed after the lock is let go (a host region's deregistration waits for UCX).
+        let mut freed = Vec::new();
+        let mut keep = Vec::new();
+        for e in q.drain(..) {
+            let done = e.trust_record
+                && e.fence
+                    .is_some_and(|f| records_present(&e.staging, &f, e.generation));
+            if done {
+                self.fence
+                    .released_by_record
+                    .fetch_add(1, Ordering::Relaxed);
+            } else if now >= e.until {
+                self.fence
+                    .released_at_deadline
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(request = %e.request, generation = e.generation,
+                    "quarantined staging span freed at its fence deadline");
+            }
+            if !done && now < e.until {
+                keep.push(e);
+            } else {
+                freed.push(e);
+            }
+        }
+        *q = keep;
+        drop(q);
+        drop(freed);
+    }
+
+    /// Checks what landed in a fenced span before the scatter: every rank's record of this
+    /// reservation's generation, request and length, and (with `verify`) the checksum.
+    pub(super) fn check_landed(&self, id: RequestId, slot: &DecodeSlot) -> Result<(), FenceError> {
+        let Some(spec) = slot.fence else {
+            return Ok(());
+        };
+        for r in 0..spec.ranks {
+            let (reg, at) = rank_data(&slot.staging, &spec, r).ok_or(FenceError::NotHost {
+                what: "rank region",
+                offset: 0,
+                len: spec.per_rank,
+            })?;
+            let rec_at = at.checked_add(spec.per_rank).ok_or(FenceError::NotHost {
+                what: "record offset",
+                offset: at,
+                len: spec.per_rank,
+            })?;
+            let rec = fence::read_record(reg, rec_at)?.ok_or(FenceError::Missing { rank: r })?;
+            let crc = if spec.verify {
+                Some(fence::crc_at(reg, at, spec.per_rank)?)
+            } else {
+                None
+            };
+            rec.check(r, slot.generation, id.0, spec.per_rank as u64, crc)?;
+        }
+        Ok(())
+    }
+
+    /// Decode side: where a reservation of `per_rank` bytes per TP rank lands, the rank regions
+    /// of its KV target, the target's `staging_offset`, and how its fence records lie (host
+    /// memory only: each rank's span has room for one behind its KV).
+    /// A full arena is waited on (until [`PdNode::room_deadline`]) before host staging.
+    pub(super) async fn receive_staging(
+        &self,
+        id: RequestId,
+        per_rank: usize,
+    ) -> Result<(Staging, Vec<v1::RankTarget>, u64, Option<FenceSpec>), NodeError> {
+        if matches!(self.mover, KvMover::InProcess(_)) {
+            return Ok((Staging::None, Vec::new(), 0, None));
+        }
+        let ranks = self.tp_ranks();
+        let verify = self.verify.load(Ordering::Relaxed);
+        let overflow = || nerr(ErrorKind::InvalidRequest, "the KV of this prompt overflows");
+        let with_record = per_rank.checked_add(RECORD_LEN).ok_or_else(overflow)?;
+        let slice = match self.arena.as_ref().filter(|a| a.ranks() == ranks) {
+            Some(a) => {
+                let t0 = Instant::now();
+                let want = if a.is_device() { per_rank } else { with_record };
+                let s = a
+                    .reserve_wait(want, self.room_deadline(t0 + self.lease))
+                    .await;
+                let waited = t0.elapsed();
+                if waited > Duration::from_millis(1) {
+                    let (waits, gave_up) = a.wait_counts();
+                    tracing::debug!(request = %id, bytes = per_rank * ranks,
+                        waited_ms = waited.as_millis() as u64, got = s.is_some(),
+                        arena_waits = waits, arena_wait_timeouts = gave_up,
+                        "KV reservation waited for staging arena room");
+                }
+                s
+            }
+            None => None,
+        };
+        if let Some(slice) = slice {
+            let arena = slice.arena().clone();
+            let targets = (0..ranks)
+                .filter_map(|r| arena.registration(r).map(|reg| (r, reg.descriptor())))
+                .map(|(r, d)| v1::RankTarget {
+                    rank: r as u32,
+                    rkey: d.rkey.clone(),
+                    remote_base_addr: d.base_addr,
+                    region_len: d.len,
+                    ucx_worker_address: Vec::new(),
+                    device_memory: arena.is_device(),
+                })
+                .collect();
+            let offset = slice.offset() as u64;
+            let fence = (!arena.is_device()).then_some(FenceSpec {
+                per_rank,
+                stride: 0,
+                ranks,
+                verify,
+            });
+            self.via_arena.fetch_add(1, Ordering::Relaxed);
+            return Ok((Staging::Arena(slice), targets, offset, fence));
+        }
+        // Rank `r`'s KV at `r * stride`, its fence record right behind it.
+        let stride = with_record;
+        let total = stride.checked_mul(ranks).ok_or_else(overflow)?;
+        // Host staging is capped: past the cap the reservation is refused (the router tries
+        // another decode node or answers 503), never an allocation without bound.
+        let cap = self.host_cap.load(Ordering::Relaxed);
+        let taken = self
+            .host_used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
+                u.checked_add(total as u64).filter(|n| *n <= cap)
+            });
+        if let Err(in_use) = taken {
+            return Err(nerr(
+                ErrorKind::Unavailable,
+                format!(
+                    "decode node {}: no staging arena room for {id} and host staging is full                      ({in_use} of transfer.host_staging_bytes = {cap} bytes in use, {total} more needed)",
+                    self.id
+                ),
+            ));
+        }
+        let budget = HostStage {
+            reg: match self.mover.receive_staging(total) {
+                Ok(Some(reg)) => reg,
+                other => {
+                    self.host_used.fetch_sub(total as u64, Ordering::Relaxed);
+                    return match other {
+                        Err(e) => Err(nerr(ErrorKind::Retryable, e)),
+                        _ => Ok((Staging::None, Vec::new(), 0, None)),
+                    };
+                }
+            },
+            bytes: total as u64,
+            used: self.host_used.clone(),
+        };
+        self.note_fallback("decode", total);
+        let reg = &budget.reg;
+        let d = reg.descriptor();
+        let targets = (0..ranks)
+            .map(|r| v1::RankTarget {
+                rank: r as u32,
+                rkey: d.rkey.clone(),
+                remote_base_addr: d.base_addr + (r * stride) as u64,
+                region_len: stride as u64,
+                ucx_worker_address: Vec::new(),
+                device_memory: false,
+            })
+            .collect();
+        let fence = FenceSpec {
+            per_rank,
+            stride,
+            ranks,
+            verify,
+        };
+        Ok((Staging::Host(budget), targets, 0, Some(fence)))
+    }
+}

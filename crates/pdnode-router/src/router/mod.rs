@@ -4,6 +4,7 @@
 //! [`GenEvent`]s on a channel. Dropping the receiver is how a frontend says its client went away:
 //! the flow notices at once and aborts the request on both nodes.
 
+mod attempt;
 mod decode_watch;
 mod flow;
 mod state;
@@ -19,11 +20,16 @@ use parking_lot::Mutex;
 use pdnode_core::config::RouterConfig;
 use pdnode_core::metrics as m;
 use pdnode_core::request::TokenLogprob;
-use pdnode_core::{FinishReason, NodeId, RequestId, Role, SamplingParams};
+use pdnode_core::{ErrorKind, FinishReason, NodeId, RequestId, Role, SamplingParams};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
 use tokio::sync::mpsc;
+
+/// How long new picks avoid a node after it looked unreachable: a call or a step's deadline
+/// failed on it (connection lost: its channel's keepalive went unanswered), or its `Stats` did
+/// (`UNAVAILABLE`: e.g. its engine stalled; or no answer within the refresh's deadline).
+pub(crate) const SUSPECT_FOR: Duration = Duration::from_secs(5);
 
 /// What the frontends say about the served model.
 #[derive(Debug, Clone, PartialEq)]
@@ -240,6 +246,7 @@ impl Router {
     pub async fn refresh_stats(&self, timeout: Duration) {
         let mut present: Vec<NodeId> = Vec::new();
         let mut rows = Vec::new();
+        let mut down: Vec<NodeId> = Vec::new();
         for role in [Role::Prefill, Role::Decode] {
             let workers = self.deps.membership.workers(role);
             self.metrics.set(
@@ -249,8 +256,16 @@ impl Router {
             );
             for w in workers {
                 present.push(w.id().clone());
-                if let Ok(Ok(s)) = tokio::time::timeout(timeout, w.client.stats()).await {
-                    rows.push((w.id().clone(), s));
+                match tokio::time::timeout(timeout, w.client.stats()).await {
+                    Ok(Ok(s)) => rows.push((w.id().clone(), s)),
+                    // Unreachable, its engine stalled (UNAVAILABLE), or no answer in time: new
+                    // picks avoid it for a while.
+                    Ok(Err(e)) if matches!(e.kind, ErrorKind::Unavailable | ErrorKind::Timeout) => {
+                        tracing::debug!(node = %w.id(), error = %e, "stats: node unavailable");
+                        down.push(w.id().clone());
+                    }
+                    Err(_) => down.push(w.id().clone()),
+                    Ok(Err(_)) => {}
                 }
             }
         }
@@ -264,6 +279,10 @@ impl Router {
         }
         let mut st = self.state.lock();
         st.retain_stats(&present);
+        let until = std::time::Instant::now() + SUSPECT_FOR;
+        for id in &down {
+            st.suspect(id, until);
+        }
         for (id, s) in rows {
             let node = id.as_str();
             let l = [("node", node)];

@@ -9,9 +9,11 @@
 //! 3. A failure before the first token went out is retried once, under a fresh request id, on
 //!    another pair (another P after a prefill failure, another D after a failed reservation or a
 //!    lost D). Invalid-request verdicts of a node are not retried.
-//!    While P computes, the router watches D (one watch per decode node, shared by all requests
-//!    waiting on it: [`super::decode_watch`]): D leaving the membership or failing a liveness
-//!    probe drops the prefill call and counts as D lost.
+//!    While P computes, the router watches P and D; during the stream, D (one watch per node,
+//!    shared by all requests waiting on it: [`super::node_watch`]). A node leaving the
+//!    membership or failing a liveness probe (`Stats`; a node whose engine stalled answers it
+//!    `UNAVAILABLE`) counts as lost: P lost is a failed prefill (retried), D lost during prefill
+//!    drops the prefill call (retried on another D), D lost during the stream ends it.
 //!    A frozen node (stopped process, hung host) is found by the channel's HTTP/2 keepalive
 //!    (`router.node_keepalive_*`): the connection closes and every call on it fails at once.
 //! 4. `D.Decode` streams the rest; each gap between messages is bounded by `token_timeout_s`.
@@ -24,7 +26,7 @@
 //! for the answer, so the client's answer or the retry never waits on a frozen node.
 
 use super::attempt::{Abort, Event, Flow, Then};
-use super::decode_watch::DecodeWatch;
+use super::node_watch::NodeWatch;
 use super::{GenEvent, GenRequest, InflightGuard, Router, SUSPECT_FOR, Usage};
 use crate::error::{RouterError, Step};
 use crate::membership::Worker;
@@ -216,10 +218,12 @@ enum PrefillEnd {
     Done(Result<PrefillOutcome, StepErr>),
     /// The decode node went away first; why.
     DecodeLost(String),
+    /// The prefill node went away (its watch said so) before it answered; why.
+    PrefillLost(String),
 }
 
-/// Resolves only when the watched decode node is gone; says why. Never without a watch.
-async fn decode_lost(watch: &mut Option<DecodeWatch>) -> String {
+/// Resolves only when the watched node is gone; says why. Never without a watch.
+async fn node_lost(watch: &mut Option<NodeWatch>) -> String {
     match watch {
         Some(w) => w.lost().await,
         None => std::future::pending().await,
@@ -451,21 +455,39 @@ async fn run_attempt(
         (Step::Prefill, p.id(), req_id),
         p.client.prefill(call),
     );
-    // A colocated worker's decode side is the prefilling node itself: nothing to watch.
-    let mut watch =
-        (!is_colocated(d)).then(|| router.decode_watches.subscribe(d, &router.deps.membership));
+    // Both nodes watched while P computes. A colocated worker (P == D) is not: it answers its
+    // own call, and its channel's keepalive covers a frozen process.
+    let membership = &router.deps.membership;
+    let watched = !is_colocated(d);
+    let mut d_watch = watched.then(|| router.watches.subscribe(d, Role::Decode, membership));
+    let mut p_watch = watched.then(|| router.watches.subscribe(p, Role::Prefill, membership));
     let ended = tokio::select! {
         r = prefill => PrefillEnd::Done(r),
-        why = decode_lost(&mut watch) => PrefillEnd::DecodeLost(why),
+        why = node_lost(&mut d_watch) => PrefillEnd::DecodeLost(why),
+        why = node_lost(&mut p_watch) => PrefillEnd::PrefillLost(why),
     };
-    // Leave D's watch now: the last request to leave stops it.
-    drop(watch);
+    // Leave P's watch now (the last request to leave stops it); D's goes on for the stream.
+    drop(p_watch);
     let outcome = match ended {
         PrefillEnd::Done(Ok(o)) => o,
         PrefillEnd::Done(Err(StepErr::ClientGone)) => return pair.gone(flow).await,
         PrefillEnd::Done(Err(StepErr::Failed(e))) => {
             return pair
                 .fail(flow, Event::PrefillFailed(e.kind()), "prefill failed", e)
+                .await;
+        }
+        PrefillEnd::PrefillLost(reason) => {
+            let e = RouterError::Node {
+                step: Step::Prefill,
+                node: p.id().clone(),
+                request: req_id,
+                source: crate::error::NodeError::new(
+                    ErrorKind::Unavailable,
+                    format!("prefill node lost: {reason}"),
+                ),
+            };
+            return pair
+                .fail(flow, Event::PrefillFailed(e.kind()), "prefill node lost", e)
                 .await;
         }
         PrefillEnd::DecodeLost(reason) => {
@@ -572,14 +594,20 @@ async fn run_attempt(
         }
     };
     loop {
-        let next = step(
-            tx,
-            token_timeout,
-            deadline,
-            (Step::Decode, d.id(), req_id),
-            async { Ok::<_, crate::error::NodeError>(stream.next().await) },
-        )
-        .await;
+        let next = tokio::select! {
+            r = step(
+                tx,
+                token_timeout,
+                deadline,
+                (Step::Decode, d.id(), req_id),
+                async { Ok::<_, crate::error::NodeError>(stream.next().await) },
+            ) => r,
+            why = node_lost(&mut d_watch) => Err(StepErr::Failed(decode_err(
+                d.id(),
+                req_id,
+                &format!("decode node lost: {why}"),
+            ))),
+        };
         let chunk = match next {
             Ok(Some(Ok(c))) => c,
             Err(StepErr::ClientGone) => {

@@ -5,8 +5,8 @@
 //! the flow notices at once and aborts the request on both nodes.
 
 mod attempt;
-mod decode_watch;
 mod flow;
+mod node_watch;
 mod state;
 
 pub use state::RouterState;
@@ -97,8 +97,8 @@ pub struct Router {
     pub(crate) deps: RouterDeps,
     pub(crate) state: Mutex<RouterState>,
     pub(crate) metrics: Arc<Metrics>,
-    /// One liveness watch per decode node some prefill is waiting on.
-    pub(crate) decode_watches: decode_watch::DecodeWatches,
+    /// One liveness watch per node some request is waiting on.
+    pub(crate) watches: node_watch::NodeWatches,
     inflight: Arc<AtomicU32>,
     draining: AtomicBool,
 }
@@ -132,7 +132,7 @@ impl Router {
             deps,
             state: Mutex::new(RouterState::new(prefill, decode)),
             metrics,
-            decode_watches: decode_watch::DecodeWatches::default(),
+            watches: node_watch::NodeWatches::default(),
             inflight: Arc::new(AtomicU32::new(0)),
             draining: AtomicBool::new(false),
         })
@@ -151,9 +151,15 @@ impl Router {
     }
 
     /// Decode-node liveness watches running now: one task per decode node that some request's
-    /// prefill is waiting on, however many requests wait on it; 0 once none does.
+    /// prefill or stream is waiting on, however many requests wait on it; 0 once none does.
     pub fn decode_watches(&self) -> usize {
-        self.decode_watches.tasks()
+        self.watches.tasks(Role::Decode)
+    }
+
+    /// Prefill-node liveness watches running now: one task per prefill node some request's
+    /// prefill is waiting on; 0 once none does.
+    pub fn prefill_watches(&self) -> usize {
+        self.watches.tasks(Role::Prefill)
     }
 
     /// Stops admitting requests (shutdown); those in flight go on.

@@ -395,8 +395,8 @@ async fn prefill_frozen_mid_prefill_is_retried_on_the_other_prefill_node() {
     }
     let dir = tempfile::tempdir().unwrap();
     let etcd = EtcdServer::start().expect("etcd");
-    // 2 ms per prompt token, 16 tokens a step: a 60-token prompt is 4 steps, and 16 of them
-    // queue on one node for about 2 s.
+    // 1 ms per prompt token, 16 tokens a step: a 60-token prompt is 4 steps, and 16 of them
+    // keep one node busy for about 1 s.
     let c = start(
         dir.path(),
         &etcd.endpoint(),
@@ -404,7 +404,7 @@ async fn prefill_frozen_mid_prefill_is_retried_on_the_other_prefill_node() {
         (
             2,
             &[
-                "engine.mock.prefill_us_per_token=2000",
+                "engine.mock.prefill_us_per_token=1000",
                 "engine.max_batch_tokens=16",
             ],
         ),

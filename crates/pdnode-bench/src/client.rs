@@ -126,6 +126,7 @@ impl Client {
     pub fn new(mut ep: Endpoint) -> Result<Self, BenchError> {
         ep.base_url = normalize_base(&ep.base_url);
         let http = reqwest::Client::builder()
+            .tcp_nodelay(true)
             .connect_timeout(Duration::from_secs(10).min(ep.timeout))
             .pool_max_idle_per_host(1024)
             .build()
@@ -153,6 +154,7 @@ impl Client {
             reason,
         };
         let http = reqwest::Client::builder()
+            .tcp_nodelay(true)
             .timeout(timeout)
             .build()
             .map_err(|e| err(e.to_string()))?;

@@ -434,3 +434,34 @@ fn colocated_engine_only_with_role_all() {
     .expect("role all + colocated loads");
     assert!(ok.config.engine.colocated);
 }
+
+#[test]
+fn router_liveness_keys_load_and_are_validated() {
+    let l = load_from_str(
+        FILE,
+        "[router]\nclient_send_timeout_s = 3\nnode_keepalive_interval_ms = 200\nnode_keepalive_timeout_ms = 400\n",
+        &[],
+    )
+    .unwrap();
+    assert_eq!(l.config.router.client_send_timeout_s, 3);
+    assert_eq!(l.config.router.node_keepalive_interval_ms, 200);
+    assert_eq!(l.config.router.node_keepalive_timeout_ms, 400);
+    let errs = errors(
+        "[router]\nclient_send_timeout_s = 0\nnode_keepalive_interval_ms = 0\nnode_keepalive_timeout_ms = 5\n",
+        &[],
+    );
+    let keys: Vec<String> = errs
+        .iter()
+        .map(|e| match e {
+            ConfigError::Invalid { key, .. } => key.clone(),
+            other => panic!("expected ConfigError::Invalid, got {other:?}"),
+        })
+        .collect();
+    for k in [
+        "router.client_send_timeout_s",
+        "router.node_keepalive_interval_ms",
+        "router.node_keepalive_timeout_ms",
+    ] {
+        assert!(keys.iter().any(|x| x == k), "{k} not in {keys:?}");
+    }
+}

@@ -109,7 +109,8 @@ pub async fn assemble(cfg: &Config, registry: Arc<dyn Registry>) -> Result<NodeD
                 .map_err(|e| NodeError::Engine(format!("tokenizer load panicked: {e}")))?
                 .map_err(engine_err)?;
             let live = Arc::new(LiveMembership::start(&*registry, &cfg.node.cluster).await?);
-            let membership = CardMembership::new(move |r| live.serving(r));
+            let membership = CardMembership::new(move |r| live.serving(r))
+                .with_channel_options((&cfg.router).into());
             let deps = rm
                 .into_deps(cfg, Arc::new(membership))
                 .map_err(engine_err)?;

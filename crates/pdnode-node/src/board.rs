@@ -3,23 +3,39 @@
 
 use pdnode_core::card::NodeCapacity;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
-/// The latest load of the node's engine.
+/// The latest load of the node's engine, and when the engine last reported it.
+///
+/// The EngineActor publishes after every load read that round-trips the engine thread; a read
+/// that never comes back (the engine thread wedged) stops the publishing, and
+/// [`LoadBoard::since_report`] grows: `Stats` and health go by it instead of trusting the last
+/// load forever.
 #[derive(Debug, Clone)]
 pub struct LoadBoard {
     tx: Arc<watch::Sender<NodeCapacity>>,
+    born: Instant,
+    /// Milliseconds after `born` of the last report; `NEVER` before the first.
+    reported_ms: Arc<AtomicU64>,
 }
+
+const NEVER: u64 = u64::MAX;
 
 impl LoadBoard {
     pub fn new(initial: NodeCapacity) -> Self {
         Self {
             tx: Arc::new(watch::channel(initial).0),
+            born: Instant::now(),
+            reported_ms: Arc::new(AtomicU64::new(NEVER)),
         }
     }
 
+    /// The engine's load as just read (changed or not).
     pub fn publish(&self, cap: NodeCapacity) {
+        let ms = u64::try_from(self.born.elapsed().as_millis()).unwrap_or(NEVER - 1);
+        self.reported_ms.store(ms, Ordering::Release);
         self.tx.send_if_modified(|cur| {
             if *cur == cap {
                 false
@@ -28,6 +44,22 @@ impl LoadBoard {
                 true
             }
         });
+    }
+
+    /// How long since the engine last reported; `None` before its first report (or on a node
+    /// without an engine).
+    pub fn since_report(&self) -> Option<Duration> {
+        let ms = self.reported_ms.load(Ordering::Acquire);
+        (ms != NEVER).then(|| {
+            self.born
+                .elapsed()
+                .saturating_sub(Duration::from_millis(ms))
+        })
+    }
+
+    /// Whether the engine reported once and then not for longer than `limit`.
+    pub fn stalled(&self, limit: Duration) -> Option<Duration> {
+        self.since_report().filter(|&age| age > limit)
     }
 
     pub fn current(&self) -> NodeCapacity {
@@ -81,5 +113,26 @@ impl HealthBoard {
                 return "the health board was dropped".into();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_board_is_stalled_only_after_a_report_and_a_silence() {
+        let b = LoadBoard::new(NodeCapacity::default());
+        assert_eq!(b.since_report(), None);
+        assert_eq!(b.stalled(Duration::ZERO), None, "no engine report yet");
+        b.publish(NodeCapacity::default());
+        let age = b.since_report().expect("reported");
+        assert!(age < Duration::from_secs(1));
+        assert_eq!(b.stalled(Duration::from_secs(60)), None);
+        std::thread::sleep(Duration::from_millis(30));
+        assert!(b.stalled(Duration::from_millis(10)).is_some());
+        // An unchanged load still counts as a report.
+        b.publish(NodeCapacity::default());
+        assert!(b.since_report().expect("reported") < Duration::from_millis(30));
     }
 }

@@ -1,6 +1,9 @@
 //! The node's gRPC server: `pdnode.v1.Node` and the standard `grpc.health.v1.Health`.
 //!
-//! `Health` and `Stats` are always served. `ReserveKv`, `Prefill`, `Decode` and `Abort` go to the
+//! `Health` and `Stats` are always served. Both go by the engine's liveness: an engine that
+//! stopped reporting its load for `NodeOptions::engine_stall` makes `Stats` answer
+//! `UNAVAILABLE` (a router's liveness probe then counts the node as gone) and health
+//! `NOT_SERVING` (both `pdnode.v1.Node/Health` and `grpc.health.v1`). `ReserveKv`, `Prefill`, `Decode` and `Abort` go to the
 //! node's data path ([`crate::pd::PdNode`], see `crate::pd::wire`); a node without one (a router)
 //! answers `UNIMPLEMENTED` with a message that says so. `KvDone` is unused in protocol v1.
 
@@ -25,11 +28,25 @@ pub struct NodeGrpc {
     pub version: String,
     pub supervisor: SupervisorHandle,
     pub load: LoadBoard,
+    /// See [`crate::NodeOptions::engine_stall`].
+    pub engine_stall: Duration,
     /// The data path; `None` on nodes without one (routers, engine-less nodes).
     pub pd: Option<std::sync::Arc<dyn pdnode_router::NodeClient>>,
 }
 
 impl NodeGrpc {
+    /// `Err(UNAVAILABLE)` when the engine stopped reporting (wedged): a liveness probe must not
+    /// be answered from a stale board.
+    fn engine_alive(&self) -> Result<(), Status> {
+        match self.load.stalled(self.engine_stall) {
+            None => Ok(()),
+            Some(age) => Err(Status::unavailable(format!(
+                "the engine has not reported its load for {} ms (its thread is stuck?)",
+                age.as_millis()
+            ))),
+        }
+    }
+
     fn pd(&self, method: &str) -> Result<&dyn pdnode_router::NodeClient, Status> {
         self.pd.as_deref().ok_or_else(|| not_wired(method))
     }
@@ -92,6 +109,7 @@ impl Node for NodeGrpc {
         &self,
         _r: Request<v1::StatsRequest>,
     ) -> Result<Response<v1::StatsResponse>, Status> {
+        self.engine_alive()?;
         let c = self.load.current();
         let busy = f64::from(c.running_requests) + f64::from(c.queued_requests);
         let load = if c.max_running_requests == 0 {
@@ -116,7 +134,11 @@ impl Node for NodeGrpc {
         &self,
         _r: Request<v1::HealthRequest>,
     ) -> Result<Response<v1::HealthResponse>, Status> {
-        let h = self.supervisor.health().await;
+        let mut h = self.supervisor.health().await;
+        if let Err(e) = self.engine_alive() {
+            h.serving = false;
+            h.detail = e.message().to_string();
+        }
         let status = if h.serving {
             v1::ServingStatus::Serving
         } else {
@@ -140,11 +162,12 @@ pub async fn run(
 ) -> Result<(), tonic::transport::Error> {
     let (reporter, health_svc) = tonic_health::server::health_reporter();
     let sup = svc.supervisor.clone();
+    let probe = svc.clone();
     let poll_stop = shutdown.clone();
     // Keeps grpc.health.v1 in step with the supervisor's view.
     tokio::spawn(async move {
         loop {
-            let serving = sup.health().await.serving;
+            let serving = sup.health().await.serving && probe.engine_alive().is_ok();
             let st = if serving {
                 tonic_health::ServingStatus::Serving
             } else {
@@ -162,7 +185,7 @@ pub async fn run(
         .add_service(health_svc)
         .add_service(NodeServer::new(svc))
         .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            pdnode_router::net::grpc_incoming(listener),
             shutdown.cancelled_owned(),
         )
         .await

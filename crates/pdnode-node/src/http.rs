@@ -47,7 +47,7 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
     let app = Router::new().route("/health", get(health)).with_state(deps);
-    axum::serve(listener, app)
+    axum::serve(pdnode_router::net::http_listener(listener), app)
         .with_graceful_shutdown(shutdown.cancelled_owned())
         .await
 }

@@ -28,6 +28,10 @@ pub struct NodeOptions {
     pub card_refresh: Duration,
     /// Deadline of calls between the node's actors.
     pub call_timeout: Duration,
+    /// An engine that reported its load once and then not for this long (its thread wedged:
+    /// the EngineActor's load read never came back) makes `Stats` answer `UNAVAILABLE` and
+    /// health `NOT_SERVING`. Well above the longest engine step.
+    pub engine_stall: Duration,
 }
 
 impl Default for NodeOptions {
@@ -37,6 +41,7 @@ impl Default for NodeOptions {
             load_refresh: Duration::from_millis(250),
             card_refresh: Duration::from_secs(1),
             call_timeout: Duration::from_secs(2),
+            engine_stall: Duration::from_secs(5),
         }
     }
 }
@@ -242,6 +247,7 @@ impl Node {
             version: card.version.clone(),
             supervisor: supervisor.clone(),
             load: load.clone(),
+            engine_stall: o.engine_stall,
             pd: deps.pd.clone(),
         };
         let c = cancel.clone();

@@ -21,6 +21,8 @@ struct TestEngine {
     in_flight: AtomicUsize,
     admitting: AtomicBool,
     loads: AtomicU32,
+    /// While set, load reads do not come back: a wedged engine thread.
+    wedged: AtomicBool,
 }
 
 impl EngineService for TestEngine {
@@ -41,6 +43,9 @@ impl EngineService for TestEngine {
                 .is_ok()
             {
                 panic!("test engine: injected panic in load()");
+            }
+            while self.wedged.load(Ordering::SeqCst) {
+                tokio::time::sleep(Duration::from_millis(10)).await;
             }
             let n = self.loads.fetch_add(1, Ordering::SeqCst);
             Ok(NodeCapacity {
@@ -88,6 +93,7 @@ fn options(max_restarts: usize) -> NodeOptions {
         load_refresh: Duration::from_millis(50),
         card_refresh: Duration::from_millis(50),
         call_timeout: Duration::from_secs(1),
+        engine_stall: Duration::from_secs(5),
     }
 }
 
@@ -192,4 +198,83 @@ async fn past_the_restart_limit_the_node_fails_with_a_clear_reason() {
     let report = node.shutdown().await;
     assert!(report.deregistered);
     assert!(reg.list("sup").await.unwrap().cards.is_empty());
+}
+
+/// A wedged engine thread (its load reads stop coming back) is not hidden behind the last
+/// published load: `Stats` answers UNAVAILABLE and `Health` NOT_SERVING within
+/// `engine_stall` (plus a refresh), and both recover when the engine does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wedged_engine_makes_stats_unavailable_and_health_not_serving() {
+    use pdnode_proto::v1;
+    let reg = Arc::new(MemoryRegistry::new(RegistryOptions::default()));
+    let engine = Arc::new(TestEngine::default());
+    let mut opts = options(5);
+    opts.engine_stall = Duration::from_millis(300);
+    let node = Node::start(
+        &config(),
+        NodeDeps {
+            pd: None,
+            ucx_worker: None,
+            router: None,
+            registry: reg.clone(),
+            engine: Some(engine.clone()),
+            options: opts,
+        },
+    )
+    .await
+    .unwrap();
+    let url = format!("http://{}", node.grpc_addr());
+    let client = v1::node_client::NodeClient::connect(url).await.unwrap();
+    let stats_code = || {
+        let mut c = client.clone();
+        async move {
+            match tokio::time::timeout(Duration::from_secs(2), c.stats(v1::StatsRequest {})).await {
+                Ok(Ok(_)) => Some(tonic::Code::Ok),
+                Ok(Err(s)) => Some(s.code()),
+                Err(_) => None,
+            }
+        }
+    };
+    let serving = || {
+        let mut c = client.clone();
+        async move {
+            match tokio::time::timeout(Duration::from_secs(3), c.health(v1::HealthRequest {})).await
+            {
+                Ok(Ok(h)) => h.into_inner().status == v1::ServingStatus::Serving as i32,
+                _ => false,
+            }
+        }
+    };
+    wait_until(
+        "engine reported, Stats answers",
+        Duration::from_secs(5),
+        || async { stats_code().await == Some(tonic::Code::Ok) && node_reported(&engine) },
+    )
+    .await;
+    assert!(serving().await);
+
+    engine.wedged.store(true, Ordering::SeqCst);
+    wait_until("Stats UNAVAILABLE", Duration::from_secs(5), || async {
+        stats_code().await == Some(tonic::Code::Unavailable)
+    })
+    .await;
+    assert!(
+        !serving().await,
+        "health still SERVING with a wedged engine"
+    );
+
+    engine.wedged.store(false, Ordering::SeqCst);
+    wait_until("Stats answers again", Duration::from_secs(5), || async {
+        stats_code().await == Some(tonic::Code::Ok)
+    })
+    .await;
+    wait_until("health SERVING again", Duration::from_secs(5), || async {
+        serving().await
+    })
+    .await;
+    node.shutdown().await;
+}
+
+fn node_reported(e: &TestEngine) -> bool {
+    e.loads.load(Ordering::SeqCst) > 0
 }

@@ -42,6 +42,32 @@ fn status_err(s: tonic::Status) -> NodeError {
     NodeError::new(kind_of_status(&s), s.message().to_string())
 }
 
+/// How the router's channels to nodes are set up: HTTP/2 keepalive (`router.node_keepalive_*`).
+/// A PING goes out after `keepalive_interval` without a frame from the node (also with no call
+/// open); no answer within `keepalive_timeout` closes the connection, and every call on it fails
+/// as `Unavailable` at once. That is how a frozen node (stopped process, hung host: the kernel
+/// still ACKs, so TCP alone never notices) is found out in about interval + timeout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChannelOptions {
+    pub keepalive_interval: Duration,
+    pub keepalive_timeout: Duration,
+}
+
+impl From<&pdnode_core::config::RouterConfig> for ChannelOptions {
+    fn from(c: &pdnode_core::config::RouterConfig) -> Self {
+        Self {
+            keepalive_interval: Duration::from_millis(c.node_keepalive_interval_ms),
+            keepalive_timeout: Duration::from_millis(c.node_keepalive_timeout_ms),
+        }
+    }
+}
+
+impl Default for ChannelOptions {
+    fn default() -> Self {
+        Self::from(&pdnode_core::config::RouterConfig::default())
+    }
+}
+
 /// A client of one node's `pdnode.v1.Node` service.
 #[derive(Clone)]
 pub struct GrpcNodeClient {
@@ -50,8 +76,18 @@ pub struct GrpcNodeClient {
 }
 
 impl GrpcNodeClient {
-    /// A client that connects on first use to `addr` (`host:port` or a full URI).
+    /// A client that connects on first use to `addr` (`host:port` or a full URI), with the
+    /// default [`ChannelOptions`].
     pub fn connect_lazy(id: NodeId, addr: &str) -> Result<Self, NodeError> {
+        Self::connect_lazy_with(id, addr, ChannelOptions::default())
+    }
+
+    /// [`Self::connect_lazy`] with `opts`.
+    pub fn connect_lazy_with(
+        id: NodeId,
+        addr: &str,
+        opts: ChannelOptions,
+    ) -> Result<Self, NodeError> {
         let uri = if addr.contains("://") {
             addr.to_string()
         } else {
@@ -65,7 +101,10 @@ impl GrpcNodeClient {
                 )
             })?
             .connect_timeout(CONNECT_TIMEOUT)
-            .tcp_nodelay(true);
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(opts.keepalive_interval)
+            .keep_alive_timeout(opts.keepalive_timeout)
+            .keep_alive_while_idle(true);
         Ok(Self {
             id,
             inner: WireClient::new(ep.connect_lazy()),
@@ -214,6 +253,7 @@ impl NodeClient for GrpcNodeClient {
 /// ```
 pub struct CardMembership<F> {
     cards: F,
+    channel: ChannelOptions,
     clients: Mutex<HashMap<(NodeId, u64, String), Arc<GrpcNodeClient>>>,
 }
 
@@ -224,8 +264,15 @@ where
     pub fn new(cards: F) -> Self {
         Self {
             cards,
+            channel: ChannelOptions::default(),
             clients: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Channels to nodes set up with `opts` (clients made from now on).
+    pub fn with_channel_options(mut self, opts: ChannelOptions) -> Self {
+        self.channel = opts;
+        self
     }
 }
 
@@ -245,7 +292,11 @@ where
             );
             let client = match clients.get(&key) {
                 Some(c) => c.clone(),
-                None => match GrpcNodeClient::connect_lazy(card.id.clone(), &card.addresses.grpc) {
+                None => match GrpcNodeClient::connect_lazy_with(
+                    card.id.clone(),
+                    &card.addresses.grpc,
+                    self.channel,
+                ) {
                     Ok(c) => {
                         let c = Arc::new(c);
                         clients.retain(|(id, _, _), _| id != &card.id);

@@ -12,6 +12,7 @@ pub mod grpc_client;
 pub mod http;
 pub mod membership;
 pub mod metrics;
+pub mod net;
 pub mod node;
 pub mod policy;
 pub mod router;

@@ -81,7 +81,7 @@ pub async fn serve(
     let app = crate::http::app(router.clone());
     let http_stop = shutdown.clone();
     let http_task = tokio::spawn(async move {
-        axum::serve(http, app)
+        axum::serve(crate::net::http_listener(http), app)
             .with_graceful_shutdown(http_stop.cancelled_owned())
             .await
             .map_err(ServeError::Http)
@@ -96,7 +96,7 @@ pub async fn serve(
                 .map_err(|e| ServeError::Reflection(e.to_string()))?;
             let svc = InferenceService::new(router.clone()).into_server();
             let stop = shutdown.clone();
-            let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+            let incoming = crate::net::grpc_incoming(listener);
             Some(tokio::spawn(async move {
                 tonic::transport::Server::builder()
                     .add_service(reflection)

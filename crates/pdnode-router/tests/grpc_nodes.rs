@@ -376,3 +376,156 @@ async fn decode_server_gone_during_prefill_aborts_the_prefill_over_grpc() {
     assert_eq!(p.kv_blocks_held(), 0);
     p_stop.cancel();
 }
+
+/// A loopback TCP proxy that can freeze: both directions stop moving bytes while every socket
+/// stays open, as with a node whose process is stopped (SIGSTOP) on a live host.
+struct FreezeProxy {
+    addr: String,
+    frozen: tokio::sync::watch::Sender<bool>,
+    tasks: tokio::task::JoinSet<()>,
+}
+
+impl FreezeProxy {
+    async fn start(upstream: String) -> Self {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let (frozen, rx) = tokio::sync::watch::channel(false);
+        let mut tasks = tokio::task::JoinSet::new();
+        tasks.spawn(async move {
+            let mut conns = tokio::task::JoinSet::new();
+            while let Ok((down, _)) = l.accept().await {
+                let Ok(up) = tokio::net::TcpStream::connect(&upstream).await else {
+                    continue;
+                };
+                let (dr, dw) = down.into_split();
+                let (ur, uw) = up.into_split();
+                conns.spawn(pipe(dr, uw, rx.clone()));
+                conns.spawn(pipe(ur, dw, rx.clone()));
+            }
+        });
+        Self {
+            addr,
+            frozen,
+            tasks,
+        }
+    }
+
+    fn freeze(&self) {
+        self.frozen.send_replace(true);
+    }
+}
+
+/// Copies `r` to `w` until either closes; once frozen, holds both open and moves nothing.
+async fn pipe(
+    mut r: tokio::net::tcp::OwnedReadHalf,
+    mut w: tokio::net::tcp::OwnedWriteHalf,
+    mut frozen: tokio::sync::watch::Receiver<bool>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        let n = tokio::select! {
+            _ = frozen.wait_for(|f| *f) => break,
+            n = r.read(&mut buf) => match n {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            },
+        };
+        if *frozen.borrow() || w.write_all(&buf[..n]).await.is_err() {
+            break;
+        }
+    }
+    // Frozen: keep the sockets, move nothing.
+    let _keep = (r, w);
+    std::future::pending::<()>().await;
+}
+
+/// A decode node that freezes mid-stream (the connection stays up, nothing answers): the
+/// channel's HTTP/2 keepalive (`router.node_keepalive_*`) closes the connection and the stream
+/// ends with an error within interval + timeout, long before `token_timeout_s`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_decode_node_is_found_by_the_channel_keepalive() {
+    use pdnode_core::error::Classify as _;
+    let stop = CancellationToken::new();
+    let p = FakeNode::new("p0");
+    let d = FakeNode::new("d0");
+    let output: Vec<u32> = (0..200).map(|i| u32::from(b'a') + i % 26).collect();
+    for n in [&p, &d] {
+        n.set(|b| b.output = output.clone());
+    }
+    d.set(|b| b.token_interval = Duration::from_millis(20));
+    let (p_addr, _) = serve_node(p.clone(), stop.clone()).await;
+    let (d_addr, _) = serve_node(d.clone(), stop.clone()).await;
+    let proxy = FreezeProxy::start(d_addr).await;
+    let card = |id: &str, role: Role, addr: &str| {
+        let mut c = fake_card(id, role);
+        c.addresses.grpc = addr.to_string();
+        c
+    };
+    let cards = [
+        card("p0", Role::Prefill, &p_addr),
+        card("d0", Role::Decode, &proxy.addr),
+    ];
+    let mut config = common::config();
+    config.token_timeout_s = 60;
+    config.request_timeout_s = 120;
+    config.node_keepalive_interval_ms = 200;
+    config.node_keepalive_timeout_ms = 300;
+    let membership =
+        CardMembership::new(move |role| cards.iter().filter(|c| c.role == role).cloned().collect())
+            .with_channel_options((&config).into());
+    let router = Router::new(RouterDeps {
+        config,
+        api_keys: Vec::new(),
+        membership: Arc::new(membership),
+        tokenizer: Arc::new(FakeTokenizer),
+        chat: Arc::new(FakeTokenizer),
+        model: ModelInfo {
+            served_name: "fake-model".into(),
+            context_length: 256,
+            simulated: None,
+        },
+    });
+    let mut g = router
+        .generate(pdnode_router::GenRequest {
+            prompt_token_ids: vec![b'x'.into(); 20],
+            sampling: pdnode_core::SamplingParams {
+                max_tokens: 200,
+                ..Default::default()
+            },
+            endpoint: "grpc",
+        })
+        .unwrap();
+    // A few tokens stream, then the node freezes.
+    for _ in 0..5 {
+        let ev = tokio::time::timeout(Duration::from_secs(10), g.events.recv())
+            .await
+            .expect("tokens")
+            .expect("an event");
+        assert!(
+            matches!(ev, pdnode_router::GenEvent::Tokens { .. }),
+            "{ev:?}"
+        );
+    }
+    proxy.freeze();
+    let frozen = Instant::now();
+    let end = loop {
+        let ev = tokio::time::timeout(Duration::from_secs(10), g.events.recv())
+            .await
+            .expect("the stream ends long before token_timeout_s")
+            .expect("an event");
+        if !matches!(ev, pdnode_router::GenEvent::Tokens { .. }) {
+            break ev;
+        }
+    };
+    let took = frozen.elapsed();
+    println!("decode frozen -> {end:?} after {took:?}");
+    assert!(
+        matches!(&end, pdnode_router::GenEvent::Error(e) if e.kind() == pdnode_core::ErrorKind::Unavailable),
+        "{end:?}"
+    );
+    // Keepalive 200 ms + 300 ms; generous for a loaded machine, far below 60 s.
+    assert!(took < Duration::from_secs(3), "took {took:?}");
+    stop.cancel();
+    drop(proxy.tasks);
+}

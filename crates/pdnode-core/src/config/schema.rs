@@ -297,6 +297,15 @@ pub struct RouterConfig {
     pub token_timeout_s: u64,
     /// Requests in flight beyond this are refused with 429.
     pub max_inflight_requests: u32,
+    /// Longest wait to hand one event (tokens, the end) to a client that does not read; past it
+    /// the client counts as gone and the request is aborted on its nodes, seconds.
+    pub client_send_timeout_s: u64,
+    /// HTTP/2 PING on every router-to-node connection after this long without a frame from the
+    /// node, milliseconds.
+    pub node_keepalive_interval_ms: u64,
+    /// A PING not answered within this closes the connection and fails every call on it
+    /// (a frozen or unreachable node), milliseconds.
+    pub node_keepalive_timeout_ms: u64,
 }
 
 impl Default for RouterConfig {
@@ -314,6 +323,9 @@ impl Default for RouterConfig {
             prefill_timeout_s: 120,
             token_timeout_s: 60,
             max_inflight_requests: 4096,
+            client_send_timeout_s: 30,
+            node_keepalive_interval_ms: 500,
+            node_keepalive_timeout_ms: 1000,
         }
     }
 }

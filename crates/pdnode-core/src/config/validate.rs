@@ -268,9 +268,24 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
         ("router.request_timeout_s", r.request_timeout_s),
         ("router.prefill_timeout_s", r.prefill_timeout_s),
         ("router.token_timeout_s", r.token_timeout_s),
+        ("router.client_send_timeout_s", r.client_send_timeout_s),
     ] {
         if v == 0 {
             bad(key, "must be at least 1 second".into());
+        }
+    }
+    for (key, v) in [
+        (
+            "router.node_keepalive_interval_ms",
+            r.node_keepalive_interval_ms,
+        ),
+        (
+            "router.node_keepalive_timeout_ms",
+            r.node_keepalive_timeout_ms,
+        ),
+    ] {
+        if v < 10 {
+            bad(key, format!("{v} is below 10 ms"));
         }
     }
     if r.max_inflight_requests == 0 {

@@ -1,25 +1,33 @@
-//! One request's prefill/decode flow (docs/protocol.md), every exit explicit:
+//! One request's prefill/decode flow (docs/protocol.md). [`super::attempt::Flow`] decides, per
+//! attempt, what every way a step ends means (what to abort on which node, retry or not); this
+//! file performs the calls and those decisions:
 //!
-//! 1. Pick decode node D (decode policy) and prefill node P (prefill policy); book both.
+//! 1. Pick decode node D (decode policy) and prefill node P (prefill policy); book both. Nodes
+//!    that lately failed as unreachable are left out while others exist.
 //! 2. `D.ReserveKv` -> KV target; `P.Prefill(target)` -> first token, KV handed off. Each call
 //!    is bounded by `prefill_timeout_s` (and the request's `request_timeout_s`).
-//! 3. A prefill failure before the hand-off aborts the request on P and D and is retried once,
-//!    under a fresh request id, on another prefill node (D reserves again); a failed reservation
-//!    likewise, on another decode node. Then the error goes to the client. Invalid-request
-//!    verdicts of a node are not retried.
-//!    While P computes, the router watches D (one watch per decode node, shared by all requests
-//!    waiting on it: [`super::decode_watch`]): D leaving the membership (lease ended, restart)
-//!    or failing a liveness probe (`Stats`, from a second into the prefill) drops the prefill
-//!    call, aborts it on P (which frees its blocks) and treats D like a failed reservation:
-//!    retried once on another decode node, else the client gets [`RouterError::DecodeLost`]
-//!    without waiting for the prefill to end.
+//! 3. A failure before the first token went out is retried once, under a fresh request id, on
+//!    another pair (another P after a prefill failure, another D after a failed reservation or a
+//!    lost D). Invalid-request verdicts of a node are not retried.
+//!    While P computes, the router watches P and D; during the stream, D (one watch per node,
+//!    shared by all requests waiting on it: [`super::node_watch`]). A node leaving the
+//!    membership or failing a liveness probe (`Stats`; a node whose engine stalled answers it
+//!    `UNAVAILABLE`) counts as lost: P lost is a failed prefill (retried), D lost during prefill
+//!    drops the prefill call (retried on another D), D lost during the stream ends it.
+//!    A frozen node (stopped process, hung host) is found by the channel's HTTP/2 keepalive
+//!    (`router.node_keepalive_*`): the connection closes and every call on it fails at once.
 //! 4. `D.Decode` streams the rest; each gap between messages is bounded by `token_timeout_s`.
 //!    A broken or stalled stream aborts D and ends the client's stream with an error.
-//! 5. The client going away (the event receiver dropped) aborts the request on both nodes.
+//! 5. The client going away (the event receiver dropped), or not taking an event within
+//!    `client_send_timeout_s`, aborts the request on both nodes.
 //! 6. A stop string matched by the router's detokenizer ends the request and aborts D.
+//!
+//! A node that looks gone (`Unavailable`, `Timeout`) gets its `Abort` without the router waiting
+//! for the answer, so the client's answer or the retry never waits on a frozen node.
 
-use super::decode_watch::DecodeWatch;
-use super::{GenEvent, GenRequest, InflightGuard, Router, Usage};
+use super::attempt::{Abort, Event, Flow, Then};
+use super::node_watch::NodeWatch;
+use super::{GenEvent, GenRequest, InflightGuard, Router, SUSPECT_FOR, Usage};
 use crate::error::{RouterError, Step};
 use crate::membership::Worker;
 use crate::node::{DecodeCall, PrefillCall, PrefillOutcome, ReserveKv};
@@ -107,7 +115,7 @@ pub(super) async fn run(
                 completion_tokens: progress.tokens,
                 cached_tokens: progress.cached,
             };
-            let _ = tx.send(GenEvent::Done { finish, usage }).await;
+            let _ = send(&tx, GenEvent::Done { finish, usage }, send_limit(&router)).await;
             let e2e = start.elapsed();
             mx.observe(m::ROUTER_E2E_SECONDS, &[], e2e.as_secs_f64());
             if let (Some(first), true) = (progress.first_at, progress.tokens > 1) {
@@ -120,7 +128,7 @@ pub(super) async fn run(
         }
         Err(e) => {
             tracing::warn!(request = %id, error = %e, "request failed");
-            let _ = tx.send(GenEvent::Error(e)).await;
+            let _ = send(&tx, GenEvent::Error(e), send_limit(&router)).await;
         }
     }
     mx.inc(
@@ -170,6 +178,27 @@ where
     }
 }
 
+/// The client's deadline to take one event (`router.client_send_timeout_s`).
+fn send_limit(router: &Router) -> Duration {
+    Duration::from_secs(router.deps.config.client_send_timeout_s)
+}
+
+/// Hands `ev` to the client within `limit`; false when it is gone or did not take the event in
+/// time (it stopped reading: treated as gone, so its request is aborted and its slot freed).
+async fn send(tx: &mpsc::Sender<GenEvent>, ev: GenEvent, limit: Duration) -> bool {
+    match tx.send_timeout(ev, limit).await {
+        Ok(()) => true,
+        Err(mpsc::error::SendTimeoutError::Closed(_)) => false,
+        Err(mpsc::error::SendTimeoutError::Timeout(_)) => {
+            tracing::warn!(
+                after_ms = limit.as_millis() as u64,
+                "the client stopped reading; treating it as gone"
+            );
+            false
+        }
+    }
+}
+
 async fn abort(w: &Worker, id: RequestId, reason: &str) {
     match tokio::time::timeout(ABORT_TIMEOUT, w.client.abort(id, reason.to_string())).await {
         Ok(Ok(_)) => {}
@@ -189,18 +218,96 @@ enum PrefillEnd {
     Done(Result<PrefillOutcome, StepErr>),
     /// The decode node went away first; why.
     DecodeLost(String),
+    /// The prefill node went away (its watch said so) before it answered; why.
+    PrefillLost(String),
 }
 
-/// Resolves only when the watched decode node is gone; says why. Never without a watch.
-async fn decode_lost(watch: &mut Option<DecodeWatch>) -> String {
+/// Resolves only when the watched node is gone; says why. Never without a watch.
+async fn node_lost(watch: &mut Option<NodeWatch>) -> String {
     match watch {
         Some(w) => w.lost().await,
         None => std::future::pending().await,
     }
 }
 
-async fn abort_both(p: &Worker, d: &Worker, id: RequestId, reason: &str) {
-    futures::join!(abort(p, id, reason), abort(d, id, reason));
+/// How many attempts (pairs) a request gets: the first and one retry.
+const ATTEMPTS: u32 = 2;
+
+/// How one attempt ended.
+enum End {
+    Exit(Exit),
+    Fail(RouterError),
+    /// Retry on another pair, leaving out this attempt's prefill and/or decode node.
+    Retry {
+        new_prefill: bool,
+        new_decode: bool,
+        err: RouterError,
+    },
+}
+
+/// One attempt's pair and request id: carries out what [`Flow`] decides.
+struct Pair<'a> {
+    router: &'a Router,
+    p: &'a Worker,
+    d: &'a Worker,
+    id: RequestId,
+}
+
+impl Pair<'_> {
+    /// Books `ev` and sends the aborts it calls for; returns what comes next.
+    async fn act(&self, flow: &mut Flow, ev: Event, reason: &'static str) -> Then {
+        let a = flow.on(ev);
+        futures::join!(
+            abort_as(self.router, self.p, self.id, reason, a.prefill),
+            abort_as(self.router, self.d, self.id, reason, a.decode)
+        );
+        a.then
+    }
+
+    /// The attempt failed with `err` (event `ev`).
+    async fn fail(
+        &self,
+        flow: &mut Flow,
+        ev: Event,
+        reason: &'static str,
+        err: RouterError,
+    ) -> End {
+        match self.act(flow, ev, reason).await {
+            Then::Retry {
+                new_prefill,
+                new_decode,
+            } => End::Retry {
+                new_prefill,
+                new_decode,
+                err,
+            },
+            Then::ClientGone => End::Exit(Exit::ClientGone),
+            Then::Go | Then::Fail | Then::Done => End::Fail(err),
+        }
+    }
+
+    /// The client left (or stopped reading).
+    async fn gone(&self, flow: &mut Flow) -> End {
+        self.act(flow, Event::ClientGone, "client disconnected")
+            .await;
+        End::Exit(Exit::ClientGone)
+    }
+}
+
+/// Aborts `id` on `w` the way `how` says.
+async fn abort_as(router: &Router, w: &Worker, id: RequestId, reason: &'static str, how: Abort) {
+    match how {
+        Abort::No => {}
+        Abort::Wait => abort(w, id, reason).await,
+        Abort::Detach => abort_detached(w, id, reason),
+        Abort::DetachSuspect => {
+            router
+                .state
+                .lock()
+                .suspect(w.id(), Instant::now() + SUSPECT_FOR);
+            abort_detached(w, id, reason);
+        }
+    }
 }
 
 async fn drive(
@@ -211,22 +318,18 @@ async fn drive(
     start: Instant,
     progress: &mut Progress,
 ) -> Result<Exit, RouterError> {
-    let cfg = &router.deps.config;
-    let deadline = start + Duration::from_secs(cfg.request_timeout_s);
-    let prefill_timeout = Duration::from_secs(cfg.prefill_timeout_s);
-    let token_timeout = Duration::from_secs(cfg.token_timeout_s);
     let tokens = &req.prompt_token_ids;
-
     let (prefills, decodes) = candidates(router.deps.membership.as_ref());
     let now = Instant::now();
+    let mut flow = Flow::new(ATTEMPTS);
     let mut excluded: Vec<NodeId> = Vec::new();
     let mut excluded_d: Vec<NodeId> = Vec::new();
     let mut last_err: Option<RouterError> = None;
     let mut missing = Role::Prefill;
     let mut req_id = id;
-    // The decode node and its booking; picked again only after it failed a reservation.
+    // The decode node and its booking; picked again only after it failed.
     let mut d_slot: Option<(Worker, Booking<'_>)> = None;
-    for attempt in 0..2 {
+    for attempt in 0..ATTEMPTS {
         if d_slot.is_none() {
             let picked = router
                 .state
@@ -257,274 +360,345 @@ async fn drive(
             };
             prefills[p_idx].clone()
         };
-        let p_booking = Booking::new(router, p.id());
+        if !flow.begin(is_colocated(&d)) {
+            break;
+        }
         if attempt > 0 {
             req_id = RequestId::random();
             tracing::info!(request = %id, retry_id = %req_id, prefill = %p.id(), decode = %d.id(), "retrying on another node");
         }
-
-        let reserve = ReserveKv {
-            request_id: req_id,
-            prefill_node: p.id().clone(),
-            prompt_token_ids: tokens.clone(),
-            max_tokens: req.sampling.max_tokens,
+        let pair = Pair {
+            router,
+            p: &p,
+            d: &d,
+            id: req_id,
         };
-        let target = match step(
-            tx,
-            prefill_timeout,
-            deadline,
-            (Step::ReserveKv, d.id(), req_id),
-            d.client.reserve_kv(reserve),
-        )
-        .await
-        {
-            Ok(t) => t,
-            Err(StepErr::ClientGone) => {
-                abort_both(&p, &d, req_id, "client disconnected").await;
-                return Ok(Exit::ClientGone);
-            }
-            Err(StepErr::Failed(e)) => {
-                abort(&d, req_id, "reserve_kv failed").await;
-                tracing::warn!(request = %req_id, decode = %d.id(), error = %e, "reserve_kv failed");
-                if matches!(
-                    e.kind(),
-                    ErrorKind::InvalidRequest | ErrorKind::ContextLengthExceeded
-                ) {
-                    return Err(e);
+        match run_attempt(&pair, &mut flow, req, tx, start, progress).await {
+            End::Exit(e) => return Ok(e),
+            End::Fail(e) => return Err(e),
+            End::Retry {
+                new_prefill,
+                new_decode,
+                err,
+            } => {
+                tracing::warn!(request = %req_id, prefill = %p.id(), decode = %d.id(), error = %err, "attempt failed");
+                if new_prefill {
+                    excluded.push(p.id().clone());
                 }
-                excluded_d.push(d.id().clone());
-                d_slot = None;
-                last_err = Some(e);
-                continue;
-            }
-        };
-        let secret = target.secret.clone();
-        let call = PrefillCall {
-            request_id: req_id,
-            prompt_token_ids: tokens.clone(),
-            sampling: req.sampling.clone(),
-            target,
-        };
-        let prefill = step(
-            tx,
-            prefill_timeout,
-            deadline,
-            (Step::Prefill, p.id(), req_id),
-            p.client.prefill(call),
-        );
-        // A colocated worker's decode side is the prefilling node itself: nothing to watch.
-        let mut watch = (!is_colocated(&d))
-            .then(|| router.decode_watches.subscribe(&d, &router.deps.membership));
-        let ended = tokio::select! {
-            r = prefill => PrefillEnd::Done(r),
-            why = decode_lost(&mut watch) => PrefillEnd::DecodeLost(why),
-        };
-        // Leave D's watch now: the last request to leave stops it.
-        drop(watch);
-        let outcome = match ended {
-            PrefillEnd::Done(Ok(o)) => o,
-            PrefillEnd::DecodeLost(reason) => {
-                // The prefill call is dropped already; Abort frees what it holds on P. D may be
-                // dead: its Abort is not waited for.
-                abort(&p, req_id, "decode node lost during prefill").await;
-                abort_detached(&d, req_id, "decode node lost during prefill");
-                let e = RouterError::DecodeLost {
-                    node: d.id().clone(),
-                    request: req_id,
-                    reason,
-                };
-                tracing::warn!(request = %req_id, prefill = %p.id(), decode = %d.id(), error = %e, "decode node lost during prefill; prefill aborted");
-                excluded_d.push(d.id().clone());
-                d_slot = None;
-                last_err = Some(e);
-                continue;
-            }
-            PrefillEnd::Done(Err(StepErr::ClientGone)) => {
-                abort_both(&p, &d, req_id, "client disconnected").await;
-                return Ok(Exit::ClientGone);
-            }
-            PrefillEnd::Done(Err(StepErr::Failed(e))) => {
-                abort_both(&p, &d, req_id, "prefill failed").await;
-                let kind = e.kind();
-                tracing::warn!(request = %req_id, prefill = %p.id(), error = %e, "prefill failed");
-                if matches!(
-                    kind,
-                    ErrorKind::InvalidRequest | ErrorKind::ContextLengthExceeded
-                ) {
-                    return Err(e);
-                }
-                excluded.push(p.id().clone());
-                if is_colocated(&d) {
-                    // Its decode side goes with it.
+                if new_decode {
                     excluded_d.push(d.id().clone());
                     d_slot = None;
                 }
-                last_err = Some(e);
-                continue;
+                last_err = Some(err);
             }
-        };
-        drop(p_booking);
-        let mx = &router.metrics;
-        let node = p.id().as_str();
-        mx.inc(
-            m::TRANSFER_BYTES_TOTAL,
-            &[("direction", "sent"), ("node", node)],
-            outcome.transfer_bytes as f64,
-        );
-        mx.observe(
-            m::TRANSFER_SECONDS,
-            &[("node", node)],
-            outcome.transfer_us as f64 / 1e6,
-        );
-        progress.cached = outcome.cached_tokens;
-
-        // The first token.
-        let mut detok = Detokenizer::new(router.deps.tokenizer.as_ref(), req.sampling.stop.clone());
-        let text = match detok.push(&[outcome.first_token_id]) {
-            Ok(t) => t,
-            Err(e) => {
-                abort(&d, req_id, "output does not detokenize").await;
-                return Err(detok_err(e));
-            }
-        };
-        progress.tokens = 1;
-        progress.first_at = Some(Instant::now());
-        mx.observe(m::ROUTER_TTFT_SECONDS, &[], start.elapsed().as_secs_f64());
-        let ev = GenEvent::Tokens {
-            token_ids: vec![outcome.first_token_id],
-            text,
-            logprobs: outcome.first_logprob.clone().into_iter().collect(),
-        };
-        if tx.send(ev).await.is_err() {
-            abort_both(&p, &d, req_id, "client disconnected").await;
-            return Ok(Exit::ClientGone);
         }
-        let early = if detok.stopped() {
-            Some(FinishReason::Stop)
-        } else if req.sampling.max_tokens <= 1 {
-            Some(outcome.finish.unwrap_or(FinishReason::Length))
-        } else {
-            outcome.finish
-        };
-        if let Some(finish) = early {
-            abort(&d, req_id, "finished at the first token").await;
-            return finish_text(tx, &mut detok, finish).await;
-        }
+    }
+    Err(last_err.unwrap_or(RouterError::NoNode { role: missing }))
+}
 
-        let call = DecodeCall {
-            request_id: req_id,
-            secret,
-            first_token_id: outcome.first_token_id,
-            first_logprob: outcome.first_logprob,
-            sampling: req.sampling.clone(),
-            prompt_token_ids: tokens.clone(),
-        };
-        let mut stream = match step(
-            tx,
-            token_timeout,
-            deadline,
-            (Step::Decode, d.id(), req_id),
-            d.client.decode(call),
+/// One attempt on `pair`: reserve, prefill (the decode node watched), the first token, the
+/// stream. Every exit goes through `flow`, which says what to abort and what comes next.
+async fn run_attempt(
+    pair: &Pair<'_>,
+    flow: &mut Flow,
+    req: &GenRequest,
+    tx: &mpsc::Sender<GenEvent>,
+    start: Instant,
+    progress: &mut Progress,
+) -> End {
+    let router = pair.router;
+    let (p, d, req_id) = (pair.p, pair.d, pair.id);
+    let cfg = &router.deps.config;
+    let deadline = start + Duration::from_secs(cfg.request_timeout_s);
+    let prefill_timeout = Duration::from_secs(cfg.prefill_timeout_s);
+    let token_timeout = Duration::from_secs(cfg.token_timeout_s);
+    let client_limit = send_limit(router);
+    let tokens = &req.prompt_token_ids;
+    let p_booking = Booking::new(router, p.id());
+
+    let reserve = ReserveKv {
+        request_id: req_id,
+        prefill_node: p.id().clone(),
+        prompt_token_ids: tokens.clone(),
+        max_tokens: req.sampling.max_tokens,
+    };
+    let reserved = step(
+        tx,
+        prefill_timeout,
+        deadline,
+        (Step::ReserveKv, d.id(), req_id),
+        d.client.reserve_kv(reserve),
+    )
+    .await;
+    let target = match reserved {
+        Ok(t) => t,
+        Err(StepErr::ClientGone) => return pair.gone(flow).await,
+        Err(StepErr::Failed(e)) => {
+            return pair
+                .fail(flow, Event::ReserveFailed(e.kind()), "reserve_kv failed", e)
+                .await;
+        }
+    };
+    flow.on(Event::Reserved);
+
+    let secret = target.secret.clone();
+    let call = PrefillCall {
+        request_id: req_id,
+        prompt_token_ids: tokens.clone(),
+        sampling: req.sampling.clone(),
+        target,
+    };
+    let prefill = step(
+        tx,
+        prefill_timeout,
+        deadline,
+        (Step::Prefill, p.id(), req_id),
+        p.client.prefill(call),
+    );
+    // Both nodes watched while P computes. A colocated worker (P == D) is not: it answers its
+    // own call, and its channel's keepalive covers a frozen process.
+    let membership = &router.deps.membership;
+    let watched = !is_colocated(d);
+    let mut d_watch = watched.then(|| router.watches.subscribe(d, Role::Decode, membership));
+    let mut p_watch = watched.then(|| router.watches.subscribe(p, Role::Prefill, membership));
+    let ended = tokio::select! {
+        r = prefill => PrefillEnd::Done(r),
+        why = node_lost(&mut d_watch) => PrefillEnd::DecodeLost(why),
+        why = node_lost(&mut p_watch) => PrefillEnd::PrefillLost(why),
+    };
+    // Leave P's watch now (the last request to leave stops it); D's goes on for the stream.
+    drop(p_watch);
+    let outcome = match ended {
+        PrefillEnd::Done(Ok(o)) => o,
+        PrefillEnd::Done(Err(StepErr::ClientGone)) => return pair.gone(flow).await,
+        PrefillEnd::Done(Err(StepErr::Failed(e))) => {
+            return pair
+                .fail(flow, Event::PrefillFailed(e.kind()), "prefill failed", e)
+                .await;
+        }
+        PrefillEnd::PrefillLost(reason) => {
+            let e = RouterError::Node {
+                step: Step::Prefill,
+                node: p.id().clone(),
+                request: req_id,
+                source: crate::error::NodeError::new(
+                    ErrorKind::Unavailable,
+                    format!("prefill node lost: {reason}"),
+                ),
+            };
+            return pair
+                .fail(flow, Event::PrefillFailed(e.kind()), "prefill node lost", e)
+                .await;
+        }
+        PrefillEnd::DecodeLost(reason) => {
+            // The prefill call is dropped already; Abort frees what it holds on P.
+            let e = RouterError::DecodeLost {
+                node: d.id().clone(),
+                request: req_id,
+                reason,
+            };
+            return pair
+                .fail(
+                    flow,
+                    Event::DecodeLost,
+                    "decode node lost during prefill",
+                    e,
+                )
+                .await;
+        }
+    };
+    drop(p_booking);
+    let mx = &router.metrics;
+    let node = p.id().as_str();
+    mx.inc(
+        m::TRANSFER_BYTES_TOTAL,
+        &[("direction", "sent"), ("node", node)],
+        outcome.transfer_bytes as f64,
+    );
+    mx.observe(
+        m::TRANSFER_SECONDS,
+        &[("node", node)],
+        outcome.transfer_us as f64 / 1e6,
+    );
+    progress.cached = outcome.cached_tokens;
+
+    // The first token.
+    let mut detok = Detokenizer::new(router.deps.tokenizer.as_ref(), req.sampling.stop.clone());
+    let text = match detok.push(&[outcome.first_token_id]) {
+        Ok(t) => t,
+        Err(e) => {
+            flow.on(Event::Prefilled { finished: false });
+            let e = detok_err(e);
+            return pair
+                .fail(
+                    flow,
+                    Event::DecodeFailed(e.kind()),
+                    "output does not detokenize",
+                    e,
+                )
+                .await;
+        }
+    };
+    progress.tokens = 1;
+    progress.first_at = Some(Instant::now());
+    mx.observe(m::ROUTER_TTFT_SECONDS, &[], start.elapsed().as_secs_f64());
+    let ev = GenEvent::Tokens {
+        token_ids: vec![outcome.first_token_id],
+        text,
+        logprobs: outcome.first_logprob.clone().into_iter().collect(),
+    };
+    if !send(tx, ev, client_limit).await {
+        return pair.gone(flow).await;
+    }
+    let early = if detok.stopped() {
+        Some(FinishReason::Stop)
+    } else if req.sampling.max_tokens <= 1 {
+        Some(outcome.finish.unwrap_or(FinishReason::Length))
+    } else {
+        outcome.finish
+    };
+    if let Some(finish) = early {
+        pair.act(
+            flow,
+            Event::Prefilled { finished: true },
+            "finished at the first token",
         )
-        .await
-        {
-            Ok(s) => s,
-            Err(StepErr::ClientGone) => {
-                abort_both(&p, &d, req_id, "client disconnected").await;
-                return Ok(Exit::ClientGone);
-            }
-            Err(StepErr::Failed(e)) => {
-                abort(&d, req_id, "decode failed").await;
-                return Err(e);
-            }
-        };
-        loop {
-            let next = step(
+        .await;
+        return finish_text(tx, &mut detok, finish, client_limit).await;
+    }
+    flow.on(Event::Prefilled { finished: false });
+
+    let call = DecodeCall {
+        request_id: req_id,
+        secret,
+        first_token_id: outcome.first_token_id,
+        first_logprob: outcome.first_logprob,
+        sampling: req.sampling.clone(),
+        prompt_token_ids: tokens.clone(),
+    };
+    let opened = step(
+        tx,
+        token_timeout,
+        deadline,
+        (Step::Decode, d.id(), req_id),
+        d.client.decode(call),
+    )
+    .await;
+    let mut stream = match opened {
+        Ok(s) => s,
+        Err(StepErr::ClientGone) => return pair.gone(flow).await,
+        Err(StepErr::Failed(e)) => {
+            return pair
+                .fail(flow, Event::DecodeFailed(e.kind()), "decode failed", e)
+                .await;
+        }
+    };
+    loop {
+        let next = tokio::select! {
+            r = step(
                 tx,
                 token_timeout,
                 deadline,
                 (Step::Decode, d.id(), req_id),
                 async { Ok::<_, crate::error::NodeError>(stream.next().await) },
-            )
-            .await;
-            let chunk = match next {
-                Err(StepErr::ClientGone) => {
-                    drop(stream);
-                    abort_both(&p, &d, req_id, "client disconnected").await;
-                    return Ok(Exit::ClientGone);
-                }
-                Err(StepErr::Failed(e)) => {
-                    drop(stream);
-                    abort(&d, req_id, "decode stalled").await;
-                    return Err(e);
-                }
-                Ok(None) => {
-                    abort(&d, req_id, "decode stream ended early").await;
-                    return Err(decode_err(
-                        d.id(),
-                        req_id,
-                        "the decode stream ended without a finish reason",
-                    ));
-                }
-                Ok(Some(Err(e))) => {
-                    drop(stream);
-                    abort(&d, req_id, "decode stream failed").await;
-                    return Err(RouterError::Node {
-                        step: Step::Decode,
-                        node: d.id().clone(),
-                        request: req_id,
-                        source: e,
-                    });
-                }
-                Ok(Some(Ok(c))) => c,
+            ) => r,
+            why = node_lost(&mut d_watch) => Err(StepErr::Failed(decode_err(
+                d.id(),
+                req_id,
+                &format!("decode node lost: {why}"),
+            ))),
+        };
+        let chunk = match next {
+            Ok(Some(Ok(c))) => c,
+            Err(StepErr::ClientGone) => {
+                drop(stream);
+                return pair.gone(flow).await;
+            }
+            failed => {
+                drop(stream);
+                let (e, reason) = match failed {
+                    Err(StepErr::Failed(e)) => (e, "decode stalled"),
+                    Ok(Some(Err(source))) => (
+                        RouterError::Node {
+                            step: Step::Decode,
+                            node: d.id().clone(),
+                            request: req_id,
+                            source,
+                        },
+                        "decode stream failed",
+                    ),
+                    _ => (
+                        decode_err(
+                            d.id(),
+                            req_id,
+                            "the decode stream ended without a finish reason",
+                        ),
+                        "decode stream ended early",
+                    ),
+                };
+                return pair
+                    .fail(flow, Event::DecodeFailed(e.kind()), reason, e)
+                    .await;
+            }
+        };
+        if chunk.finish == Some(FinishReason::Error) {
+            let source = chunk.error.unwrap_or_else(|| {
+                crate::error::NodeError::new(ErrorKind::Internal, "decode failed without detail")
+            });
+            let e = RouterError::Node {
+                step: Step::Decode,
+                node: d.id().clone(),
+                request: req_id,
+                source,
             };
-            if chunk.finish == Some(FinishReason::Error) {
-                abort(&d, req_id, "decode reported an error").await;
-                let source = chunk.error.unwrap_or_else(|| {
-                    crate::error::NodeError::new(
-                        ErrorKind::Internal,
-                        "decode failed without detail",
-                    )
-                });
-                return Err(RouterError::Node {
-                    step: Step::Decode,
-                    node: d.id().clone(),
-                    request: req_id,
-                    source,
-                });
-            }
-            if !chunk.token_ids.is_empty() {
-                progress.tokens += chunk.token_ids.len() as u32;
-                let text = match detok.push(&chunk.token_ids) {
-                    Ok(t) => t,
-                    Err(e) => {
-                        drop(stream);
-                        abort(&d, req_id, "output does not detokenize").await;
-                        return Err(detok_err(e));
-                    }
-                };
-                let ev = GenEvent::Tokens {
-                    token_ids: chunk.token_ids,
-                    text,
-                    logprobs: chunk.logprobs,
-                };
-                if tx.send(ev).await.is_err() {
+            // D answered: wait for its Abort whatever the error says.
+            return pair
+                .fail(
+                    flow,
+                    Event::DecodeFailed(ErrorKind::Internal),
+                    "decode reported an error",
+                    e,
+                )
+                .await;
+        }
+        if !chunk.token_ids.is_empty() {
+            progress.tokens += chunk.token_ids.len() as u32;
+            let text = match detok.push(&chunk.token_ids) {
+                Ok(t) => t,
+                Err(e) => {
                     drop(stream);
-                    abort_both(&p, &d, req_id, "client disconnected").await;
-                    return Ok(Exit::ClientGone);
+                    let e = detok_err(e);
+                    return pair
+                        .fail(
+                            flow,
+                            Event::DecodeFailed(e.kind()),
+                            "output does not detokenize",
+                            e,
+                        )
+                        .await;
                 }
-                if detok.stopped() {
-                    drop(stream);
-                    abort(&d, req_id, "stop string matched").await;
-                    return Ok(Exit::Done(FinishReason::Stop));
-                }
+            };
+            let ev = GenEvent::Tokens {
+                token_ids: chunk.token_ids,
+                text,
+                logprobs: chunk.logprobs,
+            };
+            if !send(tx, ev, client_limit).await {
+                drop(stream);
+                return pair.gone(flow).await;
             }
-            if let Some(finish) = chunk.finish {
-                return finish_text(tx, &mut detok, finish).await;
+            if detok.stopped() {
+                drop(stream);
+                pair.act(flow, Event::StopMatched, "stop string matched")
+                    .await;
+                return End::Exit(Exit::Done(FinishReason::Stop));
             }
         }
+        if let Some(finish) = chunk.finish {
+            flow.on(Event::Finished);
+            return finish_text(tx, &mut detok, finish, client_limit).await;
+        }
     }
-    Err(last_err.unwrap_or(RouterError::NoNode { role: missing }))
 }
 
 /// A worker that serves both phases itself on its node API: role `All` with `colocated` set
@@ -576,7 +750,8 @@ async fn finish_text(
     tx: &mpsc::Sender<GenEvent>,
     detok: &mut Detokenizer<'_>,
     finish: FinishReason,
-) -> Result<Exit, RouterError> {
+    client_limit: Duration,
+) -> End {
     let rest = detok.finish();
     if !rest.is_empty() {
         let ev = GenEvent::Tokens {
@@ -584,9 +759,9 @@ async fn finish_text(
             text: rest,
             logprobs: Vec::new(),
         };
-        if tx.send(ev).await.is_err() {
-            return Ok(Exit::ClientGone);
+        if !send(tx, ev, client_limit).await {
+            return End::Exit(Exit::ClientGone);
         }
     }
-    Ok(Exit::Done(finish))
+    End::Exit(Exit::Done(finish))
 }

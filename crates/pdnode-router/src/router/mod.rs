@@ -4,8 +4,9 @@
 //! [`GenEvent`]s on a channel. Dropping the receiver is how a frontend says its client went away:
 //! the flow notices at once and aborts the request on both nodes.
 
-mod decode_watch;
+mod attempt;
 mod flow;
+mod node_watch;
 mod state;
 
 pub use state::RouterState;
@@ -19,11 +20,16 @@ use parking_lot::Mutex;
 use pdnode_core::config::RouterConfig;
 use pdnode_core::metrics as m;
 use pdnode_core::request::TokenLogprob;
-use pdnode_core::{FinishReason, NodeId, RequestId, Role, SamplingParams};
+use pdnode_core::{ErrorKind, FinishReason, NodeId, RequestId, Role, SamplingParams};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
 use tokio::sync::mpsc;
+
+/// How long new picks avoid a node after it looked unreachable: a call or a step's deadline
+/// failed on it (connection lost: its channel's keepalive went unanswered), or its `Stats` did
+/// (`UNAVAILABLE`: e.g. its engine stalled; or no answer within the refresh's deadline).
+pub(crate) const SUSPECT_FOR: Duration = Duration::from_secs(5);
 
 /// What the frontends say about the served model.
 #[derive(Debug, Clone, PartialEq)]
@@ -91,8 +97,8 @@ pub struct Router {
     pub(crate) deps: RouterDeps,
     pub(crate) state: Mutex<RouterState>,
     pub(crate) metrics: Arc<Metrics>,
-    /// One liveness watch per decode node some prefill is waiting on.
-    pub(crate) decode_watches: decode_watch::DecodeWatches,
+    /// One liveness watch per node some request is waiting on.
+    pub(crate) watches: node_watch::NodeWatches,
     inflight: Arc<AtomicU32>,
     draining: AtomicBool,
 }
@@ -126,7 +132,7 @@ impl Router {
             deps,
             state: Mutex::new(RouterState::new(prefill, decode)),
             metrics,
-            decode_watches: decode_watch::DecodeWatches::default(),
+            watches: node_watch::NodeWatches::default(),
             inflight: Arc::new(AtomicU32::new(0)),
             draining: AtomicBool::new(false),
         })
@@ -145,9 +151,15 @@ impl Router {
     }
 
     /// Decode-node liveness watches running now: one task per decode node that some request's
-    /// prefill is waiting on, however many requests wait on it; 0 once none does.
+    /// prefill or stream is waiting on, however many requests wait on it; 0 once none does.
     pub fn decode_watches(&self) -> usize {
-        self.decode_watches.tasks()
+        self.watches.tasks(Role::Decode)
+    }
+
+    /// Prefill-node liveness watches running now: one task per prefill node some request's
+    /// prefill is waiting on; 0 once none does.
+    pub fn prefill_watches(&self) -> usize {
+        self.watches.tasks(Role::Prefill)
     }
 
     /// Stops admitting requests (shutdown); those in flight go on.
@@ -240,6 +252,7 @@ impl Router {
     pub async fn refresh_stats(&self, timeout: Duration) {
         let mut present: Vec<NodeId> = Vec::new();
         let mut rows = Vec::new();
+        let mut down: Vec<NodeId> = Vec::new();
         for role in [Role::Prefill, Role::Decode] {
             let workers = self.deps.membership.workers(role);
             self.metrics.set(
@@ -249,8 +262,16 @@ impl Router {
             );
             for w in workers {
                 present.push(w.id().clone());
-                if let Ok(Ok(s)) = tokio::time::timeout(timeout, w.client.stats()).await {
-                    rows.push((w.id().clone(), s));
+                match tokio::time::timeout(timeout, w.client.stats()).await {
+                    Ok(Ok(s)) => rows.push((w.id().clone(), s)),
+                    // Unreachable, its engine stalled (UNAVAILABLE), or no answer in time: new
+                    // picks avoid it for a while.
+                    Ok(Err(e)) if matches!(e.kind, ErrorKind::Unavailable | ErrorKind::Timeout) => {
+                        tracing::debug!(node = %w.id(), error = %e, "stats: node unavailable");
+                        down.push(w.id().clone());
+                    }
+                    Err(_) => down.push(w.id().clone()),
+                    Ok(Err(_)) => {}
                 }
             }
         }
@@ -264,6 +285,10 @@ impl Router {
         }
         let mut st = self.state.lock();
         st.retain_stats(&present);
+        let until = std::time::Instant::now() + SUSPECT_FOR;
+        for id in &down {
+            st.suspect(id, until);
+        }
         for (id, s) in rows {
             let node = id.as_str();
             let l = [("node", node)];

@@ -14,6 +14,9 @@ pub struct RouterState {
     /// Requests the router has in flight on each node.
     booked: HashMap<NodeId, u32>,
     stats: HashMap<NodeId, NodeStats>,
+    /// Nodes that lately failed as unreachable (connection lost, no answer), until when: picked
+    /// only when no other candidate is left.
+    suspect: HashMap<NodeId, Instant>,
 }
 
 impl RouterState {
@@ -23,6 +26,7 @@ impl RouterState {
             decode,
             booked: HashMap::new(),
             stats: HashMap::new(),
+            suspect: HashMap::new(),
         }
     }
 
@@ -40,8 +44,19 @@ impl RouterState {
         }
     }
 
+    /// Marks `id` unreachable until `until`: new picks avoid it while another candidate exists.
+    pub fn suspect(&mut self, id: &NodeId, until: Instant) {
+        self.suspect.insert(id.clone(), until);
+    }
+
+    /// Whether `id` is marked unreachable at `now`.
+    pub fn is_suspect(&self, id: &NodeId, now: Instant) -> bool {
+        self.suspect.get(id).is_some_and(|&t| now < t)
+    }
+
     /// Picks a worker of `role` among `workers` minus `exclude` with that role's policy; the
-    /// answer indexes `workers`.
+    /// answer indexes `workers`. Nodes marked unreachable ([`Self::suspect`]) are left out while
+    /// any other candidate remains.
     pub fn pick(
         &mut self,
         role: Role,
@@ -50,9 +65,16 @@ impl RouterState {
         exclude: &[NodeId],
         now: Instant,
     ) -> Option<usize> {
-        let candidates: Vec<usize> = (0..workers.len())
+        self.suspect.retain(|_, t| now < *t);
+        let mut candidates: Vec<usize> = (0..workers.len())
             .filter(|&i| !exclude.contains(workers[i].id()))
             .collect();
+        if candidates
+            .iter()
+            .any(|&i| !self.is_suspect(workers[i].id(), now))
+        {
+            candidates.retain(|&i| !self.is_suspect(workers[i].id(), now));
+        }
         let loads: Vec<WorkerLoad> = candidates
             .iter()
             .map(|&i| self.load_of(workers[i].id()))
@@ -141,5 +163,33 @@ mod tests {
         assert_eq!(st.pick(Role::Prefill, &ws, &[], &ex, now), Some(1));
         let ex = [NodeId::new("d0"), NodeId::new("d1")];
         assert_eq!(st.pick(Role::Prefill, &ws, &[], &ex, now), None);
+    }
+
+    #[test]
+    fn unreachable_nodes_are_avoided_until_their_mark_ends_or_nothing_else_is_left() {
+        let mut st = RouterState::new(
+            Box::new(RoundRobinPolicy::default()),
+            Box::new(RoundRobinPolicy::default()),
+        );
+        let ws = vec![
+            FakeNode::new("p0").worker(Role::Prefill),
+            FakeNode::new("p1").worker(Role::Prefill),
+        ];
+        let now = Instant::now();
+        let until = now + std::time::Duration::from_secs(5);
+        st.suspect(ws[0].id(), until);
+        for _ in 0..6 {
+            assert_eq!(st.pick(Role::Prefill, &ws, &[], &[], now), Some(1));
+        }
+        // The other one excluded: the suspect is still better than nothing.
+        let ex = [NodeId::new("p1")];
+        assert_eq!(st.pick(Role::Prefill, &ws, &[], &ex, now), Some(0));
+        // The mark ends.
+        let later = until;
+        let picks: Vec<_> = (0..4)
+            .filter_map(|_| st.pick(Role::Prefill, &ws, &[], &[], later))
+            .collect();
+        assert!(picks.contains(&0) && picks.contains(&1), "{picks:?}");
+        assert!(!st.is_suspect(ws[0].id(), later));
     }
 }

@@ -1,9 +1,11 @@
-//! The decode-liveness watch: while a prefill runs, is its decode node still there?
+//! Node liveness watches: while a request waits on a node (its decode node during prefill and
+//! during the stream, its prefill node during prefill), is that node still there?
 //!
-//! One watch per decode node (and process start), shared by every request whose prefill waits
-//! on that node, instead of one probe loop per request: however many prefills are in flight
-//! against D, D gets one membership check every [`MEMBERSHIP_CHECK`] and at most one `Stats`
-//! liveness probe every [`PROBE_EVERY`].
+//! One watch per node (role and process start), shared by every request waiting on that node,
+//! instead of one probe loop per request: however many requests wait on a node, it gets one
+//! membership check every [`MEMBERSHIP_CHECK`] and at most one `Stats` liveness probe every
+//! [`PROBE_EVERY`]. A node's `Stats` answers `UNAVAILABLE` once its engine stopped reporting
+//! (pdnode-node), so a wedged engine behind a live process is found too.
 //!
 //! - [`DecodeWatches::subscribe`] joins D's watch, starting its task on the first subscriber.
 //!   The returned [`DecodeWatch`] resolves [`DecodeWatch::lost`] once D is judged gone; dropping
@@ -16,7 +18,7 @@
 //! - A verdict ends the watch: every subscriber of that moment sees it, and a request that
 //!   picks D afterwards starts a fresh watch (a fresh judgement) as it did before the sharing.
 //!
-//! [`NodeWatch`] holds the decisions, synchronous and unit-tested; the task does the I/O.
+//! [`WatchState`] holds the decisions, synchronous and unit-tested; the task does the I/O.
 
 use crate::error::NodeError;
 use crate::membership::{Membership, Worker};
@@ -68,9 +70,9 @@ impl ProbeAnswer {
     }
 }
 
-/// The decision state of one decode node's watch. No I/O.
+/// The decision state of one node's watch. No I/O.
 #[derive(Debug, Default)]
-pub(crate) struct NodeWatch {
+pub(crate) struct WatchState {
     /// Subscriber id -> when it started watching.
     watchers: HashMap<u64, Instant>,
     /// Probes in a row that got no answer.
@@ -79,7 +81,7 @@ pub(crate) struct NodeWatch {
     last_probe: Option<Instant>,
 }
 
-impl NodeWatch {
+impl WatchState {
     pub(crate) fn add(&mut self, id: u64, since: Instant) {
         self.watchers.insert(id, since);
     }
@@ -133,27 +135,34 @@ impl NodeWatch {
     }
 }
 
-/// A decode node process: id and start time (a restart under the same id is another node).
+/// A node process in a role: id and start time (a restart under the same id is another node).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct WatchKey {
     node: NodeId,
     started_at_ms: u64,
+    role: Role,
 }
 
 impl WatchKey {
-    fn of(w: &Worker) -> Self {
+    fn of(w: &Worker, role: Role) -> Self {
         Self {
             node: w.id().clone(),
             started_at_ms: w.card.started_at_ms,
+            role,
         }
     }
+}
+
+/// Index of a role's task counter.
+fn slot(role: Role) -> usize {
+    usize::from(role == Role::Decode)
 }
 
 /// A watched node: its decisions, the channel its verdict goes out on and its task.
 struct Entry {
     /// Tells this watch from a later one of the same node.
     generation: u64,
-    watch: NodeWatch,
+    watch: WatchState,
     lost: watch::Sender<Option<Arc<str>>>,
     task: AbortHandle,
 }
@@ -162,8 +171,8 @@ struct Entry {
 struct Shared {
     nodes: Mutex<HashMap<WatchKey, Entry>>,
     next_id: AtomicU64,
-    /// Watch tasks alive (spawned and not yet ended or dropped).
-    tasks: AtomicUsize,
+    /// Watch tasks alive (spawned and not yet ended or dropped), of prefill and decode nodes.
+    tasks: [AtomicUsize; 2],
 }
 
 impl Shared {
@@ -172,7 +181,7 @@ impl Shared {
         &self,
         key: &WatchKey,
         generation: u64,
-        f: impl FnOnce(&mut NodeWatch) -> T,
+        f: impl FnOnce(&mut WatchState) -> T,
     ) -> Option<T> {
         let mut nodes = self.nodes.lock();
         match nodes.get_mut(key) {
@@ -193,39 +202,44 @@ impl Shared {
 }
 
 /// Counts a watch task from its spawn to its end, however it ends (even dropped unpolled).
-struct TaskAlive(Arc<Shared>);
+struct TaskAlive(Arc<Shared>, usize);
 
 impl TaskAlive {
-    fn new(s: &Arc<Shared>) -> Self {
-        s.tasks.fetch_add(1, Ordering::AcqRel);
-        Self(s.clone())
+    fn new(s: &Arc<Shared>, role: Role) -> Self {
+        s.tasks[slot(role)].fetch_add(1, Ordering::AcqRel);
+        Self(s.clone(), slot(role))
     }
 }
 
 impl Drop for TaskAlive {
     fn drop(&mut self) {
-        self.0.tasks.fetch_sub(1, Ordering::AcqRel);
+        self.0.tasks[self.1].fetch_sub(1, Ordering::AcqRel);
     }
 }
 
-/// The router's decode-node watches, one per node being waited on.
+/// The router's node watches, one per node (and role) being waited on.
 #[derive(Default)]
-pub(crate) struct DecodeWatches {
+pub(crate) struct NodeWatches {
     shared: Arc<Shared>,
 }
 
-impl DecodeWatches {
-    /// Joins the watch of decode node `d`, starting it if nobody watches `d` yet. Must be called
-    /// inside a tokio runtime.
-    pub(crate) fn subscribe(&self, d: &Worker, membership: &Arc<dyn Membership>) -> DecodeWatch {
+impl NodeWatches {
+    /// Joins the watch of node `d` in `role`, starting it if nobody watches it yet. Must be
+    /// called inside a tokio runtime.
+    pub(crate) fn subscribe(
+        &self,
+        d: &Worker,
+        role: Role,
+        membership: &Arc<dyn Membership>,
+    ) -> NodeWatch {
         let s = &self.shared;
         let id = s.next_id.fetch_add(1, Ordering::Relaxed);
-        let key = WatchKey::of(d);
+        let key = WatchKey::of(d, role);
         let now = Instant::now();
         let mut nodes = s.nodes.lock();
         if let Some(e) = nodes.get_mut(&key) {
             e.watch.add(id, now);
-            return DecodeWatch {
+            return NodeWatch {
                 shared: s.clone(),
                 key,
                 generation: e.generation,
@@ -235,10 +249,10 @@ impl DecodeWatches {
         }
         let generation = id;
         let (tx, rx) = watch::channel(None);
-        let mut w = NodeWatch::default();
+        let mut w = WatchState::default();
         w.add(id, now);
         // The entry goes in under the same lock, before the task can look for it.
-        let alive = TaskAlive::new(s);
+        let alive = TaskAlive::new(s, role);
         let task = tokio::spawn(run_watch(
             alive,
             key.clone(),
@@ -255,7 +269,7 @@ impl DecodeWatches {
                 task: task.abort_handle(),
             },
         );
-        DecodeWatch {
+        NodeWatch {
             shared: s.clone(),
             key,
             generation,
@@ -264,14 +278,14 @@ impl DecodeWatches {
         }
     }
 
-    /// Watch tasks alive now: one per decode node some prefill is waiting on.
-    pub(crate) fn tasks(&self) -> usize {
-        self.shared.tasks.load(Ordering::Acquire)
+    /// Watch tasks alive now of nodes in `role`: one per node some request is waiting on.
+    pub(crate) fn tasks(&self, role: Role) -> usize {
+        self.shared.tasks[slot(role)].load(Ordering::Acquire)
     }
 }
 
-/// One request's subscription to a decode node's watch; dropping it leaves the watch.
-pub(crate) struct DecodeWatch {
+/// One request's subscription to a node's watch; dropping it leaves the watch.
+pub(crate) struct NodeWatch {
     shared: Arc<Shared>,
     key: WatchKey,
     generation: u64,
@@ -279,7 +293,7 @@ pub(crate) struct DecodeWatch {
     lost: watch::Receiver<Option<Arc<str>>>,
 }
 
-impl DecodeWatch {
+impl NodeWatch {
     /// Resolves only when the node is judged gone; says why.
     pub(crate) async fn lost(&mut self) -> String {
         let why = match self.lost.wait_for(Option::is_some).await {
@@ -295,7 +309,7 @@ impl DecodeWatch {
     }
 }
 
-impl Drop for DecodeWatch {
+impl Drop for NodeWatch {
     fn drop(&mut self) {
         let mut nodes = self.shared.nodes.lock();
         let last = match nodes.get_mut(&self.key) {
@@ -311,9 +325,9 @@ impl Drop for DecodeWatch {
     }
 }
 
-/// Whether `d` (same id, same process start) still serves decode in the membership view.
-fn still_member(m: &dyn Membership, d: &Worker) -> bool {
-    m.workers(Role::Decode)
+/// Whether `d` (same id, same process start) still serves `role` in the membership view.
+fn still_member(m: &dyn Membership, d: &Worker, role: Role) -> bool {
+    m.workers(role)
         .iter()
         .any(|w| w.id() == d.id() && w.card.started_at_ms == d.card.started_at_ms)
 }
@@ -334,7 +348,7 @@ async fn answer(p: &mut Option<BoxFuture<'static, ProbeAnswer>>) -> ProbeAnswer 
 }
 
 /// The watch of one decode node: a membership check every [`MEMBERSHIP_CHECK`] and the
-/// probes [`NodeWatch`] asks for, running alongside. Ends with a verdict, or when its entry is
+/// probes [`WatchState`] asks for, running alongside. Ends with a verdict, or when its entry is
 /// gone (the last subscriber left; that also aborts it).
 async fn run_watch(
     alive: TaskAlive,
@@ -351,7 +365,7 @@ async fn run_watch(
     loop {
         let verdict = tokio::select! {
             _ = tick.tick() => {
-                (!still_member(membership.as_ref(), &d)).then(|| LEFT_MEMBERSHIP.to_string())
+                (!still_member(membership.as_ref(), &d, key.role)).then(|| LEFT_MEMBERSHIP.to_string())
             }
             a = answer(&mut in_flight) => {
                 in_flight = None;
@@ -365,7 +379,7 @@ async fn run_watch(
             }
         };
         if let Some(why) = verdict {
-            tracing::info!(node = %d.id(), reason = %why, "decode node lost");
+            tracing::info!(node = %d.id(), role = key.role.as_str(), reason = %why, "node lost");
             shared.conclude(&key, generation, why);
             return;
         }
@@ -390,7 +404,7 @@ mod tests {
     #[test]
     fn probes_start_once_a_watcher_waited_a_period_then_one_per_period() {
         let t0 = Instant::now();
-        let mut w = NodeWatch::default();
+        let mut w = WatchState::default();
         assert!(!w.start_probe(t0 + PROBE_EVERY), "nobody watches: no probe");
         w.add(1, t0);
         assert!(
@@ -419,7 +433,7 @@ mod tests {
     #[test]
     fn young_watchers_alone_send_no_probe() {
         let t0 = Instant::now();
-        let mut w = NodeWatch::default();
+        let mut w = WatchState::default();
         // Overlapping short prefills: each leaves before it waited a period.
         for i in 0..20u64 {
             let at = t0 + Duration::from_millis(100 * i);
@@ -433,7 +447,7 @@ mod tests {
 
     #[test]
     fn verdicts_follow_the_documented_rules() {
-        let mut w = NodeWatch::default();
+        let mut w = WatchState::default();
         assert_eq!(w.probe_answered(ProbeAnswer::NoAnswer), None);
         assert_eq!(w.probe_answered(ProbeAnswer::NoAnswer), None);
         // An answer, even an error, resets the count.
@@ -449,7 +463,7 @@ mod tests {
         let why = w.probe_answered(ProbeAnswer::NoAnswer).expect("gone");
         assert!(why.contains("3 liveness probes in a row"), "{why}");
 
-        let mut w = NodeWatch::default();
+        let mut w = WatchState::default();
         let why = w
             .probe_answered(ProbeAnswer::Unreachable(err(ErrorKind::Unavailable)))
             .expect("gone");

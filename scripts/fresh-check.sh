@@ -12,7 +12,7 @@
 # 3. The host's Rust toolchain, bind-mounted read-only (the toolchain is not what is checked; the
 #    system packages are), and the host's crate download cache (crates, not system packages).
 #    The apt and pip client settings of this machine are copied in: a fresh machine of this kind
-#    has them.
+#    has them, and its local certificate authorities.
 # 4. Inside (unshare: own mount and PID namespaces, so every process it starts dies with it):
 #    setup    scripts/setup.sh
 #    run      the README's first command, until the README's curl example is answered with Paris

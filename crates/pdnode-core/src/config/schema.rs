@@ -289,6 +289,8 @@ pub struct RouterConfig {
     pub token_timeout_s: u64,
     /// Requests in flight beyond this are refused with 429.
     pub max_inflight_requests: u32,
+    /// SGLang PD workers to route to instead of pdnode nodes (`[router.sglang]`).
+    pub sglang: super::sglang::SglangConfig,
 }
 
 impl Default for RouterConfig {
@@ -306,6 +308,7 @@ impl Default for RouterConfig {
             prefill_timeout_s: 120,
             token_timeout_s: 60,
             max_inflight_requests: 4096,
+            sglang: super::sglang::SglangConfig::default(),
         }
     }
 }

@@ -44,6 +44,8 @@ pub struct SglangRouter {
     pub(crate) client: reqwest::Client,
     pub(crate) metrics: Metrics,
     pub(crate) api_keys: Vec<String>,
+    max_inflight: u32,
+    inflight: std::sync::atomic::AtomicU32,
 }
 
 /// Headers passed from the client to both workers.
@@ -128,6 +130,8 @@ impl SglangRouter {
             client,
             metrics: Metrics::default(),
             api_keys,
+            max_inflight: router.max_inflight_requests,
+            inflight: std::sync::atomic::AtomicU32::new(0),
             cfg,
         }))
     }
@@ -208,9 +212,29 @@ impl SglangRouter {
         headers: HeaderMap,
         body: Bytes,
     ) -> Response {
-        let resp = self.dispatch(route, &headers, body).await;
+        use std::sync::atomic::Ordering;
+        let before = self.inflight.fetch_add(1, Ordering::AcqRel);
+        // Held until the answer's body is dropped: a stream counts until it ends.
+        let slot = Slot(self.clone());
+        let resp = if before >= self.max_inflight {
+            error_response(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                &format!(
+                    "{} requests in flight (router.max_inflight_requests)",
+                    self.max_inflight
+                ),
+            )
+        } else {
+            self.dispatch(route, &headers, body).await
+        };
         self.metrics.request(route.label(), resp.status().as_u16());
-        resp
+        let (parts, body) = resp.into_parts();
+        let body = Body::from_stream(body.into_data_stream().map(move |chunk| {
+            let _ = &slot;
+            chunk
+        }));
+        Response::from_parts(parts, body)
     }
 
     async fn dispatch(
@@ -655,6 +679,17 @@ impl SglangRouter {
             }
         });
         Body::from_stream(stream)
+    }
+}
+
+/// One request counted in flight on the router.
+struct Slot(Arc<SglangRouter>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0
+            .inflight
+            .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
     }
 }
 

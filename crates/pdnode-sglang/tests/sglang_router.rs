@@ -1,17 +1,15 @@
-//! The SGLang router end to end over **mock** SGLang workers (tests/support/mock_worker.rs) on
+//! The SGLang router end to end over **mock** SGLang workers (`pdnode_testkit::sglang_mock`) on
 //! loopback: every request kind, the bootstrap fields as the decode mock checks them, and the
 //! faults (a killed decode, a hung prefill, malformed answers, HTTP 500) with the breaker
 //! blaming only the worker that failed.
 
-mod support;
-
 use pdnode_core::config::{RouterConfig, SglangDecodeWorker, SglangPrefillWorker};
 use pdnode_sglang::SglangRouter;
+use pdnode_testkit::sglang_mock::{Fault, MockRole, MockWorker, Rendezvous};
 use serde_json::{Value, json};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
-use support::mock_worker::{Fault, MockRole, MockWorker, Rendezvous};
 use tokio_util::sync::CancellationToken;
 
 struct Cluster {
@@ -482,4 +480,25 @@ async fn models_and_info_come_from_the_workers() {
         let r = c.http.get(format!("{}{path}", c.url)).send().await.unwrap();
         assert_eq!(r.status().as_u16(), 200, "{path}");
     }
+}
+
+#[tokio::test]
+async fn requests_past_max_inflight_are_429_while_a_stream_runs() {
+    let c = cluster(1, 1, |cfg| cfg.max_inflight_requests = 1).await;
+    c.decode[0].set_fault(Fault::None);
+    let r = c
+        .http
+        .post(format!("{}/v1/completions", c.url))
+        .json(&json!({"prompt": "a", "max_tokens": 400, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    // The stream is still running (400 tokens at 2 ms): a second request is refused.
+    let (status, text) = c.post("/generate", json!({"text": "a"})).await;
+    assert_eq!(status, 429, "{text}");
+    let body = r.text().await.unwrap();
+    assert!(events(&body).1);
+    let (status, _) = c.post("/generate", json!({"text": "a"})).await;
+    assert_eq!(status, 200, "the slot came back when the stream ended");
 }

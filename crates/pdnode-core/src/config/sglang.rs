@@ -31,6 +31,9 @@ pub struct SglangConfig {
     /// Sent as `Authorization: Bearer <key>` on every request to a worker (sglang-router's
     /// `--api-key`); empty: the client's own `Authorization` header is forwarded.
     pub worker_api_key: String,
+    /// A second listener that serves only `/metrics` (sglang-router's `--prometheus-host` /
+    /// `--prometheus-port`); empty: none (`/metrics` is on `router.http_listen` either way).
+    pub prometheus_listen: String,
 }
 
 impl Default for SglangConfig {
@@ -47,6 +50,7 @@ impl Default for SglangConfig {
             breaker_timeout_s: 60,
             max_payload_bytes: 512 << 20,
             worker_api_key: String::new(),
+            prometheus_listen: String::new(),
         }
     }
 }

@@ -35,6 +35,11 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
         ("node.http_listen", &c.node.http_listen, true),
         ("router.http_listen", &c.router.http_listen, false),
         ("router.grpc_listen", &c.router.grpc_listen, true),
+        (
+            "router.sglang.prometheus_listen",
+            &c.router.sglang.prometheus_listen,
+            true,
+        ),
     ] {
         if v.is_empty() && may_be_empty {
             continue;

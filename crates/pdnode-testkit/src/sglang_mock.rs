@@ -5,8 +5,6 @@
 //! request has been deposited by the prefill worker those fields name, so a wrong injection
 //! fails the request. Fault switches: hang, malformed JSON, HTTP 500, drop mid-stream, kill.
 
-#![allow(dead_code)] // each test binary uses a different part of it
-
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
@@ -94,8 +92,13 @@ impl MockWorker {
         rendezvous: Arc<Rendezvous>,
         token_delay: Duration,
     ) -> Arc<Self> {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind a loopback port for the mock worker");
+        let url = format!(
+            "http://{}",
+            listener.local_addr().expect("the mock's local address")
+        );
         let w = Arc::new(Self {
             role,
             url,
@@ -357,7 +360,9 @@ async fn generate(
         }
     });
     let mut r = Response::new(Body::from_stream(stream));
-    r.headers_mut()
-        .insert("content-type", "text/event-stream".parse().unwrap());
+    r.headers_mut().insert(
+        "content-type",
+        axum::http::HeaderValue::from_static("text/event-stream"),
+    );
     r
 }

@@ -84,34 +84,19 @@ impl SglangRouter {
             breaker_failures: cfg.breaker_failure_threshold,
             breaker_open_for: Duration::from_secs(cfg.breaker_timeout_s),
         };
-        let mut prefill = Vec::new();
-        for p in &cfg.prefill {
-            let host = worker_url_host(&p.url).ok_or_else(|| BuildError::BadUrl {
-                role: "prefill",
-                url: p.url.clone(),
+        let worker = |url: &str, role: WorkerRole, port: Option<u16>| {
+            let host = worker_url_host(url).ok_or_else(|| BuildError::BadUrl {
+                role: role.as_str(),
+                url: url.to_string(),
             })?;
-            prefill.push(Worker::new(
-                &p.url,
-                WorkerRole::Prefill,
-                host.to_string(),
-                p.bootstrap_port,
-                rules,
-            ));
-        }
-        let mut decode = Vec::new();
-        for d in &cfg.decode {
-            let host = worker_url_host(&d.url).ok_or_else(|| BuildError::BadUrl {
-                role: "decode",
-                url: d.url.clone(),
-            })?;
-            decode.push(Worker::new(
-                &d.url,
-                WorkerRole::Decode,
-                host.to_string(),
-                None,
-                rules,
-            ));
-        }
+            Ok::<_, BuildError>(Worker::new(url, role, host.to_string(), port, rules))
+        };
+        let prefill = (cfg.prefill.iter())
+            .map(|p| worker(&p.url, WorkerRole::Prefill, p.bootstrap_port))
+            .collect::<Result<Vec<_>, _>>()?;
+        let decode = (cfg.decode.iter())
+            .map(|d| worker(&d.url, WorkerRole::Decode, None))
+            .collect::<Result<Vec<_>, _>>()?;
         let client = reqwest::Client::builder()
             .tcp_nodelay(true)
             .no_proxy()

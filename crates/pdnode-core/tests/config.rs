@@ -465,3 +465,44 @@ fn router_liveness_keys_load_and_are_validated() {
         assert!(keys.iter().any(|x| x == k), "{k} not in {keys:?}");
     }
 }
+
+#[test]
+fn sglang_workers_need_role_router_both_sides_and_http_urls() {
+    let ok = "[node]\nrole = \"router\"\n[registry]\nkind = \"memory\"\n\
+              [[router.sglang.prefill]]\nurl = \"http://10.0.0.1:30000\"\nbootstrap_port = 8998\n\
+              [[router.sglang.decode]]\nurl = \"http://10.0.0.2:30000\"\n";
+    let c = load_from_str(FILE, ok, &[]).unwrap().config;
+    assert_eq!(c.router.sglang.prefill[0].bootstrap_port, Some(8998));
+    let key_of = |text: &str| -> Vec<String> {
+        errors(text, &[])
+            .iter()
+            .filter_map(|e| e.key().map(str::to_string))
+            .collect()
+    };
+    let keys = key_of(&ok.replace("role = \"router\"", "role = \"prefill\""));
+    assert!(keys.contains(&"router.sglang".to_string()), "{keys:?}");
+    let keys = key_of(&ok.replace(
+        "[[router.sglang.decode]]\nurl = \"http://10.0.0.2:30000\"\n",
+        "",
+    ));
+    assert!(keys.contains(&"router.sglang".to_string()), "{keys:?}");
+    let keys = key_of(&ok.replace("http://10.0.0.2:30000", "10.0.0.2:30000"));
+    assert!(
+        keys.contains(&"router.sglang.decode".to_string()),
+        "{keys:?}"
+    );
+    let keys = key_of(&format!(
+        "{ok}[router.sglang]\nhealth_check_interval_s = 0\nbreaker_failure_threshold = 0\n"
+    ));
+    assert!(
+        keys.contains(&"router.sglang.health_check_interval_s".to_string()),
+        "{keys:?}"
+    );
+    assert!(
+        keys.contains(&"router.sglang.breaker_failure_threshold".to_string()),
+        "{keys:?}"
+    );
+    // Without SGLang workers a router still needs etcd.
+    let keys = key_of("[node]\nrole = \"router\"\n[registry]\nkind = \"memory\"\n");
+    assert!(keys.contains(&"registry.kind".to_string()), "{keys:?}");
+}

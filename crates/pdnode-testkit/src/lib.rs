@@ -15,6 +15,8 @@ mod etcd;
 mod process;
 mod wait;
 
+pub mod sglang_mock;
+
 pub use etcd::EtcdServer;
 pub use process::{ChildGuard, send_signal};
 pub use wait::{wait_for, wait_for_async};

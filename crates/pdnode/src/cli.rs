@@ -30,6 +30,8 @@ pub enum Command {
     BenchTransfer(cmd::bench_transfer::Args),
     /// List the nodes registered in a cluster.
     Nodes(cmd::nodes::Args),
+    /// A drop-in for sglang-router 0.3.2's PD mode: route to SGLang prefill/decode workers.
+    SglangRouter(Box<cmd::sglang_router::Args>),
     /// CUDA backend step times at Llama-3.1-8B shapes vs measured ceilings (GPU hosts).
     #[command(hide = true)]
     BenchEngine(cmd::bench_engine::Args),
@@ -46,6 +48,7 @@ pub async fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::Bench(a) => cmd::bench::run(*a).await,
         Command::BenchTransfer(a) => cmd::bench_transfer::run(a).await,
         Command::Nodes(a) => cmd::nodes::run(a).await,
+        Command::SglangRouter(a) => cmd::sglang_router::run(*a).await,
         Command::BenchEngine(a) => cmd::bench_engine::run(a).await,
     }
 }

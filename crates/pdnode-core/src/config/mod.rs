@@ -7,7 +7,9 @@
 
 mod load;
 mod schema;
+mod sglang;
 mod validate;
 
 pub use load::{ConfigError, ConfigSource, Loaded, load, load_from_str, load_from_str_with_env};
 pub use schema::*;
+pub use sglang::{SglangConfig, SglangDecodeWorker, SglangPrefillWorker, worker_url_host};

@@ -306,6 +306,8 @@ pub struct RouterConfig {
     /// A PING not answered within this closes the connection and fails every call on it
     /// (a frozen or unreachable node), milliseconds.
     pub node_keepalive_timeout_ms: u64,
+    /// SGLang PD workers to route to instead of pdnode nodes (`[router.sglang]`).
+    pub sglang: super::sglang::SglangConfig,
 }
 
 impl Default for RouterConfig {
@@ -326,6 +328,7 @@ impl Default for RouterConfig {
             client_send_timeout_s: 30,
             node_keepalive_interval_ms: 500,
             node_keepalive_timeout_ms: 1000,
+            sglang: super::sglang::SglangConfig::default(),
         }
     }
 }

@@ -2,6 +2,7 @@
 
 use super::load::{ConfigError, ConfigSource};
 use super::schema::*;
+use super::sglang::worker_url_host;
 use crate::card::Role;
 use std::collections::HashSet;
 
@@ -34,6 +35,11 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
         ("node.http_listen", &c.node.http_listen, true),
         ("router.http_listen", &c.router.http_listen, false),
         ("router.grpc_listen", &c.router.grpc_listen, true),
+        (
+            "router.sglang.prometheus_listen",
+            &c.router.sglang.prometheus_listen,
+            true,
+        ),
     ] {
         if v.is_empty() && may_be_empty {
             continue;
@@ -62,7 +68,9 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
             }
         }
         RegistryKind::Memory => {
-            if c.node.role != Role::All {
+            // A router in front of a static list of SGLang workers needs no registry.
+            let static_sglang = c.node.role == Role::Router && c.router.sglang.enabled();
+            if c.node.role != Role::All && !static_sglang {
                 bad(
                     "registry.kind",
                     format!(
@@ -290,6 +298,85 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
     }
     if r.max_inflight_requests == 0 {
         bad("router.max_inflight_requests", "must be at least 1".into());
+    }
+    let sg = &r.sglang;
+    if sg.enabled() {
+        if c.node.role != Role::Router {
+            bad(
+                "router.sglang",
+                format!(
+                    "SGLang workers are served by role = \"router\", not \"{}\"",
+                    c.node.role
+                ),
+            );
+        }
+        if sg.prefill.is_empty() || sg.decode.is_empty() {
+            bad(
+                "router.sglang",
+                "list at least one [[router.sglang.prefill]] and one [[router.sglang.decode]] worker"
+                    .into(),
+            );
+        }
+        let mut seen = HashSet::new();
+        let urls = sg.prefill.iter().map(|w| ("router.sglang.prefill", &w.url));
+        for (key, url) in urls.chain(sg.decode.iter().map(|w| ("router.sglang.decode", &w.url))) {
+            if worker_url_host(url).is_none() {
+                bad(key, format!("{url:?}: expected http://host:port"));
+            } else if !seen.insert((key, url.trim_end_matches('/'))) {
+                bad(key, format!("{url:?} is listed twice"));
+            }
+        }
+    }
+    for (key, v, max) in [
+        (
+            "router.sglang.health_check_interval_s",
+            sg.health_check_interval_s,
+            86_400,
+        ),
+        (
+            "router.sglang.health_check_timeout_s",
+            sg.health_check_timeout_s,
+            3_600,
+        ),
+        (
+            "router.sglang.breaker_timeout_s",
+            sg.breaker_timeout_s,
+            86_400,
+        ),
+    ] {
+        if v == 0 || v > max {
+            bad(key, format!("{v} is outside [1, {max}] seconds"));
+        }
+    }
+    for (key, v) in [
+        (
+            "router.sglang.health_failure_threshold",
+            sg.health_failure_threshold,
+        ),
+        (
+            "router.sglang.health_success_threshold",
+            sg.health_success_threshold,
+        ),
+        (
+            "router.sglang.breaker_failure_threshold",
+            sg.breaker_failure_threshold,
+        ),
+    ] {
+        if v == 0 {
+            bad(key, "must be at least 1".into());
+        }
+    }
+    if sg.max_retries > 100 {
+        bad(
+            "router.sglang.max_retries",
+            format!("{} is above 100", sg.max_retries),
+        );
+    }
+    if sg.max_payload_bytes < 1024 {
+        bad(
+            "router.sglang.max_payload_bytes",
+            format!("{} is below 1024", sg.max_payload_bytes),
+        );
     }
 
     // security

@@ -27,6 +27,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         "effective configuration:\n{}",
         loaded.effective_toml()
     );
+    if c.node.role == pdnode_core::Role::Router && c.router.sglang.enabled() {
+        return super::sglang_router::serve(c).await;
+    }
     let registry = pdnode_registry::from_config(&c.registry)
         .await
         .with_context(|| {

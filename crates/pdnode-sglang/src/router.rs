@@ -1,0 +1,794 @@
+//! One client request through a (prefill, decode) pair of SGLang workers: the same body, plus
+//! the bootstrap fields, goes to both at once; the prefill answer is read to its end; the
+//! decode answer is the client's. Retries (new room, other workers where there are) happen
+//! only while nothing was sent to the client; every wait has a deadline.
+
+use crate::metrics::Metrics;
+use crate::request::{Bootstrap, ClientRequest, Route, new_room};
+use crate::sse::{SseRelay, StreamFault};
+use crate::worker::{FailureCause, Worker, WorkerInfo, WorkerRole, WorkerRules};
+use axum::body::Body;
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use futures::StreamExt;
+use parking_lot::Mutex;
+use pdnode_core::NodeId;
+use pdnode_core::config::{RouterConfig, SglangConfig, worker_url_host};
+use pdnode_router::policy::{Policy, PolicyContext, WorkerLoad, build_policy};
+use serde_json::{Value, json};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::task::JoinHandle;
+
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    #[error("router.sglang.{role}: {url:?} is not http://host:port")]
+    BadUrl { role: &'static str, url: String },
+    #[error("router.sglang: list at least one prefill and one decode worker")]
+    NoWorkers,
+    #[error("cannot build the HTTP client: {0}")]
+    Client(String),
+}
+
+/// The router over SGLang workers.
+pub struct SglangRouter {
+    pub(crate) cfg: SglangConfig,
+    request_timeout: Duration,
+    prefill_timeout: Duration,
+    token_timeout: Duration,
+    pub(crate) prefill: Vec<Arc<Worker>>,
+    pub(crate) decode: Vec<Arc<Worker>>,
+    prefill_policy: Mutex<Box<dyn Policy>>,
+    decode_policy: Mutex<Box<dyn Policy>>,
+    pub(crate) client: reqwest::Client,
+    pub(crate) metrics: Metrics,
+    pub(crate) api_keys: Vec<String>,
+    max_inflight: u32,
+    inflight: std::sync::atomic::AtomicU32,
+}
+
+/// Headers passed from the client to both workers.
+const FORWARDED: [header::HeaderName; 4] = [
+    header::CONTENT_TYPE,
+    header::AUTHORIZATION,
+    header::HeaderName::from_static("x-request-id"),
+    header::HeaderName::from_static("traceparent"),
+];
+
+/// Largest error or non-streamed answer read from a worker, bytes.
+const MAX_ANSWER: usize = 256 << 20;
+
+type PrefillResult = Result<(StatusCode, Bytes), (FailureCause, String)>;
+
+enum AttemptEnd {
+    Done(Response),
+    Retry {
+        worker: Arc<Worker>,
+        cause: FailureCause,
+        message: String,
+        /// The failure is already counted (the prefill task counts its own).
+        counted: bool,
+    },
+}
+
+impl SglangRouter {
+    pub fn new(router: &RouterConfig, api_keys: Vec<String>) -> Result<Arc<Self>, BuildError> {
+        let cfg = router.sglang.clone();
+        if cfg.prefill.is_empty() || cfg.decode.is_empty() {
+            return Err(BuildError::NoWorkers);
+        }
+        let rules = WorkerRules {
+            health_fail: cfg.health_failure_threshold,
+            health_ok: cfg.health_success_threshold,
+            breaker_failures: cfg.breaker_failure_threshold,
+            breaker_open_for: Duration::from_secs(cfg.breaker_timeout_s),
+        };
+        let worker = |url: &str, role: WorkerRole, port: Option<u16>| {
+            let host = worker_url_host(url).ok_or_else(|| BuildError::BadUrl {
+                role: role.as_str(),
+                url: url.to_string(),
+            })?;
+            Ok::<_, BuildError>(Worker::new(url, role, host.to_string(), port, rules))
+        };
+        let prefill = (cfg.prefill.iter())
+            .map(|p| worker(&p.url, WorkerRole::Prefill, p.bootstrap_port))
+            .collect::<Result<Vec<_>, _>>()?;
+        let decode = (cfg.decode.iter())
+            .map(|d| worker(&d.url, WorkerRole::Decode, None))
+            .collect::<Result<Vec<_>, _>>()?;
+        let client = reqwest::Client::builder()
+            .tcp_nodelay(true)
+            .no_proxy()
+            .connect_timeout(Duration::from_secs(cfg.health_check_timeout_s))
+            .pool_idle_timeout(Duration::from_secs(90))
+            .build()
+            .map_err(|e| BuildError::Client(e.to_string()))?;
+        Ok(Arc::new(Self {
+            request_timeout: Duration::from_secs(router.request_timeout_s),
+            prefill_timeout: Duration::from_secs(router.prefill_timeout_s),
+            token_timeout: Duration::from_secs(router.token_timeout_s),
+            prefill_policy: Mutex::new(build_policy(router.prefill_policy, router, router.seed)),
+            decode_policy: Mutex::new(build_policy(router.decode_policy, router, router.seed)),
+            prefill,
+            decode,
+            client,
+            metrics: Metrics::default(),
+            api_keys,
+            max_inflight: router.max_inflight_requests,
+            inflight: std::sync::atomic::AtomicU32::new(0),
+            cfg,
+        }))
+    }
+
+    pub fn workers(&self) -> Vec<Arc<Worker>> {
+        self.prefill.iter().chain(&self.decode).cloned().collect()
+    }
+
+    /// Usable (healthy, no breaker open) prefill and decode workers.
+    pub fn usable(&self) -> (usize, usize) {
+        let now = Instant::now();
+        let n = |ws: &[Arc<Worker>]| ws.iter().filter(|w| w.usable(now)).count();
+        (n(&self.prefill), n(&self.decode))
+    }
+
+    /// The model names the decode workers serve (`/v1/models`).
+    pub fn model_names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self
+            .decode
+            .iter()
+            .filter_map(|w| w.info().model_name())
+            .collect();
+        names.sort();
+        names.dedup();
+        names
+    }
+
+    pub fn worker_info(&self) -> Vec<(Arc<Worker>, WorkerInfo)> {
+        self.workers()
+            .into_iter()
+            .map(|w| {
+                let i = w.info();
+                (w, i)
+            })
+            .collect()
+    }
+
+    /// Picks a worker of `role` by its policy among the usable ones, avoiding `avoid` while
+    /// others are usable.
+    fn pick(&self, role: WorkerRole, text: &str, avoid: &[Arc<Worker>]) -> Option<Arc<Worker>> {
+        let (workers, policy) = match role {
+            WorkerRole::Prefill => (&self.prefill, &self.prefill_policy),
+            WorkerRole::Decode => (&self.decode, &self.decode_policy),
+        };
+        let now = Instant::now();
+        let usable: Vec<&Arc<Worker>> = workers.iter().filter(|w| w.usable(now)).collect();
+        let fresh: Vec<&Arc<Worker>> = usable
+            .iter()
+            .copied()
+            .filter(|w| !avoid.iter().any(|a| Arc::ptr_eq(a, w)))
+            .collect();
+        let cands = if fresh.is_empty() { usable } else { fresh };
+        if cands.is_empty() {
+            return None;
+        }
+        let loads: Vec<WorkerLoad> = cands
+            .iter()
+            .map(|w| WorkerLoad {
+                running: w.inflight(),
+                ..WorkerLoad::idle(NodeId::new(w.url.clone()).0)
+            })
+            .collect();
+        let tokens: Vec<u32> = text.bytes().map(u32::from).collect();
+        let ctx = PolicyContext {
+            workers: &loads,
+            token_ids: &tokens,
+            now,
+        };
+        let i = policy.lock().select(&ctx)?;
+        let w = cands.get(i)?;
+        w.admit(now).then(|| (*w).clone())
+    }
+
+    /// Serves one client request on `route`.
+    pub async fn handle(
+        self: &Arc<Self>,
+        route: Route,
+        headers: HeaderMap,
+        body: Bytes,
+    ) -> Response {
+        use std::sync::atomic::Ordering;
+        let before = self.inflight.fetch_add(1, Ordering::AcqRel);
+        // Held until the answer's body is dropped: a stream counts until it ends.
+        let slot = Slot(self.clone());
+        let resp = if before >= self.max_inflight {
+            error_response(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                &format!(
+                    "{} requests in flight (router.max_inflight_requests)",
+                    self.max_inflight
+                ),
+            )
+        } else {
+            self.dispatch(route, &headers, body).await
+        };
+        self.metrics.request(route.label(), resp.status().as_u16());
+        let (parts, body) = resp.into_parts();
+        let body = Body::from_stream(body.into_data_stream().map(move |chunk| {
+            let _ = &slot;
+            chunk
+        }));
+        Response::from_parts(parts, body)
+    }
+
+    async fn dispatch(
+        self: &Arc<Self>,
+        route: Route,
+        headers: &HeaderMap,
+        body: Bytes,
+    ) -> Response {
+        let req = match ClientRequest::parse(route, &body) {
+            Ok(r) => r,
+            Err(e) => {
+                return error_response(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_request_error",
+                    &e.to_string(),
+                );
+            }
+        };
+        let started = Instant::now();
+        let mut tried: Vec<Arc<Worker>> = Vec::new();
+        let mut last: Option<String> = None;
+        let mut last_cause = FailureCause::Connect;
+        for attempt in 0..=self.cfg.max_retries {
+            if started.elapsed() >= self.request_timeout {
+                break;
+            }
+            if attempt > 0 {
+                self.metrics.retry();
+            }
+            let Some(p) = self.pick(WorkerRole::Prefill, &req.routing_text, &tried) else {
+                return unavailable("prefill", last.as_deref());
+            };
+            let Some(d) = self.pick(WorkerRole::Decode, &req.routing_text, &tried) else {
+                return unavailable("decode", last.as_deref());
+            };
+            match self.attempt(&req, headers, p, d, started).await {
+                AttemptEnd::Done(resp) => return resp,
+                AttemptEnd::Retry {
+                    worker,
+                    cause,
+                    message,
+                    counted,
+                } => {
+                    if !counted {
+                        self.count_failure(&worker, cause);
+                    }
+                    tracing::warn!(
+                        worker = %worker.url, role = worker.role.as_str(), cause = cause.as_str(),
+                        attempt, "sglang attempt failed: {message}"
+                    );
+                    last = Some(format!(
+                        "{} worker {}: {message}",
+                        worker.role.as_str(),
+                        worker.url
+                    ));
+                    last_cause = cause;
+                    tried.push(worker);
+                }
+            }
+        }
+        let msg = last.unwrap_or_else(|| "request deadline passed".into());
+        let status = if last_cause == FailureCause::Timeout {
+            StatusCode::GATEWAY_TIMEOUT
+        } else {
+            StatusCode::BAD_GATEWAY
+        };
+        error_response(
+            status,
+            "upstream_error",
+            &format!("no attempt succeeded; last: {msg}"),
+        )
+    }
+
+    pub(crate) fn count_failure(&self, w: &Worker, cause: FailureCause) {
+        let opened = w.failure(cause, Instant::now());
+        if opened {
+            tracing::warn!(worker = %w.url, cause = cause.as_str(), "breaker opened");
+        }
+        self.metrics.worker_failure(&w.url, cause, opened);
+    }
+
+    fn post(
+        &self,
+        w: &Worker,
+        route: Route,
+        headers: &HeaderMap,
+        body: Bytes,
+    ) -> reqwest::RequestBuilder {
+        let mut h = HeaderMap::new();
+        for name in &FORWARDED {
+            if let Some(v) = headers.get(name) {
+                h.insert(name.clone(), v.clone());
+            }
+        }
+        if !h.contains_key(header::CONTENT_TYPE) {
+            h.insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+        }
+        if !self.cfg.worker_api_key.is_empty()
+            && let Ok(v) = HeaderValue::from_str(&format!("Bearer {}", self.cfg.worker_api_key))
+        {
+            h.insert(header::AUTHORIZATION, v);
+        }
+        self.client
+            .post(format!("{}{}", w.url, route.path()))
+            .headers(h)
+            .body(body)
+    }
+
+    async fn attempt(
+        self: &Arc<Self>,
+        req: &ClientRequest,
+        headers: &HeaderMap,
+        p: Arc<Worker>,
+        d: Arc<Worker>,
+        started: Instant,
+    ) -> AttemptEnd {
+        let rooms = {
+            let mut rng = rand::rng();
+            (0..req.sequences()).map(|_| new_room(&mut rng)).collect()
+        };
+        let body = Bytes::from(req.body_with(&Bootstrap {
+            host: p.bootstrap_host.clone(),
+            port: p.bootstrap_port,
+            rooms,
+        }));
+        let deadline_all = started + self.request_timeout;
+        let mut prefill =
+            self.spawn_prefill(p.clone(), req.route, headers, body.clone(), deadline_all);
+        let d_guard = d.book();
+        let send = self.post(&d, req.route, headers, body).send();
+        let mut send = std::pin::pin!(send);
+        // The decode worker answers once the prefill worker's KV arrived.
+        let first_deadline =
+            (Instant::now() + self.prefill_timeout + self.token_timeout).min(deadline_all);
+        let mut prefill_result: Option<PrefillResult> = None;
+
+        let decoded = loop {
+            tokio::select! {
+                r = &mut prefill, if prefill_result.is_none() => {
+                    let r = r.unwrap_or_else(|e| Err((FailureCause::Connect, format!("prefill task: {e}"))));
+                    match r {
+                        Err((cause, message)) => {
+                            return AttemptEnd::Retry { worker: p, cause, message, counted: true };
+                        }
+                        Ok((status, bytes)) if status.is_client_error() => {
+                            // The prefill worker refused the request itself: the client's answer.
+                            return AttemptEnd::Done(pass_through(status, bytes));
+                        }
+                        ok => prefill_result = Some(ok),
+                    }
+                }
+                r = tokio::time::timeout_at(first_deadline.into(), &mut send) => break r,
+            }
+        };
+        let resp = match decoded {
+            Err(_) => {
+                prefill.abort();
+                return AttemptEnd::Retry {
+                    worker: d,
+                    cause: FailureCause::Timeout,
+                    message: "no answer within its deadline".into(),
+                    counted: false,
+                };
+            }
+            Ok(Err(e)) => {
+                prefill.abort();
+                return AttemptEnd::Retry {
+                    worker: d,
+                    cause: FailureCause::Connect,
+                    message: e.to_string(),
+                    counted: false,
+                };
+            }
+            Ok(Ok(resp)) => resp,
+        };
+        let status = resp.status();
+        if status.is_server_error() {
+            prefill.abort();
+            let text = read_limited(resp, deadline_all).await.unwrap_or_default();
+            return AttemptEnd::Retry {
+                worker: d,
+                cause: FailureCause::ServerError,
+                message: format!(
+                    "HTTP {status}: {}",
+                    String::from_utf8_lossy(&text[..text.len().min(300)])
+                ),
+                counted: false,
+            };
+        }
+        if !status.is_success() {
+            let bytes = read_limited(resp, deadline_all).await.unwrap_or_default();
+            d.success();
+            return AttemptEnd::Done(pass_through(status, bytes));
+        }
+        if req.stream {
+            self.stream_answer(
+                req,
+                resp,
+                d_guard,
+                p,
+                prefill,
+                prefill_result,
+                first_deadline,
+                deadline_all,
+            )
+            .await
+        } else {
+            let bytes = match tokio::time::timeout_at(deadline_all.into(), read_body(resp)).await {
+                Err(_) => {
+                    return AttemptEnd::Retry {
+                        worker: d,
+                        cause: FailureCause::Timeout,
+                        message: "answer not complete within the request deadline".into(),
+                        counted: false,
+                    };
+                }
+                Ok(Err(e)) => {
+                    return AttemptEnd::Retry {
+                        worker: d,
+                        cause: FailureCause::Connect,
+                        message: e,
+                        counted: false,
+                    };
+                }
+                Ok(Ok(b)) => b,
+            };
+            let Ok(mut answer) = serde_json::from_slice::<Value>(&bytes) else {
+                self.count_failure(&d, FailureCause::Malformed);
+                return AttemptEnd::Done(error_response(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream_error",
+                    &format!(
+                        "decode worker {} answered with something that is not JSON",
+                        d.url
+                    ),
+                ));
+            };
+            d.success();
+            if req.wants_logprobs && req.route == Route::Generate {
+                let pr = match prefill_result {
+                    Some(r) => Some(r),
+                    None => tokio::time::timeout_at(deadline_all.into(), &mut prefill)
+                        .await
+                        .ok()
+                        .and_then(Result::ok),
+                };
+                if let Some(Ok((_, pbytes))) = pr
+                    && let Ok(pv) = serde_json::from_slice::<Value>(&pbytes)
+                {
+                    merge_input_logprobs(&mut answer, &pv);
+                }
+            }
+            AttemptEnd::Done((StatusCode::OK, axum::Json(answer)).into_response())
+        }
+    }
+
+    /// The prefill request, read to its end under its deadline, in its own task: it counts its
+    /// own success or failure on the worker (the decode side never blames it).
+    fn spawn_prefill(
+        self: &Arc<Self>,
+        p: Arc<Worker>,
+        route: Route,
+        headers: &HeaderMap,
+        body: Bytes,
+        deadline_all: Instant,
+    ) -> JoinHandle<PrefillResult> {
+        let guard = p.book();
+        let send = self.post(&p, route, headers, body).send();
+        let deadline = (Instant::now() + self.prefill_timeout).min(deadline_all);
+        let me = self.clone();
+        tokio::spawn(async move {
+            let _guard = guard;
+            let r = tokio::time::timeout_at(deadline.into(), async {
+                let resp = send
+                    .await
+                    .map_err(|e| (FailureCause::Connect, e.to_string()))?;
+                let status = resp.status();
+                let bytes = read_body(resp)
+                    .await
+                    .map_err(|e| (FailureCause::Connect, e))?;
+                if status.is_server_error() {
+                    let text = String::from_utf8_lossy(&bytes[..bytes.len().min(300)]).into_owned();
+                    return Err((FailureCause::ServerError, format!("HTTP {status}: {text}")));
+                }
+                Ok((status, bytes))
+            })
+            .await
+            .unwrap_or_else(|_| {
+                Err((
+                    FailureCause::Timeout,
+                    format!(
+                        "no complete answer within {} s",
+                        me.prefill_timeout.as_secs()
+                    ),
+                ))
+            });
+            match &r {
+                Ok(_) => p.success(),
+                Err((cause, _)) => me.count_failure(&p, *cause),
+            }
+            r
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn stream_answer(
+        self: &Arc<Self>,
+        req: &ClientRequest,
+        resp: reqwest::Response,
+        d_guard: crate::worker::InflightGuard,
+        p: Arc<Worker>,
+        mut prefill: JoinHandle<PrefillResult>,
+        mut prefill_result: Option<PrefillResult>,
+        first_deadline: Instant,
+        deadline_all: Instant,
+    ) -> AttemptEnd {
+        let d = d_guard.worker().clone();
+        let mut chunks = resp.bytes_stream();
+        let mut relay = SseRelay::default();
+        // Nothing goes to the client before the first chunk: until then, a retry is possible.
+        let first = loop {
+            tokio::select! {
+                r = &mut prefill, if prefill_result.is_none() => {
+                    match r.unwrap_or_else(|e| Err((FailureCause::Connect, format!("prefill task: {e}")))) {
+                        Err((cause, message)) => return AttemptEnd::Retry { worker: p, cause, message, counted: true },
+                        ok => prefill_result = Some(ok),
+                    }
+                }
+                c = tokio::time::timeout_at(first_deadline.into(), chunks.next()) => break c,
+            }
+        };
+        let first = match first {
+            Err(_) => (
+                FailureCause::Timeout,
+                "no first chunk within its deadline".to_string(),
+            ),
+            Ok(None) => (
+                FailureCause::Connect,
+                "the stream ended before its first chunk".into(),
+            ),
+            Ok(Some(Err(e))) => (FailureCause::Connect, e.to_string()),
+            Ok(Some(Ok(bytes))) => match relay.push(&bytes) {
+                Ok(out) => {
+                    let _ = req;
+                    let body = self.relay_body(relay, out, chunks, d_guard, deadline_all);
+                    let mut r = Response::new(body);
+                    r.headers_mut().insert(
+                        header::CONTENT_TYPE,
+                        HeaderValue::from_static("text/event-stream"),
+                    );
+                    r.headers_mut()
+                        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+                    return AttemptEnd::Done(r);
+                }
+                Err(fault) => {
+                    self.count_failure(&d, FailureCause::Malformed);
+                    return AttemptEnd::Done(error_response(
+                        StatusCode::BAD_GATEWAY,
+                        "upstream_error",
+                        &format!("decode worker {}: {fault}", d.url),
+                    ));
+                }
+            },
+        };
+        prefill.abort();
+        AttemptEnd::Retry {
+            worker: d,
+            cause: first.0,
+            message: first.1,
+            counted: false,
+        }
+    }
+
+    /// The client's stream after the first chunk: the relay's lines, then on a break, a stall,
+    /// a malformed line or a missing `[DONE]`, one error event and `[DONE]`.
+    fn relay_body<S>(
+        self: &Arc<Self>,
+        relay: SseRelay,
+        first: Vec<u8>,
+        chunks: S,
+        guard: crate::worker::InflightGuard,
+        deadline_all: Instant,
+    ) -> Body
+    where
+        S: futures::Stream<Item = reqwest::Result<Bytes>> + Send + Unpin + 'static,
+    {
+        struct St<S> {
+            relay: SseRelay,
+            chunks: S,
+            guard: crate::worker::InflightGuard,
+            first: Option<Vec<u8>>,
+            over: bool,
+        }
+        let me = self.clone();
+        let token_timeout = self.token_timeout;
+        let st = St {
+            relay,
+            chunks,
+            guard,
+            first: Some(first),
+            over: false,
+        };
+        let stream = futures::stream::unfold(st, move |mut st| {
+            let me = me.clone();
+            async move {
+                if let Some(f) = st.first.take() {
+                    return Some((Ok::<Bytes, std::convert::Infallible>(Bytes::from(f)), st));
+                }
+                if st.over {
+                    return None;
+                }
+                let deadline = (Instant::now() + token_timeout).min(deadline_all);
+                let fault = match tokio::time::timeout_at(deadline.into(), st.chunks.next()).await {
+                    Ok(Some(Ok(bytes))) => match st.relay.push(&bytes) {
+                        Ok(out) => return Some((Ok(Bytes::from(out)), st)),
+                        Err(f) => (f, FailureCause::Malformed),
+                    },
+                    Ok(Some(Err(e))) => (StreamFault::Broken(e.to_string()), FailureCause::Connect),
+                    Ok(None) => match st.relay.finish() {
+                        Ok(rest) => {
+                            st.guard.worker().success();
+                            st.over = true;
+                            return Some((Ok(Bytes::from(rest)), st));
+                        }
+                        Err(f) => (f, FailureCause::Connect),
+                    },
+                    Err(_) => (
+                        StreamFault::Stalled(token_timeout.as_secs()),
+                        FailureCause::Timeout,
+                    ),
+                };
+                let w = st.guard.worker().clone();
+                tracing::warn!(worker = %w.url, "decode stream failed: {}", fault.0);
+                me.count_failure(&w, fault.1);
+                me.metrics.stream_failed();
+                st.over = true;
+                let tail = st.relay.fail(&fault.0);
+                Some((Ok(Bytes::from(tail)), st))
+            }
+        });
+        Body::from_stream(stream)
+    }
+}
+
+/// One request counted in flight on the router.
+struct Slot(Arc<SglangRouter>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0
+            .inflight
+            .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
+async fn read_body(resp: reqwest::Response) -> Result<Bytes, String> {
+    let mut out = Vec::new();
+    let mut s = resp.bytes_stream();
+    while let Some(c) = s.next().await {
+        let c = c.map_err(|e| e.to_string())?;
+        if out.len() + c.len() > MAX_ANSWER {
+            return Err(format!("answer larger than {MAX_ANSWER} bytes"));
+        }
+        out.extend_from_slice(&c);
+    }
+    Ok(Bytes::from(out))
+}
+
+async fn read_limited(resp: reqwest::Response, deadline: Instant) -> Option<Bytes> {
+    tokio::time::timeout_at(deadline.into(), read_body(resp))
+        .await
+        .ok()
+        .and_then(Result::ok)
+}
+
+/// A worker's own 4xx answer, passed on when it is JSON; otherwise a 502 that says so.
+fn pass_through(status: StatusCode, bytes: Bytes) -> Response {
+    if serde_json::from_slice::<Value>(&bytes).is_ok() {
+        let mut r = Response::new(Body::from(bytes));
+        *r.status_mut() = status;
+        r.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        return r;
+    }
+    error_response(
+        StatusCode::BAD_GATEWAY,
+        "upstream_error",
+        &format!(
+            "a worker answered HTTP {status} with a body that is not JSON: {}",
+            String::from_utf8_lossy(&bytes[..bytes.len().min(200)])
+        ),
+    )
+}
+
+pub(crate) fn error_response(status: StatusCode, kind: &str, message: &str) -> Response {
+    let body = json!({"error": {"message": message, "type": kind, "code": status.as_u16()}});
+    (status, axum::Json(body)).into_response()
+}
+
+fn unavailable(role: &str, last: Option<&str>) -> Response {
+    let mut msg = format!("no usable {role} worker (none healthy, or every breaker open)");
+    if let Some(l) = last {
+        msg.push_str("; last failure: ");
+        msg.push_str(l);
+    }
+    error_response(StatusCode::SERVICE_UNAVAILABLE, "unavailable", &msg)
+}
+
+/// Puts the prefill worker's `meta_info.input_token_logprobs` in front of the decode
+/// worker's (one object, or element-wise for a batch's arrays).
+pub fn merge_input_logprobs(decode: &mut Value, prefill: &Value) {
+    fn merge_one(d: &mut Value, p: &Value) {
+        let Some(pl) = p
+            .pointer("/meta_info/input_token_logprobs")
+            .and_then(Value::as_array)
+        else {
+            return;
+        };
+        let Some(meta) = d.get_mut("meta_info").and_then(Value::as_object_mut) else {
+            return;
+        };
+        let mut merged = pl.clone();
+        if let Some(Value::Array(dl)) = meta.get("input_token_logprobs") {
+            merged.extend(dl.iter().cloned());
+        }
+        meta.insert("input_token_logprobs".into(), Value::Array(merged));
+    }
+    match (decode, prefill) {
+        (Value::Array(ds), Value::Array(ps)) => {
+            for (d, p) in ds.iter_mut().zip(ps) {
+                merge_one(d, p);
+            }
+        }
+        (d, p) => merge_one(d, p),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn input_logprobs_merge_prefill_first() {
+        let mut d = json!({"text": "x", "meta_info": {"input_token_logprobs": [[-0.5, 3, null]]}});
+        let p = json!({"text": "", "meta_info": {"input_token_logprobs": [[null, 1, null], [-1.0, 2, null]]}});
+        merge_input_logprobs(&mut d, &p);
+        assert_eq!(
+            d["meta_info"]["input_token_logprobs"],
+            json!([[null, 1, null], [-1.0, 2, null], [-0.5, 3, null]])
+        );
+        let mut batch = json!([{"meta_info": {}}, {"meta_info": {}}]);
+        let pb = json!([{"meta_info": {"input_token_logprobs": [[1]]}}, {"meta_info": {"input_token_logprobs": [[2]]}}]);
+        merge_input_logprobs(&mut batch, &pb);
+        assert_eq!(batch[1]["meta_info"]["input_token_logprobs"], json!([[2]]));
+    }
+
+    #[test]
+    fn non_json_worker_errors_become_502() {
+        let r = pass_through(StatusCode::BAD_REQUEST, Bytes::from_static(b"<html>"));
+        assert_eq!(r.status(), StatusCode::BAD_GATEWAY);
+        let r = pass_through(
+            StatusCode::BAD_REQUEST,
+            Bytes::from_static(b"{\"error\":\"x\"}"),
+        );
+        assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+    }
+}

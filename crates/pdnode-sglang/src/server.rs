@@ -1,0 +1,264 @@
+//! The HTTP surface of the SGLang router and its background health probes.
+
+use crate::request::Route;
+use crate::router::{SglangRouter, error_response};
+use crate::worker::{Worker, WorkerInfo};
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::serve::ListenerExt;
+use bytes::Bytes;
+use serde_json::{Value, json};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+/// Serves the router on `listener` (every accepted socket with `TCP_NODELAY`) and probes the
+/// workers until `shutdown`; in-flight requests drain before it returns.
+pub async fn serve(
+    listener: TcpListener,
+    router: Arc<SglangRouter>,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    start_probes(&router, shutdown.clone());
+    let app = app(router);
+    axum::serve(nodelay(listener), app)
+        .with_graceful_shutdown(shutdown.cancelled_owned())
+        .await
+}
+
+/// Serves only `/metrics` (sglang-router's `--prometheus-host/--prometheus-port`).
+pub async fn serve_metrics(
+    listener: TcpListener,
+    router: Arc<SglangRouter>,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    let app = axum::Router::new()
+        .route("/metrics", get(metrics))
+        .with_state(router);
+    axum::serve(nodelay(listener), app)
+        .with_graceful_shutdown(shutdown.cancelled_owned())
+        .await
+}
+
+fn nodelay(listener: TcpListener) -> impl axum::serve::Listener<Addr = std::net::SocketAddr> {
+    listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::warn!("TCP_NODELAY on an accepted socket: {e}");
+        }
+    })
+}
+
+/// The routes: generation on the three paths sglang-router serves, plus health, metrics,
+/// models and the workers' info.
+pub fn app(router: Arc<SglangRouter>) -> axum::Router {
+    let limit = usize::try_from(router.cfg.max_payload_bytes).unwrap_or(usize::MAX);
+    let client = axum::Router::new()
+        .route("/generate", post(generate))
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/models", get(models))
+        .route("/server_info", get(server_info))
+        .route("/get_server_info", get(server_info))
+        .route("/model_info", get(model_info))
+        .route("/get_model_info", get(model_info))
+        .layer(axum::middleware::from_fn_with_state(router.clone(), auth))
+        .layer(DefaultBodyLimit::max(limit));
+    axum::Router::new()
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .merge(client)
+        .fallback(not_found)
+        .with_state(router)
+}
+
+async fn auth(State(r): State<Arc<SglangRouter>>, req: Request, next: Next) -> Response {
+    let h = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    if !pdnode_router::http::authorized(&r.api_keys, h) {
+        return error_response(
+            StatusCode::UNAUTHORIZED,
+            "authentication_error",
+            "missing or wrong API key (Authorization: Bearer <key>)",
+        );
+    }
+    next.run(req).await
+}
+
+async fn generate(State(r): State<Arc<SglangRouter>>, h: HeaderMap, body: Bytes) -> Response {
+    r.handle(Route::Generate, h, body).await
+}
+
+async fn completions(State(r): State<Arc<SglangRouter>>, h: HeaderMap, body: Bytes) -> Response {
+    r.handle(Route::Completions, h, body).await
+}
+
+async fn chat(State(r): State<Arc<SglangRouter>>, h: HeaderMap, body: Bytes) -> Response {
+    r.handle(Route::ChatCompletions, h, body).await
+}
+
+async fn health(State(r): State<Arc<SglangRouter>>) -> Response {
+    let (p, d) = r.usable();
+    let ok = p > 0 && d > 0;
+    let now = std::time::Instant::now();
+    let workers: Vec<Value> = r
+        .workers()
+        .iter()
+        .map(|w| {
+            json!({
+                "url": w.url,
+                "role": w.role.as_str(),
+                "healthy": w.healthy(),
+                "open_breakers": w.open_breakers(now).iter().map(|c| c.as_str()).collect::<Vec<_>>(),
+                "inflight_requests": w.inflight(),
+            })
+        })
+        .collect();
+    let status = if ok {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    let body = json!({
+        "status": if ok { "ok" } else { "unavailable" },
+        "usable_prefill_workers": p,
+        "usable_decode_workers": d,
+        "workers": workers,
+    });
+    (status, axum::Json(body)).into_response()
+}
+
+async fn metrics(State(r): State<Arc<SglangRouter>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        r.metrics.render(&r.workers()),
+    )
+        .into_response()
+}
+
+async fn models(State(r): State<Arc<SglangRouter>>) -> Response {
+    let data: Vec<Value> = r
+        .model_names()
+        .into_iter()
+        .map(|id| json!({"id": id, "object": "model", "created": 0, "owned_by": "sglang"}))
+        .collect();
+    axum::Json(json!({"object": "list", "data": data})).into_response()
+}
+
+async fn server_info(State(r): State<Arc<SglangRouter>>) -> Response {
+    info_of(&r, |i| i.server_info.clone())
+}
+
+async fn model_info(State(r): State<Arc<SglangRouter>>) -> Response {
+    info_of(&r, |i| i.model_info.clone())
+}
+
+/// The first decode worker's answer that the router has (decode workers serve the clients'
+/// tokens), else 503.
+fn info_of(r: &SglangRouter, f: impl Fn(&WorkerInfo) -> Option<Value>) -> Response {
+    let infos = r.worker_info();
+    let pick = infos
+        .iter()
+        .filter(|(w, _)| w.role == crate::worker::WorkerRole::Decode)
+        .chain(infos.iter())
+        .find_map(|(_, i)| f(i));
+    match pick {
+        Some(v) => axum::Json(v).into_response(),
+        None => error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unavailable",
+            "no worker has answered its info yet",
+        ),
+    }
+}
+
+async fn not_found(req: Request) -> Response {
+    error_response(
+        StatusCode::NOT_FOUND,
+        "invalid_request_error",
+        &format!("no route {} {}", req.method(), req.uri().path()),
+    )
+}
+
+/// One probe loop per worker: `GET /health` every `health_check_interval_s` (every second
+/// while the worker is unhealthy, so a worker that starts late joins at once); on becoming
+/// healthy, its `/server_info` and `/model_info` are read.
+pub fn start_probes(router: &Arc<SglangRouter>, shutdown: CancellationToken) {
+    for w in router.workers() {
+        let r = router.clone();
+        let stop = shutdown.clone();
+        tokio::spawn(async move {
+            let interval = Duration::from_secs(r.cfg.health_check_interval_s);
+            loop {
+                let ok = probe(&r, &w).await;
+                if let Some(now_healthy) = w.observe_probe(ok) {
+                    tracing::info!(worker = %w.url, role = w.role.as_str(), healthy = now_healthy, "worker health changed");
+                    if now_healthy {
+                        let info = fetch_info(&r, &w).await;
+                        w.set_info(info);
+                    }
+                }
+                let wait = if w.healthy() {
+                    interval
+                } else {
+                    interval.min(Duration::from_secs(1))
+                };
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(wait) => {}
+                }
+            }
+        });
+    }
+}
+
+fn get_req(r: &SglangRouter, url: String) -> reqwest::RequestBuilder {
+    let mut b = r
+        .client
+        .get(url)
+        .timeout(Duration::from_secs(r.cfg.health_check_timeout_s));
+    if !r.cfg.worker_api_key.is_empty() {
+        b = b.bearer_auth(&r.cfg.worker_api_key);
+    }
+    b
+}
+
+async fn probe(r: &SglangRouter, w: &Worker) -> bool {
+    match get_req(r, format!("{}/health", w.url)).send().await {
+        Ok(resp) => resp.status().is_success(),
+        Err(_) => false,
+    }
+}
+
+async fn get_json(r: &SglangRouter, url: String) -> Option<Value> {
+    let resp = get_req(r, url).send().await.ok()?;
+    if !resp.status().is_success() {
+        return None;
+    }
+    resp.json::<Value>().await.ok()
+}
+
+async fn fetch_info(r: &SglangRouter, w: &Worker) -> WorkerInfo {
+    let mut info = WorkerInfo::default();
+    for path in ["/server_info", "/get_server_info"] {
+        if let Some(v) = get_json(r, format!("{}{path}", w.url)).await {
+            info.server_info = Some(v);
+            break;
+        }
+    }
+    for path in ["/model_info", "/get_model_info"] {
+        if let Some(v) = get_json(r, format!("{}{path}", w.url)).await {
+            info.model_info = Some(v);
+            break;
+        }
+    }
+    info
+}

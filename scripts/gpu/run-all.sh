@@ -28,7 +28,7 @@ run() { # name timeout_s cmd...
 }
 for p in "${parts[@]}"; do
     case $p in
-        unit) run unit 120 "$BIN/engine_unit" cuda --include-ignored --test-threads=1 ;;
+        unit) run unit 120 "$BIN/cuda_unit" --include-ignored --test-threads=1 ;;
         kernels) run kernels 300 "$BIN/cuda_kernels" --ignored --test-threads=1 --nocapture ;;
         model) run model 300 "$BIN/cuda_model" --ignored --test-threads=1 --nocapture ;;
         parity) run parity 300 "$BIN/cuda_parity" --ignored --test-threads=1 --nocapture ;;

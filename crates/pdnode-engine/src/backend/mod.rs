@@ -21,8 +21,6 @@
 //! of a sequence is in block `table[p / block_size]`, slot `p % block_size`.
 
 pub mod cpu;
-#[cfg(feature = "cuda")]
-pub mod cuda;
 
 use crate::sampling::RowDraw;
 use pdnode_core::{BlockId, KvLayout};

@@ -3,7 +3,7 @@
 //! Owned by the CUDA backend work; the same code runs in `tests/cuda_bench.rs`.
 
 use anyhow::Context;
-use pdnode_engine::backend::cuda::{bench, probe, tp_bench};
+use pdnode_cuda::{bench, probe, tp_bench};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {

@@ -36,6 +36,7 @@ for p in "${parts[@]}"; do
         graphs) run graphs 300 "$BIN/cuda_graphs" --ignored --test-threads=1 --nocapture ;;
         tp)
             run tp 420 "$BIN/cuda_tp" --ignored --test-threads=1 --nocapture
+            run tpbench 300 "$BIN/cuda_tp_bench" --ignored --test-threads=1 --nocapture
             run tpgraphs 300 "$BIN/cuda_graphs" --ignored --test-threads=1 --nocapture tp2
             ;;
         *) echo "unknown part $p" ;;
@@ -43,6 +44,6 @@ for p in "${parts[@]}"; do
 done
 echo
 grep -E '^ceilings|^\|' "$OUT/bench.log" 2>/dev/null
-grep -E '^TP |^ceilings|^\|' "$OUT/tp.log" 2>/dev/null
+cat "$OUT/tp.log" "$OUT/tpbench.log" 2>/dev/null | grep -E '^TP |^ceilings|^\|'
 echo
 printf '%s\n' "${summary[@]}"

@@ -15,6 +15,7 @@ use pdnode_engine::weights::Weights;
 
 mod graph;
 mod logits;
+#[cfg(feature = "op-timing")]
 mod opprof;
 mod plan;
 #[path = "staging.rs"]
@@ -22,6 +23,7 @@ mod staging;
 mod traits;
 
 pub use graph::{GraphStats, decode_bucket};
+#[cfg(feature = "op-timing")]
 pub use opprof::STEP_START;
 
 /// Sizing of a [`CudaBackend`].
@@ -165,7 +167,9 @@ pub struct CudaBackend {
     shard: Shard,
     /// The all-reduce group of the tensor-parallel ranks (None at TP = 1).
     comm: Option<NcclComm>,
-    /// Per-op event timing of eager steps (benchmarks; `opprof.rs`).
+    /// Per-op event timing of eager steps (benchmarks only: the `op-timing` feature, which
+    /// production builds leave off; `opprof.rs`).
+    #[cfg(feature = "op-timing")]
     prof: Option<opprof::OpProfile>,
     gpu: Gpu,
 }
@@ -349,6 +353,7 @@ impl CudaBackend {
             logits_host: gpu.alloc_pinned(opts.max_seqs * spec.vocab_size)?,
             shard,
             comm: None,
+            #[cfg(feature = "op-timing")]
             prof: None,
             gpu,
         })
@@ -466,6 +471,7 @@ impl CudaBackend {
     /// Turns decode-step CUDA graphs on or off for later steps (benchmarks and tests compare
     /// both on one backend); graphs captured so far are kept for when they are turned back on.
     pub fn set_cuda_graphs(&mut self, on: bool) {
+        #[cfg(feature = "op-timing")]
         if on {
             self.prof = None; // never an event inside a capture
         }
@@ -535,8 +541,12 @@ impl CudaBackend {
         let (g, w, ws, d) = (&self.gpu, &self.w, &self.ws, &self.dims);
         let (h, t) = (s.hidden_size, p.tokens);
         let (qd, kvd, inter) = (s.q_dim(), s.kv_dim(), s.intermediate_size);
+        // Per-op events only in benchmark builds (`op-timing`); else a no-op the compiler drops.
+        #[cfg(feature = "op-timing")]
         let mark = |name| self.prof.as_ref().map_or(Ok(()), |pr| pr.mark(g, name));
-        mark(opprof::STEP_START)?;
+        #[cfg(not(feature = "op-timing"))]
+        let mark = |_: &'static str| Ok::<(), CudaError>(());
+        mark("(step start)")?;
         ops::embed_gather(g, &w.embed, s.vocab_size, m(p.off.ids), t, &ws.resid, h)?;
         mark("embed")?;
         let attn_ws = AttnWorkspace {

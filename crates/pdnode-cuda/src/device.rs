@@ -191,7 +191,8 @@ impl Gpu {
         self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))
     }
 
-    pub(crate) fn kernel(&self, name: &'static str) -> Result<&CudaFunction, CudaError> {
+    /// A compiled kernel by entry-point name ([`pdnode_kernels::KERNEL_NAMES`]).
+    pub fn kernel(&self, name: &'static str) -> Result<&CudaFunction, CudaError> {
         self.kernels.get(name).ok_or(CudaError::NoKernel { name })
     }
 

@@ -10,7 +10,6 @@
 //! - [`prefill`]: prefill attention: fused flash attention on tensor cores (`mma.sync`, K/V read
 //!   straight from the paged pool, chunked-prefill aware; `PDNODE_PREFILL_ATTN` picks a variant),
 //!   or cuBLAS S/P GEMMs around a causal softmax for head dims the flash kernels do not cover.
-//! - [`bench`]: Llama-3.1-8B-shape step benchmarks with in-run ceilings (`pdnode bench-engine`).
 //! - [`build_backend`]: the one place a backend (cpu, cuda, cuda TP) is built from the config.
 //! - [`CudaBackend`]: the [`pdnode_engine::backend::Backend`] implementation.
 //!
@@ -45,9 +44,7 @@
 //! nkv / tp`; all ranks have the same block count; `read_kv`/`write_kv` move all ranks' bytes
 //! back to back, rank-major.
 
-pub mod attn_bench;
 pub mod backend;
-pub mod bench;
 pub mod blas;
 pub mod build;
 pub mod device;
@@ -56,7 +53,6 @@ pub mod ops;
 pub mod prefill;
 pub mod probe;
 pub mod tp;
-pub mod tp_bench;
 pub mod weights;
 
 pub use backend::{CudaBackend, CudaOptions};
@@ -121,7 +117,7 @@ impl From<CudaError> for pdnode_engine::backend::BackendError {
 }
 
 /// Wraps a driver error with the name of the call that failed.
-pub(crate) fn drv(op: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> CudaError {
+pub fn drv(op: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> CudaError {
     move |e| CudaError::Driver {
         op,
         msg: format!("{e:?}"),

@@ -10,7 +10,7 @@ mod cuda_support;
 use cuda_support::*;
 use pdnode_core::BlockId;
 use pdnode_cuda::ops::{AttnVariant, LinearImpl};
-use pdnode_cuda::{CudaBackend, CudaError, CudaOptions, CudaTpBackend, tp_bench};
+use pdnode_cuda::{CudaBackend, CudaError, CudaOptions, CudaTpBackend};
 use pdnode_engine::backend::{Backend, ForwardBatch, KvMemory, MemKind, SeqStep};
 use pdnode_engine::loader::dummy::llama31_8b;
 use pdnode_engine::loader::load_path;
@@ -459,57 +459,6 @@ fn a_listed_gpu_the_host_lacks_is_a_typed_error() {
         single.as_ref().map_or("accepted".into(), |e| e.to_string()),
     );
     assert!(ok, "TP = 2: {tp:?}; TP = 1: {single:?}");
-}
-
-#[test]
-#[ignore = "needs two CUDA GPUs: run scripts/gpu/run-all.sh tp on the GPU host"]
-fn tp_decode_scaling_llama31_8b() {
-    let decode = [(1, 2048), (8, 2048), (32, 2048), (64, 2048)];
-    let mut all = Vec::new();
-    for tp in [1usize, 2] {
-        let r = tp_bench::run_decode(tp, &decode, 20, |r| {
-            eprintln!(
-                "{:24} batch {:3} ctx {:5}: {:8.3} ms (floor {:.3} ms, {:.2} of roofline)",
-                r.what,
-                r.batch,
-                r.ctx,
-                r.ms,
-                r.floor_ms,
-                r.ratio()
-            )
-        })
-        .unwrap();
-        eprintln!(
-            "ceilings tp={tp}: copy {:.0} GB/s, bf16 GEMM {:.0} TFLOP/s",
-            r.ceilings.hbm_traffic_bps / 1e9,
-            r.ceilings.gemm_flops / 1e12
-        );
-        for (batch, ms) in &r.all_reduce_ms {
-            eprintln!(
-                "TP all-reduce tp={tp} batch {batch:3}: {ms:.3} ms per step (64 x batch x 4096 f32)"
-            );
-        }
-        all.push((r.rows, r.all_reduce_ms));
-    }
-    println!(
-        "| what | batch | ctx | TP=1 ms | TP=2 ms | speed-up | TP=2 per-GPU roofline ms | TP=2 of roofline | TP=2 all-reduce ms/step |"
-    );
-    println!("|---|---|---|---|---|---|---|---|---|");
-    let ar = &all[1].1;
-    for (a, b) in all[0].0.iter().zip(&all[1].0) {
-        let what = a.what.trim_end_matches(" tp=1");
-        println!(
-            "| {what} | {} | {} | {:.3} | {:.3} | {:.2}x | {:.3} | {:.2} | {:.3} |",
-            a.batch,
-            a.ctx,
-            a.ms,
-            b.ms,
-            a.ms / b.ms,
-            b.floor_ms,
-            b.ratio(),
-            ar.iter().find(|x| x.0 == a.batch).map_or(f64::NAN, |x| x.1)
-        );
-    }
 }
 
 /// Every rank's KV staging arena (`KvStaging` on `CudaTpBackend`): one region per rank on its

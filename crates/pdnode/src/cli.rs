@@ -32,6 +32,7 @@ pub enum Command {
     Nodes(cmd::nodes::Args),
     /// CUDA backend step times at Llama-3.1-8B shapes vs measured ceilings (GPU hosts).
     #[command(hide = true)]
+    #[cfg(feature = "bench-engine")]
     BenchEngine(cmd::bench_engine::Args),
 }
 
@@ -46,6 +47,7 @@ pub async fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::Bench(a) => cmd::bench::run(*a).await,
         Command::BenchTransfer(a) => cmd::bench_transfer::run(a).await,
         Command::Nodes(a) => cmd::nodes::run(a).await,
+        #[cfg(feature = "bench-engine")]
         Command::BenchEngine(a) => cmd::bench_engine::run(a).await,
     }
 }

@@ -14,7 +14,8 @@ pub(super) struct OpProfile {
     marks: Mutex<Vec<(&'static str, CudaEvent)>>,
 }
 
-/// Label of the mark at the start of each step (the time before it is the host's gap).
+/// Label of the mark at the start of each step (the time before it is the host's gap; the
+/// step writes this literal).
 pub const STEP_START: &str = "(step start)";
 
 impl OpProfile {

@@ -3,13 +3,13 @@
 //! bytes over the measured copy bandwidth). TP = 1 runs through the same wrapper (one rank
 //! thread) so the figures compare like with like.
 
-use super::CudaError;
-use super::backend::CudaOptions;
-use super::bench::{
+use crate::{
     BenchRow, Ceilings, DecodeStep, bench_options, decode_blocks, llama31_8b, measure_ceilings,
 };
-use super::device::Gpu;
-use super::tp::CudaTpBackend;
+use pdnode_cuda::CudaError;
+use pdnode_cuda::backend::CudaOptions;
+use pdnode_cuda::device::Gpu;
+use pdnode_cuda::tp::CudaTpBackend;
 use pdnode_engine::backend::{Backend, BackendError};
 use std::time::Instant;
 
@@ -51,7 +51,7 @@ pub fn run_decode_on(
     mut report: impl FnMut(&BenchRow),
 ) -> Result<TpDecode, CudaError> {
     let tp = gpus.len();
-    super::tp::check_gpu_list(gpus, tp as u32)?;
+    pdnode_cuda::tp::check_gpu_list(gpus, tp as u32)?;
     let spec = llama31_8b();
     let ceil = {
         let gpu = Gpu::new(gpus[0])?;

@@ -1,12 +1,12 @@
 //! Decode-step benchmarks of issue 4's second round: the per-op breakdown of a step (CUDA events
 //! after each op of eager steps, and the same step from a graph) and the fusions alone.
 
-use super::super::CudaError;
-use super::super::blas::OutType;
-use super::super::device::Gpu;
-use super::super::ops;
 use super::{DecodeStep, bench_options, decode_blocks, err, llama31_8b, timed, timed_steps};
-use crate::backend::CudaBackend;
+use pdnode_cuda::CudaError;
+use pdnode_cuda::backend::CudaBackend;
+use pdnode_cuda::blas::OutType;
+use pdnode_cuda::device::Gpu;
+use pdnode_cuda::ops;
 
 // ---- per-op breakdown of one decode step (eager, CUDA events) --------------------------------
 

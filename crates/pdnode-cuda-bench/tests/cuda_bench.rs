@@ -4,8 +4,9 @@
 
 use pdnode_cuda::CudaError;
 use pdnode_cuda::device::Gpu;
+use pdnode_cuda::launch;
 use pdnode_cuda::ops::{self, AttnVariant, EwKernel, LinearImpl};
-use pdnode_cuda::{attn_bench, bench, launch};
+use pdnode_cuda_bench::{self as bench, attn as attn_bench};
 
 fn env_list(name: &str, default: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| default.to_string())

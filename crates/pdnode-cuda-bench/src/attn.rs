@@ -1,14 +1,14 @@
 //! The decode attention kernel alone, Llama-3.1-8B attention shapes (32 query heads, 8 KV heads,
 //! head_dim 128, blocks of 16), one layer: achieved bandwidth of the K/V bytes it must read, as a
 //! fraction of the device-to-device copy ceiling measured in the same process
-//! ([`super::bench::measure_ceilings`]). Each kernel variant's output is compared with the first
+//! ([`crate::measure_ceilings`]). Each kernel variant's output is compared with the first
 //! variant's, so a fast but wrong kernel shows.
 
-use super::CudaError;
-use super::bench::measure_ceilings;
-use super::device::{DevBuf, Gpu};
-use super::ops::{self, AttnDims, AttnMeta, AttnVariant, AttnWorkspace};
+use crate::measure_ceilings;
 use cudarc::driver::sys::CUevent_flags;
+use pdnode_cuda::CudaError;
+use pdnode_cuda::device::{DevBuf, Gpu};
+use pdnode_cuda::ops::{self, AttnDims, AttnMeta, AttnVariant, AttnWorkspace};
 
 /// Llama-3.1-8B attention geometry (per layer).
 pub const NUM_HEADS: usize = 32;
@@ -152,7 +152,7 @@ pub fn run_attention(
             let ev = |what: &'static str| {
                 gpu.stream
                     .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                    .map_err(super::drv(what))
+                    .map_err(pdnode_cuda::drv(what))
             };
             let start = ev("cuEventRecord")?;
             for _ in 0..iters.max(1) {
@@ -161,7 +161,7 @@ pub fn run_attention(
             let end = ev("cuEventRecord")?;
             let ms = start
                 .elapsed_ms(&end)
-                .map_err(super::drv("cuEventElapsedTime"))? as f64
+                .map_err(pdnode_cuda::drv("cuEventElapsedTime"))? as f64
                 / iters.max(1) as f64;
             let kv_bytes = (batch * ctx * nkv * hd * 2 * 2) as f64;
             let gbps = kv_bytes / (ms * 1e-3) / 1e9;
@@ -187,7 +187,9 @@ pub fn run_attention(
         }
         let n = f
             .occupancy_max_active_blocks_per_multiprocessor(128, dyn_smem, None)
-            .map_err(super::drv("cuOccupancyMaxActiveBlocksPerMultiprocessor"))?;
+            .map_err(pdnode_cuda::drv(
+                "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+            ))?;
         occupancy.push((name, n));
     }
     Ok(AttnBench {

@@ -1,13 +1,16 @@
-//! GPU benchmarks of the CUDA backend at real model shapes (dummy weights): decode step time
+//! pdnode-cuda-bench: GPU benchmarks of the CUDA backend at real model shapes (dummy weights): decode step time
 //! against the HBM roofline, prefill against the cuBLAS bf16 peak. Ceilings are measured in the
 //! same process (device-to-device copy; an 8192^3 bf16 GEMM) so every ratio has its own ceiling.
+//! Beside production code, never inside it: `pdnode bench-engine` (built with the binary's
+//! `bench-engine` feature) and `tests/cuda_bench.rs` run these; [`attn`] times the decode
+//! attention kernels, [`tp`] the tensor-parallel backend.
 
-use super::CudaError;
-use super::backend::{CudaBackend, CudaOptions};
-use super::blas::{OutType, gemm};
-use super::device::Gpu;
-use super::ops;
-use super::prefill::{self, LongSeq, PrefillAttn, PrefillScratch};
+use pdnode_cuda::CudaError;
+use pdnode_cuda::backend::{CudaBackend, CudaOptions};
+use pdnode_cuda::blas::{OutType, gemm};
+use pdnode_cuda::device::Gpu;
+use pdnode_cuda::ops;
+use pdnode_cuda::prefill::{self, LongSeq, PrefillAttn, PrefillScratch};
 use pdnode_engine::backend::{
     Backend, BackendError, ForwardBatch, LogitsWant, SeqStep, StepLogits,
 };
@@ -16,7 +19,9 @@ use pdnode_core::BlockId;
 use pdnode_engine::spec::ModelSpec;
 use std::time::Instant;
 
+pub mod attn;
 mod decode_ops;
+pub mod tp;
 pub use decode_ops::*;
 
 pub use pdnode_engine::loader::dummy::llama31_8b;
@@ -56,7 +61,7 @@ pub fn measure_ceilings(gpu: &Gpu) -> Result<Ceilings, CudaError> {
         unsafe {
             cudarc::driver::result::memcpy_dtod_async(b.ptr(), a.ptr(), n, gpu.stream.cu_stream())
         }
-        .map_err(super::drv("cuMemcpyDtoDAsync"))
+        .map_err(pdnode_cuda::drv("cuMemcpyDtoDAsync"))
     })?;
     drop((a, b));
     let m = 8192usize;
@@ -623,7 +628,7 @@ pub fn run_linear(
         ops::fill_uniform_bf16(&gpu, &x, max_t * inp, 7, 1.0)?;
         let (y, y_ref) = (gpu.alloc(max_t * out * 4)?, gpu.alloc(max_t * out * 4)?);
         for &t in tokens {
-            let run = |how, y: &super::device::DevBuf, w: &super::device::DevBuf| {
+            let run = |how, y: &pdnode_cuda::device::DevBuf, w: &pdnode_cuda::device::DevBuf| {
                 ops::linear(&gpu, out, t, inp, w, &x, y, OutType::F32, false, how)
             };
             run(ops::LinearImpl::Cublas, &y_ref, &ws[0])?;
@@ -658,7 +663,9 @@ pub fn run_linear(
                 }
             }
             for (how, launch) in cases {
-                let run = |how, y: &super::device::DevBuf, w: &super::device::DevBuf| match launch {
+                let run = |how,
+                           y: &pdnode_cuda::device::DevBuf,
+                           w: &pdnode_cuda::device::DevBuf| match launch {
                     Some(l) => ops::gemv_mma(&gpu, l, out, t, inp, w, &x, y, OutType::F32, false),
                     None => run(how, y, w),
                 };

@@ -200,10 +200,7 @@ impl DecodeStep {
 }
 
 fn err(e: BackendError) -> CudaError {
-    CudaError::Driver {
-        op: "forward",
-        msg: e.to_string(),
-    }
+    CudaError::Step { msg: e.to_string() }
 }
 
 /// Mean time of `iters` back-to-back steps (after one warm-up), device work included.

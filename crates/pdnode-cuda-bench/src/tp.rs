@@ -14,10 +14,7 @@ use pdnode_engine::backend::{Backend, BackendError};
 use std::time::Instant;
 
 fn err(e: BackendError) -> CudaError {
-    CudaError::Driver {
-        op: "forward",
-        msg: e.to_string(),
-    }
+    CudaError::Step { msg: e.to_string() }
 }
 
 /// What [`run_decode`] measured.

@@ -57,11 +57,13 @@ pub mod weights;
 
 pub use backend::{CudaBackend, CudaOptions};
 pub use build::{BuildOptions, BuiltBackend, build_backend};
+use pdnode_core::error::Classify;
 pub use probe::{BackendChoice, CudaProbe, probe, select_backend};
 pub use tp::CudaTpBackend;
 
-/// Errors of the CUDA backend. Converted into [`pdnode_engine::backend::BackendError::Device`] at the
-/// trait boundary.
+/// Errors of the CUDA backend. Converted into [`pdnode_engine::backend::BackendError::DeviceFailure`]
+/// at the trait boundary, keeping their class ([`Classify::kind`]): out of memory and invalid
+/// shapes or arguments are not Retryable.
 #[derive(Debug, thiserror::Error)]
 pub enum CudaError {
     #[error("no CUDA driver (libcuda) found on this host")]
@@ -69,7 +71,11 @@ pub enum CudaError {
     #[error("CUDA device {ordinal} requested, {count} present")]
     NoDevice { ordinal: u32, count: u32 },
     #[error("CUDA driver call {op} failed: {msg}")]
-    Driver { op: &'static str, msg: String },
+    Driver {
+        op: &'static str,
+        msg: String,
+        class: DriverClass,
+    },
     #[error(transparent)]
     Kernels(#[from] pdnode_kernels::KernelError),
     #[error("kernel {name} is not in the compiled program")]
@@ -90,18 +96,22 @@ pub enum CudaError {
     Nccl { op: &'static str, msg: String },
     #[error("tensor-parallel rank {rank}: {msg}")]
     Rank { rank: usize, msg: String },
+    /// A step through the [`pdnode_engine::backend::Backend`] trait failed (benchmarks driving
+    /// a backend report its error in this type).
+    #[error("forward step: {msg}")]
+    Step { msg: String },
 }
 
-impl pdnode_core::error::Classify for CudaError {
+impl Classify for CudaError {
     fn kind(&self) -> pdnode_core::ErrorKind {
         match self {
             CudaError::NoDriver | CudaError::NoDevice { .. } | CudaError::OutOfMemory { .. } => {
                 pdnode_core::ErrorKind::Unavailable
             }
-            CudaError::Driver { .. } | CudaError::Blas { .. } | CudaError::Nccl { .. } => {
-                pdnode_core::ErrorKind::Retryable
-            }
+            CudaError::Driver { class, .. } => class.kind(),
+            CudaError::Blas { .. } | CudaError::Nccl { .. } => pdnode_core::ErrorKind::Retryable,
             CudaError::Rank { .. } => pdnode_core::ErrorKind::Unavailable,
+            CudaError::Step { .. } => pdnode_core::ErrorKind::Internal,
             CudaError::Kernels(_)
             | CudaError::NoKernel { .. }
             | CudaError::Shape { .. }
@@ -112,14 +122,113 @@ impl pdnode_core::error::Classify for CudaError {
 
 impl From<CudaError> for pdnode_engine::backend::BackendError {
     fn from(e: CudaError) -> Self {
-        pdnode_engine::backend::BackendError::Device(e.to_string())
+        pdnode_engine::backend::BackendError::DeviceFailure {
+            kind: e.kind(),
+            message: e.to_string(),
+        }
     }
 }
 
-/// Wraps a driver error with the name of the call that failed.
+/// What a failed driver call says about the request and the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DriverClass {
+    /// `CUDA_ERROR_OUT_OF_MEMORY`: the device is short of memory; a retry here fails the same way.
+    OutOfMemory,
+    /// An argument, handle, shape or launch configuration the driver refused: a bug, not retried.
+    InvalidArgument,
+    /// The context is unusable (illegal address, sticky launch failure, ECC): not retried here.
+    Fatal,
+    /// Anything else (e.g. a launch timeout, a busy device): may be retried.
+    Transient,
+}
+
+impl DriverClass {
+    /// The class of driver result `r`.
+    pub fn of(r: cudarc::driver::sys::CUresult) -> Self {
+        use cudarc::driver::sys::CUresult as R;
+        match r {
+            R::CUDA_ERROR_OUT_OF_MEMORY => Self::OutOfMemory,
+            R::CUDA_ERROR_INVALID_VALUE
+            | R::CUDA_ERROR_INVALID_HANDLE
+            | R::CUDA_ERROR_INVALID_CONTEXT
+            | R::CUDA_ERROR_INVALID_DEVICE
+            | R::CUDA_ERROR_INVALID_IMAGE
+            | R::CUDA_ERROR_INVALID_PTX
+            | R::CUDA_ERROR_NOT_FOUND
+            | R::CUDA_ERROR_NOT_SUPPORTED
+            | R::CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES
+            | R::CUDA_ERROR_ILLEGAL_STATE => Self::InvalidArgument,
+            R::CUDA_ERROR_ILLEGAL_ADDRESS
+            | R::CUDA_ERROR_LAUNCH_FAILED
+            | R::CUDA_ERROR_MISALIGNED_ADDRESS
+            | R::CUDA_ERROR_ILLEGAL_INSTRUCTION
+            | R::CUDA_ERROR_HARDWARE_STACK_ERROR
+            | R::CUDA_ERROR_ECC_UNCORRECTABLE
+            | R::CUDA_ERROR_CONTEXT_IS_DESTROYED => Self::Fatal,
+            _ => Self::Transient,
+        }
+    }
+
+    fn kind(self) -> pdnode_core::ErrorKind {
+        match self {
+            Self::OutOfMemory => pdnode_core::ErrorKind::Unavailable,
+            Self::InvalidArgument | Self::Fatal => pdnode_core::ErrorKind::Internal,
+            Self::Transient => pdnode_core::ErrorKind::Retryable,
+        }
+    }
+}
+
+/// Wraps a driver error with the name of the call that failed, keeping its class.
 pub fn drv(op: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> CudaError {
     move |e| CudaError::Driver {
         op,
         msg: format!("{e:?}"),
+        class: DriverClass::of(e.0),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cudarc::driver::sys::CUresult;
+    use pdnode_core::ErrorKind;
+    use pdnode_engine::backend::BackendError;
+
+    /// What [`drv`] makes of result `r` (its message needs libcuda; the class does not).
+    fn through_backend(r: CUresult) -> BackendError {
+        BackendError::from(CudaError::Driver {
+            op: "cuTest",
+            msg: format!("{r:?}"),
+            class: DriverClass::of(r),
+        })
+    }
+
+    #[test]
+    fn device_errors_keep_their_class_through_the_backend_trait() {
+        let oom = through_backend(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
+        assert_eq!(oom.kind(), ErrorKind::Unavailable);
+        let bad = through_backend(CUresult::CUDA_ERROR_INVALID_VALUE);
+        assert_eq!(bad.kind(), ErrorKind::Internal);
+        let fatal = through_backend(CUresult::CUDA_ERROR_ILLEGAL_ADDRESS);
+        assert_eq!(fatal.kind(), ErrorKind::Internal);
+        let transient = through_backend(CUresult::CUDA_ERROR_LAUNCH_TIMEOUT);
+        assert_eq!(transient.kind(), ErrorKind::Retryable);
+        let shape = BackendError::from(CudaError::Shape {
+            op: "linear",
+            reason: "k mismatch".into(),
+        });
+        assert!(matches!(
+            shape,
+            BackendError::DeviceFailure {
+                kind: ErrorKind::Internal,
+                ..
+            }
+        ));
+        let oom = BackendError::from(CudaError::OutOfMemory {
+            what: "KV pool",
+            need: 2,
+            have: 1,
+        });
+        assert_ne!(oom.kind(), ErrorKind::Retryable);
     }
 }

@@ -415,7 +415,7 @@ impl CudaTpBackend {
         match first_err {
             // A rank refusing a batch before any collective refuses it on every rank (same
             // checks, same inputs); a device error on one rank leaves the group unusable.
-            Some(e @ BackendError::Device(_)) => {
+            Some(e @ (BackendError::Device(_) | BackendError::DeviceFailure { .. })) => {
                 self.broken = Some(e.to_string());
                 Err(e)
             }

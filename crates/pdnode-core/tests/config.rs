@@ -434,3 +434,33 @@ fn colocated_engine_only_with_role_all() {
     .expect("role all + colocated loads");
     assert!(ok.config.engine.colocated);
 }
+
+#[test]
+fn cuda_switches_are_config_keys_with_checked_names_and_types() {
+    let d = load_from_str(FILE, "", &[]).unwrap().config.engine.cuda;
+    assert!(
+        d.gpu_sampling && !d.pdl,
+        "defaults: device sampling on, PDL off"
+    );
+    let c = load_from_str(
+        FILE,
+        "[engine.cuda]\ngpu_sampling = false\n",
+        &sets(&["engine.cuda.pdl=true"]),
+    )
+    .unwrap()
+    .config
+    .engine
+    .cuda;
+    assert!(!c.gpu_sampling && c.pdl);
+    let errs = errors("", &["engine.cuda.pdll=true"]);
+    assert!(
+        matches!(&errs[0], ConfigError::UnknownKey { key, expected, .. }
+            if key == "engine.cuda.pdll" && expected.iter().any(|k| k == "pdl")),
+        "{errs:?}"
+    );
+    let errs = errors("[engine.cuda]\npdl = \"on\"\n", &[]);
+    assert!(
+        matches!(&errs[0], ConfigError::WrongType { key, .. } if key == "engine.cuda.pdl"),
+        "{errs:?}"
+    );
+}

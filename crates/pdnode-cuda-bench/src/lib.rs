@@ -163,6 +163,8 @@ pub(crate) fn bench_options(
         linear: ops::LinearImpl::Auto,
         attention: ops::AttnVariant::Auto,
         cuda_graphs,
+        gpu_sampling: true,
+        pdl: false,
     }
 }
 

@@ -4,7 +4,6 @@
 
 use pdnode_cuda::CudaError;
 use pdnode_cuda::device::Gpu;
-use pdnode_cuda::launch;
 use pdnode_cuda::ops::{self, AttnVariant, EwKernel, LinearImpl};
 use pdnode_cuda_bench::{self as bench, attn as attn_bench};
 
@@ -19,16 +18,9 @@ static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 #[ignore = "needs a CUDA GPU (about 90 GB free): run scripts/gpu/run-all.sh on the GPU host"]
 fn bench_llama31_8b_shapes() {
     let _gpu = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    // PDNODE_PDL=0 / =1 compares plain and programmatic dependent launches (read at build)
-    let pdl = launch::pdl_requested()
-        && pdnode_cuda::probe()
-            .ok()
-            .and_then(|p| p.devices.first().map(|d| d.3))
-            .is_some_and(|cc| launch::pdl_supported(cc, launch::driver_version()));
-    println!(
-        "BENCH PDNODE_PDL: programmatic dependent launch {}",
-        if pdl { "on" } else { "off" }
-    );
+    // The step benchmarks build their backends with engine.cuda.pdl off (plain launches);
+    // cuda_graphs' pdl tests compare both.
+    println!("BENCH engine.cuda.pdl: programmatic dependent launch off");
     let decode: Vec<(usize, usize)> = env_list(
         "PDNODE_BENCH_DECODE",
         "1x512,1x2048,1x8192,8x512,8x2048,8x8192,32x512,32x2048,32x8192,64x512,64x2048,64x8192",

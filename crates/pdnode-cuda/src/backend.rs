@@ -54,6 +54,10 @@ pub struct CudaOptions {
     /// Replay decode steps (one new token per sequence, all wanting logits) from CUDA graphs
     /// captured per (batch-size bucket, context bucket); false: eager launches only.
     pub cuda_graphs: bool,
+    /// Sample `LogitsWant::Sample` rows on the device (`engine.cuda.gpu_sampling`).
+    pub gpu_sampling: bool,
+    /// Programmatic dependent launch of our kernels where the GPU takes it (`engine.cuda.pdl`).
+    pub pdl: bool,
 }
 
 impl CudaOptions {
@@ -70,6 +74,8 @@ impl CudaOptions {
             linear: ops::LinearImpl::Auto,
             attention: AttnVariant::Auto,
             cuda_graphs: e.cuda_graphs,
+            gpu_sampling: e.cuda.gpu_sampling,
+            pdl: e.cuda.pdl,
         }
     }
 }
@@ -287,7 +293,15 @@ impl CudaBackend {
                     shard.rank, shard.size
                 ),
             })?;
-        let gpu = Gpu::new(ordinal)?;
+        let mut gpu = Gpu::new(ordinal)?;
+        if opts.pdl && !gpu.set_pdl(true) {
+            tracing::warn!(
+                gpu = ordinal,
+                cc = ?gpu.compute_capability,
+                driver = super::launch::driver_version(),
+                "engine.cuda.pdl: programmatic dependent launch needs sm_90 and a 12.3+ driver; off"
+            );
+        }
         let (free0, _) = gpu.mem_info()?;
         let w = load(&gpu)?;
         let ws = Workspace::new(&gpu, spec, opts.max_batch_tokens, opts.max_seqs)?;
@@ -445,7 +459,7 @@ impl CudaBackend {
         self.opts.linear = linear;
     }
 
-    /// Switches programmatic dependent launch of our kernels for later steps (`PDNODE_PDL` sets
+    /// Switches programmatic dependent launch of our kernels for later steps (`engine.cuda.pdl` sets
     /// it at start; tests and benchmarks compare both on one backend); returns what it is now
     /// (false where the GPU cannot: [`Gpu::set_pdl`]). Captured graphs are dropped on a change:
     /// they hold launches of the other kind.

@@ -155,3 +155,19 @@ fn with_regions<B: Backend + KvMemory + 'static>(backend: B) -> BuiltBackend {
         backend: Box::new(backend),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cuda_switches_of_the_config_reach_the_backend_options() {
+        let mut e = EngineConfig::default();
+        let o = CudaOptions::from_config(&e);
+        assert!(o.gpu_sampling && !o.pdl);
+        e.cuda.gpu_sampling = false;
+        e.cuda.pdl = true;
+        let o = CudaOptions::from_config(&e);
+        assert!(!o.gpu_sampling && o.pdl);
+    }
+}

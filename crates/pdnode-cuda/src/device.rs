@@ -145,16 +145,8 @@ impl Gpu {
         }
         let blas = super::blas::Blas::new(&stream)?;
         let pdl_ok = launch::pdl_supported(cc, launch::driver_version());
-        let requested = launch::pdl_requested();
-        let pdl = requested && pdl_ok;
-        if requested && !pdl_ok {
-            tracing::warn!(
-                gpu = ordinal,
-                cc = ?cc,
-                driver = launch::driver_version(),
-                "PDNODE_PDL: programmatic dependent launch needs sm_90 and a 12.3+ driver; off"
-            );
-        }
+        // Off until asked for ([`Gpu::set_pdl`]; the backend applies `engine.cuda.pdl`).
+        let pdl = false;
         Ok(Self {
             ordinal,
             ctx,
@@ -173,7 +165,7 @@ impl Gpu {
         self.pdl
     }
 
-    /// Switches programmatic dependent launch for later launches on this GPU (`PDNODE_PDL` sets
+    /// Switches programmatic dependent launch for later launches on this GPU (`engine.cuda.pdl` sets
     /// it when the GPU is opened); returns what it is now: false where the device or driver
     /// cannot ([`launch::pdl_supported`]). Graphs captured before keep how they were captured.
     pub fn set_pdl(&mut self, on: bool) -> bool {

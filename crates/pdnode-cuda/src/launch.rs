@@ -13,8 +13,8 @@
 //! `PD_GRID_LAUNCH_DEPENDENTS()`; both are no-ops for a grid launched without the attribute, so
 //! the results are the same either way. Launches with the attribute are captured into CUDA
 //! graphs as programmatic edges (driver 12.3 or later), so replayed decode steps keep the
-//! overlap. `PDNODE_PDL=1` (or `on`) switches it on for every GPU opened afterwards
-//! ([`pdl_requested`], read once per process); Hopper (sm_90) or later and a 12.3+ driver are
+//! overlap. `engine.cuda.pdl = true` ([`crate::CudaOptions::pdl`]) switches it on for the
+//! backend's GPUs ([`crate::device::Gpu::set_pdl`]); Hopper (sm_90) or later and a 12.3+ driver are
 //! required ([`pdl_supported`]), elsewhere launches stay plain.
 //!
 //! # What cudarc's launch does that this keeps
@@ -28,36 +28,10 @@
 use super::device::Gpu;
 use cudarc::driver::{CudaFunction, DeviceRepr, DriverError, LaunchConfig, result, sys};
 use std::ffi::c_void;
-use std::sync::OnceLock;
 
 /// The lowest driver (`cuDriverGetVersion`) that captures launches with the programmatic
 /// attribute into CUDA graphs: CUDA 12.3.
 pub const PDL_MIN_DRIVER: i32 = 12030;
-
-/// `PDNODE_PDL` as a switch: `1` or `on` (any case, surrounding spaces ignored) enables; any
-/// other value, or none, is off.
-pub fn parse_pdl(v: Option<&str>) -> bool {
-    v.map(str::trim)
-        .is_some_and(|s| s == "1" || s.eq_ignore_ascii_case("on"))
-}
-
-/// Whether `PDNODE_PDL` asks for programmatic dependent launch ([`parse_pdl`]). Read once per
-/// process, when the first GPU is opened (a backend is built), and logged once at info level;
-/// later changes to the variable are not seen (use [`Gpu::set_pdl`] to switch one GPU).
-pub fn pdl_requested() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| {
-        let raw = std::env::var("PDNODE_PDL").ok();
-        let on = parse_pdl(raw.as_deref());
-        tracing::info!(
-            pdl = on,
-            env = raw.as_deref().unwrap_or(""),
-            "PDNODE_PDL: programmatic dependent launch of the CUDA backend's kernels {}",
-            if on { "requested" } else { "off" }
-        );
-        on
-    })
-}
 
 /// Whether a device of compute capability `cc` under driver version `driver` takes launches
 /// with the programmatic attribute, in streams and in graph capture (sm_90+, driver 12.3+).
@@ -169,17 +143,6 @@ fn programmatic_serialization() -> sys::CUlaunchAttribute {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn pdl_env_values() {
-        for on in ["1", "on", "ON", " On ", "1\n"] {
-            assert!(parse_pdl(Some(on)), "{on:?} enables");
-        }
-        for off in ["", "0", "off", "true", "yes", "2", "11", "onn", "o n"] {
-            assert!(!parse_pdl(Some(off)), "{off:?} leaves it off");
-        }
-        assert!(!parse_pdl(None), "unset is off");
-    }
 
     #[test]
     fn pdl_needs_hopper_and_a_12_3_driver() {

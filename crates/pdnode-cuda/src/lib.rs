@@ -5,7 +5,7 @@
 //! - [`probe`]: is there a driver and a device? (`backend = "auto"` / `"cuda"` selection).
 //! - [`device`]: one GPU: context, stream, cuBLAS handle, compiled kernels, raw device buffers.
 //! - [`launch`]: the one launch path of our kernels ([`launch::Launch`]), with programmatic
-//!   dependent launch behind `PDNODE_PDL`.
+//!   dependent launch behind `engine.cuda.pdl`.
 //! - [`ops`]: shape-checked launch wrappers, one per kernel (also what the kernel tests call).
 //! - [`prefill`]: prefill attention: fused flash attention on tensor cores (`mma.sync`, K/V read
 //!   straight from the paged pool, chunked-prefill aware; `PDNODE_PREFILL_ATTN` picks a variant),

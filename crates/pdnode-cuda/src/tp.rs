@@ -208,6 +208,8 @@ pub struct CudaTpBackend {
     regions: Vec<KvRegion>,
     /// Device ordinal of each rank, in rank order.
     gpus: Vec<u32>,
+    /// Rank 0 samples `Sample` rows on its GPU (`CudaOptions::gpu_sampling`).
+    gpu_sampling: bool,
     weight_bytes: usize,
     /// Set once a rank failed or missed a deadline: the group may be stuck in a collective.
     broken: Option<String>,
@@ -340,6 +342,7 @@ impl CudaTpBackend {
             num_blocks,
             regions,
             gpus: opts.gpus.clone(),
+            gpu_sampling: opts.gpu_sampling,
             weight_bytes,
             broken: None,
             staging: Vec::new(),
@@ -505,7 +508,7 @@ impl Backend for CudaTpBackend {
     /// Rank 0's logits go through [`CudaBackend::forward_select`]: sampled rows are drawn on
     /// its GPU as on one GPU (`cuda_graphs::tp2_sampled_rows_in_decode_steps`).
     fn samples_on_device(&self) -> bool {
-        CudaBackend::gpu_sampling_enabled()
+        self.gpu_sampling
     }
 
     fn kv_layout(&self) -> &KvLayout {
@@ -690,6 +693,8 @@ mod tests {
             linear: super::super::ops::LinearImpl::Auto,
             attention: super::super::ops::AttnVariant::Auto,
             cuda_graphs: false,
+            gpu_sampling: true,
+            pdl: false,
         }
     }
 

@@ -34,6 +34,8 @@ fn opts(tp: u32, graphs: bool) -> CudaOptions {
         linear: LinearImpl::Auto,
         attention: AttnVariant::Auto,
         cuda_graphs: graphs,
+        gpu_sampling: true,
+        pdl: false,
     }
 }
 
@@ -521,7 +523,7 @@ fn tp2_argmax_rows_match_host_argmax() {
     }
 }
 
-// ---- programmatic dependent launch (PDNODE_PDL) ----------------------------------------------
+// ---- programmatic dependent launch (engine.cuda.pdl) ----------------------------------------------
 
 /// Elements whose bits differ, and the largest absolute difference among them.
 fn bit_diff(a: &[f32], b: &[f32]) -> (usize, f32) {

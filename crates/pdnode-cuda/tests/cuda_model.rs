@@ -30,6 +30,8 @@ fn opts_gemm(block_size: u32, gemm_min: usize) -> CudaOptions {
         linear: LinearImpl::Auto,
         attention: AttnVariant::Auto,
         cuda_graphs: true,
+        gpu_sampling: true,
+        pdl: false,
     }
 }
 

@@ -154,6 +154,8 @@ fn every_fixture_matches_transformers_and_the_cpu_backend() {
                 linear: LinearImpl::Auto,
                 attention: AttnVariant::Auto,
                 cuda_graphs: true,
+                gpu_sampling: true,
+                pdl: false,
             };
             let mut cuda = CudaBackend::from_loaded(&model, &opts).unwrap();
             let got = rows(&mut cuda, &r, 5);

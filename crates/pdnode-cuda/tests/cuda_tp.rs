@@ -31,6 +31,8 @@ fn opts(tp: u32, blocks: u32, gemm_min: usize) -> CudaOptions {
         linear: LinearImpl::Auto,
         attention: AttnVariant::Auto,
         cuda_graphs: false,
+        gpu_sampling: true,
+        pdl: false,
     }
 }
 

@@ -6,8 +6,8 @@
 //! `sample_rows` takes its per-row parameters by value (a [`SampleBatch`] kernel argument of up
 //! to [`SAMPLE_ROWS_PER_LAUNCH`] rows, one launch per that many sampled rows): no device buffer
 //! and no upload, so it runs the same after an eager step and after a replayed CUDA graph.
-//! `PDNODE_GPU_SAMPLING=0` (or `off`) turns device sampling off ([`gpu_sampling_enabled`]): the
-//! engine then asks for full rows and samples them on the host.
+//! `engine.cuda.gpu_sampling = false` ([`crate::CudaOptions::gpu_sampling`]) turns device
+//! sampling off: the engine then asks for full rows and samples them on the host.
 
 use super::CudaBackend;
 use crate::CudaError;
@@ -17,35 +17,6 @@ use pdnode_engine::backend::{
     BackendError, LogitsWant, RowOut, RowStore, StepLogits, check_logits_wants,
 };
 use pdnode_engine::sampling::RowDraw;
-use std::sync::OnceLock;
-
-/// `PDNODE_GPU_SAMPLING` as a switch: `0` or `off` (any case, spaces ignored) disables device
-/// sampling; anything else, or nothing, leaves it on.
-pub fn parse_gpu_sampling(v: Option<&str>) -> bool {
-    !v.map(str::trim)
-        .is_some_and(|s| s == "0" || s.eq_ignore_ascii_case("off"))
-}
-
-/// Whether the CUDA backend samples rows on the device (`PDNODE_GPU_SAMPLING`, read once per
-/// process; default on).
-pub fn gpu_sampling_enabled() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| {
-        let raw = std::env::var("PDNODE_GPU_SAMPLING").ok();
-        let on = parse_gpu_sampling(raw.as_deref());
-        tracing::info!(
-            on,
-            env = raw.as_deref().unwrap_or(""),
-            "PDNODE_GPU_SAMPLING: sampled rows {}",
-            if on {
-                "drawn on the device"
-            } else {
-                "copied to the host"
-            }
-        );
-        on
-    })
-}
 
 /// Sampled rows per `sample_rows` launch (`SAMPLE_ROWS_PER_LAUNCH` in `kernels/sample.cu`): 64
 /// x 32 bytes of kernel arguments, under the 4 KiB every driver takes.
@@ -192,14 +163,6 @@ impl CudaBackend {
         // (checked above); the kernel reads and writes nothing else.
         unsafe { b.launch(cfg) }.map_err(crate::drv(OP))?;
         Ok(())
-    }
-
-    /// Whether CUDA backends sample rows on the device ([`gpu_sampling_enabled`]:
-    /// `PDNODE_GPU_SAMPLING`, read once per process). What [`CudaBackend`]'s
-    /// `Backend::samples_on_device` answers; a backend built on `CudaBackend::forward_select`
-    /// (tensor parallelism) can answer the same.
-    pub fn gpu_sampling_enabled() -> bool {
-        gpu_sampling_enabled()
     }
 
     /// Enqueues `sample_rows` for the [`LogitsWant::Sample`] rows of `want` (over the first
@@ -390,17 +353,6 @@ mod tests {
             copy_logits(&src, &mut dst);
             assert!(dst == src, "{n} elements");
         }
-    }
-
-    #[test]
-    fn gpu_sampling_switch() {
-        for off in ["0", "off", "OFF", " Off ", "0\n"] {
-            assert!(!parse_gpu_sampling(Some(off)), "{off:?} disables");
-        }
-        for on in ["", "1", "on", "no", "00", "false"] {
-            assert!(parse_gpu_sampling(Some(on)), "{on:?} leaves it on");
-        }
-        assert!(parse_gpu_sampling(None), "unset is on");
     }
 
     #[test]

@@ -73,9 +73,9 @@ impl Backend for CudaBackend {
         format!("cuda:{}", self.gpu.ordinal)
     }
 
-    /// `sample_rows` on the device, unless `PDNODE_GPU_SAMPLING` turns it off.
+    /// `sample_rows` on the device, unless `engine.cuda.gpu_sampling` turns it off.
     fn samples_on_device(&self) -> bool {
-        logits::gpu_sampling_enabled()
+        self.opts.gpu_sampling
     }
 
     fn kv_layout(&self) -> &KvLayout {

@@ -106,7 +106,7 @@ fn sample_rows_match_the_reference_on_crafted_rows() {
         };
         let w = tiny_weights(&spec, &mut rng);
         let mut be = CudaBackend::new(&spec, &w, &opts(1, false), "test".into()).unwrap();
-        assert_eq!(be.samples_on_device(), CudaBackend::gpu_sampling_enabled());
+        assert!(be.samples_on_device(), "engine.cuda.gpu_sampling is on");
         let mut t = Tally::default();
         for chunk in 0..rows.div_ceil(64) {
             let n = 64.min(rows - chunk * 64);
@@ -335,6 +335,8 @@ fn bench_decode_64_sampled_rows() {
         max_batch_tokens: 256,
         mem_fraction: 0.95,
         cuda_graphs: true,
+        gpu_sampling: true,
+        pdl: false,
         ..opts(1, true)
     };
     let mut be = CudaBackend::new_dummy(&spec, 1234, &o, "bench".into()).unwrap();

@@ -1,4 +1,4 @@
-//! Programmatic dependent launch (`PDNODE_PDL`, `pdnode_cuda::launch`): a decode-like chain of
+//! Programmatic dependent launch (`engine.cuda.pdl`, `pdnode_cuda::launch`): a decode-like chain of
 //! our kernels, each reading what the one before it wrote (embedding gather, then rounds of
 //! RMSNorm -> gate_up GEMV -> SwiGLU -> down GEMV accumulating into the f32 residual), run with
 //! plain launches, with PDL launches, and plain again: the outputs must be bit-identical (a

@@ -464,3 +464,21 @@ fn cuda_switches_are_config_keys_with_checked_names_and_types() {
         "{errs:?}"
     );
 }
+
+#[test]
+fn fusion_limits_are_checked_config_keys() {
+    let c = load_from_str(FILE, "", &[]).unwrap().config.engine.cuda;
+    assert_eq!((c.fuse_swiglu_max_tokens, c.fuse_norm_max_tokens), (2, 1));
+    let errs = errors("[engine.cuda]\nfuse_norm_max_tokens = 9\n", &[]);
+    assert!(
+        errs.iter()
+            .any(|e| e.to_string().contains("engine.cuda.fuse_norm_max_tokens")),
+        "{errs:?}"
+    );
+    let off = load_from_str(FILE, "", &sets(&["engine.cuda.fuse_swiglu_max_tokens=0"]))
+        .unwrap()
+        .config
+        .engine
+        .cuda;
+    assert_eq!(off.fuse_swiglu_max_tokens, 0);
+}

@@ -47,19 +47,19 @@ pub fn run_op_breakdown(
     be.set_op_timing(true);
     let iters = iters.max(1);
     let mut rows = Vec::new();
-    let limits = (ops::swiglu_fuse_max_tokens(), ops::norm_fuse_max_tokens());
+    let fused = be.fusion();
     let runs = decode.iter().flat_map(|&(b, c)| {
-        let both = b <= limits.0.max(limits.1);
+        let both = b <= fused.swiglu_max_tokens.max(fused.norm_max_tokens);
         [("fused", b, c), ("unfused", b, c)]
             .into_iter()
             .take(if both { 2 } else { 1 })
     });
     for (variant, batch, ctx) in runs {
-        if variant == "unfused" {
-            ops::set_fuse_max_tokens(0, 0);
+        be.set_fusion(if variant == "unfused" {
+            ops::Fusion::OFF
         } else {
-            ops::set_fuse_max_tokens(limits.0, limits.1);
-        }
+            fused
+        });
         let step = DecodeStep::new(batch, ctx, bs);
         let fb = step.batch();
         be.forward_device(&fb).map_err(err)?;
@@ -80,11 +80,9 @@ pub fn run_op_breakdown(
         }
         let total: f64 = sums.iter().map(|s| s.2).sum::<f64>() / iters as f64;
         let calls: usize = sums.iter().map(|s| s.1).sum();
-        // the same step replayed from a CUDA graph (wall time of back-to-back steps); the
-        // kernel switch drops graphs captured under the other fusion limits
+        // the same step replayed from a CUDA graph (wall time of back-to-back steps);
+        // set_fusion dropped graphs captured under the other fusion limits
         be.set_op_timing(false);
-        be.set_kernels(ops::AttnVariant::Auto, ops::LinearImpl::Cublas);
-        be.set_kernels(ops::AttnVariant::Auto, ops::LinearImpl::Auto);
         be.set_cuda_graphs(true);
         let graph_us = timed_steps(&mut be, iters, &fb)? * 1e6;
         be.set_op_timing(true);
@@ -107,7 +105,7 @@ pub fn run_op_breakdown(
         }
     }
     be.set_op_timing(false);
-    ops::set_fuse_max_tokens(limits.0, limits.1);
+    be.set_fusion(fused);
     Ok(rows)
 }
 
@@ -130,7 +128,7 @@ pub struct FuseRow {
 
 /// Times each fusion of the decode step at Llama-3.1-8B shapes for each token count (1..=8),
 /// weights rotated over copies (>= 256 MB) so none is served from L2: the numbers behind
-/// `PDNODE_FUSE_SWIGLU_MAX_T` (default 2) / `PDNODE_FUSE_NORM_MAX_T` (default 1).
+/// `engine.cuda.fuse_swiglu_max_tokens` (default 2) / `engine.cuda.fuse_norm_max_tokens` (default 1).
 pub fn run_fusions(
     tokens: &[usize],
     iters: usize,

@@ -165,6 +165,7 @@ pub(crate) fn bench_options(
         cuda_graphs,
         gpu_sampling: true,
         pdl: false,
+        fusion: pdnode_cuda::ops::Fusion::default(),
     }
 }
 

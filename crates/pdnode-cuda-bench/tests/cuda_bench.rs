@@ -267,7 +267,7 @@ fn bench_decode_op_breakdown() {
 }
 
 /// The decode-step fusions alone (fused launch vs the launches it replaces) at 1..=8 tokens:
-/// what `PDNODE_FUSE_SWIGLU_MAX_T` / `PDNODE_FUSE_NORM_MAX_T` should be.
+/// what `engine.cuda.fuse_swiglu_max_tokens` / `fuse_norm_max_tokens` should be.
 #[test]
 #[ignore = "needs a CUDA GPU (about 2 GB free): run scripts/gpu/run-all.sh on the GPU host"]
 fn bench_decode_fusions() {

@@ -58,6 +58,8 @@ pub struct CudaOptions {
     pub gpu_sampling: bool,
     /// Programmatic dependent launch of our kernels where the GPU takes it (`engine.cuda.pdl`).
     pub pdl: bool,
+    /// What the decode step fuses into the GEMVs (`engine.cuda.fuse_*_max_tokens`).
+    pub fusion: ops::Fusion,
 }
 
 impl CudaOptions {
@@ -76,6 +78,10 @@ impl CudaOptions {
             cuda_graphs: e.cuda_graphs,
             gpu_sampling: e.cuda.gpu_sampling,
             pdl: e.cuda.pdl,
+            fusion: ops::Fusion {
+                swiglu_max_tokens: e.cuda.fuse_swiglu_max_tokens as usize,
+                norm_max_tokens: e.cuda.fuse_norm_max_tokens as usize,
+            },
         }
     }
 }
@@ -459,6 +465,24 @@ impl CudaBackend {
         self.opts.linear = linear;
     }
 
+    /// Switches what later steps fuse into the GEMVs (benchmarks compare fused and unfused on
+    /// one backend); captured graphs are dropped on a change (they hold the other launches).
+    pub fn set_fusion(&mut self, fusion: ops::Fusion) {
+        if fusion != self.opts.fusion {
+            if self.gpu.bind().is_ok() && self.gpu.sync().is_ok() {
+                self.graphs.clear();
+            } else {
+                self.graphs.disable();
+            }
+        }
+        self.opts.fusion = fusion;
+    }
+
+    /// The fusion limits later steps use ([`Self::set_fusion`]).
+    pub fn fusion(&self) -> ops::Fusion {
+        self.opts.fusion
+    }
+
     /// Switches programmatic dependent launch of our kernels for later steps (`engine.cuda.pdl` sets
     /// it at start; tests and benchmarks compare both on one backend); returns what it is now
     /// (false where the GPU cannot: [`Gpu::set_pdl`]). Captured graphs are dropped on a change:
@@ -673,6 +697,7 @@ impl CudaBackend {
                 &ws.resid,
                 rank0,
                 lin,
+                self.opts.fusion,
                 nf.as_ref(),
             )?;
             mark(if normed { "o_proj+mlp_norm" } else { "o_proj" })?;
@@ -681,7 +706,7 @@ impl CudaBackend {
                 rmsnorm(&l.mlp_norm)?;
                 mark("mlp_norm")?;
             }
-            // fused at 1-2 tokens under Auto (PDNODE_FUSE_SWIGLU_MAX_T), else gate_up, swiglu
+            // fused at 1-2 tokens under Auto (engine.cuda.fuse_swiglu_max_tokens), else gate_up, swiglu
             ops::gate_up_swiglu(
                 g,
                 inter,
@@ -692,6 +717,7 @@ impl CudaBackend {
                 &ws.gate_up,
                 &ws.act,
                 self.opts.linear,
+                self.opts.fusion,
             )?;
             mark("gate_up+swiglu")?;
             let nf = w.layers.get(li + 1).and_then(|n| norm_of(&n.attn_norm));
@@ -705,6 +731,7 @@ impl CudaBackend {
                 &ws.resid,
                 rank0,
                 lin,
+                self.opts.fusion,
                 nf.as_ref(),
             )?;
             mark(if normed { "down+attn_norm" } else { "down" })?;

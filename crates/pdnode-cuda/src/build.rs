@@ -165,9 +165,16 @@ mod tests {
         let mut e = EngineConfig::default();
         let o = CudaOptions::from_config(&e);
         assert!(o.gpu_sampling && !o.pdl);
+        assert_eq!(o.fusion, crate::ops::Fusion::default());
         e.cuda.gpu_sampling = false;
         e.cuda.pdl = true;
+        e.cuda.fuse_swiglu_max_tokens = 0;
+        e.cuda.fuse_norm_max_tokens = 4;
         let o = CudaOptions::from_config(&e);
         assert!(!o.gpu_sampling && o.pdl);
+        assert_eq!(
+            (o.fusion.swiglu_max_tokens, o.fusion.norm_max_tokens),
+            (0, 4)
+        );
     }
 }

@@ -695,6 +695,7 @@ mod tests {
             cuda_graphs: false,
             gpu_sampling: true,
             pdl: false,
+            fusion: crate::ops::Fusion::default(),
         }
     }
 

@@ -36,6 +36,7 @@ fn opts(tp: u32, graphs: bool) -> CudaOptions {
         cuda_graphs: graphs,
         gpu_sampling: true,
         pdl: false,
+        fusion: pdnode_cuda::ops::Fusion::default(),
     }
 }
 

@@ -32,6 +32,7 @@ fn opts_gemm(block_size: u32, gemm_min: usize) -> CudaOptions {
         cuda_graphs: true,
         gpu_sampling: true,
         pdl: false,
+        fusion: pdnode_cuda::ops::Fusion::default(),
     }
 }
 

@@ -156,6 +156,7 @@ fn every_fixture_matches_transformers_and_the_cpu_backend() {
                 cuda_graphs: true,
                 gpu_sampling: true,
                 pdl: false,
+                fusion: pdnode_cuda::ops::Fusion::default(),
             };
             let mut cuda = CudaBackend::from_loaded(&model, &opts).unwrap();
             let got = rows(&mut cuda, &r, 5);

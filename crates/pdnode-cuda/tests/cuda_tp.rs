@@ -33,6 +33,7 @@ fn opts(tp: u32, blocks: u32, gemm_min: usize) -> CudaOptions {
         cuda_graphs: false,
         gpu_sampling: true,
         pdl: false,
+        fusion: pdnode_cuda::ops::Fusion::default(),
     }
 }
 

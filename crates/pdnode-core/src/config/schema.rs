@@ -184,6 +184,10 @@ pub struct CudaEngineConfig {
     /// while the previous one drains); needs sm_90+ and a 12.3+ driver, else it stays off with a
     /// warning. cuBLAS and NCCL launches are unaffected.
     pub pdl: bool,
+    /// Most tokens at which SwiGLU is fused into the gate_up GEMV, [0, 8]; 0: off.
+    pub fuse_swiglu_max_tokens: u32,
+    /// Most tokens at which the next RMSNorm is fused into the o/down GEMV, [0, 8]; 0: off.
+    pub fuse_norm_max_tokens: u32,
 }
 
 impl Default for CudaEngineConfig {
@@ -191,6 +195,8 @@ impl Default for CudaEngineConfig {
         Self {
             gpu_sampling: true,
             pdl: false,
+            fuse_swiglu_max_tokens: 2,
+            fuse_norm_max_tokens: 1,
         }
     }
 }

@@ -7,7 +7,6 @@ use super::super::CudaError;
 use super::super::blas::OutType;
 use super::super::device::{DevBuf, Gpu};
 use super::{cfg, launched, need, shape, u32_of};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 const BF16: usize = 2;
 const F32: usize = 4;
@@ -303,48 +302,50 @@ pub fn gemv_mma(
     )
 }
 
-/// Most tokens at which [`gate_up_swiglu`] fuses (under `Auto`): `PDNODE_FUSE_SWIGLU_MAX_T`
-/// (0 switches the fusion off, at most [`GEMV_MAX_TOKENS`]; read once per process, or set by
-/// [`set_fuse_max_tokens`]), default 2:
-/// at 1-2 tokens the fused launch streams gate_up as fast as cuBLAS (58.0 vs 57.0 us) and saves
-/// the swiglu launch; from 4 tokens cuBLAS is 6-7 us ahead of the GEMV on this shape.
-pub fn swiglu_fuse_max_tokens() -> usize {
-    fuse_knob(&SWIGLU_MAX_T, "PDNODE_FUSE_SWIGLU_MAX_T", 2)
+/// Most tokens at which the decode step fuses work into the tensor-core GEMV (under `Auto` and
+/// the measured table): `engine.cuda.fuse_swiglu_max_tokens` / `fuse_norm_max_tokens`, each at
+/// most [`GEMV_MAX_TOKENS`], 0 off. Passed to every call: no process-wide setting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fusion {
+    /// [`gate_up_swiglu`] fuses SwiGLU into the gate_up GEMV up to this many tokens. Default 2:
+    /// at 1-2 tokens the fused launch streams gate_up as fast as cuBLAS (58.0 vs 57.0 us) and
+    /// saves the swiglu launch; from 4 tokens cuBLAS is 6-7 us ahead of the GEMV on this shape.
+    pub swiglu_max_tokens: usize,
+    /// [`linear_rmsnorm`] fuses the next RMSNorm into the o/down GEMV up to this many tokens.
+    /// Default 1. The fused norm runs in one block after the GEMV (tokens one after the other),
+    /// the separate kernel in a block a token, so it pays off at one token only: on the H200
+    /// (session 3, `bench_decode_fusions`) o+norm 18.4 vs 19.5 us and down+norm 38.1 vs 38.9 us
+    /// at 1 token, but 4 us slower at 2 tokens and 37 us slower at 8. (Session 2 shipped it off
+    /// after its GPU test failed on 1-warp launches: the sum of squares strided by 256 threads
+    /// on smaller blocks; fixed, and `linear_rmsnorm_fused_matches_unfused` passes on the H200
+    /// since.)
+    pub norm_max_tokens: usize,
 }
 
-/// `usize::MAX`: not read from the environment yet.
-static SWIGLU_MAX_T: AtomicUsize = AtomicUsize::new(usize::MAX);
-static NORM_MAX_T: AtomicUsize = AtomicUsize::new(usize::MAX);
-
-fn fuse_knob(k: &AtomicUsize, env: &str, default: usize) -> usize {
-    let v = k.load(Ordering::Relaxed);
-    if v != usize::MAX {
-        return v;
+impl Default for Fusion {
+    fn default() -> Self {
+        Self {
+            swiglu_max_tokens: 2,
+            norm_max_tokens: 1,
+        }
     }
-    let v = std::env::var(env)
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .unwrap_or(default)
-        .min(GEMV_MAX_TOKENS);
-    k.store(v, Ordering::Relaxed);
-    v
 }
 
-/// Overrides the two fusion limits ([`swiglu_fuse_max_tokens`], [`norm_fuse_max_tokens`]) for
-/// this process (benchmarks compare both ways in one run). Steps already captured in CUDA graphs
-/// keep what they were captured with.
-pub fn set_fuse_max_tokens(swiglu: usize, norm: usize) {
-    SWIGLU_MAX_T.store(swiglu.min(GEMV_MAX_TOKENS), Ordering::Relaxed);
-    NORM_MAX_T.store(norm.min(GEMV_MAX_TOKENS), Ordering::Relaxed);
+impl Fusion {
+    /// No fusion (the unfused step, for comparisons).
+    pub const OFF: Fusion = Fusion {
+        swiglu_max_tokens: 0,
+        norm_max_tokens: 0,
+    };
 }
 
 /// Whether [`gate_up_swiglu`] takes the fused kernel for `tokens` rows with `how` (only `Auto`
 /// under the measured table: `PDNODE_LINEAR=mma` is the previous step exactly).
-pub fn swiglu_fused(how: LinearImpl, tokens: usize) -> bool {
+pub fn swiglu_fused(how: LinearImpl, tokens: usize, fuse: Fusion) -> bool {
     how == LinearImpl::Auto
         && auto_choice() == AutoPref::Table
         && tokens >= 1
-        && tokens <= swiglu_fuse_max_tokens()
+        && tokens <= fuse.swiglu_max_tokens.min(GEMV_MAX_TOKENS)
 }
 
 /// The MLP input half: `act[t, i] = silu(g) * u` with `[g | u] = x[t] W_gate_up^T` (w bf16
@@ -363,9 +364,10 @@ pub fn gate_up_swiglu(
     gu: &DevBuf,
     act: &DevBuf,
     how: LinearImpl,
+    fuse: Fusion,
 ) -> Result<(), CudaError> {
     let aligned = gemv_aligned(inp, w, x);
-    if swiglu_fused(how, tokens) && aligned {
+    if swiglu_fused(how, tokens, fuse) && aligned {
         let l = glu_launch(gpu.sm_count as usize, inter, inp);
         return gemv_mma_swiglu(gpu, l, inter, tokens, inp, w, x, act);
     }
@@ -455,21 +457,9 @@ pub struct NormFuse<'a> {
     pub eps: f32,
 }
 
-/// Most tokens at which [`linear_rmsnorm`] fuses: `PDNODE_FUSE_NORM_MAX_T` (0 switches it off,
-/// at most [`GEMV_MAX_TOKENS`]; read once per process, or [`set_fuse_max_tokens`]), default 1.
-/// The fused norm runs in one block after the GEMV (tokens one after the other), the separate
-/// kernel in a block a token, so it pays off at one token only: on the H200 (session 3,
-/// `bench_decode_fusions`) o+norm 18.4 vs 19.5 us and down+norm 38.1 vs 38.9 us at 1 token, but
-/// 4 us slower at 2 tokens and 37 us slower at 8. (Session 2 shipped it off after its GPU test
-/// failed on 1-warp launches: the sum of squares strided by 256 threads on smaller blocks; fixed,
-/// and `linear_rmsnorm_fused_matches_unfused` passes on the H200 since.)
-pub fn norm_fuse_max_tokens() -> usize {
-    fuse_knob(&NORM_MAX_T, "PDNODE_FUSE_NORM_MAX_T", 1)
-}
-
 /// The launch [`linear_rmsnorm`] fuses with (`None`: it does not): Auto under the measured
 /// table, a 16-row tensor-core launch (at most 12 warps, the norm kernels' bound), `1..=`
-/// [`norm_fuse_max_tokens`] tokens, aligned operands.
+/// [`Fusion::norm_max_tokens`] tokens, aligned operands.
 #[allow(clippy::too_many_arguments)]
 pub fn norm_fuse_launch(
     sm_count: usize,
@@ -479,11 +469,12 @@ pub fn norm_fuse_launch(
     w: &DevBuf,
     x: &DevBuf,
     how: LinearImpl,
+    fuse: Fusion,
 ) -> Option<MmaLaunch> {
     let ok = how == LinearImpl::Auto
         && auto_choice() == AutoPref::Table
         && tokens >= 1
-        && tokens <= norm_fuse_max_tokens()
+        && tokens <= fuse.norm_max_tokens.min(GEMV_MAX_TOKENS)
         && out > 0
         && inp > 0
         && gemv_aligned(inp, w, x);
@@ -512,11 +503,12 @@ pub fn linear_rmsnorm(
     y: &DevBuf,
     accumulate: bool,
     how: LinearImpl,
+    fuse: Fusion,
     norm: Option<&NormFuse<'_>>,
 ) -> Result<bool, CudaError> {
     let sms = gpu.sm_count as usize;
     if let Some(n) = norm
-        && let Some(l) = norm_fuse_launch(sms, out, tokens, inp, w, x, how)
+        && let Some(l) = norm_fuse_launch(sms, out, tokens, inp, w, x, how, fuse)
     {
         gemv_mma_norm(gpu, l, out, tokens, inp, w, x, y, accumulate, n)?;
         return Ok(true);

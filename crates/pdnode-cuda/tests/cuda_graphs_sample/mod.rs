@@ -337,6 +337,7 @@ fn bench_decode_64_sampled_rows() {
         cuda_graphs: true,
         gpu_sampling: true,
         pdl: false,
+        fusion: pdnode_cuda::ops::Fusion::default(),
         ..opts(1, true)
     };
     let mut be = CudaBackend::new_dummy(&spec, 1234, &o, "bench".into()).unwrap();

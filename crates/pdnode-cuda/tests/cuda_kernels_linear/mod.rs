@@ -6,7 +6,7 @@
 use super::cuda_support::*;
 use super::{gpu, poisoned};
 use pdnode_cuda::blas::OutType;
-use pdnode_cuda::ops::{self, LinearImpl};
+use pdnode_cuda::ops::{self, Fusion, LinearImpl};
 
 /// bf16 bits of a value downloaded as f32 (exact: the f32 came from a bf16).
 fn bits(v: f32) -> i32 {
@@ -102,14 +102,26 @@ fn gate_up_swiglu_fused_matches_unfused() {
         let gu = poisoned(&g, t * 2 * inter * 2);
         let (a, b) = (poisoned(&g, t * inter * 2), poisoned(&g, t * inter * 2));
         for (how, out) in [(LinearImpl::Auto, &a), (LinearImpl::Cublas, &b)] {
-            ops::gate_up_swiglu(&g, inter, t, inp, &dw, &dx, &gu, out, how).unwrap();
+            ops::gate_up_swiglu(
+                &g,
+                inter,
+                t,
+                inp,
+                &dw,
+                &dx,
+                &gu,
+                out,
+                how,
+                Fusion::default(),
+            )
+            .unwrap();
         }
         let (a, b) = (
             g.download_bf16(&a, t * inter).unwrap(),
             g.download_bf16(&b, t * inter).unwrap(),
         );
         let e = rel_err(&a, &b);
-        let fused = ops::swiglu_fused(LinearImpl::Auto, t);
+        let fused = ops::swiglu_fused(LinearImpl::Auto, t, Fusion::default());
         println!(
             "{} gate_up_swiglu Auto (fused {fused}) vs cuBLAS inter={inter} t={t} in={inp}: rel {e:.1e}",
             if e < 2e-2 { "PASS" } else { "FAIL" }
@@ -290,10 +302,21 @@ fn linear_rmsnorm_fused_matches_unfused() {
             &y,
             true,
             LinearImpl::Auto,
+            Fusion::default(),
             Some(&nf),
         )
         .unwrap();
-        let expect = ops::norm_fuse_launch(sms, out, t, inp, &dw, &dx, LinearImpl::Auto).is_some();
+        let expect = ops::norm_fuse_launch(
+            sms,
+            out,
+            t,
+            inp,
+            &dw,
+            &dx,
+            LinearImpl::Auto,
+            Fusion::default(),
+        )
+        .is_some();
         if !fused {
             ops::add_rmsnorm(&g, &y, t, None, &dnw, &normed, None, t, out, eps).unwrap();
         }

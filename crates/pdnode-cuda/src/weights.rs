@@ -103,9 +103,9 @@ impl DevWeights {
         w: &Weights,
         shard: Shard,
     ) -> Result<Self, CudaError> {
-        w.check_shapes(spec).map_err(|reason| CudaError::Shape {
+        w.check_shapes(spec).map_err(|e| CudaError::Shape {
             op: "weights",
-            reason,
+            reason: e.to_string(),
         })?;
         shard.check(spec)?;
         let (h, q, kv, i) = (

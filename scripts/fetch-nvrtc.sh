@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Puts NVIDIA's NVRTC library (the PyPI wheel nvidia-cuda-nvrtc, CUDA 13) under .cache/nvrtc, so
 # the test suite can compile the CUDA kernels exactly as the CUDA backend does at start, on a
-# machine with no GPU and no CUDA toolkit (crates/pdnode-engine/tests/kernels_compile.rs).
+# machine with no GPU and no CUDA toolkit (crates/pdnode-kernels/tests/kernels_compile.rs).
 # Idempotent: does nothing when the library is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -8,8 +8,11 @@ GPU_DIR=${GPU_DIR:-.gpu}
 mkdir -p "$GPU_DIR"
 if [ -d .git ]; then grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude; fi
 PROFILE_ARGS=${PROFILE_ARGS:-}
-cargo test -p pdnode-engine $PROFILE_ARGS --no-run --message-format=json \
-    --test cuda_kernels --test cuda_model --test cuda_parity --test cuda_bench --test cuda_tp --test cuda_graphs --lib 2>/dev/null |
+{
+    cargo test -p pdnode-cuda $PROFILE_ARGS --no-run --message-format=json \
+        --test cuda_kernels --test cuda_model --test cuda_parity --test cuda_tp --test cuda_graphs --lib 2>/dev/null
+    cargo test -p pdnode-cuda-bench $PROFILE_ARGS --no-run --message-format=json --test cuda_bench --test cuda_tp_bench 2>/dev/null
+} |
     python3 -c '
 import json, sys
 for line in sys.stdin:
@@ -19,7 +22,7 @@ for line in sys.stdin:
         continue
     if m.get("reason") == "compiler-artifact" and m.get("executable"):
         t = m["target"]
-        name = t["name"] if t["kind"] != ["lib"] else "engine_unit"
+        name = t["name"] if t["kind"] != ["lib"] else "cuda_unit"
         print(name, m["executable"])
 ' | while read -r name exe; do
     cp "$exe" "$GPU_DIR/$name"

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Compiles the CUDA kernels (crates/pdnode-engine/kernels) with NVRTC for sm_90, as the CUDA
+"""Compiles the CUDA kernels (crates/pdnode-kernels/kernels) with NVRTC for sm_90, as the CUDA
 backend does at start, and prints the compile log with ptxas register/spill counts per kernel.
 Needs no GPU, only libnvrtc (the PyPI wheel nvidia-cuda-nvrtc; scripts/fetch-nvrtc.sh puts it in
 .cache/nvrtc). Exit status 0 when the program compiles. Usage: nvrtc-check.py [--arch sm_90]"""
@@ -20,10 +20,10 @@ for b in sorted(glob.glob(os.path.join(os.path.dirname(cands[0]), "libnvrtc-buil
         ctypes.CDLL(b, mode=ctypes.RTLD_GLOBAL)
         break
 lib = ctypes.CDLL(cands[0])
-# The same sources, in the same order, as crates/pdnode-engine/src/backend/cuda/device.rs.
-dev = open(os.path.join(root, "crates/pdnode-engine/src/backend/cuda/device.rs")).read()
-files = re.findall(r'include_str!\("\.\./\.\./\.\./kernels/([\w.]+)"\)', dev)
-kdir = os.path.join(root, "crates/pdnode-engine/kernels")
+# The same sources, in the same order, as crates/pdnode-kernels/src/lib.rs.
+dev = open(os.path.join(root, "crates/pdnode-kernels/src/lib.rs")).read()
+files = re.findall(r'include_str!\("\.\./kernels/([\w.]+)"\)', dev)
+kdir = os.path.join(root, "crates/pdnode-kernels/kernels")
 src = "".join(open(os.path.join(kdir, f)).read() for f in files)
 prog = ctypes.c_void_p()
 lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"pdnode.cu", 0, None, None)

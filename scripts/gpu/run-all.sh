@@ -28,7 +28,7 @@ run() { # name timeout_s cmd...
 }
 for p in "${parts[@]}"; do
     case $p in
-        unit) run unit 120 "$BIN/engine_unit" cuda --include-ignored --test-threads=1 ;;
+        unit) run unit 120 "$BIN/cuda_unit" --include-ignored --test-threads=1 ;;
         kernels) run kernels 300 "$BIN/cuda_kernels" --ignored --test-threads=1 --nocapture ;;
         model) run model 300 "$BIN/cuda_model" --ignored --test-threads=1 --nocapture ;;
         parity) run parity 300 "$BIN/cuda_parity" --ignored --test-threads=1 --nocapture ;;
@@ -36,6 +36,7 @@ for p in "${parts[@]}"; do
         graphs) run graphs 300 "$BIN/cuda_graphs" --ignored --test-threads=1 --nocapture ;;
         tp)
             run tp 420 "$BIN/cuda_tp" --ignored --test-threads=1 --nocapture
+            run tpbench 300 "$BIN/cuda_tp_bench" --ignored --test-threads=1 --nocapture
             run tpgraphs 300 "$BIN/cuda_graphs" --ignored --test-threads=1 --nocapture tp2
             ;;
         *) echo "unknown part $p" ;;
@@ -43,6 +44,6 @@ for p in "${parts[@]}"; do
 done
 echo
 grep -E '^ceilings|^\|' "$OUT/bench.log" 2>/dev/null
-grep -E '^TP |^ceilings|^\|' "$OUT/tp.log" 2>/dev/null
+cat "$OUT/tp.log" "$OUT/tpbench.log" 2>/dev/null | grep -E '^TP |^ceilings|^\|'
 echo
 printf '%s\n' "${summary[@]}"

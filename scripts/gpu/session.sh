@@ -4,8 +4,9 @@
 #   tests[:names]  scripts/gpu/run-all.sh over the bundle's test binaries (names: run-all parts,
 #                  comma separated; default all of them, with tp)
 #   transfer       scripts/gpu/transfer.sh cuda (bench-transfer GPU0 -> GPU1)
-#   variants       the decode/prefill bench (bench_llama31_8b_shapes) under PDNODE_PDL 0/1 x
-#                  PDNODE_FUSE_NORM_MAX_T default/0, then model, parity and graphs with PDNODE_PDL=1
+#   variants       the decode/prefill bench (bench_llama31_8b_shapes) and the fused-vs-unfused
+#                  decode comparison (bench_decode_fusions, bench_decode_op_breakdown); PDL and
+#                  the fusion limits are config keys now (engine.cuda.*), compared inside the runs
 #   transfer-exp   scripts/gpu/transfer.sh exp (UCX variants, isolated ucx_perftest puts)
 #   overlap        scripts/gpu/overlap.sh (the hand-off against prefill: one chunk vs 512-token chunks)
 #   serve[:what]   scripts/gpu/serve.sh pd|colo|both (default both)
@@ -43,17 +44,14 @@ for part in "$@"; do
             OUT=$LOGS/transfer bash scripts/gpu/transfer.sh cuda 2>&1 |
                 tee "$LOGS/transfer.out" | tail -20 >> "$summary" ;;
         variants)
-            for v in "PDNODE_PDL=0" "PDNODE_PDL=1" "PDNODE_PDL=0 PDNODE_FUSE_NORM_MAX_T=0" \
-                "PDNODE_PDL=1 PDNODE_FUSE_NORM_MAX_T=0"; do
-                tag=$(echo "$v" | tr ' =' '_-')
-                env $v timeout 300 "$PD/t/cuda_bench" --ignored --nocapture --test-threads=1 \
-                    bench_llama31_8b_shapes > "$LOGS/variant-$tag.log" 2>&1
+            for v in bench_llama31_8b_shapes bench_decode_fusions bench_decode_op_breakdown; do
+                tag=$v
+                timeout 300 "$PD/t/cuda_bench" --ignored --nocapture --test-threads=1 \
+                    "$v" > "$LOGS/variant-$tag.log" 2>&1
                 echo "## $v (rc=$?)" >> "$summary"
                 grep -E '^BENCH (decode graph batch|decode eager|prefill)' "$LOGS/variant-$tag.log" |
                     sed -E 's/^BENCH //' >> "$summary"
-            done
-            PDNODE_PDL=1 BIN=$PD/t OUT=$LOGS/tests-pdl bash scripts/gpu/run-all.sh model parity graphs 2>&1 |
-                tee "$LOGS/tests-pdl.out" | tail -6 >> "$summary" ;;
+            done ;;
         transfer-exp)
             OUT=$LOGS/transfer-exp bash scripts/gpu/transfer.sh exp 2>&1 |
                 tee "$LOGS/transfer-exp.out" | tail -20 >> "$summary" ;;

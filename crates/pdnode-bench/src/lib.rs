@@ -7,7 +7,7 @@
 //! - [`sweep::run`]: a concurrency sweep (optionally Poisson-paced), against one endpoint or two
 //!   in alternation with ratios ([`BenchReport`]).
 //! - [`Summary`]: p50/p90/p99 of TTFT, TPOT, ITL, E2E; throughput; goodput under [`Slo`]s.
-//! - [`report::table`] for the terminal, serde JSON for `--out`, [`plot::write_png`] for `--plot`.
+//! - [`report::table`] for the terminal, serde JSON for `--out`, [`plot::write_svg`] for `--plot`.
 
 pub mod client;
 pub mod error;

@@ -300,18 +300,37 @@ async fn compare_alternates_and_reports_ratios_json_and_plot() {
         assert!((x.summary.tpot.p50_ms - y.summary.tpot.p50_ms).abs() < 1e-6);
     }
     assert_eq!(back.comparisons.len(), 2);
-    let png = std::env::var_os("PDNODE_BENCH_TEST_PLOT")
+    let svg_path = std::env::var_os("PDNODE_BENCH_TEST_PLOT")
         .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| dir.path().join("bench.png"));
-    pdnode_bench::plot::write_png(&report, &png).unwrap();
-    let bytes = std::fs::read(&png).unwrap();
-    assert!(bytes.starts_with(b"\x89PNG\r\n\x1a\n"));
-    // 1500 x 560 RGB is 2.5 MB raw; filtered and deflated, a plot is tens of KiB.
-    println!("plot PNG: {} bytes", bytes.len());
+        .unwrap_or_else(|| dir.path().join("bench.svg"));
+    pdnode_bench::plot::write_svg(&report, &svg_path).unwrap();
+    let svg = std::fs::read_to_string(&svg_path).unwrap();
     assert!(
-        (2_000..200_000).contains(&bytes.len()),
-        "plot PNG is {} bytes",
-        bytes.len()
+        svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"),
+        "{svg:.200}"
+    );
+    println!("plot SVG: {} bytes", svg.len());
+    // the three panel titles, the x axis, the levels and the legend are text in it
+    for label in [
+        "TTFT ms",
+        "TPOT ms",
+        "output tokens/s",
+        "concurrency",
+        "workload",
+    ] {
+        assert!(svg.contains(label), "no {label:?} in the plot");
+    }
+    for run in report.runs_of(0) {
+        assert!(
+            svg.contains(&format!(">\n{}\n</text>", run.concurrency)),
+            "no level {} on the x axis",
+            run.concurrency
+        );
+    }
+    let lines = svg.matches("<polyline").count();
+    assert!(
+        lines >= 3 * 2,
+        "{lines} lines: a p50 line per endpoint and panel at least"
     );
 }
 

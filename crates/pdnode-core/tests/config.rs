@@ -506,3 +506,51 @@ fn sglang_workers_need_role_router_both_sides_and_http_urls() {
     let keys = key_of("[node]\nrole = \"router\"\n[registry]\nkind = \"memory\"\n");
     assert!(keys.contains(&"registry.kind".to_string()), "{keys:?}");
 }
+
+#[test]
+fn cuda_switches_are_config_keys_with_checked_names_and_types() {
+    let d = load_from_str(FILE, "", &[]).unwrap().config.engine.cuda;
+    assert!(
+        d.gpu_sampling && !d.pdl,
+        "defaults: device sampling on, PDL off"
+    );
+    let c = load_from_str(
+        FILE,
+        "[engine.cuda]\ngpu_sampling = false\n",
+        &sets(&["engine.cuda.pdl=true"]),
+    )
+    .unwrap()
+    .config
+    .engine
+    .cuda;
+    assert!(!c.gpu_sampling && c.pdl);
+    let errs = errors("", &["engine.cuda.pdll=true"]);
+    assert!(
+        matches!(&errs[0], ConfigError::UnknownKey { key, expected, .. }
+            if key == "engine.cuda.pdll" && expected.iter().any(|k| k == "pdl")),
+        "{errs:?}"
+    );
+    let errs = errors("[engine.cuda]\npdl = \"on\"\n", &[]);
+    assert!(
+        matches!(&errs[0], ConfigError::WrongType { key, .. } if key == "engine.cuda.pdl"),
+        "{errs:?}"
+    );
+}
+
+#[test]
+fn fusion_limits_are_checked_config_keys() {
+    let c = load_from_str(FILE, "", &[]).unwrap().config.engine.cuda;
+    assert_eq!((c.fuse_swiglu_max_tokens, c.fuse_norm_max_tokens), (2, 1));
+    let errs = errors("[engine.cuda]\nfuse_norm_max_tokens = 9\n", &[]);
+    assert!(
+        errs.iter()
+            .any(|e| e.to_string().contains("engine.cuda.fuse_norm_max_tokens")),
+        "{errs:?}"
+    );
+    let off = load_from_str(FILE, "", &sets(&["engine.cuda.fuse_swiglu_max_tokens=0"]))
+        .unwrap()
+        .config
+        .engine
+        .cuda;
+    assert_eq!(off.fuse_swiglu_max_tokens, 0);
+}

@@ -48,15 +48,33 @@ pub struct Weights {
     pub lm_head: Option<Tensor>, // [vocab, hidden]; None when tied to `embed`
 }
 
+/// The first tensor of a [`Weights`] that does not fit its [`ModelSpec`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ShapeError {
+    #[error("tensor {name}: shape {got:?}, expected {expected:?}")]
+    Shape {
+        name: String,
+        got: Vec<usize>,
+        expected: Vec<usize>,
+    },
+    #[error("tensor {name} is missing")]
+    Missing { name: String },
+    #[error("tensor {name} is present but the architecture does not use it")]
+    Unused { name: String },
+    #[error("{got} layers, expected {expected}")]
+    Layers { got: usize, expected: usize },
+}
+
 impl Weights {
     /// Checks every tensor's shape against the spec; `Err` names the first tensor that is off.
-    pub fn check_shapes(&self, s: &ModelSpec) -> Result<(), String> {
-        fn want(name: &str, t: &Tensor, shape: &[usize]) -> Result<(), String> {
+    pub fn check_shapes(&self, s: &ModelSpec) -> Result<(), ShapeError> {
+        fn want(name: &str, t: &Tensor, shape: &[usize]) -> Result<(), ShapeError> {
             if t.shape != shape || t.data.len() != shape.iter().product::<usize>() {
-                return Err(format!(
-                    "tensor {name}: shape {:?}, expected {shape:?}",
-                    t.shape
-                ));
+                return Err(ShapeError::Shape {
+                    name: name.to_string(),
+                    got: t.shape.clone(),
+                    expected: shape.to_vec(),
+                });
             }
             Ok(())
         }
@@ -65,24 +83,22 @@ impl Weights {
             t: &Option<Tensor>,
             on: bool,
             shape: &[usize],
-        ) -> Result<(), String> {
+        ) -> Result<(), ShapeError> {
+            let name = name.to_string();
             match (t, on) {
-                (Some(t), true) => want(name, t, shape),
+                (Some(t), true) => want(&name, t, shape),
                 (None, false) => Ok(()),
-                (None, true) => Err(format!("tensor {name} is missing")),
-                (Some(_), false) => Err(format!(
-                    "tensor {name} is present but the architecture does not use it"
-                )),
+                (None, true) => Err(ShapeError::Missing { name }),
+                (Some(_), false) => Err(ShapeError::Unused { name }),
             }
         }
         let (h, q, kv, i) = (s.hidden_size, s.q_dim(), s.kv_dim(), s.intermediate_size);
         want("embed", &self.embed, &[s.vocab_size, h])?;
         if self.layers.len() != s.num_layers {
-            return Err(format!(
-                "{} layers, expected {}",
-                self.layers.len(),
-                s.num_layers
-            ));
+            return Err(ShapeError::Layers {
+                got: self.layers.len(),
+                expected: s.num_layers,
+            });
         }
         for (n, l) in self.layers.iter().enumerate() {
             let p = |x: &str| format!("layers.{n}.{x}");

@@ -34,6 +34,7 @@ pub enum Command {
     SglangRouter(Box<cmd::sglang_router::Args>),
     /// CUDA backend step times at Llama-3.1-8B shapes vs measured ceilings (GPU hosts).
     #[command(hide = true)]
+    #[cfg(feature = "bench-engine")]
     BenchEngine(cmd::bench_engine::Args),
 }
 
@@ -49,6 +50,7 @@ pub async fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::BenchTransfer(a) => cmd::bench_transfer::run(a).await,
         Command::Nodes(a) => cmd::nodes::run(a).await,
         Command::SglangRouter(a) => cmd::sglang_router::run(*a).await,
+        #[cfg(feature = "bench-engine")]
         Command::BenchEngine(a) => cmd::bench_engine::run(a).await,
     }
 }

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the flash prefill-attention kernels (crates/pdnode-engine/kernels/prefill_flash*.cu) on the
+# Runs the flash prefill-attention kernels (crates/pdnode-kernels/kernels/prefill_flash*.cu) on the
 # CPU, no GPU needed: the kernel source is compiled as host C++ with one OS thread per CUDA thread,
 # and the warp-collective PTX (ldmatrix, mma.sync m16n8k16, shfl) replaced by emulations written
 # from the PTX ISA fragment layouts (helpers.inc), cp.async by a synchronous copy. Checks every
@@ -11,7 +11,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../../.." && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-k=$root/crates/pdnode-engine/kernels
+k=$root/crates/pdnode-kernels/kernels
 python3 - "$k" "$here/helpers.inc" "$work/kern.inc" <<'PY'
 import sys
 k, helpers, dst = sys.argv[1:]

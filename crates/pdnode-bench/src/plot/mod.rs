@@ -1,14 +1,12 @@
-//! PNG plots of a sweep: TTFT, TPOT (p50 thick, p99 thin) and output throughput against
-//! concurrency, one colour per endpoint. Drawn with plotters' bitmap backend into a buffer;
-//! labels use a built-in pixel font, so no system fonts are needed.
-
-mod font;
-mod png;
+//! SVG plots of a sweep: TTFT, TPOT (p50 thick, p99 thin) and output throughput against
+//! concurrency, one colour per endpoint. Drawn with plotters' SVG backend into a string: labels
+//! are SVG text (the viewer's sans-serif), so no fonts or image codecs are built in.
 
 use crate::error::BenchError;
 use crate::metrics::Summary;
 use crate::sweep::BenchReport;
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 use std::path::Path;
 
 const W: u32 = 1500;
@@ -21,9 +19,9 @@ fn plot_err(e: impl std::fmt::Display) -> BenchError {
     }
 }
 
-/// Renders the plot and writes it to `path`.
-pub fn write_png(report: &BenchReport, path: &Path) -> Result<(), BenchError> {
-    let bytes = render_png(report)?;
+/// Renders the plot and writes it to `path` (SVG).
+pub fn write_svg(report: &BenchReport, path: &Path) -> Result<(), BenchError> {
+    let bytes = render_svg(report)?;
     std::fs::write(path, bytes).map_err(|e| BenchError::Write {
         path: path.to_path_buf(),
         reason: e.to_string(),
@@ -58,25 +56,24 @@ struct Series {
     points: Vec<(f64, f64)>,
 }
 
-struct Label {
-    text: String,
-    x: i32,
-    y: i32,
-    scale: i32,
-    color: RGBColor,
+/// Label text of size `px`, anchored at its `h` side and `v` edge.
+fn label(px: u32, color: RGBColor, h: HPos, v: VPos) -> TextStyle<'static> {
+    ("sans-serif", px)
+        .into_font()
+        .color(&color)
+        .pos(Pos::new(h, v))
 }
 
-/// The PNG bytes of the plot.
-pub fn render_png(report: &BenchReport) -> Result<Vec<u8>, BenchError> {
+/// The SVG text of the plot.
+pub fn render_svg(report: &BenchReport) -> Result<String, BenchError> {
     let levels: Vec<usize> = report.runs_of(0).map(|r| r.concurrency).collect();
     if levels.is_empty() {
         return Err(plot_err("no runs to plot"));
     }
     let n = levels.len();
-    let mut buf = vec![255u8; (W * H * 3) as usize];
-    let mut labels = Vec::new();
+    let mut svg = String::new();
     {
-        let root = BitMapBackend::with_buffer(&mut buf, (W, H)).into_drawing_area();
+        let root = SVGBackend::with_string(&mut svg, (W, H)).into_drawing_area();
         root.fill(&WHITE).map_err(plot_err)?;
         let (top, body) = root.split_vertically(50);
         let panels = body.split_evenly((1, 3));
@@ -160,87 +157,65 @@ pub fn render_png(report: &BenchReport) -> Result<Vec<u8>, BenchError> {
                     .map_err(plot_err)?;
             }
             // Labels, positioned through the chart's coordinate mapping.
+            let text = |t: &str, at: (i32, i32), style: &TextStyle<'_>| {
+                root.draw_text(t, style, at).map_err(plot_err)
+            };
             let (ax, ay) = chart.backend_coord(&(x_range.start, y_max));
-            labels.push(Label {
-                text: panel.title.to_string(),
-                x: ax,
-                y: ay - 26,
-                scale: 2,
-                color: BLACK,
-            });
+            text(
+                panel.title,
+                (ax, ay - 12),
+                &label(18, BLACK, HPos::Left, VPos::Bottom),
+            )?;
             for t in 0..=4 {
                 let y = y_max * f64::from(t) / 4.0;
                 let (px, py) = chart.backend_coord(&(x_range.start, y));
-                let text = short_number(y);
-                labels.push(Label {
-                    x: px - 6 - font::text_width(&text, 2),
-                    y: py - 7,
-                    text,
-                    scale: 2,
-                    color: BLACK,
-                });
+                text(
+                    &short_number(y),
+                    (px - 6, py),
+                    &label(15, BLACK, HPos::Right, VPos::Center),
+                )?;
             }
             for (i, c) in levels.iter().enumerate() {
                 let (px, py) = chart.backend_coord(&(i as f64, 0.0));
-                let text = c.to_string();
-                labels.push(Label {
-                    x: px - font::text_width(&text, 2) / 2,
-                    y: py + 8,
-                    text,
-                    scale: 2,
-                    color: BLACK,
-                });
+                text(
+                    &c.to_string(),
+                    (px, py + 8),
+                    &label(15, BLACK, HPos::Center, VPos::Top),
+                )?;
             }
             if pi == 1 {
                 let (px, py) = chart.backend_coord(&((x_range.start + x_range.end) / 2.0, 0.0));
-                let text = "concurrency".to_string();
-                labels.push(Label {
-                    x: px - font::text_width(&text, 2) / 2,
-                    y: py + 26,
-                    text,
-                    scale: 2,
-                    color: BLACK,
-                });
+                text(
+                    "concurrency",
+                    (px, py + 26),
+                    &label(15, BLACK, HPos::Center, VPos::Top),
+                )?;
             }
         }
         // Legend.
+        let legend = label(16, BLACK, HPos::Left, VPos::Center);
         let mut x = 20;
         for (i, e) in report.endpoints.iter().enumerate() {
             let color = COLORS[i % COLORS.len()];
             top.draw(&Rectangle::new([(x, 16), (x + 24, 30)], color.filled()))
                 .map_err(plot_err)?;
-            let text: String = format!("{} {} {}", e.label, e.base_url, e.model)
+            let t: String = format!("{} {} {}", e.label, e.base_url, e.model)
                 .chars()
                 .take(60)
                 .collect();
-            labels.push(Label {
-                x: x + 32,
-                y: 16,
-                scale: 2,
-                color: BLACK,
-                text: text.clone(),
-            });
-            x += 32 + font::text_width(&text, 2) + 40;
+            top.draw_text(&t, &legend, (x + 32, 23)).map_err(plot_err)?;
+            let (w, _) = top.estimate_text_size(&t, &legend).map_err(plot_err)?;
+            x += 32 + w as i32 + 40;
         }
-        labels.push(Label {
-            text: format!("workload {}", report.workload.name()),
-            x: x.max(W as i32 - 360),
-            y: 16,
-            scale: 2,
-            color: RGBColor(90, 90, 90),
-        });
-        for l in &labels {
-            let mut result = Ok(());
-            font::draw_text(&l.text, l.x, l.y, l.scale, |px, py| {
-                if px >= 0 && py >= 0 && (px as u32) < W && (py as u32) < H && result.is_ok() {
-                    result = root.draw_pixel((px, py), &l.color);
-                }
-            });
-            result.map_err(plot_err)?;
-        }
+        top.draw_text(
+            &format!("workload {}", report.workload.name()),
+            &label(16, RGBColor(90, 90, 90), HPos::Left, VPos::Center),
+            (x.max(W as i32 - 360), 23),
+        )
+        .map_err(plot_err)?;
         root.present().map_err(plot_err)?;
     }
-    png::encode_rgb(W, H, &buf).ok_or_else(|| plot_err("bad image buffer"))
+    Ok(svg)
 }
 
 fn short_number(v: f64) -> String {

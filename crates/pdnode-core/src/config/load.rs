@@ -413,7 +413,9 @@ fn deserialize(v: Value) -> Result<Config, DeError> {
                 .split("expected ")
                 .nth(1)
                 .map(|s| {
+                    // serde: "`a`", "`a` or `b`", "one of `a`, `b`, `c`"
                     s.split(", ")
+                        .flat_map(|x| x.split(" or "))
                         .map(|x| {
                             x.trim_start_matches("one of ")
                                 .trim_matches(|c| c == '`' || c == ' ')

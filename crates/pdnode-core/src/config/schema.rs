@@ -168,7 +168,37 @@ pub struct EngineConfig {
     /// 0: all of it after the step. Single-GPU CUDA and CPU backends (a TP group pushes after
     /// the step).
     pub kv_push_layer_group: u32,
+    /// Switches of the `cuda` backend (`engine.cuda.*`).
+    pub cuda: CudaEngineConfig,
     pub mock: MockEngineConfig,
+}
+
+/// Switches of the `cuda` backend; ignored by the other backends.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CudaEngineConfig {
+    /// Rows sampled with temperature > 0 (no penalties or logprobs) are drawn on the GPU
+    /// (`sample_rows`, one id per row over PCIe); false: their full logits rows go to the host.
+    pub gpu_sampling: bool,
+    /// Programmatic dependent launch of the backend's own kernels (Hopper: a kernel is scheduled
+    /// while the previous one drains); needs sm_90+ and a 12.3+ driver, else it stays off with a
+    /// warning. cuBLAS and NCCL launches are unaffected.
+    pub pdl: bool,
+    /// Most tokens at which SwiGLU is fused into the gate_up GEMV, [0, 8]; 0: off.
+    pub fuse_swiglu_max_tokens: u32,
+    /// Most tokens at which the next RMSNorm is fused into the o/down GEMV, [0, 8]; 0: off.
+    pub fuse_norm_max_tokens: u32,
+}
+
+impl Default for CudaEngineConfig {
+    fn default() -> Self {
+        Self {
+            gpu_sampling: true,
+            pdl: false,
+            fuse_swiglu_max_tokens: 2,
+            fuse_norm_max_tokens: 1,
+        }
+    }
 }
 
 impl Default for EngineConfig {
@@ -191,6 +221,7 @@ impl Default for EngineConfig {
             cuda_graphs: true,
             kv_staging_tokens: 8192,
             kv_push_layer_group: 4,
+            cuda: CudaEngineConfig::default(),
             mock: MockEngineConfig::default(),
         }
     }

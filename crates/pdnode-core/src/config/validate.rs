@@ -224,6 +224,24 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
             ),
         );
     }
+    // the tensor-core GEMV takes at most 8 tokens (`GEMV_MAX_TOKENS` of the CUDA backend)
+    for (key, v) in [
+        (
+            "engine.cuda.fuse_swiglu_max_tokens",
+            e.cuda.fuse_swiglu_max_tokens,
+        ),
+        (
+            "engine.cuda.fuse_norm_max_tokens",
+            e.cuda.fuse_norm_max_tokens,
+        ),
+    ] {
+        if v > 8 {
+            bad(
+                key,
+                format!("{v}: the fused GEMV takes at most 8 tokens (0 switches the fusion off)"),
+            );
+        }
+    }
     if e.mock.vocab_size < 2 || e.mock.output_len == 0 {
         bad(
             "engine.mock",

@@ -21,8 +21,6 @@
 //! of a sequence is in block `table[p / block_size]`, slot `p % block_size`.
 
 pub mod cpu;
-#[cfg(feature = "cuda")]
-pub mod cuda;
 
 use crate::sampling::RowDraw;
 use pdnode_core::{BlockId, KvLayout};
@@ -313,8 +311,18 @@ pub enum BackendError {
     BlockOutOfRange { block: BlockId, num_blocks: usize },
     #[error("KV buffer of {got} bytes, expected {expected}")]
     KvBufferSize { got: usize, expected: usize },
+    /// A device failure with no finer class (a lost rank thread, a step past its deadline):
+    /// Retryable.
     #[error("device error: {0}")]
     Device(String),
+    /// A device failure its backend classified (e.g. the CUDA backend's out of memory:
+    /// Unavailable; an invalid shape or argument: Internal; a transient launch failure:
+    /// Retryable).
+    #[error("device error: {message}")]
+    DeviceFailure {
+        kind: pdnode_core::ErrorKind,
+        message: String,
+    },
     #[error("KV staging of {len} bytes at offset {offset} is outside the arena of {arena} bytes")]
     StagingRange {
         offset: usize,
@@ -334,6 +342,7 @@ impl pdnode_core::error::Classify for BackendError {
             | BackendError::StagingRange { .. }
             | BackendError::NoStaging => pdnode_core::ErrorKind::Internal,
             BackendError::Device(_) => pdnode_core::ErrorKind::Retryable,
+            BackendError::DeviceFailure { kind, .. } => *kind,
         }
     }
 }

@@ -33,7 +33,7 @@ mod handle;
 mod run;
 
 pub use handle::{EngineHandle, RequestStream, StagedReady, StagingAlloc};
-pub use run::{spawn, spawn_with_memory};
+pub use run::{spawn, spawn_with_memory, spawn_with_regions};
 
 use crate::backend::{BackendError, KvRegion};
 use crate::sampling::SamplerState;

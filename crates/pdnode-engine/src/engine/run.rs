@@ -28,6 +28,17 @@ pub fn spawn_with_memory<B: Backend + KvMemory + 'static>(
     start(Box::new(backend), regions, cfg, tokenizer)
 }
 
+/// As [`spawn_with_memory`], for a boxed backend and the regions of its pool (what
+/// `pdnode_cuda::build_backend` answers).
+pub fn spawn_with_regions(
+    backend: Box<dyn Backend>,
+    kv_regions: Vec<KvRegion>,
+    cfg: EngineLoopConfig,
+    tokenizer: Option<Arc<Tokenizer>>,
+) -> Result<EngineHandle, EngineError> {
+    start(backend, kv_regions, cfg, tokenizer)
+}
+
 /// Starts an engine loop on its own OS thread, owning `backend`.
 pub fn spawn(
     backend: Box<dyn Backend>,

@@ -52,10 +52,15 @@ fn llama31(hidden: usize, inter: usize, layers: usize, heads: usize) -> ModelSpe
     }
 }
 
+/// Llama-3.1-8B's shapes (preset `llama-3.1-8b`; also what the CUDA benchmarks run).
+pub fn llama31_8b() -> ModelSpec {
+    llama31(4096, 14336, 32, 32)
+}
+
 /// The [`ModelSpec`] of a named preset (HF `config.json` of the instruct release), or `None`.
 pub fn preset(name: &str) -> Option<ModelSpec> {
     Some(match name.to_ascii_lowercase().as_str() {
-        "llama-3.1-8b" => llama31(4096, 14336, 32, 32),
+        "llama-3.1-8b" => llama31_8b(),
         "llama-3.1-70b" => llama31(8192, 28672, 80, 64),
         "qwen2.5-7b" => ModelSpec {
             arch: Arch::Qwen2,

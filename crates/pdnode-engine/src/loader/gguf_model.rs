@@ -190,7 +190,7 @@ fn rope_scaling(
         return Ok(None);
     };
     let factors = dequantize(info.ggml_type, f.tensor_bytes(info), info.numel())
-        .map_err(|e| malformed(&f.path, &info.name, e))?;
+        .map_err(|e| malformed(&f.path, &info.name, e.to_string()))?;
     // Try llama3 with the parameters every Llama 3.1/3.2 release uses, at the original context
     // the file states (or 8192); accept only if it reproduces the stored factors.
     let orig = m
@@ -425,7 +425,7 @@ pub fn from_file(f: &GgufFile) -> Result<GgufModel, LoadError> {
     let weights = weights_from_gguf(f, &spec)?;
     weights
         .check_shapes(&spec)
-        .map_err(|reason| cfg_err(&f.path, reason))?;
+        .map_err(|e| cfg_err(&f.path, e.to_string()))?;
     let tokenizer = tokenizer_from_gguf(f)?;
     let metadata = f
         .metadata_order

@@ -358,7 +358,7 @@ pub fn load(dir: &Path) -> Result<HfModel, LoadError> {
         .check_shapes(&spec)
         .map_err(|reason| LoadError::Config {
             path: dir.to_path_buf(),
-            reason,
+            reason: reason.to_string(),
         })?;
     let tok_path = dir.join("tokenizer.json");
     let tokenizer = if tok_path.is_file() {

@@ -267,21 +267,32 @@ fn dequant_block(ty: GgmlType, b: &[u8], y: &mut [f32]) {
     }
 }
 
+/// Why [`dequantize`] refused its input.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DequantError {
+    #[error("ggml type {ty:?} is not supported for dequantization")]
+    Unsupported { ty: GgmlType },
+    #[error("{ty:?} data of {bytes} bytes does not hold {numel} elements")]
+    Size {
+        ty: GgmlType,
+        bytes: usize,
+        numel: usize,
+    },
+}
+
 /// Dequantizes `numel` elements of type `ty` from `bytes` into f32 (multi-threaded).
-/// `Err` says why (unsupported type, wrong byte count).
-pub fn dequantize(ty: GgmlType, bytes: &[u8], numel: usize) -> Result<Vec<f32>, String> {
+pub fn dequantize(ty: GgmlType, bytes: &[u8], numel: usize) -> Result<Vec<f32>, DequantError> {
     if !ty.can_dequantize() {
-        return Err(format!(
-            "ggml type {ty:?} is not supported for dequantization"
-        ));
+        return Err(DequantError::Unsupported { ty });
     }
     let be = ty.block_elems();
     let bb = ty.block_bytes();
     if !numel.is_multiple_of(be) || (numel / be).checked_mul(bb) != Some(bytes.len()) {
-        return Err(format!(
-            "{ty:?} data of {} bytes does not hold {numel} elements",
-            bytes.len()
-        ));
+        return Err(DequantError::Size {
+            ty,
+            bytes: bytes.len(),
+            numel,
+        });
     }
     let mut out = vec![0f32; numel];
     // Chunks of many blocks so the per-task overhead stays small.
@@ -450,8 +461,21 @@ mod tests {
 
     #[test]
     fn wrong_sizes_and_unsupported_types_are_errors() {
-        assert!(dequantize(GgmlType::Q4_0, &[0; 17], 32).is_err());
-        assert!(dequantize(GgmlType::Q4_0, &[0; 18], 31).is_err());
-        assert!(dequantize(GgmlType::Q2K, &[0; 84], 256).is_err());
+        assert!(matches!(
+            dequantize(GgmlType::Q4_0, &[0; 17], 32),
+            Err(DequantError::Size {
+                bytes: 17,
+                numel: 32,
+                ..
+            })
+        ));
+        assert!(matches!(
+            dequantize(GgmlType::Q4_0, &[0; 18], 31),
+            Err(DequantError::Size { .. })
+        ));
+        assert!(matches!(
+            dequantize(GgmlType::Q2K, &[0; 84], 256),
+            Err(DequantError::Unsupported { ty: GgmlType::Q2K })
+        ));
     }
 }

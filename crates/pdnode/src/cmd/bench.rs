@@ -98,7 +98,7 @@ pub struct Args {
     /// Write the results as JSON.
     #[arg(long)]
     pub out: Option<PathBuf>,
-    /// Write a PNG plot (latency percentiles and throughput against concurrency).
+    /// Write an SVG plot (latency percentiles and throughput against concurrency).
     #[arg(long)]
     pub plot: Option<PathBuf>,
     /// A second endpoint: run the same workload against both in alternation, with ratios.
@@ -222,7 +222,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         eprintln!("wrote {}", path.display());
     }
     if let Some(path) = &args.plot {
-        pdnode_bench::plot::write_png(&report, path)?;
+        pdnode_bench::plot::write_svg(&report, path)?;
         eprintln!("wrote {}", path.display());
     }
     let failed: usize = report.runs.iter().map(|r| r.summary.failed).sum();

@@ -3,7 +3,8 @@
 //! Owned by the CUDA backend work; the same code runs in `tests/cuda_bench.rs`.
 
 use anyhow::Context;
-use pdnode_engine::backend::cuda::{bench, probe, tp_bench};
+use pdnode_cuda::probe;
+use pdnode_cuda_bench::{self as bench, tp as tp_bench};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {

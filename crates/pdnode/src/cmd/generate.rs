@@ -11,7 +11,7 @@ use super::{ConfigArgs, UsageError, load_config};
 use anyhow::Context;
 use pdnode_core::config::{Backend as BackendKind, EngineConfig};
 use pdnode_core::{BlockId, SamplingParams};
-use pdnode_engine::backend::cpu::{CpuBackend, CpuBackendConfig};
+use pdnode_cuda::{BuildOptions, build_backend};
 use pdnode_engine::backend::{Backend, ForwardBatch, SeqStep};
 use pdnode_engine::loader::{self, DummySpec, LoadedModel};
 use pdnode_engine::sampling::{OutputAssembler, SequenceSampler};
@@ -109,41 +109,24 @@ fn make_backend(
     engine: &EngineConfig,
     positions: usize,
 ) -> anyhow::Result<Box<dyn Backend>> {
-    let blocks = positions.div_ceil(engine.block_size.max(1) as usize) as u32;
-    let cpu = |model: LoadedModel| -> anyhow::Result<Box<dyn Backend>> {
-        Ok(Box::new(CpuBackend::from_loaded(
-            model,
-            CpuBackendConfig {
-                block_size: engine.block_size,
-                num_blocks: blocks.max(1),
-                threads: engine.cpu_threads,
-            },
-        )?))
-    };
-    match engine.backend {
-        BackendKind::Cpu => cpu(model),
-        BackendKind::Mock => Err(UsageError(
+    if engine.backend == BackendKind::Mock {
+        return Err(UsageError(
             "engine.backend = \"mock\" has no model to generate with; use cpu, cuda or auto".into(),
         )
-        .into()),
-        kind @ (BackendKind::Auto | BackendKind::Cuda) => {
-            use pdnode_engine::backend::cuda::{
-                BackendChoice, CudaBackend, CudaOptions, CudaTpBackend, select_backend,
-            };
-            match select_backend(kind, &engine.gpus)? {
-                BackendChoice::Cuda => {
-                    let mut opts = CudaOptions::from_config(engine);
-                    opts.num_kv_blocks = blocks.max(1);
-                    if opts.tensor_parallel > 1 {
-                        Ok(Box::new(CudaTpBackend::from_loaded(&model, &opts)?))
-                    } else {
-                        Ok(Box::new(CudaBackend::from_loaded(&model, &opts)?))
-                    }
-                }
-                _ => cpu(model),
-            }
-        }
+        .into());
     }
+    let blocks = positions.div_ceil(engine.block_size.max(1) as usize) as u32;
+    let built = build_backend(
+        engine,
+        model,
+        BuildOptions {
+            context: positions,
+            kv_blocks: Some(blocks.max(1)),
+            staging: None,
+            host_slot_bytes: 0,
+        },
+    )?;
+    Ok(built.backend)
 }
 
 fn generate(

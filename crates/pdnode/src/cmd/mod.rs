@@ -5,6 +5,7 @@
 //! [`ConfigErrors`] so the process exits 2), [`UsageError`] (exit 2) and [`report_error`].
 
 pub mod bench;
+#[cfg(feature = "bench-engine")]
 pub mod bench_engine;
 pub mod bench_transfer;
 pub mod check_config;

@@ -78,7 +78,9 @@ impl CpuBackend {
     ) -> Result<Self, BackendError> {
         weights
             .check_shapes(&spec)
-            .map_err(|reason| BackendError::InvalidBatch { reason })?;
+            .map_err(|e| BackendError::InvalidBatch {
+                reason: e.to_string(),
+            })?;
         if cfg.block_size == 0 || cfg.num_blocks == 0 {
             return Err(BackendError::InvalidBatch {
                 reason: format!(

@@ -1,0 +1,777 @@
+//! pdnode-cuda-bench: GPU benchmarks of the CUDA backend at real model shapes (dummy weights): decode step time
+//! against the HBM roofline, prefill against the cuBLAS bf16 peak. Ceilings are measured in the
+//! same process (device-to-device copy; an 8192^3 bf16 GEMM) so every ratio has its own ceiling.
+//! Beside production code, never inside it: `pdnode bench-engine` (built with the binary's
+//! `bench-engine` feature) and `tests/cuda_bench.rs` run these; [`attn`] times the decode
+//! attention kernels, [`tp`] the tensor-parallel backend.
+
+use pdnode_cuda::CudaError;
+use pdnode_cuda::backend::{CudaBackend, CudaOptions};
+use pdnode_cuda::blas::{OutType, gemm};
+use pdnode_cuda::device::Gpu;
+use pdnode_cuda::ops;
+use pdnode_cuda::prefill::{self, LongSeq, PrefillAttn, PrefillScratch};
+use pdnode_engine::backend::{
+    Backend, BackendError, ForwardBatch, LogitsWant, SeqStep, StepLogits,
+};
+
+use pdnode_core::BlockId;
+use pdnode_engine::spec::ModelSpec;
+use std::time::Instant;
+
+pub mod attn;
+mod decode_ops;
+pub mod tp;
+pub use decode_ops::*;
+
+pub use pdnode_engine::loader::dummy::llama31_8b;
+
+/// Measured ceilings of this device.
+#[derive(Debug, Clone, Copy)]
+pub struct Ceilings {
+    /// Device-to-device copy, bytes read + written per second.
+    pub hbm_traffic_bps: f64,
+    /// bf16 GEMM 8192^3 (f32 accumulate), FLOP/s.
+    pub gemm_flops: f64,
+}
+
+fn timed(
+    gpu: &Gpu,
+    iters: usize,
+    mut f: impl FnMut() -> Result<(), CudaError>,
+) -> Result<f64, CudaError> {
+    f()?;
+    gpu.sync()?;
+    let t0 = Instant::now();
+    for _ in 0..iters {
+        f()?;
+    }
+    gpu.sync()?;
+    Ok(t0.elapsed().as_secs_f64() / iters as f64)
+}
+
+/// Copy bandwidth (1 GiB device-to-device) and the bf16 GEMM rate at 8192^3.
+pub fn measure_ceilings(gpu: &Gpu) -> Result<Ceilings, CudaError> {
+    gpu.bind()?;
+    let n = 1usize << 30;
+    let (a, b) = (gpu.alloc(n)?, gpu.alloc(n)?);
+    ops::fill_uniform_bf16(gpu, &a, n / 2, 1, 1.0)?;
+    let copy = timed(gpu, 20, || {
+        // SAFETY: both buffers are live n-byte allocations of this context.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(b.ptr(), a.ptr(), n, gpu.stream.cu_stream())
+        }
+        .map_err(pdnode_cuda::drv("cuMemcpyDtoDAsync"))
+    })?;
+    drop((a, b));
+    let m = 8192usize;
+    let (x, w, y) = (
+        gpu.alloc(m * m * 2)?,
+        gpu.alloc(m * m * 2)?,
+        gpu.alloc(m * m * 2)?,
+    );
+    ops::fill_uniform_bf16(gpu, &x, m * m, 2, 1.0)?;
+    ops::fill_uniform_bf16(gpu, &w, m * m, 3, 1.0)?;
+    // SAFETY (closure): buffers sized m*m bf16.
+    let g = timed(gpu, 20, || unsafe {
+        gemm(
+            &gpu.blas,
+            m,
+            m,
+            m,
+            w.ptr(),
+            x.ptr(),
+            y.ptr(),
+            OutType::Bf16,
+            0.0,
+        )
+    })?;
+    Ok(Ceilings {
+        hbm_traffic_bps: 2.0 * n as f64 / copy,
+        gemm_flops: 2.0 * (m as f64).powi(3) / g,
+    })
+}
+
+/// One benchmark result row.
+#[derive(Debug, Clone)]
+pub struct BenchRow {
+    pub what: String,
+    pub batch: usize,
+    pub ctx: usize,
+    pub ms: f64,
+    /// Ceiling time (roofline bytes / bandwidth, or FLOP / GEMM peak), ms.
+    pub floor_ms: f64,
+}
+
+impl BenchRow {
+    pub fn ratio(&self) -> f64 {
+        self.floor_ms / self.ms
+    }
+}
+
+/// The step table of a [`run_variants`] sweep as printed by `pdnode bench-engine` and the GPU
+/// bench test: the ceilings line, then one markdown row per result.
+pub fn step_table(ceil: &Ceilings, rows: &[BenchRow]) -> String {
+    let mut out = format!(
+        "ceilings: HBM copy traffic {:.0} GB/s (read+write), bf16 GEMM 8192^3 {:.0} TFLOP/s\n\
+         | what | batch | ctx | ms/step | ceiling ms | ratio |\n|---|---|---|---|---|---|\n",
+        ceil.hbm_traffic_bps / 1e9,
+        ceil.gemm_flops / 1e12
+    );
+    for r in rows {
+        out.push_str(&format!(
+            "| {} | {} | {} | {:.3} | {:.3} | {:.2} |\n",
+            r.what,
+            r.batch,
+            r.ctx,
+            r.ms,
+            r.floor_ms,
+            r.ratio()
+        ));
+    }
+    out
+}
+
+/// KV blocks of `bs` tokens the largest step of the `(batch, ctx)` sweep `decode` holds.
+pub(crate) fn decode_blocks(decode: &[(usize, usize)], bs: usize) -> usize {
+    decode
+        .iter()
+        .map(|&(b, c)| b * c.div_ceil(bs))
+        .max()
+        .unwrap_or(0)
+}
+
+/// The benches' backend: GPU 0 (`tp` of them from there), 0.95 of its memory, `num_blocks`
+/// blocks of `bs`, room for the largest batch of `decode`, `Auto` kernels.
+pub(crate) fn bench_options(
+    tp: u32,
+    num_blocks: usize,
+    bs: usize,
+    max_batch_tokens: usize,
+    decode: &[(usize, usize)],
+    cuda_graphs: bool,
+) -> CudaOptions {
+    CudaOptions {
+        gpus: (0..tp).collect(),
+        tensor_parallel: tp,
+        mem_fraction: 0.95,
+        num_kv_blocks: num_blocks as u32,
+        block_size: bs as u32,
+        max_batch_tokens,
+        max_seqs: decode.iter().map(|d| d.0).max().unwrap_or(1).max(1),
+        prefill_gemm_min_tokens: 64,
+        linear: ops::LinearImpl::Auto,
+        attention: ops::AttnVariant::Auto,
+        cuda_graphs,
+        gpu_sampling: true,
+        pdl: false,
+        fusion: pdnode_cuda::ops::Fusion::default(),
+    }
+}
+
+/// The inputs of a synthetic decode step: `batch` sequences at context `ctx`, each with its own
+/// blocks (`ctx / bs` of them, rounded up) and one token. [`DecodeStep::batch`] borrows them as
+/// the step.
+pub(crate) struct DecodeStep {
+    ctx: usize,
+    tables: Vec<Vec<BlockId>>,
+    toks: Vec<[u32; 1]>,
+}
+
+impl DecodeStep {
+    pub(crate) fn new(batch: usize, ctx: usize, bs: usize) -> Self {
+        let nbps = ctx.div_ceil(bs);
+        let tables: Vec<Vec<BlockId>> = (0..batch)
+            .map(|i| (0..nbps).map(|j| BlockId((i * nbps + j) as u32)).collect())
+            .collect();
+        let toks: Vec<[u32; 1]> = (0..batch).map(|i| [(i * 7919 % 128000) as u32]).collect();
+        Self { ctx, tables, toks }
+    }
+
+    pub(crate) fn batch(&self) -> ForwardBatch<'_> {
+        ForwardBatch {
+            seqs: (0..self.toks.len())
+                .map(|i| SeqStep {
+                    tokens: &self.toks[i],
+                    start_pos: self.ctx - 1,
+                    block_table: &self.tables[i],
+                    want_logits: true,
+                })
+                .collect(),
+        }
+    }
+}
+
+fn err(e: BackendError) -> CudaError {
+    CudaError::Step { msg: e.to_string() }
+}
+
+/// Mean time of `iters` back-to-back steps (after one warm-up), device work included.
+fn timed_steps(
+    be: &mut CudaBackend,
+    iters: usize,
+    fb: &ForwardBatch<'_>,
+) -> Result<f64, CudaError> {
+    be.forward_device(fb).map_err(err)?;
+    be.synchronize().map_err(err)?;
+    let t0 = Instant::now();
+    for _ in 0..iters {
+        be.forward_device(fb).map_err(err)?;
+    }
+    be.synchronize().map_err(err)?;
+    Ok(t0.elapsed().as_secs_f64() / iters as f64)
+}
+
+/// Decode steps at each `(batch, ctx)` and prefills of each length, Llama-3.1-8B shapes.
+pub fn run(
+    decode: &[(usize, usize)],
+    prefill: &[usize],
+    iters: usize,
+    report: impl FnMut(&BenchRow),
+) -> Result<(Ceilings, Vec<BenchRow>), CudaError> {
+    run_variants(
+        decode,
+        prefill,
+        iters,
+        &[(ops::AttnVariant::Auto, ops::LinearImpl::Auto)],
+        report,
+    )
+}
+
+/// [`run`] with the decode sweep repeated for each `(attention, linear)` kernel choice (the
+/// first one also runs the prefills).
+pub fn run_variants(
+    decode: &[(usize, usize)],
+    prefill: &[usize],
+    iters: usize,
+    variants: &[(ops::AttnVariant, ops::LinearImpl)],
+    mut report: impl FnMut(&BenchRow),
+) -> Result<(Ceilings, Vec<BenchRow>), CudaError> {
+    if variants.is_empty() {
+        return Err(CudaError::Unsupported {
+            reason: "no kernel variant to benchmark".into(),
+        });
+    }
+    let spec = llama31_8b();
+    let bs = 16usize;
+    let max_decode_blocks = decode_blocks(decode, bs);
+    let max_prefill = prefill.iter().copied().max().unwrap_or(1);
+    let num_blocks = max_decode_blocks.max(max_prefill.div_ceil(bs)) + 8;
+    let opts = bench_options(1, num_blocks, bs, max_prefill.max(64), decode, true);
+    let mut be = CudaBackend::new_dummy(&spec, 1234, &opts, "bench".into())?;
+    be.fill_kv_random(99)?;
+    let ceil = measure_ceilings(be.gpu())?;
+    let wbytes = be.weight_bytes() as f64;
+    let kv_per_tok = (spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 2) as f64;
+    let mut rows = Vec::new();
+    for (vi, &(attn, lin)) in variants.iter().enumerate() {
+        be.set_kernels(attn, lin);
+        let tag = if vi == 0 && variants.len() == 1 {
+            String::new()
+        } else {
+            format!(" [{attn:?}/{lin:?}]")
+        };
+        for &(batch, ctx) in decode {
+            let step = DecodeStep::new(batch, ctx, bs);
+            let fb = step.batch();
+            // eager launches, then the decode CUDA graph of this (batch, ctx) bucket (captured
+            // in the warm-up step); the logits-copy row runs the graph (the shipped default)
+            be.set_cuda_graphs(false);
+            let eager_t = timed_steps(&mut be, iters, &fb)?;
+            be.set_cuda_graphs(true);
+            let replays0 = be.graph_stats().replays;
+            let gpu_t = timed_steps(&mut be, iters, &fb)?;
+            let graph_ran = be.graph_stats().replays >= replays0 + iters as u64;
+            let bytes = wbytes + kv_per_tok * (batch * ctx) as f64;
+            // every row of this (batch, ctx): reported, then kept
+            let mut add = |what: String, ms: f64| {
+                let row = BenchRow {
+                    what,
+                    batch,
+                    ctx,
+                    ms,
+                    floor_ms: bytes / ceil.hbm_traffic_bps * 1e3,
+                };
+                report(&row);
+                rows.push(row);
+            };
+            add(format!("decode eager{tag}"), eager_t * 1e3);
+            let what = if graph_ran {
+                "decode graph"
+            } else {
+                "decode graph (FELL BACK TO EAGER)"
+            };
+            add(format!("{what}{tag}"), gpu_t * 1e3);
+            // each step waited for, without then with the logits copy to the host (what
+            // Backend::forward costs): the difference is the copy alone
+            let t0 = Instant::now();
+            for _ in 0..iters.min(5) {
+                be.forward_device(&fb).map_err(err)?;
+                be.synchronize().map_err(err)?;
+            }
+            add(
+                format!("decode graph, each step waited{tag}"),
+                t0.elapsed().as_secs_f64() / iters.min(5) as f64 * 1e3,
+            );
+            let t0 = Instant::now();
+            for _ in 0..iters.min(5) {
+                be.forward(&fb).map_err(err)?;
+            }
+            let host_t = t0.elapsed().as_secs_f64() / iters.min(5) as f64;
+            add(format!("decode+logits D2H{tag}"), host_t * 1e3);
+            // what the engine's step does (Backend::forward_select): the full rows into a
+            // buffer reused across steps, then the greedy case (arg-max on the device, one id
+            // per row copied)
+            for (want, what) in [
+                (LogitsWant::Full, "decode+logits D2H reused"),
+                (LogitsWant::Argmax, "decode+argmax D2H"),
+            ] {
+                let wants = vec![want; batch];
+                let mut out = StepLogits::default();
+                be.forward_select(&fb, &wants, &mut out).map_err(err)?;
+                let t0 = Instant::now();
+                for _ in 0..iters.min(5) {
+                    be.forward_select(&fb, &wants, &mut out).map_err(err)?;
+                }
+                add(
+                    format!("{what}{tag}"),
+                    t0.elapsed().as_secs_f64() / iters.min(5) as f64 * 1e3,
+                );
+            }
+        }
+    }
+    be.set_kernels(variants[0].0, variants[0].1);
+    for &len in prefill {
+        let tbl: Vec<BlockId> = (0..len.div_ceil(bs)).map(|j| BlockId(j as u32)).collect();
+        let toks: Vec<u32> = (0..len).map(|i| (i * 31 % 128000) as u32).collect();
+        let fb = ForwardBatch {
+            seqs: vec![SeqStep {
+                tokens: &toks,
+                start_pos: 0,
+                block_table: &tbl,
+                want_logits: true,
+            }],
+        };
+        let dense =
+            2.0 * (spec.num_params() - spec.vocab_size * spec.hidden_size * 2) as f64 * len as f64;
+        let attn =
+            2.0 * (len as f64).powi(2) * (spec.head_dim * spec.num_heads * spec.num_layers) as f64;
+        // the whole step with each prefill-attention implementation (the process default
+        // switched for the step; restored to the environment's choice after)
+        let result = PREFILL_ATTNS.iter().try_for_each(|&pa| {
+            prefill::set_default_attn(pa);
+            let t = timed_steps(&mut be, iters.min(5), &fb)?;
+            let row = BenchRow {
+                what: format!("prefill [{pa:?}]"),
+                batch: 1,
+                ctx: len,
+                ms: t * 1e3,
+                floor_ms: (dense + attn) / ceil.gemm_flops * 1e3,
+            };
+            report(&row);
+            rows.push(row);
+            Ok::<(), CudaError>(())
+        });
+        prefill::set_default_attn(PrefillAttn::Auto);
+        result?;
+        for row in prefill_attention_rows(be.gpu(), &spec, len, iters, &ceil)? {
+            report(&row);
+            rows.push(row);
+        }
+        for row in prefill_op_rows(be.gpu(), &spec, len, iters, &ceil)? {
+            report(&row);
+            rows.push(row);
+        }
+    }
+    Ok((ceil, rows))
+}
+
+/// Prefill-attention implementations the benchmark compares.
+const PREFILL_ATTNS: [PrefillAttn; 6] = [
+    PrefillAttn::Gemm,
+    PrefillAttn::Flash,
+    PrefillAttn::Flash8,
+    PrefillAttn::Flash32,
+    PrefillAttn::FlashV2,
+    PrefillAttn::FlashV3,
+];
+
+/// Prefill attention alone, one layer of `spec`'s heads, one sequence of `len` new tokens from
+/// position 0 (K/V already in a one-layer pool of random values), per implementation. Ceiling:
+/// the causal half of `4 len^2 hd nh` FLOP (QK^T and PV) at the bf16 GEMM peak.
+fn prefill_attention_rows(
+    gpu: &Gpu,
+    spec: &ModelSpec,
+    len: usize,
+    iters: usize,
+    ceil: &Ceilings,
+) -> Result<Vec<BenchRow>, CudaError> {
+    let bs = 16;
+    let blocks = len.div_ceil(bs);
+    let d = ops::AttnDims {
+        num_heads: spec.num_heads,
+        num_kv_heads: spec.num_kv_heads,
+        head_dim: spec.head_dim,
+        block_size: bs,
+        num_blocks: blocks,
+    };
+    let q_elems = len * spec.num_heads * spec.head_dim;
+    let (pool, q, out) = (
+        gpu.alloc(d.layer_elems() * 2)?,
+        gpu.alloc(q_elems * 2)?,
+        gpu.alloc(q_elems * 2)?,
+    );
+    ops::fill_uniform_bf16(gpu, &pool, d.layer_elems(), 11, 1.0)?;
+    ops::fill_uniform_bf16(gpu, &q, q_elems, 12, 1.0)?;
+    let table: Vec<i32> = (0..blocks as i32).rev().collect();
+    let tab = gpu.alloc(blocks * 4)?;
+    gpu.upload(&tab, 0, &table)?;
+    let seqs = [LongSeq {
+        row0: 0,
+        n: len,
+        start: 0,
+        seq: 0,
+    }];
+    let flops = 2.0 * (len as f64).powi(2) * (spec.head_dim * spec.num_heads) as f64;
+    let mut rows = Vec::new();
+    for pa in PREFILL_ATTNS {
+        let mut scratch = PrefillScratch::new(pa);
+        let t = timed(gpu, iters, || {
+            scratch.run(gpu, &d, &pool, 0, &q, &out, len, tab.ptr(), blocks, &seqs)
+        })?;
+        rows.push(BenchRow {
+            what: format!("prefill attention, 1 layer [{pa:?}]"),
+            batch: 1,
+            ctx: len,
+            ms: t * 1e3,
+            floor_ms: flops / ceil.gemm_flops * 1e3,
+        });
+    }
+    gpu.sync()?;
+    Ok(rows)
+}
+
+/// The non-attention ops of a prefill step of `len` tokens, each alone and scaled to the whole
+/// step (x layers; every op at `spec`'s real shape, random inputs): the four projections through
+/// cuBLAS as the step calls them (o and down accumulate into the f32 residual) against the bf16
+/// GEMM peak; add_rmsnorm (twice a layer) and swiglu against the copy ceiling (bytes read +
+/// written). rope_qkv is left out (it needs the step's metadata; it moves about the q/k/v rows
+/// once more).
+fn prefill_op_rows(
+    gpu: &Gpu,
+    spec: &ModelSpec,
+    len: usize,
+    iters: usize,
+    ceil: &Ceilings,
+) -> Result<Vec<BenchRow>, CudaError> {
+    let (h, qd, kvd, inter) = (
+        spec.hidden_size,
+        spec.q_dim(),
+        spec.kv_dim(),
+        spec.intermediate_size,
+    );
+    // (name, out, in, output type, accumulate)
+    let linears = [
+        ("qkv", qd + 2 * kvd, h, OutType::Bf16, false),
+        ("o (+= f32 resid)", h, qd, OutType::F32, true),
+        ("gate_up", 2 * inter, h, OutType::Bf16, false),
+        ("down (+= f32 resid)", h, inter, OutType::F32, true),
+    ];
+    let w_elems = linears.iter().map(|l| l.1 * l.2).max().unwrap_or(0);
+    let x_elems = len * linears.iter().map(|l| l.2).max().unwrap_or(0);
+    let y_bytes = linears
+        .iter()
+        .map(|l| len * l.1 * if l.3 == OutType::F32 { 4 } else { 2 })
+        .max()
+        .unwrap_or(0);
+    let (w, x, y) = (
+        gpu.alloc(w_elems * 2)?,
+        gpu.alloc(x_elems * 2)?,
+        gpu.alloc(y_bytes)?,
+    );
+    let (resid, norm_w) = (gpu.alloc(len * h * 4)?, gpu.alloc(h * 4)?);
+    ops::fill_uniform_bf16(gpu, &w, w_elems, 21, 0.02)?;
+    ops::fill_uniform_bf16(gpu, &x, x_elems, 22, 1.0)?;
+    ops::fill_f32(gpu, &resid, len * h, 0.5)?;
+    ops::fill_f32(gpu, &norm_w, h, 1.0)?;
+    let layers = spec.num_layers as f64;
+    let mut rows = Vec::new();
+    let mut row = |what: String, t: f64, floor_s: f64| {
+        rows.push(BenchRow {
+            what: format!("prefill op x{} layers: {what}", spec.num_layers),
+            batch: 1,
+            ctx: len,
+            ms: t * layers * 1e3,
+            floor_ms: floor_s * layers * 1e3,
+        });
+    };
+    for (name, out, inp, ty, acc) in linears {
+        let t = timed(gpu, iters, || {
+            ops::linear(
+                gpu,
+                out,
+                len,
+                inp,
+                &w,
+                &x,
+                &y,
+                ty,
+                acc,
+                ops::LinearImpl::Cublas,
+            )
+        })?;
+        let flops = 2.0 * (out * inp * len) as f64;
+        row(
+            format!("linear {name} {out}x{inp}"),
+            t,
+            flops / ceil.gemm_flops,
+        );
+    }
+    let t = timed(gpu, iters, || {
+        ops::add_rmsnorm(
+            gpu,
+            &resid,
+            len,
+            None,
+            &norm_w,
+            &x,
+            None,
+            len,
+            h,
+            spec.rms_norm_eps,
+        )
+    })?;
+    // f32 residual row read, bf16 row written; twice a layer
+    let bytes = (len * h * 6) as f64;
+    row(
+        "add_rmsnorm x2".into(),
+        2.0 * t,
+        2.0 * bytes / ceil.hbm_traffic_bps,
+    );
+    // gate/up [len, 2 inter] bf16 (y, written by the gate_up GEMM above) -> [len, inter] (x)
+    let t = timed(gpu, iters, || ops::swiglu(gpu, &y, &x, len, inter))?;
+    let bytes = (len * inter * 6) as f64;
+    row("swiglu".into(), t, bytes / ceil.hbm_traffic_bps);
+    gpu.sync()?;
+    Ok(rows)
+}
+
+// ---- linear layers alone: per-op breakdown of the decode step's weight reads ------------------
+
+/// The linear layers of one Llama-3.1-8B decode step: (name, out, in, times per step).
+pub const LLAMA31_8B_LINEARS: [(&str, usize, usize, usize); 5] = [
+    ("qkv", 6144, 4096, 32),
+    ("o", 4096, 4096, 32),
+    ("gate_up", 28672, 4096, 32),
+    ("down", 4096, 14336, 32),
+    ("lm_head", 128256, 4096, 1),
+];
+
+/// One linear-layer measurement: `tokens` rows through an `out x inp` bf16 weight.
+#[derive(Debug, Clone)]
+pub struct LinearRow {
+    pub name: &'static str,
+    pub out: usize,
+    pub inp: usize,
+    pub tokens: usize,
+    pub how: ops::LinearImpl,
+    /// The tensor-core GEMV's launch shape (`None` for the others).
+    pub launch: Option<ops::MmaLaunch>,
+    /// A launch shape other than the one `linear` picks (compared, not part of the step sums).
+    pub forced: bool,
+    pub us: f64,
+    /// Weight bytes read per second.
+    pub gbps: f64,
+    /// `gbps` over the copy ceiling (bytes read + written per second of a device copy).
+    pub frac_of_copy: f64,
+    /// ||y - y_cublas|| / ||y_cublas|| on the same inputs (f32 output).
+    pub rel_to_cublas: f64,
+}
+
+/// Summary of one decode step's linear layers at `tokens` rows for one implementation: the sum
+/// of each layer's time times its count per step, against the weight bytes at the copy ceiling.
+#[derive(Debug, Clone)]
+pub struct LinearStep {
+    /// The implementation, or `None` for the best measured one per layer.
+    pub how: Option<ops::LinearImpl>,
+    pub tokens: usize,
+    pub ms: f64,
+    pub floor_ms: f64,
+}
+
+/// Each layer of [`LLAMA31_8B_LINEARS`] at each token count through each implementation
+/// (GEMV kernels only up to [`ops::GEMV_MAX_TOKENS`] rows). Weights are rotated over enough
+/// copies (>= 256 MB in all) that no layer is served from the 50 MB L2. Returns the copy ceiling
+/// (bytes/s, read + write), the rows and the per-step sums.
+pub fn run_linear(
+    tokens: &[usize],
+    impls: &[ops::LinearImpl],
+    iters: usize,
+    mut report: impl FnMut(&LinearRow),
+) -> Result<(f64, Vec<LinearRow>, Vec<LinearStep>), CudaError> {
+    let gpu = Gpu::new(0)?;
+    let copy = measure_ceilings(&gpu)?.hbm_traffic_bps;
+    let iters = iters.max(1);
+    let max_t = tokens.iter().copied().max().unwrap_or(1).max(1);
+    let mut rows = Vec::new();
+    for (si, &(name, out, inp, _)) in LLAMA31_8B_LINEARS.iter().enumerate() {
+        let wbytes = out * inp * 2;
+        let copies = (256usize << 20).div_ceil(wbytes).clamp(1, 8);
+        let ws = (0..copies)
+            .map(|c| {
+                let b = gpu.alloc(wbytes)?;
+                ops::fill_uniform_bf16(&gpu, &b, out * inp, (100 + si * 8 + c) as u64, 0.05)?;
+                Ok(b)
+            })
+            .collect::<Result<Vec<_>, CudaError>>()?;
+        let x = gpu.alloc(max_t * inp * 2)?;
+        ops::fill_uniform_bf16(&gpu, &x, max_t * inp, 7, 1.0)?;
+        let (y, y_ref) = (gpu.alloc(max_t * out * 4)?, gpu.alloc(max_t * out * 4)?);
+        for &t in tokens {
+            let run = |how, y: &pdnode_cuda::device::DevBuf, w: &pdnode_cuda::device::DevBuf| {
+                ops::linear(&gpu, out, t, inp, w, &x, y, OutType::F32, false, how)
+            };
+            run(ops::LinearImpl::Cublas, &y_ref, &ws[0])?;
+            let want = gpu.download_f32(&y_ref, t * out)?;
+            let sms = gpu.sm_count as usize;
+            let auto_launch = ops::mma_launch(sms, out, t, inp);
+            let mut cases: Vec<(ops::LinearImpl, Option<ops::MmaLaunch>)> = Vec::new();
+            for &how in impls {
+                let gemv = !matches!(how, ops::LinearImpl::Cublas | ops::LinearImpl::Auto);
+                if t == 0 || (gemv && t > ops::GEMV_MAX_TOKENS) {
+                    continue;
+                }
+                if how != ops::LinearImpl::GemvMma {
+                    cases.push((how, None));
+                    continue;
+                }
+                cases.push((how, Some(auto_launch)));
+                // the other tile height, the auto one at half the warps, and with the L2 hint
+                let other = ops::mma_launch_tiles(sms, out, inp, 3 - auto_launch.tiles);
+                let half = ops::MmaLaunch {
+                    warps: (auto_launch.warps / 2).max(1),
+                    ..auto_launch
+                };
+                let pf = ops::MmaLaunch {
+                    l2_prefetch: true,
+                    ..auto_launch
+                };
+                for l in [other, half, pf] {
+                    if !cases.contains(&(how, Some(l))) {
+                        cases.push((how, Some(l)));
+                    }
+                }
+            }
+            for (how, launch) in cases {
+                let run = |how,
+                           y: &pdnode_cuda::device::DevBuf,
+                           w: &pdnode_cuda::device::DevBuf| match launch {
+                    Some(l) => ops::gemv_mma(&gpu, l, out, t, inp, w, &x, y, OutType::F32, false),
+                    None => run(how, y, w),
+                };
+                gpu.memset(&y, 0xFF)?;
+                run(how, &y, &ws[0])?;
+                let got = gpu.download_f32(&y, t * out)?;
+                let (mut num, mut den) = (0f64, 0f64);
+                for (a, b) in got.iter().zip(&want) {
+                    num += ((a - b) as f64).powi(2);
+                    den += (*b as f64).powi(2);
+                }
+                let rel = if got.iter().all(|v| v.is_finite()) {
+                    (num / den.max(1e-30)).sqrt()
+                } else {
+                    f64::INFINITY
+                };
+                let mut k = 0usize;
+                let s = timed(&gpu, iters, || {
+                    k += 1;
+                    run(how, &y, &ws[k % copies])
+                })?;
+                let gbps = wbytes as f64 / s;
+                let row = LinearRow {
+                    name,
+                    out,
+                    inp,
+                    tokens: t,
+                    how,
+                    launch,
+                    forced: launch.is_some_and(|l| l != auto_launch),
+                    us: s * 1e6,
+                    gbps: gbps / 1e9,
+                    frac_of_copy: gbps / copy,
+                    rel_to_cublas: rel,
+                };
+                report(&row);
+                rows.push(row);
+            }
+        }
+    }
+    let mut steps = Vec::new();
+    for &t in tokens {
+        let floor_ms: f64 = LLAMA31_8B_LINEARS
+            .iter()
+            .map(|&(_, o, i, n)| (o * i * 2 * n) as f64)
+            .sum::<f64>()
+            / copy
+            * 1e3;
+        let layer_us = |name: &str, how: Option<ops::LinearImpl>| {
+            rows.iter()
+                .filter(|r| r.tokens == t && r.name == name)
+                .filter(|r| how.is_none_or(|h| r.how == h && !r.forced))
+                .map(|r| r.us)
+                .reduce(f64::min)
+        };
+        let step = |how: Option<ops::LinearImpl>| {
+            LLAMA31_8B_LINEARS
+                .iter()
+                .map(|&(name, _, _, n)| layer_us(name, how).map(|us| us * n as f64 / 1e3))
+                .sum::<Option<f64>>()
+        };
+        for how in impls.iter().copied().map(Some).chain([None]) {
+            if let Some(ms) = step(how) {
+                steps.push(LinearStep {
+                    how,
+                    tokens: t,
+                    ms,
+                    floor_ms,
+                });
+            }
+        }
+    }
+    Ok((copy, rows, steps))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn step_table_has_the_ceilings_and_one_row_per_result() {
+        let ceil = Ceilings {
+            hbm_traffic_bps: 4.2e12,
+            gemm_flops: 7.9e14,
+        };
+        let rows = [BenchRow {
+            what: "decode graph".into(),
+            batch: 8,
+            ctx: 512,
+            ms: 5.0,
+            floor_ms: 4.0,
+        }];
+        let t = step_table(&ceil, &rows);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(
+            lines[0],
+            "ceilings: HBM copy traffic 4200 GB/s (read+write), bf16 GEMM 8192^3 790 TFLOP/s"
+        );
+        assert_eq!(
+            lines[1],
+            "| what | batch | ctx | ms/step | ceiling ms | ratio |"
+        );
+        assert_eq!(
+            lines[3],
+            "| decode graph | 8 | 512 | 5.000 | 4.000 | 0.80 |"
+        );
+        assert_eq!(lines.len(), 4);
+    }
+}

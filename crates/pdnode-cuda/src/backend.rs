@@ -1,0 +1,794 @@
+//! [`CudaBackend`]: one GPU running one model over one paged KV pool.
+
+use super::CudaError;
+use super::blas::OutType;
+use super::device::{DevBuf, Gpu, Pinned};
+use super::ops::{self, AttnDims, AttnMeta, AttnVariant, AttnWorkspace};
+use super::prefill::PrefillScratch;
+use super::tp::NcclComm;
+use super::weights::{DevWeights, Shard};
+use pdnode_core::{DType, KvLayout};
+use pdnode_engine::backend::{BackendError, ForwardBatch};
+use pdnode_engine::loader::{LoadedModel, ModelWeights};
+use pdnode_engine::spec::ModelSpec;
+use pdnode_engine::weights::Weights;
+
+mod graph;
+mod logits;
+#[cfg(feature = "op-timing")]
+mod opprof;
+mod plan;
+#[path = "staging.rs"]
+mod staging;
+mod traits;
+
+pub use graph::{GraphStats, decode_bucket};
+#[cfg(feature = "op-timing")]
+pub use opprof::STEP_START;
+
+/// Sizing of a [`CudaBackend`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct CudaOptions {
+    /// Device ordinals, one per tensor-parallel rank: rank `r` runs on `gpus[r]` (any order,
+    /// gaps allowed). Exactly `tensor_parallel` distinct ordinals (checked at build).
+    pub gpus: Vec<u32>,
+    /// Tensor-parallel degree: 1 for [`CudaBackend`]; more through
+    /// [`super::tp::CudaTpBackend`] (one thread and GPU per rank).
+    pub tensor_parallel: u32,
+    /// Fraction of the device's free memory (at start) for weights + workspace + KV pool.
+    pub mem_fraction: f32,
+    /// KV blocks; 0 = as many as `mem_fraction` leaves.
+    pub num_kv_blocks: u32,
+    pub block_size: u32,
+    /// Most tokens in one forward step.
+    pub max_batch_tokens: usize,
+    /// Most sequences (logits rows) in one forward step.
+    pub max_seqs: usize,
+    /// Sequences with at least this many new tokens in a step take the cuBLAS prefill
+    /// attention path; the others the paged-attention kernel.
+    pub prefill_gemm_min_tokens: usize,
+    /// Projection implementation (Auto: cuBLAS; Gemv: the hand-written kernel for <= 8 rows).
+    pub linear: ops::LinearImpl,
+    /// Paged-attention kernel for decode and short chunks.
+    pub attention: AttnVariant,
+    /// Replay decode steps (one new token per sequence, all wanting logits) from CUDA graphs
+    /// captured per (batch-size bucket, context bucket); false: eager launches only.
+    pub cuda_graphs: bool,
+    /// Sample `LogitsWant::Sample` rows on the device (`engine.cuda.gpu_sampling`).
+    pub gpu_sampling: bool,
+    /// Programmatic dependent launch of our kernels where the GPU takes it (`engine.cuda.pdl`).
+    pub pdl: bool,
+    /// What the decode step fuses into the GEMVs (`engine.cuda.fuse_*_max_tokens`).
+    pub fusion: ops::Fusion,
+}
+
+impl CudaOptions {
+    pub fn from_config(e: &pdnode_core::config::EngineConfig) -> Self {
+        Self {
+            gpus: super::tp::gpus_from_config(&e.gpus, e.tensor_parallel),
+            tensor_parallel: e.tensor_parallel.max(1),
+            mem_fraction: e.mem_fraction,
+            num_kv_blocks: e.num_kv_blocks,
+            block_size: e.block_size,
+            max_batch_tokens: e.max_batch_tokens.max(1) as usize,
+            max_seqs: e.max_running_requests.max(1) as usize,
+            prefill_gemm_min_tokens: 64,
+            linear: ops::LinearImpl::Auto,
+            attention: AttnVariant::Auto,
+            cuda_graphs: e.cuda_graphs,
+            gpu_sampling: e.cuda.gpu_sampling,
+            pdl: e.cuda.pdl,
+            fusion: ops::Fusion {
+                swiglu_max_tokens: e.cuda.fuse_swiglu_max_tokens as usize,
+                norm_max_tokens: e.cuda.fuse_norm_max_tokens as usize,
+            },
+        }
+    }
+}
+
+/// Activations and scratch, sized for `max_batch_tokens` / `max_seqs`.
+struct Workspace {
+    resid: DevBuf,   // f32 [T, H]
+    normed: DevBuf,  // bf16 [T, H]
+    qkv: DevBuf,     // bf16 [T, q + 2 kv]
+    q: DevBuf,       // bf16 [T, q]
+    attn: DevBuf,    // bf16 [T, q]
+    gate_up: DevBuf, // bf16 [T, 2 I]
+    act: DevBuf,     // bf16 [T, I]
+    logits: DevBuf,  // f32 [S, V]
+    tokens: DevBuf,  // i32 [S]: arg-max of each logits row
+    part_ml: DevBuf,
+    part_acc: DevBuf,
+    meta: DevBuf,
+    ticket: DevBuf, // u32, 0 between launches: the fused linear + RMSNorm's block counter
+}
+
+const ATTN_WS_BYTES: usize = 64 << 20;
+
+impl Workspace {
+    fn new(gpu: &Gpu, s: &ModelSpec, t: usize, seqs: usize) -> Result<Self, CudaError> {
+        let (h, q, kv, i) = (s.hidden_size, s.q_dim(), s.kv_dim(), s.intermediate_size);
+        let rows_splits = ATTN_WS_BYTES / (s.head_dim * 4);
+        Ok(Self {
+            resid: gpu.alloc(t * h * 4)?,
+            normed: gpu.alloc(t.max(seqs) * h * 2)?,
+            qkv: gpu.alloc(t * (q + 2 * kv) * 2)?,
+            q: gpu.alloc(t * q * 2)?,
+            attn: gpu.alloc(t * q * 2)?,
+            gate_up: gpu.alloc(t * 2 * i * 2)?,
+            act: gpu.alloc(t * i * 2)?,
+            logits: gpu.alloc(seqs * s.vocab_size * 4)?,
+            tokens: gpu.alloc(seqs * 4)?,
+            part_ml: gpu.alloc(rows_splits * 2 * 4)?,
+            part_acc: gpu.alloc(rows_splits * s.head_dim * 4)?,
+            meta: gpu.alloc(1 << 20)?,
+            ticket: {
+                let b = gpu.alloc(256)?;
+                gpu.memset(&b, 0)?;
+                b
+            },
+        })
+    }
+
+    fn bytes(&self) -> usize {
+        [
+            &self.resid,
+            &self.normed,
+            &self.qkv,
+            &self.q,
+            &self.attn,
+            &self.gate_up,
+            &self.act,
+            &self.logits,
+            &self.tokens,
+            &self.part_ml,
+            &self.part_acc,
+            &self.meta,
+            &self.ticket,
+        ]
+        .iter()
+        .map(|b| b.bytes())
+        .sum()
+    }
+}
+
+pub struct CudaBackend {
+    // Field order is drop order: graphs (which read the buffers) first, buffers before the Gpu
+    // (context, cuBLAS handle).
+    graphs: graph::DecodeGraphs,
+    w: DevWeights,
+    ws: Workspace,
+    pool: DevBuf,
+    /// The KV hand-off staging arena, once enabled (`staging.rs`).
+    staging: Option<DevBuf>,
+    /// The next prefill step's in-step staging plan, then that step's run (`staging.rs`).
+    step_staging: Option<pdnode_engine::backend::StepStaging>,
+    stage_run: Option<staging::StageRun>,
+    /// Block ids of the in-step gathers (reused; it lives until the next such step, after the
+    /// step that read it synchronized).
+    stage_ids: Option<DevBuf>,
+    num_blocks: usize,
+    layout: KvLayout,
+    spec: ModelSpec,
+    opts: CudaOptions,
+    dims: AttnDims,
+    prefill: PrefillScratch,
+    /// Page-locked landing buffer of the logits (`max_seqs x vocab`).
+    logits_host: Pinned,
+    /// This GPU's slice of the model (`Shard::WHOLE` without tensor parallelism).
+    shard: Shard,
+    /// The all-reduce group of the tensor-parallel ranks (None at TP = 1).
+    comm: Option<NcclComm>,
+    /// Per-op event timing of eager steps (benchmarks only: the `op-timing` feature, which
+    /// production builds leave off; `opprof.rs`).
+    #[cfg(feature = "op-timing")]
+    prof: Option<opprof::OpProfile>,
+    gpu: Gpu,
+}
+
+impl CudaBackend {
+    /// Uploads host weights and sizes the KV pool.
+    pub fn new(
+        spec: &ModelSpec,
+        weights: &Weights,
+        opts: &CudaOptions,
+        model_fingerprint: String,
+    ) -> Result<Self, CudaError> {
+        Self::build(spec, opts, model_fingerprint, Shard::WHOLE, |gpu| {
+            DevWeights::upload(gpu, spec, weights, Shard::WHOLE)
+        })
+    }
+
+    /// Random bf16 weights generated on the device at `spec`'s shapes (benchmarks).
+    pub fn new_dummy(
+        spec: &ModelSpec,
+        seed: u64,
+        opts: &CudaOptions,
+        model_fingerprint: String,
+    ) -> Result<Self, CudaError> {
+        Self::build(spec, opts, model_fingerprint, Shard::WHOLE, |gpu| {
+            DevWeights::dummy(gpu, spec, seed, None, Shard::WHOLE)
+        })
+    }
+
+    /// Builds from a loaded model: host weights are uploaded as bf16; dummy weights are
+    /// generated on the device (uniform with the requested standard deviation).
+    pub fn from_loaded(model: &LoadedModel, opts: &CudaOptions) -> Result<Self, CudaError> {
+        Self::from_loaded_rank(model, opts, Shard::WHOLE)
+    }
+
+    /// One tensor-parallel rank of a loaded model on GPU `opts.gpus[shard.rank]` (the caller,
+    /// [`super::tp::CudaTpBackend`], then joins the ranks with [`CudaBackend::attach_comm`]).
+    pub(crate) fn from_loaded_rank(
+        model: &LoadedModel,
+        opts: &CudaOptions,
+        shard: Shard,
+    ) -> Result<Self, CudaError> {
+        let fp = model.fingerprint.clone();
+        let spec = &model.spec;
+        match &model.weights {
+            ModelWeights::Host(w) => Self::build(spec, opts, fp, shard, |gpu| {
+                DevWeights::upload(gpu, spec, w, shard)
+            }),
+            ModelWeights::Dummy(d) => Self::build(spec, opts, fp, shard, |gpu| {
+                DevWeights::dummy(gpu, spec, d.seed, Some(d.std), shard)
+            }),
+        }
+    }
+
+    /// One tensor-parallel rank with host weights (see [`CudaBackend::from_loaded_rank`]).
+    pub(crate) fn new_rank(
+        spec: &ModelSpec,
+        weights: &Weights,
+        opts: &CudaOptions,
+        model_fingerprint: String,
+        shard: Shard,
+    ) -> Result<Self, CudaError> {
+        Self::build(spec, opts, model_fingerprint, shard, |gpu| {
+            DevWeights::upload(gpu, spec, weights, shard)
+        })
+    }
+
+    /// One tensor-parallel rank with dummy weights generated on its device.
+    pub(crate) fn dummy_rank(
+        spec: &ModelSpec,
+        seed: u64,
+        std: Option<f32>,
+        opts: &CudaOptions,
+        model_fingerprint: String,
+        shard: Shard,
+    ) -> Result<Self, CudaError> {
+        Self::build(spec, opts, model_fingerprint, shard, |gpu| {
+            DevWeights::dummy(gpu, spec, seed, std, shard)
+        })
+    }
+
+    /// `spec` is the whole model's; this backend runs `shard`'s slice of it.
+    fn build(
+        spec: &ModelSpec,
+        opts: &CudaOptions,
+        model_fingerprint: String,
+        shard: Shard,
+        load: impl FnOnce(&Gpu) -> Result<DevWeights, CudaError>,
+    ) -> Result<Self, CudaError> {
+        if opts.tensor_parallel as usize != shard.size {
+            return Err(CudaError::Unsupported {
+                reason: format!(
+                    "tensor_parallel = {}: CudaBackend runs one GPU; use CudaTpBackend for TP > 1",
+                    opts.tensor_parallel
+                ),
+            });
+        }
+        shard.check(spec)?;
+        super::tp::check_gpu_list(&opts.gpus, opts.tensor_parallel)?;
+        let spec = &shard.rank_spec(spec);
+        if opts.block_size == 0 || !(0.0..=1.0).contains(&opts.mem_fraction) {
+            return Err(CudaError::Unsupported {
+                reason: format!(
+                    "block_size {} / mem_fraction {}",
+                    opts.block_size, opts.mem_fraction
+                ),
+            });
+        }
+        let ordinal = *opts
+            .gpus
+            .get(shard.rank)
+            .ok_or_else(|| CudaError::Unsupported {
+                reason: format!(
+                    "rank {} of {}: no GPU listed for it",
+                    shard.rank, shard.size
+                ),
+            })?;
+        let mut gpu = Gpu::new(ordinal)?;
+        if opts.pdl && !gpu.set_pdl(true) {
+            tracing::warn!(
+                gpu = ordinal,
+                cc = ?gpu.compute_capability,
+                driver = super::launch::driver_version(),
+                "engine.cuda.pdl: programmatic dependent launch needs sm_90 and a 12.3+ driver; off"
+            );
+        }
+        let (free0, _) = gpu.mem_info()?;
+        let w = load(&gpu)?;
+        let ws = Workspace::new(&gpu, spec, opts.max_batch_tokens, opts.max_seqs)?;
+        let layout = KvLayout {
+            dtype: DType::Bf16,
+            num_layers: spec.num_layers as u32,
+            block_size: opts.block_size,
+            kv_heads_per_rank: spec.num_kv_heads as u32,
+            head_dim: spec.head_dim as u32,
+            tp_size: shard.size as u32,
+            model_fingerprint,
+        };
+        let block_bytes = layout.block_bytes();
+        let num_blocks = if opts.num_kv_blocks > 0 {
+            opts.num_kv_blocks as usize
+        } else {
+            let budget = (free0 as f64 * opts.mem_fraction as f64) as usize;
+            let used = w.bytes + ws.bytes();
+            let left = budget.saturating_sub(used);
+            if left < block_bytes {
+                return Err(CudaError::OutOfMemory {
+                    what: "KV pool (mem_fraction of free memory after weights)",
+                    need: used + block_bytes,
+                    have: budget,
+                });
+            }
+            left / block_bytes
+        };
+        let pool = gpu.alloc(num_blocks * block_bytes)?;
+        gpu.memset(&pool, 0)?;
+        gpu.sync()?;
+        tracing::info!(
+            gpu = gpu.ordinal,
+            rank = shard.rank,
+            tp = shard.size,
+            weights_mib = w.bytes >> 20,
+            kv_blocks = num_blocks,
+            kv_mib = (num_blocks * block_bytes) >> 20,
+            "CUDA backend ready"
+        );
+        let dims = AttnDims {
+            num_heads: spec.num_heads,
+            num_kv_heads: spec.num_kv_heads,
+            head_dim: spec.head_dim,
+            block_size: opts.block_size as usize,
+            num_blocks,
+        };
+        Ok(Self {
+            graphs: graph::DecodeGraphs::new(opts.cuda_graphs),
+            w,
+            ws,
+            pool,
+            staging: None,
+            step_staging: None,
+            stage_run: None,
+            stage_ids: None,
+            num_blocks,
+            layout,
+            spec: spec.clone(),
+            opts: opts.clone(),
+            dims,
+            prefill: PrefillScratch::default(),
+            logits_host: gpu.alloc_pinned(opts.max_seqs * spec.vocab_size)?,
+            shard,
+            comm: None,
+            #[cfg(feature = "op-timing")]
+            prof: None,
+            gpu,
+        })
+    }
+
+    /// Joins the all-reduce group of the tensor-parallel ranks (every rank must call this at the
+    /// same time: NCCL's init waits for all of them).
+    pub(crate) fn attach_comm(&mut self, id: &super::tp::NcclId) -> Result<(), CudaError> {
+        self.comm = Some(NcclComm::init(
+            &self.gpu,
+            id,
+            self.shard.rank,
+            self.shard.size,
+        )?);
+        Ok(())
+    }
+
+    /// Re-lays the (zeroed) KV pool out for `num_blocks` blocks (tensor-parallel ranks agree on
+    /// the smallest count any of them can hold).
+    pub(crate) fn set_num_blocks(&mut self, num_blocks: usize) -> Result<(), CudaError> {
+        if num_blocks == self.num_blocks {
+            return Ok(());
+        }
+        self.gpu.sync()?;
+        // Captured graphs point into the old pool.
+        self.graphs.clear();
+        let bytes = num_blocks * self.layout.block_bytes();
+        self.pool = self.gpu.alloc(bytes.max(1))?;
+        self.gpu.memset(&self.pool, 0)?;
+        self.gpu.sync()?;
+        self.num_blocks = num_blocks;
+        self.dims.num_blocks = num_blocks;
+        Ok(())
+    }
+
+    /// The smallest KV block count any rank holds (every rank must call this together).
+    pub(crate) fn min_blocks(&mut self) -> Result<u64, CudaError> {
+        match &self.comm {
+            Some(c) => c.min_u64(&self.gpu, self.num_blocks as u64),
+            None => Ok(self.num_blocks as u64),
+        }
+    }
+
+    /// Mean seconds of one in-place f32 all-reduce of `elems` residual elements over the ranks
+    /// (every rank must call this together; benchmarks).
+    pub(crate) fn time_all_reduce(&mut self, elems: usize, iters: usize) -> Result<f64, CudaError> {
+        let Some(c) = &self.comm else {
+            return Err(CudaError::Unsupported {
+                reason: "no tensor-parallel group to time".into(),
+            });
+        };
+        if elems * 4 > self.ws.resid.bytes() || iters == 0 {
+            return Err(CudaError::Shape {
+                op: "time_all_reduce",
+                reason: format!("{elems} elements x {iters} iterations"),
+            });
+        }
+        self.gpu.bind()?;
+        c.all_reduce_sum_f32(&self.gpu, self.ws.resid.ptr(), elems)?;
+        self.gpu.sync()?;
+        let t0 = std::time::Instant::now();
+        for _ in 0..iters {
+            c.all_reduce_sum_f32(&self.gpu, self.ws.resid.ptr(), elems)?;
+        }
+        self.gpu.sync()?;
+        Ok(t0.elapsed().as_secs_f64() / iters as f64)
+    }
+
+    /// This GPU's slice of the model.
+    pub fn shard(&self) -> Shard {
+        self.shard
+    }
+
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    /// Switches the kernels later steps use (benchmarks compare variants on one backend).
+    pub fn set_kernels(&mut self, attention: AttnVariant, linear: ops::LinearImpl) {
+        if (attention, linear) != (self.opts.attention, self.opts.linear) {
+            // Captured graphs hold the old kernels; wait for any replay before dropping them.
+            if self.gpu.bind().is_ok() && self.gpu.sync().is_ok() {
+                self.graphs.clear();
+            } else {
+                self.graphs.disable();
+            }
+        }
+        self.opts.attention = attention;
+        self.opts.linear = linear;
+    }
+
+    /// Switches what later steps fuse into the GEMVs (benchmarks compare fused and unfused on
+    /// one backend); captured graphs are dropped on a change (they hold the other launches).
+    pub fn set_fusion(&mut self, fusion: ops::Fusion) {
+        if fusion != self.opts.fusion {
+            if self.gpu.bind().is_ok() && self.gpu.sync().is_ok() {
+                self.graphs.clear();
+            } else {
+                self.graphs.disable();
+            }
+        }
+        self.opts.fusion = fusion;
+    }
+
+    /// The fusion limits later steps use ([`Self::set_fusion`]).
+    pub fn fusion(&self) -> ops::Fusion {
+        self.opts.fusion
+    }
+
+    /// Switches programmatic dependent launch of our kernels for later steps (`engine.cuda.pdl` sets
+    /// it at start; tests and benchmarks compare both on one backend); returns what it is now
+    /// (false where the GPU cannot: [`Gpu::set_pdl`]). Captured graphs are dropped on a change:
+    /// they hold launches of the other kind.
+    pub fn set_pdl(&mut self, on: bool) -> bool {
+        let before = self.gpu.pdl();
+        let now = self.gpu.set_pdl(on);
+        if now != before {
+            // as set_kernels: wait for any replay before dropping the graphs
+            if self.gpu.bind().is_ok() && self.gpu.sync().is_ok() {
+                self.graphs.clear();
+            } else {
+                self.graphs.disable();
+            }
+        }
+        now
+    }
+
+    /// Whether our kernels' launches are programmatic dependent launches ([`Self::set_pdl`]).
+    pub fn pdl(&self) -> bool {
+        self.gpu.pdl()
+    }
+
+    /// Turns decode-step CUDA graphs on or off for later steps (benchmarks and tests compare
+    /// both on one backend); graphs captured so far are kept for when they are turned back on.
+    pub fn set_cuda_graphs(&mut self, on: bool) {
+        #[cfg(feature = "op-timing")]
+        if on {
+            self.prof = None; // never an event inside a capture
+        }
+        self.opts.cuda_graphs = on;
+        self.graphs.set_enabled(on);
+    }
+
+    /// Counters of the decode-step graphs (captures, replays, eager fall-backs).
+    pub fn graph_stats(&self) -> GraphStats {
+        self.graphs.stats()
+    }
+
+    /// Fills the whole KV pool with seeded random bf16 values (benchmarks: never time on zeros).
+    pub fn fill_kv_random(&mut self, seed: u64) -> Result<(), CudaError> {
+        self.gpu.bind()?;
+        ops::fill_uniform_bf16(&self.gpu, &self.pool, self.pool.bytes() / 2, seed, 1.0)?;
+        self.gpu.sync()
+    }
+
+    /// Bytes of weights on the device.
+    pub fn weight_bytes(&self) -> usize {
+        self.w.bytes
+    }
+
+    /// Runs a step on the device up to the logits (left in the device workspace, `rows x vocab`
+    /// f32); returns the row count. Does not wait for the device.
+    pub fn forward_device(&mut self, batch: &ForwardBatch<'_>) -> Result<usize, BackendError> {
+        // Taken first: an armed plan belongs to this step, whether it runs or fails.
+        let stage = self.step_staging.take();
+        self.gpu.bind()?;
+        let p = self.plan(batch)?;
+        if p.tokens == 0 {
+            return Ok(0);
+        }
+        // A staged step runs eagerly (its gathers ride in the layer loop): a one-token last
+        // chunk of a prompt looks like a decode step.
+        if stage.is_none()
+            && self.graphs.enabled()
+            && graph::is_decode(batch)
+            && self.replay_decode(batch, &p)?
+        {
+            return Ok(p.rows);
+        }
+        if self.ws.meta.bytes() < p.bytes.len() {
+            self.gpu.sync()?;
+            self.ws.meta = self.gpu.alloc(p.bytes.len().next_power_of_two())?;
+        }
+        self.gpu.upload(&self.ws.meta, 0, &p.bytes)?;
+        let shape = plan::StepShape::of(&p);
+        if let Some(plan) = stage {
+            self.stage_run = Some(self.prepare_stage_run(plan)?);
+        }
+        let encoded = self.encode(self.ws.meta.ptr(), &shape);
+        self.stage_run = None;
+        encoded?;
+        Ok(p.rows)
+    }
+
+    /// Enqueues every kernel of one step whose metadata (laid out as `p.off` says) starts at
+    /// device address `meta`. Allocates nothing and never waits for the device when no sequence
+    /// takes the prefill GEMM path (`p.long` empty), so decode steps can be captured into a
+    /// CUDA graph.
+    fn encode(&mut self, meta: u64, p: &plan::StepShape<'_>) -> Result<(), CudaError> {
+        let m = |o: usize| meta + o as u64;
+        let mut stage = self.stage_run.take();
+        let s = &self.spec;
+        let (g, w, ws, d) = (&self.gpu, &self.w, &self.ws, &self.dims);
+        let (h, t) = (s.hidden_size, p.tokens);
+        let (qd, kvd, inter) = (s.q_dim(), s.kv_dim(), s.intermediate_size);
+        // Per-op events only in benchmark builds (`op-timing`); else a no-op the compiler drops.
+        #[cfg(feature = "op-timing")]
+        let mark = |name| self.prof.as_ref().map_or(Ok(()), |pr| pr.mark(g, name));
+        #[cfg(not(feature = "op-timing"))]
+        let mark = |_: &'static str| Ok::<(), CudaError>(());
+        mark("(step start)")?;
+        ops::embed_gather(g, &w.embed, s.vocab_size, m(p.off.ids), t, &ws.resid, h)?;
+        mark("embed")?;
+        let attn_ws = AttnWorkspace {
+            part_ml: &ws.part_ml,
+            part_acc: &ws.part_acc,
+        };
+        // the RMSNorm after o_proj / down rides in their launch where linear_rmsnorm can (not
+        // with tensor parallelism: the norm must follow the all-reduce)
+        let norm_of = |nw| {
+            let (out, ticket, eps) = (&ws.normed, &ws.ticket, s.rms_norm_eps);
+            self.comm.is_none().then_some(ops::NormFuse {
+                w: nw,
+                out,
+                ticket,
+                eps,
+            })
+        };
+        let rmsnorm = |nw| {
+            let eps = s.rms_norm_eps;
+            ops::add_rmsnorm(g, &ws.resid, t, None, nw, &ws.normed, None, t, h, eps)
+        };
+        let mut normed = false;
+        for (li, l) in w.layers.iter().enumerate() {
+            if !normed {
+                rmsnorm(&l.attn_norm)?;
+                mark("attn_norm")?;
+            }
+            ops::linear(
+                g,
+                qd + 2 * kvd,
+                t,
+                h,
+                &l.wqkv,
+                &ws.normed,
+                &ws.qkv,
+                OutType::Bf16,
+                false,
+                self.opts.linear,
+            )?;
+            mark("qkv")?;
+            ops::rope_qkv(
+                g,
+                d,
+                &ws.qkv,
+                l.bqkv.as_ref(),
+                l.q_norm.as_ref(),
+                l.k_norm.as_ref(),
+                &w.inv_freq,
+                m(p.off.pos),
+                m(p.off.slots),
+                t,
+                &ws.q,
+                &self.pool,
+                li,
+                s.rms_norm_eps,
+            )?;
+            mark("rope_kv_write")?;
+            if let Some(run) = stage.as_mut() {
+                // This layer's KV is final: at a group's end, its gather and the hand-off.
+                self.stage_after_layer(run, li)?;
+            }
+            if p.short_len > 0 {
+                let meta = AttnMeta {
+                    tok_seq: m(p.off.tok_seq),
+                    tok_pos: m(p.off.pos),
+                    block_tables: m(p.off.tables),
+                    max_blocks: p.max_blocks,
+                    max_ctx: p.max_ctx,
+                };
+                let list = (!p.long.is_empty()).then(|| (m(p.off.short), p.short_len));
+                ops::paged_attention_ex(
+                    g,
+                    d,
+                    &ws.q,
+                    &self.pool,
+                    li,
+                    &meta,
+                    t,
+                    list,
+                    &ws.attn,
+                    &attn_ws,
+                    self.opts.attention,
+                )?;
+                mark("attention")?;
+            }
+            if !p.long.is_empty() {
+                self.prefill.run(
+                    g,
+                    d,
+                    &self.pool,
+                    li,
+                    &ws.q,
+                    &ws.attn,
+                    t,
+                    m(p.off.tables),
+                    p.max_blocks,
+                    p.long,
+                )?;
+                mark("prefill_attention")?;
+            }
+            let nf = norm_of(&l.mlp_norm);
+            let (rank0, lin) = (self.shard.rank == 0, self.opts.linear);
+            normed = ops::linear_rmsnorm(
+                g,
+                h,
+                t,
+                qd,
+                &l.wo,
+                &ws.attn,
+                &ws.resid,
+                rank0,
+                lin,
+                self.opts.fusion,
+                nf.as_ref(),
+            )?;
+            mark(if normed { "o_proj+mlp_norm" } else { "o_proj" })?;
+            self.all_reduce_resid(t * h)?;
+            if !normed {
+                rmsnorm(&l.mlp_norm)?;
+                mark("mlp_norm")?;
+            }
+            // fused at 1-2 tokens under Auto (engine.cuda.fuse_swiglu_max_tokens), else gate_up, swiglu
+            ops::gate_up_swiglu(
+                g,
+                inter,
+                t,
+                h,
+                &l.w_gate_up,
+                &ws.normed,
+                &ws.gate_up,
+                &ws.act,
+                self.opts.linear,
+                self.opts.fusion,
+            )?;
+            mark("gate_up+swiglu")?;
+            let nf = w.layers.get(li + 1).and_then(|n| norm_of(&n.attn_norm));
+            normed = ops::linear_rmsnorm(
+                g,
+                h,
+                t,
+                inter,
+                &l.w_down,
+                &ws.act,
+                &ws.resid,
+                rank0,
+                lin,
+                self.opts.fusion,
+                nf.as_ref(),
+            )?;
+            mark(if normed { "down+attn_norm" } else { "down" })?;
+            self.all_reduce_resid(t * h)?;
+        }
+        if p.rows > 0 {
+            ops::add_rmsnorm(
+                g,
+                &ws.resid,
+                t,
+                None,
+                &w.final_norm,
+                &ws.normed,
+                Some(m(p.off.rows)),
+                p.rows,
+                h,
+                s.rms_norm_eps,
+            )?;
+            mark("final_norm")?;
+            ops::linear(
+                g,
+                s.vocab_size,
+                p.rows,
+                h,
+                w.output(),
+                &ws.normed,
+                &ws.logits,
+                OutType::F32,
+                false,
+                self.opts.linear,
+            )?;
+            mark("lm_head")?;
+        }
+        Ok(())
+    }
+
+    /// With tensor parallelism, rank 0 added its partial projection to the residual and every
+    /// other rank wrote its partial in place of it: the f32 sum over ranks is the next residual.
+    fn all_reduce_resid(&self, elems: usize) -> Result<(), CudaError> {
+        match &self.comm {
+            Some(c) => c.all_reduce_sum_f32(&self.gpu, self.ws.resid.ptr(), elems),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits for the device (surfaces asynchronous errors).
+    pub fn synchronize(&self) -> Result<(), BackendError> {
+        self.gpu.bind()?;
+        Ok(self.gpu.sync()?)
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        // Outstanding work may still use the buffers freed next.
+        if self.gpu.bind().is_ok() {
+            let _ = self.gpu.sync();
+        }
+    }
+}

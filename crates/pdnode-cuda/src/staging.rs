@@ -1,0 +1,398 @@
+//! The KV staging arena of the CUDA backends ([`KvStaging`]): one `cuMemAlloc` region per TP
+//! rank (exportable through CUDA IPC, so UCX's cuda_ipc transport maps it in the peer process),
+//! allocated once by [`CudaBackend::enable_kv_staging`] / [`CudaTpBackend::enable_kv_staging`]
+//! and registered once by the node. Gather and scatter are the `kv_gather` / `kv_scatter`
+//! kernels between the pool and the arena at the caller's offset, device to device, synchronized
+//! before they return. (A child module of `backend.rs`, for the backend's private fields.)
+
+use super::super::CudaError;
+use super::super::device::DevBuf;
+use super::super::tp::CudaTpBackend;
+use super::CudaBackend;
+use cudarc::driver::LaunchConfig;
+use pdnode_core::BlockId;
+use pdnode_engine::backend::{
+    BackendError, KvRegion, KvStaging, LayerGate, MemKind, StepStaging, check_staging_io,
+    check_staging_strided,
+};
+use std::ops::Range;
+use std::sync::Arc;
+
+impl CudaBackend {
+    /// Allocates this GPU's staging arena of `bytes` (0: none). Once: a second call is refused.
+    pub fn enable_kv_staging(&mut self, bytes: usize) -> Result<Option<KvRegion>, CudaError> {
+        if self.staging.is_some() {
+            return Err(CudaError::Unsupported {
+                reason: "the KV staging arena is allocated already".into(),
+            });
+        }
+        if bytes == 0 {
+            return Ok(None);
+        }
+        self.gpu.bind()?;
+        let arena = self.gpu.alloc(bytes)?;
+        let region = KvRegion {
+            ptr: arena.ptr(),
+            len: arena.bytes(),
+            mem: MemKind::Cuda(self.gpu.ordinal),
+        };
+        tracing::info!(
+            gpu = self.gpu.ordinal,
+            mib = bytes >> 20,
+            "KV staging arena allocated"
+        );
+        self.staging = Some(arena);
+        Ok(Some(region))
+    }
+
+    /// The staging arena, or [`BackendError::NoStaging`].
+    fn arena(&self) -> Result<&DevBuf, BackendError> {
+        self.staging.as_ref().ok_or(BackendError::NoStaging)
+    }
+
+    fn staging_region(&self) -> Option<KvRegion> {
+        self.staging.as_ref().map(|a| KvRegion {
+            ptr: a.ptr(),
+            len: a.bytes(),
+            mem: MemKind::Cuda(self.gpu.ordinal),
+        })
+    }
+
+    /// One `kv_gather` (`gather`) or `kv_scatter` launch between the pool and the arena at
+    /// `offset`, then a stream synchronize.
+    fn staging_copy(
+        &self,
+        gather: bool,
+        layers: &Range<u32>,
+        blocks: &[BlockId],
+        offset: usize,
+    ) -> Result<(), BackendError> {
+        let arena = self.arena()?;
+        let n = check_staging_io(
+            &self.layout,
+            self.num_blocks,
+            layers,
+            blocks,
+            offset,
+            arena.bytes(),
+        )?;
+        if n == 0 {
+            return Ok(());
+        }
+        self.staging_launch(gather, &[(layers.clone(), offset)], blocks)
+    }
+
+    /// `kv_gather` of each layer of `layers` into `offset + i * layer_stride`, then one
+    /// synchronize.
+    fn staging_gather_strided(
+        &self,
+        layers: &Range<u32>,
+        blocks: &[BlockId],
+        offset: usize,
+        layer_stride: usize,
+    ) -> Result<(), BackendError> {
+        let arena = self.arena()?;
+        let per_layer = check_staging_strided(
+            &self.layout,
+            self.num_blocks,
+            layers,
+            blocks,
+            offset,
+            layer_stride,
+            arena.bytes(),
+        )?;
+        if per_layer == 0 {
+            return Ok(());
+        }
+        let parts: Vec<(Range<u32>, usize)> = layers
+            .clone()
+            .enumerate()
+            .map(|(i, l)| (l..l + 1, offset + i * layer_stride))
+            .collect();
+        self.staging_launch(true, &parts, blocks)
+    }
+
+    /// For each `(layers, offset)` of `parts` (checked by the caller against the arena), one
+    /// launch between the pool and the arena at `offset`; then a stream synchronize.
+    fn staging_launch(
+        &self,
+        gather: bool,
+        parts: &[(Range<u32>, usize)],
+        blocks: &[BlockId],
+    ) -> Result<(), BackendError> {
+        self.gpu.bind()?;
+        let ids: Vec<i32> = blocks.iter().map(|b| b.0 as i32).collect();
+        let idbuf = self.gpu.alloc(ids.len() * 4)?;
+        self.gpu.upload(&idbuf, 0, &ids)?;
+        self.launch_copies(gather, parts, idbuf.ptr(), blocks.len())?;
+        // `idbuf` lives until here: the copies that read it are done.
+        self.gpu.sync()?;
+        Ok(())
+    }
+
+    /// The copy launches of [`Self::staging_launch`], enqueued only: block ids at device
+    /// address `idp` (`nblocks` i32, alive until the copies ran), parts checked by the caller.
+    fn launch_copies(
+        &self,
+        gather: bool,
+        parts: &[(Range<u32>, usize)],
+        idp: u64,
+        nblocks: usize,
+    ) -> Result<(), BackendError> {
+        const OP: &str = "kv_staging_copy";
+        let arena = self.arena()?;
+        let lb = self.layout.block_layer_bytes();
+        if !lb.is_multiple_of(16) || parts.iter().any(|(_, o)| !o.is_multiple_of(16)) {
+            return Err(BackendError::InvalidBatch {
+                reason: format!(
+                    "layer-block of {lb} bytes or a staging offset is not a multiple of 16"
+                ),
+            });
+        }
+        let f = self
+            .gpu
+            .kernel(if gather { "kv_gather" } else { "kv_scatter" })?;
+        let (nb, numb, lbv) = (nblocks as i32, self.num_blocks as i32, (lb / 16) as i64);
+        for (layers, offset) in parts {
+            let nlayers = (layers.end - layers.start) as usize;
+            let grid =
+                u32::try_from(nlayers * nblocks).map_err(|_| BackendError::InvalidBatch {
+                    reason: format!("{nlayers} x {nblocks} layer-blocks exceed a grid"),
+                })?;
+            if grid == 0 {
+                continue;
+            }
+            let (dst, l0) = (arena.at(*offset), layers.start as i32);
+            let mut b = self.gpu.launch_builder(f);
+            b.arg(self.pool.ptr_ref())
+                .arg(&dst)
+                .arg(&idp)
+                .arg(&nb)
+                .arg(&l0)
+                .arg(&numb)
+                .arg(&lbv);
+            let cfg = LaunchConfig {
+                grid_dim: (grid, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: the pool holds `num_blocks` blocks of every layer and each id is below
+            // `num_blocks`; the arena span of this part is inside the allocation and 16-byte
+            // aligned (checked by the callers, check_staging_io / check_staging_strided, and
+            // above); `idp` holds `nblocks` ids and outlives the copies (the callers' contract).
+            unsafe { b.launch(cfg) }.map_err(super::super::drv(OP))?;
+        }
+        Ok(())
+    }
+
+    /// Checks an in-step staging plan against the pool and the arena and puts every
+    /// sequence's block ids on the device (`stage_ids`, reused).
+    pub(super) fn prepare_stage_run(
+        &mut self,
+        plan: StepStaging,
+    ) -> Result<StageRun, BackendError> {
+        let arena_len = self.arena()?.bytes();
+        let all = 0..self.layout.num_layers;
+        let mut ids: Vec<i32> = Vec::new();
+        let mut id_off = Vec::with_capacity(plan.seqs.len());
+        for sq in &plan.seqs {
+            check_staging_strided(
+                &self.layout,
+                self.num_blocks,
+                &all,
+                &sq.blocks,
+                sq.offset,
+                sq.layer_stride,
+                arena_len,
+            )?;
+            id_off.push(ids.len());
+            ids.extend(sq.blocks.iter().map(|b| b.0 as i32));
+        }
+        let need = (ids.len() * 4).max(16);
+        if self.stage_ids.as_ref().is_none_or(|b| b.bytes() < need) {
+            self.stage_ids = Some(self.gpu.alloc(need.next_power_of_two())?);
+        }
+        if let Some(buf) = &self.stage_ids {
+            self.gpu.upload(buf, 0, &ids)?;
+        }
+        Ok(StageRun {
+            plan,
+            id_off,
+            group_start: 0,
+            prev: None,
+        })
+    }
+
+    /// After layer `li`'s KV is written: at the end of a layer group (or the last layer), the
+    /// gather of the group's layers of every planned sequence into its span (enqueued on the
+    /// step's stream), one event behind them, and a notification per sequence whose gate is
+    /// that event.
+    pub(super) fn stage_after_layer(&self, run: &mut StageRun, li: usize) -> Result<(), CudaError> {
+        let done = li as u32 + 1;
+        let last = done == self.layout.num_layers;
+        if !(done.is_multiple_of(run.plan.group.max(1)) || last) {
+            return Ok(());
+        }
+        let layers = run.group_start..done;
+        run.group_start = done;
+        let idbase = self.stage_ids.as_ref().map_or(0, DevBuf::ptr);
+        for (i, sq) in run.plan.seqs.iter().enumerate() {
+            let parts: Vec<(Range<u32>, usize)> = layers
+                .clone()
+                .map(|l| (l..l + 1, sq.offset + l as usize * sq.layer_stride))
+                .collect();
+            let idp = idbase + 4 * run.id_off[i] as u64;
+            self.launch_copies(true, &parts, idp, sq.blocks.len())
+                .map_err(|e| CudaError::Unsupported {
+                    reason: format!("in-step KV staging: {e}"),
+                })?;
+        }
+        let ev = Arc::new(
+            self.gpu
+                .ctx
+                .new_event(None)
+                .map_err(super::super::drv("cuEventCreate"))?,
+        );
+        ev.record(&self.gpu.stream)
+            .map_err(super::super::drv("cuEventRecord"))?;
+        // Keep the host at most one group ahead of the GPU: a whole prefill step enqueued at
+        // once fills the context's command queue, and the hand-off's copies (UCX's cuda_ipc
+        // puts, in this context) then block in their enqueue until the step has nearly
+        // drained (seen on the H200: every put after the first left at the end of the step).
+        if let Some(prev) = run.prev.replace(ev.clone()) {
+            prev.synchronize()
+                .map_err(super::super::drv("cuEventSynchronize"))?;
+        }
+        for i in 0..run.plan.seqs.len() {
+            let ev = ev.clone();
+            let gate: LayerGate = Box::new(move || {
+                ev.context().bind_to_thread().map_err(|e| e.to_string())?;
+                ev.try_is_complete().map_err(|e| format!("KV gather: {e}"))
+            });
+            (run.plan.notify)(i, layers.clone(), gate);
+        }
+        Ok(())
+    }
+}
+
+/// One step's in-step staging (see [`CudaBackend::stage_after_layer`]).
+pub(super) struct StageRun {
+    plan: StepStaging,
+    /// Where each sequence's ids start in `stage_ids` (in ids).
+    id_off: Vec<usize>,
+    group_start: u32,
+    /// The previous group's event (the host waits for it before running further ahead).
+    prev: Option<Arc<cudarc::driver::CudaEvent>>,
+}
+
+impl KvStaging for CudaBackend {
+    fn staging_regions(&self) -> Vec<KvRegion> {
+        self.staging_region().into_iter().collect()
+    }
+
+    fn gather_kv_to_staging(
+        &mut self,
+        layers: Range<u32>,
+        blocks: &[BlockId],
+        offset: usize,
+    ) -> Result<(), BackendError> {
+        self.staging_copy(true, &layers, blocks, offset)
+    }
+
+    fn gather_kv_layers_to_staging(
+        &mut self,
+        layers: Range<u32>,
+        blocks: &[BlockId],
+        offset: usize,
+        layer_stride: usize,
+    ) -> Result<(), BackendError> {
+        self.staging_gather_strided(&layers, blocks, offset, layer_stride)
+    }
+
+    fn scatter_kv_from_staging(
+        &mut self,
+        layers: Range<u32>,
+        blocks: &[BlockId],
+        offset: usize,
+    ) -> Result<(), BackendError> {
+        self.staging_copy(false, &layers, blocks, offset)
+    }
+
+    /// One GPU only: a tensor-parallel rank's staging is driven by [`CudaTpBackend`], which
+    /// gathers after the step.
+    fn supports_step_staging(&self) -> bool {
+        self.staging.is_some() && self.comm.is_none()
+    }
+
+    fn stage_next_step(&mut self, plan: StepStaging) -> Result<(), BackendError> {
+        if !self.supports_step_staging() {
+            return Err(BackendError::NoStaging);
+        }
+        self.step_staging = Some(plan);
+        Ok(())
+    }
+}
+
+impl CudaTpBackend {
+    /// Allocates every rank's staging arena of `bytes` (0: none), each on its rank's GPU.
+    pub fn enable_kv_staging(&mut self, bytes: usize) -> Result<Vec<KvRegion>, BackendError> {
+        let regions = self.on_each_rank(move |be: &mut CudaBackend| {
+            be.enable_kv_staging(bytes).map_err(BackendError::from)
+        })?;
+        self.staging = regions.into_iter().flatten().collect();
+        Ok(self.staging.clone())
+    }
+
+    /// Runs `copy` with `blocks` on every rank (each between its own pool and arena).
+    fn staging_fan_out<F>(&mut self, blocks: &[BlockId], copy: F) -> Result<(), BackendError>
+    where
+        F: Fn(&mut CudaBackend, &[BlockId]) -> Result<(), BackendError> + Send + Sync + 'static,
+    {
+        if self.staging.is_empty() {
+            return Err(BackendError::NoStaging);
+        }
+        let blocks = Arc::new(blocks.to_vec());
+        self.on_each_rank(move |be: &mut CudaBackend| copy(be, &blocks))
+            .map(|_| ())
+    }
+}
+
+impl KvStaging for CudaTpBackend {
+    fn staging_regions(&self) -> Vec<KvRegion> {
+        self.staging.clone()
+    }
+
+    fn gather_kv_to_staging(
+        &mut self,
+        layers: Range<u32>,
+        blocks: &[BlockId],
+        offset: usize,
+    ) -> Result<(), BackendError> {
+        self.staging_fan_out(blocks, move |be, b| {
+            be.staging_copy(true, &layers, b, offset)
+        })
+    }
+
+    fn gather_kv_layers_to_staging(
+        &mut self,
+        layers: Range<u32>,
+        blocks: &[BlockId],
+        offset: usize,
+        layer_stride: usize,
+    ) -> Result<(), BackendError> {
+        self.staging_fan_out(blocks, move |be, b| {
+            be.staging_gather_strided(&layers, b, offset, layer_stride)
+        })
+    }
+
+    fn scatter_kv_from_staging(
+        &mut self,
+        layers: Range<u32>,
+        blocks: &[BlockId],
+        offset: usize,
+    ) -> Result<(), BackendError> {
+        self.staging_fan_out(blocks, move |be, b| {
+            be.staging_copy(false, &layers, b, offset)
+        })
+    }
+}

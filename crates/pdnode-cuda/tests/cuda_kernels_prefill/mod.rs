@@ -1,0 +1,233 @@
+//! Fused flash prefill attention (kernels/prefill_flash*.cu, every variant: 16 rows per warp
+//! with 4 or 8 warps, 32 rows per warp, v2, v3) against an f32 host reference: head_dim 64 and
+//! 128, GQA 1 / 4 / 8, 1 to 1000 new tokens, with and without a cached prefix (chunked prefill),
+//! block sizes 16, 32, 64 and 24, two sequences in one call; and against the cuBLAS path at
+//! Llama-3.1-8B shapes. Part of the `cuda_kernels` test binary (scripts/gpu/run-all.sh kernels);
+//! prints one PASS/FAIL line a case.
+
+use super::cuda_support::*;
+use super::{gpu, poisoned, pool_dims, pool_idx, up_i32};
+use pdnode_cuda::device::{DevBuf, Gpu};
+use pdnode_cuda::ops::AttnDims;
+use pdnode_cuda::prefill::{LongSeq, PrefillAttn, PrefillScratch};
+use rand::seq::SliceRandom;
+
+/// f32 reference of causal attention for the new tokens of one sequence: rows `row0 .. row0 + n`
+/// of `q` `[T, nh, hd]` at positions `start ..`, K/V from layer `layer` of `pool_h` through the
+/// block table `tab`. Returns `[n, nh, hd]`.
+#[allow(clippy::too_many_arguments)]
+fn ref_prefill(
+    d: &AttnDims,
+    pool_h: &[f32],
+    layer: usize,
+    tab: &[i32],
+    q: &[f32],
+    row0: usize,
+    n: usize,
+    start: usize,
+) -> Vec<f32> {
+    let (nh, nkv, hd, bs) = (d.num_heads, d.num_kv_heads, d.head_dim, d.block_size);
+    let e = start + n;
+    // contiguous K/V per kv head: [nkv][e][hd]
+    let (mut k, mut v) = (vec![0f32; nkv * e * hd], vec![0f32; nkv * e * hd]);
+    for kh in 0..nkv {
+        for p in 0..e {
+            let blk = tab[p / bs] as usize;
+            let k0 = pool_idx(d, layer, blk, 0, p % bs, kh);
+            let v0 = pool_idx(d, layer, blk, 1, p % bs, kh);
+            let dst = (kh * e + p) * hd;
+            k[dst..dst + hd].copy_from_slice(&pool_h[k0..k0 + hd]);
+            v[dst..dst + hd].copy_from_slice(&pool_h[v0..v0 + hd]);
+        }
+    }
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut out = vec![0f32; n * nh * hd];
+    let mut s = vec![0f32; e];
+    for ti in 0..n {
+        let len = start + ti + 1;
+        for h in 0..nh {
+            let kh = h / (nh / nkv);
+            let qq = &q[((row0 + ti) * nh + h) * hd..((row0 + ti) * nh + h + 1) * hd];
+            let mut m = f32::NEG_INFINITY;
+            for (p, sp) in s[..len].iter_mut().enumerate() {
+                let kk = &k[(kh * e + p) * hd..(kh * e + p + 1) * hd];
+                *sp = qq.iter().zip(kk).map(|(a, b)| a * b).sum::<f32>() * scale;
+                m = m.max(*sp);
+            }
+            let mut l = 0f32;
+            let o = &mut out[(ti * nh + h) * hd..(ti * nh + h + 1) * hd];
+            for (p, sp) in s[..len].iter().enumerate() {
+                let w = (sp - m).exp();
+                l += w;
+                let vv = &v[(kh * e + p) * hd..(kh * e + p + 1) * hd];
+                for (od, vd) in o.iter_mut().zip(vv) {
+                    *od += w * vd;
+                }
+            }
+            o.iter_mut().for_each(|x| *x /= l);
+        }
+    }
+    out
+}
+
+/// One prefill-attention call over `seqs` (`(start, n)` each, packed from row 2 on) with the
+/// given implementation; returns the whole output `[T, nh, hd]` (poisoned with NaN first).
+#[allow(clippy::too_many_arguments)]
+fn run_prefill_attn(
+    g: &Gpu,
+    d: &AttnDims,
+    pool: &DevBuf,
+    layer: usize,
+    dq: &DevBuf,
+    t: usize,
+    dtab: &DevBuf,
+    max_blocks: usize,
+    seqs: &[LongSeq],
+    attn: PrefillAttn,
+) -> Vec<f32> {
+    let out = poisoned(g, t * d.num_heads * d.head_dim * 2);
+    let mut scratch = PrefillScratch::new(attn);
+    scratch
+        .run(g, d, pool, layer, dq, &out, t, dtab.ptr(), max_blocks, seqs)
+        .unwrap();
+    g.download_bf16(&out, t * d.num_heads * d.head_dim).unwrap()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
+fn prefill_flash_attention_matches_reference() {
+    let g = gpu();
+    let mut r = rng("prefill_flash");
+    // (nh, nkv, hd, block size, per sequence (start, new tokens)); GQA nh / nkv = 1, 4, 8
+    type Case = (usize, usize, usize, usize, Vec<(usize, usize)>);
+    let cases: Vec<Case> = vec![
+        (4, 4, 64, 16, vec![(0, 1)]),
+        (2, 2, 128, 16, vec![(63, 1)]),
+        (8, 2, 128, 32, vec![(0, 17)]),
+        (8, 1, 64, 16, vec![(5, 64)]),
+        (16, 2, 128, 32, vec![(0, 64)]),
+        (8, 8, 128, 16, vec![(0, 129)]),
+        (8, 2, 128, 32, vec![(300, 129), (0, 64)]),
+        (8, 2, 64, 16, vec![(1000, 17), (3, 1)]),
+        (8, 1, 128, 16, vec![(0, 1000)]),
+        (4, 1, 64, 32, vec![(77, 1000)]),
+        // a 64-key block per tile; a block size that is no power of two (v2 falls back to w8)
+        (8, 2, 128, 64, vec![(100, 300)]),
+        (4, 1, 128, 24, vec![(10, 100)]),
+    ];
+    let mut worst = 0f32;
+    for (nh, nkv, hd, bs, sq) in cases {
+        let max_blocks = sq.iter().map(|(s, n)| s + n).max().unwrap().div_ceil(bs);
+        let nb = sq.len() * max_blocks + 5;
+        let d = pool_dims(nh, nkv, hd, bs, nb);
+        let layer = 1;
+        let pool_h = randv(&mut r, 2 * d.layer_elems(), 1.0);
+        let pool = g.upload_bf16(&pool_h).unwrap();
+        let mut ids: Vec<i32> = (0..nb as i32).collect();
+        ids.shuffle(&mut r);
+        let tables: Vec<i32> = ids[..sq.len() * max_blocks].to_vec();
+        let dtab = up_i32(&g, &tables);
+        let mut seqs = Vec::new();
+        let mut row = 2;
+        for (i, &(start, n)) in sq.iter().enumerate() {
+            seqs.push(LongSeq {
+                row0: row,
+                n,
+                start,
+                seq: i,
+            });
+            row += n;
+        }
+        let t = row + 1; // one unused row after the last sequence
+        let q = randv(&mut r, t * nh * hd, 2.0);
+        let dq = g.upload_bf16(&q).unwrap();
+        let rowl = nh * hd;
+        let wants: Vec<Vec<f32>> = seqs
+            .iter()
+            .map(|s| {
+                let tab = &tables[s.seq * max_blocks..(s.seq + 1) * max_blocks];
+                ref_prefill(&d, &pool_h, layer, tab, &q, s.row0, s.n, s.start)
+            })
+            .collect();
+        for attn in [
+            PrefillAttn::Flash,
+            PrefillAttn::Flash8,
+            PrefillAttn::Flash32,
+            PrefillAttn::FlashV2,
+            PrefillAttn::FlashV3,
+        ] {
+            let got =
+                run_prefill_attn(&g, &d, &pool, layer, &dq, t, &dtab, max_blocks, &seqs, attn);
+            let untouched = got[..2 * rowl].iter().chain(&got[(t - 1) * rowl..]);
+            assert!(
+                untouched.into_iter().all(|x| x.is_nan()),
+                "{attn:?}: rows outside the sequences written"
+            );
+            for (s, want) in seqs.iter().zip(&wants) {
+                let have = &got[s.row0 * rowl..(s.row0 + s.n) * rowl];
+                let e = rel_err(have, want);
+                // the worst single (row, head), so one wrong row in a long sequence shows
+                let mut e_row = 0f32;
+                for (a, b) in have.chunks(hd).zip(want.chunks(hd)) {
+                    e_row = e_row.max(rel_err(a, b));
+                }
+                let ok = e < 1e-2 && e_row < 3e-2;
+                println!(
+                    "{} flash prefill {attn:?} nh={nh} nkv={nkv} hd={hd} bs={bs} start={} n={}: \
+                     rel err {e:.2e}, worst row {e_row:.2e}",
+                    if ok { "PASS" } else { "FAIL" },
+                    s.start,
+                    s.n
+                );
+                assert!(ok, "{attn:?} {s:?}: rel err {e}, worst row {e_row}");
+                worst = worst.max(e);
+            }
+        }
+    }
+    println!("PASS flash prefill vs f32 reference: worst rel err {worst:.2e}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
+fn prefill_flash_attention_matches_gemm_path_at_llama_shapes() {
+    let g = gpu();
+    let mut r = rng("prefill_flash_gemm");
+    // Llama-3.1-8B attention shape; a whole 2k prompt, and an 600-token chunk after 1500 cached
+    for &(start, n) in &[(0usize, 2048usize), (1500, 600)] {
+        let (nh, nkv, hd, bs) = (32, 8, 128, 16);
+        let max_blocks = (start + n).div_ceil(bs);
+        let nb = max_blocks + 3;
+        let d = pool_dims(nh, nkv, hd, bs, nb);
+        let pool_h = randv(&mut r, d.layer_elems(), 1.0);
+        let pool = g.upload_bf16(&pool_h).unwrap();
+        let mut ids: Vec<i32> = (0..nb as i32).collect();
+        ids.shuffle(&mut r);
+        let dtab = up_i32(&g, &ids[..max_blocks]);
+        let t = n;
+        let q = randv(&mut r, t * nh * hd, 2.0);
+        let dq = g.upload_bf16(&q).unwrap();
+        let seqs = [LongSeq {
+            row0: 0,
+            n,
+            start,
+            seq: 0,
+        }];
+        let run = |a| run_prefill_attn(&g, &d, &pool, 0, &dq, t, &dtab, max_blocks, &seqs, a);
+        let want = run(PrefillAttn::Gemm);
+        for attn in [
+            PrefillAttn::Flash,
+            PrefillAttn::Flash8,
+            PrefillAttn::Flash32,
+            PrefillAttn::FlashV2,
+            PrefillAttn::FlashV3,
+        ] {
+            let e = rel_err(&run(attn), &want);
+            println!(
+                "{} flash prefill {attn:?} vs cuBLAS path, nh=32 nkv=8 hd=128 start={start} \
+                 n={n}: rel err {e:.2e}",
+                if e < 1e-2 { "PASS" } else { "FAIL" }
+            );
+            assert!(e < 1e-2, "{attn:?} start={start} n={n}: rel err {e}");
+        }
+    }
+}

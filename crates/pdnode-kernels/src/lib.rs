@@ -1,0 +1,168 @@
+//! pdnode-kernels: the CUDA kernel sources of the CUDA backend (`kernels/*.cu`), the list of entry
+//! points the backend launches, and their NVRTC compilation (needs libnvrtc, no GPU).
+//!
+//! A crate of its own so that editing a `.cu` file rebuilds this crate and the CUDA backend, not
+//! the engine (loaders, text, sampling, scheduler) and its tests. The emulator harnesses under
+//! `emu/` run kernels on the CPU (`emu/*/run.sh`); `tests/kernels_compile.rs` compiles every
+//! source with NVRTC for sm_90 and checks the PTX.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+
+/// Why the kernels could not be compiled.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error("libnvrtc not found")]
+    NoNvrtc,
+    #[error("NVRTC could not compile the kernels for {arch}: {log}")]
+    Compile { arch: String, log: String },
+    #[error("the compiled-kernel cache lock is poisoned")]
+    CachePoisoned,
+}
+
+impl pdnode_core::error::Classify for KernelError {
+    fn kind(&self) -> pdnode_core::ErrorKind {
+        match self {
+            KernelError::NoNvrtc => pdnode_core::ErrorKind::Unavailable,
+            KernelError::Compile { .. } | KernelError::CachePoisoned => {
+                pdnode_core::ErrorKind::Internal
+            }
+        }
+    }
+}
+
+/// The kernel sources by file name, compiled together (in this order) as one NVRTC program.
+pub const SOURCES: [(&str, &str); 13] = [
+    ("common.cuh", include_str!("../kernels/common.cuh")),
+    ("elementwise.cu", include_str!("../kernels/elementwise.cu")),
+    ("rope.cu", include_str!("../kernels/rope.cu")),
+    ("attention.cu", include_str!("../kernels/attention.cu")),
+    (
+        "attention_v2.cu",
+        include_str!("../kernels/attention_v2.cu"),
+    ),
+    (
+        "attention_v3.cu",
+        include_str!("../kernels/attention_v3.cu"),
+    ),
+    (
+        "attention_v4.cu",
+        include_str!("../kernels/attention_v4.cu"),
+    ),
+    ("kv_copy.cu", include_str!("../kernels/kv_copy.cu")),
+    ("prefill.cu", include_str!("../kernels/prefill.cu")),
+    (
+        "prefill_flash.cu",
+        include_str!("../kernels/prefill_flash.cu"),
+    ),
+    (
+        "prefill_flash_v3.cu",
+        include_str!("../kernels/prefill_flash_v3.cu"),
+    ),
+    ("gemv.cu", include_str!("../kernels/gemv.cu")),
+    ("sample.cu", include_str!("../kernels/sample.cu")),
+];
+
+/// Kernel entry points (extern "C" names in the .cu files).
+pub const KERNEL_NAMES: [&str; 50] = [
+    "gemv_t1",
+    "gemv_t2",
+    "gemv_t4",
+    "gemv_t8",
+    "gemv_mma_m1",
+    "gemv_mma_m2",
+    "gemv_mma_m1_pf",
+    "gemv_mma_m2_pf",
+    "gemv_mma_glu_m1",
+    "gemv_mma_glu_m1_pf",
+    "gemv_mma_m1_norm",
+    "gemv_mma_m1_pf_norm",
+    "paged_attention_v2_d8",
+    "paged_attention_v2_d16",
+    "paged_attention_v3_d64_g4",
+    "paged_attention_v3_d64_g8",
+    "paged_attention_v3_d128_g4",
+    "paged_attention_v3_d128_g8",
+    "paged_attention_v4_d64_g8",
+    "paged_attention_v4_d64_g16",
+    "paged_attention_v4_d128_g8",
+    "paged_attention_v4_d128_g16",
+    "transpose_heads",
+    "kv_gather_seq",
+    "causal_softmax",
+    "flash_prefill_hd64_w4",
+    "flash_prefill_hd128_w4",
+    "flash_prefill_hd64_w8",
+    "flash_prefill_hd128_w8",
+    "flash_prefill_hd64_m32",
+    "flash_prefill_hd128_m32",
+    "flash_prefill_hd64_v2",
+    "flash_prefill_hd128_v2",
+    "flash_prefill_hd64_v3",
+    "flash_prefill_hd128_v3",
+    "embed_gather",
+    "add_rmsnorm",
+    "add_rmsnorm_v4",
+    "swiglu",
+    "swiglu_v8",
+    "fill_uniform_bf16",
+    "fill_uniform_bf16_2d",
+    "fill_f32",
+    "rope_qkv",
+    "paged_attention",
+    "attention_combine",
+    "kv_gather",
+    "kv_scatter",
+    "argmax_rows",
+    "sample_rows",
+];
+
+/// The text of kernel source `file` (e.g. `sample.cu`), if it is one of [`SOURCES`].
+pub fn source(file: &str) -> Option<&'static str> {
+    SOURCES
+        .iter()
+        .find(|(name, _)| *name == file)
+        .map(|(_, text)| *text)
+}
+
+/// Compiles the kernel program for `arch` (e.g. "compute_90") and returns its PTX text; needs
+/// libnvrtc but no GPU. The CUDA backend does this at start; tests use it to check the sources.
+pub fn compile_kernels(arch: &str) -> Result<String, KernelError> {
+    Ok(ptx_for(arch)?.to_src())
+}
+
+/// PTX per target architecture, compiled once per process.
+pub fn ptx_for(arch: &str) -> Result<cudarc::nvrtc::Ptx, KernelError> {
+    static CACHE: OnceLock<Mutex<HashMap<String, cudarc::nvrtc::Ptx>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
+    let mut guard = cache.lock().map_err(|_| KernelError::CachePoisoned)?;
+    if let Some(p) = guard.get(arch) {
+        return Ok(p.clone());
+    }
+    // SAFETY: only tries to dlopen libnvrtc; no symbol is called.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(KernelError::NoNvrtc);
+    }
+    let src: String = SOURCES.iter().map(|(_, text)| *text).collect();
+    let opts = cudarc::nvrtc::CompileOptions {
+        options: vec![
+            format!("--gpu-architecture={arch}"),
+            "--std=c++17".into(),
+            "-lineinfo".into(),
+        ],
+        ..Default::default()
+    };
+    let t0 = std::time::Instant::now();
+    let ptx =
+        cudarc::nvrtc::compile_ptx_with_opts(src, opts).map_err(|e| KernelError::Compile {
+            arch: arch.to_string(),
+            log: format!("{e:?}"),
+        })?;
+    tracing::info!(
+        arch,
+        ms = t0.elapsed().as_millis() as u64,
+        "compiled CUDA kernels"
+    );
+    guard.insert(arch.to_string(), ptx.clone());
+    Ok(ptx)
+}

@@ -1,0 +1,155 @@
+//! The CUDA kernels compile: every `.cu` source is built with NVRTC for Hopper (sm_90) exactly as
+//! the CUDA backend builds it at start, and the PTX defines every kernel the backend launches.
+//! Needs libnvrtc but no GPU: `scripts/fetch-nvrtc.sh` puts the PyPI wheel's library under
+//! `.cache/nvrtc` (the test command runs it), or point `PDNODE_NVRTC_DIR` at a folder holding it.
+
+use pdnode_kernels::{KERNEL_NAMES, compile_kernels};
+use std::path::{Path, PathBuf};
+
+/// Files under `dir` (recursively) whose name starts with `prefix`.
+fn find(dir: &Path, prefix: &str, out: &mut Vec<PathBuf>) {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in rd.flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            find(&p, prefix, out);
+        } else if p
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with(prefix) && !n.contains(".alt."))
+        {
+            out.push(p);
+        }
+    }
+}
+
+/// Loads libnvrtc (and the builtins it opens by name) from an absolute path, so that the
+/// by-name lookup of the backend finds it already loaded. Returns where it came from.
+fn preload_nvrtc() -> Result<PathBuf, String> {
+    let dir = std::env::var_os("PDNODE_NVRTC_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.cache/nvrtc"));
+    let mut builtins = Vec::new();
+    find(&dir, "libnvrtc-builtins.so", &mut builtins);
+    let mut libs = Vec::new();
+    find(&dir, "libnvrtc.so", &mut libs);
+    let (Some(b), Some(l)) = (builtins.first(), libs.first()) else {
+        return Err(format!(
+            "libnvrtc not found under {} (run scripts/fetch-nvrtc.sh or set PDNODE_NVRTC_DIR)",
+            dir.display()
+        ));
+    };
+    for p in [b, l] {
+        // SAFETY: loading NVIDIA's NVRTC library runs no code of ours; it stays loaded for the
+        // life of the test process (leaked on purpose).
+        let lib = unsafe { libloading::Library::new(p) }
+            .map_err(|e| format!("loading {}: {e}", p.display()))?;
+        std::mem::forget(lib);
+    }
+    Ok(l.clone())
+}
+
+#[test]
+fn every_kernel_compiles_for_hopper() {
+    let lib = preload_nvrtc().unwrap_or_else(|e| panic!("{e}"));
+    let ptx = compile_kernels("sm_90")
+        .unwrap_or_else(|e| panic!("NVRTC ({}) rejected the kernels: {e}", lib.display()));
+    let missing: Vec<&str> = KERNEL_NAMES
+        .iter()
+        .copied()
+        .filter(|k| !ptx.contains(&format!(".entry {k}(")))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "kernels launched by the backend but not defined in the PTX: {missing:?}"
+    );
+}
+
+/// The opcode of a PTX instruction line (`@%p1 bra $L1;` -> `bra`), or None for directives,
+/// labels, braces, comments and blank lines.
+fn opcode(line: &str) -> Option<&str> {
+    let mut l = line.trim();
+    if l.is_empty() || l.starts_with('.') || l.starts_with("//") || l.starts_with('{') {
+        return None;
+    }
+    if l.starts_with('}') || l.ends_with(':') {
+        return None;
+    }
+    if l.starts_with('@') {
+        l = l.split_once(char::is_whitespace)?.1.trim_start();
+    }
+    l.split(|c: char| c.is_whitespace() || c == ';').next()
+}
+
+/// Reads or writes memory other than the kernel's parameters.
+fn touches_memory(op: &str) -> bool {
+    let mem = [
+        "ld.", "ldu.", "st.", "atom.", "red.", "cp.", "prefetch", "tex.", "sust", "suld",
+    ];
+    mem.iter().any(|p| op.starts_with(p)) && !op.starts_with("ld.param")
+}
+
+/// Programmatic dependent launch (`PDNODE_PDL`) is only safe because every kernel waits on the
+/// previous grid (`griddepcontrol.wait`) before it reads or writes any memory: in the sm_90 PTX,
+/// each entry the backend launches has the wait before its first memory instruction, then the
+/// `launch_dependents` trigger. Before sm_90 both compile to nothing (the kernels still build).
+#[test]
+fn every_kernel_waits_on_the_previous_grid_before_touching_memory() {
+    let lib = preload_nvrtc().unwrap_or_else(|e| panic!("{e}"));
+    let ptx = compile_kernels("sm_90")
+        .unwrap_or_else(|e| panic!("NVRTC ({}) rejected the kernels: {e}", lib.display()));
+    let mut bad = Vec::new();
+    for k in KERNEL_NAMES {
+        let Some(at) = ptx.find(&format!(".entry {k}(")) else {
+            bad.push(format!("{k}: no entry"));
+            continue;
+        };
+        let body = &ptx[at..];
+        let body = &body[..body[1..].find(".entry ").map_or(body.len(), |e| e + 1)];
+        let ops: Vec<&str> = body.lines().skip(1).filter_map(opcode).collect();
+        let wait = ops.iter().position(|o| *o == "griddepcontrol.wait");
+        let trigger = ops
+            .iter()
+            .position(|o| *o == "griddepcontrol.launch_dependents");
+        let first_mem = ops.iter().position(|o| touches_memory(o));
+        match (wait, trigger, first_mem) {
+            (None, _, _) => bad.push(format!("{k}: no griddepcontrol.wait")),
+            (_, None, _) => bad.push(format!("{k}: no griddepcontrol.launch_dependents")),
+            (Some(w), Some(t), _) if t < w => bad.push(format!("{k}: trigger before the wait")),
+            (Some(w), _, Some(m)) if m < w => bad.push(format!("{k}: {} before the wait", ops[m])),
+            _ => {}
+        }
+    }
+    assert!(bad.is_empty(), "kernels unsafe under PDL: {bad:?}");
+    let old = compile_kernels("sm_80")
+        .unwrap_or_else(|e| panic!("NVRTC rejected the kernels for sm_80: {e}"));
+    assert!(
+        !old.contains("griddepcontrol"),
+        "griddepcontrol is sm_90+: the PD_GRID_* macros must compile to nothing before it"
+    );
+}
+
+#[test]
+fn ptx_opcodes_are_read_as_the_pdl_check_expects() {
+    assert_eq!(
+        opcode("\tld.param.u64 \t%rd1, [k_param_0];"),
+        Some("ld.param.u64")
+    );
+    assert_eq!(opcode("\t@%p1 bra \t$L__BB0_2;"), Some("bra"));
+    assert_eq!(
+        opcode("\tgriddepcontrol.wait;"),
+        Some("griddepcontrol.wait")
+    );
+    assert_eq!(opcode("$L__BB0_2:"), None);
+    assert_eq!(opcode("\t.reg .b32 \t%r<9>;"), None);
+    assert_eq!(opcode("\t// begin inline asm"), None);
+    assert!(touches_memory("ld.global.nc.u32"));
+    assert!(touches_memory("st.shared.f32"));
+    assert!(touches_memory("atom.global.add.u32"));
+    assert!(touches_memory("cp.async.cg.shared.global"));
+    assert!(!touches_memory("ld.param.u64"));
+    assert!(!touches_memory("griddepcontrol.wait"));
+    assert!(!touches_memory("mov.u32"));
+}

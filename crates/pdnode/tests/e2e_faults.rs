@@ -237,6 +237,9 @@ async fn assert_drained(c: &Cluster, members: &[&Member]) {
             let now = stats(&m.grpc).await;
             panic!("{e}: {now:?}{}", c.logs());
         }
+        if let Some(a) = stats(&m.grpc).await.and_then(|s| s.accounting) {
+            eprintln!("{} after the load: {a:?}", m.id);
+        }
         // The same numbers on the node's /metrics and, once it refreshed, the router's.
         for (what, http) in [("node", &m.http), ("router", &c.http)] {
             let series = owned_series(&m.id);

@@ -6,6 +6,7 @@
 //! classification every error maps to (HTTP status, gRPC code, metric label), [`metrics`] holds
 //! every metric name, and [`config`] is the single configuration tree for every role.
 
+pub mod accounting;
 pub mod card;
 pub mod config;
 pub mod error;
@@ -14,6 +15,7 @@ pub mod layout;
 pub mod metrics;
 pub mod request;
 
+pub use accounting::Accounting;
 pub use card::{NodeCard, Role};
 pub use error::ErrorKind;
 pub use ids::{BlockId, NodeId, RequestId, TransferId};

@@ -21,8 +21,16 @@ pub const ROUTER_NODES: &str = "pdnode_router_nodes";
 pub const ENGINE_QUEUE_DEPTH: &str = "pdnode_engine_queue_depth";
 /// Requests running in the engine's batch, label `node` (gauge).
 pub const ENGINE_RUNNING_REQUESTS: &str = "pdnode_engine_running_requests";
-/// KV blocks owned by someone, label `node` (gauge).
+/// KV blocks not free, label `node` (gauge): owned + cached, i.e. including the evictable
+/// prefix cache. Kept for dashboards; read [`KV_OWNED_BLOCKS`] and [`KV_CACHED_BLOCKS`] instead.
 pub const KV_BLOCKS_IN_USE: &str = "pdnode_kv_blocks_in_use";
+/// KV blocks held by a live holder, labels `node`, `owner` (`request`, `transfer_lease`) (gauge).
+/// 0 on an idle node.
+pub const KV_OWNED_BLOCKS: &str = "pdnode_kv_owned_blocks";
+/// KV blocks in the prefix cache that nobody holds (evictable), label `node` (gauge).
+pub const KV_CACHED_BLOCKS: &str = "pdnode_kv_cached_blocks";
+/// KV blocks on the free list, label `node` (gauge).
+pub const KV_FREE_BLOCKS: &str = "pdnode_kv_free_blocks";
 /// KV blocks in the pool, label `node` (gauge).
 pub const KV_BLOCKS_TOTAL: &str = "pdnode_kv_blocks_total";
 /// Requests preempted (recompute), label `node` (counter).
@@ -36,6 +44,26 @@ pub const TRANSFER_BYTES_TOTAL: &str = "pdnode_transfer_bytes_total";
 pub const TRANSFER_SECONDS: &str = "pdnode_transfer_seconds";
 /// Hand-offs finished, label `outcome` (counter).
 pub const TRANSFER_HANDOFFS_TOTAL: &str = "pdnode_transfer_handoffs_total";
+
+/// Staging spans held by a decode reservation, label `node` (gauge). 0 on an idle node.
+pub const STAGING_OWNED_SPANS: &str = "pdnode_staging_owned_spans";
+/// Staging spans released but fenced until the writer's record or the fence deadline, label
+/// `node` (gauge).
+pub const STAGING_QUARANTINED_SPANS: &str = "pdnode_staging_quarantined_spans";
+/// Free bytes of the staging arena, label `node` (gauge).
+pub const STAGING_ARENA_FREE_BYTES: &str = "pdnode_staging_arena_free_bytes";
+/// Size of the staging arena, label `node` (gauge).
+pub const STAGING_ARENA_BYTES: &str = "pdnode_staging_arena_bytes";
+/// Per-request host staging held (owned and quarantined), label `node` (gauge).
+pub const STAGING_HOST_BYTES: &str = "pdnode_staging_host_bytes";
+/// Staging spans put in quarantine, label `node` (counter).
+pub const FENCE_QUARANTINES_TOTAL: &str = "pdnode_fence_quarantines_total";
+/// Quarantines ended, labels `node`, `by` (`record`, `deadline`) (counter).
+pub const FENCE_RELEASES_TOTAL: &str = "pdnode_fence_releases_total";
+/// Hand-offs refused at `Decode`, labels `node`, `check` (`checksum`, `record`) (counter).
+pub const FENCE_FAILURES_TOTAL: &str = "pdnode_fence_failures_total";
+/// Prefill staging sources never freed because a put never finished, label `node` (counter).
+pub const FENCE_SOURCES_LEAKED_TOTAL: &str = "pdnode_fence_sources_leaked_total";
 
 /// Registry lease keepalive failures (counter).
 pub const REGISTRY_KEEPALIVE_FAILURES_TOTAL: &str = "pdnode_registry_keepalive_failures_total";
@@ -56,6 +84,18 @@ pub const ALL: &[&str] = &[
     ENGINE_RUNNING_REQUESTS,
     KV_BLOCKS_IN_USE,
     KV_BLOCKS_TOTAL,
+    KV_OWNED_BLOCKS,
+    KV_CACHED_BLOCKS,
+    KV_FREE_BLOCKS,
+    STAGING_OWNED_SPANS,
+    STAGING_QUARANTINED_SPANS,
+    STAGING_ARENA_FREE_BYTES,
+    STAGING_ARENA_BYTES,
+    STAGING_HOST_BYTES,
+    FENCE_QUARANTINES_TOTAL,
+    FENCE_RELEASES_TOTAL,
+    FENCE_FAILURES_TOTAL,
+    FENCE_SOURCES_LEAKED_TOTAL,
     ENGINE_PREEMPTIONS_TOTAL,
     ENGINE_STEP_SECONDS,
     TRANSFER_BYTES_TOTAL,

@@ -51,6 +51,13 @@ struct Table {
 }
 
 /// Counts for metrics and admission decisions.
+///
+/// Two views of the same pool. By block owner: `free + cached + request_owned + lease_owned ==
+/// total`. By who keeps a block from being reused (what `/metrics` exports):
+/// `free + cached_evictable() + owned_by_requests() + owned_by_leases() == total`, where a
+/// prefix-cache block that a live table shares counts as owned by that table's kind (a request
+/// before a transfer lease), not as cached: eviction cannot take it. With no request and no
+/// lease alive, both owned counts are 0 whatever the prefix cache holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct KvStats {
     pub total: usize,
@@ -63,15 +70,37 @@ pub struct KvStats {
     pub request_owned: usize,
     /// Private blocks of transfer leases.
     pub lease_owned: usize,
+    /// Cached blocks shared by at least one request's table.
+    pub cached_shared_by_requests: usize,
+    /// Cached blocks shared by at least one transfer lease's table and no request's.
+    pub cached_shared_by_leases: usize,
     pub leases: usize,
 }
 
 impl KvStats {
+    /// Blocks a running (or queued, preempted) request keeps from reuse: its private blocks and
+    /// the cached blocks it shares.
+    pub fn owned_by_requests(&self) -> usize {
+        self.request_owned + self.cached_shared_by_requests
+    }
+    /// Blocks a transfer lease (a decode reservation, a prefill hand-off) keeps from reuse and
+    /// no request does.
+    pub fn owned_by_leases(&self) -> usize {
+        self.lease_owned + self.cached_shared_by_leases
+    }
+    /// Blocks someone alive holds: `owned_by_requests() + owned_by_leases()`.
+    pub fn owned(&self) -> usize {
+        self.owned_by_requests() + self.owned_by_leases()
+    }
+    /// Prefix-cache blocks nobody shares: kept for reuse, reclaimed by eviction on demand.
+    pub fn cached_evictable(&self) -> usize {
+        self.cached_unreferenced
+    }
     /// Blocks that an allocation could get now (free plus evictable).
     pub fn available(&self) -> usize {
         self.free + self.cached_unreferenced
     }
-    /// Blocks held by someone and not reclaimable.
+    /// Blocks held by someone and not reclaimable (equals [`KvStats::owned`]).
     pub fn in_use(&self) -> usize {
         self.total - self.available()
     }
@@ -134,6 +163,30 @@ impl KvCache {
                 Owner::Request(_) => s.request_owned += 1,
                 Owner::PrefixCache => s.cached += 1,
                 Owner::TransferLease(_) => s.lease_owned += 1,
+            }
+        }
+        if s.cached > s.cached_unreferenced {
+            // Attribute each shared cached block once: 2 = a request shares it, 1 = only leases.
+            let mut by = vec![0u8; self.total()];
+            for (o, t) in &self.tables {
+                let k = match o {
+                    Owner::Request(_) => 2,
+                    Owner::TransferLease(_) => 1,
+                    Owner::PrefixCache => continue,
+                };
+                for b in &t.blocks {
+                    let i = b.0 as usize;
+                    if self.owner.get(i) == Some(&Some(Owner::PrefixCache)) {
+                        by[i] = by[i].max(k);
+                    }
+                }
+            }
+            for k in by {
+                match k {
+                    2 => s.cached_shared_by_requests += 1,
+                    1 => s.cached_shared_by_leases += 1,
+                    _ => {}
+                }
             }
         }
         s

@@ -28,6 +28,14 @@ pub(crate) fn check(kv: &KvCache) -> Result<(), String> {
             errs.push(format!("{b} is on the free list but owned by {o}"));
         }
     }
+    let s = kv.stats();
+    if s.free + s.cached_evictable() + s.owned_by_requests() + s.owned_by_leases() != total
+        || s.owned() != s.in_use()
+    {
+        errs.push(format!(
+            "the owned/cached/free split does not add up: {s:?}"
+        ));
+    }
     let owned = owner.iter().filter(|o| o.is_some()).count();
     if free.len() + owned != total {
         errs.push(format!(

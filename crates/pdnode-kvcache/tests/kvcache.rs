@@ -257,3 +257,67 @@ fn a_failed_reserve_leaves_no_lease_behind() {
     assert!(kv.expire(Instant::now()).is_empty());
     assert_accounting(&kv);
 }
+
+/// The split `/metrics` exports: owned by requests / by leases, evictable cached, free. Sequences
+/// that finished or were cut off leave their full blocks cached, which is not owned.
+#[test]
+fn owned_cached_free_split_tells_a_cache_from_a_leak() {
+    let mut kv = KvCache::new(16, 4, true);
+    let a = toks(10, 1); // 2 full blocks + 2 positions
+    // Request 1: 3 private blocks, 2 of them published to the prefix cache.
+    kv.allocate(req(1), &[], 3).unwrap();
+    kv.cache_full_blocks(req(1), &a).unwrap();
+    // Request 2 shares the 2 cached blocks and holds 1 private block.
+    let hit = kv.match_prefix(&a, a.len());
+    assert_eq!(hit.len(), 2);
+    kv.allocate(req(2), &hit, 1).unwrap();
+    // A decode reservation: 4 private blocks under a transfer lease.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    kv.reserve(TransferId(9), 4, deadline).unwrap();
+    let s = kv.stats();
+    assert_eq!(
+        s.owned_by_requests(),
+        2 + 1 + 1,
+        "shared cached blocks are owned"
+    );
+    assert_eq!(s.owned_by_leases(), 4);
+    assert_eq!(s.cached_evictable(), 0, "shared blocks cannot be evicted");
+    assert_eq!(s.free, 16 - 8);
+    assert_eq!(s.owned(), s.in_use());
+    assert_accounting(&kv);
+
+    // Request 1 ends: its shared blocks stay owned by request 2.
+    kv.free(req(1)).unwrap();
+    let s = kv.stats();
+    assert_eq!((s.owned_by_requests(), s.cached_evictable()), (3, 0));
+    // Request 2 is cut off: the 2 cached blocks become evictable, nothing is owned by requests.
+    kv.free(req(2)).unwrap();
+    let s = kv.stats();
+    assert_eq!(s.owned_by_requests(), 0);
+    assert_eq!(s.cached_evictable(), 2);
+    assert_eq!(s.owned_by_leases(), 4);
+    // A lease that shares a cached block (prefill hand-off of a prefix hit) owns it too.
+    let hit = kv.match_prefix(&a, a.len());
+    kv.allocate(req(3), &hit, 1).unwrap();
+    kv.lease_request(RequestId(3), TransferId(10), deadline)
+        .unwrap();
+    let s = kv.stats();
+    assert_eq!(s.owned_by_requests(), 0);
+    assert_eq!(s.owned_by_leases(), 4 + 2 + 1);
+    assert_eq!(s.cached_evictable(), 0);
+    assert_accounting(&kv);
+
+    // Everything released: owned is 0 though the pool is not all free (the cache keeps 2).
+    kv.release_lease(TransferId(9)).unwrap();
+    kv.release_lease(TransferId(10)).unwrap();
+    let s = kv.stats();
+    assert_eq!(s.owned(), 0);
+    assert_eq!(s.cached_evictable(), 2);
+    assert_eq!(s.free, 14);
+    assert_eq!(
+        s.total - s.free,
+        2,
+        "what the old in-use gauge showed: owned + cached"
+    );
+    assert_accounting(&kv);
+}

@@ -33,11 +33,14 @@ pub async fn assemble(cfg: &Config, registry: Arc<dyn Registry>) -> Result<NodeD
                 .await
                 .map_err(|e| NodeError::Engine(format!("engine start panicked: {e}")))?
                 .map_err(engine_err)?;
-            let engine: Arc<dyn EngineService> = Arc::new(EngineHandleService::new(
-                s.built.handle.clone(),
-                s.built.model_id.clone(),
-                cfg.engine.max_running_requests,
-            ));
+            let engine: Arc<dyn EngineService> = Arc::new(
+                EngineHandleService::new(
+                    s.built.handle.clone(),
+                    s.built.model_id.clone(),
+                    cfg.engine.max_running_requests,
+                )
+                .with_staging(s.node.clone()),
+            );
             let ucx = pd::ucx_address_hex(&s.transport);
             tracing::info!(backend = %s.built.handle.info().backend_name, blocks = s.built.handle.info().num_kv_blocks, "engine ready");
             Ok(NodeDeps {

@@ -1,6 +1,7 @@
 //! Shared, lock-free facts several parts of a node read: the current load (written by the
 //! EngineActor, read by the Registrar and the gRPC Stats call) and the node's health flags.
 
+use pdnode_core::Accounting;
 use pdnode_core::card::NodeCapacity;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -19,6 +20,8 @@ pub struct LoadBoard {
     born: Instant,
     /// Milliseconds after `born` of the last report; `NEVER` before the first.
     reported_ms: Arc<AtomicU64>,
+    /// Who holds the KV blocks and staging spans, as last read with the load.
+    accounting: Arc<watch::Sender<Option<Accounting>>>,
 }
 
 const NEVER: u64 = u64::MAX;
@@ -29,7 +32,22 @@ impl LoadBoard {
             tx: Arc::new(watch::channel(initial).0),
             born: Instant::now(),
             reported_ms: Arc::new(AtomicU64::new(NEVER)),
+            accounting: Arc::new(watch::channel(None).0),
         }
+    }
+
+    /// The accounting read with the load (publish it before [`LoadBoard::publish`]).
+    pub fn publish_accounting(&self, a: Option<Accounting>) {
+        self.accounting.send_if_modified(|cur| {
+            let changed = *cur != a;
+            *cur = a;
+            changed
+        });
+    }
+
+    /// The last accounting read; `None` before the first or when the engine does not report it.
+    pub fn accounting(&self) -> Option<Accounting> {
+        *self.accounting.borrow()
     }
 
     /// The engine's load as just read (changed or not).

@@ -127,6 +127,8 @@ impl Node for NodeGrpc {
             queued_requests: c.queued_requests,
             max_running_requests: c.max_running_requests,
             kv_blocks_reserved: 0,
+            // As read with the load (same board, same age); see pdnode_core::Accounting.
+            accounting: self.load.accounting().map(|a| v1::Accounting::from(&a)),
         }))
     }
 

@@ -1,13 +1,20 @@
-//! HTTP `/health` for prefill/decode/all nodes (`node.http_listen`). Routers serve their own
-//! HTTP frontends.
+//! HTTP `/health` and `/metrics` for prefill/decode/all nodes (`node.http_listen`). Routers serve
+//! their own HTTP frontends.
+//!
+//! `/metrics` exports what the node's own board holds: the KV and staging accounting read with
+//! the engine's load (docs/runtime-semantics.md, "Reading KV accounting"), the pool size and the
+//! old `pdnode_kv_blocks_in_use` (owned + cached), labelled `node`.
 
+use crate::board::LoadBoard;
 use crate::supervisor::SupervisorHandle;
 use axum::Router;
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Json};
 use axum::routing::get;
+use pdnode_core::metrics as m;
 use pdnode_core::{NodeId, Role};
+use pdnode_router::metrics::{Metrics, describe_accounting, export_accounting};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -16,6 +23,7 @@ pub struct HttpDeps {
     pub id: NodeId,
     pub role: Role,
     pub supervisor: SupervisorHandle,
+    pub load: LoadBoard,
 }
 
 async fn health(State(d): State<HttpDeps>) -> impl IntoResponse {
@@ -40,14 +48,95 @@ async fn health(State(d): State<HttpDeps>) -> impl IntoResponse {
     (code, Json(body))
 }
 
-/// Serves `/health` on `listener` until `shutdown`.
+/// The node's metrics in the Prometheus text format, from its load board.
+pub fn render_metrics(id: &NodeId, load: &LoadBoard) -> String {
+    let mx = Metrics::new();
+    describe_accounting(&mx);
+    mx.describe(m::KV_BLOCKS_TOTAL, "KV blocks in the node's pool.");
+    mx.describe(
+        m::KV_BLOCKS_IN_USE,
+        "KV blocks not free: owned + cached (evictable prefix cache included).",
+    );
+    let node = id.as_str();
+    let l = [("node", node)];
+    let c = load.current();
+    mx.set(m::KV_BLOCKS_TOTAL, &l, c.kv_blocks_total as f64);
+    mx.set(
+        m::KV_BLOCKS_IN_USE,
+        &l,
+        c.kv_blocks_total.saturating_sub(c.kv_blocks_free) as f64,
+    );
+    mx.set(
+        m::ENGINE_RUNNING_REQUESTS,
+        &l,
+        f64::from(c.running_requests),
+    );
+    mx.set(m::ENGINE_QUEUE_DEPTH, &l, f64::from(c.queued_requests));
+    if let Some(a) = load.accounting() {
+        export_accounting(&mx, node, &a);
+    }
+    mx.render()
+}
+
+async fn metrics(State(d): State<HttpDeps>) -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        render_metrics(&d.id, &d.load),
+    )
+}
+
+/// Serves `/health` and `/metrics` on `listener` until `shutdown`.
 pub async fn run(
     listener: TcpListener,
     deps: HttpDeps,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
-    let app = Router::new().route("/health", get(health)).with_state(deps);
+    let app = Router::new()
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .with_state(deps);
     axum::serve(pdnode_router::net::http_listener(listener), app)
         .with_graceful_shutdown(shutdown.cancelled_owned())
         .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pdnode_core::Accounting;
+    use pdnode_core::card::NodeCapacity;
+
+    #[test]
+    fn metrics_split_blocks_and_keep_in_use_as_owned_plus_cached() {
+        let b = LoadBoard::new(NodeCapacity::default());
+        let id = NodeId::new("d0");
+        assert!(
+            !render_metrics(&id, &b).contains("pdnode_kv_owned_blocks{"),
+            "no accounting read yet: nothing to claim"
+        );
+        b.publish_accounting(Some(Accounting {
+            kv_blocks_owned_request: 1,
+            kv_blocks_owned_transfer: 2,
+            kv_blocks_cached: 30,
+            kv_blocks_free: 67,
+            staging_spans_owned: 1,
+            ..Accounting::default()
+        }));
+        b.publish(NodeCapacity {
+            kv_blocks_total: 100,
+            kv_blocks_free: 67,
+            ..NodeCapacity::default()
+        });
+        let t = render_metrics(&id, &b);
+        for line in [
+            "pdnode_kv_owned_blocks{node=\"d0\",owner=\"request\"} 1",
+            "pdnode_kv_owned_blocks{node=\"d0\",owner=\"transfer_lease\"} 2",
+            "pdnode_kv_cached_blocks{node=\"d0\"} 30",
+            "pdnode_kv_free_blocks{node=\"d0\"} 67",
+            "pdnode_kv_blocks_in_use{node=\"d0\"} 33",
+            "pdnode_staging_owned_spans{node=\"d0\"} 1",
+        ] {
+            assert!(t.contains(line), "{line} missing from:\n{t}");
+        }
+    }
 }

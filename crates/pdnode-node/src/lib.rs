@@ -25,7 +25,7 @@ pub mod registrar;
 pub mod supervisor;
 
 pub use board::{HealthBoard, LoadBoard};
-pub use engine::{EngineDescription, EngineService};
+pub use engine::{EngineDescription, EngineLoad, EngineService};
 pub use error::NodeError;
 pub use node::{Node, NodeDeps, NodeOptions, ShutdownReport, node_id, served_model};
 pub use supervisor::{NodeHealth, RestartLimits, SupervisorHandle};

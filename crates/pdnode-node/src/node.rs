@@ -263,6 +263,7 @@ impl Node {
                 id: id.clone(),
                 role,
                 supervisor: supervisor.clone(),
+                load: load.clone(),
             };
             let c = cancel.clone();
             let h = health.clone();

@@ -26,8 +26,13 @@ async fn mock_engine_reports_layout_and_load_and_stops() {
     assert_eq!(d.model_id, "smollm2-135m");
     assert!(d.kv_layout.is_some());
     let load = e.load().await.unwrap();
-    assert_eq!(load.kv_blocks_total, 64);
-    assert_eq!(load.kv_blocks_free, 64);
+    assert_eq!(load.capacity.kv_blocks_total, 64);
+    assert_eq!(load.capacity.kv_blocks_free, 64);
+    let a = load.accounting.expect("the engine reports its accounting");
+    assert_eq!(
+        (a.kv_blocks_owned(), a.kv_blocks_cached, a.kv_blocks_free),
+        (0, 0, 64)
+    );
     assert_eq!(e.in_flight().await.unwrap(), 0);
     assert!(e.shutdown(Duration::from_secs(5)).await);
     assert!(e.load().await.is_err(), "a stopped engine does not answer");

@@ -7,7 +7,9 @@ use futures::future::BoxFuture;
 use pdnode_core::Role;
 use pdnode_core::card::NodeCapacity;
 use pdnode_core::config::{Config, RegistryConfig};
-use pdnode_node::{EngineDescription, EngineService, Node, NodeDeps, NodeOptions, RestartLimits};
+use pdnode_node::{
+    EngineDescription, EngineLoad, EngineService, Node, NodeDeps, NodeOptions, RestartLimits,
+};
 use pdnode_registry::{MemoryRegistry, Registry, RegistryOptions};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
@@ -35,7 +37,7 @@ impl EngineService for TestEngine {
             tp_size: 1,
         }
     }
-    fn load(&self) -> BoxFuture<'_, Result<NodeCapacity, String>> {
+    fn load(&self) -> BoxFuture<'_, Result<EngineLoad, String>> {
         async move {
             if self
                 .panics_left
@@ -48,12 +50,15 @@ impl EngineService for TestEngine {
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
             let n = self.loads.fetch_add(1, Ordering::SeqCst);
-            Ok(NodeCapacity {
-                max_running_requests: 8,
-                running_requests: self.in_flight.load(Ordering::SeqCst) as u32,
-                kv_blocks_total: 100,
-                kv_blocks_free: 100 - (n % 2) as u64,
-                queued_requests: 0,
+            Ok(EngineLoad {
+                capacity: NodeCapacity {
+                    max_running_requests: 8,
+                    running_requests: self.in_flight.load(Ordering::SeqCst) as u32,
+                    kv_blocks_total: 100,
+                    kv_blocks_free: 100 - (n % 2) as u64,
+                    queued_requests: 0,
+                },
+                accounting: None,
             })
         }
         .boxed()

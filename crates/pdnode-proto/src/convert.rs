@@ -482,3 +482,47 @@ impl TryFrom<v1::NodeCard> for NodeCard {
 
 #[cfg(test)]
 mod tests;
+
+impl From<&pdnode_core::Accounting> for v1::Accounting {
+    fn from(a: &pdnode_core::Accounting) -> Self {
+        v1::Accounting {
+            kv_blocks_owned_request: a.kv_blocks_owned_request,
+            kv_blocks_owned_transfer: a.kv_blocks_owned_transfer,
+            kv_blocks_cached: a.kv_blocks_cached,
+            kv_blocks_free: a.kv_blocks_free,
+            staging_spans_owned: a.staging_spans_owned,
+            staging_spans_quarantined: a.staging_spans_quarantined,
+            staging_arena_free_bytes: a.staging_arena_free_bytes,
+            staging_arena_bytes: a.staging_arena_bytes,
+            staging_host_bytes: a.staging_host_bytes,
+            fence_quarantines_total: a.fence_quarantines_total,
+            fence_released_by_record_total: a.fence_released_by_record_total,
+            fence_released_at_deadline_total: a.fence_released_at_deadline_total,
+            fence_checksum_failures_total: a.fence_checksum_failures_total,
+            fence_record_failures_total: a.fence_record_failures_total,
+            fence_sources_leaked_total: a.fence_sources_leaked_total,
+        }
+    }
+}
+
+impl From<v1::Accounting> for pdnode_core::Accounting {
+    fn from(a: v1::Accounting) -> Self {
+        pdnode_core::Accounting {
+            kv_blocks_owned_request: a.kv_blocks_owned_request,
+            kv_blocks_owned_transfer: a.kv_blocks_owned_transfer,
+            kv_blocks_cached: a.kv_blocks_cached,
+            kv_blocks_free: a.kv_blocks_free,
+            staging_spans_owned: a.staging_spans_owned,
+            staging_spans_quarantined: a.staging_spans_quarantined,
+            staging_arena_free_bytes: a.staging_arena_free_bytes,
+            staging_arena_bytes: a.staging_arena_bytes,
+            staging_host_bytes: a.staging_host_bytes,
+            fence_quarantines_total: a.fence_quarantines_total,
+            fence_released_by_record_total: a.fence_released_by_record_total,
+            fence_released_at_deadline_total: a.fence_released_at_deadline_total,
+            fence_checksum_failures_total: a.fence_checksum_failures_total,
+            fence_record_failures_total: a.fence_record_failures_total,
+            fence_sources_leaked_total: a.fence_sources_leaked_total,
+        }
+    }
+}

@@ -239,6 +239,7 @@ impl NodeClient for GrpcNodeClient {
                 kv_blocks_free: r.kv_blocks_free,
                 kv_blocks_total: r.kv_blocks_total,
                 kv_blocks_reserved: r.kv_blocks_reserved,
+                accounting: r.accounting.map(Into::into),
             })
         })
     }

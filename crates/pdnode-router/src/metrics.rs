@@ -2,6 +2,8 @@
 //! exposition format (version 0.0.4). Names come from `pdnode_core::metrics`.
 
 use parking_lot::Mutex;
+use pdnode_core::Accounting;
+use pdnode_core::metrics as m;
 use std::collections::BTreeMap;
 use std::fmt::Write;
 
@@ -58,6 +60,16 @@ impl Metrics {
 
     pub fn set(&self, name: &'static str, l: &[(&'static str, &str)], v: f64) {
         self.inner.lock().gauges.insert((name, labels(l)), v);
+    }
+
+    /// Sets counter `name` to `v`: a counter another process keeps (a node's, read by its stats).
+    pub fn set_counter(&self, name: &'static str, l: &[(&'static str, &str)], v: f64) {
+        self.inner.lock().counters.insert((name, labels(l)), v);
+    }
+
+    /// Removes every series of counter `name` (a node that left).
+    pub fn clear_counter(&self, name: &'static str) {
+        self.inner.lock().counters.retain(|(n, _), _| *n != name);
     }
 
     /// Removes every series of gauge `name` (before re-setting the current ones).
@@ -141,6 +153,137 @@ impl Metrics {
     }
 }
 
+/// The gauges and node-kept counters [`export_accounting`] writes.
+const ACCOUNTING_GAUGES: &[&str] = &[
+    m::KV_OWNED_BLOCKS,
+    m::KV_CACHED_BLOCKS,
+    m::KV_FREE_BLOCKS,
+    m::STAGING_OWNED_SPANS,
+    m::STAGING_QUARANTINED_SPANS,
+    m::STAGING_ARENA_FREE_BYTES,
+    m::STAGING_ARENA_BYTES,
+    m::STAGING_HOST_BYTES,
+];
+const ACCOUNTING_COUNTERS: &[&str] = &[
+    m::FENCE_QUARANTINES_TOTAL,
+    m::FENCE_RELEASES_TOTAL,
+    m::FENCE_FAILURES_TOTAL,
+    m::FENCE_SOURCES_LEAKED_TOTAL,
+];
+
+/// `# HELP` lines of the accounting metrics.
+pub fn describe_accounting(mx: &Metrics) {
+    for (n, h) in [
+        (
+            m::KV_OWNED_BLOCKS,
+            "KV blocks held by live requests or transfer leases, by owner (0 when idle).",
+        ),
+        (
+            m::KV_CACHED_BLOCKS,
+            "KV blocks in the prefix cache that nobody holds (evictable).",
+        ),
+        (m::KV_FREE_BLOCKS, "KV blocks on the free list."),
+        (
+            m::STAGING_OWNED_SPANS,
+            "Staging spans held by a decode reservation (0 when idle).",
+        ),
+        (
+            m::STAGING_QUARANTINED_SPANS,
+            "Staging spans released but fenced until the writer's record or the fence deadline.",
+        ),
+        (
+            m::STAGING_ARENA_FREE_BYTES,
+            "Free bytes of the staging arena.",
+        ),
+        (m::STAGING_ARENA_BYTES, "Size of the staging arena."),
+        (
+            m::STAGING_HOST_BYTES,
+            "Per-request host staging held (owned and quarantined).",
+        ),
+        (
+            m::FENCE_QUARANTINES_TOTAL,
+            "Staging spans put in quarantine.",
+        ),
+        (
+            m::FENCE_RELEASES_TOTAL,
+            "Quarantines ended, by the writer's record or at the fence deadline.",
+        ),
+        (
+            m::FENCE_FAILURES_TOTAL,
+            "Hand-offs refused at Decode, by failed check (checksum, record).",
+        ),
+        (
+            m::FENCE_SOURCES_LEAKED_TOTAL,
+            "Prefill staging sources never freed because a put never finished.",
+        ),
+    ] {
+        mx.describe(n, h);
+    }
+}
+
+/// Drops every accounting series (before writing the nodes present now).
+pub fn clear_accounting(mx: &Metrics) {
+    for n in ACCOUNTING_GAUGES {
+        mx.clear_gauge(n);
+    }
+    for n in ACCOUNTING_COUNTERS {
+        mx.clear_counter(n);
+    }
+}
+
+/// Writes node `node`'s accounting (docs/runtime-semantics.md, "Reading KV accounting").
+pub fn export_accounting(mx: &Metrics, node: &str, a: &Accounting) {
+    let l = [("node", node)];
+    let f = |v: u64| v as f64;
+    for (owner, v) in [
+        ("request", a.kv_blocks_owned_request),
+        ("transfer_lease", a.kv_blocks_owned_transfer),
+    ] {
+        mx.set(
+            m::KV_OWNED_BLOCKS,
+            &[("node", node), ("owner", owner)],
+            f(v),
+        );
+    }
+    mx.set(m::KV_CACHED_BLOCKS, &l, f(a.kv_blocks_cached));
+    mx.set(m::KV_FREE_BLOCKS, &l, f(a.kv_blocks_free));
+    mx.set(m::STAGING_OWNED_SPANS, &l, f(a.staging_spans_owned));
+    mx.set(
+        m::STAGING_QUARANTINED_SPANS,
+        &l,
+        f(a.staging_spans_quarantined),
+    );
+    mx.set(
+        m::STAGING_ARENA_FREE_BYTES,
+        &l,
+        f(a.staging_arena_free_bytes),
+    );
+    mx.set(m::STAGING_ARENA_BYTES, &l, f(a.staging_arena_bytes));
+    mx.set(m::STAGING_HOST_BYTES, &l, f(a.staging_host_bytes));
+    mx.set_counter(m::FENCE_QUARANTINES_TOTAL, &l, f(a.fence_quarantines_total));
+    for (by, v) in [
+        ("record", a.fence_released_by_record_total),
+        ("deadline", a.fence_released_at_deadline_total),
+    ] {
+        mx.set_counter(m::FENCE_RELEASES_TOTAL, &[("node", node), ("by", by)], f(v));
+    }
+    for (check, v) in [
+        ("checksum", a.fence_checksum_failures_total),
+        ("record", a.fence_record_failures_total),
+    ] {
+        mx.set_counter(
+            m::FENCE_FAILURES_TOTAL,
+            &[("node", node), ("check", check)],
+            f(v),
+        );
+    }
+    mx.set_counter(
+        m::FENCE_SOURCES_LEAKED_TOTAL,
+        &l,
+        f(a.fence_sources_leaked_total),
+    );
+}
+
 fn escape(v: &str) -> String {
     v.replace('\\', "\\\\")
         .replace('"', "\\\"")
@@ -187,5 +330,35 @@ mod tests {
         assert!(t.contains("pdnode_h_seconds_count 2"));
         m.clear_gauge("pdnode_g");
         assert!(!m.render().contains("pdnode_g{"));
+    }
+
+    #[test]
+    fn accounting_renders_owned_by_owner_and_node_counters() {
+        let mx = Metrics::new();
+        describe_accounting(&mx);
+        let a = Accounting {
+            kv_blocks_owned_request: 3,
+            kv_blocks_owned_transfer: 4,
+            kv_blocks_cached: 5,
+            kv_blocks_free: 6,
+            staging_spans_quarantined: 2,
+            fence_released_at_deadline_total: 7,
+            ..Accounting::default()
+        };
+        export_accounting(&mx, "d0", &a);
+        let t = mx.render();
+        for line in [
+            "pdnode_kv_owned_blocks{node=\"d0\",owner=\"request\"} 3",
+            "pdnode_kv_owned_blocks{node=\"d0\",owner=\"transfer_lease\"} 4",
+            "pdnode_kv_cached_blocks{node=\"d0\"} 5",
+            "pdnode_kv_free_blocks{node=\"d0\"} 6",
+            "pdnode_staging_quarantined_spans{node=\"d0\"} 2",
+            "# TYPE pdnode_fence_releases_total counter",
+            "pdnode_fence_releases_total{node=\"d0\",by=\"deadline\"} 7",
+        ] {
+            assert!(t.contains(line), "{line} missing from:\n{t}");
+        }
+        clear_accounting(&mx);
+        assert!(!mx.render().contains("node=\"d0\""));
     }
 }

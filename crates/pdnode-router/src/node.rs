@@ -90,6 +90,9 @@ pub struct NodeStats {
     pub kv_blocks_free: u64,
     pub kv_blocks_total: u64,
     pub kv_blocks_reserved: u64,
+    /// Who holds the node's KV blocks and staging spans; `None` when the node does not say
+    /// (an older node, a node without an engine).
+    pub accounting: Option<pdnode_core::Accounting>,
 }
 
 /// Calls on one prefill or decode node.

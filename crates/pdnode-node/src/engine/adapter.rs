@@ -6,7 +6,7 @@
 //! model loader hooked into the node; until then [`engine_for`] returns `None` for them and the
 //! node runs without an engine (it says so in its log).
 
-use super::service::{EngineDescription, EngineService};
+use super::service::{EngineDescription, EngineLoad, EngineService};
 use crate::NodeError;
 use futures::FutureExt;
 use futures::future::BoxFuture;
@@ -26,6 +26,8 @@ pub struct EngineHandleService {
     model_id: String,
     max_running: u32,
     admitting: AtomicBool,
+    /// The data path whose staging spans the accounting reports (prefill and decode nodes).
+    staging: Option<Arc<crate::pd::PdNode>>,
 }
 
 impl EngineHandleService {
@@ -35,7 +37,14 @@ impl EngineHandleService {
             model_id,
             max_running,
             admitting: AtomicBool::new(true),
+            staging: None,
         }
+    }
+
+    /// Reports `node`'s staging spans and fence outcomes with each load read.
+    pub fn with_staging(mut self, node: Arc<crate::pd::PdNode>) -> Self {
+        self.staging = Some(node);
+        self
     }
 
     pub fn handle(&self) -> &EngineHandle {
@@ -64,16 +73,23 @@ impl EngineService for EngineHandleService {
         }
     }
 
-    fn load(&self) -> BoxFuture<'_, Result<NodeCapacity, String>> {
+    fn load(&self) -> BoxFuture<'_, Result<EngineLoad, String>> {
         async move {
             let s = self.handle.stats().await.map_err(|e| e.to_string())?;
             let sch = s.scheduler;
-            Ok(NodeCapacity {
-                kv_blocks_total: sch.kv.total as u64,
-                kv_blocks_free: sch.kv.free as u64,
-                max_running_requests: self.max_running,
-                running_requests: sch.running as u32,
-                queued_requests: (sch.waiting + sch.transferred) as u32,
+            let mut accounting = crate::pd::kv_accounting(&sch.kv);
+            if let Some(pd) = &self.staging {
+                pd.staging_accounting(&mut accounting);
+            }
+            Ok(EngineLoad {
+                capacity: NodeCapacity {
+                    kv_blocks_total: sch.kv.total as u64,
+                    kv_blocks_free: sch.kv.free as u64,
+                    max_running_requests: self.max_running,
+                    running_requests: sch.running as u32,
+                    queued_requests: (sch.waiting + sch.transferred) as u32,
+                },
+                accounting: Some(accounting),
             })
         }
         .boxed()

@@ -11,7 +11,7 @@ mod state;
 
 pub use handle::EngineActorHandle;
 pub use messages::{EngineHealth, EngineMsg};
-pub use service::{EngineDescription, EngineService};
+pub use service::{EngineDescription, EngineLoad, EngineService};
 pub use state::EngineActorState;
 
 use crate::board::LoadBoard;
@@ -89,8 +89,9 @@ impl Actor for EngineActor {
         match msg {
             EngineMsg::Tick => {
                 let r = match st.engine.load().await {
-                    Ok(cap) => {
-                        st.load.publish(cap);
+                    Ok(l) => {
+                        st.load.publish_accounting(l.accounting);
+                        st.load.publish(l.capacity);
                         Ok(())
                     }
                     Err(e) => {

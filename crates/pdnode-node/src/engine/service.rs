@@ -20,10 +20,18 @@ pub struct EngineDescription {
     pub tp_size: u32,
 }
 
+/// One load read: what the card publishes, and the accounting `Stats` and `/metrics` export.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct EngineLoad {
+    pub capacity: NodeCapacity,
+    /// `None`: this engine does not report it.
+    pub accounting: Option<pdnode_core::Accounting>,
+}
+
 pub trait EngineService: Send + Sync + 'static {
     fn describe(&self) -> EngineDescription;
-    /// Current capacity and load.
-    fn load(&self) -> BoxFuture<'_, Result<NodeCapacity, String>>;
+    /// Current capacity and load, and who holds the KV blocks (one read of the engine).
+    fn load(&self) -> BoxFuture<'_, Result<EngineLoad, String>>;
     /// Stop admitting new requests (in-flight ones continue).
     fn stop_admitting(&self);
     /// Requests admitted and not finished.

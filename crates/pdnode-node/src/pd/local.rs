@@ -656,6 +656,11 @@ impl NodeClient for PdNode {
                 kv_blocks_free: sch.kv.free as u64,
                 kv_blocks_total: sch.kv.total as u64,
                 kv_blocks_reserved: sch.kv.leases as u64,
+                accounting: Some({
+                    let mut a = super::kv_accounting(&sch.kv);
+                    self.staging_accounting(&mut a);
+                    a
+                }),
             })
         })
     }

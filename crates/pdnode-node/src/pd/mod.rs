@@ -44,6 +44,18 @@ use pdnode_transfer::{KvTransport, UcxConfig, UcxTransport};
 use std::sync::Arc;
 use std::time::Duration;
 
+/// The KV part of a node's [`pdnode_core::Accounting`], from the engine's pool counts: owned by
+/// requests, by transfer leases, evictable cached, free (they add up to the pool).
+pub fn kv_accounting(kv: &pdnode_kvcache::KvStats) -> pdnode_core::Accounting {
+    pdnode_core::Accounting {
+        kv_blocks_owned_request: kv.owned_by_requests() as u64,
+        kv_blocks_owned_transfer: kv.owned_by_leases() as u64,
+        kv_blocks_cached: kv.cached_evictable() as u64,
+        kv_blocks_free: kv.free as u64,
+        ..pdnode_core::Accounting::default()
+    }
+}
+
 /// The router's view of the model: tokenizer, chat renderer and model facts.
 pub struct RouterModel {
     pub tokenizer: Arc<dyn Tokenize>,

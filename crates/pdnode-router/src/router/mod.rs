@@ -283,6 +283,7 @@ impl Router {
         ] {
             self.metrics.clear_gauge(name);
         }
+        crate::metrics::clear_accounting(&self.metrics);
         let mut st = self.state.lock();
         st.retain_stats(&present);
         let until = std::time::Instant::now() + SUSPECT_FOR;
@@ -306,6 +307,9 @@ impl Router {
             );
             self.metrics
                 .set(m::KV_BLOCKS_TOTAL, &l, s.kv_blocks_total as f64);
+            if let Some(a) = &s.accounting {
+                crate::metrics::export_accounting(&self.metrics, node, a);
+            }
             st.set_stats(id, s);
         }
     }
@@ -346,7 +350,7 @@ fn describe(mx: &Metrics) {
         ),
         (
             m::KV_BLOCKS_IN_USE,
-            "KV blocks in use on a node (node stats).",
+            "KV blocks not free on a node: owned + cached (node stats).",
         ),
         (
             m::KV_BLOCKS_TOTAL,
@@ -363,5 +367,6 @@ fn describe(mx: &Metrics) {
     ] {
         mx.describe(n, h);
     }
+    crate::metrics::describe_accounting(mx);
     mx.set(m::ROUTER_INFLIGHT_REQUESTS, &[], 0.0);
 }

@@ -96,6 +96,23 @@ impl PdNode {
         self.host_cap.store(cap, Ordering::Relaxed);
     }
 
+    /// Fills the staging and fence part of `a` ([`PdNode::staging_stats`], [`PdNode::fence_stats`]).
+    pub fn staging_accounting(&self, a: &mut pdnode_core::Accounting) {
+        let s = self.staging_stats();
+        let f = self.fence_stats();
+        a.staging_spans_owned = s.owned as u64;
+        a.staging_spans_quarantined = s.quarantined as u64;
+        a.staging_arena_free_bytes = s.arena_free_bytes as u64;
+        a.staging_arena_bytes = s.arena_bytes as u64;
+        a.staging_host_bytes = s.host_bytes;
+        a.fence_quarantines_total = f.quarantined;
+        a.fence_released_by_record_total = f.released_by_record;
+        a.fence_released_at_deadline_total = f.released_at_deadline;
+        a.fence_checksum_failures_total = f.checksum_failures;
+        a.fence_record_failures_total = f.record_failures;
+        a.fence_sources_leaked_total = f.sources_leaked;
+    }
+
     /// Fencing counters, with the number of spans in quarantine now.
     pub fn fence_stats(&self) -> FenceStats {
         self.fence.snapshot(self.quarantined().len() as u64)

@@ -80,6 +80,11 @@ curl_cmd="$(awk '/^curl -s http:\/\/127.0.0.1:8000\/v1\/chat\/completions/{c=1} 
 log "run command:  $run_cmd"
 log "test command: $test_cmd"
 
+# The root, a release build and the test build take ~15 GB; a full disk fails the build steps
+# in ways that look like the project's fault.
+free_gb=$(( $(df -Pk "$REPO" | awk 'NR==2 {print $4}') / 1048576 ))
+[ "$free_gb" -ge 20 ] || die "only ${free_gb} GB free under $REPO: needs 20 GB"
+
 # --- base root --------------------------------------------------------------------------------
 hash="$(printf '%s\n' "$SUITE" "$VARIANT" "$mirror" "$BASE_RECIPE" | sha256sum | cut -c1-12)"
 base="$CACHE/base-$hash"

@@ -79,17 +79,51 @@ impl Drop for ChildGuard {
     }
 }
 
-/// Sends a signal to one process by PID with `kill -SIG PID`.
+/// Sends a signal (by name: `TERM`, `KILL`, `STOP`, `CONT`, `INT`, `HUP`, `USR1`, `USR2`) to one
+/// process by PID, with the kill(2) system call: no `kill` binary needed (a minimal Debian root
+/// has none; procps brings it).
 pub fn send_signal(pid: u32, signal: &str) -> std::io::Result<()> {
-    let st = std::process::Command::new("kill")
-        .arg(format!("-{signal}"))
-        .arg(pid.to_string())
-        .status()?;
-    if st.success() {
+    let sig = match signal.trim_start_matches("SIG") {
+        "TERM" => libc::SIGTERM,
+        "KILL" => libc::SIGKILL,
+        "STOP" => libc::SIGSTOP,
+        "CONT" => libc::SIGCONT,
+        "INT" => libc::SIGINT,
+        "HUP" => libc::SIGHUP,
+        "USR1" => libc::SIGUSR1,
+        "USR2" => libc::SIGUSR2,
+        other => {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("unknown signal {other:?}"),
+            ));
+        }
+    };
+    let pid = libc::pid_t::try_from(pid)
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("pid {pid}")))?;
+    // SAFETY: kill(2) takes plain integers and touches no memory of ours.
+    if unsafe { libc::kill(pid, sig) } == 0 {
         Ok(())
     } else {
-        Err(std::io::Error::other(format!(
-            "kill -{signal} {pid} exited with {st}"
-        )))
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::process::Command;
+
+    #[test]
+    fn signals_reach_the_process_without_a_kill_binary() {
+        let child = Command::new("sleep").arg("30").spawn().unwrap();
+        let mut g = ChildGuard::new("sleep", child);
+        g.signal("STOP").unwrap();
+        g.signal("CONT").unwrap();
+        g.signal("TERM").unwrap();
+        let st = g.wait_timeout(Duration::from_secs(5)).unwrap().unwrap();
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(st.signal(), Some(libc::SIGTERM));
+        assert!(send_signal(1, "BOGUS").is_err());
     }
 }

@@ -8,7 +8,7 @@
 #
 # usage: scripts/bench-transfer-cpu.sh [TLS...]            (default: tcp sm)
 # env:   PDNODE_BIN   pdnode binary (default target/release/pdnode; if missing, the transfer
-#                     crate's target/release/pdnode-transfer-peer is used with the same options)
+#                     bench crate's target/release/pdnode-transfer-peer is used with the same options)
 #        LAYERS BLOCKS SIZES REQUESTS PERFTEST_ITERS UCX_LIB
 set -eu
 cd "$(dirname "$0")/.."
@@ -36,7 +36,7 @@ run_bench() { # $1 = tls; prints RESULT lines (and the table on stderr)
     "$PDNODE_BIN" bench-transfer --local --tls "$1" --layers "$LAYERS" --blocks-per-request "$BLOCKS" \
       --block-bytes "$sizes_csv" --requests "$REQUESTS" ${UCX_LIB:+--ucx-lib "$UCX_LIB"}
   else
-    [ -x "$PEER_BIN" ] || cargo build --release -p pdnode-transfer --bin pdnode-transfer-peer >&2
+    [ -x "$PEER_BIN" ] || cargo build --release -p pdnode-transfer-bench --bin pdnode-transfer-peer >&2
     list=""
     for s in $SIZES; do list="$list${list:+,}$(bytes "$s")"; done
     lib=null

@@ -6,7 +6,8 @@
 #   transfer       scripts/gpu/transfer.sh cuda (bench-transfer GPU0 -> GPU1)
 #   variants       the decode/prefill bench (bench_llama31_8b_shapes) and the fused-vs-unfused
 #                  decode comparison (bench_decode_fusions, bench_decode_op_breakdown); PDL and
-#                  the fusion limits are config keys now (engine.cuda.*), compared inside the runs
+#                  the fusion limits and the kernel choices are config keys now (engine.cuda.*),
+#                  compared inside the runs (prefill: flashv3 / flash8 / gemm on one backend)
 #   transfer-exp   scripts/gpu/transfer.sh exp (UCX variants, isolated ucx_perftest puts)
 #   overlap        scripts/gpu/overlap.sh (the hand-off against prefill: one chunk vs 512-token chunks)
 #   serve[:what]   scripts/gpu/serve.sh pd|colo|both (default both)

@@ -98,6 +98,21 @@ pub struct NodeCard {
     /// (older nodes) read as `false`.
     #[serde(default)]
     pub colocated: bool,
+    /// Set on the card of an SGLang HTTP worker (registered by `pdnode sglang-register`), which
+    /// only a router in SGLang mode with `router.sglang.discovery = "registry"` uses; pdnode's
+    /// own routers skip such cards.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sglang: Option<SglangWorker>,
+}
+
+/// Where an SGLang worker serves, as its card carries it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SglangWorker {
+    /// `http://host:port` of the worker's HTTP server.
+    pub url: String,
+    /// Prefill workers: the port of its KV bootstrap server (sent to decode workers), if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bootstrap_port: Option<u16>,
 }
 
 impl NodeCard {
@@ -174,6 +189,7 @@ mod tests {
             version: "0.1.0".into(),
             started_at_ms: 1,
             colocated: false,
+            sglang: None,
         };
         let back = NodeCard::from_json(card.to_json().as_bytes()).unwrap();
         assert_eq!(back, card);
@@ -183,6 +199,7 @@ mod tests {
         let colo = NodeCard {
             role: Role::All,
             colocated: true,
+            sglang: None,
             ..card.clone()
         };
         let back = NodeCard::from_json(colo.to_json().as_bytes()).unwrap();

@@ -11,13 +11,15 @@ pub mod card;
 pub mod config;
 pub mod error;
 pub mod ids;
+pub mod kv_target;
 pub mod layout;
 pub mod metrics;
 pub mod request;
 
 pub use accounting::Accounting;
-pub use card::{NodeCard, Role};
+pub use card::{NodeCard, Role, SglangWorker};
 pub use error::ErrorKind;
 pub use ids::{BlockId, NodeId, RequestId, TransferId};
+pub use kv_target::{KvTarget, Placement, RankTarget, TargetError, TargetTransport};
 pub use layout::{DType, KvLayout};
 pub use request::{FinishReason, SamplingParams};

@@ -4,6 +4,17 @@ use crate::error::{Classify, ErrorKind};
 use crate::ids::RequestId;
 use serde::{Deserialize, Serialize};
 
+/// Where a request's sampler stands in its random stream: what the prefill node hands to the
+/// decode node (through the router) so that seeded sampling draws the numbers a colocated engine
+/// draws.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SamplerState {
+    /// The seed in use (the request's, or the random one drawn for it).
+    pub seed: u64,
+    /// ChaCha20 word position.
+    pub word_pos: u128,
+}
+
 /// How to pick each next token.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]

@@ -3,8 +3,8 @@
 
 use pdnode_core::Role;
 use pdnode_core::config::{
-    Backend, ConfigError, ConfigSource, PolicyName, RegistryKind, load, load_from_str,
-    load_from_str_with_env,
+    AttentionKernel, Backend, ConfigError, ConfigSource, LinearKernel, PolicyName,
+    PrefillAttention, RegistryKind, load, load_from_str, load_from_str_with_env,
 };
 use std::path::{Path, PathBuf};
 
@@ -269,6 +269,37 @@ fn unknown_policy_name_is_an_error_not_a_fallback() {
 }
 
 #[test]
+fn manual_policy_keys_are_read_and_bounded() {
+    let l = load_from_str(
+        FILE,
+        "[router]\nprefill_policy = \"manual\"\n[router.manual]\nmax_idle_secs = 60\nassignment_mode = \"min_load\"\n",
+        &[],
+    )
+    .unwrap();
+    let r = &l.config.router;
+    assert_eq!(r.prefill_policy, pdnode_core::config::PolicyName::Manual);
+    assert_eq!(r.manual.max_idle_secs, 60);
+    assert_eq!(
+        r.manual.assignment_mode,
+        pdnode_core::config::AssignmentMode::MinLoad
+    );
+    for bad in ["0", "99999999999"] {
+        let errs = errors("", &[&format!("router.manual.max_idle_secs={bad}")]);
+        assert!(
+            errs.iter()
+                .any(|e| e.to_string().contains("router.manual.max_idle_secs")),
+            "{bad}: {errs:?}"
+        );
+    }
+    let errs = errors("", &["router.manual.assignment_mode=\"fewest\""]);
+    assert!(
+        errs.iter()
+            .any(|e| e.to_string().contains("router.manual.assignment_mode")),
+        "{errs:?}"
+    );
+}
+
+#[test]
 fn set_takes_toml_values() {
     let l = load_from_str(
         FILE,
@@ -505,6 +536,20 @@ fn sglang_workers_need_role_router_both_sides_and_http_urls() {
     // Without SGLang workers a router still needs etcd.
     let keys = key_of("[node]\nrole = \"router\"\n[registry]\nkind = \"memory\"\n");
     assert!(keys.contains(&"registry.kind".to_string()), "{keys:?}");
+    // Discovery alone is enough workers, with etcd; with the in-process registry it is refused.
+    let discover = "[node]\nrole = \"router\"\n[registry]\nkind = \"etcd\"\nendpoints = [\"http://127.0.0.1:2379\"]\n\
+                    [router.sglang]\ndiscover = true\n";
+    let c = load_from_str(FILE, discover, &[]).unwrap().config;
+    assert!(c.router.sglang.discover && c.router.sglang.enabled());
+    let keys = key_of(
+        &discover
+            .replace("kind = \"etcd\"", "kind = \"memory\"")
+            .replace("endpoints = [\"http://127.0.0.1:2379\"]\n", ""),
+    );
+    assert!(
+        keys.contains(&"router.sglang.discover".to_string()),
+        "{keys:?}"
+    );
 }
 
 #[test]
@@ -553,4 +598,197 @@ fn fusion_limits_are_checked_config_keys() {
         .engine
         .cuda;
     assert_eq!(off.fuse_swiglu_max_tokens, 0);
+}
+
+#[test]
+fn kernel_choices_are_config_keys_with_defaults_and_checked_names() {
+    let c = load_from_str(FILE, "", &[]).unwrap();
+    let d = &c.config.engine.cuda;
+    assert_eq!(d.attention, AttentionKernel::Auto);
+    assert_eq!((d.attention_v4_waves, d.attention_v4_max_part), (1, 4096));
+    assert_eq!(d.prefill_attention, PrefillAttention::Flashv3);
+    assert_eq!(d.linear, LinearKernel::Table);
+    // check-config prints them (the effective TOML carries every key)
+    let toml = c.effective_toml();
+    for line in [
+        "attention = \"auto\"",
+        "attention_v4_waves = 1",
+        "attention_v4_max_part = 4096",
+        "prefill_attention = \"flashv3\"",
+        "linear = \"table\"",
+    ] {
+        assert!(toml.contains(line), "{line} missing from\n{toml}");
+    }
+
+    // every layer sets them: file, environment, --set
+    let l = load_from_str_with_env(
+        FILE,
+        "[engine.cuda]\nattention = \"v2narrow\"\nprefill_attention = \"gemm\"\n",
+        &env(&[
+            ("PDNODE_ENGINE__CUDA__LINEAR", "cublas"),
+            ("PDNODE_ENGINE__CUDA__ATTENTION_V4_WAVES", "4"),
+        ]),
+        &sets(&["engine.cuda.attention_v4_max_part=8192"]),
+    )
+    .unwrap();
+    let c = &l.config.engine.cuda;
+    assert_eq!(c.attention, AttentionKernel::V2narrow);
+    assert_eq!(c.prefill_attention, PrefillAttention::Gemm);
+    assert_eq!(c.linear, LinearKernel::Cublas);
+    assert_eq!((c.attention_v4_waves, c.attention_v4_max_part), (4, 8192));
+    for (k, v) in [
+        ("attention", "v1"),
+        ("attention", "v2"),
+        ("attention", "v4"),
+    ] {
+        let set = format!("engine.cuda.{k}={v}");
+        assert!(load_from_str(FILE, "", &sets(&[&set])).is_ok(), "{set}");
+    }
+    for v in ["flash8", "flashv3"] {
+        let set = format!("engine.cuda.prefill_attention={v}");
+        assert!(load_from_str(FILE, "", &sets(&[&set])).is_ok(), "{set}");
+    }
+    for v in ["mma", "gemv", "table"] {
+        let set = format!("engine.cuda.linear={v}");
+        assert!(load_from_str(FILE, "", &sets(&[&set])).is_ok(), "{set}");
+    }
+
+    // unknown names (including the retired variants) are errors naming the key and the choices
+    for (key, bad, listed) in [
+        ("engine.cuda.attention", "v3", "v4"),
+        ("engine.cuda.prefill_attention", "flashv2", "flashv3"),
+        ("engine.cuda.prefill_attention", "flash32", "flash8"),
+        ("engine.cuda.prefill_attention", "flash", "gemm"),
+        ("engine.cuda.linear", "fast", "table"),
+    ] {
+        let set = format!("{key}={bad}");
+        let errs = errors("", &[&set]);
+        assert!(
+            matches!(&errs[0], ConfigError::WrongType { key: k, reason, source_name: ConfigSource::Set(_) }
+                if k == key && reason.contains(bad) && reason.contains(listed)),
+            "{set}: {errs:?}"
+        );
+    }
+    // ranges are checked, naming the key
+    for (set, key) in [
+        (
+            "engine.cuda.attention_v4_waves=0",
+            "engine.cuda.attention_v4_waves",
+        ),
+        (
+            "engine.cuda.attention_v4_waves=65",
+            "engine.cuda.attention_v4_waves",
+        ),
+        (
+            "engine.cuda.attention_v4_max_part=127",
+            "engine.cuda.attention_v4_max_part",
+        ),
+        (
+            "engine.cuda.attention_v4_max_part=1048577",
+            "engine.cuda.attention_v4_max_part",
+        ),
+    ] {
+        let errs = errors("", &[set]);
+        assert!(
+            matches!(&errs[0], ConfigError::Invalid { key: k, .. } if k == key),
+            "{set}: {errs:?}"
+        );
+    }
+    let errs = errors("[engine.cuda]\nattention_v4_waves = \"many\"\n", &[]);
+    assert!(
+        matches!(&errs[0], ConfigError::WrongType { key, .. } if key == "engine.cuda.attention_v4_waves"),
+        "{errs:?}"
+    );
+}
+
+/// Every duration key (named `*_s`, `*_ms`, `*_us`, `*_secs`, `*_us_per_token`) has an upper
+/// bound: a huge value is an error naming the key, never a config that makes `Instant +
+/// Duration` overflow (a panic) when the node builds a deadline from it.
+#[test]
+fn every_duration_key_has_an_upper_bound() {
+    let defaults = load_from_str(FILE, "", &[]).unwrap();
+    let v: toml::Value = toml::from_str(&defaults.effective_toml()).unwrap();
+    let mut keys = Vec::new();
+    dotted_keys("", &v, &mut keys);
+    let durations: Vec<&String> = keys
+        .iter()
+        .filter(|k| {
+            ["_s", "_ms", "_us", "_secs", "_us_per_token"]
+                .iter()
+                .any(|suffix| k.ends_with(suffix))
+        })
+        .collect();
+    assert!(durations.len() >= 15, "{durations:?}");
+    for key in durations {
+        for huge in [i64::MAX, 1 << 40] {
+            let set = format!("{key}={huge}");
+            let errs = errors("", &[set.as_str()]);
+            assert!(
+                errs.iter()
+                    .any(|e| matches!(e, ConfigError::Invalid { key: k, .. } if k == key)),
+                "{key} = {huge} is accepted or not named: {errs:?}"
+            );
+        }
+    }
+    // The bounds still admit every shipped default and the keys' documented ranges.
+    let l = load_from_str(
+        FILE,
+        "[router]\nrequest_timeout_s = 86400\nnode_keepalive_timeout_ms = 3600000\n\
+         [transfer]\nlease_ms = 3600000\n[node]\ndrain_timeout_s = 0\n",
+        &[],
+    )
+    .unwrap();
+    assert_eq!(l.config.router.request_timeout_s, 86_400);
+    // ... and the longest of them is a deadline that can be built.
+    let _ = std::time::Instant::now()
+        + std::time::Duration::from_secs(l.config.router.request_timeout_s)
+        + std::time::Duration::from_millis(l.config.transfer.lease_ms);
+}
+
+/// The node API has no TLS yet: a `node.listen` beyond loopback needs
+/// `security.allow_insecure`, and the removed TLS keys (which did nothing) are unknown keys.
+#[test]
+fn a_node_api_beyond_loopback_needs_allow_insecure() {
+    let node = |listen: &str| {
+        format!(
+            "[node]\nrole = \"prefill\"\nlisten = \"{listen}\"\n[registry]\nkind = \"etcd\"\nendpoints = [\"http://127.0.0.1:2379\"]\n[transfer]\nkind = \"ucx\"\n"
+        )
+    };
+    for ok in [
+        "127.0.0.1:7001",
+        "127.1.2.3:0",
+        "[::1]:7001",
+        "localhost:7001",
+    ] {
+        load_from_str(FILE, &node(ok), &[]).unwrap_or_else(|e| panic!("{ok}: {e:?}"));
+    }
+    for open in [
+        "0.0.0.0:7001",
+        "10.0.0.5:7001",
+        "[::]:7001",
+        "node-b.example:7001",
+    ] {
+        let errs = errors(&node(open), &[]);
+        assert!(
+            errs.iter().any(|e| e.key() == Some("node.listen")
+                && e.to_string().contains("security.allow_insecure")),
+            "{open}: {errs:?}"
+        );
+        load_from_str(
+            FILE,
+            &node(open),
+            &["security.allow_insecure=true".to_string()],
+        )
+        .unwrap_or_else(|e| panic!("{open} with allow_insecure: {e:?}"));
+    }
+    // A router in front of SGLang workers serves no node API: nothing to refuse.
+    let sg = "[node]\nrole = \"router\"\nlisten = \"0.0.0.0:7000\"\n[registry]\nkind = \"memory\"\n\
+              [[router.sglang.prefill]]\nurl = \"http://10.0.0.1:30000\"\n\
+              [[router.sglang.decode]]\nurl = \"http://10.0.0.2:30000\"\n";
+    load_from_str(FILE, sg, &[]).unwrap();
+    let errs = errors("[security]\ntls_cert = \"/etc/pdnode/node.pem\"\n", &[]);
+    assert!(
+        errs.iter().any(|e| e.to_string().contains("tls_cert")),
+        "{errs:?}"
+    );
 }

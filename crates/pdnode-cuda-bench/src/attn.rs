@@ -45,11 +45,9 @@ fn rel(a: &[f32], b: &[f32]) -> f64 {
 
 /// Kernels whose resident blocks per SM (128 threads) the bench reports, with their dynamic
 /// shared memory per block (head_dim 128).
-pub const OCCUPANCY_KERNELS: [(&str, usize); 6] = [
+pub const OCCUPANCY_KERNELS: [(&str, usize); 4] = [
     ("paged_attention_v4_d128_g8", ops::v4_smem_bytes(HEAD_DIM)),
     ("paged_attention_v4_d128_g16", ops::v4_smem_bytes(HEAD_DIM)),
-    ("paged_attention_v3_d128_g4", 0),
-    ("paged_attention_v3_d128_g8", 0),
     ("paged_attention_v2_d16", 0),
     ("paged_attention", 0),
 ];

@@ -10,7 +10,7 @@ use pdnode_cuda::backend::{CudaBackend, CudaOptions};
 use pdnode_cuda::blas::{OutType, gemm};
 use pdnode_cuda::device::Gpu;
 use pdnode_cuda::ops;
-use pdnode_cuda::prefill::{self, LongSeq, PrefillAttn, PrefillScratch};
+use pdnode_cuda::prefill::{LongSeq, PrefillAttn, PrefillScratch};
 use pdnode_engine::backend::{
     Backend, BackendError, ForwardBatch, LogitsWant, SeqStep, StepLogits,
 };
@@ -161,7 +161,8 @@ pub(crate) fn bench_options(
         max_seqs: decode.iter().map(|d| d.0).max().unwrap_or(1).max(1),
         prefill_gemm_min_tokens: 64,
         linear: ops::LinearImpl::Auto,
-        attention: ops::AttnVariant::Auto,
+        attention: ops::AttnVariant::Auto.into(),
+        prefill_attention: Default::default(),
         cuda_graphs,
         gpu_sampling: true,
         pdl: false,
@@ -203,7 +204,7 @@ impl DecodeStep {
 }
 
 fn err(e: BackendError) -> CudaError {
-    CudaError::Step { msg: e.to_string() }
+    CudaError::Step(e)
 }
 
 /// Mean time of `iters` back-to-back steps (after one warm-up), device work included.
@@ -356,10 +357,11 @@ pub fn run_variants(
             2.0 * (spec.num_params() - spec.vocab_size * spec.hidden_size * 2) as f64 * len as f64;
         let attn =
             2.0 * (len as f64).powi(2) * (spec.head_dim * spec.num_heads * spec.num_layers) as f64;
-        // the whole step with each prefill-attention implementation (the process default
-        // switched for the step; restored to the environment's choice after)
-        let result = PREFILL_ATTNS.iter().try_for_each(|&pa| {
-            prefill::set_default_attn(pa);
+        // the whole step with each prefill-attention implementation (the backend's choice
+        // switched for the step; the configured one restored after)
+        let configured = be.kernels().2;
+        let result = PrefillAttn::ALL.iter().try_for_each(|&pa| {
+            be.set_prefill_attn(pa);
             let t = timed_steps(&mut be, iters.min(5), &fb)?;
             let row = BenchRow {
                 what: format!("prefill [{pa:?}]"),
@@ -372,7 +374,7 @@ pub fn run_variants(
             rows.push(row);
             Ok::<(), CudaError>(())
         });
-        prefill::set_default_attn(PrefillAttn::Auto);
+        be.set_prefill_attn(configured);
         result?;
         for row in prefill_attention_rows(be.gpu(), &spec, len, iters, &ceil)? {
             report(&row);
@@ -385,16 +387,6 @@ pub fn run_variants(
     }
     Ok((ceil, rows))
 }
-
-/// Prefill-attention implementations the benchmark compares.
-const PREFILL_ATTNS: [PrefillAttn; 6] = [
-    PrefillAttn::Gemm,
-    PrefillAttn::Flash,
-    PrefillAttn::Flash8,
-    PrefillAttn::Flash32,
-    PrefillAttn::FlashV2,
-    PrefillAttn::FlashV3,
-];
 
 /// Prefill attention alone, one layer of `spec`'s heads, one sequence of `len` new tokens from
 /// position 0 (K/V already in a one-layer pool of random values), per implementation. Ceiling:
@@ -434,7 +426,7 @@ fn prefill_attention_rows(
     }];
     let flops = 2.0 * (len as f64).powi(2) * (spec.head_dim * spec.num_heads) as f64;
     let mut rows = Vec::new();
-    for pa in PREFILL_ATTNS {
+    for pa in PrefillAttn::ALL {
         let mut scratch = PrefillScratch::new(pa);
         let t = timed(gpu, iters, || {
             scratch.run(gpu, &d, &pool, 0, &q, &out, len, tab.ptr(), blocks, &seqs)

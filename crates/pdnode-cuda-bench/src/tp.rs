@@ -14,7 +14,7 @@ use pdnode_engine::backend::{Backend, BackendError};
 use std::time::Instant;
 
 fn err(e: BackendError) -> CudaError {
-    CudaError::Step { msg: e.to_string() }
+    CudaError::Step(e)
 }
 
 /// What [`run_decode`] measured.

@@ -36,19 +36,15 @@ fn bench_llama31_8b_shapes() {
         .filter_map(|s| s.trim().parse().ok())
         .collect();
     let iters: usize = env_list("PDNODE_BENCH_ITERS", "20").parse().unwrap_or(20);
-    // e.g. "auto/auto,v2narrow/auto,v1/auto,auto/cublas,auto/mma" (attention/linear)
+    // e.g. "auto/table,v2narrow/table,v1/table,auto/cublas,auto/mma" (attention/linear, the
+    // names of engine.cuda.attention and engine.cuda.linear); every prefill length runs with
+    // each engine.cuda.prefill_attention choice
     let variants: Vec<(AttnVariant, LinearImpl)> = env_list("PDNODE_BENCH_VARIANTS", "auto/auto")
         .split(',')
         .filter_map(|v| {
             let (a, l) = v.trim().split_once('/')?;
-            let a = match a {
-                "auto" => AttnVariant::Auto,
-                "v1" => AttnVariant::V1,
-                "v2" => AttnVariant::V2,
-                "v2narrow" => AttnVariant::V2Narrow,
-                "v3" => AttnVariant::V3,
-                _ => return None,
-            };
+            // the names of engine.cuda.attention / engine.cuda.linear
+            let a = AttnVariant::parse(a)?;
             let l = LinearImpl::parse(l)?;
             Some((a, l))
         })
@@ -71,7 +67,7 @@ fn bench_llama31_8b_shapes() {
 /// The decode attention kernel alone at Llama-3.1-8B attention shapes (one layer): K/V bytes read
 /// per second and their fraction of the measured copy ceiling, per kernel variant; each variant's
 /// output checked against the first's. `PDNODE_BENCH_ATTN="1x512,8x2048,32x8192,64x8192"`,
-/// `PDNODE_BENCH_ATTN_VARIANTS="v3,v4,v2,v2narrow"`, `PDNODE_BENCH_ITERS`.
+/// `PDNODE_BENCH_ATTN_VARIANTS="v4,v2,v2narrow"`, `PDNODE_BENCH_ITERS`.
 #[test]
 #[ignore = "needs a CUDA GPU (about 3 GB free): run scripts/gpu/run-all.sh on the GPU host"]
 fn bench_decode_attention_kernel() {
@@ -83,7 +79,7 @@ fn bench_decode_attention_kernel() {
             Some((b.trim().parse().ok()?, c.trim().parse().ok()?))
         })
         .collect();
-    let variants: Vec<AttnVariant> = env_list("PDNODE_BENCH_ATTN_VARIANTS", "v3,v4,v2,v2narrow")
+    let variants: Vec<AttnVariant> = env_list("PDNODE_BENCH_ATTN_VARIANTS", "v4,v2,v2narrow")
         .split(',')
         .filter_map(AttnVariant::parse)
         .collect();

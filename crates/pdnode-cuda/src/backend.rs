@@ -3,8 +3,8 @@
 use super::CudaError;
 use super::blas::OutType;
 use super::device::{DevBuf, Gpu, Pinned};
-use super::ops::{self, AttnDims, AttnMeta, AttnVariant, AttnWorkspace};
-use super::prefill::PrefillScratch;
+use super::ops::{self, AttnChoice, AttnDims, AttnMeta, AttnVariant, AttnWorkspace};
+use super::prefill::{PrefillAttn, PrefillScratch};
 use super::tp::NcclComm;
 use super::weights::{DevWeights, Shard};
 use pdnode_core::{DType, KvLayout};
@@ -17,6 +17,7 @@ mod graph;
 mod logits;
 #[cfg(feature = "op-timing")]
 mod opprof;
+mod options;
 mod plan;
 #[path = "staging.rs"]
 mod staging;
@@ -25,66 +26,7 @@ mod traits;
 pub use graph::{GraphStats, decode_bucket};
 #[cfg(feature = "op-timing")]
 pub use opprof::STEP_START;
-
-/// Sizing of a [`CudaBackend`].
-#[derive(Debug, Clone, PartialEq)]
-pub struct CudaOptions {
-    /// Device ordinals, one per tensor-parallel rank: rank `r` runs on `gpus[r]` (any order,
-    /// gaps allowed). Exactly `tensor_parallel` distinct ordinals (checked at build).
-    pub gpus: Vec<u32>,
-    /// Tensor-parallel degree: 1 for [`CudaBackend`]; more through
-    /// [`super::tp::CudaTpBackend`] (one thread and GPU per rank).
-    pub tensor_parallel: u32,
-    /// Fraction of the device's free memory (at start) for weights + workspace + KV pool.
-    pub mem_fraction: f32,
-    /// KV blocks; 0 = as many as `mem_fraction` leaves.
-    pub num_kv_blocks: u32,
-    pub block_size: u32,
-    /// Most tokens in one forward step.
-    pub max_batch_tokens: usize,
-    /// Most sequences (logits rows) in one forward step.
-    pub max_seqs: usize,
-    /// Sequences with at least this many new tokens in a step take the cuBLAS prefill
-    /// attention path; the others the paged-attention kernel.
-    pub prefill_gemm_min_tokens: usize,
-    /// Projection implementation (Auto: cuBLAS; Gemv: the hand-written kernel for <= 8 rows).
-    pub linear: ops::LinearImpl,
-    /// Paged-attention kernel for decode and short chunks.
-    pub attention: AttnVariant,
-    /// Replay decode steps (one new token per sequence, all wanting logits) from CUDA graphs
-    /// captured per (batch-size bucket, context bucket); false: eager launches only.
-    pub cuda_graphs: bool,
-    /// Sample `LogitsWant::Sample` rows on the device (`engine.cuda.gpu_sampling`).
-    pub gpu_sampling: bool,
-    /// Programmatic dependent launch of our kernels where the GPU takes it (`engine.cuda.pdl`).
-    pub pdl: bool,
-    /// What the decode step fuses into the GEMVs (`engine.cuda.fuse_*_max_tokens`).
-    pub fusion: ops::Fusion,
-}
-
-impl CudaOptions {
-    pub fn from_config(e: &pdnode_core::config::EngineConfig) -> Self {
-        Self {
-            gpus: super::tp::gpus_from_config(&e.gpus, e.tensor_parallel),
-            tensor_parallel: e.tensor_parallel.max(1),
-            mem_fraction: e.mem_fraction,
-            num_kv_blocks: e.num_kv_blocks,
-            block_size: e.block_size,
-            max_batch_tokens: e.max_batch_tokens.max(1) as usize,
-            max_seqs: e.max_running_requests.max(1) as usize,
-            prefill_gemm_min_tokens: 64,
-            linear: ops::LinearImpl::Auto,
-            attention: AttnVariant::Auto,
-            cuda_graphs: e.cuda_graphs,
-            gpu_sampling: e.cuda.gpu_sampling,
-            pdl: e.cuda.pdl,
-            fusion: ops::Fusion {
-                swiglu_max_tokens: e.cuda.fuse_swiglu_max_tokens as usize,
-                norm_max_tokens: e.cuda.fuse_norm_max_tokens as usize,
-            },
-        }
-    }
-}
+pub use options::CudaOptions;
 
 /// Activations and scratch, sized for `max_batch_tokens` / `max_seqs`.
 struct Workspace {
@@ -355,6 +297,24 @@ impl CudaBackend {
             block_size: opts.block_size as usize,
             num_blocks,
         };
+        let mut opts = opts.clone();
+        let hd = spec.head_dim;
+        let asked = opts.attention.variant;
+        opts.attention.variant = match asked {
+            AttnVariant::Auto => AttnVariant::Auto,
+            v => {
+                let runs = v.resolve(hd);
+                if runs != v {
+                    tracing::warn!(
+                        asked = ?v,
+                        runs = ?runs,
+                        head_dim = hd,
+                        "engine.cuda.attention: the kernel cannot run this head_dim; using auto's"
+                    );
+                }
+                runs
+            }
+        };
         Ok(Self {
             graphs: graph::DecodeGraphs::new(opts.cuda_graphs),
             w,
@@ -367,10 +327,10 @@ impl CudaBackend {
             num_blocks,
             layout,
             spec: spec.clone(),
-            opts: opts.clone(),
-            dims,
-            prefill: PrefillScratch::default(),
+            prefill: PrefillScratch::new(opts.prefill_attention),
             logits_host: gpu.alloc_pinned(opts.max_seqs * spec.vocab_size)?,
+            opts,
+            dims,
             shard,
             comm: None,
             #[cfg(feature = "op-timing")]
@@ -451,9 +411,10 @@ impl CudaBackend {
         &self.gpu
     }
 
-    /// Switches the kernels later steps use (benchmarks compare variants on one backend).
+    /// Switches the kernels later steps use (benchmarks compare variants on one backend; the v4
+    /// tuning stays as configured).
     pub fn set_kernels(&mut self, attention: AttnVariant, linear: ops::LinearImpl) {
-        if (attention, linear) != (self.opts.attention, self.opts.linear) {
+        if (attention, linear) != (self.opts.attention.variant, self.opts.linear) {
             // Captured graphs hold the old kernels; wait for any replay before dropping them.
             if self.gpu.bind().is_ok() && self.gpu.sync().is_ok() {
                 self.graphs.clear();
@@ -461,8 +422,25 @@ impl CudaBackend {
                 self.graphs.disable();
             }
         }
-        self.opts.attention = attention;
+        self.opts.attention.variant = attention;
         self.opts.linear = linear;
+    }
+
+    /// Switches the prefill attention of later steps (benchmarks compare the implementations on
+    /// one backend). Prefill steps are never captured into graphs, so none is dropped.
+    pub fn set_prefill_attn(&mut self, attn: PrefillAttn) {
+        self.opts.prefill_attention = attn;
+        self.prefill.attn = attn;
+    }
+
+    /// The kernels later steps use: paged attention (with the v4 tuning), linear layers,
+    /// prefill attention.
+    pub fn kernels(&self) -> (AttnChoice, ops::LinearImpl, PrefillAttn) {
+        (
+            self.opts.attention,
+            self.opts.linear,
+            self.opts.prefill_attention,
+        )
     }
 
     /// Switches what later steps fuse into the GEMVs (benchmarks compare fused and unfused on
@@ -606,6 +584,8 @@ impl CudaBackend {
             let eps = s.rms_norm_eps;
             ops::add_rmsnorm(g, &ws.resid, t, None, nw, &ws.normed, None, t, h, eps)
         };
+        // engine.cuda.linear, per call: a GEMV choice takes cuBLAS where its kernel cannot run
+        let lin = self.opts.linear;
         let mut normed = false;
         for (li, l) in w.layers.iter().enumerate() {
             if !normed {
@@ -622,7 +602,7 @@ impl CudaBackend {
                 &ws.qkv,
                 OutType::Bf16,
                 false,
-                self.opts.linear,
+                lin.for_call(t, h, &l.wqkv, &ws.normed),
             )?;
             mark("qkv")?;
             ops::rope_qkv(
@@ -686,7 +666,7 @@ impl CudaBackend {
                 mark("prefill_attention")?;
             }
             let nf = norm_of(&l.mlp_norm);
-            let (rank0, lin) = (self.shard.rank == 0, self.opts.linear);
+            let rank0 = self.shard.rank == 0;
             normed = ops::linear_rmsnorm(
                 g,
                 h,
@@ -696,7 +676,7 @@ impl CudaBackend {
                 &ws.attn,
                 &ws.resid,
                 rank0,
-                lin,
+                lin.for_call(t, qd, &l.wo, &ws.attn),
                 self.opts.fusion,
                 nf.as_ref(),
             )?;
@@ -716,7 +696,7 @@ impl CudaBackend {
                 &ws.normed,
                 &ws.gate_up,
                 &ws.act,
-                self.opts.linear,
+                lin.for_call(t, h, &l.w_gate_up, &ws.normed),
                 self.opts.fusion,
             )?;
             mark("gate_up+swiglu")?;
@@ -730,7 +710,7 @@ impl CudaBackend {
                 &ws.act,
                 &ws.resid,
                 rank0,
-                lin,
+                lin.for_call(t, inter, &l.w_down, &ws.act),
                 self.opts.fusion,
                 nf.as_ref(),
             )?;
@@ -761,7 +741,7 @@ impl CudaBackend {
                 &ws.logits,
                 OutType::F32,
                 false,
-                self.opts.linear,
+                lin.for_call(p.rows, h, w.output(), &ws.normed),
             )?;
             mark("lm_head")?;
         }

@@ -192,4 +192,49 @@ mod tests {
             (0, 4)
         );
     }
+
+    #[test]
+    fn the_kernel_choices_of_the_config_reach_the_backend_options() {
+        use crate::ops::{AttnVariant, LinearImpl, V4_MAX_PART, V4_WAVES};
+        use crate::prefill::PrefillAttn;
+        use pdnode_core::config::{AttentionKernel, LinearKernel, PrefillAttention};
+        let mut e = EngineConfig::default();
+        let o = CudaOptions::from_config(&e);
+        assert_eq!(o.attention.variant, AttnVariant::Auto);
+        assert_eq!(
+            (o.attention.v4_waves, o.attention.v4_max_part),
+            (V4_WAVES, V4_MAX_PART),
+            "the config's defaults are the measured ones"
+        );
+        assert_eq!(o.linear, LinearImpl::Auto);
+        assert_eq!(o.prefill_attention, PrefillAttn::FlashV3);
+        for (k, v) in [
+            (AttentionKernel::V1, AttnVariant::V1),
+            (AttentionKernel::V2, AttnVariant::V2),
+            (AttentionKernel::V2narrow, AttnVariant::V2Narrow),
+            (AttentionKernel::V4, AttnVariant::V4),
+        ] {
+            e.cuda.attention = k;
+            assert_eq!(CudaOptions::from_config(&e).attention.variant, v);
+        }
+        for (k, v) in [
+            (LinearKernel::Mma, LinearImpl::GemvMma),
+            (LinearKernel::Gemv, LinearImpl::Gemv),
+            (LinearKernel::Cublas, LinearImpl::Cublas),
+        ] {
+            e.cuda.linear = k;
+            assert_eq!(CudaOptions::from_config(&e).linear, v);
+        }
+        for (k, v) in [
+            (PrefillAttention::Flash8, PrefillAttn::Flash8),
+            (PrefillAttention::Gemm, PrefillAttn::Gemm),
+        ] {
+            e.cuda.prefill_attention = k;
+            assert_eq!(CudaOptions::from_config(&e).prefill_attention, v);
+        }
+        e.cuda.attention_v4_waves = 3;
+        e.cuda.attention_v4_max_part = 512;
+        let o = CudaOptions::from_config(&e);
+        assert_eq!((o.attention.v4_waves, o.attention.v4_max_part), (3, 512));
+    }
 }

@@ -2,13 +2,13 @@
 //! GEMMs, NVRTC-compiled kernels (`pdnode-kernels`), a paged KV pool in
 //! `cuMemAlloc` memory (exportable over CUDA IPC / UCX cuda_ipc).
 //!
-//! - [`probe`]: is there a driver and a device? (`backend = "auto"` / `"cuda"` selection).
+//! - [`mod@probe`]: is there a driver and a device? (`backend = "auto"` / `"cuda"` selection).
 //! - [`device`]: one GPU: context, stream, cuBLAS handle, compiled kernels, raw device buffers.
 //! - [`launch`]: the one launch path of our kernels ([`launch::Launch`]), with programmatic
 //!   dependent launch behind `engine.cuda.pdl`.
 //! - [`ops`]: shape-checked launch wrappers, one per kernel (also what the kernel tests call).
 //! - [`prefill`]: prefill attention: fused flash attention on tensor cores (`mma.sync`, K/V read
-//!   straight from the paged pool, chunked-prefill aware; `PDNODE_PREFILL_ATTN` picks a variant),
+//!   straight from the paged pool, chunked-prefill aware; `engine.cuda.prefill_attention` picks one),
 //!   or cuBLAS S/P GEMMs around a causal softmax for head dims the flash kernels do not cover.
 //! - [`build_backend`]: the one place a backend (cpu, cuda, cuda TP) is built from the config.
 //! - [`CudaBackend`]: the [`pdnode_engine::backend::Backend`] implementation.
@@ -97,9 +97,9 @@ pub enum CudaError {
     #[error("tensor-parallel rank {rank}: {msg}")]
     Rank { rank: usize, msg: String },
     /// A step through the [`pdnode_engine::backend::Backend`] trait failed (benchmarks driving
-    /// a backend report its error in this type).
-    #[error("forward step: {msg}")]
-    Step { msg: String },
+    /// a backend report its error in this type; its class is kept).
+    #[error("forward step: {0}")]
+    Step(#[source] pdnode_engine::backend::BackendError),
 }
 
 impl Classify for CudaError {
@@ -111,7 +111,7 @@ impl Classify for CudaError {
             CudaError::Driver { class, .. } => class.kind(),
             CudaError::Blas { .. } | CudaError::Nccl { .. } => pdnode_core::ErrorKind::Retryable,
             CudaError::Rank { .. } => pdnode_core::ErrorKind::Unavailable,
-            CudaError::Step { .. } => pdnode_core::ErrorKind::Internal,
+            CudaError::Step(e) => e.kind(),
             CudaError::Kernels(_)
             | CudaError::NoKernel { .. }
             | CudaError::Shape { .. }
@@ -230,5 +230,16 @@ mod tests {
             have: 1,
         });
         assert_ne!(oom.kind(), ErrorKind::Retryable);
+        // a step error reported back as a CudaError (benchmarks) keeps the step's class
+        let step = CudaError::Step(BackendError::from(CudaError::OutOfMemory {
+            what: "workspace",
+            need: 2,
+            have: 1,
+        }));
+        assert_eq!(step.kind(), ErrorKind::Unavailable);
+        let step = CudaError::Step(BackendError::InvalidBatch {
+            reason: "empty".into(),
+        });
+        assert_eq!(step.kind(), ErrorKind::Internal);
     }
 }

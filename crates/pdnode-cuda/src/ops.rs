@@ -12,6 +12,8 @@ pub use linear::*;
 mod attention;
 pub use attention::*;
 
+pub mod crc32c;
+
 const BF16: usize = 2;
 const F32: usize = 4;
 

@@ -4,124 +4,56 @@
 //!   f32, `O = P V`) around a causal softmax kernel. The sequence's cached and new K/V are gathered
 //!   from the paged pool into contiguous `[nkv, len, hd]` buffers first, so chunked prefill (a
 //!   cached prefix) works the same.
-//! - flash (kernels/prefill_flash.cu): one fused causal flash-attention kernel on bf16 tensor
-//!   cores reading K/V straight from the paged pool (head_dim 64 and 128; other head dims fall
-//!   back to cuBLAS). No scratch memory, no score matrix. Variants: 16 query rows per warp with
-//!   4 or 8 warps, 32 rows per warp, v2 (multistage K/V ring, one barrier per tile) and v3 (v2 with
-//!   the next tile's scores overlapping the softmax, kernels/prefill_flash_v3.cu).
+//! - flash (kernels/prefill_flash.cu, prefill_flash_v3.cu): one fused causal flash-attention
+//!   kernel on bf16 tensor cores reading K/V straight from the paged pool (head_dim 64 and 128;
+//!   other head dims fall back to cuBLAS). No scratch memory, no score matrix. Two kernels: v3
+//!   (the default: 4-stage K/V ring, scores of the next tile overlapping the softmax; power-of-two
+//!   block sizes) and w8 (8 warps of 16 query rows, any block size: v3's fallback). The variants
+//!   that lost their benchmarks (4 warps, 32 rows per warp, v2) were retired.
 
 use super::CudaError;
 use super::blas::{Operand, OutType, gemm_strided_batched};
 use super::device::{DevBuf, Gpu};
 use super::ops::AttnDims;
 use cudarc::driver::LaunchConfig;
-use std::sync::OnceLock;
-use std::sync::atomic::{AtomicU8, Ordering};
 
 const BF16: usize = 2;
 
-/// Which implementation runs prefill attention for the long sequences of a step.
+/// Which implementation runs prefill attention for the long sequences of a step
+/// (`engine.cuda.prefill_attention`). Head dims other than 64 and 128 always take the cuBLAS
+/// path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PrefillAttn {
-    /// The process default: [`set_default_attn`], else the environment variable
-    /// `PDNODE_PREFILL_ATTN` (`gemm`, `flash`, `flash8`, `flash32`, `flashv2`, `flashv3`), else
-    /// [`PrefillAttn::FlashV3`] (measured on the H200: 8k prefill step 0.63 of the GEMM floor vs
-    /// 0.55 with Flash8 and 0.34 with cuBLAS). Head dims other than 64 and 128 always take the
-    /// cuBLAS path.
+    /// Fused flash attention v3 (kernels/prefill_flash_v3.cu): 128 query rows (8 warps) per CTA,
+    /// K/V tiles through a 4-stage cp.async ring with one barrier per tile, shift/mask paged
+    /// addressing with the block table read a tile ahead, the scores of tile j + 1 computed in
+    /// the same block as the softmax and P V of tile j, heaviest query tiles of every head first.
+    /// Needs a power-of-two block size (otherwise runs [`PrefillAttn::Flash8`]). The default:
+    /// measured on the H200, 8k prefill step 0.63 of the GEMM floor vs 0.55 with Flash8 and
+    /// 0.34 with cuBLAS.
     #[default]
-    Auto,
+    FlashV3,
+    /// Fused flash attention, 128 query rows (8 warps) per CTA, any block size.
+    Flash8,
     /// cuBLAS GEMMs around a causal softmax kernel (materialized f32 scores).
     Gemm,
-    /// Fused flash attention, 64 query rows (4 warps) per CTA.
-    Flash,
-    /// Fused flash attention, 128 query rows (8 warps) per CTA.
-    Flash8,
-    /// Fused flash attention, 128 query rows per CTA, 32 per warp (4 warps; Q in shared memory,
-    /// each K/V fragment used for two 16-row tiles).
-    Flash32,
-    /// Fused flash attention v2: 128 query rows (8 warps) per CTA, K/V tiles through a 3-stage
-    /// cp.async ring with one barrier per tile, shift/mask paged addressing with the block table
-    /// read a tile ahead, FFMA + ex2 softmax, heaviest query tiles of every head first. Needs a
-    /// power-of-two block size (otherwise runs [`PrefillAttn::Flash8`]).
-    FlashV2,
-    /// v2 with software pipelining in each warp (kernels/prefill_flash_v3.cu): the scores of tile
-    /// j + 1 are computed in the same block as the softmax and P V of tile j, so one warp's
-    /// softmax overlaps its own tensor-core work; 4-stage K/V ring. Power-of-two block sizes
-    /// (otherwise [`PrefillAttn::Flash8`]).
-    FlashV3,
 }
 
 impl PrefillAttn {
-    /// `gemm`, `flash`, `flash8`, `flash32`, `flashv2`, `flashv3` or `auto` (case-insensitive).
+    /// `flashv3`, `flash8` or `gemm` (case-insensitive; `cublas` for `gemm`).
     pub fn parse(s: &str) -> Option<Self> {
         match s.trim().to_ascii_lowercase().as_str() {
-            "auto" => Some(Self::Auto),
             "gemm" | "cublas" => Some(Self::Gemm),
-            "flash" | "flash4" => Some(Self::Flash),
             "flash8" => Some(Self::Flash8),
-            "flash32" => Some(Self::Flash32),
-            "flashv2" | "flash_v2" => Some(Self::FlashV2),
             "flashv3" | "flash_v3" => Some(Self::FlashV3),
             _ => None,
         }
     }
 
-    fn code(self) -> u8 {
-        match self {
-            Self::Auto => 0,
-            Self::Gemm => 1,
-            Self::Flash => 2,
-            Self::Flash8 => 3,
-            Self::Flash32 => 4,
-            Self::FlashV2 => 5,
-            Self::FlashV3 => 6,
-        }
-    }
-
-    fn from_code(c: u8) -> Self {
-        match c {
-            1 => Self::Gemm,
-            2 => Self::Flash,
-            3 => Self::Flash8,
-            4 => Self::Flash32,
-            5 => Self::FlashV2,
-            6 => Self::FlashV3,
-            _ => Self::Auto,
-        }
-    }
-
-    /// `Auto` resolved to the process default (never `Auto`).
-    pub fn resolve(self) -> Self {
-        if self != Self::Auto {
-            return self;
-        }
-        match Self::from_code(DEFAULT_ATTN.load(Ordering::Relaxed)) {
-            Self::Auto => {
-                static ENV: OnceLock<PrefillAttn> = OnceLock::new();
-                *ENV.get_or_init(|| {
-                    match std::env::var("PDNODE_PREFILL_ATTN")
-                        .ok()
-                        .and_then(|v| Self::parse(&v))
-                    {
-                        // FlashV3 on the H200 (session 2): 8k step 266 ms (0.63 of the floor)
-                        // vs Flash8 304 ms (0.55) and cuBLAS 495 ms (0.34); parity unchanged.
-                        Some(Self::Auto) | None => Self::FlashV3,
-                        Some(a) => a,
-                    }
-                })
-            }
-            a => a,
-        }
-    }
+    /// Every implementation (benchmarks compare them).
+    pub const ALL: [PrefillAttn; 3] = [Self::Gemm, Self::Flash8, Self::FlashV3];
 }
 
-static DEFAULT_ATTN: AtomicU8 = AtomicU8::new(0);
-
-/// Sets the implementation that [`PrefillAttn::Auto`] means in this process (benchmarks compare
-/// both on one backend); `Auto` goes back to the environment variable / built-in default.
-pub fn set_default_attn(a: PrefillAttn) {
-    DEFAULT_ATTN.store(a.code(), Ordering::Relaxed);
-}
 /// Scores (f32) plus probabilities (bf16) of one query chunk stay under this many bytes.
 const SCORE_BUDGET: usize = 1 << 30;
 
@@ -138,9 +70,9 @@ pub struct LongSeq {
 /// Scratch buffers, grown on demand (after a device sync).
 #[derive(Default)]
 pub struct PrefillScratch {
-    /// Byte budget of one query chunk's scores + probabilities; 0 = [`SCORE_BUDGET`].
+    /// Byte budget of one query chunk's scores + probabilities; 0 = `SCORE_BUDGET` (1 GiB).
     pub score_budget: usize,
-    /// Implementation; `Auto` = the process default ([`PrefillAttn::resolve`]).
+    /// Implementation (`engine.cuda.prefill_attention`).
     pub attn: PrefillAttn,
     kc: Option<DevBuf>,
     vc: Option<DevBuf>,
@@ -221,7 +153,7 @@ impl PrefillScratch {
                 return Err(shape_err(format!("{s:?} outside the step")));
             }
         }
-        let attn = self.attn.resolve();
+        let attn = self.attn;
         if attn != PrefillAttn::Gemm && (hd == 64 || hd == 128) {
             return run_flash(gpu, d, layer_ptr, q, out, tables, max_blocks, seqs, attn);
         }
@@ -376,11 +308,6 @@ impl PrefillScratch {
     }
 }
 
-/// Stages of the v2 kernels' K/V ring (FP2_STAGES in kernels/prefill_flash.cu).
-const FLASH_V2_STAGES: usize = 3;
-/// Dynamic shared memory of the v2 kernels: the ring of (K, V) tiles of 64 rows of hd + 8 bf16.
-const V2_SMEM_HD64: usize = FLASH_V2_STAGES * 2 * 64 * (64 + 8) * BF16;
-const V2_SMEM_HD128: usize = FLASH_V2_STAGES * 2 * 64 * (128 + 8) * BF16;
 /// Stages of the v3 kernels' ring (FP3_STAGES in kernels/prefill_flash_v3.cu) and their dynamic
 /// shared memory (139264 bytes at hd 128).
 const FLASH_V3_STAGES: usize = 4;
@@ -388,7 +315,7 @@ const V3_SMEM_HD64: usize = FLASH_V3_STAGES * 2 * 64 * (64 + 8) * BF16;
 const V3_SMEM_HD128: usize = FLASH_V3_STAGES * 2 * 64 * (128 + 8) * BF16;
 
 /// The fused kernel `attn` (a flash variant) for each sequence of `seqs` (already checked against
-/// the step by the caller): grid (query tiles, nh), or (nh, query tiles) for v2.
+/// the step by the caller): grid (query tiles, nh), or (nh, query tiles) for v3.
 #[allow(clippy::too_many_arguments)]
 fn run_flash(
     gpu: &Gpu,
@@ -402,29 +329,23 @@ fn run_flash(
     attn: PrefillAttn,
 ) -> Result<(), CudaError> {
     let (nh, nkv, hd, bs) = (d.num_heads, d.num_kv_heads, d.head_dim, d.block_size);
-    // v2 addresses the pool with shifts and i32 block strides: other shapes take the w8 kernel
-    let v2_or_v3 = matches!(attn, PrefillAttn::FlashV2 | PrefillAttn::FlashV3);
-    let attn = if v2_or_v3 && (!bs.is_power_of_two() || 2 * bs * nkv * hd > i32::MAX as usize) {
+    // v3 addresses the pool with shifts and i32 block strides: other shapes take the w8 kernel
+    let attn = if attn == PrefillAttn::FlashV3
+        && (!bs.is_power_of_two() || 2 * bs * nkv * hd > i32::MAX as usize)
+    {
         PrefillAttn::Flash8
     } else {
         attn
     };
-    // v2's and v3's grid is (heads, query tiles), the others' (query tiles, heads)
-    let heads_x = matches!(attn, PrefillAttn::FlashV2 | PrefillAttn::FlashV3);
+    // v3's grid is (heads, query tiles), w8's (query tiles, heads)
+    let heads_x = attn == PrefillAttn::FlashV3;
     // (kernel, warps, query rows per CTA, dynamic shared bytes)
     let (name, warps, rows_per_cta, dyn_smem) = match (hd, attn) {
-        // FLASH_V2_STAGES stages of K + V: 2 * 64 rows of hd + 8 bf16 each
-        (64, PrefillAttn::FlashV2) => ("flash_prefill_hd64_v2", 8, 128, V2_SMEM_HD64),
-        (128, PrefillAttn::FlashV2) => ("flash_prefill_hd128_v2", 8, 128, V2_SMEM_HD128),
-        (64, PrefillAttn::FlashV3) => ("flash_prefill_hd64_v3", 8, 128, V3_SMEM_HD64),
+        // FLASH_V3_STAGES stages of K + V: 2 * 64 rows of hd + 8 bf16 each
+        (64, PrefillAttn::FlashV3) => ("flash_prefill_hd64_v3", 8usize, 128usize, V3_SMEM_HD64),
         (128, PrefillAttn::FlashV3) => ("flash_prefill_hd128_v3", 8, 128, V3_SMEM_HD128),
-        (64, PrefillAttn::Flash8) => ("flash_prefill_hd64_w8", 8usize, 128usize, 0usize),
-        (128, PrefillAttn::Flash8) => ("flash_prefill_hd128_w8", 8, 128, 0),
-        // (128 + 2 * BN) rows of hd + 8 bf16; BN = 64 at hd 64, 32 at hd 128
-        (64, PrefillAttn::Flash32) => ("flash_prefill_hd64_m32", 4, 128, 256 * 72 * 2),
-        (128, PrefillAttn::Flash32) => ("flash_prefill_hd128_m32", 4, 128, 192 * 136 * 2),
-        (64, _) => ("flash_prefill_hd64_w4", 4, 64, 0),
-        (128, _) => ("flash_prefill_hd128_w4", 4, 64, 0),
+        (64, _) => ("flash_prefill_hd64_w8", 8, 128, 0),
+        (128, _) => ("flash_prefill_hd128_w8", 8, 128, 0),
         _ => {
             return Err(CudaError::Unsupported {
                 reason: format!("flash prefill attention with head_dim {hd} (64 or 128 only)"),
@@ -494,26 +415,16 @@ mod tests {
     use super::PrefillAttn;
 
     #[test]
-    fn prefill_attn_parses_names_and_keeps_explicit_choices() {
-        assert_eq!(PrefillAttn::parse(" Flash "), Some(PrefillAttn::Flash));
-        assert_eq!(PrefillAttn::parse("flash8"), Some(PrefillAttn::Flash8));
+    fn prefill_attn_parses_the_kept_names_only() {
+        assert_eq!(PrefillAttn::parse(" Flash8 "), Some(PrefillAttn::Flash8));
         assert_eq!(PrefillAttn::parse("cublas"), Some(PrefillAttn::Gemm));
-        assert_eq!(PrefillAttn::parse("auto"), Some(PrefillAttn::Auto));
-        assert_eq!(PrefillAttn::parse("fast"), None);
-        assert_eq!(PrefillAttn::parse("FLASH32"), Some(PrefillAttn::Flash32));
-        assert_eq!(PrefillAttn::parse("flashv2"), Some(PrefillAttn::FlashV2));
+        assert_eq!(PrefillAttn::parse("gemm"), Some(PrefillAttn::Gemm));
         assert_eq!(PrefillAttn::parse("FlashV3"), Some(PrefillAttn::FlashV3));
-        for a in [
-            PrefillAttn::Gemm,
-            PrefillAttn::Flash,
-            PrefillAttn::Flash8,
-            PrefillAttn::Flash32,
-            PrefillAttn::FlashV2,
-            PrefillAttn::FlashV3,
-        ] {
-            assert_eq!(a.resolve(), a);
-            assert_eq!(PrefillAttn::from_code(a.code()), a);
+        // retired variants and unknown names
+        for gone in ["flash", "flash4", "flash32", "flashv2", "auto", "fast"] {
+            assert_eq!(PrefillAttn::parse(gone), None, "{gone}");
         }
-        assert_ne!(PrefillAttn::Auto.resolve(), PrefillAttn::Auto);
+        assert_eq!(PrefillAttn::default(), PrefillAttn::FlashV3);
+        assert_eq!(PrefillAttn::ALL.len(), 3);
     }
 }

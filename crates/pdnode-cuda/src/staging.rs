@@ -45,6 +45,21 @@ impl CudaBackend {
         Ok(Some(region))
     }
 
+    /// CRC32C of bytes `offset .. offset + len` of the staging arena, on the GPU
+    /// ([`super::super::ops::crc32c::crc32c`]): the value `pdnode_transfer::checksum::crc32c`
+    /// gives for the same bytes on the host, so a device-to-device hand-off can be verified like
+    /// a host-staged one. Waits for the stream (the gathers before it included).
+    pub fn staging_crc32c(&self, offset: usize, len: usize) -> Result<u32, CudaError> {
+        let arena = self
+            .staging
+            .as_ref()
+            .ok_or_else(|| CudaError::Unsupported {
+                reason: "no KV staging arena to checksum".into(),
+            })?;
+        self.gpu.bind()?;
+        super::super::ops::crc32c::crc32c(&self.gpu, arena, offset, len)
+    }
+
     /// The staging arena, or [`BackendError::NoStaging`].
     fn arena(&self) -> Result<&DevBuf, BackendError> {
         self.staging.as_ref().ok_or(BackendError::NoStaging)
@@ -266,8 +281,11 @@ impl CudaBackend {
         for i in 0..run.plan.seqs.len() {
             let ev = ev.clone();
             let gate: LayerGate = Box::new(move || {
-                ev.context().bind_to_thread().map_err(|e| e.to_string())?;
-                ev.try_is_complete().map_err(|e| format!("KV gather: {e}"))
+                let device = |op| move |e| BackendError::from(super::super::drv(op)(e));
+                ev.context()
+                    .bind_to_thread()
+                    .map_err(device("cuCtxSetCurrent"))?;
+                ev.try_is_complete().map_err(device("cuEventQuery"))
             });
             (run.plan.notify)(i, layers.clone(), gate);
         }
@@ -341,6 +359,17 @@ impl CudaTpBackend {
         })?;
         self.staging = regions.into_iter().flatten().collect();
         Ok(self.staging.clone())
+    }
+
+    /// The device CRC32C of bytes `offset .. offset + len` of every rank's arena, in rank order
+    /// ([`CudaBackend::staging_crc32c`] on each rank's GPU).
+    pub fn staging_crc32c(&mut self, offset: usize, len: usize) -> Result<Vec<u32>, BackendError> {
+        if self.staging.is_empty() {
+            return Err(BackendError::NoStaging);
+        }
+        self.on_each_rank(move |be: &mut CudaBackend| {
+            be.staging_crc32c(offset, len).map_err(BackendError::from)
+        })
     }
 
     /// Runs `copy` with `blocks` on every rank (each between its own pool and arena).

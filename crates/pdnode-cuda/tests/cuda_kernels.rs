@@ -2,6 +2,7 @@
 //! NaN first so an unwritten element fails. GPU only: `#[ignore]`d, run by scripts/gpu/run-all.sh.
 
 mod cuda_kernels_attn;
+mod cuda_kernels_crc32c;
 mod cuda_kernels_elementwise;
 mod cuda_kernels_linear;
 mod cuda_kernels_pdl;
@@ -580,8 +581,7 @@ fn paged_attention_prefill_chunks_and_split_decode() {
         if hd % 8 == 0 && 32 % (hd / 8) == 0 {
             variants.push(AttnVariant::V2Narrow);
         }
-        if ops::v3_supports(hd) {
-            variants.push(AttnVariant::V3);
+        if ops::v4_supports(hd) {
             variants.push(AttnVariant::V4);
         }
         let (ml, acc) = (poisoned(&g, 1 << 20), poisoned(&g, 64 << 20));

@@ -28,7 +28,8 @@ fn opts_gemm(block_size: u32, gemm_min: usize) -> CudaOptions {
         max_seqs: 8,
         prefill_gemm_min_tokens: gemm_min,
         linear: LinearImpl::Auto,
-        attention: AttnVariant::Auto,
+        attention: AttnVariant::Auto.into(),
+        prefill_attention: Default::default(),
         cuda_graphs: true,
         gpu_sampling: true,
         pdl: false,
@@ -60,11 +61,18 @@ fn table(rng: &mut rand_chacha::ChaCha8Rng, free: &mut Vec<u32>, n: usize) -> Ve
 
 /// Chunked prefill then greedy decode; logits and greedy tokens against the reference.
 fn prefill_decode_parity(qwen_like: bool, tied: bool, block_size: u32, gemm_min: usize) {
-    let mut rng = rng("prefill_decode_parity");
     let spec = tiny_spec(qwen_like, tied);
+    prefill_decode_parity_with(&spec, opts_gemm(block_size, gemm_min), "");
+}
+
+/// [`prefill_decode_parity`] of `spec` with backend options `o`.
+fn prefill_decode_parity_with(spec: &pdnode_engine::spec::ModelSpec, o: CudaOptions, tag: &str) {
+    let mut rng = rng("prefill_decode_parity");
+    let spec = spec.clone();
+    let (qwen_like, tied) = (spec.qk_norm, spec.tie_word_embeddings);
+    let (block_size, gemm_min) = (o.block_size, o.prefill_gemm_min_tokens);
     let w = tiny_weights(&spec, &mut rng);
-    let mut be =
-        CudaBackend::new(&spec, &w, &opts_gemm(block_size, gemm_min), "test".into()).unwrap();
+    let mut be = CudaBackend::new(&spec, &w, &o, "test".into()).unwrap();
     let mut reference = RefModel::new(&spec, &w);
     let prompt: Vec<u32> = (0..23)
         .map(|_| rng.random_range(0..spec.vocab_size as u32))
@@ -128,8 +136,50 @@ fn prefill_decode_parity(qwen_like: bool, tied: bool, block_size: u32, gemm_min:
             .unwrap();
     }
     eprintln!(
-        "qwen_like={qwen_like} tied={tied} bs={block_size} gemm_min={gemm_min}: worst logits rel err {worst}"
+        "{tag} qwen_like={qwen_like} tied={tied} bs={block_size} gemm_min={gemm_min}: worst logits rel err {worst}"
     );
+}
+
+/// Every `engine.cuda.*` kernel choice, taken from the config as `pdnode start` takes it, runs
+/// chunked prefill (10 + 13 tokens through the prefill path) and greedy decode within the
+/// reference's tolerance, at head_dim 64 (where v4 and the flash prefill kernels run).
+#[test]
+#[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
+fn every_engine_cuda_kernel_choice_matches_reference() {
+    use pdnode_core::config::{
+        AttentionKernel as A, EngineConfig, LinearKernel as L, PrefillAttention as P,
+    };
+    let mut spec = tiny_spec(false, false);
+    (
+        spec.hidden_size,
+        spec.num_heads,
+        spec.num_kv_heads,
+        spec.head_dim,
+    ) = (256, 4, 2, 64);
+    for (attention, linear, prefill, waves, max_part) in [
+        (A::Auto, L::Table, P::Flashv3, 1, 4096),
+        (A::V4, L::Mma, P::Flash8, 4, 128),
+        (A::V1, L::Gemv, P::Gemm, 1, 4096),
+        (A::V2, L::Cublas, P::Flashv3, 1, 4096),
+        (A::V2narrow, L::Table, P::Flash8, 64, 1 << 20),
+    ] {
+        let mut e = EngineConfig::default();
+        e.cuda.attention = attention;
+        e.cuda.linear = linear;
+        e.cuda.prefill_attention = prefill;
+        e.cuda.attention_v4_waves = waves;
+        e.cuda.attention_v4_max_part = max_part;
+        let c = CudaOptions::from_config(&e);
+        let o = CudaOptions {
+            attention: c.attention,
+            linear: c.linear,
+            prefill_attention: c.prefill_attention,
+            ..opts_gemm(16, 8)
+        };
+        let tag = format!("{attention:?}/{linear:?}/{prefill:?} waves={waves} max_part={max_part}");
+        prefill_decode_parity_with(&spec, o, &tag);
+        println!("PASS engine.cuda {tag}");
+    }
 }
 
 #[test]
@@ -415,6 +465,13 @@ fn kv_staging_arena_round_trip() {
         if same { "PASS" } else { "FAIL" }
     );
     assert!(same, "gather + scatter through the arena changed the KV");
+    // the arena's sum on the GPU is the host CRC32C of the gathered bytes (one byte fewer sums
+    // differently); a span past the arena is a typed error
+    let sum = be.staging_crc32c(256, per).unwrap();
+    assert_eq!(sum, pdnode_transfer::checksum::crc32c(&a));
+    assert_ne!(sum, be.staging_crc32c(256, per - 1).unwrap());
+    assert!(be.staging_crc32c(4096, per + 1).is_err());
+    println!("PASS kv_staging_arena_crc32c: {per} bytes, {sum:#010x}");
 
     // Llama-3.1-8B shapes (32 layers, 8 KV heads, head dim 128, block 16): 4096 tokens.
     let spec8 = pdnode_engine::loader::dummy::llama31_8b();

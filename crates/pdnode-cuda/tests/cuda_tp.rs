@@ -29,7 +29,8 @@ fn opts(tp: u32, blocks: u32, gemm_min: usize) -> CudaOptions {
         max_seqs: 8,
         prefill_gemm_min_tokens: gemm_min,
         linear: LinearImpl::Auto,
-        attention: AttnVariant::Auto,
+        attention: AttnVariant::Auto.into(),
+        prefill_attention: Default::default(),
         cuda_graphs: false,
         gpu_sampling: true,
         pdl: false,
@@ -511,6 +512,15 @@ fn tp2_kv_staging_arena_round_trip() {
         same,
         "TP2 gather + scatter through the arenas changed the KV"
     );
+    // each rank's arena sums on its own GPU to the host CRC32C of that rank's bytes (read_kv
+    // gives them rank after rank)
+    let sums = two.staging_crc32c(512, per).unwrap();
+    let want: Vec<u32> = a
+        .chunks(per)
+        .map(pdnode_transfer::checksum::crc32c)
+        .collect();
+    assert_eq!(sums, want, "per-rank device CRC32C");
+    println!("TP PASS tp2 staging_crc32c: {sums:08x?}");
 }
 
 /// The NVLink ceiling the KV hand-off is compared against, measured the way a hand-off uses the

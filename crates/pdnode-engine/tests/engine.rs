@@ -551,3 +551,105 @@ async fn logprobs_and_seeded_sampling_reach_the_stream() {
     assert_eq!(ta, tb);
     assert_drained(&e).await;
 }
+
+/// A consumer that stops reading never blocks the engine thread: once its stream holds
+/// `EVENT_QUEUE` events the loop cancels the request (its blocks come back at once), other
+/// requests go on, and the stream, once drained, ends with `SlowConsumer`.
+#[tokio::test]
+async fn a_consumer_that_stops_reading_is_cancelled_not_waited_for() {
+    use pdnode_engine::engine::EVENT_QUEUE;
+    let t = timing(10, 20, 10_000);
+    let b = MockBackend::with_pool(&t, 4, 2048).unwrap();
+    let cfg = EngineLoopConfig {
+        context_length: 4096,
+        ..loop_cfg(Mode::Colocated, Duration::from_secs(5), 10_000)
+    };
+    let e = spawn(Box::new(b), cfg, None).unwrap();
+    let mut stuck = e
+        .add_request(request(1, 8, 3 * EVENT_QUEUE as u32))
+        .unwrap();
+    // Another request completes meanwhile: the engine thread is not waiting on `stuck`.
+    let (tokens, end) = collect(e.add_request(request(2, 8, 20)).unwrap()).await;
+    assert_eq!(tokens.len(), 20);
+    assert!(matches!(end, EngineEvent::Finished { .. }), "{end:?}");
+    // The unread request is cancelled by the engine (nobody aborted it) and frees its blocks.
+    assert_drained(&e).await;
+    let mut got = 0;
+    let end = loop {
+        match next_event(&mut stuck).await {
+            EngineEvent::Token { .. } => got += 1,
+            other => break other,
+        }
+    };
+    assert_eq!(got, EVENT_QUEUE, "the stream holds exactly its capacity");
+    match end {
+        EngineEvent::Error {
+            error: EngineError::SlowConsumer { id, capacity },
+        } => {
+            assert_eq!((id, capacity), (RequestId(1), EVENT_QUEUE));
+            assert_eq!(
+                EngineError::SlowConsumer { id, capacity }.kind(),
+                ErrorKind::Unavailable
+            );
+        }
+        other => panic!("expected SlowConsumer, got {other:?}"),
+    }
+    assert!(
+        tokio::time::timeout(DEADLINE, stuck.next())
+            .await
+            .unwrap()
+            .is_none()
+    );
+}
+
+/// A full command queue refuses at once (`Busy`, Unavailable) instead of blocking the caller;
+/// aborts that find it full are not lost.
+#[tokio::test]
+async fn a_full_command_queue_is_refused_and_its_aborts_still_land() {
+    use pdnode_engine::engine::COMMAND_QUEUE;
+    // One 64-token prefill chunk takes ~1.3 s: the loop reads no command meanwhile.
+    let e = engine(
+        Mode::Colocated,
+        4096,
+        timing(20_000, 10, 4),
+        Duration::from_secs(5),
+    );
+    let _long = e.add_request(request(1, 200, 4)).unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut streams = Vec::new();
+    let mut busy = 0;
+    for i in 0..COMMAND_QUEUE as u64 + 64 {
+        match e.add_request(request(100 + i, 4, 4)) {
+            Ok(s) => streams.push(s),
+            Err(err) => {
+                assert!(
+                    matches!(err, EngineError::Busy { capacity } if capacity == COMMAND_QUEUE),
+                    "{err:?}"
+                );
+                assert_eq!(err.kind(), ErrorKind::Unavailable);
+                busy += 1;
+            }
+        }
+    }
+    assert!(busy >= 1, "the queue never filled");
+    assert!(streams.len() <= COMMAND_QUEUE);
+    // Every abort arrives although the queue is full (they wait on the side list).
+    e.abort(RequestId(1));
+    for s in &streams {
+        e.abort(s.id());
+    }
+    for s in streams {
+        let (_, end) = collect(s).await;
+        assert!(
+            matches!(
+                end,
+                EngineEvent::Finished {
+                    reason: FinishReason::Abort,
+                    ..
+                } | EngineEvent::Error { .. }
+            ),
+            "{end:?}"
+        );
+    }
+    assert_drained(&e).await;
+}

@@ -1,4 +1,5 @@
-// Decode paged attention, v4: v3's flash-decoding split-K over the paged cache with the dot
+// Decode paged attention, v4: flash-decoding split-K over the paged cache (the retired v3's
+// partitions, every query head of a GQA group per block) with the dot
 // products and the P V accumulation on tensor cores (mma.sync m16n8k16 bf16, fp32 accumulate),
 // and one cp.async pipeline per warp (no block-wide barrier in the main loop).
 //
@@ -16,7 +17,7 @@
 // At the end the 4 warps' (m, l, O) are merged through shared memory. Scores are in the log2
 // domain (q . k * scale * log2(e)).
 //
-// Same arguments, grid and partial outputs as paged_attention_v3 (attention_v3.cu): grid
+// Same arguments and partial outputs as paged_attention (attention.cu): grid
 // (T or len(tok_list), nkv * ceil(G / MG), nsplit), block 128, plus ATT4_SMEM(HD) bytes of dynamic
 // shared memory; partition z takes keys [z * split_len, (z + 1) * split_len) of the token's
 // context tok_pos[t] + 1 (read from device memory); a partition past the context writes neutral

@@ -6,7 +6,7 @@ typedef unsigned short bf16_t;
 typedef long long i64;
 #define INFINITY __int_as_float(0x7f800000)
 
-// Programmatic dependent launch (Hopper; the backend's `PDNODE_PDL` switch). Every kernel starts
+// Programmatic dependent launch (Hopper; the backend's `engine.cuda.pdl` switch). Every kernel starts
 // with PD_GRID_WAIT() then PD_GRID_LAUNCH_DEPENDENTS(), before any global memory access. Launched
 // with the programmatic-stream-serialization attribute, a kernel may become resident while the
 // previous kernel of the stream still runs; the wait blocks until that kernel has completed and

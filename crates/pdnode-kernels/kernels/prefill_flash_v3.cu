@@ -1,11 +1,20 @@
 // Causal flash prefill attention v3 (appended to kernels/prefill_flash.cu in one NVRTC program:
-// it uses that file's fp_* helpers; see its header for the fragment layouts and v2's comment for
-// the addressing). v2 plus software pipelining inside each warp:
+// it uses that file's fp_* helpers; see its header for the fragment layouts). Restructured from
+// the w8 kernel for throughput (the intermediate v2, a 3-stage ring without the overlap below,
+// was retired after losing its benchmark: docs/benchmarks.md):
+// - K and V of a tile travel together through a ring of shared buffers filled by cp.async, one
+//   __syncthreads per tile both publishing a tile and freeing the buffer the next load fills.
+// - Paged addressing for power-of-two block sizes only (shift and mask, no division); a thread
+//   loads the same 16-byte column of RPT key rows, one table lookup per row serving K and V, and
+//   those lookups are fetched one tile ahead into registers so no load waits on the table.
+// - Softmax on raw scores: p = 2^(s * scale_log2 - m * scale_log2) as one FFMA and one MUFU ex2;
+//   the causal mask only on tiles that reach past a warp's first query.
+// Plus software pipelining inside each warp:
 // - the scores of tile j + 1 (S = Q K^T, 64 mma) are issued in the same basic block as the
 //   softmax of tile j and its P V (64 mma), so ptxas interleaves the FFMA / MUFU / FMNMX work of
 //   the softmax with tensor-core work of the same warp instead of leaving the tensor pipe idle
-//   while both warps of a scheduler are in their softmax (v2's one barrier per tile keeps the
-//   warps in phase);
+//   while both warps of a scheduler are in their softmax (one barrier per tile keeps the warps
+//   in phase);
 // - so K of tile j + 1 and V of tile j are read in one iteration: a 4-stage ring (tile j + 3 loads
 //   while j, j + 1 are read and j + 2 is in flight), one __syncthreads per tile;
 // - the loop is unrolled by two so the two score arrays swap roles without register moves; the

@@ -42,10 +42,6 @@ pub const SOURCES: [(&str, &str); 13] = [
         include_str!("../kernels/attention_v2.cu"),
     ),
     (
-        "attention_v3.cu",
-        include_str!("../kernels/attention_v3.cu"),
-    ),
-    (
         "attention_v4.cu",
         include_str!("../kernels/attention_v4.cu"),
     ),
@@ -61,10 +57,11 @@ pub const SOURCES: [(&str, &str); 13] = [
     ),
     ("gemv.cu", include_str!("../kernels/gemv.cu")),
     ("sample.cu", include_str!("../kernels/sample.cu")),
+    ("crc32c.cu", include_str!("../kernels/crc32c.cu")),
 ];
 
 /// Kernel entry points (extern "C" names in the .cu files).
-pub const KERNEL_NAMES: [&str; 50] = [
+pub const KERNEL_NAMES: [&str; 41] = [
     "gemv_t1",
     "gemv_t2",
     "gemv_t4",
@@ -79,10 +76,6 @@ pub const KERNEL_NAMES: [&str; 50] = [
     "gemv_mma_m1_pf_norm",
     "paged_attention_v2_d8",
     "paged_attention_v2_d16",
-    "paged_attention_v3_d64_g4",
-    "paged_attention_v3_d64_g8",
-    "paged_attention_v3_d128_g4",
-    "paged_attention_v3_d128_g8",
     "paged_attention_v4_d64_g8",
     "paged_attention_v4_d64_g16",
     "paged_attention_v4_d128_g8",
@@ -90,14 +83,8 @@ pub const KERNEL_NAMES: [&str; 50] = [
     "transpose_heads",
     "kv_gather_seq",
     "causal_softmax",
-    "flash_prefill_hd64_w4",
-    "flash_prefill_hd128_w4",
     "flash_prefill_hd64_w8",
     "flash_prefill_hd128_w8",
-    "flash_prefill_hd64_m32",
-    "flash_prefill_hd128_m32",
-    "flash_prefill_hd64_v2",
-    "flash_prefill_hd128_v2",
     "flash_prefill_hd64_v3",
     "flash_prefill_hd128_v3",
     "embed_gather",
@@ -115,6 +102,7 @@ pub const KERNEL_NAMES: [&str; 50] = [
     "kv_scatter",
     "argmax_rows",
     "sample_rows",
+    "crc32c_chunks",
 ];
 
 /// The text of kernel source `file` (e.g. `sample.cu`), if it is one of [`SOURCES`].

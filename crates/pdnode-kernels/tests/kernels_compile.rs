@@ -91,7 +91,7 @@ fn touches_memory(op: &str) -> bool {
     mem.iter().any(|p| op.starts_with(p)) && !op.starts_with("ld.param")
 }
 
-/// Programmatic dependent launch (`PDNODE_PDL`) is only safe because every kernel waits on the
+/// Programmatic dependent launch (`engine.cuda.pdl`) is only safe because every kernel waits on the
 /// previous grid (`griddepcontrol.wait`) before it reads or writes any memory: in the sm_90 PTX,
 /// each entry the backend launches has the wait before its first memory instruction, then the
 /// `launch_dependents` trigger. Before sm_90 both compile to nothing (the kernels still build).

@@ -501,7 +501,7 @@ impl KvCache {
 
     /// Checks every bookkeeping invariant; `Err` lists all violations.
     pub fn check_accounting(&self) -> Result<(), KvError> {
-        crate::check::check(self).map_err(|details| KvError::Accounting { details })
+        crate::check::check(self)
     }
 
     pub(crate) fn parts(&self) -> Parts<'_> {

@@ -1,9 +1,10 @@
 //! The accounting check behind [`crate::KvCache::check_accounting`].
 
-use crate::{KvCache, Owner};
+use crate::{KvCache, KvError, Owner};
 use std::collections::HashMap;
 
-pub(crate) fn check(kv: &KvCache) -> Result<(), String> {
+/// Every bookkeeping invariant; [`KvError::Accounting`] lists every violation found.
+pub(crate) fn check(kv: &KvCache) -> Result<(), KvError> {
     let crate::cache::Parts {
         owner,
         free,
@@ -112,6 +113,8 @@ pub(crate) fn check(kv: &KvCache) -> Result<(), String> {
     if errs.is_empty() {
         Ok(())
     } else {
-        Err(errs.join("; "))
+        Err(KvError::Accounting {
+            details: errs.join("; "),
+        })
     }
 }

@@ -31,6 +31,9 @@ pub enum NodeError {
     Affinity { cores: Vec<u32>, reason: String },
     #[error("engine: {0}")]
     Engine(String),
+    /// A read of a running engine failed; keeps the engine's own error and its class.
+    #[error("engine: {0}")]
+    EngineCall(#[from] pdnode_engine::engine::EngineError),
     #[error("the node stopped: {reason}")]
     Stopped { reason: String },
 }
@@ -41,6 +44,7 @@ impl Classify for NodeError {
             NodeError::Registry(e) => e.kind(),
             NodeError::Bind { .. } | NodeError::Affinity { .. } => ErrorKind::InvalidRequest,
             NodeError::Call { .. } | NodeError::Stopped { .. } => ErrorKind::Unavailable,
+            NodeError::EngineCall(e) => e.kind(),
             NodeError::Spawn { .. } | NodeError::RestartLimit { .. } | NodeError::Engine(_) => {
                 ErrorKind::Internal
             }

@@ -31,7 +31,7 @@ pub struct NodeGrpc {
     /// See [`crate::NodeOptions::engine_stall`].
     pub engine_stall: Duration,
     /// The data path; `None` on nodes without one (routers, engine-less nodes).
-    pub pd: Option<std::sync::Arc<dyn pdnode_router::NodeClient>>,
+    pub pd: Option<std::sync::Arc<dyn pdnode_nodeapi::NodeClient>>,
 }
 
 impl NodeGrpc {
@@ -47,7 +47,7 @@ impl NodeGrpc {
         }
     }
 
-    fn pd(&self, method: &str) -> Result<&dyn pdnode_router::NodeClient, Status> {
+    fn pd(&self, method: &str) -> Result<&dyn pdnode_nodeapi::NodeClient, Status> {
         self.pd.as_deref().ok_or_else(|| not_wired(method))
     }
 }

@@ -22,6 +22,8 @@ use tokio_util::sync::CancellationToken;
 pub struct HttpDeps {
     pub id: NodeId,
     pub role: Role,
+    /// The node API listens beyond loopback in plaintext (`security.allow_insecure`).
+    pub insecure_node_plane: bool,
     pub supervisor: SupervisorHandle,
     pub load: LoadBoard,
 }
@@ -39,6 +41,7 @@ async fn health(State(d): State<HttpDeps>) -> impl IntoResponse {
         "role": d.role.as_str(),
         "detail": h.detail,
         "restarts": restarts,
+        "insecure_node_plane": d.insecure_node_plane,
     });
     let code = if h.serving {
         StatusCode::OK

@@ -27,5 +27,5 @@ pub mod supervisor;
 pub use board::{HealthBoard, LoadBoard};
 pub use engine::{EngineDescription, EngineLoad, EngineService};
 pub use error::NodeError;
-pub use node::{Node, NodeDeps, NodeOptions, ShutdownReport, node_id, served_model};
+pub use node::{Node, NodeDeps, NodeOptions, ShutdownReport, node_id, served_model, served_role};
 pub use supervisor::{NodeHealth, RestartLimits, SupervisorHandle};

@@ -55,7 +55,7 @@ pub struct NodeDeps {
     pub options: NodeOptions,
     /// The data path served by `pdnode.v1.Node` ReserveKv/Prefill/Decode/Abort (a
     /// [`crate::pd::PdNode`] on prefill and decode nodes); `None`: those answer UNIMPLEMENTED.
-    pub pd: Option<Arc<dyn pdnode_router::NodeClient>>,
+    pub pd: Option<Arc<dyn pdnode_nodeapi::NodeClient>>,
     /// The KV transport's UCX worker address (hex), published in the card.
     pub ucx_worker: Option<String>,
     /// Router frontends (OpenAI HTTP on `router.http_listen`, `pdnode.v1.Inference` gRPC on
@@ -140,6 +140,18 @@ fn now_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
+/// The role a node registers (its card, its registry key, what its node API reports): what its
+/// node API serves. A role-`all` node serves the data path on its node API only when colocated
+/// (one engine answers ReserveKv, Prefill and Decode); the in-process kind keeps its two engines
+/// behind its own router, answers UNIMPLEMENTED to the data path, and so registers as a
+/// `router`: no registry view ever offers it as a prefill or decode node.
+pub fn served_role(cfg: &Config) -> Role {
+    match cfg.node.role {
+        Role::All if !cfg.engine.colocated => Role::Router,
+        r => r,
+    }
+}
+
 impl Node {
     /// Binds the listeners, registers the card (waiting out a crashed predecessor's lease for
     /// up to one TTL; a live duplicate id fails with `AlreadyRegistered`), starts the
@@ -147,7 +159,13 @@ impl Node {
     pub async fn start(cfg: &Config, deps: NodeDeps) -> Result<Node, NodeError> {
         affinity::pin_process(&cfg.engine.cpu_affinity)?;
         let id = node_id(cfg);
+        if !cfg.node.listens_on_loopback() {
+            // Validation let it through only with security.allow_insecure.
+            tracing::warn!(listen = %cfg.node.listen,
+                "the node API is served beyond loopback in plaintext and without authentication (security.allow_insecure): anyone who reaches it can run, read or abort requests");
+        }
         let role = cfg.node.role;
+        let served = served_role(cfg);
         let grpc_l = bind("node.listen", &cfg.node.listen).await?;
         let grpc_addr = grpc_l.local_addr().map_err(|e| NodeError::Bind {
             what: "node.listen",
@@ -169,7 +187,7 @@ impl Node {
         let desc = deps.engine.as_ref().map(|e| e.describe());
         let card = NodeCard {
             id: id.clone(),
-            role,
+            role: served,
             cluster: cfg.node.cluster.clone(),
             model_id: desc
                 .as_ref()
@@ -191,7 +209,8 @@ impl Node {
             capacity: NodeCapacity::default(),
             version: env!("CARGO_PKG_VERSION").to_string(),
             started_at_ms: now_ms(),
-            colocated: role == Role::All && cfg.engine.colocated,
+            colocated: served == Role::All,
+            sglang: None,
         };
 
         let ttl = Duration::from_secs(cfg.registry.lease_ttl_s);
@@ -243,7 +262,7 @@ impl Node {
         let mut servers = Vec::new();
         let svc = grpc::NodeGrpc {
             id: id.clone(),
-            role,
+            role: served,
             version: card.version.clone(),
             supervisor: supervisor.clone(),
             load: load.clone(),
@@ -262,6 +281,7 @@ impl Node {
             let deps = http::HttpDeps {
                 id: id.clone(),
                 role,
+                insecure_node_plane: !cfg.node.listens_on_loopback(),
                 supervisor: supervisor.clone(),
                 load: load.clone(),
             };

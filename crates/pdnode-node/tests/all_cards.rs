@@ -1,6 +1,8 @@
-//! The card a role-"all" node registers says whether its node API serves both phases
-//! (`NodeCard::colocated`), and a separate router in the same cluster pairs only the colocated
-//! kind with itself: the other kind keeps its engines in process and is never called.
+//! The card a role-"all" node registers says what its node API serves: a colocated one registers
+//! as `all` with `NodeCard::colocated` (both phases on its node API), and a separate router in
+//! the same cluster pairs it with itself; the in-process kind keeps its engines behind its own
+//! router and registers as a `router` (its node API serves no data path), so no registry view
+//! ever lists it as a prefill or decode node.
 
 use pdnode_core::config::{Backend, Config, ModelFormat, RegistryKind, TransferKind};
 use pdnode_core::{Role, SamplingParams};
@@ -42,6 +44,7 @@ fn request() -> GenRequest {
             ..SamplingParams::default()
         },
         endpoint: "completions",
+        routing_key: None,
     }
 }
 
@@ -49,7 +52,7 @@ fn request() -> GenRequest {
 async fn separate_router(reg: &Arc<dyn Registry>, want: usize) -> Arc<Router> {
     let live = Arc::new(LiveMembership::start(&**reg, "mixed").await.unwrap());
     let deadline = Instant::now() + Duration::from_secs(10);
-    while live.serving(Role::All).len() < want {
+    while live.snapshot().cards().count() < want {
         assert!(Instant::now() < deadline, "the nodes never showed up");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -58,6 +61,7 @@ async fn separate_router(reg: &Arc<dyn Registry>, want: usize) -> Arc<Router> {
     Router::new(RouterDeps {
         config: cfg.router.clone(),
         api_keys: Vec::new(),
+        insecure_node_plane: false,
         membership: Arc::new(CardMembership::new(move |r| live.serving(r))),
         tokenizer: rm.tokenizer,
         chat: rm.chat,
@@ -74,8 +78,24 @@ async fn only_colocated_all_nodes_are_paired_by_another_router() {
     let aio = Node::start(&c, assemble(&c, reg.clone()).await.unwrap())
         .await
         .unwrap();
-    assert_eq!(aio.card().role, Role::All);
+    // Its node API answers UNIMPLEMENTED to ReserveKv/Prefill/Decode: it registers as what it
+    // serves (a router), so a registry view never offers it as a prefill or decode node.
+    assert_eq!(aio.card().role, Role::Router, "{:?}", aio.card());
     assert!(!aio.card().colocated, "{:?}", aio.card());
+    let live = LiveMembership::start(&*reg, "mixed").await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while live.snapshot().cards().count() < 1 {
+        assert!(Instant::now() < deadline, "the node never showed up");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for role in [Role::Prefill, Role::Decode, Role::All] {
+        assert!(
+            live.serving(role).is_empty(),
+            "an in-process all node is listed as serving {role}: {:?}",
+            live.serving(role)
+        );
+    }
+    assert_eq!(live.snapshot().by_role(Role::Router).count(), 1);
 
     // Alone in the cluster, another router has no node to use, and says so at once.
     let router = separate_router(&reg, 1).await;

@@ -3,7 +3,9 @@
 //! engine), and every way a request ends (finish, a dropped stream, an abort, an unclaimed
 //! reservation) leaves the engine's KV accounting clean.
 
-use pdnode_core::config::{Backend, Config, ModelFormat, RegistryKind, TransferKind};
+mod common;
+
+use pdnode_core::config::{Backend, Config, ModelFormat};
 use pdnode_core::{NodeId, RequestId, SamplingParams};
 use pdnode_engine::engine::EngineHandle;
 use pdnode_node::pd;
@@ -13,24 +15,10 @@ use pdnode_router::{
 use std::time::{Duration, Instant};
 
 fn mock_config() -> Config {
-    let mut c = Config::default();
-    c.engine.backend = Backend::Mock;
-    c.engine.mock.prefill_us_per_token = 1;
-    c.engine.mock.decode_us_per_token = 100;
-    c.engine.mock.output_len = 12;
-    c.engine.num_kv_blocks = 64;
-    c.engine.block_size = 4;
-    c.model.format = ModelFormat::Dummy;
-    c.model.preset = "smollm2-135m".into();
-    c.registry.kind = RegistryKind::Memory;
-    c.transfer.kind = TransferKind::InProcess;
-    c.transfer.lease_ms = 5_000;
-    c
+    common::mock_config(100, 12, 5_000)
 }
 
-fn prompt() -> Vec<u32> {
-    (0..23).map(|i| (i * 7 + 3) % 200).collect()
-}
+use common::prompt;
 
 /// Greedy tokens of one request through a router over `deps`.
 async fn through_router(deps: RouterDeps, ids: Vec<u32>, max_tokens: u32) -> Vec<u32> {
@@ -43,6 +31,7 @@ async fn on_router(router: &std::sync::Arc<Router>, ids: Vec<u32>, max_tokens: u
             prompt_token_ids: ids,
             sampling: SamplingParams::greedy(max_tokens),
             endpoint: "test",
+            routing_key: None,
         })
         .unwrap();
     let mut got = Vec::new();
@@ -150,6 +139,7 @@ async fn drops_aborts_refusals_and_leases_free_everything() {
         first_logprob: None,
         sampling: SamplingParams::greedy(50),
         prompt_token_ids: prompt(),
+        sampler: None,
     };
 
     // A wrong secret is refused; decode before prefill is refused.
@@ -240,6 +230,7 @@ async fn two_colocated_replicas_behind_a_separate_router_over_grpc() {
     let deps = RouterDeps {
         config: cfg.router.clone(),
         api_keys: Vec::new(),
+        insecure_node_plane: false,
         membership: Arc::new(CardMembership::new(move |r| live.serving(r))),
         tokenizer: rm.tokenizer,
         chat: rm.chat,

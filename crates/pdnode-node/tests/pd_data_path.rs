@@ -2,57 +2,22 @@
 //! outputs are derived from the KV it holds, so a wrong or missing hand-off changes the tokens):
 //! in-process (role = "all") and over real UCX on loopback, plus the refusals.
 
-use pdnode_core::config::{Backend, Config, ModelFormat, RegistryKind, TransferKind};
+mod common;
+
+use common::{colocated_sampled, colocated_tokens, cpu_prompt, cpu_ucx_config, pd_pair};
+
+use pdnode_core::config::{Config, ModelFormat, TransferKind};
 use pdnode_core::{NodeId, RequestId, Role, SamplingParams};
-use pdnode_engine::engine::EngineEvent;
-use pdnode_engine::scheduler::Mode;
 use pdnode_node::pd::{self, PdNode};
 use pdnode_router::{DecodeCall, GenEvent, GenRequest, NodeClient, PrefillCall, ReserveKv, Router};
-use prost::Message;
 use std::sync::Arc;
 use std::time::Duration;
 
 fn mock_config() -> Config {
-    let mut c = Config::default();
-    c.engine.backend = Backend::Mock;
-    c.engine.mock.prefill_us_per_token = 1;
-    c.engine.mock.decode_us_per_token = 100;
-    c.engine.mock.output_len = 12;
-    c.engine.num_kv_blocks = 64;
-    c.engine.block_size = 4;
-    c.model.format = ModelFormat::Dummy;
-    c.model.preset = "smollm2-135m".into();
-    c.registry.kind = RegistryKind::Memory;
-    c.transfer.kind = TransferKind::InProcess;
-    c.transfer.lease_ms = 5_000;
-    c
+    common::mock_config(100, 12, 5_000)
 }
 
-fn prompt() -> Vec<u32> {
-    (0..23).map(|i| (i * 7 + 3) % 200).collect()
-}
-
-async fn colocated_tokens(cfg: &Config, ids: &[u32], max_tokens: u32) -> Vec<u32> {
-    let built = tokio::task::block_in_place(|| pd::build_engine(cfg, Mode::Colocated)).unwrap();
-    let mut s = built
-        .handle
-        .add_request(pdnode_core::request::GenerateRequest {
-            id: RequestId(1),
-            prompt_token_ids: ids.to_vec(),
-            sampling: SamplingParams::greedy(max_tokens),
-        })
-        .unwrap();
-    let mut out = Vec::new();
-    while let Some(ev) = s.next().await {
-        match ev {
-            EngineEvent::Token { token, .. } => out.push(token),
-            EngineEvent::Finished { .. } => break,
-            other => panic!("unexpected {other:?}"),
-        }
-    }
-    built.handle.shutdown(Duration::from_secs(5)).await;
-    out
-}
+use common::prompt;
 
 async fn assert_clean(node: &PdNode) {
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
@@ -83,6 +48,7 @@ async fn all_in_one_pd_matches_colocated_and_frees_everything() {
             prompt_token_ids: prompt(),
             sampling: SamplingParams::greedy(10),
             endpoint: "test",
+            routing_key: None,
         })
         .unwrap();
     let mut got = Vec::new();
@@ -125,10 +91,8 @@ async fn refusals_wrong_secret_layout_and_missing_reservation() {
         .unwrap();
 
     // A layout that differs in one field is refused and named.
-    let mut wire = pdnode_proto::v1::KvTarget::decode(target.encoded.clone()).unwrap();
-    wire.layout.as_mut().unwrap().block_size *= 2;
     let mut bad = target.clone();
-    bad.encoded = wire.encode_to_vec().into();
+    bad.layout.block_size *= 2;
     let e = aio
         .prefill
         .prefill(PrefillCall {
@@ -151,6 +115,7 @@ async fn refusals_wrong_secret_layout_and_missing_reservation() {
             first_logprob: None,
             sampling: SamplingParams::greedy(4),
             prompt_token_ids: prompt(),
+            sampler: None,
         })
         .await;
     assert!(wrong.is_err());
@@ -166,6 +131,7 @@ async fn refusals_wrong_secret_layout_and_missing_reservation() {
             first_logprob: None,
             sampling: SamplingParams::greedy(4),
             prompt_token_ids: prompt(),
+            sampler: None,
         })
         .await;
     assert!(none.err().unwrap().message.contains("no KV reservation"));
@@ -256,6 +222,7 @@ async fn ucx_hand_off_matches_colocated() {
             first_logprob: None,
             sampling: SamplingParams::greedy(10),
             prompt_token_ids: prompt(),
+            sampler: out.sampler,
         })
         .await
         .unwrap();
@@ -276,51 +243,6 @@ async fn ucx_hand_off_matches_colocated() {
     assert_clean(&d.node).await;
 }
 
-/// The CPU backend over a tiny HF fixture, prefill and decode nodes over UCX on loopback: the
-/// KV goes through the nodes' registered staging arenas (or host staging, when they are absent
-/// or full).
-fn cpu_ucx_config() -> Config {
-    let mut c = Config::default();
-    c.engine.backend = Backend::Cpu;
-    c.engine.cpu_threads = 1;
-    c.engine.num_kv_blocks = 64;
-    c.engine.block_size = 4;
-    c.model.format = ModelFormat::Hf;
-    c.model.path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../pdnode-engine/tests/fixtures/llama_gqa"
-    )
-    .into();
-    c.registry.kind = RegistryKind::Memory;
-    c.transfer.kind = TransferKind::Ucx;
-    c.transfer.lease_ms = 5_000;
-    c
-}
-
-fn cpu_prompt(seed: u32) -> Vec<u32> {
-    (0..23).map(|i| (i * 7 + 3 + seed * 11) % 120).collect()
-}
-
-/// Starts a prefill and a decode node; `None` when UCX is missing outside CI.
-fn pd_pair(cfg: &Config) -> Option<(pd::ServingNode, pd::ServingNode)> {
-    let mut pcfg = cfg.clone();
-    pcfg.node.role = Role::Prefill;
-    let mut dcfg = cfg.clone();
-    dcfg.node.role = Role::Decode;
-    let p = tokio::task::block_in_place(|| pd::pd_node(&pcfg, &NodeId::new("p"), Role::Prefill));
-    let p = match p {
-        Ok(p) => p,
-        Err(e) if std::env::var("CI").is_err() && e.to_string().contains("libucp") => {
-            eprintln!("skipped: UCX library not available here: {e}");
-            return None;
-        }
-        Err(e) => panic!("{e}"),
-    };
-    let d = tokio::task::block_in_place(|| pd::pd_node(&dcfg, &NodeId::new("d"), Role::Decode))
-        .unwrap();
-    Some((p, d))
-}
-
 /// One request through reserve -> prefill (push) -> decode; the tokens and the prefill outcome.
 async fn pd_request(
     p: &pd::ServingNode,
@@ -329,6 +251,18 @@ async fn pd_request(
     ids: &[u32],
     max_tokens: u32,
 ) -> (Vec<u32>, pdnode_router::PrefillOutcome) {
+    pd_request_sampled(p, d, id, ids, SamplingParams::greedy(max_tokens)).await
+}
+
+/// [`pd_request`] with any sampling; the decode call carries prefill's sampler, as the router's.
+async fn pd_request_sampled(
+    p: &pd::ServingNode,
+    d: &pd::ServingNode,
+    id: u64,
+    ids: &[u32],
+    sampling: SamplingParams,
+) -> (Vec<u32>, pdnode_router::PrefillOutcome) {
+    let max_tokens = sampling.max_tokens;
     let id = RequestId(id);
     let target = d
         .node
@@ -345,7 +279,7 @@ async fn pd_request(
         .prefill(PrefillCall {
             request_id: id,
             prompt_token_ids: ids.to_vec(),
-            sampling: SamplingParams::greedy(max_tokens),
+            sampling: sampling.clone(),
             target: target.clone(),
         })
         .await
@@ -358,8 +292,9 @@ async fn pd_request(
             secret: target.secret.clone(),
             first_token_id: out.first_token_id,
             first_logprob: None,
-            sampling: SamplingParams::greedy(max_tokens),
+            sampling: sampling.clone(),
             prompt_token_ids: ids.to_vec(),
+            sampler: out.sampler,
         })
         .await
         .unwrap();
@@ -379,6 +314,39 @@ async fn pd_request(
 
 fn arena_free(n: &pd::ServingNode) -> bool {
     n.node.staging_arena().is_none_or(|a| a.all_free())
+}
+
+/// Seeded sampling through a CPU PD split (prefill and decode nodes, KV over UCX) gives the
+/// colocated engine's tokens: the decode node continues prefill's sampler (its seed and
+/// ChaCha20 position after the first token), not a stream restarted from the seed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seeded_sampling_through_a_cpu_pd_split_equals_colocated() {
+    // SAFETY (env): set before any UCX context exists in this test process.
+    unsafe { std::env::set_var("UCX_NET_DEVICES", "lo") };
+    let cfg = cpu_ucx_config();
+    let ids = cpu_prompt(2);
+    let sampled = |seed| SamplingParams {
+        temperature: 1.0,
+        seed: Some(seed),
+        max_tokens: 8,
+        ..SamplingParams::default()
+    };
+    let mut want = Vec::new();
+    for seed in [3, 99] {
+        want.push(colocated_sampled(&cfg, &ids, sampled(seed)).await);
+    }
+    assert_ne!(
+        want[0], want[1],
+        "the seed changes nothing: nothing is sampled"
+    );
+    let Some((p, d)) = pd_pair(&cfg) else { return };
+    for (i, seed) in [3, 99].into_iter().enumerate() {
+        let (got, out) = pd_request_sampled(&p, &d, 300 + i as u64, &ids, sampled(seed)).await;
+        assert!(out.sampler.is_some_and(|s| s.seed == seed), "{out:?}");
+        assert_eq!(got, want[i], "seed {seed}: PD differs from colocated");
+    }
+    assert_clean(&p.node).await;
+    assert_clean(&d.node).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -751,5 +719,47 @@ async fn a_momentarily_full_arena_is_waited_for_not_bypassed() {
     );
     assert!(pa.all_free() && da.all_free(), "arena slices freed");
     assert_clean(&p.node).await;
+    assert_clean(&d.node).await;
+}
+
+/// A `ReserveKv` waiting for room in a full decode arena ends when the request is aborted (not
+/// at the wait's deadline), answers `Cancelled`, and gives its blocks back at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abort_ends_a_reservation_waiting_for_arena_room() {
+    // SAFETY (env): set before any UCX context exists in this test process.
+    unsafe { std::env::set_var("UCX_NET_DEVICES", "lo") };
+    let mut cfg = cpu_ucx_config();
+    cfg.engine.kv_staging_tokens = 24;
+    // A long lease: the wait for room would last up to MAX_ARENA_WAIT (5 s) without the abort.
+    cfg.transfer.lease_ms = 60_000;
+    let Some((_p, d)) = pd_pair(&cfg) else { return };
+    let d = Arc::new(d);
+    let da = d.node.staging_arena().expect("decode arena").clone();
+    let hold = da.reserve(da.len()).expect("whole decode arena");
+    let d2 = d.clone();
+    let r = tokio::spawn(async move {
+        d2.node
+            .reserve_kv(ReserveKv {
+                request_id: RequestId(77),
+                prefill_node: NodeId::new("p"),
+                prompt_token_ids: cpu_prompt(0),
+                max_tokens: 5,
+            })
+            .await
+    });
+    wait_until("decode reservation waits", || da.wait_counts().0 == 1).await;
+    let t = std::time::Instant::now();
+    assert!(d.node.abort(RequestId(77), "test".into()).await.unwrap());
+    let got = tokio::time::timeout(Duration::from_secs(2), r)
+        .await
+        .expect("the abort did not end the wait")
+        .unwrap();
+    assert!(t.elapsed() < Duration::from_secs(2));
+    match got {
+        Err(e) => assert_eq!(e.kind, pdnode_core::ErrorKind::Cancelled, "{e:?}"),
+        Ok(t) => panic!("reserved although aborted: {t:?}"),
+    }
+    drop(hold);
+    assert!(da.all_free(), "no span kept");
     assert_clean(&d.node).await;
 }

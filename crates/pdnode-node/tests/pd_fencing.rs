@@ -6,80 +6,16 @@
 //! The late or corrupting writer is the test itself: it puts into a decode node's staging with
 //! the rank regions of a KV target it kept, as a prefill node whose puts were delayed would.
 
-use pdnode_core::config::{Backend, Config, ModelFormat, RegistryKind, TransferKind};
-use pdnode_core::{NodeId, RequestId, Role, SamplingParams};
-use pdnode_engine::engine::EngineEvent;
-use pdnode_engine::scheduler::Mode;
+mod common;
+
+use common::{colocated_tokens, cpu_prompt, cpu_ucx_config, pd_pair};
+use pdnode_core::{NodeId, RequestId, SamplingParams};
 use pdnode_node::pd::fence::{FenceRecord, RECORD_LEN};
 use pdnode_node::pd::{self, PdNode};
 use pdnode_proto::v1;
 use pdnode_router::{DecodeCall, KvTarget, NodeClient, PrefillCall, PrefillOutcome, ReserveKv};
 use pdnode_transfer::{KvTransport, RemoteRegion, Span};
-use prost::Message;
 use std::time::{Duration, Instant};
-
-fn cpu_ucx_config() -> Config {
-    let mut c = Config::default();
-    c.engine.backend = Backend::Cpu;
-    c.engine.cpu_threads = 1;
-    c.engine.num_kv_blocks = 64;
-    c.engine.block_size = 4;
-    c.model.format = ModelFormat::Hf;
-    c.model.path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../pdnode-engine/tests/fixtures/llama_gqa"
-    )
-    .into();
-    c.registry.kind = RegistryKind::Memory;
-    c.transfer.kind = TransferKind::Ucx;
-    c.transfer.lease_ms = 5_000;
-    c
-}
-
-fn cpu_prompt(seed: u32) -> Vec<u32> {
-    (0..23).map(|i| (i * 7 + 3 + seed * 11) % 120).collect()
-}
-
-async fn colocated_tokens(cfg: &Config, ids: &[u32], max_tokens: u32) -> Vec<u32> {
-    let built = tokio::task::block_in_place(|| pd::build_engine(cfg, Mode::Colocated)).unwrap();
-    let mut s = built
-        .handle
-        .add_request(pdnode_core::request::GenerateRequest {
-            id: RequestId(1),
-            prompt_token_ids: ids.to_vec(),
-            sampling: SamplingParams::greedy(max_tokens),
-        })
-        .unwrap();
-    let mut out = Vec::new();
-    while let Some(ev) = s.next().await {
-        match ev {
-            EngineEvent::Token { token, .. } => out.push(token),
-            EngineEvent::Finished { .. } => break,
-            other => panic!("unexpected {other:?}"),
-        }
-    }
-    built.handle.shutdown(Duration::from_secs(5)).await;
-    out
-}
-
-fn pd_pair(cfg: &Config) -> Option<(pd::ServingNode, pd::ServingNode)> {
-    let mut pcfg = cfg.clone();
-    pcfg.node.role = Role::Prefill;
-    let mut dcfg = cfg.clone();
-    dcfg.node.role = Role::Decode;
-    let p = tokio::task::block_in_place(|| pd::pd_node(&pcfg, &NodeId::new("p"), Role::Prefill));
-    let p = match p {
-        Ok(p) => p,
-        Err(e) if std::env::var("CI").is_err() && e.to_string().contains("libucp") => {
-            eprintln!("skipped: UCX library not available here: {e}");
-            return None;
-        }
-        Err(e) => panic!("{e}"),
-    };
-    let d = tokio::task::block_in_place(|| pd::pd_node(&dcfg, &NodeId::new("d"), Role::Decode))
-        .unwrap();
-    Some((p, d))
-}
 
 async fn reserve(d: &pd::ServingNode, id: u64, ids: &[u32]) -> (KvTarget, v1::KvTarget) {
     let t = d
@@ -92,7 +28,7 @@ async fn reserve(d: &pd::ServingNode, id: u64, ids: &[u32]) -> (KvTarget, v1::Kv
         })
         .await
         .unwrap();
-    let wire = v1::KvTarget::decode(t.encoded.clone()).unwrap();
+    let wire = v1::KvTarget::from(&t);
     (t, wire)
 }
 
@@ -125,6 +61,7 @@ async fn decode(
             first_logprob: None,
             sampling: SamplingParams::greedy(5),
             prompt_token_ids: ids.to_vec(),
+            sampler: None,
         })
         .await
         .map_err(|e| e.message)?;

@@ -51,7 +51,9 @@ async fn grpc_and_http_health_stats_and_unimplemented_methods() {
         .into_inner();
     assert_eq!(h.status, v1::ServingStatus::Serving as i32, "{h:?}");
     assert_eq!(h.node_id, "srv-0");
-    assert_eq!(h.role, v1::Role::All as i32);
+    // A role-"all" node that is not colocated serves no data path on its node API: it says
+    // (and registers) what it serves, a router.
+    assert_eq!(h.role, v1::Role::Router as i32);
     let s = client
         .stats(v1::StatsRequest {})
         .await
@@ -92,6 +94,8 @@ async fn grpc_and_http_health_stats_and_unimplemented_methods() {
         .unwrap();
     assert!(body.contains(" 200 "), "{body}");
     assert!(body.contains("\"node_id\":\"srv-0\""), "{body}");
+    // Loopback node API: not flagged as insecure.
+    assert!(body.contains("\"insecure_node_plane\":false"), "{body}");
 
     let grpc = node.grpc_addr();
     let report = node.shutdown().await;

@@ -7,6 +7,7 @@ use futures::future::BoxFuture;
 use pdnode_core::Role;
 use pdnode_core::card::NodeCapacity;
 use pdnode_core::config::{Config, RegistryConfig};
+use pdnode_engine::engine::EngineError;
 use pdnode_node::{
     EngineDescription, EngineLoad, EngineService, Node, NodeDeps, NodeOptions, RestartLimits,
 };
@@ -37,7 +38,7 @@ impl EngineService for TestEngine {
             tp_size: 1,
         }
     }
-    fn load(&self) -> BoxFuture<'_, Result<EngineLoad, String>> {
+    fn load(&self) -> BoxFuture<'_, Result<EngineLoad, EngineError>> {
         async move {
             if self
                 .panics_left
@@ -66,7 +67,7 @@ impl EngineService for TestEngine {
     fn stop_admitting(&self) {
         self.admitting.store(false, Ordering::SeqCst);
     }
-    fn in_flight(&self) -> BoxFuture<'_, Result<usize, String>> {
+    fn in_flight(&self) -> BoxFuture<'_, Result<usize, EngineError>> {
         let n = self.in_flight.load(Ordering::SeqCst);
         async move { Ok(n) }.boxed()
     }

@@ -7,7 +7,7 @@
 use crate::v1;
 use pdnode_core::card::{NodeAddresses, NodeCapacity};
 use pdnode_core::error::Classify;
-use pdnode_core::request::TokenLogprob;
+use pdnode_core::request::{SamplerState, TokenLogprob};
 use pdnode_core::{
     DType, ErrorKind, FinishReason, KvLayout, NodeCard, NodeId, Role, SamplingParams,
 };
@@ -353,6 +353,25 @@ impl From<v1::SamplingParams> for SamplingParams {
     }
 }
 
+impl From<SamplerState> for v1::SamplerState {
+    fn from(s: SamplerState) -> Self {
+        Self {
+            seed: s.seed,
+            word_pos_lo: s.word_pos as u64,
+            word_pos_hi: (s.word_pos >> 64) as u64,
+        }
+    }
+}
+
+impl From<v1::SamplerState> for SamplerState {
+    fn from(s: v1::SamplerState) -> Self {
+        Self {
+            seed: s.seed,
+            word_pos: (u128::from(s.word_pos_hi) << 64) | u128::from(s.word_pos_lo),
+        }
+    }
+}
+
 impl From<&TokenLogprob> for v1::TokenLogprob {
     fn from(t: &TokenLogprob) -> Self {
         v1::TokenLogprob {
@@ -476,9 +495,13 @@ impl TryFrom<v1::NodeCard> for NodeCard {
             version: c.version,
             started_at_ms: c.started_at_ms,
             colocated: c.colocated,
+            // SGLang workers' cards stay in the registry; they never travel over the node API.
+            sglang: None,
         })
     }
 }
+
+mod kv_target;
 
 #[cfg(test)]
 mod tests;

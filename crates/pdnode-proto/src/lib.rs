@@ -4,7 +4,9 @@
 //!   client API) and `node_client`/`node_server` (`pdnode.v1.Node`, the node-to-node API).
 //! - [`convert`]: `From`/`TryFrom` between these messages and pdnode-core types. Convert at the
 //!   edge that serves or calls an RPC; actors and policies never see prost types.
-//! - [`FILE_DESCRIPTOR_SET`]: the encoded descriptors, for gRPC reflection.
+//! - [`FILE_DESCRIPTOR_SET`]: the encoded descriptors of every proto;
+//!   [`CLIENT_FILE_DESCRIPTOR_SET`]: those of the client API only (what the router's client port
+//!   reflects: never `pdnode.v1.Node`).
 //!
 //! The protos live in `proto/pdnode/v1/` at the workspace root; code generation uses protox, so
 //! no system `protoc` is needed.
@@ -21,5 +23,11 @@ pub mod v1 {
 /// `tonic_reflection::server::Builder::register_encoded_file_descriptor_set`.
 pub const FILE_DESCRIPTOR_SET: &[u8] =
     include_bytes!(concat!(env!("OUT_DIR"), "/pdnode_v1_descriptor.bin"));
+
+/// The encoded `FileDescriptorSet` of the client API (`pdnode/v1/inference.proto` and its
+/// imports): reflection on the client-facing port describes `pdnode.v1.Inference` and never the
+/// node data-path API.
+pub const CLIENT_FILE_DESCRIPTOR_SET: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/pdnode_v1_client_descriptor.bin"));
 
 pub use convert::ConvertError;

@@ -59,6 +59,11 @@ impl LiveMembership {
         self.read(|v| v.serving(role).cloned().collect())
     }
 
+    /// SGLang workers' cards of `role`, ordered by node id.
+    pub fn sglang_workers(&self, role: Role) -> Vec<NodeCard> {
+        self.read(|v| v.sglang_workers(role).cloned().collect())
+    }
+
     /// A copy of the whole view.
     pub fn snapshot(&self) -> MembershipView {
         self.read(MembershipView::clone)

@@ -68,14 +68,24 @@ impl MembershipView {
             .map(|(_, c)| c)
     }
 
-    /// Cards that can serve `role` work: that role, plus `all` nodes for prefill and decode.
+    /// pdnode nodes that can serve `role` work: that role, plus `all` nodes for prefill and
+    /// decode. SGLang workers' cards are not among them (see [`Self::sglang_workers`]).
     pub fn serving(&self, role: Role) -> impl Iterator<Item = &NodeCard> {
         self.nodes
             .iter()
             .filter(move |(_, c)| {
-                c.role == role
-                    || (c.role == Role::All && matches!(role, Role::Prefill | Role::Decode))
+                c.sglang.is_none()
+                    && (c.role == role
+                        || (c.role == Role::All && matches!(role, Role::Prefill | Role::Decode)))
             })
+            .map(|(_, c)| c)
+    }
+
+    /// Cards of SGLang HTTP workers of `role` (registered by `pdnode sglang-register`).
+    pub fn sglang_workers(&self, role: Role) -> impl Iterator<Item = &NodeCard> {
+        self.nodes
+            .iter()
+            .filter(move |(_, c)| c.sglang.is_some() && c.role == role)
             .map(|(_, c)| c)
     }
 
@@ -137,7 +147,27 @@ mod tests {
             version: "0".into(),
             started_at_ms: 0,
             colocated: false,
+            sglang: None,
         }
+    }
+
+    #[test]
+    fn sglang_worker_cards_are_apart_from_pdnode_nodes() {
+        let mut v = MembershipView::new();
+        let mut sg = card(Role::Decode, "sg-d0", 0);
+        sg.sglang = Some(pdnode_core::SglangWorker {
+            url: "http://10.0.0.3:30000".into(),
+            bootstrap_port: None,
+        });
+        let snap = Snapshot {
+            cards: vec![card(Role::Decode, "d0", 0), sg],
+            revision: 1,
+        };
+        v.apply(&MembershipEvent::Snapshot(snap));
+        let ids = |it: Vec<&NodeCard>| it.iter().map(|c| c.id.to_string()).collect::<Vec<_>>();
+        assert_eq!(ids(v.serving(Role::Decode).collect()), ["d0"]);
+        assert_eq!(ids(v.sglang_workers(Role::Decode).collect()), ["sg-d0"]);
+        assert_eq!(v.sglang_workers(Role::Prefill).count(), 0);
     }
 
     #[test]

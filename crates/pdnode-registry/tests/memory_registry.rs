@@ -26,6 +26,7 @@ fn card(role: Role, id: &str) -> NodeCard {
         version: "0".into(),
         started_at_ms: 1,
         colocated: false,
+        sglang: None,
     }
 }
 

@@ -4,28 +4,8 @@
 use pdnode_core::error::{Classify, ErrorKind};
 use pdnode_core::{NodeId, RequestId, Role};
 
-/// A failure of a call to a prefill or decode node, as the [`crate::NodeClient`] reports it.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-#[error("{kind}: {message}")]
-pub struct NodeError {
-    pub kind: ErrorKind,
-    pub message: String,
-}
-
-impl NodeError {
-    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        Self {
-            kind,
-            message: message.into(),
-        }
-    }
-}
-
-impl Classify for NodeError {
-    fn kind(&self) -> ErrorKind {
-        self.kind
-    }
-}
+/// A failure of a call to a prefill or decode node (defined in `pdnode-nodeapi`).
+pub use pdnode_nodeapi::NodeError;
 
 /// Which step of the prefill/decode flow failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

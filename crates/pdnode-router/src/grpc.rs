@@ -94,6 +94,7 @@ impl InferenceService {
             prompt_token_ids: tokens,
             sampling,
             endpoint: "grpc",
+            routing_key: None,
         })
     }
 }
@@ -127,10 +128,18 @@ impl v1::inference_server::Inference for InferenceService {
         request: Request<v1::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         self.check_auth(&request)?;
+        let key = crate::router::routing_key(
+            request
+                .metadata()
+                .get(crate::router::ROUTING_KEY_HEADER)
+                .map(|v| v.as_bytes()),
+        )
+        .map_err(|e| status_of(&e))?;
         let req = request.into_inner();
         let client_request_id = req.client_request_id.clone();
         let return_text = req.return_text.unwrap_or(true);
-        let gen_req = self.prepare(req).map_err(|e| status_of(&e))?;
+        let mut gen_req = self.prepare(req).map_err(|e| status_of(&e))?;
+        gen_req.routing_key = key;
         let mut generation = self.router.generate(gen_req).map_err(|e| status_of(&e))?;
         // Errors before the first token are the RPC status.
         let first = match generation.events.recv().await {

@@ -26,6 +26,9 @@ pub use node::{
     DecodeCall, DecodeChunk, DecodeStream, KvTarget, NodeClient, NodeStats, PrefillCall,
     PrefillOutcome, ReserveKv,
 };
-pub use router::{GenEvent, GenRequest, Generation, ModelInfo, Router, RouterDeps, Usage};
+pub use router::{
+    GenEvent, GenRequest, Generation, ModelInfo, ROUTING_KEY_HEADER, ROUTING_KEY_MAX, Router,
+    RouterDeps, Usage, routing_key,
+};
 pub use server::run;
 pub use tokenize::{ChatMessage, ChatRender, Tokenize, TokenizeError};

@@ -90,16 +90,26 @@ pub async fn serve(
     let grpc_task = match grpc {
         None => None,
         Some(listener) => {
-            let reflection = tonic_reflection::server::Builder::configure()
-                .register_encoded_file_descriptor_set(pdnode_proto::FILE_DESCRIPTOR_SET)
+            // The client port serves the client API and reflection (v1, and v1alpha for the
+            // clients that still speak only it), over the client API's descriptors only: never
+            // `pdnode.v1.Node`, which lives on the node's own listener.
+            let reflection = || {
+                tonic_reflection::server::Builder::configure()
+                    .register_encoded_file_descriptor_set(pdnode_proto::CLIENT_FILE_DESCRIPTOR_SET)
+            };
+            let reflection_v1 = reflection()
                 .build_v1()
+                .map_err(|e| ServeError::Reflection(e.to_string()))?;
+            let reflection_v1alpha = reflection()
+                .build_v1alpha()
                 .map_err(|e| ServeError::Reflection(e.to_string()))?;
             let svc = InferenceService::new(router.clone()).into_server();
             let stop = shutdown.clone();
             let incoming = crate::net::grpc_incoming(listener);
             Some(tokio::spawn(async move {
                 tonic::transport::Server::builder()
-                    .add_service(reflection)
+                    .add_service(reflection_v1)
+                    .add_service(reflection_v1alpha)
                     .add_service(svc)
                     .serve_with_incoming_shutdown(incoming, stop.cancelled_owned())
                     .await

@@ -9,7 +9,6 @@ use crate::node::{
     PrefillOutcome, ReserveKv,
 };
 use crate::tokenize::{ChatMessage, ChatRender, Tokenize, TokenizeError};
-use bytes::Bytes;
 use futures::future::BoxFuture;
 use parking_lot::Mutex;
 use pdnode_core::card::{NodeAddresses, NodeCapacity};
@@ -229,6 +228,44 @@ impl FakeNode {
     }
 }
 
+/// A well-formed KV target of `blocks` blocks for tests (one UCX rank, a 16-byte secret
+/// derived from the request id).
+pub fn fake_target(request: RequestId, decode_node: &NodeId, blocks: usize) -> KvTarget {
+    let mut secret = request.0.to_le_bytes().to_vec();
+    secret.resize(pdnode_core::kv_target::SECRET_LEN, 0xA5);
+    KvTarget {
+        request,
+        decode_node: decode_node.clone(),
+        decode_grpc_addr: String::new(),
+        transport: pdnode_core::TargetTransport::Ucx,
+        worker_address: vec![1; 8],
+        ranks: vec![pdnode_core::RankTarget {
+            rank: 0,
+            rkey: vec![2; 8],
+            base_addr: 0,
+            region_len: 1 << 20,
+            worker_address: Vec::new(),
+            device_memory: false,
+        }],
+        blocks: (0..blocks as u32).map(pdnode_core::BlockId).collect(),
+        layout: pdnode_core::KvLayout {
+            dtype: pdnode_core::DType::F32,
+            num_layers: 1,
+            block_size: FAKE_BLOCK_TOKENS as u32,
+            kv_heads_per_rank: 1,
+            head_dim: 1,
+            tp_size: 1,
+            model_fingerprint: "fake".into(),
+        },
+        secret,
+        lease_deadline_ms: 0,
+        placement: pdnode_core::Placement::Staging { offset: 0 },
+        staging_generation: 0,
+        fence_record: false,
+        verify: false,
+    }
+}
+
 /// A card for tests.
 pub fn fake_card(id: &str, role: Role) -> NodeCard {
     NodeCard {
@@ -245,6 +282,7 @@ pub fn fake_card(id: &str, role: Role) -> NodeCard {
         started_at_ms: 0,
         // Role `all` cards of tests are colocated engines unless a test says otherwise.
         colocated: role == Role::All,
+        sglang: None,
     }
 }
 
@@ -257,11 +295,11 @@ impl NodeClient for FakeNode {
             }
             self.token(req.request_id);
             self.hold(req.request_id, blocks_for(req.prompt_token_ids.len()));
-            Ok(KvTarget {
-                decode_node: self.id.clone(),
-                secret: req.request_id.0.to_le_bytes().to_vec(),
-                encoded: Bytes::new(),
-            })
+            Ok(fake_target(
+                req.request_id,
+                &self.id,
+                blocks_for(req.prompt_token_ids.len()).max(1) as usize,
+            ))
         })
     }
 
@@ -297,6 +335,7 @@ impl NodeClient for FakeNode {
                 cached_tokens: 0,
                 transfer_bytes: 4096 * req.prompt_token_ids.len() as u64,
                 transfer_us: 100,
+                sampler: None,
             })
         })
     }

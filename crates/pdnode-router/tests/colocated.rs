@@ -15,6 +15,7 @@ fn router(workers: Vec<pdnode_router::Worker>) -> Arc<Router> {
     Router::new(RouterDeps {
         config: common::config(),
         api_keys: Vec::new(),
+        insecure_node_plane: false,
         membership: Arc::new(StaticMembership::new(workers)),
         tokenizer: Arc::new(FakeTokenizer),
         chat: Arc::new(FakeTokenizer),
@@ -36,6 +37,7 @@ async fn run(r: &Arc<Router>, prompt: &str) -> Result<String, ErrorKind> {
                 ..SamplingParams::default()
             },
             endpoint: "completions",
+            routing_key: None,
         })
         .map_err(|e| pdnode_core::error::Classify::kind(&e))?;
     let mut text = String::new();

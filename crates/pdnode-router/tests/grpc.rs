@@ -214,6 +214,86 @@ async fn api_keys_health_list_nodes_and_reflection() {
         list.service.iter().any(|s| s.name == "pdnode.v1.Inference"),
         "{list:?}"
     );
+    assert!(
+        !list.service.iter().any(|s| s.name == "pdnode.v1.Node"),
+        "{list:?}"
+    );
+    h.stop().await;
+}
+
+/// What a generic client finds on the client port by reflection v1alpha (grpcio-reflection,
+/// Postman and evans speak only it): the client API and reflection, never `pdnode.v1.Node`;
+/// the node API's symbols are unknown there and calling it answers UNIMPLEMENTED.
+#[tokio::test]
+async fn client_port_reflects_v1alpha_and_never_the_node_api() {
+    use tonic_reflection::pb::v1alpha::ServerReflectionRequest;
+    use tonic_reflection::pb::v1alpha::server_reflection_client::ServerReflectionClient;
+    use tonic_reflection::pb::v1alpha::server_reflection_request::MessageRequest;
+    use tonic_reflection::pb::v1alpha::server_reflection_response::MessageResponse;
+    let h = Harness::start(1, 1).await;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", h.grpc))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut rc = ServerReflectionClient::new(channel.clone());
+    let ask = |m: MessageRequest| ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(m),
+    };
+    let mut resp = rc
+        .server_reflection_info(tokio_stream::iter(vec![
+            ask(MessageRequest::ListServices(String::new())),
+            ask(MessageRequest::FileContainingSymbol(
+                "pdnode.v1.Inference".into(),
+            )),
+            ask(MessageRequest::FileContainingSymbol(
+                "pdnode.v1.Node".into(),
+            )),
+        ]))
+        .await
+        .expect("reflection v1alpha is served")
+        .into_inner();
+    let msg = resp.message().await.unwrap().unwrap();
+    let Some(MessageResponse::ListServicesResponse(list)) = msg.message_response else {
+        panic!("unexpected reflection answer: {msg:?}");
+    };
+    let names: Vec<&str> = list.service.iter().map(|s| s.name.as_str()).collect();
+    assert!(names.contains(&"pdnode.v1.Inference"), "{names:?}");
+    assert!(!names.contains(&"pdnode.v1.Node"), "{names:?}");
+    let msg = resp.message().await.unwrap().unwrap();
+    assert!(
+        matches!(
+            msg.message_response,
+            Some(MessageResponse::FileDescriptorResponse(ref f)) if !f.file_descriptor_proto.is_empty()
+        ),
+        "{msg:?}"
+    );
+    // Unknown there: tonic-reflection ends the stream with NOT_FOUND.
+    match resp.message().await {
+        Err(s) => assert_eq!(s.code(), tonic::Code::NotFound, "{s:?}"),
+        Ok(Some(msg)) => assert!(
+            matches!(
+                msg.message_response,
+                Some(MessageResponse::ErrorResponse(_))
+            ),
+            "pdnode.v1.Node is described on the client port: {msg:?}"
+        ),
+        Ok(None) => panic!("the reflection stream ended without an answer"),
+    }
+
+    let mut node = pdnode_proto::v1::node_client::NodeClient::new(channel);
+    let e = node.stats(v1::StatsRequest {}).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unimplemented, "{e:?}");
+    let e = node
+        .reserve_kv(v1::ReserveKvRequest {
+            request_id: 1,
+            prompt_token_ids: vec![1, 2, 3],
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unimplemented, "{e:?}");
     h.stop().await;
 }
 

@@ -57,12 +57,9 @@ impl Node for Adapter {
             .map_err(|e| status_of(&e))?;
         Ok(Response::new(v1::ReserveKvResponse {
             target: Some(v1::KvTarget {
-                request_id: r.request_id,
-                decode_node_id: t.decode_node.to_string(),
                 block_ids: vec![7, 8, 9],
-                secret: t.secret,
                 lease_deadline_ms: 123,
-                ..Default::default()
+                ..v1::KvTarget::from(&t)
             }),
         }))
     }
@@ -82,11 +79,8 @@ impl Node for Adapter {
                 request_id: RequestId(r.request_id),
                 prompt_token_ids: r.prompt_token_ids,
                 sampling: r.sampling.map(Into::into).unwrap_or_default(),
-                target: KvTarget {
-                    decode_node: NodeId::new(target.decode_node_id),
-                    secret: target.secret,
-                    encoded: bytes::Bytes::new(),
-                },
+                target: KvTarget::try_from(target)
+                    .map_err(|e| Status::invalid_argument(e.to_string()))?,
             })
             .await
             .map_err(|e| status_of(&e))?;
@@ -117,6 +111,7 @@ impl Node for Adapter {
                 first_logprob: r.first_logprob.map(Into::into),
                 sampling: r.sampling.map(Into::into).unwrap_or_default(),
                 prompt_token_ids: r.prompt_token_ids,
+                sampler: r.sampler.map(Into::into),
             })
             .await
             .map_err(|e| status_of(&e))?;
@@ -223,6 +218,7 @@ async fn router_drives_nodes_over_grpc() {
     let router = Router::new(RouterDeps {
         config: common::config(),
         api_keys: Vec::new(),
+        insecure_node_plane: false,
         membership: Arc::new(membership),
         tokenizer: Arc::new(FakeTokenizer),
         chat: Arc::new(FakeTokenizer),
@@ -259,7 +255,8 @@ async fn router_drives_nodes_over_grpc() {
     assert_eq!(seen[0].block_ids, vec![7, 8, 9]);
     assert_eq!(seen[0].decode_node_id, "d0");
     assert_eq!(*d_adapter.paired_with.lock(), vec!["p0".to_string()]);
-    assert_eq!(seen[0].secret, seen[0].request_id.to_le_bytes().to_vec());
+    assert_eq!(seen[0].secret[..8], seen[0].request_id.to_le_bytes());
+    assert_eq!(seen[0].lease_deadline_ms, 123);
 
     // /v1/models names the simulated engine.
     let m: Value = c
@@ -332,6 +329,7 @@ async fn decode_server_gone_during_prefill_aborts_the_prefill_over_grpc() {
     let router = Router::new(RouterDeps {
         config,
         api_keys: Vec::new(),
+        insecure_node_plane: false,
         membership: Arc::new(membership),
         tokenizer: Arc::new(FakeTokenizer),
         chat: Arc::new(FakeTokenizer),
@@ -349,6 +347,7 @@ async fn decode_server_gone_during_prefill_aborts_the_prefill_over_grpc() {
                 ..Default::default()
             },
             endpoint: "grpc",
+            routing_key: None,
         })
         .unwrap();
     let prefilling = |calls: &[FakeCall]| calls.iter().any(|c| matches!(c, FakeCall::Prefill(_)));
@@ -477,6 +476,7 @@ async fn a_frozen_decode_node_is_found_by_the_channel_keepalive() {
     let router = Router::new(RouterDeps {
         config,
         api_keys: Vec::new(),
+        insecure_node_plane: false,
         membership: Arc::new(membership),
         tokenizer: Arc::new(FakeTokenizer),
         chat: Arc::new(FakeTokenizer),
@@ -494,6 +494,7 @@ async fn a_frozen_decode_node_is_found_by_the_channel_keepalive() {
                 ..Default::default()
             },
             endpoint: "grpc",
+            routing_key: None,
         })
         .unwrap();
     // A few tokens stream, then the node freezes.

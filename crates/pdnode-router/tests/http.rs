@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{Harness, sse_data};
+use common::{Harness, post, post_sse, sse_data};
 use futures::StreamExt;
 use pdnode_core::ErrorKind;
 use pdnode_router::NodeError;
@@ -12,28 +12,6 @@ use serde_json::{Value, json};
 use std::time::{Duration, Instant};
 
 const OUTPUT: &str = "Hello from the fake node.";
-
-async fn post(h: &Harness, path: &str, body: Value) -> (u16, Value) {
-    let r = reqwest::Client::new()
-        .post(h.url(path))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    let status = r.status().as_u16();
-    (status, r.json().await.unwrap_or(Value::Null))
-}
-
-async fn post_sse(h: &Harness, path: &str, body: Value) -> (u16, Vec<String>) {
-    let r = reqwest::Client::new()
-        .post(h.url(path))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    let status = r.status().as_u16();
-    (status, sse_data(&r.text().await.unwrap()))
-}
 
 #[tokio::test]
 async fn completion_whole_and_limited() {
@@ -611,6 +589,7 @@ async fn shutdown_drains_in_flight_streams() {
         prompt_token_ids: vec![1, 2],
         sampling: pdnode_core::SamplingParams::default(),
         endpoint: "test",
+        routing_key: None,
     });
     assert!(matches!(refused, Err(pdnode_router::RouterError::Draining)));
     // The open stream still runs to its end.
@@ -654,125 +633,5 @@ async fn failed_reservation_is_retried_once_on_another_decode_node() {
     );
     assert_eq!(reserves(&h.decode[0]) + reserves(&h.decode[1]), 4);
     assert_eq!(h.prefill[0].count(|c| matches!(c, FakeCall::Prefill(_))), 1);
-    h.stop().await;
-}
-
-/// What OpenAI, vLLM and SGLang clients send beyond the core parameters: bookkeeping is accepted
-/// and ignored, extras are accepted at the value this server implements and refused by name
-/// otherwise, and the context check names the numbers.
-#[tokio::test]
-async fn client_extras_of_other_servers_are_accepted_or_refused_by_name() {
-    let h = Harness::start(1, 1).await;
-    let ok = [
-        (
-            "/v1/completions",
-            json!({"prompt": "x", "max_tokens": 3, "store": false, "metadata": {"k": "v"},
-                   "service_tier": "auto", "priority": 0, "skip_special_tokens": true,
-                   "spaces_between_special_tokens": true, "include_stop_str_in_output": false,
-                   "min_tokens": 0, "add_special_tokens": true, "n": 1, "best_of": 1,
-                   "logprobs": null, "stop": null, "user": "u",
-                   "stream_options": null}),
-        ),
-        (
-            "/v1/chat/completions",
-            json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
-                   "add_generation_prompt": true, "continue_final_message": false, "echo": false,
-                   "add_special_tokens": false, "store": true, "parallel_tool_calls": false,
-                   "tools": [], "tool_choice": "none", "response_format": {"type": "text"}}),
-        ),
-    ];
-    for (path, body) in ok {
-        let (s, b) = post(&h, path, body.clone()).await;
-        assert_eq!(s, 200, "{body}: {b}");
-        assert_eq!(b["usage"]["completion_tokens"], 3, "{b}");
-    }
-    let (s, chunks) = post_sse(
-        &h,
-        "/v1/completions",
-        json!({"prompt": "x", "max_tokens": 2, "stream": true,
-               "stream_options": {"include_usage": true, "include_obfuscation": true}}),
-    )
-    .await;
-    assert_eq!(s, 200);
-    assert_eq!(chunks.last().map(String::as_str), Some("[DONE]"));
-
-    let refused = [
-        (
-            "/v1/completions",
-            json!({"prompt": "x", "skip_special_tokens": false}),
-            "skip_special_tokens",
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": "x", "include_stop_str_in_output": true}),
-            "include_stop_str_in_output",
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": "x", "min_tokens": 4}),
-            "min_tokens",
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": "x", "priority": 5}),
-            "priority",
-        ),
-        ("/v1/completions", json!({"prompt": "x", "n": 4}), "n"),
-        (
-            "/v1/completions",
-            json!({"prompt": "x", "guided_json": {}}),
-            "guided_json",
-        ),
-        (
-            "/v1/chat/completions",
-            json!({"messages": [{"role": "user", "content": "x"}], "continue_final_message": true}),
-            "continue_final_message",
-        ),
-        (
-            "/v1/chat/completions",
-            json!({"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": false}),
-            "add_generation_prompt",
-        ),
-        (
-            "/v1/chat/completions",
-            json!({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"enable_thinking": false}}),
-            "chat_template_kwargs",
-        ),
-        (
-            "/v1/chat/completions",
-            json!({"messages": [{"role": "user", "content": "x"}], "n": 2}),
-            "n",
-        ),
-    ];
-    for (path, body, param) in refused {
-        let (s, b) = post(&h, path, body.clone()).await;
-        assert_eq!(s, 400, "{body}: {b}");
-        assert_eq!(b["error"]["param"], param, "{body}: {b}");
-        assert_eq!(b["error"]["type"], "invalid_request_error");
-    }
-
-    // Prompt + max_tokens over the context: 400 naming every number.
-    let (s, b) = post(
-        &h,
-        "/v1/chat/completions",
-        json!({"messages": [{"role": "user", "content": "y".repeat(100)}], "max_tokens": 200}),
-    )
-    .await;
-    assert_eq!(s, 400, "{b}");
-    let msg = b["error"]["message"].as_str().unwrap();
-    assert!(
-        msg.contains("maximum context length is 256") && msg.contains("asks for 200 more"),
-        "{msg}"
-    );
-    // Without max_tokens, chat gets what is left of the context.
-    let (s, b) = post(
-        &h,
-        "/v1/chat/completions",
-        json!({"messages": [{"role": "user", "content": "y".repeat(100)}]}),
-    )
-    .await;
-    assert_eq!(s, 200, "{b}");
-    // None of the refused requests reached a node.
-    assert_eq!(h.prefill[0].count(|c| matches!(c, FakeCall::Prefill(_))), 4);
     h.stop().await;
 }

@@ -11,6 +11,7 @@
 //! [`SglangRouter`] holds the workers (health from probes, one breaker per worker and cause,
 //! requests in flight) and pdnode's policies; [`server::serve`] serves it.
 
+pub mod discovery;
 pub mod metrics;
 pub mod request;
 pub mod router;

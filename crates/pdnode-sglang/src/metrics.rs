@@ -12,6 +12,7 @@ pub const RETRIES_TOTAL: &str = "pdnode_sglang_retries_total";
 pub const WORKER_FAILURES_TOTAL: &str = "pdnode_sglang_worker_failures_total";
 pub const BREAKER_OPENS_TOTAL: &str = "pdnode_sglang_breaker_opens_total";
 pub const STREAMS_FAILED_TOTAL: &str = "pdnode_sglang_streams_failed_total";
+pub const CLIENTS_GONE_TOTAL: &str = "pdnode_sglang_clients_gone_total";
 pub const WORKER_HEALTHY: &str = "pdnode_sglang_worker_healthy";
 pub const WORKER_INFLIGHT: &str = "pdnode_sglang_worker_inflight_requests";
 pub const WORKER_BREAKER_OPEN: &str = "pdnode_sglang_worker_breaker_open";
@@ -25,6 +26,7 @@ pub struct Metrics {
     failures: Mutex<BTreeMap<(String, &'static str), u64>>,
     breaker_opens: Mutex<BTreeMap<(String, &'static str), u64>>,
     streams_failed: Mutex<u64>,
+    clients_gone: Mutex<u64>,
 }
 
 impl Metrics {
@@ -38,6 +40,12 @@ impl Metrics {
 
     pub fn stream_failed(&self) {
         *self.streams_failed.lock() += 1;
+    }
+
+    /// A streaming client stopped reading for `router.client_send_timeout_s`: its stream was
+    /// cut and its slot freed.
+    pub fn client_gone(&self) {
+        *self.clients_gone.lock() += 1;
     }
 
     pub fn worker_failure(&self, url: &str, cause: FailureCause, opened: bool) {
@@ -66,6 +74,8 @@ impl Metrics {
             "{STREAMS_FAILED_TOTAL} {}",
             *self.streams_failed.lock()
         );
+        let _ = writeln!(out, "# TYPE {CLIENTS_GONE_TOTAL} counter");
+        let _ = writeln!(out, "{CLIENTS_GONE_TOTAL} {}", *self.clients_gone.lock());
         for (name, map) in [
             (WORKER_FAILURES_TOTAL, &self.failures),
             (BREAKER_OPENS_TOTAL, &self.breaker_opens),

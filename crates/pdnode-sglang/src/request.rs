@@ -60,6 +60,9 @@ pub struct ClientRequest {
     /// Whether the client asked for logprobs (the prefill worker's input logprobs are then
     /// merged in front of the decode worker's on `/generate`).
     pub wants_logprobs: bool,
+    /// The key the `manual` policy routes by: the `X-SMG-Routing-Key` header, else the body's
+    /// `rid` when it is one string (a batch's `rid` list does not name one session).
+    pub routing_key: Option<String>,
 }
 
 /// The bootstrap fields of one attempt: where the decode worker fetches the KV from.
@@ -98,6 +101,10 @@ impl ClientRequest {
             Route::Completions => body.get("logprobs").is_some_and(|v| !v.is_null()),
             Route::ChatCompletions => body.get("logprobs") == Some(&Value::Bool(true)),
         };
+        let routing_key = match body.get("rid") {
+            Some(Value::String(rid)) => checked_key(Some(rid.as_bytes()))?,
+            _ => None,
+        };
         Ok(Self {
             route,
             body,
@@ -105,7 +112,22 @@ impl ClientRequest {
             batch,
             routing_text,
             wants_logprobs,
+            routing_key,
         })
+    }
+
+    /// Parses a request and takes its routing key from `header` (the `X-SMG-Routing-Key`
+    /// value) when the client sent one: the header wins over the body's `rid`.
+    pub fn parse_with_key(
+        route: Route,
+        bytes: &[u8],
+        header: Option<&[u8]>,
+    ) -> Result<Self, RequestError> {
+        let mut req = Self::parse(route, bytes)?;
+        if header.is_some() {
+            req.routing_key = checked_key(header)?;
+        }
+        Ok(req)
     }
 
     /// Rooms one attempt needs.
@@ -134,6 +156,15 @@ impl ClientRequest {
         // A map of JSON values always serializes.
         serde_json::to_vec(&Value::Object(body)).unwrap_or_default()
     }
+}
+
+/// A routing key by the router's one rule (`pdnode_router::routing_key`: UTF-8, 1 to
+/// `ROUTING_KEY_MAX` bytes).
+fn checked_key(key: Option<&[u8]>) -> Result<Option<String>, RequestError> {
+    pdnode_router::routing_key(key).map_err(|_| RequestError::BadField {
+        field: "rid / X-SMG-Routing-Key",
+        expected: "a routing key of 1 to 256 bytes of UTF-8",
+    })
 }
 
 /// A new bootstrap room: uniform in [0, 2^63 - 1].

@@ -5,27 +5,29 @@
 
 use crate::metrics::Metrics;
 use crate::request::{Bootstrap, ClientRequest, Route, new_room};
-use crate::sse::{SseRelay, StreamFault};
 use crate::worker::{FailureCause, Worker, WorkerInfo, WorkerRole, WorkerRules};
 use axum::body::Body;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use futures::StreamExt;
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 use pdnode_core::NodeId;
 use pdnode_core::config::{RouterConfig, SglangConfig, worker_url_host};
+use pdnode_router::ROUTING_KEY_HEADER;
 use pdnode_router::policy::{Policy, PolicyContext, WorkerLoad, build_policy};
 use serde_json::{Value, json};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::task::JoinHandle;
 
+mod stream;
+
 #[derive(Debug, thiserror::Error)]
 pub enum BuildError {
     #[error("router.sglang.{role}: {url:?} is not http://host:port")]
     BadUrl { role: &'static str, url: String },
-    #[error("router.sglang: list at least one prefill and one decode worker")]
+    #[error("router.sglang: list at least one prefill and one decode worker, or set discover")]
     NoWorkers,
     #[error("cannot build the HTTP client: {0}")]
     Client(String),
@@ -37,8 +39,12 @@ pub struct SglangRouter {
     request_timeout: Duration,
     prefill_timeout: Duration,
     token_timeout: Duration,
-    pub(crate) prefill: Vec<Arc<Worker>>,
-    pub(crate) decode: Vec<Arc<Worker>>,
+    client_send_timeout: Duration,
+    /// The workers of each role: the configured ones, then those discovered in the registry.
+    /// Swapped whole when discovery changes them; a request keeps the list it picked from.
+    prefill: RwLock<Arc<Vec<Arc<Worker>>>>,
+    decode: RwLock<Arc<Vec<Arc<Worker>>>>,
+    rules: WorkerRules,
     prefill_policy: Mutex<Box<dyn Policy>>,
     decode_policy: Mutex<Box<dyn Policy>>,
     pub(crate) client: reqwest::Client,
@@ -55,6 +61,9 @@ const FORWARDED: [header::HeaderName; 4] = [
     header::HeaderName::from_static("x-request-id"),
     header::HeaderName::from_static("traceparent"),
 ];
+
+/// Most bytes of already-arrived chunks sent to a client in one write.
+const COALESCE_MAX: usize = 64 << 10;
 
 /// Largest error or non-streamed answer read from a worker, bytes.
 const MAX_ANSWER: usize = 256 << 20;
@@ -75,7 +84,7 @@ enum AttemptEnd {
 impl SglangRouter {
     pub fn new(router: &RouterConfig, api_keys: Vec<String>) -> Result<Arc<Self>, BuildError> {
         let cfg = router.sglang.clone();
-        if cfg.prefill.is_empty() || cfg.decode.is_empty() {
+        if !cfg.discover && (cfg.prefill.is_empty() || cfg.decode.is_empty()) {
             return Err(BuildError::NoWorkers);
         }
         let rules = WorkerRules {
@@ -108,10 +117,12 @@ impl SglangRouter {
             request_timeout: Duration::from_secs(router.request_timeout_s),
             prefill_timeout: Duration::from_secs(router.prefill_timeout_s),
             token_timeout: Duration::from_secs(router.token_timeout_s),
+            client_send_timeout: Duration::from_secs(router.client_send_timeout_s),
             prefill_policy: Mutex::new(build_policy(router.prefill_policy, router, router.seed)),
             decode_policy: Mutex::new(build_policy(router.decode_policy, router, router.seed)),
-            prefill,
-            decode,
+            prefill: RwLock::new(Arc::new(prefill)),
+            decode: RwLock::new(Arc::new(decode)),
+            rules,
             client,
             metrics: Metrics::default(),
             api_keys,
@@ -121,21 +132,82 @@ impl SglangRouter {
         }))
     }
 
+    /// The current workers of `role`.
+    pub fn list(&self, role: WorkerRole) -> Arc<Vec<Arc<Worker>>> {
+        match role {
+            WorkerRole::Prefill => self.prefill.read().clone(),
+            WorkerRole::Decode => self.decode.read().clone(),
+        }
+    }
+
     pub fn workers(&self) -> Vec<Arc<Worker>> {
-        self.prefill.iter().chain(&self.decode).cloned().collect()
+        let (p, d) = (
+            self.list(WorkerRole::Prefill),
+            self.list(WorkerRole::Decode),
+        );
+        p.iter().chain(d.iter()).cloned().collect()
     }
 
     /// Usable (healthy, no breaker open) prefill and decode workers.
     pub fn usable(&self) -> (usize, usize) {
         let now = Instant::now();
         let n = |ws: &[Arc<Worker>]| ws.iter().filter(|w| w.usable(now)).count();
-        (n(&self.prefill), n(&self.decode))
+        (
+            n(&self.list(WorkerRole::Prefill)),
+            n(&self.list(WorkerRole::Decode)),
+        )
+    }
+
+    /// Makes the discovered workers of `role` exactly `found` (`(url, bootstrap_port)`),
+    /// keeping the configured ones and the state of workers still present. Returns the workers
+    /// added (their probe loops are the caller's to start); removed ones are retired.
+    pub fn set_discovered(
+        &self,
+        role: WorkerRole,
+        found: &[(String, Option<u16>)],
+    ) -> Vec<Arc<Worker>> {
+        let slot = match role {
+            WorkerRole::Prefill => &self.prefill,
+            WorkerRole::Decode => &self.decode,
+        };
+        let configured: Vec<String> = match role {
+            WorkerRole::Prefill => self.cfg.prefill.iter().map(|w| norm(&w.url)).collect(),
+            WorkerRole::Decode => self.cfg.decode.iter().map(|w| norm(&w.url)).collect(),
+        };
+        let mut guard = slot.write();
+        let mut next: Vec<Arc<Worker>> = Vec::new();
+        let mut added = Vec::new();
+        for w in guard.iter() {
+            let keep = configured.contains(&w.url)
+                || found
+                    .iter()
+                    .any(|(u, port)| norm(u) == w.url && *port == w.bootstrap_port);
+            if keep {
+                next.push(w.clone());
+            } else {
+                w.retire();
+            }
+        }
+        for (url, port) in found {
+            if next.iter().any(|w| w.url == norm(url)) {
+                continue;
+            }
+            let Some(host) = worker_url_host(url) else {
+                tracing::warn!(%url, "a registered SGLang worker's URL is not http://host:port; skipped");
+                continue;
+            };
+            let w = Worker::new(url, role, host.to_string(), *port, self.rules);
+            next.push(w.clone());
+            added.push(w);
+        }
+        *guard = Arc::new(next);
+        added
     }
 
     /// The model names the decode workers serve (`/v1/models`).
     pub fn model_names(&self) -> Vec<String> {
         let mut names: Vec<String> = self
-            .decode
+            .list(WorkerRole::Decode)
             .iter()
             .filter_map(|w| w.info().model_name())
             .collect();
@@ -156,10 +228,16 @@ impl SglangRouter {
 
     /// Picks a worker of `role` by its policy among the usable ones, avoiding `avoid` while
     /// others are usable.
-    fn pick(&self, role: WorkerRole, text: &str, avoid: &[Arc<Worker>]) -> Option<Arc<Worker>> {
-        let (workers, policy) = match role {
-            WorkerRole::Prefill => (&self.prefill, &self.prefill_policy),
-            WorkerRole::Decode => (&self.decode, &self.decode_policy),
+    fn pick(
+        &self,
+        role: WorkerRole,
+        req: &ClientRequest,
+        avoid: &[Arc<Worker>],
+    ) -> Option<Arc<Worker>> {
+        let workers = self.list(role);
+        let policy = match role {
+            WorkerRole::Prefill => &self.prefill_policy,
+            WorkerRole::Decode => &self.decode_policy,
         };
         let now = Instant::now();
         let usable: Vec<&Arc<Worker>> = workers.iter().filter(|w| w.usable(now)).collect();
@@ -179,10 +257,11 @@ impl SglangRouter {
                 ..WorkerLoad::idle(NodeId::new(w.url.clone()).0)
             })
             .collect();
-        let tokens: Vec<u32> = text.bytes().map(u32::from).collect();
+        let tokens: Vec<u32> = req.routing_text.bytes().map(u32::from).collect();
         let ctx = PolicyContext {
             workers: &loads,
             token_ids: &tokens,
+            routing_key: req.routing_key.as_deref(),
             now,
         };
         let i = policy.lock().select(&ctx)?;
@@ -199,8 +278,9 @@ impl SglangRouter {
     ) -> Response {
         use std::sync::atomic::Ordering;
         let before = self.inflight.fetch_add(1, Ordering::AcqRel);
-        // Held until the answer's body is dropped: a stream counts until it ends.
-        let slot = Slot(self.clone());
+        // Held until the answer's body is dropped (a stream counts until it ends), or released
+        // early when a streaming client stops reading.
+        let slot = Arc::new(Slot::new(self.clone()));
         let resp = if before >= self.max_inflight {
             error_response(
                 StatusCode::TOO_MANY_REQUESTS,
@@ -211,7 +291,7 @@ impl SglangRouter {
                 ),
             )
         } else {
-            self.dispatch(route, &headers, body).await
+            self.dispatch(route, &headers, body, &slot).await
         };
         self.metrics.request(route.label(), resp.status().as_u16());
         let (parts, body) = resp.into_parts();
@@ -227,8 +307,10 @@ impl SglangRouter {
         route: Route,
         headers: &HeaderMap,
         body: Bytes,
+        slot: &Arc<Slot>,
     ) -> Response {
-        let req = match ClientRequest::parse(route, &body) {
+        let key = headers.get(ROUTING_KEY_HEADER).map(|v| v.as_bytes());
+        let req = match ClientRequest::parse_with_key(route, &body, key) {
             Ok(r) => r,
             Err(e) => {
                 return error_response(
@@ -249,13 +331,13 @@ impl SglangRouter {
             if attempt > 0 {
                 self.metrics.retry();
             }
-            let Some(p) = self.pick(WorkerRole::Prefill, &req.routing_text, &tried) else {
+            let Some(p) = self.pick(WorkerRole::Prefill, &req, &tried) else {
                 return unavailable("prefill", last.as_deref());
             };
-            let Some(d) = self.pick(WorkerRole::Decode, &req.routing_text, &tried) else {
+            let Some(d) = self.pick(WorkerRole::Decode, &req, &tried) else {
                 return unavailable("decode", last.as_deref());
             };
-            match self.attempt(&req, headers, p, d, started).await {
+            match self.attempt(&req, headers, p, d, started, slot).await {
                 AttemptEnd::Done(resp) => return resp,
                 AttemptEnd::Retry {
                     worker,
@@ -338,6 +420,7 @@ impl SglangRouter {
         p: Arc<Worker>,
         d: Arc<Worker>,
         started: Instant,
+        slot: &Arc<Slot>,
     ) -> AttemptEnd {
         let rooms = {
             let mut rng = rand::rng();
@@ -427,6 +510,7 @@ impl SglangRouter {
                 prefill_result,
                 first_deadline,
                 deadline_all,
+                slot,
             )
             .await
         } else {
@@ -443,7 +527,7 @@ impl SglangRouter {
                     return AttemptEnd::Retry {
                         worker: d,
                         cause: FailureCause::Connect,
-                        message: e,
+                        message: e.to_string(),
                         counted: false,
                     };
                 }
@@ -502,7 +586,7 @@ impl SglangRouter {
                 let status = resp.status();
                 let bytes = read_body(resp)
                     .await
-                    .map_err(|e| (FailureCause::Connect, e))?;
+                    .map_err(|e| (FailureCause::Connect, e.to_string()))?;
                 if status.is_server_error() {
                     let text = String::from_utf8_lossy(&bytes[..bytes.len().min(300)]).into_owned();
                     return Err((FailureCause::ServerError, format!("HTTP {status}: {text}")));
@@ -526,165 +610,57 @@ impl SglangRouter {
             r
         })
     }
-
-    #[allow(clippy::too_many_arguments)]
-    async fn stream_answer(
-        self: &Arc<Self>,
-        req: &ClientRequest,
-        resp: reqwest::Response,
-        d_guard: crate::worker::InflightGuard,
-        p: Arc<Worker>,
-        mut prefill: JoinHandle<PrefillResult>,
-        mut prefill_result: Option<PrefillResult>,
-        first_deadline: Instant,
-        deadline_all: Instant,
-    ) -> AttemptEnd {
-        let d = d_guard.worker().clone();
-        let mut chunks = resp.bytes_stream();
-        let mut relay = SseRelay::default();
-        // Nothing goes to the client before the first chunk: until then, a retry is possible.
-        let first = loop {
-            tokio::select! {
-                r = &mut prefill, if prefill_result.is_none() => {
-                    match r.unwrap_or_else(|e| Err((FailureCause::Connect, format!("prefill task: {e}")))) {
-                        Err((cause, message)) => return AttemptEnd::Retry { worker: p, cause, message, counted: true },
-                        ok => prefill_result = Some(ok),
-                    }
-                }
-                c = tokio::time::timeout_at(first_deadline.into(), chunks.next()) => break c,
-            }
-        };
-        let first = match first {
-            Err(_) => (
-                FailureCause::Timeout,
-                "no first chunk within its deadline".to_string(),
-            ),
-            Ok(None) => (
-                FailureCause::Connect,
-                "the stream ended before its first chunk".into(),
-            ),
-            Ok(Some(Err(e))) => (FailureCause::Connect, e.to_string()),
-            Ok(Some(Ok(bytes))) => match relay.push(&bytes) {
-                Ok(out) => {
-                    let _ = req;
-                    let body = self.relay_body(relay, out, chunks, d_guard, deadline_all);
-                    let mut r = Response::new(body);
-                    r.headers_mut().insert(
-                        header::CONTENT_TYPE,
-                        HeaderValue::from_static("text/event-stream"),
-                    );
-                    r.headers_mut()
-                        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-                    return AttemptEnd::Done(r);
-                }
-                Err(fault) => {
-                    self.count_failure(&d, FailureCause::Malformed);
-                    return AttemptEnd::Done(error_response(
-                        StatusCode::BAD_GATEWAY,
-                        "upstream_error",
-                        &format!("decode worker {}: {fault}", d.url),
-                    ));
-                }
-            },
-        };
-        prefill.abort();
-        AttemptEnd::Retry {
-            worker: d,
-            cause: first.0,
-            message: first.1,
-            counted: false,
-        }
-    }
-
-    /// The client's stream after the first chunk: the relay's lines, then on a break, a stall,
-    /// a malformed line or a missing `[DONE]`, one error event and `[DONE]`.
-    fn relay_body<S>(
-        self: &Arc<Self>,
-        relay: SseRelay,
-        first: Vec<u8>,
-        chunks: S,
-        guard: crate::worker::InflightGuard,
-        deadline_all: Instant,
-    ) -> Body
-    where
-        S: futures::Stream<Item = reqwest::Result<Bytes>> + Send + Unpin + 'static,
-    {
-        struct St<S> {
-            relay: SseRelay,
-            chunks: S,
-            guard: crate::worker::InflightGuard,
-            first: Option<Vec<u8>>,
-            over: bool,
-        }
-        let me = self.clone();
-        let token_timeout = self.token_timeout;
-        let st = St {
-            relay,
-            chunks,
-            guard,
-            first: Some(first),
-            over: false,
-        };
-        let stream = futures::stream::unfold(st, move |mut st| {
-            let me = me.clone();
-            async move {
-                if let Some(f) = st.first.take() {
-                    return Some((Ok::<Bytes, std::convert::Infallible>(Bytes::from(f)), st));
-                }
-                if st.over {
-                    return None;
-                }
-                let deadline = (Instant::now() + token_timeout).min(deadline_all);
-                let fault = match tokio::time::timeout_at(deadline.into(), st.chunks.next()).await {
-                    Ok(Some(Ok(bytes))) => match st.relay.push(&bytes) {
-                        Ok(out) => return Some((Ok(Bytes::from(out)), st)),
-                        Err(f) => (f, FailureCause::Malformed),
-                    },
-                    Ok(Some(Err(e))) => (StreamFault::Broken(e.to_string()), FailureCause::Connect),
-                    Ok(None) => match st.relay.finish() {
-                        Ok(rest) => {
-                            st.guard.worker().success();
-                            st.over = true;
-                            return Some((Ok(Bytes::from(rest)), st));
-                        }
-                        Err(f) => (f, FailureCause::Connect),
-                    },
-                    Err(_) => (
-                        StreamFault::Stalled(token_timeout.as_secs()),
-                        FailureCause::Timeout,
-                    ),
-                };
-                let w = st.guard.worker().clone();
-                tracing::warn!(worker = %w.url, "decode stream failed: {}", fault.0);
-                me.count_failure(&w, fault.1);
-                me.metrics.stream_failed();
-                st.over = true;
-                let tail = st.relay.fail(&fault.0);
-                Some((Ok(Bytes::from(tail)), st))
-            }
-        });
-        Body::from_stream(stream)
-    }
 }
 
-/// One request counted in flight on the router.
-struct Slot(Arc<SglangRouter>);
+fn norm(url: &str) -> String {
+    url.trim_end_matches('/').to_string()
+}
+
+/// One request counted in flight on the router, until it is released or dropped.
+struct Slot {
+    router: Arc<SglangRouter>,
+    released: std::sync::atomic::AtomicBool,
+}
+
+impl Slot {
+    fn new(router: Arc<SglangRouter>) -> Self {
+        Self {
+            router,
+            released: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    /// Gives the slot back (once).
+    fn release(&self) {
+        use std::sync::atomic::Ordering;
+        if !self.released.swap(true, Ordering::AcqRel) {
+            self.router.inflight.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        self.0
-            .inflight
-            .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+        self.release();
     }
 }
 
-async fn read_body(resp: reqwest::Response) -> Result<Bytes, String> {
+/// Why a worker's answer body could not be read.
+#[derive(Debug, thiserror::Error)]
+enum BodyError {
+    #[error("reading the answer: {0}")]
+    Read(#[from] reqwest::Error),
+    #[error("answer larger than {limit} bytes")]
+    TooLarge { limit: usize },
+}
+
+async fn read_body(resp: reqwest::Response) -> Result<Bytes, BodyError> {
     let mut out = Vec::new();
     let mut s = resp.bytes_stream();
     while let Some(c) = s.next().await {
-        let c = c.map_err(|e| e.to_string())?;
+        let c = c?;
         if out.len() + c.len() > MAX_ANSWER {
-            return Err(format!("answer larger than {MAX_ANSWER} bytes"));
+            return Err(BodyError::TooLarge { limit: MAX_ANSWER });
         }
         out.extend_from_slice(&c);
     }

@@ -193,31 +193,35 @@ async fn not_found(req: Request) -> Response {
 /// healthy, its `/server_info` and `/model_info` are read.
 pub fn start_probes(router: &Arc<SglangRouter>, shutdown: CancellationToken) {
     for w in router.workers() {
-        let r = router.clone();
-        let stop = shutdown.clone();
-        tokio::spawn(async move {
-            let interval = Duration::from_secs(r.cfg.health_check_interval_s);
-            loop {
-                let ok = probe(&r, &w).await;
-                if let Some(now_healthy) = w.observe_probe(ok) {
-                    tracing::info!(worker = %w.url, role = w.role.as_str(), healthy = now_healthy, "worker health changed");
-                    if now_healthy {
-                        let info = fetch_info(&r, &w).await;
-                        w.set_info(info);
-                    }
-                }
-                let wait = if w.healthy() {
-                    interval
-                } else {
-                    interval.min(Duration::from_secs(1))
-                };
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    _ = tokio::time::sleep(wait) => {}
+        spawn_probe(router, w, shutdown.clone());
+    }
+}
+
+/// The probe loop of one worker; it ends at `shutdown` or when the worker is retired.
+pub fn spawn_probe(router: &Arc<SglangRouter>, w: Arc<Worker>, stop: CancellationToken) {
+    let r = router.clone();
+    tokio::spawn(async move {
+        let interval = Duration::from_secs(r.cfg.health_check_interval_s);
+        while !w.retired() {
+            let ok = probe(&r, &w).await;
+            if let Some(now_healthy) = w.observe_probe(ok) {
+                tracing::info!(worker = %w.url, role = w.role.as_str(), healthy = now_healthy, "worker health changed");
+                if now_healthy {
+                    let info = fetch_info(&r, &w).await;
+                    w.set_info(info);
                 }
             }
-        });
-    }
+            let wait = if w.healthy() {
+                interval
+            } else {
+                interval.min(Duration::from_secs(1))
+            };
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(wait) => {}
+            }
+        }
+    });
 }
 
 fn get_req(r: &SglangRouter, url: String) -> reqwest::RequestBuilder {

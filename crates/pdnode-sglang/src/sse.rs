@@ -2,7 +2,7 @@
 //! `[DONE]`; a stream that breaks, stalls, or carries a line that is not JSON ends for the
 //! client with one JSON error event and `data: [DONE]`, never truncated.
 
-use serde_json::json;
+use serde_json::{Value, json};
 
 /// Line-by-line relay state of one stream.
 #[derive(Debug, Default)]
@@ -10,6 +10,9 @@ pub struct SseRelay {
     partial: Vec<u8>,
     done: bool,
     ended: bool,
+    /// The prefill worker's answer, whose `meta_info.input_token_logprobs` go in front of each
+    /// event's (`/generate` with `return_logprob`); `None`: events pass through as they are.
+    merge: Option<Value>,
 }
 
 /// Why a relayed stream failed.
@@ -25,10 +28,44 @@ pub enum StreamFault {
     Truncated,
 }
 
+/// `complete` lines (checked JSON already) with the prefill's input logprobs merged into each
+/// JSON event; other lines unchanged.
+fn merged(complete: &[u8], prefill: &Value) -> Vec<u8> {
+    let mut out = Vec::with_capacity(complete.len() + 64);
+    for line in complete.split_inclusive(|&b| b == b'\n') {
+        let body = line.strip_suffix(b"\n").unwrap_or(line);
+        let body = body.strip_suffix(b"\r").unwrap_or(body);
+        let event = body
+            .strip_prefix(b"data:")
+            .map(<[u8]>::trim_ascii)
+            .filter(|p| *p != b"[DONE]")
+            .and_then(|p| serde_json::from_slice::<Value>(p).ok());
+        match event {
+            Some(mut v) => {
+                crate::router::merge_input_logprobs(&mut v, prefill);
+                out.extend_from_slice(b"data: ");
+                // A JSON value always serializes.
+                out.extend_from_slice(&serde_json::to_vec(&v).unwrap_or_default());
+                out.push(b'\n');
+            }
+            None => out.extend_from_slice(line),
+        }
+    }
+    out
+}
+
 /// Largest line kept while waiting for its end, bytes.
 const MAX_LINE: usize = 16 << 20;
 
 impl SseRelay {
+    /// A relay that puts `prefill`'s input logprobs in front of every event's.
+    pub fn merging(prefill: Value) -> Self {
+        Self {
+            merge: Some(prefill),
+            ..Self::default()
+        }
+    }
+
     /// Takes one chunk from the worker; returns the complete lines to send on (with their
     /// newlines), or the fault. Bytes of an unfinished line wait for the next chunk.
     pub fn push(&mut self, chunk: &[u8]) -> Result<Vec<u8>, StreamFault> {
@@ -49,7 +86,10 @@ impl SseRelay {
         for line in complete.split(|&b| b == b'\n') {
             self.check_line(line)?;
         }
-        Ok(complete)
+        match &self.merge {
+            None => Ok(complete),
+            Some(prefill) => Ok(merged(&complete, prefill)),
+        }
     }
 
     fn check_line(&mut self, line: &[u8]) -> Result<(), StreamFault> {
@@ -62,7 +102,7 @@ impl SseRelay {
             self.done = true;
             return Ok(());
         }
-        if serde_json::from_slice::<serde_json::Value>(payload).is_err() {
+        if serde_json::from_slice::<serde::de::IgnoredAny>(payload).is_err() {
             let shown = String::from_utf8_lossy(&payload[..payload.len().min(200)]).into_owned();
             return Err(StreamFault::Malformed(shown));
         }

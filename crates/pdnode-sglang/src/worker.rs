@@ -204,6 +204,7 @@ pub struct Worker {
     pub bootstrap_host: String,
     pub bootstrap_port: Option<u16>,
     inflight: AtomicU32,
+    retired: std::sync::atomic::AtomicBool,
     state: Mutex<WorkerState>,
 }
 
@@ -240,6 +241,7 @@ impl Worker {
             bootstrap_host,
             bootstrap_port,
             inflight: AtomicU32::new(0),
+            retired: std::sync::atomic::AtomicBool::new(false),
             state: Mutex::new(WorkerState {
                 health: Health::new(rules.health_fail, rules.health_ok),
                 breakers: vec![breaker; FailureCause::ALL.len()],
@@ -250,6 +252,16 @@ impl Worker {
 
     pub fn inflight(&self) -> u32 {
         self.inflight.load(Ordering::Relaxed)
+    }
+
+    /// The worker left the router's list (its registry card went away): its probe loop stops;
+    /// requests already on it finish.
+    pub fn retire(&self) {
+        self.retired.store(true, Ordering::Release);
+    }
+
+    pub fn retired(&self) -> bool {
+        self.retired.load(Ordering::Acquire)
     }
 
     /// Books one request on the worker until the guard drops.

@@ -30,6 +30,16 @@ impl Drop for Cluster {
 }
 
 async fn cluster(np: usize, nd: usize, tweak: impl FnOnce(&mut RouterConfig)) -> Cluster {
+    cluster_paced(np, nd, Duration::from_millis(2), tweak).await
+}
+
+/// [`cluster`] with decode workers streaming a token every `token_delay`.
+async fn cluster_paced(
+    np: usize,
+    nd: usize,
+    token_delay: Duration,
+    tweak: impl FnOnce(&mut RouterConfig),
+) -> Cluster {
     let rv = Arc::new(Rendezvous::default());
     let mut prefill = Vec::new();
     for i in 0..np {
@@ -38,9 +48,7 @@ async fn cluster(np: usize, nd: usize, tweak: impl FnOnce(&mut RouterConfig)) ->
     }
     let mut decode = Vec::new();
     for _ in 0..nd {
-        decode.push(
-            MockWorker::start(MockRole::Decode, None, rv.clone(), Duration::from_millis(2)).await,
-        );
+        decode.push(MockWorker::start(MockRole::Decode, None, rv.clone(), token_delay).await);
     }
     let mut cfg = RouterConfig {
         prefill_policy: pdnode_core::config::PolicyName::RoundRobin,
@@ -501,4 +509,154 @@ async fn requests_past_max_inflight_are_429_while_a_stream_runs() {
     assert!(events(&body).1);
     let (status, _) = c.post("/generate", json!({"text": "a"})).await;
     assert_eq!(status, 200, "the slot came back when the stream ended");
+}
+
+#[tokio::test]
+async fn manual_policy_keeps_a_session_on_one_decode_worker() {
+    let c = cluster(1, 3, |r| {
+        r.decode_policy = pdnode_core::config::PolicyName::Manual;
+        r.manual.assignment_mode = pdnode_core::config::AssignmentMode::MinGroup;
+    })
+    .await;
+    let served = |c: &Cluster| -> Vec<u64> {
+        c.decode
+            .iter()
+            .map(|w| w.requests.load(Ordering::SeqCst))
+            .collect()
+    };
+    let body = json!({"text": "hello", "sampling_params": {"max_new_tokens": 2}});
+    // Three sessions by header: min_group gives each its own worker, and they stay there.
+    for round in 0..4 {
+        for s in 0..3 {
+            let r = c
+                .http
+                .post(format!("{}/generate", c.url))
+                .header("x-smg-routing-key", format!("session-{s}"))
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status().as_u16(), 200, "round {round} session {s}");
+        }
+    }
+    assert_eq!(served(&c), vec![4, 4, 4]);
+    // The body's `rid` is a key too: six requests of one rid land on one worker.
+    let before = served(&c);
+    for _ in 0..6 {
+        let (s, _) = c
+            .post(
+                "/generate",
+                json!({"text": "hi", "rid": "conversation-9", "sampling_params": {"max_new_tokens": 2}}),
+            )
+            .await;
+        assert_eq!(s, 200);
+    }
+    let delta: Vec<u64> = served(&c).iter().zip(&before).map(|(a, b)| a - b).collect();
+    assert!(delta.contains(&6), "{delta:?}");
+    // A key past 256 bytes is a clear 400, not a memory grab.
+    let r = c
+        .http
+        .post(format!("{}/generate", c.url))
+        .header("x-smg-routing-key", "k".repeat(300))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 400);
+}
+
+/// A client that reads the first chunk and then nothing: once the socket buffers are full, the
+/// router's write waits `router.client_send_timeout_s` and cuts the stream, closing the decode
+/// worker's connection and freeing the router's slot, long before `request_timeout_s`.
+#[tokio::test]
+async fn a_client_that_stops_reading_is_cut_and_frees_its_slot() {
+    let c = cluster_paced(1, 1, Duration::ZERO, |r| {
+        r.client_send_timeout_s = 1;
+        r.max_inflight_requests = 1;
+    })
+    .await;
+    let gauge = |m: &str, name: &str| -> Option<f64> {
+        m.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+    };
+    // ~200 bytes a token: far more than the loopback socket buffers hold.
+    let resp = c
+        .http
+        .post(format!("{}/v1/completions", c.url))
+        .json(&json!({"prompt": "hi", "max_tokens": 2_000_000, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    let mut body = resp.bytes_stream();
+    use futures::StreamExt;
+    assert!(body.next().await.is_some(), "the first chunk arrives");
+    // ... and then the client reads nothing more, holding the connection open.
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(20);
+    loop {
+        let m = c.metrics().await;
+        if gauge(&m, "pdnode_sglang_clients_gone_total") == Some(1.0) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the stalled client was never cut:\n{m}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The slot is free again (max_inflight_requests = 1) while the stalled connection is open.
+    let (s, _) = c
+        .post(
+            "/generate",
+            json!({"text": "x", "sampling_params": {"max_new_tokens": 2}}),
+        )
+        .await;
+    assert_eq!(s, 200, "the slot of the stalled stream was not given back");
+    let m = c.metrics().await;
+    let inflight = m
+        .lines()
+        .find(|l| {
+            l.starts_with("pdnode_sglang_worker_inflight_requests") && l.contains("role=\"decode\"")
+        })
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse::<f64>().ok());
+    assert_eq!(inflight, Some(0.0), "{m}");
+    drop(body);
+}
+
+/// Streaming `/generate` with `return_logprob`: every event carries the prefill worker's input
+/// logprobs in front of the decode worker's, as whole answers do.
+#[tokio::test]
+async fn streamed_generate_merges_the_prefill_input_logprobs_into_each_event() {
+    let c = cluster(1, 1, |_| {}).await;
+    let (s, body) = c
+        .post(
+            "/generate",
+            json!({"text": "hi", "stream": true, "return_logprob": true,
+                   "sampling_params": {"max_new_tokens": 3}}),
+        )
+        .await;
+    assert_eq!(s, 200, "{body}");
+    let (evs, done) = events(&body);
+    assert!(done, "{body}");
+    assert_eq!(evs.len(), 3, "{body}");
+    for ev in &evs {
+        assert_eq!(
+            ev["meta_info"]["input_token_logprobs"],
+            json!([[null, 1, null], [-0.5, 2, null], [-0.25, 3, null]]),
+            "{ev}"
+        );
+    }
+    // Without return_logprob nothing is added.
+    let (_, body) = c
+        .post(
+            "/generate",
+            json!({"text": "hi", "stream": true, "sampling_params": {"max_new_tokens": 2}}),
+        )
+        .await;
+    let (evs, _) = events(&body);
+    assert!(evs.iter().all(|e| e.get("meta_info").is_none()), "{body}");
 }

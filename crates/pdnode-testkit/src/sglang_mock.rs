@@ -126,6 +126,11 @@ impl MockWorker {
             .route("/v1/completions", post(generate))
             .route("/v1/chat/completions", post(generate))
             .with_state(w.clone());
+        // Like SGLang's own server (asyncio sets TCP_NODELAY): without it every streamed
+        // token waits for the client's delayed ACK, and a router benchmark measures Nagle.
+        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         let handle = tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
         });
@@ -196,27 +201,49 @@ fn bad(msg: &str) -> Response {
         .into_response()
 }
 
+/// Why a request's bootstrap fields are refused (HTTP 400, as SGLang does).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum RoomsError {
+    #[error("bootstrap_host missing")]
+    HostMissing,
+    #[error("bad bootstrap_port")]
+    BadPort,
+    #[error("bootstrap_room missing")]
+    RoomMissing,
+    #[error("bootstrap_room above 2^63-1")]
+    RoomTooLarge,
+    #[error("batch of {batch} with bootstrap arrays of {hosts}/{ports}/{rooms}")]
+    ArrayLengths {
+        batch: usize,
+        hosts: usize,
+        ports: usize,
+        rooms: usize,
+    },
+    #[error("batch of {batch} without bootstrap arrays")]
+    NotArrays { batch: usize },
+}
+
 /// The rooms a request names: one per sequence, checked against the batch's shape.
-fn rooms_of(body: &Value) -> Result<Vec<(String, Option<u16>, u64)>, String> {
+fn rooms_of(body: &Value) -> Result<Vec<(String, Option<u16>, u64)>, RoomsError> {
     let (host, port, room) = (
         &body["bootstrap_host"],
         &body["bootstrap_port"],
         &body["bootstrap_room"],
     );
-    let one = |h: &Value, p: &Value, r: &Value| -> Result<(String, Option<u16>, u64), String> {
-        let h = h.as_str().ok_or("bootstrap_host missing")?.to_string();
+    let one = |h: &Value, p: &Value, r: &Value| -> Result<(String, Option<u16>, u64), RoomsError> {
+        let h = h.as_str().ok_or(RoomsError::HostMissing)?.to_string();
         let p = if p.is_null() {
             None
         } else {
             Some(
                 p.as_u64()
                     .and_then(|p| u16::try_from(p).ok())
-                    .ok_or("bad bootstrap_port")?,
+                    .ok_or(RoomsError::BadPort)?,
             )
         };
-        let r = r.as_u64().ok_or("bootstrap_room missing")?;
+        let r = r.as_u64().ok_or(RoomsError::RoomMissing)?;
         if r >= 1 << 63 {
-            return Err("bootstrap_room above 2^63-1".into());
+            return Err(RoomsError::RoomTooLarge);
         }
         Ok((h, p, r))
     };
@@ -233,16 +260,16 @@ fn rooms_of(body: &Value) -> Result<Vec<(String, Option<u16>, u64)>, String> {
     match (batch, host, port, room) {
         (Some(n), Value::Array(h), Value::Array(p), Value::Array(r)) => {
             if h.len() != n || p.len() != n || r.len() != n {
-                return Err(format!(
-                    "batch of {n} with bootstrap arrays of {}/{}/{}",
-                    h.len(),
-                    p.len(),
-                    r.len()
-                ));
+                return Err(RoomsError::ArrayLengths {
+                    batch: n,
+                    hosts: h.len(),
+                    ports: p.len(),
+                    rooms: r.len(),
+                });
             }
             (0..n).map(|i| one(&h[i], &p[i], &r[i])).collect()
         }
-        (Some(n), ..) => Err(format!("batch of {n} without bootstrap arrays")),
+        (Some(n), ..) => Err(RoomsError::NotArrays { batch: n }),
         (None, ..) => Ok(vec![one(host, port, room)?]),
     }
 }
@@ -271,7 +298,7 @@ async fn generate(
     *w.last.lock() = Some((body.clone(), headers));
     let rooms = match rooms_of(&body) {
         Ok(r) => r,
-        Err(e) => return bad(&e),
+        Err(e) => return bad(&e.to_string()),
     };
     match w.fault() {
         Fault::Http500 => {
@@ -325,6 +352,8 @@ async fn generate(
     }
     let fault = w.fault();
     let delay = w.token_delay;
+    // Like SGLang: with `return_logprob` every stream chunk carries this worker's input logprobs.
+    let logprobs = body["return_logprob"].as_bool() == Some(true);
     let killed = w.killed.clone();
     let stream = futures::stream::unfold(0usize, move |i| {
         let killed = killed.clone();
@@ -352,8 +381,11 @@ async fn generate(
             } else if fault == Fault::Malformed && i == 1 {
                 "data: {'error': 'a Python dict'}\n\n".to_string()
             } else {
-                let chunk = json!({"text": format!("t{i} "), "index": i, "mock_seen": seen,
+                let mut chunk = json!({"text": format!("t{i} "), "index": i, "mock_seen": seen,
                                    "choices": [{"index": 0, "text": format!("t{i} "), "delta": {"content": format!("t{i} ")}}]});
+                if logprobs {
+                    chunk["meta_info"] = json!({"input_token_logprobs": [[-0.25, 3, null]]});
+                }
                 format!("data: {chunk}\n\n")
             };
             Some((Ok::<_, std::io::Error>(line), i + 1))

@@ -1,34 +1,33 @@
-//! pdnode-transfer: the KV hand-off between prefill and decode.
+//! pdnode-transfer: the KV hand-off's transports and wire formats between prefill and decode.
 //!
 //! - [`KvTransport`]: register memory, connect to a peer region, put spans, flush. Two
 //!   implementations: [`UcxTransport`] (between processes and hosts; a dedicated thread owns the
-//!   UCP worker) and [`InProcessTransport`] (role = "all": memory copies).
+//!   UCP worker and, with `UcxConfig::cuda_device`, binds that device's context:
+//!   [`ucx::cuda_ctx`]) and [`InProcessTransport`] (role = "all": memory copies).
 //! - [`checksum`]: CRC32C, the per-rank checksum of a hand-off's KV bytes.
+//! - [`fence`]: the 64-byte fence record written behind each rank's KV (generation, request,
+//!   length, CRC32C).
 //! - [`region`]: regions, spans, the pool geometry, host gather/scatter and span planning.
-//! - [`negotiation`]: the KV target, the per-request secret, and the synchronous state
-//!   machines [`Reservation`] (decode) and [`Push`] (prefill); see docs/protocol.md.
-//! - [`bench`]: the `pdnode bench-transfer` runner (server, client, `--local`).
+//! - [`Secret`]: the per-reservation secret.
 //!
-//! This crate does not depend on the engine: the node runtime turns the engine's `KvMemory`
-//! regions into [`LocalRegion`]s.
+//! The hand-off protocol itself (reservation, push, fences) runs in `pdnode-node`'s `pd`
+//! module; the KV target is `pdnode_core::KvTarget`. The benchmark (`pdnode bench-transfer`)
+//! lives in `pdnode-transfer-bench`. This crate depends on neither the engine nor a bench.
 
-pub mod bench;
 pub mod checksum;
 pub mod completion;
 mod error;
+pub mod fence;
 pub mod inproc;
-pub mod negotiation;
 pub mod region;
+mod secret;
 pub mod transport;
 pub mod ucx;
 
 pub use completion::Completion;
 pub use error::TransferError;
 pub use inproc::InProcessTransport;
-pub use negotiation::{
-    BlockGuard, DoneStatus, KvTarget, Placement, Push, PushRelease, PushState, PutPlan,
-    Reservation, ReservationEnd, ReservationState, Secret,
-};
 pub use region::{LocalRegion, MemKind, PoolGeometry, RemoteRegion, Span};
+pub use secret::Secret;
 pub use transport::{KvTransport, Registration, RemoteTarget, TransportKind};
-pub use ucx::{Gate, UcxConfig, UcxTransport};
+pub use ucx::{Gate, GateFailure, UcxConfig, UcxTransport};

@@ -28,9 +28,18 @@ impl std::fmt::Display for MemKind {
     }
 }
 
+/// A memory kind that is not `host` or `cuda:N`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MemKindError {
+    #[error("bad device ordinal in {0:?}")]
+    BadOrdinal(String),
+    #[error("unknown memory {0:?} (host | cuda:N)")]
+    Unknown(String),
+}
+
 impl std::str::FromStr for MemKind {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = MemKindError;
+    fn from_str(s: &str) -> Result<Self, MemKindError> {
         if s == "host" {
             return Ok(MemKind::Host);
         }
@@ -38,9 +47,9 @@ impl std::str::FromStr for MemKind {
             return n
                 .parse()
                 .map(MemKind::Cuda)
-                .map_err(|e| format!("bad device ordinal in {s:?}: {e}"));
+                .map_err(|_| MemKindError::BadOrdinal(s.to_string()));
         }
-        Err(format!("unknown memory {s:?} (host | cuda:N)"))
+        Err(MemKindError::Unknown(s.to_string()))
     }
 }
 

@@ -258,7 +258,7 @@ fn gated_puts_wait_for_their_gate() {
         "the gated put carried stale data"
     );
     // A failing gate fails the put with its reason.
-    let failing = Box::new(|| Err("the gather failed".to_string()));
+    let failing = Box::new(|| Err("the gather failed".into()));
     let e = a
         .put_when(&src_reg, &target, &span, failing, deadline())
         .unwrap()

@@ -32,6 +32,9 @@ pub enum Command {
     Nodes(cmd::nodes::Args),
     /// A drop-in for sglang-router 0.3.2's PD mode: route to SGLang prefill/decode workers.
     SglangRouter(Box<cmd::sglang_router::Args>),
+    /// Keep an SGLang worker's card in the registry while it is healthy (for routers with
+    /// router.sglang.discover = true).
+    SglangRegister(cmd::sglang_register::Args),
     /// CUDA backend step times at Llama-3.1-8B shapes vs measured ceilings (GPU hosts).
     #[command(hide = true)]
     #[cfg(feature = "bench-engine")]
@@ -50,6 +53,7 @@ pub async fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::BenchTransfer(a) => cmd::bench_transfer::run(a).await,
         Command::Nodes(a) => cmd::nodes::run(a).await,
         Command::SglangRouter(a) => cmd::sglang_router::run(*a).await,
+        Command::SglangRegister(a) => cmd::sglang_register::run(a).await,
         #[cfg(feature = "bench-engine")]
         Command::BenchEngine(a) => cmd::bench_engine::run(a).await,
     }

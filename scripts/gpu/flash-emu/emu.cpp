@@ -83,10 +83,7 @@ int main() {
     std::uniform_real_distribution<float> U(-1.f, 1.f);
     struct K { const char* name; Kern k; int hd, threads, bm; bool heads_x = false; };
     K ks[] = {
-        {"hd64_w4", flash_prefill_hd64_w4, 64, 128, 64},   {"hd128_w4", flash_prefill_hd128_w4, 128, 128, 64},
         {"hd64_w8", flash_prefill_hd64_w8, 64, 256, 128},  {"hd128_w8", flash_prefill_hd128_w8, 128, 256, 128},
-        {"hd64_m32", flash_prefill_hd64_m32, 64, 128, 128}, {"hd128_m32", flash_prefill_hd128_m32, 128, 128, 128},
-        {"hd64_v2", flash_prefill_hd64_v2, 64, 256, 128, true}, {"hd128_v2", flash_prefill_hd128_v2, 128, 256, 128, true},
         {"hd64_v3", flash_prefill_hd64_v3, 64, 256, 128, true}, {"hd128_v3", flash_prefill_hd128_v3, 128, 256, 128, true},
     };
     // (nh, nkv, bs, start, n)

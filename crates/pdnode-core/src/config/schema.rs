@@ -35,6 +35,24 @@ pub struct NodeConfig {
     pub drain_timeout_s: u64,
 }
 
+impl NodeConfig {
+    /// Whether `node.listen` is reachable only from this host (127.0.0.0/8, `::1`,
+    /// `localhost`).
+    pub fn listens_on_loopback(&self) -> bool {
+        is_loopback_listen(&self.listen)
+    }
+}
+
+/// Whether a `host:port` listen address is loopback only.
+pub fn is_loopback_listen(listen: &str) -> bool {
+    let host = listen.rsplit_once(':').map_or(listen, |(h, _)| h);
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
 impl Default for NodeConfig {
     fn default() -> Self {
         Self {
@@ -188,6 +206,61 @@ pub struct CudaEngineConfig {
     pub fuse_swiglu_max_tokens: u32,
     /// Most tokens at which the next RMSNorm is fused into the o/down GEMV, [0, 8]; 0: off.
     pub fuse_norm_max_tokens: u32,
+    /// Paged-attention kernel of decode steps and short chunks.
+    pub attention: AttentionKernel,
+    /// Waves of resident blocks the v4 attention kernel's partitions aim for, [1, 64].
+    pub attention_v4_waves: u32,
+    /// Longest partition (keys) of the v4 attention kernel, [128, 1048576].
+    pub attention_v4_max_part: u32,
+    /// Attention of the sequences with many new tokens in a step (prefill chunks).
+    pub prefill_attention: PrefillAttention,
+    /// Implementation of the linear layers.
+    pub linear: LinearKernel,
+}
+
+/// `engine.cuda.attention`: the paged-attention kernel (decode and short chunks).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AttentionKernel {
+    /// v4 (tensor cores) at head_dim 64 / 128, v2 where it runs, else v1.
+    Auto,
+    /// A warp per key, any even head_dim up to 256.
+    V1,
+    /// Lane groups per key with 16-byte loads; 16 dims per lane from head_dim 128 up.
+    V2,
+    /// v2 with 8 dims per lane at every head_dim.
+    V2narrow,
+    /// Tensor cores for QK^T and PV, head_dim 64 or 128 (other head dims run `auto`'s kernel).
+    V4,
+}
+
+/// `engine.cuda.prefill_attention`: the prefill attention implementation. Head dims other than
+/// 64 and 128 always take `gemm`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PrefillAttention {
+    /// The fused flash kernel with a 4-stage K/V ring and overlapped softmax; needs a
+    /// power-of-two block size (otherwise `flash8` runs).
+    Flashv3,
+    /// The fused flash kernel, 8 warps of 16 query rows, any block size.
+    Flash8,
+    /// cuBLAS GEMMs around a causal softmax kernel.
+    Gemm,
+}
+
+/// `engine.cuda.linear`: the linear layers' implementation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LinearKernel {
+    /// The measured per-shape table: tensor-core GEMV (L2 prefetch) or cuBLAS up to 8 tokens,
+    /// cuBLAS beyond; the only choice that fuses (`fuse_*_max_tokens`).
+    Table,
+    /// The tensor-core GEMV wherever it can take the call (no prefetch), else cuBLAS.
+    Mma,
+    /// The CUDA-core GEMV wherever it can take the call, else cuBLAS.
+    Gemv,
+    /// cuBLAS everywhere.
+    Cublas,
 }
 
 impl Default for CudaEngineConfig {
@@ -197,6 +270,11 @@ impl Default for CudaEngineConfig {
             pdl: false,
             fuse_swiglu_max_tokens: 2,
             fuse_norm_max_tokens: 1,
+            attention: AttentionKernel::Auto,
+            attention_v4_waves: 1,
+            attention_v4_max_part: 4096,
+            prefill_attention: PrefillAttention::Flashv3,
+            linear: LinearKernel::Table,
         }
     }
 }
@@ -304,6 +382,9 @@ pub enum PolicyName {
     PowerOfTwo,
     CacheAware,
     Bucket,
+    /// Sticky: a request's routing key (the `X-SMG-Routing-Key` header, or in SGLang mode the
+    /// body's `rid`) goes to the worker the key was first assigned to.
+    Manual,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -320,6 +401,7 @@ pub struct RouterConfig {
     pub cache_aware: CacheAwareParams,
     pub power_of_two: PowerOfTwoParams,
     pub bucket: BucketParams,
+    pub manual: ManualParams,
     /// Deadline of a whole request, seconds.
     pub request_timeout_s: u64,
     /// Deadline of the prefill step (dispatch to first token and KV handed off), seconds.
@@ -352,6 +434,7 @@ impl Default for RouterConfig {
             cache_aware: CacheAwareParams::default(),
             power_of_two: PowerOfTwoParams::default(),
             bucket: BucketParams::default(),
+            manual: ManualParams::default(),
             request_timeout_s: 600,
             prefill_timeout_s: 120,
             token_timeout_s: 60,
@@ -415,6 +498,36 @@ pub struct BucketParams {
     pub rebalance_interval_secs: u64,
 }
 
+/// How the `manual` policy places a routing key it has not seen (sglang-router's names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AssignmentMode {
+    /// A random candidate.
+    Random,
+    /// The candidate with the fewest running + queued requests.
+    MinLoad,
+    /// The candidate holding the fewest routing keys.
+    MinGroup,
+}
+
+/// sglang-router's `manual` policy parameters, same names and meaning.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ManualParams {
+    /// A routing key unused this long is forgotten (its next request is assigned anew), seconds.
+    pub max_idle_secs: u64,
+    pub assignment_mode: AssignmentMode,
+}
+
+impl Default for ManualParams {
+    fn default() -> Self {
+        Self {
+            max_idle_secs: 4 * 3600,
+            assignment_mode: AssignmentMode::Random,
+        }
+    }
+}
+
 impl Default for BucketParams {
     fn default() -> Self {
         Self {
@@ -427,9 +540,9 @@ impl Default for BucketParams {
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct SecurityConfig {
-    /// PEM certificate and key for the frontends and node gRPC; both or neither.
-    pub tls_cert: String,
-    pub tls_key: String,
+    /// The node API (`node.listen`) is plaintext and unauthenticated (mTLS is not built yet):
+    /// a `node.listen` beyond loopback is refused unless this says the operator accepts that.
+    pub allow_insecure: bool,
     /// Bearer keys accepted by the frontends; empty: no authentication.
     pub api_keys: Vec<String>,
     /// A file with one API key per line, added to `api_keys`.

@@ -9,6 +9,9 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct SglangConfig {
+    /// Also route to the SGLang workers registered in the registry (`registry.*`, cluster
+    /// `node.cluster`) by `pdnode sglang-register`; they come and go with their cards.
+    pub discover: bool,
     pub prefill: Vec<SglangPrefillWorker>,
     pub decode: Vec<SglangDecodeWorker>,
     /// Seconds between two `GET /health` probes of a worker.
@@ -39,6 +42,7 @@ pub struct SglangConfig {
 impl Default for SglangConfig {
     fn default() -> Self {
         Self {
+            discover: false,
             prefill: Vec::new(),
             decode: Vec::new(),
             health_check_interval_s: 60,
@@ -58,7 +62,7 @@ impl Default for SglangConfig {
 impl SglangConfig {
     /// Whether the router serves SGLang workers (both lists non-empty).
     pub fn enabled(&self) -> bool {
-        !self.prefill.is_empty() || !self.decode.is_empty()
+        self.discover || !self.prefill.is_empty() || !self.decode.is_empty()
     }
 }
 

@@ -69,7 +69,15 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
         }
         RegistryKind::Memory => {
             // A router in front of a static list of SGLang workers needs no registry.
-            let static_sglang = c.node.role == Role::Router && c.router.sglang.enabled();
+            let static_sglang = c.node.role == Role::Router
+                && c.router.sglang.enabled()
+                && !c.router.sglang.discover;
+            if c.router.sglang.discover {
+                bad(
+                    "router.sglang.discover",
+                    "needs a shared registry: set registry.kind = \"etcd\"".into(),
+                );
+            }
             if c.node.role != Role::All && !static_sglang {
                 bad(
                     "registry.kind",
@@ -83,15 +91,6 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
                 bad("registry.endpoints", "set, but registry.kind is \"memory\": set registry.kind = \"etcd\" or remove the endpoints".into());
             }
         }
-    }
-    if c.registry.lease_ttl_s < 2 || c.registry.lease_ttl_s > 3600 {
-        bad(
-            "registry.lease_ttl_s",
-            format!("{} is outside [2, 3600] seconds", c.registry.lease_ttl_s),
-        );
-    }
-    if c.registry.timeout_ms == 0 {
-        bad("registry.timeout_ms", "must be positive".into());
     }
 
     // model
@@ -242,6 +241,21 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
             );
         }
     }
+    if !(1..=64).contains(&e.cuda.attention_v4_waves) {
+        bad(
+            "engine.cuda.attention_v4_waves",
+            format!("{}: expected 1 to 64 waves", e.cuda.attention_v4_waves),
+        );
+    }
+    if !(128..=1 << 20).contains(&e.cuda.attention_v4_max_part) {
+        bad(
+            "engine.cuda.attention_v4_max_part",
+            format!(
+                "{}: expected 128 to 1048576 keys per partition",
+                e.cuda.attention_v4_max_part
+            ),
+        );
+    }
     if e.mock.vocab_size < 2 || e.mock.output_len == 0 {
         bad(
             "engine.mock",
@@ -258,12 +272,6 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
                 "\"in-process\" only works with node.role = \"all\"; a {} node needs \"ucx\"",
                 c.node.role
             ),
-        );
-    }
-    if c.transfer.lease_ms < 100 {
-        bad(
-            "transfer.lease_ms",
-            format!("{} is below 100 ms", c.transfer.lease_ms),
         );
     }
     if c.transfer.staging_mib == 0 {
@@ -290,28 +298,17 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
             format!("{:?} is not strictly increasing", r.bucket.boundaries),
         );
     }
-    for (key, v) in [
-        ("router.request_timeout_s", r.request_timeout_s),
-        ("router.prefill_timeout_s", r.prefill_timeout_s),
-        ("router.token_timeout_s", r.token_timeout_s),
-        ("router.client_send_timeout_s", r.client_send_timeout_s),
-    ] {
-        if v == 0 {
-            bad(key, "must be at least 1 second".into());
-        }
-    }
-    for (key, v) in [
-        (
-            "router.node_keepalive_interval_ms",
-            r.node_keepalive_interval_ms,
-        ),
-        (
-            "router.node_keepalive_timeout_ms",
-            r.node_keepalive_timeout_ms,
-        ),
-    ] {
-        if v < 10 {
-            bad(key, format!("{v} is below 10 ms"));
+    // Every duration: a lower bound where zero (or less) breaks something, and an upper bound,
+    // so that `Instant::now() + d` (and a deadline built from a few of them) never overflows.
+    for d in durations(c) {
+        if d.value < d.min || d.value > d.max {
+            bad(
+                d.key,
+                format!(
+                    "{} is outside [{}, {}] {}",
+                    d.value, d.min, d.max, d.unit.name
+                ),
+            );
         }
     }
     if r.max_inflight_requests == 0 {
@@ -328,10 +325,10 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
                 ),
             );
         }
-        if sg.prefill.is_empty() || sg.decode.is_empty() {
+        if !sg.discover && (sg.prefill.is_empty() || sg.decode.is_empty()) {
             bad(
                 "router.sglang",
-                "list at least one [[router.sglang.prefill]] and one [[router.sglang.decode]] worker"
+                "list at least one [[router.sglang.prefill]] and one [[router.sglang.decode]] worker, or set router.sglang.discover = true"
                     .into(),
             );
         }
@@ -343,27 +340,6 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
             } else if !seen.insert((key, url.trim_end_matches('/'))) {
                 bad(key, format!("{url:?} is listed twice"));
             }
-        }
-    }
-    for (key, v, max) in [
-        (
-            "router.sglang.health_check_interval_s",
-            sg.health_check_interval_s,
-            86_400,
-        ),
-        (
-            "router.sglang.health_check_timeout_s",
-            sg.health_check_timeout_s,
-            3_600,
-        ),
-        (
-            "router.sglang.breaker_timeout_s",
-            sg.breaker_timeout_s,
-            86_400,
-        ),
-    ] {
-        if v == 0 || v > max {
-            bad(key, format!("{v} is outside [1, {max}] seconds"));
         }
     }
     for (key, v) in [
@@ -399,10 +375,16 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
 
     // security
     let s = &c.security;
-    if s.tls_cert.is_empty() != s.tls_key.is_empty() {
+    // The node API has no TLS or authentication yet: serving it beyond this host takes the
+    // operator's explicit word (a router in front of SGLang workers serves no node API).
+    let sglang_router = c.node.role == Role::Router && c.router.sglang.enabled();
+    if !sglang_router && !c.node.listens_on_loopback() && !s.allow_insecure {
         bad(
-            "security.tls_cert",
-            "tls_cert and tls_key go together: set both or neither".into(),
+            "node.listen",
+            format!(
+                "{:?} is reachable from other hosts, and the node API is plaintext and unauthenticated (no mTLS yet): anyone who reaches it can run, read or abort requests past the API keys. Listen on loopback, or set security.allow_insecure = true to accept that",
+                c.node.listen
+            ),
         );
     }
     if s.api_keys.iter().any(|k| k.trim().is_empty()) {
@@ -416,6 +398,179 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
         );
     }
     errs
+}
+
+/// A duration's unit, as errors name it.
+#[derive(Debug, Clone, Copy)]
+struct Unit {
+    name: &'static str,
+}
+
+const SECONDS: Unit = Unit { name: "seconds" };
+const MILLIS: Unit = Unit { name: "ms" };
+const MICROS: Unit = Unit { name: "us" };
+
+/// The longest duration any key may set: a day. Past any sane timeout, and small enough that
+/// deadlines built from a few of them (`Instant::now() + a + b`) never overflow.
+const DAY_S: u64 = 86_400;
+
+struct DurationKey {
+    key: &'static str,
+    value: u64,
+    unit: Unit,
+    min: u64,
+    max: u64,
+}
+
+/// Every duration in the configuration, with its bounds (in its own unit). A key whose name says
+/// it is a duration (`_s`, `_ms`, `_us`, `_secs`, `_us_per_token`) must be listed here; the
+/// config tests check that each one refuses an out-of-range value.
+fn durations(c: &Config) -> Vec<DurationKey> {
+    let d = |key, value, unit: Unit, min, max| DurationKey {
+        key,
+        value,
+        unit,
+        min,
+        max,
+    };
+    let (r, sg) = (&c.router, &c.router.sglang);
+    vec![
+        d(
+            "node.drain_timeout_s",
+            c.node.drain_timeout_s,
+            SECONDS,
+            0,
+            DAY_S,
+        ),
+        d(
+            "registry.lease_ttl_s",
+            c.registry.lease_ttl_s,
+            SECONDS,
+            2,
+            3_600,
+        ),
+        d(
+            "registry.timeout_ms",
+            c.registry.timeout_ms,
+            MILLIS,
+            1,
+            3_600_000,
+        ),
+        // Slept per forward step, times the step's tokens: 10 s a token is plenty to simulate.
+        d(
+            "engine.mock.prefill_us_per_token",
+            c.engine.mock.prefill_us_per_token,
+            MICROS,
+            0,
+            10_000_000,
+        ),
+        d(
+            "engine.mock.decode_us_per_token",
+            c.engine.mock.decode_us_per_token,
+            MICROS,
+            0,
+            10_000_000,
+        ),
+        d(
+            "transfer.lease_ms",
+            c.transfer.lease_ms,
+            MILLIS,
+            100,
+            3_600_000,
+        ),
+        // A routing key must expire within a year (the `manual` policy's idle limit).
+        d(
+            "router.manual.max_idle_secs",
+            r.manual.max_idle_secs,
+            SECONDS,
+            1,
+            365 * DAY_S,
+        ),
+        d(
+            "router.request_timeout_s",
+            r.request_timeout_s,
+            SECONDS,
+            1,
+            DAY_S,
+        ),
+        d(
+            "router.prefill_timeout_s",
+            r.prefill_timeout_s,
+            SECONDS,
+            1,
+            DAY_S,
+        ),
+        d(
+            "router.token_timeout_s",
+            r.token_timeout_s,
+            SECONDS,
+            1,
+            DAY_S,
+        ),
+        d(
+            "router.client_send_timeout_s",
+            r.client_send_timeout_s,
+            SECONDS,
+            1,
+            DAY_S,
+        ),
+        d(
+            "router.node_keepalive_interval_ms",
+            r.node_keepalive_interval_ms,
+            MILLIS,
+            10,
+            3_600_000,
+        ),
+        d(
+            "router.node_keepalive_timeout_ms",
+            r.node_keepalive_timeout_ms,
+            MILLIS,
+            10,
+            3_600_000,
+        ),
+        d(
+            "router.cache_aware.eviction_interval_secs",
+            r.cache_aware.eviction_interval_secs,
+            SECONDS,
+            1,
+            DAY_S,
+        ),
+        d(
+            "router.power_of_two.load_refresh_ms",
+            r.power_of_two.load_refresh_ms,
+            MILLIS,
+            1,
+            3_600_000,
+        ),
+        d(
+            "router.bucket.rebalance_interval_secs",
+            r.bucket.rebalance_interval_secs,
+            SECONDS,
+            1,
+            DAY_S,
+        ),
+        d(
+            "router.sglang.health_check_interval_s",
+            sg.health_check_interval_s,
+            SECONDS,
+            1,
+            DAY_S,
+        ),
+        d(
+            "router.sglang.health_check_timeout_s",
+            sg.health_check_timeout_s,
+            SECONDS,
+            1,
+            3_600,
+        ),
+        d(
+            "router.sglang.breaker_timeout_s",
+            sg.breaker_timeout_s,
+            SECONDS,
+            1,
+            DAY_S,
+        ),
+    ]
 }
 
 fn is_key_segment(s: &str) -> bool {

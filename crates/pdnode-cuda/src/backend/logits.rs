@@ -325,9 +325,11 @@ impl CudaBackend {
             let token = match u32::try_from(t) {
                 Ok(t) if (t as usize) < vocab => Some(t),
                 Ok(_) => {
-                    return Err(BackendError::Device(format!(
-                        "{op} returned id {t} for a vocabulary of {vocab}"
-                    )));
+                    // a kernel bug, not a transient failure: not retried
+                    return Err(BackendError::DeviceFailure {
+                        kind: pdnode_core::ErrorKind::Internal,
+                        message: format!("{op} returned id {t} for a vocabulary of {vocab}"),
+                    });
                 }
                 Err(_) => None,
             };

@@ -16,8 +16,7 @@ pub struct AttnWorkspace<'a> {
 /// Which paged-attention kernel to run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttnVariant {
-    /// v3 when the head_dim allows it, else v2, else v1 ([`auto_variant`]; the environment
-    /// variable `PDNODE_ATTN_KERNEL` overrides it).
+    /// v4 when the head_dim allows it, else v2, else v1 ([`auto_variant`]).
     Auto,
     /// attention.cu: a warp per key, any even head_dim <= 256, up to 8 heads per block.
     V1,
@@ -26,107 +25,117 @@ pub enum AttnVariant {
     V2,
     /// attention_v2.cu with 8 dims per lane at every head_dim (fewer registers, more shuffles).
     V2Narrow,
-    /// attention_v3.cu: K/V tiles staged in shared memory by cp.async, every query head of a
-    /// GQA group (up to 8) per block, one online-softmax update per tile; head_dim 64 or 128.
-    /// Kernels `paged_attention_v3_d{64,128}_g{4,8}` ([`v3_heads_per_block`]).
-    V3,
-    /// attention_v4.cu: v3's partitions with QK^T and PV on tensor cores (mma.sync m16n8k16,
-    /// the GQA group's heads as the 16 rows), a cp.async pipeline per warp and the 4 warps'
-    /// results merged at the end; head_dim 64 or 128, dynamic shared memory
-    /// ([`v4_smem_bytes`]). Kernels `paged_attention_v4_d{64,128}_g{8,16}`.
+    /// attention_v4.cu: flash-decoding partitions with QK^T and PV on tensor cores (mma.sync
+    /// m16n8k16, the GQA group's heads as the 16 rows), a cp.async pipeline per warp and the 4
+    /// warps' results merged at the end; head_dim 64 or 128, dynamic shared memory
+    /// ([`v4_smem_bytes`]). Kernels `paged_attention_v4_d{64,128}_g{8,16}`. (v3, the same
+    /// partitions on CUDA cores, was retired: 0.36-0.60 of the copy ceiling where v4 reads at
+    /// 0.58-1.03, docs/benchmarks.md.)
     V4,
 }
 
 impl AttnVariant {
-    /// Parses `auto`, `v1`, `v2`, `v2narrow`, `v3` (the names of the `PDNODE_ATTN_KERNEL`
-    /// override and of the benchmarks).
+    /// Parses `auto`, `v1`, `v2`, `v2narrow`, `v4` (the names of `engine.cuda.attention` and of
+    /// the benchmarks).
     pub fn parse(s: &str) -> Option<Self> {
         Some(match s.trim().to_ascii_lowercase().as_str() {
             "auto" => Self::Auto,
             "v1" => Self::V1,
             "v2" => Self::V2,
             "v2narrow" => Self::V2Narrow,
-            "v3" => Self::V3,
             "v4" => Self::V4,
             _ => return None,
         })
     }
-}
 
-/// What [`AttnVariant::Auto`] runs: the `PDNODE_ATTN_KERNEL` environment variable (`v1`, `v2`,
-/// `v2narrow`, `v3`, `v4`; read once per process) when set, so a faulty kernel can be switched off on a
-/// GPU host without a rebuild; else v4 for head_dim 64 / 128, v2 where it runs, v1 otherwise.
-pub fn auto_variant(hd: usize) -> AttnVariant {
-    static FORCED: std::sync::OnceLock<Option<AttnVariant>> = std::sync::OnceLock::new();
-    let forced = *FORCED.get_or_init(|| {
-        std::env::var("PDNODE_ATTN_KERNEL")
-            .ok()
-            .and_then(|v| AttnVariant::parse(&v))
-            .filter(|v| *v != AttnVariant::Auto)
-    });
-    let runs = |v: AttnVariant| match v {
-        AttnVariant::V3 | AttnVariant::V4 => v3_supports(hd),
-        AttnVariant::V2 => v2_dims_per_lane(hd).is_some(),
-        AttnVariant::V2Narrow => hd >= 8 && hd.is_multiple_of(8) && 32 % (hd / 8) == 0,
-        AttnVariant::V1 => true,
-        AttnVariant::Auto => false,
-    };
-    match forced {
-        Some(v) if runs(v) => v,
-        // v4 (tensor cores) measured 0.90-0.93 of the copy ceiling at 32-64 x 8k on the H200,
-        // v3 0.50-0.55; both serve the same head dims.
-        _ if v3_supports(hd) => AttnVariant::V4,
-        _ if v2_dims_per_lane(hd).is_some() => AttnVariant::V2,
-        _ => AttnVariant::V1,
+    /// Whether this kernel runs head_dim `hd` (`Auto` always does).
+    pub fn runs(self, hd: usize) -> bool {
+        match self {
+            AttnVariant::V4 => v4_supports(hd),
+            AttnVariant::V2 => v2_dims_per_lane(hd).is_some(),
+            AttnVariant::V2Narrow => hd >= 8 && hd.is_multiple_of(8) && 32 % (hd / 8) == 0,
+            AttnVariant::V1 | AttnVariant::Auto => true,
+        }
+    }
+
+    /// The kernel this choice runs at head_dim `hd`: itself where it runs, else [`auto_variant`]
+    /// (never `Auto`).
+    pub fn resolve(self, hd: usize) -> AttnVariant {
+        match self {
+            AttnVariant::Auto => auto_variant(hd),
+            v if v.runs(hd) => v,
+            _ => auto_variant(hd),
+        }
     }
 }
 
-/// Asks for the largest shared-memory carveout (a v3 block holds about 40 KB of static shared
-/// memory and 5 blocks per SM need about 205 KB, more than the driver's default split with L1 may
-/// leave; once per loaded function) and, with `dynamic` > 0, allows that many bytes of dynamic
-/// shared memory (v4; set before every launch: a launch above 48 KB without it fails, and a
-/// CUfunction handle of an unloaded module can come back for a new one, so no cache keyed by it).
+/// What [`AttnVariant::Auto`] runs at head_dim `hd`: v4 for 64 / 128, v2 where it runs, v1
+/// otherwise.
+pub fn auto_variant(hd: usize) -> AttnVariant {
+    // v4 (tensor cores) measured 0.90-0.93 of the copy ceiling at 32-64 x 8k on the H200 (the
+    // retired v3 0.50-0.55).
+    if v4_supports(hd) {
+        AttnVariant::V4
+    } else if v2_dims_per_lane(hd).is_some() {
+        AttnVariant::V2
+    } else {
+        AttnVariant::V1
+    }
+}
+
+/// A paged-attention kernel and the v4 partition tuning (`engine.cuda.attention`,
+/// `attention_v4_waves`, `attention_v4_max_part`): passed to every call, no process-wide state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttnChoice {
+    pub variant: AttnVariant,
+    /// Waves of resident v4 blocks [`attention_splits_v4`] aims for (1 to 64).
+    pub v4_waves: usize,
+    /// Longest v4 partition, keys (128 to 1M).
+    pub v4_max_part: usize,
+}
+
+impl Default for AttnChoice {
+    fn default() -> Self {
+        AttnVariant::Auto.into()
+    }
+}
+
+impl From<AttnVariant> for AttnChoice {
+    /// `variant` with the default v4 tuning ([`V4_WAVES`], [`V4_MAX_PART`]).
+    fn from(variant: AttnVariant) -> Self {
+        Self {
+            variant,
+            v4_waves: V4_WAVES,
+            v4_max_part: V4_MAX_PART,
+        }
+    }
+}
+
+/// Asks for the largest shared-memory carveout and allows `dynamic` bytes of dynamic shared
+/// memory for `f` (the v4 kernels; set before every launch: a launch above 48 KB without it
+/// fails, and a CUfunction handle of an unloaded module can come back for a new one, so no cache
+/// keyed by it).
 pub fn prefer_shared_memory(
     f: &cudarc::driver::CudaFunction,
     dynamic: usize,
 ) -> Result<(), CudaError> {
     use cudarc::driver::sys::CUfunction_attribute_enum as A;
-    use std::sync::{Mutex, OnceLock};
-    if dynamic > 0 {
-        f.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
-            .map_err(super::super::drv("cuFuncSetAttribute"))?;
-        let bytes = i32::try_from(dynamic).map_err(|_| CudaError::Unsupported {
-            reason: format!("{dynamic} bytes of dynamic shared memory"),
-        })?;
-        return f
-            .set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes)
-            .map_err(super::super::drv("cuFuncSetAttribute"));
-    }
-    static DONE: OnceLock<Mutex<std::collections::HashSet<usize>>> = OnceLock::new();
-    let key = f.cu_function() as usize;
-    let mut done = DONE
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
-    if done.insert(key) {
-        f.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
-            .map_err(super::super::drv("cuFuncSetAttribute"))?;
-    }
-    Ok(())
+    f.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
+        .map_err(super::super::drv("cuFuncSetAttribute"))?;
+    let bytes = i32::try_from(dynamic).map_err(|_| CudaError::Unsupported {
+        reason: format!("{dynamic} bytes of dynamic shared memory"),
+    })?;
+    f.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes)
+        .map_err(super::super::drv("cuFuncSetAttribute"))
 }
 
-/// Head dims the v3 kernel is compiled for.
-pub fn v3_supports(hd: usize) -> bool {
+/// Head dims the v4 kernel is compiled for.
+pub fn v4_supports(hd: usize) -> bool {
     hd == 64 || hd == 128
 }
 
-/// Query heads one v3 block serves for a GQA group of `g` heads: the `_g4` kernels for groups up
-/// to 4, the `_g8` ones otherwise (groups above 8 take `ceil(g / 8)` blocks per KV head).
-pub fn v3_heads_per_block(g: usize) -> usize {
-    if g <= 4 { 4 } else { 8 }
-}
-/// Block-table entries of one partition the v3 kernel stages in shared memory (`ATT3_BT`).
-pub const V3_BT_ENTRIES: usize = 512;
+/// Block-table entries of one partition the v4 kernel stages in shared memory (`ATT4_BT`).
+pub const BT_ENTRIES: usize = 512;
 
 /// Query heads one v4 block serves for a GQA group of `g` heads: the `_g8` kernels for groups up
 /// to 8, the `_g16` ones otherwise (groups above 16 take `ceil(g / 16)` blocks per KV head).
@@ -145,45 +154,21 @@ pub fn v4_blocks_per_sm(hd: usize) -> usize {
     (228 * 1024 / (v4_smem_bytes(hd) + 4 * 1024)).max(1)
 }
 
-/// Waves of resident v4 blocks [`attention_splits_v4`] aims for: `PDNODE_ATTN_V4_WAVES` (1 to 64,
-/// read once per process) when set, else [`V4_WAVES`].
-pub fn v4_waves() -> usize {
-    static W: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *W.get_or_init(|| {
-        std::env::var("PDNODE_ATTN_V4_WAVES")
-            .ok()
-            .and_then(|v| v.trim().parse().ok())
-            .filter(|w| (1..=64).contains(w))
-            .unwrap_or(V4_WAVES)
-    })
-}
-
-/// Default of [`v4_waves`]. On the H200 (Llama-3.1-8B shapes, uniform contexts, whole waves) one
+/// Default of [`AttnChoice::v4_waves`]. On the H200 (Llama-3.1-8B shapes, uniform contexts, whole waves) one
 /// wave was best: 0.55 / 0.86 / 0.95 of the copy ceiling at 8 x 2k / 32 x 2k / 32 x 8k against
 /// 0.45 / 0.76 / 0.92 for two and 0.37 / 0.68 / 0.89 for four.
 pub const V4_WAVES: usize = 1;
 
-/// Longest v4 partition [`attention_splits_v4`] makes by default ([`v4_max_part`]): with one
+/// Longest v4 partition [`attention_splits_v4`] makes by default ([`AttnChoice::v4_max_part`]): with one
 /// wave a lone long context among short ones would otherwise be one block's serial work.
 pub const V4_MAX_PART: usize = 4096;
 
-/// `PDNODE_ATTN_V4_MAX_PART` (128 to 1M keys, read once per process) when set, else
-/// [`V4_MAX_PART`].
-pub fn v4_max_part() -> usize {
-    static P: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *P.get_or_init(|| {
-        std::env::var("PDNODE_ATTN_V4_MAX_PART")
-            .ok()
-            .and_then(|v| v.trim().parse().ok())
-            .filter(|p| (128..=1 << 20).contains(p))
-            .unwrap_or(V4_MAX_PART)
-    })
-}
-
-/// Partitions of the v4 kernel: as [`attention_splits_v3`] with at most `waves` whole waves of
-/// resident blocks ([`v4_blocks_per_sm`] per SM; at least one partition per work item) and at
-/// least 128 keys (2 tiles per warp) and at most about `max_part` keys per partition;
-/// v4 shares v3's block-table bound ([`V3_BT_ENTRIES`]). Returns `(nsplit, split_len)`.
+/// Partitions of the v4 kernel for `work` (token, head group) blocks and contexts up to
+/// `max_ctx`: at most `waves` whole waves of resident blocks ([`v4_blocks_per_sm`] per SM; at
+/// least one partition per work item), at least 128 keys (2 tiles per warp) and at most about
+/// `max_part` keys per partition, each partition's block-table slice within [`BT_ENTRIES`], and
+/// no more partials than the workspace holds (`ws_rows_splits / partial_rows`). Returns
+/// `(nsplit, split_len)` with `nsplit * split_len >= max_ctx > (nsplit - 1) * split_len`.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_splits_v4(
     sm_count: usize,
@@ -208,30 +193,8 @@ pub fn attention_splits_v4(
     )
 }
 
-/// Partitions of the v3 kernel for `work` (token, head group) blocks and contexts up to
-/// `max_ctx`: about 16 blocks per SM (4 resident, several waves so uneven contexts balance), at
-/// least 128 keys per partition, each partition's block-table slice within [`V3_BT_ENTRIES`],
-/// and no more partials than the workspace holds (`ws_rows_splits / partial_rows`). Returns
-/// `(nsplit, split_len)` with `nsplit * split_len >= max_ctx > (nsplit - 1) * split_len`.
-pub fn attention_splits_v3(
-    sm_count: usize,
-    work: usize,
-    max_ctx: usize,
-    block_size: usize,
-    partial_rows: usize,
-    ws_rows_splits: usize,
-) -> (usize, usize) {
-    splits_tiled(
-        (sm_count * 16).div_ceil(work.max(1)),
-        max_ctx,
-        block_size,
-        partial_rows,
-        ws_rows_splits,
-    )
-}
-
 /// About `want` partitions (at most one per 128 keys), block-aligned where the block size
-/// allows, each partition's block table within [`V3_BT_ENTRIES`], and no more partials than the
+/// allows, each partition's block table within [`BT_ENTRIES`], and no more partials than the
 /// workspace holds.
 fn splits_tiled(
     want: usize,
@@ -246,9 +209,9 @@ fn splits_tiled(
     // they are block-aligned and span split_len / block_size blocks, else one more.
     let bs = block_size.max(1);
     let (align, max_len) = if bs.is_multiple_of(16) {
-        (bs, V3_BT_ENTRIES * bs)
+        (bs, BT_ENTRIES * bs)
     } else {
-        (16, (V3_BT_ENTRIES - 1) * bs / 16 * 16)
+        (16, (BT_ENTRIES - 1) * bs / 16 * 16)
     };
     let mut split_len = max_ctx
         .div_ceil(nsplit)
@@ -356,9 +319,10 @@ pub fn paged_attention_ex(
     list: Option<(u64, usize)>,
     out: &DevBuf,
     ws: &AttnWorkspace<'_>,
-    variant: AttnVariant,
+    choice: impl Into<AttnChoice>,
 ) -> Result<(), CudaError> {
     const OP: &str = "paged_attention";
+    let choice: AttnChoice = choice.into();
     d.check(OP)?;
     let (nh, hd) = (d.num_heads, d.head_dim);
     need(OP, "q", q, total_tokens * nh * hd * BF16)?;
@@ -379,7 +343,8 @@ pub fn paged_attention_ex(
     if grid_tokens == 0 {
         return Ok(());
     }
-    let variant = match variant {
+    // an explicit kernel the head_dim rules out is a shape error, not a silent substitute
+    let variant = match choice.variant {
         AttnVariant::Auto => auto_variant(hd),
         v => v,
     };
@@ -392,13 +357,12 @@ pub fn paged_attention_ex(
         AttnVariant::V2 | AttnVariant::V2Narrow => shape(OP, dpl.is_some(), || {
             format!("{variant:?} cannot run head_dim {hd}")
         })?,
-        AttnVariant::V3 | AttnVariant::V4 => shape(OP, v3_supports(hd), || {
+        AttnVariant::V4 => shape(OP, v4_supports(hd), || {
             format!("{variant:?} cannot run head_dim {hd} (64 or 128)")
         })?,
         _ => {}
     }
     let maxg = match variant {
-        AttnVariant::V3 => v3_heads_per_block(nh / d.num_kv_heads),
         AttnVariant::V4 => v4_heads_per_block(nh / d.num_kv_heads),
         AttnVariant::V2 | AttnVariant::V2Narrow => 4,
         _ => 8,
@@ -409,17 +373,8 @@ pub fn paged_attention_ex(
         attention_splits_v4(
             gpu.sm_count as usize,
             hd,
-            v4_waves(),
-            v4_max_part(),
-            grid_tokens * groups,
-            max_ctx,
-            d.block_size,
-            total_tokens * nh,
-            ws_rows_splits,
-        )
-    } else if variant == AttnVariant::V3 {
-        attention_splits_v3(
-            gpu.sm_count as usize,
+            choice.v4_waves,
+            choice.v4_max_part,
             grid_tokens * groups,
             max_ctx,
             d.block_size,
@@ -450,12 +405,6 @@ pub fn paged_attention_ex(
         )?;
     }
     let name = match variant {
-        AttnVariant::V3 => match (hd, maxg) {
-            (64, 4) => "paged_attention_v3_d64_g4",
-            (64, _) => "paged_attention_v3_d64_g8",
-            (_, 4) => "paged_attention_v3_d128_g4",
-            _ => "paged_attention_v3_d128_g8",
-        },
         AttnVariant::V4 => match (hd, maxg) {
             (64, 8) => "paged_attention_v4_d64_g8",
             (64, _) => "paged_attention_v4_d64_g16",
@@ -472,7 +421,7 @@ pub fn paged_attention_ex(
     } else {
         0
     };
-    if matches!(variant, AttnVariant::V3 | AttnVariant::V4) {
+    if variant == AttnVariant::V4 {
         prefer_shared_memory(f, dyn_smem)?;
     }
     let layer_ptr = pool.at(layer * d.layer_elems() * BF16);
@@ -556,7 +505,7 @@ mod tests {
     }
 
     #[test]
-    fn v3_partitions_cover_the_context_fit_smem_and_workspace() {
+    fn v4_partitions_cover_the_context_fit_smem_and_workspace() {
         let bs_list = [1usize, 16, 32, 24];
         for &(sms, work, ctx, rows, cap) in &[
             (132, 8, 512, 32, 1 << 17),    // batch 1, Llama shapes
@@ -568,14 +517,11 @@ mod tests {
             (132, 8, 1, 32, 1 << 17),          // context 1
             (132, 100_000, 8192, 400_000, 1 << 17),
         ] {
-            for (bs, v4) in bs_list.into_iter().flat_map(|b| [(b, false), (b, true)]) {
-                let (n, len) = if v4 {
-                    attention_splits_v4(sms, 128, V4_WAVES, V4_MAX_PART, work, ctx, bs, rows, cap)
-                } else {
-                    attention_splits_v3(sms, work, ctx, bs, rows, cap)
-                };
+            for (bs, waves) in bs_list.into_iter().flat_map(|b| [(b, V4_WAVES), (b, 4)]) {
+                let (n, len) =
+                    attention_splits_v4(sms, 128, waves, V4_MAX_PART, work, ctx, bs, rows, cap);
                 let tag = format!(
-                    "v4={v4} sms={sms} work={work} ctx={ctx} bs={bs} cap={cap}: {n} x {len}"
+                    "waves={waves} sms={sms} work={work} ctx={ctx} bs={bs} cap={cap}: {n} x {len}"
                 );
                 assert!(n >= 1 && len >= 1, "{tag}");
                 assert!(n * len >= ctx, "every key in a partition: {tag}");
@@ -587,7 +533,7 @@ mod tests {
                     n == 1 || n * rows <= cap,
                     "partials fit the workspace: {tag}"
                 );
-                if cap / rows >= ctx.div_ceil((V3_BT_ENTRIES - 1) * bs) {
+                if cap / rows >= ctx.div_ceil((BT_ENTRIES - 1) * bs) {
                     // a partition of len keys spans len / bs blocks when aligned to blocks,
                     // at most (len - 1) / bs + 2 otherwise
                     let span = if bs % 16 == 0 {
@@ -596,18 +542,31 @@ mod tests {
                     } else {
                         (len - 1) / bs + 2
                     };
-                    assert!(span <= V3_BT_ENTRIES, "block table in smem: {tag}");
+                    assert!(span <= BT_ENTRIES, "block table in smem: {tag}");
                 }
             }
         }
         // small batches spread over the device; long contexts are split even at large batch
-        let (n, len) = attention_splits_v3(132, 8, 8192, 16, 32, 1 << 17);
+        let (n, len) = attention_splits_v4(132, 128, 1, V4_MAX_PART, 8, 8192, 16, 32, 1 << 17);
         assert!(n >= 32 && len >= 128, "{n} x {len}");
         assert_eq!(
-            attention_splits_v3(132, 1 << 20, 8192, 16, 1 << 22, 1 << 30).0,
+            attention_splits_v4(132, 128, 1, 1 << 20, 1 << 20, 8192, 16, 1 << 22, 1 << 30).0,
             1
         );
-        assert!(attention_splits_v3(132, 1 << 20, 131072, 16, 1 << 22, 1 << 30).0 >= 16);
+        assert!(
+            attention_splits_v4(
+                132,
+                128,
+                1,
+                V4_MAX_PART,
+                1 << 20,
+                131072,
+                16,
+                1 << 22,
+                1 << 30
+            )
+            .0 >= 16
+        );
         // v4: 2 resident blocks per SM at head_dim 128 (3 at 64), whole waves: batch 8 x 2k
         // (64 blocks of work) takes 4 partitions of 512 keys for one wave, 8 of 256 for two, 16 of
         // 128 for four; 64 x 8k (512) one partition for one or two waves, 2 of 4096 for four
@@ -636,26 +595,39 @@ mod tests {
     }
 
     #[test]
-    fn variant_names_parse_and_v3_head_dims() {
+    fn variant_names_parse_and_resolve_per_head_dim() {
         for (s, v) in [
             ("auto", AttnVariant::Auto),
             ("v1", AttnVariant::V1),
             ("V2", AttnVariant::V2),
             (" v2narrow ", AttnVariant::V2Narrow),
-            ("v3", AttnVariant::V3),
+            ("v4", AttnVariant::V4),
         ] {
             assert_eq!(AttnVariant::parse(s), Some(v));
         }
-        assert_eq!(AttnVariant::parse("v4"), Some(AttnVariant::V4));
+        // v3 is retired
+        assert_eq!(AttnVariant::parse("v3"), None);
         assert_eq!(AttnVariant::parse("v5"), None);
-        assert!(v3_supports(64) && v3_supports(128));
-        assert!(!v3_supports(96) && !v3_supports(256) && !v3_supports(16));
-        if std::env::var_os("PDNODE_ATTN_KERNEL").is_none() {
-            assert_eq!(auto_variant(128), AttnVariant::V4);
-            assert_eq!(auto_variant(64), AttnVariant::V4);
-            assert_eq!(auto_variant(256), AttnVariant::V2);
-            assert_eq!(auto_variant(96), AttnVariant::V1);
-        }
+        assert!(v4_supports(64) && v4_supports(128));
+        assert!(!v4_supports(96) && !v4_supports(256) && !v4_supports(16));
+        // auto: no environment, the same answer every time
+        assert_eq!(auto_variant(128), AttnVariant::V4);
+        assert_eq!(auto_variant(64), AttnVariant::V4);
+        assert_eq!(auto_variant(256), AttnVariant::V2);
+        assert_eq!(auto_variant(96), AttnVariant::V1);
+        // an explicit choice runs where it can, else auto's kernel for that head_dim
+        assert_eq!(AttnVariant::V1.resolve(128), AttnVariant::V1);
+        assert_eq!(AttnVariant::V2Narrow.resolve(128), AttnVariant::V2Narrow);
+        assert_eq!(AttnVariant::V4.resolve(256), AttnVariant::V2);
+        assert_eq!(AttnVariant::V2.resolve(96), AttnVariant::V1);
+        assert_eq!(AttnVariant::Auto.resolve(64), AttnVariant::V4);
+        assert!(!AttnVariant::V4.runs(96) && AttnVariant::V1.runs(96));
+        let c: AttnChoice = AttnVariant::V2.into();
+        assert_eq!(
+            (c.variant, c.v4_waves, c.v4_max_part),
+            (AttnVariant::V2, V4_WAVES, V4_MAX_PART)
+        );
+        assert_eq!(AttnChoice::default().variant, AttnVariant::Auto);
     }
 
     #[test]

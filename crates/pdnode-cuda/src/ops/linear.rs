@@ -11,29 +11,33 @@ use super::{cfg, launched, need, shape, u32_of};
 const BF16: usize = 2;
 const F32: usize = 4;
 
-/// Which implementation [`linear`] uses.
+/// Which implementation [`linear`] uses. The backend's choice is `engine.cuda.linear`
+/// ([`crate::CudaOptions::linear`]: `table` is `Auto`, `mma` `GemvMma`, `gemv` `Gemv`,
+/// `cublas` `Cublas`), applied per call through [`LinearImpl::for_call`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LinearImpl {
     /// Per (tokens, shape) what the H200 measurements say is fastest ([`table_launch`]: the
     /// L2-prefetch tensor-core GEMV or cuBLAS) where a GEMV applies (tokens <= 8, `inp % 8 ==
-    /// 0`, 16-byte aligned operands), cuBLAS otherwise; `PDNODE_LINEAR=cublas|gemv|mma` changes
-    /// the preference ([`auto_choice`]). Only `Auto` fuses ([`gate_up_swiglu`],
+    /// 0`, 16-byte aligned operands), cuBLAS otherwise. Only `Auto` fuses ([`gate_up_swiglu`],
     /// [`linear_rmsnorm`]).
     Auto,
     /// cuBLAS `cublasGemmEx` (H200, Llama-3.1-8B shapes: 5.87 ms per batch-1 decode step).
     Cublas,
     /// CUDA-core GEMV, one warp per output row (the first kernel: 6.05 ms per batch-1 step).
+    /// A call it cannot take is a shape error.
     Gemv,
     /// Tensor-core GEMV: mma.sync m16n8k16 over 16 or 32 weight rows per block, split-K over the
-    /// block's warps with a fixed-order reduction (tokens <= 8).
+    /// block's warps with a fixed-order reduction (tokens <= 8), no L2 prefetch. A call it
+    /// cannot take is a shape error.
     GemvMma,
 }
 
 impl LinearImpl {
-    /// `auto`, `cublas`, `gemv`, `mma` (benchmark and test selectors).
+    /// `auto` (or `table`), `cublas`, `gemv`, `mma` (the names of `engine.cuda.linear` and of
+    /// the benchmarks).
     pub fn parse(s: &str) -> Option<Self> {
         Some(match s.trim() {
-            "auto" => Self::Auto,
+            "auto" | "table" => Self::Auto,
             "cublas" => Self::Cublas,
             "gemv" => Self::Gemv,
             "mma" | "gemv_mma" => Self::GemvMma,
@@ -43,39 +47,25 @@ impl LinearImpl {
 
     /// Every implementation other than `Auto`.
     pub const ALL: [LinearImpl; 3] = [Self::GemvMma, Self::Gemv, Self::Cublas];
-}
 
-/// What `Auto` does for the calls a GEMV kernel can take (`PDNODE_LINEAR`, read once per
-/// process, so prebuilt binaries can switch a kernel off without a rebuild).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AutoPref {
-    /// The default (`PDNODE_LINEAR` unset or `table`): the measured table of [`table_launch`].
-    Table,
-    /// `mma`: the tensor-core GEMV at [`mma_launch`] for every shape, no L2 prefetch (the
-    /// previous default).
-    Mma,
-    /// `gemv`: the CUDA-core GEMV.
-    Gemv,
-    /// `cublas`: cuBLAS everywhere.
-    Cublas,
-}
+    /// The implementation a backend whose choice is `self` runs for `tokens` rows of `x`
+    /// through `w` (`inp` inputs): a GEMV choice where that GEMV can take the call, cuBLAS
+    /// where it cannot (prefill steps, odd shapes); `Auto` and `Cublas` as they are.
+    pub fn for_call(self, tokens: usize, inp: usize, w: &DevBuf, x: &DevBuf) -> LinearImpl {
+        self.for_operands(tokens, inp, w.ptr(), x.ptr())
+    }
 
-/// `PDNODE_LINEAR` as an [`AutoPref`] (`table`, `mma`, `gemv`, `cublas`; anything else is
-/// `table`).
-pub fn auto_choice() -> AutoPref {
-    static CHOICE: std::sync::OnceLock<AutoPref> = std::sync::OnceLock::new();
-    *CHOICE.get_or_init(|| {
-        match std::env::var("PDNODE_LINEAR")
-            .ok()
-            .as_deref()
-            .map(str::trim)
-        {
-            Some("mma") | Some("gemv_mma") => AutoPref::Mma,
-            Some("gemv") => AutoPref::Gemv,
-            Some("cublas") => AutoPref::Cublas,
-            _ => AutoPref::Table,
+    /// [`LinearImpl::for_call`] on device addresses.
+    fn for_operands(self, tokens: usize, inp: usize, w: u64, x: u64) -> LinearImpl {
+        match self {
+            LinearImpl::Gemv | LinearImpl::GemvMma
+                if !(tokens <= GEMV_MAX_TOKENS && aligned_operands(inp, w, x)) =>
+            {
+                LinearImpl::Cublas
+            }
+            how => how,
         }
-    })
+    }
 }
 
 /// `Auto`'s measured choice for `tokens` rows through an `out x inp` weight: the tensor-core
@@ -196,16 +186,11 @@ pub fn linear(
     let sms = gpu.sm_count as usize;
     let kernel = match how {
         LinearImpl::Cublas => None,
-        LinearImpl::Auto => match auto_choice() {
-            AutoPref::Cublas => None,
-            AutoPref::Gemv => gemv_ok.then_some(LinearImpl::Gemv),
-            AutoPref::Mma => gemv_ok.then_some(LinearImpl::GemvMma),
-            AutoPref::Table => match table_launch(sms, out, tokens, inp) {
-                Some(l) if gemv_ok => {
-                    return gemv_mma(gpu, l, out, tokens, inp, w, x, y, ty, accumulate);
-                }
-                _ => None,
-            },
+        LinearImpl::Auto => match table_launch(sms, out, tokens, inp) {
+            Some(l) if gemv_ok => {
+                return gemv_mma(gpu, l, out, tokens, inp, w, x, y, ty, accumulate);
+            }
+            _ => None,
         },
         LinearImpl::Gemv => {
             need_gemv("gemv")?;
@@ -339,13 +324,10 @@ impl Fusion {
     };
 }
 
-/// Whether [`gate_up_swiglu`] takes the fused kernel for `tokens` rows with `how` (only `Auto`
-/// under the measured table: `PDNODE_LINEAR=mma` is the previous step exactly).
+/// Whether [`gate_up_swiglu`] takes the fused kernel for `tokens` rows with `how` (only `Auto`,
+/// the measured table: `engine.cuda.linear = "mma"` is the previous step exactly).
 pub fn swiglu_fused(how: LinearImpl, tokens: usize, fuse: Fusion) -> bool {
-    how == LinearImpl::Auto
-        && auto_choice() == AutoPref::Table
-        && tokens >= 1
-        && tokens <= fuse.swiglu_max_tokens.min(GEMV_MAX_TOKENS)
+    how == LinearImpl::Auto && tokens >= 1 && tokens <= fuse.swiglu_max_tokens.min(GEMV_MAX_TOKENS)
 }
 
 /// The MLP input half: `act[t, i] = silu(g) * u` with `[g | u] = x[t] W_gate_up^T` (w bf16
@@ -472,7 +454,6 @@ pub fn norm_fuse_launch(
     fuse: Fusion,
 ) -> Option<MmaLaunch> {
     let ok = how == LinearImpl::Auto
-        && auto_choice() == AutoPref::Table
         && tokens >= 1
         && tokens <= fuse.norm_max_tokens.min(GEMV_MAX_TOKENS)
         && out > 0
@@ -598,7 +579,11 @@ pub fn gemv_mma_norm(
 
 /// What every GEMV kernel needs of its operands: `inp` a multiple of 8, 16-byte aligned w and x.
 fn gemv_aligned(inp: usize, w: &DevBuf, x: &DevBuf) -> bool {
-    inp.is_multiple_of(8) && w.ptr().is_multiple_of(16) && x.ptr().is_multiple_of(16)
+    aligned_operands(inp, w.ptr(), x.ptr())
+}
+
+fn aligned_operands(inp: usize, w: u64, x: u64) -> bool {
+    inp.is_multiple_of(8) && w.is_multiple_of(16) && x.is_multiple_of(16)
 }
 
 /// The operand checks of [`linear`] and [`gemv_mma`]: w bf16 `[out, inp]`, x bf16
@@ -758,9 +743,31 @@ mod tests {
             ("cublas", LinearImpl::Cublas),
             ("gemv", LinearImpl::Gemv),
             ("mma", LinearImpl::GemvMma),
+            ("table", LinearImpl::Auto),
         ] {
             assert_eq!(LinearImpl::parse(s), Some(i));
         }
         assert_eq!(LinearImpl::parse("x"), None);
+    }
+
+    #[test]
+    fn a_gemv_choice_takes_cublas_for_calls_the_gemv_cannot_take() {
+        let (w, x) = (1u64 << 20, 1u64 << 21);
+        for how in [LinearImpl::Gemv, LinearImpl::GemvMma] {
+            // decode-sized calls keep the GEMV
+            for tokens in [1, 2, 8] {
+                assert_eq!(how.for_operands(tokens, 4096, w, x), how);
+            }
+            // prefill steps, odd inputs and misaligned operands take cuBLAS
+            assert_eq!(how.for_operands(9, 4096, w, x), LinearImpl::Cublas);
+            assert_eq!(how.for_operands(2048, 4096, w, x), LinearImpl::Cublas);
+            assert_eq!(how.for_operands(1, 4100, w, x), LinearImpl::Cublas);
+            assert_eq!(how.for_operands(1, 4096, w + 8, x), LinearImpl::Cublas);
+            assert_eq!(how.for_operands(1, 4096, w, x + 2), LinearImpl::Cublas);
+        }
+        for how in [LinearImpl::Auto, LinearImpl::Cublas] {
+            assert_eq!(how.for_operands(1, 4096, w, x), how);
+            assert_eq!(how.for_operands(2048, 4100, w + 2, x), how);
+        }
     }
 }

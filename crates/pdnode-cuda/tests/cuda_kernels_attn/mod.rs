@@ -1,4 +1,4 @@
-//! Decode attention (the v3 and v4 kernels, attention_v3.cu / attention_v4.cu) against an f64
+//! Decode attention (the v4 kernel, attention_v4.cu) against an f64
 //! host reference: head_dim 64
 //! and 128, GQA groups 1 / 4 / 8 / 12, contexts 1 to 8192, batches up to 64, partitions past
 //! every context (the launch's max context above the real ones), the direct path (one partition),
@@ -7,7 +7,7 @@
 
 use super::cuda_support::*;
 use super::{gpu, poisoned, up_i32};
-use pdnode_cuda::ops::{self, AttnDims, AttnMeta, AttnVariant, AttnWorkspace};
+use pdnode_cuda::ops::{self, AttnChoice, AttnDims, AttnMeta, AttnVariant, AttnWorkspace};
 use rand::Rng;
 use rand::seq::SliceRandom;
 
@@ -109,11 +109,7 @@ struct Case {
     ws_rows_splits: Option<usize>,
 }
 
-fn run_case(
-    c: &Case,
-    r: &mut rand_chacha::ChaCha8Rng,
-    variant: AttnVariant,
-) -> Result<f32, String> {
+fn run_case(c: &Case, r: &mut rand_chacha::ChaCha8Rng, variant: AttnChoice) -> Result<f32, String> {
     let g = gpu();
     let (bs, hd) = (c.bs, c.hd);
     let max_blocks = c.max_ctx.div_ceil(bs);
@@ -198,17 +194,30 @@ fn run_case(
 
 #[test]
 #[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
-fn paged_attention_v3_decode_matches_reference() {
-    decode_matches_reference(AttnVariant::V3, "attention_v3");
+fn paged_attention_v4_decode_matches_reference() {
+    decode_matches_reference(AttnVariant::V4.into(), "attention_v4");
 }
 
+/// `engine.cuda.attention_v4_waves` / `attention_v4_max_part` change only how the context is
+/// partitioned: many short partitions (4 waves, 128 keys at most) and few long ones (64 waves,
+/// no cap) give the reference's result on every case.
 #[test]
 #[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
-fn paged_attention_v4_decode_matches_reference() {
-    decode_matches_reference(AttnVariant::V4, "attention_v4");
+fn paged_attention_v4_tuning_keys_change_partitions_not_results() {
+    for (waves, max_part, label) in [
+        (4, 128, "attention_v4 w4 p128"),
+        (64, 1 << 20, "attention_v4 w64"),
+    ] {
+        let choice = AttnChoice {
+            variant: AttnVariant::V4,
+            v4_waves: waves,
+            v4_max_part: max_part,
+        };
+        decode_matches_reference(choice, label);
+    }
 }
 
-fn decode_matches_reference(variant: AttnVariant, label: &str) {
+fn decode_matches_reference(variant: AttnChoice, label: &str) {
     let mut r = rng(label);
     let edge = vec![1, 15, 16, 17, 511, 2049];
     let mut cases = Vec::new();
@@ -337,12 +346,6 @@ fn decode_matches_reference(variant: AttnVariant, label: &str) {
 
 /// The same launch serves shorter contexts: one max context, contexts changed in device memory
 /// between launches (as a captured graph replays it), every output right each time.
-#[test]
-#[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
-fn paged_attention_v3_one_max_context_serves_growing_contexts() {
-    one_max_context_serves_growing_contexts(AttnVariant::V3, "attention_v3");
-}
-
 #[test]
 #[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
 fn paged_attention_v4_one_max_context_serves_growing_contexts() {

@@ -1,5 +1,5 @@
-//! Fused flash prefill attention (kernels/prefill_flash*.cu, every variant: 16 rows per warp
-//! with 4 or 8 warps, 32 rows per warp, v2, v3) against an f32 host reference: head_dim 64 and
+//! Fused flash prefill attention (kernels/prefill_flash*.cu, both kernels: v3 and its fallback
+//! w8, 8 warps of 16 query rows) against an f32 host reference: head_dim 64 and
 //! 128, GQA 1 / 4 / 8, 1 to 1000 new tokens, with and without a cached prefix (chunked prefill),
 //! block sizes 16, 32, 64 and 24, two sequences in one call; and against the cuBLAS path at
 //! Llama-3.1-8B shapes. Part of the `cuda_kernels` test binary (scripts/gpu/run-all.sh kernels);
@@ -149,13 +149,7 @@ fn prefill_flash_attention_matches_reference() {
                 ref_prefill(&d, &pool_h, layer, tab, &q, s.row0, s.n, s.start)
             })
             .collect();
-        for attn in [
-            PrefillAttn::Flash,
-            PrefillAttn::Flash8,
-            PrefillAttn::Flash32,
-            PrefillAttn::FlashV2,
-            PrefillAttn::FlashV3,
-        ] {
+        for attn in [PrefillAttn::Flash8, PrefillAttn::FlashV3] {
             let got =
                 run_prefill_attn(&g, &d, &pool, layer, &dq, t, &dtab, max_blocks, &seqs, attn);
             let untouched = got[..2 * rowl].iter().chain(&got[(t - 1) * rowl..]);
@@ -214,13 +208,7 @@ fn prefill_flash_attention_matches_gemm_path_at_llama_shapes() {
         }];
         let run = |a| run_prefill_attn(&g, &d, &pool, 0, &dq, t, &dtab, max_blocks, &seqs, a);
         let want = run(PrefillAttn::Gemm);
-        for attn in [
-            PrefillAttn::Flash,
-            PrefillAttn::Flash8,
-            PrefillAttn::Flash32,
-            PrefillAttn::FlashV2,
-            PrefillAttn::FlashV3,
-        ] {
+        for attn in [PrefillAttn::Flash8, PrefillAttn::FlashV3] {
             let e = rel_err(&run(attn), &want);
             println!(
                 "{} flash prefill {attn:?} vs cuBLAS path, nh=32 nkv=8 hd=128 start={start} \

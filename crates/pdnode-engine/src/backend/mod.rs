@@ -413,8 +413,9 @@ pub trait Backend: Send {
 /// complete (synchronized) when they return. The caller owns the arena's sub-allocation: the
 /// backend only checks that the span lies inside the arena.
 /// Says whether data a step is producing is in place: `Ok(true)` ready, `Ok(false)` not yet,
-/// `Err` it never will be. Polled from another thread (the transport's), so it must not block.
-pub type LayerGate = Box<dyn FnMut() -> Result<bool, String> + Send>;
+/// `Err` it never will be (the failed copy or device call, with its class). Polled from another
+/// thread (the transport's), so it must not block.
+pub type LayerGate = Box<dyn FnMut() -> Result<bool, BackendError> + Send>;
 
 /// One sequence whose KV a prefill step gathers into the staging arena layer group by layer
 /// group as the step computes ([`KvStaging::stage_next_step`]).

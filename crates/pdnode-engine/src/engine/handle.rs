@@ -15,6 +15,60 @@ use tokio::sync::{mpsc as tmpsc, oneshot};
 
 pub(crate) type Reply<T> = oneshot::Sender<Result<T, EngineError>>;
 
+/// Commands an engine loop holds before [`EngineHandle`] refuses more (`EngineError::Busy`):
+/// the handle never blocks its caller on a full queue. Aborts never get lost to a full queue
+/// (they go on a side list the loop drains every iteration).
+pub const COMMAND_QUEUE: usize = 4096;
+/// Events one request's stream holds unread. The engine thread never waits for a consumer:
+/// when a request's stream is full, the loop aborts the request (its blocks are freed at once)
+/// and the stream ends with `EngineError::SlowConsumer`. A decode stream gets one event per
+/// step, so this is ~1024 steps of a consumer that reads nothing.
+pub const EVENT_QUEUE: usize = 1024;
+
+/// The engine thread's end of a request's event stream: bounded, never blocks.
+#[derive(Debug, Clone)]
+pub(crate) struct EventTx {
+    tx: tmpsc::Sender<EngineEvent>,
+    overflowed: Arc<AtomicBool>,
+}
+
+impl EventTx {
+    /// `Err` when the consumer is gone or has [`EVENT_QUEUE`] events unread (then the stream
+    /// ends with `SlowConsumer` once drained); the caller aborts the request either way.
+    pub(crate) fn send(&self, ev: EngineEvent) -> Result<(), ()> {
+        match self.tx.try_send(ev) {
+            Ok(()) => Ok(()),
+            Err(tmpsc::error::TrySendError::Full(_)) => {
+                self.overflowed.store(true, Ordering::Release);
+                Err(())
+            }
+            Err(tmpsc::error::TrySendError::Closed(_)) => Err(()),
+        }
+    }
+
+    pub(crate) fn is_closed(&self) -> bool {
+        self.tx.is_closed()
+    }
+}
+
+/// A bounded event channel of [`EVENT_QUEUE`] events for request `id`.
+pub(crate) fn event_channel(id: RequestId) -> (EventTx, RequestStream) {
+    let (tx, rx) = tmpsc::channel(EVENT_QUEUE);
+    let overflowed = Arc::new(AtomicBool::new(false));
+    (
+        EventTx {
+            tx,
+            overflowed: overflowed.clone(),
+        },
+        RequestStream {
+            id,
+            rx,
+            overflowed,
+            reported: false,
+        },
+    )
+}
+
 /// Takes a staging-arena span for a staged prefill, on the engine thread, when its first
 /// prefill chunk has run (not while it queues): the span's byte offset, or `None` when the
 /// arena has no room now (asked again after the next chunk). Must not block.
@@ -53,21 +107,22 @@ pub(crate) struct StagedGather {
     pub blocks: usize,
     /// Layers per in-step gather during the prompt's last step (0: after the step).
     pub layer_group: u32,
-    /// What is in the span, after each gather.
-    pub ready: tmpsc::UnboundedSender<StagedReady>,
+    /// What is in the span, after each gather. Bounded by the most reports a prefill can
+    /// make (one per new block count, one per layer group): never full.
+    pub ready: tmpsc::Sender<StagedReady>,
 }
 
 pub(crate) enum Command {
     Add {
         req: GenerateRequest,
-        tx: tmpsc::UnboundedSender<EngineEvent>,
+        tx: EventTx,
         staged: Option<StagedGather>,
     },
     AdmitTransferred {
         req: GenerateRequest,
         first_token: u32,
         sampler: Option<SamplerState>,
-        tx: tmpsc::UnboundedSender<EngineEvent>,
+        tx: EventTx,
     },
     Reserve {
         id: RequestId,
@@ -104,35 +159,48 @@ pub(crate) enum Command {
         reply: Reply<EngineStats>,
     },
     CheckAccounting {
-        reply: Reply<Result<(), String>>,
+        reply: Reply<Result<(), pdnode_kvcache::KvError>>,
     },
     Shutdown,
 }
 
-/// A request's event stream. Dropping it aborts the request.
+/// A request's event stream (bounded: [`EVENT_QUEUE`]). Dropping it aborts the request.
 #[derive(Debug)]
 pub struct RequestStream {
     id: RequestId,
-    rx: tmpsc::UnboundedReceiver<EngineEvent>,
+    rx: tmpsc::Receiver<EngineEvent>,
+    overflowed: Arc<AtomicBool>,
+    reported: bool,
 }
 
 impl RequestStream {
     pub fn id(&self) -> RequestId {
         self.id
     }
-    /// The next event; `None` once the stream has ended (after its terminal event).
+    /// The next event; `None` once the stream has ended (after its terminal event). A stream
+    /// the engine cut off because it was full ends with `Error { SlowConsumer }`.
     pub async fn next(&mut self) -> Option<EngineEvent> {
-        self.rx.recv().await
-    }
-    /// The underlying receiver (dropping it aborts the request).
-    pub fn into_receiver(self) -> tmpsc::UnboundedReceiver<EngineEvent> {
-        self.rx
+        match self.rx.recv().await {
+            Some(ev) => Some(ev),
+            None if !self.reported && self.overflowed.load(Ordering::Acquire) => {
+                self.reported = true;
+                Some(EngineEvent::Error {
+                    error: EngineError::SlowConsumer {
+                        id: self.id,
+                        capacity: EVENT_QUEUE,
+                    },
+                })
+            }
+            None => None,
+        }
     }
 }
 
 #[derive(Clone)]
 pub struct EngineHandle {
-    tx: mpsc::Sender<Command>,
+    tx: mpsc::SyncSender<Command>,
+    /// Aborts that found the command queue full; the loop drains them every iteration.
+    aborts: Arc<Mutex<Vec<RequestId>>>,
     info: Arc<EngineInfo>,
     timeout: Duration,
     thread: Arc<Mutex<Option<JoinHandle<()>>>>,
@@ -149,13 +217,15 @@ impl std::fmt::Debug for EngineHandle {
 
 impl EngineHandle {
     pub(crate) fn new(
-        tx: mpsc::Sender<Command>,
+        tx: mpsc::SyncSender<Command>,
+        aborts: Arc<Mutex<Vec<RequestId>>>,
         info: EngineInfo,
         timeout: Duration,
         thread: JoinHandle<()>,
     ) -> Self {
         Self {
             tx,
+            aborts,
             info: Arc::new(info),
             timeout,
             thread: Arc::new(Mutex::new(Some(thread))),
@@ -167,8 +237,15 @@ impl EngineHandle {
         &self.info
     }
 
+    /// Never blocks: a full command queue is `Busy` (the caller's request fails, retryable on
+    /// another node), a stopped loop is `Stopped`.
     fn send(&self, cmd: Command) -> Result<(), EngineError> {
-        self.tx.send(cmd).map_err(|_| EngineError::Stopped)
+        self.tx.try_send(cmd).map_err(|e| match e {
+            mpsc::TrySendError::Full(_) => EngineError::Busy {
+                capacity: COMMAND_QUEUE,
+            },
+            mpsc::TrySendError::Disconnected(_) => EngineError::Stopped,
+        })
     }
 
     async fn call<T>(
@@ -242,14 +319,13 @@ impl EngineHandle {
             return Err(EngineError::Draining);
         }
         self.check(&req)?;
-        let (tx, rx) = tmpsc::unbounded_channel();
-        let id = req.id;
+        let (tx, stream) = event_channel(req.id);
         self.send(Command::Add {
             req,
             tx,
             staged: None,
         })?;
-        Ok(RequestStream { id, rx })
+        Ok(stream)
     }
 
     /// Prefill-only: as [`EngineHandle::add_request`], and the loop gathers the prompt's KV into
@@ -275,14 +351,17 @@ impl EngineHandle {
         blocks: usize,
         alloc: StagingAlloc,
         layer_group: u32,
-    ) -> Result<(RequestStream, tmpsc::UnboundedReceiver<StagedReady>), EngineError> {
+    ) -> Result<(RequestStream, tmpsc::Receiver<StagedReady>), EngineError> {
         if self.is_draining() {
             return Err(EngineError::Draining);
         }
         self.check(&req)?;
-        let (tx, rx) = tmpsc::unbounded_channel();
-        let (ready, ready_rx) = tmpsc::unbounded_channel();
-        let id = req.id;
+        let (tx, stream) = event_channel(req.id);
+        // One report per new block count and one per layer group at most: never full.
+        let reports = blocks
+            .saturating_add(self.info.kv_layout.num_layers as usize)
+            .saturating_add(2);
+        let (ready, ready_rx) = tmpsc::channel(reports);
         self.send(Command::Add {
             req,
             tx,
@@ -294,7 +373,7 @@ impl EngineHandle {
                 ready,
             }),
         })?;
-        Ok((RequestStream { id, rx }, ready_rx))
+        Ok((stream, ready_rx))
     }
 
     /// Decode side: reserves KV blocks for a prompt of `prompt_len` tokens under the request's
@@ -332,15 +411,14 @@ impl EngineHandle {
         sampler: Option<SamplerState>,
     ) -> Result<RequestStream, EngineError> {
         self.check(&req)?;
-        let (tx, rx) = tmpsc::unbounded_channel();
-        let id = req.id;
+        let (tx, stream) = event_channel(req.id);
         self.send(Command::AdmitTransferred {
             req,
             first_token,
             sampler,
             tx,
         })?;
-        Ok(RequestStream { id, rx })
+        Ok(stream)
     }
 
     /// Ends a request's hand-off lease and frees its blocks (prefill side after the KV was
@@ -355,7 +433,12 @@ impl EngineHandle {
 
     /// Aborts a request wherever it is; frees all it owns. Never waits.
     pub fn abort(&self, id: RequestId) {
-        let _ = self.send(Command::Abort { id });
+        if let Err(mpsc::TrySendError::Full(_)) = self.tx.try_send(Command::Abort { id }) {
+            // Never lost: the loop drains this list every iteration.
+            if let Ok(mut a) = self.aborts.lock() {
+                a.push(id);
+            }
+        }
     }
 
     /// Copies layers `layers` of the blocks under the request's hand-off lease out of the pool,
@@ -423,8 +506,11 @@ impl EngineHandle {
         self.call("stats", |reply| Command::Stats { reply }).await
     }
 
-    /// The KV accounting check (`Err(details)` if any block leaked or has two owners).
-    pub async fn check_accounting(&self) -> Result<Result<(), String>, EngineError> {
+    /// The KV accounting check (`Err(KvError::Accounting)` listing every violation if any block
+    /// leaked or has two owners); the outer `Err` is the engine not answering.
+    pub async fn check_accounting(
+        &self,
+    ) -> Result<Result<(), pdnode_kvcache::KvError>, EngineError> {
         self.call("check_accounting", |reply| Command::CheckAccounting {
             reply,
         })

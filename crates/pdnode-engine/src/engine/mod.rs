@@ -32,7 +32,9 @@
 mod handle;
 mod run;
 
-pub use handle::{EngineHandle, RequestStream, StagedReady, StagingAlloc};
+pub use handle::{
+    COMMAND_QUEUE, EVENT_QUEUE, EngineHandle, RequestStream, StagedReady, StagingAlloc,
+};
 pub use run::{spawn, spawn_with_memory, spawn_with_regions};
 
 use crate::backend::{BackendError, KvRegion};
@@ -122,6 +124,9 @@ pub enum EngineEvent {
         /// Where the sampler's random stream stands, for [`EngineHandle::admit_transferred`].
         sampler: SamplerState,
         prompt_tokens: usize,
+        /// Leading prompt tokens whose KV came from the prefix cache (not computed) when the
+        /// request was first admitted (OpenAI's `usage.prompt_tokens_details.cached_tokens`).
+        cached_tokens: usize,
     },
     Finished {
         reason: FinishReason,
@@ -205,6 +210,13 @@ pub enum EngineError {
     Config { reason: String },
     #[error("engine call `{op}` timed out after {after:?}")]
     Timeout { op: &'static str, after: Duration },
+    /// The engine's command queue holds `capacity` commands already (the loop is behind).
+    #[error("the engine is busy: its command queue of {capacity} is full")]
+    Busy { capacity: usize },
+    /// The request's consumer left `capacity` events unread; the engine cut it off (aborted,
+    /// its blocks freed) instead of waiting for it.
+    #[error("request {id}: its consumer fell {capacity} events behind; the engine cancelled it")]
+    SlowConsumer { id: RequestId, capacity: usize },
 }
 
 impl From<BackendError> for EngineError {
@@ -226,7 +238,10 @@ impl Classify for EngineError {
             EngineError::Sampling { .. } => ErrorKind::Internal,
             EngineError::LeaseExpired { .. } | EngineError::Timeout { .. } => ErrorKind::Timeout,
             EngineError::NoLease { .. } => ErrorKind::InvalidRequest,
-            EngineError::Stopped | EngineError::Draining => ErrorKind::Unavailable,
+            EngineError::Stopped | EngineError::Draining | EngineError::Busy { .. } => {
+                ErrorKind::Unavailable
+            }
+            EngineError::SlowConsumer { .. } => ErrorKind::Unavailable,
             EngineError::Config { .. } => ErrorKind::Internal,
         }
     }

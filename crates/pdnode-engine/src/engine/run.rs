@@ -1,6 +1,6 @@
 //! The loop itself (see the module docs of [`crate::engine`]).
 
-use super::handle::{Command, EngineHandle, StagedGather};
+use super::handle::{COMMAND_QUEUE, Command, EngineHandle, EventTx, StagedGather};
 use super::{EngineError, EngineEvent, EngineInfo, EngineLoopConfig, EngineStats};
 use crate::backend::{Backend, KvMemory, KvRegion, LogitsWant, RowOut, StepLogits};
 use crate::sampling::{OutputAssembler, SamplerState, SamplingError, SequenceSampler};
@@ -11,9 +11,8 @@ use pdnode_core::request::{GenerateRequest, TokenLogprob};
 use pdnode_core::{ErrorKind, FinishReason, RequestId, SamplingParams};
 use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::{Arc, mpsc};
+use std::sync::{Arc, Mutex, mpsc};
 use std::time::Instant;
-use tokio::sync::mpsc as tmpsc;
 
 mod staged;
 
@@ -92,7 +91,9 @@ fn start(
         prefix_cache: cfg.prefix_cache,
         lease: cfg.lease,
     });
-    let (tx, rx) = mpsc::channel();
+    let (tx, rx) = mpsc::sync_channel(COMMAND_QUEUE);
+    let aborts: Arc<Mutex<Vec<RequestId>>> = Arc::default();
+    let loop_aborts = aborts.clone();
     let timeout = cfg.call_timeout;
     let name = format!("pdnode-engine-{}", info.backend_name);
     let mut lp = Loop {
@@ -108,7 +109,8 @@ fn start(
     let thread = std::thread::Builder::new()
         .name(name)
         .spawn(move || {
-            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| lp.run(rx)));
+            let r =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| lp.run(rx, &loop_aborts)));
             if r.is_err() {
                 // A bug (or a backend panic): end every stream with an error instead of silence.
                 tracing::error!("engine loop panicked; failing its requests");
@@ -123,15 +125,18 @@ fn start(
             reason: format!("cannot start the engine thread: {e}"),
         })?;
     tracing::info!(backend = %info.backend_name, mode = ?info.mode, blocks = info.num_kv_blocks, "engine loop started");
-    Ok(EngineHandle::new(tx, info, timeout, thread))
+    Ok(EngineHandle::new(tx, aborts, info, timeout, thread))
 }
 
 struct Active {
-    tx: tmpsc::UnboundedSender<EngineEvent>,
+    tx: EventTx,
     sampler: SequenceSampler,
     out: OutputAssembler,
     prompt_len: usize,
     generated: usize,
+    /// Prompt tokens the prefix cache served at the first admission (the first chunk's start);
+    /// `None` until the request is first scheduled.
+    cached_tokens: Option<usize>,
     /// Prefill-only: the staging span its KV goes to as it becomes final, and how many leading
     /// blocks are in it.
     staged: Option<(StagedGather, usize)>,
@@ -165,7 +170,7 @@ fn sampling_error(id: RequestId, e: SamplingError) -> EngineError {
 }
 
 impl Loop {
-    fn run(&mut self, rx: mpsc::Receiver<Command>) {
+    fn run(&mut self, rx: mpsc::Receiver<Command>, aborts: &Mutex<Vec<RequestId>>) {
         let mut idle = true;
         let mut disconnected = false;
         'outer: loop {
@@ -197,6 +202,14 @@ impl Loop {
                         break;
                     }
                 }
+            }
+            // Aborts that found the command queue full.
+            let late: Vec<RequestId> = aborts
+                .lock()
+                .map(|mut a| std::mem::take(&mut *a))
+                .unwrap_or_default();
+            for id in late {
+                self.handle(Command::Abort { id });
             }
             self.expire_and_prune();
             if disconnected && !self.sched.has_work() && self.sched.next_deadline().is_none() {
@@ -257,7 +270,7 @@ impl Loop {
     fn new_request(
         &self,
         req: &GenerateRequest,
-        tx: &tmpsc::UnboundedSender<EngineEvent>,
+        tx: &EventTx,
         resume: Option<(u32, Option<SamplerState>)>,
     ) -> Result<Active, EngineError> {
         let id = req.id;
@@ -292,6 +305,7 @@ impl Loop {
             out,
             prompt_len: prompt.len(),
             generated: 0,
+            cached_tokens: None,
             staged: None,
         })
     }
@@ -403,11 +417,7 @@ impl Loop {
                 let _ = reply.send(Ok(s));
             }
             Command::CheckAccounting { reply } => {
-                let r = self
-                    .sched
-                    .kv()
-                    .check_accounting()
-                    .map_err(|e| e.to_string());
+                let r = self.sched.kv().check_accounting();
                 let _ = reply.send(Ok(r));
             }
             Command::Shutdown => return false,
@@ -440,7 +450,7 @@ impl Loop {
         req: GenerateRequest,
         first_token: u32,
         sampler: Option<SamplerState>,
-        tx: tmpsc::UnboundedSender<EngineEvent>,
+        tx: EventTx,
     ) {
         let id = req.id;
         let mut a = match self.new_request(&req, &tx, Some((first_token, sampler))) {
@@ -504,6 +514,14 @@ impl Loop {
         }
         if plan.is_empty() {
             return false;
+        }
+        // A request's first chunk starts after the positions its prefix-cache hit covers.
+        for s in &plan.seqs {
+            if let Some(a) = self.active.get_mut(&s.id)
+                && a.cached_tokens.is_none()
+            {
+                a.cached_tokens = Some(if s.is_decode() { 0 } else { s.start_pos });
+            }
         }
         if self.cfg.mode == Mode::PrefillOnly {
             self.arm_step_staging(&plan);
@@ -601,6 +619,7 @@ impl Loop {
                         blocks: Vec::new(),
                         sampler: a.sampler.state(),
                         prompt_tokens: a.prompt_len,
+                        cached_tokens: a.cached_tokens.unwrap_or(0),
                     };
                     (a.tx.send(ev).is_ok(), true)
                 } else {
@@ -655,6 +674,7 @@ impl Loop {
                 blocks: h.blocks,
                 sampler: a.sampler.state(),
                 prompt_tokens: a.prompt_len,
+                cached_tokens: a.cached_tokens.unwrap_or(0),
             };
             if a.tx.send(ev).is_err() {
                 self.sched.abort(h.id);

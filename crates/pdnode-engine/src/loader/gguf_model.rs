@@ -306,7 +306,9 @@ pub fn weights_from_gguf(f: &GgufFile, s: &ModelSpec) -> Result<Weights, LoadErr
     };
     let (h, q, kv, i) = (s.hidden_size, s.q_dim(), s.kv_dim(), s.intermediate_size);
     let permuted = s.arch == Arch::Llama || s.arch == Arch::Mistral;
-    let mut layers = Vec::with_capacity(s.num_layers);
+    // `block_count` comes from the file: never reserve more layers than it has tensors (a
+    // corrupt count aborted the process on a 552 GB allocation; found by tests/fuzz_loaders.rs).
+    let mut layers = Vec::with_capacity(s.num_layers.min(f.tensors.len()));
     for n in 0..s.num_layers {
         let p = |x: &str| format!("blk.{n}.{x}");
         let mut wq = tl.load(&p("attn_q.weight"), &[q, h])?;

@@ -1,9 +1,20 @@
 // Emulated warp-collective primitives of attention_v4.cu (spliced in by run.sh in place of the
-// inline-PTX helpers): cp.async as in v3, ldmatrix and mma.sync m16n8k16 from the PTX ISA's
-// fragment layouts (lane l, g = l / 4, t = l % 4), exchanged through per-warp buffers.
-static inline void att4_cp16(void* dst, const void* src, int bytes) { att3_cp16(dst, src, bytes); }
-static inline void att4_commit() { att3_commit(); }
-template <int N> static inline void att4_wait() { att3_wait<N>(); }
+// inline-PTX helpers): cp.async copies deferred to cp.async.wait_group (or immediate with
+// EMU_SYNC=1), ldmatrix and mma.sync m16n8k16 from the PTX ISA's fragment layouts (lane l,
+// g = l / 4, t = l % 4), exchanged through per-warp buffers.
+struct Cp { void* d; const void* s; int b; };
+static std::vector<std::vector<std::vector<Cp>>> g_groups(128);
+static std::vector<std::vector<Cp>> g_open(128);
+static const bool g_sync = getenv("EMU_SYNC") != nullptr;
+static inline void emu_copy(const Cp& c) { if (c.b == 16) memcpy(c.d, c.s, 16); else memset(c.d, 0, 16); }
+static inline void att4_cp16(void* dst, const void* src, int bytes) {
+    if (g_sync) emu_copy({dst, src, bytes}); else g_open[g_cur].push_back({dst, src, bytes});
+}
+static inline void att4_commit() { g_groups[g_cur].push_back(g_open[g_cur]); g_open[g_cur].clear(); }
+template <int N> static inline void att4_wait() {
+    auto& q = g_groups[g_cur];
+    while ((int)q.size() > N) { for (auto& c : q.front()) emu_copy(c); q.erase(q.begin()); }
+}
 
 static const void* g_wp[32][32];
 static unsigned g_wu[32][32][6];

@@ -21,7 +21,6 @@ struct Case {
 };
 
 static std::mt19937 rng(12345);
-static int g_variant = 3;  // 3: attention_v3.cu, 4: attention_v4.cu
 static float U(float s) { return std::uniform_real_distribution<float>(-s, s)(rng); }
 
 static int run(const Case& c) {
@@ -58,14 +57,11 @@ static int run(const Case& c) {
     const int split_len = c.split_len ? c.split_len : c.max_ctx;
     const int nsplit = (c.max_ctx + split_len - 1) / split_len;
     const int G = nh / nkv;
-    const int MG = g_variant == 4 ? (G <= 8 ? 8 : 16) : (G <= 4 ? 4 : 8), hgroups = (G + MG - 1) / MG;
+    const int MG = G <= 8 ? 8 : 16, hgroups = (G + MG - 1) / MG;
     std::vector<uint16_t> out((size_t)T * nh * hd, 0xffff);
     std::vector<float> ml((size_t)T * nh * nsplit * 2, NAN), acc((size_t)T * nh * nsplit * hd, NAN);
-    auto kern = g_variant == 4
-                    ? (hd == 64 ? (MG == 8 ? paged_attention_v4_d64_g8 : paged_attention_v4_d64_g16)
-                                : (MG == 8 ? paged_attention_v4_d128_g8 : paged_attention_v4_d128_g16))
-                    : (hd == 64 ? (MG == 4 ? paged_attention_v3_d64_g4 : paged_attention_v3_d64_g8)
-                                : (MG == 4 ? paged_attention_v3_d128_g4 : paged_attention_v3_d128_g8));
+    auto kern = hd == 64 ? (MG == 8 ? paged_attention_v4_d64_g8 : paged_attention_v4_d64_g16)
+                         : (MG == 8 ? paged_attention_v4_d128_g8 : paged_attention_v4_d128_g16);
     const float scale = 1.f / sqrtf((float)hd);
     gridDim = {(unsigned)gt, (unsigned)(nkv * hgroups), (unsigned)nsplit};
     blockDim = {128, 1, 1};
@@ -130,12 +126,12 @@ static int run(const Case& c) {
         double e = nan_seen ? INFINITY : sqrt(num / den);
         worst = std::max(worst, e);
         if (!(e < 1e-2)) {
-            printf("FAIL v%d nh=%d nkv=%d hd=%d bs=%d max_ctx=%d split=%d nsplit=%d token %d ctx %d: rel err %g\n", g_variant, nh, nkv,
+            printf("FAIL v4 nh=%d nkv=%d hd=%d bs=%d max_ctx=%d split=%d nsplit=%d token %d ctx %d: rel err %g\n", nh, nkv,
                    hd, bs, c.max_ctx, split_len, nsplit, t, c.ctxs[t], e);
             return 1;
         }
     }
-    printf("PASS v%d nh=%d nkv=%d hd=%d bs=%d T=%d max_ctx=%d split=%d nsplit=%d list=%d: worst %.2e\n", g_variant, nh, nkv, hd, bs, T,
+    printf("PASS v4 nh=%d nkv=%d hd=%d bs=%d T=%d max_ctx=%d split=%d nsplit=%d list=%d: worst %.2e\n", nh, nkv, hd, bs, T,
            c.max_ctx, split_len, nsplit, (int)c.list, worst);
     return 0;
 }
@@ -143,24 +139,20 @@ static int run(const Case& c) {
 int main(int argc, char** argv) {
     int fails = 0;
     std::vector<int> edge = {1, 15, 16, 17, 100, 333};
-    for (int v : {3, 4}) {
-        g_variant = v;
-        for (int hd : {64, 128})
-            for (int G : {1, 3, 4, 5, 8, 12})
-                for (int split : {0, 128, 48, 16})
-                    fails += run({2 * G, 2, hd, 16, edge, 400, split, false});
-        fails += run({8, 2, 128, 16, edge, 333, 64, true});
-        fails += run({8, 2, 64, 8, edge, 700, 0, false});   // global block table? no: few blocks
-        fails += run({4, 1, 64, 8, {4500, 3}, 4500, 0, false});  // 563 entries: block table from global
-        fails += run({8, 2, 128, 24, {1000, 23, 24, 25}, 1000, 112, false});
-        fails += run({32, 8, 128, 16, {700, 1, 64}, 2048, 256, false});
-        if (v == 4) {  // v4: group of 20 (two blocks of 16), tiles across blocks, block 32, split 40
-            fails += run({40, 2, 128, 16, edge, 400, 128, false});
-            fails += run({8, 2, 128, 32, {1000, 31, 32, 33, 600}, 1000, 256, false});
-            fails += run({8, 2, 64, 16, edge, 400, 40, true});
-            fails += run({16, 2, 128, 8, {2000, 5, 129}, 2000, 0, false});
-        }
-    }
+    for (int hd : {64, 128})
+        for (int G : {1, 3, 4, 5, 8, 12})
+            for (int split : {0, 128, 48, 16})
+                fails += run({2 * G, 2, hd, 16, edge, 400, split, false});
+    fails += run({8, 2, 128, 16, edge, 333, 64, true});
+    fails += run({8, 2, 64, 8, edge, 700, 0, false});
+    fails += run({4, 1, 64, 8, {4500, 3}, 4500, 0, false});  // 563 entries: block table from global
+    fails += run({8, 2, 128, 24, {1000, 23, 24, 25}, 1000, 112, false});
+    fails += run({32, 8, 128, 16, {700, 1, 64}, 2048, 256, false});
+    // group of 20 (two blocks of 16), tiles across blocks, block 32, split 40
+    fails += run({40, 2, 128, 16, edge, 400, 128, false});
+    fails += run({8, 2, 128, 32, {1000, 31, 32, 33, 600}, 1000, 256, false});
+    fails += run({8, 2, 64, 16, edge, 400, 40, true});
+    fails += run({16, 2, 128, 8, {2000, 5, 129}, 2000, 0, false});
     printf(fails ? "EMU FAILED %d\n" : "EMU ALL PASS\n", fails);
     return fails != 0;
 }

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# CPU check of the v3 and v4 decode attention kernels without a GPU: compiles attention_v3.cu and attention_v4.cu (with
+# CPU check of the v4 decode attention kernel without a GPU: compiles attention_v4.cu (with
 # common.cuh and attention_combine from attention.cu) as C++ against a tiny SIMT emulator
 # (prelude.h: each CUDA thread a ucontext fiber, __syncthreads and warp shuffles as barriers,
-# cp.async copies deferred to cp.async.wait_group, or immediate with EMU_SYNC=1; ldmatrix and mma.sync of v4 by emu_v4.h from
+# cp.async copies deferred to cp.async.wait_group, or immediate with EMU_SYNC=1; cp.async, ldmatrix and mma.sync by emu_v4.h from
 # the PTX fragment layouts) and runs
 # main.cpp: GQA groups 1-12, head_dim 64/128, several partition lengths, partitions past the
 # context, token lists, block sizes 8/16/24, against an f64 reference. Needs g++ (C++17).
@@ -15,24 +15,6 @@ trap 'rm -rf "$tmp"' EXIT
 python3 - "$K" "$tmp/kernels.inc" "$here/prelude.h" "$here/emu_v4.h" <<'PY'
 import sys
 K, out, prelude = sys.argv[1:4]
-v3 = open(K + "/attention_v3.cu").read()
-a = v3.index("__device__ __forceinline__ unsigned att3_smem_addr")
-b = v3.index("// Butterfly reduce-scatter")
-emu = '''struct Cp { void* d; const void* s; int b; };
-static std::vector<std::vector<std::vector<Cp>>> g_groups(128);
-static std::vector<std::vector<Cp>> g_open(128);
-static const bool g_sync = getenv("EMU_SYNC") != nullptr;
-static inline void emu_copy(const Cp& c) { if (c.b == 16) memcpy(c.d, c.s, 16); else memset(c.d, 0, 16); }
-static inline void att3_cp16(void* dst, const void* src, int bytes) {
-    if (g_sync) emu_copy({dst, src, bytes}); else g_open[g_cur].push_back({dst, src, bytes});
-}
-static inline void att3_commit() { g_groups[g_cur].push_back(g_open[g_cur]); g_open[g_cur].clear(); }
-template <int N> static inline void att3_wait() {
-    auto& q = g_groups[g_cur];
-    while ((int)q.size() > N) { for (auto& c : q.front()) emu_copy(c); q.erase(q.begin()); }
-}
-
-'''
 v4 = open(K + "/attention_v4.cu").read()
 c = v4.index("__device__ __forceinline__ unsigned att4_smem_addr")
 d = v4.index("// Two floats as bf16x2")
@@ -41,7 +23,7 @@ v4 = v4[:c] + emu4 + v4[d:]
 ext = "extern __shared__ __align__(16) unsigned char att4_dsmem[];"
 assert ext in v4
 v4 = v4.replace(ext, "__shared__ __align__(16) unsigned char att4_dsmem[ATT4_SMEM(128)];")
-src = '#include "%s"\n' % prelude + open(K + "/common.cuh").read() + open(K + "/attention.cu").read() + v3[:a] + emu + v3[b:] + v4
+src = '#include "%s"\n' % prelude + open(K + "/common.cuh").read() + open(K + "/attention.cu").read() + v4
 open(out, "w").write(src)
 PY
 cp "$here/main.cpp" "$tmp/main.cpp"

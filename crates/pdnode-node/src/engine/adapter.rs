@@ -13,7 +13,7 @@ use futures::future::BoxFuture;
 use pdnode_core::card::NodeCapacity;
 use pdnode_core::config::{Backend, Config};
 use pdnode_core::{KvLayout, Role};
-use pdnode_engine::engine::{EngineHandle, EngineLoopConfig};
+use pdnode_engine::engine::{EngineError, EngineHandle, EngineLoopConfig};
 use pdnode_engine::mock::MockBackend;
 use pdnode_engine::scheduler::Mode;
 use std::sync::Arc;
@@ -73,9 +73,9 @@ impl EngineService for EngineHandleService {
         }
     }
 
-    fn load(&self) -> BoxFuture<'_, Result<EngineLoad, String>> {
+    fn load(&self) -> BoxFuture<'_, Result<EngineLoad, EngineError>> {
         async move {
-            let s = self.handle.stats().await.map_err(|e| e.to_string())?;
+            let s = self.handle.stats().await?;
             let sch = s.scheduler;
             let mut accounting = crate::pd::kv_accounting(&sch.kv);
             if let Some(pd) = &self.staging {
@@ -99,9 +99,9 @@ impl EngineService for EngineHandleService {
         self.admitting.store(false, Ordering::SeqCst);
     }
 
-    fn in_flight(&self) -> BoxFuture<'_, Result<usize, String>> {
+    fn in_flight(&self) -> BoxFuture<'_, Result<usize, EngineError>> {
         async move {
-            let s = self.handle.stats().await.map_err(|e| e.to_string())?;
+            let s = self.handle.stats().await?;
             Ok(s.scheduler.running + s.scheduler.waiting + s.scheduler.transferred)
         }
         .boxed()

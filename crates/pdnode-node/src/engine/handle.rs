@@ -64,6 +64,6 @@ impl EngineActorHandle {
                 .call(EngineMsg::InFlight, Some(self.timeout))
                 .await,
         )?
-        .map_err(NodeError::Engine)
+        .map_err(NodeError::EngineCall)
     }
 }

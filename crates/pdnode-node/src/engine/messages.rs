@@ -1,5 +1,6 @@
 //! Messages of the EngineActor. Callers use [`super::EngineActorHandle`], never these.
 
+use pdnode_engine::engine::EngineError;
 use ractor::RpcReplyPort;
 
 /// The engine as the actor sees it.
@@ -15,5 +16,5 @@ pub enum EngineMsg {
     Health(RpcReplyPort<EngineHealth>),
     /// Shutdown began: refuse new work.
     StopAdmitting,
-    InFlight(RpcReplyPort<Result<usize, String>>),
+    InFlight(RpcReplyPort<Result<usize, EngineError>>),
 }

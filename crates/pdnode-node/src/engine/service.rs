@@ -7,6 +7,7 @@
 use futures::future::BoxFuture;
 use pdnode_core::KvLayout;
 use pdnode_core::card::NodeCapacity;
+use pdnode_engine::engine::EngineError;
 use std::time::Duration;
 
 /// What an engine tells the registry about itself.
@@ -28,14 +29,16 @@ pub struct EngineLoad {
     pub accounting: Option<pdnode_core::Accounting>,
 }
 
+/// Reads fail with the engine loop's own error (it stopped, the call timed out, ...), so the
+/// caller keeps its class (`Classify::kind`).
 pub trait EngineService: Send + Sync + 'static {
     fn describe(&self) -> EngineDescription;
     /// Current capacity and load, and who holds the KV blocks (one read of the engine).
-    fn load(&self) -> BoxFuture<'_, Result<EngineLoad, String>>;
+    fn load(&self) -> BoxFuture<'_, Result<EngineLoad, EngineError>>;
     /// Stop admitting new requests (in-flight ones continue).
     fn stop_admitting(&self);
     /// Requests admitted and not finished.
-    fn in_flight(&self) -> BoxFuture<'_, Result<usize, String>>;
+    fn in_flight(&self) -> BoxFuture<'_, Result<usize, EngineError>>;
     /// Stops the engine (its threads), waiting at most `timeout`; whether it stopped in time.
     fn shutdown(&self, timeout: Duration) -> BoxFuture<'_, bool>;
 }

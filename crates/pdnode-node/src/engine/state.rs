@@ -1,15 +1,16 @@
 //! The EngineActor's decisions, without a runtime.
 
 use super::messages::EngineHealth;
+use pdnode_engine::engine::EngineError;
 
 /// Consecutive failed load reads after which the engine counts as unhealthy.
 pub const UNHEALTHY_AFTER: u32 = 3;
 
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
+#[derive(Debug, Default, Clone, PartialEq)]
 pub struct EngineActorState {
     pub admitting: bool,
     pub consecutive_errors: u32,
-    pub last_error: Option<String>,
+    pub last_error: Option<EngineError>,
 }
 
 impl EngineActorState {
@@ -20,7 +21,7 @@ impl EngineActorState {
         }
     }
 
-    pub fn on_load(&mut self, r: &Result<(), String>) {
+    pub fn on_load(&mut self, r: &Result<(), EngineError>) {
         match r {
             Ok(()) => {
                 self.consecutive_errors = 0;
@@ -46,7 +47,10 @@ impl EngineActorState {
                 detail: format!(
                     "engine ({backend}) did not answer {} load reads: {}",
                     self.consecutive_errors,
-                    self.last_error.as_deref().unwrap_or("")
+                    self.last_error
+                        .as_ref()
+                        .map(ToString::to_string)
+                        .unwrap_or_default()
                 ),
             };
         }
@@ -66,10 +70,13 @@ mod tests {
         let mut s = EngineActorState::new();
         assert!(s.health("mock").serving);
         for _ in 0..UNHEALTHY_AFTER {
-            s.on_load(&Err("timeout".into()));
+            s.on_load(&Err(EngineError::Timeout {
+                op: "stats",
+                after: std::time::Duration::from_secs(1),
+            }));
         }
         let h = s.health("mock");
-        assert!(!h.serving && h.detail.contains("timeout"), "{h:?}");
+        assert!(!h.serving && h.detail.contains("timed out"), "{h:?}");
         s.on_load(&Ok(()));
         assert!(s.health("mock").serving);
         s.admitting = false;

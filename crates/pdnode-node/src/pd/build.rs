@@ -162,9 +162,10 @@ pub fn build_engine_with(
                 backend: if choice == Choice::Cpu { "cpu" } else { "cuda" }.into(),
                 message: err.to_string(),
             })?;
-            let handle =
-                spawn_with_regions(built.backend, built.kv_regions, loop_cfg, tokenizer.clone())
-                    .map_err(|err| BuildError::Engine(err.to_string()))?;
+            // The engine gets no tokenizer: the router detokenizes and applies stop strings,
+            // once (`super::engine_sampling`); the tokenizer serves the router's model.
+            let handle = spawn_with_regions(built.backend, built.kv_regions, loop_cfg, None)
+                .map_err(|err| BuildError::Engine(err.to_string()))?;
             Ok(BuiltEngine {
                 handle,
                 tokenizer,

@@ -19,16 +19,15 @@ use futures::future::BoxFuture;
 use pdnode_core::config::Config;
 use pdnode_core::error::{Classify, ErrorKind};
 use pdnode_core::request::GenerateRequest;
-use pdnode_core::{NodeId, RequestId, Role};
+use pdnode_core::{NodeId, Placement, RequestId, Role, TargetTransport};
 use pdnode_engine::engine::{EngineEvent, EngineHandle, RequestStream};
 use pdnode_engine::scheduler::Mode;
-use pdnode_proto::v1;
-use pdnode_router::{
+use pdnode_nodeapi::{
     DecodeCall, DecodeStream, KvTarget, NodeClient, NodeError, NodeStats, PrefillCall,
-    PrefillOutcome, ReserveKv, RouterDeps, StaticMembership, Worker,
+    PrefillOutcome, ReserveKv,
 };
+use pdnode_router::{RouterDeps, StaticMembership, Worker};
 use pdnode_transfer::Secret;
-use prost::Message;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -127,13 +126,23 @@ impl ColocatedNode {
         }
         let id = req.request_id;
         let secret = Secret::random();
-        let target = v1::KvTarget {
-            request_id: id.0,
-            decode_node_id: self.id.to_string(),
-            transport: v1::TransportKind::InProcess as i32,
-            layout: Some((&self.engine.info().kv_layout).into()),
+        // The colocated engine keeps the KV where prefill wrote it: the target carries only
+        // the secret (no rank regions, no blocks).
+        let target = KvTarget {
+            request: id,
+            decode_node: self.id.clone(),
+            decode_grpc_addr: String::new(),
+            transport: TargetTransport::InProcess,
+            worker_address: Vec::new(),
+            ranks: Vec::new(),
+            blocks: Vec::new(),
+            layout: self.engine.info().kv_layout.clone(),
             secret: secret.as_bytes().to_vec(),
-            ..Default::default()
+            lease_deadline_ms: 0,
+            placement: Placement::Staging { offset: 0 },
+            staging_generation: 0,
+            fence_record: false,
+            verify: false,
         };
         let mut slots = self.slots();
         if slots.contains_key(&id) {
@@ -147,11 +156,7 @@ impl ColocatedNode {
                 expires: Instant::now() + self.lease,
             },
         );
-        Ok(KvTarget {
-            decode_node: self.id.clone(),
-            secret: target.secret.clone(),
-            encoded: target.encode_to_vec().into(),
-        })
+        Ok(target)
     }
 
     async fn do_prefill(&self, req: PrefillCall) -> Result<PrefillOutcome, NodeError> {
@@ -166,7 +171,7 @@ impl ColocatedNode {
             .add_request(GenerateRequest {
                 id,
                 prompt_token_ids: req.prompt_token_ids,
-                sampling: req.sampling,
+                sampling: super::engine_sampling(req.sampling),
             })
             .map_err(|e| eerr(&e))?;
         // On any early return the request is aborted (the router aborts too; both are cheap).
@@ -210,6 +215,8 @@ impl ColocatedNode {
             cached_tokens: 0,
             transfer_bytes: 0,
             transfer_us: 0,
+            // One engine samples the whole request: nothing to hand over.
+            sampler: None,
         })
     }
 

@@ -1,18 +1,76 @@
 //! How a node moves a request's KV to a decode node: in process (role = "all": the decode
 //! engine's handle is looked up by node id) or over UCX (a registered receive staging region on
 //! the decode side, one put from a registered send staging region on the prefill side, then a
-//! flush). The KV target travels as an encoded `pdnode.v1.KvTarget`.
+//! flush). The KV target is the checked [`pdnode_core::KvTarget`]; every remote offset comes from
+//! its checked accessors.
 
 use super::fence::{self, FenceRecord, RECORD_LEN, SourceHold};
-use pdnode_core::{NodeId, RequestId};
-use pdnode_engine::engine::EngineHandle;
-use pdnode_proto::v1;
+use super::handoff::PushError;
+use pdnode_core::kv_target::TargetError;
+use pdnode_core::{ErrorKind, KvTarget, NodeId, RequestId, TargetTransport};
+use pdnode_engine::engine::{EngineError, EngineHandle};
+use pdnode_transfer::fence::FenceError;
 use pdnode_transfer::{
-    KvTransport, MemKind, Registration, RemoteRegion, RemoteTarget, Span, UcxTransport,
+    KvTransport, MemKind, Registration, RemoteRegion, RemoteTarget, Span, TransferError,
+    UcxTransport,
 };
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
+
+/// Why a step of a KV hand-off failed. [`HandoffError::kind`] is the class the node answers
+/// with: the transport's back-pressure is `Unavailable` (another pair may have room), a failed
+/// or late put is `Retryable`, an engine error keeps the engine's class, and a target or a
+/// progress report that does not fit this node is `Internal` (retrying elsewhere would not help).
+#[derive(Debug, thiserror::Error)]
+pub enum HandoffError {
+    /// A transport call failed; `step` says which (e.g. "put rank 1").
+    #[error("{step}: {source}")]
+    Transfer {
+        step: String,
+        #[source]
+        source: TransferError,
+    },
+    /// The engine failed a write or gather of the request's KV.
+    #[error("{step}: {source}")]
+    Engine {
+        step: String,
+        #[source]
+        source: EngineError,
+    },
+    #[error("KV target: {0}")]
+    Target(#[from] TargetError),
+    #[error("fence record: {0}")]
+    Fence(#[from] FenceError),
+    #[error(transparent)]
+    Push(#[from] PushError),
+    /// This node's KV and the target (or its own staging) do not fit together.
+    #[error("{0}")]
+    Mismatch(String),
+}
+
+impl HandoffError {
+    /// A `map_err` for a transport call at `step`.
+    pub fn at(step: impl Into<String>) -> impl FnOnce(TransferError) -> Self {
+        let step = step.into();
+        move |source| Self::Transfer { step, source }
+    }
+
+    pub fn kind(&self) -> ErrorKind {
+        use pdnode_core::error::Classify;
+        match self {
+            Self::Transfer {
+                source: TransferError::Busy { .. },
+                ..
+            } => ErrorKind::Unavailable,
+            Self::Transfer { .. } | Self::Push(PushError::PastDeadline) => ErrorKind::Retryable,
+            Self::Engine { source, .. } => source.kind(),
+            Self::Target(_) | Self::Fence(_) | Self::Push(_) | Self::Mismatch(_) => {
+                ErrorKind::Internal
+            }
+        }
+    }
+}
 
 /// Decode engines of this process, by node id (role = "all").
 #[derive(Default)]
@@ -47,22 +105,25 @@ pub enum KvMover {
 }
 
 impl KvMover {
-    pub fn transport_kind(&self) -> v1::TransportKind {
+    pub fn transport_kind(&self) -> TargetTransport {
         match self {
-            KvMover::InProcess(_) => v1::TransportKind::InProcess,
-            KvMover::Ucx(_) => v1::TransportKind::Ucx,
+            KvMover::InProcess(_) => TargetTransport::InProcess,
+            KvMover::Ucx(_) => TargetTransport::Ucx,
         }
     }
 
     /// Decode side: a registered host receive region of `len` bytes (UCX only), for a hand-off
     /// that does not go through the staging arena.
-    pub fn receive_staging(&self, len: usize) -> Result<Option<Registration>, String> {
+    pub fn receive_staging(&self, len: usize) -> Result<Option<Registration>, HandoffError> {
         match self {
             KvMover::InProcess(_) => Ok(None),
-            KvMover::Ucx(t) => t
-                .allocate_registered(len.max(1))
-                .map(Some)
-                .map_err(|e| format!("allocating {len} bytes of receive staging: {e}")),
+            KvMover::Ucx(t) => {
+                t.allocate_registered(len.max(1))
+                    .map(Some)
+                    .map_err(HandoffError::at(format!(
+                        "allocating {len} bytes of receive staging"
+                    )))
+            }
         }
     }
 
@@ -73,41 +134,43 @@ impl KvMover {
     pub async fn push(
         &self,
         id: RequestId,
-        target: &v1::KvTarget,
+        target: &KvTarget,
         layers: u32,
         data: Vec<u8>,
         deadline: Instant,
         hold: impl FnOnce(Box<dyn std::any::Any + Send>) -> SourceHold,
-    ) -> Result<(), String> {
-        let transport = v1::TransportKind::try_from(target.transport)
-            .map_err(|_| format!("KV target names unknown transport {}", target.transport))?;
-        match (self, transport) {
-            (KvMover::InProcess(dir), v1::TransportKind::InProcess) => {
-                let node = NodeId::new(target.decode_node_id.clone());
-                let engine = dir
-                    .get(&node)
-                    .ok_or_else(|| format!("decode node {node} is not in this process"))?;
+    ) -> Result<(), HandoffError> {
+        match (self, target.transport) {
+            (KvMover::InProcess(dir), TargetTransport::InProcess) => {
+                let node = target.decode_node.clone();
+                let engine = dir.get(&node).ok_or_else(|| {
+                    HandoffError::Mismatch(format!("decode node {node} is not in this process"))
+                })?;
                 engine
                     .write_kv(id, 0..layers, data)
                     .await
-                    .map_err(|e| format!("writing KV into decode node {node}: {e}"))
+                    .map_err(|source| HandoffError::Engine {
+                        step: format!("writing KV into decode node {node}"),
+                        source,
+                    })
             }
-            (KvMover::Ucx(t), v1::TransportKind::Ucx) => {
+            (KvMover::Ucx(t), TargetTransport::Ucx) => {
                 let ranks = target.ranks.len();
                 if ranks == 0 || !data.len().is_multiple_of(ranks) {
-                    return Err(format!(
+                    return Err(HandoffError::Mismatch(format!(
                         "KV of {} bytes does not split over the target's {ranks} rank regions",
                         data.len()
-                    ));
+                    )));
                 }
                 let per_rank = data.len() / ranks;
                 // Rank `r`'s bytes at `r * stride`, with room for its fence record behind them.
                 let stride = per_rank + if target.fence_record { RECORD_LEN } else { 0 };
-                let total = stride.checked_mul(ranks).ok_or("send staging overflows")?;
-                let reg = Arc::new(
-                    t.allocate_registered(total.max(1))
-                        .map_err(|e| format!("allocating {total} bytes of send staging: {e}"))?,
-                );
+                let total = stride
+                    .checked_mul(ranks)
+                    .ok_or_else(|| HandoffError::Mismatch("send staging overflows".into()))?;
+                let reg = Arc::new(t.allocate_registered(total.max(1)).map_err(
+                    HandoffError::at(format!("allocating {total} bytes of send staging")),
+                )?);
                 for (r, chunk) in data.chunks(per_rank.max(1)).enumerate() {
                     copy_into(&reg, r * stride, chunk)?;
                 }
@@ -125,10 +188,10 @@ impl KvMover {
                 )
                 .await
             }
-            (_, other) => Err(format!(
+            (_, other) => Err(HandoffError::Mismatch(format!(
                 "KV target asks for transport {other:?}, this node moves KV with {:?}",
                 self.transport_kind()
-            )),
+            ))),
         }
     }
 }
@@ -142,18 +205,18 @@ impl KvMover {
 pub async fn put_ranks(
     t: &UcxTransport,
     id: RequestId,
-    target: &v1::KvTarget,
+    target: &KvTarget,
     sources: &[(&Registration, u64)],
     len: u64,
     deadline: Instant,
     hold: &mut SourceHold,
-) -> Result<(), String> {
+) -> Result<(), HandoffError> {
     if sources.len() != target.ranks.len() {
-        return Err(format!(
+        return Err(HandoffError::Mismatch(format!(
             "KV target has {} rank regions, this node sends {} ranks",
             target.ranks.len(),
             sources.len()
-        ));
+        )));
     }
     let record = if target.fence_record {
         RECORD_LEN as u64
@@ -162,16 +225,16 @@ pub async fn put_ranks(
     };
     let mut remotes = Vec::with_capacity(sources.len());
     let first = hold.puts().len();
-    for (r, ((reg, local_offset), rank)) in sources.iter().zip(&target.ranks).enumerate() {
-        let remote = connect_rank(t, target, r, rank, len.saturating_add(record))?;
+    for (r, (reg, local_offset)) in sources.iter().enumerate() {
+        let remote = connect_rank(t, target, r, len.saturating_add(record))?;
         let span = Span {
             local_offset: *local_offset,
-            remote_offset: target.staging_offset,
+            remote_offset: target.remote_offset(r, 0, len)?,
             len,
         };
         hold.push(
             t.put(reg, &remote, &[span])
-                .map_err(|e| format!("put rank {r}: {e}"))?,
+                .map_err(HandoffError::at(format!("put rank {r}")))?,
         );
         remotes.push(remote);
     }
@@ -181,18 +244,18 @@ pub async fn put_ranks(
     for (r, remote) in remotes.iter().enumerate() {
         flushes.push(
             t.flush(remote)
-                .map_err(|e| format!("flush rank {r}: {e}"))?,
+                .map_err(HandoffError::at(format!("flush rank {r}")))?,
         );
     }
     for (r, p) in hold.puts()[first..].iter().enumerate() {
         p.wait_async(deadline)
             .await
-            .map_err(|e| format!("put rank {r}: {e}"))?;
+            .map_err(HandoffError::at(format!("put rank {r}")))?;
     }
     for (r, f) in flushes.into_iter().enumerate() {
         f.wait_async(deadline)
             .await
-            .map_err(|e| format!("flush rank {r}: {e}"))?;
+            .map_err(HandoffError::at(format!("flush rank {r}")))?;
     }
     if target.fence_record {
         let spans: Vec<_> = sources
@@ -212,22 +275,22 @@ pub async fn put_ranks(
 pub(super) async fn put_records(
     t: &UcxTransport,
     id: RequestId,
-    target: &v1::KvTarget,
+    target: &KvTarget,
     sources: &[(&Registration, usize, usize)],
     remotes: &[RemoteTarget],
     deadline: Instant,
     hold: &mut SourceHold,
-) -> Result<(), String> {
+) -> Result<(), HandoffError> {
     let first = hold.puts().len();
     for (r, ((reg, at, len), remote)) in sources.iter().zip(remotes).enumerate() {
         let crc = if target.verify {
-            Some(fence::crc_at(reg, *at, *len).map_err(|e| e.to_string())?)
+            Some(fence::crc_at(reg, *at, *len)?)
         } else {
             None
         };
         let rec_at = at
             .checked_add(*len)
-            .ok_or("fence record offset overflows")?;
+            .ok_or_else(|| HandoffError::Mismatch("fence record offset overflows".into()))?;
         let record = FenceRecord {
             generation: target.staging_generation,
             request: id.0,
@@ -235,50 +298,47 @@ pub(super) async fn put_records(
             crc,
             aborted: false,
         };
-        fence::write_record(reg, rec_at, &record).map_err(|e| e.to_string())?;
+        fence::write_record(reg, rec_at, &record)?;
         let span = Span {
             local_offset: rec_at as u64,
-            remote_offset: target
-                .staging_offset
-                .checked_add(*len as u64)
-                .ok_or("fence record offset overflows")?,
+            remote_offset: target.remote_offset(r, *len as u64, RECORD_LEN as u64)?,
             len: RECORD_LEN as u64,
         };
         hold.push(
             t.put(reg, remote, &[span])
-                .map_err(|e| format!("fence record put rank {r}: {e}"))?,
+                .map_err(HandoffError::at(format!("fence record put rank {r}")))?,
         );
     }
     let mut flushes = Vec::with_capacity(remotes.len());
     for (r, remote) in remotes.iter().enumerate() {
         flushes.push(
             t.flush(remote)
-                .map_err(|e| format!("fence record flush rank {r}: {e}"))?,
+                .map_err(HandoffError::at(format!("fence record flush rank {r}")))?,
         );
     }
     for p in &hold.puts()[first..] {
         p.wait_async(deadline)
             .await
-            .map_err(|e| format!("fence record put: {e}"))?;
+            .map_err(HandoffError::at("fence record put"))?;
     }
     for f in flushes {
         f.wait_async(deadline)
             .await
-            .map_err(|e| format!("fence record flush: {e}"))?;
+            .map_err(HandoffError::at("fence record flush"))?;
     }
     Ok(())
 }
 
 /// Copies `data` into a registered host region at `offset`.
-fn copy_into(reg: &Registration, offset: usize, data: &[u8]) -> Result<(), String> {
+fn copy_into(reg: &Registration, offset: usize, data: &[u8]) -> Result<(), HandoffError> {
     let r = reg.region();
     if r.mem != MemKind::Host || offset.checked_add(data.len()).is_none_or(|e| e > r.len) {
-        return Err(format!(
+        return Err(HandoffError::Mismatch(format!(
             "staging region {:?} of {} bytes cannot take {} host bytes at {offset}",
             r.mem,
             r.len,
             data.len()
-        ));
+        )));
     }
     // SAFETY: the registration owns `r.len` bytes of host memory at `r.addr` that stay
     // allocated while `reg` lives, and the range is inside (checked); no transfer uses this
@@ -296,16 +356,16 @@ pub fn copy_ranks(
     ranks: usize,
     len: usize,
     stride: usize,
-) -> Result<Vec<u8>, String> {
+) -> Result<Vec<u8>, HandoffError> {
     let r = reg.region();
     let need = ranks
         .checked_sub(1)
         .map_or(Some(0), |last| last.checked_mul(stride)?.checked_add(len));
     if r.mem != MemKind::Host || stride < len || need.is_none_or(|n| n > r.len) {
-        return Err(format!(
+        return Err(HandoffError::Mismatch(format!(
             "staging region {:?} of {} bytes cannot give {ranks} x {len} host bytes (stride {stride})",
             r.mem, r.len
-        ));
+        )));
     }
     let mut out = vec![0u8; ranks * len];
     for (i, dst) in out.chunks_mut(len.max(1)).enumerate() {
@@ -327,34 +387,24 @@ pub fn copy_ranks(
 /// that region (the rank's own worker address, else the target's).
 pub(super) fn connect_rank(
     t: &UcxTransport,
-    target: &v1::KvTarget,
+    target: &KvTarget,
     r: usize,
-    rank: &v1::RankTarget,
     len: u64,
-) -> Result<RemoteTarget, String> {
-    if target.staging_offset.saturating_add(len) > rank.region_len {
-        return Err(format!(
-            "KV of {len} bytes does not fit rank {r}'s region of {} bytes at offset {}",
-            rank.region_len, target.staging_offset
-        ));
-    }
-    let worker = if rank.ucx_worker_address.is_empty() {
-        &target.ucx_worker_address
-    } else {
-        &rank.ucx_worker_address
-    };
+) -> Result<RemoteTarget, HandoffError> {
+    // The whole span (KV and fence record) must fit the region: checked, not added blindly.
+    target.remote_offset(r, 0, len)?;
+    let rank = target.rank(r)?;
+    let worker = target.worker_for(r)?;
     t.connect(
         worker,
         &RemoteRegion {
-            base_addr: rank.remote_base_addr,
+            base_addr: rank.base_addr,
             len: rank.region_len,
             rkey: rank.rkey.clone(),
         },
     )
-    .map_err(|e| {
-        format!(
-            "connecting to decode node {} rank {r}: {e}",
-            target.decode_node_id
-        )
-    })
+    .map_err(HandoffError::at(format!(
+        "connecting to decode node {} rank {r}",
+        target.decode_node
+    )))
 }

@@ -16,24 +16,24 @@
 
 use super::arena::{ArenaSlice, StagingArena};
 use super::fence::{self, FenceCounters, FenceError, FenceStats, RECORD_LEN};
-use super::kv::{KvMover, copy_ranks, put_ranks};
+use super::handoff::{ClaimError, Quarantine, QuarantineEnd, Release, ReleaseCause, Reservation};
+use super::kv::{HandoffError, KvMover, copy_ranks, put_ranks};
 use super::overlap::OverlapPush;
 use futures::future::BoxFuture;
 use pdnode_core::error::{Classify, ErrorKind};
-use pdnode_core::request::GenerateRequest;
-use pdnode_core::{KvLayout, NodeId, RequestId, Role};
+use pdnode_core::request::{GenerateRequest, SamplerState};
+use pdnode_core::{KvLayout, NodeId, Placement, RankTarget, RequestId, Role};
 use pdnode_engine::engine::{EngineEvent, EngineHandle, StagedReady};
-use pdnode_proto::v1;
-use pdnode_router::{
+use pdnode_nodeapi::{
     DecodeCall, DecodeChunk, DecodeStream, KvTarget, NodeClient, NodeError, NodeStats, PrefillCall,
     PrefillOutcome, ReserveKv,
 };
 use pdnode_transfer::{Registration, Secret};
-use prost::Message;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio_util::sync::CancellationToken;
 
 mod push;
 mod staging;
@@ -52,14 +52,13 @@ enum Staging {
 }
 
 struct DecodeSlot {
-    secret: Secret,
+    /// The reservation's state machine: secret, staging generation (unique per span handed
+    /// out by this node), lease and fence deadline (`super::handoff`).
+    fsm: Reservation,
     blocks: usize,
     staging: Staging,
-    /// This reservation's staging generation (unique per span handed out by this node).
-    generation: u64,
     /// Set when the prefill node writes fence records (host staging over UCX).
     fence: Option<FenceSpec>,
-    expires: Instant,
 }
 
 /// A prefill or decode engine as a router sees it.
@@ -93,6 +92,29 @@ pub struct PdNode {
     /// (decode: owned and quarantined).
     host_cap: AtomicU64,
     host_used: Arc<AtomicU64>,
+    /// Reservations in progress (decode: `ReserveKv` not answered yet, e.g. waiting for arena
+    /// room); `abort` cancels them.
+    reserving: Mutex<HashMap<RequestId, Arc<CancellationToken>>>,
+}
+
+/// Removes a reservation in progress from [`PdNode::reserving`] when `ReserveKv` ends.
+struct Reserving<'a> {
+    node: &'a PdNode,
+    id: RequestId,
+    token: Arc<CancellationToken>,
+}
+
+impl Drop for Reserving<'_> {
+    fn drop(&mut self) {
+        let mut r = self
+            .node
+            .reserving
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if r.get(&self.id).is_some_and(|t| Arc::ptr_eq(t, &self.token)) {
+            r.remove(&self.id);
+        }
+    }
 }
 
 /// How often a UCX node's quarantined staging spans are looked at.
@@ -155,6 +177,7 @@ impl PdNode {
                 pdnode_core::config::TransferConfig::default().host_staging_bytes,
             ),
             host_used: Arc::new(AtomicU64::new(0)),
+            reserving: Mutex::new(HashMap::new()),
         });
         // Quarantined spans come back without waiting for the next reservation's sweep (a
         // reservation waiting for arena room is woken by the free).
@@ -255,19 +278,22 @@ impl PdNode {
     /// region stays registered until then. Returns how many were dropped.
     pub fn sweep(&self) -> usize {
         let now = Instant::now();
-        let grace = self.lease;
-        let expired: Vec<DecodeSlot> = {
+        let expired: Vec<(RequestId, DecodeSlot)> = {
             let mut slots = self.slots();
             let ids: Vec<RequestId> = slots
                 .iter()
-                .filter(|(_, s)| s.expires + grace <= now)
+                .filter(|(_, s)| s.fsm.sweepable(now))
                 .map(|(id, _)| *id)
                 .collect();
-            ids.iter().filter_map(|id| slots.remove(id)).collect()
+            ids.iter()
+                .filter_map(|id| slots.remove(id).map(|s| (*id, s)))
+                .collect()
         };
         let n = expired.len();
-        // Held one lease past their lease already: their fence deadline has passed.
-        drop(expired);
+        // Held one lease past their lease already: their fence deadline has passed (freed).
+        for (id, slot) in expired {
+            self.release_staging(id, slot, ReleaseCause::LeaseEnd);
+        }
         self.sweep_quarantine(now);
         n
     }
@@ -296,6 +322,16 @@ impl PdNode {
         self.sweep();
         let id = req.request_id;
         let prompt_len = req.prompt_token_ids.len();
+        let token = Arc::new(CancellationToken::new());
+        self.reserving
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id, token.clone());
+        let reserving = Reserving {
+            node: self,
+            id,
+            token,
+        };
         let blocks = self
             .engine
             .reserve_for_transfer(id, prompt_len)
@@ -303,8 +339,26 @@ impl PdNode {
             .map_err(|e| eerr(&e))?;
         let layout = self.layout().clone();
         let per_rank = layout.num_layers as usize * blocks.len() * layout.block_layer_bytes();
-        let (staging, ranks, staging_offset, fence) = match self.receive_staging(id, per_rank).await
-        {
+        let aborted = || {
+            nerr(
+                ErrorKind::Cancelled,
+                format!("ReserveKv of {id} aborted while it was being reserved"),
+            )
+        };
+        let staged = tokio::select! {
+            s = self.receive_staging(id, per_rank) => s,
+            // An abort ends a wait for arena room at once (not at the wait's deadline).
+            () = reserving.token.cancelled() => Err(aborted()),
+        };
+        // An abort that came before the engine saw the reservation: give it back here.
+        let staged = staged.and_then(|s| {
+            if reserving.token.is_cancelled() {
+                Err(aborted())
+            } else {
+                Ok(s)
+            }
+        });
+        let (staging, ranks, staging_offset, fence) = match staged {
             Ok(s) => s,
             Err(e) => {
                 let _ = self.engine.release_transfer(id).await;
@@ -318,77 +372,69 @@ impl PdNode {
             .map(|d| d.as_millis() as u64)
             .unwrap_or(0)
             + self.lease.as_millis() as u64;
-        let mut target = v1::KvTarget {
-            request_id: id.0,
-            decode_node_id: self.id.to_string(),
-            transport: self.mover.transport_kind() as i32,
-            block_ids: blocks.iter().map(|b| b.0).collect(),
-            layout: Some((&layout).into()),
+        let worker_address = match &self.mover {
+            KvMover::Ucx(t) => {
+                use pdnode_transfer::KvTransport;
+                t.local_address()
+            }
+            KvMover::InProcess(_) => Vec::new(),
+        };
+        let target = KvTarget {
+            request: id,
+            decode_node: self.id.clone(),
+            decode_grpc_addr: String::new(),
+            transport: self.mover.transport_kind(),
+            worker_address,
+            ranks,
+            blocks: blocks.clone(),
+            layout,
             secret: secret.as_bytes().to_vec(),
             lease_deadline_ms: deadline_ms,
-            placement: v1::KvPlacement::Staging as i32,
-            staging_offset,
-            ranks,
+            placement: Placement::Staging {
+                offset: staging_offset,
+            },
             staging_generation: generation,
             fence_record: fence.is_some(),
             verify: fence.is_some_and(|f| f.verify),
-            ..Default::default()
         };
-        if let KvMover::Ucx(t) = &self.mover {
-            use pdnode_transfer::KvTransport;
-            target.ucx_worker_address = t.local_address();
-        }
         self.slots().insert(
             id,
             DecodeSlot {
-                secret,
+                fsm: Reservation::new(id, generation, secret, Instant::now(), self.lease),
                 blocks: blocks.len(),
                 staging,
-                generation,
                 fence,
-                expires: Instant::now() + self.lease,
             },
         );
-        Ok(KvTarget {
-            decode_node: self.id.clone(),
-            secret: target.secret.clone(),
-            encoded: target.encode_to_vec().into(),
-        })
+        Ok(target)
     }
 
     async fn do_prefill(&self, req: PrefillCall) -> Result<PrefillOutcome, NodeError> {
         self.expect_role(Role::Prefill, "Prefill")?;
         let id = req.request_id;
-        let target = v1::KvTarget::decode(req.target.encoded.clone()).map_err(|e| {
-            nerr(
-                ErrorKind::InvalidRequest,
-                format!("KV target does not decode: {e}"),
-            )
-        })?;
-        if target.request_id != id.0 {
+        let target = &req.target;
+        // Targets from the wire were checked in the conversion; in-process ones are checked
+        // here, so every path sees a well-formed target.
+        target
+            .validate()
+            .map_err(|e| nerr(ErrorKind::InvalidRequest, e.to_string()))?;
+        if target.request != id {
             return Err(nerr(
                 ErrorKind::InvalidRequest,
-                format!("KV target is for request {:x}, not {id}", target.request_id),
+                format!("KV target is for request {}, not {id}", target.request),
             ));
         }
-        let theirs: KvLayout = target
-            .layout
-            .as_ref()
-            .ok_or_else(|| nerr(ErrorKind::InvalidRequest, "KV target has no layout"))
-            .and_then(|l| {
-                KvLayout::try_from(l).map_err(|e| nerr(ErrorKind::InvalidRequest, e.to_string()))
-            })?;
-        if let Err(m) = self.layout().check_compatible(&theirs) {
+        if let Err(m) = self.layout().check_compatible(&target.layout) {
             return Err(nerr(ErrorKind::InvalidRequest, m.to_string()));
         }
         let started = Instant::now();
-        let failed = |m: String| nerr(ErrorKind::Retryable, format!("KV hand-off of {id}: {m}"));
+        let failed = |e: HandoffError| nerr(e.kind(), format!("KV hand-off of {id}: {e}"));
         // The engine takes the overlap's arena span when the first chunk has run.
-        let mut overlap = self.start_overlap(&target).map_err(failed)?;
+        let mut overlap = self.start_overlap(target).map_err(failed)?;
         let greq = GenerateRequest {
             id,
             prompt_token_ids: req.prompt_token_ids.clone(),
-            sampling: req.sampling.clone(),
+            sampling: super::engine_sampling(req.sampling.clone()),
         };
         let (mut stream, mut ready) = match &overlap {
             Some(o) => {
@@ -405,7 +451,7 @@ impl PdNode {
             }
             None => (self.engine.add_request(greq).map_err(|e| eerr(&e))?, None),
         };
-        let (first, logprob, finish, blocks) = loop {
+        let (first, logprob, finish, blocks, sampler, cached) = loop {
             let ev = tokio::select! {
                 biased;
                 u = async {
@@ -422,7 +468,7 @@ impl PdNode {
                                 report = ?u,
                                 "staged KV report"
                             );
-                            o.on_ready(u, self.push_deadline(started, &target)).map_err(failed)?
+                            o.on_ready(u, self.push_deadline(started, target)).map_err(failed)?
                         }
                         _ => ready = None,
                     }
@@ -436,8 +482,17 @@ impl PdNode {
                     logprob,
                     finish,
                     blocks,
+                    sampler,
+                    cached_tokens,
                     ..
-                }) => break (first_token, logprob, finish, blocks),
+                }) => {
+                    let sampler = SamplerState {
+                        seed: sampler.seed,
+                        word_pos: sampler.word_pos,
+                    };
+                    let cached = u32::try_from(cached_tokens).unwrap_or(u32::MAX);
+                    break (first_token, logprob, finish, blocks, sampler, cached);
+                }
                 Some(EngineEvent::Error { error }) => return Err(eerr(&error)),
                 Some(EngineEvent::Finished { reason, .. }) => {
                     return Err(nerr(
@@ -457,17 +512,18 @@ impl PdNode {
                 first_token_id: first,
                 first_logprob: logprob,
                 finish: Some(f),
-                cached_tokens: 0,
+                cached_tokens: cached,
                 transfer_bytes: 0,
                 transfer_us: 0,
+                sampler: Some(sampler),
             });
         }
         let (result, early) = match overlap.take() {
             Some(o) => {
-                self.finish_overlap(id, &target, o, ready, blocks.len(), started)
+                self.finish_overlap(id, target, o, ready, blocks.len(), started)
                     .await
             }
-            None => (self.push(id, &target, blocks.len(), started).await, 0),
+            None => (self.push(id, target, blocks.len(), started).await, 0),
         };
         // The lease is released off the answer's path: the call waits for the engine's current
         // step (tens of ms under load), which must not delay the first token. The KV is at the
@@ -504,9 +560,10 @@ impl PdNode {
             first_token_id: first,
             first_logprob: logprob,
             finish: None,
-            cached_tokens: 0,
+            cached_tokens: cached,
             transfer_bytes: bytes,
             transfer_us: us,
+            sampler: Some(sampler),
         })
     }
 
@@ -515,8 +572,12 @@ impl PdNode {
         let id = req.request_id;
         let slot = {
             let mut slots = self.slots();
-            match slots.get(&id) {
-                None => {
+            let claimed = match slots.get_mut(&id) {
+                None => Err(ClaimError::Ended),
+                Some(s) => s.fsm.claim(&req.secret),
+            };
+            match claimed {
+                Err(ClaimError::Ended) => {
                     return Err(nerr(
                         ErrorKind::InvalidRequest,
                         format!(
@@ -525,13 +586,14 @@ impl PdNode {
                         ),
                     ));
                 }
-                Some(s) if !s.secret.matches(&req.secret) => {
+                // The reservation stays for its rightful caller.
+                Err(ClaimError::WrongSecret) => {
                     return Err(nerr(
                         ErrorKind::InvalidRequest,
                         format!("wrong secret for the KV reservation of {id}"),
                     ));
                 }
-                Some(_) => match slots.remove(&id) {
+                Ok(()) => match slots.remove(&id) {
                     Some(s) => s,
                     None => return Err(nerr(ErrorKind::Internal, "reservation vanished")),
                 },
@@ -546,10 +608,10 @@ impl PdNode {
                 &self.fence.record_failures
             };
             counter.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(request = %id, generation = slot.generation, error = %e,
+            tracing::warn!(request = %id, generation = slot.fsm.generation(), error = %e,
                 "landed KV refused before the scatter; the request fails and frees its blocks");
             let _ = self.engine.release_transfer(id).await;
-            self.release_staging(id, slot, false);
+            self.release_staging(id, slot, ReleaseCause::Refused);
             return Err(nerr(
                 ErrorKind::Retryable,
                 format!("KV hand-off of {id} refused before the scatter: {e}"),
@@ -572,12 +634,12 @@ impl PdNode {
                     .write_kv(id, 0..layers, data)
                     .await
                     .map_err(|e| eerr(&e)),
-                Err(m) => Err(nerr(ErrorKind::Internal, m)),
+                Err(e) => Err(nerr(e.kind(), e.to_string())),
             },
         };
         // The writer finished (its records are there, or the prefill node answered after its
         // flush): the staging (arena span or host region) is free from here on.
-        drop(slot);
+        self.release_staging(id, slot, ReleaseCause::Scattered);
         if let Err(e) = scattered {
             let _ = self.engine.release_transfer(id).await;
             return Err(e);
@@ -596,18 +658,22 @@ impl PdNode {
                 GenerateRequest {
                     id,
                     prompt_token_ids: prompt,
-                    sampling: req.sampling.clone(),
+                    sampling: super::engine_sampling(req.sampling.clone()),
                 },
                 req.first_token_id,
-                None,
+                // Continue prefill's random stream: seeded sampling draws what a colocated
+                // engine draws. Without it (an older router) the sampler starts from the seed.
+                req.sampler.map(|s| pdnode_engine::sampling::SamplerState {
+                    seed: s.seed,
+                    word_pos: s.word_pos,
+                }),
             )
             .map_err(|e| eerr(&e))?;
-        let rx = stream.into_receiver();
-        let s = futures::stream::unfold((rx, false), |(mut rx, done)| async move {
+        let s = futures::stream::unfold((stream, false), |(mut rx, done)| async move {
             if done {
                 return None;
             }
-            let ev = rx.recv().await?;
+            let ev = rx.next().await?;
             let (item, last) = decode_chunk(ev, "decode engine answered like a prefill engine");
             Some((item, (rx, last)))
         });
@@ -633,12 +699,20 @@ impl NodeClient for PdNode {
             tracing::debug!(request = %id, %reason, node = %self.id, "abort");
             // The engine frees whatever the request holds (queued, running, lease); a
             // reservation's staging goes with its slot.
+            let reserving = self
+                .reserving
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&id);
+            if let Some(t) = &reserving {
+                t.cancel();
+            }
             let slot = self.slots().remove(&id);
-            let had_slot = slot.is_some();
+            let had_slot = slot.is_some() || reserving.is_some();
             if let Some(slot) = slot {
                 // A prefill node may still be putting into it: fenced until its writer's
                 // record shows up or the fence deadline passes.
-                self.release_staging(id, slot, true);
+                self.release_staging(id, slot, ReleaseCause::Abort);
             }
             self.engine.abort(id);
             Ok(had_slot || self.role != Role::Decode)

@@ -15,6 +15,7 @@ pub mod arena;
 mod build;
 mod colocated;
 pub mod fence;
+pub mod handoff;
 mod kv;
 mod local;
 mod mock_tok;
@@ -43,6 +44,15 @@ use pdnode_router::{
 use pdnode_transfer::{KvTransport, UcxConfig, UcxTransport};
 use std::sync::Arc;
 use std::time::Duration;
+
+/// Sampling parameters as a node's engine runs them: without stop strings. The router is the one
+/// place that turns output tokens into text: it detokenizes once, cuts the text at a stop string
+/// and ends the request on both nodes (docs/runtime-semantics.md, "Output text and stop
+/// strings"), so the nodes' engines are built without a tokenizer and never see stop strings.
+pub(crate) fn engine_sampling(mut p: pdnode_core::SamplingParams) -> pdnode_core::SamplingParams {
+    p.stop.clear();
+    p
+}
 
 /// The KV part of a node's [`pdnode_core::Accounting`], from the engine's pool counts: owned by
 /// requests, by transfer leases, evictable cached, free (they add up to the pool).
@@ -74,6 +84,7 @@ impl RouterModel {
         Ok(RouterDeps {
             config: cfg.router.clone(),
             api_keys: api_keys(cfg)?,
+            insecure_node_plane: !cfg.node.listens_on_loopback(),
             membership,
             tokenizer: self.tokenizer,
             chat: self.chat,
@@ -185,6 +196,7 @@ pub fn card(cfg: &Config, id: &NodeId, role: Role, built: &BuiltEngine, grpc: &s
             .unwrap_or(0),
         // In process, only `pd::colocated` builds an `all` card: one engine serving both phases.
         colocated: role == Role::All,
+        sglang: None,
     }
 }
 

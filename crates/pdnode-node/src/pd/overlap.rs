@@ -12,10 +12,11 @@
 
 use super::arena::{ArenaSlice, StagingArena};
 use super::fence::{self, FenceCounters, FenceRecord, RECORD_LEN, SourceHold};
-use pdnode_core::{KvLayout, RequestId};
+use super::handoff::{PushEnd, PushProgress};
+use super::kv::HandoffError;
+use pdnode_core::{KvLayout, KvTarget, RequestId};
 use pdnode_engine::engine::EngineHandle;
 use pdnode_engine::engine::{StagedReady, StagingAlloc};
-use pdnode_proto::v1;
 use pdnode_transfer::region::coalesce_spans;
 use pdnode_transfer::{KvTransport, RemoteTarget, Span, UcxTransport};
 use std::ops::Range;
@@ -40,17 +41,15 @@ pub(super) struct OverlapPush {
     blocks: usize,
     layers: u32,
     layer_block: u64,
-    sent: usize,
+    /// Which blocks went out, none after the push deadline, and how the push ended
+    /// (`super::handoff`).
+    progress: PushProgress,
     /// The puts issued, and the span they read (kept until they are done).
     hold: SourceHold,
-    /// Blocks sent before `PrefillDone` (the overlapped part).
-    pub sent_early: usize,
     /// Puts of layer groups gathered inside the prompt's last step.
     pub layer_puts: usize,
-    /// The record to send when this push is abandoned (the target asked for fence records),
-    /// and whether the push ended as planned (its own record sent, or another push took over).
+    /// The record to send when this push is abandoned (the target asked for fence records).
     abandon_record: Option<FenceRecord>,
-    settled: bool,
 }
 
 impl Drop for OverlapPush {
@@ -59,7 +58,11 @@ impl Drop for OverlapPush {
     /// "abandoned" fence record of the span's generation, which ends the span's quarantine
     /// there at once instead of at its fence deadline (and is never scattered).
     fn drop(&mut self) {
-        let Some(rec) = self.abandon_record.take().filter(|_| !self.settled) else {
+        let Some(rec) = self
+            .abandon_record
+            .take()
+            .filter(|_| self.progress.abandoned())
+        else {
             return;
         };
         let Some(at) = self.staging_offset.checked_add(self.per_rank as u64) else {
@@ -105,23 +108,24 @@ impl Drop for OverlapPush {
 }
 
 impl OverlapPush {
-    /// Connects to every rank region of `target`, for `blocks` blocks per layer; the span of
+    /// Connects to every rank region of `target`, for `blocks` blocks per layer, putting nothing
+    /// after the push deadline and holding the sources until `hold_until`; the span of
     /// `arena` comes later ([`OverlapPush::alloc`]). `Ok(None)`: the KV can never fit the arena
     /// (the caller pushes after prefill, through the host).
     pub fn start(
         t: &Arc<UcxTransport>,
         arena: &Arc<StagingArena>,
-        target: &v1::KvTarget,
+        target: &KvTarget,
         layout: &KvLayout,
         blocks: usize,
-        hold_until: Instant,
+        (deadline, hold_until): (Instant, Instant),
         counters: &Arc<FenceCounters>,
-    ) -> Result<Option<Self>, String> {
+    ) -> Result<Option<Self>, HandoffError> {
         let layer_block = layout.block_layer_bytes() as u64;
         let per_rank = (layout.num_layers as u64)
             .checked_mul(blocks as u64)
             .and_then(|n| n.checked_mul(layer_block))
-            .ok_or("KV size overflows")?;
+            .ok_or_else(|| HandoffError::Mismatch("KV size overflows".into()))?;
         let record = if target.fence_record {
             RECORD_LEN as u64
         } else {
@@ -132,13 +136,13 @@ impl OverlapPush {
             return Ok(None);
         }
         let mut remotes = Vec::with_capacity(target.ranks.len());
-        for (r, rank) in target.ranks.iter().enumerate() {
-            remotes.push(super::kv::connect_rank(t, target, r, rank, span_len)?);
+        for r in 0..target.ranks.len() {
+            remotes.push(super::kv::connect_rank(t, target, r, span_len)?);
         }
         let slice: SliceCell = Arc::new(Mutex::new(None));
         let abandon_record = target.fence_record.then_some(FenceRecord {
             generation: target.staging_generation,
-            request: target.request_id,
+            request: target.request.0,
             len: per_rank,
             crc: None,
             aborted: true,
@@ -151,14 +155,12 @@ impl OverlapPush {
             hold: SourceHold::new(Box::new(slice.clone()), hold_until, counters.clone()),
             slice,
             remotes,
-            staging_offset: target.staging_offset,
+            staging_offset: target.staging_offset()?,
             blocks,
             layers: layout.num_layers,
             layer_block,
-            sent: 0,
+            progress: PushProgress::new(blocks, layout.num_layers, deadline),
             abandon_record,
-            settled: false,
-            sent_early: 0,
             layer_puts: 0,
         }))
     }
@@ -190,11 +192,10 @@ impl OverlapPush {
         self.cell().is_some()
     }
 
-    fn offset(&self) -> Result<usize, String> {
-        self.cell()
-            .as_ref()
-            .map(|s| s.offset())
-            .ok_or_else(|| "the engine reported staged blocks without an arena span".to_string())
+    fn offset(&self) -> Result<usize, HandoffError> {
+        self.cell().as_ref().map(|s| s.offset()).ok_or_else(|| {
+            HandoffError::Mismatch("the engine reported staged blocks without an arena span".into())
+        })
     }
 
     pub fn blocks(&self) -> usize {
@@ -207,14 +208,19 @@ impl OverlapPush {
 
     /// What the engine reports about the span: leading blocks after a step, or a layer group
     /// being gathered inside the prompt's last step (put once its gate opens, until `deadline`).
-    pub fn on_ready(&mut self, r: StagedReady, deadline: Instant) -> Result<(), String> {
+    pub fn on_ready(&mut self, r: StagedReady, deadline: Instant) -> Result<(), HandoffError> {
         match r {
             StagedReady::Blocks(upto) => self.ready(upto),
             StagedReady::Layers {
                 blocks,
                 layers,
-                gate,
-            } => self.ready_layers(blocks, layers, gate, deadline),
+                mut gate,
+            } => {
+                // The transport's gate fails with any error; the engine's keeps its class in
+                // the put's failure.
+                let gate: pdnode_transfer::Gate = Box::new(move || gate().map_err(Box::from));
+                self.ready_layers(blocks, layers, gate, deadline)
+            }
         }
     }
 
@@ -227,89 +233,88 @@ impl OverlapPush {
         layers: Range<u32>,
         gate: pdnode_transfer::Gate,
         deadline: Instant,
-    ) -> Result<(), String> {
+    ) -> Result<(), HandoffError> {
         if self.remotes.len() != 1 {
-            return Err(format!(
+            return Err(HandoffError::Mismatch(format!(
                 "in-step staging for {} ranks (one is supported)",
                 self.remotes.len()
-            ));
+            )));
         }
-        if blocks.start != self.sent || blocks.end > self.blocks || layers.end > self.layers {
-            return Err(format!(
-                "layers {layers:?} of blocks {blocks:?} do not follow the {} blocks sent of {} \
-                 ({} layers)",
-                self.sent, self.blocks, self.layers
-            ));
-        }
+        self.progress
+            .layers_ready(&blocks, &layers, Instant::now())?;
         let spans = self.spans(blocks.clone(), layers.clone())?;
         let reg = self
             .arena
             .registration(0)
-            .ok_or_else(|| "no staging arena for rank 0".to_string())?;
+            .ok_or_else(|| HandoffError::Mismatch("no staging arena for rank 0".into()))?;
         let put = self
             .t
             .put_when(reg, &self.remotes[0], &spans, gate, deadline)
-            .map_err(|e| format!("gated put: {e}"))?;
+            .map_err(HandoffError::at("gated put"))?;
         self.hold.push(put);
         self.layer_puts += 1;
-        if layers.end == self.layers {
-            if blocks.end == self.blocks {
-                self.sent_early = self.sent;
-            }
-            self.sent = blocks.end;
-        }
         Ok(())
     }
 
     /// The spans (same offsets on both sides of the `[layer][block]` span) of `blocks` in
     /// `layers`: one per layer, coalesced where the layers are adjacent (all of a request's
     /// blocks at once: one put instead of one per layer).
-    fn spans(&self, blocks: Range<usize>, layers: Range<u32>) -> Result<Vec<Span>, String> {
+    fn spans(&self, blocks: Range<usize>, layers: Range<u32>) -> Result<Vec<Span>, HandoffError> {
         let (n, lb) = (self.blocks as u64, self.layer_block);
         let (from, len) = (blocks.start as u64, (blocks.end - blocks.start) as u64 * lb);
         let base = self.offset()? as u64;
-        let spans: Vec<Span> = layers
+        let overflow = || HandoffError::Mismatch("KV span offset overflows".into());
+        let spans = layers
             .map(|l| {
-                let at = (l as u64 * n + from) * lb;
-                Span {
-                    local_offset: base + at,
-                    remote_offset: self.staging_offset + at,
+                let at = (l as u64)
+                    .checked_mul(n)
+                    .and_then(|x| x.checked_add(from))
+                    .and_then(|x| x.checked_mul(lb))
+                    .ok_or_else(overflow)?;
+                Ok(Span {
+                    local_offset: base.checked_add(at).ok_or_else(overflow)?,
+                    remote_offset: self.staging_offset.checked_add(at).ok_or_else(overflow)?,
                     len,
-                }
+                })
             })
-            .collect();
+            .collect::<Result<Vec<Span>, HandoffError>>()?;
         Ok(coalesce_spans(&spans))
     }
 
     /// The engine reports leading blocks `0..upto` in the span: put the new ones, every rank.
-    pub fn ready(&mut self, upto: usize) -> Result<(), String> {
-        let upto = upto.min(self.blocks);
-        if upto <= self.sent {
+    pub fn ready(&mut self, upto: usize) -> Result<(), HandoffError> {
+        let Some(blocks) = self.progress.blocks_ready(upto, Instant::now())? else {
             return Ok(());
-        }
-        if upto == self.blocks {
-            self.sent_early = self.sent;
-        }
-        let spans = self.spans(self.sent..upto, 0..self.layers)?;
+        };
+        self.put_blocks(blocks)
+    }
+
+    /// Puts every layer of `blocks`, every rank.
+    fn put_blocks(&mut self, blocks: Range<usize>) -> Result<(), HandoffError> {
+        let spans = self.spans(blocks, 0..self.layers)?;
         let arena = self.arena.clone();
         for (r, remote) in self.remotes.iter().enumerate() {
             let reg = arena
                 .registration(r)
-                .ok_or_else(|| format!("no staging arena for rank {r}"))?;
+                .ok_or_else(|| HandoffError::Mismatch(format!("no staging arena for rank {r}")))?;
             let put = self
                 .t
                 .put(reg, remote, &spans)
-                .map_err(|e| format!("put rank {r}: {e}"))?;
+                .map_err(HandoffError::at(format!("put rank {r}")))?;
             self.hold.push(put);
         }
-        self.sent = upto;
         Ok(())
+    }
+
+    /// Blocks sent before `PrefillDone` (the overlapped part).
+    pub fn sent_early(&self) -> usize {
+        self.progress.sent_early()
     }
 
     /// Another push takes over the hand-off (the engine never got a span): nothing to tell the
     /// decode node when this one is dropped.
     pub fn hand_over(&mut self) {
-        self.settled = true;
+        self.progress.settle(PushEnd::HandedOver);
     }
 
     /// Puts finished so far, of those issued.
@@ -326,23 +331,26 @@ impl OverlapPush {
         mut self,
         engine: &EngineHandle,
         id: RequestId,
-        target: &v1::KvTarget,
+        target: &KvTarget,
         deadline: Instant,
-    ) -> Result<u64, String> {
-        if self.sent < self.blocks {
+    ) -> Result<u64, HandoffError> {
+        if !self.progress.complete() {
             // Wait for the puts reading the span before the gather rewrites it.
             for p in self.hold.puts() {
                 p.wait_async(deadline)
                     .await
-                    .map_err(|e| format!("put: {e}"))?;
+                    .map_err(HandoffError::at("put"))?;
             }
             let offset = self.offset()?;
             engine
                 .gather_kv(id, 0..self.layers, offset)
                 .await
-                .map_err(|e| format!("gathering the KV of {id}: {e}"))?;
-            self.sent = 0;
-            self.ready(self.blocks)?;
+                .map_err(|source| HandoffError::Engine {
+                    step: format!("gathering the KV of {id}"),
+                    source,
+                })?;
+            let all = self.progress.resend_all(Instant::now())?;
+            self.put_blocks(all)?;
         }
         // Flushed right behind the last puts (a flush completes after every put issued before it
         // on the endpoint), then everything waited for.
@@ -351,27 +359,27 @@ impl OverlapPush {
             flushes.push(
                 self.t
                     .flush(remote)
-                    .map_err(|e| format!("flush rank {r}: {e}"))?,
+                    .map_err(HandoffError::at(format!("flush rank {r}")))?,
             );
         }
         for p in self.hold.puts() {
             p.wait_async(deadline)
                 .await
-                .map_err(|e| format!("put: {e}"))?;
+                .map_err(HandoffError::at("put"))?;
         }
         for (r, f) in flushes.into_iter().enumerate() {
             f.wait_async(deadline)
                 .await
-                .map_err(|e| format!("flush rank {r}: {e}"))?;
+                .map_err(HandoffError::at(format!("flush rank {r}")))?;
         }
         if target.fence_record {
             let offset = self.offset()?;
             let arena = self.arena.clone();
             let mut sources = Vec::with_capacity(self.remotes.len());
             for r in 0..self.remotes.len() {
-                let reg = arena
-                    .registration(r)
-                    .ok_or_else(|| format!("no staging arena for rank {r}"))?;
+                let reg = arena.registration(r).ok_or_else(|| {
+                    HandoffError::Mismatch(format!("no staging arena for rank {r}"))
+                })?;
                 sources.push((reg, offset, self.per_rank));
             }
             super::kv::put_records(
@@ -385,7 +393,7 @@ impl OverlapPush {
             )
             .await?;
         }
-        self.settled = true;
+        self.progress.settle(PushEnd::Done);
         Ok(self.bytes())
     }
 }

@@ -5,10 +5,9 @@
 use futures::StreamExt;
 use pdnode_core::error::ErrorKind;
 use pdnode_core::{NodeId, RequestId};
+use pdnode_nodeapi::{DecodeCall, KvTarget, NodeClient, NodeError, PrefillCall, ReserveKv};
 use pdnode_proto::convert::{error_message, finish_reason_to_wire, grpc_code};
 use pdnode_proto::v1;
-use pdnode_router::{DecodeCall, KvTarget, NodeClient, NodeError, PrefillCall, ReserveKv};
-use prost::Message;
 use tonic::Status;
 
 fn status(e: &NodeError) -> Status {
@@ -42,10 +41,8 @@ pub async fn reserve_kv(
         })
         .await
         .map_err(|e| status(&e))?;
-    let target = v1::KvTarget::decode(t.encoded)
-        .map_err(|e| Status::internal(format!("KV target does not encode: {e}")))?;
     Ok(v1::ReserveKvResponse {
-        target: Some(target),
+        target: Some(v1::KvTarget::from(&t)),
     })
 }
 
@@ -58,17 +55,15 @@ pub async fn prefill(
     let target = r
         .kv_target
         .ok_or_else(|| bad("Prefill needs a kv_target (from the decode node's ReserveKv)"))?;
+    // Every value of the target is checked here, at the edge (`pdnode_proto::convert`).
+    let target = KvTarget::try_from(target).map_err(|e| bad(format!("kv_target: {e}")))?;
     let id = RequestId(r.request_id);
     let out = node
         .prefill(PrefillCall {
             request_id: id,
             prompt_token_ids: r.prompt_token_ids,
             sampling,
-            target: KvTarget {
-                decode_node: NodeId::new(target.decode_node_id.clone()),
-                secret: target.secret.clone(),
-                encoded: target.encode_to_vec().into(),
-            },
+            target,
         })
         .await
         .map_err(|e| status(&e))?;
@@ -83,6 +78,7 @@ pub async fn prefill(
             ..Default::default()
         }),
         finish_reason: finish_reason_to_wire(out.finish),
+        sampler: out.sampler.map(Into::into),
     })
 }
 
@@ -103,6 +99,7 @@ pub async fn decode(
             first_logprob: r.first_logprob.map(Into::into),
             sampling,
             prompt_token_ids: r.prompt_token_ids,
+            sampler: r.sampler.map(Into::into),
         })
         .await
         .map_err(|e| status(&e))?;

@@ -51,10 +51,6 @@ impl RegistrarHandle {
                 .call(RegistrarMsg::Deregister, Some(self.timeout))
                 .await,
         )?
-        .map_err(|reason| NodeError::Call {
-            actor: "registrar",
-            op: "deregister",
-            reason,
-        })
+        .map_err(NodeError::Registry)
     }
 }

@@ -9,5 +9,5 @@ pub enum RegistrarMsg {
     /// `None` once deregistered.
     Status(RpcReplyPort<Option<RegistrationStatus>>),
     /// Revoke the lease now (shutdown step one).
-    Deregister(RpcReplyPort<Result<(), String>>),
+    Deregister(RpcReplyPort<Result<(), pdnode_registry::RegistryError>>),
 }

@@ -106,7 +106,7 @@ impl Actor for Registrar {
             RegistrarMsg::Deregister(reply) => {
                 let reg = st.registration.lock().await.take();
                 let r = match reg {
-                    Some(r) => r.shutdown().await.map_err(|e| e.to_string()),
+                    Some(r) => r.shutdown().await,
                     None => Ok(()),
                 };
                 let _ = reply.send(r);

@@ -51,6 +51,7 @@ mod tests {
             version: "0".into(),
             started_at_ms: 0,
             colocated: false,
+            sglang: None,
         };
         let mut s = RegistrarState::new(NodeCapacity::default());
         assert!(s.next_card(&card, &NodeCapacity::default()).is_none());

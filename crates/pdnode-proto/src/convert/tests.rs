@@ -37,6 +37,7 @@ fn card(kv_layout: Option<KvLayout>) -> NodeCard {
         version: "0.1.0".into(),
         started_at_ms: 1_700_000_000_000,
         colocated: false,
+        sglang: None,
     }
 }
 
@@ -207,6 +208,7 @@ fn node_cards_round_trip() {
         id: NodeId::new("all-0"),
         role: Role::All,
         colocated: true,
+        sglang: None,
         ..card(Some(layout()))
     };
     for c in [card(Some(layout())), card(None), colocated] {
@@ -288,4 +290,25 @@ fn descriptor_set_names_both_services() {
         .collect();
     assert!(services.contains(&"Inference".to_string()), "{services:?}");
     assert!(services.contains(&"Node".to_string()), "{services:?}");
+}
+
+#[test]
+fn sampler_state_round_trips_through_the_wire_with_its_128_bit_position() {
+    for word_pos in [
+        0u128,
+        1,
+        u128::from(u64::MAX),
+        u128::from(u64::MAX) + 5,
+        1 << 67,
+    ] {
+        let s = SamplerState {
+            seed: 0xdead_beef_u64,
+            word_pos,
+        };
+        let wire = through_bytes(&v1::SamplerState::from(s));
+        assert_eq!(SamplerState::from(wire), s);
+    }
+    // Decode without the field (an older peer): no sampler state.
+    let r = through_bytes(&v1::DecodeRequest::default());
+    assert!(r.sampler.is_none());
 }

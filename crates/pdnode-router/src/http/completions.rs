@@ -123,6 +123,11 @@ async fn completions_inner(
         prompt_token_ids: tokens,
         sampling,
         endpoint: "completions",
+        routing_key: crate::router::routing_key(
+            headers
+                .get(crate::router::ROUTING_KEY_HEADER)
+                .map(|v| v.as_bytes()),
+        )?,
     })?;
     respond(router, generation, shape).await
 }
@@ -167,6 +172,11 @@ async fn chat_inner(
         prompt_token_ids: tokens,
         sampling,
         endpoint: "chat",
+        routing_key: crate::router::routing_key(
+            headers
+                .get(crate::router::ROUTING_KEY_HEADER)
+                .map(|v| v.as_bytes()),
+        )?,
     })?;
     respond(router, generation, shape).await
 }

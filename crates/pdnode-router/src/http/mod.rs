@@ -170,6 +170,7 @@ async fn health(State(st): State<AppState>) -> Response {
         "prefill_nodes": p,
         "decode_nodes": d,
         "inflight_requests": st.router.inflight(),
+        "insecure_node_plane": st.router.deps().insecure_node_plane,
     });
     (status, axum::Json(body)).into_response()
 }

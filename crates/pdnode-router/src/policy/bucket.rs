@@ -139,6 +139,7 @@ mod tests {
         p.select(&PolicyContext {
             workers: ws,
             token_ids: &toks,
+            routing_key: None,
             now,
         })
         .unwrap()

@@ -186,6 +186,7 @@ mod tests {
             let c = PolicyContext {
                 workers: &ws,
                 token_ids: &toks,
+                routing_key: None,
                 now: t0,
             };
             p.select(&c).unwrap();
@@ -194,6 +195,7 @@ mod tests {
         let later = PolicyContext {
             workers: &ws,
             token_ids: &[99],
+            routing_key: None,
             now: t0 + Duration::from_secs(2),
         };
         p.select(&later).unwrap();
@@ -203,6 +205,7 @@ mod tests {
         let c = PolicyContext {
             workers: &others,
             token_ids: &[5],
+            routing_key: None,
             now: t0 + Duration::from_secs(4),
         };
         p.select(&c).unwrap();

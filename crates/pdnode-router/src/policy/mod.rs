@@ -5,6 +5,7 @@
 
 mod bucket;
 mod cache_aware;
+mod manual;
 mod power_of_two;
 mod radix;
 mod random;
@@ -12,6 +13,7 @@ mod round_robin;
 
 pub use bucket::BucketPolicy;
 pub use cache_aware::CacheAwarePolicy;
+pub use manual::ManualPolicy;
 pub use power_of_two::PowerOfTwoPolicy;
 pub use radix::RadixTree;
 pub use random::RandomPolicy;
@@ -59,6 +61,8 @@ pub struct PolicyContext<'a> {
     pub workers: &'a [WorkerLoad],
     /// The request's prompt token ids.
     pub token_ids: &'a [u32],
+    /// The request's routing key, for the sticky `manual` policy (others ignore it).
+    pub routing_key: Option<&'a str>,
     pub now: Instant,
 }
 
@@ -100,6 +104,7 @@ pub fn build_policy(name: PolicyName, cfg: &RouterConfig, seed: u64) -> Box<dyn 
         PolicyName::PowerOfTwo => Box::new(PowerOfTwoPolicy::new(rng)),
         PolicyName::CacheAware => Box::new(CacheAwarePolicy::new(cfg.cache_aware.clone())),
         PolicyName::Bucket => Box::new(BucketPolicy::new(cfg.bucket.clone())),
+        PolicyName::Manual => Box::new(ManualPolicy::new(&cfg.manual, rng)),
     }
 }
 
@@ -122,6 +127,7 @@ pub(crate) mod test_util {
         PolicyContext {
             workers,
             token_ids: tokens,
+            routing_key: None,
             now: Instant::now(),
         }
     }
@@ -142,6 +148,7 @@ mod tests {
             PolicyName::PowerOfTwo,
             PolicyName::CacheAware,
             PolicyName::Bucket,
+            PolicyName::Manual,
         ] {
             let mut p = build_policy(name, &cfg, 7);
             let expected = serde_json::to_value(name).unwrap();

@@ -319,6 +319,7 @@ async fn drive(
     progress: &mut Progress,
 ) -> Result<Exit, RouterError> {
     let tokens = &req.prompt_token_ids;
+    let key = req.routing_key.as_deref();
     let (prefills, decodes) = candidates(router.deps.membership.as_ref());
     let now = Instant::now();
     let mut flow = Flow::new(ATTEMPTS);
@@ -331,10 +332,11 @@ async fn drive(
     let mut d_slot: Option<(Worker, Booking<'_>)> = None;
     for attempt in 0..ATTEMPTS {
         if d_slot.is_none() {
-            let picked = router
-                .state
-                .lock()
-                .pick(Role::Decode, &decodes, tokens, &excluded_d, now);
+            let picked =
+                router
+                    .state
+                    .lock()
+                    .pick(Role::Decode, &decodes, tokens, key, &excluded_d, now);
             let Some(d_idx) = picked else {
                 missing = Role::Decode;
                 break;
@@ -350,10 +352,11 @@ async fn drive(
         let p = if is_colocated(&d) {
             d.clone()
         } else {
-            let picked = router
-                .state
-                .lock()
-                .pick(Role::Prefill, &prefills, tokens, &excluded, now);
+            let picked =
+                router
+                    .state
+                    .lock()
+                    .pick(Role::Prefill, &prefills, tokens, key, &excluded, now);
             let Some(p_idx) = picked else {
                 missing = Role::Prefill;
                 break;
@@ -575,6 +578,7 @@ async fn run_attempt(
         first_logprob: outcome.first_logprob,
         sampling: req.sampling.clone(),
         prompt_token_ids: tokens.clone(),
+        sampler: outcome.sampler,
     };
     let opened = step(
         tx,

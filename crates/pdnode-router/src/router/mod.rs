@@ -48,6 +48,9 @@ pub struct RouterDeps {
     pub config: RouterConfig,
     /// Bearer keys accepted by both frontends; empty: no authentication.
     pub api_keys: Vec<String>,
+    /// This process's node API listens beyond loopback in plaintext
+    /// (`security.allow_insecure`): `/health` says so.
+    pub insecure_node_plane: bool,
     pub membership: Arc<dyn Membership>,
     pub tokenizer: Arc<dyn Tokenize>,
     pub chat: Arc<dyn ChatRender>,
@@ -61,6 +64,28 @@ pub struct GenRequest {
     pub sampling: SamplingParams,
     /// Label of the frontend endpoint, for metrics (`completions`, `chat`, `grpc`).
     pub endpoint: &'static str,
+    /// The session key the sticky `manual` policy routes by (HTTP header `X-SMG-Routing-Key`,
+    /// gRPC metadata `x-smg-routing-key`); `None`: placed like any request.
+    pub routing_key: Option<String>,
+}
+
+/// The header (and gRPC metadata key) a client names its session with, sglang-router's name.
+pub const ROUTING_KEY_HEADER: &str = "x-smg-routing-key";
+
+/// Longest routing key accepted, bytes (clients choose keys; the `manual` policy keeps them).
+pub const ROUTING_KEY_MAX: usize = 256;
+
+/// The routing key from a header or metadata value: UTF-8, 1 to [`ROUTING_KEY_MAX`] bytes.
+pub fn routing_key(value: Option<&[u8]>) -> Result<Option<String>, RouterError> {
+    let Some(v) = value else {
+        return Ok(None);
+    };
+    match std::str::from_utf8(v) {
+        Ok(k) if !k.is_empty() && k.len() <= ROUTING_KEY_MAX => Ok(Some(k.to_owned())),
+        _ => Err(RouterError::InvalidRequest {
+            message: format!("{ROUTING_KEY_HEADER} must be 1 to {ROUTING_KEY_MAX} bytes of UTF-8"),
+        }),
+    }
 }
 
 /// Token counts of a finished request.

@@ -62,6 +62,7 @@ impl RouterState {
         role: Role,
         workers: &[Worker],
         token_ids: &[u32],
+        routing_key: Option<&str>,
         exclude: &[NodeId],
         now: Instant,
     ) -> Option<usize> {
@@ -85,6 +86,7 @@ impl RouterState {
         let ctx = PolicyContext {
             workers: &loads,
             token_ids,
+            routing_key,
             now,
         };
         let policy = if role == Role::Decode {
@@ -144,7 +146,7 @@ mod tests {
         st.book(ws[0].id());
         st.book(ws[0].id());
         for _ in 0..10 {
-            assert_eq!(st.pick(Role::Decode, &ws, &[], &[], now), Some(1));
+            assert_eq!(st.pick(Role::Decode, &ws, &[], None, &[], now), Some(1));
         }
         st.release(ws[0].id());
         st.release(ws[0].id());
@@ -157,12 +159,12 @@ mod tests {
                 ..NodeStats::default()
             },
         );
-        assert_eq!(st.pick(Role::Decode, &ws, &[], &[], now), Some(0));
+        assert_eq!(st.pick(Role::Decode, &ws, &[], None, &[], now), Some(0));
         // Excluding d0 leaves d1; excluding both leaves nothing.
         let ex = [NodeId::new("d0")];
-        assert_eq!(st.pick(Role::Prefill, &ws, &[], &ex, now), Some(1));
+        assert_eq!(st.pick(Role::Prefill, &ws, &[], None, &ex, now), Some(1));
         let ex = [NodeId::new("d0"), NodeId::new("d1")];
-        assert_eq!(st.pick(Role::Prefill, &ws, &[], &ex, now), None);
+        assert_eq!(st.pick(Role::Prefill, &ws, &[], None, &ex, now), None);
     }
 
     #[test]
@@ -179,15 +181,15 @@ mod tests {
         let until = now + std::time::Duration::from_secs(5);
         st.suspect(ws[0].id(), until);
         for _ in 0..6 {
-            assert_eq!(st.pick(Role::Prefill, &ws, &[], &[], now), Some(1));
+            assert_eq!(st.pick(Role::Prefill, &ws, &[], None, &[], now), Some(1));
         }
         // The other one excluded: the suspect is still better than nothing.
         let ex = [NodeId::new("p1")];
-        assert_eq!(st.pick(Role::Prefill, &ws, &[], &ex, now), Some(0));
+        assert_eq!(st.pick(Role::Prefill, &ws, &[], None, &ex, now), Some(0));
         // The mark ends.
         let later = until;
         let picks: Vec<_> = (0..4)
-            .filter_map(|_| st.pick(Role::Prefill, &ws, &[], &[], later))
+            .filter_map(|_| st.pick(Role::Prefill, &ws, &[], None, &[], later))
             .collect();
         assert!(picks.contains(&0) && picks.contains(&1), "{picks:?}");
         assert!(!st.is_suspect(ws[0].id(), later));

@@ -62,6 +62,7 @@ pub fn fakes(n_prefill: usize, n_decode: usize) -> Fakes {
     let deps = RouterDeps {
         config: config(),
         api_keys: Vec::new(),
+        insecure_node_plane: false,
         membership: membership.clone(),
         tokenizer: Arc::new(FakeTokenizer),
         chat: Arc::new(FakeTokenizer),
@@ -88,6 +89,7 @@ pub fn request_40_tokens() -> GenRequest {
             ..SamplingParams::default()
         },
         endpoint: "completions",
+        routing_key: None,
     }
 }
 
@@ -161,4 +163,28 @@ pub fn sse_data(body: &str) -> Vec<String> {
                 .find_map(|l| l.strip_prefix("data:").map(|d| d.trim_start().to_string()))
         })
         .collect()
+}
+
+/// POSTs `body` as JSON; the status and the JSON answer (`Null` if none).
+pub async fn post(h: &Harness, path: &str, body: serde_json::Value) -> (u16, serde_json::Value) {
+    let r = reqwest::Client::new()
+        .post(h.url(path))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(serde_json::Value::Null))
+}
+
+/// POSTs `body` as JSON; the status and the SSE `data:` payloads.
+pub async fn post_sse(h: &Harness, path: &str, body: serde_json::Value) -> (u16, Vec<String>) {
+    let r = reqwest::Client::new()
+        .post(h.url(path))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    (status, sse_data(&r.text().await.unwrap()))
 }

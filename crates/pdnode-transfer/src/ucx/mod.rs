@@ -2,6 +2,7 @@
 //! and sleeps on the worker's event fd (armed) when idle. Callers talk to it through a channel;
 //! puts and flushes return [`Completion`]s.
 
+pub mod cuda_ctx;
 mod thread;
 
 use crate::TransferError;
@@ -15,8 +16,12 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-/// Says whether the bytes a gated put reads are in place ([`UcxTransport::put_when`]).
-pub type Gate = Box<dyn FnMut() -> Result<bool, String> + Send>;
+/// Says whether the bytes a gated put reads are in place ([`UcxTransport::put_when`]); an error
+/// fails the put (as [`crate::TransferError::Control`], naming the cause).
+pub type Gate = Box<dyn FnMut() -> Result<bool, GateFailure> + Send>;
+
+/// Why a gate failed: whatever error its owner has (e.g. the engine's).
+pub type GateFailure = Box<dyn std::error::Error + Send + Sync>;
 use std::time::Duration;
 use thread::Cmd;
 

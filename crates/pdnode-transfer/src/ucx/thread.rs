@@ -155,7 +155,7 @@ pub(crate) fn run(
 ) {
     let setup = || -> Result<(State, Vec<u8>, i32), TransferError> {
         if let Some(device) = cfg.cuda_device {
-            crate::bench::bind_primary_context(device)?;
+            super::cuda_ctx::bind_primary_context(device)?;
         }
         let mut overrides = Vec::new();
         if let Some(t) = cfg.tls.as_deref().filter(|t| !t.is_empty()) {
@@ -574,8 +574,8 @@ impl State {
                     what: "UCX gated put (its data never became ready)".into(),
                 })
             } else {
-                (g.gate)().map_err(|reason| TransferError::Control {
-                    reason: format!("gated put: {reason}"),
+                (g.gate)().map_err(|e| TransferError::Control {
+                    reason: format!("gated put: {e}"),
                 })
             };
             match verdict {

@@ -1,12 +1,14 @@
-//! `pdnode bench-transfer`: KV hand-off bandwidth and latency through the real path (reserve,
-//! gather into registered staging, UCX put per layer group, flush, KvDone, scatter, verify).
+//! `pdnode bench-transfer`: KV hand-off bandwidth and latency through the serving pieces
+//! (`pdnode-transfer-bench`: the core KvTarget, gather into registered staging, UCX put per
+//! layer group, flush, the fence record with CRC32C checked before the scatter, KvDone,
+//! scatter, verify).
 //!
 //! `--local` starts a server and a client process (this binary, `--spec JSON`) on loopback and
 //! prints the client's table. `--role server|client` runs one side (e.g. on two hosts).
 
 use anyhow::Context;
 use pdnode_transfer::MemKind;
-use pdnode_transfer::bench::{self, BenchRole, Options};
+use pdnode_transfer_bench::{self as bench, BenchRole, Options};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -75,7 +77,19 @@ pub struct Args {
     pub spec: Option<String>,
 }
 
-fn parse_size(s: &str) -> Result<u64, String> {
+/// Why a `--block-bytes` size does not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum SizeError {
+    #[error("bad size {text:?}: {source}")]
+    NotANumber {
+        text: String,
+        source: std::num::ParseIntError,
+    },
+    #[error("size {text:?} does not fit in 64 bits")]
+    TooLarge { text: String },
+}
+
+fn parse_size(s: &str) -> Result<u64, SizeError> {
     let s = s.trim();
     let (num, mul) = match s.char_indices().last() {
         Some((i, 'K' | 'k')) => (&s[..i], 1u64 << 10),
@@ -83,9 +97,13 @@ fn parse_size(s: &str) -> Result<u64, String> {
         Some((i, 'G' | 'g')) => (&s[..i], 1 << 30),
         _ => (s, 1),
     };
-    num.parse::<u64>()
-        .map(|n| n * mul)
-        .map_err(|e| format!("bad size {s:?}: {e}"))
+    let n = num.parse::<u64>().map_err(|source| SizeError::NotANumber {
+        text: s.to_string(),
+        source,
+    })?;
+    n.checked_mul(mul).ok_or_else(|| SizeError::TooLarge {
+        text: s.to_string(),
+    })
 }
 
 fn options(args: &Args, role: BenchRole) -> Options {
@@ -153,6 +171,14 @@ mod tests {
         assert_eq!(super::parse_size("16K"), Ok(16 << 10));
         assert_eq!(super::parse_size("1M"), Ok(1 << 20));
         assert_eq!(super::parse_size("4096"), Ok(4096));
-        assert!(super::parse_size("x").is_err());
+        assert!(matches!(
+            super::parse_size("x"),
+            Err(super::SizeError::NotANumber { .. })
+        ));
+        // 2^34 G overflows u64: an error, not a panic.
+        assert!(matches!(
+            super::parse_size("17179869184G"),
+            Err(super::SizeError::TooLarge { .. })
+        ));
     }
 }

@@ -11,6 +11,7 @@ pub mod bench_transfer;
 pub mod check_config;
 pub mod generate;
 pub mod nodes;
+pub mod sglang_register;
 pub mod sglang_router;
 pub mod start;
 pub mod version;

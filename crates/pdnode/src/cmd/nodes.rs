@@ -94,6 +94,9 @@ fn age(ms: u64) -> String {
 /// The ROLE cell: the role, and for a role-`all` node whether it is colocated (serves both
 /// phases on its node API, so routers pair it with itself) or keeps its engines in process.
 fn role_cell(c: &NodeCard) -> String {
+    if c.sglang.is_some() {
+        return format!("{} (sglang)", c.role);
+    }
     match (c.role, c.colocated) {
         (pdnode_core::Role::All, true) => "all (colocated)".into(),
         (pdnode_core::Role::All, false) => "all (in-process)".into(),
@@ -115,7 +118,10 @@ fn table(cards: &[NodeCard], now: u64) -> String {
             } else {
                 c.model_id.clone()
             },
-            c.addresses.grpc.clone(),
+            // An SGLang worker has no node API: its HTTP URL is where it is reached.
+            c.sglang
+                .as_ref()
+                .map_or_else(|| c.addresses.grpc.clone(), |s| s.url.clone()),
             format!(
                 "{}/{} run, {} queued, kv {}/{} free",
                 k.running_requests,
@@ -170,6 +176,7 @@ mod tests {
             version: "0".into(),
             started_at_ms: 0,
             colocated,
+            sglang: None,
         }
     }
 

@@ -41,6 +41,12 @@ pub struct Args {
     pub eviction_interval_secs: Option<u64>,
     #[arg(long)]
     pub max_tree_size: Option<u64>,
+    /// `manual` policy: a routing key unused this long is forgotten, seconds.
+    #[arg(long)]
+    pub max_idle_secs: Option<u64>,
+    /// `manual` policy: how a new routing key is placed (`random`, `min_load`, `min_group`).
+    #[arg(long)]
+    pub assignment_mode: Option<String>,
     /// Deadline of a whole request, seconds (sglang-router's default: 1800).
     #[arg(long, default_value_t = 1800)]
     pub request_timeout_secs: u64,
@@ -85,12 +91,11 @@ fn toml_str(s: &str) -> String {
 
 fn policy(flag: &str, name: &str) -> Result<String, UsageError> {
     match name {
-        "random" | "round_robin" | "cache_aware" | "power_of_two" | "bucket" => Ok(toml_str(name)),
-        "manual" => Err(UsageError(format!(
-            "{flag} manual: the manual (sticky routing-key) policy is not implemented yet"
-        ))),
+        "random" | "round_robin" | "cache_aware" | "power_of_two" | "bucket" | "manual" => {
+            Ok(toml_str(name))
+        }
         other => Err(UsageError(format!(
-            "{flag} {other:?}: expected random, round_robin, cache_aware, power_of_two or bucket"
+            "{flag} {other:?}: expected random, round_robin, cache_aware, power_of_two, bucket or manual"
         ))),
     }
 }
@@ -203,6 +208,20 @@ pub fn overrides(a: &Args) -> Result<Vec<String>, UsageError> {
         a.max_tree_size.map(|v| v.to_string()),
     );
     num(
+        "router.manual.max_idle_secs",
+        a.max_idle_secs.map(|v| v.to_string()),
+    );
+    let mode = match a.assignment_mode.as_deref() {
+        None => None,
+        Some(m @ ("random" | "min_load" | "min_group")) => Some(toml_str(m)),
+        Some(m) => {
+            return Err(UsageError(format!(
+                "--assignment-mode {m:?}: expected random, min_load or min_group"
+            )));
+        }
+    };
+    num("router.manual.assignment_mode", mode);
+    num(
         "router.request_timeout_s",
         Some(a.request_timeout_secs.to_string()),
     );
@@ -311,27 +330,22 @@ pub async fn serve(c: &pdnode_core::config::Config) -> anyhow::Result<()> {
             stop.clone(),
         ));
     }
-    tracing::info!(%addr, prefill = c.router.sglang.prefill.len(), decode = c.router.sglang.decode.len(), "SGLang router serving");
+    if c.router.sglang.discover {
+        let registry = pdnode_registry::from_config(&c.registry)
+            .await
+            .with_context(|| format!("cannot reach the registry at {:?}", c.registry.endpoints))?;
+        let live = pdnode_registry::LiveMembership::start(registry.as_ref(), &c.node.cluster)
+            .await
+            .context("cannot list the cluster's SGLang workers")?;
+        let (r, s) = (router.clone(), stop.clone());
+        tasks.spawn(async move {
+            pdnode_sglang::discovery::follow(r, live, s).await;
+            Ok(())
+        });
+    }
+    tracing::info!(%addr, prefill = c.router.sglang.prefill.len(), decode = c.router.sglang.decode.len(), discover = c.router.sglang.discover, "SGLang router serving");
     tasks.spawn(pdnode_sglang::serve(listener, router, stop.clone()));
-    let signal = async {
-        #[cfg(unix)]
-        {
-            use tokio::signal::unix::{SignalKind, signal};
-            match signal(SignalKind::terminate()) {
-                Ok(mut term) => {
-                    tokio::select! {
-                        _ = term.recv() => {}
-                        _ = tokio::signal::ctrl_c() => {}
-                    }
-                }
-                Err(_) => {
-                    let _ = tokio::signal::ctrl_c().await;
-                }
-            }
-        }
-        #[cfg(not(unix))]
-        let _ = tokio::signal::ctrl_c().await;
-    };
+    let signal = shutdown_signal();
     tokio::select! {
         _ = signal => tracing::info!("shutting down"),
         r = tasks.join_next() => {
@@ -344,6 +358,27 @@ pub async fn serve(c: &pdnode_core::config::Config) -> anyhow::Result<()> {
     let drain = std::time::Duration::from_secs(c.node.drain_timeout_s);
     let _ = tokio::time::timeout(drain, async { while tasks.join_next().await.is_some() {} }).await;
     Ok(())
+}
+
+/// SIGTERM or SIGINT.
+pub async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = tokio::signal::ctrl_c().await;
 }
 
 #[cfg(test)]
@@ -419,6 +454,31 @@ mod tests {
     }
 
     #[test]
+    fn the_manual_policy_flags_map_onto_router_manual() {
+        let c = config(&[
+            "--pd-disaggregation",
+            "--prefill",
+            "http://a:1",
+            "--decode",
+            "http://b:1",
+            "--policy",
+            "manual",
+            "--max-idle-secs",
+            "120",
+            "--assignment-mode",
+            "min_group",
+        ]);
+        let r = &c.router;
+        assert_eq!(r.prefill_policy, pdnode_core::config::PolicyName::Manual);
+        assert_eq!(r.decode_policy, pdnode_core::config::PolicyName::Manual);
+        assert_eq!(r.manual.max_idle_secs, 120);
+        assert_eq!(
+            r.manual.assignment_mode,
+            pdnode_core::config::AssignmentMode::MinGroup
+        );
+    }
+
+    #[test]
     fn unsupported_flags_are_refused_by_name() {
         for flag in [
             "--dp-aware",
@@ -439,10 +499,21 @@ mod tests {
             "--decode",
             "http://b:1",
             "--policy",
-            "manual",
+            "sticky",
         ])
         .unwrap();
-        assert!(overrides(&a).unwrap_err().0.contains("manual"));
+        assert!(overrides(&a).unwrap_err().0.contains("sticky"));
+        let a = parse(&[
+            "--pd-disaggregation",
+            "--prefill",
+            "http://a:1",
+            "--decode",
+            "http://b:1",
+            "--assignment-mode",
+            "fewest",
+        ])
+        .unwrap();
+        assert!(overrides(&a).unwrap_err().0.contains("--assignment-mode"));
         let a = parse(&[
             "--pd-disaggregation",
             "--prefill",

@@ -134,8 +134,14 @@ impl CpuBackend {
             let gate: LayerGate = match r {
                 Ok(()) => Box::new(|| Ok(true)),
                 Err(e) => {
-                    let m = e.to_string();
-                    Box::new(move || Err(m.clone()))
+                    let mut e = Some(e);
+                    // the copy's own error the first time, then that it failed before
+                    Box::new(move || {
+                        Err(e.take().unwrap_or_else(|| BackendError::DeviceFailure {
+                            kind: pdnode_core::ErrorKind::Internal,
+                            message: "the KV gather behind this gate failed".into(),
+                        }))
+                    })
                 }
             };
             (plan.notify)(i, layers.clone(), gate);
@@ -292,5 +298,58 @@ mod tests {
             s.scatter_kv_from_staging(0..layers, &[BlockId(16)], 0),
             Err(BackendError::BlockOutOfRange { .. })
         ));
+    }
+
+    /// In-step staging's gates: open at once after a good copy; a failed copy's gate reports
+    /// that copy's typed error (its class kept), then that it failed, never `Ok`.
+    #[test]
+    fn a_failed_in_step_gather_fails_its_gate_with_the_typed_error() {
+        use crate::backend::{StageSeq, StepStaging};
+        use pdnode_core::ErrorKind;
+        use pdnode_core::error::Classify;
+        let mut be = backend();
+        let layers = be.kv_layout().num_layers;
+        let lb = be.kv_layout().block_layer_bytes();
+        let len = 4 * STAGING_ALIGN + 4 * layers as usize * lb;
+        let mut mem = vec![0u8; len].into_boxed_slice();
+        let ptr = mem.as_mut_ptr();
+        let owner: Arc<dyn Any + Send + Sync> = Arc::new(std::sync::Mutex::new(mem));
+        // SAFETY: `mem`'s heap block lives inside `owner`, which the arena keeps.
+        be.attach_staging(unsafe { HostArena::new(ptr, len, owner) });
+        let gates = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sink = gates.clone();
+        let mut plan = StepStaging {
+            seqs: vec![
+                StageSeq {
+                    blocks: vec![BlockId(1)],
+                    offset: STAGING_ALIGN,
+                    layer_stride: lb,
+                },
+                StageSeq {
+                    blocks: vec![BlockId(16)], // outside the pool of 16
+                    offset: 2 * STAGING_ALIGN,
+                    layer_stride: lb,
+                },
+            ],
+            group: layers,
+            notify: Box::new(move |i, r, gate| sink.lock().unwrap().push((i, r, gate))),
+        };
+        be.stage_layers(&mut plan, 0..layers);
+        let mut got = std::mem::take(&mut *gates.lock().unwrap());
+        assert_eq!(got.len(), 2);
+        assert!(
+            matches!((got[0].2)(), Ok(true)),
+            "the good copy's gate is open"
+        );
+        let first = (got[1].2)();
+        assert!(
+            matches!(first, Err(BackendError::BlockOutOfRange { .. })),
+            "{first:?}"
+        );
+        let again = (got[1].2)();
+        assert!(
+            matches!(&again, Err(e) if e.kind() == ErrorKind::Internal),
+            "{again:?}"
+        );
     }
 }

@@ -62,7 +62,7 @@ impl Loop {
         let notify = Box::new(
             move |i: usize, layers: std::ops::Range<u32>, gate: crate::backend::LayerGate| {
                 if let Some((tx, blocks)) = sinks.get(i) {
-                    let _ = tx.send(StagedReady::Layers {
+                    let _ = tx.try_send(StagedReady::Layers {
                         blocks: blocks.clone(),
                         layers,
                         gate,
@@ -131,7 +131,7 @@ impl Loop {
             match r {
                 Ok(()) => {
                     *sent = done;
-                    let _ = g.ready.send(StagedReady::Blocks(done));
+                    let _ = g.ready.try_send(StagedReady::Blocks(done));
                 }
                 Err(e) => {
                     tracing::warn!(request = %s.id, error = %e, "staged KV gather failed; the hand-off gathers after prefill");

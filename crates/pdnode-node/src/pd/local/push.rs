@@ -9,18 +9,18 @@ impl PdNode {
     /// start plus one lease (at least a second from now), and never past the lease deadline the
     /// decode node put in the target (after it, the decode node may give the span away; puts
     /// still in flight then are fenced there).
-    pub(super) fn push_deadline(&self, started: Instant, target: &v1::KvTarget) -> Instant {
-        let now = Instant::now();
-        let ours = (started + self.lease).max(now + Duration::from_secs(1));
+    pub(super) fn push_deadline(&self, started: Instant, target: &KvTarget) -> Instant {
         let now_ms = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_millis() as u64)
             .unwrap_or(0);
-        if target.lease_deadline_ms == 0 {
-            return ours;
-        }
-        let left = Duration::from_millis(target.lease_deadline_ms.saturating_sub(now_ms));
-        ours.min(now + left)
+        crate::pd::handoff::push_deadline(
+            started,
+            self.lease,
+            Instant::now(),
+            now_ms,
+            target.lease_deadline_ms,
+        )
     }
 
     /// How long a push's source is kept for puts still in flight after the push ended.
@@ -33,8 +33,8 @@ impl PdNode {
     /// device memory when the arena is), and room in it. `Ok(None)`: push after prefill.
     pub(super) fn start_overlap(
         &self,
-        target: &v1::KvTarget,
-    ) -> Result<Option<OverlapPush>, String> {
+        target: &KvTarget,
+    ) -> Result<Option<OverlapPush>, HandoffError> {
         let ranks = self.tp_ranks();
         let (KvMover::Ucx(t), Some(arena)) = (&self.mover, self.arena.as_ref()) else {
             return Ok(None);
@@ -48,13 +48,14 @@ impl PdNode {
         if arena.is_device() && target.fence_record {
             return Ok(None);
         }
+        let deadline = self.push_deadline(Instant::now(), target);
         OverlapPush::start(
             t,
             arena,
             target,
             self.layout(),
-            target.block_ids.len(),
-            self.hold_until(self.push_deadline(Instant::now(), target)),
+            target.blocks.len(),
+            (deadline, self.hold_until(deadline)),
             &self.fence,
         )
     }
@@ -66,15 +67,15 @@ impl PdNode {
     pub(super) async fn finish_overlap(
         &self,
         id: RequestId,
-        target: &v1::KvTarget,
+        target: &KvTarget,
         mut o: OverlapPush,
-        ready: Option<tokio::sync::mpsc::UnboundedReceiver<StagedReady>>,
+        ready: Option<tokio::sync::mpsc::Receiver<StagedReady>>,
         ours: usize,
         started: Instant,
     ) -> (Result<(u64, u64, bool), NodeError>, usize) {
         let t0 = Instant::now();
         let deadline = self.push_deadline(started, target);
-        let fail = |m: String| nerr(ErrorKind::Retryable, format!("KV hand-off of {id}: {m}"));
+        let fail = |e: HandoffError| nerr(e.kind(), format!("KV hand-off of {id}: {e}"));
         if ours != o.blocks() {
             let m = format!(
                 "decode reserved {} blocks for {id}, prefill holds {ours}",
@@ -95,7 +96,7 @@ impl PdNode {
             drop(o);
             return (self.push(id, target, ours, started).await, 0);
         }
-        let early = o.sent_early;
+        let early = o.sent_early();
         let (puts_done, puts) = o.puts_done();
         tracing::debug!(
             request = %id,
@@ -122,16 +123,16 @@ impl PdNode {
     pub(super) async fn push(
         &self,
         id: RequestId,
-        target: &v1::KvTarget,
+        target: &KvTarget,
         ours: usize,
         started: Instant,
     ) -> Result<(u64, u64, bool), NodeError> {
-        if target.block_ids.len() != ours {
+        if target.blocks.len() != ours {
             return Err(nerr(
                 ErrorKind::Internal,
                 format!(
                     "decode reserved {} blocks for {id}, prefill holds {ours}",
-                    target.block_ids.len()
+                    target.blocks.len()
                 ),
             ));
         }
@@ -141,7 +142,7 @@ impl PdNode {
         let ranks = self.tp_ranks();
         let t0 = Instant::now();
         let deadline = self.push_deadline(started, target);
-        let failed = |m: String| nerr(ErrorKind::Retryable, format!("KV hand-off of {id}: {m}"));
+        let failed = |e: HandoffError| nerr(e.kind(), format!("KV hand-off of {id}: {e}"));
         // Room for the fence record behind each rank's bytes when the decode node asks for it.
         let span = per_rank + if target.fence_record { RECORD_LEN } else { 0 };
         if let KvMover::Ucx(t) = &self.mover

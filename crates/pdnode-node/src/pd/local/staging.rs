@@ -33,14 +33,10 @@ pub(super) struct FenceSpec {
 /// A span released by an abort, a lease end or a failed check while its writer may still be
 /// putting into it: freed when the writer's record shows it finished, or at `until`.
 pub(super) struct Quarantined {
-    pub(super) request: RequestId,
+    /// The decision part (`super::super::handoff::Quarantine`).
+    pub(super) q: Quarantine,
     pub(super) staging: Staging,
-    pub(super) generation: u64,
     pub(super) fence: Option<FenceSpec>,
-    /// Whether an intact record of the generation ends the quarantine early (not after a
-    /// checksum mismatch: some other writer touched the span).
-    pub(super) trust_record: bool,
-    pub(super) until: Instant,
 }
 
 /// Staging spans of a decode node by state (the arena's and per-request host regions alike).
@@ -139,58 +135,59 @@ impl PdNode {
         self.quarantine.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Releases a reservation's staging: at once when nothing can write it any more (no
-    /// staging, or every rank carries its writer's record, which is put only after that
-    /// writer's KV puts were flushed), else into quarantine until one lease past its lease.
-    pub(super) fn release_staging(&self, id: RequestId, slot: DecodeSlot, trust_record: bool) {
-        if matches!(slot.staging, Staging::None) {
-            return;
-        }
-        if trust_record
+    /// Releases a reservation's staging as its state machine decides
+    /// ([`Reservation::release`]): at once when nothing can write it any more (no staging, the
+    /// span was scattered, or every rank carries its writer's record, which is put only after
+    /// that writer's KV puts were flushed), else into quarantine until the fence deadline.
+    pub(super) fn release_staging(&self, id: RequestId, mut slot: DecodeSlot, cause: ReleaseCause) {
+        let staged = !matches!(slot.staging, Staging::None);
+        let generation = slot.fsm.generation();
+        // Read only where the record can end it (after a refused check it is not trusted).
+        let present = staged
+            && matches!(cause, ReleaseCause::Abort | ReleaseCause::LeaseEnd)
             && slot
                 .fence
-                .is_some_and(|f| records_present(&slot.staging, &f, slot.generation))
-        {
-            return;
-        }
+                .is_some_and(|f| records_present(&slot.staging, &f, generation));
+        let Some(Release::Quarantine(q)) = slot.fsm.release(cause, staged, present, Instant::now())
+        else {
+            return; // freed with the slot
+        };
         self.fence.quarantined.fetch_add(1, Ordering::Relaxed);
-        tracing::debug!(request = %id, generation = slot.generation, "staging span quarantined");
+        tracing::debug!(request = %id, generation, ?cause, "staging span quarantined");
         self.quarantined().push(Quarantined {
-            request: id,
+            q,
             staging: slot.staging,
-            generation: slot.generation,
             fence: slot.fence,
-            trust_record,
-            until: slot.expires + self.lease,
         });
     }
 
     /// Frees quarantined spans whose writer finished (its record is there) or whose fence
-    /// deadline passed.
+    /// deadline passed ([`Quarantine::poll`]).
     pub(super) fn sweep_quarantine(&self, now: Instant) {
         let mut q = self.quarantined();
         // Freed after the lock is let go (a host region's deregistration waits for UCX).
         let mut freed = Vec::new();
         let mut keep = Vec::new();
         for e in q.drain(..) {
-            let done = e.trust_record
+            let present = e.q.trust_record
                 && e.fence
-                    .is_some_and(|f| records_present(&e.staging, &f, e.generation));
-            if done {
-                self.fence
-                    .released_by_record
-                    .fetch_add(1, Ordering::Relaxed);
-            } else if now >= e.until {
-                self.fence
-                    .released_at_deadline
-                    .fetch_add(1, Ordering::Relaxed);
-                tracing::debug!(request = %e.request, generation = e.generation,
-                    "quarantined staging span freed at its fence deadline");
-            }
-            if !done && now < e.until {
-                keep.push(e);
-            } else {
-                freed.push(e);
+                    .is_some_and(|f| records_present(&e.staging, &f, e.q.generation));
+            match e.q.poll(now, present) {
+                Some(QuarantineEnd::ByRecord) => {
+                    self.fence
+                        .released_by_record
+                        .fetch_add(1, Ordering::Relaxed);
+                    freed.push(e);
+                }
+                Some(QuarantineEnd::AtDeadline) => {
+                    self.fence
+                        .released_at_deadline
+                        .fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(request = %e.q.request, generation = e.q.generation,
+                        "quarantined staging span freed at its fence deadline");
+                    freed.push(e);
+                }
+                None => keep.push(e),
             }
         }
         *q = keep;
@@ -221,7 +218,7 @@ impl PdNode {
             } else {
                 None
             };
-            rec.check(r, slot.generation, id.0, spec.per_rank as u64, crc)?;
+            rec.check(r, slot.fsm.generation(), id.0, spec.per_rank as u64, crc)?;
         }
         Ok(())
     }
@@ -234,7 +231,7 @@ impl PdNode {
         &self,
         id: RequestId,
         per_rank: usize,
-    ) -> Result<(Staging, Vec<v1::RankTarget>, u64, Option<FenceSpec>), NodeError> {
+    ) -> Result<(Staging, Vec<RankTarget>, u64, Option<FenceSpec>), NodeError> {
         if matches!(self.mover, KvMover::InProcess(_)) {
             return Ok((Staging::None, Vec::new(), 0, None));
         }
@@ -265,12 +262,12 @@ impl PdNode {
             let arena = slice.arena().clone();
             let targets = (0..ranks)
                 .filter_map(|r| arena.registration(r).map(|reg| (r, reg.descriptor())))
-                .map(|(r, d)| v1::RankTarget {
+                .map(|(r, d)| RankTarget {
                     rank: r as u32,
                     rkey: d.rkey.clone(),
-                    remote_base_addr: d.base_addr,
+                    base_addr: d.base_addr,
                     region_len: d.len,
-                    ucx_worker_address: Vec::new(),
+                    worker_address: Vec::new(),
                     device_memory: arena.is_device(),
                 })
                 .collect();
@@ -310,7 +307,7 @@ impl PdNode {
                 other => {
                     self.host_used.fetch_sub(total as u64, Ordering::Relaxed);
                     return match other {
-                        Err(e) => Err(nerr(ErrorKind::Retryable, e)),
+                        Err(e) => Err(nerr(e.kind(), e.to_string())),
                         _ => Ok((Staging::None, Vec::new(), 0, None)),
                     };
                 }
@@ -322,15 +319,21 @@ impl PdNode {
         let reg = &budget.reg;
         let d = reg.descriptor();
         let targets = (0..ranks)
-            .map(|r| v1::RankTarget {
-                rank: r as u32,
-                rkey: d.rkey.clone(),
-                remote_base_addr: d.base_addr + (r * stride) as u64,
-                region_len: stride as u64,
-                ucx_worker_address: Vec::new(),
-                device_memory: false,
+            .map(|r| {
+                let base_addr = (r as u64)
+                    .checked_mul(stride as u64)
+                    .and_then(|at| d.base_addr.checked_add(at))
+                    .ok_or_else(overflow)?;
+                Ok(RankTarget {
+                    rank: r as u32,
+                    rkey: d.rkey.clone(),
+                    base_addr,
+                    region_len: stride as u64,
+                    worker_address: Vec::new(),
+                    device_memory: false,
+                })
             })
-            .collect();
+            .collect::<Result<Vec<_>, NodeError>>()?;
         let fence = FenceSpec {
             per_rank,
             stride,

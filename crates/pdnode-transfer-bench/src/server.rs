@@ -1,15 +1,17 @@
 //! The bench's receiver (decode role): registers a pool and a receive staging area, reserves
-//! blocks under a lease, hands out KV targets, and on KvDone scatters, verifies and frees.
+//! blocks under a lease, hands out KV targets (the serving `pdnode_core::KvTarget`, with a
+//! staging generation and, on host staging, fence records with CRC32C), and on KvDone checks
+//! the fence record as the decode node does (`FenceRecord::check`), scatters, verifies every
+//! byte and frees.
 
 use super::devmem::DevBuf;
-use super::wire::{self, Msg};
+use super::wire::{self, DoneStatus, Msg};
 use super::{HostBuf, Options, pattern};
-use crate::TransferError;
-use crate::negotiation::{DoneStatus, KvTarget, Placement, Reservation, ReservationEnd};
-use crate::region::{LocalRegion, MemKind, PoolGeometry, scatter_host};
-use crate::transport::{KvTransport, Registration};
-use crate::ucx::UcxTransport;
-use pdnode_core::{BlockId, KvLayout, NodeId, RequestId};
+use pdnode_core::{BlockId, KvLayout, KvTarget, NodeId, Placement, RankTarget, RequestId};
+use pdnode_core::{TargetTransport, kv_target};
+use pdnode_transfer::fence::{self, RECORD_LEN};
+use pdnode_transfer::region::{LocalRegion, MemKind, PoolGeometry, scatter_host};
+use pdnode_transfer::{KvTransport, Registration, Secret, TransferError, UcxTransport};
 use rand::seq::SliceRandom;
 use std::io::Write;
 use std::net::{TcpListener, TcpStream};
@@ -31,7 +33,24 @@ struct Point {
     dev_staging: Option<DevBuf>,
     pool_placement: bool,
     free: Vec<BlockId>,
-    reservation: Option<Reservation>,
+    reservation: Option<Held>,
+    /// Staging generations handed out (one per reservation).
+    generation: u64,
+}
+
+/// The one open reservation of a sweep point.
+struct Held {
+    request: RequestId,
+    blocks: Vec<BlockId>,
+    secret: Secret,
+    generation: u64,
+    /// Bytes of KV in the staging span (the fence record lies right behind them).
+    kv_len: u64,
+    fenced: bool,
+    lease_end: Instant,
+    /// Set at the lease end: the span stays quarantined until the writer's record of this
+    /// generation is there (its puts are over) or the grace passed.
+    quarantine_until: Option<Instant>,
 }
 
 fn say(line: String) {
@@ -146,11 +165,10 @@ fn serve(
                 request,
                 secret,
                 status,
-                prefill_node,
                 ..
             } => match point.as_mut() {
                 None => refused(Some(request), &no_point()),
-                Some(p) => match done(p, request, &secret, &status, &prefill_node) {
+                Some(p) => match done(p, request, &secret, &status) {
                     Ok((scatter_us, verify_us)) => Msg::DoneAck {
                         request,
                         scatter_us,
@@ -210,7 +228,8 @@ fn setup(
         block_layer_bytes: layout.block_layer_bytes() as u64,
     };
     let mut pool = HostBuf::new(geo.pool_bytes() as usize)?;
-    let staging_len = geo.staging_bytes(max_request_blocks as usize) as usize;
+    // Room for the fence record behind the KV.
+    let staging_len = geo.staging_bytes(max_request_blocks as usize) as usize + RECORD_LEN;
     // SAFETY: the pool moves into the returned Point, whose registrations are declared (and so
     // dropped) before the buffers; a HostBuf's heap memory does not move with it.
     let pool_reg = unsafe { transport.register(LocalRegion::host(pool.bytes_mut())) }?;
@@ -247,6 +266,7 @@ fn setup(
         pool_placement,
         free: (0..pool_blocks).map(BlockId).collect(),
         reservation: None,
+        generation: 1,
     })
 }
 
@@ -270,36 +290,58 @@ fn reserve(
     }
     p.free.shuffle(&mut rand::rng());
     let blocks: Vec<BlockId> = p.free.split_off(p.free.len() - n as usize);
-    let now = Instant::now();
-    let lease = Duration::from_millis(lease_ms);
-    let mut r = Reservation::new(request, blocks.clone(), None, lease, GRACE, now);
-    let (region, placement) = if p.pool_placement {
+    let (reg, placement) = if p.pool_placement {
         (
-            p.pool_reg.descriptor().clone(),
+            &p.pool_reg,
             Placement::Pool {
                 num_blocks: p.geo.num_blocks,
             },
         )
     } else {
-        (
-            p.staging_reg.descriptor().clone(),
-            Placement::Staging { offset: 0 },
-        )
+        (&p.staging_reg, Placement::Staging { offset: 0 })
     };
+    // Fence records on host staging, as the decode node asks for them (device staging and
+    // the pool carry none).
+    let fenced = !p.pool_placement && p.dev_staging.is_none();
+    let d = reg.descriptor();
+    let secret = Secret::random();
+    let generation = p.generation;
+    p.generation += 1;
     let target = KvTarget {
         request,
         decode_node: NodeId::new("bench-server"),
+        decode_grpc_addr: String::new(),
+        transport: TargetTransport::Ucx,
         worker_address: transport.local_address(),
-        region,
-        placement,
-        blocks,
+        ranks: vec![RankTarget {
+            rank: 0,
+            rkey: d.rkey.clone(),
+            base_addr: d.base_addr,
+            region_len: d.len,
+            worker_address: Vec::new(),
+            device_memory: p.dev_staging.is_some(),
+        }],
+        blocks: blocks.clone(),
         layout: p.layout.clone(),
-        secret: r.secret().clone(),
+        secret: secret.as_bytes().to_vec(),
         lease_deadline_ms: unix_ms() + lease_ms,
+        placement,
+        staging_generation: generation,
+        fence_record: fenced,
+        verify: fenced,
     };
-    r.target_sent(now)?;
+    debug_assert_eq!(target.secret.len(), kv_target::SECRET_LEN);
     say(format!("RESERVED {request} {n} blocks"));
-    p.reservation = Some(r);
+    p.reservation = Some(Held {
+        request,
+        kv_len: p.geo.staging_bytes(blocks.len()),
+        blocks,
+        secret,
+        generation,
+        fenced,
+        lease_end: Instant::now() + Duration::from_millis(lease_ms),
+        quarantine_until: None,
+    });
     Ok(target)
 }
 
@@ -308,41 +350,48 @@ fn done(
     request: RequestId,
     secret: &[u8],
     status: &DoneStatus,
-    peer: &NodeId,
 ) -> Result<(u64, u64), TransferError> {
-    let r = match p.reservation.as_mut() {
-        Some(r) if r.request() == request => r,
+    let r = match p.reservation.as_ref() {
+        Some(r) if r.request == request && r.quarantine_until.is_none() => r,
         _ => return Err(TransferError::UnknownRequest { request }),
     };
-    r.done(peer, secret, status, Instant::now())?;
-    let Some(end) = r.poll(Instant::now()) else {
-        return Err(TransferError::Control {
-            reason: format!("{request}: reservation still open after done"),
+    // A wrong secret leaves the reservation to its rightful caller (it ends at its lease).
+    if !r.secret.matches(secret) {
+        return Err(TransferError::WrongSecret { request });
+    }
+    let Some(r) = p.reservation.take() else {
+        return Err(TransferError::UnknownRequest { request });
+    };
+    if let DoneStatus::Failed(reason) = status {
+        // The sender's puts are over (it says so after waiting for them): free now.
+        say(format!(
+            "FREED {request} {} blocks (sender failed)",
+            r.blocks.len()
+        ));
+        p.free.extend(r.blocks);
+        return Err(TransferError::RemoteFailed {
+            request,
+            reason: reason.clone(),
         });
-    };
-    p.reservation = None;
-    let blocks = match end {
-        ReservationEnd::Admit(b) => b,
-        ReservationEnd::Free(b) => {
-            say(format!(
-                "FREED {request} {} blocks (sender failed)",
-                b.len()
-            ));
-            p.free.extend(b);
-            return Err(TransferError::RemoteFailed {
-                request,
-                reason: format!("{status:?}"),
-            });
-        }
-    };
+    }
+    let t = Instant::now();
+    // The serving decode node's check: an intact record of this generation, request and
+    // length, and the CRC32C of the landed bytes equal to the sender's.
+    let checked = if r.fenced { check_fence(p, &r) } else { Ok(()) };
+    let fence_us = t.elapsed().as_micros() as u64;
+    if let Err(e) = checked {
+        p.free.extend(r.blocks);
+        return Err(e);
+    }
+    let blocks = r.blocks;
     let t = Instant::now();
     if !p.pool_placement {
         let layers = 0..p.layout.num_layers;
         let region = p.staging_reg.region();
         if let Some(dev) = &p.dev_staging {
             // The sender stopped writing (its KvDone came after its flush): read back, scatter.
-            let mut host = HostBuf::new(region.len)?;
-            dev.download(0, host.bytes_mut())?;
+            let mut host = HostBuf::new(region.len.next_multiple_of(8))?;
+            dev.download(0, &mut host.bytes_mut()[..region.len])?;
             scatter_host(&p.geo, host.bytes(), &blocks, layers, p.pool.bytes_mut())?;
         } else {
             // SAFETY: the staging region is valid while its registration (owned by `p`) lives,
@@ -352,7 +401,7 @@ fn done(
             scatter_host(&p.geo, staging, &blocks, layers, p.pool.bytes_mut())?;
         }
     }
-    let scatter_us = t.elapsed().as_micros() as u64;
+    let scatter_us = t.elapsed().as_micros() as u64 + fence_us;
     let t = Instant::now();
     let verified = verify(p, request, &blocks);
     let verify_us = t.elapsed().as_micros() as u64;
@@ -360,6 +409,25 @@ fn done(
     p.free.extend(blocks);
     verified?;
     Ok((scatter_us, verify_us))
+}
+
+/// The fence record behind the span's KV, checked against the reservation (with the CRC32C of
+/// the landed bytes).
+fn check_fence(p: &Point, r: &Held) -> Result<(), TransferError> {
+    let len = usize::try_from(r.kv_len).map_err(|_| TransferError::Geometry {
+        reason: "span length overflows".into(),
+    })?;
+    let bad = |e: fence::FenceError| TransferError::Verify {
+        reason: format!("{}: {e}", r.request),
+    };
+    let record = fence::read_record(&p.staging_reg, len)
+        .map_err(bad)?
+        .ok_or(fence::FenceError::Missing { rank: 0 })
+        .map_err(bad)?;
+    let crc = fence::crc_at(&p.staging_reg, 0, len).map_err(bad)?;
+    record
+        .check(0, r.generation, r.request.0, r.kv_len, Some(crc))
+        .map_err(bad)
 }
 
 fn verify(p: &Point, request: RequestId, blocks: &[BlockId]) -> Result<(), TransferError> {
@@ -383,17 +451,29 @@ fn end_reservation(p: &mut Point, now: Instant) {
     let Some(r) = p.reservation.as_mut() else {
         return;
     };
-    if let Some(end) = r.poll(now) {
-        let request = r.request();
-        let state = r.state().name();
-        p.reservation = None;
-        match end {
-            ReservationEnd::Free(b) => {
-                say(format!("FREED {request} {} blocks ({state})", b.len()));
-                p.free.extend(b);
-            }
-            ReservationEnd::Admit(b) => p.free.extend(b),
+    if r.quarantine_until.is_none() {
+        if now < r.lease_end {
+            return;
         }
+        // The lease ended: the sender may still be writing; quarantine the blocks.
+        r.quarantine_until = Some(now + GRACE);
+    }
+    let written = r.fenced
+        && usize::try_from(r.kv_len).is_ok_and(|len| {
+            fence::read_record(&p.staging_reg, len)
+                .ok()
+                .flatten()
+                .is_some_and(|rec| rec.generation == r.generation)
+        });
+    if (written || r.quarantine_until.is_some_and(|q| now >= q))
+        && let Some(r) = p.reservation.take()
+    {
+        say(format!(
+            "FREED {} {} blocks (expired)",
+            r.request,
+            r.blocks.len()
+        ));
+        p.free.extend(r.blocks);
     }
 }
 

@@ -2,7 +2,7 @@
 //! role) and client (prefill role) as separate processes of `pdnode-transfer-peer`.
 //! Each test skips with a message only when libucp cannot be loaded.
 
-use pdnode_transfer::bench::{BenchRole, Faults, Options};
+use pdnode_transfer_bench::{BenchRole, Faults, Options};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
@@ -270,6 +270,29 @@ fn wrong_secret_is_refused() {
 }
 
 #[test]
+fn a_checksum_mismatch_is_refused_before_the_scatter_and_frees_the_blocks() {
+    if !ucx_available() {
+        return;
+    }
+    let (mut srv, addr) = server(|_| {}, "tcp");
+    let cli = client(&addr, |o| o.faults.bad_checksum = true, "tcp");
+    let (code, out) = cli.finish();
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("RELEASED"), "{out}");
+    // The serving decode node's check (`FenceRecord::check`) names the checksum.
+    let refused = srv.wait_line("REFUSED");
+    assert!(refused.contains("CRC32C"), "{refused}");
+    // Nothing was scattered: the server frees the blocks and keeps serving (no RESERVED
+    // left open: the connection ends and the server exits cleanly).
+    let (scode, sout) = srv.finish();
+    assert_eq!(scode, 0, "{sout}");
+    assert!(
+        !sout.contains("FREED"),
+        "freed twice or at the lease end:\n{sout}"
+    );
+}
+
+#[test]
 fn wrong_layout_is_refused_naming_the_field() {
     if !ucx_available() {
         return;
@@ -298,6 +321,6 @@ fn run_local_starts_both_processes() {
     o.tls = Some("tcp".into());
     o.timeout_s = 60;
     let exe = std::path::Path::new(env!("CARGO_BIN_EXE_pdnode-transfer-peer"));
-    let code = pdnode_transfer::bench::run_local(&o, exe, &[]).unwrap();
+    let code = pdnode_transfer_bench::run_local(&o, exe, &[]).unwrap();
     assert_eq!(code, 0);
 }

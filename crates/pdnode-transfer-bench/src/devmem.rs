@@ -3,24 +3,15 @@
 //! host copies outside the timed sections. Built with the `cuda` feature (cudarc, loaded at run
 //! time); without it, or without libcuda, asking for device memory is a clear error.
 
-use crate::TransferError;
-use crate::region::{LocalRegion, MemKind};
+use pdnode_transfer::TransferError;
+use pdnode_transfer::region::{LocalRegion, MemKind};
 
 #[cfg(feature = "cuda")]
 mod imp {
     use super::*;
     use cudarc::driver::sys;
 
-    fn check(op: &'static str, r: sys::CUresult) -> Result<(), TransferError> {
-        if r == sys::CUresult::CUDA_SUCCESS {
-            Ok(())
-        } else {
-            Err(TransferError::Device {
-                op,
-                reason: format!("{r:?}"),
-            })
-        }
-    }
+    use pdnode_transfer::ucx::cuda_ctx::{check, retain_primary_context};
 
     /// `len` bytes of device memory on device `ordinal` (as this process sees the devices).
     pub(crate) struct DevBuf {
@@ -37,25 +28,9 @@ mod imp {
 
     impl DevBuf {
         pub(crate) fn new(ordinal: u32, len: usize) -> Result<Self, TransferError> {
-            // SAFETY: only tries to dlopen libcuda.
-            if !unsafe { sys::is_culib_present() } {
-                return Err(TransferError::UnsupportedMemory {
-                    transport: "bench-transfer (libcuda not found)",
-                    mem: MemKind::Cuda(ordinal).to_string(),
-                });
-            }
-            let mut dev: sys::CUdevice = 0;
-            let mut ctx: sys::CUcontext = std::ptr::null_mut();
+            // Device memory for the bench: the same context the UCX thread binds.
+            let (dev, ctx) = retain_primary_context(ordinal)?;
             let mut ptr: sys::CUdeviceptr = 0;
-            // SAFETY: libcuda is present (checked above); the out-pointers are valid locals.
-            unsafe {
-                check("cuInit", sys::cuInit(0))?;
-                check("cuDeviceGet", sys::cuDeviceGet(&mut dev, ordinal as i32))?;
-                check(
-                    "cuDevicePrimaryCtxRetain",
-                    sys::cuDevicePrimaryCtxRetain(&mut ctx, dev),
-                )?;
-            }
             let mut buf = DevBuf {
                 ptr: 0,
                 len,
@@ -123,30 +98,6 @@ mod imp {
         }
     }
 
-    /// Retains `ordinal`'s primary context and makes it current on the calling thread (for the
-    /// process's lifetime: the retain is not released).
-    pub fn bind_primary_context(ordinal: u32) -> Result<(), TransferError> {
-        // SAFETY: only tries to dlopen libcuda.
-        if !unsafe { sys::is_culib_present() } {
-            return Err(TransferError::UnsupportedMemory {
-                transport: "UCX (libcuda not found)",
-                mem: MemKind::Cuda(ordinal).to_string(),
-            });
-        }
-        let mut dev: sys::CUdevice = 0;
-        let mut ctx: sys::CUcontext = std::ptr::null_mut();
-        // SAFETY: libcuda is present; the out-pointers are valid locals.
-        unsafe {
-            check("cuInit", sys::cuInit(0))?;
-            check("cuDeviceGet", sys::cuDeviceGet(&mut dev, ordinal as i32))?;
-            check(
-                "cuDevicePrimaryCtxRetain",
-                sys::cuDevicePrimaryCtxRetain(&mut ctx, dev),
-            )?;
-            check("cuCtxSetCurrent", sys::cuCtxSetCurrent(ctx))
-        }
-    }
-
     impl Drop for DevBuf {
         fn drop(&mut self) {
             // SAFETY: the allocation and the context retain are ours; errors at teardown are
@@ -170,14 +121,6 @@ mod imp {
         never: std::convert::Infallible,
     }
 
-    /// Without the `cuda` feature there is no device context to bind.
-    pub fn bind_primary_context(ordinal: u32) -> Result<(), TransferError> {
-        Err(TransferError::UnsupportedMemory {
-            transport: "UCX (built without the cuda feature)",
-            mem: MemKind::Cuda(ordinal).to_string(),
-        })
-    }
-
     impl DevBuf {
         pub(crate) fn new(ordinal: u32, _len: usize) -> Result<Self, TransferError> {
             Err(TransferError::UnsupportedMemory {
@@ -198,7 +141,6 @@ mod imp {
 }
 
 pub(crate) use imp::DevBuf;
-pub use imp::bind_primary_context;
 
 #[cfg(test)]
 mod tests {

@@ -1,12 +1,12 @@
 //! One bench-transfer role (server or client) from its JSON options: the process the
-//! multi-process tests (and `bench::run_local`) start. `pdnode bench-transfer` is the user-facing
-//! command; this binary exists so the transfer crate's tests (and scripts, when the full
+//! multi-process tests (and `run_local`) start. `pdnode bench-transfer` is the user-facing
+//! command; this binary exists so the bench crate's tests (and scripts, when the full
 //! binary is not built) need no other crate.
 //!
 //! usage: pdnode-transfer-peer '<options JSON>'          one role
 //!        pdnode-transfer-peer local '<options JSON>'    both roles as child processes
 
-use pdnode_transfer::bench::{Options, run_local, run_role};
+use pdnode_transfer_bench::{Options, run_local, run_role};
 
 fn parse(json: &str) -> Options {
     match serde_json::from_str(json) {

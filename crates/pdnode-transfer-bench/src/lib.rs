@@ -1,7 +1,12 @@
 //! `pdnode bench-transfer`: a server (decode role) and a client (prefill role) move KV-shaped
-//! payloads through the real path — reserve, gather into registered staging, one put per layer
-//! group, flush, KvDone, scatter on the receiver — verify every byte, and report GB/s and
-//! per-request latency per block size.
+//! payloads through the serving hand-off's pieces — the `pdnode_core::KvTarget` a decode node
+//! answers, gather into registered staging, one UCX put per layer group, flush, the fence
+//! record with the CRC32C of the bytes (`pdnode_transfer::fence`, checked by the receiver with
+//! `FenceRecord::check` as the decode node does), KvDone, scatter on the receiver — verify
+//! every byte, and report GB/s and per-request latency per block size.
+//!
+//! Production code never imports this crate: it is built into `pdnode bench-transfer` and the
+//! `pdnode-transfer-peer` binary the multi-process tests start.
 //!
 //! Roles run in separate processes; [`run_local`] starts both (the same executable, the role's
 //! [`Options`] passed as JSON) on loopback and waits for them with a deadline.
@@ -13,12 +18,11 @@ mod server;
 pub mod wire;
 
 pub use client::PointResult;
-pub use devmem::bind_primary_context;
 
-use crate::TransferError;
-use crate::region::MemKind;
-use crate::ucx::{UcxConfig, UcxTransport};
 use pdnode_core::{DType, KvLayout};
+use pdnode_transfer::TransferError;
+use pdnode_transfer::region::MemKind;
+use pdnode_transfer::ucx::{UcxConfig, UcxTransport};
 use serde::{Deserialize, Serialize};
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -86,6 +90,9 @@ pub struct Faults {
     pub stall_after_reserve: bool,
     /// Client: present a wrong secret in KvDone.
     pub wrong_secret: bool,
+    /// Client: send a fence record whose CRC32C does not match the bytes it put (as if a byte
+    /// flipped on the way): the server must refuse before the scatter.
+    pub bad_checksum: bool,
     /// Client: change this layout field (head_dim, block_size, num_layers, dtype,
     /// model_fingerprint) in what it sends and checks.
     pub layout_mismatch: Option<String>,

@@ -1,16 +1,18 @@
 //! The bench's sender (prefill role): per request, reserve on the server, gather into the
-//! registered staging area, put layer group by layer group, flush, KvDone; time every phase.
+//! registered staging area, put layer group by layer group, flush, then (host staging) the
+//! serving hand-off's fence record with the CRC32C of the bytes, flush, KvDone; time every
+//! phase.
 
 use super::devmem::DevBuf;
-use super::wire::{self, Msg};
+use super::wire::{self, DoneStatus, Msg};
 use super::{HostBuf, Options, pattern};
-use crate::TransferError;
-use crate::completion::Completion;
-use crate::negotiation::{BlockGuard, DoneStatus, KvTarget, Push, PushState};
-use crate::region::{LocalRegion, PoolGeometry, RemoteRegion, gather_host};
-use crate::transport::{KvTransport, Registration, RemoteTarget};
-use crate::ucx::UcxTransport;
-use pdnode_core::{BlockId, DType, KvLayout, NodeId, RequestId};
+use pdnode_core::{BlockId, DType, KvLayout, KvTarget, NodeId, Placement, RequestId};
+use pdnode_transfer::fence::{self, FenceRecord, RECORD_LEN};
+use pdnode_transfer::region::gather_host;
+use pdnode_transfer::region::{LocalRegion, PoolGeometry, RemoteRegion, Span, direct_spans};
+use pdnode_transfer::{
+    Completion, KvTransport, Registration, RemoteTarget, Secret, TransferError, UcxTransport,
+};
 use rand::seq::SliceRandom;
 use std::collections::VecDeque;
 use std::io::{BufRead, Write};
@@ -102,7 +104,8 @@ fn run_point(
         block_layer_bytes: block_bytes,
     };
     let mut pool = HostBuf::new(geo.pool_bytes() as usize)?;
-    let mut staging = HostBuf::new(geo.staging_bytes(n) as usize)?;
+    // Room for the fence record behind the KV.
+    let mut staging = HostBuf::new(geo.staging_bytes(n) as usize + RECORD_LEN)?;
     // SAFETY: the buffers outlive the registrations (declared later, dropped first) and every
     // put is waited for before a registration drops.
     let pool_reg = unsafe { transport.register(LocalRegion::host(pool.bytes_mut())) }?;
@@ -111,10 +114,10 @@ fn run_point(
     // Device memory: the registered staging the puts read lives on the GPU (the request's KV
     // contiguous per layer, as a pipelined engine would leave it).
     let dev = match opts.mem {
-        crate::region::MemKind::Cuda(ordinal) => {
+        pdnode_transfer::MemKind::Cuda(ordinal) => {
             Some(DevBuf::new(ordinal, geo.staging_bytes(n) as usize)?)
         }
-        crate::region::MemKind::Host => None,
+        pdnode_transfer::MemKind::Host => None,
     };
     let dev_reg = match &dev {
         // SAFETY: `dev` outlives its registration (declared later, dropped first) and every put
@@ -193,7 +196,7 @@ struct Req<'a> {
 }
 
 fn one_request(
-    c: Req<'_>,
+    mut c: Req<'_>,
     stream: &mut TcpStream,
     remote: &mut Option<(RemoteRegion, RemoteTarget)>,
     request: RequestId,
@@ -209,14 +212,6 @@ fn one_request(
             pattern::fill(&mut c.pool.bytes_mut()[off..off + blb], request.0, layer, i);
         }
     }
-    // Announced on stdout when the request fails (the tests check that the blocks go back).
-    let failed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let announce = failed.clone();
-    let guard = BlockGuard::new(src.clone(), move |b| {
-        if announce.load(std::sync::atomic::Ordering::Relaxed) {
-            say(format!("RELEASED {request} {} blocks", b.len()));
-        }
-    });
     let t0 = Instant::now();
     let deadline = t0 + Duration::from_millis(c.opts.lease_ms);
     wire::send(
@@ -248,142 +243,42 @@ fn one_request(
             wait_stdin_line();
         }
     }
-    if target.worker_address != c.peer_address {
-        return Err(TransferError::InvalidDescriptor {
-            reason: "target names another worker".into(),
-        });
-    }
-    if remote.as_ref().is_none_or(|(r, _)| *r != target.region) {
-        let t = c
-            .transport
-            .connect(&target.worker_address, &target.region)?;
-        *remote = Some((target.region.clone(), t));
-    }
-    let Some((_, rt)) = remote.as_ref() else {
-        return Err(TransferError::Control {
-            reason: "no remote target".into(),
-        });
-    };
-    let secret = if c.opts.faults.wrong_secret {
-        crate::negotiation::Secret::random().as_bytes().to_vec()
-    } else {
-        target.secret.as_bytes().to_vec()
-    };
-    let mut push = Push::received(target, src.clone(), c.geo, c.opts.layers_per_put, deadline);
     let mut inflight: VecDeque<Completion> = VecDeque::new();
     let mut push_time = Duration::ZERO;
-    let result = (|| -> Result<(u64, u64), TransferError> {
-        push.check_layout(c.ours)?;
-        if let Some((dev, _)) = c.dev {
-            // Untimed: the request's KV onto the GPU, contiguous per layer.
-            let all = 0..c.layout.num_layers;
-            gather_host(&c.geo, c.pool.bytes(), &src, all, c.staging.bytes_mut())?;
-            dev.upload(0, c.staging.bytes())?;
-        }
-        let t_push = Instant::now();
-        let plans = push.layers_ready(c.layout.num_layers, t_push)?;
-        let mut paused = false;
-        for plan in plans {
-            let local = if let Some((_, reg)) = c.dev {
-                reg
-            } else if plan.staged {
-                gather_host(
-                    &c.geo,
-                    c.pool.bytes(),
-                    &src,
-                    plan.layers.clone(),
-                    c.staging.bytes_mut(),
-                )?;
-                c.staging_reg
-            } else {
-                c.pool_reg
-            };
-            inflight.push_back(c.transport.put(local, rt, &plan.spans)?);
-            if let Some(k) = c.opts.faults.pause_after_layers
-                && c.first
-                && !paused
-                && plan.layers.end >= k
-            {
-                paused = true;
-                // Let the puts issued so far land, then wait for the test's go-ahead.
-                while let Some(done) = inflight.pop_front() {
-                    push.put_finished(done.wait(deadline))?;
-                }
-                say(format!("PAUSED {request}"));
-                wait_stdin_line();
-            }
-        }
-        while let Some(done) = inflight.pop_front() {
-            push.put_finished(done.wait(deadline))?;
-        }
-        push.flush_started()?;
-        push.flushed(c.transport.flush(rt)?.wait(deadline))?;
-        push_time = t_push.elapsed();
-        let bytes = c.geo.staging_bytes(n);
-        wire::send(
-            stream,
-            &Msg::Done {
-                request,
-                secret: secret.clone(),
-                status: DoneStatus::Ok,
-                bytes,
-                prefill_node: NodeId::new(PREFILL_NODE),
-            },
-        )
-        .map_err(|e| TransferError::PeerGone {
-            peer: "bench server".into(),
-            reason: e.to_string(),
-        })?;
-        let ack = match wire::recv_until(stream, deadline) {
-            Ok(Msg::DoneAck {
-                scatter_us,
-                verify_us,
-                ..
-            }) => Ok((scatter_us, verify_us)),
-            Ok(Msg::Refused { error, .. }) => Err(TransferError::RemoteFailed {
-                request,
-                reason: format!("KvDone refused: {error}"),
-            }),
-            Ok(other) => Err(TransferError::Control {
-                reason: format!("expected DoneAck, got {other:?}"),
-            }),
-            Err(e) => Err(TransferError::PeerGone {
-                peer: "bench server".into(),
-                reason: e.to_string(),
-            }),
-        };
-        push.done_signalled(ack.as_ref().map(|_| ()).map_err(Clone::clone))?;
-        ack
-    })();
-    if let Err(e) = &result
-        && !matches!(
-            push.state(),
-            PushState::Failed | PushState::Aborted | PushState::Done
-        )
-    {
-        push.abort(&e.to_string())?;
-    }
+    // Set once KvDone went out (the server answered it; no second KvDone follows).
+    let mut done_sent = false;
+    let result = push(
+        &mut c,
+        stream,
+        remote,
+        request,
+        &target,
+        &src,
+        deadline,
+        &mut inflight,
+        &mut push_time,
+        &mut done_sent,
+    );
     // No put may still read the source blocks when they go back.
-    while let Some(done) = inflight.pop_front() {
-        let _ = push.put_finished(done.wait(deadline));
+    while let Some(p) = inflight.pop_front() {
+        let _ = p.wait(deadline);
     }
-    let end = push.poll(Instant::now());
-    if let Some(rel) = &end
-        && rel.notify_decode
-    {
-        let _ = wire::send(
-            stream,
-            &Msg::Done {
-                request,
-                secret: secret.clone(),
-                status: rel.status.clone(),
-                bytes: 0,
-                prefill_node: NodeId::new(PREFILL_NODE),
-            },
-        );
+    if let Err(e) = &result {
+        if !done_sent && !matches!(e, TransferError::PeerGone { .. }) {
+            // Tell the receiver its blocks are free (its puts are over: waited for above).
+            let _ = wire::send(
+                stream,
+                &Msg::Done {
+                    request,
+                    secret: target.secret.clone(),
+                    status: DoneStatus::Failed(e.to_string()),
+                    bytes: 0,
+                    prefill_node: NodeId::new(PREFILL_NODE),
+                },
+            );
+        }
+        say(format!("RELEASED {request} {} blocks", src.len()));
     }
-    failed.store(result.is_err(), std::sync::atomic::Ordering::Relaxed);
-    guard.release();
     let (scatter_us, verify_us) = result?;
     let total = t0
         .elapsed()
@@ -393,6 +288,236 @@ fn one_request(
         total,
         scatter: Duration::from_micros(scatter_us),
     })
+}
+
+/// The push of one request to `target`: the checks, the puts layer group by layer group, the
+/// flush, the fence record (host staging), KvDone. Every put goes into `inflight`.
+#[allow(clippy::too_many_arguments)]
+fn push(
+    c: &mut Req<'_>,
+    stream: &mut TcpStream,
+    remote: &mut Option<(RemoteRegion, RemoteTarget)>,
+    request: RequestId,
+    target: &KvTarget,
+    src: &[BlockId],
+    deadline: Instant,
+    inflight: &mut VecDeque<Completion>,
+    push_time: &mut Duration,
+    done_sent: &mut bool,
+) -> Result<(u64, u64), TransferError> {
+    // A target from the wire is checked before any of its values is used.
+    target
+        .validate()
+        .map_err(|e| TransferError::InvalidDescriptor {
+            reason: e.to_string(),
+        })?;
+    if target.transport != pdnode_core::TargetTransport::Ucx {
+        return Err(TransferError::InvalidDescriptor {
+            reason: format!(
+                "target asks for transport {:?}, the bench moves KV with UCX",
+                target.transport
+            ),
+        });
+    }
+    if target.request != request {
+        return Err(TransferError::InvalidDescriptor {
+            reason: format!("target for {}, not {request}", target.request),
+        });
+    }
+    if let Err(mismatch) = c.ours.check_compatible(&target.layout) {
+        return Err(TransferError::LayoutMismatch { request, mismatch });
+    }
+    if target.blocks.len() != src.len() {
+        return Err(TransferError::Geometry {
+            reason: format!(
+                "{} source blocks for {} destination blocks",
+                src.len(),
+                target.blocks.len()
+            ),
+        });
+    }
+    let worker = target
+        .worker_for(0)
+        .map_err(|e| TransferError::InvalidDescriptor {
+            reason: e.to_string(),
+        })?;
+    if worker != c.peer_address {
+        return Err(TransferError::InvalidDescriptor {
+            reason: "target names another worker".into(),
+        });
+    }
+    let rank = target
+        .rank(0)
+        .map_err(|e| TransferError::InvalidDescriptor {
+            reason: e.to_string(),
+        })?;
+    let region = RemoteRegion {
+        base_addr: rank.base_addr,
+        len: rank.region_len,
+        rkey: rank.rkey.clone(),
+    };
+    if remote.as_ref().is_none_or(|(r, _)| *r != region) {
+        let t = c.transport.connect(worker, &region)?;
+        *remote = Some((region, t));
+    }
+    let Some((_, rt)) = remote.as_ref() else {
+        return Err(TransferError::Control {
+            reason: "no remote target".into(),
+        });
+    };
+    let secret = if c.opts.faults.wrong_secret {
+        Secret::random().as_bytes().to_vec()
+    } else {
+        target.secret.clone()
+    };
+    let n = src.len();
+    let kv_len = c.geo.staging_bytes(n);
+    let checked = |e: pdnode_core::TargetError| TransferError::InvalidDescriptor {
+        reason: e.to_string(),
+    };
+    if let Some((dev, _)) = c.dev {
+        // Untimed: the request's KV onto the GPU, contiguous per layer.
+        let all = 0..c.layout.num_layers;
+        gather_host(&c.geo, c.pool.bytes(), src, all, c.staging.bytes_mut())?;
+        dev.upload(0, &c.staging.bytes()[..kv_len as usize])?;
+    }
+    let t_push = Instant::now();
+    let layers = c.layout.num_layers;
+    let per_put = c.opts.layers_per_put.max(1);
+    let mut paused = false;
+    let mut next = 0;
+    while next < layers {
+        if Instant::now() >= deadline {
+            return Err(TransferError::Timeout {
+                what: format!("push of {request}"),
+            });
+        }
+        let group = next..(next + per_put).min(layers);
+        next = group.end;
+        let (local, spans) = match target.placement {
+            Placement::Staging { .. } => {
+                let per_layer = c.geo.staging_layer_bytes(n);
+                let at = group.start as u64 * per_layer;
+                let len = (group.end - group.start) as u64 * per_layer;
+                let span = Span {
+                    local_offset: at,
+                    remote_offset: target.remote_offset(0, at, len).map_err(checked)?,
+                    len,
+                };
+                let local = if let Some((_, reg)) = c.dev {
+                    reg
+                } else {
+                    gather_host(
+                        &c.geo,
+                        c.pool.bytes(),
+                        src,
+                        group.clone(),
+                        c.staging.bytes_mut(),
+                    )?;
+                    c.staging_reg
+                };
+                (local, vec![span])
+            }
+            Placement::Pool { num_blocks } => {
+                let dst = PoolGeometry {
+                    num_layers: layers,
+                    num_blocks,
+                    block_layer_bytes: c.geo.block_layer_bytes,
+                };
+                let spans = direct_spans(&c.geo, src, &dst, &target.blocks, group.clone())?;
+                (c.pool_reg, spans)
+            }
+        };
+        inflight.push_back(c.transport.put(local, rt, &spans)?);
+        if let Some(k) = c.opts.faults.pause_after_layers
+            && c.first
+            && !paused
+            && group.end >= k
+        {
+            paused = true;
+            // Let the puts issued so far land, then wait for the test's go-ahead.
+            while let Some(done) = inflight.pop_front() {
+                done.wait(deadline)?;
+            }
+            say(format!("PAUSED {request}"));
+            wait_stdin_line();
+        }
+    }
+    while let Some(done) = inflight.pop_front() {
+        done.wait(deadline)?;
+    }
+    c.transport.flush(rt)?.wait(deadline)?;
+    if target.fence_record {
+        // As the serving prefill node does, after the KV was flushed: the record (generation,
+        // request, length, CRC32C of the bytes) right behind the KV, then a flush. The host
+        // staging holds the request's bytes on every path that asks for a record.
+        let at = usize::try_from(kv_len).map_err(|_| TransferError::Geometry {
+            reason: "span length overflows".into(),
+        })?;
+        let bad = |e: fence::FenceError| TransferError::Verify {
+            reason: e.to_string(),
+        };
+        let crc = if target.verify {
+            let crc = fence::crc_at(c.staging_reg, 0, at).map_err(bad)?;
+            Some(if c.opts.faults.bad_checksum {
+                !crc
+            } else {
+                crc
+            })
+        } else {
+            None
+        };
+        let record = FenceRecord {
+            generation: target.staging_generation,
+            request: request.0,
+            len: kv_len,
+            crc,
+            aborted: false,
+        };
+        fence::write_record(c.staging_reg, at, &record).map_err(bad)?;
+        let span = Span {
+            local_offset: kv_len,
+            remote_offset: target
+                .remote_offset(0, kv_len, RECORD_LEN as u64)
+                .map_err(checked)?,
+            len: RECORD_LEN as u64,
+        };
+        c.transport
+            .put(c.staging_reg, rt, &[span])?
+            .wait(deadline)?;
+        c.transport.flush(rt)?.wait(deadline)?;
+    }
+    *push_time = t_push.elapsed();
+    let gone = |e: TransferError| TransferError::PeerGone {
+        peer: "bench server".into(),
+        reason: e.to_string(),
+    };
+    wire::send(
+        stream,
+        &Msg::Done {
+            request,
+            secret,
+            status: DoneStatus::Ok,
+            bytes: kv_len,
+            prefill_node: NodeId::new(PREFILL_NODE),
+        },
+    )
+    .map_err(gone)?;
+    *done_sent = true;
+    match wire::recv_until(stream, deadline).map_err(gone)? {
+        Msg::DoneAck {
+            scatter_us,
+            verify_us,
+            ..
+        } => Ok((scatter_us, verify_us)),
+        Msg::Refused { error, .. } => Err(TransferError::RemoteFailed {
+            request,
+            reason: format!("KvDone refused: {error}"),
+        }),
+        other => Err(TransferError::Control {
+            reason: format!("expected DoneAck, got {other:?}"),
+        }),
+    }
 }
 
 fn pct(sorted: &[f64], p: f64) -> f64 {

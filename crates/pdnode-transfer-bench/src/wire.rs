@@ -1,9 +1,9 @@
 //! The bench's control channel: length-prefixed JSON frames over TCP on loopback. (The node
-//! runtime uses `pdnode.v1.Node` gRPC for the same messages.)
+//! runtime uses `pdnode.v1.Node` gRPC for the same messages.) The KV target is the serving
+//! one, `pdnode_core::KvTarget`, checked by its receiver before use.
 
-use crate::TransferError;
-use crate::negotiation::{DoneStatus, KvTarget};
-use pdnode_core::{KvLayout, NodeId, RequestId};
+use pdnode_core::{KvLayout, KvTarget, NodeId, RequestId};
+use pdnode_transfer::TransferError;
 use serde::{Deserialize, Serialize};
 use std::io::{ErrorKind, Read, Write};
 use std::net::TcpStream;
@@ -51,6 +51,15 @@ pub enum Msg {
         error: String,
     },
     Bye,
+}
+
+/// How a push ended, as the bench's sender reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DoneStatus {
+    /// Every byte written and flushed (and the fence records behind them, when asked).
+    Ok,
+    /// The push failed; its puts are over. The receiver frees the blocks at once.
+    Failed(String),
 }
 
 pub fn send(stream: &mut TcpStream, msg: &Msg) -> Result<(), TransferError> {

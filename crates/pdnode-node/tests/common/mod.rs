@@ -1,0 +1,105 @@
+//! Shared setup of the node tests: the **mock** engine over the SmolLM2 dummy shapes, in-process
+//! KV, the in-memory registry.
+
+#![allow(dead_code)]
+
+use pdnode_core::config::{Backend, Config, ModelFormat, RegistryKind, TransferKind};
+use pdnode_core::{NodeId, RequestId, Role, SamplingParams};
+use pdnode_engine::engine::EngineEvent;
+use pdnode_engine::scheduler::Mode;
+use pdnode_node::pd;
+use std::time::Duration;
+
+/// A mock-engine node: 1 us a prompt token, `decode_us` a decode step, `output_len` tokens,
+/// 64 blocks of 4 tokens, KV leases of `lease_ms`.
+pub fn mock_config(decode_us: u64, output_len: u32, lease_ms: u64) -> Config {
+    let mut c = Config::default();
+    c.engine.backend = Backend::Mock;
+    c.engine.mock.prefill_us_per_token = 1;
+    c.engine.mock.decode_us_per_token = decode_us;
+    c.engine.mock.output_len = output_len;
+    c.engine.num_kv_blocks = 64;
+    c.engine.block_size = 4;
+    c.model.format = ModelFormat::Dummy;
+    c.model.preset = "smollm2-135m".into();
+    c.registry.kind = RegistryKind::Memory;
+    c.transfer.kind = TransferKind::InProcess;
+    c.transfer.lease_ms = lease_ms;
+    c
+}
+
+/// A 23-token prompt (6 blocks of 4, the last partial).
+pub fn prompt() -> Vec<u32> {
+    (0..23).map(|i| (i * 7 + 3) % 200).collect()
+}
+
+/// The CPU backend over a tiny HF fixture, prefill and decode nodes over UCX on loopback: the
+/// KV goes through the nodes' registered staging arenas (or host staging, when they are absent
+/// or full).
+pub fn cpu_ucx_config() -> Config {
+    let mut c = Config::default();
+    c.engine.backend = Backend::Cpu;
+    c.engine.cpu_threads = 1;
+    c.engine.num_kv_blocks = 64;
+    c.engine.block_size = 4;
+    c.model.format = ModelFormat::Hf;
+    c.model.path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../pdnode-engine/tests/fixtures/llama_gqa"
+    )
+    .into();
+    c.registry.kind = RegistryKind::Memory;
+    c.transfer.kind = TransferKind::Ucx;
+    c.transfer.lease_ms = 5_000;
+    c
+}
+
+pub fn cpu_prompt(seed: u32) -> Vec<u32> {
+    (0..23).map(|i| (i * 7 + 3 + seed * 11) % 120).collect()
+}
+
+/// Starts a prefill and a decode node; `None` when UCX is missing outside CI.
+pub fn pd_pair(cfg: &Config) -> Option<(pd::ServingNode, pd::ServingNode)> {
+    let mut pcfg = cfg.clone();
+    pcfg.node.role = Role::Prefill;
+    let mut dcfg = cfg.clone();
+    dcfg.node.role = Role::Decode;
+    let p = tokio::task::block_in_place(|| pd::pd_node(&pcfg, &NodeId::new("p"), Role::Prefill));
+    let p = match p {
+        Ok(p) => p,
+        Err(e) if std::env::var("CI").is_err() && e.to_string().contains("libucp") => {
+            eprintln!("skipped: UCX library not available here: {e}");
+            return None;
+        }
+        Err(e) => panic!("{e}"),
+    };
+    let d = tokio::task::block_in_place(|| pd::pd_node(&dcfg, &NodeId::new("d"), Role::Decode))
+        .unwrap();
+    Some((p, d))
+}
+
+pub async fn colocated_tokens(cfg: &Config, ids: &[u32], max_tokens: u32) -> Vec<u32> {
+    colocated_sampled(cfg, ids, SamplingParams::greedy(max_tokens)).await
+}
+
+pub async fn colocated_sampled(cfg: &Config, ids: &[u32], sampling: SamplingParams) -> Vec<u32> {
+    let built = tokio::task::block_in_place(|| pd::build_engine(cfg, Mode::Colocated)).unwrap();
+    let mut s = built
+        .handle
+        .add_request(pdnode_core::request::GenerateRequest {
+            id: RequestId(1),
+            prompt_token_ids: ids.to_vec(),
+            sampling,
+        })
+        .unwrap();
+    let mut out = Vec::new();
+    while let Some(ev) = s.next().await {
+        match ev {
+            EngineEvent::Token { token, .. } => out.push(token),
+            EngineEvent::Finished { .. } => break,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    built.handle.shutdown(Duration::from_secs(5)).await;
+    out
+}

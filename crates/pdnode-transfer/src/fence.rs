@@ -1,0 +1,275 @@
+//! The fence record of the KV hand-off (docs/protocol.md, "Fencing and verification"): 64
+//! bytes the prefill node writes behind each rank's KV in the decode node's staging span, after
+//! the KV puts were flushed. Generation, request, length, the CRC32C of the rank's bytes when
+//! asked for, and a CRC32C of the record itself (a torn record is no record). One format for
+//! serving (`pdnode-node`'s hand-off) and for `pdnode bench-transfer`.
+
+use crate::checksum::crc32c;
+use crate::{MemKind, Registration};
+
+/// Bytes of a fence record (a multiple of 8; the staging allocator aligns spans anyway).
+pub const RECORD_LEN: usize = 64;
+const MAGIC: [u8; 8] = *b"PDKVFNC1";
+/// Flag: the record carries the CRC32C of the rank's bytes.
+const HAS_CRC: u32 = 1;
+/// Flag: the writer abandoned the push (its puts are over, the bytes are not the whole KV).
+const ABORTED: u32 = 2;
+
+/// What the prefill node writes behind one rank's KV in the decode node's staging span.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FenceRecord {
+    pub generation: u64,
+    pub request: u64,
+    /// Bytes of KV in front of the record.
+    pub len: u64,
+    /// CRC32C of those bytes, when the decode node asked for it.
+    pub crc: Option<u32>,
+    /// The writer gave the push up; its puts are all over (the span may be freed, never
+    /// scattered).
+    pub aborted: bool,
+}
+
+/// Why landed KV is not scattered.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FenceError {
+    #[error(
+        "rank {rank}: no intact fence record (the writer never finished, or the record is torn)"
+    )]
+    Missing { rank: usize },
+    #[error(
+        "rank {rank}: fence record of generation {found}, the span's is {want} (a put of another reservation)"
+    )]
+    Generation { rank: usize, found: u64, want: u64 },
+    #[error(
+        "rank {rank}: fence record for request {found_request:x} with {found_len} bytes, expected {want_request:x} with {want_len}"
+    )]
+    Describes {
+        rank: usize,
+        found_request: u64,
+        found_len: u64,
+        want_request: u64,
+        want_len: u64,
+    },
+    #[error("rank {rank}: the writer abandoned this push")]
+    Aborted { rank: usize },
+    #[error("rank {rank}: the fence record carries no checksum but transfer.verify is on")]
+    NoChecksum { rank: usize },
+    #[error("rank {rank}: CRC32C {found:08x} of the landed bytes, the sender's is {want:08x}")]
+    Checksum { rank: usize, found: u32, want: u32 },
+    #[error("staging of {len} bytes at {offset} is outside or not host memory ({what})")]
+    NotHost {
+        what: &'static str,
+        offset: usize,
+        len: usize,
+    },
+}
+
+impl FenceError {
+    /// Whether the bytes were there but wrong (counted as an integrity failure).
+    pub fn is_checksum(&self) -> bool {
+        matches!(self, FenceError::Checksum { .. })
+    }
+}
+
+impl FenceRecord {
+    pub fn encode(&self) -> [u8; RECORD_LEN] {
+        let mut b = [0u8; RECORD_LEN];
+        b[0..8].copy_from_slice(&MAGIC);
+        b[8..16].copy_from_slice(&self.generation.to_le_bytes());
+        b[16..24].copy_from_slice(&self.request.to_le_bytes());
+        b[24..32].copy_from_slice(&self.len.to_le_bytes());
+        let (mut flags, crc) = match self.crc {
+            Some(c) => (HAS_CRC, c),
+            None => (0, 0),
+        };
+        if self.aborted {
+            flags |= ABORTED;
+        }
+        b[32..36].copy_from_slice(&flags.to_le_bytes());
+        b[36..40].copy_from_slice(&crc.to_le_bytes());
+        let own = crc32c(&b[..RECORD_LEN - 4]);
+        b[RECORD_LEN - 4..].copy_from_slice(&own.to_le_bytes());
+        b
+    }
+
+    /// `None` when `b` is not an intact record (wrong magic, torn, or too short).
+    pub fn decode(b: &[u8]) -> Option<Self> {
+        let b: &[u8; RECORD_LEN] = b.get(..RECORD_LEN)?.try_into().ok()?;
+        let u64_at = |i: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&b[i..i + 8]);
+            u64::from_le_bytes(w)
+        };
+        let u32_at = |i: usize| {
+            let mut w = [0u8; 4];
+            w.copy_from_slice(&b[i..i + 4]);
+            u32::from_le_bytes(w)
+        };
+        if b[0..8] != MAGIC || u32_at(RECORD_LEN - 4) != crc32c(&b[..RECORD_LEN - 4]) {
+            return None;
+        }
+        Some(FenceRecord {
+            generation: u64_at(8),
+            request: u64_at(16),
+            len: u64_at(24),
+            crc: (u32_at(32) & HAS_CRC != 0).then(|| u32_at(36)),
+            aborted: u32_at(32) & ABORTED != 0,
+        })
+    }
+
+    /// Checks this record (of `rank`) against what the decode node handed out; `crc` is the
+    /// checksum of the landed bytes when verification is on.
+    pub fn check(
+        &self,
+        rank: usize,
+        generation: u64,
+        request: u64,
+        len: u64,
+        crc: Option<u32>,
+    ) -> Result<(), FenceError> {
+        if self.aborted {
+            return Err(FenceError::Aborted { rank });
+        }
+        if self.generation != generation {
+            return Err(FenceError::Generation {
+                rank,
+                found: self.generation,
+                want: generation,
+            });
+        }
+        if self.request != request || self.len != len {
+            return Err(FenceError::Describes {
+                rank,
+                found_request: self.request,
+                found_len: self.len,
+                want_request: request,
+                want_len: len,
+            });
+        }
+        match (crc, self.crc) {
+            (None, _) => Ok(()),
+            (Some(_), None) => Err(FenceError::NoChecksum { rank }),
+            (Some(found), Some(want)) if found != want => {
+                Err(FenceError::Checksum { rank, found, want })
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// `len` bytes at `offset` of a registered host region, bounds-checked.
+fn host_ptr(reg: &Registration, offset: usize, len: usize) -> Result<*mut u8, FenceError> {
+    let r = reg.region();
+    let end = offset.checked_add(len);
+    if r.mem != MemKind::Host || end.is_none_or(|e| e > r.len) {
+        return Err(FenceError::NotHost {
+            what: "staging region",
+            offset,
+            len,
+        });
+    }
+    Ok((r.addr + offset) as *mut u8)
+}
+
+/// CRC32C of `len` bytes at `offset` of a registered host region.
+pub fn crc_at(reg: &Registration, offset: usize, len: usize) -> Result<u32, FenceError> {
+    let p = host_ptr(reg, offset, len)?;
+    // SAFETY: `host_ptr` checked that the range lies inside the registration's host memory,
+    // which stays allocated while `reg` lives. A remote writer (a late put) may change these
+    // bytes while they are read: any bit pattern is a valid `u8`, and a changed byte only
+    // changes the checksum, which is what the check is for.
+    let bytes = unsafe { std::slice::from_raw_parts(p as *const u8, len) };
+    Ok(crc32c(bytes))
+}
+
+/// The fence record at `offset` of a registered host region, if an intact one is there.
+pub fn read_record(reg: &Registration, offset: usize) -> Result<Option<FenceRecord>, FenceError> {
+    let p = host_ptr(reg, offset, RECORD_LEN)?;
+    let mut b = [0u8; RECORD_LEN];
+    // SAFETY: in bounds of the registration's host memory (checked by `host_ptr`); copied out
+    // before it is parsed, so a concurrent remote write can only make the record torn, which
+    // its own checksum detects.
+    unsafe { std::ptr::copy_nonoverlapping(p as *const u8, b.as_mut_ptr(), RECORD_LEN) };
+    Ok(FenceRecord::decode(&b))
+}
+
+/// Writes `record` at `offset` of a registered host region (the prefill node's put source).
+pub fn write_record(
+    reg: &Registration,
+    offset: usize,
+    record: &FenceRecord,
+) -> Result<(), FenceError> {
+    let p = host_ptr(reg, offset, RECORD_LEN)?;
+    let b = record.encode();
+    // SAFETY: in bounds of the registration's host memory (checked by `host_ptr`); this range
+    // belongs to the caller's span (or fresh region) and no put reads it yet.
+    unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), p, RECORD_LEN) };
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn record_round_trip_and_torn_records() {
+        let r = FenceRecord {
+            generation: 7,
+            request: 0xabc,
+            len: 4096,
+            crc: Some(0xdead_beef),
+            aborted: false,
+        };
+        let b = r.encode();
+        assert_eq!(FenceRecord::decode(&b), Some(r));
+        let gone = FenceRecord { aborted: true, ..r };
+        assert_eq!(FenceRecord::decode(&gone.encode()), Some(gone));
+        assert!(matches!(
+            gone.check(0, 7, 0xabc, 4096, None),
+            Err(FenceError::Aborted { rank: 0 })
+        ));
+        for i in [0, 9, 20, 33, 37, 63] {
+            let mut t = b;
+            t[i] ^= 1;
+            assert_eq!(FenceRecord::decode(&t), None, "byte {i} flipped");
+        }
+        assert_eq!(FenceRecord::decode(&b[..10]), None);
+        assert_eq!(FenceRecord::decode(&[0u8; RECORD_LEN]), None);
+        let plain = FenceRecord { crc: None, ..r };
+        assert_eq!(FenceRecord::decode(&plain.encode()), Some(plain));
+    }
+
+    #[test]
+    fn checks_name_what_differs() {
+        let r = FenceRecord {
+            generation: 3,
+            request: 9,
+            len: 100,
+            crc: Some(5),
+            aborted: false,
+        };
+        assert_eq!(r.check(0, 3, 9, 100, Some(5)), Ok(()));
+        assert_eq!(r.check(0, 3, 9, 100, None), Ok(()));
+        assert!(matches!(
+            r.check(1, 4, 9, 100, None),
+            Err(FenceError::Generation {
+                rank: 1,
+                found: 3,
+                want: 4
+            })
+        ));
+        assert!(matches!(
+            r.check(0, 3, 8, 100, None),
+            Err(FenceError::Describes { .. })
+        ));
+        assert!(matches!(
+            r.check(0, 3, 9, 100, Some(6)),
+            Err(FenceError::Checksum { .. })
+        ));
+        let plain = FenceRecord { crc: None, ..r };
+        assert!(matches!(
+            plain.check(0, 3, 9, 100, Some(6)),
+            Err(FenceError::NoChecksum { .. })
+        ));
+    }
+}

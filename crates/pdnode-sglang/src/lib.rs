@@ -9,9 +9,11 @@
 //! where this router differs from sglang-router 0.3.2.
 //!
 //! [`SglangRouter`] holds the workers (health from probes, one breaker per worker and cause,
-//! requests in flight) and pdnode's policies; [`server::serve`] serves it.
+//! requests in flight) and pdnode's policies; [`server::serve`] serves it over HTTP and
+//! [`server::serve_grpc`] as `pdnode.v1.Inference` ([`grpc`]).
 
 pub mod discovery;
+pub mod grpc;
 pub mod metrics;
 pub mod request;
 pub mod router;
@@ -21,4 +23,4 @@ pub mod worker;
 
 pub use request::Route;
 pub use router::{BuildError, SglangRouter};
-pub use server::{serve, serve_metrics};
+pub use server::{serve, serve_grpc, serve_metrics};

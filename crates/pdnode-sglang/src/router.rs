@@ -132,6 +132,11 @@ impl SglangRouter {
         }))
     }
 
+    /// Client requests in flight (a stream counts until it ends).
+    pub fn inflight(&self) -> u32 {
+        self.inflight.load(std::sync::atomic::Ordering::Acquire)
+    }
+
     /// The current workers of `role`.
     pub fn list(&self, role: WorkerRole) -> Arc<Vec<Arc<Worker>>> {
         match role {

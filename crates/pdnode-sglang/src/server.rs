@@ -30,6 +30,34 @@ pub async fn serve(
         .await
 }
 
+/// Serves `pdnode.v1.Inference` over the same workers on `listener` (every accepted socket with
+/// `TCP_NODELAY`), with gRPC reflection v1 and v1alpha over the client API's descriptors, until
+/// `shutdown`. The probes are [`serve`]'s.
+pub async fn serve_grpc(
+    listener: TcpListener,
+    router: Arc<SglangRouter>,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    let reflection = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(pdnode_proto::CLIENT_FILE_DESCRIPTOR_SET)
+    };
+    let v1 = reflection().build_v1().map_err(std::io::Error::other)?;
+    let v1alpha = reflection()
+        .build_v1alpha()
+        .map_err(std::io::Error::other)?;
+    tonic::transport::Server::builder()
+        .add_service(v1)
+        .add_service(v1alpha)
+        .add_service(crate::grpc::SglangInference::new(router).into_server())
+        .serve_with_incoming_shutdown(
+            pdnode_router::net::grpc_incoming(listener),
+            shutdown.cancelled_owned(),
+        )
+        .await
+        .map_err(std::io::Error::other)
+}
+
 /// Serves only `/metrics` (sglang-router's `--prometheus-host/--prometheus-port`).
 pub async fn serve_metrics(
     listener: TcpListener,

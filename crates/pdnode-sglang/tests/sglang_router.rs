@@ -658,5 +658,9 @@ async fn streamed_generate_merges_the_prefill_input_logprobs_into_each_event() {
         )
         .await;
     let (evs, _) = events(&body);
-    assert!(evs.iter().all(|e| e.get("meta_info").is_none()), "{body}");
+    assert!(
+        evs.iter()
+            .all(|e| e["meta_info"].get("input_token_logprobs").is_none()),
+        "{body}"
+    );
 }

@@ -276,6 +276,7 @@ fn rooms_of(body: &Value) -> Result<Vec<(String, Option<u16>, u64)>, RoomsError>
 
 async fn generate(
     State(w): State<Arc<MockWorker>>,
+    uri: axum::http::Uri,
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
@@ -354,6 +355,8 @@ async fn generate(
     let delay = w.token_delay;
     // Like SGLang: with `return_logprob` every stream chunk carries this worker's input logprobs.
     let logprobs = body["return_logprob"].as_bool() == Some(true);
+    let top_n = body["top_logprobs_num"].as_u64().unwrap_or(0);
+    let native = uri.path() == "/generate";
     let killed = w.killed.clone();
     let stream = futures::stream::unfold(0usize, move |i| {
         let killed = killed.clone();
@@ -380,9 +383,39 @@ async fn generate(
                 "data: [DONE]\n\n".to_string()
             } else if fault == Fault::Malformed && i == 1 {
                 "data: {'error': 'a Python dict'}\n\n".to_string()
+            } else if native {
+                // `/generate` as SGLang streams it by default: the text and the output ids so
+                // far, and `meta_info` with the counts and, on the last event, the finish
+                // reason. Output token i is id 100 + i, text "t{i} ", logprob -(i + 1) / 10.
+                let text: String = (0..=i).map(|k| format!("t{k} ")).collect();
+                let ids: Vec<usize> = (0..=i).map(|k| 100 + k).collect();
+                let finish = if i + 1 == max_tokens {
+                    json!({"type": "length", "length": max_tokens})
+                } else {
+                    Value::Null
+                };
+                let mut meta = json!({"id": "d", "prompt_tokens": 3, "completion_tokens": i + 1,
+                                      "cached_tokens": 1, "finish_reason": finish});
+                if logprobs {
+                    let lp = |k: usize| json!([-((k + 1) as f64) / 10.0, 100 + k, null]);
+                    meta["input_token_logprobs"] = json!([[-0.25, 3, null]]);
+                    meta["output_token_logprobs"] = (0..=i).map(lp).collect();
+                    if top_n > 0 {
+                        meta["output_top_logprobs"] =
+                            (0..=i).map(|k| json!([lp(k), [-5.0, 7, null]])).collect();
+                    }
+                }
+                let chunk = json!({"text": text, "output_ids": ids, "meta_info": meta,
+                                   "index": 0, "mock_seen": seen});
+                format!("data: {chunk}\n\n")
             } else {
                 let mut chunk = json!({"text": format!("t{i} "), "index": i, "mock_seen": seen,
                                    "choices": [{"index": 0, "text": format!("t{i} "), "delta": {"content": format!("t{i} ")}}]});
+                if i + 1 == max_tokens {
+                    chunk["choices"][0]["finish_reason"] = json!("length");
+                    chunk["usage"] = json!({"prompt_tokens": 3, "completion_tokens": max_tokens,
+                                            "prompt_tokens_details": {"cached_tokens": 1}});
+                }
                 if logprobs {
                     chunk["meta_info"] = json!({"input_token_logprobs": [[-0.25, 3, null]]});
                 }

@@ -1,7 +1,8 @@
 //! `pdnode sglang-router` as a process, with sglang-router 0.3.2's PD flags, in front of
 //! **mock** SGLang workers (`pdnode_testkit::sglang_mock`) on loopback: it serves a stream with
 //! the right bootstrap fields, serves `/metrics` on the Prometheus listener, refuses a flag it
-//! does not implement by name, and drains on SIGTERM. `pdnode start` runs the same router from
+//! does not implement by name, serves `pdnode.v1.Inference` with `--grpc-port`, and drains on
+//! SIGTERM. `pdnode start` runs the same router from
 //! `configs/sglang-router.toml`'s keys.
 
 use pdnode_testkit::ChildGuard;
@@ -34,6 +35,7 @@ async fn the_drop_in_command_serves_and_drains() {
     let d = MockWorker::start(MockRole::Decode, None, rv, Duration::from_millis(1)).await;
     let port = pdnode_testkit::free_port().unwrap();
     let prom = pdnode_testkit::free_port().unwrap();
+    let grpc = pdnode_testkit::free_port().unwrap();
     let child = Command::new(BIN)
         .args([
             "sglang-router",
@@ -58,6 +60,7 @@ async fn the_drop_in_command_serves_and_drains() {
             &prom.to_string(),
         ])
         .args(["--health-check-interval-secs", "1"])
+        .args(["--grpc-port", &grpc.to_string()])
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
         .spawn()
@@ -86,6 +89,40 @@ async fn the_drop_in_command_serves_and_drains() {
     assert_eq!(first["mock_seen"]["bootstrap_port"], 8998);
     assert_eq!(first["mock_seen"]["bootstrap_host"], "127.0.0.1");
 
+    // pdnode's own --grpc-port: pdnode.v1.Inference over the same workers.
+    let mut client = pdnode_proto::v1::inference_client::InferenceClient::connect(format!(
+        "http://127.0.0.1:{grpc}"
+    ))
+    .await
+    .unwrap();
+    let mut stream = client
+        .generate(pdnode_proto::v1::GenerateRequest {
+            prompt: Some(pdnode_proto::v1::generate_request::Prompt::Text(
+                "Hi".into(),
+            )),
+            sampling: Some(pdnode_proto::v1::SamplingParams {
+                max_tokens: Some(3),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut ids = Vec::new();
+    let mut finish = None;
+    while let Some(m) = stream.message().await.unwrap() {
+        match m.event {
+            Some(pdnode_proto::v1::generate_response::Event::Chunk(c)) => ids.extend(c.token_ids),
+            Some(pdnode_proto::v1::generate_response::Event::Done(d)) => {
+                finish = Some(d.finish_reason)
+            }
+            None => {}
+        }
+    }
+    assert_eq!(ids, vec![100, 101, 102]);
+    assert_eq!(finish, Some(pdnode_proto::v1::FinishReason::Length as i32));
+
     let m = http
         .get(format!("http://127.0.0.1:{prom}/metrics"))
         .send()
@@ -98,8 +135,14 @@ async fn the_drop_in_command_serves_and_drains() {
         m.contains("pdnode_sglang_requests_total{route=\"completions\",status=\"200\"} 1"),
         "{m}"
     );
+    assert!(
+        m.contains("pdnode_sglang_requests_total{route=\"generate\",status=\"200\"} 1"),
+        "{m}"
+    );
 
+    // The gRPC client stays connected: an idle connection must not hold the shutdown.
     guard.signal("TERM").unwrap();
+    let _keep = (stream, client);
     let st = guard.wait_timeout(Duration::from_secs(10)).unwrap();
     assert_eq!(
         st.and_then(|s| s.code()),

@@ -77,6 +77,10 @@ pub struct Args {
     pub health_check_timeout_secs: Option<u64>,
     #[arg(long)]
     pub health_check_interval_secs: Option<u64>,
+    /// pdnode's own: also serve `pdnode.v1.Inference` (gRPC) on this port of --host (off when
+    /// not given; sglang-router has no gRPC frontend).
+    #[arg(long)]
+    pub grpc_port: Option<u16>,
     /// Log filter (`debug`, `info`, `warn`, `error`).
     #[arg(long)]
     pub log_level: Option<String>,
@@ -116,7 +120,6 @@ pub fn overrides(a: &Args) -> Result<Vec<String>, UsageError> {
     let mut sets = vec![
         "node.role=\"router\"".to_string(),
         "registry.kind=\"memory\"".to_string(),
-        "router.grpc_listen=\"\"".to_string(),
     ];
     let host = if a.host.contains(':') && !a.host.starts_with('[') {
         format!("[{}]", a.host)
@@ -127,6 +130,11 @@ pub fn overrides(a: &Args) -> Result<Vec<String>, UsageError> {
         "router.http_listen={}",
         toml_str(&format!("{host}:{}", a.port))
     ));
+    let grpc = a
+        .grpc_port
+        .map(|p| format!("{host}:{p}"))
+        .unwrap_or_default();
+    sets.push(format!("router.grpc_listen={}", toml_str(&grpc)));
     // clap flattens the occurrences: a URL starts a worker, a value after it is its port.
     let mut groups: Vec<Vec<&str>> = Vec::new();
     for v in &a.prefill {
@@ -343,8 +351,20 @@ pub async fn serve(c: &pdnode_core::config::Config) -> anyhow::Result<()> {
             Ok(())
         });
     }
+    if !c.router.grpc_listen.is_empty() {
+        let l = tokio::net::TcpListener::bind(&c.router.grpc_listen)
+            .await
+            .with_context(|| {
+                format!(
+                    "cannot listen on router.grpc_listen {}",
+                    c.router.grpc_listen
+                )
+            })?;
+        tracing::info!(addr = %l.local_addr()?, "pdnode.v1.Inference (gRPC) listener");
+        tasks.spawn(pdnode_sglang::serve_grpc(l, router.clone(), stop.clone()));
+    }
     tracing::info!(%addr, prefill = c.router.sglang.prefill.len(), decode = c.router.sglang.decode.len(), discover = c.router.sglang.discover, "SGLang router serving");
-    tasks.spawn(pdnode_sglang::serve(listener, router, stop.clone()));
+    tasks.spawn(pdnode_sglang::serve(listener, router.clone(), stop.clone()));
     let signal = shutdown_signal();
     tokio::select! {
         _ = signal => tracing::info!("shutting down"),
@@ -355,8 +375,19 @@ pub async fn serve(c: &pdnode_core::config::Config) -> anyhow::Result<()> {
         }
     }
     stop.cancel();
+    // Requests in flight finish (each under its deadlines), bounded by the drain timeout. The
+    // servers then get a second to close their connections: tonic's graceful shutdown waits for
+    // every gRPC client connection to close, idle ones included, and a connected but idle
+    // client must not hold the process until the drain deadline.
     let drain = std::time::Duration::from_secs(c.node.drain_timeout_s);
-    let _ = tokio::time::timeout(drain, async { while tasks.join_next().await.is_some() {} }).await;
+    let deadline = tokio::time::Instant::now() + drain;
+    while router.inflight() > 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let grace = deadline.min(tokio::time::Instant::now() + std::time::Duration::from_secs(1));
+    let _ =
+        tokio::time::timeout_at(grace, async { while tasks.join_next().await.is_some() {} }).await;
+    tasks.abort_all();
     Ok(())
 }
 
@@ -451,6 +482,20 @@ mod tests {
         assert_eq!(r.sglang.breaker_failure_threshold, 4);
         assert_eq!(r.sglang.health_check_interval_s, 10);
         assert_eq!(r.request_timeout_s, 1800);
+        // No gRPC frontend unless asked for (sglang-router has none).
+        assert_eq!(r.grpc_listen, "");
+        let c = config(&[
+            "--pd-disaggregation",
+            "--prefill",
+            "http://10.0.0.1:30000",
+            "--decode",
+            "http://10.0.0.3:30000",
+            "--host",
+            "127.0.0.1",
+            "--grpc-port",
+            "50061",
+        ]);
+        assert_eq!(c.router.grpc_listen, "127.0.0.1:50061");
     }
 
     #[test]

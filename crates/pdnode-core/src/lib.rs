@@ -12,6 +12,7 @@ pub mod config;
 pub mod error;
 pub mod ids;
 pub mod kv_target;
+pub mod kvh64;
 pub mod layout;
 pub mod metrics;
 pub mod request;

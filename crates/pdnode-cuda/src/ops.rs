@@ -13,6 +13,7 @@ mod attention;
 pub use attention::*;
 
 pub mod crc32c;
+pub mod kvh64;
 
 const BF16: usize = 2;
 const F32: usize = 4;

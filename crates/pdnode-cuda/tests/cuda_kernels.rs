@@ -4,6 +4,7 @@
 mod cuda_kernels_attn;
 mod cuda_kernels_crc32c;
 mod cuda_kernels_elementwise;
+mod cuda_kernels_kvh64;
 mod cuda_kernels_linear;
 mod cuda_kernels_pdl;
 mod cuda_kernels_prefill;

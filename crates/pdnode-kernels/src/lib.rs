@@ -32,7 +32,7 @@ impl pdnode_core::error::Classify for KernelError {
 }
 
 /// The kernel sources by file name, compiled together (in this order) as one NVRTC program.
-pub const SOURCES: [(&str, &str); 13] = [
+pub const SOURCES: [(&str, &str); 14] = [
     ("common.cuh", include_str!("../kernels/common.cuh")),
     ("elementwise.cu", include_str!("../kernels/elementwise.cu")),
     ("rope.cu", include_str!("../kernels/rope.cu")),
@@ -58,10 +58,11 @@ pub const SOURCES: [(&str, &str); 13] = [
     ("gemv.cu", include_str!("../kernels/gemv.cu")),
     ("sample.cu", include_str!("../kernels/sample.cu")),
     ("crc32c.cu", include_str!("../kernels/crc32c.cu")),
+    ("kvh64.cu", include_str!("../kernels/kvh64.cu")),
 ];
 
 /// Kernel entry points (extern "C" names in the .cu files).
-pub const KERNEL_NAMES: [&str; 41] = [
+pub const KERNEL_NAMES: [&str; 44] = [
     "gemv_t1",
     "gemv_t2",
     "gemv_t4",
@@ -103,6 +104,9 @@ pub const KERNEL_NAMES: [&str; 41] = [
     "argmax_rows",
     "sample_rows",
     "crc32c_chunks",
+    "kvh64_words",
+    "kv_gather_h64",
+    "kv_scatter_h64",
 ];
 
 /// The text of kernel source `file` (e.g. `sample.cu`), if it is one of [`SOURCES`].

@@ -19,6 +19,7 @@ pub mod completion;
 mod error;
 pub mod fence;
 pub mod inproc;
+pub use pdnode_core::kvh64;
 pub mod region;
 mod secret;
 pub mod transport;

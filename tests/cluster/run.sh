@@ -3,7 +3,7 @@
 # prefill and two decode nodes from configs/multi-host/), load at concurrency 64, one fault per
 # case; one table row per case. Needs root (ip netns) and iproute2 + etcd (scripts/setup.sh).
 #
-#   tests/cluster/run.sh [--quick|--full] [--case NAME] [--list]
+#   tests/cluster/run.sh [--quick|--full] [--case NAME] [--list] [--keep-logs]
 #
 # --quick (the default, CI): mock engines, about 3 minutes on 2 cores. --full (the CPU engine
 # on the demo model) is not built yet. Exits 0 only when every case passed.
@@ -19,7 +19,7 @@ cd "$ROOT"
 args=()
 while [ $# -gt 0 ]; do
   case "$1" in
-    --quick | --full | --list) args+=("$1") ;;
+    --quick | --full | --list | --keep-logs) args+=("$1") ;;
     --case)
       [ $# -ge 2 ] || { echo "--case needs a name" >&2; exit 2; }
       args+=("$1" "$2"); shift ;;

@@ -178,6 +178,8 @@ pub struct Row {
     /// KV blocks and staging spans owned on the surviving nodes after the load.
     pub kv_blocks: u64,
     pub staging_spans: u64,
+    /// From the last request's end until the router and every surviving node held nothing.
+    pub drain: Duration,
     pub wall: Duration,
     /// Why the case failed (empty: passed).
     pub problems: Vec<String>,
@@ -342,6 +344,7 @@ fn tally(row: &mut Row, outcomes: &[Outcome], at: Instant) {
 /// After the load: the router holds nothing in flight, sees the nodes it should, and every
 /// surviving node owns no KV block and no staging span.
 async fn check_after(case: &Case, c: &Cluster, row: &mut Row) {
+    let t0 = Instant::now();
     let killed = match case.fault {
         Fault::Kill(t) => Some(node(c, t).host.name),
         _ => None,
@@ -372,13 +375,21 @@ async fn check_after(case: &Case, c: &Cluster, row: &mut Row) {
             .push("the router still has requests in flight".into());
     }
     for p in c.nodes().filter(|p| Some(p.host.name) != killed) {
+        let before = held(p).await;
         wait_until(DRAIN_DEADLINE, || async {
             held(p).await.is_some_and(|h| h.idle())
         })
         .await;
+        if before.is_some_and(|h| !h.idle()) {
+            eprintln!(
+                "cluster: {} held {before:?} when the load ended; idle {:.1} s later",
+                p.host.name,
+                t0.elapsed().as_secs_f64()
+            );
+        }
         match held(p).await {
             Some(h) => {
-                row.kv_blocks += h.kv_blocks;
+                row.kv_blocks += h.kv_blocks();
                 row.staging_spans += h.staging_spans;
                 if !h.idle() {
                     row.problems.push(format!(
@@ -392,13 +403,14 @@ async fn check_after(case: &Case, c: &Cluster, row: &mut Row) {
                 .push(format!("{}: /metrics unreadable", p.host.name)),
         }
     }
+    row.drain = t0.elapsed();
 }
 
 /// The Markdown table.
 pub fn table(rows: &[Row]) -> String {
     let mut s = String::from(
-        "| case | sent | completed | failed (clear error) | unclear | hung | fault -> last affected end (s) | KV blocks / staging spans held after | wall (s) | result |\n\
-         |---|---|---|---|---|---|---|---|---|---|\n",
+        "| case | sent | completed | failed (clear error) | unclear | hung | fault -> last affected end (s) | KV blocks / staging spans held after | drained in (s) | wall (s) | result |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in rows {
         let end = match r.fault_to_end {
@@ -412,7 +424,7 @@ pub fn table(rows: &[Row]) -> String {
             format!("FAIL: {}", r.problems.join("; "))
         };
         s.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {} | {} | {} / {} | {:.0} | {} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} | {} / {} | {:.1} | {:.0} | {} |\n",
             r.name,
             r.sent,
             r.completed,
@@ -422,6 +434,7 @@ pub fn table(rows: &[Row]) -> String {
             end,
             r.kv_blocks,
             r.staging_spans,
+            r.drain.as_secs_f64(),
             r.wall.as_secs_f64(),
             result
         ));

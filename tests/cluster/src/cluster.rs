@@ -67,7 +67,6 @@ pub fn node_sets(role: Role, h: Host) -> Vec<String> {
         q("model.format", "dummy"),
         q("model.preset", "smollm2-135m"),
         q("model.path", ""),
-        q("log.format", "human"),
     ];
     // Bind the host's own address, never 0.0.0.0: nothing listens outside these namespaces.
     match role {

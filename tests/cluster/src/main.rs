@@ -17,7 +17,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 const USAGE: &str = "usage: cluster-driver --prefix NAME --bin PATH/TO/pdnode [--repo DIR] \
-                     [--quick|--full] [--case NAME] [--list]";
+                     [--quick|--full] [--case NAME] [--list] [--keep-logs]";
 
 struct Args {
     prefix: String,
@@ -26,6 +26,7 @@ struct Args {
     full: bool,
     case: Option<String>,
     list: bool,
+    keep_logs: bool,
 }
 
 fn parse_args() -> Result<Args> {
@@ -36,6 +37,7 @@ fn parse_args() -> Result<Args> {
         full: false,
         case: None,
         list: false,
+        keep_logs: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -48,6 +50,7 @@ fn parse_args() -> Result<Args> {
             "--quick" => a.full = false,
             "--full" => a.full = true,
             "--list" => a.list = true,
+            "--keep-logs" => a.keep_logs = true,
             "-h" | "--help" => bail!("{USAGE}"),
             other => bail!("unknown argument {other:?}\n{USAGE}"),
         }
@@ -144,7 +147,7 @@ fn real_main() -> Result<bool> {
     let rows = res?;
     println!("{}", cases::table(&rows));
     let ok = rows.iter().all(cases::Row::passed);
-    if ok {
+    if ok && !args.keep_logs {
         drop(dir);
     } else {
         let kept = dir.keep();

@@ -53,9 +53,10 @@ pub async fn scrape(url: &str) -> Option<Scrape> {
 pub struct Held {
     pub running: u64,
     pub queued: u64,
-    /// KV blocks owned by a request or a transfer lease (cached blocks are not counted: they
-    /// are evictable capacity, docs/runtime-semantics.md section 6).
-    pub kv_blocks: u64,
+    /// KV blocks owned by a request, and by a transfer lease (cached blocks are not counted:
+    /// they are evictable capacity, docs/runtime-semantics.md section 6).
+    pub kv_request: u64,
+    pub kv_lease: u64,
     pub staging_spans: u64,
 }
 
@@ -68,10 +69,14 @@ impl Held {
         Some(Self {
             running: g("pdnode_engine_running_requests", "")?,
             queued: g("pdnode_engine_queue_depth", "")?,
-            kv_blocks: g("pdnode_kv_owned_blocks", ",owner=\"request\"")?
-                + g("pdnode_kv_owned_blocks", ",owner=\"transfer_lease\"")?,
+            kv_request: g("pdnode_kv_owned_blocks", ",owner=\"request\"")?,
+            kv_lease: g("pdnode_kv_owned_blocks", ",owner=\"transfer_lease\"")?,
             staging_spans: g("pdnode_staging_owned_spans", "")?,
         })
+    }
+
+    pub fn kv_blocks(&self) -> u64 {
+        self.kv_request + self.kv_lease
     }
 
     pub fn idle(&self) -> bool {
@@ -99,7 +104,8 @@ mod tests {
             Held {
                 running: 3,
                 queued: 0,
-                kv_blocks: 7,
+                kv_request: 5,
+                kv_lease: 2,
                 staging_spans: 1
             }
         );

@@ -24,6 +24,7 @@ const TRIGGER_DEADLINE: Duration = Duration::from_secs(30);
 pub enum Target {
     Prefill0,
     Decode0,
+    Decode1,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -32,8 +33,8 @@ pub enum Fault {
     Kill(Target),
     /// SIGSTOP, hold, SIGCONT.
     Stop(Target, Duration),
-    /// The prefill0 <-> decode0 link down, hold, up.
-    PairLinkDown(Duration),
+    /// A direct link down (on its `b` end), hold, up.
+    LinkDown(net::Link, Duration),
     /// etcd SIGSTOPped, hold, SIGCONT.
     EtcdStop(Duration),
 }
@@ -72,17 +73,35 @@ fn sets(v: &[&str]) -> Vec<String> {
     v.iter().map(|s| s.to_string()).collect()
 }
 
-/// The `--quick` matrix (mock engines).
-pub fn quick() -> Vec<Case> {
-    let s = Duration::from_secs;
-    // 20 ms a decode step, 100 tokens: 2 s streams, so a fault lands mid-decode.
-    let long_decode = Extra {
+/// 20 ms a decode step, 100 tokens: 2 s streams, so a fault lands mid-decode.
+fn long_decode() -> Extra {
+    Extra {
         decode: sets(&[
             "engine.mock.decode_us_per_token=20000",
             "engine.mock.output_len=100",
         ]),
         ..Extra::default()
-    };
+    }
+}
+
+/// 200 us a prompt token, 64 tokens a step: a queue of prefills to hit; short decodes.
+fn slow_prefill() -> Extra {
+    Extra {
+        prefill: sets(&[
+            "engine.mock.prefill_us_per_token=200",
+            "engine.max_batch_tokens=64",
+        ]),
+        decode: sets(&[
+            "engine.mock.decode_us_per_token=1000",
+            "engine.mock.output_len=4",
+        ]),
+        ..Extra::default()
+    }
+}
+
+/// The `--quick` matrix (mock engines).
+pub fn quick() -> Vec<Case> {
+    let s = Duration::from_secs;
     vec![
         Case {
             name: "baseline",
@@ -98,7 +117,7 @@ pub fn quick() -> Vec<Case> {
         Case {
             name: "decode-kill",
             what: "decode0 SIGKILLed while decoding",
-            extra: long_decode.clone(),
+            extra: long_decode(),
             max_tokens: 100,
             prompt_len: 64,
             trigger: Trigger::Busy(Target::Decode0, 8),
@@ -109,7 +128,7 @@ pub fn quick() -> Vec<Case> {
         Case {
             name: "decode-stop",
             what: "decode0 SIGSTOPped 5 s while decoding",
-            extra: long_decode,
+            extra: long_decode(),
             max_tokens: 100,
             prompt_len: 64,
             trigger: Trigger::Busy(Target::Decode0, 8),
@@ -120,23 +139,23 @@ pub fn quick() -> Vec<Case> {
         Case {
             name: "prefill-stop",
             what: "prefill0 SIGSTOPped 5 s while prefilling",
-            extra: Extra {
-                // 200 us a prompt token, 64 tokens a step: a queue of prefills to freeze.
-                prefill: sets(&[
-                    "engine.mock.prefill_us_per_token=200",
-                    "engine.max_batch_tokens=64",
-                ]),
-                decode: sets(&[
-                    "engine.mock.decode_us_per_token=1000",
-                    "engine.mock.output_len=4",
-                ]),
-                ..Extra::default()
-            },
+            extra: slow_prefill(),
             max_tokens: 4,
             prompt_len: 60,
             trigger: Trigger::Busy(Target::Prefill0, 2),
             fault: Fault::Stop(Target::Prefill0, s(5)),
             tail: s(2),
+            expect: Expect::AllComplete,
+        },
+        Case {
+            name: "prefill-kill",
+            what: "prefill0 SIGKILLed while prefilling",
+            extra: slow_prefill(),
+            max_tokens: 4,
+            prompt_len: 60,
+            trigger: Trigger::Busy(Target::Prefill0, 2),
+            fault: Fault::Kill(Target::Prefill0),
+            tail: s(3),
             expect: Expect::AllComplete,
         },
         Case {
@@ -146,9 +165,20 @@ pub fn quick() -> Vec<Case> {
             max_tokens: 32,
             prompt_len: 64,
             trigger: Trigger::After(s(2)),
-            fault: Fault::PairLinkDown(s(10)),
+            fault: Fault::LinkDown(net::KV_LINK, s(10)),
             tail: s(3),
             expect: Expect::AllComplete,
+        },
+        Case {
+            name: "router-cut",
+            what: "router <-> decode1 link down 10 s while decoding",
+            extra: long_decode(),
+            max_tokens: 100,
+            prompt_len: 64,
+            trigger: Trigger::Busy(Target::Decode1, 8),
+            fault: Fault::LinkDown(net::ROUTER_LINK, s(10)),
+            tail: s(3),
+            expect: Expect::SomeFail,
         },
         Case {
             name: "etcd-stop",
@@ -216,6 +246,7 @@ fn node(c: &Cluster, t: Target) -> &Proc {
     match t {
         Target::Prefill0 => &c.prefill[0],
         Target::Decode0 => &c.decode[0],
+        Target::Decode1 => &c.decode[1],
     }
 }
 
@@ -231,7 +262,14 @@ pub async fn run(case: &Case, net: &Net, bin: &Path, repo: &Path, dir: &Path) ->
         name: case.name.to_string(),
         ..Row::default()
     };
-    let tx_before = net.pair_link_tx_bytes()?;
+    let link = match case.fault {
+        Fault::LinkDown(l, _) => Some(l),
+        _ => None,
+    };
+    let tx_before = match link {
+        Some(l) => net.link_tx_bytes(l)?,
+        None => 0,
+    };
     let load = Load::start(Spec {
         url: c.router_url("/v1/completions"),
         concurrency: CONCURRENCY,
@@ -298,14 +336,16 @@ async fn drive(
             }
         }
     }
-    if let Fault::PairLinkDown(_) = case.fault {
-        // The pair's KV went over the direct link, not the bridge: otherwise the case tests
-        // nothing.
-        let tx = net.pair_link_tx_bytes()?;
+    if let Fault::LinkDown(l, _) = case.fault {
+        // The pair's traffic went over the direct link, not the bridge: otherwise the case
+        // tests nothing.
+        let tx = net.link_tx_bytes(l)?;
         if tx <= tx_before + 4096 {
             row.problems.push(format!(
-                "prefill0 sent {} bytes over the pair link under load: KV does not use it",
-                tx.saturating_sub(tx_before)
+                "{} sent {} bytes over {} under load: the pair does not use it",
+                l.a.name,
+                tx.saturating_sub(tx_before),
+                l.name
             ));
         }
     }
@@ -319,10 +359,10 @@ async fn drive(
             tokio::time::sleep(hold).await;
             p.signal("CONT")?;
         }
-        Fault::PairLinkDown(hold) => {
-            net.pair_link_down()?;
+        Fault::LinkDown(l, hold) => {
+            net.link_down(l)?;
             tokio::time::sleep(hold).await;
-            net.pair_link_up()?;
+            net.link_up(l)?;
         }
         Fault::EtcdStop(hold) => {
             c.etcd.signal("STOP")?;
@@ -394,12 +434,12 @@ async fn check_after(case: &Case, c: &Cluster, row: &mut Row) {
             .push("the router still has requests in flight".into());
     }
     for p in c.nodes().filter(|p| Some(p.host.name) != killed) {
-        let before = held(p).await;
+        let (before, t) = (held(p).await, Instant::now());
         wait_until(DRAIN_DEADLINE, || async {
             held(p).await.is_some_and(|h| h.idle())
         })
         .await;
-        if before.is_some_and(|h| !h.idle()) {
+        if before.is_some_and(|h| !h.idle()) && t.elapsed() > Duration::from_secs(1) {
             eprintln!(
                 "cluster: {} held {before:?} when the load ended; idle {:.1} s later",
                 p.host.name,

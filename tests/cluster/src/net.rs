@@ -1,6 +1,6 @@
 //! The hosts: one network namespace each, on one bridge that lives in its own namespace (the
-//! "switch"), plus one direct link between `prefill0` and `decode0` that carries their KV traffic
-//! (so that link can go down alone). Addresses are in 10.213.0.0/24, which exists only inside
+//! "switch"), plus direct links ([`LINKS`]: prefill0 <-> decode0 for their KV, router <-> decode1
+//! for its node API calls) so that one pair can be cut alone. Addresses are in 10.213.0.0/24, which exists only inside
 //! these namespaces: the root namespace gets no interface, route or address.
 //!
 //! Every namespace is named `{prefix}-{host}`; [`Net`] deletes them (after killing whatever still
@@ -56,8 +56,30 @@ pub const CLIENT: Host = Host {
     ip: "10.213.0.100",
 };
 
-/// The direct `prefill0` <-> `decode0` link: interface name on both ends.
-pub const PAIR_LINK: &str = "kv0";
+/// A direct link between two hosts beside the bridge, with a host route each way, so their
+/// traffic leaves the bridge for it and the link can be cut alone. Cut on `b`'s end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Link {
+    /// Interface name on both ends.
+    pub name: &'static str,
+    pub a: Host,
+    pub b: Host,
+}
+
+/// prefill0 <-> decode0: their KV pushes (they exchange nothing else).
+pub const KV_LINK: Link = Link {
+    name: "kv0",
+    a: PREFILL[0],
+    b: DECODE[0],
+};
+/// router <-> decode1: the node API calls (ReserveKv, Decode streams, Stats).
+pub const ROUTER_LINK: Link = Link {
+    name: "rd1",
+    a: ROUTER,
+    b: DECODE[1],
+};
+pub const LINKS: [Link; 2] = [KV_LINK, ROUTER_LINK];
+
 /// The interface every host has on the bridge (and the one UCX uses).
 pub const HOST_IF: &str = "eth0";
 
@@ -118,77 +140,55 @@ impl Net {
             ])?;
             ip(&["-n", &ns, "link", "set", HOST_IF, "up"])?;
         }
-        // prefill0 <-> decode0: a direct veth with a host route each way, so their traffic (the
-        // KV pushes; they exchange nothing else) leaves the bridge for this link.
-        let (p, d) = (net.ns(PREFILL[0].name), net.ns(DECODE[0].name));
-        ip(&[
-            "-n", &p, "link", "add", PAIR_LINK, "type", "veth", "peer", "name", PAIR_LINK, "netns",
-            &d,
-        ])?;
-        ip(&["-n", &p, "link", "set", PAIR_LINK, "up"])?;
-        ip(&["-n", &d, "link", "set", PAIR_LINK, "up"])?;
-        net.pair_routes()?;
+        for l in LINKS {
+            let (a, b) = (net.ns(l.a.name), net.ns(l.b.name));
+            ip(&[
+                "-n", &a, "link", "add", l.name, "type", "veth", "peer", "name", l.name, "netns",
+                &b,
+            ])?;
+            ip(&["-n", &a, "link", "set", l.name, "up"])?;
+            ip(&["-n", &b, "link", "set", l.name, "up"])?;
+            net.link_routes(l)?;
+        }
         Ok(net)
     }
 
-    fn pair_routes(&self) -> Result<()> {
-        let (p, d) = (self.ns(PREFILL[0].name), self.ns(DECODE[0].name));
-        for (ns, to) in [(&p, DECODE[0].ip), (&d, PREFILL[0].ip)] {
+    fn link_routes(&self, l: Link) -> Result<()> {
+        for (ns, to) in [(self.ns(l.a.name), l.b.ip), (self.ns(l.b.name), l.a.ip)] {
             ip(&[
                 "-n",
-                ns,
+                &ns,
                 "route",
                 "replace",
                 &format!("{to}/32"),
                 "dev",
-                PAIR_LINK,
+                l.name,
             ])?;
         }
         Ok(())
     }
 
-    /// Takes the pair link down on decode0's end. decode0 loses its route to prefill0 (an
-    /// admin-down link's routes are removed) and answers over the bridge; prefill0 keeps its
-    /// route over a link without carrier, so everything it sends to decode0 is dropped: the
-    /// pair's TCP connections stall with no reset, as over a dead cable.
-    pub fn pair_link_down(&self) -> Result<()> {
-        ip(&[
-            "-n",
-            &self.ns(DECODE[0].name),
-            "link",
-            "set",
-            PAIR_LINK,
-            "down",
-        ])
+    /// Takes the link down on `b`'s end. `b` loses its route over it (an admin-down link's
+    /// routes are removed) and answers over the bridge; `a` keeps its route over a link without
+    /// carrier, so everything it sends to `b` is dropped: their TCP connections stall with no
+    /// reset, as over a dead cable.
+    pub fn link_down(&self, l: Link) -> Result<()> {
+        ip(&["-n", &self.ns(l.b.name), "link", "set", l.name, "down"])
     }
 
-    /// Brings the pair link back and restores decode0's route over it.
-    pub fn pair_link_up(&self) -> Result<()> {
-        ip(&[
-            "-n",
-            &self.ns(DECODE[0].name),
-            "link",
-            "set",
-            PAIR_LINK,
-            "up",
-        ])?;
-        self.pair_routes()
+    /// Brings the link back and restores `b`'s route over it.
+    pub fn link_up(&self, l: Link) -> Result<()> {
+        ip(&["-n", &self.ns(l.b.name), "link", "set", l.name, "up"])?;
+        self.link_routes(l)
     }
 
-    /// Bytes prefill0 sent over the pair link so far.
-    pub fn pair_link_tx_bytes(&self) -> Result<u64> {
-        let out = ip_out(&[
-            "-n",
-            &self.ns(PREFILL[0].name),
-            "-s",
-            "link",
-            "show",
-            PAIR_LINK,
-        ])?;
+    /// Bytes `a` sent over the link so far.
+    pub fn link_tx_bytes(&self, l: Link) -> Result<u64> {
+        let out = ip_out(&["-n", &self.ns(l.a.name), "-s", "link", "show", l.name])?;
         // "    TX:  bytes packets ..." then the numbers on the next line.
         let mut lines = out.lines();
-        while let Some(l) = lines.next() {
-            if l.trim_start().starts_with("TX:") {
+        while let Some(line) = lines.next() {
+            if line.trim_start().starts_with("TX:") {
                 let n = lines
                     .next()
                     .and_then(|v| v.split_whitespace().next())
@@ -287,6 +287,12 @@ mod tests {
         for h in &hs {
             assert!(h.ip.starts_with("10.213.0."), "{h:?}");
             assert!(format!("p-{}", h.name).len() <= 15, "{h:?}");
+        }
+        for l in LINKS {
+            assert!(
+                l.name.len() <= 15 && l.name != HOST_IF && l.a != l.b,
+                "{l:?}"
+            );
         }
         let mut ips: Vec<_> = hs.iter().map(|h| h.ip).collect();
         ips.sort();

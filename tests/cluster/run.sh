@@ -5,7 +5,7 @@
 #
 #   tests/cluster/run.sh [--quick|--full] [--case NAME] [--list] [--keep-logs]
 #
-# --quick (the default, CI): mock engines, about 3 minutes on 2 cores. --full (the CPU engine
+# --quick (the default, CI): mock engines, about 2 minutes on 2 cores. --full (the CPU engine
 # on the demo model) is not built yet. Exits 0 only when every case passed.
 #
 # The driver (tests/cluster/src) builds and removes the namespaces itself; this script removes

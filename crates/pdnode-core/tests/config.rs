@@ -375,17 +375,53 @@ fn shipped_configs() -> Vec<PathBuf> {
 fn every_shipped_config_loads() {
     let files = shipped_configs();
     assert!(files.len() >= 10, "{files:?}");
+    // The multi-host files name TLS files under /etc/pdnode/certs (made by `pdnode certs init`
+    // on the deployment): stand-ins of the right PEM shape here (whether they chain to the CA
+    // and name the node is `pdnode check-config`'s part, tested in crates/pdnode/tests/cli.rs).
+    let pems = tempfile::tempdir().unwrap();
+    let cert = pems.path().join("cert.pem");
+    std::fs::write(
+        &cert,
+        "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n",
+    )
+    .unwrap();
+    let key = pems.path().join("key.pem");
+    std::fs::write(
+        &key,
+        "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n",
+    )
+    .unwrap();
+    let tls_sets = [
+        format!("security.tls_ca={:?}", cert.display().to_string()),
+        format!("security.tls_cert={:?}", cert.display().to_string()),
+        format!("security.tls_key={:?}", key.display().to_string()),
+    ];
+    let mut with_tls = 0;
     for f in &files {
         // The process environment might hold PDNODE_* variables; keep this test about the files.
         let text = std::fs::read_to_string(f).unwrap();
         let name = f.display().to_string();
-        let l = load_from_str_with_env(&name, &text, &[], &[])
+        let sets: &[String] = if text.contains("tls_cert") {
+            with_tls += 1;
+            // As shipped they name files this host lacks: refused, naming the key.
+            let errs = load_from_str_with_env(&name, &text, &[], &[]).unwrap_err();
+            assert!(
+                errs.iter().any(|e| e.key() == Some("security.tls_cert")),
+                "{name}: {errs:?}"
+            );
+            &tls_sets
+        } else {
+            &[]
+        };
+        let l = load_from_str_with_env(&name, &text, &[], sets)
             .unwrap_or_else(|e| panic!("{name}: {e:#?}"));
         // The effective config printed by check-config loads back to the same config.
         let again = load_from_str_with_env("effective.toml", &l.effective_toml(), &[], &[])
             .unwrap_or_else(|e| panic!("{name} effective: {e:#?}"));
         assert_eq!(again.config, l.config, "{name}");
     }
+    // configs/multi-host/*.toml: mutual TLS by default.
+    assert!(with_tls >= 4, "{with_tls}");
 }
 
 #[test]

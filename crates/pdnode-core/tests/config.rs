@@ -375,17 +375,53 @@ fn shipped_configs() -> Vec<PathBuf> {
 fn every_shipped_config_loads() {
     let files = shipped_configs();
     assert!(files.len() >= 10, "{files:?}");
+    // The multi-host files name TLS files under /etc/pdnode/certs (made by `pdnode certs init`
+    // on the deployment): stand-ins of the right PEM shape here (whether they chain to the CA
+    // and name the node is `pdnode check-config`'s part, tested in crates/pdnode/tests/cli.rs).
+    let pems = tempfile::tempdir().unwrap();
+    let cert = pems.path().join("cert.pem");
+    std::fs::write(
+        &cert,
+        "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n",
+    )
+    .unwrap();
+    let key = pems.path().join("key.pem");
+    std::fs::write(
+        &key,
+        "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n",
+    )
+    .unwrap();
+    let tls_sets = [
+        format!("security.tls_ca={:?}", cert.display().to_string()),
+        format!("security.tls_cert={:?}", cert.display().to_string()),
+        format!("security.tls_key={:?}", key.display().to_string()),
+    ];
+    let mut with_tls = 0;
     for f in &files {
         // The process environment might hold PDNODE_* variables; keep this test about the files.
         let text = std::fs::read_to_string(f).unwrap();
         let name = f.display().to_string();
-        let l = load_from_str_with_env(&name, &text, &[], &[])
+        let sets: &[String] = if text.contains("tls_cert") {
+            with_tls += 1;
+            // As shipped they name files this host lacks: refused, naming the key.
+            let errs = load_from_str_with_env(&name, &text, &[], &[]).unwrap_err();
+            assert!(
+                errs.iter().any(|e| e.key() == Some("security.tls_cert")),
+                "{name}: {errs:?}"
+            );
+            &tls_sets
+        } else {
+            &[]
+        };
+        let l = load_from_str_with_env(&name, &text, &[], sets)
             .unwrap_or_else(|e| panic!("{name}: {e:#?}"));
         // The effective config printed by check-config loads back to the same config.
         let again = load_from_str_with_env("effective.toml", &l.effective_toml(), &[], &[])
             .unwrap_or_else(|e| panic!("{name} effective: {e:#?}"));
         assert_eq!(again.config, l.config, "{name}");
     }
+    // configs/multi-host/*.toml: mutual TLS by default.
+    assert!(with_tls >= 4, "{with_tls}");
 }
 
 #[test]
@@ -786,9 +822,90 @@ fn a_node_api_beyond_loopback_needs_allow_insecure() {
               [[router.sglang.prefill]]\nurl = \"http://10.0.0.1:30000\"\n\
               [[router.sglang.decode]]\nurl = \"http://10.0.0.2:30000\"\n";
     load_from_str(FILE, sg, &[]).unwrap();
-    let errs = errors("[security]\ntls_cert = \"/etc/pdnode/node.pem\"\n", &[]);
+}
+
+/// `security.tls_ca/tls_cert/tls_key`: all three or none, each a readable PEM file of its kind;
+/// with them the node needs an id (the certificate names it), may listen beyond loopback, and
+/// `allow_insecure` would do nothing (refused).
+#[test]
+fn tls_keys_come_together_and_name_readable_pem_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let cert = dir.path().join("node.pem");
+    std::fs::write(
+        &cert,
+        "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n",
+    )
+    .unwrap();
+    let key = dir.path().join("node.key");
+    std::fs::write(
+        &key,
+        "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n",
+    )
+    .unwrap();
+    let (cert, key) = (cert.display().to_string(), key.display().to_string());
+    let node = "[node]\nrole = \"prefill\"\nlisten = \"0.0.0.0:7001\"\n[registry]\nkind = \"etcd\"\nendpoints = [\"http://127.0.0.1:2379\"]\n[transfer]\nkind = \"ucx\"\n";
+    let tls = |ca: &str, c: &str, k: &str| {
+        vec![
+            format!("security.tls_ca={ca:?}"),
+            format!("security.tls_cert={c:?}"),
+            format!("security.tls_key={k:?}"),
+        ]
+    };
+    let keys_of = |errs: &[ConfigError]| -> Vec<String> {
+        errs.iter()
+            .filter_map(|e| e.key().map(String::from))
+            .collect()
+    };
+
+    // One of three: the other two are named as missing.
+    let errors = |text: &str, v: Vec<String>| {
+        let v: Vec<&str> = v.iter().map(String::as_str).collect();
+        errors(text, &v)
+    };
+    let errs = errors(
+        node,
+        vec![
+            format!("security.tls_cert={cert:?}"),
+            "node.id=\"p\"".into(),
+        ],
+    );
+    let keys = keys_of(&errs);
+    assert!(keys.contains(&"security.tls_ca".to_string()), "{errs:?}");
+    assert!(keys.contains(&"security.tls_key".to_string()), "{errs:?}");
     assert!(
-        errs.iter().any(|e| e.to_string().contains("tls_cert")),
+        errs.iter().any(|e| e.to_string().contains("missing")),
         "{errs:?}"
     );
+
+    // All three, well formed, with an id: a node beyond loopback starts without allow_insecure.
+    let mut ok = tls(&cert, &cert, &key);
+    ok.push("node.id=\"prefill-b\"".into());
+    let l = load_from_str(FILE, node, &ok).unwrap_or_else(|e| panic!("{e:?}"));
+    assert!(l.config.security.node_tls());
+
+    // Files that are missing or of the wrong kind: each named by its key.
+    let mut bad = tls("/nonexistent/ca.pem", &key, &cert);
+    bad.push("node.id=\"prefill-b\"".into());
+    let errs = errors(node, bad);
+    for (k, what) in [
+        ("security.tls_ca", "cannot read"),
+        ("security.tls_cert", "no certificate"),
+        ("security.tls_key", "no private key"),
+    ] {
+        assert!(
+            errs.iter()
+                .any(|e| e.key() == Some(k) && e.to_string().contains(what)),
+            "{k}: {errs:?}"
+        );
+    }
+
+    // No node.id: the certificate names one.
+    let errs = errors(node, tls(&cert, &cert, &key));
+    assert!(keys_of(&errs).contains(&"node.id".to_string()), "{errs:?}");
+
+    // allow_insecure beside TLS would do nothing.
+    let mut both = ok.clone();
+    both.push("security.allow_insecure=true".into());
+    let errs = errors(node, both);
+    assert_eq!(keys_of(&errs), ["security.allow_insecure"], "{errs:?}");
 }

@@ -7,7 +7,7 @@
 //! | decode | decode-only | `PdNode` on node gRPC | UCX | - |
 //! | all | prefill-only + decode-only | in process | in process | membership = the two engines |
 //! | all, `engine.colocated` | colocated | `ColocatedNode`, also on node gRPC | none | membership = itself |
-//! | router | - | - | - | membership = registry watch, node gRPC clients |
+//! | router | - | - | - | membership = registry watch, node gRPC clients (mTLS with `security.tls_*`) |
 
 use crate::engine::adapter::EngineHandleService;
 use crate::node::{NodeDeps, NodeOptions, node_id};
@@ -15,8 +15,9 @@ use crate::pd;
 use crate::{EngineService, NodeError};
 use pdnode_core::Role;
 use pdnode_core::config::Config;
+use pdnode_nodeapi::tls::NodeTls;
 use pdnode_registry::{LiveMembership, Registry};
-use pdnode_router::grpc_client::CardMembership;
+use pdnode_router::grpc_client::{CardMembership, ChannelOptions};
 use std::sync::Arc;
 
 /// Builds the node's dependencies for its role. Loads the model (blocking work runs on a blocking
@@ -111,9 +112,10 @@ pub async fn assemble(cfg: &Config, registry: Arc<dyn Registry>) -> Result<NodeD
                 .await
                 .map_err(|e| NodeError::Engine(format!("tokenizer load panicked: {e}")))?
                 .map_err(engine_err)?;
+            let tls = NodeTls::from_config(cfg)?;
             let live = Arc::new(LiveMembership::start(&*registry, &cfg.node.cluster).await?);
             let membership = CardMembership::new(move |r| live.serving(r))
-                .with_channel_options((&cfg.router).into());
+                .with_channel_options(ChannelOptions::from(&cfg.router).with_tls(tls));
             let deps = rm
                 .into_deps(cfg, Arc::new(membership))
                 .map_err(engine_err)?;

@@ -36,13 +36,18 @@ pub enum NodeError {
     EngineCall(#[from] pdnode_engine::engine::EngineError),
     #[error("the node stopped: {reason}")]
     Stopped { reason: String },
+    /// The node plane's TLS files do not fit together or do not name this node.
+    #[error("node plane TLS: {0}")]
+    Tls(#[from] pdnode_nodeapi::tls::TlsError),
 }
 
 impl Classify for NodeError {
     fn kind(&self) -> ErrorKind {
         match self {
             NodeError::Registry(e) => e.kind(),
-            NodeError::Bind { .. } | NodeError::Affinity { .. } => ErrorKind::InvalidRequest,
+            NodeError::Bind { .. } | NodeError::Affinity { .. } | NodeError::Tls(_) => {
+                ErrorKind::InvalidRequest
+            }
             NodeError::Call { .. } | NodeError::Stopped { .. } => ErrorKind::Unavailable,
             NodeError::EngineCall(e) => e.kind(),
             NodeError::Spawn { .. } | NodeError::RestartLimit { .. } | NodeError::Engine(_) => {

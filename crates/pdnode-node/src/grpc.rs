@@ -6,11 +6,17 @@
 //! `NOT_SERVING` (both `pdnode.v1.Node/Health` and `grpc.health.v1`). `ReserveKv`, `Prefill`, `Decode` and `Abort` go to the
 //! node's data path ([`crate::pd::PdNode`], see `crate::pd::wire`); a node without one (a router)
 //! answers `UNIMPLEMENTED` with a message that says so. `KvDone` is unused in protocol v1.
+//!
+//! With `NodeGrpc::tls` the server speaks mutual TLS only (a client certificate signed by the
+//! cluster CA is required) and every `pdnode.v1.Node` RPC first checks the caller's role as its
+//! certificate names it ([`pdnode_nodeapi::tls::NodeRpc::allowed`]): `PERMISSION_DENIED`
+//! otherwise. `grpc.health.v1` needs the certificate only.
 
 use crate::board::LoadBoard;
 use crate::pd::wire;
 use crate::supervisor::SupervisorHandle;
 use pdnode_core::{NodeId, Role};
+use pdnode_nodeapi::tls::{NodeRpc, NodeTls, peer_identity};
 use pdnode_proto::v1;
 use pdnode_proto::v1::node_server::{Node, NodeServer};
 use std::time::Duration;
@@ -32,6 +38,9 @@ pub struct NodeGrpc {
     pub engine_stall: Duration,
     /// The data path; `None` on nodes without one (routers, engine-less nodes).
     pub pd: Option<std::sync::Arc<dyn pdnode_nodeapi::NodeClient>>,
+    /// Mutual TLS and the role check; `None`: plaintext, every caller allowed (loopback, or
+    /// `security.allow_insecure`).
+    pub tls: Option<NodeTls>,
 }
 
 impl NodeGrpc {
@@ -45,6 +54,17 @@ impl NodeGrpc {
                 age.as_millis()
             ))),
         }
+    }
+
+    /// Whether the caller of `r` may call `rpc` (always, without TLS).
+    fn authorize<T>(&self, rpc: NodeRpc, r: &Request<T>) -> Result<(), Status> {
+        let Some(tls) = &self.tls else {
+            return Ok(());
+        };
+        let caller = peer_identity(r)?;
+        tls.authorize(rpc, &caller).inspect_err(|e| {
+            tracing::warn!(caller = %caller.uri(), rpc = rpc.name(), "refused: {}", e.message());
+        })
     }
 
     fn pd(&self, method: &str) -> Result<&dyn pdnode_nodeapi::NodeClient, Status> {
@@ -64,6 +84,7 @@ impl Node for NodeGrpc {
         &self,
         r: Request<v1::ReserveKvRequest>,
     ) -> Result<Response<v1::ReserveKvResponse>, Status> {
+        self.authorize(NodeRpc::ReserveKv, &r)?;
         wire::reserve_kv(self.pd("ReserveKv")?, r.into_inner())
             .await
             .map(Response::new)
@@ -73,6 +94,7 @@ impl Node for NodeGrpc {
         &self,
         r: Request<v1::PrefillRequest>,
     ) -> Result<Response<v1::PrefillResponse>, Status> {
+        self.authorize(NodeRpc::Prefill, &r)?;
         wire::prefill(self.pd("Prefill")?, r.into_inner())
             .await
             .map(Response::new)
@@ -84,6 +106,7 @@ impl Node for NodeGrpc {
         &self,
         r: Request<v1::DecodeRequest>,
     ) -> Result<Response<Self::DecodeStream>, Status> {
+        self.authorize(NodeRpc::Decode, &r)?;
         wire::decode(self.pd("Decode")?, r.into_inner())
             .await
             .map(Response::new)
@@ -91,8 +114,9 @@ impl Node for NodeGrpc {
 
     async fn kv_done(
         &self,
-        _r: Request<v1::KvDoneRequest>,
+        r: Request<v1::KvDoneRequest>,
     ) -> Result<Response<v1::KvDoneResponse>, Status> {
+        self.authorize(NodeRpc::KvDone, &r)?;
         Err(wire::kv_done_unused())
     }
 
@@ -100,6 +124,7 @@ impl Node for NodeGrpc {
         &self,
         r: Request<v1::AbortRequest>,
     ) -> Result<Response<v1::AbortResponse>, Status> {
+        self.authorize(NodeRpc::Abort, &r)?;
         wire::abort(self.pd("Abort")?, r.into_inner())
             .await
             .map(Response::new)
@@ -107,8 +132,9 @@ impl Node for NodeGrpc {
 
     async fn stats(
         &self,
-        _r: Request<v1::StatsRequest>,
+        r: Request<v1::StatsRequest>,
     ) -> Result<Response<v1::StatsResponse>, Status> {
+        self.authorize(NodeRpc::Stats, &r)?;
         self.engine_alive()?;
         let c = self.load.current();
         let busy = f64::from(c.running_requests) + f64::from(c.queued_requests);
@@ -134,8 +160,9 @@ impl Node for NodeGrpc {
 
     async fn health(
         &self,
-        _r: Request<v1::HealthRequest>,
+        r: Request<v1::HealthRequest>,
     ) -> Result<Response<v1::HealthResponse>, Status> {
+        self.authorize(NodeRpc::Health, &r)?;
         let mut h = self.supervisor.health().await;
         if let Err(e) = self.engine_alive() {
             h.serving = false;
@@ -183,7 +210,11 @@ pub async fn run(
             }
         }
     });
-    tonic::transport::Server::builder()
+    let mut server = tonic::transport::Server::builder();
+    if let Some(tls) = &svc.tls {
+        server = server.tls_config(tls.server_config())?;
+    }
+    server
         .add_service(health_svc)
         .add_service(NodeServer::new(svc))
         .serve_with_incoming_shutdown(

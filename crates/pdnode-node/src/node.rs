@@ -159,10 +159,15 @@ impl Node {
     pub async fn start(cfg: &Config, deps: NodeDeps) -> Result<Node, NodeError> {
         affinity::pin_process(&cfg.engine.cpu_affinity)?;
         let id = node_id(cfg);
-        if !cfg.node.listens_on_loopback() {
+        let tls = pdnode_nodeapi::tls::NodeTls::from_config(cfg)?;
+        let insecure_node_plane = !cfg.node.listens_on_loopback() && tls.is_none();
+        if insecure_node_plane {
             // Validation let it through only with security.allow_insecure.
             tracing::warn!(listen = %cfg.node.listen,
                 "the node API is served beyond loopback in plaintext and without authentication (security.allow_insecure): anyone who reaches it can run, read or abort requests");
+        }
+        if let Some(t) = &tls {
+            tracing::info!(identity = %t.identity().uri(), "node API over mutual TLS");
         }
         let role = cfg.node.role;
         let served = served_role(cfg);
@@ -268,6 +273,7 @@ impl Node {
             load: load.clone(),
             engine_stall: o.engine_stall,
             pd: deps.pd.clone(),
+            tls,
         };
         let c = cancel.clone();
         let h = health.clone();
@@ -281,7 +287,7 @@ impl Node {
             let deps = http::HttpDeps {
                 id: id.clone(),
                 role,
-                insecure_node_plane: !cfg.node.listens_on_loopback(),
+                insecure_node_plane,
                 supervisor: supervisor.clone(),
                 load: load.clone(),
             };

@@ -4,13 +4,14 @@
 // fields added to pdnode.v1 (additive within v1) do not break this code.
 #![allow(clippy::needless_update)]
 
+use crate::tls::{NodeIdentity, NodeTls};
 use crate::{
     DecodeCall, DecodeChunk, DecodeStream, KvTarget, NodeClient, NodeError, NodeStats, PrefillCall,
     PrefillOutcome, ReserveKv,
 };
 use futures::StreamExt;
 use futures::future::BoxFuture;
-use pdnode_core::{ErrorKind, NodeId, RequestId};
+use pdnode_core::{ErrorKind, NodeId, RequestId, Role};
 use pdnode_proto::convert::{error_from_wire, finish_reason_from_wire, kind_of_status};
 use pdnode_proto::v1;
 use pdnode_proto::v1::node_client::NodeClient as WireClient;
@@ -33,15 +34,19 @@ fn status_err(s: tonic::Status) -> NodeError {
     NodeError::new(kind_of_status(&s), s.message().to_string())
 }
 
-/// How the router's channels to nodes are set up: HTTP/2 keepalive (`router.node_keepalive_*`).
+/// How the router's channels to nodes are set up: HTTP/2 keepalive (`router.node_keepalive_*`)
+/// and, with `security.tls_*`, mutual TLS ([`crate::tls`]).
+///
 /// A PING goes out after `keepalive_interval` without a frame from the node (also with no call
 /// open); no answer within `keepalive_timeout` closes the connection, and every call on it fails
 /// as `Unavailable` at once. That is how a frozen node (stopped process, hung host: the kernel
 /// still ACKs, so TCP alone never notices) is found out in about interval + timeout.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct ChannelOptions {
     pub keepalive_interval: Duration,
     pub keepalive_timeout: Duration,
+    /// Present this certificate and check the node's against the cluster CA; `None`: plaintext.
+    pub tls: Option<NodeTls>,
 }
 
 impl From<&pdnode_core::config::RouterConfig> for ChannelOptions {
@@ -49,7 +54,16 @@ impl From<&pdnode_core::config::RouterConfig> for ChannelOptions {
         Self {
             keepalive_interval: Duration::from_millis(c.node_keepalive_interval_ms),
             keepalive_timeout: Duration::from_millis(c.node_keepalive_timeout_ms),
+            tls: None,
         }
+    }
+}
+
+impl ChannelOptions {
+    /// These options over mutual TLS with `tls` (`None`: plaintext).
+    pub fn with_tls(mut self, tls: Option<NodeTls>) -> Self {
+        self.tls = tls;
+        self
     }
 }
 
@@ -67,35 +81,46 @@ pub struct GrpcNodeClient {
 }
 
 impl GrpcNodeClient {
-    /// A client that connects on first use to `addr` (`host:port` or a full URI), with the
-    /// default [`ChannelOptions`].
+    /// A plaintext client that connects on first use to `addr` (`host:port` or a full URI), with
+    /// the default [`ChannelOptions`].
     pub fn connect_lazy(id: NodeId, addr: &str) -> Result<Self, NodeError> {
-        Self::connect_lazy_with(id, addr, ChannelOptions::default())
+        Self::connect_lazy_with(id, Role::Router, addr, &ChannelOptions::default())
     }
 
-    /// [`Self::connect_lazy`] with `opts`.
+    /// A client of node `id` (of role `role`, as its card says) at `addr`, set up with `opts`.
+    /// With TLS the node must present a certificate that names `id` and `role` in this node's
+    /// cluster (see [`NodeTls::client_tls`]); `addr` then gets the `https` scheme.
     pub fn connect_lazy_with(
         id: NodeId,
+        role: Role,
         addr: &str,
-        opts: ChannelOptions,
+        opts: &ChannelOptions,
     ) -> Result<Self, NodeError> {
-        let uri = if addr.contains("://") {
-            addr.to_string()
-        } else {
-            format!("http://{addr}")
+        let bad_addr = |uri: &str, e: &dyn std::fmt::Display| {
+            NodeError::new(
+                ErrorKind::InvalidRequest,
+                format!("node {id} address {uri:?}: {e}"),
+            )
         };
-        let ep = Endpoint::from_shared(uri.clone())
-            .map_err(|e| {
-                NodeError::new(
-                    ErrorKind::InvalidRequest,
-                    format!("node {id} address {uri:?}: {e}"),
-                )
-            })?
+        let scheme = if opts.tls.is_some() { "https" } else { "http" };
+        let uri = match addr.split_once("://") {
+            Some((_, rest)) => format!("{scheme}://{rest}"),
+            None => format!("{scheme}://{addr}"),
+        };
+        let mut ep = Endpoint::from_shared(uri.clone())
+            .map_err(|e| bad_addr(&uri, &e))?
             .connect_timeout(CONNECT_TIMEOUT)
             .tcp_nodelay(true)
             .http2_keep_alive_interval(opts.keepalive_interval)
             .keep_alive_timeout(opts.keepalive_timeout)
             .keep_alive_while_idle(true);
+        if let Some(tls) = &opts.tls {
+            let expect = NodeIdentity::new(tls.identity().cluster.clone(), role, id.clone());
+            let (cfg, verifier) = tls.client_tls(expect);
+            ep = ep
+                .tls_config_with_verifier(cfg, verifier)
+                .map_err(|e| bad_addr(&uri, &e))?;
+        }
         Ok(Self {
             id,
             inner: WireClient::new(ep.connect_lazy()),

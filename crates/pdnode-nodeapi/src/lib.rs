@@ -9,8 +9,13 @@
 //! Implementations: [`grpc::GrpcNodeClient`], the node runtime's in-process clients
 //! (`pdnode-node`), and `pdnode_router::testing::FakeNode` for tests. The router puts a
 //! deadline around every call (dropping the future cancels it).
+//!
+//! The node plane's security lives here too, beside the client it secures: [`tls`] (mutual TLS,
+//! node identities, who may call what) and [`certs`] (`pdnode certs init`).
 
+pub mod certs;
 pub mod grpc;
+pub mod tls;
 
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;

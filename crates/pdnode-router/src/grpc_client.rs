@@ -60,8 +60,9 @@ where
                 Some(c) => c.clone(),
                 None => match GrpcNodeClient::connect_lazy_with(
                     card.id.clone(),
+                    card.role,
                     &card.addresses.grpc,
-                    self.channel,
+                    &self.channel,
                 ) {
                     Ok(c) => {
                         let c = Arc::new(c);

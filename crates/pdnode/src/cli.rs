@@ -30,6 +30,8 @@ pub enum Command {
     BenchTransfer(cmd::bench_transfer::Args),
     /// List the nodes registered in a cluster.
     Nodes(cmd::nodes::Args),
+    /// Make a cluster CA and node certificates for the node plane's mutual TLS.
+    Certs(cmd::certs::Args),
     /// A drop-in for sglang-router 0.3.2's PD mode: route to SGLang prefill/decode workers.
     SglangRouter(Box<cmd::sglang_router::Args>),
     /// Keep an SGLang worker's card in the registry while it is healthy (for routers with
@@ -52,6 +54,7 @@ pub async fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::Bench(a) => cmd::bench::run(*a).await,
         Command::BenchTransfer(a) => cmd::bench_transfer::run(a).await,
         Command::Nodes(a) => cmd::nodes::run(a).await,
+        Command::Certs(a) => cmd::certs::run(a).await,
         Command::SglangRouter(a) => cmd::sglang_router::run(*a).await,
         Command::SglangRegister(a) => cmd::sglang_register::run(a).await,
         #[cfg(feature = "bench-engine")]

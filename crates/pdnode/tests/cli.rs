@@ -42,6 +42,7 @@ fn help_lists_every_subcommand() {
         "bench",
         "bench-transfer",
         "nodes",
+        "certs",
     ] {
         assert!(s.contains(sub), "--help lacks {sub}:\n{s}");
     }
@@ -78,8 +79,46 @@ fn check_config_passes_every_shipped_file_and_prints_the_effective_config() {
         }
     }
     assert!(files.len() >= 10);
+    // configs/multi-host/ name their TLS files under /etc/pdnode/certs: the same certificates,
+    // made by `pdnode certs init`'s code, from a temporary directory.
+    let certs = tempfile::tempdir().unwrap();
+    pdnode_nodeapi::certs::init(&pdnode_nodeapi::certs::CertsInit {
+        dir: certs.path().to_path_buf(),
+        cluster: "prod".into(),
+        nodes: [
+            "router-a:router",
+            "prefill-b:prefill",
+            "prefill-c:prefill",
+            "decode-d:decode",
+        ]
+        .iter()
+        .map(|n| n.parse().unwrap())
+        .collect(),
+        force: false,
+        days: 2,
+    })
+    .unwrap();
     for f in files {
-        let out = pdnode(&["check-config", "--config", f.to_str().unwrap()]);
+        let text_of_file = std::fs::read_to_string(&f).unwrap();
+        let mut args = vec![
+            "check-config".to_string(),
+            "--config".to_string(),
+            f.display().to_string(),
+        ];
+        for key in ["tls_ca", "tls_cert", "tls_key"] {
+            let line = text_of_file
+                .lines()
+                .find(|l| l.starts_with(&format!("{key} = ")));
+            if let Some(line) = line {
+                let shipped = line.split('"').nth(1).unwrap();
+                let name = Path::new(shipped).file_name().unwrap();
+                let local = certs.path().join(name).display().to_string();
+                args.push("--set".into());
+                args.push(format!("security.{key}={local:?}"));
+            }
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = pdnode(&args);
         assert_eq!(
             out.status.code(),
             Some(0),

@@ -540,13 +540,28 @@ impl Default for BucketParams {
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct SecurityConfig {
-    /// The node API (`node.listen`) is plaintext and unauthenticated (mTLS is not built yet):
-    /// a `node.listen` beyond loopback is refused unless this says the operator accepts that.
+    /// Without the TLS keys the node API (`node.listen`) is plaintext and unauthenticated: a
+    /// `node.listen` beyond loopback is then refused unless this says the operator accepts that.
     pub allow_insecure: bool,
+    /// The cluster CA (PEM): node certificates are checked against it, both ways. With
+    /// `tls_cert` and `tls_key` (all three or none) the node plane is mutual TLS.
+    pub tls_ca: String,
+    /// This node's certificate (PEM, signed by `tls_ca`; `pdnode certs init` makes one). Its URI
+    /// SAN `spiffe://pdnode/{cluster}/{role}/{node.id}` is the node's identity.
+    pub tls_cert: String,
+    /// The private key of `tls_cert` (PEM).
+    pub tls_key: String,
     /// Bearer keys accepted by the frontends; empty: no authentication.
     pub api_keys: Vec<String>,
     /// A file with one API key per line, added to `api_keys`.
     pub api_keys_file: String,
+}
+
+impl SecurityConfig {
+    /// Whether the node plane runs over mutual TLS (the three TLS keys are set).
+    pub fn node_tls(&self) -> bool {
+        !self.tls_ca.is_empty() && !self.tls_cert.is_empty() && !self.tls_key.is_empty()
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -375,14 +375,58 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
 
     // security
     let s = &c.security;
-    // The node API has no TLS or authentication yet: serving it beyond this host takes the
-    // operator's explicit word (a router in front of SGLang workers serves no node API).
+    // A router in front of SGLang workers serves no node API: nothing to secure or refuse.
     let sglang_router = c.node.role == Role::Router && c.router.sglang.enabled();
-    if !sglang_router && !c.node.listens_on_loopback() && !s.allow_insecure {
+    let tls_keys = [
+        ("security.tls_ca", &s.tls_ca),
+        ("security.tls_cert", &s.tls_cert),
+        ("security.tls_key", &s.tls_key),
+    ];
+    let tls_set = tls_keys.iter().filter(|(_, v)| !v.is_empty()).count();
+    if tls_set != 0 && tls_set != tls_keys.len() {
+        for (key, v) in tls_keys {
+            if v.is_empty() {
+                bad(
+                    key,
+                    "missing: the node plane's TLS needs security.tls_ca, security.tls_cert and security.tls_key together (or none of them)".into(),
+                );
+            }
+        }
+    }
+    if s.node_tls() {
+        if sglang_router {
+            bad(
+                "security.tls_cert",
+                "a router in front of SGLang workers serves no node API and calls no pdnode node: the TLS keys would do nothing; remove them".into(),
+            );
+        }
+        if let Err(e) = super::pem::read_pem_certs(&s.tls_ca) {
+            bad("security.tls_ca", e);
+        }
+        if let Err(e) = super::pem::read_pem_certs(&s.tls_cert) {
+            bad("security.tls_cert", e);
+        }
+        if let Err(e) = super::pem::read_pem_key(&s.tls_key) {
+            bad("security.tls_key", e);
+        }
+        if c.node.id.is_empty() && !sglang_router {
+            bad(
+                "node.id",
+                "empty, but security.tls_cert is set: the certificate names the node (spiffe://pdnode/{cluster}/{role}/{node.id}), so set node.id to the name it was issued for".into(),
+            );
+        }
+        if s.allow_insecure {
+            bad(
+                "security.allow_insecure",
+                "true, but the node plane is mutual TLS (security.tls_* are set): there is nothing insecure to allow; remove it".into(),
+            );
+        }
+    }
+    if !sglang_router && !c.node.listens_on_loopback() && !s.node_tls() && !s.allow_insecure {
         bad(
             "node.listen",
             format!(
-                "{:?} is reachable from other hosts, and the node API is plaintext and unauthenticated (no mTLS yet): anyone who reaches it can run, read or abort requests past the API keys. Listen on loopback, or set security.allow_insecure = true to accept that",
+                "{:?} is reachable from other hosts, and without security.tls_ca/tls_cert/tls_key the node API is plaintext and unauthenticated: anyone who reaches it can run, read or abort requests past the API keys. Set the TLS keys (`pdnode certs init` makes them), listen on loopback, or set security.allow_insecure = true to accept that",
                 c.node.listen
             ),
         );

@@ -84,7 +84,7 @@ impl RouterModel {
         Ok(RouterDeps {
             config: cfg.router.clone(),
             api_keys: api_keys(cfg)?,
-            insecure_node_plane: !cfg.node.listens_on_loopback(),
+            insecure_node_plane: !cfg.node.listens_on_loopback() && !cfg.security.node_tls(),
             membership,
             tokenizer: self.tokenizer,
             chat: self.chat,

@@ -8,6 +8,7 @@ pub mod bench;
 #[cfg(feature = "bench-engine")]
 pub mod bench_engine;
 pub mod bench_transfer;
+pub mod certs;
 pub mod check_config;
 pub mod generate;
 pub mod nodes;
@@ -32,9 +33,21 @@ pub struct ConfigArgs {
     pub sets: Vec<String>,
 }
 
-/// Loads and validates the layered config (defaults, file, `PDNODE_*` env, `--set`).
+/// Loads and validates the layered config (defaults, file, `PDNODE_*` env, `--set`), and the
+/// node plane's TLS files beyond what validation reads (they chain to the CA, the key is the
+/// certificate's, the certificate names this node).
 pub fn load_config(args: &ConfigArgs) -> Result<Loaded, ConfigErrors> {
-    config::load(args.config.as_deref(), &args.sets).map_err(ConfigErrors)
+    let loaded = config::load(args.config.as_deref(), &args.sets).map_err(ConfigErrors)?;
+    if let Err(pdnode_nodeapi::tls::TlsError::Config { key, reason }) =
+        pdnode_nodeapi::tls::NodeTls::from_config(&loaded.config)
+    {
+        return Err(ConfigErrors(vec![ConfigError::Invalid {
+            source_name: loaded.origin_of(key),
+            key: key.to_string(),
+            reason,
+        }]));
+    }
+    Ok(loaded)
 }
 
 /// Every error found in a configuration; the process exits 2.

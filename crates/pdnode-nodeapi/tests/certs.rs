@@ -1,0 +1,97 @@
+//! `pdnode certs init`'s code against the TLS loader: the files it writes load as each node's
+//! TLS (chain, key, identity), a node later added to the same directory is signed by the CA
+//! there, nothing is overwritten without `force`, and a certificate loaded for another node is
+//! refused naming the key.
+
+use pdnode_core::{NodeId, Role};
+use pdnode_nodeapi::certs::{CertsError, CertsInit, init};
+use pdnode_nodeapi::tls::{NodeIdentity, NodeTls, TlsError};
+use std::path::Path;
+
+fn req(dir: &Path, cluster: &str, nodes: &[&str], force: bool) -> CertsInit {
+    CertsInit {
+        dir: dir.to_path_buf(),
+        cluster: cluster.into(),
+        nodes: nodes.iter().map(|n| n.parse().unwrap()).collect(),
+        force,
+        days: 30,
+    }
+}
+
+fn load(dir: &Path, name: &str, cluster: &str, role: Role) -> Result<NodeTls, TlsError> {
+    let p = |f: String| dir.join(f).display().to_string();
+    NodeTls::load(
+        &p("ca.pem".into()),
+        &p(format!("{name}.pem")),
+        &p(format!("{name}.key")),
+        &NodeIdentity::new(cluster, role, NodeId::new(name)),
+    )
+}
+
+#[test]
+fn issued_files_load_as_the_nodes_they_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().join("c");
+    let w = init(&req(
+        &d,
+        "prod",
+        &["r:router@10.0.0.1,r.lan", "p:prefill", "d:decode"],
+        false,
+    ))
+    .unwrap();
+    assert!(w.new_ca);
+    assert_eq!(w.files.len(), 8);
+    let t = load(&d, "r", "prod", Role::Router).unwrap();
+    assert_eq!(t.identity().uri(), "spiffe://pdnode/prod/router/r");
+    load(&d, "p", "prod", Role::Prefill).unwrap();
+    load(&d, "d", "prod", Role::Decode).unwrap();
+
+    // The identity is checked: role, id and cluster.
+    for (name, cluster, role) in [("p", "prod", Role::Decode), ("p", "test", Role::Prefill)] {
+        let TlsError::Config { key, reason } = load(&d, name, cluster, role).unwrap_err();
+        assert_eq!(key, "security.tls_cert", "{reason}");
+        assert!(reason.contains("was issued for prefill node p"), "{reason}");
+    }
+    // Another node's key.
+    std::fs::copy(d.join("d.key"), d.join("p.key")).unwrap();
+    let TlsError::Config { key, .. } = load(&d, "p", "prod", Role::Prefill).unwrap_err();
+    assert_eq!(key, "security.tls_key");
+
+    // Nothing is overwritten...
+    let e = init(&req(&d, "prod", &["r:router"], false)).unwrap_err();
+    assert!(
+        matches!(&e, CertsError::Exists { paths } if paths.len() == 2),
+        "{e}"
+    );
+    // ... a new node is signed by the CA there ...
+    let ca = std::fs::read(d.join("ca.pem")).unwrap();
+    let w = init(&req(&d, "prod", &["d2:decode"], false)).unwrap();
+    assert!(!w.new_ca);
+    assert_eq!(std::fs::read(d.join("ca.pem")).unwrap(), ca);
+    load(&d, "d2", "prod", Role::Decode).unwrap();
+    // ... unless it is another cluster's CA: then nothing is written.
+    let e = init(&req(&d, "test", &["d3:decode"], false)).unwrap_err();
+    assert!(matches!(e, CertsError::Invalid(_)), "{e}");
+    // With force, a new CA: the old certificates no longer load under it.
+    let w = init(&req(&d, "prod", &["r:router"], true)).unwrap();
+    assert!(w.new_ca);
+    let TlsError::Config { key, .. } = load(&d, "d2", "prod", Role::Decode).unwrap_err();
+    assert_eq!(key, "security.tls_cert");
+}
+
+#[test]
+fn bad_requests_write_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().join("c");
+    for r in [
+        req(&d, "prod", &[], false),
+        req(&d, "a/b", &["r:router"], false),
+        req(&d, "prod", &["r:router", "r:decode"], false),
+    ] {
+        assert!(matches!(init(&r), Err(CertsError::Invalid(_))), "{r:?}");
+    }
+    let mut r = req(&d, "prod", &["r:router"], false);
+    r.days = 0;
+    assert!(matches!(init(&r), Err(CertsError::Invalid(_))));
+    assert!(!d.exists());
+}

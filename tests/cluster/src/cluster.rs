@@ -1,8 +1,8 @@
 //! The processes of one case: etcd, a router, two prefill and two decode nodes, each in its
 //! host's namespace (`ip netns exec`, which execs in place: the PID we hold is the server's),
 //! stopped by PID when dropped. [`node_sets`] is the one place where the harness turns
-//! `configs/multi-host/` into this cluster's configuration (addresses, mock engine, UCX device;
-//! certificates belong there once the security issue lands).
+//! `configs/multi-host/` into this cluster's configuration (addresses, mock engine, UCX device,
+//! and the mTLS certificates `pdnode certs init` makes for each case).
 
 use crate::metrics::{Scrape, scrape};
 use crate::net::{self, Host, Net};
@@ -50,10 +50,10 @@ fn config_file(role: Role) -> &'static str {
     }
 }
 
-/// What turns a `configs/multi-host/` file into host `h` of this cluster. The files keep
-/// `security.allow_insecure = true` (the node API has no TLS yet); with mTLS, the certificate
-/// keys of each host go here.
-pub fn node_sets(role: Role, h: Host) -> Vec<String> {
+/// What turns a `configs/multi-host/` file into host `h` of this cluster. The node API is
+/// mutual TLS, as the files have it: each host gets its own certificate from `certs` (made by
+/// [`make_certs`]), which names its cluster, role and id.
+pub fn node_sets(role: Role, h: Host, certs: &Path) -> Vec<String> {
     let q = |k: &str, v: &str| format!("{k}=\"{v}\"");
     let mut s = vec![
         q("node.cluster", CLUSTER),
@@ -67,6 +67,15 @@ pub fn node_sets(role: Role, h: Host) -> Vec<String> {
         q("model.format", "dummy"),
         q("model.preset", "smollm2-135m"),
         q("model.path", ""),
+        q("security.tls_ca", &certs.join("ca.pem").to_string_lossy()),
+        q(
+            "security.tls_cert",
+            &certs.join(format!("{}.pem", h.name)).to_string_lossy(),
+        ),
+        q(
+            "security.tls_key",
+            &certs.join(format!("{}.key", h.name)).to_string_lossy(),
+        ),
     ];
     // Bind the host's own address, never 0.0.0.0: nothing listens outside these namespaces.
     match role {
@@ -133,8 +142,10 @@ impl Cluster {
         wait_http_ok(&health, READY_DEADLINE)
             .await
             .with_context(|| format!("etcd did not come up; its log:\n{}", tail(&etcd.log)))?;
+        let certs = dir.join("certs");
+        make_certs(bin, &certs)?;
         let node = |role: Role, h: Host, extra: &[String]| {
-            let mut sets = node_sets(role, h);
+            let mut sets = node_sets(role, h, &certs);
             sets.extend(extra.iter().cloned());
             spawn_node(net, bin, repo, dir, role, h, &sets)
         };
@@ -230,6 +241,32 @@ fn spawn_etcd(net: &Net, dir: &Path) -> Result<Proc> {
     .map(String::from)
     .to_vec();
     spawn_in(net, h, dir, &args, None)
+}
+
+/// `pdnode certs init` into `dir`: the cluster CA and one certificate per node of the cluster.
+pub fn make_certs(bin: &Path, dir: &Path) -> Result<()> {
+    let mut cmd = Command::new(bin);
+    cmd.args(["certs", "init", "--dir"])
+        .arg(dir)
+        .args(["--cluster", CLUSTER]);
+    let nodes = [(net::ROUTER, "router")]
+        .into_iter()
+        .chain(net::PREFILL.iter().map(|h| (*h, "prefill")))
+        .chain(net::DECODE.iter().map(|h| (*h, "decode")));
+    for (h, role) in nodes {
+        cmd.arg("--node").arg(format!("{}:{role}@{}", h.name, h.ip));
+    }
+    let out = cmd
+        .stdin(Stdio::null())
+        .output()
+        .context("run pdnode certs init")?;
+    if !out.status.success() {
+        bail!(
+            "pdnode certs init failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(())
 }
 
 fn spawn_node(

@@ -194,6 +194,9 @@ set +e
 unshare --mount --pid --fork --propagation private bash -c '
   set -e
   w=$1
+  # The root is a mount point, as on a real machine: `ip netns` (tests/cluster) remounts / as
+  # a slave and fails with EINVAL on a plain directory.
+  mount --bind "$w" "$w"
   mount -t proc proc "$w/proc"
   mount --rbind /sys "$w/sys"
   mount --rbind /dev "$w/dev"

@@ -909,3 +909,28 @@ fn tls_keys_come_together_and_name_readable_pem_files() {
     let errs = errors(node, both);
     assert_eq!(keys_of(&errs), ["security.allow_insecure"], "{errs:?}");
 }
+
+/// A hand-off's stall allowance divides by the minimum rate: 0 is refused, naming the key.
+#[test]
+fn the_stall_rate_must_be_positive() {
+    let errs = errors("[transfer]\nstall_min_rate_mibps = 0\n", &[]);
+    assert!(
+        errs.iter()
+            .any(|e| matches!(e, ConfigError::Invalid { key, .. }
+            if key == "transfer.stall_min_rate_mibps")),
+        "{errs:?}"
+    );
+    let l = load_from_str(
+        FILE,
+        "[transfer]\nstall_ms = 250\nstall_min_rate_mibps = 40\n",
+        &[],
+    )
+    .unwrap();
+    assert_eq!(
+        (
+            l.config.transfer.stall_ms,
+            l.config.transfer.stall_min_rate_mibps
+        ),
+        (250, 40)
+    );
+}

@@ -14,7 +14,7 @@ use pdnode_node::pd::fence::{FenceRecord, RECORD_LEN};
 use pdnode_node::pd::{self, PdNode};
 use pdnode_proto::v1;
 use pdnode_router::{DecodeCall, KvTarget, NodeClient, PrefillCall, PrefillOutcome, ReserveKv};
-use pdnode_transfer::{KvTransport, RemoteRegion, Span};
+use pdnode_transfer::{KvTransport, RemoteRegion, Secret, Span};
 use std::time::{Duration, Instant};
 
 async fn reserve(d: &pd::ServingNode, id: u64, ids: &[u32]) -> (KvTarget, v1::KvTarget) {
@@ -113,6 +113,11 @@ fn raw_put(p: &pd::ServingNode, t: &v1::KvTarget, at: u64, bytes: &[u8]) {
     tr.flush(&remote).unwrap().wait(deadline).unwrap();
 }
 
+/// The KV capability a target carries (what tags its fence records).
+fn cap(t: &v1::KvTarget) -> Secret {
+    Secret::from_bytes(&t.secret).expect("a 16-byte capability")
+}
+
 fn per_rank(d: &pd::ServingNode, blocks: usize) -> usize {
     let l = &d.built.handle.info().kv_layout;
     l.num_layers as usize * blocks * l.block_layer_bytes()
@@ -196,7 +201,7 @@ async fn a_put_landing_after_its_abort_never_reaches_a_scatter_or_the_next_reser
         crc: None,
         aborted: false,
     };
-    raw_put(&p, &x, x.staging_offset + n as u64, &rec.encode());
+    raw_put(&p, &x, x.staging_offset + n as u64, &rec.encode(&cap(&x)));
     wait_until(
         "X's span released by its record",
         Duration::from_secs(2),
@@ -239,9 +244,9 @@ async fn a_put_landing_after_its_abort_never_reaches_a_scatter_or_the_next_reser
         crc: None,
         aborted: false,
     };
-    raw_put(&p, &v, v.staging_offset + n as u64, &stale.encode());
+    raw_put(&p, &v, v.staging_offset + n as u64, &stale.encode(&cap(&z)));
     let e = decode(&d, 5, &ids, &tv, &out).await.unwrap_err();
-    assert!(e.contains("generation"), "{e}");
+    assert!(e.contains("capability"), "{e}");
     assert_eq!(d.node.fence_stats().record_failures, 1);
 
     // The next request is not corrupted; everything comes back.
@@ -438,4 +443,75 @@ async fn the_transfer_keys_reach_the_decode_node() {
     assert_eq!(e.kind, pdnode_core::error::ErrorKind::Unavailable, "{e}");
     drop(full);
     assert_clean(&d.node).await;
+}
+
+/// KV capabilities (docs/protocol.md, "Capabilities"): a record written by a node that was not
+/// given the reservation (it knows the span and the rkey, not the capability) is refused
+/// before the scatter; a `Decode` with a forged capability or after its expiry is refused; the
+/// rightful request still completes and nothing is held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_and_expired_capabilities_are_refused() {
+    // SAFETY (env): set before any UCX context exists in this test process.
+    unsafe { std::env::set_var("UCX_NET_DEVICES", "lo") };
+    let mut cfg = cpu_ucx_config();
+    cfg.transfer.lease_ms = 1_500;
+    let ids = cpu_prompt(5);
+    let Some((p, d)) = pd_pair(&cfg) else { return };
+    let want = colocated_tokens(&cfg, &ids, 5).await;
+    let n = per_rank(&d, ids.len().div_ceil(4));
+
+    // Capabilities differ per reservation and are bound to it.
+    let (ta, a) = reserve(&d, 1, &ids).await;
+    let (tb, b) = reserve(&d, 2, &ids).await;
+    assert_ne!(a.secret, b.secret);
+    assert_eq!(a.secret.len(), 16);
+    let out_b = prefill(&p, 2, &ids, &tb).await;
+
+    // A forged Decode (B's capability presented for A) is refused; A stays claimable.
+    let out = prefill(&p, 1, &ids, &ta).await;
+    let forged = KvTarget {
+        secret: tb.secret.clone(),
+        ..ta.clone()
+    };
+    let e = decode(&d, 1, &ids, &forged, &out).await.unwrap_err();
+    assert!(e.contains("wrong secret"), "{e}");
+    assert_eq!(decode(&d, 1, &ids, &ta, &out).await.unwrap(), want);
+
+    // B's writer is done; someone with B's span and rkey but not its capability overwrites
+    // the record (a genuine-looking one, tagged under a capability of its own making).
+    let out = out_b;
+    let rec = FenceRecord {
+        generation: b.staging_generation,
+        request: 2,
+        len: n as u64,
+        crc: None,
+        aborted: false,
+    };
+    let made_up = Secret::from_array([0x42; 16]);
+    raw_put(&p, &b, b.staging_offset + n as u64, &rec.encode(&made_up));
+    let before = d.node.fence_stats().record_failures;
+    let e = decode(&d, 2, &ids, &tb, &out).await.unwrap_err();
+    assert!(
+        e.contains("refused before the scatter") && e.contains("capability"),
+        "{e}"
+    );
+    assert_eq!(d.node.fence_stats().record_failures, before + 1);
+
+    // A capability past its expiry (the lease deadline) is refused even though genuine.
+    let (tc, _) = reserve(&d, 3, &ids).await;
+    let out = prefill(&p, 3, &ids, &tc).await;
+    tokio::time::sleep(Duration::from_millis(1_600)).await;
+    let e = decode(&d, 3, &ids, &tc, &out).await.unwrap_err();
+    assert!(e.contains("expired"), "{e}");
+
+    // The next request is served; the refused and expired ones hold nothing once fenced.
+    let (td, _) = reserve(&d, 4, &ids).await;
+    let out = prefill(&p, 4, &ids, &td).await;
+    assert_eq!(decode(&d, 4, &ids, &td, &out).await.unwrap(), want);
+    wait_until("every span back", Duration::from_secs(10), || {
+        d.node.fence_stats().quarantined_now == 0 && d.node.pending_reservations() == 0
+    })
+    .await;
+    assert_clean(&d.node).await;
+    assert_clean(&p.node).await;
 }

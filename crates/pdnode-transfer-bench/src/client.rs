@@ -474,7 +474,12 @@ fn push(
             crc,
             aborted: false,
         };
-        fence::write_record(c.staging_reg, at, &record).map_err(bad)?;
+        let cap = pdnode_transfer::Secret::from_bytes(&target.secret).ok_or_else(|| {
+            TransferError::Verify {
+                reason: format!("a capability of {} bytes, not 16", target.secret.len()),
+            }
+        })?;
+        fence::write_record(c.staging_reg, at, &record, &cap).map_err(bad)?;
         let span = Span {
             local_offset: kv_len,
             remote_offset: target

@@ -14,6 +14,7 @@
 mod client;
 mod devmem;
 mod pattern;
+pub mod regcost;
 mod server;
 pub mod wire;
 

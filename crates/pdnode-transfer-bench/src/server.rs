@@ -420,10 +420,11 @@ fn check_fence(p: &Point, r: &Held) -> Result<(), TransferError> {
     let bad = |e: fence::FenceError| TransferError::Verify {
         reason: format!("{}: {e}", r.request),
     };
-    let record = fence::read_record(&p.staging_reg, len)
-        .map_err(bad)?
-        .ok_or(fence::FenceError::Missing { rank: 0 })
-        .map_err(bad)?;
+    let record = match fence::read_record(&p.staging_reg, len, &r.secret).map_err(bad)? {
+        fence::Landed::Record(rec) => rec,
+        fence::Landed::Nothing => return Err(bad(fence::FenceError::Missing { rank: 0 })),
+        fence::Landed::Forged => return Err(bad(fence::FenceError::Forged { rank: 0 })),
+    };
     let crc = fence::crc_at(&p.staging_reg, 0, len).map_err(bad)?;
     record
         .check(0, r.generation, r.request.0, r.kv_len, Some(crc))
@@ -460,9 +461,9 @@ fn end_reservation(p: &mut Point, now: Instant) {
     }
     let written = r.fenced
         && usize::try_from(r.kv_len).is_ok_and(|len| {
-            fence::read_record(&p.staging_reg, len)
+            fence::read_record(&p.staging_reg, len, &r.secret)
                 .ok()
-                .flatten()
+                .and_then(fence::Landed::record)
                 .is_some_and(|rec| rec.generation == r.generation)
         });
     if (written || r.quarantine_until.is_some_and(|q| now >= q))

@@ -1,15 +1,21 @@
 //! The fence record of the KV hand-off (docs/protocol.md, "Fencing and verification"): 64
 //! bytes the prefill node writes behind each rank's KV in the decode node's staging span, after
 //! the KV puts were flushed. Generation, request, length, the CRC32C of the rank's bytes when
-//! asked for, and a CRC32C of the record itself (a torn record is no record). One format for
-//! serving (`pdnode-node`'s hand-off) and for `pdnode bench-transfer`.
+//! asked for, a tag under the reservation's KV capability (only a holder of the capability
+//! writes a record the decode node accepts: `crate::capability`), and a CRC32C of the record
+//! itself (a torn record is no record). One format for serving (`pdnode-node`'s hand-off) and
+//! for `pdnode bench-transfer`.
 
+use crate::capability::record_tag;
 use crate::checksum::crc32c;
-use crate::{MemKind, Registration};
+use crate::{MemKind, Registration, Secret};
 
 /// Bytes of a fence record (a multiple of 8; the staging allocator aligns spans anyway).
 pub const RECORD_LEN: usize = 64;
-const MAGIC: [u8; 8] = *b"PDKVFNC1";
+const MAGIC: [u8; 8] = *b"PDKVFNC2";
+/// Bytes the capability tag covers (magic to checksum), and where the tag lies.
+const TAGGED: usize = 40;
+const TAG: std::ops::Range<usize> = 40..56;
 /// Flag: the record carries the CRC32C of the rank's bytes.
 const HAS_CRC: u32 = 1;
 /// Flag: the writer abandoned the push (its puts are over, the bytes are not the whole KV).
@@ -27,6 +33,27 @@ pub struct FenceRecord {
     /// The writer gave the push up; its puts are all over (the span may be freed, never
     /// scattered).
     pub aborted: bool,
+}
+
+/// What lies where a fence record should.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Landed {
+    /// No intact record (never written, torn, or too short).
+    Nothing,
+    /// An intact record whose tag does not verify under the reservation's capability: written
+    /// by someone who was not given this reservation.
+    Forged,
+    Record(FenceRecord),
+}
+
+impl Landed {
+    /// The record, if an intact and genuine one is there.
+    pub fn record(self) -> Option<FenceRecord> {
+        match self {
+            Landed::Record(r) => Some(r),
+            _ => None,
+        }
+    }
 }
 
 /// Why landed KV is not scattered.
@@ -50,6 +77,10 @@ pub enum FenceError {
         want_request: u64,
         want_len: u64,
     },
+    #[error(
+        "rank {rank}: the fence record's tag does not verify under this reservation's capability (written by a node that was not given it)"
+    )]
+    Forged { rank: usize },
     #[error("rank {rank}: the writer abandoned this push")]
     Aborted { rank: usize },
     #[error("rank {rank}: the fence record carries no checksum but transfer.verify is on")]
@@ -72,7 +103,8 @@ impl FenceError {
 }
 
 impl FenceRecord {
-    pub fn encode(&self) -> [u8; RECORD_LEN] {
+    /// The record's bytes, tagged under `capability` (the reservation's `KvTarget.secret`).
+    pub fn encode(&self, capability: &Secret) -> [u8; RECORD_LEN] {
         let mut b = [0u8; RECORD_LEN];
         b[0..8].copy_from_slice(&MAGIC);
         b[8..16].copy_from_slice(&self.generation.to_le_bytes());
@@ -87,13 +119,35 @@ impl FenceRecord {
         }
         b[32..36].copy_from_slice(&flags.to_le_bytes());
         b[36..40].copy_from_slice(&crc.to_le_bytes());
+        let tag = record_tag(capability, &b[..TAGGED]);
+        b[TAG].copy_from_slice(&tag);
         let own = crc32c(&b[..RECORD_LEN - 4]);
         b[RECORD_LEN - 4..].copy_from_slice(&own.to_le_bytes());
         b
     }
 
-    /// `None` when `b` is not an intact record (wrong magic, torn, or too short).
-    pub fn decode(b: &[u8]) -> Option<Self> {
+    /// What `b` holds, the tag checked under `capability`.
+    pub fn decode(b: &[u8], capability: &Secret) -> Landed {
+        let Some(b) = b.get(..RECORD_LEN) else {
+            return Landed::Nothing;
+        };
+        let Some(rec) = Self::decode_intact(b) else {
+            return Landed::Nothing;
+        };
+        let tag = record_tag(capability, &b[..TAGGED]);
+        // Constant-time: a tag is compared like a secret.
+        let diff = tag
+            .iter()
+            .zip(&b[TAG])
+            .fold(0u8, |acc, (x, y)| acc | (x ^ y));
+        if diff != 0 {
+            return Landed::Forged;
+        }
+        Landed::Record(rec)
+    }
+
+    /// The record in `b` if it is intact (magic and its own checksum), its tag unchecked.
+    fn decode_intact(b: &[u8]) -> Option<Self> {
         let b: &[u8; RECORD_LEN] = b.get(..RECORD_LEN)?.try_into().ok()?;
         let u64_at = |i: usize| {
             let mut w = [0u8; 8];
@@ -182,15 +236,20 @@ pub fn crc_at(reg: &Registration, offset: usize, len: usize) -> Result<u32, Fenc
     Ok(crc32c(bytes))
 }
 
-/// The fence record at `offset` of a registered host region, if an intact one is there.
-pub fn read_record(reg: &Registration, offset: usize) -> Result<Option<FenceRecord>, FenceError> {
+/// What lies at `offset` of a registered host region where a fence record should, its tag
+/// checked under `capability`.
+pub fn read_record(
+    reg: &Registration,
+    offset: usize,
+    capability: &Secret,
+) -> Result<Landed, FenceError> {
     let p = host_ptr(reg, offset, RECORD_LEN)?;
     let mut b = [0u8; RECORD_LEN];
     // SAFETY: in bounds of the registration's host memory (checked by `host_ptr`); copied out
     // before it is parsed, so a concurrent remote write can only make the record torn, which
     // its own checksum detects.
     unsafe { std::ptr::copy_nonoverlapping(p as *const u8, b.as_mut_ptr(), RECORD_LEN) };
-    Ok(FenceRecord::decode(&b))
+    Ok(FenceRecord::decode(&b, capability))
 }
 
 /// Writes `record` at `offset` of a registered host region (the prefill node's put source).
@@ -198,9 +257,10 @@ pub fn write_record(
     reg: &Registration,
     offset: usize,
     record: &FenceRecord,
+    capability: &Secret,
 ) -> Result<(), FenceError> {
     let p = host_ptr(reg, offset, RECORD_LEN)?;
-    let b = record.encode();
+    let b = record.encode(capability);
     // SAFETY: in bounds of the registration's host memory (checked by `host_ptr`); this range
     // belongs to the caller's span (or fresh region) and no put reads it yet.
     unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), p, RECORD_LEN) };
@@ -212,7 +272,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn record_round_trip_and_torn_records() {
+    fn record_round_trip_torn_and_forged_records() {
+        let cap = Secret::from_array([7; 16]);
         let r = FenceRecord {
             generation: 7,
             request: 0xabc,
@@ -220,23 +281,41 @@ mod tests {
             crc: Some(0xdead_beef),
             aborted: false,
         };
-        let b = r.encode();
-        assert_eq!(FenceRecord::decode(&b), Some(r));
+        let b = r.encode(&cap);
+        assert_eq!(FenceRecord::decode(&b, &cap), Landed::Record(r));
         let gone = FenceRecord { aborted: true, ..r };
-        assert_eq!(FenceRecord::decode(&gone.encode()), Some(gone));
+        assert_eq!(
+            FenceRecord::decode(&gone.encode(&cap), &cap),
+            Landed::Record(gone)
+        );
         assert!(matches!(
             gone.check(0, 7, 0xabc, 4096, None),
             Err(FenceError::Aborted { rank: 0 })
         ));
-        for i in [0, 9, 20, 33, 37, 63] {
+        for i in [0, 9, 20, 33, 37, 45, 63] {
             let mut t = b;
             t[i] ^= 1;
-            assert_eq!(FenceRecord::decode(&t), None, "byte {i} flipped");
+            assert_eq!(
+                FenceRecord::decode(&t, &cap),
+                Landed::Nothing,
+                "byte {i} flipped"
+            );
         }
-        assert_eq!(FenceRecord::decode(&b[..10]), None);
-        assert_eq!(FenceRecord::decode(&[0u8; RECORD_LEN]), None);
+        assert_eq!(FenceRecord::decode(&b[..10], &cap), Landed::Nothing);
+        assert_eq!(
+            FenceRecord::decode(&[0u8; RECORD_LEN], &cap),
+            Landed::Nothing
+        );
         let plain = FenceRecord { crc: None, ..r };
-        assert_eq!(FenceRecord::decode(&plain.encode()), Some(plain));
+        assert_eq!(
+            FenceRecord::decode(&plain.encode(&cap), &cap).record(),
+            Some(plain)
+        );
+        // Intact, but written under another capability (or none): forged, not missing.
+        let other = Secret::from_array([8; 16]);
+        assert_eq!(FenceRecord::decode(&r.encode(&other), &cap), Landed::Forged);
+        assert_eq!(FenceRecord::decode(&b, &other), Landed::Forged);
+        assert_eq!(Landed::Forged.record(), None);
     }
 
     #[test]

@@ -8,12 +8,15 @@
 //! - [`fence`]: the 64-byte fence record written behind each rank's KV (generation, request,
 //!   length, CRC32C).
 //! - [`region`]: regions, spans, the pool geometry, host gather/scatter and span planning.
-//! - [`Secret`]: the per-reservation secret.
+//! - [`Secret`]: the per-reservation secret; [`capability`] mints it as a KV capability (an
+//!   HMAC over the reservation it grants, under the decode node's key) and tags fence records
+//!   with it.
 //!
 //! The hand-off protocol itself (reservation, push, fences) runs in `pdnode-node`'s `pd`
 //! module; the KV target is `pdnode_core::KvTarget`. The benchmark (`pdnode bench-transfer`)
 //! lives in `pdnode-transfer-bench`. This crate depends on neither the engine nor a bench.
 
+pub mod capability;
 pub mod checksum;
 pub mod completion;
 mod error;

@@ -3,12 +3,17 @@
 
 use serde::{Deserialize, Serialize};
 
-#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Secret([u8; 16]);
 
 impl Secret {
     pub fn random() -> Self {
         Secret(rand::random())
+    }
+
+    /// A secret from exactly 16 bytes (a capability, `crate::capability`).
+    pub fn from_array(b: [u8; 16]) -> Self {
+        Secret(b)
     }
 
     pub fn from_bytes(b: &[u8]) -> Option<Self> {

@@ -295,6 +295,19 @@ pub async fn run(case: &Case, net: &Net, bin: &Path, repo: &Path, dir: &Path) ->
             .push("no request failed: the fault did not reach the clients".into()),
         _ => {}
     }
+    // A KV link that stays down must not hold the requests through it until it returns: the
+    // prefill node gives up on a stalled push after `transfer.stall_ms` and the router retries
+    // on another pair (without that, they end only after the link is back: 10 s and more).
+    if let (Fault::LinkDown(l, hold), Some(end)) = (&case.fault, row.fault_to_end)
+        && *l == net::KV_LINK
+        && end >= *hold
+    {
+        row.problems.push(format!(
+            "requests through the cut KV link waited for it: the last ended {:.2} s after the cut, the link was down {:.0} s",
+            end.as_secs_f64(),
+            hold.as_secs_f64()
+        ));
+    }
     if row.hung > 0 {
         row.problems.push(format!("{} hung", row.hung));
     }

@@ -356,6 +356,12 @@ pub struct TransferConfig {
     /// Decode side: the most bytes of per-request host staging (the fall-back when the staging
     /// arena has no room) held at once; past it a reservation is refused (Unavailable).
     pub host_staging_bytes: u64,
+    /// Prefill side: a hand-off whose puts and flushes are not over this long past the time
+    /// their bytes need at `stall_min_rate_mibps` counts as stalled and fails (the router retries on
+    /// another pair), well before `lease_ms`, ms.
+    pub stall_ms: u64,
+    /// Prefill side: the slowest KV bandwidth to a decode node that is not a stall, MiB/s.
+    pub stall_min_rate_mibps: u64,
 }
 
 impl Default for TransferConfig {
@@ -369,6 +375,8 @@ impl Default for TransferConfig {
             staging_mib: 256,
             verify: true,
             host_staging_bytes: 1 << 30,
+            stall_ms: 1000,
+            stall_min_rate_mibps: 100,
         }
     }
 }
@@ -440,8 +448,8 @@ impl Default for RouterConfig {
             token_timeout_s: 60,
             max_inflight_requests: 4096,
             client_send_timeout_s: 30,
-            node_keepalive_interval_ms: 500,
-            node_keepalive_timeout_ms: 1000,
+            node_keepalive_interval_ms: 250,
+            node_keepalive_timeout_ms: 750,
             sglang: super::sglang::SglangConfig::default(),
         }
     }

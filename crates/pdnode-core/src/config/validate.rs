@@ -277,6 +277,9 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
     if c.transfer.staging_mib == 0 {
         bad("transfer.staging_mib", "must be at least 1".into());
     }
+    if c.transfer.stall_min_rate_mibps == 0 {
+        bad("transfer.stall_min_rate_mibps", "must be at least 1".into());
+    }
 
     // router
     let r = &c.router;
@@ -520,6 +523,13 @@ fn durations(c: &Config) -> Vec<DurationKey> {
             c.transfer.lease_ms,
             MILLIS,
             100,
+            3_600_000,
+        ),
+        d(
+            "transfer.stall_ms",
+            c.transfer.stall_ms,
+            MILLIS,
+            10,
             3_600_000,
         ),
         // A routing key must expire within a year (the `manual` policy's idle limit).

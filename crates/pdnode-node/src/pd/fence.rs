@@ -17,7 +17,7 @@
 
 use pdnode_transfer::Completion;
 pub use pdnode_transfer::fence::{
-    FenceError, FenceRecord, RECORD_LEN, crc_at, read_record, write_record,
+    FenceError, FenceRecord, Landed, RECORD_LEN, crc_at, read_record, write_record,
 };
 use std::any::Any;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -48,6 +48,8 @@ pub enum ClaimError {
     WrongSecret,
     /// Claimed or released already.
     Ended,
+    /// The capability is genuine but past its expiry (the lease deadline in the target).
+    Expired,
 }
 
 /// What becomes of a released span.
@@ -69,6 +71,8 @@ pub struct Reservation {
     /// node's push deadline is never past the lease, so by then every put it issued has ended
     /// (completed or failed).
     fence_deadline: Instant,
+    /// Unix ms after which the capability is refused (the target's lease deadline).
+    expires_ms: u64,
     state: ReservationState,
 }
 
@@ -85,12 +89,24 @@ impl Reservation {
             generation,
             secret,
             fence_deadline: now + lease + lease,
+            expires_ms: u64::MAX,
             state: ReservationState::Reserved,
         }
     }
 
+    /// The capability is refused after `expires_ms` (Unix ms).
+    pub fn with_expiry(mut self, expires_ms: u64) -> Self {
+        self.expires_ms = expires_ms;
+        self
+    }
+
     pub fn request(&self) -> RequestId {
         self.request
+    }
+
+    /// The reservation's capability (its `KvTarget.secret`): fence records are tagged with it.
+    pub fn capability(&self) -> &Secret {
+        &self.secret
     }
 
     pub fn generation(&self) -> u64 {
@@ -101,13 +117,17 @@ impl Reservation {
         self.state
     }
 
-    /// `Decode` with `presented`: Reserved -> Claimed. A wrong secret changes nothing.
-    pub fn claim(&mut self, presented: &[u8]) -> Result<(), ClaimError> {
+    /// `Decode` with `presented` at `now_ms` (Unix ms): Reserved -> Claimed. A wrong or
+    /// expired capability changes nothing (the sweep ends an expired reservation).
+    pub fn claim(&mut self, presented: &[u8], now_ms: u64) -> Result<(), ClaimError> {
         if self.state != ReservationState::Reserved {
             return Err(ClaimError::Ended);
         }
         if !self.secret.matches(presented) {
             return Err(ClaimError::WrongSecret);
+        }
+        if now_ms > self.expires_ms {
+            return Err(ClaimError::Expired);
         }
         self.state = ReservationState::Claimed;
         Ok(())
@@ -210,6 +230,44 @@ pub fn push_deadline(
     let left = Duration::from_millis(lease_deadline_ms.saturating_sub(now_ms));
     now.checked_add(left)
         .map_or(ours, |theirs| ours.min(theirs))
+}
+
+/// How long a push waits on its puts and flushes. `deadline` is the push deadline
+/// ([`push_deadline`]); before it, a wait for `bytes` that began at `from` is over at `from`
+/// plus the time the bytes need at `min_bytes_per_s` plus `stall` (`transfer.stall_ms`,
+/// `transfer.stall_min_rate_mibps`): past that the link or the peer counts as stalled and the
+/// hand-off fails (retryable) instead of waiting out the lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PushWait {
+    pub deadline: Instant,
+    pub stall: Duration,
+    pub min_bytes_per_s: u64,
+}
+
+impl PushWait {
+    /// A wait bounded by `deadline` alone (no stall allowance): in-process moves and tests.
+    pub fn until(deadline: Instant) -> Self {
+        Self {
+            deadline,
+            stall: Duration::MAX,
+            min_bytes_per_s: 1,
+        }
+    }
+
+    /// When a wait for `bytes` that began at `from` gives up, and whether that is a stall
+    /// (before the push deadline) rather than the deadline itself.
+    pub fn give_up(&self, from: Instant, bytes: u64) -> (Instant, bool) {
+        let need = Duration::from_secs(bytes / self.min_bytes_per_s.max(1)).saturating_add(
+            Duration::from_nanos(
+                ((bytes % self.min_bytes_per_s.max(1)) as u128 * 1_000_000_000
+                    / self.min_bytes_per_s.max(1) as u128) as u64,
+            ),
+        );
+        match from.checked_add(self.stall.saturating_add(need)) {
+            Some(at) if at < self.deadline => (at, true),
+            _ => (self.deadline, false),
+        }
+    }
 }
 
 /// Why a push may not put what the engine reported.
@@ -375,19 +433,25 @@ mod tests {
     fn a_wrong_secret_changes_nothing_and_a_claim_happens_once() {
         let now = Instant::now();
         let (mut r, secret) = reservation(now);
-        assert_eq!(r.claim(b"not the secret"), Err(ClaimError::WrongSecret));
-        assert_eq!(r.claim(&[0u8; 16]), Err(ClaimError::WrongSecret));
+        assert_eq!(r.claim(b"not the secret", 0), Err(ClaimError::WrongSecret));
+        // Past its expiry even the right capability is refused, and nothing changes.
+        let (expiring, own) = reservation(now);
+        let mut expiring = expiring.with_expiry(1_000);
+        assert_eq!(expiring.claim(&own, 1_001), Err(ClaimError::Expired));
+        assert_eq!(expiring.state(), ReservationState::Reserved);
+        assert_eq!(expiring.claim(b"forged", 0), Err(ClaimError::WrongSecret));
+        assert_eq!(r.claim(&[0u8; 16], 0), Err(ClaimError::WrongSecret));
         assert_eq!(r.state(), ReservationState::Reserved);
-        assert_eq!(r.claim(&secret), Ok(()));
+        assert_eq!(r.claim(&secret, 0), Ok(()));
         assert_eq!(r.state(), ReservationState::Claimed);
-        assert_eq!(r.claim(&secret), Err(ClaimError::Ended));
+        assert_eq!(r.claim(&secret, 0), Err(ClaimError::Ended));
         // A claimed reservation is never swept.
         assert!(!r.sweepable(now + 3 * LEASE));
         assert_eq!(
             r.release(ReleaseCause::Scattered, true, false, now),
             Some(Release::Free)
         );
-        assert_eq!(r.claim(&secret), Err(ClaimError::Ended));
+        assert_eq!(r.claim(&secret, 0), Err(ClaimError::Ended));
     }
 
     #[test]
@@ -545,5 +609,28 @@ mod tests {
             push_deadline(now, LEASE, later, at_ms, 0),
             later + Duration::from_secs(1)
         );
+    }
+
+    #[test]
+    fn a_push_wait_allows_stall_plus_the_bytes_time_and_never_passes_the_deadline() {
+        let now = Instant::now();
+        let w = PushWait {
+            deadline: now + LEASE,
+            stall: Duration::from_secs(1),
+            min_bytes_per_s: 100 << 20,
+        };
+        // Nothing to move: the stall allowance alone, a stall.
+        assert_eq!(w.give_up(now, 0), (now + Duration::from_secs(1), true));
+        // 250 MiB at 100 MiB/s: 2.5 s more.
+        assert_eq!(
+            w.give_up(now, 250 << 20),
+            (now + Duration::from_millis(3500), true)
+        );
+        // So many bytes that the allowance passes the push deadline: the deadline, not a stall.
+        assert_eq!(w.give_up(now, 1 << 50), (now + LEASE, false));
+        assert_eq!(w.give_up(now, u64::MAX), (now + LEASE, false));
+        // Without a stall allowance only the deadline bounds the wait.
+        let plain = PushWait::until(now + LEASE);
+        assert_eq!(plain.give_up(now, 0), (now + LEASE, false));
     }
 }

@@ -5,14 +5,14 @@
 //! its checked accessors.
 
 use super::fence::{self, FenceRecord, RECORD_LEN, SourceHold};
-use super::handoff::PushError;
+use super::handoff::{PushError, PushWait};
 use pdnode_core::kv_target::TargetError;
 use pdnode_core::{ErrorKind, KvTarget, NodeId, RequestId, TargetTransport};
 use pdnode_engine::engine::{EngineError, EngineHandle};
 use pdnode_transfer::fence::FenceError;
 use pdnode_transfer::{
-    KvTransport, MemKind, Registration, RemoteRegion, RemoteTarget, Span, TransferError,
-    UcxTransport,
+    Completion, KvTransport, MemKind, Registration, RemoteRegion, RemoteTarget, Secret, Span,
+    TransferError, UcxTransport,
 };
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -44,6 +44,17 @@ pub enum HandoffError {
     Fence(#[from] FenceError),
     #[error(transparent)]
     Push(#[from] PushError),
+    /// Puts or flushes not over `waited_ms` after they were issued, past the time their `bytes`
+    /// need at the slowest expected rate plus `transfer.stall_ms`: the link or the decode node
+    /// stalls. The puts stay in flight (their source is held; the decode node fences them).
+    #[error(
+        "{step}: stalled, not over after {waited_ms} ms for {bytes} bytes (transfer.stall_ms, transfer.stall_min_rate_mibps)"
+    )]
+    Stalled {
+        step: String,
+        waited_ms: u64,
+        bytes: u64,
+    },
     /// This node's KV and the target (or its own staging) do not fit together.
     #[error("{0}")]
     Mismatch(String),
@@ -63,13 +74,57 @@ impl HandoffError {
                 source: TransferError::Busy { .. },
                 ..
             } => ErrorKind::Unavailable,
-            Self::Transfer { .. } | Self::Push(PushError::PastDeadline) => ErrorKind::Retryable,
+            Self::Transfer { .. } | Self::Stalled { .. } | Self::Push(PushError::PastDeadline) => {
+                ErrorKind::Retryable
+            }
             Self::Engine { source, .. } => source.kind(),
             Self::Target(_) | Self::Fence(_) | Self::Push(_) | Self::Mismatch(_) => {
                 ErrorKind::Internal
             }
         }
     }
+}
+
+/// The reservation's KV capability, which tags every fence record the prefill node writes.
+pub(super) fn capability(target: &KvTarget) -> Result<Secret, HandoffError> {
+    Secret::from_bytes(&target.secret).ok_or_else(|| {
+        HandoffError::Mismatch(format!(
+            "the KV target carries a capability of {} bytes, not 16",
+            target.secret.len()
+        ))
+    })
+}
+
+/// Waits for `ops` (puts and flushes moving `bytes` in all, issued at `from`) under `wait`: a
+/// stall (see [`PushWait`]) is [`HandoffError::Stalled`], the push deadline or a failed
+/// operation a [`HandoffError::Transfer`] naming `step` and the operation's index.
+pub(super) async fn wait_ops<'a>(
+    ops: impl IntoIterator<Item = &'a Completion>,
+    bytes: u64,
+    from: Instant,
+    wait: &PushWait,
+    step: &str,
+) -> Result<(), HandoffError> {
+    let (until, stall) = wait.give_up(from, bytes);
+    for (i, op) in ops.into_iter().enumerate() {
+        match op.wait_async(until).await {
+            Ok(()) => {}
+            Err(TransferError::Timeout { .. }) if stall => {
+                return Err(HandoffError::Stalled {
+                    step: format!("{step} {i}"),
+                    waited_ms: from.elapsed().as_millis() as u64,
+                    bytes,
+                });
+            }
+            Err(source) => {
+                return Err(HandoffError::Transfer {
+                    step: format!("{step} {i}"),
+                    source,
+                });
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Decode engines of this process, by node id (role = "all").
@@ -137,7 +192,7 @@ impl KvMover {
         target: &KvTarget,
         layers: u32,
         data: Vec<u8>,
-        deadline: Instant,
+        wait: PushWait,
         hold: impl FnOnce(Box<dyn std::any::Any + Send>) -> SourceHold,
     ) -> Result<(), HandoffError> {
         match (self, target.transport) {
@@ -177,16 +232,7 @@ impl KvMover {
                 let mut hold = hold(Box::new(reg.clone()));
                 let sources: Vec<(&Registration, u64)> =
                     (0..ranks).map(|r| (&*reg, (r * stride) as u64)).collect();
-                put_ranks(
-                    t,
-                    id,
-                    target,
-                    &sources,
-                    per_rank as u64,
-                    deadline,
-                    &mut hold,
-                )
-                .await
+                put_ranks(t, id, target, &sources, per_rank as u64, wait, &mut hold).await
             }
             (_, other) => Err(HandoffError::Mismatch(format!(
                 "KV target asks for transport {other:?}, this node moves KV with {:?}",
@@ -208,7 +254,7 @@ pub async fn put_ranks(
     target: &KvTarget,
     sources: &[(&Registration, u64)],
     len: u64,
-    deadline: Instant,
+    wait: PushWait,
     hold: &mut SourceHold,
 ) -> Result<(), HandoffError> {
     if sources.len() != target.ranks.len() {
@@ -225,6 +271,7 @@ pub async fn put_ranks(
     };
     let mut remotes = Vec::with_capacity(sources.len());
     let first = hold.puts().len();
+    let issued = Instant::now();
     for (r, (reg, local_offset)) in sources.iter().enumerate() {
         let remote = connect_rank(t, target, r, len.saturating_add(record))?;
         let span = Span {
@@ -247,22 +294,15 @@ pub async fn put_ranks(
                 .map_err(HandoffError::at(format!("flush rank {r}")))?,
         );
     }
-    for (r, p) in hold.puts()[first..].iter().enumerate() {
-        p.wait_async(deadline)
-            .await
-            .map_err(HandoffError::at(format!("put rank {r}")))?;
-    }
-    for (r, f) in flushes.into_iter().enumerate() {
-        f.wait_async(deadline)
-            .await
-            .map_err(HandoffError::at(format!("flush rank {r}")))?;
-    }
+    let bytes = len.saturating_mul(remotes.len() as u64);
+    wait_ops(&hold.puts()[first..], bytes, issued, &wait, "put rank").await?;
+    wait_ops(&flushes, bytes, issued, &wait, "flush rank").await?;
     if target.fence_record {
         let spans: Vec<_> = sources
             .iter()
             .map(|(reg, at)| (*reg, *at as usize, len as usize))
             .collect();
-        put_records(t, id, target, &spans, &remotes, deadline, hold).await?;
+        put_records(t, id, target, &spans, &remotes, &wait, hold).await?;
     }
     drop(remotes);
     Ok(())
@@ -278,10 +318,12 @@ pub(super) async fn put_records(
     target: &KvTarget,
     sources: &[(&Registration, usize, usize)],
     remotes: &[RemoteTarget],
-    deadline: Instant,
+    wait: &PushWait,
     hold: &mut SourceHold,
 ) -> Result<(), HandoffError> {
     let first = hold.puts().len();
+    let issued = Instant::now();
+    let cap = capability(target)?;
     for (r, ((reg, at, len), remote)) in sources.iter().zip(remotes).enumerate() {
         let crc = if target.verify {
             Some(fence::crc_at(reg, *at, *len)?)
@@ -298,7 +340,7 @@ pub(super) async fn put_records(
             crc,
             aborted: false,
         };
-        fence::write_record(reg, rec_at, &record)?;
+        fence::write_record(reg, rec_at, &record, &cap)?;
         let span = Span {
             local_offset: rec_at as u64,
             remote_offset: target.remote_offset(r, *len as u64, RECORD_LEN as u64)?,
@@ -316,16 +358,16 @@ pub(super) async fn put_records(
                 .map_err(HandoffError::at(format!("fence record flush rank {r}")))?,
         );
     }
-    for p in &hold.puts()[first..] {
-        p.wait_async(deadline)
-            .await
-            .map_err(HandoffError::at("fence record put"))?;
-    }
-    for f in flushes {
-        f.wait_async(deadline)
-            .await
-            .map_err(HandoffError::at("fence record flush"))?;
-    }
+    let bytes = (RECORD_LEN * remotes.len()) as u64;
+    wait_ops(
+        &hold.puts()[first..],
+        bytes,
+        issued,
+        wait,
+        "fence record put",
+    )
+    .await?;
+    wait_ops(&flushes, bytes, issued, wait, "fence record flush").await?;
     Ok(())
 }
 

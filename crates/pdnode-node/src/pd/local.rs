@@ -28,6 +28,7 @@ use pdnode_nodeapi::{
     DecodeCall, DecodeChunk, DecodeStream, KvTarget, NodeClient, NodeError, NodeStats, PrefillCall,
     PrefillOutcome, ReserveKv,
 };
+use pdnode_transfer::capability::{CapabilityKey, Grant};
 use pdnode_transfer::{Registration, Secret};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -92,9 +93,14 @@ pub struct PdNode {
     /// (decode: owned and quarantined).
     host_cap: AtomicU64,
     host_used: Arc<AtomicU64>,
+    /// `transfer.stall_ms`, and `transfer.stall_min_rate_mibps` in bytes per second (prefill).
+    stall_ms: AtomicU64,
+    stall_rate: AtomicU64,
     /// Reservations in progress (decode: `ReserveKv` not answered yet, e.g. waiting for arena
     /// room); `abort` cancels them.
     reserving: Mutex<HashMap<RequestId, Arc<CancellationToken>>>,
+    /// Mints this decode node's KV capabilities; random per process.
+    cap_key: CapabilityKey,
 }
 
 /// Removes a reservation in progress from [`PdNode::reserving`] when `ReserveKv` ends.
@@ -122,6 +128,14 @@ const SWEEP_EVERY: Duration = Duration::from_millis(100);
 
 /// The longest a hand-off waits for room in a full staging arena (see `PdNode::room_deadline`).
 pub const MAX_ARENA_WAIT: Duration = Duration::from_secs(5);
+
+/// Unix time, ms (0 before 1970).
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
 
 fn nerr(kind: ErrorKind, msg: impl Into<String>) -> NodeError {
     NodeError::new(kind, msg)
@@ -177,7 +191,12 @@ impl PdNode {
                 pdnode_core::config::TransferConfig::default().host_staging_bytes,
             ),
             host_used: Arc::new(AtomicU64::new(0)),
+            stall_ms: AtomicU64::new(pdnode_core::config::TransferConfig::default().stall_ms),
+            stall_rate: AtomicU64::new(
+                pdnode_core::config::TransferConfig::default().stall_min_rate_mibps << 20,
+            ),
             reserving: Mutex::new(HashMap::new()),
+            cap_key: CapabilityKey::random(),
         });
         // Quarantined spans come back without waiting for the next reservation's sweep (a
         // reservation waiting for arena room is woken by the free).
@@ -366,12 +385,16 @@ impl PdNode {
             }
         };
         let generation = self.generation.fetch_add(1, Ordering::Relaxed);
-        let secret = Secret::random();
-        let deadline_ms = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_millis() as u64)
-            .unwrap_or(0)
-            + self.lease.as_millis() as u64;
+        let deadline_ms = unix_ms().saturating_add(self.lease.as_millis() as u64);
+        // The KV capability: bound to this request, generation, span and expiry, under this
+        // process's key (docs/protocol.md, "Capabilities").
+        let secret = self.cap_key.mint(&Grant {
+            request: id.0,
+            generation,
+            offset: staging_offset,
+            len: per_rank as u64,
+            expires_ms: deadline_ms,
+        });
         let worker_address = match &self.mover {
             KvMover::Ucx(t) => {
                 use pdnode_transfer::KvTransport;
@@ -400,7 +423,8 @@ impl PdNode {
         self.slots().insert(
             id,
             DecodeSlot {
-                fsm: Reservation::new(id, generation, secret, Instant::now(), self.lease),
+                fsm: Reservation::new(id, generation, secret, Instant::now(), self.lease)
+                    .with_expiry(deadline_ms),
                 blocks: blocks.len(),
                 staging,
                 fence,
@@ -574,7 +598,7 @@ impl PdNode {
             let mut slots = self.slots();
             let claimed = match slots.get_mut(&id) {
                 None => Err(ClaimError::Ended),
-                Some(s) => s.fsm.claim(&req.secret),
+                Some(s) => s.fsm.claim(&req.secret, unix_ms()),
             };
             match claimed {
                 Err(ClaimError::Ended) => {
@@ -591,6 +615,13 @@ impl PdNode {
                     return Err(nerr(
                         ErrorKind::InvalidRequest,
                         format!("wrong secret for the KV reservation of {id}"),
+                    ));
+                }
+                // Left for the sweep, which ends it at its fence deadline.
+                Err(ClaimError::Expired) => {
+                    return Err(nerr(
+                        ErrorKind::InvalidRequest,
+                        format!("the KV capability of {id} expired (its lease deadline passed)"),
                     ));
                 }
                 Ok(()) => match slots.remove(&id) {

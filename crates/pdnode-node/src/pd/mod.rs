@@ -318,6 +318,7 @@ pub fn pd_node(cfg: &Config, id: &NodeId, role: Role) -> Result<ServingNode, Bui
     node.set_push_layer_group(cfg.engine.kv_push_layer_group);
     node.set_verify(cfg.transfer.verify);
     node.set_host_staging_bytes(cfg.transfer.host_staging_bytes);
+    node.set_stall(cfg.transfer.stall_ms, cfg.transfer.stall_min_rate_mibps);
     Ok(ServingNode {
         node,
         built,

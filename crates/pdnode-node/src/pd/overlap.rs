@@ -12,7 +12,7 @@
 
 use super::arena::{ArenaSlice, StagingArena};
 use super::fence::{self, FenceCounters, FenceRecord, RECORD_LEN, SourceHold};
-use super::handoff::{PushEnd, PushProgress};
+use super::handoff::{PushEnd, PushProgress, PushWait};
 use super::kv::HandoffError;
 use pdnode_core::{KvLayout, KvTarget, RequestId};
 use pdnode_engine::engine::EngineHandle;
@@ -48,8 +48,9 @@ pub(super) struct OverlapPush {
     hold: SourceHold,
     /// Puts of layer groups gathered inside the prompt's last step.
     pub layer_puts: usize,
-    /// The record to send when this push is abandoned (the target asked for fence records).
-    abandon_record: Option<FenceRecord>,
+    /// The record to send when this push is abandoned (the target asked for fence records),
+    /// and the capability that tags it.
+    abandon_record: Option<(FenceRecord, pdnode_transfer::Secret)>,
 }
 
 impl Drop for OverlapPush {
@@ -58,7 +59,7 @@ impl Drop for OverlapPush {
     /// "abandoned" fence record of the span's generation, which ends the span's quarantine
     /// there at once instead of at its fence deadline (and is never scattered).
     fn drop(&mut self) {
-        let Some(rec) = self
+        let Some((rec, cap)) = self
             .abandon_record
             .take()
             .filter(|_| self.progress.abandoned())
@@ -81,7 +82,7 @@ impl Drop for OverlapPush {
             let Ok(reg) = t.allocate_registered(RECORD_LEN) else {
                 return;
             };
-            if fence::write_record(&reg, 0, &rec).is_err() {
+            if fence::write_record(&reg, 0, &rec, &cap).is_err() {
                 return;
             }
             let span = Span {
@@ -140,13 +141,20 @@ impl OverlapPush {
             remotes.push(super::kv::connect_rank(t, target, r, span_len)?);
         }
         let slice: SliceCell = Arc::new(Mutex::new(None));
-        let abandon_record = target.fence_record.then_some(FenceRecord {
-            generation: target.staging_generation,
-            request: target.request.0,
-            len: per_rank,
-            crc: None,
-            aborted: true,
-        });
+        let abandon_record = if target.fence_record {
+            Some((
+                FenceRecord {
+                    generation: target.staging_generation,
+                    request: target.request.0,
+                    len: per_rank,
+                    crc: None,
+                    aborted: true,
+                },
+                super::kv::capability(target)?,
+            ))
+        } else {
+            None
+        };
         Ok(Some(Self {
             t: t.clone(),
             arena: arena.clone(),
@@ -332,15 +340,12 @@ impl OverlapPush {
         engine: &EngineHandle,
         id: RequestId,
         target: &KvTarget,
-        deadline: Instant,
+        wait: PushWait,
     ) -> Result<u64, HandoffError> {
         if !self.progress.complete() {
             // Wait for the puts reading the span before the gather rewrites it.
-            for p in self.hold.puts() {
-                p.wait_async(deadline)
-                    .await
-                    .map_err(HandoffError::at("put"))?;
-            }
+            let bytes = self.bytes();
+            super::kv::wait_ops(self.hold.puts(), bytes, Instant::now(), &wait, "put").await?;
             let offset = self.offset()?;
             engine
                 .gather_kv(id, 0..self.layers, offset)
@@ -362,16 +367,11 @@ impl OverlapPush {
                     .map_err(HandoffError::at(format!("flush rank {r}")))?,
             );
         }
-        for p in self.hold.puts() {
-            p.wait_async(deadline)
-                .await
-                .map_err(HandoffError::at("put"))?;
-        }
-        for (r, f) in flushes.into_iter().enumerate() {
-            f.wait_async(deadline)
-                .await
-                .map_err(HandoffError::at(format!("flush rank {r}")))?;
-        }
+        // The bytes still on their way were issued up to a prefill ago: the stall allowance
+        // counts from here, for all of them.
+        let (from, bytes) = (Instant::now(), self.bytes());
+        super::kv::wait_ops(self.hold.puts(), bytes, from, &wait, "put").await?;
+        super::kv::wait_ops(&flushes, bytes, from, &wait, "flush rank").await?;
         if target.fence_record {
             let offset = self.offset()?;
             let arena = self.arena.clone();
@@ -388,7 +388,7 @@ impl OverlapPush {
                 target,
                 &sources,
                 &self.remotes,
-                deadline,
+                &wait,
                 &mut self.hold,
             )
             .await?;

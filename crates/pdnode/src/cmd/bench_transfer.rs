@@ -69,6 +69,14 @@ pub struct Args {
     /// Reservation lease per request (ms).
     #[arg(long, default_value_t = 30_000)]
     pub lease_ms: u64,
+    /// Instead of moving KV: the cost of registering a sub-range of `--mem` memory of each
+    /// `--registration-sizes` size (`ucp_mem_map` + rkey pack, then `ucp_mem_unmap`), what an
+    /// rkey scoped to one reservation would cost per hand-off. In this process, no peer.
+    #[arg(long, conflicts_with_all = ["local", "role"])]
+    pub registration: bool,
+    /// Sizes for `--registration`, comma-separated, K/M/G suffixes.
+    #[arg(long, value_delimiter = ',', default_value = "1M,16M,64M,256M", value_parser = parse_size)]
+    pub registration_sizes: Vec<u64>,
     /// Deadline of the whole `--local` run (s).
     #[arg(long, default_value_t = 600)]
     pub timeout_s: u64,
@@ -136,6 +144,14 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         if let Some(spec) = &args.spec {
             let opts: Options = serde_json::from_str(spec).context("bad --spec")?;
             bench::run_role(&opts)?;
+            return Ok(());
+        }
+        if args.registration {
+            let opts = options(&args, BenchRole::Client);
+            let t = opts.transport()?;
+            let reps = args.requests.max(1);
+            let rows = bench::regcost::run(&opts, &t, &args.registration_sizes, reps)?;
+            print!("{}", bench::regcost::table(&opts, &rows, &t));
             return Ok(());
         }
         if args.local {

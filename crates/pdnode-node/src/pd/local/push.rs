@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::pd::fence::SourceHold;
+use crate::pd::handoff::PushWait;
 
 impl PdNode {
     /// When the prefill node stops issuing puts for a hand-off that started at `started`: its
@@ -21,6 +22,16 @@ impl PdNode {
             now_ms,
             target.lease_deadline_ms,
         )
+    }
+
+    /// How a push that started at `started` waits on its puts: until the push deadline, and
+    /// no longer than a stall allowance past the time its bytes need.
+    pub(super) fn push_wait(&self, started: Instant, target: &KvTarget) -> PushWait {
+        PushWait {
+            deadline: self.push_deadline(started, target),
+            stall: Duration::from_millis(self.stall_ms.load(Ordering::Relaxed)),
+            min_bytes_per_s: self.stall_rate.load(Ordering::Relaxed),
+        }
     }
 
     /// How long a push's source is kept for puts still in flight after the push ended.
@@ -110,7 +121,7 @@ impl PdNode {
         self.layer_puts
             .fetch_add(o.layer_puts as u64, Ordering::Relaxed);
         let r = o
-            .finish(&self.engine, id, target, deadline)
+            .finish(&self.engine, id, target, self.push_wait(started, target))
             .await
             .map(|bytes| {
                 self.via_arena.fetch_add(1, Ordering::Relaxed);
@@ -176,7 +187,7 @@ impl PdNode {
                 target,
                 &sources,
                 per_rank as u64,
-                deadline,
+                self.push_wait(started, target),
                 &mut hold,
             )
             .await
@@ -199,9 +210,14 @@ impl PdNode {
             .map_err(|e| eerr(&e))?;
         let bytes = data.len() as u64;
         self.mover
-            .push(id, target, layers, data, deadline, |keep| {
-                SourceHold::new(keep, self.hold_until(deadline), self.fence.clone())
-            })
+            .push(
+                id,
+                target,
+                layers,
+                data,
+                self.push_wait(started, target),
+                |keep| SourceHold::new(keep, self.hold_until(deadline), self.fence.clone()),
+            )
             .await
             .map_err(failed)?;
         Ok((bytes, t0.elapsed().as_micros() as u64, false))

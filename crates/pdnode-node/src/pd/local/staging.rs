@@ -37,6 +37,8 @@ pub(super) struct Quarantined {
     pub(super) q: Quarantine,
     pub(super) staging: Staging,
     pub(super) fence: Option<FenceSpec>,
+    /// The reservation's capability: only records tagged with it end the quarantine.
+    pub(super) capability: Secret,
 }
 
 /// Staging spans of a decode node by state (the arena's and per-request host regions alike).
@@ -69,12 +71,19 @@ pub(super) fn rank_data<'a>(
     }
 }
 
-/// Whether every rank of the span carries an intact fence record of `generation`.
-pub(super) fn records_present(staging: &Staging, spec: &FenceSpec, generation: u64) -> bool {
+/// Whether every rank of the span carries an intact fence record of `generation`, tagged
+/// under the reservation's `capability`.
+pub(super) fn records_present(
+    staging: &Staging,
+    spec: &FenceSpec,
+    generation: u64,
+    capability: &Secret,
+) -> bool {
     (0..spec.ranks).all(|r| {
         rank_data(staging, spec, r)
             .and_then(|(reg, at)| at.checked_add(spec.per_rank).map(|o| (reg, o)))
-            .and_then(|(reg, o)| fence::read_record(reg, o).ok().flatten())
+            .and_then(|(reg, o)| fence::read_record(reg, o, capability).ok())
+            .and_then(fence::Landed::record)
             .is_some_and(|rec| rec.generation == generation)
     })
 }
@@ -90,6 +99,14 @@ impl PdNode {
     /// node holds at once; a reservation that would need more is refused (Unavailable).
     pub fn set_host_staging_bytes(&self, cap: u64) {
         self.host_cap.store(cap, Ordering::Relaxed);
+    }
+
+    /// `transfer.stall_ms` and `transfer.stall_min_rate_mibps`: when this prefill node's
+    /// hand-off counts as stalled ([`crate::pd::handoff::PushWait`]).
+    pub fn set_stall(&self, stall_ms: u64, min_rate_mibps: u64) {
+        self.stall_ms.store(stall_ms, Ordering::Relaxed);
+        self.stall_rate
+            .store(min_rate_mibps.saturating_mul(1 << 20), Ordering::Relaxed);
     }
 
     /// Fills the staging and fence part of `a` ([`PdNode::staging_stats`], [`PdNode::fence_stats`]).
@@ -145,9 +162,9 @@ impl PdNode {
         // Read only where the record can end it (after a refused check it is not trusted).
         let present = staged
             && matches!(cause, ReleaseCause::Abort | ReleaseCause::LeaseEnd)
-            && slot
-                .fence
-                .is_some_and(|f| records_present(&slot.staging, &f, generation));
+            && slot.fence.is_some_and(|f| {
+                records_present(&slot.staging, &f, generation, slot.fsm.capability())
+            });
         let Some(Release::Quarantine(q)) = slot.fsm.release(cause, staged, present, Instant::now())
         else {
             return; // freed with the slot
@@ -156,6 +173,7 @@ impl PdNode {
         tracing::debug!(request = %id, generation, ?cause, "staging span quarantined");
         self.quarantined().push(Quarantined {
             q,
+            capability: *slot.fsm.capability(),
             staging: slot.staging,
             fence: slot.fence,
         });
@@ -170,8 +188,9 @@ impl PdNode {
         let mut keep = Vec::new();
         for e in q.drain(..) {
             let present = e.q.trust_record
-                && e.fence
-                    .is_some_and(|f| records_present(&e.staging, &f, e.q.generation));
+                && e.fence.is_some_and(|f| {
+                    records_present(&e.staging, &f, e.q.generation, &e.capability)
+                });
             match e.q.poll(now, present) {
                 Some(QuarantineEnd::ByRecord) => {
                     self.fence
@@ -212,7 +231,11 @@ impl PdNode {
                 offset: at,
                 len: spec.per_rank,
             })?;
-            let rec = fence::read_record(reg, rec_at)?.ok_or(FenceError::Missing { rank: r })?;
+            let rec = match fence::read_record(reg, rec_at, slot.fsm.capability())? {
+                fence::Landed::Record(rec) => rec,
+                fence::Landed::Nothing => return Err(FenceError::Missing { rank: r }),
+                fence::Landed::Forged => return Err(FenceError::Forged { rank: r }),
+            };
             let crc = if spec.verify {
                 Some(fence::crc_at(reg, at, spec.per_rank)?)
             } else {

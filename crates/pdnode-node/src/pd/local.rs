@@ -101,6 +101,8 @@ pub struct PdNode {
     reserving: Mutex<HashMap<RequestId, Arc<CancellationToken>>>,
     /// Mints this decode node's KV capabilities; random per process.
     cap_key: CapabilityKey,
+    /// Decode nodes a push to stalled, until when no push goes there (prefill).
+    stalled_peers: Mutex<HashMap<NodeId, push::PeerStall>>,
 }
 
 /// Removes a reservation in progress from [`PdNode::reserving`] when `ReserveKv` ends.
@@ -125,6 +127,10 @@ impl Drop for Reserving<'_> {
 
 /// How often a UCX node's quarantined staging spans are looked at.
 const SWEEP_EVERY: Duration = Duration::from_millis(100);
+
+/// How long a prefill node sends no push to a decode node after a push to it stalled
+/// (`transfer.stall_ms`); as long as the router avoids a node it found unreachable.
+pub const STALLED_PEER_COOL_OFF: Duration = Duration::from_secs(5);
 
 /// The longest a hand-off waits for room in a full staging arena (see `PdNode::room_deadline`).
 pub const MAX_ARENA_WAIT: Duration = Duration::from_secs(5);
@@ -197,6 +203,7 @@ impl PdNode {
             ),
             reserving: Mutex::new(HashMap::new()),
             cap_key: CapabilityKey::random(),
+            stalled_peers: Mutex::new(HashMap::new()),
         });
         // Quarantined spans come back without waiting for the next reservation's sweep (a
         // reservation waiting for arena room is woken by the free).
@@ -452,7 +459,8 @@ impl PdNode {
             return Err(nerr(ErrorKind::InvalidRequest, m.to_string()));
         }
         let started = Instant::now();
-        let failed = |e: HandoffError| nerr(e.kind(), format!("KV hand-off of {id}: {e}"));
+        let failed = |e: HandoffError| self.handoff_failed(id, target, e);
+        let _probe = self.check_peer(id, target)?;
         // The engine takes the overlap's arena span when the first chunk has run.
         let mut overlap = self.start_overlap(target).map_err(failed)?;
         let greq = GenerateRequest {
@@ -560,6 +568,7 @@ impl PdNode {
             }
         });
         let (bytes, us, via_arena) = result?;
+        self.peer_ok(&target.decode_node);
         let (arena_waits, arena_wait_timeouts) = self.arena_wait_counts();
         let ucx_endpoints = match &self.mover {
             KvMover::Ucx(t) => t.endpoints_created(),

@@ -34,6 +34,77 @@ impl PdNode {
         }
     }
 
+    /// A failed hand-off as the node answers it. A stalled one also stops pushes to its decode
+    /// node for [`STALLED_PEER_COOL_OFF`]: the link or the peer is likely still stalled, and
+    /// every request sent there meanwhile would wait `transfer.stall_ms` before its retry.
+    pub(super) fn handoff_failed(
+        &self,
+        id: RequestId,
+        target: &KvTarget,
+        e: HandoffError,
+    ) -> NodeError {
+        if matches!(e, HandoffError::Stalled { .. }) {
+            let until = Instant::now() + STALLED_PEER_COOL_OFF;
+            tracing::warn!(request = %id, decode = %target.decode_node, error = %e,
+                "KV push stalled: no pushes to this decode node for {} s, then one probe", STALLED_PEER_COOL_OFF.as_secs());
+            self.stalled_peers
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(
+                    target.decode_node.clone(),
+                    PeerStall {
+                        until,
+                        probing: false,
+                    },
+                );
+        }
+        nerr(e.kind(), format!("KV hand-off of {id}: {e}"))
+    }
+
+    /// Whether a push to `target`'s decode node may go: `Retryable` (the router retries on
+    /// another prefill node at once) while a push there stalled less than
+    /// [`STALLED_PEER_COOL_OFF`] ago, and after that while one probe push is in flight. The
+    /// probe holds the returned guard; [`PdNode::peer_ok`] ends the stall.
+    pub(super) fn check_peer(
+        &self,
+        id: RequestId,
+        target: &KvTarget,
+    ) -> Result<Option<Probe<'_>>, NodeError> {
+        let mut peers = self.stalled_peers.lock().unwrap_or_else(|p| p.into_inner());
+        let now = Instant::now();
+        let node = &target.decode_node;
+        match peers.get_mut(node) {
+            None => Ok(None),
+            Some(p) if p.until > now || p.probing => Err(nerr(
+                ErrorKind::Retryable,
+                format!(
+                    "KV hand-off of {id}: a push to decode node {node} stalled; none goes there for {} ms more{}",
+                    p.until.saturating_duration_since(now).as_millis(),
+                    if p.probing {
+                        ", and one probe push is in flight"
+                    } else {
+                        ""
+                    }
+                ),
+            )),
+            Some(p) => {
+                p.probing = true;
+                Ok(Some(Probe {
+                    node: self,
+                    peer: node.clone(),
+                }))
+            }
+        }
+    }
+
+    /// A push to `peer` completed: pushes there go on as before.
+    pub(super) fn peer_ok(&self, peer: &NodeId) {
+        let mut peers = self.stalled_peers.lock().unwrap_or_else(|p| p.into_inner());
+        if peers.remove(peer).is_some() {
+            tracing::info!(decode = %peer, "KV pushes to this decode node go through again");
+        }
+    }
+
     /// How long a push's source is kept for puts still in flight after the push ended.
     pub(super) fn hold_until(&self, deadline: Instant) -> Instant {
         deadline + self.lease
@@ -86,7 +157,7 @@ impl PdNode {
     ) -> (Result<(u64, u64, bool), NodeError>, usize) {
         let t0 = Instant::now();
         let deadline = self.push_deadline(started, target);
-        let fail = |e: HandoffError| nerr(e.kind(), format!("KV hand-off of {id}: {e}"));
+        let fail = |e: HandoffError| self.handoff_failed(id, target, e);
         if ours != o.blocks() {
             let m = format!(
                 "decode reserved {} blocks for {id}, prefill holds {ours}",
@@ -153,7 +224,7 @@ impl PdNode {
         let ranks = self.tp_ranks();
         let t0 = Instant::now();
         let deadline = self.push_deadline(started, target);
-        let failed = |e: HandoffError| nerr(e.kind(), format!("KV hand-off of {id}: {e}"));
+        let failed = |e: HandoffError| self.handoff_failed(id, target, e);
         // Room for the fence record behind each rank's bytes when the decode node asks for it.
         let span = per_rank + if target.fence_record { RECORD_LEN } else { 0 };
         if let KvMover::Ucx(t) = &self.mover
@@ -221,5 +292,32 @@ impl PdNode {
             .await
             .map_err(failed)?;
         Ok((bytes, t0.elapsed().as_micros() as u64, false))
+    }
+}
+
+/// A decode node a push to stalled: no push goes there before `until`, then one probe at a time.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct PeerStall {
+    pub(super) until: Instant,
+    pub(super) probing: bool,
+}
+
+/// The one probe push to a stalled decode node; dropped without [`PdNode::peer_ok`] (failed),
+/// it lets the next request probe.
+pub(super) struct Probe<'a> {
+    node: &'a PdNode,
+    peer: NodeId,
+}
+
+impl Drop for Probe<'_> {
+    fn drop(&mut self) {
+        let mut peers = self
+            .node
+            .stalled_peers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if let Some(p) = peers.get_mut(&self.peer) {
+            p.probing = false;
+        }
     }
 }

@@ -37,6 +37,14 @@ pub enum Fault {
     LinkDown(net::Link, Duration),
     /// etcd SIGSTOPped, hold, SIGCONT.
     EtcdStop(Duration),
+    /// A direct link down; once the pushes over it stall (`after`), the target SIGKILLed;
+    /// the link up again after `hold`.
+    KillDuringLinkDown {
+        link: net::Link,
+        target: Target,
+        after: Duration,
+        hold: Duration,
+    },
 }
 
 /// When the fault is injected.
@@ -54,6 +62,10 @@ pub enum Expect {
     AllComplete,
     /// Some requests fail with a clear error (the fault hit them), none hang.
     SomeFail,
+    /// Every request ends with tokens or a clear error, none hangs: a fault whose requests
+    /// are retried when nothing was streamed yet and fail clearly otherwise, and which may
+    /// catch a stream or not.
+    EveryEnds,
 }
 
 pub struct Case {
@@ -181,6 +193,38 @@ pub fn quick() -> Vec<Case> {
             expect: Expect::SomeFail,
         },
         Case {
+            // The pushes in flight stall behind the cut link, then their writer dies: the
+            // decode node's spans have no writer left and no record will come (fenced to their
+            // deadline); every request is retried on prefill1.
+            name: "prefill-kill-pushing",
+            what: "prefill0 SIGKILLed while its KV pushes to decode0 stall (link down)",
+            extra: Extra::default(),
+            max_tokens: 32,
+            prompt_len: 64,
+            trigger: Trigger::After(s(2)),
+            fault: Fault::KillDuringLinkDown {
+                link: net::KV_LINK,
+                target: Target::Prefill0,
+                after: Duration::from_millis(500),
+                hold: s(3),
+            },
+            tail: s(3),
+            expect: Expect::AllComplete,
+        },
+        Case {
+            // decode0 holds reservations for prefills still running when it dies: those are
+            // retried on decode1 (nothing was streamed); a stream it was serving fails clearly.
+            name: "decode-kill-reserved",
+            what: "decode0 SIGKILLed while prefills for it run (between ReserveKv and Decode)",
+            extra: slow_prefill(),
+            max_tokens: 4,
+            prompt_len: 60,
+            trigger: Trigger::Busy(Target::Prefill0, 2),
+            fault: Fault::Kill(Target::Decode0),
+            tail: s(3),
+            expect: Expect::EveryEnds,
+        },
+        Case {
             name: "etcd-stop",
             what: "etcd SIGSTOPped 4 s (within the 10 s lease TTL)",
             extra: Extra::default(),
@@ -246,6 +290,14 @@ impl Row {
     }
 }
 
+/// The direct link a fault cuts, if any.
+fn link_of(f: &Fault) -> Option<net::Link> {
+    match *f {
+        Fault::LinkDown(l, _) | Fault::KillDuringLinkDown { link: l, .. } => Some(l),
+        _ => None,
+    }
+}
+
 fn node(c: &Cluster, t: Target) -> &Proc {
     match t {
         Target::Prefill0 => &c.prefill[0],
@@ -267,7 +319,7 @@ pub async fn run(case: &Case, net: &Net, bin: &Path, repo: &Path, dir: &Path) ->
         ..Row::default()
     };
     let link = match case.fault {
-        Fault::LinkDown(l, _) => Some(l),
+        Fault::LinkDown(l, _) | Fault::KillDuringLinkDown { link: l, .. } => Some(l),
         _ => None,
     };
     let tx_before = match link {
@@ -297,6 +349,19 @@ pub async fn run(case: &Case, net: &Net, bin: &Path, repo: &Path, dir: &Path) ->
         Expect::SomeFail if row.failed == 0 => row
             .problems
             .push("no request failed: the fault did not reach the clients".into()),
+        Expect::EveryEnds => {
+            // One fault, two attempts: a request refused before its stream began (a non-200
+            // answer) should have been retried on another pair.
+            let refused = outcomes
+                .iter()
+                .filter(|o| matches!(&o.end, End::Failed(m) if m.starts_with("HTTP ")))
+                .count();
+            if refused > 0 {
+                row.problems.push(format!(
+                    "{refused} requests were refused before streaming instead of retried elsewhere"
+                ));
+            }
+        }
         _ => {}
     }
     // A KV link that stays down must not hold the requests through it until it returns: the
@@ -353,7 +418,7 @@ async fn drive(
             }
         }
     }
-    if let Fault::LinkDown(l, _) = case.fault {
+    if let Some(l) = link_of(&case.fault) {
         // The pair's traffic went over the direct link, not the bridge: otherwise the case
         // tests nothing.
         let tx = net.link_tx_bytes(l)?;
@@ -385,6 +450,18 @@ async fn drive(
             c.etcd.signal("STOP")?;
             tokio::time::sleep(hold).await;
             c.etcd.signal("CONT")?;
+        }
+        Fault::KillDuringLinkDown {
+            link,
+            target,
+            after,
+            hold,
+        } => {
+            net.link_down(link)?;
+            tokio::time::sleep(after).await;
+            node(c, target).signal("KILL")?;
+            tokio::time::sleep(hold.saturating_sub(after)).await;
+            net.link_up(link)?;
         }
     }
     tokio::time::sleep(case.tail).await;
@@ -427,7 +504,7 @@ fn tally(row: &mut Row, outcomes: &[Outcome], at: Instant) {
 async fn check_after(case: &Case, c: &Cluster, row: &mut Row) {
     let t0 = Instant::now();
     let killed = match case.fault {
-        Fault::Kill(t) => Some(node(c, t).host.name),
+        Fault::Kill(t) | Fault::KillDuringLinkDown { target: t, .. } => Some(node(c, t).host.name),
         _ => None,
     };
     if let Fault::EtcdStop(_) = case.fault {

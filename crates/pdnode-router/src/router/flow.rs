@@ -199,6 +199,13 @@ async fn send(tx: &mpsc::Sender<GenEvent>, ev: GenEvent, limit: Duration) -> boo
     }
 }
 
+/// Whether a decode node other than `d` and not yet excluded is there to retry on.
+fn other_decode(decodes: &[Worker], d: &Worker, excluded: &[NodeId]) -> bool {
+    decodes
+        .iter()
+        .any(|w| w.id() != d.id() && !excluded.contains(w.id()))
+}
+
 async fn abort(w: &Worker, id: RequestId, reason: &str) {
     match tokio::time::timeout(ABORT_TIMEOUT, w.client.abort(id, reason.to_string())).await {
         Ok(Ok(_)) => {}
@@ -388,7 +395,12 @@ async fn drive(
                 if new_prefill {
                     excluded.push(p.id().clone());
                 }
-                if new_decode {
+                // A failed prefill may be its KV hand-off to D failing (D dead or cut off from
+                // P): D's reservation is aborted anyway, so the retry takes another decode
+                // node too when there is one.
+                let avoid_d =
+                    new_decode || (new_prefill && other_decode(&decodes, &d, &excluded_d));
+                if avoid_d {
                     excluded_d.push(d.id().clone());
                     d_slot = None;
                 }

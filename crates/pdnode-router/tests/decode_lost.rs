@@ -61,6 +61,45 @@ async fn next_event(g: &mut Generation, within: Duration) -> GenEvent {
         .expect("the flow reports Done or Error")
 }
 
+/// Decode node `i` leaves the membership and stops answering (connection refused).
+fn gone(h: &common::Harness, i: usize) {
+    h.decode[i].set(|b| {
+        b.fail_stats = Some(NodeError::new(
+            ErrorKind::Unavailable,
+            "transport error: connection refused",
+        ))
+    });
+    h.membership.remove(&NodeId::new(format!("d{i}").as_str()));
+}
+
+/// Its key gone (a lease that lapsed while etcd was unreachable, or a drain) but the node
+/// answering: the request it waits on goes on and completes there.
+#[tokio::test]
+async fn a_decode_node_out_of_the_membership_that_answers_keeps_its_request() {
+    let h = harness(1).await;
+    // A prefill that ends while the watch still runs (after the node left and was probed).
+    h.prefill[0].set(|b| b.prefill_delay = Duration::from_secs(2));
+    let mut g = start(&h);
+    assert_eq!(wait_prefilling(&h).await, 0);
+    h.membership.remove(&NodeId::new("d0"));
+    let mut text = String::new();
+    loop {
+        match next_event(&mut g, Duration::from_secs(10)).await {
+            GenEvent::Tokens { text: t, .. } => text.push_str(&t),
+            GenEvent::Done { .. } => break,
+            GenEvent::Error(e) => panic!("a node that answers keeps its request: {e}"),
+        }
+    }
+    assert!(!text.is_empty());
+    assert_eq!(h.decode[0].count(|c| matches!(c, FakeCall::Decode(_))), 1);
+    assert!(
+        h.decode[0].count(|c| matches!(c, FakeCall::Stats)) >= 1,
+        "it was probed when it left"
+    );
+    assert_eq!(h.prefill[0].kv_blocks_held(), 0);
+    h.stop().await;
+}
+
 #[tokio::test]
 async fn decode_leaving_membership_aborts_the_prefill_at_once() {
     let h = harness(1).await;
@@ -68,7 +107,9 @@ async fn decode_leaving_membership_aborts_the_prefill_at_once() {
     let d = wait_prefilling(&h).await;
     assert_eq!(d, 0);
     let gone_at = Instant::now();
-    h.membership.remove(&NodeId::new("d0"));
+    // Its key gone and the node itself gone (a node that still answers keeps its requests:
+    // `a_decode_node_out_of_the_membership_that_answers_keeps_its_request`).
+    gone(&h, 0);
 
     let ev = next_event(&mut g, Duration::from_secs(3)).await;
     let took = gone_at.elapsed();
@@ -154,8 +195,7 @@ async fn a_lost_decode_node_is_replaced_by_another() {
     let other = 1 - first;
     // The retry's prefill is quick.
     h.prefill[0].set(|b| b.prefill_delay = Duration::ZERO);
-    h.membership
-        .remove(&NodeId::new(format!("d{first}").as_str()));
+    gone(&h, first);
 
     let mut text = String::new();
     loop {
@@ -209,7 +249,7 @@ async fn many_prefills_share_one_watch_of_their_decode_node() {
     println!("{n} prefills waiting on d0: {probes} probes in its first two periods");
     assert!(probes <= 3, "{probes} probes");
 
-    h.membership.remove(&NodeId::new("d0"));
+    gone(&h, 0);
     for g in &mut gens {
         match next_event(g, Duration::from_secs(3)).await {
             GenEvent::Error(RouterError::DecodeLost { .. }) => {}

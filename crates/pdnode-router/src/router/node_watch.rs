@@ -10,9 +10,12 @@
 //! - [`DecodeWatches::subscribe`] joins D's watch, starting its task on the first subscriber.
 //!   The returned [`DecodeWatch`] resolves [`DecodeWatch::lost`] once D is judged gone; dropping
 //!   it leaves the watch, and the last one to leave stops the task.
-//! - D is gone when it leaves the membership (same id and process start), when a probe finds it
-//!   unreachable (`Unavailable`), or after [`PROBE_MISSES`] probes in a row got no answer. Any
-//!   other answer, even an error, came from a live process.
+//! - D is gone when it restarted (the membership lists its id with another process start),
+//!   when a probe finds it unreachable (`Unavailable`), or after [`PROBE_MISSES`] probes in a
+//!   row got no answer. Any other answer, even an error, came from a live process. A node that
+//!   left the membership (its key is gone: its lease lapsed while etcd was unreachable, or it
+//!   deregistered to drain) is probed at once and then every [`PROBE_EVERY`]: it keeps its
+//!   requests while it answers, and is gone at its first failed or unanswered probe.
 //! - A probe is sent only once some subscriber has waited [`PROBE_EVERY`] (short prefills send
 //!   none, however many overlap), then one every [`PROBE_EVERY`], each bounded by the same time.
 //! - A verdict ends the watch: every subscriber of that moment sees it, and a request that
@@ -79,6 +82,20 @@ pub(crate) struct WatchState {
     misses: u32,
     /// When the last probe started.
     last_probe: Option<Instant>,
+    /// The node left the membership (its key is gone: lease lapsed, etcd unreachable or
+    /// restarted, or it deregistered) but has not been judged gone: probes decide.
+    left: bool,
+}
+
+/// What the membership says of a watched node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Seen {
+    /// Listed, same process.
+    Member,
+    /// Listed under the same id with another process start: the watched process is gone.
+    Restarted,
+    /// Not listed.
+    Absent,
 }
 
 impl WatchState {
@@ -95,14 +112,34 @@ impl WatchState {
         self.watchers.is_empty()
     }
 
+    /// Books what the membership says at `now`. `Err(why)`: the node is gone (restarted).
+    /// `Ok(true)`: it just left the membership; a probe starts now (the caller has none in
+    /// flight) and decides: a node that answers keeps its requests (its key may be gone only
+    /// because its lease lapsed while etcd was unreachable).
+    pub(crate) fn seen(&mut self, seen: Seen, now: Instant) -> Result<bool, String> {
+        match seen {
+            Seen::Member => {
+                self.left = false;
+                Ok(false)
+            }
+            Seen::Restarted => Err(format!("{LEFT_MEMBERSHIP}: it restarted")),
+            Seen::Absent if self.left => Ok(false),
+            Seen::Absent => {
+                self.left = true;
+                self.last_probe = Some(now);
+                Ok(true)
+            }
+        }
+    }
+
     /// Whether a probe starts at `now` (the caller has none in flight): some subscriber has
-    /// watched for [`PROBE_EVERY`] and the last probe started at least that long ago. Books the
-    /// probe when it does.
+    /// watched for [`PROBE_EVERY`] (or the node left the membership) and the last probe started
+    /// at least that long ago. Books the probe when it does.
     pub(crate) fn start_probe(&mut self, now: Instant) -> bool {
         let Some(oldest) = self.watchers.values().min() else {
             return false;
         };
-        let watched_long = now.saturating_duration_since(*oldest) >= PROBE_EVERY;
+        let watched_long = self.left || now.saturating_duration_since(*oldest) >= PROBE_EVERY;
         let period_over = self
             .last_probe
             .is_none_or(|t| now.saturating_duration_since(t) >= PROBE_EVERY);
@@ -120,6 +157,14 @@ impl WatchState {
                 self.misses = 0;
                 None
             }
+            // Out of the membership and not answering: gone, no more chances.
+            ProbeAnswer::Unreachable(e) if self.left => Some(format!(
+                "{LEFT_MEMBERSHIP}, and its liveness probe failed: {e}"
+            )),
+            ProbeAnswer::NoAnswer if self.left => Some(format!(
+                "{LEFT_MEMBERSHIP}, and its liveness probe got no answer within {} ms",
+                PROBE_EVERY.as_millis()
+            )),
             ProbeAnswer::Unreachable(e) => Some(format!("its liveness probe failed: {e}")),
             ProbeAnswer::NoAnswer => {
                 self.misses += 1;
@@ -325,11 +370,15 @@ impl Drop for NodeWatch {
     }
 }
 
-/// Whether `d` (same id, same process start) still serves `role` in the membership view.
-fn still_member(m: &dyn Membership, d: &Worker, role: Role) -> bool {
-    m.workers(role)
-        .iter()
-        .any(|w| w.id() == d.id() && w.card.started_at_ms == d.card.started_at_ms)
+/// What the membership view says of `d` (same id, same process start) in `role`.
+fn seen(m: &dyn Membership, d: &Worker, role: Role) -> Seen {
+    let workers = m.workers(role);
+    let mut same_id = workers.iter().filter(|w| w.id() == d.id());
+    match same_id.next() {
+        None => Seen::Absent,
+        Some(w) if w.card.started_at_ms == d.card.started_at_ms => Seen::Member,
+        Some(_) => Seen::Restarted,
+    }
 }
 
 fn probe(d: &Worker) -> BoxFuture<'static, ProbeAnswer> {
@@ -365,7 +414,20 @@ async fn run_watch(
     loop {
         let verdict = tokio::select! {
             _ = tick.tick() => {
-                (!still_member(membership.as_ref(), &d, key.role)).then(|| LEFT_MEMBERSHIP.to_string())
+                let now = Instant::now();
+                let s = seen(membership.as_ref(), &d, key.role);
+                match shared.with(&key, generation, |w| w.seen(s, now)) {
+                    None => return,
+                    Some(Err(why)) => Some(why),
+                    Some(Ok(probe_now)) => {
+                        if probe_now {
+                            tracing::info!(node = %d.id(), role = key.role.as_str(),
+                                "node left the membership; probing it before giving its requests up");
+                            in_flight = Some(probe(&d));
+                        }
+                        None
+                    }
+                }
             }
             a = answer(&mut in_flight) => {
                 in_flight = None;
@@ -487,5 +549,55 @@ mod tests {
             ProbeAnswer::of(Ok(Err(err(ErrorKind::Internal)))),
             ProbeAnswer::Answered(_)
         ));
+    }
+
+    #[test]
+    fn a_node_out_of_the_membership_keeps_its_requests_while_it_answers() {
+        let t0 = Instant::now();
+        let mut w = WatchState::default();
+        w.add(1, t0);
+        assert_eq!(w.seen(Seen::Member, t0), Ok(false));
+        // It left: one probe at once (even though nobody waited a period yet).
+        assert_eq!(w.seen(Seen::Absent, t0), Ok(true));
+        assert_eq!(
+            w.seen(Seen::Absent, t0),
+            Ok(false),
+            "one probe, not one per check"
+        );
+        assert_eq!(w.probe_answered(ProbeAnswer::Alive), None);
+        // Then one probe a period while it stays out.
+        assert!(!w.start_probe(t0 + PROBE_EVERY / 2));
+        assert!(w.start_probe(t0 + PROBE_EVERY));
+        assert_eq!(
+            w.probe_answered(ProbeAnswer::Answered(err(ErrorKind::Overloaded))),
+            None
+        );
+        // Back in the membership: probes as before (none missed counts against it).
+        assert_eq!(w.seen(Seen::Member, t0 + PROBE_EVERY), Ok(false));
+        assert_eq!(w.probe_answered(ProbeAnswer::NoAnswer), None);
+        // Out again and silent once: gone at once, not after PROBE_MISSES.
+        let mut out = WatchState::default();
+        out.add(1, t0);
+        assert_eq!(out.seen(Seen::Absent, t0), Ok(true));
+        let why = out.probe_answered(ProbeAnswer::NoAnswer).unwrap();
+        assert!(
+            why.contains("left the membership") && why.contains("no answer"),
+            "{why}"
+        );
+        let mut gone = WatchState::default();
+        gone.add(1, t0);
+        assert_eq!(gone.seen(Seen::Absent, t0), Ok(true));
+        let why = gone
+            .probe_answered(ProbeAnswer::Unreachable(err(ErrorKind::Unavailable)))
+            .unwrap();
+        assert!(why.contains("probe failed"), "{why}");
+        // Restarted under the same id: gone without a probe.
+        let mut r = WatchState::default();
+        r.add(1, t0);
+        assert!(
+            r.seen(Seen::Restarted, t0)
+                .unwrap_err()
+                .contains("restarted")
+        );
     }
 }

@@ -3,7 +3,7 @@
 
 use pdnode_core::Role;
 use pdnode_core::config::{
-    AttentionKernel, Backend, ConfigError, ConfigSource, LinearKernel, PolicyName,
+    AttentionKernel, Backend, ConfigError, ConfigSource, LinearKernel, PemError, PolicyName,
     PrefillAttention, RegistryKind, load, load_from_str, load_from_str_with_env,
 };
 use std::path::{Path, PathBuf};
@@ -887,17 +887,30 @@ fn tls_keys_come_together_and_name_readable_pem_files() {
     let mut bad = tls("/nonexistent/ca.pem", &key, &cert);
     bad.push("node.id=\"prefill-b\"".into());
     let errs = errors(node, bad);
-    for (k, what) in [
-        ("security.tls_ca", "cannot read"),
-        ("security.tls_cert", "no certificate"),
-        ("security.tls_key", "no private key"),
-    ] {
-        assert!(
-            errs.iter()
-                .any(|e| e.key() == Some(k) && e.to_string().contains(what)),
-            "{k}: {errs:?}"
-        );
-    }
+    let file_error = |k: &str| {
+        errs.iter().find_map(|e| match e {
+            ConfigError::BadFile { key, error, .. } if key == k => Some(error.clone()),
+            _ => None,
+        })
+    };
+    assert!(
+        matches!(file_error("security.tls_ca"), Some(PemError::Unreadable { path, .. }) if path == "/nonexistent/ca.pem"),
+        "{errs:?}"
+    );
+    assert!(
+        matches!(
+            file_error("security.tls_cert"),
+            Some(PemError::NoCertificate { .. })
+        ),
+        "{errs:?}"
+    );
+    assert!(
+        matches!(
+            file_error("security.tls_key"),
+            Some(PemError::NoPrivateKey { .. })
+        ),
+        "{errs:?}"
+    );
 
     // No node.id: the certificate names one.
     let errs = errors(node, tls(&cert, &cert, &key));

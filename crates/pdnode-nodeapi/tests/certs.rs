@@ -48,14 +48,21 @@ fn issued_files_load_as_the_nodes_they_name() {
 
     // The identity is checked: role, id and cluster.
     for (name, cluster, role) in [("p", "prod", Role::Decode), ("p", "test", Role::Prefill)] {
-        let TlsError::Config { key, reason } = load(&d, name, cluster, role).unwrap_err();
-        assert_eq!(key, "security.tls_cert", "{reason}");
-        assert!(reason.contains("was issued for prefill node p"), "{reason}");
+        let e = load(&d, name, cluster, role).unwrap_err();
+        assert_eq!(e.key(), Some("security.tls_cert"), "{e}");
+        assert!(
+            matches!(&e, TlsError::WrongIdentity { issued_for, .. }
+                if **issued_for == NodeIdentity::new("prod", Role::Prefill, NodeId::new("p"))),
+            "{e}"
+        );
     }
     // Another node's key.
     std::fs::copy(d.join("d.key"), d.join("p.key")).unwrap();
-    let TlsError::Config { key, .. } = load(&d, "p", "prod", Role::Prefill).unwrap_err();
-    assert_eq!(key, "security.tls_key");
+    let e = load(&d, "p", "prod", Role::Prefill).unwrap_err();
+    assert!(
+        matches!(e, TlsError::Config { key, .. } if key == "security.tls_key"),
+        "{e}"
+    );
 
     // Nothing is overwritten...
     let e = init(&req(&d, "prod", &["r:router"], false)).unwrap_err();
@@ -71,12 +78,18 @@ fn issued_files_load_as_the_nodes_they_name() {
     load(&d, "d2", "prod", Role::Decode).unwrap();
     // ... unless it is another cluster's CA: then nothing is written.
     let e = init(&req(&d, "test", &["d3:decode"], false)).unwrap_err();
-    assert!(matches!(e, CertsError::Invalid(_)), "{e}");
+    assert!(
+        matches!(&e, CertsError::CaMismatch { cluster, .. } if cluster == "test"),
+        "{e}"
+    );
     // With force, a new CA: the old certificates no longer load under it.
     let w = init(&req(&d, "prod", &["r:router"], true)).unwrap();
     assert!(w.new_ca);
-    let TlsError::Config { key, .. } = load(&d, "d2", "prod", Role::Decode).unwrap_err();
-    assert_eq!(key, "security.tls_cert");
+    let e = load(&d, "d2", "prod", Role::Decode).unwrap_err();
+    assert!(
+        matches!(e, TlsError::Config { key, .. } if key == "security.tls_cert"),
+        "{e}"
+    );
 }
 
 #[test]

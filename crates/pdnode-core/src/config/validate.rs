@@ -8,6 +8,8 @@ use std::collections::HashSet;
 
 pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec<ConfigError> {
     let mut errs = Vec::new();
+    // Files named by keys: checked here, reported after the rest (they need `origin` too).
+    let mut files: Vec<(&'static str, super::pem::PemError)> = Vec::new();
     let mut bad = |key: &str, reason: String| {
         errs.push(ConfigError::Invalid {
             source_name: origin(key),
@@ -401,13 +403,13 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
             );
         }
         if let Err(e) = super::pem::read_pem_certs(&s.tls_ca) {
-            bad("security.tls_ca", e);
+            files.push(("security.tls_ca", e));
         }
         if let Err(e) = super::pem::read_pem_certs(&s.tls_cert) {
-            bad("security.tls_cert", e);
+            files.push(("security.tls_cert", e));
         }
         if let Err(e) = super::pem::read_pem_key(&s.tls_key) {
-            bad("security.tls_key", e);
+            files.push(("security.tls_key", e));
         }
         if c.node.id.is_empty() && !sglang_router {
             bad(
@@ -441,6 +443,11 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
             "empty: expected e.g. \"info\" or \"pdnode=debug\"".into(),
         );
     }
+    errs.extend(files.into_iter().map(|(key, error)| ConfigError::BadFile {
+        source_name: origin(key),
+        key: key.to_string(),
+        error,
+    }));
     errs
 }
 

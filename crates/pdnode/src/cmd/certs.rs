@@ -55,7 +55,7 @@ fn init(a: InitArgs) -> anyhow::Result<()> {
         days: a.days,
     };
     let written = certs::init(&req).map_err(|e| match e {
-        CertsError::Invalid(_) | CertsError::Exists { .. } => {
+        CertsError::Invalid(_) | CertsError::Exists { .. } | CertsError::CaMismatch { .. } => {
             anyhow::Error::new(UsageError(e.to_string()))
         }
         e => anyhow::Error::new(e),

@@ -39,10 +39,21 @@ pub enum CertsError {
     #[error("{source}")]
     Pem {
         #[from]
-        source: pdnode_core::config::PemError,
+        source: pdnode_core::config::FileError,
     },
     #[error("cannot generate a certificate: {0}")]
     Generate(String),
+    /// `--etcd` without a CA in the directory (and no `--node` to make one).
+    #[error(
+        "no cluster CA in {}: {} and {} are needed to sign the etcd certificate (pass --node too, to make them)",
+        .dir.display(),
+        .dir.join("ca.pem").display(),
+        .dir.join("ca.key").display()
+    )]
+    NoCa { dir: PathBuf },
+    /// `--etcd` with no host: etcd's certificate must name the address clients dial.
+    #[error("--etcd: no host given (expected HOST[,HOST...], e.g. 10.0.0.10,etcd.lan)")]
+    NoEtcdHost,
     /// A `--node` without `:ROLE`.
     #[error("{spec:?}: no role: {NODE_SYNTAX}")]
     NodeNoRole { spec: String },
@@ -142,7 +153,10 @@ impl FromStr for CertNode {
 }
 
 /// Node names whose files would be other files of the directory (`ca.pem`, ...).
-const RESERVED_NAMES: &[&str] = &["ca"];
+const RESERVED_NAMES: &[&str] = &["ca", ETCD_SERVER];
+
+/// The file stem of the etcd server certificate [`etcd_server`] writes.
+pub const ETCD_SERVER: &str = "etcd-server";
 
 /// An IP address or a DNS name (letters, digits, `-`, `.`; at most 253).
 fn is_host(host: &str) -> bool {
@@ -262,11 +276,13 @@ pub fn init(req: &CertsInit) -> Result<CertsWritten, CertsError> {
         let cert = params.signed_by(&key, &issuer).map_err(gen_err)?;
         if let Some(ca) = &ca_certs {
             // The CA's key and the name rebuilt from --cluster must be those of ca.pem.
-            check_signed_by(cert.der(), ca, |reason| CertsError::CaMismatch {
-                ca_pem: ca_pem.clone(),
-                ca_key: ca_key.clone(),
-                cluster: req.cluster.clone(),
-                reason,
+            check_signed_by(cert.der(), ca, webpki::KeyUsage::client_auth(), |reason| {
+                CertsError::CaMismatch {
+                    ca_pem: ca_pem.clone(),
+                    ca_key: ca_key.clone(),
+                    cluster: req.cluster.clone(),
+                    reason,
+                }
             })?;
         }
         let [pem, keyf] = node_files(dir, n);
@@ -278,6 +294,95 @@ pub fn init(req: &CertsInit) -> Result<CertsWritten, CertsError> {
         new_ca: !reuse_ca,
         files,
     })
+}
+
+/// Writes `DIR/etcd-server.pem` and `DIR/etcd-server.key`: a certificate for etcd's client
+/// port (`--cert-file`, `--key-file`; `--trusted-ca-file DIR/ca.pem` then accepts the nodes'
+/// certificates as client certificates), signed by the cluster CA already in `DIR` ([`init`]
+/// makes it), naming `hosts` (IP addresses and DNS names clients dial), for server use only.
+/// Existing files are replaced only with `force`.
+pub fn etcd_server(
+    dir: &Path,
+    cluster: &str,
+    hosts: &[String],
+    days: u32,
+    force: bool,
+) -> Result<Vec<PathBuf>, CertsError> {
+    if hosts.is_empty() {
+        return Err(CertsError::NoEtcdHost);
+    }
+    for h in hosts {
+        if !is_host(h) {
+            return Err(CertsError::NodeBadHost {
+                spec: format!("--etcd {}", hosts.join(",")),
+                host: h.clone(),
+            });
+        }
+    }
+    if days == 0 || days > 36_500 {
+        return Err(CertsError::Invalid(format!(
+            "--days {days}: expected 1 to 36500"
+        )));
+    }
+    let (ca_pem, ca_key) = (dir.join("ca.pem"), dir.join("ca.key"));
+    if !ca_pem.exists() || !ca_key.exists() {
+        return Err(CertsError::NoCa {
+            dir: dir.to_path_buf(),
+        });
+    }
+    let pem = dir.join(format!("{ETCD_SERVER}.pem"));
+    let keyf = dir.join(format!("{ETCD_SERVER}.key"));
+    if !force {
+        let exists: Vec<PathBuf> = [&pem, &keyf]
+            .into_iter()
+            .filter(|p| p.exists())
+            .cloned()
+            .collect();
+        if !exists.is_empty() {
+            return Err(CertsError::Exists { paths: exists });
+        }
+    }
+    let validity = Validity::days(days)?;
+    let key_text = std::fs::read_to_string(&ca_key).map_err(|e| io_err(&ca_key, e))?;
+    let ca_keypair = KeyPair::from_pem(&key_text)
+        .map_err(|e| io_err(&ca_key, format!("not a key rcgen can use: {e}")))?;
+    let issuer = Issuer::new(ca_params(cluster, validity), ca_keypair);
+    let ca_certs = pdnode_core::config::read_pem_certs(&ca_pem.display().to_string())?;
+
+    let mut p = CertificateParams::default();
+    let mut dn = DistinguishedName::new();
+    dn.push(DnType::OrganizationName, "pdnode");
+    dn.push(
+        DnType::CommonName,
+        format!("etcd of pdnode cluster {cluster}"),
+    );
+    p.distinguished_name = dn;
+    for h in hosts {
+        p.subject_alt_names
+            .push(match h.parse::<std::net::IpAddr>() {
+                Ok(ip) => SanType::IpAddress(ip),
+                Err(_) => SanType::DnsName(Ia5String::try_from(h.clone()).map_err(gen_err)?),
+            });
+    }
+    p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+    validity.apply(&mut p);
+    let key = KeyPair::generate().map_err(gen_err)?;
+    let cert = p.signed_by(&key, &issuer).map_err(gen_err)?;
+    check_signed_by(
+        cert.der(),
+        &ca_certs,
+        webpki::KeyUsage::server_auth(),
+        |reason| CertsError::CaMismatch {
+            ca_pem: ca_pem.clone(),
+            ca_key: ca_key.clone(),
+            cluster: cluster.to_string(),
+            reason,
+        },
+    )?;
+    write_file(&pem, cert.pem().as_bytes(), 0o644)?;
+    write_file(&keyf, key.serialize_pem().as_bytes(), 0o600)?;
+    Ok(vec![pem, keyf])
 }
 
 fn node_files(dir: &Path, n: &CertNode) -> [PathBuf; 2] {
@@ -336,6 +441,7 @@ fn node_params(
 fn check_signed_by(
     cert: &rustls::pki_types::CertificateDer<'_>,
     ca: &[rustls::pki_types::CertificateDer<'static>],
+    usage: webpki::KeyUsage,
     mismatch: impl Fn(String) -> CertsError,
 ) -> Result<(), CertsError> {
     let mut roots = rustls::RootCertStore::empty();
@@ -350,7 +456,7 @@ fn check_signed_by(
         &roots.roots,
         &[],
         rustls::pki_types::UnixTime::now(),
-        webpki::KeyUsage::client_auth(),
+        usage,
         None,
         None,
     )

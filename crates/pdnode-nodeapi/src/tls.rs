@@ -38,7 +38,7 @@ pub enum TlsError {
     #[error("key `{key}`: {error}")]
     Pem {
         key: &'static str,
-        error: pdnode_core::config::PemError,
+        error: pdnode_core::config::FileError,
     },
     /// `security.tls_cert` names another node than this node's config ([`Self::key`] is that
     /// key; the message names the file).

@@ -65,7 +65,7 @@ pub enum ConfigError {
     BadFile {
         source_name: ConfigSource,
         key: String,
-        error: super::pem::PemError,
+        error: super::pem::FileError,
     },
     #[error("--set {arg:?}: {reason}")]
     BadSet { arg: String, reason: String },

@@ -1,6 +1,7 @@
-//! The PEM files the config names (`security.tls_*`): read once, checked for what they must
-//! hold. Plain parsing only (no TLS stack): whether a certificate chains to the CA and names
-//! the node is checked where TLS is set up (`pdnode_nodeapi::tls`).
+//! The files the config names: PEM certificates and keys (`security.tls_*`,
+//! `registry.etcd_tls_*`) and secrets (`registry.etcd_password_file`): read once, checked for
+//! what they must hold. Plain parsing only (no TLS stack): whether a certificate chains to the
+//! CA and names the node is checked where TLS is set up (`pdnode_nodeapi::tls`, etcd-client).
 
 use crate::error::{Classify, ErrorKind};
 use rustls_pki_types::pem::PemObject;
@@ -10,16 +11,16 @@ use std::path::Path;
 /// Larger than any certificate chain or key file: a bigger file is not what the key names.
 pub const MAX_PEM_BYTES: u64 = 1 << 20;
 
-/// What is wrong with a PEM file a key names. Each variant carries the path as the config
-/// gives it; the caller adds the key.
+/// What is wrong with a file a key names (PEM certificates or a key, a secret). Each variant
+/// carries the path as the config gives it; the caller adds the key.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum PemError {
+pub enum FileError {
     #[error("{path:?}: cannot read: {reason}")]
     Unreadable { path: String, reason: String },
     #[error("{path:?}: not a regular file")]
     NotAFile { path: String },
     #[error(
-        "{path:?}: {bytes} bytes, larger than a PEM file of certificates or a key can be ({max})"
+        "{path:?}: {bytes} bytes, larger than such a file can be ({max}): is it the right file?"
     )]
     TooLarge { path: String, bytes: u64, max: u64 },
     #[error("{path:?}: not valid PEM: {reason}")]
@@ -28,47 +29,80 @@ pub enum PemError {
     NoCertificate { path: String },
     #[error("{path:?}: holds no private key (expected a -----BEGIN PRIVATE KEY----- section)")]
     NoPrivateKey { path: String },
+    /// A secret file whose first line is empty.
+    #[error("{path:?}: empty (expected the secret on its first line)")]
+    EmptySecret { path: String },
+    /// A secret file that is not UTF-8 text.
+    #[error("{path:?}: not UTF-8 text")]
+    NotText { path: String },
 }
 
-impl PemError {
+impl FileError {
     /// The path the error is about.
     pub fn path(&self) -> &str {
         match self {
-            PemError::Unreadable { path, .. }
-            | PemError::NotAFile { path }
-            | PemError::TooLarge { path, .. }
-            | PemError::Malformed { path, .. }
-            | PemError::NoCertificate { path }
-            | PemError::NoPrivateKey { path } => path,
+            FileError::Unreadable { path, .. }
+            | FileError::NotAFile { path }
+            | FileError::TooLarge { path, .. }
+            | FileError::Malformed { path, .. }
+            | FileError::NoCertificate { path }
+            | FileError::NoPrivateKey { path }
+            | FileError::EmptySecret { path }
+            | FileError::NotText { path } => path,
         }
     }
 }
 
-impl Classify for PemError {
+impl Classify for FileError {
     /// A file the configuration names is wrong: fixing the file or the key helps, retrying not.
     fn kind(&self) -> ErrorKind {
         ErrorKind::InvalidRequest
     }
 }
 
+/// Longest secret file (a password on its first line).
+const MAX_SECRET_BYTES: u64 = 4096;
+
+/// The secret on the first line of a file named by a key (a password), without its line end.
+/// At most 4 KiB, UTF-8, not empty. A secret is never inline in the config: the effective
+/// config is logged.
+pub fn read_secret_file(path: &str) -> Result<String, FileError> {
+    let bytes = read_limited(path, MAX_SECRET_BYTES)?;
+    let text = String::from_utf8(bytes).map_err(|_| FileError::NotText {
+        path: path.to_string(),
+    })?;
+    let line = text.lines().next().unwrap_or("").trim_end_matches('\r');
+    if line.is_empty() {
+        return Err(FileError::EmptySecret {
+            path: path.to_string(),
+        });
+    }
+    Ok(line.to_string())
+}
+
 /// The bytes of a PEM file named by a key (`path` as the config gives it), at most 1 MiB.
-pub fn read_pem_file(path: &str) -> Result<Vec<u8>, PemError> {
+pub fn read_pem_file(path: &str) -> Result<Vec<u8>, FileError> {
+    read_limited(path, MAX_PEM_BYTES)
+}
+
+/// The bytes of a regular file of at most `max` bytes.
+fn read_limited(path: &str, max: u64) -> Result<Vec<u8>, FileError> {
     let p = Path::new(path);
-    let unreadable = |e: std::io::Error| PemError::Unreadable {
+    let unreadable = |e: std::io::Error| FileError::Unreadable {
         path: path.to_string(),
         reason: e.to_string(),
     };
     let meta = std::fs::metadata(p).map_err(unreadable)?;
     if !meta.is_file() {
-        return Err(PemError::NotAFile {
+        return Err(FileError::NotAFile {
             path: path.to_string(),
         });
     }
-    if meta.len() > MAX_PEM_BYTES {
-        return Err(PemError::TooLarge {
+    if meta.len() > max {
+        return Err(FileError::TooLarge {
             path: path.to_string(),
             bytes: meta.len(),
-            max: MAX_PEM_BYTES,
+            max,
         });
     }
     std::fs::read(p).map_err(unreadable)
@@ -76,20 +110,20 @@ pub fn read_pem_file(path: &str) -> Result<Vec<u8>, PemError> {
 
 /// The certificates of a PEM file (`-----BEGIN CERTIFICATE-----` sections, in order; other
 /// sections are skipped). At least one.
-pub fn read_pem_certs(path: &str) -> Result<Vec<CertificateDer<'static>>, PemError> {
+pub fn read_pem_certs(path: &str) -> Result<Vec<CertificateDer<'static>>, FileError> {
     pem_certs(path, &read_pem_file(path)?)
 }
 
 /// [`read_pem_certs`] of bytes already read from `path`.
-pub fn pem_certs(path: &str, bytes: &[u8]) -> Result<Vec<CertificateDer<'static>>, PemError> {
+pub fn pem_certs(path: &str, bytes: &[u8]) -> Result<Vec<CertificateDer<'static>>, FileError> {
     let certs = CertificateDer::pem_slice_iter(bytes)
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| PemError::Malformed {
+        .map_err(|e| FileError::Malformed {
             path: path.to_string(),
             reason: e.to_string(),
         })?;
     if certs.is_empty() {
-        return Err(PemError::NoCertificate {
+        return Err(FileError::NoCertificate {
             path: path.to_string(),
         });
     }
@@ -97,17 +131,17 @@ pub fn pem_certs(path: &str, bytes: &[u8]) -> Result<Vec<CertificateDer<'static>
 }
 
 /// The private key of a PEM file (PKCS#8, PKCS#1 or SEC1: the first key section).
-pub fn read_pem_key(path: &str) -> Result<PrivateKeyDer<'static>, PemError> {
+pub fn read_pem_key(path: &str) -> Result<PrivateKeyDer<'static>, FileError> {
     pem_key(path, &read_pem_file(path)?)
 }
 
 /// [`read_pem_key`] of bytes already read from `path`.
-pub fn pem_key(path: &str, bytes: &[u8]) -> Result<PrivateKeyDer<'static>, PemError> {
+pub fn pem_key(path: &str, bytes: &[u8]) -> Result<PrivateKeyDer<'static>, FileError> {
     PrivateKeyDer::from_pem_slice(bytes).map_err(|e| match e {
-        rustls_pki_types::pem::Error::NoItemsFound => PemError::NoPrivateKey {
+        rustls_pki_types::pem::Error::NoItemsFound => FileError::NoPrivateKey {
             path: path.to_string(),
         },
-        e => PemError::Malformed {
+        e => FileError::Malformed {
             path: path.to_string(),
             reason: e.to_string(),
         },
@@ -128,15 +162,15 @@ mod tests {
     fn missing_empty_and_wrong_kind_are_errors() {
         let e = read_pem_certs("/nonexistent/ca.pem").unwrap_err();
         assert!(
-            matches!(&e, PemError::Unreadable { path, .. } if path == "/nonexistent/ca.pem"),
+            matches!(&e, FileError::Unreadable { path, .. } if path == "/nonexistent/ca.pem"),
             "{e:?}"
         );
         let empty = file("");
         let e = read_pem_certs(empty.path().to_str().unwrap()).unwrap_err();
-        assert!(matches!(e, PemError::NoCertificate { .. }), "{e:?}");
+        assert!(matches!(e, FileError::NoCertificate { .. }), "{e:?}");
         let key_only = file("-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n");
         let e = read_pem_certs(key_only.path().to_str().unwrap()).unwrap_err();
-        assert!(matches!(e, PemError::NoCertificate { .. }), "{e:?}");
+        assert!(matches!(e, FileError::NoCertificate { .. }), "{e:?}");
         let cert_only = file("-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n");
         assert_eq!(
             read_pem_certs(cert_only.path().to_str().unwrap())
@@ -145,13 +179,42 @@ mod tests {
             1
         );
         let e = read_pem_key(cert_only.path().to_str().unwrap()).unwrap_err();
-        assert!(matches!(e, PemError::NoPrivateKey { .. }), "{e:?}");
+        assert!(matches!(e, FileError::NoPrivateKey { .. }), "{e:?}");
         let broken = file("-----BEGIN CERTIFICATE-----\nAAAA\n");
         let e = read_pem_certs(broken.path().to_str().unwrap()).unwrap_err();
-        assert!(matches!(e, PemError::Malformed { .. }), "{e:?}");
+        assert!(matches!(e, FileError::Malformed { .. }), "{e:?}");
         let e = read_pem_certs("/").unwrap_err();
-        assert_eq!(e, PemError::NotAFile { path: "/".into() });
+        assert_eq!(e, FileError::NotAFile { path: "/".into() });
         assert_eq!(e.path(), "/");
+    }
+
+    #[test]
+    fn secrets_are_the_first_line() {
+        let f = file("s3cret\nignored\n");
+        assert_eq!(
+            read_secret_file(f.path().to_str().unwrap()).unwrap(),
+            "s3cret"
+        );
+        let f = file("pw with spaces \r\n");
+        assert_eq!(
+            read_secret_file(f.path().to_str().unwrap()).unwrap(),
+            "pw with spaces "
+        );
+        for text in ["", "\n", "\nsecond"] {
+            let f = file(text);
+            let e = read_secret_file(f.path().to_str().unwrap()).unwrap_err();
+            assert!(
+                matches!(e, FileError::EmptySecret { .. }),
+                "{text:?}: {e:?}"
+            );
+        }
+        let f = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(f.path(), [0xff, 0xfe, b'\n']).unwrap();
+        let e = read_secret_file(f.path().to_str().unwrap()).unwrap_err();
+        assert!(matches!(e, FileError::NotText { .. }), "{e:?}");
+        let big = file(&"x".repeat(5000));
+        let e = read_secret_file(big.path().to_str().unwrap()).unwrap_err();
+        assert!(matches!(e, FileError::TooLarge { max: 4096, .. }), "{e:?}");
     }
 
     #[test]
@@ -159,7 +222,7 @@ mod tests {
         let big = file(&"x".repeat(MAX_PEM_BYTES as usize + 1));
         let e = read_pem_file(big.path().to_str().unwrap()).unwrap_err();
         assert!(
-            matches!(e, PemError::TooLarge { bytes, max, .. } if bytes == MAX_PEM_BYTES + 1 && max == MAX_PEM_BYTES),
+            matches!(e, FileError::TooLarge { bytes, max, .. } if bytes == MAX_PEM_BYTES + 1 && max == MAX_PEM_BYTES),
             "{e:?}"
         );
     }

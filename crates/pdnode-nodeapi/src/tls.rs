@@ -40,12 +40,10 @@ pub enum TlsError {
         key: &'static str,
         error: pdnode_core::config::FileError,
     },
-    /// `security.tls_cert` names another node than this node's config ([`Self::key`] is that
-    /// key; the message names the file).
+    /// `security.tls_cert` names another node than this node's config.
     #[error(
-        "{path:?} was issued for {issued_for} ({}), but this node is {this_node} ({}): node.cluster, node.role and node.id must be what the certificate names",
-        .issued_for.uri(),
-        .this_node.uri()
+        "key `security.tls_cert`: {}",
+        wrong_identity(.path, .issued_for, .this_node)
     )]
     WrongIdentity {
         path: String,
@@ -69,6 +67,16 @@ pub enum TlsError {
     /// A certificate chain that does not verify under the CA for a use (`server`, `client`).
     #[error("not valid for {usage} use: {reason}")]
     Chain { usage: &'static str, reason: String },
+}
+
+/// Why a certificate is not this node's (the message of [`TlsError::WrongIdentity`] after
+/// its key).
+pub fn wrong_identity(path: &str, issued_for: &NodeIdentity, this_node: &NodeIdentity) -> String {
+    format!(
+        "{path:?} was issued for {issued_for} ({}), but this node is {this_node} ({}): node.cluster, node.role and node.id must be what the certificate names",
+        issued_for.uri(),
+        this_node.uri()
+    )
 }
 
 impl TlsError {

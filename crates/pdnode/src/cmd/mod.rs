@@ -55,6 +55,15 @@ pub fn load_config(args: &ConfigArgs) -> Result<Loaded, ConfigErrors> {
                 key,
                 reason,
             },
+            TlsError::WrongIdentity {
+                path,
+                issued_for,
+                this_node,
+            } => ConfigError::Invalid {
+                source_name,
+                key,
+                reason: pdnode_nodeapi::tls::wrong_identity(&path, &issued_for, &this_node),
+            },
             e => ConfigError::Invalid {
                 source_name,
                 key,

@@ -189,3 +189,67 @@ fn a_missing_etcd_file_is_a_config_error_naming_the_key() {
         assert!(err.contains("registry.etcd_tls_ca"), "{cmd}: {err}");
     }
 }
+
+/// `pdnode certs init --etcd`: without a CA (and no --node) a usage error that writes nothing;
+/// with --node, the CA, the node and etcd's server certificate, which etcd then serves with.
+#[test]
+fn certs_init_etcd_writes_a_server_certificate_of_the_cluster_ca() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().join("certs");
+    let init = |args: &[&str]| {
+        Command::new(BIN)
+            .args(["certs", "init", "--cluster", "sec", "--dir"])
+            .arg(&d)
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let out = init(&["--etcd", "127.0.0.1"]);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(!d.join("etcd-server.pem").exists());
+    let out = init(&["--node", "p1:prefill", "--etcd", "127.0.0.1,localhost"]);
+    assert!(out.status.success(), "{out:?}");
+    for f in ["ca.pem", "p1.pem", "etcd-server.pem", "etcd-server.key"] {
+        assert!(d.join(f).is_file(), "{f}");
+    }
+    // Existing files are kept without --force.
+    let out = init(&["--etcd", "127.0.0.1"]);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    if skip_etcd_tests() {
+        return;
+    }
+    // etcd starts with it, and a node client of the same CA gets through its TLS.
+    let etcd = EtcdServer::start_with(EtcdOptions {
+        tls: Some(EtcdTls {
+            ca: d.join("ca.pem"),
+            cert: d.join("etcd-server.pem"),
+            key: d.join("etcd-server.key"),
+            client_cert_auth: true,
+            server_ca: d.join("ca.pem"),
+            admin_cert: Some((d.join("p1.pem"), d.join("p1.key"))),
+        }),
+        auth_token_ttl_s: None,
+    })
+    .expect("etcd with the certs init server certificate");
+    let cfg = dir.path().join("nodes.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[node]\nrole = \"router\"\ncluster = \"sec\"\n[registry]\nkind = \"etcd\"\nendpoints = [\"{}\"]\n\
+             etcd_tls_ca = {:?}\netcd_tls_cert = {:?}\netcd_tls_key = {:?}\n",
+            etcd.endpoint(),
+            d.join("ca.pem").display().to_string(),
+            d.join("p1.pem").display().to_string(),
+            d.join("p1.key").display().to_string(),
+        ),
+    )
+    .unwrap();
+    let out = Command::new(BIN)
+        .args(["nodes", "--json", "--config"])
+        .arg(&cfg)
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "[]");
+}

@@ -3,7 +3,7 @@
 
 use pdnode_core::Role;
 use pdnode_core::config::{
-    AttentionKernel, Backend, ConfigError, ConfigSource, LinearKernel, PolicyName,
+    AttentionKernel, Backend, ConfigError, ConfigSource, FileError, LinearKernel, PolicyName,
     PrefillAttention, RegistryKind, load, load_from_str, load_from_str_with_env,
 };
 use std::path::{Path, PathBuf};
@@ -887,17 +887,30 @@ fn tls_keys_come_together_and_name_readable_pem_files() {
     let mut bad = tls("/nonexistent/ca.pem", &key, &cert);
     bad.push("node.id=\"prefill-b\"".into());
     let errs = errors(node, bad);
-    for (k, what) in [
-        ("security.tls_ca", "cannot read"),
-        ("security.tls_cert", "no certificate"),
-        ("security.tls_key", "no private key"),
-    ] {
-        assert!(
-            errs.iter()
-                .any(|e| e.key() == Some(k) && e.to_string().contains(what)),
-            "{k}: {errs:?}"
-        );
-    }
+    let file_error = |k: &str| {
+        errs.iter().find_map(|e| match e {
+            ConfigError::BadFile { key, error, .. } if key == k => Some(error.clone()),
+            _ => None,
+        })
+    };
+    assert!(
+        matches!(file_error("security.tls_ca"), Some(FileError::Unreadable { path, .. }) if path == "/nonexistent/ca.pem"),
+        "{errs:?}"
+    );
+    assert!(
+        matches!(
+            file_error("security.tls_cert"),
+            Some(FileError::NoCertificate { .. })
+        ),
+        "{errs:?}"
+    );
+    assert!(
+        matches!(
+            file_error("security.tls_key"),
+            Some(FileError::NoPrivateKey { .. })
+        ),
+        "{errs:?}"
+    );
 
     // No node.id: the certificate names one.
     let errs = errors(node, tls(&cert, &cert, &key));
@@ -933,4 +946,165 @@ fn the_stall_rate_must_be_positive() {
         ),
         (250, 40)
     );
+
+/// `registry.etcd_*`: TLS needs a CA and https:// endpoints, a client certificate its key, a
+/// user its password file (never inline), a password no plaintext link beyond loopback; every
+/// file is read and checked, each error names its key; with `memory` they are refused.
+#[test]
+fn etcd_tls_and_auth_keys_are_checked_and_name_their_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, text: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        p.display().to_string()
+    };
+    let cert = write(
+        "c.pem",
+        "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n",
+    );
+    let key = write(
+        "c.key",
+        "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n",
+    );
+    let pw = write("pw", "s3cret\n");
+    let empty_pw = write("empty", "\n");
+    let router = |endpoints: &str| {
+        format!("[node]\nrole = \"router\"\n[registry]\nkind = \"etcd\"\nendpoints = {endpoints}\n")
+    };
+    let https = router("[\"https://10.0.0.10:2379\"]");
+    let keys = |errs: &[ConfigError]| -> Vec<String> {
+        errs.iter()
+            .filter_map(|e| e.key().map(String::from))
+            .collect()
+    };
+
+    // The full set loads, and every key lands where it says.
+    let full = [
+        format!("registry.etcd_tls_ca={cert:?}"),
+        format!("registry.etcd_tls_cert={cert:?}"),
+        format!("registry.etcd_tls_key={key:?}"),
+        "registry.etcd_user=\"pdnode\"".to_string(),
+        format!("registry.etcd_password_file={pw:?}"),
+    ];
+    let l = load_from_str(FILE, &https, &full).unwrap_or_else(|e| panic!("{e:?}"));
+    let r = &l.config.registry;
+    assert_eq!(
+        (r.etcd_tls_ca.as_str(), r.etcd_tls_cert.as_str()),
+        (cert.as_str(), cert.as_str())
+    );
+    assert_eq!(r.etcd_tls_key, key);
+    assert_eq!(r.etcd_user, "pdnode");
+    assert_eq!(r.etcd_password_file, pw);
+    assert!(r.etcd_tls());
+    // The password itself is in no key: the effective config does not show it.
+    assert!(!l.effective_toml().contains("s3cret"));
+    let e = errors(&https, &["registry.etcd_password=\"x\""]);
+    assert!(
+        matches!(&e[0], ConfigError::UnknownKey { key, .. } if key == "registry.etcd_password"),
+        "{e:?}"
+    );
+
+    // https:// without a CA; a CA with http://; mixed schemes.
+    let e = errors(&https, &[]);
+    assert_eq!(keys(&e), ["registry.etcd_tls_ca"], "{e:?}");
+    let e = errors(
+        &router("[\"http://10.0.0.10:2379\"]"),
+        &[&format!("registry.etcd_tls_ca={cert:?}")],
+    );
+    assert_eq!(keys(&e), ["registry.endpoints"], "{e:?}");
+    let e = errors(
+        &router("[\"https://10.0.0.10:2379\", \"http://10.0.0.11:2379\"]"),
+        &[&format!("registry.etcd_tls_ca={cert:?}")],
+    );
+    assert!(keys(&e).iter().all(|k| k == "registry.endpoints"), "{e:?}");
+    // A certificate without its key (and the other way round), or without a CA.
+    let e = errors(
+        &https,
+        &[
+            &format!("registry.etcd_tls_ca={cert:?}"),
+            &format!("registry.etcd_tls_cert={cert:?}"),
+        ],
+    );
+    assert_eq!(keys(&e), ["registry.etcd_tls_key"], "{e:?}");
+    let e = errors(
+        &https,
+        &[
+            &format!("registry.etcd_tls_ca={cert:?}"),
+            &format!("registry.etcd_tls_key={key:?}"),
+        ],
+    );
+    assert_eq!(keys(&e), ["registry.etcd_tls_cert"], "{e:?}");
+    // Files that are missing or of the wrong kind: BadFile naming the key.
+    let e = errors(
+        &https,
+        &[
+            "registry.etcd_tls_ca=\"/nonexistent/ca.pem\"",
+            &format!("registry.etcd_tls_cert={key:?}"),
+            &format!("registry.etcd_tls_key={cert:?}"),
+            "registry.etcd_user=\"pdnode\"",
+            &format!("registry.etcd_password_file={empty_pw:?}"),
+        ],
+    );
+    let bad_file = |k: &str| {
+        e.iter().find_map(|x| match x {
+            ConfigError::BadFile { key, error, .. } if key == k => Some(error.clone()),
+            _ => None,
+        })
+    };
+    assert!(
+        matches!(
+            bad_file("registry.etcd_tls_ca"),
+            Some(FileError::Unreadable { .. })
+        ),
+        "{e:?}"
+    );
+    assert!(
+        matches!(
+            bad_file("registry.etcd_tls_cert"),
+            Some(FileError::NoCertificate { .. })
+        ),
+        "{e:?}"
+    );
+    assert!(
+        matches!(
+            bad_file("registry.etcd_tls_key"),
+            Some(FileError::NoPrivateKey { .. })
+        ),
+        "{e:?}"
+    );
+    assert!(
+        matches!(
+            bad_file("registry.etcd_password_file"),
+            Some(FileError::EmptySecret { .. })
+        ),
+        "{e:?}"
+    );
+    assert_eq!(e.len(), 4, "{e:?}");
+    // A user needs its password file, and a password file its user.
+    let e = errors(
+        &router("[\"http://127.0.0.1:2379\"]"),
+        &["registry.etcd_user=\"pdnode\""],
+    );
+    assert_eq!(keys(&e), ["registry.etcd_password_file"], "{e:?}");
+    let e = errors(
+        &router("[\"http://127.0.0.1:2379\"]"),
+        &[&format!("registry.etcd_password_file={pw:?}")],
+    );
+    assert_eq!(keys(&e), ["registry.etcd_user"], "{e:?}");
+    // A password over plaintext: on loopback only.
+    let creds = [
+        "registry.etcd_user=\"pdnode\"".to_string(),
+        format!("registry.etcd_password_file={pw:?}"),
+    ];
+    load_from_str(FILE, &router("[\"http://127.0.0.1:2379\"]"), &creds)
+        .unwrap_or_else(|e| panic!("{e:?}"));
+    let creds: Vec<&str> = creds.iter().map(String::as_str).collect();
+    let e = errors(&router("[\"http://10.0.0.10:2379\"]"), &creds);
+    assert_eq!(keys(&e), ["registry.etcd_user"], "{e:?}");
+    // With the memory registry they would do nothing.
+    let e = errors(
+        "[node]\nrole = \"all\"\n",
+        &["registry.etcd_user=\"pdnode\""],
+    );
+    assert_eq!(keys(&e), ["registry.etcd_user"], "{e:?}");
 }

@@ -22,6 +22,9 @@ use std::str::FromStr;
 /// Default validity of the CA and the node certificates, days.
 pub const DEFAULT_DAYS: u32 = 3650;
 
+/// The syntax `--node` takes, for the errors that quote it.
+const NODE_SYNTAX: &str = "expected NAME:ROLE[@HOST[,HOST...]], e.g. prefill-b:prefill@10.0.0.2";
+
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CertsError {
     #[error("{0}")]
@@ -33,8 +36,51 @@ pub enum CertsError {
     Exists { paths: Vec<PathBuf> },
     #[error("{path}: {reason}")]
     Io { path: String, reason: String },
+    #[error("{source}")]
+    Pem {
+        #[from]
+        source: pdnode_core::config::FileError,
+    },
     #[error("cannot generate a certificate: {0}")]
     Generate(String),
+    /// `--etcd` without a CA in the directory (and no `--node` to make one).
+    #[error(
+        "no cluster CA in {}: {} and {} are needed to sign the etcd certificate (pass --node too, to make them)",
+        .dir.display(),
+        .dir.join("ca.pem").display(),
+        .dir.join("ca.key").display()
+    )]
+    NoCa { dir: PathBuf },
+    /// `--etcd` with no host: etcd's certificate must name the address clients dial.
+    #[error("--etcd: no host given (expected HOST[,HOST...], e.g. 10.0.0.10,etcd.lan)")]
+    NoEtcdHost,
+    /// A `--node` without `:ROLE`.
+    #[error("{spec:?}: no role: {NODE_SYNTAX}")]
+    NodeNoRole { spec: String },
+    #[error(
+        "{spec:?}: node name {name:?}: expected 1-128 of [A-Za-z0-9._-] (it is the node's node.id)"
+    )]
+    NodeBadName { spec: String, name: String },
+    /// A node name that would collide with the CA's (or another set's) file names.
+    #[error("{spec:?}: {name:?} names other files in the directory; pick another node name")]
+    NodeReservedName { spec: String, name: String },
+    #[error("{spec:?}: {reason}")]
+    NodeBadRole { spec: String, reason: String },
+    #[error("{spec:?}: host {host:?} is neither an IP address nor a DNS name: {NODE_SYNTAX}")]
+    NodeBadHost { spec: String, host: String },
+    /// A certificate the CA in the directory signed does not verify under that CA's
+    /// certificate (the key and the certificate are not a pair, or `--cluster` is not theirs).
+    #[error(
+        "{} and {} do not sign for cluster {cluster:?} (made for another cluster, or not by pdnode certs init?): {reason}",
+        .ca_pem.display(),
+        .ca_key.display()
+    )]
+    CaMismatch {
+        ca_pem: PathBuf,
+        ca_key: PathBuf,
+        cluster: String,
+        reason: String,
+    },
 }
 
 fn io_err(path: &Path, e: impl fmt::Display) -> CertsError {
@@ -59,42 +105,41 @@ pub struct CertNode {
 }
 
 impl FromStr for CertNode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        let syntax = "expected NAME:ROLE[@HOST[,HOST...]], e.g. prefill-b:prefill@10.0.0.2";
+    type Err = CertsError;
+    fn from_str(s: &str) -> Result<Self, CertsError> {
+        let spec = || s.to_string();
         let (node, hosts) = match s.split_once('@') {
             Some((n, h)) => (n, Some(h)),
             None => (s, None),
         };
         let (name, role) = node
             .split_once(':')
-            .ok_or_else(|| format!("{s:?}: no role: {syntax}"))?;
+            .ok_or_else(|| CertsError::NodeNoRole { spec: spec() })?;
         let name = NodeId::new(name);
         if !name.is_valid() {
-            return Err(format!(
-                "{s:?}: node name {:?}: expected 1-128 of [A-Za-z0-9._-] (it is the node's node.id)",
-                name.as_str()
-            ));
+            return Err(CertsError::NodeBadName {
+                spec: spec(),
+                name: name.as_str().to_string(),
+            });
         }
-        if name.as_str() == "ca" {
-            return Err(format!(
-                "{s:?}: \"ca\" names the CA's files; pick another node name"
-            ));
+        if RESERVED_NAMES.contains(&name.as_str()) {
+            return Err(CertsError::NodeReservedName {
+                spec: spec(),
+                name: name.as_str().to_string(),
+            });
         }
-        let role: Role = role.parse().map_err(|e| format!("{s:?}: {e}"))?;
+        let role: Role = role.parse().map_err(|reason| CertsError::NodeBadRole {
+            spec: spec(),
+            reason,
+        })?;
         let mut out = Vec::new();
         if let Some(h) = hosts {
             for host in h.split(',') {
-                let ok = host.parse::<std::net::IpAddr>().is_ok()
-                    || (!host.is_empty()
-                        && host.len() <= 253
-                        && host
-                            .chars()
-                            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.'));
-                if !ok {
-                    return Err(format!(
-                        "{s:?}: host {host:?} is neither an IP address nor a DNS name: {syntax}"
-                    ));
+                if !is_host(host) {
+                    return Err(CertsError::NodeBadHost {
+                        spec: spec(),
+                        host: host.to_string(),
+                    });
                 }
                 out.push(host.to_string());
             }
@@ -105,6 +150,22 @@ impl FromStr for CertNode {
             hosts: out,
         })
     }
+}
+
+/// Node names whose files would be other files of the directory (`ca.pem`, ...).
+const RESERVED_NAMES: &[&str] = &["ca", ETCD_SERVER];
+
+/// The file stem of the etcd server certificate [`etcd_server`] writes.
+pub const ETCD_SERVER: &str = "etcd-server";
+
+/// An IP address or a DNS name (letters, digits, `-`, `.`; at most 253).
+fn is_host(host: &str) -> bool {
+    host.parse::<std::net::IpAddr>().is_ok()
+        || (!host.is_empty()
+            && host.len() <= 253
+            && host
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.'))
 }
 
 /// What `pdnode certs init` does.
@@ -201,14 +262,9 @@ pub fn init(req: &CertsInit) -> Result<CertsWritten, CertsError> {
         Issuer::new(ca_params, key)
     };
     let ca_certs = if reuse_ca {
-        Some(
-            pdnode_core::config::read_pem_certs(&ca_pem.display().to_string()).map_err(|e| {
-                CertsError::Io {
-                    path: ca_pem.display().to_string(),
-                    reason: e,
-                }
-            })?,
-        )
+        Some(pdnode_core::config::read_pem_certs(
+            &ca_pem.display().to_string(),
+        )?)
     } else {
         None
     };
@@ -220,13 +276,13 @@ pub fn init(req: &CertsInit) -> Result<CertsWritten, CertsError> {
         let cert = params.signed_by(&key, &issuer).map_err(gen_err)?;
         if let Some(ca) = &ca_certs {
             // The CA's key and the name rebuilt from --cluster must be those of ca.pem.
-            check_signed_by(cert.der(), ca).map_err(|e| {
-                CertsError::Invalid(format!(
-                    "{} and {} do not sign for cluster {:?} (made for another cluster, or not by pdnode certs init?): {e}",
-                    ca_pem.display(),
-                    ca_key.display(),
-                    req.cluster
-                ))
+            check_signed_by(cert.der(), ca, webpki::KeyUsage::client_auth(), |reason| {
+                CertsError::CaMismatch {
+                    ca_pem: ca_pem.clone(),
+                    ca_key: ca_key.clone(),
+                    cluster: req.cluster.clone(),
+                    reason,
+                }
             })?;
         }
         let [pem, keyf] = node_files(dir, n);
@@ -238,6 +294,95 @@ pub fn init(req: &CertsInit) -> Result<CertsWritten, CertsError> {
         new_ca: !reuse_ca,
         files,
     })
+}
+
+/// Writes `DIR/etcd-server.pem` and `DIR/etcd-server.key`: a certificate for etcd's client
+/// port (`--cert-file`, `--key-file`; `--trusted-ca-file DIR/ca.pem` then accepts the nodes'
+/// certificates as client certificates), signed by the cluster CA already in `DIR` ([`init`]
+/// makes it), naming `hosts` (IP addresses and DNS names clients dial), for server use only.
+/// Existing files are replaced only with `force`.
+pub fn etcd_server(
+    dir: &Path,
+    cluster: &str,
+    hosts: &[String],
+    days: u32,
+    force: bool,
+) -> Result<Vec<PathBuf>, CertsError> {
+    if hosts.is_empty() {
+        return Err(CertsError::NoEtcdHost);
+    }
+    for h in hosts {
+        if !is_host(h) {
+            return Err(CertsError::NodeBadHost {
+                spec: format!("--etcd {}", hosts.join(",")),
+                host: h.clone(),
+            });
+        }
+    }
+    if days == 0 || days > 36_500 {
+        return Err(CertsError::Invalid(format!(
+            "--days {days}: expected 1 to 36500"
+        )));
+    }
+    let (ca_pem, ca_key) = (dir.join("ca.pem"), dir.join("ca.key"));
+    if !ca_pem.exists() || !ca_key.exists() {
+        return Err(CertsError::NoCa {
+            dir: dir.to_path_buf(),
+        });
+    }
+    let pem = dir.join(format!("{ETCD_SERVER}.pem"));
+    let keyf = dir.join(format!("{ETCD_SERVER}.key"));
+    if !force {
+        let exists: Vec<PathBuf> = [&pem, &keyf]
+            .into_iter()
+            .filter(|p| p.exists())
+            .cloned()
+            .collect();
+        if !exists.is_empty() {
+            return Err(CertsError::Exists { paths: exists });
+        }
+    }
+    let validity = Validity::days(days)?;
+    let key_text = std::fs::read_to_string(&ca_key).map_err(|e| io_err(&ca_key, e))?;
+    let ca_keypair = KeyPair::from_pem(&key_text)
+        .map_err(|e| io_err(&ca_key, format!("not a key rcgen can use: {e}")))?;
+    let issuer = Issuer::new(ca_params(cluster, validity), ca_keypair);
+    let ca_certs = pdnode_core::config::read_pem_certs(&ca_pem.display().to_string())?;
+
+    let mut p = CertificateParams::default();
+    let mut dn = DistinguishedName::new();
+    dn.push(DnType::OrganizationName, "pdnode");
+    dn.push(
+        DnType::CommonName,
+        format!("etcd of pdnode cluster {cluster}"),
+    );
+    p.distinguished_name = dn;
+    for h in hosts {
+        p.subject_alt_names
+            .push(match h.parse::<std::net::IpAddr>() {
+                Ok(ip) => SanType::IpAddress(ip),
+                Err(_) => SanType::DnsName(Ia5String::try_from(h.clone()).map_err(gen_err)?),
+            });
+    }
+    p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+    validity.apply(&mut p);
+    let key = KeyPair::generate().map_err(gen_err)?;
+    let cert = p.signed_by(&key, &issuer).map_err(gen_err)?;
+    check_signed_by(
+        cert.der(),
+        &ca_certs,
+        webpki::KeyUsage::server_auth(),
+        |reason| CertsError::CaMismatch {
+            ca_pem: ca_pem.clone(),
+            ca_key: ca_key.clone(),
+            cluster: cluster.to_string(),
+            reason,
+        },
+    )?;
+    write_file(&pem, cert.pem().as_bytes(), 0o644)?;
+    write_file(&keyf, key.serialize_pem().as_bytes(), 0o600)?;
+    Ok(vec![pem, keyf])
 }
 
 fn node_files(dir: &Path, n: &CertNode) -> [PathBuf; 2] {
@@ -291,15 +436,19 @@ fn node_params(
     Ok(p)
 }
 
+/// Whether `cert` chains to `ca` for client use; `mismatch` turns webpki's reason into the
+/// error that names the files ([`CertsError::CaMismatch`]).
 fn check_signed_by(
     cert: &rustls::pki_types::CertificateDer<'_>,
     ca: &[rustls::pki_types::CertificateDer<'static>],
-) -> Result<(), String> {
+    usage: webpki::KeyUsage,
+    mismatch: impl Fn(String) -> CertsError,
+) -> Result<(), CertsError> {
     let mut roots = rustls::RootCertStore::empty();
     for c in ca {
-        roots.add(c.clone()).map_err(|e| e.to_string())?;
+        roots.add(c.clone()).map_err(|e| mismatch(e.to_string()))?;
     }
-    let ee = webpki::EndEntityCert::try_from(cert).map_err(|e| e.to_string())?;
+    let ee = webpki::EndEntityCert::try_from(cert).map_err(|e| mismatch(e.to_string()))?;
     ee.verify_for_usage(
         rustls::crypto::ring::default_provider()
             .signature_verification_algorithms
@@ -307,12 +456,12 @@ fn check_signed_by(
         &roots.roots,
         &[],
         rustls::pki_types::UnixTime::now(),
-        webpki::KeyUsage::client_auth(),
+        usage,
         None,
         None,
     )
     .map(|_| ())
-    .map_err(|e| e.to_string())
+    .map_err(|e| mismatch(e.to_string()))
 }
 
 /// The validity of new certificates: UTC dates, from yesterday (clocks differ) to `days` after
@@ -390,18 +539,25 @@ mod tests {
         assert_eq!(n.hosts, ["127.0.0.1", "r1.lan", "::1"]);
         let n: CertNode = "p-1:prefill".parse().unwrap();
         assert!(n.hosts.is_empty());
-        for bad in [
-            "p1",
-            "p1:boss",
-            ":prefill",
-            "a/b:prefill",
-            "ca:router",
-            "p1:prefill@",
-            "p1:prefill@a b",
-            "p1:prefill@x,,y",
-        ] {
-            assert!(bad.parse::<CertNode>().is_err(), "{bad}");
-        }
+        let err = |s: &str| s.parse::<CertNode>().unwrap_err();
+        assert!(matches!(err("p1"), CertsError::NodeNoRole { spec } if spec == "p1"));
+        assert!(matches!(err("p1:boss"), CertsError::NodeBadRole { .. }));
+        assert!(matches!(err(":prefill"), CertsError::NodeBadName { name, .. } if name.is_empty()));
+        assert!(
+            matches!(err("a/b:prefill"), CertsError::NodeBadName { name, .. } if name == "a/b")
+        );
+        assert!(
+            matches!(err("ca:router"), CertsError::NodeReservedName { name, .. } if name == "ca")
+        );
+        assert!(
+            matches!(err("p1:prefill@"), CertsError::NodeBadHost { host, .. } if host.is_empty())
+        );
+        assert!(
+            matches!(err("p1:prefill@a b"), CertsError::NodeBadHost { host, .. } if host == "a b")
+        );
+        assert!(
+            matches!(err("p1:prefill@x,,y"), CertsError::NodeBadHost { host, .. } if host.is_empty())
+        );
     }
 
     #[test]

@@ -34,6 +34,67 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 pub enum TlsError {
     #[error("key `{key}`: {reason}")]
     Config { key: &'static str, reason: String },
+    /// A PEM file a key names is missing or holds the wrong thing.
+    #[error("key `{key}`: {error}")]
+    Pem {
+        key: &'static str,
+        error: pdnode_core::config::FileError,
+    },
+    /// `security.tls_cert` names another node than this node's config.
+    #[error(
+        "key `security.tls_cert`: {}",
+        wrong_identity(.path, .issued_for, .this_node)
+    )]
+    WrongIdentity {
+        path: String,
+        issued_for: Box<NodeIdentity>,
+        this_node: Box<NodeIdentity>,
+    },
+    /// A certificate that is not X.509 rustls can parse.
+    #[error("not a certificate rustls can read: {reason}")]
+    Unparsable { reason: String },
+    /// A certificate with no `spiffe://pdnode/...` URI SAN.
+    #[error(
+        "names no pdnode node (no URI SAN spiffe://{TRUST_DOMAIN}/{{cluster}}/{{role}}/{{node-id}})"
+    )]
+    NoIdentity,
+    /// A certificate with more than one `spiffe://pdnode/...` URI SAN.
+    #[error("names more than one pdnode node (several spiffe://{TRUST_DOMAIN}/ URI SANs)")]
+    SeveralIdentities,
+    /// A `spiffe://pdnode/` URI SAN not of the form `{cluster}/{role}/{node-id}`.
+    #[error("URI SAN {uri:?} is not spiffe://{TRUST_DOMAIN}/{{cluster}}/{{role}}/{{node-id}}")]
+    BadIdentity { uri: String },
+    /// A certificate chain that does not verify under the CA for a use (`server`, `client`).
+    #[error("not valid for {usage} use: {reason}")]
+    Chain { usage: &'static str, reason: String },
+}
+
+/// Why a certificate is not this node's (the message of [`TlsError::WrongIdentity`] after
+/// its key).
+pub fn wrong_identity(path: &str, issued_for: &NodeIdentity, this_node: &NodeIdentity) -> String {
+    format!(
+        "{path:?} was issued for {issued_for} ({}), but this node is {this_node} ({}): node.cluster, node.role and node.id must be what the certificate names",
+        issued_for.uri(),
+        this_node.uri()
+    )
+}
+
+impl TlsError {
+    /// The config key at fault, where the error is about one.
+    pub fn key(&self) -> Option<&'static str> {
+        match self {
+            TlsError::Config { key, .. } | TlsError::Pem { key, .. } => Some(key),
+            TlsError::WrongIdentity { .. } => Some("security.tls_cert"),
+            _ => None,
+        }
+    }
+}
+
+impl pdnode_core::error::Classify for TlsError {
+    /// Every one is a setup or a peer certificate that is wrong; retrying does not help.
+    fn kind(&self) -> pdnode_core::error::ErrorKind {
+        pdnode_core::error::ErrorKind::InvalidRequest
+    }
 }
 
 fn cfg_err(key: &'static str, reason: impl Into<String>) -> TlsError {
@@ -92,23 +153,18 @@ impl NodeIdentity {
 
     /// The identity a certificate names: its one `spiffe://pdnode/...` URI SAN. Checks nothing
     /// else (the chain is checked by the TLS handshake).
-    pub fn of_cert(der: &CertificateDer<'_>) -> Result<Self, String> {
-        let cert = webpki::EndEntityCert::try_from(der)
-            .map_err(|e| format!("not a certificate rustls can read: {e}"))?;
+    pub fn of_cert(der: &CertificateDer<'_>) -> Result<Self, TlsError> {
+        let cert = webpki::EndEntityCert::try_from(der).map_err(|e| TlsError::Unparsable {
+            reason: e.to_string(),
+        })?;
         let prefix = format!("spiffe://{TRUST_DOMAIN}/");
         let mut found = cert.valid_uri_names().filter(|u| u.starts_with(&prefix));
-        let uri = found.next().ok_or_else(|| {
-            format!("names no pdnode node (no URI SAN {prefix}{{cluster}}/{{role}}/{{node-id}})")
-        })?;
+        let uri = found.next().ok_or(TlsError::NoIdentity)?;
         if found.next().is_some() {
-            return Err(
-                "names more than one pdnode node (several spiffe://pdnode/ URI SANs)".into(),
-            );
+            return Err(TlsError::SeveralIdentities);
         }
-        Self::parse(uri).ok_or_else(|| {
-            format!(
-                "URI SAN {uri:?} is not spiffe://{TRUST_DOMAIN}/{{cluster}}/{{role}}/{{node-id}}"
-            )
+        Self::parse(uri).ok_or_else(|| TlsError::BadIdentity {
+            uri: uri.to_string(),
         })
     }
 }
@@ -234,12 +290,13 @@ impl NodeTls {
         // ring (the one compiled in) unless the process chose one already.
         let _ = rustls::crypto::ring::default_provider().install_default();
 
-        let ca_pem = read_pem_file(ca_path).map_err(|e| cfg_err(CA, e))?;
-        let cert_pem = read_pem_file(cert_path).map_err(|e| cfg_err(CERT, e))?;
-        let key_pem = read_pem_file(key_path).map_err(|e| cfg_err(KEY, e))?;
-        let ca = pem_certs(ca_path, &ca_pem).map_err(|e| cfg_err(CA, e))?;
-        let chain = pem_certs(cert_path, &cert_pem).map_err(|e| cfg_err(CERT, e))?;
-        let key = pem_key(key_path, &key_pem).map_err(|e| cfg_err(KEY, e))?;
+        let pem = |key| move |error| TlsError::Pem { key, error };
+        let ca_pem = read_pem_file(ca_path).map_err(pem(CA))?;
+        let cert_pem = read_pem_file(cert_path).map_err(pem(CERT))?;
+        let key_pem = read_pem_file(key_path).map_err(pem(KEY))?;
+        let ca = pem_certs(ca_path, &ca_pem).map_err(pem(CA))?;
+        let chain = pem_certs(cert_path, &cert_pem).map_err(pem(CERT))?;
+        let key = pem_key(key_path, &key_pem).map_err(pem(KEY))?;
 
         let mut roots = RootCertStore::empty();
         for c in ca {
@@ -251,31 +308,14 @@ impl NodeTls {
         let identity =
             NodeIdentity::of_cert(leaf).map_err(|e| cfg_err(CERT, format!("{cert_path:?} {e}")))?;
         if &identity != expect {
-            return Err(cfg_err(
-                CERT,
-                format!(
-                    "{cert_path:?} was issued for {identity} ({}), but this node is {expect} ({}): node.cluster, node.role and node.id must be what the certificate names",
-                    identity.uri(),
-                    expect.uri()
-                ),
-            ));
+            return Err(TlsError::WrongIdentity {
+                path: cert_path.to_string(),
+                issued_for: Box::new(identity),
+                this_node: Box::new(expect.clone()),
+            });
         }
-        verify_chain(
-            &provider,
-            &roots.roots,
-            leaf,
-            &chain[1..],
-            webpki::KeyUsage::server_auth(),
-        )
-        .and_then(|()| {
-            verify_chain(
-                &provider,
-                &roots.roots,
-                leaf,
-                &chain[1..],
-                webpki::KeyUsage::client_auth(),
-            )
-        })
+        verify_chain(&provider, &roots.roots, leaf, &chain[1..], "server")
+            .and_then(|()| verify_chain(&provider, &roots.roots, leaf, &chain[1..], "client"))
         .map_err(|e| {
             cfg_err(
                 CERT,
@@ -367,25 +407,36 @@ pub fn role_serves(cert: Role, card: Role) -> bool {
     cert == card || (card == Role::Router && cert == Role::All)
 }
 
+/// Whether `leaf` (with `intermediates`) chains to `roots` for `usage` (`"server"` or
+/// `"client"`).
 fn verify_chain(
     provider: &CryptoProvider,
     roots: &[TrustAnchor<'static>],
     leaf: &CertificateDer<'_>,
     intermediates: &[CertificateDer<'_>],
-    usage: webpki::KeyUsage,
-) -> Result<(), String> {
-    let ee = webpki::EndEntityCert::try_from(leaf).map_err(|e| e.to_string())?;
+    usage: &'static str,
+) -> Result<(), TlsError> {
+    let chain_err = |e: webpki::Error| TlsError::Chain {
+        usage,
+        reason: e.to_string(),
+    };
+    let key_usage = if usage == "server" {
+        webpki::KeyUsage::server_auth()
+    } else {
+        webpki::KeyUsage::client_auth()
+    };
+    let ee = webpki::EndEntityCert::try_from(leaf).map_err(chain_err)?;
     ee.verify_for_usage(
         provider.signature_verification_algorithms.all,
         roots,
         intermediates,
         UnixTime::now(),
-        usage,
+        key_usage,
         None,
         None,
     )
     .map(|_| ())
-    .map_err(|e| e.to_string())
+    .map_err(chain_err)
 }
 
 /// Accepts a node server whose chain ends at the cluster CA and whose certificate names the

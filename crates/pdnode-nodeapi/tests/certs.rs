@@ -48,14 +48,21 @@ fn issued_files_load_as_the_nodes_they_name() {
 
     // The identity is checked: role, id and cluster.
     for (name, cluster, role) in [("p", "prod", Role::Decode), ("p", "test", Role::Prefill)] {
-        let TlsError::Config { key, reason } = load(&d, name, cluster, role).unwrap_err();
-        assert_eq!(key, "security.tls_cert", "{reason}");
-        assert!(reason.contains("was issued for prefill node p"), "{reason}");
+        let e = load(&d, name, cluster, role).unwrap_err();
+        assert_eq!(e.key(), Some("security.tls_cert"), "{e}");
+        assert!(
+            matches!(&e, TlsError::WrongIdentity { issued_for, .. }
+                if **issued_for == NodeIdentity::new("prod", Role::Prefill, NodeId::new("p"))),
+            "{e}"
+        );
     }
     // Another node's key.
     std::fs::copy(d.join("d.key"), d.join("p.key")).unwrap();
-    let TlsError::Config { key, .. } = load(&d, "p", "prod", Role::Prefill).unwrap_err();
-    assert_eq!(key, "security.tls_key");
+    let e = load(&d, "p", "prod", Role::Prefill).unwrap_err();
+    assert!(
+        matches!(e, TlsError::Config { key, .. } if key == "security.tls_key"),
+        "{e}"
+    );
 
     // Nothing is overwritten...
     let e = init(&req(&d, "prod", &["r:router"], false)).unwrap_err();
@@ -71,12 +78,18 @@ fn issued_files_load_as_the_nodes_they_name() {
     load(&d, "d2", "prod", Role::Decode).unwrap();
     // ... unless it is another cluster's CA: then nothing is written.
     let e = init(&req(&d, "test", &["d3:decode"], false)).unwrap_err();
-    assert!(matches!(e, CertsError::Invalid(_)), "{e}");
+    assert!(
+        matches!(&e, CertsError::CaMismatch { cluster, .. } if cluster == "test"),
+        "{e}"
+    );
     // With force, a new CA: the old certificates no longer load under it.
     let w = init(&req(&d, "prod", &["r:router"], true)).unwrap();
     assert!(w.new_ca);
-    let TlsError::Config { key, .. } = load(&d, "d2", "prod", Role::Decode).unwrap_err();
-    assert_eq!(key, "security.tls_cert");
+    let e = load(&d, "d2", "prod", Role::Decode).unwrap_err();
+    assert!(
+        matches!(e, TlsError::Config { key, .. } if key == "security.tls_cert"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -94,4 +107,85 @@ fn bad_requests_write_nothing() {
     r.days = 0;
     assert!(matches!(init(&r), Err(CertsError::Invalid(_))));
     assert!(!d.exists());
+}
+
+/// `certs init --etcd`: a server certificate for etcd, signed by the CA in the directory,
+/// naming the hosts, for server use only; without a CA (or a host) nothing is written.
+#[test]
+fn etcd_server_certificate_is_signed_by_the_cluster_ca() {
+    use pdnode_nodeapi::certs::{ETCD_SERVER, etcd_server};
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().join("c");
+    let hosts = vec!["127.0.0.1".to_string(), "etcd.lan".to_string()];
+    let e = etcd_server(&d, "prod", &hosts, 30, false).unwrap_err();
+    assert!(matches!(e, CertsError::NoCa { .. }), "{e}");
+    init(&req(&d, "prod", &["r:router"], false)).unwrap();
+    let e = etcd_server(&d, "prod", &[], 30, false).unwrap_err();
+    assert_eq!(e, CertsError::NoEtcdHost);
+    let e = etcd_server(&d, "prod", &["a b".to_string()], 30, false).unwrap_err();
+    assert!(
+        matches!(e, CertsError::NodeBadHost { ref host, .. } if host == "a b"),
+        "{e}"
+    );
+    assert!(!d.join(format!("{ETCD_SERVER}.pem")).exists());
+
+    let files = etcd_server(&d, "prod", &hosts, 30, false).unwrap();
+    assert_eq!(
+        files,
+        [
+            d.join(format!("{ETCD_SERVER}.pem")),
+            d.join(format!("{ETCD_SERVER}.key"))
+        ]
+    );
+    // It chains to the CA for server use and names the hosts; it is no node.
+    let ca = pdnode_core::config::read_pem_certs(d.join("ca.pem").to_str().unwrap()).unwrap();
+    let cert = pdnode_core::config::read_pem_certs(files[0].to_str().unwrap())
+        .unwrap()
+        .remove(0);
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(ca[0].clone()).unwrap();
+    let ee = webpki::EndEntityCert::try_from(&cert).unwrap();
+    let algs = rustls::crypto::ring::default_provider()
+        .signature_verification_algorithms
+        .all;
+    let now = rustls::pki_types::UnixTime::now();
+    ee.verify_for_usage(
+        algs,
+        &roots.roots,
+        &[],
+        now,
+        webpki::KeyUsage::server_auth(),
+        None,
+        None,
+    )
+    .unwrap();
+    assert!(
+        ee.verify_for_usage(
+            algs,
+            &roots.roots,
+            &[],
+            now,
+            webpki::KeyUsage::client_auth(),
+            None,
+            None
+        )
+        .is_err(),
+        "server use only"
+    );
+    for host in ["127.0.0.1", "etcd.lan"] {
+        let name = rustls::pki_types::ServerName::try_from(host).unwrap();
+        ee.verify_is_valid_for_subject_name(&name).unwrap();
+    }
+    assert_eq!(
+        NodeIdentity::of_cert(&cert).unwrap_err(),
+        TlsError::NoIdentity
+    );
+    // Not replaced without force; a node may not take its file names.
+    let e = etcd_server(&d, "prod", &hosts, 30, false).unwrap_err();
+    assert!(matches!(e, CertsError::Exists { .. }), "{e}");
+    etcd_server(&d, "prod", &hosts, 30, true).unwrap();
+    assert!(matches!(
+        "etcd-server:decode".parse::<pdnode_nodeapi::certs::CertNode>(),
+        Err(CertsError::NodeReservedName { .. })
+    ));
 }

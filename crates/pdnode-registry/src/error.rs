@@ -29,6 +29,42 @@ pub enum RegistryError {
     Backend { op: &'static str, reason: String },
     #[error("the registration of {key} is closed")]
     Closed { key: String },
+    /// A file a `registry.etcd_*` key names is missing or not what it must hold.
+    #[error("key `{key}`: {error}")]
+    BadFile {
+        key: &'static str,
+        error: pdnode_core::config::FileError,
+    },
+    /// `registry.etcd_*` keys that do not fit together (what `Config::validate` refuses, for
+    /// a config that did not go through it).
+    #[error("key `{key}`: {reason}")]
+    BadConfig { key: &'static str, reason: String },
+    /// etcd refused the user and password (`registry.etcd_user`, `registry.etcd_password_file`).
+    #[error(
+        "etcd at {endpoints} refused user {user:?} (registry.etcd_user, registry.etcd_password_file): {reason}"
+    )]
+    AuthFailed {
+        endpoints: String,
+        user: String,
+        reason: String,
+    },
+    /// etcd auth is on and the call was refused: no credentials, or the user's roles do not
+    /// grant it (e.g. a read-only user registering a card).
+    #[error("etcd refused `{op}` {}: {reason}", who(.user))]
+    NotAuthorized {
+        op: &'static str,
+        /// The etcd user the call ran as; empty: none (no `registry.etcd_user`).
+        user: String,
+        reason: String,
+    },
+}
+
+fn who(user: &str) -> String {
+    if user.is_empty() {
+        "without etcd credentials (registry.etcd_user is not set)".into()
+    } else {
+        format!("to user {user:?} (registry.etcd_user)")
+    }
 }
 
 impl Classify for RegistryError {
@@ -41,6 +77,12 @@ impl Classify for RegistryError {
             | RegistryError::Compacted { .. }
             | RegistryError::Backend { .. } => ErrorKind::Retryable,
             RegistryError::BadCard { .. } | RegistryError::Closed { .. } => ErrorKind::Internal,
+            RegistryError::BadFile { .. } | RegistryError::BadConfig { .. } => {
+                ErrorKind::InvalidRequest
+            }
+            RegistryError::AuthFailed { .. } | RegistryError::NotAuthorized { .. } => {
+                ErrorKind::Unauthenticated
+            }
         }
     }
 }

@@ -1,7 +1,8 @@
 //! The etcd registry (etcd-client): leases, create-if-absent transactions, prefix get, watch
 //! from a revision. Every call runs under the configured timeout; a transport failure drops the
-//! cached client so the next call reconnects.
+//! cached client so the next call reconnects. TLS and etcd auth: [`EtcdSecurity`].
 
+use crate::etcd_security::EtcdSecurity;
 use crate::store::{CreateOutcome, LeaseId, RawEvent, RawKind, RawList, Store, WatchStream};
 use crate::{
     MembershipWatch, Registration, Registry, RegistryError, RegistryOptions, Snapshot,
@@ -13,6 +14,7 @@ use etcd_client::{
 };
 use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
+use pdnode_core::config::RegistryConfig;
 use pdnode_core::{NodeCard, NodeId, Role};
 use std::sync::Arc;
 use tokio::sync::Mutex;
@@ -28,16 +30,35 @@ impl std::fmt::Debug for EtcdRegistry {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EtcdRegistry")
             .field("endpoints", &self.store.endpoints)
+            .field("security", &self.store.security)
             .field("opts", &self.opts)
             .finish()
     }
 }
 
 impl EtcdRegistry {
-    /// Connects to the endpoints (within the call timeout) and checks etcd answers.
+    /// Connects to the endpoints (plaintext, no credentials; within the call timeout) and
+    /// checks etcd answers.
     pub async fn connect(
         endpoints: &[String],
         opts: RegistryOptions,
+    ) -> Result<Self, RegistryError> {
+        Self::connect_with(endpoints, opts, EtcdSecurity::none()).await
+    }
+
+    /// The etcd registry `registry.*` describe: endpoints, timing, TLS and credentials (their
+    /// files read now: an error names the key).
+    pub async fn from_config(c: &RegistryConfig) -> Result<Self, RegistryError> {
+        let security = EtcdSecurity::from_config(c)?;
+        Self::connect_with(&c.endpoints, RegistryOptions::from_config(c), security).await
+    }
+
+    /// [`Self::connect`] with TLS and credentials. A wrong user or password fails here
+    /// ([`RegistryError::AuthFailed`]).
+    pub async fn connect_with(
+        endpoints: &[String],
+        opts: RegistryOptions,
+        security: EtcdSecurity,
     ) -> Result<Self, RegistryError> {
         if endpoints.is_empty() {
             return Err(RegistryError::Unavailable {
@@ -48,6 +69,7 @@ impl EtcdRegistry {
         let store = Arc::new(EtcdStore {
             endpoints: endpoints.to_vec(),
             opts,
+            security,
             client: Mutex::new(None),
         });
         // Fail fast with a clear error when etcd is not there.
@@ -92,6 +114,7 @@ impl Registry for EtcdRegistry {
 pub(crate) struct EtcdStore {
     endpoints: Vec<String>,
     opts: RegistryOptions,
+    security: EtcdSecurity,
     client: Mutex<Option<Client>>,
 }
 
@@ -108,13 +131,56 @@ impl EtcdStore {
             // Detects a dead connection (and so a dead watch) within about a keepalive period.
             .with_keep_alive(self.opts.keepalive_interval(), t)
             .with_keep_alive_while_idle(true);
+        let co = self.security.apply(co);
+        // With credentials, `connect` authenticates: a wrong password fails here.
         let mut c = Client::connect(&self.endpoints, Some(co))
             .await
-            .map_err(|e| self.unavailable(&e))?;
+            .map_err(|e| self.connect_failed(&e))?;
         // `connect` is lazy about the transport; make sure etcd answers.
-        c.status().await.map_err(|e| self.unavailable(&e))?;
+        c.status().await.map_err(|e| self.connect_failed(&e))?;
         *g = Some(c.clone());
         Ok(c)
+    }
+
+    /// A failed connect: refused credentials, refused TLS options, or etcd not answering.
+    fn connect_failed(&self, e: &etcd_client::Error) -> RegistryError {
+        if let Some(err) = self.refused("connect", e) {
+            return err;
+        }
+        if let etcd_client::Error::InvalidArgs(reason) = e {
+            return RegistryError::BadConfig {
+                key: "registry.endpoints",
+                reason: reason.clone(),
+            };
+        }
+        self.unavailable(e)
+    }
+
+    /// etcd refusing who the client is: [`RegistryError::AuthFailed`] for a wrong user or
+    /// password, [`RegistryError::NotAuthorized`] for a call without credentials or beyond the
+    /// user's roles. etcd says which only in the status message (its `rpctypes` errors).
+    fn refused(&self, op: &'static str, e: &etcd_client::Error) -> Option<RegistryError> {
+        let etcd_client::Error::GRpcStatus(s) = e else {
+            return None;
+        };
+        let m = s.message();
+        if m.contains("authentication failed") {
+            return Some(RegistryError::AuthFailed {
+                endpoints: self.endpoints.join(","),
+                user: self.security.user().to_string(),
+                reason: m.to_string(),
+            });
+        }
+        let denied = s.code() == tonic::Code::PermissionDenied
+            || s.code() == tonic::Code::Unauthenticated
+            || m.contains("permission denied")
+            || m.contains("user name is empty")
+            || m.contains("invalid auth token");
+        denied.then(|| RegistryError::NotAuthorized {
+            op,
+            user: self.security.user().to_string(),
+            reason: m.to_string(),
+        })
     }
 
     fn unavailable(&self, e: &etcd_client::Error) -> RegistryError {
@@ -129,6 +195,9 @@ impl EtcdStore {
         let msg = e.to_string();
         if msg.contains("lease not found") {
             return RegistryError::LeaseNotFound { lease };
+        }
+        if let Some(err) = self.refused(op, &e) {
+            return err;
         }
         let transport = match &e {
             etcd_client::Error::TransportError(_) | etcd_client::Error::IoError(_) => true,

@@ -20,6 +20,7 @@
 
 mod error;
 mod etcd;
+mod etcd_security;
 mod live;
 mod memory;
 mod registration;
@@ -29,6 +30,7 @@ mod watch;
 
 pub use error::RegistryError;
 pub use etcd::EtcdRegistry;
+pub use etcd_security::EtcdSecurity;
 pub use live::LiveMembership;
 pub use memory::MemoryRegistry;
 pub use registration::{Registration, RegistrationStatus, register_waiting_out_stale};
@@ -124,12 +126,13 @@ pub trait Registry: Send + Sync + 'static {
     ) -> BoxFuture<'_, Result<bool, RegistryError>>;
 }
 
-/// Builds the registry the configuration names. `memory` gives a fresh in-process registry.
+/// Builds the registry the configuration names. `memory` gives a fresh in-process registry;
+/// `etcd` connects with the TLS and credentials of `registry.etcd_*` (every role that talks to
+/// etcd, nodes and routers, comes through here).
 pub async fn from_config(c: &RegistryConfig) -> Result<Arc<dyn Registry>, RegistryError> {
-    let opts = RegistryOptions::from_config(c);
     Ok(match c.kind {
-        RegistryKind::Memory => Arc::new(MemoryRegistry::new(opts)),
-        RegistryKind::Etcd => Arc::new(EtcdRegistry::connect(&c.endpoints, opts).await?),
+        RegistryKind::Memory => Arc::new(MemoryRegistry::new(RegistryOptions::from_config(c))),
+        RegistryKind::Etcd => Arc::new(EtcdRegistry::from_config(c).await?),
     })
 }
 

@@ -2,7 +2,9 @@
 //!
 //! - [`EtcdServer`]: a real `etcd` (Debian `etcd-server`) on free loopback ports with a temporary
 //!   data dir, stopped by PID on drop; [`EtcdServer::stop`] and [`EtcdServer::restart`] keep the
-//!   ports and the data dir, for restart tests.
+//!   ports and the data dir, for restart tests. [`EtcdServer::start_with`] adds TLS on the
+//!   client port ([`EtcdTls`]) and a short auth token TTL; [`EtcdServer::enable_auth`] creates
+//!   users with prefix roles ([`EtcdUser`]) and turns etcd auth on.
 //! - [`ChildGuard`]: kills a spawned process by PID on drop.
 //! - [`wait_for`] / [`wait_for_async`]: poll a condition until a deadline.
 //! - [`free_port`]: a free TCP port on 127.0.0.1.
@@ -17,7 +19,7 @@ mod wait;
 
 pub mod sglang_mock;
 
-pub use etcd::EtcdServer;
+pub use etcd::{EtcdAccess, EtcdOptions, EtcdServer, EtcdTls, EtcdUser};
 pub use process::{ChildGuard, send_signal};
 pub use wait::{wait_for, wait_for_async};
 
@@ -40,6 +42,8 @@ pub enum TestkitError {
         waited: Duration,
         log: String,
     },
+    #[error("etcd call `{op}` failed: {reason}")]
+    Etcd { op: &'static str, reason: String },
     #[error("condition not met within {waited:?}: {what}")]
     Timeout { what: String, waited: Duration },
     #[error("io: {0}")]

@@ -59,6 +59,14 @@ pub enum ConfigError {
         key: String,
         reason: String,
     },
+    /// A file the key names (a certificate, a key, a password) is missing or not what it must
+    /// hold.
+    #[error("{source_name}: key `{key}`: {error}")]
+    BadFile {
+        source_name: ConfigSource,
+        key: String,
+        error: super::pem::FileError,
+    },
     #[error("--set {arg:?}: {reason}")]
     BadSet { arg: String, reason: String },
 }
@@ -77,7 +85,8 @@ impl ConfigError {
         match self {
             ConfigError::UnknownKey { key, .. }
             | ConfigError::WrongType { key, .. }
-            | ConfigError::Invalid { key, .. } => Some(key),
+            | ConfigError::Invalid { key, .. }
+            | ConfigError::BadFile { key, .. } => Some(key),
             _ => None,
         }
     }

@@ -12,6 +12,9 @@ mod sglang;
 mod validate;
 
 pub use load::{ConfigError, ConfigSource, Loaded, load, load_from_str, load_from_str_with_env};
-pub use pem::{pem_certs, pem_key, read_pem_certs, read_pem_file, read_pem_key};
+pub use pem::{
+    FileError, MAX_PEM_BYTES, pem_certs, pem_key, read_pem_certs, read_pem_file, read_pem_key,
+    read_secret_file,
+};
 pub use schema::*;
 pub use sglang::{SglangConfig, SglangDecodeWorker, SglangPrefillWorker, worker_url_host};

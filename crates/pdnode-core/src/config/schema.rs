@@ -85,6 +85,26 @@ pub struct RegistryConfig {
     pub lease_ttl_s: u64,
     /// Timeout of each etcd call, milliseconds.
     pub timeout_ms: u64,
+    /// The CA (PEM) etcd's server certificate must chain to; needed by `https://` endpoints
+    /// (etcd TLS). Bare `host:port` endpoints then use TLS too.
+    pub etcd_tls_ca: String,
+    /// Client certificate (PEM) presented to etcd (for its `--client-cert-auth`); with
+    /// `etcd_tls_key`, both or neither.
+    pub etcd_tls_cert: String,
+    /// The private key of `etcd_tls_cert` (PEM).
+    pub etcd_tls_key: String,
+    /// etcd user (etcd `auth enable`); needs `etcd_password_file`.
+    pub etcd_user: String,
+    /// File holding `etcd_user`'s password (its first line). There is no inline password key:
+    /// the effective configuration is logged at start and printed by `check-config`.
+    pub etcd_password_file: String,
+}
+
+impl RegistryConfig {
+    /// Whether the etcd client uses TLS: an `https://` endpoint or `etcd_tls_ca` set.
+    pub fn etcd_tls(&self) -> bool {
+        !self.etcd_tls_ca.is_empty() || self.endpoints.iter().any(|e| e.starts_with("https://"))
+    }
 }
 
 impl Default for RegistryConfig {
@@ -94,6 +114,11 @@ impl Default for RegistryConfig {
             endpoints: Vec::new(),
             lease_ttl_s: 10,
             timeout_ms: 3000,
+            etcd_tls_ca: String::new(),
+            etcd_tls_cert: String::new(),
+            etcd_tls_key: String::new(),
+            etcd_user: String::new(),
+            etcd_password_file: String::new(),
         }
     }
 }

@@ -1,6 +1,7 @@
 //! Checks types cannot express. Every error names the key and the source that set it.
 
 use super::load::{ConfigError, ConfigSource};
+use super::pem::FileError;
 use super::schema::*;
 use super::sglang::worker_url_host;
 use crate::card::Role;
@@ -8,6 +9,8 @@ use std::collections::HashSet;
 
 pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec<ConfigError> {
     let mut errs = Vec::new();
+    // Files named by keys: checked here, reported after the rest (they need `origin` too).
+    let mut files: Vec<(&'static str, FileError)> = Vec::new();
     let mut bad = |key: &str, reason: String| {
         errs.push(ConfigError::Invalid {
             source_name: origin(key),
@@ -89,6 +92,28 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
             }
             if !c.registry.endpoints.is_empty() {
                 bad("registry.endpoints", "set, but registry.kind is \"memory\": set registry.kind = \"etcd\" or remove the endpoints".into());
+            }
+        }
+    }
+    let etcd_keys = [
+        ("registry.etcd_tls_ca", &c.registry.etcd_tls_ca),
+        ("registry.etcd_tls_cert", &c.registry.etcd_tls_cert),
+        ("registry.etcd_tls_key", &c.registry.etcd_tls_key),
+        ("registry.etcd_user", &c.registry.etcd_user),
+        (
+            "registry.etcd_password_file",
+            &c.registry.etcd_password_file,
+        ),
+    ];
+    if c.registry.kind == RegistryKind::Etcd {
+        files.extend(validate_etcd_security(&c.registry, &mut bad));
+    } else {
+        for (key, v) in etcd_keys {
+            if !v.is_empty() {
+                bad(
+                    key,
+                    "set, but registry.kind is \"memory\": it would do nothing; remove it".into(),
+                );
             }
         }
     }
@@ -404,13 +429,13 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
             );
         }
         if let Err(e) = super::pem::read_pem_certs(&s.tls_ca) {
-            bad("security.tls_ca", e);
+            files.push(("security.tls_ca", e));
         }
         if let Err(e) = super::pem::read_pem_certs(&s.tls_cert) {
-            bad("security.tls_cert", e);
+            files.push(("security.tls_cert", e));
         }
         if let Err(e) = super::pem::read_pem_key(&s.tls_key) {
-            bad("security.tls_key", e);
+            files.push(("security.tls_key", e));
         }
         if c.node.id.is_empty() && !sglang_router {
             bad(
@@ -444,7 +469,118 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
             "empty: expected e.g. \"info\" or \"pdnode=debug\"".into(),
         );
     }
+    errs.extend(files.into_iter().map(|(key, error)| ConfigError::BadFile {
+        source_name: origin(key),
+        key: key.to_string(),
+        error,
+    }));
     errs
+}
+
+/// The `registry.etcd_*` keys (registry.kind = "etcd"): TLS needs a CA and `https://` (or
+/// bare `host:port`) endpoints, a client certificate comes with its key, a user with a password
+/// file, and a password does not cross the network in the clear. Returns the files that are
+/// not what their key needs.
+fn validate_etcd_security(
+    r: &RegistryConfig,
+    bad: &mut dyn FnMut(&str, String),
+) -> Vec<(&'static str, FileError)> {
+    let mut files = Vec::new();
+    let https = r.endpoints.iter().any(|e| e.starts_with("https://"));
+    let http = r.endpoints.iter().any(|e| e.starts_with("http://"));
+    if https && http {
+        bad(
+            "registry.endpoints",
+            format!(
+                "{:?} mixes http:// and https://: one etcd cluster is reached one way",
+                r.endpoints
+            ),
+        );
+    }
+    let cert = !r.etcd_tls_cert.is_empty();
+    let key = !r.etcd_tls_key.is_empty();
+    if r.etcd_tls_ca.is_empty() {
+        if https {
+            bad(
+                "registry.etcd_tls_ca",
+                "empty, but registry.endpoints are https://: set the CA that etcd's server certificate chains to (system roots are not used; for a public CA name the system bundle, e.g. /etc/ssl/certs/ca-certificates.crt)".into(),
+            );
+        } else if cert || key {
+            bad(
+                "registry.etcd_tls_ca",
+                "empty, but registry.etcd_tls_cert/etcd_tls_key are set: etcd TLS needs the CA that etcd's server certificate chains to, and https:// endpoints".into(),
+            );
+        }
+    } else {
+        if http {
+            bad(
+                "registry.endpoints",
+                format!(
+                    "{:?}: http:// with registry.etcd_tls_ca set; use https:// endpoints for etcd TLS",
+                    r.endpoints
+                ),
+            );
+        }
+        if let Err(e) = super::pem::read_pem_certs(&r.etcd_tls_ca) {
+            files.push(("registry.etcd_tls_ca", e));
+        }
+    }
+    if cert != key {
+        let (missing, set) = if cert {
+            ("registry.etcd_tls_key", "registry.etcd_tls_cert")
+        } else {
+            ("registry.etcd_tls_cert", "registry.etcd_tls_key")
+        };
+        bad(
+            missing,
+            format!("missing: {set} is set; the client certificate for etcd needs both"),
+        );
+    }
+    if cert && let Err(e) = super::pem::read_pem_certs(&r.etcd_tls_cert) {
+        files.push(("registry.etcd_tls_cert", e));
+    }
+    if key && let Err(e) = super::pem::read_pem_key(&r.etcd_tls_key) {
+        files.push(("registry.etcd_tls_key", e));
+    }
+    let user = !r.etcd_user.is_empty();
+    let password = !r.etcd_password_file.is_empty();
+    if user && !password {
+        bad(
+            "registry.etcd_password_file",
+            "missing: registry.etcd_user needs the file holding its password".into(),
+        );
+    }
+    if password && !user {
+        bad(
+            "registry.etcd_user",
+            "missing: registry.etcd_password_file is set, but not the user it is the password of"
+                .into(),
+        );
+    }
+    if password && let Err(e) = super::pem::read_secret_file(&r.etcd_password_file) {
+        files.push(("registry.etcd_password_file", e));
+    }
+    // etcd's Authenticate carries the password as is: over plaintext only on loopback.
+    if user && !r.etcd_tls() && !r.endpoints.iter().all(|e| endpoint_is_loopback(e)) {
+        bad(
+            "registry.etcd_user",
+            format!(
+                "set with plaintext endpoints {:?}: the password would cross the network in the clear; use https:// endpoints with registry.etcd_tls_ca (or etcd on loopback)",
+                r.endpoints
+            ),
+        );
+    }
+    files
+}
+
+/// Whether an etcd endpoint URL (`http://host:port`, `host:port`) names a loopback host.
+fn endpoint_is_loopback(e: &str) -> bool {
+    let rest = e
+        .strip_prefix("http://")
+        .or_else(|| e.strip_prefix("https://"))
+        .unwrap_or(e);
+    let host_port = rest.split('/').next().unwrap_or(rest);
+    is_loopback_listen(host_port)
 }
 
 /// A duration's unit, as errors name it.

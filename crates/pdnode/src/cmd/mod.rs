@@ -38,13 +38,37 @@ pub struct ConfigArgs {
 /// certificate's, the certificate names this node).
 pub fn load_config(args: &ConfigArgs) -> Result<Loaded, ConfigErrors> {
     let loaded = config::load(args.config.as_deref(), &args.sets).map_err(ConfigErrors)?;
-    if let Err(pdnode_nodeapi::tls::TlsError::Config { key, reason }) =
-        pdnode_nodeapi::tls::NodeTls::from_config(&loaded.config)
-    {
-        return Err(ConfigErrors(vec![ConfigError::Invalid {
-            source_name: loaded.origin_of(key),
-            key: key.to_string(),
-            reason,
+    use pdnode_nodeapi::tls::{NodeTls, TlsError};
+    if let Err(e) = NodeTls::from_config(&loaded.config) {
+        // Every error of loading the node's own files names a key.
+        let key = e.key().unwrap_or("security.tls_cert");
+        let source_name = loaded.origin_of(key);
+        let key = key.to_string();
+        return Err(ConfigErrors(vec![match e {
+            TlsError::Pem { error, .. } => ConfigError::BadFile {
+                source_name,
+                key,
+                error,
+            },
+            TlsError::Config { reason, .. } => ConfigError::Invalid {
+                source_name,
+                key,
+                reason,
+            },
+            TlsError::WrongIdentity {
+                path,
+                issued_for,
+                this_node,
+            } => ConfigError::Invalid {
+                source_name,
+                key,
+                reason: pdnode_nodeapi::tls::wrong_identity(&path, &issued_for, &this_node),
+            },
+            e => ConfigError::Invalid {
+                source_name,
+                key,
+                reason: e.to_string(),
+            },
         }]));
     }
     Ok(loaded)

@@ -7,7 +7,7 @@ use super::{ConfigArgs, UsageError};
 use anyhow::Context;
 use pdnode_core::NodeCard;
 use pdnode_core::config::{RegistryConfig, RegistryKind};
-use pdnode_registry::{EtcdRegistry, Registry, RegistryOptions};
+use pdnode_registry::{EtcdRegistry, Registry};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -46,7 +46,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         endpoints: endpoints.clone(),
         ..c.registry.clone()
     };
-    let reg = EtcdRegistry::connect(&endpoints, RegistryOptions::from_config(&reg_cfg))
+    // TLS and credentials from the config's registry.etcd_* (the same as the nodes').
+    let reg = EtcdRegistry::from_config(&reg_cfg)
         .await
         .with_context(|| format!("cannot reach etcd at {}", endpoints.join(",")))?;
     let snap = reg

@@ -71,20 +71,54 @@ pub fn extract(carrier: &dyn Extractor) -> Context {
     TraceContextPropagator::new().extract(carrier)
 }
 
-/// Makes the caller's span in `carrier` the parent of `span` (which must not have been entered
-/// yet), and records the request's trace id in `span`'s `trace_id` field when it has one (so
-/// log lines show it, with or without an exporter). Returns that trace id.
-pub fn remote_parent(span: &tracing::Span, carrier: &dyn Extractor) -> Option<String> {
-    let cx = extract(carrier);
-    let remote = cx.span().span_context().clone();
-    // Fails only without the OpenTelemetry layer (nothing to parent) or on a span already
-    // started: the span then keeps the parent it has.
-    let _ = span.set_parent(cx);
-    let id = trace_id(span).or_else(|| remote.is_valid().then(|| remote.trace_id().to_string()));
-    if let Some(id) = &id {
-        span.record("trace_id", id.as_str());
+/// A caller's trace context, as read from its headers or metadata (maybe none).
+#[derive(Debug, Clone, Default)]
+pub struct Remote {
+    cx: Context,
+}
+
+impl Remote {
+    /// The context in `carrier`; none for an absent or malformed `traceparent`.
+    pub fn extract(carrier: &dyn Extractor) -> Self {
+        Self {
+            cx: extract(carrier),
+        }
     }
-    id
+
+    pub fn from_headers(h: &http::HeaderMap) -> Self {
+        Self::extract(&HeaderCarrier(h))
+    }
+
+    pub fn from_metadata(md: &tonic::metadata::MetadataMap) -> Self {
+        Self::extract(&MetadataCarrier(md))
+    }
+
+    /// The caller's trace id, when it sent a valid context.
+    pub fn trace_id(&self) -> Option<String> {
+        let sc = self.cx.span().span_context().clone();
+        sc.is_valid().then(|| sc.trace_id().to_string())
+    }
+
+    /// Makes the caller's span the parent of `span` (which must not have been entered yet;
+    /// without a caller context `span` starts a new trace), and records the trace id in
+    /// `span`'s `trace_id` field (so log lines show it: with an exporter always, without one
+    /// when the caller sent it). Returns that trace id.
+    pub fn adopt(self, span: &tracing::Span) -> Option<String> {
+        let client = self.trace_id();
+        // Fails only without the OpenTelemetry layer (nothing to parent) or on a span already
+        // started: the span then keeps the parent it has.
+        let _ = span.set_parent(self.cx);
+        let id = trace_id(span).or(client);
+        if let Some(id) = &id {
+            span.record("trace_id", id.as_str());
+        }
+        id
+    }
+}
+
+/// Makes the caller's span in `carrier` the parent of `span`: [`Remote::adopt`].
+pub fn remote_parent(span: &tracing::Span, carrier: &dyn Extractor) -> Option<String> {
+    Remote::extract(carrier).adopt(span)
 }
 
 /// The trace id of `span`, when an OpenTelemetry layer gave it one.

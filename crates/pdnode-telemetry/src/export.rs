@@ -157,6 +157,57 @@ mod tests {
     }
 
     #[test]
+    fn the_ratio_decides_new_traces_and_a_caller_decides_its_own() {
+        use crate::propagate::{HeaderCarrier, extract};
+        use opentelemetry::trace::{SpanKind, TraceId};
+        use opentelemetry_sdk::trace::{SamplingDecision, ShouldSample};
+        let decide = |ratio: f64, parent: Option<&opentelemetry::Context>, id: u128| {
+            sampler(ratio)
+                .should_sample(
+                    parent,
+                    TraceId::from(id),
+                    "request",
+                    &SpanKind::Server,
+                    &[],
+                    &[],
+                )
+                .decision
+        };
+        // New traces: none at 0, all at 1, about half at 0.5 (by trace id).
+        let ids = (1..=1000u128).map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c834));
+        let kept = |ratio| {
+            ids.clone()
+                .filter(|&id| decide(ratio, None, id) == SamplingDecision::RecordAndSample)
+                .count()
+        };
+        assert_eq!(kept(0.0), 0);
+        assert_eq!(kept(1.0), 1000);
+        let half = kept(0.5);
+        assert!((350..=650).contains(&half), "{half} of 1000 at 0.5");
+        // A caller's sampled flag wins over the ratio, both ways.
+        let caller = |flags: &str| {
+            let mut h = http::HeaderMap::new();
+            h.insert(
+                "traceparent",
+                format!("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-{flags}")
+                    .parse()
+                    .unwrap(),
+            );
+            extract(&HeaderCarrier(&h))
+        };
+        let sampled = caller("01");
+        let unsampled = caller("00");
+        assert_eq!(
+            decide(0.0, Some(&sampled), 7),
+            SamplingDecision::RecordAndSample
+        );
+        assert_ne!(
+            decide(1.0, Some(&unsampled), 7),
+            SamplingDecision::RecordAndSample
+        );
+    }
+
+    #[test]
     fn off_without_an_endpoint() {
         let who = ServiceInfo {
             node_id: "n".into(),

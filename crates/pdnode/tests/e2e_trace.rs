@@ -7,6 +7,7 @@
 //!   trace id, the three processes' spans are there (service.name = node id), every parent is
 //!   in the trace (or is the client's span), and the steps are named: admission, pair choice,
 //!   reservation, prefill (compute, KV hand-off), decode admission, stream.
+//! - The same through the gRPC client port (`traceparent` metadata).
 //! - The router logs as JSON: the request's lines carry its request id and trace id.
 //! - The decode node killed: the next request's trace has an error status on the step that
 //!   failed (`reserve_kv` at the router, the call to the dead node).
@@ -22,6 +23,9 @@ use opentelemetry_proto::tonic::collector::trace::v1::{
 };
 use opentelemetry_proto::tonic::common::v1::any_value::Value;
 use opentelemetry_proto::tonic::trace::v1::status::StatusCode;
+use pdnode_proto::v1::{
+    GenerateRequest, SamplingParams, generate_request, inference_client::InferenceClient,
+};
 use pdnode_testkit::{EtcdServer, skip_etcd_tests, wait_for_async};
 use serde_json::json;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -41,6 +45,7 @@ struct Got {
     span_id: String,
     parent: String,
     name: String,
+    start_ns: u64,
     error: Option<String>,
     attrs: BTreeMap<String, String>,
 }
@@ -79,6 +84,7 @@ impl TraceService for Receiver {
                         span_id: hex(&s.span_id),
                         parent: hex(&s.parent_span_id),
                         name: s.name.clone(),
+                        start_ns: s.start_time_unix_nano,
                         error,
                         attrs: s
                             .attributes
@@ -146,11 +152,14 @@ fn client_ids() -> (String, String) {
     (format!("{mixed:032x}"), "00f067aa0ba902b7".to_string())
 }
 
-/// The spans as an indented tree (children under their parent, by start order received).
+/// The spans as an indented tree (children under their parent, in the order they started).
 fn tree(spans: &[Got], client_span: &str) -> String {
     let mut kids: HashMap<&str, Vec<&Got>> = HashMap::new();
     for s in spans {
         kids.entry(s.parent.as_str()).or_default().push(s);
+    }
+    for v in kids.values_mut() {
+        v.sort_by_key(|s| s.start_ns);
     }
     fn walk(kids: &HashMap<&str, Vec<&Got>>, id: &str, depth: usize, out: &mut String) {
         for s in kids.get(id).map(|v| v.as_slice()).unwrap_or_default() {
@@ -206,6 +215,7 @@ struct Split {
     prefill: Node,
     decode: Node,
     http: String,
+    grpc: String,
     ids: [String; 3],
 }
 
@@ -226,10 +236,10 @@ fn start_split(dir: &Path, etcd: &str, cluster: &str, otlp: &str) -> Split {
             "model.path=\"\"".to_string(),
         ]
     };
-    let http = free_addr();
+    let (http, grpc) = (free_addr(), free_addr());
     let mut r = common("router");
     r.push(format!("router.http_listen=\"{http}\""));
-    r.push(format!("router.grpc_listen=\"{}\"", free_addr()));
+    r.push(format!("router.grpc_listen=\"{grpc}\""));
     r.push("log.format=\"json\"".to_string());
     let mut p = common("prefill");
     p.push(format!("node.http_listen=\"{}\"", free_addr()));
@@ -241,6 +251,7 @@ fn start_split(dir: &Path, etcd: &str, cluster: &str, otlp: &str) -> Split {
         decode: Node::start(dir, "decode", "configs/cpu-decode.toml", &d),
         router: Node::start(dir, "router", "configs/cpu-router.toml", &r),
         http,
+        grpc,
         ids: ["router", "prefill", "decode"].map(|r| format!("{cluster}-{r}")),
     }
 }
@@ -380,6 +391,47 @@ async fn one_request_is_one_trace_across_the_three_processes() {
     assert_eq!(attr("pair_choice", "prefill"), prefill, "{shown}");
     assert_eq!(attr("pair_choice", "decode"), decode, "{shown}");
     assert!(spans.iter().all(|s| s.error.is_none()), "{shown}");
+
+    // A gRPC client's `traceparent` metadata parents its request's trace the same way.
+    let (grpc_trace, grpc_span) = client_ids();
+    let mut client = InferenceClient::connect(format!("http://{}", split.grpc))
+        .await
+        .expect("gRPC connect");
+    let mut req = tonic::Request::new(GenerateRequest {
+        prompt: Some(generate_request::Prompt::Text("a gRPC prompt".into())),
+        sampling: Some(SamplingParams {
+            max_tokens: Some(4),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    req.metadata_mut().insert(
+        "traceparent",
+        format!("00-{grpc_trace}-{grpc_span}-01").parse().unwrap(),
+    );
+    let mut stream = client.generate(req).await.expect("Generate").into_inner();
+    while let Some(m) = tokio::time::timeout(Duration::from_secs(30), stream.message())
+        .await
+        .expect("gRPC stream stalled")
+        .expect("gRPC stream error")
+    {
+        drop(m);
+    }
+    let r = wait_for_async("the gRPC request's trace", EXPORTED, || {
+        let spans = rx.trace(&grpc_trace);
+        async move {
+            let names: HashSet<String> = spans.iter().map(|s| s.name.clone()).collect();
+            ["request", "node.Prefill", "node.Decode"]
+                .iter()
+                .all(|n| names.contains(*n))
+        }
+    })
+    .await;
+    let spans = rx.trace(&grpc_trace);
+    r.unwrap_or_else(|e| panic!("{e}:\n{}", tree(&spans, &grpc_span)));
+    let root = spans.iter().find(|s| s.name == "request").unwrap();
+    assert_eq!(root.parent, grpc_span);
+    assert_eq!(root.attrs["endpoint"], "grpc");
 
     // The decode node dies; the next request fails at its reservation, and its trace says so.
     drop(split.decode);

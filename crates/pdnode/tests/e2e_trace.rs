@@ -176,6 +176,10 @@ fn tree(spans: &[Got], client_span: &str) -> String {
                 "via",
                 "early_blocks",
                 "layer_puts",
+                "layer_group",
+                "overlap",
+                "kv_reports",
+                "cached_tokens",
                 "tokens",
                 "finish_reason",
                 "completion_tokens",
@@ -219,9 +223,23 @@ struct Split {
     ids: [String; 3],
 }
 
-fn start_split(dir: &Path, etcd: &str, cluster: &str, otlp: &str) -> Split {
+/// `real`: the configs' SmolLM2 on the CPU engine; else the simulated engine.
+fn start_split(dir: &Path, etcd: &str, cluster: &str, otlp: &str, real: bool) -> Split {
+    let engine: Vec<String> = if real {
+        // Two engines share the cores.
+        vec!["engine.cpu_threads=1".to_string()]
+    } else {
+        [
+            "engine.backend=\"mock\"",
+            "model.format=\"dummy\"",
+            "model.preset=\"smollm2-135m\"",
+            "model.path=\"\"",
+        ]
+        .map(String::from)
+        .to_vec()
+    };
     let common = |role: &str| {
-        vec![
+        let mut v = vec![
             format!("registry.endpoints=[\"{etcd}\"]"),
             format!("node.cluster=\"{cluster}\""),
             format!("node.id=\"{cluster}-{role}\""),
@@ -230,11 +248,9 @@ fn start_split(dir: &Path, etcd: &str, cluster: &str, otlp: &str) -> Split {
             format!("telemetry.endpoint=\"http://{otlp}\""),
             "telemetry.sampling_ratio=1.0".to_string(),
             "telemetry.batch_delay_ms=200".to_string(),
-            "engine.backend=\"mock\"".to_string(),
-            "model.format=\"dummy\"".to_string(),
-            "model.preset=\"smollm2-135m\"".to_string(),
-            "model.path=\"\"".to_string(),
-        ]
+        ];
+        v.extend(engine.iter().cloned());
+        v
     };
     let (http, grpc) = (free_addr(), free_addr());
     let mut r = common("router");
@@ -245,7 +261,9 @@ fn start_split(dir: &Path, etcd: &str, cluster: &str, otlp: &str) -> Split {
     p.push(format!("node.http_listen=\"{}\"", free_addr()));
     let mut d = common("decode");
     d.push(format!("node.http_listen=\"{}\"", free_addr()));
-    d.push("engine.mock.decode_us_per_token=2000".to_string());
+    if !real {
+        d.push("engine.mock.decode_us_per_token=2000".to_string());
+    }
     Split {
         prefill: Node::start(dir, "prefill", "configs/cpu-prefill.toml", &p),
         decode: Node::start(dir, "decode", "configs/cpu-decode.toml", &d),
@@ -279,7 +297,18 @@ async fn one_request_is_one_trace_across_the_three_processes() {
     let etcd = EtcdServer::start().expect("etcd");
     let rx = Receiver::default();
     let otlp = rx.start().await;
-    let split = start_split(dir.path(), &etcd.endpoint(), "e2e-trace", &otlp);
+    // SmolLM2 on the CPU when it is there (CI fetches it), else the simulated engine: the
+    // trace's shape is the same.
+    let real = e2e_support::repo_root()
+        .join(e2e_support::MODEL_REL)
+        .is_file();
+    if !real {
+        eprintln!(
+            "{} is absent: the simulated engine serves",
+            e2e_support::MODEL_REL
+        );
+    }
+    let split = start_split(dir.path(), &etcd.endpoint(), "e2e-trace", &otlp, real);
     let nodes = [&split.router, &split.prefill, &split.decode];
     e2e_support::wait_healthy(&split.http, READY, &nodes).await;
 
@@ -385,9 +414,15 @@ async fn one_request_is_one_trace_across_the_three_processes() {
         attr("kv_handoff", "bytes").parse::<u64>().unwrap() > 0,
         "{shown}"
     );
-    assert_eq!(attr("stream", "finish_reason"), "length", "{shown}");
-    assert_eq!(attr("stream", "tokens"), "8", "{shown}");
-    assert_eq!(attr("request", "completion_tokens"), "8", "{shown}");
+    // 8 tokens, or fewer if the model ended its answer first.
+    let finish = attr("stream", "finish_reason");
+    assert!(finish == "length" || finish == "stop", "{shown}");
+    let tokens = attr("request", "completion_tokens");
+    assert_eq!(attr("stream", "tokens"), tokens, "{shown}");
+    assert_eq!(attr("request", "finish_reason"), finish, "{shown}");
+    if finish == "length" {
+        assert_eq!(tokens, "8", "{shown}");
+    }
     assert_eq!(attr("pair_choice", "prefill"), prefill, "{shown}");
     assert_eq!(attr("pair_choice", "decode"), decode, "{shown}");
     assert!(spans.iter().all(|s| s.error.is_none()), "{shown}");

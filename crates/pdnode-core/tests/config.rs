@@ -946,6 +946,7 @@ fn the_stall_rate_must_be_positive() {
         ),
         (250, 40)
     );
+}
 
 /// `registry.etcd_*`: TLS needs a CA and https:// endpoints, a client certificate its key, a
 /// user its password file (never inline), a password no plaintext link beyond loopback; every
@@ -1107,4 +1108,65 @@ fn etcd_tls_and_auth_keys_are_checked_and_name_their_key() {
         &["registry.etcd_user=\"pdnode\""],
     );
     assert_eq!(keys(&e), ["registry.etcd_user"], "{e:?}");
+}
+
+#[test]
+fn telemetry_is_off_by_default_and_its_keys_load() {
+    let d = load_from_str(FILE, "", &[]).unwrap().config.telemetry;
+    assert!(!d.enabled(), "traces must be off without [telemetry]");
+    assert_eq!(d.sampling_ratio, 1.0);
+    let l = load_from_str(
+        FILE,
+        "[telemetry]\nendpoint = \"http://127.0.0.1:4317\"\nsampling_ratio = 0.25\nservice_name = \"edge-router\"\nbatch_delay_ms = 100\n",
+        &[],
+    )
+    .unwrap();
+    let t = &l.config.telemetry;
+    assert!(t.enabled());
+    assert_eq!(t.endpoint, "http://127.0.0.1:4317");
+    assert_eq!(t.sampling_ratio, 0.25);
+    assert_eq!(t.service_name, "edge-router");
+    assert_eq!(t.batch_delay_ms, 100);
+    // A trailing slash is allowed; https is not (the exporter has no TLS roots).
+    load_from_str(
+        FILE,
+        "[telemetry]\nendpoint = \"http://collector.example:4317/\"\n",
+        &[],
+    )
+    .unwrap();
+}
+
+#[test]
+fn telemetry_keys_are_validated_by_name() {
+    let keys_of = |errs: Vec<ConfigError>| -> Vec<String> {
+        errs.iter()
+            .map(|e| match e {
+                ConfigError::Invalid { key, .. } => key.clone(),
+                other => panic!("expected ConfigError::Invalid, got {other:?}"),
+            })
+            .collect()
+    };
+    for (text, key) in [
+        ("endpoint = \"127.0.0.1:4317\"", "telemetry.endpoint"),
+        ("endpoint = \"grpc://h:4317\"", "telemetry.endpoint"),
+        ("endpoint = \"https://h:4317\"", "telemetry.endpoint"),
+        ("endpoint = \"http://h\"", "telemetry.endpoint"),
+        (
+            "endpoint = \"http://h:4317/v1/traces\"",
+            "telemetry.endpoint",
+        ),
+        ("sampling_ratio = 1.5", "telemetry.sampling_ratio"),
+        ("sampling_ratio = -0.1", "telemetry.sampling_ratio"),
+        ("sampling_ratio = nan", "telemetry.sampling_ratio"),
+        ("service_name = \"a b\"", "telemetry.service_name"),
+        ("batch_delay_ms = 0", "telemetry.batch_delay_ms"),
+    ] {
+        let keys = keys_of(errors(&format!("[telemetry]\n{text}\n"), &[]));
+        assert_eq!(keys, vec![key.to_string()], "{text}");
+    }
+    let e = errors("[telemetry]\nendpont = \"http://h:1\"\n", &[]);
+    assert!(
+        matches!(&e[0], ConfigError::UnknownKey { .. }),
+        "unknown telemetry key: {e:?}"
+    );
 }

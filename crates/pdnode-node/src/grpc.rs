@@ -23,6 +23,7 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 /// How often the standard health service is refreshed from the supervisor.
 const HEALTH_POLL: Duration = Duration::from_millis(500);
@@ -72,6 +73,36 @@ impl NodeGrpc {
     }
 }
 
+/// The server span of one data-path RPC: a child of the router's span in the call's
+/// `traceparent` metadata, with the request id and trace id every log line inside it shows.
+fn rpc_span(
+    method: &'static str,
+    request_id: u64,
+    md: &tonic::metadata::MetadataMap,
+) -> tracing::Span {
+    let span = tracing::info_span!(
+        parent: None,
+        "node",
+        otel.name = format!("node.{method}"),
+        otel.kind = "server",
+        rpc = method,
+        request_id = %pdnode_core::RequestId(request_id),
+        trace_id = tracing::field::Empty,
+        tokens = tracing::field::Empty,
+        finish_reason = tracing::field::Empty,
+    );
+    pdnode_telemetry::Remote::from_metadata(md).adopt(&span);
+    span
+}
+
+/// `out`, its error recorded on `span`.
+fn traced_answer<T>(span: &tracing::Span, out: Result<T, Status>) -> Result<T, Status> {
+    if let Err(s) = &out {
+        pdnode_telemetry::fail(span, &format_args!("{:?}: {}", s.code(), s.message()));
+    }
+    out
+}
+
 fn not_wired(method: &str) -> Status {
     Status::unimplemented(format!(
         "pdnode.v1.Node/{method} is not served by this node: it has no prefill or decode engine"
@@ -85,9 +116,11 @@ impl Node for NodeGrpc {
         r: Request<v1::ReserveKvRequest>,
     ) -> Result<Response<v1::ReserveKvResponse>, Status> {
         self.authorize(NodeRpc::ReserveKv, &r)?;
-        wire::reserve_kv(self.pd("ReserveKv")?, r.into_inner())
-            .await
-            .map(Response::new)
+        let span = rpc_span("ReserveKv", r.get_ref().request_id, r.metadata());
+        let out = wire::reserve_kv(self.pd("ReserveKv")?, r.into_inner())
+            .instrument(span.clone())
+            .await;
+        traced_answer(&span, out).map(Response::new)
     }
 
     async fn prefill(
@@ -95,9 +128,11 @@ impl Node for NodeGrpc {
         r: Request<v1::PrefillRequest>,
     ) -> Result<Response<v1::PrefillResponse>, Status> {
         self.authorize(NodeRpc::Prefill, &r)?;
-        wire::prefill(self.pd("Prefill")?, r.into_inner())
-            .await
-            .map(Response::new)
+        let span = rpc_span("Prefill", r.get_ref().request_id, r.metadata());
+        let out = wire::prefill(self.pd("Prefill")?, r.into_inner())
+            .instrument(span.clone())
+            .await;
+        traced_answer(&span, out).map(Response::new)
     }
 
     type DecodeStream = wire::WireDecodeStream;
@@ -107,9 +142,13 @@ impl Node for NodeGrpc {
         r: Request<v1::DecodeRequest>,
     ) -> Result<Response<Self::DecodeStream>, Status> {
         self.authorize(NodeRpc::Decode, &r)?;
-        wire::decode(self.pd("Decode")?, r.into_inner())
-            .await
-            .map(Response::new)
+        let span = rpc_span("Decode", r.get_ref().request_id, r.metadata());
+        let out = wire::decode(self.pd("Decode")?, r.into_inner())
+            .instrument(span.clone())
+            .await;
+        // The span lasts as long as the stream: tokens and the finish reason end up on it.
+        traced_answer(&span, out)
+            .map(|s| Response::new(crate::trace::traced_stream(span, s) as Self::DecodeStream))
     }
 
     async fn kv_done(
@@ -125,9 +164,11 @@ impl Node for NodeGrpc {
         r: Request<v1::AbortRequest>,
     ) -> Result<Response<v1::AbortResponse>, Status> {
         self.authorize(NodeRpc::Abort, &r)?;
-        wire::abort(self.pd("Abort")?, r.into_inner())
-            .await
-            .map(Response::new)
+        let span = rpc_span("Abort", r.get_ref().request_id, r.metadata());
+        let out = wire::abort(self.pd("Abort")?, r.into_inner())
+            .instrument(span.clone())
+            .await;
+        traced_answer(&span, out).map(Response::new)
     }
 
     async fn stats(

@@ -23,6 +23,7 @@ mod node;
 pub mod pd;
 pub mod registrar;
 pub mod supervisor;
+mod trace;
 
 pub use board::{HealthBoard, LoadBoard};
 pub use engine::{EngineDescription, EngineLoad, EngineService};

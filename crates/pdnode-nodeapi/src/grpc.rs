@@ -18,6 +18,15 @@ use pdnode_proto::v1::node_client::NodeClient as WireClient;
 use std::time::Duration;
 use tonic::transport::{Channel, Endpoint};
 
+/// `msg` as a request that carries the current span's trace context (W3C `traceparent` in its
+/// metadata; none while traces are off). Called inside the call's future, so the span is the
+/// caller's step span the future runs in.
+fn traced<T>(msg: T) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(msg);
+    pdnode_telemetry::inject_metadata(&tracing::Span::current(), r.metadata_mut());
+    r
+}
+
 /// How long a connection attempt to a node may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -144,7 +153,11 @@ impl NodeClient for GrpcNodeClient {
                 prefill_node_id: req.prefill_node.to_string(),
                 ..Default::default()
             };
-            let r = c.reserve_kv(wire).await.map_err(status_err)?.into_inner();
+            let r = c
+                .reserve_kv(traced(wire))
+                .await
+                .map_err(status_err)?
+                .into_inner();
             let t = r.target.ok_or_else(|| {
                 NodeError::new(ErrorKind::Internal, "ReserveKv answered without a target")
             })?;
@@ -168,7 +181,11 @@ impl NodeClient for GrpcNodeClient {
                 kv_target,
                 ..Default::default()
             };
-            let r = c.prefill(wire).await.map_err(status_err)?.into_inner();
+            let r = c
+                .prefill(traced(wire))
+                .await
+                .map_err(status_err)?
+                .into_inner();
             let finish = finish_reason_from_wire(r.finish_reason)
                 .map_err(|e| NodeError::new(ErrorKind::Internal, e.to_string()))?;
             let t = r.timings.unwrap_or_default();
@@ -197,7 +214,11 @@ impl NodeClient for GrpcNodeClient {
                 sampler: req.sampler.map(Into::into),
                 ..Default::default()
             };
-            let stream = c.decode(wire).await.map_err(status_err)?.into_inner();
+            let stream = c
+                .decode(traced(wire))
+                .await
+                .map_err(status_err)?
+                .into_inner();
             let mapped = stream.map(|item| {
                 let msg = item.map_err(status_err)?;
                 let finish = finish_reason_from_wire(msg.finish_reason)
@@ -221,11 +242,11 @@ impl NodeClient for GrpcNodeClient {
         let mut c = self.inner.clone();
         Box::pin(async move {
             let r = c
-                .abort(v1::AbortRequest {
+                .abort(traced(v1::AbortRequest {
                     request_id: id.0,
                     reason,
                     ..Default::default()
-                })
+                }))
                 .await
                 .map_err(status_err)?;
             Ok(r.into_inner().found)

@@ -135,12 +135,17 @@ impl v1::inference_server::Inference for InferenceService {
                 .map(|v| v.as_bytes()),
         )
         .map_err(|e| status_of(&e))?;
+        // The client's W3C `traceparent` metadata, if any, parents the request's trace.
+        let remote = pdnode_telemetry::Remote::from_metadata(request.metadata());
         let req = request.into_inner();
         let client_request_id = req.client_request_id.clone();
         let return_text = req.return_text.unwrap_or(true);
         let mut gen_req = self.prepare(req).map_err(|e| status_of(&e))?;
         gen_req.routing_key = key;
-        let mut generation = self.router.generate(gen_req).map_err(|e| status_of(&e))?;
+        let mut generation = self
+            .router
+            .generate_traced(gen_req, remote)
+            .map_err(|e| status_of(&e))?;
         // Errors before the first token are the RPC status.
         let first = match generation.events.recv().await {
             None => {

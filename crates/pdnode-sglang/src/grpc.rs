@@ -44,10 +44,11 @@ const MAX_LINE: usize = 64 << 20;
 
 /// Metadata passed on to the workers as HTTP headers (the routing key picks the `manual`
 /// policy's worker).
-const FORWARDED: [&str; 4] = [
+const FORWARDED: [&str; 5] = [
     "authorization",
     "x-request-id",
     "traceparent",
+    "tracestate",
     pdnode_router::ROUTING_KEY_HEADER,
 ];
 

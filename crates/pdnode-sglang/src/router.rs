@@ -20,6 +20,7 @@ use serde_json::{Value, json};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::task::JoinHandle;
+use tracing::Instrument;
 
 mod stream;
 
@@ -55,11 +56,12 @@ pub struct SglangRouter {
 }
 
 /// Headers passed from the client to both workers.
-const FORWARDED: [header::HeaderName; 4] = [
+const FORWARDED: [header::HeaderName; 5] = [
     header::CONTENT_TYPE,
     header::AUTHORIZATION,
     header::HeaderName::from_static("x-request-id"),
     header::HeaderName::from_static("traceparent"),
+    header::HeaderName::from_static("tracestate"),
 ];
 
 /// Most bytes of already-arrived chunks sent to a client in one write.
@@ -296,7 +298,26 @@ impl SglangRouter {
                 ),
             )
         } else {
-            self.dispatch(route, &headers, body, &slot).await
+            // The request's span: a child of the client's `traceparent`, if any; the workers
+            // get this trace's context in their `traceparent` header (`post`).
+            let span = tracing::info_span!(
+                parent: None,
+                "request",
+                otel.kind = "server",
+                route = route.path(),
+                trace_id = tracing::field::Empty,
+                status = tracing::field::Empty,
+            );
+            pdnode_telemetry::Remote::from_headers(&headers).adopt(&span);
+            let resp = self
+                .dispatch(route, &headers, body, &slot)
+                .instrument(span.clone())
+                .await;
+            span.record("status", resp.status().as_u16());
+            if resp.status().is_server_error() {
+                pdnode_telemetry::fail(&span, &resp.status());
+            }
+            resp
         };
         self.metrics.request(route.label(), resp.status().as_u16());
         let (parts, body) = resp.into_parts();
@@ -342,7 +363,17 @@ impl SglangRouter {
             let Some(d) = self.pick(WorkerRole::Decode, &req, &tried) else {
                 return unavailable("decode", last.as_deref());
             };
-            match self.attempt(&req, headers, p, d, started, slot).await {
+            let attempt_span = tracing::info_span!(
+                "attempt",
+                attempt,
+                prefill = %p.url,
+                decode = %d.url,
+            );
+            match self
+                .attempt(&req, headers, p, d, started, slot)
+                .instrument(attempt_span.clone())
+                .await
+            {
                 AttemptEnd::Done(resp) => return resp,
                 AttemptEnd::Retry {
                     worker,
@@ -353,6 +384,7 @@ impl SglangRouter {
                     if !counted {
                         self.count_failure(&worker, cause);
                     }
+                    pdnode_telemetry::fail(&attempt_span, &message);
                     tracing::warn!(
                         worker = %worker.url, role = worker.role.as_str(), cause = cause.as_str(),
                         attempt, "sglang attempt failed: {message}"
@@ -412,6 +444,9 @@ impl SglangRouter {
         {
             h.insert(header::AUTHORIZATION, v);
         }
+        // This router's trace context replaces the client's `traceparent` (forwarded as is
+        // while traces are off): the worker's spans are children of this attempt.
+        pdnode_telemetry::inject_headers(&tracing::Span::current(), &mut h);
         self.client
             .post(format!("{}{}", w.url, route.path()))
             .headers(h)

@@ -1,12 +1,54 @@
 //! Tracing to stderr: env-filter directives from `log.filter` (`RUST_LOG` overrides), human or
-//! JSON lines per `log.format`.
+//! JSON lines per `log.format`; and, with `[telemetry]`, OpenTelemetry spans exported over OTLP
+//! (pdnode-telemetry). The filter applies to the log lines only: the exporter takes pdnode's
+//! `info` spans whatever `log.filter` says.
 
-use pdnode_core::config::{LogConfig, LogFormat};
-use tracing_subscriber::EnvFilter;
+use pdnode_core::config::{Config, LogConfig, LogFormat};
+use pdnode_telemetry::Telemetry;
+use pdnode_telemetry::export::ServiceInfo;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Layer, Registry};
 
 /// Installs the global subscriber. A second call is a no-op (the first one wins), so commands
 /// may call it after loading their config without caring who ran first.
 pub fn init(cfg: &LogConfig) -> anyhow::Result<()> {
+    install(cfg, None)
+}
+
+/// [`init`] plus the span exporter `[telemetry]` asks for (none when it is off). The caller
+/// keeps the returned exporter and calls [`shutdown_telemetry`] before exiting.
+pub fn init_node(cfg: &Config) -> anyhow::Result<Option<Telemetry>> {
+    let who = ServiceInfo {
+        node_id: pdnode_node::node_id(cfg).to_string(),
+        cluster: cfg.node.cluster.clone(),
+        role: cfg.node.role.to_string(),
+        version: env!("CARGO_PKG_VERSION").to_string(),
+    };
+    let telemetry = Telemetry::start(&cfg.telemetry, &who)
+        .map_err(|e| super::cmd::UsageError(e.to_string()))?;
+    install(&cfg.log, telemetry.as_ref())?;
+    if telemetry.is_some() {
+        tracing::info!(
+            endpoint = %cfg.telemetry.endpoint,
+            sampling_ratio = cfg.telemetry.sampling_ratio,
+            "exporting traces over OTLP"
+        );
+    }
+    Ok(telemetry)
+}
+
+/// Exports the spans still batched (a clean stop loses none).
+pub async fn shutdown_telemetry(t: Option<Telemetry>) {
+    let Some(t) = t else { return };
+    match tokio::task::spawn_blocking(move || t.shutdown()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!(error = %e, "traces not flushed"),
+        Err(e) => tracing::warn!(error = %e, "traces not flushed"),
+    }
+}
+
+fn install(cfg: &LogConfig, telemetry: Option<&Telemetry>) -> anyhow::Result<()> {
     let filter = match std::env::var("RUST_LOG") {
         Ok(v) if !v.trim().is_empty() => EnvFilter::try_new(&v)
             .map_err(|e| anyhow::anyhow!("RUST_LOG={v:?} is not a valid filter: {e}"))?,
@@ -17,14 +59,17 @@ pub fn init(cfg: &LogConfig) -> anyhow::Result<()> {
             ))
         })?,
     };
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    // try_init fails only when a subscriber is already installed: keep that one.
-    let _ = match cfg.format {
-        LogFormat::Human => builder.try_init(),
-        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    // Span fields (request_id, trace_id of the per-request spans) show in both formats: as
+    // `span{request_id=.. trace_id=..}:` prefixes, or as the JSON `span` and `spans` objects.
+    let lines: Box<dyn Layer<Registry> + Send + Sync> = match cfg.format {
+        LogFormat::Human => fmt.with_filter(filter).boxed(),
+        LogFormat::Json => fmt.json().flatten_event(true).with_filter(filter).boxed(),
     };
+    let mut layers = vec![lines];
+    layers.extend(telemetry.map(|t| t.layer::<Registry>()));
+    // try_init fails only when a subscriber is already installed: keep that one.
+    let _ = tracing_subscriber::registry().with(layers).try_init();
     Ok(())
 }
 

@@ -14,6 +14,7 @@ pub struct Config {
     pub router: RouterConfig,
     pub security: SecurityConfig,
     pub log: LogConfig,
+    pub telemetry: TelemetryConfig,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -617,6 +618,40 @@ impl Default for LogConfig {
         Self {
             format: LogFormat::Human,
             filter: "info".into(),
+        }
+    }
+}
+
+/// OpenTelemetry traces (docs/runtime-semantics.md, "Traces"). Off unless `endpoint` is set:
+/// then no exporter runs and no span is sampled.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TelemetryConfig {
+    /// OTLP/gRPC collector, `http://host:port` (plaintext); empty: traces off.
+    pub endpoint: String,
+    /// Fraction of new traces (no sampled parent) recorded, [0, 1]; a request that comes with a
+    /// W3C `traceparent` follows its caller's sampled flag.
+    pub sampling_ratio: f64,
+    /// `service.name` of this node's spans; empty: the node id.
+    pub service_name: String,
+    /// Longest a finished span waits in the batch before it is exported, ms.
+    pub batch_delay_ms: u64,
+}
+
+impl TelemetryConfig {
+    /// Whether traces are exported.
+    pub fn enabled(&self) -> bool {
+        !self.endpoint.is_empty()
+    }
+}
+
+impl Default for TelemetryConfig {
+    fn default() -> Self {
+        Self {
+            endpoint: String::new(),
+            sampling_ratio: 1.0,
+            service_name: String::new(),
+            batch_delay_ms: 5_000,
         }
     }
 }

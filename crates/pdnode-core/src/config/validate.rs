@@ -469,6 +469,29 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
             "empty: expected e.g. \"info\" or \"pdnode=debug\"".into(),
         );
     }
+    // telemetry
+    let t = &c.telemetry;
+    if !t.endpoint.is_empty() && !is_collector_url(&t.endpoint) {
+        bad(
+            "telemetry.endpoint",
+            format!(
+                "{:?}: expected an OTLP/gRPC collector URL, http://host:port (plaintext: point it at a collector on this host or network)",
+                t.endpoint
+            ),
+        );
+    }
+    if !(0.0..=1.0).contains(&t.sampling_ratio) {
+        bad(
+            "telemetry.sampling_ratio",
+            format!("{}: expected a fraction in [0, 1]", t.sampling_ratio),
+        );
+    }
+    if !t.service_name.is_empty() && !is_key_segment(&t.service_name) {
+        bad(
+            "telemetry.service_name",
+            format!("{:?}: expected 1-128 of [A-Za-z0-9._-]", t.service_name),
+        );
+    }
     errs.extend(files.into_iter().map(|(key, error)| ConfigError::BadFile {
         source_name: origin(key),
         key: key.to_string(),
@@ -583,6 +606,18 @@ fn endpoint_is_loopback(e: &str) -> bool {
     is_loopback_listen(host_port)
 }
 
+/// `http://host:port`, an optional `/` after it: what the OTLP/gRPC exporter dials. Plaintext
+/// only: the exporter is built without TLS roots (a collector agent beside the node forwards).
+fn is_collector_url(u: &str) -> bool {
+    let Some(rest) = u.strip_prefix("http://") else {
+        return false;
+    };
+    let authority = rest.strip_suffix('/').unwrap_or(rest);
+    !authority.contains(['/', '@'])
+        && !authority.contains(char::is_whitespace)
+        && is_host_port(authority)
+}
+
 /// A duration's unit, as errors name it.
 #[derive(Debug, Clone, Copy)]
 struct Unit {
@@ -653,6 +688,13 @@ fn durations(c: &Config) -> Vec<DurationKey> {
             MICROS,
             0,
             10_000_000,
+        ),
+        d(
+            "telemetry.batch_delay_ms",
+            c.telemetry.batch_delay_ms,
+            MILLIS,
+            1,
+            3_600_000,
         ),
         d(
             "transfer.lease_ms",

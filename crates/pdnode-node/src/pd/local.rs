@@ -35,6 +35,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 mod push;
 mod staging;
@@ -459,6 +460,13 @@ impl PdNode {
             return Err(nerr(ErrorKind::InvalidRequest, m.to_string()));
         }
         let started = Instant::now();
+        // The engine's part: queueing and the prompt's chunks, until the first token.
+        let compute = tracing::info_span!(
+            "compute",
+            cached_tokens = tracing::field::Empty,
+            kv_reports = tracing::field::Empty,
+        );
+        let mut kv_reports = 0u32;
         let failed = |e: HandoffError| self.handoff_failed(id, target, e);
         let _probe = self.check_peer(id, target)?;
         // The engine takes the overlap's arena span when the first chunk has run.
@@ -494,6 +502,8 @@ impl PdNode {
                 } => {
                     match (u, overlap.as_mut()) {
                         (Some(u), Some(o)) => {
+                            kv_reports += 1;
+                            pdnode_telemetry::event(&compute, "kv_ready", format!("{u:?}"));
                             tracing::debug!(
                                 request = %id,
                                 since_start_us = started.elapsed().as_micros() as u64,
@@ -523,9 +533,14 @@ impl PdNode {
                         word_pos: sampler.word_pos,
                     };
                     let cached = u32::try_from(cached_tokens).unwrap_or(u32::MAX);
+                    compute.record("cached_tokens", cached);
+                    compute.record("kv_reports", kv_reports);
                     break (first_token, logprob, finish, blocks, sampler, cached);
                 }
-                Some(EngineEvent::Error { error }) => return Err(eerr(&error)),
+                Some(EngineEvent::Error { error }) => {
+                    pdnode_telemetry::fail(&compute, &error);
+                    return Err(eerr(&error));
+                }
                 Some(EngineEvent::Finished { reason, .. }) => {
                     return Err(nerr(
                         ErrorKind::Internal,
@@ -550,12 +565,32 @@ impl PdNode {
                 sampler: Some(sampler),
             });
         }
+        drop(compute);
+        // What is left of the KV hand-off after the prompt's last step (all of it without
+        // the overlap), to the flush at the decode node.
+        let handoff = tracing::info_span!(
+            "kv_handoff",
+            overlap = overlap.is_some(),
+            blocks = blocks.len(),
+            bytes = tracing::field::Empty,
+            transfer_us = tracing::field::Empty,
+            via = tracing::field::Empty,
+            early_blocks = tracing::field::Empty,
+            layer_puts = tracing::field::Empty,
+            layer_group = self.push_layer_group.load(Ordering::Relaxed),
+        );
         let (result, early) = match overlap.take() {
             Some(o) => {
                 self.finish_overlap(id, target, o, ready, blocks.len(), started)
+                    .instrument(handoff.clone())
                     .await
             }
-            None => (self.push(id, target, blocks.len(), started).await, 0),
+            None => (
+                self.push(id, target, blocks.len(), started)
+                    .instrument(handoff.clone())
+                    .await,
+                0,
+            ),
         };
         // The lease is released off the answer's path: the call waits for the engine's current
         // step (tens of ms under load), which must not delay the first token. The KV is at the
@@ -567,8 +602,13 @@ impl PdNode {
                 tracing::warn!(request = %id, error = %e, "releasing the prefill KV lease failed; freed at its deadline");
             }
         });
-        let (bytes, us, via_arena) = result?;
+        let (bytes, us, via_arena) = result.inspect_err(|e| pdnode_telemetry::fail(&handoff, e))?;
         self.peer_ok(&target.decode_node);
+        handoff.record("bytes", bytes);
+        handoff.record("transfer_us", us);
+        handoff.record("via", if via_arena { "arena" } else { "host" });
+        handoff.record("early_blocks", early);
+        handoff.record("layer_puts", self.layer_puts.load(Ordering::Relaxed));
         let (arena_waits, arena_wait_timeouts) = self.arena_wait_counts();
         let ucx_endpoints = match &self.mover {
             KvMover::Ucx(t) => t.endpoints_created(),
@@ -723,15 +763,26 @@ impl PdNode {
 
 impl NodeClient for PdNode {
     fn reserve_kv(&self, req: ReserveKv) -> BoxFuture<'_, Result<KvTarget, NodeError>> {
-        Box::pin(self.do_reserve(req))
+        let span = tracing::info_span!(
+            "reservation",
+            prompt_tokens = req.prompt_token_ids.len(),
+            max_tokens = req.max_tokens,
+        );
+        Box::pin(crate::trace::in_span(span, self.do_reserve(req)))
     }
 
     fn prefill(&self, req: PrefillCall) -> BoxFuture<'_, Result<PrefillOutcome, NodeError>> {
-        Box::pin(self.do_prefill(req))
+        let span = tracing::info_span!(
+            "prefill",
+            prompt_tokens = req.prompt_token_ids.len(),
+            blocks = req.target.blocks.len(),
+        );
+        Box::pin(crate::trace::in_span(span, self.do_prefill(req)))
     }
 
     fn decode(&self, req: DecodeCall) -> BoxFuture<'_, Result<DecodeStream, NodeError>> {
-        Box::pin(self.do_decode(req))
+        let span = tracing::info_span!("decode_admission");
+        Box::pin(crate::trace::in_span(span, self.do_decode(req)))
     }
 
     fn abort(&self, id: RequestId, reason: String) -> BoxFuture<'_, Result<bool, NodeError>> {

@@ -119,7 +119,7 @@ async fn completions_inner(
         include_usage: common.include_usage(),
         logprobs: req.logprobs.is_some(),
     };
-    let generation = router.generate(GenRequest {
+    let req = GenRequest {
         prompt_token_ids: tokens,
         sampling,
         endpoint: "completions",
@@ -128,7 +128,10 @@ async fn completions_inner(
                 .get(crate::router::ROUTING_KEY_HEADER)
                 .map(|v| v.as_bytes()),
         )?,
-    })?;
+    };
+    // The client's W3C `traceparent`, if any, parents the request's trace.
+    let generation =
+        router.generate_traced(req, pdnode_telemetry::Remote::from_headers(&headers))?;
     respond(router, generation, shape).await
 }
 
@@ -168,7 +171,7 @@ async fn chat_inner(
         include_usage: common.include_usage(),
         logprobs: logprobs.is_some(),
     };
-    let generation = router.generate(GenRequest {
+    let req = GenRequest {
         prompt_token_ids: tokens,
         sampling,
         endpoint: "chat",
@@ -177,7 +180,10 @@ async fn chat_inner(
                 .get(crate::router::ROUTING_KEY_HEADER)
                 .map(|v| v.as_bytes()),
         )?,
-    })?;
+    };
+    // The client's W3C `traceparent`, if any, parents the request's trace.
+    let generation =
+        router.generate_traced(req, pdnode_telemetry::Remote::from_headers(&headers))?;
     respond(router, generation, shape).await
 }
 

@@ -40,6 +40,8 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
+use tracing::Instrument;
+use tracing::field::Empty;
 
 /// Longest wait for a node to acknowledge an Abort.
 const ABORT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -108,6 +110,17 @@ pub(super) async fn run(
         Ok(Exit::ClientGone) => ErrorKind::Cancelled.as_str(),
         Err(e) => e.kind().as_str(),
     };
+    // The request's span (Router::generate_traced): how it ended.
+    let span = tracing::Span::current();
+    span.record("outcome", outcome);
+    span.record("completion_tokens", progress.tokens);
+    match &result {
+        Ok(Exit::Done(f)) => {
+            span.record("finish_reason", f.as_str());
+        }
+        Ok(Exit::ClientGone) => {}
+        Err(e) => pdnode_telemetry::fail(&span, e),
+    }
     match result {
         Ok(Exit::Done(finish)) => {
             let usage = Usage {
@@ -338,6 +351,16 @@ async fn drive(
     // The decode node and its booking; picked again only after it failed.
     let mut d_slot: Option<(Worker, Booking<'_>)> = None;
     for attempt in 0..ATTEMPTS {
+        let choice = tracing::info_span!(
+            "pair_choice",
+            attempt,
+            prefill_policy = ?router.deps.config.prefill_policy,
+            decode_policy = ?router.deps.config.decode_policy,
+            prefill_candidates = prefills.len() - excluded.len().min(prefills.len()),
+            decode_candidates = decodes.len() - excluded_d.len().min(decodes.len()),
+            prefill = Empty,
+            decode = Empty,
+        );
         if d_slot.is_none() {
             let picked =
                 router
@@ -346,6 +369,7 @@ async fn drive(
                     .pick(Role::Decode, &decodes, tokens, key, &excluded_d, now);
             let Some(d_idx) = picked else {
                 missing = Role::Decode;
+                pdnode_telemetry::fail(&choice, &"no decode node to pick");
                 break;
             };
             let w = decodes[d_idx].clone();
@@ -366,10 +390,14 @@ async fn drive(
                     .pick(Role::Prefill, &prefills, tokens, key, &excluded, now);
             let Some(p_idx) = picked else {
                 missing = Role::Prefill;
+                pdnode_telemetry::fail(&choice, &"no prefill node to pick");
                 break;
             };
             prefills[p_idx].clone()
         };
+        choice.record("prefill", p.id().as_str());
+        choice.record("decode", d.id().as_str());
+        drop(choice);
         if !flow.begin(is_colocated(&d)) {
             break;
         }
@@ -383,7 +411,17 @@ async fn drive(
             d: &d,
             id: req_id,
         };
-        match run_attempt(&pair, &mut flow, req, tx, start, progress).await {
+        let attempt_span = tracing::info_span!(
+            "attempt",
+            attempt,
+            request_id = %req_id,
+            prefill = %p.id(),
+            decode = %d.id(),
+        );
+        match run_attempt(&pair, &mut flow, req, tx, start, progress)
+            .instrument(attempt_span.clone())
+            .await
+        {
             End::Exit(e) => return Ok(e),
             End::Fail(e) => return Err(e),
             End::Retry {
@@ -391,6 +429,7 @@ async fn drive(
                 new_decode,
                 err,
             } => {
+                pdnode_telemetry::fail(&attempt_span, &err);
                 tracing::warn!(request = %req_id, prefill = %p.id(), decode = %d.id(), error = %err, "attempt failed");
                 if new_prefill {
                     excluded.push(p.id().clone());
@@ -437,6 +476,7 @@ async fn run_attempt(
         prompt_token_ids: tokens.clone(),
         max_tokens: req.sampling.max_tokens,
     };
+    let reserve_span = tracing::info_span!("reserve_kv", otel.kind = "client", node = %d.id());
     let reserved = step(
         tx,
         prefill_timeout,
@@ -444,11 +484,13 @@ async fn run_attempt(
         (Step::ReserveKv, d.id(), req_id),
         d.client.reserve_kv(reserve),
     )
+    .instrument(reserve_span.clone())
     .await;
     let target = match reserved {
         Ok(t) => t,
         Err(StepErr::ClientGone) => return pair.gone(flow).await,
         Err(StepErr::Failed(e)) => {
+            pdnode_telemetry::fail(&reserve_span, &e);
             return pair
                 .fail(flow, Event::ReserveFailed(e.kind()), "reserve_kv failed", e)
                 .await;
@@ -463,13 +505,22 @@ async fn run_attempt(
         sampling: req.sampling.clone(),
         target,
     };
+    let prefill_span = tracing::info_span!(
+        "prefill",
+        otel.kind = "client",
+        node = %p.id(),
+        transfer_bytes = Empty,
+        transfer_us = Empty,
+        cached_tokens = Empty,
+    );
     let prefill = step(
         tx,
         prefill_timeout,
         deadline,
         (Step::Prefill, p.id(), req_id),
         p.client.prefill(call),
-    );
+    )
+    .instrument(prefill_span.clone());
     // Both nodes watched while P computes. A colocated worker (P == D) is not: it answers its
     // own call, and its channel's keepalive covers a frozen process.
     let membership = &router.deps.membership;
@@ -487,6 +538,7 @@ async fn run_attempt(
         PrefillEnd::Done(Ok(o)) => o,
         PrefillEnd::Done(Err(StepErr::ClientGone)) => return pair.gone(flow).await,
         PrefillEnd::Done(Err(StepErr::Failed(e))) => {
+            pdnode_telemetry::fail(&prefill_span, &e);
             return pair
                 .fail(flow, Event::PrefillFailed(e.kind()), "prefill failed", e)
                 .await;
@@ -501,6 +553,7 @@ async fn run_attempt(
                     format!("prefill node lost: {reason}"),
                 ),
             };
+            pdnode_telemetry::fail(&prefill_span, &e);
             return pair
                 .fail(flow, Event::PrefillFailed(e.kind()), "prefill node lost", e)
                 .await;
@@ -512,6 +565,7 @@ async fn run_attempt(
                 request: req_id,
                 reason,
             };
+            pdnode_telemetry::fail(&prefill_span, &e);
             return pair
                 .fail(
                     flow,
@@ -536,6 +590,10 @@ async fn run_attempt(
         outcome.transfer_us as f64 / 1e6,
     );
     progress.cached = outcome.cached_tokens;
+    prefill_span.record("transfer_bytes", outcome.transfer_bytes);
+    prefill_span.record("transfer_us", outcome.transfer_us);
+    prefill_span.record("cached_tokens", outcome.cached_tokens);
+    drop(prefill_span);
 
     // The first token.
     let mut detok = Detokenizer::new(router.deps.tokenizer.as_ref(), req.sampling.stop.clone());
@@ -592,6 +650,7 @@ async fn run_attempt(
         prompt_token_ids: tokens.clone(),
         sampler: outcome.sampler,
     };
+    let decode_span = tracing::info_span!("decode", otel.kind = "client", node = %d.id());
     let opened = step(
         tx,
         token_timeout,
@@ -599,16 +658,25 @@ async fn run_attempt(
         (Step::Decode, d.id(), req_id),
         d.client.decode(call),
     )
+    .instrument(decode_span.clone())
     .await;
     let mut stream = match opened {
         Ok(s) => s,
         Err(StepErr::ClientGone) => return pair.gone(flow).await,
         Err(StepErr::Failed(e)) => {
+            pdnode_telemetry::fail(&decode_span, &e);
             return pair
                 .fail(flow, Event::DecodeFailed(e.kind()), "decode failed", e)
                 .await;
         }
     };
+    // The tokens as they stream from D to the client.
+    let stream_span = tracing::info_span!(
+        parent: &decode_span,
+        "stream",
+        tokens = progress.tokens,
+        finish_reason = Empty,
+    );
     loop {
         let next = tokio::select! {
             r = step(
@@ -617,7 +685,8 @@ async fn run_attempt(
                 deadline,
                 (Step::Decode, d.id(), req_id),
                 async { Ok::<_, crate::error::NodeError>(stream.next().await) },
-            ) => r,
+            )
+            .instrument(stream_span.clone()) => r,
             why = node_lost(&mut d_watch) => Err(StepErr::Failed(decode_err(
                 d.id(),
                 req_id,
@@ -652,6 +721,7 @@ async fn run_attempt(
                         "decode stream ended early",
                     ),
                 };
+                pdnode_telemetry::fail(&stream_span, &e);
                 return pair
                     .fail(flow, Event::DecodeFailed(e.kind()), reason, e)
                     .await;
@@ -667,6 +737,7 @@ async fn run_attempt(
                 request: req_id,
                 source,
             };
+            pdnode_telemetry::fail(&stream_span, &e);
             // D answered: wait for its Abort whatever the error says.
             return pair
                 .fail(
@@ -679,6 +750,7 @@ async fn run_attempt(
         }
         if !chunk.token_ids.is_empty() {
             progress.tokens += chunk.token_ids.len() as u32;
+            stream_span.record("tokens", progress.tokens);
             let text = match detok.push(&chunk.token_ids) {
                 Ok(t) => t,
                 Err(e) => {
@@ -711,6 +783,7 @@ async fn run_attempt(
             }
         }
         if let Some(finish) = chunk.finish {
+            stream_span.record("finish_reason", finish.as_str());
             flow.on(Event::Finished);
             return finish_text(tx, &mut detok, finish, client_limit).await;
         }

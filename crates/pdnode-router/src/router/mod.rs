@@ -21,10 +21,12 @@ use pdnode_core::config::RouterConfig;
 use pdnode_core::metrics as m;
 use pdnode_core::request::TokenLogprob;
 use pdnode_core::{ErrorKind, FinishReason, NodeId, RequestId, Role, SamplingParams};
+use pdnode_telemetry::Remote;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
 use tokio::sync::mpsc;
+use tracing::Instrument;
 
 /// How long new picks avoid a node after it looked unreachable: a call or a step's deadline
 /// failed on it (connection lost: its channel's keepalive went unanswered), or its `Stats` did
@@ -232,10 +234,70 @@ impl Router {
     /// Admits `req` and starts its flow. Fails at once when the request is invalid, the router is
     /// at `max_inflight_requests`, or no prefill or decode node exists.
     pub fn generate(self: &Arc<Self>, req: GenRequest) -> Result<Generation, RouterError> {
+        self.generate_traced(req, Remote::default())
+    }
+
+    /// [`Router::generate`] for a request that came with its caller's trace context `remote`
+    /// (W3C `traceparent` of the HTTP or gRPC request; none: a new trace). The request's span
+    /// (`request`, fields `request_id` and `trace_id`, which every log line of its flow shows)
+    /// is a child of the caller's; admission and the whole flow run inside it.
+    pub fn generate_traced(
+        self: &Arc<Self>,
+        req: GenRequest,
+        remote: Remote,
+    ) -> Result<Generation, RouterError> {
+        let request_id = RequestId::random();
+        let span = tracing::info_span!(
+            parent: None,
+            "request",
+            otel.kind = "server",
+            request_id = %request_id,
+            trace_id = tracing::field::Empty,
+            endpoint = req.endpoint,
+            prompt_tokens = req.prompt_token_ids.len(),
+            completion_tokens = tracing::field::Empty,
+            finish_reason = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+        );
+        remote.adopt(&span);
+        let admitted = span.in_scope(|| {
+            let admission = tracing::info_span!(
+                "admission",
+                inflight = tracing::field::Empty,
+                limit = self.deps.config.max_inflight_requests,
+            );
+            let r = admission.in_scope(|| self.admit(&req));
+            match &r {
+                Ok(_) => {
+                    admission.record("inflight", self.inflight());
+                }
+                Err(e) => pdnode_telemetry::fail(&admission, e),
+            }
+            r
+        });
+        let guard = match admitted {
+            Ok(g) => g,
+            Err(e) => {
+                span.record("outcome", pdnode_core::error::Classify::kind(&e).as_str());
+                pdnode_telemetry::fail(&span, &e);
+                return Err(e);
+            }
+        };
+        let (tx, rx) = mpsc::channel(64);
+        let this = self.clone();
+        tokio::spawn(flow::run(this, req, request_id, tx, guard).instrument(span));
+        Ok(Generation {
+            request_id,
+            events: rx,
+        })
+    }
+
+    /// The admission checks of [`Router::generate`]; books the request as in flight.
+    fn admit(&self, req: &GenRequest) -> Result<InflightGuard, RouterError> {
         if self.is_draining() {
             return Err(RouterError::Draining);
         }
-        self.check_prompt(&req)?;
+        self.check_prompt(req)?;
         let (prefills, decodes) = self.usable_nodes();
         if prefills == 0 {
             return Err(RouterError::NoNode {
@@ -256,19 +318,9 @@ impl Router {
         };
         self.metrics
             .set(m::ROUTER_INFLIGHT_REQUESTS, &[], f64::from(prev + 1));
-        let guard = InflightGuard {
+        Ok(InflightGuard {
             count: self.inflight.clone(),
             metrics: self.metrics.clone(),
-        };
-        let request_id = RequestId::random();
-        let (tx, rx) = mpsc::channel(64);
-        let this = self.clone();
-        tokio::spawn(async move {
-            flow::run(this, req, request_id, tx, guard).await;
-        });
-        Ok(Generation {
-            request_id,
-            events: rx,
         })
     }
 

@@ -304,9 +304,11 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         sets,
     };
     let loaded = load_config(&cfg_args)?;
-    crate::logging::init(&loaded.config.log)?;
+    let telemetry = crate::logging::init_node(&loaded.config)?;
     tracing::info!("effective configuration:\n{}", loaded.effective_toml());
-    serve(&loaded.config).await
+    let result = serve(&loaded.config).await;
+    crate::logging::shutdown_telemetry(telemetry).await;
+    result
 }
 
 /// Serves the router in front of SGLang workers (`pdnode start` with `[router.sglang]`, and

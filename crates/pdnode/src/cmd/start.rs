@@ -18,7 +18,13 @@ pub struct Args {
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let loaded = load_config(&args.config)?;
-    crate::logging::init(&loaded.config.log)?;
+    let telemetry = crate::logging::init_node(&loaded.config)?;
+    let result = serve(&loaded).await;
+    crate::logging::shutdown_telemetry(telemetry).await;
+    result
+}
+
+async fn serve(loaded: &pdnode_core::config::Loaded) -> anyhow::Result<()> {
     let c = &loaded.config;
     tracing::info!(
         role = %c.node.role,

@@ -7,6 +7,7 @@ use parking_lot::Mutex;
 use pdnode_core::{NodeCard, NodeId, Role};
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 pub use pdnode_nodeapi::grpc::{ChannelOptions, GrpcNodeClient};
 
@@ -17,11 +18,22 @@ pub use pdnode_nodeapi::grpc::{ChannelOptions, GrpcNodeClient};
 /// let live = Arc::new(pdnode_registry::LiveMembership::start(&registry, cluster).await?);
 /// let membership = CardMembership::new(move |role| live.serving(role));
 /// ```
+///
+/// When a role's cards are all gone at once, the last ones seen stay in use for
+/// [`LAPSED_GRACE`]: etcd back after more than a lease TTL may expire every node's lease before
+/// their keepalives land, and the nodes register again within a keepalive; in between, a node
+/// that is really gone fails its calls (the router retries or answers 503) as it would anyway.
 pub struct CardMembership<F> {
     cards: F,
     channel: ChannelOptions,
     clients: Mutex<HashMap<(NodeId, u64, String), Arc<GrpcNodeClient>>>,
+    /// Per role: when its cards were last seen non-empty, and those cards.
+    last: Mutex<HashMap<Role, (Instant, Vec<NodeCard>)>>,
+    grace: Duration,
 }
+
+/// How long a role whose cards all vanished keeps its last cards (see [`CardMembership`]).
+pub const LAPSED_GRACE: Duration = Duration::from_secs(30);
 
 impl<F> CardMembership<F>
 where
@@ -32,6 +44,28 @@ where
             cards,
             channel: ChannelOptions::default(),
             clients: Mutex::new(HashMap::new()),
+            last: Mutex::new(HashMap::new()),
+            grace: LAPSED_GRACE,
+        }
+    }
+
+    /// How long the last cards of a role that emptied stay in use (tests).
+    pub fn with_lapsed_grace(mut self, grace: Duration) -> Self {
+        self.grace = grace;
+        self
+    }
+
+    /// The role's cards now, or, when there are none, the last ones seen within the grace.
+    fn cards_of(&self, role: Role) -> Vec<NodeCard> {
+        let cards = (self.cards)(role);
+        let mut last = self.last.lock();
+        if !cards.is_empty() {
+            last.insert(role, (Instant::now(), cards.clone()));
+            return cards;
+        }
+        match last.get(&role) {
+            Some((seen, prev)) if seen.elapsed() < self.grace => prev.clone(),
+            _ => cards,
         }
     }
 
@@ -47,7 +81,7 @@ where
     F: Fn(Role) -> Vec<NodeCard> + Send + Sync + 'static,
 {
     fn workers(&self, role: Role) -> Vec<Worker> {
-        let cards = (self.cards)(role);
+        let cards = self.cards_of(role);
         let mut clients = self.clients.lock();
         let mut out = Vec::with_capacity(cards.len());
         for card in cards {
@@ -79,5 +113,67 @@ where
             out.push(Worker { card, client });
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    fn card(id: &str, role: Role) -> NodeCard {
+        NodeCard {
+            id: NodeId::new(id),
+            role,
+            cluster: "c".into(),
+            model_id: "m".into(),
+            model_fingerprint: "f".into(),
+            kv_layout: None,
+            tp_size: 1,
+            addresses: pdnode_core::card::NodeAddresses {
+                grpc: "127.0.0.1:1".into(),
+                ..Default::default()
+            },
+            capacity: Default::default(),
+            version: "t".into(),
+            started_at_ms: 1,
+            colocated: false,
+            sglang: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_role_whose_cards_all_vanish_keeps_its_last_ones_for_the_grace() {
+        let gone = Arc::new(AtomicBool::new(false));
+        let g = gone.clone();
+        let cards = move |role: Role| {
+            if g.load(Ordering::Relaxed) || role != Role::Decode {
+                Vec::new()
+            } else {
+                vec![card("d0", Role::Decode)]
+            }
+        };
+        let m = CardMembership::new(cards);
+        assert_eq!(m.workers(Role::Decode).len(), 1);
+        gone.store(true, Ordering::Relaxed);
+        let kept = m.workers(Role::Decode);
+        assert_eq!(kept.len(), 1, "the last card stays within the grace");
+        assert_eq!(kept[0].id().as_str(), "d0");
+        // A role never seen stays empty.
+        assert!(m.workers(Role::Prefill).is_empty());
+
+        let g = gone.clone();
+        g.store(false, Ordering::Relaxed);
+        let cards = move |role: Role| {
+            if g.load(Ordering::Relaxed) || role != Role::Decode {
+                Vec::new()
+            } else {
+                vec![card("d0", Role::Decode)]
+            }
+        };
+        let m = CardMembership::new(cards).with_lapsed_grace(Duration::ZERO);
+        assert_eq!(m.workers(Role::Decode).len(), 1);
+        gone.store(true, Ordering::Relaxed);
+        assert!(m.workers(Role::Decode).is_empty(), "past the grace: gone");
     }
 }

@@ -116,6 +116,30 @@ pub struct SglangWorker {
 }
 
 impl NodeCard {
+    /// A card of `cluster`, `role` and `id` with placeholder contents (model `m`, fingerprint
+    /// `f`, gRPC at `127.0.0.1:1`, started at 1 ms, no layout, TP 1): for tests and examples
+    /// that need a well-formed card, not a node behind it.
+    pub fn placeholder(cluster: &str, role: Role, id: &str) -> Self {
+        NodeCard {
+            id: NodeId::new(id),
+            role,
+            cluster: cluster.into(),
+            model_id: "m".into(),
+            model_fingerprint: "f".into(),
+            kv_layout: None,
+            tp_size: 1,
+            addresses: NodeAddresses {
+                grpc: "127.0.0.1:1".into(),
+                ..Default::default()
+            },
+            capacity: NodeCapacity::default(),
+            version: "0".into(),
+            started_at_ms: 1,
+            colocated: false,
+            sglang: None,
+        }
+    }
+
     /// The registry key of this card.
     pub fn key(&self) -> String {
         node_key(&self.cluster, self.role, &self.id)

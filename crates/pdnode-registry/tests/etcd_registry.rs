@@ -1,6 +1,5 @@
 //! The etcd registry against a real etcd (Debian etcd-server) from the testkit.
 
-use pdnode_core::card::{NodeAddresses, NodeCapacity};
 use pdnode_core::{NodeCard, NodeId, Role};
 use pdnode_registry::{
     EtcdRegistry, MembershipView, MembershipWatch, RegistrationStatus, Registry, RegistryError,
@@ -10,24 +9,7 @@ use pdnode_testkit::{EtcdServer, skip_etcd_tests};
 use std::time::{Duration, Instant};
 
 fn card(role: Role, id: &str) -> NodeCard {
-    NodeCard {
-        id: NodeId::new(id),
-        role,
-        cluster: "t".into(),
-        model_id: "m".into(),
-        model_fingerprint: "f".into(),
-        kv_layout: None,
-        tp_size: 1,
-        addresses: NodeAddresses {
-            grpc: "127.0.0.1:1".into(),
-            ..Default::default()
-        },
-        capacity: NodeCapacity::default(),
-        version: "0".into(),
-        started_at_ms: 1,
-        colocated: false,
-        sglang: None,
-    }
+    NodeCard::placeholder("t", role, id)
 }
 
 fn opts() -> RegistryOptions {

@@ -4,7 +4,6 @@
 //! TLS, plaintext and foreign-CA clients are refused, and a registration outlives etcd's auth
 //! token TTL.
 
-use pdnode_core::card::{NodeAddresses, NodeCapacity};
 use pdnode_core::config::{RegistryConfig, RegistryKind};
 use pdnode_core::{NodeCard, NodeId, Role};
 use pdnode_nodeapi::certs::{self, CertsInit};
@@ -19,24 +18,7 @@ const PDNODE_PW: &str = "pdnode-secret";
 const READER_PW: &str = "reader-secret";
 
 fn card(role: Role, id: &str) -> NodeCard {
-    NodeCard {
-        id: NodeId::new(id),
-        role,
-        cluster: "t".into(),
-        model_id: "m".into(),
-        model_fingerprint: "f".into(),
-        kv_layout: None,
-        tp_size: 1,
-        addresses: NodeAddresses {
-            grpc: "127.0.0.1:1".into(),
-            ..Default::default()
-        },
-        capacity: NodeCapacity::default(),
-        version: "0".into(),
-        started_at_ms: 1,
-        colocated: false,
-        sglang: None,
-    }
+    NodeCard::placeholder("t", role, id)
 }
 
 fn rt() -> tokio::runtime::Runtime {

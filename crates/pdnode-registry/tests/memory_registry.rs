@@ -1,7 +1,6 @@
 //! The in-process registry: registration, watch, conflicts, outage and re-registration, on
 //! paused tokio time.
 
-use pdnode_core::card::{NodeAddresses, NodeCapacity};
 use pdnode_core::{NodeCard, NodeId, Role};
 use pdnode_registry::{
     MembershipEvent, MembershipView, MembershipWatch, MemoryRegistry, RegistrationStatus, Registry,
@@ -10,24 +9,7 @@ use pdnode_registry::{
 use std::time::Duration;
 
 fn card(role: Role, id: &str) -> NodeCard {
-    NodeCard {
-        id: NodeId::new(id),
-        role,
-        cluster: "t".into(),
-        model_id: "m".into(),
-        model_fingerprint: "f".into(),
-        kv_layout: None,
-        tp_size: 1,
-        addresses: NodeAddresses {
-            grpc: "127.0.0.1:1".into(),
-            ..Default::default()
-        },
-        capacity: NodeCapacity::default(),
-        version: "0".into(),
-        started_at_ms: 1,
-        colocated: false,
-        sglang: None,
-    }
+    NodeCard::placeholder("t", role, id)
 }
 
 fn opts() -> RegistryOptions {

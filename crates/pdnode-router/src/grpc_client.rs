@@ -122,24 +122,7 @@ mod tests {
     use std::sync::atomic::{AtomicBool, Ordering};
 
     fn card(id: &str, role: Role) -> NodeCard {
-        NodeCard {
-            id: NodeId::new(id),
-            role,
-            cluster: "c".into(),
-            model_id: "m".into(),
-            model_fingerprint: "f".into(),
-            kv_layout: None,
-            tp_size: 1,
-            addresses: pdnode_core::card::NodeAddresses {
-                grpc: "127.0.0.1:1".into(),
-                ..Default::default()
-            },
-            capacity: Default::default(),
-            version: "t".into(),
-            started_at_ms: 1,
-            colocated: false,
-            sglang: None,
-        }
+        NodeCard::placeholder("c", role, id)
     }
 
     #[tokio::test]

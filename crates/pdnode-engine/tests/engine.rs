@@ -83,6 +83,18 @@ async fn next_event(s: &mut RequestStream) -> EngineEvent {
         .expect("stream ended")
 }
 
+/// The next event of a prefill-only stream that is not a `Prefilling` note, and the notes
+/// (start position, tokens) skipped before it.
+async fn next_prefill_event(s: &mut RequestStream) -> (EngineEvent, Vec<(usize, usize)>) {
+    let mut notes = Vec::new();
+    loop {
+        match next_event(s).await {
+            EngineEvent::Prefilling { start_pos, tokens } => notes.push((start_pos, tokens)),
+            ev => return (ev, notes),
+        }
+    }
+}
+
 /// Waits until the engine has nothing in flight and no leases, then checks the pool is whole.
 async fn assert_drained(e: &EngineHandle) {
     let until = Instant::now() + DEADLINE;
@@ -247,16 +259,26 @@ async fn pd_generate(p: &EngineHandle, d: &EngineHandle, r: &GenerateRequest) ->
         .await
         .unwrap();
     let mut ps = p.add_request(r.clone()).unwrap();
-    let EngineEvent::PrefillDone {
-        first_token,
-        blocks: src,
-        finish,
-        sampler,
-        ..
-    } = next_event(&mut ps).await
+    let (
+        EngineEvent::PrefillDone {
+            first_token,
+            blocks: src,
+            finish,
+            sampler,
+            ..
+        },
+        notes,
+    ) = next_prefill_event(&mut ps).await
     else {
         panic!("expected PrefillDone");
     };
+    // One note per chunk, in order, covering the prompt (the queue is never near full here).
+    let mut at = notes.first().map_or(0, |n| n.0);
+    for &(start, tokens) in &notes {
+        assert_eq!(start, at, "{notes:?}");
+        at += tokens;
+    }
+    assert_eq!(at, r.prompt_token_ids.len(), "{notes:?}");
     assert!(ps.next().await.is_none(), "PrefillDone is terminal");
     if finish.is_some() {
         d.release_transfer(r.id).await.unwrap();
@@ -341,7 +363,7 @@ async fn leases_and_reservations_expire() {
     let d = engine(Mode::DecodeOnly, 64, t, lease);
     let mut s = p.add_request(request(1, 10, 8)).unwrap();
     assert!(matches!(
-        next_event(&mut s).await,
+        next_prefill_event(&mut s).await.0,
         EngineEvent::PrefillDone { .. }
     ));
     assert_eq!(p.stats().await.unwrap().scheduler.kv.leases, 1);

@@ -274,8 +274,17 @@ fn start_split(dir: &Path, etcd: &str, cluster: &str, otlp: &str, real: bool) ->
     }
 }
 
+/// Attribute `key` of the first span named `name`, if both are there.
+fn attr_of(spans: &[Got], name: &str, key: &str) -> String {
+    spans
+        .iter()
+        .find(|s| s.name == name)
+        .and_then(|s| s.attrs.get(key).cloned())
+        .unwrap_or_default()
+}
+
 /// Every span name the trace of one successful request must have.
-const STEPS: [&str; 10] = [
+const STEPS: [&str; 12] = [
     "request",
     "admission",
     "pair_choice",
@@ -284,6 +293,8 @@ const STEPS: [&str; 10] = [
     "reservation",
     "prefill",
     "compute",
+    "queue",
+    "chunk",
     "kv_handoff",
     "stream",
 ];
@@ -392,6 +403,13 @@ async fn one_request_is_one_trace_across_the_three_processes() {
     assert_eq!(parent_of("reservation"), ("node.ReserveKv", decode));
     assert_eq!(parent_of("node.Prefill"), ("prefill", router));
     assert_eq!(parent_of("compute"), ("prefill", prefill));
+    // The prefill's queue wait, then its chunks (the prompt's positions each one ran).
+    assert_eq!(parent_of("queue"), ("compute", prefill));
+    assert_eq!(parent_of("chunk"), ("compute", prefill));
+    assert!(
+        attr_of(&spans, "chunk", "tokens").parse::<u64>().unwrap() > 0,
+        "{shown}"
+    );
     assert_eq!(parent_of("kv_handoff"), ("prefill", prefill));
     assert_eq!(parent_of("node.Decode"), ("decode", router));
     assert_eq!(parent_of("decode_admission"), ("node.Decode", decode));
@@ -414,6 +432,13 @@ async fn one_request_is_one_trace_across_the_three_processes() {
         attr("kv_handoff", "bytes").parse::<u64>().unwrap() > 0,
         "{shown}"
     );
+    // Whether the decode node asked for a checksum of the hand-off (transfer.verify).
+    let verify = attr("kv_handoff", "verify");
+    assert!(verify == "true" || verify == "false", "{shown}");
+    // The decode node checked what landed (host staging on the CPU: fence records) and, as
+    // the prefill node was asked, the checksum.
+    assert_eq!(attr("decode_admission", "checked"), "true", "{shown}");
+    assert_eq!(attr("decode_admission", "verified"), verify, "{shown}");
     // 8 tokens, or fewer if the model ended its answer first.
     let finish = attr("stream", "finish_reason");
     assert!(finish == "length" || finish == "stop", "{shown}");

@@ -46,6 +46,15 @@ impl EventTx {
         }
     }
 
+    /// Sends a best-effort note (never the request's last event): only while the queue has
+    /// room for it and one more, so a note never takes the place of the event that ends the
+    /// request, and a full queue is never an overflow because of one.
+    pub(crate) fn note(&self, ev: EngineEvent) {
+        if self.tx.capacity() >= 2 {
+            let _ = self.tx.try_send(ev);
+        }
+    }
+
     pub(crate) fn is_closed(&self) -> bool {
         self.tx.is_closed()
     }

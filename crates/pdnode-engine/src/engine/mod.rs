@@ -128,6 +128,13 @@ pub enum EngineEvent {
         /// request was first admitted (OpenAI's `usage.prompt_tokens_details.cached_tokens`).
         cached_tokens: usize,
     },
+    /// Prefill-only: a chunk of the prompt (positions `start_pos..start_pos + tokens`) goes
+    /// into the next forward step. The first one ends the request's queue wait. Best effort
+    /// (for traces): skipped while the consumer has events unread.
+    Prefilling {
+        start_pos: usize,
+        tokens: usize,
+    },
     Finished {
         reason: FinishReason,
         prompt_tokens: usize,

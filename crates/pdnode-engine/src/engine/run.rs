@@ -525,6 +525,14 @@ impl Loop {
         }
         if self.cfg.mode == Mode::PrefillOnly {
             self.arm_step_staging(&plan);
+            for s in &plan.seqs {
+                if let Some(a) = self.active.get(&s.id) {
+                    a.tx.note(EngineEvent::Prefilling {
+                        start_pos: s.start_pos,
+                        tokens: s.tokens.len(),
+                    });
+                }
+            }
         }
         // A plain greedy sequence needs only the arg-max of its row (computed on the device by a
         // device backend): exactly what its sampler would pick from the full row. A sampled one

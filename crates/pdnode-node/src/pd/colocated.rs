@@ -191,7 +191,7 @@ impl ColocatedNode {
                     ),
                 )));
             }
-            Some(EngineEvent::PrefillDone { .. }) => {
+            Some(EngineEvent::PrefillDone { .. } | EngineEvent::Prefilling { .. }) => {
                 return Err(abort(NodeError::new(
                     ErrorKind::Internal,
                     "colocated engine answered like a prefill-only engine",

@@ -467,6 +467,10 @@ impl PdNode {
             kv_reports = tracing::field::Empty,
         );
         let mut kv_reports = 0u32;
+        // The request's wait for its first step, then one span per prompt chunk (from the
+        // engine's `Prefilling` notes; each closes when the next starts or prefill ends).
+        let mut queue = Some(tracing::info_span!(parent: &compute, "queue"));
+        let mut chunk: Option<tracing::Span> = None;
         let failed = |e: HandoffError| self.handoff_failed(id, target, e);
         let _probe = self.check_peer(id, target)?;
         // The engine takes the overlap's arena span when the first chunk has run.
@@ -533,6 +537,7 @@ impl PdNode {
                         word_pos: sampler.word_pos,
                     };
                     let cached = u32::try_from(cached_tokens).unwrap_or(u32::MAX);
+                    drop((queue.take(), chunk.take()));
                     compute.record("cached_tokens", cached);
                     compute.record("kv_reports", kv_reports);
                     break (first_token, logprob, finish, blocks, sampler, cached);
@@ -549,6 +554,11 @@ impl PdNode {
                             reason.as_str()
                         ),
                     ));
+                }
+                Some(EngineEvent::Prefilling { start_pos, tokens }) => {
+                    queue = None;
+                    chunk = Some(tracing::info_span!(parent: &compute, "chunk", start_pos, tokens));
+                    continue;
                 }
                 Some(EngineEvent::Token { .. }) => continue,
                 None => return Err(nerr(ErrorKind::Unavailable, "the prefill engine stopped")),
@@ -578,6 +588,10 @@ impl PdNode {
             early_blocks = tracing::field::Empty,
             layer_puts = tracing::field::Empty,
             layer_group = self.push_layer_group.load(Ordering::Relaxed),
+            // What the decode node asked for: fence records behind the KV, and a checksum of
+            // the bytes in them (checked there before the scatter: `decode_admission`).
+            fence_record = target.fence_record,
+            verify = target.verify,
         );
         let (result, early) = match overlap.take() {
             Some(o) => {
@@ -681,6 +695,9 @@ impl PdNode {
         };
         // Nothing is scattered unless this reservation's own writer finished (its fence record)
         // and, with `transfer.verify`, the bytes are the ones it sent.
+        let current = tracing::Span::current();
+        current.record("checked", slot.fence.is_some());
+        current.record("verified", slot.fence.is_some_and(|f| f.verify));
         if let Err(e) = self.check_landed(id, &slot) {
             let counter = if e.is_checksum() {
                 &self.fence.checksum_failures
@@ -781,7 +798,11 @@ impl NodeClient for PdNode {
     }
 
     fn decode(&self, req: DecodeCall) -> BoxFuture<'_, Result<DecodeStream, NodeError>> {
-        let span = tracing::info_span!("decode_admission");
+        let span = tracing::info_span!(
+            "decode_admission",
+            checked = tracing::field::Empty,
+            verified = tracing::field::Empty,
+        );
         Box::pin(crate::trace::in_span(span, self.do_decode(req)))
     }
 
@@ -855,6 +876,8 @@ pub(super) fn decode_chunk(
             true,
         ),
         EngineEvent::Error { error } => (Err(eerr(&error)), true),
-        EngineEvent::PrefillDone { .. } => (Err(nerr(ErrorKind::Internal, unexpected)), false),
+        EngineEvent::PrefillDone { .. } | EngineEvent::Prefilling { .. } => {
+            (Err(nerr(ErrorKind::Internal, unexpected)), false)
+        }
     }
 }

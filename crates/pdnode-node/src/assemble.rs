@@ -114,8 +114,12 @@ pub async fn assemble(cfg: &Config, registry: Arc<dyn Registry>) -> Result<NodeD
                 .map_err(engine_err)?;
             let tls = NodeTls::from_config(cfg)?;
             let live = Arc::new(LiveMembership::start(&*registry, &cfg.node.cluster).await?);
+            // A role whose cards all vanish keeps them one lease TTL: long enough for nodes
+            // whose leases lapsed in a registry outage to register again (within a keepalive
+            // period), short enough that a dead last node is reported gone soon after its key.
             let membership = CardMembership::new(move |r| live.serving(r))
-                .with_channel_options(ChannelOptions::from(&cfg.router).with_tls(tls));
+                .with_channel_options(ChannelOptions::from(&cfg.router).with_tls(tls))
+                .with_lapsed_grace(std::time::Duration::from_secs(cfg.registry.lease_ttl_s));
             let deps = rm
                 .into_deps(cfg, Arc::new(membership))
                 .map_err(engine_err)?;

@@ -19,10 +19,11 @@ pub use pdnode_nodeapi::grpc::{ChannelOptions, GrpcNodeClient};
 /// let membership = CardMembership::new(move |role| live.serving(role));
 /// ```
 ///
-/// When a role's cards are all gone at once, the last ones seen stay in use for
-/// [`LAPSED_GRACE`]: etcd back after more than a lease TTL may expire every node's lease before
-/// their keepalives land, and the nodes register again within a keepalive; in between, a node
-/// that is really gone fails its calls (the router retries or answers 503) as it would anyway.
+/// When a role's cards are all gone at once, the last ones seen stay in use for a grace
+/// ([`LAPSED_GRACE`] unless [`CardMembership::with_lapsed_grace`]; `pdnode start` sets one lease
+/// TTL): etcd back after more than a lease TTL may expire every node's lease before their
+/// keepalives land, and the nodes register again within a keepalive; in between, a node that
+/// is really gone fails its calls (the router retries or answers 503) as it would anyway.
 pub struct CardMembership<F> {
     cards: F,
     channel: ChannelOptions,
@@ -32,8 +33,9 @@ pub struct CardMembership<F> {
     grace: Duration,
 }
 
-/// How long a role whose cards all vanished keeps its last cards (see [`CardMembership`]).
-pub const LAPSED_GRACE: Duration = Duration::from_secs(30);
+/// How long a role whose cards all vanished keeps its last cards by default (see
+/// [`CardMembership`]): the default lease TTL.
+pub const LAPSED_GRACE: Duration = Duration::from_secs(10);
 
 impl<F> CardMembership<F>
 where
@@ -49,7 +51,7 @@ where
         }
     }
 
-    /// How long the last cards of a role that emptied stay in use (tests).
+    /// How long the last cards of a role that emptied stay in use.
     pub fn with_lapsed_grace(mut self, grace: Duration) -> Self {
         self.grace = grace;
         self

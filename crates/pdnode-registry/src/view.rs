@@ -125,30 +125,12 @@ impl MembershipView {
 mod tests {
     use super::*;
     use crate::Snapshot;
-    use pdnode_core::card::{NodeAddresses, NodeCapacity};
 
     fn card(role: Role, id: &str, running: u32) -> NodeCard {
-        NodeCard {
-            id: NodeId::new(id),
-            role,
-            cluster: "c".into(),
-            model_id: "m".into(),
-            model_fingerprint: "f".into(),
-            kv_layout: None,
-            tp_size: 1,
-            addresses: NodeAddresses {
-                grpc: "127.0.0.1:1".into(),
-                ..Default::default()
-            },
-            capacity: NodeCapacity {
-                running_requests: running,
-                ..Default::default()
-            },
-            version: "0".into(),
-            started_at_ms: 0,
-            colocated: false,
-            sglang: None,
-        }
+        let mut c = NodeCard::placeholder("c", role, id);
+        c.capacity.running_requests = running;
+        c.started_at_ms = 0;
+        c
     }
 
     #[test]

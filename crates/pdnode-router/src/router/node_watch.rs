@@ -87,6 +87,16 @@ pub(crate) struct WatchState {
     left: bool,
 }
 
+/// What a membership check decides about a watched node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    Keep,
+    /// It left the membership: probe it now.
+    ProbeNow,
+    /// Gone, and why.
+    Gone(String),
+}
+
 /// What the membership says of a watched node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Seen {
@@ -112,22 +122,22 @@ impl WatchState {
         self.watchers.is_empty()
     }
 
-    /// Books what the membership says at `now`. `Err(why)`: the node is gone (restarted).
-    /// `Ok(true)`: it just left the membership; a probe starts now (the caller has none in
-    /// flight) and decides: a node that answers keeps its requests (its key may be gone only
-    /// because its lease lapsed while etcd was unreachable).
-    pub(crate) fn seen(&mut self, seen: Seen, now: Instant) -> Result<bool, String> {
+    /// Books what the membership says at `now`: the node is gone (restarted), it just left
+    /// the membership and a probe starts now (the caller has none in flight) to decide (a node
+    /// that answers keeps its requests: its key may be gone only because its lease lapsed while
+    /// etcd was unreachable), or nothing to do.
+    pub(crate) fn seen(&mut self, seen: Seen, now: Instant) -> Verdict {
         match seen {
             Seen::Member => {
                 self.left = false;
-                Ok(false)
+                Verdict::Keep
             }
-            Seen::Restarted => Err(format!("{LEFT_MEMBERSHIP}: it restarted")),
-            Seen::Absent if self.left => Ok(false),
+            Seen::Restarted => Verdict::Gone(format!("{LEFT_MEMBERSHIP}: it restarted")),
+            Seen::Absent if self.left => Verdict::Keep,
             Seen::Absent => {
                 self.left = true;
                 self.last_probe = Some(now);
-                Ok(true)
+                Verdict::ProbeNow
             }
         }
     }
@@ -418,15 +428,14 @@ async fn run_watch(
                 let s = seen(membership.as_ref(), &d, key.role);
                 match shared.with(&key, generation, |w| w.seen(s, now)) {
                     None => return,
-                    Some(Err(why)) => Some(why),
-                    Some(Ok(probe_now)) => {
-                        if probe_now {
-                            tracing::info!(node = %d.id(), role = key.role.as_str(),
-                                "node left the membership; probing it before giving its requests up");
-                            in_flight = Some(probe(&d));
-                        }
+                    Some(Verdict::Gone(why)) => Some(why),
+                    Some(Verdict::ProbeNow) => {
+                        tracing::info!(node = %d.id(), role = key.role.as_str(),
+                            "node left the membership; probing it before giving its requests up");
+                        in_flight = Some(probe(&d));
                         None
                     }
+                    Some(Verdict::Keep) => None,
                 }
             }
             a = answer(&mut in_flight) => {
@@ -556,12 +565,12 @@ mod tests {
         let t0 = Instant::now();
         let mut w = WatchState::default();
         w.add(1, t0);
-        assert_eq!(w.seen(Seen::Member, t0), Ok(false));
+        assert_eq!(w.seen(Seen::Member, t0), Verdict::Keep);
         // It left: one probe at once (even though nobody waited a period yet).
-        assert_eq!(w.seen(Seen::Absent, t0), Ok(true));
+        assert_eq!(w.seen(Seen::Absent, t0), Verdict::ProbeNow);
         assert_eq!(
             w.seen(Seen::Absent, t0),
-            Ok(false),
+            Verdict::Keep,
             "one probe, not one per check"
         );
         assert_eq!(w.probe_answered(ProbeAnswer::Alive), None);
@@ -573,12 +582,12 @@ mod tests {
             None
         );
         // Back in the membership: probes as before (none missed counts against it).
-        assert_eq!(w.seen(Seen::Member, t0 + PROBE_EVERY), Ok(false));
+        assert_eq!(w.seen(Seen::Member, t0 + PROBE_EVERY), Verdict::Keep);
         assert_eq!(w.probe_answered(ProbeAnswer::NoAnswer), None);
         // Out again and silent once: gone at once, not after PROBE_MISSES.
         let mut out = WatchState::default();
         out.add(1, t0);
-        assert_eq!(out.seen(Seen::Absent, t0), Ok(true));
+        assert_eq!(out.seen(Seen::Absent, t0), Verdict::ProbeNow);
         let why = out.probe_answered(ProbeAnswer::NoAnswer).unwrap();
         assert!(
             why.contains("left the membership") && why.contains("no answer"),
@@ -586,7 +595,7 @@ mod tests {
         );
         let mut gone = WatchState::default();
         gone.add(1, t0);
-        assert_eq!(gone.seen(Seen::Absent, t0), Ok(true));
+        assert_eq!(gone.seen(Seen::Absent, t0), Verdict::ProbeNow);
         let why = gone
             .probe_answered(ProbeAnswer::Unreachable(err(ErrorKind::Unavailable)))
             .unwrap();
@@ -594,10 +603,9 @@ mod tests {
         // Restarted under the same id: gone without a probe.
         let mut r = WatchState::default();
         r.add(1, t0);
-        assert!(
-            r.seen(Seen::Restarted, t0)
-                .unwrap_err()
-                .contains("restarted")
-        );
+        assert!(matches!(
+            r.seen(Seen::Restarted, t0),
+            Verdict::Gone(why) if why.contains("restarted")
+        ));
     }
 }

@@ -59,7 +59,11 @@ fn install(cfg: &LogConfig, telemetry: Option<&Telemetry>) -> anyhow::Result<()>
             ))
         })?,
     };
-    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    // Colour only on a terminal: a log file or a journal gets plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_ansi(ansi);
     // Span fields (request_id, trace_id of the per-request spans) show in both formats: as
     // `span{request_id=.. trace_id=..}:` prefixes, or as the JSON `span` and `spans` objects.
     let lines: Box<dyn Layer<Registry> + Send + Sync> = match cfg.format {

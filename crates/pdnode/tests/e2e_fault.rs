@@ -30,12 +30,30 @@ fn free_addrs(n: usize) -> Vec<String> {
 }
 
 async fn stats(addr: &str) -> Option<pdnode_proto::v1::StatsResponse> {
-    let mut c = NodeClient::connect(format!("http://{addr}")).await.ok()?;
-    let r = tokio::time::timeout(Duration::from_secs(2), c.stats(StatsRequest {}))
-        .await
-        .ok()?
-        .ok()?;
+    let r = tokio::time::timeout(Duration::from_secs(2), async {
+        let mut c = NodeClient::connect(format!("http://{addr}")).await.ok()?;
+        c.stats(StatsRequest {}).await.ok()
+    })
+    .await
+    .ok()??;
     Some(r.into_inner())
+}
+
+/// What the decode node's `Stats` said, as a short line (`None`: no answer in 2 s).
+fn summary(s: &Option<pdnode_proto::v1::StatsResponse>) -> String {
+    match s {
+        None => "no answer".into(),
+        Some(s) => format!(
+            "free {}/{} running {} queued {} quarantined {}",
+            s.kv_blocks_free,
+            s.kv_blocks_total,
+            s.running_requests,
+            s.queued_requests,
+            s.accounting
+                .as_ref()
+                .map_or(0, |a| a.staging_spans_quarantined)
+        ),
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -80,6 +98,8 @@ async fn prefill_killed_mid_prefill_ends_the_request_and_frees_the_decode_reserv
     let mut d = common("decode", &decode_grpc);
     d.push(format!("node.http_listen=\"{}\"", a[6]));
     d.extend(engine.iter().cloned());
+    // The reservation's life (reserve, abort, quarantine, sweep) in the log a failure prints.
+    d.push("log.filter=\"info,pdnode_node=debug\"".to_string());
     let prefill = Node::start(dir.path(), "prefill", "configs/cpu-prefill.toml", &p);
     let decode = Node::start(dir.path(), "decode", "configs/cpu-decode.toml", &d);
     let router = Node::start(dir.path(), "router", "configs/cpu-router.toml", &r);
@@ -123,12 +143,22 @@ async fn prefill_killed_mid_prefill_ends_the_request_and_frees_the_decode_reserv
     assert!(v["error"]["message"].is_string(), "{v}");
 
     // Every block of the reservation comes back (the router's abort, or the lease at 3 s).
+    // Each change of the decode node's answer is kept, with its time since the kill, for the
+    // failure message.
     let addr = decode_grpc.clone();
     let total = before.kv_blocks_total;
+    let seen = std::sync::Mutex::new(Vec::<(Duration, String)>::new());
     let freed = wait_for_async("decode blocks all free", Duration::from_secs(20), || {
         let addr = addr.clone();
+        let seen = &seen;
         async move {
-            stats(&addr).await.is_some_and(|s| {
+            let s = stats(&addr).await;
+            let line = summary(&s);
+            let mut seen = seen.lock().unwrap();
+            if seen.last().is_none_or(|(_, l)| *l != line) {
+                seen.push((killed.elapsed(), line));
+            }
+            s.is_some_and(|s| {
                 s.kv_blocks_free == total && s.running_requests == 0 && s.queued_requests == 0
             })
         }
@@ -136,7 +166,13 @@ async fn prefill_killed_mid_prefill_ends_the_request_and_frees_the_decode_reserv
     .await;
     if let Err(e) = freed {
         let now = stats(&decode_grpc).await;
-        panic!("{e}: {now:?}{}", dump(&nodes));
+        let seen = seen.lock().unwrap();
+        let trail: Vec<String> = seen.iter().map(|(t, l)| format!("{t:?}: {l}")).collect();
+        panic!(
+            "{e}\nthe decode node's answers since the kill:\n{}\nnow: {now:?}{}",
+            trail.join("\n"),
+            dump(&nodes)
+        );
     }
     drop(etcd);
 }

@@ -80,12 +80,44 @@ impl Node {
 }
 
 /// Prints the logs of `nodes` (for a failing assertion).
+/// Each log without its effective-configuration block, and only its last `DUMP_LINES` lines
+/// (a CI report keeps the head of a failure's output and cuts the rest).
 pub fn dump(nodes: &[&Node]) -> String {
     let mut s = String::new();
     for n in nodes {
-        s.push_str(&format!("\n---- {} log ----\n{}", n.guard.name(), n.log()));
+        let log = n.log();
+        let lines = log_lines(&log);
+        let skip = lines.len().saturating_sub(DUMP_LINES);
+        s.push_str(&format!(
+            "\n---- {} log (last {} of {} lines) ----\n",
+            n.guard.name(),
+            lines.len() - skip,
+            lines.len()
+        ));
+        for l in &lines[skip..] {
+            s.push_str(l);
+            s.push('\n');
+        }
     }
     s
+}
+
+const DUMP_LINES: usize = 60;
+
+/// The log's lines, less the configuration dump that follows "effective configuration:" (its
+/// lines do not start with a timestamp).
+fn log_lines(log: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let mut in_config = false;
+    for l in log.lines() {
+        let stamped = l.starts_with(|c: char| c.is_ascii_digit());
+        if in_config && !stamped {
+            continue;
+        }
+        in_config = l.contains("effective configuration:");
+        out.push(l);
+    }
+    out
 }
 
 /// A free loopback port, as `127.0.0.1:PORT`.

@@ -30,6 +30,9 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/pdnode-gpu/serve}
 PD=${PD:-/tmp/pd}
 WHAT=${1:-both}
+# PD_DECODE_GPU=0 puts the decode node on GPU0 with the prefill node (a one-GPU machine; set the
+# memory fractions and staging sizes below so that both fit).
+DECODE_GPU=${PD_DECODE_GPU:-1}
 NREQ=${NREQ:-256}
 CONC=${CONC:-64}
 SLO="--slo-ttft-ms ${SLO_TTFT_MS:-2000} --slo-tpot-ms ${SLO_TPOT_MS:-50}"
@@ -204,6 +207,24 @@ for via in sorted({r[2] for r in rows}):
           f"{100 * early:.0f}% of blocks pushed before the last prefill chunk")
 for r in rows[:5]:
     print(f"  e.g. {r[0]} bytes in {r[1]} us via {r[2]}")
+# Device fences (transfer.verify on a device arena): the prefill node's KVH64 of each staged span
+# and the decode node's records + KVH64 check before its scatter, against the hand-off.
+def field_us(path, what, key):
+    out = []
+    for line in open(path, errors="replace"):
+        line = re.sub(r'\x1b\[[0-9;]*m', '', line)
+        if what in line:
+            f = dict(re.findall(r'(\w+)=("[^"]*"|\S+)', line))
+            out.append((int(f.get("bytes", 0)), int(f.get(key, 0))))
+    return out
+sums = field_us(sys.argv[1], "staged span sealed", "seal_us") + field_us(sys.argv[1], "device KV summed", "sum_us")
+checks = field_us(sys.argv[2], "device KV checked before the scatter", "check_us")
+big = lambda v: sorted(u for b, u in v if b > 100 << 20)
+ho = big([(r[0], r[1]) for r in rows])
+med = lambda v: v[len(v) // 2] if v else float("nan")
+print(f"  device fences: {len(sums)} seals/sums at prefill, {len(checks)} checks at decode; "
+      f"prompts > 100 MiB: seal/sum_us p50 {med(big(sums))}, check_us p50 {med(big(checks))}, "
+      f"hand-off transfer_us p50 {med(ho)}")
 PY
 }
 # Fixed ports stay below the ephemeral range (32768-60999): a listener on 51100 once failed with
@@ -241,7 +262,7 @@ bench() { # name url
 }
 
 if [ "$WHAT" != colo ]; then
-    echo "== PD: prefill GPU0, decode GPU1, router; KV over UCX ($LIB)"
+    echo "== PD: prefill GPU0, decode GPU$DECODE_GPU, router; KV over UCX ($LIB)"
     rm -rf /tmp/pd-etcd # a fresh registry per run: no lease of an earlier run's node
     "$PD/etcd" --data-dir /tmp/pd-etcd --listen-client-urls http://127.0.0.1:2379 \
         --advertise-client-urls http://127.0.0.1:2379 --listen-peer-urls http://127.0.0.1:2380 \
@@ -257,7 +278,7 @@ ucx_lib = \"$LIB\"
 ucx_net_devices = \"lo\"
 ucx_tls = \"${PD_UCX_TLS:-}\"
 staging_mib = 4096"
-    pdlog="info,pdnode_node::pd=debug,pdnode_transfer::ucx=debug"
+    pdlog="info,pdnode_node::pd=debug,pdnode_transfer::ucx=debug,pdnode_engine::engine::run::staged=debug"
     { MAX_BATCH_TOKENS=${PD_MAX_BATCH_TOKENS:-8192} MEM_FRACTION=${PD_PREFILL_MEM_FRACTION:-0.82} \
       ENGINE_EXTRA="kv_staging_tokens = ${PREFILL_STAGING_TOKENS:-32768}" LOG_FILTER=$pdlog \
         common prefill prefill-0 127.0.0.1:7001; echo "$reg"; echo "$xfer"; } > "$OUT/prefill.toml"
@@ -287,7 +308,11 @@ filter = "info"
 T
     CUDA_VISIBLE_DEVICES=0 "$BIN" start -c "$OUT/prefill.toml" > "$OUT/prefill.log" 2>&1 &
     pids+=($!)
-    CUDA_VISIBLE_DEVICES=1 "$BIN" start -c "$OUT/decode.toml" > "$OUT/decode.log" 2>&1 &
+    if [ "$DECODE_GPU" = 0 ]; then
+        # One GPU for both: the decode node sizes its pool from what the prefill node left.
+        for _ in $(seq 1 240); do grep -q "engine ready" "$OUT/prefill.log" && break; sleep 0.5; done
+    fi
+    CUDA_VISIBLE_DEVICES=$DECODE_GPU "$BIN" start -c "$OUT/decode.toml" > "$OUT/decode.log" 2>&1 &
     pids+=($!)
     CUDA_VISIBLE_DEVICES= "$BIN" start -c "$OUT/router.toml" > "$OUT/router.log" 2>&1 &
     pids+=($!)

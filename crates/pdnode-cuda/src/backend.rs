@@ -103,6 +103,9 @@ pub struct CudaBackend {
     pool: DevBuf,
     /// The KV hand-off staging arena, once enabled (`staging.rs`).
     staging: Option<DevBuf>,
+    /// The device word a KVH64 of the arena sums into (allocated with the arena: a hash per
+    /// hand-off allocates nothing).
+    staging_sum: Option<DevBuf>,
     /// The next prefill step's in-step staging plan, then that step's run (`staging.rs`).
     step_staging: Option<pdnode_engine::backend::StepStaging>,
     stage_run: Option<staging::StageRun>,
@@ -321,6 +324,7 @@ impl CudaBackend {
             ws,
             pool,
             staging: None,
+            staging_sum: None,
             step_staging: None,
             stage_run: None,
             stage_ids: None,

@@ -13,7 +13,7 @@ use cudarc::driver::LaunchConfig;
 use pdnode_core::BlockId;
 use pdnode_engine::backend::{
     BackendError, KvRegion, KvStaging, LayerGate, MemKind, StepStaging, check_staging_io,
-    check_staging_strided,
+    check_staging_span, check_staging_strided,
 };
 use std::ops::Range;
 use std::sync::Arc;
@@ -31,6 +31,7 @@ impl CudaBackend {
         }
         self.gpu.bind()?;
         let arena = self.gpu.alloc(bytes)?;
+        self.staging_sum = Some(self.gpu.alloc(8)?);
         let region = KvRegion {
             ptr: arena.ptr(),
             len: arena.bytes(),
@@ -58,6 +59,39 @@ impl CudaBackend {
             })?;
         self.gpu.bind()?;
         super::super::ops::crc32c::crc32c(&self.gpu, arena, offset, len)
+    }
+
+    /// `out.len()` bytes of the arena at `offset` (waits for the stream: every copy before).
+    fn arena_read(&self, offset: usize, out: &mut [u8]) -> Result<(), BackendError> {
+        let arena = self.arena()?;
+        check_staging_span(0, 1, offset, out.len(), arena.bytes())?;
+        self.gpu.bind()?;
+        self.gpu.download(out, arena, offset)?;
+        Ok(())
+    }
+
+    /// Writes `data` into the arena at `offset`, complete (synchronized) on return: a peer's
+    /// transport reads it next, outside this stream.
+    fn arena_write(&self, offset: usize, data: &[u8]) -> Result<(), BackendError> {
+        let arena = self.arena()?;
+        check_staging_span(0, 1, offset, data.len(), arena.bytes())?;
+        self.gpu.bind()?;
+        self.gpu.upload(arena, offset, data)?;
+        self.gpu.sync()?;
+        Ok(())
+    }
+
+    /// KVH64 of `len` bytes of the arena at `offset`: one read of the span on the GPU
+    /// (`kvh64_words`), ordered after the copies before it on the stream.
+    fn arena_kvh64(&self, offset: usize, len: usize) -> Result<u64, BackendError> {
+        use super::super::ops::kvh64::{add_words, read_sum};
+        let arena = self.arena()?;
+        let sum = self.staging_sum.as_ref().ok_or(BackendError::NoStaging)?;
+        check_staging_span(0, 1, offset, len, arena.bytes())?;
+        self.gpu.bind()?;
+        self.gpu.memset(sum, 0)?;
+        add_words(&self.gpu, arena, offset, len, 0, sum.ptr())?;
+        Ok(read_sum(&self.gpu, sum, 0, len as u64)?)
     }
 
     /// The staging arena, or [`BackendError::NoStaging`].
@@ -336,6 +370,30 @@ impl KvStaging for CudaBackend {
         self.staging_copy(false, &layers, blocks, offset)
     }
 
+    fn staging_read(
+        &mut self,
+        rank: usize,
+        offset: usize,
+        out: &mut [u8],
+    ) -> Result<(), BackendError> {
+        check_staging_span(rank, 1, 0, 0, 0)?;
+        self.arena_read(offset, out)
+    }
+
+    fn staging_write(
+        &mut self,
+        rank: usize,
+        offset: usize,
+        data: &[u8],
+    ) -> Result<(), BackendError> {
+        check_staging_span(rank, 1, 0, 0, 0)?;
+        self.arena_write(offset, data)
+    }
+
+    fn staging_kvh64(&mut self, offset: usize, len: usize) -> Result<Vec<u64>, BackendError> {
+        Ok(vec![self.arena_kvh64(offset, len)?])
+    }
+
     /// One GPU only: a tensor-parallel rank's staging is driven by [`CudaTpBackend`], which
     /// gathers after the step.
     fn supports_step_staging(&self) -> bool {
@@ -423,5 +481,56 @@ impl KvStaging for CudaTpBackend {
         self.staging_fan_out(blocks, move |be, b| {
             be.staging_copy(false, &layers, b, offset)
         })
+    }
+
+    fn staging_read(
+        &mut self,
+        rank: usize,
+        offset: usize,
+        out: &mut [u8],
+    ) -> Result<(), BackendError> {
+        check_staging_span(rank, self.staging.len(), 0, 0, 0)?;
+        let len = out.len();
+        let mut got = self.on_each_rank_at(move |r, be: &mut CudaBackend| {
+            if r != rank {
+                return Ok(None);
+            }
+            let mut b = vec![0u8; len];
+            be.arena_read(offset, &mut b).map(|()| Some(b))
+        })?;
+        let b = got
+            .get_mut(rank)
+            .and_then(Option::take)
+            .ok_or(BackendError::StagingRank {
+                rank,
+                ranks: self.staging.len(),
+            })?;
+        out.copy_from_slice(&b);
+        Ok(())
+    }
+
+    fn staging_write(
+        &mut self,
+        rank: usize,
+        offset: usize,
+        data: &[u8],
+    ) -> Result<(), BackendError> {
+        check_staging_span(rank, self.staging.len(), 0, 0, 0)?;
+        let data = Arc::new(data.to_vec());
+        self.on_each_rank_at(move |r, be: &mut CudaBackend| {
+            if r == rank {
+                be.arena_write(offset, &data)
+            } else {
+                Ok(())
+            }
+        })
+        .map(|_| ())
+    }
+
+    fn staging_kvh64(&mut self, offset: usize, len: usize) -> Result<Vec<u64>, BackendError> {
+        if self.staging.is_empty() {
+            return Err(BackendError::NoStaging);
+        }
+        self.on_each_rank(move |be: &mut CudaBackend| be.arena_kvh64(offset, len))
     }
 }

@@ -363,6 +363,20 @@ impl CudaTpBackend {
         })
     }
 
+    /// As [`CudaTpBackend::on_each_rank`], `f` also given the rank's index.
+    pub(super) fn on_each_rank_at<T: Send + 'static>(
+        &mut self,
+        f: impl Fn(usize, &mut CudaBackend) -> Result<T, BackendError> + Send + Sync + 'static,
+    ) -> Result<Vec<T>, BackendError> {
+        let f = Arc::new(f);
+        self.fan_out(|rank, reply| {
+            let f = f.clone();
+            Cmd::Run(Box::new(move |be| {
+                let _ = reply.send(f(rank, be));
+            }))
+        })
+    }
+
     pub fn tensor_parallel(&self) -> usize {
         self.ranks.len()
     }

@@ -473,6 +473,39 @@ fn kv_staging_arena_round_trip() {
     assert!(be.staging_crc32c(4096, per + 1).is_err());
     println!("PASS kv_staging_arena_crc32c: {per} bytes, {sum:#010x}");
 
+    // What a device hand-off's fence uses: KVH64 of the span on the GPU equals the host
+    // definition over the same bytes; a 64-byte record written behind the span reads back, and
+    // changes neither the span's sum nor the KV; a span or rank outside is a typed error.
+    let s = be.kv_staging().expect("arena enabled");
+    let h = s.staging_kvh64(256, per).unwrap();
+    assert_eq!(h, vec![pdnode_core::kvh64::kvh64(&a).unwrap()]);
+    let record: Vec<u8> = (0..64u8).map(|i| i.wrapping_mul(37) ^ 0x5a).collect();
+    s.staging_write(0, 256 + per, &record).unwrap();
+    let mut back = vec![0u8; 64];
+    s.staging_read(0, 256 + per, &mut back).unwrap();
+    assert_eq!(back, record);
+    assert_eq!(s.staging_kvh64(256, per).unwrap(), h);
+    let mut flipped = record.clone();
+    flipped[0] ^= 1;
+    s.staging_write(0, 256, &flipped[..16]).unwrap();
+    assert_ne!(
+        s.staging_kvh64(256, per).unwrap(),
+        h,
+        "a changed word changes the sum"
+    );
+    assert!(matches!(
+        s.staging_write(0, 4096 + per, &record),
+        Err(BackendError::StagingRange { .. })
+    ));
+    assert!(matches!(
+        s.staging_read(1, 0, &mut back),
+        Err(BackendError::StagingRank { rank: 1, ranks: 1 })
+    ));
+    println!(
+        "PASS kv_staging_arena_records: KVH64 {:#018x}, record round trip",
+        h[0]
+    );
+
     // Llama-3.1-8B shapes (32 layers, 8 KV heads, head dim 128, block 16): 4096 tokens.
     let spec8 = pdnode_engine::loader::dummy::llama31_8b();
     let mut o = opts(16);

@@ -521,6 +521,23 @@ fn tp2_kv_staging_arena_round_trip() {
         .collect();
     assert_eq!(sums, want, "per-rank device CRC32C");
     println!("TP PASS tp2 staging_crc32c: {sums:08x?}");
+    // KVH64 per rank on its own GPU, and a record written into rank 1's arena only
+    let s = two.kv_staging().expect("arena enabled");
+    let h = s.staging_kvh64(512, per).unwrap();
+    let want: Vec<u64> = a
+        .chunks(per)
+        .map(|c| pdnode_core::kvh64::kvh64(c).unwrap())
+        .collect();
+    assert_eq!(h, want, "per-rank device KVH64");
+    let record = [0xa5u8; 64];
+    s.staging_write(1, 0, &record).unwrap();
+    let (mut r0, mut r1) = ([0u8; 64], [0u8; 64]);
+    s.staging_read(0, 0, &mut r0).unwrap();
+    s.staging_read(1, 0, &mut r1).unwrap();
+    assert_eq!(r1, record);
+    assert_ne!(r0, record, "rank 0's arena untouched");
+    assert!(s.staging_read(2, 0, &mut r0).is_err(), "no rank 2");
+    println!("TP PASS tp2 staging records: KVH64 {h:016x?}");
 }
 
 /// The NVLink ceiling the KV hand-off is compared against, measured the way a hand-off uses the

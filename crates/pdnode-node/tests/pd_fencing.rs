@@ -198,7 +198,7 @@ async fn a_put_landing_after_its_abort_never_reaches_a_scatter_or_the_next_reser
         generation: x.staging_generation,
         request: 1,
         len: n as u64,
-        crc: None,
+        sum: None,
         aborted: false,
     };
     raw_put(&p, &x, x.staging_offset + n as u64, &rec.encode(&cap(&x)));
@@ -241,7 +241,7 @@ async fn a_put_landing_after_its_abort_never_reaches_a_scatter_or_the_next_reser
         generation: z.staging_generation,
         request: 3,
         len: n as u64,
-        crc: None,
+        sum: None,
         aborted: false,
     };
     raw_put(&p, &v, v.staging_offset + n as u64, &stale.encode(&cap(&z)));
@@ -484,7 +484,7 @@ async fn forged_and_expired_capabilities_are_refused() {
         generation: b.staging_generation,
         request: 2,
         len: n as u64,
-        crc: None,
+        sum: None,
         aborted: false,
     };
     let made_up = Secret::from_array([0x42; 16]);

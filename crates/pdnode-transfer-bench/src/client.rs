@@ -457,13 +457,13 @@ fn push(
         let bad = |e: fence::FenceError| TransferError::Verify {
             reason: e.to_string(),
         };
-        let crc = if target.verify {
+        let sum = if target.verify {
             let crc = fence::crc_at(c.staging_reg, 0, at).map_err(bad)?;
-            Some(if c.opts.faults.bad_checksum {
+            Some(fence::Sum::Crc32c(if c.opts.faults.bad_checksum {
                 !crc
             } else {
                 crc
-            })
+            }))
         } else {
             None
         };
@@ -471,7 +471,7 @@ fn push(
             generation: target.staging_generation,
             request: request.0,
             len: kv_len,
-            crc,
+            sum,
             aborted: false,
         };
         let cap = pdnode_transfer::Secret::from_bytes(&target.secret).ok_or_else(|| {

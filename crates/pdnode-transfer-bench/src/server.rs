@@ -427,7 +427,13 @@ fn check_fence(p: &Point, r: &Held) -> Result<(), TransferError> {
     };
     let crc = fence::crc_at(&p.staging_reg, 0, len).map_err(bad)?;
     record
-        .check(0, r.generation, r.request.0, r.kv_len, Some(crc))
+        .check(
+            0,
+            r.generation,
+            r.request.0,
+            r.kv_len,
+            Some(fence::Sum::Crc32c(crc)),
+        )
         .map_err(bad)
 }
 

@@ -1,7 +1,7 @@
 //! The fence record of the KV hand-off (docs/protocol.md, "Fencing and verification"): 64
 //! bytes the prefill node writes behind each rank's KV in the decode node's staging span, after
-//! the KV puts were flushed. Generation, request, length, the CRC32C of the rank's bytes when
-//! asked for, a tag under the reservation's KV capability (only a holder of the capability
+//! the KV puts were flushed. Generation, request, length, a checksum of the rank's bytes when
+//! asked for (CRC32C of host staging, KVH64 of device staging: [`Sum`]), a tag under the reservation's KV capability (only a holder of the capability
 //! writes a record the decode node accepts: `crate::capability`), and a CRC32C of the record
 //! itself (a torn record is no record). One format for serving (`pdnode-node`'s hand-off) and
 //! for `pdnode bench-transfer`.
@@ -12,14 +12,54 @@ use crate::{MemKind, Registration, Secret};
 
 /// Bytes of a fence record (a multiple of 8; the staging allocator aligns spans anyway).
 pub const RECORD_LEN: usize = 64;
-const MAGIC: [u8; 8] = *b"PDKVFNC2";
-/// Bytes the capability tag covers (magic to checksum), and where the tag lies.
-const TAGGED: usize = 40;
-const TAG: std::ops::Range<usize> = 40..56;
-/// Flag: the record carries the CRC32C of the rank's bytes.
-const HAS_CRC: u32 = 1;
+const MAGIC: [u8; 8] = *b"PDKVFNC3";
+/// Bytes the capability tag covers (magic to checksum), and where the tag lies; the record's
+/// own CRC32C takes the last 4 bytes.
+const TAGGED: usize = 44;
+const TAG: std::ops::Range<usize> = 44..60;
+/// Flag: the record carries a checksum of the rank's bytes (at 36..44).
+const HAS_SUM: u32 = 1;
 /// Flag: the writer abandoned the push (its puts are over, the bytes are not the whole KV).
 const ABORTED: u32 = 2;
+/// Flag: the checksum is KVH64 (else CRC32C in the low 32 bits).
+const KVH64: u32 = 4;
+
+/// A checksum of one rank's KV bytes: CRC32C where they lie in host memory (the CPU computes
+/// it at memory speed), KVH64 ([`pdnode_core::kvh64`]) where they lie in device memory (a
+/// kernel reads it at HBM speed; CRC32C on the GPU is compute-bound). Which one a hand-off
+/// uses follows from the decode node's staging: its rank regions' `device_memory`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sum {
+    Crc32c(u32),
+    Kvh64(u64),
+}
+
+impl std::fmt::Display for Sum {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Sum::Crc32c(c) => write!(f, "CRC32C {c:08x}"),
+            Sum::Kvh64(h) => write!(f, "KVH64 {h:016x}"),
+        }
+    }
+}
+
+/// Which checksum a hand-off's staging asks for ([`Sum`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SumKind {
+    Crc32c,
+    Kvh64,
+}
+
+impl SumKind {
+    /// KVH64 for device staging, CRC32C for host staging.
+    pub fn for_staging(device_memory: bool) -> Self {
+        if device_memory {
+            SumKind::Kvh64
+        } else {
+            SumKind::Crc32c
+        }
+    }
+}
 
 /// What the prefill node writes behind one rank's KV in the decode node's staging span.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,8 +68,8 @@ pub struct FenceRecord {
     pub request: u64,
     /// Bytes of KV in front of the record.
     pub len: u64,
-    /// CRC32C of those bytes, when the decode node asked for it.
-    pub crc: Option<u32>,
+    /// The checksum of those bytes, when the decode node asked for it.
+    pub sum: Option<Sum>,
     /// The writer gave the push up; its puts are all over (the span may be freed, never
     /// scattered).
     pub aborted: bool,
@@ -85,8 +125,12 @@ pub enum FenceError {
     Aborted { rank: usize },
     #[error("rank {rank}: the fence record carries no checksum but transfer.verify is on")]
     NoChecksum { rank: usize },
-    #[error("rank {rank}: CRC32C {found:08x} of the landed bytes, the sender's is {want:08x}")]
-    Checksum { rank: usize, found: u32, want: u32 },
+    #[error("rank {rank}: {found} of the landed bytes, the sender's is {want}")]
+    Checksum { rank: usize, found: Sum, want: Sum },
+    #[error("the landed span in device memory could not be checked ({what}): {message}")]
+    Device { what: &'static str, message: String },
+    #[error("KVH64 of {len} bytes: not a whole number of 16-byte words")]
+    NotWords { len: usize },
     #[error("staging of {len} bytes at {offset} is outside or not host memory ({what})")]
     NotHost {
         what: &'static str,
@@ -110,15 +154,16 @@ impl FenceRecord {
         b[8..16].copy_from_slice(&self.generation.to_le_bytes());
         b[16..24].copy_from_slice(&self.request.to_le_bytes());
         b[24..32].copy_from_slice(&self.len.to_le_bytes());
-        let (mut flags, crc) = match self.crc {
-            Some(c) => (HAS_CRC, c),
+        let (mut flags, sum) = match self.sum {
+            Some(Sum::Crc32c(c)) => (HAS_SUM, u64::from(c)),
+            Some(Sum::Kvh64(h)) => (HAS_SUM | KVH64, h),
             None => (0, 0),
         };
         if self.aborted {
             flags |= ABORTED;
         }
         b[32..36].copy_from_slice(&flags.to_le_bytes());
-        b[36..40].copy_from_slice(&crc.to_le_bytes());
+        b[36..44].copy_from_slice(&sum.to_le_bytes());
         let tag = record_tag(capability, &b[..TAGGED]);
         b[TAG].copy_from_slice(&tag);
         let own = crc32c(&b[..RECORD_LEN - 4]);
@@ -162,24 +207,32 @@ impl FenceRecord {
         if b[0..8] != MAGIC || u32_at(RECORD_LEN - 4) != crc32c(&b[..RECORD_LEN - 4]) {
             return None;
         }
+        let flags = u32_at(32);
+        let sum = match (flags & HAS_SUM != 0, flags & KVH64 != 0) {
+            (false, _) => None,
+            (true, true) => Some(Sum::Kvh64(u64_at(36))),
+            // A CRC32C uses the low half only: anything in the high half is no record of ours.
+            (true, false) => Some(Sum::Crc32c(u32::try_from(u64_at(36)).ok()?)),
+        };
         Some(FenceRecord {
             generation: u64_at(8),
             request: u64_at(16),
             len: u64_at(24),
-            crc: (u32_at(32) & HAS_CRC != 0).then(|| u32_at(36)),
-            aborted: u32_at(32) & ABORTED != 0,
+            sum,
+            aborted: flags & ABORTED != 0,
         })
     }
 
-    /// Checks this record (of `rank`) against what the decode node handed out; `crc` is the
-    /// checksum of the landed bytes when verification is on.
+    /// Checks this record (of `rank`) against what the decode node handed out; `sum` is the
+    /// checksum of the landed bytes when verification is on (of the kind the staging asks for:
+    /// a record with the other kind does not match).
     pub fn check(
         &self,
         rank: usize,
         generation: u64,
         request: u64,
         len: u64,
-        crc: Option<u32>,
+        sum: Option<Sum>,
     ) -> Result<(), FenceError> {
         if self.aborted {
             return Err(FenceError::Aborted { rank });
@@ -200,7 +253,7 @@ impl FenceRecord {
                 want_len: len,
             });
         }
-        match (crc, self.crc) {
+        match (sum, self.sum) {
             (None, _) => Ok(()),
             (Some(_), None) => Err(FenceError::NoChecksum { rank }),
             (Some(found), Some(want)) if found != want => {
@@ -234,6 +287,26 @@ pub fn crc_at(reg: &Registration, offset: usize, len: usize) -> Result<u32, Fenc
     // changes the checksum, which is what the check is for.
     let bytes = unsafe { std::slice::from_raw_parts(p as *const u8, len) };
     Ok(crc32c(bytes))
+}
+
+/// The checksum of `kind` of `len` bytes at `offset` of a registered host region.
+pub fn sum_at(
+    reg: &Registration,
+    offset: usize,
+    len: usize,
+    kind: SumKind,
+) -> Result<Sum, FenceError> {
+    match kind {
+        SumKind::Crc32c => crc_at(reg, offset, len).map(Sum::Crc32c),
+        SumKind::Kvh64 => {
+            let p = host_ptr(reg, offset, len)?;
+            // SAFETY: as in `crc_at`.
+            let bytes = unsafe { std::slice::from_raw_parts(p as *const u8, len) };
+            pdnode_core::kvh64::kvh64(bytes)
+                .map(Sum::Kvh64)
+                .ok_or(FenceError::NotWords { len })
+        }
+    }
 }
 
 /// What lies at `offset` of a registered host region where a fence record should, its tag
@@ -278,7 +351,7 @@ mod tests {
             generation: 7,
             request: 0xabc,
             len: 4096,
-            crc: Some(0xdead_beef),
+            sum: Some(Sum::Crc32c(0xdead_beef)),
             aborted: false,
         };
         let b = r.encode(&cap);
@@ -306,10 +379,18 @@ mod tests {
             FenceRecord::decode(&[0u8; RECORD_LEN], &cap),
             Landed::Nothing
         );
-        let plain = FenceRecord { crc: None, ..r };
+        let plain = FenceRecord { sum: None, ..r };
         assert_eq!(
             FenceRecord::decode(&plain.encode(&cap), &cap).record(),
             Some(plain)
+        );
+        let device = FenceRecord {
+            sum: Some(Sum::Kvh64(0x0123_4567_89ab_cdef)),
+            ..r
+        };
+        assert_eq!(
+            FenceRecord::decode(&device.encode(&cap), &cap).record(),
+            Some(device)
         );
         // Intact, but written under another capability (or none): forged, not missing.
         let other = Secret::from_array([8; 16]);
@@ -324,10 +405,10 @@ mod tests {
             generation: 3,
             request: 9,
             len: 100,
-            crc: Some(5),
+            sum: Some(Sum::Crc32c(5)),
             aborted: false,
         };
-        assert_eq!(r.check(0, 3, 9, 100, Some(5)), Ok(()));
+        assert_eq!(r.check(0, 3, 9, 100, Some(Sum::Crc32c(5))), Ok(()));
         assert_eq!(r.check(0, 3, 9, 100, None), Ok(()));
         assert!(matches!(
             r.check(1, 4, 9, 100, None),
@@ -342,12 +423,17 @@ mod tests {
             Err(FenceError::Describes { .. })
         ));
         assert!(matches!(
-            r.check(0, 3, 9, 100, Some(6)),
+            r.check(0, 3, 9, 100, Some(Sum::Crc32c(6))),
             Err(FenceError::Checksum { .. })
         ));
-        let plain = FenceRecord { crc: None, ..r };
+        // The same value under the other algorithm is no match.
         assert!(matches!(
-            plain.check(0, 3, 9, 100, Some(6)),
+            r.check(0, 3, 9, 100, Some(Sum::Kvh64(5))),
+            Err(FenceError::Checksum { .. })
+        ));
+        let plain = FenceRecord { sum: None, ..r };
+        assert!(matches!(
+            plain.check(0, 3, 9, 100, Some(Sum::Crc32c(6))),
             Err(FenceError::NoChecksum { .. })
         ));
     }

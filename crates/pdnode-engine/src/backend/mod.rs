@@ -331,6 +331,8 @@ pub enum BackendError {
     },
     #[error("this backend has no KV staging arena")]
     NoStaging,
+    #[error("KV staging rank {rank} does not exist (the arena has {ranks})")]
+    StagingRank { rank: usize, ranks: usize },
 }
 
 impl pdnode_core::error::Classify for BackendError {
@@ -340,6 +342,7 @@ impl pdnode_core::error::Classify for BackendError {
             | BackendError::BlockOutOfRange { .. }
             | BackendError::KvBufferSize { .. }
             | BackendError::StagingRange { .. }
+            | BackendError::StagingRank { .. }
             | BackendError::NoStaging => pdnode_core::ErrorKind::Internal,
             BackendError::Device(_) => pdnode_core::ErrorKind::Retryable,
             BackendError::DeviceFailure { kind, .. } => *kind,
@@ -477,6 +480,25 @@ pub trait KvStaging {
         blocks: &[BlockId],
         offset: usize,
     ) -> Result<(), BackendError>;
+    /// Copies `out.len()` bytes of rank `rank`'s arena at `offset` into `out` (a fence record
+    /// a peer put behind its KV).
+    fn staging_read(
+        &mut self,
+        rank: usize,
+        offset: usize,
+        out: &mut [u8],
+    ) -> Result<(), BackendError>;
+    /// Writes `data` into rank `rank`'s arena at `offset` (a fence record behind the KV a
+    /// transport then puts); complete when this returns.
+    fn staging_write(
+        &mut self,
+        rank: usize,
+        offset: usize,
+        data: &[u8],
+    ) -> Result<(), BackendError>;
+    /// KVH64 (`pdnode_core::kvh64`) of `len` bytes at `offset` of every rank's arena, in rank
+    /// order (`offset` and `len` multiples of 16), after every copy issued before it.
+    fn staging_kvh64(&mut self, offset: usize, len: usize) -> Result<Vec<u64>, BackendError>;
     /// Whether [`KvStaging::stage_next_step`] works here (default: no; the engine then gathers
     /// after each step).
     fn supports_step_staging(&self) -> bool {
@@ -520,6 +542,28 @@ pub fn check_staging_io(
         });
     }
     Ok(per_rank)
+}
+
+/// Checks `len` bytes at `offset` of rank `rank` against an arena of `ranks` ranks of
+/// `arena_len` bytes each (for [`KvStaging::staging_read`] and friends).
+pub fn check_staging_span(
+    rank: usize,
+    ranks: usize,
+    offset: usize,
+    len: usize,
+    arena_len: usize,
+) -> Result<(), BackendError> {
+    if rank >= ranks {
+        return Err(BackendError::StagingRank { rank, ranks });
+    }
+    if offset.checked_add(len).is_none_or(|end| end > arena_len) {
+        return Err(BackendError::StagingRange {
+            offset,
+            len,
+            arena: arena_len,
+        });
+    }
+    Ok(())
 }
 
 /// Where a backend's KV pool lives, for registering it with a transport (zero-copy hand-off).

@@ -83,6 +83,34 @@ pub(crate) fn event_channel(id: RequestId) -> (EventTx, RequestStream) {
 /// arena has no room now (asked again after the next chunk). Must not block.
 pub type StagingAlloc = Box<dyn FnMut() -> Option<usize> + Send>;
 
+/// What the loop writes behind a staged prefill's span once all of it is gathered (after the
+/// step that ends the prompt): the fence records of a device hand-off (docs/protocol.md,
+/// "Fencing and verification"), each rank's right behind its KV. `make(ranks, sums)` builds
+/// them, one per rank in rank order, from each rank's KVH64 of the span (`hash`; `None`
+/// without). Done on the
+/// engine thread, which owns the arena's device: the hand-off then only puts them, instead of
+/// asking the engine (which answers between steps).
+pub struct StagingSeal {
+    pub hash: bool,
+    pub make: MakeRecords,
+}
+
+/// Builds a [`StagingSeal`]'s records: `(ranks, each rank's KVH64)` to one record per rank.
+pub type MakeRecords = Box<dyn FnOnce(usize, Option<&[u64]>) -> Vec<Vec<u8>> + Send>;
+
+impl std::fmt::Debug for StagingSeal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StagingSeal")
+            .field("hash", &self.hash)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Runs on the engine thread right before a checked scatter
+/// ([`EngineHandle::scatter_kv_checked`]), with the arena: reads what it needs of the span (a
+/// hand-off's fence records, its KVH64) and answers whether the scatter may go ahead.
+pub type ScatterCheck = Box<dyn FnOnce(&mut dyn crate::backend::KvStaging) -> bool + Send>;
+
 /// What the loop reports about a staged prefill's span.
 pub enum StagedReady {
     /// Leading blocks `0..n` of every layer are in the span (gathered after a step).
@@ -94,6 +122,9 @@ pub enum StagedReady {
         layers: Range<u32>,
         gate: crate::backend::LayerGate,
     },
+    /// The whole span is gathered and the [`StagingSeal`]'s records are written behind it
+    /// (`written`), or writing them failed (logged; the hand-off writes them itself).
+    Sealed { written: bool },
 }
 
 impl std::fmt::Debug for StagedReady {
@@ -103,6 +134,7 @@ impl std::fmt::Debug for StagedReady {
             Self::Layers { blocks, layers, .. } => {
                 write!(f, "Layers {{ blocks: {blocks:?}, layers: {layers:?} }}")
             }
+            Self::Sealed { written } => write!(f, "Sealed {{ written: {written} }}"),
         }
     }
 }
@@ -117,8 +149,10 @@ pub(crate) struct StagedGather {
     /// Layers per in-step gather during the prompt's last step (0: after the step).
     pub layer_group: u32,
     /// What is in the span, after each gather. Bounded by the most reports a prefill can
-    /// make (one per new block count, one per layer group): never full.
+    /// make (one per new block count, one per layer group, the seal): never full.
     pub ready: tmpsc::Sender<StagedReady>,
+    /// Records to write behind the span once all of it is in.
+    pub seal: Option<StagingSeal>,
 }
 
 pub(crate) enum Command {
@@ -163,6 +197,33 @@ pub(crate) enum Command {
         offset: usize,
         gather: bool,
         reply: Reply<()>,
+    },
+    /// Staging arena -> pool when `check` passes, in one visit of the loop.
+    ScatterChecked {
+        id: RequestId,
+        layers: Range<u32>,
+        offset: usize,
+        check: ScatterCheck,
+        reply: Reply<bool>,
+    },
+    /// Bytes of one rank's staging arena (a fence record), outside any request's blocks.
+    StagingRead {
+        rank: usize,
+        offset: usize,
+        len: usize,
+        reply: Reply<Vec<u8>>,
+    },
+    StagingWrite {
+        rank: usize,
+        offset: usize,
+        data: Vec<u8>,
+        reply: Reply<()>,
+    },
+    /// KVH64 of a span of every rank's arena.
+    StagingKvh64 {
+        offset: usize,
+        len: usize,
+        reply: Reply<Vec<u64>>,
     },
     Stats {
         reply: Reply<EngineStats>,
@@ -354,22 +415,26 @@ impl EngineHandle {
     /// gathers its blocks `layer_group` layers at a time as their KV is written and reports
     /// each group at once with a gate ([`StagedReady::Layers`]), so the hand-off can put them
     /// while the later layers compute.
+    ///
+    /// With a `seal`, once every block is in the span (after the step that ends the prompt)
+    /// the loop writes its records behind the span and reports [`StagedReady::Sealed`].
     pub fn add_request_staged(
         &self,
         req: GenerateRequest,
         blocks: usize,
         alloc: StagingAlloc,
         layer_group: u32,
+        seal: Option<StagingSeal>,
     ) -> Result<(RequestStream, tmpsc::Receiver<StagedReady>), EngineError> {
         if self.is_draining() {
             return Err(EngineError::Draining);
         }
         self.check(&req)?;
         let (tx, stream) = event_channel(req.id);
-        // One report per new block count and one per layer group at most: never full.
+        // One report per new block count, one per layer group and the seal at most: never full.
         let reports = blocks
             .saturating_add(self.info.kv_layout.num_layers as usize)
-            .saturating_add(2);
+            .saturating_add(3);
         let (ready, ready_rx) = tmpsc::channel(reports);
         self.send(Command::Add {
             req,
@@ -380,6 +445,7 @@ impl EngineHandle {
                 blocks,
                 layer_group,
                 ready,
+                seal,
             }),
         })?;
         Ok((stream, ready_rx))
@@ -506,6 +572,71 @@ impl EngineHandle {
             layers,
             offset,
             gather: false,
+            reply,
+        })
+        .await
+    }
+
+    /// [`EngineHandle::scatter_kv`] after `check` passed, both on the engine thread in one visit
+    /// (a decode node's check of a device hand-off, then its scatter, without waiting for a
+    /// step in between): `Ok(false)` when `check` refused (nothing was scattered).
+    pub async fn scatter_kv_checked(
+        &self,
+        id: RequestId,
+        layers: Range<u32>,
+        offset: usize,
+        check: ScatterCheck,
+    ) -> Result<bool, EngineError> {
+        self.call("scatter_kv_checked", |reply| Command::ScatterChecked {
+            id,
+            layers,
+            offset,
+            check,
+            reply,
+        })
+        .await
+    }
+
+    /// `len` bytes of rank `rank`'s staging arena at `offset` (a fence record a peer put there).
+    /// The caller owns the span.
+    pub async fn staging_read(
+        &self,
+        rank: usize,
+        offset: usize,
+        len: usize,
+    ) -> Result<Vec<u8>, EngineError> {
+        self.call("staging_read", |reply| Command::StagingRead {
+            rank,
+            offset,
+            len,
+            reply,
+        })
+        .await
+    }
+
+    /// Writes `data` into rank `rank`'s staging arena at `offset` (a fence record the transport
+    /// then puts); done when this returns. The caller owns the span.
+    pub async fn staging_write(
+        &self,
+        rank: usize,
+        offset: usize,
+        data: Vec<u8>,
+    ) -> Result<(), EngineError> {
+        self.call("staging_write", |reply| Command::StagingWrite {
+            rank,
+            offset,
+            data,
+            reply,
+        })
+        .await
+    }
+
+    /// KVH64 (`pdnode_core::kvh64`) of `len` bytes at `offset` of every rank's staging arena,
+    /// in rank order: the checksum of a device hand-off (on the GPU: one read of the span).
+    pub async fn staging_kvh64(&self, offset: usize, len: usize) -> Result<Vec<u64>, EngineError> {
+        self.call("staging_kvh64", |reply| Command::StagingKvh64 {
+            offset,
+            len,
             reply,
         })
         .await

@@ -33,7 +33,8 @@ mod handle;
 mod run;
 
 pub use handle::{
-    COMMAND_QUEUE, EVENT_QUEUE, EngineHandle, RequestStream, StagedReady, StagingAlloc,
+    COMMAND_QUEUE, EVENT_QUEUE, EngineHandle, MakeRecords, RequestStream, ScatterCheck,
+    StagedReady, StagingAlloc, StagingSeal,
 };
 pub use run::{spawn, spawn_with_memory, spawn_with_regions};
 

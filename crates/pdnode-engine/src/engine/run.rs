@@ -411,6 +411,64 @@ impl Loop {
                 };
                 let _ = reply.send(r);
             }
+            Command::ScatterChecked {
+                id,
+                layers,
+                offset,
+                check,
+                reply,
+            } => {
+                let r = match (self.sched.transfer_blocks(id), self.backend.kv_staging()) {
+                    (None, _) => Err(EngineError::NoLease { id }),
+                    (Some(_), None) => {
+                        Err(EngineError::from(crate::backend::BackendError::NoStaging))
+                    }
+                    (Some(blocks), Some(s)) => {
+                        if check(&mut *s) {
+                            s.scatter_kv_from_staging(layers, blocks, offset)
+                                .map(|()| true)
+                                .map_err(EngineError::from)
+                        } else {
+                            Ok(false)
+                        }
+                    }
+                };
+                let _ = reply.send(r);
+            }
+            Command::StagingRead {
+                rank,
+                offset,
+                len,
+                reply,
+            } => {
+                let r = match self.backend.kv_staging() {
+                    None => Err(crate::backend::BackendError::NoStaging),
+                    Some(s) => {
+                        let mut out = vec![0u8; len];
+                        s.staging_read(rank, offset, &mut out).map(|()| out)
+                    }
+                };
+                let _ = reply.send(r.map_err(EngineError::from));
+            }
+            Command::StagingWrite {
+                rank,
+                offset,
+                data,
+                reply,
+            } => {
+                let r = match self.backend.kv_staging() {
+                    None => Err(crate::backend::BackendError::NoStaging),
+                    Some(s) => s.staging_write(rank, offset, &data),
+                };
+                let _ = reply.send(r.map_err(EngineError::from));
+            }
+            Command::StagingKvh64 { offset, len, reply } => {
+                let r = match self.backend.kv_staging() {
+                    None => Err(crate::backend::BackendError::NoStaging),
+                    Some(s) => s.staging_kvh64(offset, len),
+                };
+                let _ = reply.send(r.map_err(EngineError::from));
+            }
             Command::Stats { reply } => {
                 let mut s = self.stats;
                 s.scheduler = self.sched.stats();

@@ -12,12 +12,15 @@
 //! - Prefill side: [`SourceHold`] keeps what a put reads (an arena span, a host staging region)
 //!   until every put reading it has finished or failed, whatever happened to the push.
 //!
-//! Records are written and read in host memory only: a decode node whose staging arena is device
-//! memory does not ask for them (its spans are quarantined until the fence deadline).
+//! Records in host memory are written and read in place; in a GPU node's device arena they go
+//! through the engine (a 64-byte copy to or from the rank's GPU), and the checksum of device
+//! bytes is KVH64, computed by a kernel. The quarantine sweep reads host records only: a device
+//! span's quarantine ends at its fence deadline.
 
 use pdnode_transfer::Completion;
 pub use pdnode_transfer::fence::{
-    FenceError, FenceRecord, Landed, RECORD_LEN, crc_at, read_record, write_record,
+    FenceError, FenceRecord, Landed, RECORD_LEN, Sum, SumKind, crc_at, read_record, sum_at,
+    write_record,
 };
 use std::any::Any;
 use std::sync::atomic::{AtomicU64, Ordering};

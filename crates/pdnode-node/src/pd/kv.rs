@@ -232,7 +232,17 @@ impl KvMover {
                 let mut hold = hold(Box::new(reg.clone()));
                 let sources: Vec<(&Registration, u64)> =
                     (0..ranks).map(|r| (&*reg, (r * stride) as u64)).collect();
-                put_ranks(t, id, target, &sources, per_rank as u64, wait, &mut hold).await
+                put_ranks(
+                    t,
+                    id,
+                    target,
+                    &sources,
+                    per_rank as u64,
+                    wait,
+                    &mut hold,
+                    None,
+                )
+                .await
             }
             (_, other) => Err(HandoffError::Mismatch(format!(
                 "KV target asks for transport {other:?}, this node moves KV with {:?}",
@@ -247,7 +257,9 @@ impl KvMover {
 /// flushes every rank: on return the bytes are visible at the decode node. When the target asks
 /// for fence records, each rank's record (written into the source right behind its bytes, which
 /// must have room) follows once the KV is flushed, and is flushed too. Every put goes into
-/// `hold`, which keeps the sources until they are done.
+/// `hold`, which keeps the sources until they are done. `engine`: the engine whose staging arena
+/// the sources are, when it is device memory (records and checksums go through it).
+#[allow(clippy::too_many_arguments)]
 pub async fn put_ranks(
     t: &UcxTransport,
     id: RequestId,
@@ -256,6 +268,7 @@ pub async fn put_ranks(
     len: u64,
     wait: PushWait,
     hold: &mut SourceHold,
+    engine: Option<&EngineHandle>,
 ) -> Result<(), HandoffError> {
     if sources.len() != target.ranks.len() {
         return Err(HandoffError::Mismatch(format!(
@@ -302,16 +315,20 @@ pub async fn put_ranks(
             .iter()
             .map(|(reg, at)| (*reg, *at as usize, len as usize))
             .collect();
-        put_records(t, id, target, &spans, &remotes, &wait, hold).await?;
+        put_records(t, id, target, &spans, &remotes, &wait, hold, engine, false).await?;
     }
     drop(remotes);
     Ok(())
 }
 
 /// Behind KV already flushed to the decode node: each rank's fence record (generation,
-/// request, length, and the CRC32C of the rank's source bytes when the target asks for it),
-/// written into the source right behind the rank's `len` bytes at `at`, put to the same place
-/// behind the rank's KV at the decode node, and flushed.
+/// request, length, and the checksum of the rank's source bytes when the target asks for it:
+/// CRC32C into host staging, KVH64 into device staging), written into the source right behind
+/// the rank's `len` bytes at `at`, put to the same place behind the rank's KV at the decode
+/// node, and flushed. Sources in device memory (the engine's staging arena, rank `r`'s at
+/// index `r`) are summed and written through `engine`, unless `sealed`: the engine wrote the
+/// records there already ([`pdnode_engine::engine::StagingSeal`]), and they are only put.
+#[allow(clippy::too_many_arguments)]
 pub(super) async fn put_records(
     t: &UcxTransport,
     id: RequestId,
@@ -320,27 +337,42 @@ pub(super) async fn put_records(
     remotes: &[RemoteTarget],
     wait: &PushWait,
     hold: &mut SourceHold,
+    engine: Option<&EngineHandle>,
+    sealed: bool,
 ) -> Result<(), HandoffError> {
     let first = hold.puts().len();
     let issued = Instant::now();
     let cap = capability(target)?;
+    let on_device = |reg: &Registration| reg.region().mem != MemKind::Host;
+    let engine_step = |step: &str| {
+        let step = step.to_string();
+        move |source| HandoffError::Engine { step, source }
+    };
+    // Device sources: the KVH64 of every rank's span at once (one read of each on its GPU).
+    let device_sums = match sources.first() {
+        Some((reg, at, len)) if on_device(reg) && target.verify && !sealed => {
+            let engine = engine.ok_or_else(|| {
+                HandoffError::Mismatch("device KV source without its engine".into())
+            })?;
+            let t0 = Instant::now();
+            let sums = engine
+                .staging_kvh64(*at, *len)
+                .await
+                .map_err(engine_step("summing the staged KV"))?;
+            tracing::debug!(request = %id, bytes = len * sources.len(),
+                sum_us = t0.elapsed().as_micros() as u64, "device KV summed (KVH64)");
+            Some(sums)
+        }
+        _ => None,
+    };
     for (r, ((reg, at, len), remote)) in sources.iter().zip(remotes).enumerate() {
-        let crc = if target.verify {
-            Some(fence::crc_at(reg, *at, *len)?)
-        } else {
-            None
-        };
         let rec_at = at
             .checked_add(*len)
             .ok_or_else(|| HandoffError::Mismatch("fence record offset overflows".into()))?;
-        let record = FenceRecord {
-            generation: target.staging_generation,
-            request: id.0,
-            len: *len as u64,
-            crc,
-            aborted: false,
-        };
-        fence::write_record(reg, rec_at, &record, &cap)?;
+        if !(sealed && on_device(reg)) {
+            let sum = device_sums.as_ref().and_then(|s| s.get(r)).copied();
+            write_source_record(target, id, r, (reg, *at, *len), sum, &cap, engine).await?;
+        }
         let span = Span {
             local_offset: rec_at as u64,
             remote_offset: target.remote_offset(r, *len as u64, RECORD_LEN as u64)?,
@@ -369,6 +401,60 @@ pub(super) async fn put_records(
     .await?;
     wait_ops(&flushes, bytes, issued, wait, "fence record flush").await?;
     Ok(())
+}
+
+/// Rank `r`'s fence record, written into its source right behind the `len` bytes at `at`:
+/// the checksum the target asks for (CRC32C into host staging, KVH64 into device staging;
+/// `device_sum`: a device source's KVH64, summed by the engine), tagged under `cap`. A host
+/// source is written in place, a device source through `engine`.
+async fn write_source_record(
+    target: &KvTarget,
+    id: RequestId,
+    r: usize,
+    (reg, at, len): (&Registration, usize, usize),
+    device_sum: Option<u64>,
+    cap: &Secret,
+    engine: Option<&EngineHandle>,
+) -> Result<(), HandoffError> {
+    let on_device = reg.region().mem != MemKind::Host;
+    let kind = fence::SumKind::for_staging(target.rank(r)?.device_memory);
+    let sum = match (target.verify, on_device, kind) {
+        (false, _, _) => None,
+        (true, false, kind) => Some(fence::sum_at(reg, at, len, kind)?),
+        (true, true, fence::SumKind::Kvh64) => {
+            Some(fence::Sum::Kvh64(device_sum.ok_or_else(|| {
+                HandoffError::Mismatch(format!("no KVH64 of staging rank {r}"))
+            })?))
+        }
+        (true, true, fence::SumKind::Crc32c) => {
+            return Err(HandoffError::Mismatch(
+                "device KV into host staging: no device CRC32C on the hand-off path".into(),
+            ));
+        }
+    };
+    let rec_at = at
+        .checked_add(len)
+        .ok_or_else(|| HandoffError::Mismatch("fence record offset overflows".into()))?;
+    let record = FenceRecord {
+        generation: target.staging_generation,
+        request: id.0,
+        len: len as u64,
+        sum,
+        aborted: false,
+    };
+    if !on_device {
+        fence::write_record(reg, rec_at, &record, cap)?;
+        return Ok(());
+    }
+    let engine = engine
+        .ok_or_else(|| HandoffError::Mismatch("device KV source without its engine".into()))?;
+    engine
+        .staging_write(r, rec_at, record.encode(cap).to_vec())
+        .await
+        .map_err(|source| HandoffError::Engine {
+            step: "writing the fence record".into(),
+            source,
+        })
 }
 
 /// Copies `data` into a registered host region at `offset`.

@@ -23,7 +23,7 @@ use futures::future::BoxFuture;
 use pdnode_core::error::{Classify, ErrorKind};
 use pdnode_core::request::{GenerateRequest, SamplerState};
 use pdnode_core::{KvLayout, NodeId, Placement, RankTarget, RequestId, Role};
-use pdnode_engine::engine::{EngineEvent, EngineHandle, StagedReady};
+use pdnode_engine::engine::{EngineEvent, EngineHandle, ScatterCheck, StagedReady};
 use pdnode_nodeapi::{
     DecodeCall, DecodeChunk, DecodeStream, KvTarget, NodeClient, NodeError, NodeStats, PrefillCall,
     PrefillOutcome, ReserveKv,
@@ -41,7 +41,7 @@ mod push;
 mod staging;
 
 pub use staging::StagingStats;
-use staging::{FenceSpec, HostStage, Quarantined};
+use staging::{FenceSpec, HostStage, Landing, Quarantined};
 
 /// Where a reservation's KV lands before the scatter.
 enum Staging {
@@ -489,6 +489,7 @@ impl PdNode {
                         o.blocks(),
                         o.alloc(),
                         self.push_layer_group.load(Ordering::Relaxed),
+                        o.seal(),
                     )
                     .map_err(|e| eerr(&e))?;
                 (s, Some(r))
@@ -698,41 +699,39 @@ impl PdNode {
         let current = tracing::Span::current();
         current.record("checked", slot.fence.is_some());
         current.record("verified", slot.fence.is_some_and(|f| f.verify));
-        if let Err(e) = self.check_landed(id, &slot) {
-            let counter = if e.is_checksum() {
-                &self.fence.checksum_failures
-            } else {
-                &self.fence.record_failures
-            };
-            counter.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(request = %id, generation = slot.fsm.generation(), error = %e,
-                "landed KV refused before the scatter; the request fails and frees its blocks");
-            let _ = self.engine.release_transfer(id).await;
-            self.release_staging(id, slot, ReleaseCause::Refused);
-            return Err(nerr(
-                ErrorKind::Retryable,
-                format!("KV hand-off of {id} refused before the scatter: {e}"),
-            ));
+        if let Err(e) = self.check_landed(id, &slot).await {
+            return Err(self.refuse_landed(id, slot, e).await);
         }
         let layout = self.layout();
         let layers = layout.num_layers;
         let per_rank = layers as usize * slot.blocks * layout.block_layer_bytes();
         let stride = slot.fence.map_or(per_rank, |f| f.stride);
-        let scattered = match &slot.staging {
-            Staging::None => Ok(()),
-            Staging::Arena(slice) => self
+        let failed = |e: NodeError| Landing::Failed(e);
+        let scattered = match (&slot.staging, slot.fence) {
+            (Staging::None, _) => Ok(()),
+            // Device memory: checked and scattered in one visit of the engine loop.
+            (Staging::Arena(slice), Some(spec)) if spec.device => {
+                self.scatter_checked(id, &slot, spec, slice.offset(), layers)
+                    .await
+            }
+            (Staging::Arena(slice), _) => self
                 .engine
                 .scatter_kv(id, 0..layers, slice.offset())
                 .await
-                .map_err(|e| eerr(&e)),
-            Staging::Host(h) => match copy_ranks(&h.reg, self.tp_ranks(), per_rank, stride) {
+                .map_err(|e| failed(eerr(&e))),
+            (Staging::Host(h), _) => match copy_ranks(&h.reg, self.tp_ranks(), per_rank, stride) {
                 Ok(data) => self
                     .engine
                     .write_kv(id, 0..layers, data)
                     .await
-                    .map_err(|e| eerr(&e)),
-                Err(e) => Err(nerr(e.kind(), e.to_string())),
+                    .map_err(|e| failed(eerr(&e))),
+                Err(e) => Err(failed(nerr(e.kind(), e.to_string()))),
             },
+        };
+        let scattered = match scattered {
+            Err(Landing::Refused(e)) => return Err(self.refuse_landed(id, slot, e).await),
+            Err(Landing::Failed(e)) => Err(e),
+            Ok(()) => Ok(()),
         };
         // The writer finished (its records are there, or the prefill node answered after its
         // flush): the staging (arena span or host region) is free from here on.

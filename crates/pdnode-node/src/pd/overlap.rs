@@ -16,7 +16,7 @@ use super::handoff::{PushEnd, PushProgress, PushWait};
 use super::kv::HandoffError;
 use pdnode_core::{KvLayout, KvTarget, RequestId};
 use pdnode_engine::engine::EngineHandle;
-use pdnode_engine::engine::{StagedReady, StagingAlloc};
+use pdnode_engine::engine::{StagedReady, StagingAlloc, StagingSeal};
 use pdnode_transfer::region::coalesce_spans;
 use pdnode_transfer::{KvTransport, RemoteTarget, Span, UcxTransport};
 use std::ops::Range;
@@ -51,6 +51,12 @@ pub(super) struct OverlapPush {
     /// The record to send when this push is abandoned (the target asked for fence records),
     /// and the capability that tags it.
     abandon_record: Option<(FenceRecord, pdnode_transfer::Secret)>,
+    /// A device arena's fence records, for the engine to write behind the span once all of it
+    /// is gathered ([`OverlapPush::seal`]): the record without its checksum, whether to sum,
+    /// and the capability.
+    seal: Option<(FenceRecord, bool, pdnode_transfer::Secret)>,
+    /// The engine wrote the records behind the whole span ([`StagedReady::Sealed`]).
+    sealed: bool,
 }
 
 impl Drop for OverlapPush {
@@ -141,15 +147,35 @@ impl OverlapPush {
             remotes.push(super::kv::connect_rank(t, target, r, span_len)?);
         }
         let slice: SliceCell = Arc::new(Mutex::new(None));
-        let abandon_record = if target.fence_record {
+        // Into host staging only: the record goes from a fresh host region, which UCX cannot
+        // put into a peer's device memory (a device span waits out its fence deadline).
+        let abandon_record = if target.fence_record && !target.ranks.iter().any(|r| r.device_memory)
+        {
             Some((
                 FenceRecord {
                     generation: target.staging_generation,
                     request: target.request.0,
                     len: per_rank,
-                    crc: None,
+                    sum: None,
                     aborted: true,
                 },
+                super::kv::capability(target)?,
+            ))
+        } else {
+            None
+        };
+        // A device arena: the engine writes the records (it owns the GPU; asking it later would
+        // wait for its current step). Host arenas: the push writes them in place.
+        let seal = if target.fence_record && arena.is_device() {
+            Some((
+                FenceRecord {
+                    generation: target.staging_generation,
+                    request: target.request.0,
+                    len: per_rank,
+                    sum: None,
+                    aborted: false,
+                },
+                target.verify,
                 super::kv::capability(target)?,
             ))
         } else {
@@ -169,6 +195,8 @@ impl OverlapPush {
             layer_block,
             progress: PushProgress::new(blocks, layout.num_layers, deadline),
             abandon_record,
+            seal,
+            sealed: false,
             layer_puts: 0,
         }))
     }
@@ -191,6 +219,24 @@ impl OverlapPush {
             let offset = s.offset();
             *c = Some(s);
             Some(offset)
+        })
+    }
+
+    /// For the engine ([`EngineHandle::add_request_staged`]): the fence records of a device
+    /// arena's span, each with its rank's KVH64 when the target asks to verify (`None`: host
+    /// arena, or no records asked).
+    pub fn seal(&self) -> Option<StagingSeal> {
+        let (rec, hash, cap) = self.seal?;
+        Some(StagingSeal {
+            hash,
+            make: Box::new(move |ranks: usize, sums: Option<&[u64]>| {
+                (0..ranks)
+                    .map(|r| {
+                        let sum = sums.and_then(|s| s.get(r)).map(|h| fence::Sum::Kvh64(*h));
+                        FenceRecord { sum, ..rec }.encode(&cap).to_vec()
+                    })
+                    .collect()
+            }),
         })
     }
 
@@ -228,6 +274,10 @@ impl OverlapPush {
                 // the put's failure.
                 let gate: pdnode_transfer::Gate = Box::new(move || gate().map_err(Box::from));
                 self.ready_layers(blocks, layers, gate, deadline)
+            }
+            StagedReady::Sealed { written } => {
+                self.sealed = written;
+                Ok(())
             }
         }
     }
@@ -356,6 +406,8 @@ impl OverlapPush {
                 })?;
             let all = self.progress.resend_all(Instant::now())?;
             self.put_blocks(all)?;
+            // Gathered again here: whatever the engine wrote is not trusted for these bytes.
+            self.sealed = false;
         }
         // Flushed right behind the last puts (a flush completes after every put issued before it
         // on the endpoint), then everything waited for.
@@ -390,6 +442,8 @@ impl OverlapPush {
                 &self.remotes,
                 &wait,
                 &mut self.hold,
+                Some(engine),
+                self.sealed,
             )
             .await?;
         }

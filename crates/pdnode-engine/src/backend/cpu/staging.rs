@@ -7,7 +7,7 @@
 use super::CpuBackend;
 use crate::backend::{
     Backend, BackendError, KvRegion, KvStaging, LayerGate, MemKind, StepStaging, check_staging_io,
-    check_staging_strided,
+    check_staging_span, check_staging_strided,
 };
 use pdnode_core::BlockId;
 use std::any::Any;
@@ -190,6 +190,46 @@ impl KvStaging for CpuBackend {
         self.write_kv(layers, blocks, data)
     }
 
+    fn staging_read(
+        &mut self,
+        rank: usize,
+        offset: usize,
+        out: &mut [u8],
+    ) -> Result<(), BackendError> {
+        let (ptr, len) = self.arena()?;
+        check_staging_span(rank, 1, offset, out.len(), len)?;
+        // SAFETY: `offset + out.len() <= len` (checked) inside the arena, valid while it is
+        // attached (HostArena::new); `out` is the caller's own buffer, not the arena.
+        unsafe { std::ptr::copy_nonoverlapping(ptr.add(offset), out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+
+    fn staging_write(
+        &mut self,
+        rank: usize,
+        offset: usize,
+        data: &[u8],
+    ) -> Result<(), BackendError> {
+        let (ptr, len) = self.arena()?;
+        check_staging_span(rank, 1, offset, data.len(), len)?;
+        // SAFETY: as in `staging_read`; the span is the caller's (HostArena::new's contract).
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), ptr.add(offset), data.len()) };
+        Ok(())
+    }
+
+    fn staging_kvh64(&mut self, offset: usize, len: usize) -> Result<Vec<u64>, BackendError> {
+        let (ptr, arena_len) = self.arena()?;
+        check_staging_span(0, 1, offset, len, arena_len)?;
+        // SAFETY: in bounds (checked); only read.
+        let bytes = unsafe { std::slice::from_raw_parts(ptr.add(offset).cast_const(), len) };
+        let h = pdnode_core::kvh64::kvh64(bytes).ok_or(BackendError::StagingRange {
+            offset,
+            len,
+            arena: arena_len,
+        })?;
+        Ok(vec![h])
+    }
+
     fn supports_step_staging(&self) -> bool {
         self.staging.is_some()
     }
@@ -258,6 +298,28 @@ mod tests {
         // SAFETY: as above; nothing writes the arena now.
         let got = unsafe { std::slice::from_raw_parts(ptr.add(STAGING_ALIGN), per) };
         assert_eq!(got, &want[..]);
+        // What a fenced hand-off does around the span: its KVH64, a record behind it.
+        assert_eq!(
+            s.staging_kvh64(STAGING_ALIGN, per).unwrap(),
+            vec![pdnode_core::kvh64::kvh64(&want).unwrap()]
+        );
+        let record = [7u8; 64];
+        s.staging_write(0, STAGING_ALIGN + per, &record).unwrap();
+        let mut back = [0u8; 64];
+        s.staging_read(0, STAGING_ALIGN + per, &mut back).unwrap();
+        assert_eq!(back, record);
+        assert!(matches!(
+            s.staging_read(0, len - 10, &mut back),
+            Err(BackendError::StagingRange { .. })
+        ));
+        assert!(matches!(
+            s.staging_write(1, 0, &record),
+            Err(BackendError::StagingRank { rank: 1, ranks: 1 })
+        ));
+        assert!(
+            s.staging_kvh64(STAGING_ALIGN, 15).is_err(),
+            "not whole words"
+        );
 
         // The same span filled in two parts (blocks 0..2, then 2..3, layer by layer).
         let lb = be.kv_layout().block_layer_bytes();

@@ -103,41 +103,88 @@ impl Loop {
                 continue;
             };
             let end = s.start_pos + s.tokens.len();
-            let done = if end >= a.prompt_len {
-                g.blocks
-            } else {
-                end / bs
-            };
+            let ended = end >= a.prompt_len;
+            let done = if ended { g.blocks } else { end / bs };
             let done = done.min(g.blocks).min(s.block_table.len());
-            if done <= *sent {
-                continue;
-            }
-            if g.offset.is_none() {
-                g.offset = (g.alloc)();
-            }
-            let Some(offset) = g.offset else {
-                // No room in the arena yet: asked again after the next chunk.
-                continue;
-            };
-            let r = match self.backend.kv_staging() {
-                Some(st) => st.gather_kv_layers_to_staging(
-                    0..layers,
-                    &s.block_table[*sent..done],
-                    offset + *sent * lb,
-                    g.blocks * lb,
-                ),
-                None => Err(crate::backend::BackendError::NoStaging),
-            };
-            match r {
-                Ok(()) => {
-                    *sent = done;
-                    let _ = g.ready.try_send(StagedReady::Blocks(done));
+            if done > *sent {
+                if g.offset.is_none() {
+                    g.offset = (g.alloc)();
                 }
-                Err(e) => {
-                    tracing::warn!(request = %s.id, error = %e, "staged KV gather failed; the hand-off gathers after prefill");
-                    a.staged = None;
+                let Some(offset) = g.offset else {
+                    // No room in the arena yet: asked again after the next chunk.
+                    continue;
+                };
+                let r = match self.backend.kv_staging() {
+                    Some(st) => st.gather_kv_layers_to_staging(
+                        0..layers,
+                        &s.block_table[*sent..done],
+                        offset + *sent * lb,
+                        g.blocks * lb,
+                    ),
+                    None => Err(crate::backend::BackendError::NoStaging),
+                };
+                match r {
+                    Ok(()) => {
+                        *sent = done;
+                        let _ = g.ready.try_send(StagedReady::Blocks(done));
+                    }
+                    Err(e) => {
+                        tracing::warn!(request = %s.id, error = %e, "staged KV gather failed; the hand-off gathers after prefill");
+                        a.staged = None;
+                        continue;
+                    }
                 }
+            }
+            // Every block is in the span (gathered now, or inside the step that ended the
+            // prompt, on this stream before what follows): its records go behind it.
+            if ended
+                && *sent == g.blocks
+                && let (Some(offset), Some(seal)) = (g.offset, g.seal.take())
+            {
+                let per_rank = layers as usize * g.blocks * lb;
+                let t0 = std::time::Instant::now();
+                let written = match self.backend.kv_staging() {
+                    Some(st) => seal_span(st, offset, per_rank, seal),
+                    None => Err(crate::backend::BackendError::NoStaging),
+                };
+                tracing::debug!(request = %s.id, bytes = per_rank, ok = written.is_ok(),
+                    seal_us = t0.elapsed().as_micros() as u64,
+                    "staged span sealed (KVH64 and fence records behind it)");
+                if let Err(e) = &written {
+                    tracing::warn!(request = %s.id, error = %e,
+                        "writing the staged span's fence records failed; the hand-off writes them");
+                }
+                let _ = g.ready.try_send(StagedReady::Sealed {
+                    written: written.is_ok(),
+                });
             }
         }
     }
+}
+
+/// The [`crate::engine::StagingSeal`] of a span of `per_rank` bytes a rank at `offset`: each
+/// rank's KVH64 when asked, then each rank's record right behind its bytes.
+fn seal_span(
+    st: &mut dyn crate::backend::KvStaging,
+    offset: usize,
+    per_rank: usize,
+    seal: crate::engine::StagingSeal,
+) -> Result<(), crate::backend::BackendError> {
+    let sums = if seal.hash {
+        Some(st.staging_kvh64(offset, per_rank)?)
+    } else {
+        None
+    };
+    let records = (seal.make)(st.staging_regions().len(), sums.as_deref());
+    let at = offset
+        .checked_add(per_rank)
+        .ok_or(crate::backend::BackendError::StagingRange {
+            offset,
+            len: per_rank,
+            arena: 0,
+        })?;
+    for (rank, rec) in records.iter().enumerate() {
+        st.staging_write(rank, at, rec)?;
+    }
+    Ok(())
 }

@@ -127,9 +127,6 @@ impl PdNode {
         {
             return Ok(None);
         }
-        if arena.is_device() && target.fence_record {
-            return Ok(None);
-        }
         let deadline = self.push_deadline(Instant::now(), target);
         OverlapPush::start(
             t,
@@ -232,7 +229,6 @@ impl PdNode {
                 a.ranks() == ranks
                     && target.ranks.len() == ranks
                     && (!a.is_device() || target.ranks.iter().all(|r| r.device_memory))
-                    && !(a.is_device() && target.fence_record)
             })
             && span <= arena.len()
             && let Some(slice) = arena.reserve_wait(span, self.room_deadline(deadline)).await
@@ -260,6 +256,7 @@ impl PdNode {
                 per_rank as u64,
                 self.push_wait(started, target),
                 &mut hold,
+                Some(&self.engine),
             )
             .await
             .map_err(failed)?;

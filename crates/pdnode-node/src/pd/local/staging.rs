@@ -4,6 +4,7 @@
 //! the scatter, and the counts of spans by state.
 
 use super::*;
+use pdnode_engine::backend::KvStaging;
 
 /// A per-request host staging region, counted in the node's host staging budget
 /// (`transfer.host_staging_bytes`) until it is dropped.
@@ -28,6 +29,9 @@ pub(super) struct FenceSpec {
     pub(super) stride: usize,
     pub(super) ranks: usize,
     pub(super) verify: bool,
+    /// The span is device memory (a GPU node's arena): its records and checksum (KVH64) are
+    /// read through the engine, and only the fence deadline ends its quarantine.
+    pub(super) device: bool,
 }
 
 /// A span released by an abort, a lease end or a failed check while its writer may still be
@@ -79,13 +83,67 @@ pub(super) fn records_present(
     generation: u64,
     capability: &Secret,
 ) -> bool {
-    (0..spec.ranks).all(|r| {
-        rank_data(staging, spec, r)
-            .and_then(|(reg, at)| at.checked_add(spec.per_rank).map(|o| (reg, o)))
-            .and_then(|(reg, o)| fence::read_record(reg, o, capability).ok())
-            .and_then(fence::Landed::record)
-            .is_some_and(|rec| rec.generation == generation)
-    })
+    // Device records are read through the engine, not from the sweep: the deadline ends those.
+    !spec.device
+        && (0..spec.ranks).all(|r| {
+            rank_data(staging, spec, r)
+                .and_then(|(reg, at)| at.checked_add(spec.per_rank).map(|o| (reg, o)))
+                .and_then(|(reg, o)| fence::read_record(reg, o, capability).ok())
+                .and_then(fence::Landed::record)
+                .is_some_and(|rec| rec.generation == generation)
+        })
+}
+
+/// Why a staged span was not scattered.
+pub(super) enum Landing {
+    /// What landed failed its check: the request fails, its span is quarantined.
+    Refused(FenceError),
+    /// The scatter itself failed.
+    Failed(NodeError),
+}
+
+/// On the engine thread: every rank's record of a device span (behind its `per_rank` bytes at
+/// `at`) and, with `verify`, every rank's KVH64 of those bytes, checked as host records are.
+fn check_device_span(
+    st: &mut dyn KvStaging,
+    at: usize,
+    spec: &FenceSpec,
+    generation: u64,
+    request: u64,
+    cap: &Secret,
+) -> Result<(), FenceError> {
+    let failed = |what: &'static str, e: &dyn std::fmt::Display| FenceError::Device {
+        what,
+        message: e.to_string(),
+    };
+    let rec_at = at
+        .checked_add(spec.per_rank)
+        .ok_or_else(|| failed("record offset", &"overflows"))?;
+    let sums = if spec.verify {
+        let s = st
+            .staging_kvh64(at, spec.per_rank)
+            .map_err(|e| failed("KVH64 of the landed bytes", &e))?;
+        if s.len() != spec.ranks {
+            let m = format!("{} sums for {} ranks", s.len(), spec.ranks);
+            return Err(failed("KVH64 per rank", &m));
+        }
+        Some(s)
+    } else {
+        None
+    };
+    for r in 0..spec.ranks {
+        let mut b = [0u8; RECORD_LEN];
+        st.staging_read(r, rec_at, &mut b)
+            .map_err(|e| failed("fence record read", &e))?;
+        let rec = match fence::FenceRecord::decode(&b, cap) {
+            fence::Landed::Record(rec) => rec,
+            fence::Landed::Nothing => return Err(FenceError::Missing { rank: r }),
+            fence::Landed::Forged => return Err(FenceError::Forged { rank: r }),
+        };
+        let sum = sums.as_ref().map(|s| fence::Sum::Kvh64(s[r]));
+        rec.check(r, generation, request, spec.per_rank as u64, sum)?;
+    }
+    Ok(())
 }
 
 impl PdNode {
@@ -216,10 +274,17 @@ impl PdNode {
 
     /// Checks what landed in a fenced span before the scatter: every rank's record of this
     /// reservation's generation, request and length, and (with `verify`) the checksum.
-    pub(super) fn check_landed(&self, id: RequestId, slot: &DecodeSlot) -> Result<(), FenceError> {
+    pub(super) async fn check_landed(
+        &self,
+        id: RequestId,
+        slot: &DecodeSlot,
+    ) -> Result<(), FenceError> {
         let Some(spec) = slot.fence else {
             return Ok(());
         };
+        if spec.device {
+            return Ok(()); // checked with its scatter (`scatter_checked`)
+        }
         for r in 0..spec.ranks {
             let (reg, at) = rank_data(&slot.staging, &spec, r).ok_or(FenceError::NotHost {
                 what: "rank region",
@@ -236,14 +301,88 @@ impl PdNode {
                 fence::Landed::Nothing => return Err(FenceError::Missing { rank: r }),
                 fence::Landed::Forged => return Err(FenceError::Forged { rank: r }),
             };
-            let crc = if spec.verify {
-                Some(fence::crc_at(reg, at, spec.per_rank)?)
+            let sum = if spec.verify {
+                Some(fence::Sum::Crc32c(fence::crc_at(reg, at, spec.per_rank)?))
             } else {
                 None
             };
-            rec.check(r, slot.fsm.generation(), id.0, spec.per_rank as u64, crc)?;
+            rec.check(r, slot.fsm.generation(), id.0, spec.per_rank as u64, sum)?;
         }
         Ok(())
+    }
+
+    /// Refuses what landed for `id` (`e`): counted, logged, the reservation's blocks released at
+    /// once and its span quarantined (a refused check is not trusted to end it early).
+    pub(super) async fn refuse_landed(
+        &self,
+        id: RequestId,
+        slot: DecodeSlot,
+        e: FenceError,
+    ) -> NodeError {
+        let counter = if e.is_checksum() {
+            &self.fence.checksum_failures
+        } else {
+            &self.fence.record_failures
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(request = %id, generation = slot.fsm.generation(), error = %e,
+            "landed KV refused before the scatter; the request fails and frees its blocks");
+        let _ = self.engine.release_transfer(id).await;
+        self.release_staging(id, slot, ReleaseCause::Refused);
+        nerr(
+            ErrorKind::Retryable,
+            format!("KV hand-off of {id} refused before the scatter: {e}"),
+        )
+    }
+
+    /// A device arena span's check and scatter in one visit of the engine loop (which owns the
+    /// GPU, and answers between steps): each rank's record copied out of device memory and,
+    /// with `verify`, each rank's KVH64 of the landed bytes (one read of the span on its GPU),
+    /// checked like host records; the scatter only when they pass.
+    pub(super) async fn scatter_checked(
+        &self,
+        id: RequestId,
+        slot: &DecodeSlot,
+        spec: FenceSpec,
+        offset: usize,
+        layers: u32,
+    ) -> Result<(), Landing> {
+        let verdict = Arc::new(std::sync::Mutex::new(None::<FenceError>));
+        let v = verdict.clone();
+        let (generation, cap) = (slot.fsm.generation(), *slot.fsm.capability());
+        let check: ScatterCheck = Box::new(move |st| {
+            let t0 = Instant::now();
+            match check_device_span(st, offset, &spec, generation, id.0, &cap) {
+                Ok(()) => {
+                    tracing::debug!(request = %id, bytes = spec.per_rank * spec.ranks,
+                        verify = spec.verify, check_us = t0.elapsed().as_micros() as u64,
+                        "device KV checked before the scatter (fence records, KVH64)");
+                    true
+                }
+                Err(e) => {
+                    *v.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                    false
+                }
+            }
+        });
+        match self
+            .engine
+            .scatter_kv_checked(id, 0..layers, offset, check)
+            .await
+        {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(Landing::Refused(
+                verdict
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .take()
+                    .unwrap_or(FenceError::Device {
+                        what: "check",
+                        message: "refused without a reason".into(),
+                    }),
+            )),
+            Err(e) => Err(Landing::Failed(eerr(&e))),
+        }
     }
 
     /// Decode side: where a reservation of `per_rank` bytes per TP rank lands, the rank regions
@@ -265,7 +404,7 @@ impl PdNode {
         let slice = match self.arena.as_ref().filter(|a| a.ranks() == ranks) {
             Some(a) => {
                 let t0 = Instant::now();
-                let want = if a.is_device() { per_rank } else { with_record };
+                let want = with_record;
                 let s = a
                     .reserve_wait(want, self.room_deadline(t0 + self.lease))
                     .await;
@@ -295,11 +434,12 @@ impl PdNode {
                 })
                 .collect();
             let offset = slice.offset() as u64;
-            let fence = (!arena.is_device()).then_some(FenceSpec {
+            let fence = Some(FenceSpec {
                 per_rank,
                 stride: 0,
                 ranks,
                 verify,
+                device: arena.is_device(),
             });
             self.via_arena.fetch_add(1, Ordering::Relaxed);
             return Ok((Staging::Arena(slice), targets, offset, fence));
@@ -362,6 +502,7 @@ impl PdNode {
             stride,
             ranks,
             verify,
+            device: false,
         };
         Ok((Staging::Host(budget), targets, 0, Some(fence)))
     }

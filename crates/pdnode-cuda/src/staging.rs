@@ -94,6 +94,52 @@ impl CudaBackend {
         Ok(read_sum(&self.gpu, sum, 0, len as u64)?)
     }
 
+    /// `kv_scatter_h64`: the scatter of `layers` of `blocks` from the arena at `offset`, which
+    /// adds the KVH64 terms of the bytes it moves (the span's words from 0) to the arena's sum
+    /// word; the finished hash of the span once the stream is done.
+    fn scatter_h64(
+        &self,
+        layers: &Range<u32>,
+        blocks: &[BlockId],
+        offset: usize,
+    ) -> Result<u64, BackendError> {
+        use super::super::ops::kvh64::{kv_copy_h64, read_sum};
+        let arena = self.arena()?;
+        let sum = self.staging_sum.as_ref().ok_or(BackendError::NoStaging)?;
+        let n = check_staging_io(
+            &self.layout,
+            self.num_blocks,
+            layers,
+            blocks,
+            offset,
+            arena.bytes(),
+        )?;
+        self.gpu.bind()?;
+        let ids: Vec<i32> = blocks.iter().map(|b| b.0 as i32).collect();
+        let idbuf = self.gpu.alloc(ids.len().max(1) * 4)?;
+        self.gpu.upload(&idbuf, 0, &ids)?;
+        self.gpu.memset(sum, 0)?;
+        kv_copy_h64(
+            &self.gpu,
+            false,
+            &self.pool,
+            arena,
+            offset,
+            idbuf.ptr(),
+            blocks.len(),
+            layers.start as usize,
+            (layers.end - layers.start) as usize,
+            self.num_blocks,
+            self.layout.block_layer_bytes(),
+            0,
+            sum.ptr(),
+        )?;
+        // Waits for the copy (`idbuf` lives until here).
+        let h = read_sum(&self.gpu, sum, 0, n as u64)?;
+        drop(idbuf);
+        Ok(h)
+    }
+
     /// The staging arena, or [`BackendError::NoStaging`].
     fn arena(&self) -> Result<&DevBuf, BackendError> {
         self.staging.as_ref().ok_or(BackendError::NoStaging)
@@ -394,6 +440,15 @@ impl KvStaging for CudaBackend {
         Ok(vec![self.arena_kvh64(offset, len)?])
     }
 
+    fn scatter_kv_from_staging_h64(
+        &mut self,
+        layers: Range<u32>,
+        blocks: &[BlockId],
+        offset: usize,
+    ) -> Result<Vec<u64>, BackendError> {
+        Ok(vec![self.scatter_h64(&layers, blocks, offset)?])
+    }
+
     /// One GPU only: a tensor-parallel rank's staging is driven by [`CudaTpBackend`], which
     /// gathers after the step.
     fn supports_step_staging(&self) -> bool {
@@ -532,5 +587,18 @@ impl KvStaging for CudaTpBackend {
             return Err(BackendError::NoStaging);
         }
         self.on_each_rank(move |be: &mut CudaBackend| be.arena_kvh64(offset, len))
+    }
+
+    fn scatter_kv_from_staging_h64(
+        &mut self,
+        layers: Range<u32>,
+        blocks: &[BlockId],
+        offset: usize,
+    ) -> Result<Vec<u64>, BackendError> {
+        if self.staging.is_empty() {
+            return Err(BackendError::NoStaging);
+        }
+        let blocks = Arc::new(blocks.to_vec());
+        self.on_each_rank(move |be: &mut CudaBackend| be.scatter_h64(&layers, &blocks, offset))
     }
 }

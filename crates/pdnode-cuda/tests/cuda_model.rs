@@ -505,6 +505,13 @@ fn kv_staging_arena_round_trip() {
         "PASS kv_staging_arena_records: KVH64 {:#018x}, record round trip",
         h[0]
     );
+    // The decode side's hashed scatter: the bytes it moves, and their KVH64 from the copy.
+    s.gather_kv_to_staging(0..l, &src, 256).unwrap();
+    let hs = s.scatter_kv_from_staging_h64(0..l, &dst, 256).unwrap();
+    assert_eq!(hs, h, "kv_scatter_h64 sums what kvh64_words sums");
+    be.read_kv(0..l, &dst, &mut b).unwrap();
+    assert_eq!(a, b, "the hashed scatter moved the span");
+    println!("PASS kv_staging_scatter_h64: {:#018x}", hs[0]);
 
     // Llama-3.1-8B shapes (32 layers, 8 KV heads, head dim 128, block 16): 4096 tokens.
     let spec8 = pdnode_engine::loader::dummy::llama31_8b();

@@ -538,6 +538,8 @@ fn tp2_kv_staging_arena_round_trip() {
     assert_ne!(r0, record, "rank 0's arena untouched");
     assert!(s.staging_read(2, 0, &mut r0).is_err(), "no rank 2");
     println!("TP PASS tp2 staging records: KVH64 {h:016x?}");
+    let hs = s.scatter_kv_from_staging_h64(0..l, &dst, 512).unwrap();
+    assert_eq!(hs, h, "per-rank hashed scatter");
 }
 
 /// The NVLink ceiling the KV hand-off is compared against, measured the way a hand-off uses the

@@ -172,8 +172,8 @@ async fn the_loop_writes_the_seal_behind_a_fully_gathered_span() {
 }
 
 /// A decode engine's checked scatter (`EngineHandle::scatter_kv_checked`): the check runs on
-/// the engine thread with the arena (here: it sums the span); refused, nothing reaches the
-/// reserved blocks; passed, the span is scattered into them.
+/// the engine thread with the arena; without a hash, a refusal leaves the reserved blocks
+/// untouched; with one, the scatter hands the check the KVH64 of what it moved.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_checked_scatter_moves_nothing_unless_the_check_passes() {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama_gqa");
@@ -226,7 +226,9 @@ async fn a_checked_scatter_moves_nothing_unless_the_check_passes() {
             id,
             0..layers,
             STAGING_ALIGN,
-            Box::new(move |st| {
+            false,
+            Box::new(move |st, hashed| {
+                assert!(hashed.is_none(), "no hash asked");
                 *s2.lock().unwrap() = st.staging_kvh64(STAGING_ALIGN, per_rank).ok();
                 false
             }),
@@ -241,10 +243,24 @@ async fn a_checked_scatter_moves_nothing_unless_the_check_passes() {
     );
     assert_eq!(engine.read_kv(id, 0..layers).await.unwrap(), before);
 
+    // Hashed: the scatter gives the check the KVH64 of what it moved.
+    let want = pdnode_core::kvh64::kvh64(&span).unwrap();
     let scattered = engine
-        .scatter_kv_checked(id, 0..layers, STAGING_ALIGN, Box::new(|_| true))
+        .scatter_kv_checked(
+            id,
+            0..layers,
+            STAGING_ALIGN,
+            true,
+            Box::new(move |_, hashed| hashed == Some(&[want][..])),
+        )
         .await
         .unwrap();
-    assert!(scattered);
+    assert!(scattered, "the check saw the span's KVH64");
     assert_eq!(engine.read_kv(id, 0..layers).await.unwrap(), span);
+    // Refused after a hashed scatter: the answer says so (the blocks are the caller's to release).
+    let refused = engine
+        .scatter_kv_checked(id, 0..layers, STAGING_ALIGN, true, Box::new(|_, _| false))
+        .await
+        .unwrap();
+    assert!(!refused);
 }

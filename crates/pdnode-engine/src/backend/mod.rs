@@ -499,6 +499,15 @@ pub trait KvStaging {
     /// KVH64 (`pdnode_core::kvh64`) of `len` bytes at `offset` of every rank's arena, in rank
     /// order (`offset` and `len` multiples of 16), after every copy issued before it.
     fn staging_kvh64(&mut self, offset: usize, len: usize) -> Result<Vec<u64>, BackendError>;
+    /// [`KvStaging::scatter_kv_from_staging`] that also returns each rank's KVH64 of the span
+    /// it read (the bytes now in the blocks), in rank order: on the GPU the copy hashes what it
+    /// moves (`kv_scatter_h64`), instead of a second read of the span.
+    fn scatter_kv_from_staging_h64(
+        &mut self,
+        layers: Range<u32>,
+        blocks: &[BlockId],
+        offset: usize,
+    ) -> Result<Vec<u64>, BackendError>;
     /// Whether [`KvStaging::stage_next_step`] works here (default: no; the engine then gathers
     /// after each step).
     fn supports_step_staging(&self) -> bool {

@@ -106,10 +106,11 @@ impl std::fmt::Debug for StagingSeal {
     }
 }
 
-/// Runs on the engine thread right before a checked scatter
-/// ([`EngineHandle::scatter_kv_checked`]), with the arena: reads what it needs of the span (a
-/// hand-off's fence records, its KVH64) and answers whether the scatter may go ahead.
-pub type ScatterCheck = Box<dyn FnOnce(&mut dyn crate::backend::KvStaging) -> bool + Send>;
+/// Runs on the engine thread in a checked scatter ([`EngineHandle::scatter_kv_checked`]), with
+/// the arena and, when the scatter hashed what it moved, each rank's KVH64 of the span: reads
+/// what else it needs (a hand-off's fence records) and answers whether the KV may be used.
+pub type ScatterCheck =
+    Box<dyn FnOnce(&mut dyn crate::backend::KvStaging, Option<&[u64]>) -> bool + Send>;
 
 /// What the loop reports about a staged prefill's span.
 pub enum StagedReady {
@@ -198,11 +199,12 @@ pub(crate) enum Command {
         gather: bool,
         reply: Reply<()>,
     },
-    /// Staging arena -> pool when `check` passes, in one visit of the loop.
+    /// Staging arena -> pool and `check`, in one visit of the loop.
     ScatterChecked {
         id: RequestId,
         layers: Range<u32>,
         offset: usize,
+        hash: bool,
         check: ScatterCheck,
         reply: Reply<bool>,
     },
@@ -577,20 +579,26 @@ impl EngineHandle {
         .await
     }
 
-    /// [`EngineHandle::scatter_kv`] after `check` passed, both on the engine thread in one visit
-    /// (a decode node's check of a device hand-off, then its scatter, without waiting for a
-    /// step in between): `Ok(false)` when `check` refused (nothing was scattered).
+    /// [`EngineHandle::scatter_kv`] and `check`, both on the engine thread in one visit (a
+    /// decode node's check of a device hand-off and its scatter, without waiting for a step in
+    /// between). Without `hash`, `check` runs first and nothing is scattered unless it passes;
+    /// with `hash`, the scatter hashes what it moves (each rank's KVH64, given to `check`) and
+    /// so writes the request's reserved blocks before `check` runs: on `Ok(false)` the caller
+    /// must release the lease (the blocks go back to the pool unused, never to the prefix
+    /// cache). `Ok(false)`: `check` refused.
     pub async fn scatter_kv_checked(
         &self,
         id: RequestId,
         layers: Range<u32>,
         offset: usize,
+        hash: bool,
         check: ScatterCheck,
     ) -> Result<bool, EngineError> {
         self.call("scatter_kv_checked", |reply| Command::ScatterChecked {
             id,
             layers,
             offset,
+            hash,
             check,
             reply,
         })

@@ -415,6 +415,7 @@ impl Loop {
                 id,
                 layers,
                 offset,
+                hash,
                 check,
                 reply,
             } => {
@@ -423,8 +424,12 @@ impl Loop {
                     (Some(_), None) => {
                         Err(EngineError::from(crate::backend::BackendError::NoStaging))
                     }
+                    (Some(blocks), Some(s)) if hash => s
+                        .scatter_kv_from_staging_h64(layers, blocks, offset)
+                        .map(|sums| check(&mut *s, Some(&sums)))
+                        .map_err(EngineError::from),
                     (Some(blocks), Some(s)) => {
-                        if check(&mut *s) {
+                        if check(&mut *s, None) {
                             s.scatter_kv_from_staging(layers, blocks, offset)
                                 .map(|()| true)
                                 .map_err(EngineError::from)

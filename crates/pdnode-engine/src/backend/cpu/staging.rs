@@ -230,6 +230,24 @@ impl KvStaging for CpuBackend {
         Ok(vec![h])
     }
 
+    fn scatter_kv_from_staging_h64(
+        &mut self,
+        layers: Range<u32>,
+        blocks: &[BlockId],
+        offset: usize,
+    ) -> Result<Vec<u64>, BackendError> {
+        let (ptr, n) = self.arena_span(&layers, blocks, offset)?;
+        // SAFETY: as in `scatter_kv_from_staging`; the arena span is only read here.
+        let data = unsafe { std::slice::from_raw_parts(ptr.add(offset).cast_const(), n) };
+        let h = pdnode_core::kvh64::kvh64(data).ok_or(BackendError::StagingRange {
+            offset,
+            len: n,
+            arena: n,
+        })?;
+        self.write_kv(layers, blocks, data)?;
+        Ok(vec![h])
+    }
+
     fn supports_step_staging(&self) -> bool {
         self.staging.is_some()
     }

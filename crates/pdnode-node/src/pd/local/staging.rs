@@ -108,8 +108,8 @@ fn check_device_span(
     st: &mut dyn KvStaging,
     at: usize,
     spec: &FenceSpec,
-    generation: u64,
-    request: u64,
+    (generation, request): (u64, u64),
+    hashed: Option<&[u64]>,
     cap: &Secret,
 ) -> Result<(), FenceError> {
     let failed = |what: &'static str, e: &dyn std::fmt::Display| FenceError::Device {
@@ -119,17 +119,14 @@ fn check_device_span(
     let rec_at = at
         .checked_add(spec.per_rank)
         .ok_or_else(|| failed("record offset", &"overflows"))?;
-    let sums = if spec.verify {
-        let s = st
-            .staging_kvh64(at, spec.per_rank)
-            .map_err(|e| failed("KVH64 of the landed bytes", &e))?;
-        if s.len() != spec.ranks {
-            let m = format!("{} sums for {} ranks", s.len(), spec.ranks);
+    // With verify the scatter hashed what it moved (`kv_scatter_h64`): the sums are given.
+    let sums = match (spec.verify, hashed) {
+        (false, _) => None,
+        (true, Some(s)) if s.len() == spec.ranks => Some(s),
+        (true, s) => {
+            let m = format!("{:?} sums for {} ranks", s.map(<[u64]>::len), spec.ranks);
             return Err(failed("KVH64 per rank", &m));
         }
-        Some(s)
-    } else {
-        None
     };
     for r in 0..spec.ranks {
         let mut b = [0u8; RECORD_LEN];
@@ -335,10 +332,13 @@ impl PdNode {
         )
     }
 
-    /// A device arena span's check and scatter in one visit of the engine loop (which owns the
+    /// A device arena span's scatter and check in one visit of the engine loop (which owns the
     /// GPU, and answers between steps): each rank's record copied out of device memory and,
-    /// with `verify`, each rank's KVH64 of the landed bytes (one read of the span on its GPU),
-    /// checked like host records; the scatter only when they pass.
+    /// with `verify`, each rank's KVH64 of the landed bytes, checked like host records. With
+    /// `verify` the scatter hashes what it moves (`kv_scatter_h64`, no second read of the span),
+    /// so the request's own reserved blocks hold the bytes before the check: a refusal releases
+    /// them unused (the request never runs; they never reach the prefix cache). Without it,
+    /// nothing is scattered unless the records pass.
     pub(super) async fn scatter_checked(
         &self,
         id: RequestId,
@@ -350,13 +350,13 @@ impl PdNode {
         let verdict = Arc::new(std::sync::Mutex::new(None::<FenceError>));
         let v = verdict.clone();
         let (generation, cap) = (slot.fsm.generation(), *slot.fsm.capability());
-        let check: ScatterCheck = Box::new(move |st| {
-            let t0 = Instant::now();
-            match check_device_span(st, offset, &spec, generation, id.0, &cap) {
+        let t0 = Instant::now();
+        let check: ScatterCheck = Box::new(move |st, hashed| {
+            match check_device_span(st, offset, &spec, (generation, id.0), hashed, &cap) {
                 Ok(()) => {
                     tracing::debug!(request = %id, bytes = spec.per_rank * spec.ranks,
-                        verify = spec.verify, check_us = t0.elapsed().as_micros() as u64,
-                        "device KV checked before the scatter (fence records, KVH64)");
+                        verify = spec.verify, scatter_check_us = t0.elapsed().as_micros() as u64,
+                        "device KV scattered and checked (fence records, KVH64)");
                     true
                 }
                 Err(e) => {
@@ -367,7 +367,7 @@ impl PdNode {
         });
         match self
             .engine
-            .scatter_kv_checked(id, 0..layers, offset, check)
+            .scatter_kv_checked(id, 0..layers, offset, spec.verify, check)
             .await
         {
             Ok(true) => Ok(()),

@@ -31,7 +31,8 @@ OUT=${OUT:-/tmp/pdnode-gpu/serve}
 PD=${PD:-/tmp/pd}
 WHAT=${1:-both}
 # PD_DECODE_GPU=0 puts the decode node on GPU0 with the prefill node (a one-GPU machine; set the
-# memory fractions and staging sizes below so that both fit).
+# memory fractions and staging sizes below so that both fit). PD_VERIFY=false turns
+# transfer.verify off on both PD nodes (the checksum's cost: compare the device-fence line).
 DECODE_GPU=${PD_DECODE_GPU:-1}
 NREQ=${NREQ:-256}
 CONC=${CONC:-64}
@@ -218,12 +219,12 @@ def field_us(path, what, key):
             out.append((int(f.get("bytes", 0)), int(f.get(key, 0))))
     return out
 sums = field_us(sys.argv[1], "staged span sealed", "seal_us") + field_us(sys.argv[1], "device KV summed", "sum_us")
-checks = field_us(sys.argv[2], "device KV checked before the scatter", "check_us")
+checks = field_us(sys.argv[2], "device KV scattered and checked", "scatter_check_us")
 big = lambda v: sorted(u for b, u in v if b > 100 << 20)
 ho = big([(r[0], r[1]) for r in rows])
 med = lambda v: v[len(v) // 2] if v else float("nan")
 print(f"  device fences: {len(sums)} seals/sums at prefill, {len(checks)} checks at decode; "
-      f"prompts > 100 MiB: seal/sum_us p50 {med(big(sums))}, check_us p50 {med(big(checks))}, "
+      f"prompts > 100 MiB: seal/sum_us p50 {med(big(sums))}, scatter+check_us p50 {med(big(checks))}, "
       f"hand-off transfer_us p50 {med(ho)}")
 PY
 }
@@ -277,7 +278,8 @@ kind = \"ucx\"
 ucx_lib = \"$LIB\"
 ucx_net_devices = \"lo\"
 ucx_tls = \"${PD_UCX_TLS:-}\"
-staging_mib = 4096"
+staging_mib = 4096
+verify = ${PD_VERIFY:-true}"
     pdlog="info,pdnode_node::pd=debug,pdnode_transfer::ucx=debug,pdnode_engine::engine::run::staged=debug"
     { MAX_BATCH_TOKENS=${PD_MAX_BATCH_TOKENS:-8192} MEM_FRACTION=${PD_PREFILL_MEM_FRACTION:-0.82} \
       ENGINE_EXTRA="kv_staging_tokens = ${PREFILL_STAGING_TOKENS:-32768}" LOG_FILTER=$pdlog \

@@ -546,6 +546,40 @@ fn kv_staging_arena_round_trip() {
         sc * 1e3,
         bytes as f64 / sc / 1e9
     );
+    // What a verified device hand-off adds per side (issue 15): P's seal is one KVH64 pass
+    // (`staging_kvh64`) and a 64-byte record write per rank; D's scatter hashes what it moves
+    // (`scatter_kv_from_staging_h64`) and reads each record back.
+    let time = |f: &mut dyn FnMut()| {
+        f();
+        let t = std::time::Instant::now();
+        for _ in 0..5 {
+            f();
+        }
+        t.elapsed().as_secs_f64() / 5.0
+    };
+    let s8 = be8.kv_staging().unwrap();
+    let kvh = time(&mut || {
+        s8.staging_kvh64(0, bytes).unwrap();
+    });
+    let sch = time(&mut || {
+        s8.scatter_kv_from_staging_h64(0..lay.num_layers, &blocks, 0)
+            .unwrap();
+    });
+    let rec = [0u8; 64];
+    let wr = time(&mut || s8.staging_write(0, bytes - 64, &rec).unwrap());
+    let mut back = [0u8; 64];
+    let rd = time(&mut || s8.staging_read(0, bytes - 64, &mut back).unwrap());
+    println!(
+        "BENCH verify {} MiB: kvh64 pass {:.3} ms ({:.0} GB/s), scatter {:.3} ms, scatter_h64 {:.3} ms (+{:.3}), record write {:.1} us, record read {:.1} us",
+        bytes >> 20,
+        kvh * 1e3,
+        bytes as f64 / kvh / 1e9,
+        sc * 1e3,
+        sch * 1e3,
+        (sch - sc) * 1e3,
+        wr * 1e6,
+        rd * 1e6
+    );
 }
 
 /// In-step staging (`KvStaging::stage_next_step`): during a prefill step the backend gathers the

@@ -109,11 +109,31 @@ impl BenchRow {
     }
 }
 
+/// Bytes one decode step of `batch` sequences at `ctx` tokens each must read from HBM, for the
+/// decode rows' ceiling: every weight except the embedding table, of which a step reads only its
+/// `batch` rows (unless the table is tied to the output projection, which reads all of it), plus
+/// the KV of `batch * ctx` tokens. `weight_bytes` is what the backend holds (bf16, the table
+/// included). Not counted: activations (a few MB) and the logits written.
+pub fn decode_step_bytes(spec: &ModelSpec, weight_bytes: f64, batch: usize, ctx: usize) -> f64 {
+    let bf16 = 2.0;
+    let table = (spec.vocab_size * spec.hidden_size) as f64 * bf16;
+    let rows = (batch * spec.hidden_size) as f64 * bf16;
+    let embedding = if spec.tie_word_embeddings {
+        0.0
+    } else {
+        table - rows
+    };
+    let kv_per_tok = (spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim) as f64 * bf16;
+    weight_bytes - embedding + kv_per_tok * (batch * ctx) as f64
+}
+
 /// The step table of a [`run_variants`] sweep as printed by `pdnode bench-engine` and the GPU
 /// bench test: the ceilings line, then one markdown row per result.
 pub fn step_table(ceil: &Ceilings, rows: &[BenchRow]) -> String {
     let mut out = format!(
         "ceilings: HBM copy traffic {:.0} GB/s (read+write), bf16 GEMM 8192^3 {:.0} TFLOP/s\n\
+         decode ceiling: the bytes a step must read (weights less the embedding table, B rows of \
+         it, the KV of B x ctx tokens) at the copy rate; prefill: its FLOP at the GEMM peak\n\
          | what | batch | ctx | ms/step | ceiling ms | ratio |\n|---|---|---|---|---|---|\n",
         ceil.hbm_traffic_bps / 1e9,
         ceil.gemm_flops / 1e12
@@ -263,7 +283,6 @@ pub fn run_variants(
     be.fill_kv_random(99)?;
     let ceil = measure_ceilings(be.gpu())?;
     let wbytes = be.weight_bytes() as f64;
-    let kv_per_tok = (spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 2) as f64;
     let mut rows = Vec::new();
     for (vi, &(attn, lin)) in variants.iter().enumerate() {
         be.set_kernels(attn, lin);
@@ -283,7 +302,7 @@ pub fn run_variants(
             let replays0 = be.graph_stats().replays;
             let gpu_t = timed_steps(&mut be, iters, &fb)?;
             let graph_ran = be.graph_stats().replays >= replays0 + iters as u64;
-            let bytes = wbytes + kv_per_tok * (batch * ctx) as f64;
+            let bytes = decode_step_bytes(&spec, wbytes, batch, ctx);
             // every row of this (batch, ctx): reported, then kept
             let mut add = |what: String, ms: f64| {
                 let row = BenchRow {
@@ -738,6 +757,32 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_decode_step_reads_the_weights_but_only_its_rows_of_the_embedding_table() {
+        let spec = llama31_8b();
+        // Llama-3.1-8B in bf16: 16.06 GB of weights, 1.05 GB of them the (untied) table.
+        let w = spec.num_params() as f64 * 2.0;
+        let table = (128_256 * 4096) as f64 * 2.0;
+        let one = decode_step_bytes(&spec, w, 1, 0);
+        assert_eq!(one, w - table + 4096.0 * 2.0);
+        // Each token of context adds its K and V in every layer: 32 x 2 x 8 x 128 x 2 B.
+        assert_eq!(decode_step_bytes(&spec, w, 1, 512) - one, 512.0 * 131_072.0);
+        assert_eq!(
+            decode_step_bytes(&spec, w, 64, 0) - one,
+            63.0 * 4096.0 * 2.0,
+            "one embedding row per sequence"
+        );
+        let tied = ModelSpec {
+            tie_word_embeddings: true,
+            ..spec
+        };
+        assert_eq!(
+            decode_step_bytes(&tied, w, 1, 0),
+            w,
+            "a tied table is read whole"
+        );
+    }
+
+    #[test]
     fn step_table_has_the_ceilings_and_one_row_per_result() {
         let ceil = Ceilings {
             hbm_traffic_bps: 4.2e12,
@@ -756,14 +801,15 @@ mod tests {
             lines[0],
             "ceilings: HBM copy traffic 4200 GB/s (read+write), bf16 GEMM 8192^3 790 TFLOP/s"
         );
+        assert!(lines[1].starts_with("decode ceiling: the bytes a step must read"));
         assert_eq!(
-            lines[1],
+            lines[2],
             "| what | batch | ctx | ms/step | ceiling ms | ratio |"
         );
         assert_eq!(
-            lines[3],
+            lines[4],
             "| decode graph | 8 | 512 | 5.000 | 4.000 | 0.80 |"
         );
-        assert_eq!(lines.len(), 4);
+        assert_eq!(lines.len(), 5);
     }
 }

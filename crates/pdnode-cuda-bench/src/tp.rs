@@ -105,8 +105,10 @@ pub fn run_decode_on(
             be.forward(&fb).map_err(err)?;
         }
         let host_t = t0.elapsed().as_secs_f64() / n_host as f64;
-        // Per GPU: its weight slice and its share of the KV heads.
-        let bytes = wbytes + kv_per_tok * (batch * ctx) as f64 / tp as f64;
+        // Per GPU: its weight slice (the embedding table is replicated: only `batch` rows of it
+        // are read) and its share of the KV heads.
+        let bytes = crate::decode_step_bytes(&spec, wbytes, batch, 0)
+            + kv_per_tok * (batch * ctx) as f64 / tp as f64;
         let floor_ms = bytes / ceil.hbm_traffic_bps * 1e3;
         let graph = if graph_ran {
             "decode graph"

@@ -115,9 +115,7 @@ impl CudaBackend {
             arena.bytes(),
         )?;
         self.gpu.bind()?;
-        let ids: Vec<i32> = blocks.iter().map(|b| b.0 as i32).collect();
-        let idbuf = self.gpu.alloc(ids.len().max(1) * 4)?;
-        self.gpu.upload(&idbuf, 0, &ids)?;
+        let idbuf = self.block_ids(blocks)?;
         self.gpu.memset(sum, 0)?;
         kv_copy_h64(
             &self.gpu,
@@ -138,6 +136,15 @@ impl CudaBackend {
         let h = read_sum(&self.gpu, sum, 0, n as u64)?;
         drop(idbuf);
         Ok(h)
+    }
+
+    /// `blocks` as device i32 ids for the copy kernels (enqueued; the buffer must outlive the
+    /// copies that read it).
+    fn block_ids(&self, blocks: &[BlockId]) -> Result<DevBuf, BackendError> {
+        let ids: Vec<i32> = blocks.iter().map(|b| b.0 as i32).collect();
+        let idbuf = self.gpu.alloc(ids.len().max(1) * 4)?;
+        self.gpu.upload(&idbuf, 0, &ids)?;
+        Ok(idbuf)
     }
 
     /// The staging arena, or [`BackendError::NoStaging`].
@@ -216,9 +223,7 @@ impl CudaBackend {
         blocks: &[BlockId],
     ) -> Result<(), BackendError> {
         self.gpu.bind()?;
-        let ids: Vec<i32> = blocks.iter().map(|b| b.0 as i32).collect();
-        let idbuf = self.gpu.alloc(ids.len() * 4)?;
-        self.gpu.upload(&idbuf, 0, &ids)?;
+        let idbuf = self.block_ids(blocks)?;
         self.launch_copies(gather, parts, idbuf.ptr(), blocks.len())?;
         // `idbuf` lives until here: the copies that read it are done.
         self.gpu.sync()?;

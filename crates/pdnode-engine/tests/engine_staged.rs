@@ -29,10 +29,16 @@ fn record(r: usize, sum: Option<u64>) -> Vec<u8> {
     b
 }
 
-/// Runs one staged prefill of a 10-token prompt (block size 4: 3 blocks) with `max_batch_tokens`
-/// per step and `layer_group` (0: gathers after the steps); returns the reports, the span's
-/// bytes and the record behind it, and the engine's own KV of the prompt (`read_kv`).
-async fn staged(max_batch_tokens: usize, layer_group: u32, hash: bool) -> Run {
+/// A CPU engine in `mode` over the fixture model (block size 4, 32 blocks) with a host arena of
+/// `ARENA` bytes the test can read (the arena's memory), and the KV layout.
+fn engine(
+    mode: Mode,
+    max_batch_tokens: usize,
+) -> (
+    pdnode_engine::engine::EngineHandle,
+    Arc<Mutex<Box<[u8]>>>,
+    pdnode_core::KvLayout,
+) {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama_gqa");
     let model = load_path(&dir).unwrap();
     let vocab = model.spec.vocab_size;
@@ -48,12 +54,12 @@ async fn staged(max_batch_tokens: usize, layer_group: u32, hash: bool) -> Run {
     let mem = Arc::new(Mutex::new(vec![0u8; ARENA].into_boxed_slice()));
     let ptr = mem.lock().unwrap().as_mut_ptr();
     let owner: Arc<dyn Any + Send + Sync> = mem.clone();
-    // SAFETY: the boxed slice lives in `owner` (kept by the arena and by this test) and is only
-    // written by the engine's backend while the test reads it after the request has left.
+    // SAFETY: the boxed slice lives in `owner` (kept by the arena and by the test); the test
+    // touches it only when the engine does not (before a scatter, after a request left).
     be.attach_staging(unsafe { HostArena::new(ptr, ARENA, owner) });
     let layout = pdnode_engine::backend::Backend::kv_layout(&be).clone();
     let cfg = EngineLoopConfig {
-        mode: Mode::PrefillOnly,
+        mode,
         max_batch_tokens,
         max_running_requests: 4,
         max_queued_requests: 16,
@@ -67,6 +73,14 @@ async fn staged(max_batch_tokens: usize, layer_group: u32, hash: bool) -> Run {
         call_timeout: Duration::from_secs(30),
     };
     let engine = spawn_with_regions(Box::new(be), Vec::new(), cfg, None).unwrap();
+    (engine, mem, layout)
+}
+
+/// Runs one staged prefill of a 10-token prompt (block size 4: 3 blocks) with `max_batch_tokens`
+/// per step and `layer_group` (0: gathers after the steps); returns the reports, the span's
+/// bytes and the record behind it, and the engine's own KV of the prompt (`read_kv`).
+async fn staged(max_batch_tokens: usize, layer_group: u32, hash: bool) -> Run {
+    let (engine, mem, layout) = engine(Mode::PrefillOnly, max_batch_tokens);
     let blocks = 3;
     let per_rank = layout.num_layers as usize * blocks * layout.block_layer_bytes();
     let sums_seen = Arc::new(Mutex::new(None));
@@ -176,40 +190,7 @@ async fn the_loop_writes_the_seal_behind_a_fully_gathered_span() {
 /// untouched; with one, the scatter hands the check the KVH64 of what it moved.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_checked_scatter_moves_nothing_unless_the_check_passes() {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama_gqa");
-    let model = load_path(&dir).unwrap();
-    let vocab = model.spec.vocab_size;
-    let mut be = CpuBackend::from_loaded(
-        model,
-        CpuBackendConfig {
-            block_size: 4,
-            num_blocks: 32,
-            threads: 1,
-        },
-    )
-    .unwrap();
-    let mem = Arc::new(Mutex::new(vec![0u8; ARENA].into_boxed_slice()));
-    let ptr = mem.lock().unwrap().as_mut_ptr();
-    let owner: Arc<dyn Any + Send + Sync> = mem.clone();
-    // SAFETY: as in `staged`: the slice lives in `owner`; the test writes the span before the
-    // engine reads it.
-    be.attach_staging(unsafe { HostArena::new(ptr, ARENA, owner) });
-    let layout = pdnode_engine::backend::Backend::kv_layout(&be).clone();
-    let cfg = EngineLoopConfig {
-        mode: Mode::DecodeOnly,
-        max_batch_tokens: 16,
-        max_running_requests: 4,
-        max_queued_requests: 16,
-        context_length: 64,
-        prefix_cache: false,
-        lease: Duration::from_secs(10),
-        vocab_size: vocab,
-        eos_token_ids: vec![],
-        max_output_tokens: None,
-        idle_wait: Duration::from_millis(5),
-        call_timeout: Duration::from_secs(30),
-    };
-    let engine = spawn_with_regions(Box::new(be), Vec::new(), cfg, None).unwrap();
+    let (engine, mem, layout) = engine(Mode::DecodeOnly, 16);
     let id = RequestId(9);
     let blocks = engine.reserve_for_transfer(id, 10).await.unwrap();
     let layers = layout.num_layers;

@@ -149,35 +149,28 @@ impl OverlapPush {
         let slice: SliceCell = Arc::new(Mutex::new(None));
         // Into host staging only: the record goes from a fresh host region, which UCX cannot
         // put into a peer's device memory (a device span waits out its fence deadline).
+        // The span's record, without a checksum: the seal's template, and the abandoned one.
+        let template = FenceRecord {
+            generation: target.staging_generation,
+            request: target.request.0,
+            len: per_rank,
+            sum: None,
+            aborted: false,
+        };
         let abandon_record = if target.fence_record && !target.ranks.iter().any(|r| r.device_memory)
         {
-            Some((
-                FenceRecord {
-                    generation: target.staging_generation,
-                    request: target.request.0,
-                    len: per_rank,
-                    sum: None,
-                    aborted: true,
-                },
-                super::kv::capability(target)?,
-            ))
+            let aborted = FenceRecord {
+                aborted: true,
+                ..template
+            };
+            Some((aborted, super::kv::capability(target)?))
         } else {
             None
         };
         // A device arena: the engine writes the records (it owns the GPU; asking it later would
         // wait for its current step). Host arenas: the push writes them in place.
         let seal = if target.fence_record && arena.is_device() {
-            Some((
-                FenceRecord {
-                    generation: target.staging_generation,
-                    request: target.request.0,
-                    len: per_rank,
-                    sum: None,
-                    aborted: false,
-                },
-                target.verify,
-                super::kv::capability(target)?,
-            ))
+            Some((template, target.verify, super::kv::capability(target)?))
         } else {
             None
         };

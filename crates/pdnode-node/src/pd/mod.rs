@@ -16,6 +16,7 @@ mod build;
 mod colocated;
 pub mod fence;
 pub mod handoff;
+mod held;
 mod kv;
 mod local;
 mod mock_tok;

@@ -24,6 +24,7 @@ use super::handoff::{ClaimError, Quarantine, QuarantineEnd, Release, ReleaseCaus
 use super::held::HeldCaps;
 use super::kv::{HandoffError, KvMover, copy_ranks, put_ranks};
 use super::overlap::OverlapPush;
+use super::peers::RegisteredPeers;
 use futures::future::BoxFuture;
 use pdnode_core::error::{Classify, ErrorKind};
 use pdnode_core::request::{GenerateRequest, SamplerState};
@@ -114,6 +115,8 @@ pub struct PdNode {
     cap_key: CapabilityKey,
     /// Decode nodes a push to stalled, until when no push goes there (prefill).
     stalled_peers: Mutex<HashMap<NodeId, push::PeerStall>>,
+    /// The registered decode nodes a push may go to (prefill over UCX); unset: any target.
+    peers: Mutex<Option<RegisteredPeers>>,
 }
 
 /// Removes a reservation in progress from [`PdNode::reserving`] when `ReserveKv` ends.
@@ -142,6 +145,10 @@ const SWEEP_EVERY: Duration = Duration::from_millis(100);
 /// How long a prefill node sends no push to a decode node after a push to it stalled
 /// (`transfer.stall_ms`); as long as the router avoids a node it found unreachable.
 pub const STALLED_PEER_COOL_OFF: Duration = Duration::from_secs(5);
+
+/// The longest a prefill waits for its registry view to show the target's decode node (one
+/// that registered a moment ago; the router may see it first).
+const PEER_VIEW_WAIT: Duration = Duration::from_secs(1);
 
 /// The longest a hand-off waits for room in a full staging arena (see `PdNode::room_deadline`).
 pub const MAX_ARENA_WAIT: Duration = Duration::from_secs(5);
@@ -216,6 +223,7 @@ impl PdNode {
             held: HeldCaps::default(),
             cap_key: CapabilityKey::random(),
             stalled_peers: Mutex::new(HashMap::new()),
+            peers: Mutex::new(None),
         });
         // Quarantined spans come back without waiting for the next reservation's sweep (a
         // reservation waiting for arena room is woken by the free).
@@ -230,6 +238,12 @@ impl PdNode {
             });
         }
         node
+    }
+
+    /// Pushes (prefill over UCX) go only to these decode nodes, at the UCX worker their cards
+    /// registered (replaces what was set before).
+    pub fn set_registered_peers(&self, peers: RegisteredPeers) {
+        *self.peers.lock().unwrap_or_else(|p| p.into_inner()) = Some(peers);
     }
 
     /// Layers per in-step gather and put during a prompt's last prefill step
@@ -514,6 +528,13 @@ impl PdNode {
                 format!("request {id} is prefilling on {} already", self.id),
             ));
         };
+        // A UCX endpoint only to a registered decode node, at the worker its card names.
+        let peers = self.peers.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        if let (KvMover::Ucx(_), Some(peers)) = (&self.mover, peers)
+            && let Err(e) = peers.admit(target, PEER_VIEW_WAIT).await
+        {
+            return Err(nerr(e.kind(), format!("KV target of {id}: {e}")));
+        }
         let started = Instant::now();
         // The engine's part: queueing and the prompt's chunks, until the first token.
         let compute = tracing::info_span!(

@@ -13,6 +13,9 @@ pub enum ErrorKind {
     ContextLengthExceeded,
     /// Authentication failed (HTTP 401, gRPC UNAUTHENTICATED).
     Unauthenticated,
+    /// The caller is known but may not do this, e.g. an `Abort` without the request's KV
+    /// capability (HTTP 403, gRPC PERMISSION_DENIED).
+    PermissionDenied,
     /// Too much load right now (HTTP 429, gRPC RESOURCE_EXHAUSTED).
     Overloaded,
     /// No node can serve this now (HTTP 503, gRPC UNAVAILABLE).
@@ -33,6 +36,7 @@ impl ErrorKind {
             ErrorKind::InvalidRequest => "invalid_request",
             ErrorKind::ContextLengthExceeded => "context_length_exceeded",
             ErrorKind::Unauthenticated => "unauthenticated",
+            ErrorKind::PermissionDenied => "permission_denied",
             ErrorKind::Overloaded => "overloaded",
             ErrorKind::Unavailable => "unavailable",
             ErrorKind::Retryable => "retryable",
@@ -47,6 +51,7 @@ impl ErrorKind {
         match self {
             ErrorKind::InvalidRequest | ErrorKind::ContextLengthExceeded => 400,
             ErrorKind::Unauthenticated => 401,
+            ErrorKind::PermissionDenied => 403,
             ErrorKind::Overloaded => 429,
             ErrorKind::Cancelled => 499,
             ErrorKind::Internal => 500,

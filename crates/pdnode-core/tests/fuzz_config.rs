@@ -5,8 +5,10 @@
 //! config that loads builds every deadline its durations make without overflow.
 
 use pdnode_core::config::{ConfigError, load_from_str, load_from_str_with_env};
+use pdnode_testkit::fuzz::Fuzz;
+use pdnode_testkit::fuzz_regressions;
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestCaseError, TestRunner};
+use proptest::test_runner::TestCaseError;
 use std::time::{Duration, Instant};
 
 const FILE: &str = "fuzz.toml";
@@ -125,14 +127,6 @@ fn check(r: Result<pdnode_core::config::Loaded, Vec<ConfigError>>) -> Result<(),
     Ok(())
 }
 
-fn config(cases: u32) -> Config {
-    Config {
-        cases,
-        failure_persistence: None,
-        ..Config::default()
-    }
-}
-
 #[test]
 fn toml_files_of_real_keys_load_or_name_their_errors() {
     let keys = keys();
@@ -143,7 +137,7 @@ fn toml_files_of_real_keys_load_or_name_their_errors() {
                 .map(|(k, v)| format!("{k} = {v}\n"))
                 .collect::<String>()
         });
-    TestRunner::new(config(1000))
+    Fuzz::new(fuzz_regressions!("config_toml_files"), 1000)
         .run(&file, |text| check(load_from_str(FILE, &text, &[])))
         .unwrap();
 }
@@ -155,7 +149,7 @@ fn set_arguments_and_env_overlays_load_or_name_their_errors() {
         prop::collection::vec((prop::sample::select(keys.clone()), values()), 0..4),
         prop::collection::vec((prop::sample::select(keys), values()), 0..3),
     );
-    TestRunner::new(config(600))
+    Fuzz::new(fuzz_regressions!("config_overlays"), 600)
         .run(&input, |(sets, env)| {
             let sets: Vec<String> = sets.iter().map(|(k, v)| format!("{k}={v}")).collect();
             let env: Vec<(String, String)> = env
@@ -198,7 +192,7 @@ fn raw_text_loads_or_names_its_errors() {
         )
         .prop_map(|v| v.concat()),
     ];
-    TestRunner::new(config(600))
+    Fuzz::new(fuzz_regressions!("config_raw_text"), 600)
         .run(&text, |t| check(load_from_str(FILE, &t, &[])))
         .unwrap();
 }

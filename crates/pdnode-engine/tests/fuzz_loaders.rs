@@ -10,20 +10,14 @@ use pdnode_engine::loader::gguf::{GgufFile, GgufValue};
 use pdnode_engine::loader::safetensors_io::SafetensorsSet;
 use pdnode_engine::loader::{LoadError, gguf_model, load_path};
 use pdnode_engine::text::Tokenizer;
+use pdnode_testkit::fuzz::Fuzz;
+use pdnode_testkit::fuzz_regressions;
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestCaseError, TestRunner};
+use proptest::test_runner::TestCaseError;
 use std::path::{Path, PathBuf};
 
 fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
-}
-
-fn config(cases: u32) -> Config {
-    Config {
-        cases,
-        failure_persistence: None,
-        ..Config::default()
-    }
 }
 
 /// A scratch directory removed on drop.
@@ -152,7 +146,7 @@ fn edited_gguf_images_are_errors_or_models() {
         prop::sample::select(vec![0usize, 1]),
         prop::collection::vec(edit(), 1..5),
     );
-    TestRunner::new(config(400))
+    Fuzz::new(fuzz_regressions!("gguf_edited"), 400)
         .run(&input, |(which, edits)| {
             let (path, bytes, header) = &images[which];
             let mut b = bytes.clone();
@@ -288,7 +282,7 @@ fn gguf_images_with_random_metadata_and_tensors_are_errors_or_models() {
     let path = dir.0.join("random.gguf");
     let meta = prop::collection::vec((prop::sample::select(GGUF_KEYS), gguf_value()), 0..12);
     let input = (meta, prop::collection::vec(tensor(), 0..4));
-    TestRunner::new(config(400))
+    Fuzz::new(fuzz_regressions!("gguf_generated"), 400)
         .run(&input, |(meta, tensors)| {
             let meta: Vec<(String, GgufValue)> =
                 meta.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
@@ -333,7 +327,7 @@ fn safetensors_with_random_headers_are_errors_or_tensors() {
         prop::collection::vec(any::<u8>(), 0..128),
         any::<bool>(),
     );
-    TestRunner::new(config(400))
+    Fuzz::new(fuzz_regressions!("safetensors_headers"), 400)
         .run(&input, |(entries, data, with_metadata)| {
             let mut header = serde_json::Map::new();
             if with_metadata {
@@ -378,7 +372,7 @@ fn edited_safetensors_models_are_errors_or_models() {
         std::fs::copy(src.join(f), dir.0.join(f)).unwrap();
     }
     let file = dir.0.join("model.safetensors");
-    TestRunner::new(config(200))
+    Fuzz::new(fuzz_regressions!("safetensors_edited"), 200)
         .run(&prop::collection::vec(edit(), 1..4), |edits| {
             let mut b = bytes.clone();
             for e in &edits {

@@ -7,17 +7,11 @@
 mod text_support;
 
 use pdnode_engine::text::{ChatTemplate, IncrementalDecoder, RenderOptions, TemplateValue};
+use pdnode_testkit::fuzz::Fuzz;
+use pdnode_testkit::fuzz_regressions;
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestCaseError, TestRunner};
+use proptest::test_runner::TestCaseError;
 use serde_json::Value;
-
-fn config(cases: u32) -> Config {
-    Config {
-        cases,
-        failure_persistence: None,
-        ..Config::default()
-    }
-}
 
 /// Strings with the characters tokenizers trip on: control tokens, byte-fallback edges,
 /// combining marks, invalid-looking sequences, long runs.
@@ -100,7 +94,7 @@ fn any_text_and_any_ids_through_the_toy_tokenizer() {
         prop_oneof![8 => 0..vocab, 1 => vocab..vocab + 4, 1 => any::<u32>()],
         0..24,
     );
-    TestRunner::new(config(500))
+    Fuzz::new(fuzz_regressions!("text_toy_tokenizer"), 500)
         .run(&(texts(), ids), |(text, ids)| {
             check_tokenizer(&tok, &text, &ids)
         })
@@ -118,7 +112,7 @@ fn any_text_and_any_ids_through_smollm2s_tokenizer() {
         prop_oneof![8 => 0..vocab, 1 => vocab..vocab + 4, 1 => any::<u32>()],
         0..24,
     );
-    TestRunner::new(config(256))
+    Fuzz::new(fuzz_regressions!("text_smollm2_tokenizer"), 256)
         .run(&(texts(), ids), |(text, ids)| {
             check_tokenizer(&tok, &text, &ids)
         })
@@ -166,7 +160,7 @@ fn any_messages_through_the_shipped_chat_templates() {
         any::<bool>(),
         prop::option::of(prop::collection::vec(texts(), 0..3)),
     );
-    TestRunner::new(config(500))
+    Fuzz::new(fuzz_regressions!("text_chat_templates"), 500)
         .run(&input, |(which, messages, add_generation_prompt, tools)| {
             let msgs: Vec<TemplateValue> =
                 messages.iter().map(TemplateValue::from_serialize).collect();

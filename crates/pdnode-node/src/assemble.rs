@@ -42,6 +42,12 @@ pub async fn assemble(cfg: &Config, registry: Arc<dyn Registry>) -> Result<NodeD
                 )
                 .with_staging(s.node.clone()),
             );
+            if role == Role::Prefill {
+                // KV goes only to registered decode nodes, at the UCX workers their cards name.
+                let view = LiveMembership::start(&*registry, &cfg.node.cluster).await?;
+                s.node
+                    .set_registered_peers(pd::RegisteredPeers::follow(view));
+            }
             let ucx = pd::ucx_address_hex(&s.transport);
             tracing::info!(backend = %s.built.handle.info().backend_name, blocks = s.built.handle.info().num_kv_blocks, "engine ready");
             Ok(NodeDeps {

@@ -176,7 +176,24 @@ async fn drops_aborts_refusals_and_leases_free_everything() {
     let t = reserve(&node, id).await;
     node.prefill(call(id, &t)).await.unwrap();
     let before = node.pending();
-    assert!(node.abort(id, "test".into()).await.unwrap());
+    // Without the request's KV capability an abort is refused, and the request stays.
+    for wrong in [Vec::new(), vec![0; 16], t.secret[..15].to_vec()] {
+        let e = node.abort(id, wrong, "test".into()).await.unwrap_err();
+        assert_eq!(e.kind, pdnode_core::ErrorKind::PermissionDenied, "{e}");
+    }
+    assert_eq!(node.pending(), before);
+    assert!(
+        node.abort(id, t.secret.clone(), "test".into())
+            .await
+            .unwrap()
+    );
+    assert!(
+        !node
+            .abort(id, t.secret.clone(), "again".into())
+            .await
+            .unwrap(),
+        "aborted already: nothing found"
+    );
     assert_eq!(node.pending(), before - 1);
     assert_clean(node.engine()).await;
 

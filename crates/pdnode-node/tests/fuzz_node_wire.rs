@@ -14,8 +14,10 @@ use pdnode_core::{NodeId, RequestId, SamplingParams};
 use pdnode_node::pd::{self, wire};
 use pdnode_proto::v1;
 use pdnode_router::{GenEvent, GenRequest, NodeClient, Router};
+use pdnode_testkit::fuzz::Fuzz;
+use pdnode_testkit::fuzz_regressions;
 use proptest::prelude::*;
-use proptest::test_runner::{Config as RunnerConfig, TestCaseError, TestRunner};
+use proptest::test_runner::TestCaseError;
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -133,6 +135,8 @@ enum Op {
     },
     Abort {
         id: u64,
+        /// `None`: the KV capability of the reservation with this id (empty without one).
+        capability: Option<Vec<u8>>,
     },
 }
 
@@ -157,7 +161,9 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(id, right_secret, first_token_id, sampling, prompt)| Op::Decode {
                 id, right_secret, first_token_id, sampling, prompt,
             }),
-        1 => id.prop_map(|id| Op::Abort { id }),
+        1 => (id, prop_oneof![2 => Just(None),
+                              1 => prop::collection::vec(any::<u8>(), 0..20).prop_map(Some)])
+            .prop_map(|(id, capability)| Op::Abort { id, capability }),
     ]
 }
 
@@ -211,14 +217,10 @@ async fn random_node_calls_get_answers_and_the_node_keeps_serving() {
     let aio = tokio::task::block_in_place(|| pd::all_in_one(&cfg, &NodeId::new("fz"))).unwrap();
     let (p, d) = (aio.prefill.clone(), aio.decode.clone());
     let rt = tokio::runtime::Handle::current();
-    let mut runner = TestRunner::new(RunnerConfig {
-        cases: 512,
-        failure_persistence: None,
-        ..RunnerConfig::default()
-    });
+    let fuzz = Fuzz::new(fuzz_regressions!("node_wire_calls"), 512);
     let served = std::sync::Mutex::new(Served::default());
     let result = tokio::task::block_in_place(|| {
-        runner.run(&prop::collection::vec(op(), 1..7), |ops| {
+        fuzz.run(&prop::collection::vec(op(), 1..7), |ops| {
             rt.block_on(async {
                 let mut targets: HashMap<u64, (v1::KvTarget, Vec<u32>)> = HashMap::new();
                 let mut last = 0;
@@ -228,20 +230,27 @@ async fn random_node_calls_get_answers_and_the_node_keeps_serving() {
                     }
                     run_op(&*p, &*d, op, last, &mut targets, &served).await?;
                 }
+                // With each reservation's capability (a wrong one is refused).
                 for id in 0..4 {
-                    let _ = p.abort(RequestId(id), "fuzz case over".into()).await;
-                    let _ = d.abort(RequestId(id), "fuzz case over".into()).await;
+                    let cap = targets.get(&id).map(|t| t.0.secret.clone());
+                    let cap = cap.unwrap_or_default();
+                    let _ = p
+                        .abort(RequestId(id), cap.clone(), "fuzz case over".into())
+                        .await;
+                    let _ = d.abort(RequestId(id), cap, "fuzz case over".into()).await;
                 }
                 Ok(())
             })
         })
     });
-    result.unwrap();
+    let ran = result.unwrap();
     let served = served.into_inner().unwrap();
     eprintln!("{served:?}");
+    // The happy path is reached too: 20, 5 and 5 of CI's 512 cases at least.
+    let n = ran.cases;
     assert!(
-        served.reserved > 20 && served.prefilled > 5 && served.decoded_tokens > 5,
-        "{served:?}"
+        served.reserved * 25 > n && served.prefilled * 100 > n && served.decoded_tokens * 100 > n,
+        "{served:?} in {n} cases"
     );
 
     // The nodes still serve, and hold nothing once the leases of unclaimed work expired.
@@ -384,11 +393,16 @@ async fn run_op(
                 }
             }
         }
-        Op::Abort { id } => {
+        Op::Abort { id, capability } => {
+            let capability = capability
+                .clone()
+                .or_else(|| targets.get(id).map(|r| r.0.secret.clone()))
+                .unwrap_or_default();
             for n in [p, d] {
                 let r = v1::AbortRequest {
                     request_id: *id,
                     reason: "fuzz".into(),
+                    capability: capability.clone(),
                 };
                 let _ = tokio::time::timeout(CALL, wire::abort(n, r))
                     .await

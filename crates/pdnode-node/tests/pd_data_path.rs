@@ -137,7 +137,12 @@ async fn refusals_wrong_secret_layout_and_missing_reservation() {
     assert!(none.err().unwrap().message.contains("no KV reservation"));
 
     // Abort frees the reservation.
-    assert!(aio.decode.abort(id, "test".into()).await.unwrap());
+    assert!(
+        aio.decode
+            .abort(id, target.secret.clone(), "test".into())
+            .await
+            .unwrap()
+    );
     assert_eq!(aio.decode.pending_reservations(), 0);
     assert_clean(&aio.decode).await;
     assert_clean(&aio.prefill).await;
@@ -447,8 +452,10 @@ async fn ucx_staging_arena_hand_off_matches_colocated_and_frees_its_slices() {
     drop(hold);
 
     // A reservation aborted, and one left to its lease: their slices come back.
+    let mut caps = Vec::new();
     for (i, ids) in prompts.iter().enumerate() {
-        d.node
+        let t = d
+            .node
             .reserve_kv(ReserveKv {
                 request_id: RequestId(10 + i as u64),
                 prompt_token_ids: ids.clone(),
@@ -457,12 +464,16 @@ async fn ucx_staging_arena_hand_off_matches_colocated_and_frees_its_slices() {
             })
             .await
             .unwrap();
+        caps.push(t.secret);
     }
     assert!(!da.all_free());
-    assert!(d.node.abort(RequestId(10), "test".into()).await.unwrap());
-    assert!(d.node.abort(RequestId(11), "test".into()).await.unwrap());
-    assert!(!da.all_free(), "request 12 still holds its slice");
-    assert!(d.node.abort(RequestId(12), "test".into()).await.unwrap());
+    for (i, cap) in caps.iter().enumerate() {
+        let id = RequestId(10 + i as u64);
+        assert!(d.node.abort(id, cap.clone(), "test".into()).await.unwrap());
+        if i == 1 {
+            assert!(!da.all_free(), "request 12 still holds its slice");
+        }
+    }
     // Their targets went out and no writer's fence record came back: quarantined until one
     // lease past their lease (a late put must not land in another request's span).
     assert_eq!(d.node.staging_stats().quarantined, 3);
@@ -749,7 +760,13 @@ async fn an_abort_ends_a_reservation_waiting_for_arena_room() {
     });
     wait_until("decode reservation waits", || da.wait_counts().0 == 1).await;
     let t = std::time::Instant::now();
-    assert!(d.node.abort(RequestId(77), "test".into()).await.unwrap());
+    // No capability exists while the reservation is being made: none is needed to cancel it.
+    assert!(
+        d.node
+            .abort(RequestId(77), Vec::new(), "test".into())
+            .await
+            .unwrap()
+    );
     let got = tokio::time::timeout(Duration::from_secs(2), r)
         .await
         .expect("the abort did not end the wait")

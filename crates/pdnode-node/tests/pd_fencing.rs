@@ -174,7 +174,7 @@ async fn a_put_landing_after_its_abort_never_reaches_a_scatter_or_the_next_reser
     );
     assert!(
         d.node
-            .abort(RequestId(1), "client gone".into())
+            .abort(RequestId(1), x.secret.clone(), "client gone".into())
             .await
             .unwrap()
     );
@@ -216,7 +216,7 @@ async fn a_put_landing_after_its_abort_never_reaches_a_scatter_or_the_next_reser
     let (_, z) = reserve(&d, 3, &ids).await;
     assert!(
         d.node
-            .abort(RequestId(3), "client gone".into())
+            .abort(RequestId(3), z.secret.clone(), "client gone".into())
             .await
             .unwrap()
     );
@@ -380,18 +380,18 @@ async fn an_abandoned_push_frees_the_decode_span_without_waiting_for_the_fence_d
             request_id: RequestId(id),
             prompt_token_ids: ids.clone(),
             sampling: SamplingParams::greedy(5),
-            target: t,
+            target: t.clone(),
         });
         let _ = tokio::time::timeout(Duration::from_millis(id * 3), call).await;
         assert!(
             p.node
-                .abort(RequestId(id), "client gone".into())
+                .abort(RequestId(id), t.secret.clone(), "client gone".into())
                 .await
                 .is_ok()
         );
         assert!(
             d.node
-                .abort(RequestId(id), "client gone".into())
+                .abort(RequestId(id), t.secret.clone(), "client gone".into())
                 .await
                 .unwrap()
         );
@@ -425,7 +425,12 @@ async fn the_transfer_keys_reach_the_decode_node() {
         t.fence_record && !t.verify,
         "verify off: a record without a checksum"
     );
-    assert!(d.node.abort(RequestId(1), "test".into()).await.unwrap());
+    assert!(
+        d.node
+            .abort(RequestId(1), t.secret.clone(), "test".into())
+            .await
+            .unwrap()
+    );
     let arena = d.node.staging_arena().expect("decode arena").clone();
     let full = arena
         .reserve(arena.free_bytes())

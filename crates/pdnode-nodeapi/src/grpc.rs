@@ -238,14 +238,19 @@ impl NodeClient for GrpcNodeClient {
         })
     }
 
-    fn abort(&self, id: RequestId, reason: String) -> BoxFuture<'_, Result<bool, NodeError>> {
+    fn abort(
+        &self,
+        id: RequestId,
+        capability: Vec<u8>,
+        reason: String,
+    ) -> BoxFuture<'_, Result<bool, NodeError>> {
         let mut c = self.inner.clone();
         Box::pin(async move {
             let r = c
                 .abort(traced(v1::AbortRequest {
                     request_id: id.0,
                     reason,
-                    ..Default::default()
+                    capability,
                 }))
                 .await
                 .map_err(status_err)?;

@@ -133,8 +133,18 @@ pub trait NodeClient: Send + Sync + 'static {
     fn prefill(&self, req: PrefillCall) -> BoxFuture<'_, Result<PrefillOutcome, NodeError>>;
     /// Decode: continue from the first token; streams the rest.
     fn decode(&self, req: DecodeCall) -> BoxFuture<'_, Result<DecodeStream, NodeError>>;
-    /// Stop a request and free what it holds on the node; `Ok(found)`.
-    fn abort(&self, id: RequestId, reason: String) -> BoxFuture<'_, Result<bool, NodeError>>;
+    /// Stop a request and free what it holds on the node; `Ok(found)`. `capability` is the
+    /// request's KV capability (the `secret` of the target its `reserve_kv` answered; empty
+    /// before that answer). A node that holds a capability for `id` (a reservation, a running
+    /// decode, a prefill with its target) stops the request only when `capability` matches it,
+    /// else answers [`ErrorKind::PermissionDenied`] and the request goes on; where none exists
+    /// yet (a reservation still being made) none is needed (docs/protocol.md, "Capabilities").
+    fn abort(
+        &self,
+        id: RequestId,
+        capability: Vec<u8>,
+        reason: String,
+    ) -> BoxFuture<'_, Result<bool, NodeError>>;
     /// Current load.
     fn stats(&self) -> BoxFuture<'_, Result<NodeStats, NodeError>>;
 }

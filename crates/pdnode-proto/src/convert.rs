@@ -134,6 +134,7 @@ impl From<ErrorKind> for v1::ErrorKind {
             ErrorKind::InvalidRequest => v1::ErrorKind::InvalidRequest,
             ErrorKind::ContextLengthExceeded => v1::ErrorKind::ContextLengthExceeded,
             ErrorKind::Unauthenticated => v1::ErrorKind::Unauthenticated,
+            ErrorKind::PermissionDenied => v1::ErrorKind::PermissionDenied,
             ErrorKind::Overloaded => v1::ErrorKind::Overloaded,
             ErrorKind::Unavailable => v1::ErrorKind::Unavailable,
             ErrorKind::Retryable => v1::ErrorKind::Retryable,
@@ -156,6 +157,7 @@ impl TryFrom<v1::ErrorKind> for ErrorKind {
             v1::ErrorKind::InvalidRequest => ErrorKind::InvalidRequest,
             v1::ErrorKind::ContextLengthExceeded => ErrorKind::ContextLengthExceeded,
             v1::ErrorKind::Unauthenticated => ErrorKind::Unauthenticated,
+            v1::ErrorKind::PermissionDenied => ErrorKind::PermissionDenied,
             v1::ErrorKind::Overloaded => ErrorKind::Overloaded,
             v1::ErrorKind::Unavailable => ErrorKind::Unavailable,
             v1::ErrorKind::Retryable => ErrorKind::Retryable,
@@ -191,6 +193,7 @@ pub fn grpc_code(kind: ErrorKind) -> tonic::Code {
             tonic::Code::InvalidArgument
         }
         ErrorKind::Unauthenticated => tonic::Code::Unauthenticated,
+        ErrorKind::PermissionDenied => tonic::Code::PermissionDenied,
         ErrorKind::Overloaded => tonic::Code::ResourceExhausted,
         ErrorKind::Unavailable | ErrorKind::Retryable => tonic::Code::Unavailable,
         ErrorKind::Timeout => tonic::Code::DeadlineExceeded,
@@ -211,7 +214,8 @@ pub fn kind_of_status(s: &tonic::Status) -> ErrorKind {
         Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => {
             ErrorKind::InvalidRequest
         }
-        Code::Unauthenticated | Code::PermissionDenied => ErrorKind::Unauthenticated,
+        Code::Unauthenticated => ErrorKind::Unauthenticated,
+        Code::PermissionDenied => ErrorKind::PermissionDenied,
         Code::ResourceExhausted => ErrorKind::Overloaded,
         Code::Unavailable => ErrorKind::Unavailable,
         Code::Aborted => ErrorKind::Retryable,

@@ -74,6 +74,8 @@ pub struct FakeBehavior {
     pub token_interval: Duration,
     /// Delay of prefill before it answers.
     pub prefill_delay: Duration,
+    /// Delay of `ReserveKv` before it answers (a decode node waiting for staging room).
+    pub reserve_delay: Duration,
     pub fail_reserve: Option<NodeError>,
     pub fail_prefill: Option<NodeError>,
     /// `Stats` (the router's liveness probe) fails with this: a node that stopped answering.
@@ -94,6 +96,7 @@ impl Default for FakeBehavior {
                 .collect(),
             token_interval: Duration::ZERO,
             prefill_delay: Duration::ZERO,
+            reserve_delay: Duration::ZERO,
             fail_reserve: None,
             fail_prefill: None,
             fail_stats: None,
@@ -115,7 +118,11 @@ pub enum FakeCall {
     ReserveKv(RequestId),
     Prefill(RequestId),
     Decode(RequestId),
+    /// An abort that stopped the request (or found nothing): it presented the request's KV
+    /// capability, or the node held none for it.
     Abort(RequestId),
+    /// An abort refused (`PermissionDenied`): not the capability this node holds for it.
+    AbortRefused(RequestId),
     Stats,
 }
 
@@ -141,6 +148,9 @@ pub struct FakeNode {
     live: Mutex<HashMap<RequestId, CancellationToken>>,
     /// KV blocks held per request.
     held: Arc<Mutex<HashMap<RequestId, u64>>>,
+    /// The KV capability of each request this node reserved or prefills (the target's
+    /// secret): an Abort must present it, as a real node's must.
+    caps: Mutex<HashMap<RequestId, Vec<u8>>>,
     changed: Notify,
 }
 
@@ -152,6 +162,7 @@ impl FakeNode {
             calls: Mutex::new(Vec::new()),
             live: Mutex::new(HashMap::new()),
             held: Arc::new(Mutex::new(HashMap::new())),
+            caps: Mutex::new(HashMap::new()),
             changed: Notify::new(),
         })
     }
@@ -290,22 +301,32 @@ impl NodeClient for FakeNode {
     fn reserve_kv(&self, req: ReserveKv) -> BoxFuture<'_, Result<KvTarget, NodeError>> {
         Box::pin(async move {
             self.record(FakeCall::ReserveKv(req.request_id));
-            if let Some(e) = self.behavior.lock().fail_reserve.clone() {
+            let b = self.behavior.lock().clone();
+            tokio::time::sleep(b.reserve_delay).await;
+            if let Some(e) = b.fail_reserve {
                 return Err(e);
             }
             self.token(req.request_id);
             self.hold(req.request_id, blocks_for(req.prompt_token_ids.len()));
-            Ok(fake_target(
+            let target = fake_target(
                 req.request_id,
                 &self.id,
                 blocks_for(req.prompt_token_ids.len()).max(1) as usize,
-            ))
+            );
+            self.caps
+                .lock()
+                .insert(req.request_id, target.secret.clone());
+            Ok(target)
         })
     }
 
     fn prefill(&self, req: PrefillCall) -> BoxFuture<'_, Result<PrefillOutcome, NodeError>> {
         Box::pin(async move {
             self.record(FakeCall::Prefill(req.request_id));
+            self.caps
+                .lock()
+                .entry(req.request_id)
+                .or_insert_with(|| req.target.secret.clone());
             let b = self.behavior.lock().clone();
             let cancel = self.token(req.request_id);
             self.hold(req.request_id, blocks_for(req.prompt_token_ids.len()));
@@ -399,8 +420,25 @@ impl NodeClient for FakeNode {
         })
     }
 
-    fn abort(&self, id: RequestId, _reason: String) -> BoxFuture<'_, Result<bool, NodeError>> {
+    fn abort(
+        &self,
+        id: RequestId,
+        capability: Vec<u8>,
+        _reason: String,
+    ) -> BoxFuture<'_, Result<bool, NodeError>> {
         Box::pin(async move {
+            {
+                let mut caps = self.caps.lock();
+                if caps.get(&id).is_some_and(|c| *c != capability) {
+                    drop(caps);
+                    self.record(FakeCall::AbortRefused(id));
+                    return Err(NodeError::new(
+                        ErrorKind::PermissionDenied,
+                        format!("abort of {id}: not its KV capability"),
+                    ));
+                }
+                caps.remove(&id);
+            }
             let found = self.live.lock().remove(&id);
             if let Some(t) = &found {
                 t.cancel();

@@ -141,7 +141,7 @@ impl Node for Adapter {
         let r = r.into_inner();
         let found = self
             .fake
-            .abort(RequestId(r.request_id), r.reason)
+            .abort(RequestId(r.request_id), r.capability, r.reason)
             .await
             .map_err(|e| status_of(&e))?;
         Ok(Response::new(v1::AbortResponse {

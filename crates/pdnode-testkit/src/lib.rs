@@ -8,12 +8,16 @@
 //! - [`ChildGuard`]: kills a spawned process by PID on drop.
 //! - [`wait_for`] / [`wait_for_async`]: poll a condition until a deadline.
 //! - [`free_port`]: a free TCP port on 127.0.0.1.
+//! - [`fuzz::Fuzz`]: a bounded proptest fuzz target (case count and time budget,
+//!   `PDNODE_FUZZ_CASES` / `PDNODE_FUZZ_SECS`) that saves its failures to
+//!   `tests/regressions/<target>.txt` and replays them first ([`fuzz_regressions!`]).
 //!
 //! A missing etcd binary is an error ([`TestkitError::EtcdMissing`]), so tests fail where etcd
 //! should be installed (CI). Only `PDNODE_SKIP_ETCD_TESTS=1` lets a test skip: see
 //! [`skip_etcd_tests`].
 
 mod etcd;
+pub mod fuzz;
 mod process;
 mod wait;
 

@@ -640,6 +640,10 @@ async fn ttft_router_vs_direct() {
             .unwrap()
             .into_inner()
             .target;
+        let capability = target
+            .as_ref()
+            .map(|t| t.secret.clone())
+            .unwrap_or_default();
         p.prefill(v1::PrefillRequest {
             request_id: id,
             prompt_token_ids: tokens.clone(),
@@ -655,6 +659,7 @@ async fn ttft_router_vs_direct() {
         d.abort(v1::AbortRequest {
             request_id: id,
             reason: "bench".into(),
+            capability,
         })
         .await
         .unwrap();

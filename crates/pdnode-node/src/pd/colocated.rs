@@ -13,6 +13,7 @@
 //! request in the engine, which frees its KV blocks.
 
 use super::build::{BuildError, BuiltEngine, build_engine};
+use super::held::{HeldCaps, Hold, Presented};
 use super::local::decode_chunk;
 use super::{card, router_model};
 use futures::future::BoxFuture;
@@ -34,6 +35,8 @@ use std::time::{Duration, Instant};
 
 struct Slot {
     secret: Secret,
+    /// The capability held for `abort` while the request lives (moved into the decode stream).
+    hold: Hold,
     /// The engine stream once `prefill` started the request.
     stream: Option<RequestStream>,
     expires: Instant,
@@ -45,6 +48,8 @@ pub struct ColocatedNode {
     engine: EngineHandle,
     lease: Duration,
     slots: Mutex<HashMap<RequestId, Slot>>,
+    /// Every live request's capability (the reservation's secret), for `abort`.
+    caps: HeldCaps,
 }
 
 fn eerr(e: &pdnode_engine::engine::EngineError) -> NodeError {
@@ -63,6 +68,7 @@ impl ColocatedNode {
             engine,
             lease,
             slots: Mutex::new(HashMap::new()),
+            caps: HeldCaps::default(),
         })
     }
 
@@ -145,13 +151,15 @@ impl ColocatedNode {
             verify: false,
         };
         let mut slots = self.slots();
-        if slots.contains_key(&id) {
-            return Err(invalid(format!("request {id} is already reserved")));
-        }
+        let hold = match self.caps.try_hold(id, secret) {
+            Some(h) if !slots.contains_key(&id) => h,
+            _ => return Err(invalid(format!("request {id} is already reserved"))),
+        };
         slots.insert(
             id,
             Slot {
                 secret,
+                hold,
                 stream: None,
                 expires: Instant::now() + self.lease,
             },
@@ -234,6 +242,7 @@ impl ColocatedNode {
             engine: self.engine.clone(),
             id,
             done: false,
+            _hold: slot.hold,
         };
         let s = futures::stream::unfold((stream, guard), |(mut rx, mut guard)| async move {
             if guard.done {
@@ -249,11 +258,13 @@ impl ColocatedNode {
     }
 }
 
-/// Aborts the request in the engine when a decode stream is dropped before its end.
+/// Aborts the request in the engine when a decode stream is dropped before its end; holds
+/// the request's capability for `abort` as long as the stream.
 struct AbortOnDrop {
     engine: EngineHandle,
     id: RequestId,
     done: bool,
+    _hold: Hold,
 }
 
 impl Drop for AbortOnDrop {
@@ -277,12 +288,34 @@ impl NodeClient for ColocatedNode {
         Box::pin(self.do_decode(req))
     }
 
-    fn abort(&self, id: RequestId, reason: String) -> BoxFuture<'_, Result<bool, NodeError>> {
+    fn abort(
+        &self,
+        id: RequestId,
+        capability: Vec<u8>,
+        reason: String,
+    ) -> BoxFuture<'_, Result<bool, NodeError>> {
         Box::pin(async move {
             tracing::debug!(request = %id, %reason, node = %self.id, "abort");
-            let had = self.slots().remove(&id).is_some();
-            self.engine.abort(id);
-            Ok(had)
+            // `reserve_kv` answers at once: every request this node knows has a capability.
+            match self.caps.check(id, &capability) {
+                Presented::Unknown => Ok(false),
+                Presented::Wrong => {
+                    tracing::warn!(request = %id, node = %self.id,
+                        "abort refused: not the request's KV capability; the request goes on");
+                    Err(NodeError::new(
+                        ErrorKind::PermissionDenied,
+                        format!(
+                            "Abort of {id} on {}: not the request's KV capability (the request goes on)",
+                            self.id
+                        ),
+                    ))
+                }
+                Presented::Matches => {
+                    self.slots().remove(&id);
+                    self.engine.abort(id);
+                    Ok(true)
+                }
+            }
         })
     }
 

@@ -13,12 +13,18 @@
 //! target's rank `r` region, flushes, releases the lease and the span, and answers the first
 //! token. Every failure after a reservation or a lease releases it; a reservation nobody claims
 //! is freed by the engine at its lease deadline, and its staging here by [`PdNode::sweep`].
+//! `abort` stops a request only with its KV capability (the target's secret) wherever one
+//! exists: a reservation, a claimed request decoding, a prefill running with its target; a
+//! reservation still being made (no capability yet) is cancelled without one
+//! (docs/protocol.md, "Capabilities").
 
 use super::arena::{ArenaSlice, StagingArena};
 use super::fence::{self, FenceCounters, FenceError, FenceStats, RECORD_LEN};
 use super::handoff::{ClaimError, Quarantine, QuarantineEnd, Release, ReleaseCause, Reservation};
+use super::held::HeldCaps;
 use super::kv::{HandoffError, KvMover, copy_ranks, put_ranks};
 use super::overlap::OverlapPush;
+use super::peers::RegisteredPeers;
 use futures::future::BoxFuture;
 use pdnode_core::error::{Classify, ErrorKind};
 use pdnode_core::request::{GenerateRequest, SamplerState};
@@ -37,9 +43,11 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+mod abort;
 mod push;
 mod staging;
 
+use abort::EngineAbortOnDrop;
 pub use staging::StagingStats;
 use staging::{FenceSpec, HostStage, Landing, Quarantined};
 
@@ -98,12 +106,17 @@ pub struct PdNode {
     stall_ms: AtomicU64,
     stall_rate: AtomicU64,
     /// Reservations in progress (decode: `ReserveKv` not answered yet, e.g. waiting for arena
-    /// room); `abort` cancels them.
+    /// room); `abort` cancels them. Lock order: `reserving`, then `slots`, then `held`.
     reserving: Mutex<HashMap<RequestId, Arc<CancellationToken>>>,
+    /// The KV capabilities of requests running here (prefill: the target's, while `Prefill`
+    /// runs; decode: a claimed reservation's, while it decodes): `abort` must present them.
+    held: HeldCaps,
     /// Mints this decode node's KV capabilities; random per process.
     cap_key: CapabilityKey,
     /// Decode nodes a push to stalled, until when no push goes there (prefill).
     stalled_peers: Mutex<HashMap<NodeId, push::PeerStall>>,
+    /// The registered decode nodes a push may go to (prefill over UCX); unset: any target.
+    peers: Mutex<Option<RegisteredPeers>>,
 }
 
 /// Removes a reservation in progress from [`PdNode::reserving`] when `ReserveKv` ends.
@@ -132,6 +145,10 @@ const SWEEP_EVERY: Duration = Duration::from_millis(100);
 /// How long a prefill node sends no push to a decode node after a push to it stalled
 /// (`transfer.stall_ms`); as long as the router avoids a node it found unreachable.
 pub const STALLED_PEER_COOL_OFF: Duration = Duration::from_secs(5);
+
+/// The longest a prefill waits for its registry view to show the target's decode node (one
+/// that registered a moment ago; the router may see it first).
+const PEER_VIEW_WAIT: Duration = Duration::from_secs(1);
 
 /// The longest a hand-off waits for room in a full staging arena (see `PdNode::room_deadline`).
 pub const MAX_ARENA_WAIT: Duration = Duration::from_secs(5);
@@ -203,8 +220,10 @@ impl PdNode {
                 pdnode_core::config::TransferConfig::default().stall_min_rate_mibps << 20,
             ),
             reserving: Mutex::new(HashMap::new()),
+            held: HeldCaps::default(),
             cap_key: CapabilityKey::random(),
             stalled_peers: Mutex::new(HashMap::new()),
+            peers: Mutex::new(None),
         });
         // Quarantined spans come back without waiting for the next reservation's sweep (a
         // reservation waiting for arena room is woken by the free).
@@ -219,6 +238,12 @@ impl PdNode {
             });
         }
         node
+    }
+
+    /// Pushes (prefill over UCX) go only to these decode nodes, at the UCX worker their cards
+    /// registered (replaces what was set before).
+    pub fn set_registered_peers(&self, peers: RegisteredPeers) {
+        *self.peers.lock().unwrap_or_else(|p| p.into_inner()) = Some(peers);
     }
 
     /// Layers per in-step gather and put during a prompt's last prefill step
@@ -350,10 +375,18 @@ impl PdNode {
         let id = req.request_id;
         let prompt_len = req.prompt_token_ids.len();
         let token = Arc::new(CancellationToken::new());
-        self.reserving
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(id, token.clone());
+        {
+            let mut r = self.reserving.lock().unwrap_or_else(|p| p.into_inner());
+            // One reservation per request id: a second one must never take the place (and
+            // the capability) of a reservation its prefill node may be putting into.
+            if r.contains_key(&id) || self.slots().contains_key(&id) || self.held.contains(id) {
+                return Err(nerr(
+                    ErrorKind::InvalidRequest,
+                    format!("request {id} is reserved or running on {} already", self.id),
+                ));
+            }
+            r.insert(id, token.clone());
+        }
         let reserving = Reserving {
             node: self,
             id,
@@ -364,6 +397,13 @@ impl PdNode {
             .reserve_for_transfer(id, prompt_len)
             .await
             .map_err(|e| eerr(&e))?;
+        // The engine holds blocks for `id` now: a call dropped before the reservation is
+        // handed out (the router's deadline, the router gone) gives them back at once.
+        let mut lease = EngineAbortOnDrop {
+            engine: &self.engine,
+            id,
+            armed: true,
+        };
         let layout = self.layout().clone();
         let per_rank = layout.num_layers as usize * blocks.len() * layout.block_layer_bytes();
         let aborted = || {
@@ -428,16 +468,32 @@ impl PdNode {
             fence_record: fence.is_some(),
             verify: fence.is_some_and(|f| f.verify),
         };
-        self.slots().insert(
-            id,
-            DecodeSlot {
-                fsm: Reservation::new(id, generation, secret, Instant::now(), self.lease)
-                    .with_expiry(deadline_ms),
-                blocks: blocks.len(),
-                staging,
-                fence,
-            },
-        );
+        let slot = DecodeSlot {
+            fsm: Reservation::new(id, generation, secret, Instant::now(), self.lease)
+                .with_expiry(deadline_ms),
+            blocks: blocks.len(),
+            staging,
+            fence,
+        };
+        // From "being reserved" to "reserved" in one step under `reserving`, so an abort sees
+        // one or the other: cancelled before this point, nothing is handed out.
+        let cancelled = {
+            let mut r = self.reserving.lock().unwrap_or_else(|p| p.into_inner());
+            let cancelled = reserving.token.is_cancelled();
+            if !cancelled {
+                if r.get(&id).is_some_and(|t| Arc::ptr_eq(t, &reserving.token)) {
+                    r.remove(&id);
+                }
+                self.slots().insert(id, slot);
+            }
+            cancelled
+        };
+        if cancelled {
+            // Nobody saw the target: its span (dropped here) is free at once.
+            let _ = self.engine.release_transfer(id).await;
+            return Err(aborted());
+        }
+        lease.armed = false;
         Ok(target)
     }
 
@@ -458,6 +514,26 @@ impl PdNode {
         }
         if let Err(m) = self.layout().check_compatible(&target.layout) {
             return Err(nerr(ErrorKind::InvalidRequest, m.to_string()));
+        }
+        // The target's capability, held while this call runs: the router's `abort` presents it.
+        let cap = Secret::from_bytes(&target.secret).ok_or_else(|| {
+            nerr(
+                ErrorKind::InvalidRequest,
+                "the KV target's secret is not a KV capability",
+            )
+        })?;
+        let Some(_hold) = self.held.try_hold(id, cap) else {
+            return Err(nerr(
+                ErrorKind::InvalidRequest,
+                format!("request {id} is prefilling on {} already", self.id),
+            ));
+        };
+        // A UCX endpoint only to a registered decode node, at the worker its card names.
+        let peers = self.peers.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        if let (KvMover::Ucx(_), Some(peers)) = (&self.mover, peers)
+            && let Err(e) = peers.admit(target, PEER_VIEW_WAIT).await
+        {
+            return Err(nerr(e.kind(), format!("KV target of {id}: {e}")));
         }
         let started = Instant::now();
         // The engine's part: queueing and the prompt's chunks, until the first token.
@@ -688,11 +764,34 @@ impl PdNode {
                         format!("the KV capability of {id} expired (its lease deadline passed)"),
                     ));
                 }
+                // Claimed: from here an abort must present the capability to `held`.
                 Ok(()) => match slots.remove(&id) {
-                    Some(s) => s,
+                    Some(s) => {
+                        let hold = self.held.try_hold(id, *s.fsm.capability());
+                        (s, hold)
+                    }
                     None => return Err(nerr(ErrorKind::Internal, "reservation vanished")),
                 },
             }
+        };
+        let (slot, hold) = slot;
+        // `ReserveKv` refuses an id running here, so this does not happen; if it did, the
+        // reservation is given up like a refused one.
+        let Some(hold) = hold else {
+            let _ = self.engine.release_transfer(id).await;
+            self.release_staging(id, slot, ReleaseCause::Refused);
+            return Err(nerr(
+                ErrorKind::Internal,
+                format!("request {id} is running on {} already", self.id),
+            ));
+        };
+        // Claimed: until the engine admits the request (its stream then owns it), any way out
+        // of here, an error or the call dropped, gives the blocks back at once. The router's
+        // abort after a failed `Decode` finds nothing left to stop.
+        let mut claimed = EngineAbortOnDrop {
+            engine: &self.engine,
+            id,
+            armed: true,
         };
         // Nothing is scattered unless this reservation's own writer finished (its fence record)
         // and, with `transfer.verify`, the bytes are the ones it sent.
@@ -765,13 +864,15 @@ impl PdNode {
                 }),
             )
             .map_err(|e| eerr(&e))?;
-        let s = futures::stream::unfold((stream, false), |(mut rx, done)| async move {
+        claimed.armed = false;
+        // The capability stays held (for `abort`) as long as the stream.
+        let s = futures::stream::unfold((stream, false, hold), |(mut rx, done, hold)| async move {
             if done {
                 return None;
             }
             let ev = rx.next().await?;
             let (item, last) = decode_chunk(ev, "decode engine answered like a prefill engine");
-            Some((item, (rx, last)))
+            Some((item, (rx, last, hold)))
         });
         Ok(Box::pin(s))
     }
@@ -805,29 +906,13 @@ impl NodeClient for PdNode {
         Box::pin(crate::trace::in_span(span, self.do_decode(req)))
     }
 
-    fn abort(&self, id: RequestId, reason: String) -> BoxFuture<'_, Result<bool, NodeError>> {
-        Box::pin(async move {
-            tracing::debug!(request = %id, %reason, node = %self.id, "abort");
-            // The engine frees whatever the request holds (queued, running, lease); a
-            // reservation's staging goes with its slot.
-            let reserving = self
-                .reserving
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove(&id);
-            if let Some(t) = &reserving {
-                t.cancel();
-            }
-            let slot = self.slots().remove(&id);
-            let had_slot = slot.is_some() || reserving.is_some();
-            if let Some(slot) = slot {
-                // A prefill node may still be putting into it: fenced until its writer's
-                // record shows up or the fence deadline passes.
-                self.release_staging(id, slot, ReleaseCause::Abort);
-            }
-            self.engine.abort(id);
-            Ok(had_slot || self.role != Role::Decode)
-        })
+    fn abort(
+        &self,
+        id: RequestId,
+        capability: Vec<u8>,
+        reason: String,
+    ) -> BoxFuture<'_, Result<bool, NodeError>> {
+        Box::pin(self.do_abort(id, capability, reason))
     }
 
     fn stats(&self) -> BoxFuture<'_, Result<NodeStats, NodeError>> {

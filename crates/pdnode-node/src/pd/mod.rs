@@ -16,10 +16,12 @@ mod build;
 mod colocated;
 pub mod fence;
 pub mod handoff;
+mod held;
 mod kv;
 mod local;
 mod mock_tok;
 mod overlap;
+mod peers;
 mod tokenize;
 pub mod wire;
 
@@ -31,6 +33,7 @@ pub use colocated::{Colocated, ColocatedNode, colocated};
 pub use kv::{InProcessDirectory, KvMover};
 pub use local::{MAX_ARENA_WAIT, PdNode, StagingStats};
 pub use mock_tok::MockTokenizer;
+pub use peers::{PeerError, RegisteredPeers};
 pub use tokenize::EngineTokenizer;
 
 use pdnode_core::card::{NodeAddresses, NodeCapacity, NodeCard};

@@ -125,7 +125,7 @@ pub async fn abort(
     r: v1::AbortRequest,
 ) -> Result<v1::AbortResponse, Status> {
     let found = node
-        .abort(RequestId(r.request_id), r.reason)
+        .abort(RequestId(r.request_id), r.capability, r.reason)
         .await
         .map_err(|e| status(&e))?;
     Ok(v1::AbortResponse { found })

@@ -102,6 +102,7 @@ fn error_kinds_round_trip_and_map_to_grpc_codes() {
         ErrorKind::InvalidRequest,
         ErrorKind::ContextLengthExceeded,
         ErrorKind::Unauthenticated,
+        ErrorKind::PermissionDenied,
         ErrorKind::Overloaded,
         ErrorKind::Unavailable,
         ErrorKind::Retryable,

@@ -37,7 +37,7 @@ use pdnode_core::error::Classify;
 use pdnode_core::metrics as m;
 use pdnode_core::{ErrorKind, FinishReason, NodeId, RequestId, Role};
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tracing::Instrument;
@@ -167,27 +167,41 @@ async fn step<T, E>(
 where
     E: Into<crate::error::NodeError>,
 {
-    let left = deadline.saturating_duration_since(Instant::now());
-    let limit = limit.min(left);
-    let (step, node, request) = what;
     tokio::select! {
         biased;
         _ = tx.closed() => Err(StepErr::ClientGone),
-        r = tokio::time::timeout(limit, fut) => match r {
-            Err(_) => Err(StepErr::Failed(RouterError::Timeout {
-                step,
-                node: node.clone(),
-                request,
-                after_ms: limit.as_millis() as u64,
-            })),
-            Ok(Err(e)) => Err(StepErr::Failed(RouterError::Node {
-                step,
-                node: node.clone(),
-                request,
-                source: e.into(),
-            })),
-            Ok(Ok(v)) => Ok(v),
-        }
+        r = bounded(limit, deadline, what, fut) => r,
+    }
+}
+
+/// Awaits `fut` bounded by `limit` and the request deadline, whether the client is there or
+/// not.
+async fn bounded<T, E>(
+    limit: Duration,
+    deadline: Instant,
+    what: (Step, &NodeId, RequestId),
+    fut: impl Future<Output = Result<T, E>>,
+) -> Result<T, StepErr>
+where
+    E: Into<crate::error::NodeError>,
+{
+    let left = deadline.saturating_duration_since(Instant::now());
+    let limit = limit.min(left);
+    let (step, node, request) = what;
+    match tokio::time::timeout(limit, fut).await {
+        Err(_) => Err(StepErr::Failed(RouterError::Timeout {
+            step,
+            node: node.clone(),
+            request,
+            after_ms: limit.as_millis() as u64,
+        })),
+        Ok(Err(e)) => Err(StepErr::Failed(RouterError::Node {
+            step,
+            node: node.clone(),
+            request,
+            source: e.into(),
+        })),
+        Ok(Ok(v)) => Ok(v),
     }
 }
 
@@ -219,8 +233,11 @@ fn other_decode(decodes: &[Worker], d: &Worker, excluded: &[NodeId]) -> bool {
         .any(|w| w.id() != d.id() && !excluded.contains(w.id()))
 }
 
-async fn abort(w: &Worker, id: RequestId, reason: &str) {
-    match tokio::time::timeout(ABORT_TIMEOUT, w.client.abort(id, reason.to_string())).await {
+/// Aborts `id` on `w` with the request's KV capability (empty before `ReserveKv` answered: the
+/// decode node then cancels only a reservation still being made).
+async fn abort(w: &Worker, id: RequestId, capability: Vec<u8>, reason: &str) {
+    let call = w.client.abort(id, capability, reason.to_string());
+    match tokio::time::timeout(ABORT_TIMEOUT, call).await {
         Ok(Ok(_)) => {}
         Ok(Err(e)) => tracing::warn!(request = %id, node = %w.id(), error = %e, "abort failed"),
         Err(_) => tracing::warn!(request = %id, node = %w.id(), "abort timed out"),
@@ -228,9 +245,9 @@ async fn abort(w: &Worker, id: RequestId, reason: &str) {
 }
 
 /// Aborts on a node that may be gone, without waiting for the answer.
-fn abort_detached(w: &Worker, id: RequestId, reason: &'static str) {
+fn abort_detached(w: &Worker, id: RequestId, capability: Vec<u8>, reason: &'static str) {
     let w = w.clone();
-    tokio::spawn(async move { abort(&w, id, reason).await });
+    tokio::spawn(async move { abort(&w, id, capability, reason).await });
 }
 
 /// How a watched prefill ended.
@@ -271,15 +288,19 @@ struct Pair<'a> {
     p: &'a Worker,
     d: &'a Worker,
     id: RequestId,
+    /// The KV capability D's `ReserveKv` answered (the target's secret): every Abort of this
+    /// attempt presents it. Unset until the reservation answered.
+    capability: OnceLock<Vec<u8>>,
 }
 
 impl Pair<'_> {
     /// Books `ev` and sends the aborts it calls for; returns what comes next.
     async fn act(&self, flow: &mut Flow, ev: Event, reason: &'static str) -> Then {
         let a = flow.on(ev);
+        let cap = self.capability.get().cloned().unwrap_or_default();
         futures::join!(
-            abort_as(self.router, self.p, self.id, reason, a.prefill),
-            abort_as(self.router, self.d, self.id, reason, a.decode)
+            abort_as(self.router, self.p, self.id, cap.clone(), reason, a.prefill),
+            abort_as(self.router, self.d, self.id, cap, reason, a.decode)
         );
         a.then
     }
@@ -315,17 +336,24 @@ impl Pair<'_> {
 }
 
 /// Aborts `id` on `w` the way `how` says.
-async fn abort_as(router: &Router, w: &Worker, id: RequestId, reason: &'static str, how: Abort) {
+async fn abort_as(
+    router: &Router,
+    w: &Worker,
+    id: RequestId,
+    capability: Vec<u8>,
+    reason: &'static str,
+    how: Abort,
+) {
     match how {
         Abort::No => {}
-        Abort::Wait => abort(w, id, reason).await,
-        Abort::Detach => abort_detached(w, id, reason),
+        Abort::Wait => abort(w, id, capability, reason).await,
+        Abort::Detach => abort_detached(w, id, capability, reason),
         Abort::DetachSuspect => {
             router
                 .state
                 .lock()
                 .suspect(w.id(), Instant::now() + SUSPECT_FOR);
-            abort_detached(w, id, reason);
+            abort_detached(w, id, capability, reason);
         }
     }
 }
@@ -410,6 +438,7 @@ async fn drive(
             p: &p,
             d: &d,
             id: req_id,
+            capability: OnceLock::new(),
         };
         let attempt_span = tracing::info_span!(
             "attempt",
@@ -477,8 +506,10 @@ async fn run_attempt(
         max_tokens: req.sampling.max_tokens,
     };
     let reserve_span = tracing::info_span!("reserve_kv", otel.kind = "client", node = %d.id());
-    let reserved = step(
-        tx,
+    // Not cut short when the client leaves: the answer carries the KV capability that every
+    // Abort of the reservation presents, so the router waits for it (bounded like any step)
+    // and aborts with it; a call dropped instead could leave a made reservation to its lease.
+    let reserved = bounded(
         prefill_timeout,
         deadline,
         (Step::ReserveKv, d.id(), req_id),
@@ -496,7 +527,11 @@ async fn run_attempt(
                 .await;
         }
     };
+    let _ = pair.capability.set(target.secret.clone());
     flow.on(Event::Reserved);
+    if tx.is_closed() {
+        return pair.gone(flow).await;
+    }
 
     let secret = target.secret.clone();
     let call = PrefillCall {

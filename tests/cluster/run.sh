@@ -5,7 +5,7 @@
 #
 #   tests/cluster/run.sh [--quick|--full] [--case NAME] [--list] [--keep-logs] [--soak SECONDS]
 #
-# --quick (the default, CI): mock engines, about 2 minutes on 2 cores. --full (the CPU engine
+# --quick (the default, CI): mock engines, about 4 minutes on 2 cores. --full (the CPU engine
 # on the demo model) is not built yet. --soak SECONDS runs the soak instead of the cases (what
 # tests/cluster/soak.sh calls). Exits 0 only when every case passed.
 #

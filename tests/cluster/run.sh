@@ -3,10 +3,11 @@
 # prefill and two decode nodes from configs/multi-host/), load at concurrency 64, one fault per
 # case; one table row per case. Needs root (ip netns) and iproute2 + etcd (scripts/setup.sh).
 #
-#   tests/cluster/run.sh [--quick|--full] [--case NAME] [--list] [--keep-logs]
+#   tests/cluster/run.sh [--quick|--full] [--case NAME] [--list] [--keep-logs] [--soak SECONDS]
 #
-# --quick (the default, CI): mock engines, about 2 minutes on 2 cores. --full (the CPU engine
-# on the demo model) is not built yet. Exits 0 only when every case passed.
+# --quick (the default, CI): mock engines, about 4 minutes on 2 cores. --full (the CPU engine
+# on the demo model) is not built yet. --soak SECONDS runs the soak instead of the cases (what
+# tests/cluster/soak.sh calls). Exits 0 only when every case passed.
 #
 # The driver (tests/cluster/src) builds and removes the namespaces itself; this script removes
 # whatever is left under this run's prefix on any exit (the driver killed, Ctrl-C), killing the
@@ -17,13 +18,17 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
 
 args=()
+soak=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick | --full | --list | --keep-logs) args+=("$1") ;;
     --case)
       [ $# -ge 2 ] || { echo "--case needs a name" >&2; exit 2; }
       args+=("$1" "$2"); shift ;;
-    -h | --help) sed -n '2,13p' "$0"; exit 0 ;;
+    --soak)
+      [ $# -ge 2 ] || { echo "--soak needs seconds" >&2; exit 2; }
+      soak="$2"; args+=("$1" "$2"); shift ;;
+    -h | --help) sed -n '2,14p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -65,8 +70,10 @@ trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-# Every step of the driver has its own deadline; this one bounds the whole run.
-timeout --kill-after=10 900 "$TARGET/cluster-driver" \
+# Every step of the driver has its own deadline; this one bounds the whole run (a soak: its
+# length and the same margin).
+case "$soak" in '' | *[!0-9]*) echo "--soak: whole seconds, not $soak" >&2; exit 2 ;; esac
+timeout --kill-after=10 "$((soak + 900))" "$TARGET/cluster-driver" \
   --prefix "$PREFIX" --bin "$TARGET/pdnode" --repo "$ROOT" "${args[@]}" &
 driver_pid=$!
 wait "$driver_pid"

@@ -119,12 +119,18 @@ impl Proc {
     }
 }
 
-/// One case's processes.
+/// One case's processes, and what it takes to start more of them (a host joining, a restart).
 pub struct Cluster {
     pub etcd: Proc,
     pub router: Proc,
+    /// prefill0, prefill1, and [`net::SPARE_PREFILL`] once a case started it.
     pub prefill: Vec<Proc>,
     pub decode: Vec<Proc>,
+    bin: PathBuf,
+    repo: PathBuf,
+    dir: PathBuf,
+    certs: PathBuf,
+    extra: Extra,
 }
 
 impl Cluster {
@@ -163,6 +169,11 @@ impl Cluster {
             router,
             prefill,
             decode,
+            bin: bin.to_path_buf(),
+            repo: repo.to_path_buf(),
+            dir: dir.to_path_buf(),
+            certs,
+            extra: extra.clone(),
         };
         let ok = wait_until(READY_DEADLINE, || async {
             c.router_nodes().await == Some((net::PREFILL.len(), net::DECODE.len()))
@@ -175,6 +186,33 @@ impl Cluster {
             );
         }
         Ok(c)
+    }
+
+    /// Starts one more node of `role` on host `h` (configured as the others of its role); its
+    /// log goes to a fresh file when the host ran a node before.
+    pub fn spawn(&self, net: &Net, role: Role, h: Host) -> Result<Proc> {
+        let mut sets = node_sets(role, h, &self.certs);
+        sets.extend(
+            match role {
+                Role::Router => &self.extra.router,
+                Role::Prefill => &self.extra.prefill,
+                Role::Decode => &self.extra.decode,
+            }
+            .iter()
+            .cloned(),
+        );
+        spawn_node(net, &self.bin, &self.repo, &self.dir, role, h, &sets)
+    }
+
+    /// Starts etcd again on the same data directory (after it was killed).
+    pub fn respawn_etcd(&self, net: &Net) -> Result<Proc> {
+        spawn_etcd(net, &self.dir)
+    }
+
+    /// Waits until etcd answers `/health`.
+    pub async fn etcd_ready(&self, deadline: Duration) -> bool {
+        let health = format!("http://{}:{ETCD_PORT}/health", net::ETCD.ip);
+        wait_http_ok(&health, deadline).await.is_ok()
     }
 
     pub fn router_url(&self, path: &str) -> String {
@@ -252,6 +290,7 @@ pub fn make_certs(bin: &Path, dir: &Path) -> Result<()> {
     let nodes = [(net::ROUTER, "router")]
         .into_iter()
         .chain(net::PREFILL.iter().map(|h| (*h, "prefill")))
+        .chain([(net::SPARE_PREFILL, "prefill")])
         .chain(net::DECODE.iter().map(|h| (*h, "decode")));
     for (h, role) in nodes {
         cmd.arg("--node").arg(format!("{}:{role}@{}", h.name, h.ip));
@@ -291,9 +330,16 @@ fn spawn_node(
     spawn_in(net, h, dir, &args, Some(repo))
 }
 
-/// `ip netns exec {ns} ARGS...`, output to `{dir}/{host}.log`.
+/// `ip netns exec {ns} ARGS...`, output to `{dir}/{host}.log` (`{host}-2.log`, ... for a host's
+/// later processes: a restart keeps the first one's log).
 fn spawn_in(net: &Net, h: Host, dir: &Path, args: &[String], cwd: Option<&Path>) -> Result<Proc> {
-    let log = dir.join(format!("{}.log", h.name));
+    let log = (1..)
+        .map(|n| match n {
+            1 => dir.join(format!("{}.log", h.name)),
+            n => dir.join(format!("{}-{n}.log", h.name)),
+        })
+        .find(|p| !p.exists())
+        .context("no free log file name")?;
     let f = std::fs::File::create(&log)?;
     let mut cmd = Command::new("ip");
     cmd.arg("netns").arg("exec").arg(net.ns(h.name)).args(args);

@@ -8,6 +8,8 @@ use std::time::{Duration, Instant};
 
 /// A request that has not ended this long after it was sent is hung.
 pub const REQUEST_DEADLINE: Duration = Duration::from_secs(60);
+/// How long a client waits after a request that never reached the router.
+pub const RECONNECT_BACKOFF: Duration = Duration::from_millis(200);
 
 /// How one request ended.
 #[derive(Debug, Clone, PartialEq)]
@@ -61,6 +63,9 @@ pub struct Spec {
     pub max_tokens: u32,
     /// Prompt length in bytes (the mock tokenizer is about one token per byte).
     pub prompt_len: usize,
+    /// Keep every chunk's arrival (for the fault figures); else only the first one's, so a
+    /// long soak does not grow the driver.
+    pub keep_chunks: bool,
 }
 
 /// A running load; [`Load::stop`] stops new requests, [`Load::finish`] collects every outcome.
@@ -73,6 +78,7 @@ impl Load {
     pub fn start(spec: Spec) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
         let client = reqwest::Client::builder()
+            .tcp_nodelay(true)
             .connect_timeout(Duration::from_secs(5))
             .pool_max_idle_per_host(spec.concurrency)
             .build()
@@ -90,8 +96,16 @@ impl Load {
                             .chain(std::iter::repeat('x'))
                             .take(spec.prompt_len.max(head.len()))
                             .collect();
-                        out.push(one(&client, &spec, &prompt).await);
+                        let o = one(&client, &spec, &prompt).await;
+                        // A client that could not reach the router (refused, reset before an
+                        // answer: it is down or restarting) waits a little before it tries
+                        // again, as a real one would, instead of spinning on the refusals.
+                        let unreachable = matches!(o.end, End::Unclear(_)) && o.chunks.is_empty();
+                        out.push(o);
                         n += 1;
+                        if unreachable {
+                            tokio::time::sleep(RECONNECT_BACKOFF).await;
+                        }
                     }
                     out
                 })
@@ -164,7 +178,9 @@ async fn one(client: &reqwest::Client, spec: &Spec, prompt: &str) -> Outcome {
             }
             Ok(Ok(None)) => break,
             Ok(Ok(Some(b))) => {
-                chunks.push(Instant::now());
+                if spec.keep_chunks || chunks.is_empty() {
+                    chunks.push(Instant::now());
+                }
                 buf.push_str(&String::from_utf8_lossy(&b));
             }
         }

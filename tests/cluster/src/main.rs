@@ -8,16 +8,19 @@
 
 mod cases;
 mod cluster;
+mod drive;
+mod lifecycle;
 mod load;
 mod metrics;
 mod net;
+mod soak;
 
 use anyhow::{Context, Result, anyhow, bail};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 const USAGE: &str = "usage: cluster-driver --prefix NAME --bin PATH/TO/pdnode [--repo DIR] \
-                     [--quick|--full] [--case NAME] [--list] [--keep-logs]";
+                     [--quick|--full] [--case NAME] [--list] [--keep-logs] [--soak SECONDS]";
 
 struct Args {
     prefix: String,
@@ -27,6 +30,8 @@ struct Args {
     case: Option<String>,
     list: bool,
     keep_logs: bool,
+    /// Run the soak for this long instead of the cases.
+    soak: Option<u64>,
 }
 
 fn parse_args() -> Result<Args> {
@@ -38,6 +43,7 @@ fn parse_args() -> Result<Args> {
         case: None,
         list: false,
         keep_logs: false,
+        soak: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -51,6 +57,13 @@ fn parse_args() -> Result<Args> {
             "--full" => a.full = true,
             "--list" => a.list = true,
             "--keep-logs" => a.keep_logs = true,
+            "--soak" => {
+                let v = value("--soak")?;
+                a.soak = Some(
+                    v.parse()
+                        .with_context(|| format!("--soak {v:?}: seconds"))?,
+                );
+            }
             "-h" | "--help" => bail!("{USAGE}"),
             other => bail!("unknown argument {other:?}\n{USAGE}"),
         }
@@ -123,13 +136,43 @@ fn real_main() -> Result<bool> {
         .worker_threads(2)
         .enable_all()
         .build()?;
+    if let Some(secs) = args.soak {
+        let soak_dir = dir.path().join("soak");
+        let res = rt.block_on(async {
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+            let run = soak::run(
+                &net,
+                &bin,
+                &repo,
+                &soak_dir,
+                std::time::Duration::from_secs(secs),
+            );
+            tokio::select! {
+                r = run => r,
+                _ = tokio::signal::ctrl_c() => Err(anyhow!("interrupted (SIGINT)")),
+                _ = term.recv() => Err(anyhow!("terminated (SIGTERM)")),
+            }
+        });
+        drop(rt);
+        let (row, resources) = res?;
+        let ok = row.passed();
+        println!("{}\n{resources}", drive::table(std::slice::from_ref(&row)));
+        if ok && !args.keep_logs {
+            drop(dir);
+        } else {
+            eprintln!("cluster: logs kept in {}", dir.keep().display());
+        }
+        drop(net);
+        return Ok(ok);
+    }
     let res = rt.block_on(async {
         let run = async {
             let mut rows = Vec::new();
             for (i, c) in cases.iter().enumerate() {
                 eprintln!("cluster: case {} ({})", c.name, c.what);
                 let case_dir = dir.path().join(format!("{i:02}-{}", c.name));
-                let row = cases::run_row(c, &net, &bin, &repo, &case_dir).await;
+                let row = drive::run_row(c, &net, &bin, &repo, &case_dir).await;
                 eprintln!(
                     "cluster: {} {} in {:.0} s{}",
                     c.name,
@@ -156,8 +199,8 @@ fn real_main() -> Result<bool> {
     // namespaces go.
     drop(rt);
     let rows = res?;
-    println!("{}", cases::table(&rows));
-    let ok = rows.iter().all(cases::Row::passed);
+    println!("{}", drive::table(&rows));
+    let ok = rows.iter().all(drive::Row::passed);
     if ok && !args.keep_logs {
         drop(dir);
     } else {

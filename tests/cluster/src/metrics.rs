@@ -8,6 +8,7 @@ const SCRAPE_DEADLINE: Duration = Duration::from_secs(2);
 
 pub fn client() -> reqwest::Client {
     reqwest::Client::builder()
+        .tcp_nodelay(true)
         .timeout(SCRAPE_DEADLINE)
         .connect_timeout(SCRAPE_DEADLINE)
         .build()

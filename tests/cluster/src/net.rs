@@ -50,6 +50,12 @@ pub const DECODE: [Host; 2] = [
         ip: "10.213.0.22",
     },
 ];
+/// A third prefill host: its namespace exists in every run, its node starts only in the cases
+/// that add a host under load (`prefill-join`, `etcd-outage-join`).
+pub const SPARE_PREFILL: Host = Host {
+    name: "prefill2",
+    ip: "10.213.0.13",
+};
 /// Where the driver itself runs (the load and the checks).
 pub const CLIENT: Host = Host {
     name: "client",
@@ -86,7 +92,7 @@ pub const HOST_IF: &str = "eth0";
 const SWITCH: &str = "switch";
 
 fn hosts() -> Vec<Host> {
-    let mut v = vec![ETCD, ROUTER, CLIENT];
+    let mut v = vec![ETCD, ROUTER, CLIENT, SPARE_PREFILL];
     v.extend(PREFILL);
     v.extend(DECODE);
     v

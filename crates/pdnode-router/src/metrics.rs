@@ -62,6 +62,21 @@ impl Metrics {
         self.inner.lock().gauges.insert((name, labels(l)), v);
     }
 
+    /// Sets gauge `name` to `v()`, evaluated under the metrics lock. Updaters that change a
+    /// shared count and then set its gauge this way (reading the count inside `v`) leave the
+    /// gauge at the count's last value whatever their interleaving; with [`Metrics::set`] a
+    /// value read before another thread's update could be written after it, and stay.
+    pub fn set_from(
+        &self,
+        name: &'static str,
+        l: &[(&'static str, &str)],
+        v: impl FnOnce() -> f64,
+    ) {
+        let mut g = self.inner.lock();
+        let value = v();
+        g.gauges.insert((name, labels(l)), value);
+    }
+
     /// Sets counter `name` to `v`: a counter another process keeps (a node's, read by its stats).
     pub fn set_counter(&self, name: &'static str, l: &[(&'static str, &str)], v: f64) {
         self.inner.lock().counters.insert((name, labels(l)), v);
@@ -308,6 +323,35 @@ fn fmt_labels(l: &Labels, le: Option<&str>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Many threads changing one count and setting its gauge with `set_from`: the gauge ends
+    /// at the count (with a value read outside the lock it could end at a stale one, which the
+    /// cluster harness once saw as "the router still has requests in flight").
+    #[test]
+    fn a_gauge_set_from_a_shared_count_ends_at_the_count() {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicU32, Ordering};
+        let m = Arc::new(Metrics::new());
+        let count = Arc::new(AtomicU32::new(0));
+        let threads: Vec<_> = (0..8)
+            .map(|_| {
+                let (m, count) = (m.clone(), count.clone());
+                std::thread::spawn(move || {
+                    for _ in 0..2000 {
+                        count.fetch_add(1, Ordering::AcqRel);
+                        m.set_from("g", &[], || f64::from(count.load(Ordering::Acquire)));
+                        count.fetch_sub(1, Ordering::AcqRel);
+                        m.set_from("g", &[], || f64::from(count.load(Ordering::Acquire)));
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(count.load(Ordering::Acquire), 0);
+        assert_eq!(m.value("g", &[]), Some(0.0));
+    }
 
     #[test]
     fn renders_counters_gauges_and_cumulative_histograms() {

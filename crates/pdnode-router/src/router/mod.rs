@@ -138,9 +138,11 @@ pub(crate) struct InflightGuard {
 
 impl Drop for InflightGuard {
     fn drop(&mut self) {
-        let left = self.count.fetch_sub(1, Ordering::AcqRel) - 1;
-        self.metrics
-            .set(m::ROUTER_INFLIGHT_REQUESTS, &[], f64::from(left));
+        self.count.fetch_sub(1, Ordering::AcqRel);
+        let count = &self.count;
+        self.metrics.set_from(m::ROUTER_INFLIGHT_REQUESTS, &[], || {
+            f64::from(count.load(Ordering::Acquire))
+        });
     }
 }
 
@@ -313,11 +315,15 @@ impl Router {
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
                 (n < limit).then_some(n + 1)
             });
-        let Ok(prev) = admitted else {
+        if admitted.is_err() {
             return Err(RouterError::Overloaded { limit });
-        };
-        self.metrics
-            .set(m::ROUTER_INFLIGHT_REQUESTS, &[], f64::from(prev + 1));
+        }
+        // Read under the metrics lock: the gauge ends at the count's last value (a value read
+        // here before a concurrent request's end could otherwise be written after it, and stay).
+        let count = &self.inflight;
+        self.metrics.set_from(m::ROUTER_INFLIGHT_REQUESTS, &[], || {
+            f64::from(count.load(Ordering::Acquire))
+        });
         Ok(InflightGuard {
             count: self.inflight.clone(),
             metrics: self.metrics.clone(),

@@ -166,7 +166,11 @@ async fn a_wrong_or_missing_capability_is_refused_in_every_phase_and_the_request
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_requests_capability_aborts_it_in_every_phase_and_frees_its_blocks() {
-    let cfg = slow_config();
+    // 100 ms a prompt token (~2.3 s a prefill): the abort below lands while the engine runs
+    // the prompt even on a loaded machine. One landing after the engine's part (the hand-off)
+    // must end the call Cancelled all the same (docs/runtime-semantics.md).
+    let mut cfg = slow_config();
+    cfg.engine.mock.prefill_us_per_token = 100_000;
     let aio = tokio::task::block_in_place(|| pd::all_in_one(&cfg, &NodeId::new("r"))).unwrap();
     let (p, d) = (aio.prefill.clone(), aio.decode.clone());
 
@@ -199,7 +203,8 @@ async fn the_requests_capability_aborts_it_in_every_phase_and_frees_its_blocks()
         .await
         .expect("the aborted prefill answers at once")
         .unwrap();
-    assert!(r.is_err(), "an aborted prefill does not hand off: {r:?}");
+    let e = r.expect_err("an aborted prefill does not hand off");
+    assert_eq!(e.kind, ErrorKind::Cancelled, "{e}");
     assert_clean(&p).await;
     assert_clean(&d).await;
 
@@ -314,4 +319,66 @@ async fn a_refused_abort_leaves_the_staging_span_and_the_right_one_frees_it() {
     })
     .await;
     assert_clean(&p.node).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abort_during_the_hand_off_ends_the_prefill_cancelled() {
+    // SAFETY (env): set before any UCX context exists in this test process.
+    unsafe { std::env::set_var("UCX_NET_DEVICES", "lo") };
+    let mut cfg = cpu_ucx_config();
+    // A hand-off waits a quarter of the lease (1 s) for room in a full prefill arena: the
+    // engine is done with the request by then, so an engine abort can no longer stop it.
+    cfg.transfer.lease_ms = 4_000;
+    let ids = cpu_prompt(3);
+    let Some((p, d)) = pd_pair(&cfg) else { return };
+    let pa = p.node.staging_arena().expect("prefill arena").clone();
+    let hold = pa.reserve(pa.len()).expect("whole prefill arena");
+    let id = RequestId(31);
+    let t = reserve(&d.node, id, &ids).await;
+    let call = {
+        let (p, t, ids) = (p.node.clone(), t.clone(), ids.clone());
+        let mut call = prefill_call(id, &ids, &t);
+        call.sampling = SamplingParams::greedy(5);
+        tokio::spawn(async move { p.prefill(call).await })
+    };
+    wait_until(
+        "the hand-off waits for arena room",
+        Duration::from_secs(10),
+        async || pa.wait_counts().0 >= 1,
+    )
+    .await;
+    assert!(
+        p.node
+            .abort(id, t.secret.clone(), "gone".into())
+            .await
+            .unwrap(),
+        "the prefill node still runs the request (its hand-off)"
+    );
+    assert!(
+        d.node
+            .abort(id, t.secret.clone(), "gone".into())
+            .await
+            .unwrap()
+    );
+    let r = tokio::time::timeout(Duration::from_secs(10), call)
+        .await
+        .expect("the aborted prefill answers by its push deadline")
+        .unwrap();
+    let e = r.expect_err("an abort answered true never ends in a hand-off");
+    assert_eq!(e.kind, ErrorKind::Cancelled, "{e}");
+    drop(hold);
+    assert_clean(&p.node).await;
+    assert_clean(&d.node).await;
+    wait_until(
+        "the prefill arena is free",
+        Duration::from_secs(10),
+        async || pa.all_free(),
+    )
+    .await;
+    assert!(
+        !p.node
+            .abort(id, t.secret.clone(), "late".into())
+            .await
+            .unwrap()
+    );
 }

@@ -7,7 +7,7 @@
 use pdnode_core::RequestId;
 use pdnode_transfer::Secret;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// What an `Abort` presenting a capability for a request finds.
@@ -21,9 +21,17 @@ pub(crate) enum Presented {
     Wrong,
 }
 
+/// One held capability: the hold's serial, the capability, and whether an `Abort` presenting
+/// it has stopped the request (`HeldCaps::stop`).
+struct Entry {
+    serial: u64,
+    cap: Secret,
+    stopped: Arc<AtomicBool>,
+}
+
 #[derive(Default)]
 struct Inner {
-    held: Mutex<HashMap<RequestId, (u64, Secret)>>,
+    held: Mutex<HashMap<RequestId, Entry>>,
     serial: AtomicU64,
 }
 
@@ -37,10 +45,11 @@ pub(crate) struct Hold {
     caps: HeldCaps,
     id: RequestId,
     serial: u64,
+    stopped: Arc<AtomicBool>,
 }
 
 impl HeldCaps {
-    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<RequestId, (u64, Secret)>> {
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<RequestId, Entry>> {
         self.0.held.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -53,11 +62,20 @@ impl HeldCaps {
             return None;
         }
         let serial = self.0.serial.fetch_add(1, Ordering::Relaxed);
-        m.insert(id, (serial, cap));
+        let stopped = Arc::new(AtomicBool::new(false));
+        m.insert(
+            id,
+            Entry {
+                serial,
+                cap,
+                stopped: stopped.clone(),
+            },
+        );
         Some(Hold {
             caps: self.clone(),
             id,
             serial,
+            stopped,
         })
     }
 
@@ -65,7 +83,21 @@ impl HeldCaps {
     pub(crate) fn check(&self, id: RequestId, presented: &[u8]) -> Presented {
         match self.map().get(&id) {
             None => Presented::Unknown,
-            Some((_, cap)) if cap.matches(presented) => Presented::Matches,
+            Some(e) if e.cap.matches(presented) => Presented::Matches,
+            Some(_) => Presented::Wrong,
+        }
+    }
+
+    /// [`HeldCaps::check`], and on a match marks the hold stopped ([`Hold::stopped`]): an
+    /// `Abort` that is answered `true` must end the call even where the engine is done with
+    /// the request already (a prefill handing its KV off).
+    pub(crate) fn stop(&self, id: RequestId, presented: &[u8]) -> Presented {
+        match self.map().get(&id) {
+            None => Presented::Unknown,
+            Some(e) if e.cap.matches(presented) => {
+                e.stopped.store(true, Ordering::SeqCst);
+                Presented::Matches
+            }
             Some(_) => Presented::Wrong,
         }
     }
@@ -76,10 +108,17 @@ impl HeldCaps {
     }
 }
 
+impl Hold {
+    /// Whether an `Abort` presenting this capability stopped the request.
+    pub(crate) fn stopped(&self) -> bool {
+        self.stopped.load(Ordering::SeqCst)
+    }
+}
+
 impl Drop for Hold {
     fn drop(&mut self) {
         let mut m = self.caps.map();
-        if m.get(&self.id).is_some_and(|(s, _)| *s == self.serial) {
+        if m.get(&self.id).is_some_and(|e| e.serial == self.serial) {
             m.remove(&self.id);
         }
     }
@@ -105,11 +144,19 @@ mod tests {
         // One hold per id: a second one is refused and leaves the first in place.
         assert!(caps.try_hold(id, b).is_none());
         assert_eq!(caps.check(id, a.as_bytes()), Presented::Matches);
+        // Checking stops nothing; a wrong capability stops nothing; the right one does.
+        assert!(!g.stopped());
+        assert_eq!(caps.stop(id, b.as_bytes()), Presented::Wrong);
+        assert!(!g.stopped());
+        assert_eq!(caps.stop(RequestId(8), a.as_bytes()), Presented::Unknown);
+        assert_eq!(caps.stop(id, a.as_bytes()), Presented::Matches);
+        assert!(g.stopped());
         drop(g);
         assert_eq!(caps.check(id, a.as_bytes()), Presented::Unknown);
         assert!(caps.map().is_empty());
         // Held again after the first went.
         let g2 = caps.try_hold(id, b).unwrap();
+        assert!(!g2.stopped(), "a new hold starts unstopped");
         assert_eq!(caps.check(id, b.as_bytes()), Presented::Matches);
         drop(g2);
         assert!(!caps.contains(id));

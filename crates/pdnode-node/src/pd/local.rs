@@ -395,7 +395,7 @@ impl PdNode {
                 "the KV target's secret is not a KV capability",
             )
         })?;
-        let Some(_hold) = self.held.try_hold(id, cap) else {
+        let Some(hold) = self.held.try_hold(id, cap) else {
             return Err(nerr(
                 ErrorKind::InvalidRequest,
                 format!("request {id} is prefilling on {} already", self.id),
@@ -514,7 +514,18 @@ impl PdNode {
                 None => return Err(nerr(ErrorKind::Unavailable, "the prefill engine stopped")),
             }
         };
+        // An abort answered `true` ends the call Cancelled, also when it came after the
+        // engine's part (which it could no longer stop).
+        let aborted = || {
+            nerr(
+                ErrorKind::Cancelled,
+                format!("prefill of {id} on {} was aborted", self.id),
+            )
+        };
         if let Some(f) = finish {
+            if hold.stopped() {
+                return Err(aborted());
+            }
             return Ok(PrefillOutcome {
                 first_token_id: first,
                 first_logprob: logprob,
@@ -566,6 +577,14 @@ impl PdNode {
                 tracing::warn!(request = %id, error = %e, "releasing the prefill KV lease failed; freed at its deadline");
             }
         });
+        // A put in flight is not cut (UCX reads its source until it completes): an abort during
+        // the hand-off takes effect when the push ends, and the decode node's fence keeps what
+        // landed out of any other request's KV (docs/runtime-semantics.md, "Abort").
+        let result = if hold.stopped() {
+            Err(aborted())
+        } else {
+            result
+        };
         let (bytes, us, via_arena) = result.inspect_err(|e| pdnode_telemetry::fail(&handoff, e))?;
         self.peer_ok(&target.decode_node);
         handoff.record("bytes", bytes);

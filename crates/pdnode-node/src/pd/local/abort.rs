@@ -52,7 +52,7 @@ impl PdNode {
                     .map_or(Aborting::Unknown, |s| Aborting::Reserved(Box::new(s))));
             }
             Some(_) => Presented::Wrong,
-            None => self.held.check(id, capability),
+            None => self.held.stop(id, capability),
         };
         match presented {
             Presented::Unknown => Ok(Aborting::Unknown),

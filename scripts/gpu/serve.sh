@@ -280,7 +280,7 @@ ucx_net_devices = \"lo\"
 ucx_tls = \"${PD_UCX_TLS:-}\"
 staging_mib = 4096
 verify = ${PD_VERIFY:-true}"
-    pdlog="info,pdnode_node::pd=debug,pdnode_transfer::ucx=debug,pdnode_engine::engine::run::staged=debug"
+    pdlog="info,pdnode_node::pd=debug,pdnode_transfer::ucx=debug,pdnode_engine::engine::run::staged=debug,pdnode_cuda::backend::staging=debug"
     { MAX_BATCH_TOKENS=${PD_MAX_BATCH_TOKENS:-8192} MEM_FRACTION=${PD_PREFILL_MEM_FRACTION:-0.82} \
       ENGINE_EXTRA="kv_staging_tokens = ${PREFILL_STAGING_TOKENS:-32768}" LOG_FILTER=$pdlog \
         common prefill prefill-0 127.0.0.1:7001; echo "$reg"; echo "$xfer"; } > "$OUT/prefill.toml"

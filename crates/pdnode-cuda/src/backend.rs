@@ -106,6 +106,13 @@ pub struct CudaBackend {
     /// The device word a KVH64 of the arena sums into (allocated with the arena: a hash per
     /// hand-off allocates nothing).
     staging_sum: Option<DevBuf>,
+    /// The sum words of the spans hashed by the copies that fill them (`SLOTS` u64, allocated
+    /// with the arena) and which span owns which (`span_sums.rs`; a mutex because the in-step
+    /// gathers run through `&self`).
+    span_slots: Option<DevBuf>,
+    span_sums: std::sync::Mutex<crate::span_sums::SpanSums>,
+    /// Seals answered from the gathers' sum (no pass over the span), for tests and benches.
+    fused_seals: std::sync::atomic::AtomicU64,
     /// The next prefill step's in-step staging plan, then that step's run (`staging.rs`).
     step_staging: Option<pdnode_engine::backend::StepStaging>,
     stage_run: Option<staging::StageRun>,
@@ -325,6 +332,9 @@ impl CudaBackend {
             pool,
             staging: None,
             staging_sum: None,
+            span_slots: None,
+            span_sums: Default::default(),
+            fused_seals: Default::default(),
             step_staging: None,
             stage_run: None,
             stage_ids: None,

@@ -52,6 +52,7 @@ pub mod launch;
 pub mod ops;
 pub mod prefill;
 pub mod probe;
+mod span_sums;
 pub mod tp;
 pub mod weights;
 

@@ -32,6 +32,7 @@ impl CudaBackend {
         self.gpu.bind()?;
         let arena = self.gpu.alloc(bytes)?;
         self.staging_sum = Some(self.gpu.alloc(8)?);
+        self.span_slots = Some(self.gpu.alloc(crate::span_sums::SLOTS * 8)?);
         let region = KvRegion {
             ptr: arena.ptr(),
             len: arena.bytes(),
@@ -44,6 +45,11 @@ impl CudaBackend {
         );
         self.staging = Some(arena);
         Ok(Some(region))
+    }
+
+    /// How many KVH64s of a span were the sum its gathers added up (no second read of it).
+    pub fn fused_seals(&self) -> u64 {
+        self.fused_seals.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// CRC32C of bytes `offset .. offset + len` of the staging arena, on the GPU
@@ -75,20 +81,53 @@ impl CudaBackend {
     fn arena_write(&self, offset: usize, data: &[u8]) -> Result<(), BackendError> {
         let arena = self.arena()?;
         check_staging_span(0, 1, offset, data.len(), arena.bytes())?;
+        // Not a hashed copy: a span it lands in is hashed anew at its seal.
+        self.sums().touch(offset, data.len());
         self.gpu.bind()?;
         self.gpu.upload(arena, offset, data)?;
         self.gpu.sync()?;
         Ok(())
     }
 
-    /// KVH64 of `len` bytes of the arena at `offset`: one read of the span on the GPU
-    /// (`kvh64_words`), ordered after the copies before it on the stream.
+    fn sums(&self) -> std::sync::MutexGuard<'_, crate::span_sums::SpanSums> {
+        self.span_sums.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Registers `offset .. offset + len` of the arena as a span the gathers into it hash
+    /// (`span_sums.rs`): its sum word is zeroed on the stream, before those gathers.
+    fn hash_span_begin(&self, offset: usize, len: usize) -> Result<(), BackendError> {
+        let arena = self.arena()?;
+        let slots = self.span_slots.as_ref().ok_or(BackendError::NoStaging)?;
+        check_staging_span(0, 1, offset, len, arena.bytes())?;
+        let slot = self.sums().begin(offset, len);
+        self.gpu.bind()?;
+        self.gpu.upload(slots, slot * 8, &[0u64])?;
+        Ok(())
+    }
+
+    /// KVH64 of `len` bytes of the arena at `offset`: the sum the gathers that filled the span
+    /// added up when they covered it once in full ([`Self::hash_span_begin`]), else one read of
+    /// the span on the GPU (`kvh64_words`); either ordered after the copies before it on the
+    /// stream.
     fn arena_kvh64(&self, offset: usize, len: usize) -> Result<u64, BackendError> {
         use super::super::ops::kvh64::{add_words, read_sum};
         let arena = self.arena()?;
         let sum = self.staging_sum.as_ref().ok_or(BackendError::NoStaging)?;
         check_staging_span(0, 1, offset, len, arena.bytes())?;
         self.gpu.bind()?;
+        let fused = self.sums().finish(offset, len);
+        tracing::debug!(
+            offset,
+            len,
+            fused = fused.is_some(),
+            "KVH64 of a staged span (fused: its gathers' sum, else a pass)"
+        );
+        if let (Some(slot), Some(slots)) = (fused, self.span_slots.as_ref()) {
+            let h = read_sum(&self.gpu, slots, slot * 8, len as u64)?;
+            self.fused_seals
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return Ok(h);
+        }
         self.gpu.memset(sum, 0)?;
         add_words(&self.gpu, arena, offset, len, 0, sum.ptr())?;
         Ok(read_sum(&self.gpu, sum, 0, len as u64)?)
@@ -252,6 +291,8 @@ impl CudaBackend {
         let f = self
             .gpu
             .kernel(if gather { "kv_gather" } else { "kv_scatter" })?;
+        let fh = self.gpu.kernel("kv_gather_h64")?;
+        let slots = self.span_slots.as_ref().map_or(0, DevBuf::ptr);
         let (nb, numb, lbv) = (nblocks as i32, self.num_blocks as i32, (lb / 16) as i64);
         for (layers, offset) in parts {
             let nlayers = (layers.end - layers.start) as usize;
@@ -263,7 +304,19 @@ impl CudaBackend {
                 continue;
             }
             let (dst, l0) = (arena.at(*offset), layers.start as i32);
-            let mut b = self.gpu.launch_builder(f);
+            // A gather into a span being hashed adds the terms of what it writes to the span's
+            // sum word (`kv_gather_h64`); the bookkeeping says where, or sends the seal to a pass.
+            let hashed = if gather && slots != 0 {
+                self.sums().copy(*offset, nlayers * nblocks * lb)
+            } else {
+                None
+            };
+            let (word0, sum) = hashed.map_or((0i64, 0u64), |h| {
+                (h.word0 as i64, slots + 8 * h.slot as u64)
+            });
+            let mut b = self
+                .gpu
+                .launch_builder(if hashed.is_some() { fh } else { f });
             b.arg(self.pool.ptr_ref())
                 .arg(&dst)
                 .arg(&idp)
@@ -271,6 +324,9 @@ impl CudaBackend {
                 .arg(&l0)
                 .arg(&numb)
                 .arg(&lbv);
+            if hashed.is_some() {
+                b.arg(&word0).arg(&sum);
+            }
             let cfg = LaunchConfig {
                 grid_dim: (grid, 1, 1),
                 block_dim: (256, 1, 1),
@@ -279,7 +335,8 @@ impl CudaBackend {
             // SAFETY: the pool holds `num_blocks` blocks of every layer and each id is below
             // `num_blocks`; the arena span of this part is inside the allocation and 16-byte
             // aligned (checked by the callers, check_staging_io / check_staging_strided, and
-            // above); `idp` holds `nblocks` ids and outlives the copies (the callers' contract).
+            // above); `idp` holds `nblocks` ids and outlives the copies (the callers' contract);
+            // a hashed gather adds to one u64 inside `span_slots` (slot < SLOTS).
             unsafe { b.launch(cfg) }.map_err(super::super::drv(OP))?;
         }
         Ok(())
@@ -445,6 +502,10 @@ impl KvStaging for CudaBackend {
         Ok(vec![self.arena_kvh64(offset, len)?])
     }
 
+    fn staging_hash_begin(&mut self, offset: usize, len: usize) -> Result<bool, BackendError> {
+        self.hash_span_begin(offset, len).map(|()| true)
+    }
+
     fn scatter_kv_from_staging_h64(
         &mut self,
         layers: Range<u32>,
@@ -592,6 +653,14 @@ impl KvStaging for CudaTpBackend {
             return Err(BackendError::NoStaging);
         }
         self.on_each_rank(move |be: &mut CudaBackend| be.arena_kvh64(offset, len))
+    }
+
+    fn staging_hash_begin(&mut self, offset: usize, len: usize) -> Result<bool, BackendError> {
+        if self.staging.is_empty() {
+            return Err(BackendError::NoStaging);
+        }
+        self.on_each_rank(move |be: &mut CudaBackend| be.hash_span_begin(offset, len))
+            .map(|_| true)
     }
 
     fn scatter_kv_from_staging_h64(

@@ -513,6 +513,48 @@ fn kv_staging_arena_round_trip() {
     assert_eq!(a, b, "the hashed scatter moved the span");
     println!("PASS kv_staging_scatter_h64: {:#018x}", hs[0]);
 
+    // Hashed inside the gathers that fill it (`staging_hash_begin`): a span filled chunk by
+    // chunk, out of order and strided as a prefill's chunks land, seals to the KVH64 of its
+    // bytes without a pass; one gathered twice, or not in full, is read again and still right.
+    let lb = layout.block_layer_bytes();
+    let stride = src.len() * lb;
+    let sealed = |be: &mut CudaBackend| -> (Vec<u64>, u64) {
+        let before = be.fused_seals();
+        let h = be.kv_staging().unwrap().staging_kvh64(256, per).unwrap();
+        (h, be.fused_seals() - before)
+    };
+    let s = be.kv_staging().unwrap();
+    assert!(s.staging_hash_begin(256, per).unwrap());
+    s.gather_kv_layers_to_staging(0..l, &src[2..], 256 + 2 * lb, stride)
+        .unwrap();
+    s.gather_kv_layers_to_staging(0..l, &src[..2], 256, stride)
+        .unwrap();
+    assert_eq!(sealed(&mut be), (h.clone(), 1), "fused: no pass, same hash");
+    assert_eq!(sealed(&mut be), (h.clone(), 0), "sealed once; then a pass");
+    let s = be.kv_staging().unwrap();
+    assert!(s.staging_hash_begin(256, per).unwrap());
+    s.gather_kv_to_staging(0..l, &src, 256).unwrap();
+    s.gather_kv_layers_to_staging(0..l, &src[..1], 256, stride)
+        .unwrap();
+    assert_eq!(sealed(&mut be), (h.clone(), 0), "gathered twice: a pass");
+    let s = be.kv_staging().unwrap();
+    assert!(s.staging_hash_begin(256, per).unwrap());
+    s.gather_kv_layers_to_staging(0..l, &src[1..], 256 + lb, stride)
+        .unwrap();
+    assert_eq!(
+        sealed(&mut be),
+        (h.clone(), 0),
+        "block 0 not gathered: a pass"
+    );
+    let s = be.kv_staging().unwrap();
+    assert!(s.staging_hash_begin(256, per).unwrap());
+    s.gather_kv_to_staging(0..l, &src, 256).unwrap();
+    s.staging_write(0, 256 + lb, &[7u8; 16]).unwrap();
+    let (poked, fused) = sealed(&mut be);
+    assert_eq!(fused, 0, "a write that does not hash: a pass");
+    assert_ne!(poked, h, "the pass sees the poked word");
+    println!("PASS kv_staging_fused_kvh64: gathers hash their span, fallbacks are passes");
+
     // Llama-3.1-8B shapes (32 layers, 8 KV heads, head dim 128, block 16): 4096 tokens.
     let spec8 = pdnode_engine::loader::dummy::llama31_8b();
     let mut o = opts(16);
@@ -565,6 +607,32 @@ fn kv_staging_arena_round_trip() {
         s8.scatter_kv_from_staging_h64(0..lay.num_layers, &blocks, 0)
             .unwrap();
     });
+    // P's seal hashed inside its gathers: the prompt's chunks gathered into a registered
+    // span (16 chunks of 16 blocks, strided), then the seal reads the sum.
+    let lb8 = lay.block_layer_bytes();
+    let chunked = |s8: &mut dyn pdnode_engine::backend::KvStaging, hashed: bool| {
+        if hashed {
+            assert!(s8.staging_hash_begin(0, bytes).unwrap());
+        }
+        for (i, part) in blocks.chunks(16).enumerate() {
+            s8.gather_kv_layers_to_staging(
+                0..lay.num_layers,
+                part,
+                i * 16 * lb8,
+                blocks.len() * lb8,
+            )
+            .unwrap();
+        }
+    };
+    let plain_g = time(&mut || chunked(&mut *s8, false));
+    let fused_g = time(&mut || chunked(&mut *s8, true));
+    let mut seal = 0.0;
+    for _ in 0..5 {
+        chunked(&mut *s8, true);
+        let t = std::time::Instant::now();
+        s8.staging_kvh64(0, bytes).unwrap();
+        seal += t.elapsed().as_secs_f64() / 5.0;
+    }
     let rec = [0u8; 64];
     let wr = time(&mut || s8.staging_write(0, bytes - 64, &rec).unwrap());
     let mut back = [0u8; 64];
@@ -579,6 +647,20 @@ fn kv_staging_arena_round_trip() {
         (sch - sc) * 1e3,
         wr * 1e6,
         rd * 1e6
+    );
+    assert_eq!(
+        be8.fused_seals(),
+        5,
+        "each timed seal read its gathers' sum"
+    );
+    println!(
+        "BENCH verify fused {} MiB: 16 chunk gathers {:.3} ms plain, {:.3} ms hashed (+{:.3}); seal from the sum {:.1} us (pass {:.3} ms)",
+        bytes >> 20,
+        plain_g * 1e3,
+        fused_g * 1e3,
+        (fused_g - plain_g) * 1e3,
+        seal * 1e6,
+        kvh * 1e3
     );
 }
 

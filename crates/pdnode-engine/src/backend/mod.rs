@@ -499,6 +499,14 @@ pub trait KvStaging {
     /// KVH64 (`pdnode_core::kvh64`) of `len` bytes at `offset` of every rank's arena, in rank
     /// order (`offset` and `len` multiples of 16), after every copy issued before it.
     fn staging_kvh64(&mut self, offset: usize, len: usize) -> Result<Vec<u64>, BackendError>;
+    /// Asks the gathers that fill `offset .. offset + len` of every rank's arena (a span the
+    /// next [`KvStaging::staging_kvh64`] of exactly that range hashes) to hash what they write,
+    /// so that hash reads no byte again. `true` where the backend does so (CUDA); the default
+    /// does nothing and `staging_kvh64` reads the span. Either way `staging_kvh64` answers the
+    /// same: a span not covered exactly once by such gathers is read again.
+    fn staging_hash_begin(&mut self, _offset: usize, _len: usize) -> Result<bool, BackendError> {
+        Ok(false)
+    }
     /// [`KvStaging::scatter_kv_from_staging`] that also returns each rank's KVH64 of the span
     /// it read (the bytes now in the blocks), in rank order: on the GPU the copy hashes what it
     /// moves (`kv_scatter_h64`), instead of a second read of the span.

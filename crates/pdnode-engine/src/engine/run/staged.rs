@@ -12,6 +12,7 @@ impl Loop {
     /// blocks count as gathered ([`Self::gather_staged`] skips them).
     pub(super) fn arm_step_staging(&mut self, plan: &crate::scheduler::StepPlan) {
         let lb = self.backend.kv_layout().block_layer_bytes();
+        let layers = self.backend.kv_layout().num_layers;
         if !self
             .backend
             .kv_staging()
@@ -37,10 +38,8 @@ impl Loop {
             if done <= *sent {
                 continue;
             }
-            if g.offset.is_none() {
-                g.offset = (g.alloc)();
-            }
-            let Some(offset) = g.offset else {
+            let per_rank = layers as usize * g.blocks * lb;
+            let Some(offset) = span_offset(g, per_rank, self.backend.kv_staging()) else {
                 continue; // no room: the node gathers after prefill
             };
             group = if group == 0 {
@@ -107,10 +106,8 @@ impl Loop {
             let done = if ended { g.blocks } else { end / bs };
             let done = done.min(g.blocks).min(s.block_table.len());
             if done > *sent {
-                if g.offset.is_none() {
-                    g.offset = (g.alloc)();
-                }
-                let Some(offset) = g.offset else {
+                let per_rank = layers as usize * g.blocks * lb;
+                let Some(offset) = span_offset(g, per_rank, self.backend.kv_staging()) else {
                     // No room in the arena yet: asked again after the next chunk.
                     continue;
                 };
@@ -160,6 +157,27 @@ impl Loop {
             }
         }
     }
+}
+
+/// The request's arena span (`per_rank` bytes a rank), taken from the arena the first time it
+/// is asked for; a span that will be sealed with a hash is registered so the gathers filling it
+/// hash what they write ([`crate::backend::KvStaging::staging_hash_begin`]).
+fn span_offset(
+    g: &mut crate::engine::handle::StagedGather,
+    per_rank: usize,
+    st: Option<&mut dyn crate::backend::KvStaging>,
+) -> Option<usize> {
+    if g.offset.is_none() {
+        g.offset = (g.alloc)();
+        if let (Some(offset), Some(st)) = (g.offset, st)
+            && g.seal.as_ref().is_some_and(|s| s.hash)
+            && let Err(e) = st.staging_hash_begin(offset, per_rank)
+        {
+            // The seal reads the span instead.
+            tracing::debug!(error = %e, "hashing the span inside its gathers refused");
+        }
+    }
+    g.offset
 }
 
 /// The [`crate::engine::StagingSeal`] of a span of `per_rank` bytes a rank at `offset`: each

@@ -111,6 +111,8 @@ pub struct CudaBackend {
     /// gathers run through `&self`).
     span_slots: Option<DevBuf>,
     span_sums: std::sync::Mutex<crate::span_sums::SpanSums>,
+    /// Block ids of the staging copies outside a step (reused, grown when outgrown).
+    copy_ids: std::sync::Mutex<Option<DevBuf>>,
     /// Seals answered from the gathers' sum (no pass over the span), for tests and benches.
     fused_seals: std::sync::atomic::AtomicU64,
     /// The next prefill step's in-step staging plan, then that step's run (`staging.rs`).
@@ -334,6 +336,7 @@ impl CudaBackend {
             staging_sum: None,
             span_slots: None,
             span_sums: Default::default(),
+            copy_ids: Default::default(),
             fused_seals: Default::default(),
             step_staging: None,
             stage_run: None,

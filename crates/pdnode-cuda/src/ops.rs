@@ -527,6 +527,7 @@ pub fn kv_copy(
         num_blocks as i32,
         (layer_block_bytes / 16) as i64,
     );
+    let stride = lbv * nblocks as i64;
     let mut b = gpu.launch_builder(f);
     b.arg(pool.ptr_ref())
         .arg(staging.ptr_ref())
@@ -534,7 +535,8 @@ pub fn kv_copy(
         .arg(&nb)
         .arg(&l0)
         .arg(&numb)
-        .arg(&lbv);
+        .arg(&lbv)
+        .arg(&stride);
     // SAFETY: sizes checked above; block ids are the caller's (< num_blocks).
     unsafe { b.launch(cfg((u32_of(OP, nblocks * nlayers)?, 1, 1), 256)) }.map_err(launched(OP))?;
     Ok(())

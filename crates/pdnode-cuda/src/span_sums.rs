@@ -78,38 +78,64 @@ impl SpanSums {
         slot
     }
 
-    /// A copy about to write `start .. start + len` of the arena: where it adds its terms when
-    /// it lies inside one registered span and overlaps nothing hashed there yet (recorded as
-    /// covered); `None` otherwise, and any span it touches is broken (its seal hashes anew).
+    /// [`SpanSums::copy_strided`] of one range.
+    #[cfg(test)]
     pub(crate) fn copy(&mut self, start: usize, len: usize) -> Option<HashedCopy> {
-        if len == 0 {
+        self.copy_strided(start, len, len, 1)
+    }
+
+    /// A copy about to write `n` ranges of `len` bytes, the first at `start`, each `stride`
+    /// after the one before (one launch over a span's layers): where it adds its terms (the
+    /// span-relative index of its first word; the others follow at `stride`) when every range
+    /// lies inside one registered span, clear of each other and of what was hashed there, and
+    /// starts on a whole word of it (recorded as covered). `None` otherwise, and every span a
+    /// range touches is broken (its seal hashes anew).
+    pub(crate) fn copy_strided(
+        &mut self,
+        start: usize,
+        len: usize,
+        stride: usize,
+        n: usize,
+    ) -> Option<HashedCopy> {
+        if len == 0 || n == 0 {
             return None;
         }
-        let end = start.saturating_add(len);
-        let mut found = None;
-        for (i, s) in self.spans.iter_mut().enumerate() {
-            if !s.overlaps(start, end) {
-                continue;
+        let ranges: Vec<(usize, usize)> = (0..n)
+            .map(|i| {
+                let a = start.saturating_add(i.saturating_mul(stride));
+                (a, a.saturating_add(len))
+            })
+            .collect();
+        let (s0, e0) = ranges[0];
+        let found = self.spans.iter().position(|s| s.overlaps(s0, e0));
+        let fits = |s: &Span| {
+            !s.broken
+                && (n == 1 || stride >= len)
+                && ranges.iter().all(|&(a, b)| {
+                    a >= s.offset
+                        && b <= s.offset + s.len
+                        && !s
+                            .covered
+                            .iter()
+                            .any(|&(x, y)| a - s.offset < y && x < b - s.offset)
+                })
+                && (start - s.offset).is_multiple_of(16)
+        };
+        let Some(i) = found.filter(|&i| fits(&self.spans[i])) else {
+            for &(a, b) in &ranges {
+                self.touch(a, b - a);
             }
-            let inside = start >= s.offset && end <= s.offset + s.len;
-            let (a, b) = (start.wrapping_sub(s.offset), end.wrapping_sub(s.offset));
-            if !inside || s.broken || s.covered.iter().any(|&(x, y)| a < y && x < b) {
-                s.broken = true;
-                continue;
-            }
-            found = Some(i);
-        }
-        let s = &mut self.spans[found?];
-        if s.broken || !(start - s.offset).is_multiple_of(16) {
-            s.broken = true;
             return None;
+        };
+        let s = &mut self.spans[i];
+        for &(a, b) in &ranges {
+            let (a, b) = (a - s.offset, b - s.offset);
+            let at = s.covered.partition_point(|&(x, _)| x < a);
+            s.covered.insert(at, (a, b));
         }
-        let (a, b) = (start - s.offset, end - s.offset);
-        let at = s.covered.partition_point(|&(x, _)| x < a);
-        s.covered.insert(at, (a, b));
         Some(HashedCopy {
             slot: s.slot,
-            word0: (a / 16) as u64,
+            word0: ((start - s.offset) / 16) as u64,
         })
     }
 
@@ -234,6 +260,41 @@ mod tests {
         assert_eq!(s.copy(512, 1024), Some(HashedCopy { slot: c, word0: 0 }));
         assert_eq!(s.finish(0, 1024), None);
         assert_eq!(s.finish(512, 1024), Some(c));
+    }
+
+    #[test]
+    fn one_launch_over_a_spans_layers_covers_its_strided_ranges() {
+        // A span of 4 layers x 4 blocks of 64 bytes ([layer][block]), filled in two chunks of
+        // 2 blocks: each chunk one launch over the 4 layers (256 bytes apart).
+        let mut s = SpanSums::default();
+        let slot = s.begin(1024, 1024);
+        assert_eq!(
+            s.copy_strided(1024 + 128, 128, 256, 4),
+            Some(HashedCopy { slot, word0: 8 })
+        );
+        assert_eq!(
+            s.copy_strided(1024, 128, 256, 4),
+            Some(HashedCopy { slot, word0: 0 })
+        );
+        assert_eq!(s.finish(1024, 1024), Some(slot));
+        // A chunk launched twice overlaps itself: the pass.
+        s.begin(1024, 1024);
+        assert!(s.copy_strided(1024, 128, 256, 4).is_some());
+        assert_eq!(s.copy_strided(1024 + 64, 128, 256, 4), None);
+        assert_eq!(s.finish(1024, 1024), None);
+        // Layers closer than a layer's bytes overlap each other; the last layer past the span
+        // straddles its end: the pass, in both cases.
+        s.begin(1024, 1024);
+        assert_eq!(s.copy_strided(1024, 128, 64, 4), None);
+        assert_eq!(s.finish(1024, 1024), None);
+        s.begin(1024, 1024);
+        assert_eq!(s.copy_strided(1024 + 128, 128, 320, 4), None);
+        assert_eq!(s.finish(1024, 1024), None);
+        // Ranges entirely outside every span: not hashed and nothing broken.
+        s.begin(1024, 1024);
+        assert_eq!(s.copy_strided(4096, 128, 256, 4), None);
+        assert!(s.copy_strided(1024, 256, 256, 4).is_some());
+        assert!(s.finish(1024, 1024).is_some());
     }
 
     #[test]

@@ -154,7 +154,7 @@ impl CudaBackend {
             arena.bytes(),
         )?;
         self.gpu.bind()?;
-        let idbuf = self.block_ids(blocks)?;
+        let idp = self.block_ids(blocks)?;
         self.gpu.memset(sum, 0)?;
         kv_copy_h64(
             &self.gpu,
@@ -162,7 +162,7 @@ impl CudaBackend {
             &self.pool,
             arena,
             offset,
-            idbuf.ptr(),
+            idp,
             blocks.len(),
             layers.start as usize,
             (layers.end - layers.start) as usize,
@@ -171,19 +171,28 @@ impl CudaBackend {
             0,
             sum.ptr(),
         )?;
-        // Waits for the copy (`idbuf` lives until here).
-        let h = read_sum(&self.gpu, sum, 0, n as u64)?;
-        drop(idbuf);
-        Ok(h)
+        // Waits for the copy.
+        Ok(read_sum(&self.gpu, sum, 0, n as u64)?)
     }
 
-    /// `blocks` as device i32 ids for the copy kernels (enqueued; the buffer must outlive the
-    /// copies that read it).
-    fn block_ids(&self, blocks: &[BlockId]) -> Result<DevBuf, BackendError> {
+    /// `blocks` as device i32 ids for the copy kernels: the device address of a buffer kept
+    /// for these copies (no allocation per copy). The upload is ordered on the stream, after
+    /// the copies that read the previous ids and before those that read these; a buffer
+    /// outgrown is dropped only after the stream drained.
+    fn block_ids(&self, blocks: &[BlockId]) -> Result<u64, BackendError> {
         let ids: Vec<i32> = blocks.iter().map(|b| b.0 as i32).collect();
-        let idbuf = self.gpu.alloc(ids.len().max(1) * 4)?;
-        self.gpu.upload(&idbuf, 0, &ids)?;
-        Ok(idbuf)
+        let need = (ids.len() * 4).max(16);
+        let mut buf = self.copy_ids.lock().unwrap_or_else(|p| p.into_inner());
+        if buf.as_ref().is_none_or(|b| b.bytes() < need) {
+            let grown = self.gpu.alloc(need.next_power_of_two())?;
+            if let Some(old) = buf.replace(grown) {
+                self.gpu.sync()?;
+                drop(old);
+            }
+        }
+        let b = buf.as_ref().ok_or(BackendError::NoStaging)?;
+        self.gpu.upload(b, 0, &ids)?;
+        Ok(b.ptr())
     }
 
     /// The staging arena, or [`BackendError::NoStaging`].
@@ -220,11 +229,12 @@ impl CudaBackend {
         if n == 0 {
             return Ok(());
         }
-        self.staging_launch(gather, &[(layers.clone(), offset)], blocks)
+        let stride = blocks.len() * self.layout.block_layer_bytes();
+        self.staging_launch(gather, &[(layers.clone(), offset, stride)], blocks)
     }
 
-    /// `kv_gather` of each layer of `layers` into `offset + i * layer_stride`, then one
-    /// synchronize.
+    /// `kv_gather` of each layer of `layers` into `offset + i * layer_stride` (one launch),
+    /// then one synchronize.
     fn staging_gather_strided(
         &self,
         layers: &Range<u32>,
@@ -245,26 +255,21 @@ impl CudaBackend {
         if per_layer == 0 {
             return Ok(());
         }
-        let parts: Vec<(Range<u32>, usize)> = layers
-            .clone()
-            .enumerate()
-            .map(|(i, l)| (l..l + 1, offset + i * layer_stride))
-            .collect();
-        self.staging_launch(true, &parts, blocks)
+        self.staging_launch(true, &[(layers.clone(), offset, layer_stride)], blocks)
     }
 
-    /// For each `(layers, offset)` of `parts` (checked by the caller against the arena), one
-    /// launch between the pool and the arena at `offset`; then a stream synchronize.
+    /// For each `(layers, offset, layer stride)` of `parts` (checked by the caller against the
+    /// arena), one launch between the pool and the arena, layer `layers.start + i` at
+    /// `offset + i * stride`; then a stream synchronize.
     fn staging_launch(
         &self,
         gather: bool,
-        parts: &[(Range<u32>, usize)],
+        parts: &[(Range<u32>, usize, usize)],
         blocks: &[BlockId],
     ) -> Result<(), BackendError> {
         self.gpu.bind()?;
-        let idbuf = self.block_ids(blocks)?;
-        self.launch_copies(gather, parts, idbuf.ptr(), blocks.len())?;
-        // `idbuf` lives until here: the copies that read it are done.
+        let idp = self.block_ids(blocks)?;
+        self.launch_copies(gather, parts, idp, blocks.len())?;
         self.gpu.sync()?;
         Ok(())
     }
@@ -274,17 +279,20 @@ impl CudaBackend {
     fn launch_copies(
         &self,
         gather: bool,
-        parts: &[(Range<u32>, usize)],
+        parts: &[(Range<u32>, usize, usize)],
         idp: u64,
         nblocks: usize,
     ) -> Result<(), BackendError> {
         const OP: &str = "kv_staging_copy";
         let arena = self.arena()?;
         let lb = self.layout.block_layer_bytes();
-        if !lb.is_multiple_of(16) || parts.iter().any(|(_, o)| !o.is_multiple_of(16)) {
+        let misaligned = parts.iter().any(|(l, o, s)| {
+            !o.is_multiple_of(16) || !s.is_multiple_of(16) || (l.len() > 1 && *s < nblocks * lb)
+        });
+        if !lb.is_multiple_of(16) || misaligned {
             return Err(BackendError::InvalidBatch {
                 reason: format!(
-                    "layer-block of {lb} bytes or a staging offset is not a multiple of 16"
+                    "layer-block of {lb} bytes, a staging offset or a layer stride is not a multiple of 16, or layers overlap"
                 ),
             });
         }
@@ -294,7 +302,7 @@ impl CudaBackend {
         let fh = self.gpu.kernel("kv_gather_h64")?;
         let slots = self.span_slots.as_ref().map_or(0, DevBuf::ptr);
         let (nb, numb, lbv) = (nblocks as i32, self.num_blocks as i32, (lb / 16) as i64);
-        for (layers, offset) in parts {
+        for (layers, offset, stride) in parts {
             let nlayers = (layers.end - layers.start) as usize;
             let grid =
                 u32::try_from(nlayers * nblocks).map_err(|_| BackendError::InvalidBatch {
@@ -307,10 +315,12 @@ impl CudaBackend {
             // A gather into a span being hashed adds the terms of what it writes to the span's
             // sum word (`kv_gather_h64`); the bookkeeping says where, or sends the seal to a pass.
             let hashed = if gather && slots != 0 {
-                self.sums().copy(*offset, nlayers * nblocks * lb)
+                self.sums()
+                    .copy_strided(*offset, nblocks * lb, *stride, nlayers)
             } else {
                 None
             };
+            let stridev = (*stride / 16) as i64;
             let (word0, sum) = hashed.map_or((0i64, 0u64), |h| {
                 (h.word0 as i64, slots + 8 * h.slot as u64)
             });
@@ -323,7 +333,8 @@ impl CudaBackend {
                 .arg(&nb)
                 .arg(&l0)
                 .arg(&numb)
-                .arg(&lbv);
+                .arg(&lbv)
+                .arg(&stridev);
             if hashed.is_some() {
                 b.arg(&word0).arg(&sum);
             }
@@ -394,10 +405,11 @@ impl CudaBackend {
         run.group_start = done;
         let idbase = self.stage_ids.as_ref().map_or(0, DevBuf::ptr);
         for (i, sq) in run.plan.seqs.iter().enumerate() {
-            let parts: Vec<(Range<u32>, usize)> = layers
-                .clone()
-                .map(|l| (l..l + 1, sq.offset + l as usize * sq.layer_stride))
-                .collect();
+            let parts = [(
+                layers.clone(),
+                sq.offset + layers.start as usize * sq.layer_stride,
+                sq.layer_stride,
+            )];
             let idp = idbase + 4 * run.id_off[i] as u64;
             self.launch_copies(true, &parts, idp, sq.blocks.len())
                 .map_err(|e| CudaError::Unsupported {

@@ -48,15 +48,16 @@ extern "C" __global__ void kvh64_words(const uint4* __restrict__ data, i64 nword
 extern "C" __global__ void kv_gather_h64(const uint4* __restrict__ pool,
                                          uint4* __restrict__ staging,
                                          const int* __restrict__ blocks, int nblocks, int layer0,
-                                         int num_blocks, i64 lb_vec, i64 word0,
-                                         unsigned long long* __restrict__ out) {
+                                         int num_blocks, i64 lb_vec, i64 stride_vec,
+                                         i64 word0, unsigned long long* __restrict__ out) {
     PD_GRID_WAIT();
     PD_GRID_LAUNCH_DEPENDENTS();
     const i64 idx = blockIdx.x;
     const i64 l = idx / nblocks, b = idx % nblocks;
     const uint4* src = pool + ((i64)(layer0 + l) * num_blocks + blocks[b]) * lb_vec;
-    uint4* dst = staging + idx * lb_vec;
-    const i64 j0 = word0 + idx * lb_vec;
+    const i64 at = l * stride_vec + b * lb_vec;
+    uint4* dst = staging + at;
+    const i64 j0 = word0 + at;
     unsigned long long s = 0;
     for (i64 i = threadIdx.x; i < lb_vec; i += blockDim.x) {
         const uint4 v = src[i];
@@ -69,15 +70,16 @@ extern "C" __global__ void kv_gather_h64(const uint4* __restrict__ pool,
 extern "C" __global__ void kv_scatter_h64(uint4* __restrict__ pool,
                                           const uint4* __restrict__ staging,
                                           const int* __restrict__ blocks, int nblocks, int layer0,
-                                          int num_blocks, i64 lb_vec, i64 word0,
-                                          unsigned long long* __restrict__ out) {
+                                          int num_blocks, i64 lb_vec, i64 stride_vec,
+                                          i64 word0, unsigned long long* __restrict__ out) {
     PD_GRID_WAIT();
     PD_GRID_LAUNCH_DEPENDENTS();
     const i64 idx = blockIdx.x;
     const i64 l = idx / nblocks, b = idx % nblocks;
     uint4* dst = pool + ((i64)(layer0 + l) * num_blocks + blocks[b]) * lb_vec;
-    const uint4* src = staging + idx * lb_vec;
-    const i64 j0 = word0 + idx * lb_vec;
+    const i64 at = l * stride_vec + b * lb_vec;
+    const uint4* src = staging + at;
+    const i64 j0 = word0 + at;
     unsigned long long s = 0;
     for (i64 i = threadIdx.x; i < lb_vec; i += blockDim.x) {
         const uint4 v = src[i];

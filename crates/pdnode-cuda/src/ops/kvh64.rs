@@ -126,6 +126,7 @@ pub fn kv_copy_h64(
         word0 as i64,
     );
     let dst = staging.at(staging_offset);
+    let stride = lbv * nblocks as i64;
     let mut b = gpu.launch_builder(f);
     b.arg(pool.ptr_ref())
         .arg(&dst)
@@ -134,6 +135,7 @@ pub fn kv_copy_h64(
         .arg(&l0)
         .arg(&numb)
         .arg(&lbv)
+        .arg(&stride)
         .arg(&w0)
         .arg(&sum);
     // SAFETY: sizes checked above; block ids are the caller's (< num_blocks); the kernel adds

@@ -33,6 +33,14 @@ impl Span {
     fn overlaps(&self, start: usize, end: usize) -> bool {
         start < self.offset + self.len && self.offset < end
     }
+
+    /// Whether span-relative `a .. b` overlaps what was hashed: `covered` is sorted and
+    /// disjoint, so only the last range starting before `b` can reach past `a` (a search, not
+    /// a scan: a span gets one range per layer per chunk, hundreds by its last chunk).
+    fn hashed_within(&self, a: usize, b: usize) -> bool {
+        let i = self.covered.partition_point(|&(x, _)| x < b);
+        i > 0 && self.covered[i - 1].1 > a
+    }
 }
 
 /// The registered spans of one GPU's arena.
@@ -114,10 +122,7 @@ impl SpanSums {
                 && ranges.iter().all(|&(a, b)| {
                     a >= s.offset
                         && b <= s.offset + s.len
-                        && !s
-                            .covered
-                            .iter()
-                            .any(|&(x, y)| a - s.offset < y && x < b - s.offset)
+                        && !s.hashed_within(a - s.offset, b - s.offset)
                 })
                 && (start - s.offset).is_multiple_of(16)
         };

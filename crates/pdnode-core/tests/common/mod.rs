@@ -1,6 +1,9 @@
-//! Helpers of the configuration tests (`config.rs`, `config_security.rs`).
+//! Helpers of the configuration tests (`config.rs`, `config_cuda.rs`, `config_security.rs`).
 
-use pdnode_core::config::{ConfigError, load_from_str};
+#![allow(dead_code)]
+
+use pdnode_core::config::{ConfigError, ConfigSource, load_from_str};
+use std::path::PathBuf;
 
 /// The file name the tests' TOML text loads under.
 pub const FILE: &str = "test.toml";
@@ -18,4 +21,17 @@ pub fn errors(text: &str, set: &[&str]) -> Vec<ConfigError> {
         ),
         Err(e) => e,
     }
+}
+
+/// Environment variables as `load_from_str_with_env` takes them.
+pub fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+/// The source the tests' TOML text loads under.
+pub fn file_src() -> ConfigSource {
+    ConfigSource::File(PathBuf::from(FILE))
 }

@@ -1,6 +1,6 @@
 //! One request's prefill/decode flow (docs/protocol.md). [`super::attempt::Flow`] decides, per
 //! attempt, what every way a step ends means (what to abort on which node, retry or not); this
-//! file performs the calls and those decisions:
+//! file performs the calls (each bounded: `calls.rs`) and those decisions:
 //!
 //! 1. Pick decode node D (decode policy) and prefill node P (prefill policy); book both. Nodes
 //!    that lately failed as unreachable are left out while others exist.
@@ -25,9 +25,10 @@
 //! A node that looks gone (`Unavailable`, `Timeout`) gets its `Abort` without the router waiting
 //! for the answer, so the client's answer or the retry never waits on a frozen node.
 
-use super::attempt::{Abort, Event, Flow, Then};
+use super::attempt::{Event, Flow, Then};
+use super::calls::{StepErr, abort_as, bounded, send, send_limit, step};
 use super::node_watch::NodeWatch;
-use super::{GenEvent, GenRequest, InflightGuard, Router, SUSPECT_FOR, Usage};
+use super::{GenEvent, GenRequest, InflightGuard, Router, Usage};
 use crate::error::{RouterError, Step};
 use crate::membership::Worker;
 use crate::node::{DecodeCall, PrefillCall, PrefillOutcome, ReserveKv};
@@ -36,24 +37,15 @@ use futures::StreamExt;
 use pdnode_core::error::Classify;
 use pdnode_core::metrics as m;
 use pdnode_core::{ErrorKind, FinishReason, NodeId, RequestId, Role};
-use std::future::Future;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tracing::Instrument;
 use tracing::field::Empty;
 
-/// Longest wait for a node to acknowledge an Abort.
-const ABORT_TIMEOUT: Duration = Duration::from_secs(5);
-
 enum Exit {
     Done(FinishReason),
     ClientGone,
-}
-
-enum StepErr {
-    ClientGone,
-    Failed(RouterError),
 }
 
 /// Counts what the client got.
@@ -156,98 +148,11 @@ pub(super) async fn run(
     );
 }
 
-/// Awaits `fut` bounded by `limit` and the request deadline, or notices the client left.
-async fn step<T, E>(
-    tx: &mpsc::Sender<GenEvent>,
-    limit: Duration,
-    deadline: Instant,
-    what: (Step, &NodeId, RequestId),
-    fut: impl Future<Output = Result<T, E>>,
-) -> Result<T, StepErr>
-where
-    E: Into<crate::error::NodeError>,
-{
-    tokio::select! {
-        biased;
-        _ = tx.closed() => Err(StepErr::ClientGone),
-        r = bounded(limit, deadline, what, fut) => r,
-    }
-}
-
-/// Awaits `fut` bounded by `limit` and the request deadline, whether the client is there or
-/// not.
-async fn bounded<T, E>(
-    limit: Duration,
-    deadline: Instant,
-    what: (Step, &NodeId, RequestId),
-    fut: impl Future<Output = Result<T, E>>,
-) -> Result<T, StepErr>
-where
-    E: Into<crate::error::NodeError>,
-{
-    let left = deadline.saturating_duration_since(Instant::now());
-    let limit = limit.min(left);
-    let (step, node, request) = what;
-    match tokio::time::timeout(limit, fut).await {
-        Err(_) => Err(StepErr::Failed(RouterError::Timeout {
-            step,
-            node: node.clone(),
-            request,
-            after_ms: limit.as_millis() as u64,
-        })),
-        Ok(Err(e)) => Err(StepErr::Failed(RouterError::Node {
-            step,
-            node: node.clone(),
-            request,
-            source: e.into(),
-        })),
-        Ok(Ok(v)) => Ok(v),
-    }
-}
-
-/// The client's deadline to take one event (`router.client_send_timeout_s`).
-fn send_limit(router: &Router) -> Duration {
-    Duration::from_secs(router.deps.config.client_send_timeout_s)
-}
-
-/// Hands `ev` to the client within `limit`; false when it is gone or did not take the event in
-/// time (it stopped reading: treated as gone, so its request is aborted and its slot freed).
-async fn send(tx: &mpsc::Sender<GenEvent>, ev: GenEvent, limit: Duration) -> bool {
-    match tx.send_timeout(ev, limit).await {
-        Ok(()) => true,
-        Err(mpsc::error::SendTimeoutError::Closed(_)) => false,
-        Err(mpsc::error::SendTimeoutError::Timeout(_)) => {
-            tracing::warn!(
-                after_ms = limit.as_millis() as u64,
-                "the client stopped reading; treating it as gone"
-            );
-            false
-        }
-    }
-}
-
 /// Whether a decode node other than `d` and not yet excluded is there to retry on.
 fn other_decode(decodes: &[Worker], d: &Worker, excluded: &[NodeId]) -> bool {
     decodes
         .iter()
         .any(|w| w.id() != d.id() && !excluded.contains(w.id()))
-}
-
-/// Aborts `id` on `w` with the request's KV capability (empty before `ReserveKv` answered: the
-/// decode node then cancels only a reservation still being made).
-async fn abort(w: &Worker, id: RequestId, capability: Vec<u8>, reason: &str) {
-    let call = w.client.abort(id, capability, reason.to_string());
-    match tokio::time::timeout(ABORT_TIMEOUT, call).await {
-        Ok(Ok(_)) => {}
-        Ok(Err(e)) => tracing::warn!(request = %id, node = %w.id(), error = %e, "abort failed"),
-        Err(_) => tracing::warn!(request = %id, node = %w.id(), "abort timed out"),
-    }
-}
-
-/// Aborts on a node that may be gone, without waiting for the answer.
-fn abort_detached(w: &Worker, id: RequestId, capability: Vec<u8>, reason: &'static str) {
-    let w = w.clone();
-    tokio::spawn(async move { abort(&w, id, capability, reason).await });
 }
 
 /// How a watched prefill ended.
@@ -332,29 +237,6 @@ impl Pair<'_> {
         self.act(flow, Event::ClientGone, "client disconnected")
             .await;
         End::Exit(Exit::ClientGone)
-    }
-}
-
-/// Aborts `id` on `w` the way `how` says.
-async fn abort_as(
-    router: &Router,
-    w: &Worker,
-    id: RequestId,
-    capability: Vec<u8>,
-    reason: &'static str,
-    how: Abort,
-) {
-    match how {
-        Abort::No => {}
-        Abort::Wait => abort(w, id, capability, reason).await,
-        Abort::Detach => abort_detached(w, id, capability, reason),
-        Abort::DetachSuspect => {
-            router
-                .state
-                .lock()
-                .suspect(w.id(), Instant::now() + SUSPECT_FOR);
-            abort_detached(w, id, capability, reason);
-        }
     }
 }
 

@@ -5,6 +5,7 @@
 //! the flow notices at once and aborts the request on both nodes.
 
 mod attempt;
+mod calls;
 mod flow;
 mod node_watch;
 mod state;

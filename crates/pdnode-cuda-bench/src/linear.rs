@@ -1,0 +1,187 @@
+//! The linear layers alone: a per-op breakdown of the decode step's weight reads (each
+//! Llama-3.1-8B linear through each implementation against cuBLAS and the copy ceiling).
+
+use super::*;
+
+/// The linear layers of one Llama-3.1-8B decode step: (name, out, in, times per step).
+pub const LLAMA31_8B_LINEARS: [(&str, usize, usize, usize); 5] = [
+    ("qkv", 6144, 4096, 32),
+    ("o", 4096, 4096, 32),
+    ("gate_up", 28672, 4096, 32),
+    ("down", 4096, 14336, 32),
+    ("lm_head", 128256, 4096, 1),
+];
+
+/// One linear-layer measurement: `tokens` rows through an `out x inp` bf16 weight.
+#[derive(Debug, Clone)]
+pub struct LinearRow {
+    pub name: &'static str,
+    pub out: usize,
+    pub inp: usize,
+    pub tokens: usize,
+    pub how: ops::LinearImpl,
+    /// The tensor-core GEMV's launch shape (`None` for the others).
+    pub launch: Option<ops::MmaLaunch>,
+    /// A launch shape other than the one `linear` picks (compared, not part of the step sums).
+    pub forced: bool,
+    pub us: f64,
+    /// Weight bytes read per second.
+    pub gbps: f64,
+    /// `gbps` over the copy ceiling (bytes read + written per second of a device copy).
+    pub frac_of_copy: f64,
+    /// ||y - y_cublas|| / ||y_cublas|| on the same inputs (f32 output).
+    pub rel_to_cublas: f64,
+}
+
+/// Summary of one decode step's linear layers at `tokens` rows for one implementation: the sum
+/// of each layer's time times its count per step, against the weight bytes at the copy ceiling.
+#[derive(Debug, Clone)]
+pub struct LinearStep {
+    /// The implementation, or `None` for the best measured one per layer.
+    pub how: Option<ops::LinearImpl>,
+    pub tokens: usize,
+    pub ms: f64,
+    pub floor_ms: f64,
+}
+
+/// Each layer of [`LLAMA31_8B_LINEARS`] at each token count through each implementation
+/// (GEMV kernels only up to [`ops::GEMV_MAX_TOKENS`] rows). Weights are rotated over enough
+/// copies (>= 256 MB in all) that no layer is served from the 50 MB L2. Returns the copy ceiling
+/// (bytes/s, read + write), the rows and the per-step sums.
+pub fn run_linear(
+    tokens: &[usize],
+    impls: &[ops::LinearImpl],
+    iters: usize,
+    mut report: impl FnMut(&LinearRow),
+) -> Result<(f64, Vec<LinearRow>, Vec<LinearStep>), CudaError> {
+    let gpu = Gpu::new(0)?;
+    let copy = measure_ceilings(&gpu)?.hbm_traffic_bps;
+    let iters = iters.max(1);
+    let max_t = tokens.iter().copied().max().unwrap_or(1).max(1);
+    let mut rows = Vec::new();
+    for (si, &(name, out, inp, _)) in LLAMA31_8B_LINEARS.iter().enumerate() {
+        let wbytes = out * inp * 2;
+        let copies = (256usize << 20).div_ceil(wbytes).clamp(1, 8);
+        let ws = (0..copies)
+            .map(|c| {
+                let b = gpu.alloc(wbytes)?;
+                ops::fill_uniform_bf16(&gpu, &b, out * inp, (100 + si * 8 + c) as u64, 0.05)?;
+                Ok(b)
+            })
+            .collect::<Result<Vec<_>, CudaError>>()?;
+        let x = gpu.alloc(max_t * inp * 2)?;
+        ops::fill_uniform_bf16(&gpu, &x, max_t * inp, 7, 1.0)?;
+        let (y, y_ref) = (gpu.alloc(max_t * out * 4)?, gpu.alloc(max_t * out * 4)?);
+        for &t in tokens {
+            let run = |how, y: &pdnode_cuda::device::DevBuf, w: &pdnode_cuda::device::DevBuf| {
+                ops::linear(&gpu, out, t, inp, w, &x, y, OutType::F32, false, how)
+            };
+            run(ops::LinearImpl::Cublas, &y_ref, &ws[0])?;
+            let want = gpu.download_f32(&y_ref, t * out)?;
+            let sms = gpu.sm_count as usize;
+            let auto_launch = ops::mma_launch(sms, out, t, inp);
+            let mut cases: Vec<(ops::LinearImpl, Option<ops::MmaLaunch>)> = Vec::new();
+            for &how in impls {
+                let gemv = !matches!(how, ops::LinearImpl::Cublas | ops::LinearImpl::Auto);
+                if t == 0 || (gemv && t > ops::GEMV_MAX_TOKENS) {
+                    continue;
+                }
+                if how != ops::LinearImpl::GemvMma {
+                    cases.push((how, None));
+                    continue;
+                }
+                cases.push((how, Some(auto_launch)));
+                // the other tile height, the auto one at half the warps, and with the L2 hint
+                let other = ops::mma_launch_tiles(sms, out, inp, 3 - auto_launch.tiles);
+                let half = ops::MmaLaunch {
+                    warps: (auto_launch.warps / 2).max(1),
+                    ..auto_launch
+                };
+                let pf = ops::MmaLaunch {
+                    l2_prefetch: true,
+                    ..auto_launch
+                };
+                for l in [other, half, pf] {
+                    if !cases.contains(&(how, Some(l))) {
+                        cases.push((how, Some(l)));
+                    }
+                }
+            }
+            for (how, launch) in cases {
+                let run = |how,
+                           y: &pdnode_cuda::device::DevBuf,
+                           w: &pdnode_cuda::device::DevBuf| match launch {
+                    Some(l) => ops::gemv_mma(&gpu, l, out, t, inp, w, &x, y, OutType::F32, false),
+                    None => run(how, y, w),
+                };
+                gpu.memset(&y, 0xFF)?;
+                run(how, &y, &ws[0])?;
+                let got = gpu.download_f32(&y, t * out)?;
+                let (mut num, mut den) = (0f64, 0f64);
+                for (a, b) in got.iter().zip(&want) {
+                    num += ((a - b) as f64).powi(2);
+                    den += (*b as f64).powi(2);
+                }
+                let rel = if got.iter().all(|v| v.is_finite()) {
+                    (num / den.max(1e-30)).sqrt()
+                } else {
+                    f64::INFINITY
+                };
+                let mut k = 0usize;
+                let s = timed(&gpu, iters, || {
+                    k += 1;
+                    run(how, &y, &ws[k % copies])
+                })?;
+                let gbps = wbytes as f64 / s;
+                let row = LinearRow {
+                    name,
+                    out,
+                    inp,
+                    tokens: t,
+                    how,
+                    launch,
+                    forced: launch.is_some_and(|l| l != auto_launch),
+                    us: s * 1e6,
+                    gbps: gbps / 1e9,
+                    frac_of_copy: gbps / copy,
+                    rel_to_cublas: rel,
+                };
+                report(&row);
+                rows.push(row);
+            }
+        }
+    }
+    let mut steps = Vec::new();
+    for &t in tokens {
+        let floor_ms: f64 = LLAMA31_8B_LINEARS
+            .iter()
+            .map(|&(_, o, i, n)| (o * i * 2 * n) as f64)
+            .sum::<f64>()
+            / copy
+            * 1e3;
+        let layer_us = |name: &str, how: Option<ops::LinearImpl>| {
+            rows.iter()
+                .filter(|r| r.tokens == t && r.name == name)
+                .filter(|r| how.is_none_or(|h| r.how == h && !r.forced))
+                .map(|r| r.us)
+                .reduce(f64::min)
+        };
+        let step = |how: Option<ops::LinearImpl>| {
+            LLAMA31_8B_LINEARS
+                .iter()
+                .map(|&(name, _, _, n)| layer_us(name, how).map(|us| us * n as f64 / 1e3))
+                .sum::<Option<f64>>()
+        };
+        for how in impls.iter().copied().map(Some).chain([None]) {
+            if let Some(ms) = step(how) {
+                steps.push(LinearStep {
+                    how,
+                    tokens: t,
+                    ms,
+                    floor_ms,
+                });
+            }
+        }
+    }
+    Ok((copy, rows, steps))
+}

@@ -397,18 +397,14 @@ impl Loop {
                 gather,
                 reply,
             } => {
-                let r = match (self.sched.transfer_blocks(id), self.backend.kv_staging()) {
-                    (None, _) => Err(EngineError::NoLease { id }),
-                    (Some(_), None) => {
-                        Err(EngineError::from(crate::backend::BackendError::NoStaging))
+                let r = self.lease_and_arena(id).and_then(|(blocks, s)| {
+                    if gather {
+                        s.gather_kv_to_staging(layers, blocks, offset)
+                    } else {
+                        s.scatter_kv_from_staging(layers, blocks, offset)
                     }
-                    (Some(blocks), Some(s)) if gather => s
-                        .gather_kv_to_staging(layers, blocks, offset)
-                        .map_err(EngineError::from),
-                    (Some(blocks), Some(s)) => s
-                        .scatter_kv_from_staging(layers, blocks, offset)
-                        .map_err(EngineError::from),
-                };
+                    .map_err(EngineError::from)
+                });
                 let _ = reply.send(r);
             }
             Command::ScatterChecked {
@@ -419,25 +415,18 @@ impl Loop {
                 check,
                 reply,
             } => {
-                let r = match (self.sched.transfer_blocks(id), self.backend.kv_staging()) {
-                    (None, _) => Err(EngineError::NoLease { id }),
-                    (Some(_), None) => {
-                        Err(EngineError::from(crate::backend::BackendError::NoStaging))
+                let r = self.lease_and_arena(id).and_then(|(blocks, s)| {
+                    if hash {
+                        s.scatter_kv_from_staging_h64(layers, blocks, offset)
+                            .map(|sums| check(&mut *s, Some(&sums)))
+                    } else if check(&mut *s, None) {
+                        s.scatter_kv_from_staging(layers, blocks, offset)
+                            .map(|()| true)
+                    } else {
+                        Ok(false)
                     }
-                    (Some(blocks), Some(s)) if hash => s
-                        .scatter_kv_from_staging_h64(layers, blocks, offset)
-                        .map(|sums| check(&mut *s, Some(&sums)))
-                        .map_err(EngineError::from),
-                    (Some(blocks), Some(s)) => {
-                        if check(&mut *s, None) {
-                            s.scatter_kv_from_staging(layers, blocks, offset)
-                                .map(|()| true)
-                                .map_err(EngineError::from)
-                        } else {
-                            Ok(false)
-                        }
-                    }
-                };
+                    .map_err(EngineError::from)
+                });
                 let _ = reply.send(r);
             }
             Command::StagingRead {
@@ -486,6 +475,22 @@ impl Loop {
             Command::Shutdown => return false,
         }
         true
+    }
+
+    /// The blocks under `id`'s hand-off lease and the staging arena, for a copy between them.
+    fn lease_and_arena(
+        &mut self,
+        id: RequestId,
+    ) -> Result<(&[pdnode_core::BlockId], &mut dyn crate::backend::KvStaging), EngineError> {
+        let blocks = self
+            .sched
+            .transfer_blocks(id)
+            .ok_or(EngineError::NoLease { id })?;
+        let arena = self
+            .backend
+            .kv_staging()
+            .ok_or(EngineError::from(crate::backend::BackendError::NoStaging))?;
+        Ok((blocks, arena))
     }
 
     fn read_kv(&self, id: RequestId, layers: Range<u32>) -> Result<Vec<u8>, EngineError> {

@@ -76,6 +76,8 @@ pub struct FakeBehavior {
     pub prefill_delay: Duration,
     /// Delay of `ReserveKv` before it answers (a decode node waiting for staging room).
     pub reserve_delay: Duration,
+    /// Delay of `ReserveKv`'s answer after the reservation is made (an answer on its way).
+    pub reserve_answer_delay: Duration,
     pub fail_reserve: Option<NodeError>,
     pub fail_prefill: Option<NodeError>,
     /// `Stats` (the router's liveness probe) fails with this: a node that stopped answering.
@@ -97,6 +99,7 @@ impl Default for FakeBehavior {
             token_interval: Duration::ZERO,
             prefill_delay: Duration::ZERO,
             reserve_delay: Duration::ZERO,
+            reserve_answer_delay: Duration::ZERO,
             fail_reserve: None,
             fail_prefill: None,
             fail_stats: None,
@@ -316,6 +319,7 @@ impl NodeClient for FakeNode {
             self.caps
                 .lock()
                 .insert(req.request_id, target.secret.clone());
+            tokio::time::sleep(b.reserve_answer_delay).await;
             Ok(target)
         })
     }

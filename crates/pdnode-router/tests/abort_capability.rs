@@ -1,7 +1,8 @@
 //! The router's aborts present the request's KV capability (the secret of the target the
 //! decode node's `ReserveKv` answered): the fake nodes refuse an abort without it, as real nodes
 //! do, and record the refusal. A client that leaves while the reservation is being made is
-//! aborted once the answer (and its capability) is there.
+//! aborted once the answer (and its capability) is there, and so is a reservation whose answer
+//! came past the router's bound.
 
 mod common;
 
@@ -112,4 +113,30 @@ async fn aborts_after_a_failed_prefill_and_a_client_gone_mid_stream_carry_the_ca
     assert_eq!(refusals(d), 0, "{:?}", d.calls());
     assert_eq!(refusals(p), 0, "{:?}", p.calls());
     all_freed(&router, &[p, d]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_answered_past_its_bound_is_aborted_with_its_capability() {
+    let mut f = fakes(1, 1);
+    f.deps.config.prefill_timeout_s = 1;
+    let (p, d) = (&f.prefill[0], &f.decode[0]);
+    // The reservation is made at once; its answer arrives after the router's 1 s bound.
+    d.set(|b| b.reserve_answer_delay = Duration::from_millis(1_600));
+    let router = Router::new(f.deps.clone());
+    let mut g = router.generate(request_40_tokens()).unwrap();
+    // The request ends (the bound, then a retry that meets the same delay) with an error.
+    let ended = tokio::time::timeout(Duration::from_secs(20), async {
+        while let Some(ev) = g.events.recv().await {
+            if matches!(ev, GenEvent::Error(_)) {
+                return true;
+            }
+        }
+        false
+    })
+    .await;
+    assert_eq!(ended, Ok(true), "the request failed cleanly");
+    // Every reservation the decode node made is aborted with its capability once its answer
+    // lands: no block is left to the lease.
+    all_freed(&router, &[p, d]).await;
+    assert!(aborted(&d.calls()), "{:?}", d.calls());
 }

@@ -14,6 +14,10 @@ use tokio::sync::mpsc;
 /// Longest wait for a node to acknowledge an Abort.
 const ABORT_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How long a `ReserveKv` answer is still waited for after its step's bound, to abort what it
+/// reserved with its capability; past it the reservation's lease frees it.
+const LATE_RESERVATION_WAIT: Duration = Duration::from_secs(60);
+
 /// How a bounded step ended other than with its value.
 pub(super) enum StepErr {
     ClientGone,
@@ -128,4 +132,23 @@ pub(super) async fn abort_as(
             abort_detached(w, id, capability, reason);
         }
     }
+}
+
+/// A `ReserveKv` call past its step's bound: the request went on without it, but the decode
+/// node may have made the reservation (its answer on the way), and an `Abort` without the
+/// capability the answer carries is refused. Waits for the answer (at most
+/// [`LATE_RESERVATION_WAIT`]) and aborts what it reserved, with its capability.
+pub(super) fn abort_late_reservation(
+    d: &Worker,
+    id: RequestId,
+    call: tokio::task::JoinHandle<Result<crate::node::KvTarget, crate::error::NodeError>>,
+) {
+    let d = d.clone();
+    tokio::spawn(async move {
+        if let Ok(Ok(Ok(t))) = tokio::time::timeout(LATE_RESERVATION_WAIT, call).await {
+            tracing::debug!(request = %id, node = %d.id(),
+                "a reservation answered past its bound: aborting it with its capability");
+            abort(&d, id, t.secret, "reservation answered past its bound").await;
+        }
+    });
 }

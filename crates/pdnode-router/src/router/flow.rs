@@ -26,7 +26,7 @@
 //! for the answer, so the client's answer or the retry never waits on a frozen node.
 
 use super::attempt::{Event, Flow, Then};
-use super::calls::{StepErr, abort_as, bounded, send, send_limit, step};
+use super::calls::{StepErr, abort_as, abort_late_reservation, bounded, send, send_limit, step};
 use super::node_watch::NodeWatch;
 use super::{GenEvent, GenRequest, InflightGuard, Router, Usage};
 use crate::error::{RouterError, Step};
@@ -391,14 +391,32 @@ async fn run_attempt(
     // Not cut short when the client leaves: the answer carries the KV capability that every
     // Abort of the reservation presents, so the router waits for it (bounded like any step)
     // and aborts with it; a call dropped instead could leave a made reservation to its lease.
+    // The call runs as its own task: past its bound the request moves on, and an answer still
+    // on its way is aborted with its capability when it lands (`abort_late_reservation`).
+    let mut call = {
+        let d = d.clone();
+        tokio::spawn(
+            async move { d.client.reserve_kv(reserve).await }.instrument(reserve_span.clone()),
+        )
+    };
     let reserved = bounded(
         prefill_timeout,
         deadline,
         (Step::ReserveKv, d.id(), req_id),
-        d.client.reserve_kv(reserve),
+        async {
+            (&mut call).await.unwrap_or_else(|e| {
+                Err(crate::error::NodeError::new(
+                    ErrorKind::Internal,
+                    format!("the ReserveKv call's task ended: {e}"),
+                ))
+            })
+        },
     )
     .instrument(reserve_span.clone())
     .await;
+    if matches!(reserved, Err(StepErr::Failed(RouterError::Timeout { .. }))) {
+        abort_late_reservation(d, req_id, call);
+    }
     let target = match reserved {
         Ok(t) => t,
         Err(StepErr::ClientGone) => return pair.gone(flow).await,

@@ -121,6 +121,9 @@ pub struct Generation {
     pub events: mpsc::Receiver<GenEvent>,
 }
 
+/// `Stats` calls of one [`Router::refresh_stats`] in flight at once.
+const STATS_CONCURRENCY: usize = 64;
+
 pub struct Router {
     pub(crate) deps: RouterDeps,
     pub(crate) state: Mutex<RouterState>,
@@ -331,12 +334,12 @@ impl Router {
         })
     }
 
-    /// Asks every node for its stats (each call bounded by `timeout`) and updates the policies'
-    /// view and the per-node gauges.
+    /// Asks every node for its stats (each call bounded by `timeout`, all side by side) and
+    /// updates the policies' view and the per-node gauges.
     pub async fn refresh_stats(&self, timeout: Duration) {
+        use futures::StreamExt;
         let mut present: Vec<NodeId> = Vec::new();
-        let mut rows = Vec::new();
-        let mut down: Vec<NodeId> = Vec::new();
+        let mut all = Vec::new();
         for role in [Role::Prefill, Role::Decode] {
             let workers = self.deps.membership.workers(role);
             self.metrics.set(
@@ -344,19 +347,32 @@ impl Router {
                 &[("role", role.as_str())],
                 workers.len() as f64,
             );
-            for w in workers {
-                present.push(w.id().clone());
-                match tokio::time::timeout(timeout, w.client.stats()).await {
-                    Ok(Ok(s)) => rows.push((w.id().clone(), s)),
-                    // Unreachable, its engine stalled (UNAVAILABLE), or no answer in time: new
-                    // picks avoid it for a while.
-                    Ok(Err(e)) if matches!(e.kind, ErrorKind::Unavailable | ErrorKind::Timeout) => {
-                        tracing::debug!(node = %w.id(), error = %e, "stats: node unavailable");
-                        down.push(w.id().clone());
-                    }
-                    Err(_) => down.push(w.id().clone()),
-                    Ok(Err(_)) => {}
+            present.extend(workers.iter().map(|w| w.id().clone()));
+            all.extend(workers);
+        }
+        // Asked side by side (at most STATS_CONCURRENCY at once): a node that does not answer
+        // costs one `timeout`, not one per node behind it.
+        let answers: Vec<_> = futures::stream::iter(all)
+            .map(|w| async move {
+                let r = tokio::time::timeout(timeout, w.client.stats()).await;
+                (w, r)
+            })
+            .buffer_unordered(STATS_CONCURRENCY)
+            .collect()
+            .await;
+        let mut rows = Vec::new();
+        let mut down: Vec<NodeId> = Vec::new();
+        for (w, r) in answers {
+            match r {
+                Ok(Ok(s)) => rows.push((w.id().clone(), s)),
+                // Unreachable, its engine stalled (UNAVAILABLE), or no answer in time: new
+                // picks avoid it for a while.
+                Ok(Err(e)) if matches!(e.kind, ErrorKind::Unavailable | ErrorKind::Timeout) => {
+                    tracing::debug!(node = %w.id(), error = %e, "stats: node unavailable");
+                    down.push(w.id().clone());
                 }
+                Err(_) => down.push(w.id().clone()),
+                Ok(Err(_)) => {}
             }
         }
         for name in [

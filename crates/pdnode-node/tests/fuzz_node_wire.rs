@@ -114,7 +114,6 @@ enum Op {
         prompt: Vec<u32>,
         prompt_len: u32,
         max_tokens: u32,
-        lease_ms: u64,
     },
     Prefill {
         /// `None`: the request last reserved (as the router follows ReserveKv with Prefill).
@@ -146,10 +145,9 @@ fn op() -> impl Strategy<Value = Op> {
         3 => (id.clone(),
               prop_oneof![3 => prop::collection::vec(0u32..300, 1..40), 1 => token_ids()],
               prop_oneof![3 => Just(0u32), 1 => 0u32..60, 1 => any::<u32>()],
-              prop_oneof![3 => 1u32..20, 1 => any::<u32>()],
-              prop_oneof![3 => Just(0u64), 1 => any::<u64>()])
-            .prop_map(|(id, prompt, prompt_len, max_tokens, lease_ms)| Op::Reserve {
-                id, prompt, prompt_len, max_tokens, lease_ms,
+              prop_oneof![3 => 1u32..20, 1 => any::<u32>()])
+            .prop_map(|(id, prompt, prompt_len, max_tokens)| Op::Reserve {
+                id, prompt, prompt_len, max_tokens,
             }),
         3 => (prop_oneof![3 => Just(None), 1 => id.clone().prop_map(Some)],
               prop_oneof![3 => Just(None), 1 => token_ids().prop_map(Some)], sampling(), target_edit())
@@ -302,14 +300,12 @@ async fn run_op(
             prompt,
             prompt_len,
             max_tokens,
-            lease_ms,
         } => {
             let r = v1::ReserveKvRequest {
                 request_id: *id,
                 prompt_len: *prompt_len,
                 max_tokens: *max_tokens,
                 prompt_token_ids: prompt.clone(),
-                lease_ms: *lease_ms,
                 ..Default::default()
             };
             let out = tokio::time::timeout(CALL, wire::reserve_kv(d, r))

@@ -634,7 +634,6 @@ async fn ttft_router_vs_direct() {
                 max_tokens: 4,
                 prompt_token_ids: tokens.clone(),
                 prefill_node_id: "ttft-prefill0".into(),
-                ..Default::default()
             })
             .await
             .unwrap()

@@ -65,6 +65,24 @@ pub fn growth(s: &Series, warm: f64) -> Option<(f64, f64, f64, f64)> {
     Some((r0, r1, f0, f1))
 }
 
+/// RSS (MiB) of the sample closest to each `parts`-th of the run, "a / b / ...": whether a
+/// growth levels off or keeps on.
+fn trajectory(s: &Series, parts: usize) -> String {
+    let Some(end) = s.samples.last().map(|x| x.0) else {
+        return "-".into();
+    };
+    (1..=parts)
+        .filter_map(|i| {
+            let at = end * i as f64 / parts as f64;
+            s.samples
+                .iter()
+                .min_by(|a, b| (a.0 - at).abs().total_cmp(&(b.0 - at).abs()))
+                .map(|x| format!("{:.1}", x.1 as f64 / 1048576.0))
+        })
+        .collect::<Vec<_>>()
+        .join(" / ")
+}
+
 /// Whether a process grew too much; the reason if so.
 pub fn too_much(name: &str, (r0, r1, f0, f1): (f64, f64, f64, f64)) -> Option<String> {
     let rg = (r1 - r0) / r0.max(1.0);
@@ -146,6 +164,8 @@ pub async fn run(
             back: None,
         },
     );
+    // No fault: "from the fault to the last affected end" would be the run's length.
+    row.fault_to_end = None;
     drive::check_after(&case, &c, &mut row).await;
     if row.failed + row.unclear + row.hung > 0 {
         row.problems.push(format!(
@@ -158,8 +178,8 @@ pub async fn run(
     let warm = (duration.as_secs_f64() / 10.0).max(30.0_f64.min(duration.as_secs_f64() / 3.0));
     let mut t = format!(
         "resources over the soak (mean of three samples at {warm:.0} s and at the end; a sample every {:.0} s)\n\
-         | process | RSS at warm-up (MiB) | RSS at end (MiB) | RSS max (MiB) | RSS growth | fds at warm-up | fds at end | fds max |\n\
-         |---|---|---|---|---|---|---|---|\n",
+         | process | RSS at warm-up (MiB) | RSS at end (MiB) | RSS max (MiB) | RSS growth | fds at warm-up | fds at end | fds max | RSS at each sixth of the run (MiB) |\n\
+         |---|---|---|---|---|---|---|---|---|\n",
         every.as_secs_f64()
     );
     for s in &series {
@@ -171,12 +191,13 @@ pub async fn run(
                     row.problems.push(why);
                 }
                 t.push_str(&format!(
-                    "| {} | {:.1} | {:.1} | {:.1} | {:+.1} % | {f0:.0} | {f1:.0} | {max_fds} |\n",
+                    "| {} | {:.1} | {:.1} | {:.1} | {:+.1} % | {f0:.0} | {f1:.0} | {max_fds} | {} |\n",
                     s.name,
                     r0 / 1048576.0,
                     r1 / 1048576.0,
                     max_rss as f64 / 1048576.0,
                     (r1 - r0) / r0.max(1.0) * 100.0,
+                    trajectory(s, 6),
                 ));
             }
             None => row.problems.push(format!(
@@ -245,5 +266,17 @@ mod tests {
             "{g:?}"
         );
         assert!(growth(&series(&[(1, 1), (1, 1)]), 0.0).is_none());
+        // Samples at 0, 10, .. 50 s: the fifths of the run are the samples at 10, .. 50 s.
+        let mib = |m: u64| m * 1048576;
+        let t = series(&[
+            (mib(1), 1),
+            (mib(2), 1),
+            (mib(3), 1),
+            (mib(4), 1),
+            (mib(5), 1),
+            (mib(6), 1),
+        ]);
+        assert_eq!(trajectory(&t, 5), "2.0 / 3.0 / 4.0 / 5.0 / 6.0");
+        assert_eq!(trajectory(&series(&[]), 6), "-");
     }
 }

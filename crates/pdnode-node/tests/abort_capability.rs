@@ -117,8 +117,9 @@ async fn a_wrong_or_missing_capability_is_refused_in_every_phase_and_the_request
         let (p, t) = (p.clone(), t.clone());
         tokio::spawn(async move { p.prefill(prefill_call(id, &prompt(), &t)).await })
     };
+    // Not the engine's stats: they are answered between steps, after the prefill's one step.
     wait_until("the prefill runs", Duration::from_secs(5), async || {
-        in_flight(&p).await > 0
+        p.holds_capability(id)
     })
     .await;
     for cap in wrong_capabilities(&t) {
@@ -166,9 +167,9 @@ async fn a_wrong_or_missing_capability_is_refused_in_every_phase_and_the_request
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_requests_capability_aborts_it_in_every_phase_and_frees_its_blocks() {
-    // 100 ms a prompt token (~2.3 s a prefill): the abort below lands while the engine runs
-    // the prompt even on a loaded machine. One landing after the engine's part (the hand-off)
-    // must end the call Cancelled all the same (docs/runtime-semantics.md).
+    // 100 ms a prompt token (one 2.3 s step): the abort below lands while the engine runs the
+    // prompt even on a loaded machine. One landing after the engine's part (the hand-off) must
+    // end the call Cancelled all the same (docs/runtime-semantics.md).
     let mut cfg = slow_config();
     cfg.engine.mock.prefill_us_per_token = 100_000;
     let aio = tokio::task::block_in_place(|| pd::all_in_one(&cfg, &NodeId::new("r"))).unwrap();
@@ -193,8 +194,9 @@ async fn the_requests_capability_aborts_it_in_every_phase_and_frees_its_blocks()
         let (p, t) = (p.clone(), t.clone());
         tokio::spawn(async move { p.prefill(prefill_call(id, &prompt(), &t)).await })
     };
+    // Not the engine's stats: they are answered between steps, after the prefill's one step.
     wait_until("the prefill runs", Duration::from_secs(5), async || {
-        in_flight(&p).await > 0
+        p.holds_capability(id)
     })
     .await;
     assert!(p.abort(id, t.secret.clone(), "gone".into()).await.unwrap());

@@ -356,6 +356,13 @@ impl PdNode {
         self.slots().len()
     }
 
+    /// Whether a `Prefill` or `Decode` of `id` runs here holding its KV capability (what an
+    /// `Abort` of it is checked against). Answered without the engine, which a test polling
+    /// its stats would wait on for a whole step.
+    pub fn holds_capability(&self, id: RequestId) -> bool {
+        self.held.contains(id)
+    }
+
     fn expect_role(&self, want: Role, what: &str) -> Result<(), NodeError> {
         if self.role == want || self.role == Role::All {
             Ok(())

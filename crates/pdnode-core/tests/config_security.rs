@@ -334,3 +334,45 @@ fn etcd_tls_and_auth_keys_are_checked_and_name_their_key() {
     );
     assert_eq!(keys(&e), ["registry.etcd_user"], "{e:?}");
 }
+
+/// A KV plane on a network (UCX beyond loopback) needs `security.trusted_kv_network`: UCX
+/// authenticates no one. Loopback needs nothing, and the key where there is no such plane would do
+/// nothing (refused).
+#[test]
+fn a_kv_plane_beyond_loopback_needs_trusted_kv_network() {
+    let node = |role: &str, devices: &str| {
+        format!(
+            "[node]\nrole = \"{role}\"\nlisten = \"127.0.0.1:7001\"\n[registry]\nkind = \"etcd\"\nendpoints = [\"http://127.0.0.1:2379\"]\n[transfer]\nkind = \"ucx\"\nucx_net_devices = \"{devices}\"\n"
+        )
+    };
+    let trusted = ["security.trusted_kv_network=true".to_string()];
+    let keys = |errs: &[ConfigError]| -> Vec<String> {
+        errs.iter()
+            .filter_map(|e| e.key().map(str::to_string))
+            .collect()
+    };
+    for role in ["prefill", "decode"] {
+        load_from_str(FILE, &node(role, "lo"), &[]).unwrap_or_else(|e| panic!("{role}: {e:?}"));
+        load_from_str(FILE, &node(role, " lo , lo"), &[]).unwrap();
+        for open in ["eth0", "mlx5_0:1", "lo,eth0", "all", ""] {
+            let errs = errors(&node(role, open), &[]);
+            assert!(
+                errs.iter()
+                    .any(|e| e.key() == Some("transfer.ucx_net_devices")
+                        && e.to_string().contains("security.trusted_kv_network")),
+                "{role} {open:?}: {errs:?}"
+            );
+            load_from_str(FILE, &node(role, open), &trusted)
+                .unwrap_or_else(|e| panic!("{role} {open:?} trusted: {e:?}"));
+        }
+        let errs = errors(&node(role, "lo"), &["security.trusted_kv_network=true"]);
+        assert_eq!(keys(&errs), ["security.trusted_kv_network"], "{errs:?}");
+    }
+    // One process (in-process hand-off): no KV plane at all.
+    let all = "[node]\nrole = \"all\"\n";
+    load_from_str(FILE, all, &[]).unwrap();
+    assert_eq!(
+        keys(&errors(all, &["security.trusted_kv_network=true"])),
+        ["security.trusted_kv_network"]
+    );
+}

@@ -169,6 +169,11 @@ impl Node {
         if let Some(t) = &tls {
             tracing::info!(identity = %t.identity().uri(), "node API over mutual TLS");
         }
+        if cfg.security.trusted_kv_network {
+            // Validation accepts the key only for a UCX KV plane beyond loopback.
+            tracing::info!(devices = %cfg.transfer.ucx_net_devices,
+                "KV plane (UCX) on a network the operator trusts (security.trusted_kv_network): UCX authenticates no peer, so only the cluster's nodes may reach these interfaces");
+        }
         let role = cfg.node.role;
         let served = served_role(cfg);
         let grpc_l = bind("node.listen", &cfg.node.listen).await?;

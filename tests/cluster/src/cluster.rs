@@ -94,6 +94,8 @@ pub fn node_sets(role: Role, h: Host, certs: &Path) -> Vec<String> {
             // KV over UCX tcp on the host's interface (no shared memory between "hosts").
             s.push(q("transfer.ucx_net_devices", net::HOST_IF));
             s.push(q("transfer.ucx_tls", "tcp"));
+            // The namespaces' bridge reaches only this cluster's hosts.
+            s.push("security.trusted_kv_network=true".into());
         }
     }
     s

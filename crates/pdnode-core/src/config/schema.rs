@@ -390,6 +390,15 @@ pub struct TransferConfig {
     pub stall_min_rate_mibps: u64,
 }
 
+impl TransferConfig {
+    /// Whether UCX may use only the loopback device: `ucx_net_devices` lists `lo` and nothing
+    /// else (empty or `all` means every device).
+    pub fn ucx_loopback_only(&self) -> bool {
+        let mut devices = self.ucx_net_devices.split(',').map(str::trim);
+        devices.clone().next().is_some_and(|d| !d.is_empty()) && devices.all(|d| d == "lo")
+    }
+}
+
 impl Default for TransferConfig {
     fn default() -> Self {
         Self {
@@ -577,6 +586,11 @@ pub struct SecurityConfig {
     /// Without the TLS keys the node API (`node.listen`) is plaintext and unauthenticated: a
     /// `node.listen` beyond loopback is then refused unless this says the operator accepts that.
     pub allow_insecure: bool,
+    /// The KV plane (UCX) authenticates no one: whoever reaches a node's UCX interfaces can write
+    /// and read any address of that node's process (docs/runtime-semantics.md, "Trust"). A
+    /// prefill or decode node whose `transfer.ucx_net_devices` is not loopback refuses to start
+    /// unless this says those interfaces sit on a network only the cluster's nodes reach.
+    pub trusted_kv_network: bool,
     /// The cluster CA (PEM): node certificates are checked against it, both ways. With
     /// `tls_cert` and `tls_key` (all three or none) the node plane is mutual TLS.
     pub tls_ca: String,

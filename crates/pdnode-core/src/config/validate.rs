@@ -465,6 +465,23 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
             ),
         );
     }
+    let kv_over_network =
+        split && c.transfer.kind == TransferKind::Ucx && !c.transfer.ucx_loopback_only();
+    if kv_over_network && !s.trusted_kv_network {
+        bad(
+            "transfer.ucx_net_devices",
+            format!(
+                "{:?} puts the KV plane (UCX) on a network, and UCX authenticates no one: any host that reaches these interfaces can write and read this process's memory, TLS or not (docs/runtime-semantics.md, \"Trust\"). Keep UCX on a network only the cluster's nodes reach (a dedicated fabric or VLAN, or firewall rules) and then set security.trusted_kv_network = true, or use \"lo\" on one host",
+                c.transfer.ucx_net_devices
+            ),
+        );
+    }
+    if !kv_over_network && s.trusted_kv_network {
+        bad(
+            "security.trusted_kv_network",
+            "true, but this node's KV plane does not reach a network (no UCX, or transfer.ucx_net_devices = \"lo\"): it would do nothing; remove it".into(),
+        );
+    }
     if s.api_keys.iter().any(|k| k.trim().is_empty()) {
         bad("security.api_keys", "an API key is empty".into());
     }

@@ -5,7 +5,7 @@
 
 use pdnode_core::Role;
 use pdnode_core::config::{
-    Backend, ConfigError, ConfigSource, PolicyName, RegistryKind, load, load_from_str,
+    Backend, ConfigError, ConfigSource, CpuAffinity, PolicyName, RegistryKind, load, load_from_str,
     load_from_str_with_env,
 };
 use std::path::{Path, PathBuf};
@@ -57,7 +57,7 @@ fn env_values_parse_as_toml_or_strings() {
     let l = load_from_str_with_env(FILE, "", &e, &[]).unwrap();
     assert_eq!(l.config.engine.backend, Backend::Mock);
     assert_eq!(l.config.router.prefill_policy, PolicyName::RoundRobin);
-    assert_eq!(l.config.engine.cpu_affinity, vec![0, 2]);
+    assert_eq!(l.config.engine.cpu_affinity, CpuAffinity::Cores(vec![0, 2]));
 }
 
 #[test]
@@ -568,4 +568,56 @@ fn telemetry_keys_are_validated_by_name() {
         matches!(&e[0], ConfigError::UnknownKey { .. }),
         "unknown telemetry key: {e:?}"
     );
+}
+
+/// `engine.cpu_affinity`: a list of cores or "auto" (the GPUs' NUMA node, resolved at start);
+/// "auto" where no GPU is bound would do nothing (refused), any other string is an error naming
+/// what is expected, and a core listed twice is refused.
+#[test]
+fn cpu_affinity_is_a_core_list_or_auto() {
+    let cuda = "[engine]\nbackend = \"cuda\"\ngpus = [4, 5]\ntensor_parallel = 2\n";
+    for v in ["\"auto\"", "[]", "[0, 3]"] {
+        let l = load_from_str(FILE, cuda, &[format!("engine.cpu_affinity={v}")])
+            .unwrap_or_else(|e| panic!("{v}: {e:?}"));
+        let want = match v {
+            "\"auto\"" => CpuAffinity::Auto,
+            "[]" => CpuAffinity::Cores(vec![]),
+            _ => CpuAffinity::Cores(vec![0, 3]),
+        };
+        assert_eq!(l.config.engine.cpu_affinity, want);
+        // The effective config writes it back in a form that loads to the same value.
+        let again = load_from_str(FILE, &l.effective_toml(), &[]).unwrap();
+        assert_eq!(again.config.engine.cpu_affinity, want, "{v}");
+    }
+    let e = env(&[("PDNODE_ENGINE__CPU_AFFINITY", "auto")]);
+    let l = load_from_str_with_env(FILE, cuda, &e, &[]).unwrap();
+    assert_eq!(l.config.engine.cpu_affinity, CpuAffinity::Auto);
+
+    for bad in ["\"numa\"", "[1, 1]", "[-1]"] {
+        let errs = errors(cuda, &[&format!("engine.cpu_affinity={bad}")]);
+        assert!(
+            errs.iter().any(|e| e.key() == Some("engine.cpu_affinity")
+                || e.to_string().contains("cpu_affinity")),
+            "{bad}: {errs:?}"
+        );
+    }
+    let errs = errors(cuda, &["engine.cpu_affinity=\"numa\""]);
+    assert!(format!("{errs:?}").contains("\\\"auto\\\""), "{errs:?}");
+    for backend in ["cpu", "mock"] {
+        let errs = errors(
+            &format!("[engine]\nbackend = \"{backend}\"\ncpu_affinity = \"auto\"\n"),
+            &[],
+        );
+        assert!(
+            errs.iter().any(|e| e.key() == Some("engine.cpu_affinity")),
+            "{backend}: {errs:?}"
+        );
+    }
+    // backend "auto" may resolve to CUDA: "auto" affinity is accepted there.
+    load_from_str(
+        FILE,
+        "[engine]\nbackend = \"auto\"\ncpu_affinity = \"auto\"\n",
+        &[],
+    )
+    .unwrap();
 }

@@ -92,6 +92,28 @@ pub fn select_backend(kind: BackendKind, gpus: &[u32]) -> Result<BackendChoice, 
     }
 }
 
+/// The PCI address of CUDA device `ordinal` as sysfs names it (`0000:19:00.0`, lower-case hex):
+/// `/sys/bus/pci/devices/{it}` holds the device's `numa_node`.
+pub fn pci_address(ordinal: u32) -> Result<String, CudaError> {
+    // SAFETY: only tries to dlopen the library by its usual names; no symbol is called.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(CudaError::NoDriver);
+    }
+    cudarc::driver::result::init().map_err(drv("cuInit"))?;
+    let dev = cudarc::driver::result::device::get(ordinal as i32).map_err(drv("cuDeviceGet"))?;
+    use cudarc::driver::sys::CUdevice_attribute as A;
+    let attr = |a| {
+        // SAFETY: `dev` is a valid device handle from cuDeviceGet; the PCI attributes exist on
+        // every CUDA device.
+        unsafe { cudarc::driver::result::device::get_attribute(dev, a) }
+            .map_err(drv("cuDeviceGetAttribute"))
+    };
+    let domain = attr(A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)?;
+    let bus = attr(A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?;
+    let device = attr(A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?;
+    Ok(format!("{domain:04x}:{bus:02x}:{device:02x}.0"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

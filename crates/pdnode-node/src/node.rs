@@ -157,7 +157,7 @@ impl Node {
     /// up to one TTL; a live duplicate id fails with `AlreadyRegistered`), starts the
     /// supervision tree and the servers.
     pub async fn start(cfg: &Config, deps: NodeDeps) -> Result<Node, NodeError> {
-        affinity::pin_process(&cfg.engine.cpu_affinity)?;
+        affinity::apply(cfg)?;
         let id = node_id(cfg);
         let tls = pdnode_nodeapi::tls::NodeTls::from_config(cfg)?;
         let insecure_node_plane = !cfg.node.listens_on_loopback() && tls.is_none();

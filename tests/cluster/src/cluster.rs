@@ -67,6 +67,8 @@ pub fn node_sets(role: Role, h: Host, certs: &Path) -> Vec<String> {
         q("model.format", "dummy"),
         q("model.preset", "smollm2-135m"),
         q("model.path", ""),
+        // The files pin to their GPUs' NUMA node ("auto"); the mock engine binds no GPU.
+        "engine.cpu_affinity=[]".into(),
         q("security.tls_ca", &certs.join("ca.pem").to_string_lossy()),
         q(
             "security.tls_cert",

@@ -193,8 +193,9 @@ pub struct EngineConfig {
     pub max_queued_requests: u32,
     /// CPU backend worker threads; 0 = all cores.
     pub cpu_threads: u32,
-    /// Pin the engine's threads to these CPU cores (e.g. the GPUs' NUMA node); empty: no pinning.
-    pub cpu_affinity: Vec<u32>,
+    /// Pin the engine's threads to these CPU cores, or `"auto"`: the cores of the NUMA node(s)
+    /// of this node's GPUs, read from sysfs. Empty: no pinning.
+    pub cpu_affinity: CpuAffinity,
     /// Keep finished prompts' KV blocks in the prefix cache.
     pub prefix_cache: bool,
     /// role = "all" only: one colocated engine (prefill and decode in one continuous batch)
@@ -319,7 +320,7 @@ impl Default for EngineConfig {
             max_running_requests: 64,
             max_queued_requests: 1024,
             cpu_threads: 0,
-            cpu_affinity: Vec::new(),
+            cpu_affinity: CpuAffinity::default(),
             prefix_cache: true,
             colocated: false,
             cuda_graphs: true,
@@ -667,5 +668,59 @@ impl Default for TelemetryConfig {
             service_name: String::new(),
             batch_delay_ms: 5_000,
         }
+    }
+}
+
+/// `engine.cpu_affinity`: a list of CPU cores (`[]`: no pinning) or `"auto"`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CpuAffinity {
+    /// These cores; empty: no pinning.
+    Cores(Vec<u32>),
+    /// The cores of the NUMA node(s) of the GPUs in `engine.gpus` (sysfs), resolved at start.
+    Auto,
+}
+
+impl Default for CpuAffinity {
+    fn default() -> Self {
+        CpuAffinity::Cores(Vec::new())
+    }
+}
+
+impl Serialize for CpuAffinity {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            CpuAffinity::Cores(c) => c.serialize(s),
+            CpuAffinity::Auto => s.serialize_str("auto"),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for CpuAffinity {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = CpuAffinity;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a list of CPU core numbers or \"auto\"")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<CpuAffinity, E> {
+                if v == "auto" {
+                    Ok(CpuAffinity::Auto)
+                } else {
+                    Err(E::invalid_value(serde::de::Unexpected::Str(v), &self))
+                }
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<CpuAffinity, A::Error> {
+                let mut cores = Vec::new();
+                while let Some(c) = seq.next_element::<u32>()? {
+                    cores.push(c);
+                }
+                Ok(CpuAffinity::Cores(cores))
+            }
+        }
+        d.deserialize_any(V)
     }
 }

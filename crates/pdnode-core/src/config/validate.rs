@@ -221,6 +221,28 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
             "engine.backend = \"cuda\" needs the GPUs to bind, e.g. [0]".into(),
         );
     }
+    if e.cpu_affinity == CpuAffinity::Auto && !binds_gpus {
+        bad(
+            "engine.cpu_affinity",
+            format!(
+                "\"auto\" pins to the NUMA node of the node's GPUs, and engine.backend = \"{}\" binds none: list the cores instead, or remove it",
+                if e.backend == Backend::Cpu {
+                    "cpu"
+                } else {
+                    "mock"
+                }
+            ),
+        );
+    }
+    if let CpuAffinity::Cores(cores) = &e.cpu_affinity {
+        let mut seen = HashSet::new();
+        if let Some(c) = cores.iter().find(|c| !seen.insert(**c)) {
+            bad(
+                "engine.cpu_affinity",
+                format!("core {c} is listed twice in {cores:?}"),
+            );
+        }
+    }
     if !(e.mem_fraction > 0.0 && e.mem_fraction <= 1.0) {
         bad(
             "engine.mem_fraction",

@@ -4,6 +4,7 @@
 # case; one table row per case. Needs root (ip netns) and iproute2 + etcd (scripts/setup.sh).
 #
 #   tests/cluster/run.sh [--quick|--full] [--case NAME] [--list] [--keep-logs] [--soak SECONDS]
+#                        [--router-set KEY=VALUE]   (the soak's router, e.g. a small max_tree_size)
 #
 # --quick (the default, CI): mock engines, about 4 minutes on 2 cores. --full (the CPU engine
 # on the demo model) is not built yet. --soak SECONDS runs the soak instead of the cases (what
@@ -28,6 +29,9 @@ while [ $# -gt 0 ]; do
     --soak)
       [ $# -ge 2 ] || { echo "--soak needs seconds" >&2; exit 2; }
       soak="$2"; args+=("$1" "$2"); shift ;;
+    --router-set)
+      [ $# -ge 2 ] || { echo "--router-set needs KEY=VALUE" >&2; exit 2; }
+      args+=("$1" "$2"); shift ;;
     -h | --help) sed -n '2,14p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac

@@ -6,7 +6,8 @@
 # afterwards, or a process that grew 5 % or more from the end of the warm-up (a tenth of the
 # run) to the end. Needs root (ip netns).
 #
-#   tests/cluster/soak.sh [--minutes N] [--keep-logs]      # N: 30 by default
+#   tests/cluster/soak.sh [--minutes N] [--keep-logs] [--router-set KEY=VALUE ...]   # N: 30 by default
+#   (--router-set: a --set for the router, e.g. router.cache_aware.max_tree_size=20000)
 set -euo pipefail
 
 minutes=30
@@ -17,6 +18,9 @@ while [ $# -gt 0 ]; do
       [ $# -ge 2 ] || { echo "--minutes needs a number" >&2; exit 2; }
       minutes="$2"; shift ;;
     --keep-logs) args+=("$1") ;;
+    --router-set)
+      [ $# -ge 2 ] || { echo "--router-set needs KEY=VALUE" >&2; exit 2; }
+      args+=("$1" "$2"); shift ;;
     -h | --help) sed -n '2,10p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac

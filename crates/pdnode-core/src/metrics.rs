@@ -16,6 +16,11 @@ pub const ROUTER_PROMPT_TOKENS_TOTAL: &str = "pdnode_router_prompt_tokens_total"
 pub const ROUTER_OUTPUT_TOKENS_TOTAL: &str = "pdnode_router_output_tokens_total";
 /// Nodes in the membership view, label `role` (gauge).
 pub const ROUTER_NODES: &str = "pdnode_router_nodes";
+/// Prompt tokens the `cache_aware` policy's prefix tree holds, summed over workers, label `role`
+/// (gauge; bounded by `router.cache_aware.max_tree_size` per worker at each eviction).
+pub const ROUTER_PREFIX_TREE_TOKENS: &str = "pdnode_router_prefix_tree_tokens";
+/// Nodes of that tree, label `role` (gauge).
+pub const ROUTER_PREFIX_TREE_NODES: &str = "pdnode_router_prefix_tree_nodes";
 
 /// Requests waiting in the engine's queue, label `node` (gauge).
 pub const ENGINE_QUEUE_DEPTH: &str = "pdnode_engine_queue_depth";
@@ -80,6 +85,8 @@ pub const ALL: &[&str] = &[
     ROUTER_PROMPT_TOKENS_TOTAL,
     ROUTER_OUTPUT_TOKENS_TOTAL,
     ROUTER_NODES,
+    ROUTER_PREFIX_TREE_TOKENS,
+    ROUTER_PREFIX_TREE_NODES,
     ENGINE_QUEUE_DEPTH,
     ENGINE_RUNNING_REQUESTS,
     KV_BLOCKS_IN_USE,

@@ -20,7 +20,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 const USAGE: &str = "usage: cluster-driver --prefix NAME --bin PATH/TO/pdnode [--repo DIR] \
-                     [--quick|--full] [--case NAME] [--list] [--keep-logs] [--soak SECONDS]";
+                     [--quick|--full] [--case NAME] [--list] [--keep-logs] [--soak SECONDS] \
+                     [--router-set KEY=VALUE ...]";
 
 struct Args {
     prefix: String,
@@ -32,6 +33,8 @@ struct Args {
     keep_logs: bool,
     /// Run the soak for this long instead of the cases.
     soak: Option<u64>,
+    /// `--set`s for the soak's router (e.g. a small `router.cache_aware.max_tree_size`).
+    router_sets: Vec<String>,
 }
 
 fn parse_args() -> Result<Args> {
@@ -44,6 +47,7 @@ fn parse_args() -> Result<Args> {
         list: false,
         keep_logs: false,
         soak: None,
+        router_sets: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -64,6 +68,7 @@ fn parse_args() -> Result<Args> {
                         .with_context(|| format!("--soak {v:?}: seconds"))?,
                 );
             }
+            "--router-set" => a.router_sets.push(value("--router-set")?),
             "-h" | "--help" => bail!("{USAGE}"),
             other => bail!("unknown argument {other:?}\n{USAGE}"),
         }
@@ -136,6 +141,9 @@ fn real_main() -> Result<bool> {
         .worker_threads(2)
         .enable_all()
         .build()?;
+    if !args.router_sets.is_empty() && args.soak.is_none() {
+        bail!("--router-set applies to the soak (--soak SECONDS) only");
+    }
     if let Some(secs) = args.soak {
         let soak_dir = dir.path().join("soak");
         let res = rt.block_on(async {
@@ -147,6 +155,7 @@ fn real_main() -> Result<bool> {
                 &repo,
                 &soak_dir,
                 std::time::Duration::from_secs(secs),
+                &args.router_sets,
             );
             tokio::select! {
                 r = run => r,

@@ -107,12 +107,16 @@ pub async fn run(
     repo: &Path,
     dir: &Path,
     duration: Duration,
+    router_sets: &[String],
 ) -> Result<(Row, String)> {
     let t0 = Instant::now();
     let case = Case {
         name: "soak",
         what: "no fault, a long run",
-        extra: Extra::default(),
+        extra: Extra {
+            router: router_sets.to_vec(),
+            ..Extra::default()
+        },
         max_tokens: 32,
         prompt_len: 64,
         trigger: Trigger::After(Duration::ZERO),
@@ -139,9 +143,22 @@ pub async fn run(
     let start = Instant::now();
     // About 60 samples, at most one every 10 s.
     let every = (duration / 60).clamp(Duration::from_secs(1), Duration::from_secs(10));
+    // The router's cache_aware prefix tree (prompt tokens, tree nodes) at each sample: what it
+    // keeps per placed prompt, to tell its growth from a leak.
+    let mut tree: Vec<(f64, f64, f64)> = Vec::new();
+    let metrics_url = c.router_url("/metrics");
     while start.elapsed() < duration {
         tokio::time::sleep(every).await;
         let at = start.elapsed().as_secs_f64();
+        if let Some(m) = crate::metrics::scrape(&metrics_url).await {
+            let g = |n: &str| m.get(&format!("{n}{{role=\"prefill\"}}"));
+            if let (Some(t), Some(n)) = (
+                g("pdnode_router_prefix_tree_tokens"),
+                g("pdnode_router_prefix_tree_nodes"),
+            ) {
+                tree.push((at, t, n));
+            }
+        }
         for (p, s) in procs.iter().zip(&mut series) {
             if let Some(pid) = p.guard.pid()
                 && let (Some(r), Some(f)) = (rss_bytes(pid), open_fds(pid))
@@ -206,6 +223,22 @@ pub async fn run(
                 s.samples.len()
             )),
         }
+    }
+    if !tree.is_empty() {
+        let step = tree.len().div_ceil(6).max(1);
+        let points: Vec<String> = tree
+            .iter()
+            .step_by(step)
+            .chain(tree.last())
+            .map(|(at, t, n)| format!("{at:.0} s: {t:.0} tokens / {n:.0} nodes"))
+            .collect();
+        t.push_str(&format!(
+            "\nrouter prefix tree (cache_aware, prefill): {}\n",
+            points.join("; ")
+        ));
+    }
+    if !router_sets.is_empty() {
+        t.push_str(&format!("router --set: {}\n", router_sets.join(" ")));
     }
     row.wall = t0.elapsed();
     if !row.passed() {

@@ -113,6 +113,18 @@ impl Policy for CacheAwarePolicy {
             .insert(ctx.token_ids, ctx.workers[chosen].id.as_str(), self.tick);
         Some(chosen)
     }
+
+    fn footprint(&self) -> Option<super::Footprint> {
+        Some(super::Footprint {
+            tokens: self
+                .tree
+                .tenants()
+                .iter()
+                .map(|t| self.tree.tenant_size(t))
+                .sum(),
+            nodes: self.tree.node_count() as u64,
+        })
+    }
 }
 
 #[cfg(test)]
@@ -198,8 +210,14 @@ mod tests {
             routing_key: None,
             now: t0 + Duration::from_secs(2),
         };
+        let before = p.footprint().unwrap();
+        assert_eq!(before.tokens, 15);
         p.select(&later).unwrap();
         assert!(p.tree().tenant_size("w0") <= 4 + 1);
+        // The footprint (the router's gauges) follows the trim: tokens and nodes both shrink.
+        let after = p.footprint().unwrap();
+        assert!(after.tokens <= 5, "{after:?}");
+        assert!(after.nodes < before.nodes, "{before:?} -> {after:?}");
         // w0 leaves; after the next interval its tree is gone.
         let others = workers(&[0, 0]).split_off(1);
         let c = PolicyContext {

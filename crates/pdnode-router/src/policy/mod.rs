@@ -88,6 +88,18 @@ pub trait Policy: Send {
     fn name(&self) -> &'static str;
     /// Picks one of `ctx.workers`; `None` only when there is none.
     fn select(&mut self, ctx: &PolicyContext<'_>) -> Option<usize>;
+    /// What the policy keeps per request it placed (`cache_aware`'s prefix tree); `None` for
+    /// policies that keep nothing.
+    fn footprint(&self) -> Option<Footprint> {
+        None
+    }
+}
+
+/// The size of a policy's per-request state: prompt tokens and tree nodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Footprint {
+    pub tokens: u64,
+    pub nodes: u64,
 }
 
 /// Builds the policy `name` with its parameters from `cfg`. `seed` drives the randomized

@@ -349,6 +349,14 @@ impl Router {
             );
             present.extend(workers.iter().map(|w| w.id().clone()));
             all.extend(workers);
+            let footprint = self.state.lock().footprint(role);
+            if let Some(f) = footprint {
+                let l = [("role", role.as_str())];
+                self.metrics
+                    .set(m::ROUTER_PREFIX_TREE_TOKENS, &l, f.tokens as f64);
+                self.metrics
+                    .set(m::ROUTER_PREFIX_TREE_NODES, &l, f.nodes as f64);
+            }
         }
         // Asked side by side (at most STATS_CONCURRENCY at once): a node that does not answer
         // costs one `timeout`, not one per node behind it.
@@ -440,6 +448,14 @@ fn describe(mx: &Metrics) {
             "Output tokens streamed to clients.",
         ),
         (m::ROUTER_NODES, "Nodes in the membership view, by role."),
+        (
+            m::ROUTER_PREFIX_TREE_TOKENS,
+            "Prompt tokens in the cache_aware policy's prefix tree, by role (bounded per worker by max_tree_size at each eviction).",
+        ),
+        (
+            m::ROUTER_PREFIX_TREE_NODES,
+            "Nodes of the cache_aware policy's prefix tree, by role.",
+        ),
         (
             m::ENGINE_QUEUE_DEPTH,
             "Requests waiting in a node's queue (node stats).",

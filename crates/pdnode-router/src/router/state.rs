@@ -44,6 +44,14 @@ impl RouterState {
         }
     }
 
+    /// The per-request state `role`'s policy keeps (`cache_aware`'s tree), if any.
+    pub fn footprint(&self, role: Role) -> Option<crate::policy::Footprint> {
+        match role {
+            Role::Decode => self.decode.footprint(),
+            _ => self.prefill.footprint(),
+        }
+    }
+
     /// Marks `id` unreachable until `until`: new picks avoid it while another candidate exists.
     pub fn suspect(&mut self, id: &NodeId, until: Instant) {
         self.suspect.insert(id.clone(), until);

@@ -6,9 +6,10 @@
 #   tests/cluster/run.sh [--quick|--full] [--case NAME] [--list] [--keep-logs] [--soak SECONDS]
 #                        [--router-set KEY=VALUE]   (the soak's router, e.g. a small max_tree_size)
 #
-# --quick (the default, CI): mock engines, about 4 minutes on 2 cores. --full (the CPU engine
-# on the demo model) is not built yet. --soak SECONDS runs the soak instead of the cases (what
-# tests/cluster/soak.sh calls). Exits 0 only when every case passed.
+# --quick (the default, CI): mock engines, about 4 minutes on 2 cores. --full: the same cases on
+# the CPU engine with the demo model, greedy, outputs compared across cases (not in CI).
+# --soak SECONDS runs the soak instead of the cases (what tests/cluster/soak.sh calls). Exits 0
+# only when every case passed.
 #
 # The driver (tests/cluster/src) builds and removes the namespaces itself; this script removes
 # whatever is left under this run's prefix on any exit (the driver killed, Ctrl-C), killing the
@@ -20,9 +21,11 @@ cd "$ROOT"
 
 args=()
 soak=0
+full=0
 while [ $# -gt 0 ]; do
   case "$1" in
-    --quick | --full | --list | --keep-logs) args+=("$1") ;;
+    --quick | --list | --keep-logs) args+=("$1") ;;
+    --full) full=1; args+=("$1") ;;
     --case)
       [ $# -ge 2 ] || { echo "--case needs a name" >&2; exit 2; }
       args+=("$1" "$2"); shift ;;
@@ -75,9 +78,11 @@ trap 'exit 130' INT
 trap 'exit 143' TERM
 
 # Every step of the driver has its own deadline; this one bounds the whole run (a soak: its
-# length and the same margin).
+# length and the same margin; --full: the CPU engine's cases take longer).
 case "$soak" in '' | *[!0-9]*) echo "--soak: whole seconds, not $soak" >&2; exit 2 ;; esac
-timeout --kill-after=10 "$((soak + 900))" "$TARGET/cluster-driver" \
+bound=900
+[ "$full" = 1 ] && bound=3600
+timeout --kill-after=10 "$((soak + bound))" "$TARGET/cluster-driver" \
   --prefix "$PREFIX" --bin "$TARGET/pdnode" --repo "$ROOT" "${args[@]}" &
 driver_pid=$!
 wait "$driver_pid"

@@ -53,7 +53,7 @@ pub async fn assemble(cfg: &Config, registry: Arc<dyn Registry>) -> Result<NodeD
             Ok(NodeDeps {
                 registry,
                 engine: Some(engine),
-                options: NodeOptions::default(),
+                options: NodeOptions::from_config(cfg, &s.built.handle.info().backend_name),
                 pd: Some(s.node),
                 ucx_worker: Some(ucx),
                 router: None,
@@ -79,7 +79,7 @@ pub async fn assemble(cfg: &Config, registry: Arc<dyn Registry>) -> Result<NodeD
             Ok(NodeDeps {
                 registry,
                 engine: Some(engine),
-                options: NodeOptions::default(),
+                options: NodeOptions::from_config(cfg, &col.built.handle.info().backend_name),
                 pd: Some(col.node),
                 ucx_worker: None,
                 router: Some(col.deps),
@@ -106,7 +106,7 @@ pub async fn assemble(cfg: &Config, registry: Arc<dyn Registry>) -> Result<NodeD
             Ok(NodeDeps {
                 registry,
                 engine: Some(engine),
-                options: NodeOptions::default(),
+                options: NodeOptions::from_config(cfg, &aio.decode.engine().info().backend_name),
                 pd: None,
                 ucx_worker: None,
                 router: Some(aio.deps),

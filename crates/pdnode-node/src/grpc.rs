@@ -51,8 +51,9 @@ impl NodeGrpc {
         match self.load.stalled(self.engine_stall) {
             None => Ok(()),
             Some(age) => Err(Status::unavailable(format!(
-                "the engine has not reported its load for {} ms (its thread is stuck?)",
-                age.as_millis()
+                "the engine has not reported its load for {} ms, past node.engine_stall_ms ({} ms): its thread is stuck, or one step runs longer than that",
+                age.as_millis(),
+                self.engine_stall.as_millis()
             ))),
         }
     }

@@ -34,6 +34,23 @@ pub struct NodeOptions {
     pub engine_stall: Duration,
 }
 
+impl NodeOptions {
+    /// The defaults with `node.engine_stall_ms` applied; 0 (its default) picks 5 s, or 60 s
+    /// when the engine runs on the CPU (`backend` is the engine's name): a CPU step of
+    /// `engine.max_batch_tokens` prompt tokens takes seconds, and a step is not a wedge.
+    pub fn from_config(cfg: &pdnode_core::config::Config, backend: &str) -> Self {
+        let engine_stall = match cfg.node.engine_stall_ms {
+            0 if backend == "cpu" => Duration::from_secs(60),
+            0 => Self::default().engine_stall,
+            ms => Duration::from_millis(ms),
+        };
+        Self {
+            engine_stall,
+            ..Self::default()
+        }
+    }
+}
+
 impl Default for NodeOptions {
     fn default() -> Self {
         Self {
@@ -448,5 +465,23 @@ impl Node {
             None => Ok(report),
             Some(reason) => Err(NodeError::Stopped { reason }),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_engine_stall_limit_follows_the_config_and_the_engine() {
+        let mut cfg = pdnode_core::config::Config::default();
+        let stall =
+            |cfg: &pdnode_core::config::Config, b| NodeOptions::from_config(cfg, b).engine_stall;
+        assert_eq!(stall(&cfg, "cpu"), Duration::from_secs(60));
+        assert_eq!(stall(&cfg, "cuda:0"), Duration::from_secs(5));
+        assert_eq!(stall(&cfg, "mock"), Duration::from_secs(5));
+        cfg.node.engine_stall_ms = 1500;
+        assert_eq!(stall(&cfg, "cpu"), Duration::from_millis(1500));
+        assert_eq!(stall(&cfg, "cuda:0"), Duration::from_millis(1500));
     }
 }

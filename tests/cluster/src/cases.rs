@@ -1,7 +1,7 @@
 //! The fault cases: a fresh cluster each, load at concurrency 64, one fault, then the checks
 //! (`drive`).
 
-use crate::cluster::Extra;
+use crate::cluster::{EngineKind, Extra};
 use crate::net;
 use std::time::Duration;
 
@@ -404,6 +404,38 @@ pub fn quick() -> Vec<Case> {
             expect: Expect::AllComplete,
         },
     ]
+}
+
+/// The demo model the `--full` matrix serves (scripts/setup.sh fetches it).
+pub const DEMO_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// The `--full` matrix: the `--quick` cases on the CPU engine with the demo model, greedy. The
+/// mock engine's timings (`engine.mock.*`) go; the real limits a case sets (running requests,
+/// step budget, transfer lease) stay. Streams are shorter (16 tokens, 48 where a case needs
+/// streams running when the fault lands: four CPU engines share two cores), and etcd's outage
+/// with a joining host lasts the 60 s.
+pub fn full(model: &std::path::Path) -> Vec<Case> {
+    quick()
+        .into_iter()
+        .map(|mut c| {
+            for sets in [&mut c.extra.prefill, &mut c.extra.decode] {
+                sets.retain(|s| !s.starts_with("engine.mock."));
+            }
+            c.extra.engine = EngineKind::Cpu(model.to_path_buf());
+            c.max_tokens = match c.max_tokens {
+                100 => 48,
+                n => n.min(16),
+            };
+            if let Fault::EtcdOutageJoin { join_after, .. } = c.fault {
+                c.fault = Fault::EtcdOutageJoin {
+                    down: Duration::from_secs(60),
+                    join_after,
+                };
+                c.what = "etcd SIGKILLed 60 s, a third prefill host started 2 s into it, etcd restarted on its data";
+            }
+            c
+        })
+        .collect()
 }
 
 /// Cases run only by name (`--case`): known to fail today, kept out of the CI matrix and listed

@@ -33,12 +33,24 @@ pub enum Role {
     Decode,
 }
 
-/// Per-role `--set`s a case adds (engine timings, policies).
+/// Per-role `--set`s a case adds (engine timings, policies), and the engine the nodes run.
 #[derive(Debug, Clone, Default)]
 pub struct Extra {
     pub prefill: Vec<String>,
     pub decode: Vec<String>,
     pub router: Vec<String>,
+    pub engine: EngineKind,
+}
+
+/// The engine of the prefill and decode nodes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum EngineKind {
+    /// The simulated engine (`--quick`): timed steps, a real (small) KV pool.
+    #[default]
+    Mock,
+    /// The CPU engine on this GGUF model (`--full`: the demo model), one thread per node (four
+    /// engines share the machine); the router tokenizes with the same model's tokenizer.
+    Cpu(PathBuf),
 }
 
 /// The multi-host file a role starts from.
@@ -53,7 +65,7 @@ fn config_file(role: Role) -> &'static str {
 /// What turns a `configs/multi-host/` file into host `h` of this cluster. The node API is
 /// mutual TLS, as the files have it: each host gets its own certificate from `certs` (made by
 /// [`make_certs`]), which names its cluster, role and id.
-pub fn node_sets(role: Role, h: Host, certs: &Path) -> Vec<String> {
+pub fn node_sets(role: Role, h: Host, certs: &Path, engine: &EngineKind) -> Vec<String> {
     let q = |k: &str, v: &str| format!("{k}=\"{v}\"");
     let mut s = vec![
         q("node.cluster", CLUSTER),
@@ -62,13 +74,37 @@ pub fn node_sets(role: Role, h: Host, certs: &Path) -> Vec<String> {
             "registry.endpoints=[\"http://{}:{ETCD_PORT}\"]",
             net::ETCD.ip
         ),
+    ];
+    match engine {
         // The simulated engine: timed steps, a real (small) KV pool that moves over UCX.
-        q("engine.backend", "mock"),
-        q("model.format", "dummy"),
-        q("model.preset", "smollm2-135m"),
-        q("model.path", ""),
-        // The files pin to their GPUs' NUMA node ("auto"); the mock engine binds no GPU.
-        "engine.cpu_affinity=[]".into(),
+        EngineKind::Mock => s.extend([
+            q("engine.backend", "mock"),
+            q("model.format", "dummy"),
+            q("model.preset", "smollm2-135m"),
+            q("model.path", ""),
+        ]),
+        EngineKind::Cpu(model) => {
+            s.extend([
+                q("model.format", "gguf"),
+                q("model.path", &model.to_string_lossy()),
+            ]);
+            if role != Role::Router {
+                s.extend([
+                    q("engine.backend", "cpu"),
+                    "engine.gpus=[]".into(),
+                    "engine.tensor_parallel=1".into(),
+                    "engine.cpu_threads=1".into(),
+                    "engine.context_length=2048".into(),
+                    // ~2 s a prefill step on one thread (the node's engine_stall is 60 s on
+                    // the CPU; shorter steps keep TTFT, and the figures, readable).
+                    "engine.max_batch_tokens=256".into(),
+                ]);
+            }
+        }
+    }
+    s.extend([
+        // The files pin to their GPUs' NUMA node ("auto"); neither engine here binds a GPU.
+        "engine.cpu_affinity=[]".to_string(),
         q("security.tls_ca", &certs.join("ca.pem").to_string_lossy()),
         q(
             "security.tls_cert",
@@ -78,7 +114,7 @@ pub fn node_sets(role: Role, h: Host, certs: &Path) -> Vec<String> {
             "security.tls_key",
             &certs.join(format!("{}.key", h.name)).to_string_lossy(),
         ),
-    ];
+    ]);
     // Bind the host's own address, never 0.0.0.0: nothing listens outside these namespaces.
     match role {
         Role::Router => {
@@ -154,9 +190,9 @@ impl Cluster {
             .with_context(|| format!("etcd did not come up; its log:\n{}", tail(&etcd.log)))?;
         let certs = dir.join("certs");
         make_certs(bin, &certs)?;
-        let node = |role: Role, h: Host, extra: &[String]| {
-            let mut sets = node_sets(role, h, &certs);
-            sets.extend(extra.iter().cloned());
+        let node = |role: Role, h: Host, more: &[String]| {
+            let mut sets = node_sets(role, h, &certs, &extra.engine);
+            sets.extend(more.iter().cloned());
             spawn_node(net, bin, repo, dir, role, h, &sets)
         };
         let prefill = net::PREFILL
@@ -195,7 +231,7 @@ impl Cluster {
     /// Starts one more node of `role` on host `h` (configured as the others of its role); its
     /// log goes to a fresh file when the host ran a node before.
     pub fn spawn(&self, net: &Net, role: Role, h: Host) -> Result<Proc> {
-        let mut sets = node_sets(role, h, &self.certs);
+        let mut sets = node_sets(role, h, &self.certs, &self.extra.engine);
         sets.extend(
             match role {
                 Role::Router => &self.extra.router,

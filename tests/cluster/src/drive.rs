@@ -47,6 +47,8 @@ pub struct Row {
     pub problems: Vec<String>,
     /// Distinct client-visible errors, for the report.
     pub errors: Vec<String>,
+    /// (prompt, text) of each completed greedy request (`--full`), compared across cases.
+    pub texts: Vec<(String, String)>,
 }
 
 impl Row {
@@ -121,6 +123,7 @@ pub async fn run(case: &Case, net: &Net, bin: &Path, repo: &Path, dir: &Path) ->
         max_tokens: case.max_tokens,
         prompt_len: case.prompt_len,
         keep_chunks: true,
+        greedy: case.extra.engine != crate::cluster::EngineKind::Mock,
     });
     // Any early return stops the clients' loop; the cluster's guards stop the processes.
     let r = drive(case, net, &mut c, &load, tx_before, &mut row).await;
@@ -130,6 +133,7 @@ pub async fn run(case: &Case, net: &Net, bin: &Path, repo: &Path, dir: &Path) ->
         Err(e) => bail!("{e:#}{}", c.logs()),
     };
     tally(&mut row, &outcomes, inj);
+    row.texts = outcomes.iter().filter_map(|o| o.text.clone()).collect();
     check_after(case, &c, &mut row).await;
     match case.expect {
         Expect::AllComplete if row.failed > 0 => row.problems.push(format!(
@@ -488,6 +492,7 @@ mod tests {
             end_at: ms(end),
             chunks: Vec::new(),
             end: e,
+            text: None,
         };
         let inj = Injected {
             at: ms(1000),

@@ -32,6 +32,8 @@ pub struct Outcome {
     /// Arrival of each chunk of the response body.
     pub chunks: Vec<Instant>,
     pub end: End,
+    /// The prompt and the streamed text of a completed greedy request ([`Spec::greedy`]).
+    pub text: Option<(String, String)>,
 }
 
 impl Outcome {
@@ -66,6 +68,9 @@ pub struct Spec {
     /// Keep every chunk's arrival (for the fault figures); else only the first one's, so a
     /// long soak does not grow the driver.
     pub keep_chunks: bool,
+    /// Greedy (`temperature` 0), keeping each completed request's prompt and text, to compare
+    /// them across runs (`--full`, a real model).
+    pub greedy: bool,
 }
 
 /// A running load; [`Load::stop`] stops new requests, [`Load::finish`] collects every outcome.
@@ -146,6 +151,7 @@ fn lost(why: String) -> Outcome {
         end_at: now,
         chunks: Vec::new(),
         end: End::Unclear(why),
+        text: None,
     }
 }
 
@@ -154,12 +160,16 @@ async fn one(client: &reqwest::Client, spec: &Spec, prompt: &str) -> Outcome {
     let sent = Instant::now();
     let until = tokio::time::Instant::now() + REQUEST_DEADLINE;
     let mut chunks = Vec::new();
-    let body = json!({"prompt": prompt, "max_tokens": spec.max_tokens, "stream": true});
+    let mut body = json!({"prompt": prompt, "max_tokens": spec.max_tokens, "stream": true});
+    if spec.greedy {
+        body["temperature"] = json!(0);
+    }
     let done = |chunks: Vec<Instant>, end: End| Outcome {
         sent,
         end_at: Instant::now(),
         chunks,
         end,
+        text: None,
     };
     let resp = match tokio::time::timeout_at(until, client.post(&spec.url).json(&body).send()).await
     {
@@ -186,7 +196,13 @@ async fn one(client: &reqwest::Client, spec: &Spec, prompt: &str) -> Outcome {
         }
     }
     let end = if status.is_success() {
-        classify_stream(&buf)
+        let end = classify_stream(&buf);
+        if spec.greedy && end == End::Completed {
+            let mut o = done(chunks, end);
+            o.text = Some((prompt.to_string(), stream_text(&buf)));
+            return o;
+        }
+        end
     } else {
         match error_message(&buf) {
             Some(m) => End::Failed(format!("HTTP {}: {m}", status.as_u16())),
@@ -201,6 +217,15 @@ fn error_message(s: &str) -> Option<String> {
     let v: serde_json::Value = serde_json::from_str(s.trim()).ok()?;
     let m = v["error"]["message"].as_str()?;
     (!m.is_empty()).then(|| m.to_string())
+}
+
+/// The text of a completion stream: `choices[0].text` of every event, in order.
+pub fn stream_text(body: &str) -> String {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data:"))
+        .filter_map(|e| serde_json::from_str::<serde_json::Value>(e.trim()).ok())
+        .filter_map(|v| v["choices"][0]["text"].as_str().map(str::to_string))
+        .collect()
 }
 
 /// Classifies a whole SSE body.
@@ -252,6 +277,12 @@ mod tests {
     }
 
     #[test]
+    fn a_streams_text_is_its_events_texts_in_order() {
+        let body = "data: {\"choices\":[{\"text\":\"Hel\"}]}\n\ndata: {\"choices\":[{\"text\":\"lo\"}]}\n\ndata: [DONE]\n\n";
+        assert_eq!(stream_text(body), "Hello");
+    }
+
+    #[test]
     fn a_request_is_affected_by_a_failure_or_a_stall_after_the_fault() {
         let t0 = Instant::now();
         let ms = |n| t0 + Duration::from_millis(n);
@@ -260,6 +291,7 @@ mod tests {
             end_at: ms(end_ms),
             chunks: chunks.into_iter().map(ms).collect(),
             end,
+            text: None,
         };
         let stall = Duration::from_millis(500);
         let steady = o(vec![100, 200, 300, 400, 500], 500, End::Completed);

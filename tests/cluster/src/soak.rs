@@ -139,6 +139,7 @@ pub async fn run(
         max_tokens: case.max_tokens,
         prompt_len: case.prompt_len,
         keep_chunks: false,
+        greedy: false,
     });
     let start = Instant::now();
     // About 60 samples, at most one every 10 s.

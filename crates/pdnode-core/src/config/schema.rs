@@ -34,6 +34,11 @@ pub struct NodeConfig {
     pub http_listen: String,
     /// Longest time a graceful shutdown waits for in-flight requests, seconds.
     pub drain_timeout_s: u64,
+    /// An engine that has not reported its load for this long (its thread is between steps
+    /// only after a step ends) is taken for wedged: `Stats` answers UNAVAILABLE and the router
+    /// fails over. Must exceed the longest engine step. 0: 5000, or 60000 for an engine on the
+    /// CPU (a step of `engine.max_batch_tokens` prompt tokens there takes seconds).
+    pub engine_stall_ms: u64,
 }
 
 impl NodeConfig {
@@ -64,6 +69,7 @@ impl Default for NodeConfig {
             advertise: String::new(),
             http_listen: String::new(),
             drain_timeout_s: 30,
+            engine_stall_ms: 0,
         }
     }
 }

@@ -46,6 +46,13 @@ pub(super) fn durations(c: &Config) -> Vec<DurationKey> {
             DAY_S,
         ),
         d(
+            "node.engine_stall_ms",
+            c.node.engine_stall_ms,
+            MILLIS,
+            0,
+            3_600_000,
+        ),
+        d(
             "registry.lease_ttl_s",
             c.registry.lease_ttl_s,
             SECONDS,

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# engine.cpu_affinity = "auto" on a GPU host: for each GPU, the node process started with
+# `cpu_affinity = "auto"` on that GPU logs the NUMA node and cores it pinned to; compared with
+# what sysfs and `nvidia-smi topo -m` say. The node stops at the registry (no etcd is started:
+# pinning happens before), so this builds and loads nothing.
+# Needs the bundle's pdnode in $PD (scripts/gpu/pack.sh). A table last.
+set -u
+PD=${PD:-/tmp/pd}
+OUT=${OUT:-/tmp/pdnode-gpu/affinity}
+mkdir -p "$OUT"
+n=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
+echo "== nvidia-smi topo -m"
+nvidia-smi topo -m 2>&1 | head -20
+rows=()
+for g in $(seq 0 $((n - 1))); do
+    bus=$(nvidia-smi -i "$g" --query-gpu=pci.bus_id --format=csv,noheader | tr 'A-F' 'a-f' | sed 's/^0000//')
+    sys=$(ls -d /sys/bus/pci/devices/*"$bus" 2>/dev/null | head -1)
+    node=$(cat "$sys/numa_node" 2>/dev/null || echo "?")
+    list=$( [ "$node" != "?" ] && [ "$node" -ge 0 ] 2>/dev/null && cat /sys/devices/system/node/node"$node"/cpulist || echo "-")
+    cat > "$OUT/g$g.toml" <<TOML
+[node]
+role = "prefill"
+id = "aff-$g"
+listen = "127.0.0.1:0"
+http_listen = "127.0.0.1:0"
+[registry]
+kind = "etcd"
+endpoints = ["http://127.0.0.1:9"]
+[model]
+format = "dummy"
+preset = "smollm2-135m"
+[engine]
+backend = "cuda"
+gpus = [$g]
+cpu_affinity = "auto"
+[transfer]
+kind = "ucx"
+[log]
+format = "human"
+filter = "info"
+TOML
+    timeout 60 "$PD/pdnode" start --config "$OUT/g$g.toml" > "$OUT/g$g.log" 2>&1
+    rc=$?
+    line=$(grep -m1 'cpu_affinity' "$OUT/g$g.log" | sed 's/\x1b\[[0-9;]*m//g')
+    pinned=$(grep -m1 'pinned the process' "$OUT/g$g.log" | sed 's/\x1b\[[0-9;]*m//g' | grep -o 'threads=[0-9]*' || true)
+    echo "== GPU $g: exit $rc"
+    echo "$line"
+    grep -m1 'pinned the process' "$OUT/g$g.log" | sed 's/\x1b\[[0-9;]*m//g'
+    rows+=("| $g | $bus | $node | $list | $(echo "$line" | grep -o 'numa_nodes=[^ ]*' || echo "$line" | grep -o 'report no NUMA node' || echo '?') | $(echo "$line" | grep -o 'cores=[0-9]*' || echo -) | ${pinned:--} |")
+done
+echo
+echo "| GPU | PCI | sysfs numa_node | node cpulist | pdnode picked | cores | pinned |"
+echo "|---|---|---|---|---|---|---|"
+printf '%s\n' "${rows[@]}"

@@ -21,8 +21,10 @@ use pdnode_router::grpc_client::{CardMembership, ChannelOptions};
 use std::sync::Arc;
 
 /// Builds the node's dependencies for its role. Loads the model (blocking work runs on a blocking
-/// thread).
+/// thread). Pins the process first (`engine.cpu_affinity`), so the engine's threads start
+/// pinned and the memory they touch first (KV pool, host staging) lands on their NUMA node.
 pub async fn assemble(cfg: &Config, registry: Arc<dyn Registry>) -> Result<NodeDeps, NodeError> {
+    crate::affinity::apply(cfg)?;
     let id = node_id(cfg);
     let role = cfg.node.role;
     let engine_err = |e: pd::BuildError| NodeError::Engine(e.to_string());

@@ -5,7 +5,7 @@ use crate::board::{HealthBoard, LoadBoard};
 use crate::engine::{EngineActor, EngineActorArgs, EngineService};
 use crate::registrar::{Registrar, RegistrarArgs, SharedRegistration};
 use crate::supervisor::{NodeSupervisor, RestartLimits, SupervisorArgs, SupervisorHandle};
-use crate::{NodeError, affinity, grpc, http};
+use crate::{NodeError, grpc, http};
 use pdnode_core::card::{NodeAddresses, NodeCapacity};
 use pdnode_core::config::Config;
 use pdnode_core::{NodeCard, NodeId, Role};
@@ -174,7 +174,6 @@ impl Node {
     /// up to one TTL; a live duplicate id fails with `AlreadyRegistered`), starts the
     /// supervision tree and the servers.
     pub async fn start(cfg: &Config, deps: NodeDeps) -> Result<Node, NodeError> {
-        affinity::apply(cfg)?;
         let id = node_id(cfg);
         let tls = pdnode_nodeapi::tls::NodeTls::from_config(cfg)?;
         let insecure_node_plane = !cfg.node.listens_on_loopback() && tls.is_none();

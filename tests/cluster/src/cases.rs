@@ -56,8 +56,11 @@ pub enum Fault {
     /// SIGTERM: a graceful drain; the process must exit 0 within its drain timeout.
     Drain(Target),
     /// The router SIGKILLed; once every node dropped what the dead router's requests held
-    /// (within [`SHORT_TRANSFER_LEASE`] and slack), started again on the same host.
-    RouterRestart,
+    /// (blocks within the transfer lease, staging spans one lease later: a prefill node may
+    /// still be pushing until then; and slack), started again on the same host.
+    RouterRestart {
+        lease: Duration,
+    },
     /// A third prefill host ([`net::SPARE_PREFILL`]) started under load.
     PrefillJoin,
     /// etcd SIGKILLed for `down`; `join_after` into the outage a third prefill host starts
@@ -383,7 +386,9 @@ pub fn quick() -> Vec<Case> {
             max_tokens: 100,
             prompt_len: 64,
             trigger: Trigger::After(s(2)),
-            fault: Fault::RouterRestart,
+            fault: Fault::RouterRestart {
+                lease: SHORT_TRANSFER_LEASE,
+            },
             tail: s(3),
             expect: Expect::CompleteOutsideOutage,
         },
@@ -426,6 +431,22 @@ pub fn full(model: &std::path::Path) -> Vec<Case> {
                 100 => 48,
                 n => n.min(16),
             };
+            // A CPU prefill waits in its queue for seconds: a 5 s transfer lease would expire
+            // reservations before their prefill ran. The router's restart case gets 20 s.
+            if let Fault::RouterRestart { .. } = c.fault {
+                let lease = Duration::from_secs(20);
+                let set = format!("transfer.lease_ms={}", lease.as_millis());
+                for sets in [&mut c.extra.prefill, &mut c.extra.decode] {
+                    sets.retain(|s| !s.starts_with("transfer.lease_ms="));
+                    sets.push(set.clone());
+                }
+                c.fault = Fault::RouterRestart { lease };
+            }
+            // Four streams at most on each decode node: 48-token streams would queue the 64
+            // clients past the 60 s request deadline on one CPU thread.
+            if c.name == "decode-kill-queued" {
+                c.max_tokens = 16;
+            }
             if let Fault::EtcdOutageJoin { join_after, .. } = c.fault {
                 c.fault = Fault::EtcdOutageJoin {
                     down: Duration::from_secs(60),

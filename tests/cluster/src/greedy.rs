@@ -1,8 +1,9 @@
 //! `--full`: greedy outputs of completed requests, compared across the cases. Every case sends
 //! the same prompts (client `w`, request `n`), so a prompt completed in a fault case is compared
 //! with the fault-free `baseline`'s text for it, or, when the baseline did not get that far,
-//! with the first case that completed it. A fault may fail a request; it must never change what
-//! a completed one says.
+//! with the first case that completed it. Cases ask for different lengths (16 or 48 tokens), so
+//! two texts agree when one is a prefix of the other. A fault may fail a request; it must never
+//! change what a completed one says.
 
 use crate::drive::Row;
 use std::collections::HashMap;
@@ -27,7 +28,7 @@ pub fn compare(rows: &mut [Row]) {
                 None => first_seen.get(prompt).map(|(t, case)| (t, case.as_str())),
             };
             match want {
-                Some((t, from)) if t == text => {
+                Some((t, from)) if t.starts_with(text.as_str()) || text.starts_with(t.as_str()) => {
                     if from == "baseline" {
                         same_base += 1;
                     } else {
@@ -77,6 +78,8 @@ mod tests {
             row("x", &[("a", "1"), ("c", "3")]),
             row("y", &[("b", "2"), ("c", "3")]),
             row("z", &[("a", "9"), ("c", "3")]),
+            // A longer run of the same greedy text agrees.
+            row("w", &[("a", "1 and more"), ("b", "2")]),
         ];
         compare(&mut rows);
         assert!(

@@ -3,7 +3,7 @@
 //! joins. Each writes its own figures into the row (`claims`) and its own failures
 //! (`problems`); a harness error (a process that cannot be started) is an `Err`.
 
-use crate::cases::{LEASE_TTL, SHORT_TRANSFER_LEASE, Target};
+use crate::cases::{LEASE_TTL, Target};
 use crate::cluster::{Cluster, Proc, READY_DEADLINE, Role, wait_until};
 use crate::drive::{Row, held, node_mut};
 use crate::metrics::scrape;
@@ -14,6 +14,8 @@ use std::time::{Duration, Instant};
 /// `node.drain_timeout_s` of the multi-host files (the default): a drained node must exit
 /// within this and some slack.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a join is waited for past its goal, to measure it.
+const JOIN_PATIENCE: Duration = Duration::from_secs(60);
 /// How long after a failed start a supervisor starts a node again (systemd's `RestartSec`).
 const RESTART_SEC: Duration = Duration::from_secs(1);
 
@@ -70,10 +72,17 @@ async fn all_idle(c: &Cluster) -> bool {
 /// end with the connections, reservations at their transfer lease) within the lease and a
 /// little slack; then the router starts again (it waits out its own stale key, at most one
 /// lease TTL) and must see every node. Returns when it serves again.
-pub async fn router_restart(net: &Net, c: &mut Cluster, row: &mut Row) -> Result<Instant> {
+pub async fn router_restart(
+    net: &Net,
+    c: &mut Cluster,
+    lease: Duration,
+    row: &mut Row,
+) -> Result<Instant> {
     c.router.signal("KILL")?;
     let at = Instant::now();
-    let limit = SHORT_TRANSFER_LEASE + Duration::from_secs(3);
+    // Blocks go back at the lease end; a staging span one lease later (its writer may still
+    // be pushing until then: docs/runtime-semantics.md); then a sweep.
+    let limit = 2 * lease + Duration::from_secs(3);
     if wait_until(limit, || all_idle(c)).await {
         row.claims
             .push(format!("nodes idle {} after the kill", secs(at.elapsed())));
@@ -85,7 +94,7 @@ pub async fn router_restart(net: &Net, c: &mut Cluster, row: &mut Row) -> Result
         row.problems.push(format!(
             "{} after the router died (transfer lease {}) nodes still hold its requests' state: {}",
             secs(limit),
-            secs(SHORT_TRANSFER_LEASE),
+            secs(lease),
             held_now.join(", ")
         ));
     }
@@ -122,11 +131,13 @@ async fn served(p: &Proc) -> bool {
     cached > 0.0 || crate::metrics::Held::of(&m, p.host.name).is_some_and(|h| !h.idle())
 }
 
-/// Waits until the router lists `want` prefill nodes and then until `p` served prompts, each
-/// within `limit` of `from`; records both times.
+/// Waits until the router lists `want` prefill nodes and then until `p` served prompts; both
+/// must happen within `limit` of `from`. Past it the wait goes on (up to [`JOIN_PATIENCE`]) so
+/// the row says how long it took, not only that it was late.
 async fn joined(c: &Cluster, p: &Proc, from: Instant, limit: Duration, what: &str, row: &mut Row) {
     let want = c.prefill.len() + 1;
-    let in_view = wait_until(limit.saturating_sub(from.elapsed()), || async {
+    let patience = limit.max(JOIN_PATIENCE);
+    let in_view = wait_until(patience.saturating_sub(from.elapsed()), || async {
         c.router_nodes().await.is_some_and(|(n, _)| n == want)
     })
     .await;
@@ -134,27 +145,36 @@ async fn joined(c: &Cluster, p: &Proc, from: Instant, limit: Duration, what: &st
         row.problems.push(format!(
             "{} not in the router's view {} after {what} (it shows {:?})",
             p.host.name,
-            secs(limit),
+            secs(patience),
             c.router_nodes().await
         ));
         return;
     }
     let t_view = from.elapsed();
-    if !wait_until(limit.saturating_sub(from.elapsed()), || served(p)).await {
+    if !wait_until(patience.saturating_sub(from.elapsed()), || served(p)).await {
         row.problems.push(format!(
             "{} took no traffic within {} of {what} (in the view after {})",
             p.host.name,
-            secs(limit),
+            secs(patience),
             secs(t_view)
         ));
         return;
     }
+    let t_served = from.elapsed();
     row.claims.push(format!(
         "{} in the view {} and serving {} after {what}",
         p.host.name,
         secs(t_view),
-        secs(from.elapsed())
+        secs(t_served)
     ));
+    if t_served > limit {
+        row.problems.push(format!(
+            "{} joined {} after {what}, past the goal of {} (the lease TTL)",
+            p.host.name,
+            secs(t_served),
+            secs(limit)
+        ));
+    }
 }
 
 /// A third prefill host started under load: in the router's view and serving prompts within

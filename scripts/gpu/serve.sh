@@ -23,6 +23,9 @@
 # early_blocks), and transfer_us is only the part left after the prompt's last chunk.
 # PD_TTFT=0 skips the 4 x 4000-token TTFT probe, PD_BENCH=0 the load bench, GREEDY=0 the
 # greedy comparison (scripts/gpu/overlap.sh uses them).
+# CONTEXT_LENGTH (default 4096): engine.context_length of every node. WORKLOAD (default
+# "--workload mixed"): the bench's workload arguments. COLO_GPUS (default "0 1"): the colocated
+# replicas' GPUs; "0" runs one replica with the whole load (a one-GPU machine).
 # usage: scripts/gpu/serve.sh [pd|colo|both]
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -88,7 +91,7 @@ served_name = "llama-3.1-8b"
 [engine]
 backend = "cuda"
 gpus = [0]
-context_length = 4096
+context_length = ${CONTEXT_LENGTH:-4096}
 block_size = 16
 max_batch_tokens = ${MAX_BATCH_TOKENS:-8192}
 max_running_requests = 64
@@ -256,7 +259,8 @@ wait_colo() { # gpu
     [ $ok = 1 ] || { echo "colocated $g never answered: HTTP $code $(head -c 400 "$OUT/colo$g.probe.json")"; }
 }
 bench() { # name url
-    timeout 300 "$BIN" bench --url "$2" --workload mixed --concurrency "$CONC" --num-requests "$NREQ" \
+    # shellcheck disable=SC2086 # WORKLOAD: several arguments
+    timeout 300 "$BIN" bench --url "$2" ${WORKLOAD:---workload mixed} --concurrency "$CONC" --num-requests "$NREQ" \
         --warmup 8 --ignore-eos --no-progress $SLO --out "$OUT/$1.json" > "$OUT/$1.bench.log" 2>&1
     rows+=("$1 rc=$?")
     tail -25 "$OUT/$1.bench.log"
@@ -348,18 +352,23 @@ fi
 
 if [ "$WHAT" != pd ]; then
     echo "== colocated: role all + engine.colocated, one replica per GPU (the bench's concurrency split)"
-    for g in 0 1; do start_colo $g; done
-    for g in 0 1; do wait_colo $g; done
+    colo_gpus=${COLO_GPUS:-0 1}
+    for g in $colo_gpus; do start_colo $g; done
+    for g in $colo_gpus; do wait_colo $g; done
     if [ "$WHAT" = both ] && [ "${GREEDY:-1}" = 1 ]; then
         greedy colo http://127.0.0.1:8100
         check_greedy
     fi
-    half=$((CONC / 2)) nhalf=$((NREQ / 2))
-    CONC=$half NREQ=$nhalf bench colo0 http://127.0.0.1:8100 &
-    b0=$!
-    CONC=$half NREQ=$nhalf bench colo1 http://127.0.0.1:8101 > "$OUT/colo1.tail" 2>&1
-    wait $b0
-    rows+=("colo1 (see colo1.bench.log)")
+    if [ "$colo_gpus" = 0 ]; then # one replica (a one-GPU machine): the whole load on it
+        bench colo0 http://127.0.0.1:8100
+    else
+        half=$((CONC / 2)) nhalf=$((NREQ / 2))
+        CONC=$half NREQ=$nhalf bench colo0 http://127.0.0.1:8100 &
+        b0=$!
+        CONC=$half NREQ=$nhalf bench colo1 http://127.0.0.1:8101 > "$OUT/colo1.tail" 2>&1
+        wait $b0
+        rows+=("colo1 (see colo1.bench.log)")
+    fi
     stop_all
 fi
 

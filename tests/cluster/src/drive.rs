@@ -342,7 +342,28 @@ pub fn tally(row: &mut Row, outcomes: &[Outcome], inj: Injected) {
     row.longest_affected = affected()
         .map(|o| o.end_at.saturating_duration_since(o.sent.max(inj.at)))
         .max();
+    // A hung request either stalled (no byte for a while when its deadline came) or was still
+    // streaming, slowly: a wedge and a long queue are different findings.
+    let hung: Vec<&Outcome> = outcomes.iter().filter(|o| o.end == End::Hung).collect();
+    if !hung.is_empty() {
+        let stalled = hung
+            .iter()
+            .filter(|o| {
+                let last = o.chunks.last().copied().unwrap_or(o.sent);
+                o.end_at.saturating_duration_since(last) > HUNG_STALL
+            })
+            .count();
+        let streamed = hung.iter().filter(|o| !o.chunks.is_empty()).count();
+        row.claims.push(format!(
+            "hung: {stalled} of {} without a byte in their last {} s ({streamed} had streamed something)",
+            hung.len(),
+            HUNG_STALL.as_secs()
+        ));
+    }
 }
+
+/// A hung request whose last byte is older than this at its deadline had stalled.
+const HUNG_STALL: Duration = Duration::from_secs(5);
 
 /// After the load: the router holds nothing in flight, sees the nodes it should, and every
 /// surviving node owns no KV block and no staging span.
@@ -522,6 +543,30 @@ mod tests {
         assert_eq!(
             (row.sent, row.outage, row.completed, row.failed, row.unclear),
             (5, 2, 1, 1, 1)
+        );
+    }
+
+    #[test]
+    fn hung_requests_are_told_apart_stalled_from_still_streaming() {
+        let t0 = Instant::now();
+        let ms = |n| t0 + Duration::from_millis(n);
+        let hung = |chunks: Vec<u64>| Outcome {
+            sent: t0,
+            end_at: ms(60_000),
+            chunks: chunks.into_iter().map(ms).collect(),
+            end: End::Hung,
+            text: None,
+        };
+        let streaming = hung(vec![1_000, 30_000, 58_000]);
+        let stalled = hung(vec![1_000]);
+        let silent = hung(vec![]);
+        let mut row = Row::default();
+        let inj = Injected { at: t0, back: None };
+        tally(&mut row, &[streaming, stalled, silent], inj);
+        assert_eq!(row.hung, 3);
+        assert_eq!(
+            row.claims,
+            ["hung: 2 of 3 without a byte in their last 5 s (2 had streamed something)"]
         );
     }
 }

@@ -315,6 +315,12 @@ fn spawn_etcd(net: &Net, dir: &Path) -> Result<Proc> {
         initial.as_str(),
         "--log-level",
         "warn",
+        // As configs/multi-host/README.md asks: nodes rewrite their cards as their load changes,
+        // and etcd keeps every revision until compacted.
+        "--auto-compaction-mode",
+        "periodic",
+        "--auto-compaction-retention",
+        "5m",
     ]
     .map(String::from)
     .to_vec();

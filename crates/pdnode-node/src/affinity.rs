@@ -64,6 +64,29 @@ pub fn apply(cfg: &pdnode_core::config::Config) -> Result<(), NodeError> {
     }
 }
 
+/// Why sysfs could not say where some GPUs sit (all fatal at start: the operator asked for
+/// `auto`, and a guess would pin the node to the wrong cores).
+#[derive(Debug, thiserror::Error)]
+pub enum NumaError {
+    #[error("{path}: {source}")]
+    Read {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: {what}")]
+    Malformed {
+        path: std::path::PathBuf,
+        what: String,
+    },
+    #[error("NUMA node(s) {0:?} list no CPU cores")]
+    NoCores(Vec<u32>),
+}
+
+/// A kernel CPU list that does not parse.
+#[derive(Debug, thiserror::Error)]
+#[error("bad CPU list entry {0:?}")]
+pub struct CpuListError(String);
+
 /// The NUMA node(s) of some PCI devices and the cores of those nodes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NumaPick {
@@ -77,19 +100,26 @@ pub struct NumaPick {
 pub fn numa_cores(
     sysfs: &std::path::Path,
     pci_addrs: &[String],
-) -> Result<Option<NumaPick>, String> {
+) -> Result<Option<NumaPick>, NumaError> {
+    let read = |p: std::path::PathBuf| {
+        std::fs::read_to_string(&p).map_err(|source| NumaError::Read { path: p, source })
+    };
+    let malformed = |p: &std::path::Path, what: String| NumaError::Malformed {
+        path: p.to_path_buf(),
+        what,
+    };
     let mut nodes: Vec<u32> = Vec::new();
     for a in pci_addrs {
         let p = sysfs.join("bus/pci/devices").join(a).join("numa_node");
-        let text = std::fs::read_to_string(&p).map_err(|e| format!("{}: {e}", p.display()))?;
+        let text = read(p.clone())?;
         let n: i64 = text
             .trim()
             .parse()
-            .map_err(|_| format!("{}: not a number: {:?}", p.display(), text.trim()))?;
+            .map_err(|_| malformed(&p, format!("not a number: {:?}", text.trim())))?;
         if n < 0 {
             continue;
         }
-        let n = u32::try_from(n).map_err(|_| format!("{}: node {n} out of range", p.display()))?;
+        let n = u32::try_from(n).map_err(|_| malformed(&p, format!("node {n} out of range")))?;
         if !nodes.contains(&n) {
             nodes.push(n);
         }
@@ -101,33 +131,30 @@ pub fn numa_cores(
     let mut cores = Vec::new();
     for n in &nodes {
         let p = sysfs.join(format!("devices/system/node/node{n}/cpulist"));
-        let text = std::fs::read_to_string(&p).map_err(|e| format!("{}: {e}", p.display()))?;
-        cores.extend(parse_cpulist(&text).map_err(|e| format!("{}: {e}", p.display()))?);
+        let text = read(p.clone())?;
+        cores.extend(parse_cpulist(&text).map_err(|e| malformed(&p, e.to_string()))?);
     }
     cores.sort_unstable();
     cores.dedup();
     if cores.is_empty() {
-        return Err(format!("NUMA node(s) {nodes:?} list no CPU cores"));
+        return Err(NumaError::NoCores(nodes));
     }
     Ok(Some(NumaPick { nodes, cores }))
 }
 
 /// Parses a kernel CPU list (`0-15,32-47`, `3`, empty).
-pub fn parse_cpulist(text: &str) -> Result<Vec<u32>, String> {
+pub fn parse_cpulist(text: &str) -> Result<Vec<u32>, CpuListError> {
     let mut out = Vec::new();
     for part in text.trim().split(',').map(str::trim) {
         if part.is_empty() && text.trim().is_empty() {
             continue;
         }
-        let num = |s: &str| {
-            s.parse::<u32>()
-                .map_err(|_| format!("bad CPU list entry {part:?}"))
-        };
+        let num = |s: &str| s.parse::<u32>().map_err(|_| CpuListError(part.to_string()));
         match part.split_once('-') {
             Some((a, b)) => {
                 let (a, b) = (num(a)?, num(b)?);
                 if a > b || b - a > 65_535 {
-                    return Err(format!("bad CPU range {part:?}"));
+                    return Err(CpuListError(part.to_string()));
                 }
                 out.extend(a..=b);
             }
@@ -283,7 +310,9 @@ mod tests {
         // No NUMA information: nothing to pin to.
         assert_eq!(numa_cores(d.path(), &s(&["0000:01:00.0"])).unwrap(), None);
         // A device sysfs does not know: an error naming the file.
-        let e = numa_cores(d.path(), &s(&["0000:aa:00.0"])).unwrap_err();
+        let e = numa_cores(d.path(), &s(&["0000:aa:00.0"]))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("0000:aa:00.0/numa_node"), "{e}");
     }
 

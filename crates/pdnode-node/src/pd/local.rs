@@ -503,6 +503,14 @@ impl PdNode {
                     pdnode_telemetry::fail(&compute, &error);
                     return Err(eerr(&error));
                 }
+                // An accepted abort that reached the engine first ends the request there:
+                // the call ends Cancelled, as when it lands after the engine's part.
+                Some(EngineEvent::Finished { .. }) if hold.stopped() => {
+                    return Err(nerr(
+                        ErrorKind::Cancelled,
+                        format!("prefill of {id} on {} was aborted", self.id),
+                    ));
+                }
                 Some(EngineEvent::Finished { reason, .. }) => {
                     return Err(nerr(
                         ErrorKind::Internal,

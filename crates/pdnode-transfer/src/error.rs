@@ -37,6 +37,9 @@ pub enum TransferError {
     InvalidDescriptor { reason: String },
     #[error("peer {peer} is gone: {reason}")]
     PeerGone { peer: String, reason: String },
+    /// The peer refused KV bytes (outside its registered host memory, or out of order).
+    #[error("peer {peer} refused KV bytes: {reason}")]
+    Refused { peer: String, reason: String },
     #[error("{what} did not finish before its deadline")]
     Timeout { what: String },
     #[error("request {request} refused: {mismatch}")]
@@ -93,6 +96,7 @@ impl Classify for TransferError {
             | Closed { .. }
             | Busy { .. }
             | PeerGone { .. }
+            | Refused { .. }
             | Control { .. }
             | Device { .. } => ErrorKind::Unavailable,
             UnknownRegion { .. }

@@ -230,6 +230,52 @@ impl ucp_request_param_t {
     }
 }
 
+// Active messages (ucp_worker_set_am_recv_handler, ucp_am_send_nbx)
+pub const UCP_AM_HANDLER_PARAM_FIELD_ID: u64 = 1 << 0;
+pub const UCP_AM_HANDLER_PARAM_FIELD_FLAGS: u64 = 1 << 1;
+pub const UCP_AM_HANDLER_PARAM_FIELD_CB: u64 = 1 << 2;
+pub const UCP_AM_HANDLER_PARAM_FIELD_ARG: u64 = 1 << 3;
+/// The handler gets a message only whole (no fragments).
+pub const UCP_AM_FLAG_WHOLE_MSG: u32 = 1 << 0;
+/// `ucp_am_send_nbx` flag: the receiver gets a reply endpoint.
+pub const UCP_AM_SEND_FLAG_REPLY: u32 = 1 << 0;
+/// `ucp_am_send_nbx` flag: eager protocol only (never rendezvous).
+pub const UCP_AM_SEND_FLAG_EAGER: u32 = 1 << 1;
+/// `ucp_am_recv_param_t::recv_attr`: `reply_ep` is valid.
+pub const UCP_AM_RECV_ATTR_FIELD_REPLY_EP: u64 = 1 << 0;
+/// `ucp_am_recv_param_t::recv_attr`: `data` persists if the handler returns UCS_INPROGRESS.
+pub const UCP_AM_RECV_ATTR_FLAG_DATA: u64 = 1 << 16;
+/// `ucp_am_recv_param_t::recv_attr`: `data` is a rendezvous descriptor, not the bytes.
+pub const UCP_AM_RECV_ATTR_FLAG_RNDV: u64 = 1 << 17;
+pub const UCS_ERR_UNSUPPORTED: ucs_status_t = -22;
+
+#[repr(C)]
+pub struct ucp_am_recv_param_t {
+    pub recv_attr: u64,
+    pub reply_ep: ucp_ep_h,
+}
+
+/// `ucp_am_recv_callback_t`.
+pub type ucp_am_recv_callback_t = Option<
+    unsafe extern "C" fn(
+        arg: *mut c_void,
+        header: *const c_void,
+        header_length: usize,
+        data: *mut c_void,
+        length: usize,
+        param: *const ucp_am_recv_param_t,
+    ) -> ucs_status_t,
+>;
+
+#[repr(C)]
+pub struct ucp_am_handler_param_t {
+    pub field_mask: u64,
+    pub id: c_uint,
+    pub flags: u32,
+    pub cb: ucp_am_recv_callback_t,
+    pub arg: *mut c_void,
+}
+
 /// `UCS_PTR_IS_ERR`.
 pub fn ptr_is_err(p: ucs_status_ptr_t) -> bool {
     (p as usize) >= (UCS_ERR_LAST as isize as usize)

@@ -16,7 +16,7 @@ mod safe;
 
 pub use loader::{DEFAULT_LIBRARY_NAMES, Ucp};
 pub use safe::{
-    Context, Endpoint, MemHandle, MemoryType, RemoteKey, Request, RequestState, Worker,
+    Context, Endpoint, MemHandle, MemoryType, RemoteKey, Request, RequestState, Worker, am_send_raw,
 };
 
 /// Errors of the UCX bindings.

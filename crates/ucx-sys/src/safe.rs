@@ -28,7 +28,7 @@ impl MemoryType {
     }
 }
 
-/// A UCP context (`ucp_init_version` with RMA and wake-up features).
+/// A UCP context (`ucp_init_version` with RMA, active-message and wake-up features).
 pub struct Context {
     ucp: Arc<Ucp>,
     h: ucp_context_h,
@@ -68,7 +68,7 @@ impl Context {
         let cname = CString::new(name.replace('\0', "")).unwrap_or_default();
         let params = ucp_params_t {
             field_mask: UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME,
-            features: UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP,
+            features: UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP,
             request_size: 0,
             request_init: None,
             request_cleanup: None,
@@ -186,6 +186,72 @@ impl Worker {
         let p = unsafe { (self.ucp().ucp_worker_flush_nbx)(self.h, &param) };
         Request::from_status_ptr(self, "ucp_worker_flush_nbx", p)
     }
+}
+
+impl Worker {
+    /// Sets the handler of active messages `id` (whole messages only; see
+    /// `ucp_worker_set_am_recv_handler`).
+    ///
+    /// # Safety
+    /// `cb` runs inside [`Worker::progress`] on this thread with `arg`; `arg` must stay valid for
+    /// as long as the worker lives (or until the handler is replaced).
+    pub unsafe fn set_am_handler(
+        &self,
+        id: u32,
+        cb: ucp_am_recv_callback_t,
+        arg: *mut c_void,
+    ) -> Result<(), UcxError> {
+        let params = ucp_am_handler_param_t {
+            field_mask: UCP_AM_HANDLER_PARAM_FIELD_ID
+                | UCP_AM_HANDLER_PARAM_FIELD_FLAGS
+                | UCP_AM_HANDLER_PARAM_FIELD_CB
+                | UCP_AM_HANDLER_PARAM_FIELD_ARG,
+            id,
+            flags: UCP_AM_FLAG_WHOLE_MSG,
+            cb,
+            arg,
+        };
+        // SAFETY: valid worker and a fully initialised parameter struct; the caller vouches
+        // for `cb` and `arg`.
+        let st = unsafe { (self.ucp().ucp_worker_set_am_recv_handler)(self.h, &params) };
+        self.ucp().check("ucp_worker_set_am_recv_handler", st)
+    }
+}
+
+/// Sends active message `id` on the raw endpoint `ep` of `worker` (`ucp_am_send_nbx`, host
+/// memory, `flags` from `UCP_AM_SEND_FLAG_*`).
+///
+/// # Safety
+/// `ep` must be a live endpoint of `worker` (one the caller owns, or a reply endpoint UCX handed
+/// to an active-message handler that is running now); `header..header+header_len` and
+/// `data..data+len` must stay valid and unmodified until the returned request completes (or
+/// until the call returns, for `None`).
+pub unsafe fn am_send_raw(
+    worker: &Rc<Worker>,
+    ep: ucp_ep_h,
+    id: u32,
+    header: &[u8],
+    data: *const u8,
+    len: usize,
+    flags: u32,
+) -> Result<Option<Request>, UcxError> {
+    let mut param = ucp_request_param_t::empty();
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+    param.flags = flags;
+    param.memory_type = UCS_MEMORY_TYPE_HOST;
+    // SAFETY: the caller guarantees the endpoint and the buffers.
+    let p = unsafe {
+        (worker.ucp().ucp_am_send_nbx)(
+            ep,
+            id,
+            header.as_ptr() as *const c_void,
+            header.len(),
+            data as *const c_void,
+            len,
+            &param,
+        )
+    };
+    Request::from_status_ptr(worker, "ucp_am_send_nbx", p)
 }
 
 impl Drop for Worker {
@@ -400,6 +466,26 @@ impl Endpoint {
             )
         };
         Request::from_status_ptr(&self.worker, "ucp_put_nbx", p)
+    }
+
+    /// Sends active message `id` (`header`, then `len` bytes at `data`, host memory).
+    ///
+    /// # Safety
+    /// `header` and `data..data+len` must stay valid and unmodified until the returned request
+    /// completes (or until the call returns, for `None`).
+    pub unsafe fn am_send(
+        &self,
+        id: u32,
+        header: &[u8],
+        data: *const u8,
+        len: usize,
+        flags: u32,
+    ) -> Result<Option<Request>, UcxError> {
+        if let Some(e) = self.failure() {
+            return Err(e);
+        }
+        // SAFETY: our own live endpoint; the caller guarantees the buffers.
+        unsafe { am_send_raw(&self.worker, self.h, id, header, data, len, flags) }
     }
 
     /// Completes every operation issued on this endpoint (remote visibility).

@@ -68,7 +68,14 @@ fn struct_sizes_and_offsets_match_the_headers() {
     o!(ucp_request_param_t, datatype);
     o!(ucp_request_param_t, memory_type);
     o!(ucp_request_param_t, memh);
-    assert_eq!(checked, 28);
+    s!(ucp_am_recv_param_t);
+    o!(ucp_am_recv_param_t, reply_ep);
+    s!(ucp_am_handler_param_t);
+    o!(ucp_am_handler_param_t, id);
+    o!(ucp_am_handler_param_t, flags);
+    o!(ucp_am_handler_param_t, cb);
+    o!(ucp_am_handler_param_t, arg);
+    assert_eq!(checked, 35);
 }
 
 #[test]
@@ -98,6 +105,39 @@ fn constants_match_the_headers() {
     );
     assert_eq!(c("UCS_THREAD_MODE_SINGLE"), UCS_THREAD_MODE_SINGLE as i64);
     assert_eq!(c("UCP_FEATURE_RMA"), UCP_FEATURE_RMA as i64);
+    assert_eq!(c("UCP_FEATURE_AM"), UCP_FEATURE_AM as i64);
+    assert_eq!(
+        c("UCP_AM_HANDLER_PARAM_FIELD_ID"),
+        UCP_AM_HANDLER_PARAM_FIELD_ID as i64
+    );
+    assert_eq!(
+        c("UCP_AM_HANDLER_PARAM_FIELD_FLAGS"),
+        UCP_AM_HANDLER_PARAM_FIELD_FLAGS as i64
+    );
+    assert_eq!(
+        c("UCP_AM_HANDLER_PARAM_FIELD_CB"),
+        UCP_AM_HANDLER_PARAM_FIELD_CB as i64
+    );
+    assert_eq!(
+        c("UCP_AM_HANDLER_PARAM_FIELD_ARG"),
+        UCP_AM_HANDLER_PARAM_FIELD_ARG as i64
+    );
+    assert_eq!(c("UCP_AM_FLAG_WHOLE_MSG"), UCP_AM_FLAG_WHOLE_MSG as i64);
+    assert_eq!(c("UCP_AM_SEND_FLAG_REPLY"), UCP_AM_SEND_FLAG_REPLY as i64);
+    assert_eq!(c("UCP_AM_SEND_FLAG_EAGER"), UCP_AM_SEND_FLAG_EAGER as i64);
+    assert_eq!(
+        c("UCP_AM_RECV_ATTR_FIELD_REPLY_EP"),
+        UCP_AM_RECV_ATTR_FIELD_REPLY_EP as i64
+    );
+    assert_eq!(
+        c("UCP_AM_RECV_ATTR_FLAG_DATA"),
+        UCP_AM_RECV_ATTR_FLAG_DATA as i64
+    );
+    assert_eq!(
+        c("UCP_AM_RECV_ATTR_FLAG_RNDV"),
+        UCP_AM_RECV_ATTR_FLAG_RNDV as i64
+    );
+    assert_eq!(c("UCS_ERR_UNSUPPORTED"), UCS_ERR_UNSUPPORTED as i64);
     assert_eq!(c("UCP_FEATURE_WAKEUP"), UCP_FEATURE_WAKEUP as i64);
     assert_eq!(c("UCP_WAKEUP_RMA"), UCP_WAKEUP_RMA as i64);
     assert_eq!(c("UCP_WAKEUP_TX"), UCP_WAKEUP_TX as i64);

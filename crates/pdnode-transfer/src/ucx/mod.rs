@@ -2,6 +2,7 @@
 //! and sleeps on the worker's event fd (armed) when idle. Callers talk to it through a channel;
 //! puts and flushes return [`Completion`]s.
 
+mod am;
 pub mod cuda_ctx;
 mod thread;
 

@@ -1,10 +1,12 @@
 //! The UCX worker thread: owns every UCP object, executes commands, drives progress, completes
 //! operations, and sleeps on the armed event fd (plus a wake-up socket) when idle.
 
+use super::am::{self, Header, Kind, Receiver, Verdict};
 use super::{UcxConfig, memory_type};
 use crate::TransferError;
 use crate::completion::Completer;
 use crate::region::{LocalRegion, MemKind, Span};
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::io::Read;
 use std::os::fd::AsRawFd;
@@ -76,6 +78,16 @@ struct Target {
     address: Vec<u8>,
     rkey: Rc<RemoteKey>,
     base: u64,
+    /// The peer places host-memory puts itself ([`am`]): they go as active messages.
+    am: bool,
+    /// The peer's stream this target's messages go on (see [`Peer::stream`]).
+    stream: Rc<Stream>,
+}
+
+/// The active-message stream of one endpoint: its id and the last sequence number sent.
+struct Stream {
+    id: u64,
+    seq: std::cell::Cell<u64>,
 }
 
 /// An operation in flight: its requests, what they keep alive, and who waits.
@@ -84,7 +96,38 @@ struct Pending {
     error: Option<TransferError>,
     done: Completer,
     ep: Rc<Endpoint>,
-    _keep: (Option<Rc<MemHandle>>, Rc<RemoteKey>),
+    _keep: Keep,
+}
+
+/// Message headers UCX may read until their requests complete: each boxed, so its address
+/// stays put while the list grows.
+#[allow(clippy::vec_box)]
+type Headers = Vec<Box<[u8; am::HEADER_LEN]>>;
+
+/// What an operation in flight keeps alive: the local registration, the remote key (and with
+/// it the endpoint), the headers of its messages.
+type Keep = (Option<Rc<MemHandle>>, Rc<RemoteKey>, Headers);
+
+/// Who waits for an `ACK`.
+enum Waiter {
+    /// A flush of an active-message target.
+    Flush(Completer),
+    /// A connect to a peer not greeted yet: answered once the peer answered (see
+    /// [`State::connect`]).
+    Connect { reply: Reply<()>, target: u64 },
+}
+
+/// A flush (or greeting) of an active-message target: waits for the peer's `ACK` (and the
+/// endpoint's own flush, for puts that went by RMA).
+struct AwaitAck {
+    token: u64,
+    done: Waiter,
+    ep: Rc<Endpoint>,
+    address: Vec<u8>,
+    reqs: Vec<Request>,
+    error: Option<TransferError>,
+    deadline: Instant,
+    _keep: (Rc<RemoteKey>, Box<[u8; am::HEADER_LEN]>),
 }
 
 /// A remote worker: its endpoint and the remote keys unpacked on it, kept between requests.
@@ -98,6 +141,11 @@ struct Peer {
     /// Declared before `ep`: keys are destroyed before their endpoint.
     rkeys: HashMap<Vec<u8>, Rc<RemoteKey>>,
     ep: Rc<Endpoint>,
+    /// Active messages to this endpoint are numbered on one stream (a new endpoint, a new
+    /// stream), so the peer can tell that none went missing or came out of order.
+    stream: Rc<Stream>,
+    /// The peer answered a message on this endpoint (its wire-up is complete).
+    greeted: bool,
     last_used: Instant,
 }
 
@@ -114,8 +162,16 @@ const SWEEP_EVERY: Duration = Duration::from_secs(5);
 struct State {
     worker: Rc<Worker>,
     ctx: Rc<Context>,
+    /// The active-message handler's state; its address is the handler's argument, so it is
+    /// dropped after the worker (see the end of [`run`]).
+    receiver: Rc<RefCell<Receiver>>,
     peer_failure: bool,
     regions: HashMap<u64, Rc<MemHandle>>,
+    /// Host regions' start addresses by registration id (to forget them on deregistration).
+    host_regions: HashMap<u64, u64>,
+    awaiting: Vec<AwaitAck>,
+    next_token: u64,
+    next_stream: u64,
     peers: HashMap<Vec<u8>, Peer>,
     targets: HashMap<u64, Target>,
     pending: Vec<Pending>,
@@ -166,12 +222,28 @@ pub(crate) fn run(
         }
         let ctx = Context::new(ucp, &cfg.name, &overrides)?;
         let worker = Worker::new(&ctx)?;
+        let receiver = Receiver::new(worker.clone());
+        // SAFETY: the handler's argument is the receiver's RefCell, which State keeps alive
+        // until after the worker is destroyed (end of `run`); the handler runs only inside
+        // this thread's progress calls, which never hold a borrow of it.
+        unsafe {
+            worker.set_am_handler(
+                am::AM_ID,
+                Some(am::handler),
+                Rc::as_ptr(&receiver) as *mut std::ffi::c_void,
+            )
+        }?;
         let address = worker.address()?;
         let efd = worker.event_fd()?;
         Ok((
             State {
                 worker,
                 ctx,
+                receiver,
+                host_regions: HashMap::new(),
+                awaiting: Vec::new(),
+                next_token: 1,
+                next_stream: stream_seed(),
                 peer_failure: cfg.peer_failure,
                 regions: HashMap::new(),
                 peers: HashMap::new(),
@@ -213,6 +285,7 @@ pub(crate) fn run(
             busy = true;
         }
         st.poll_pending();
+        st.poll_acks();
         if st.poll_gated() {
             busy = true;
         }
@@ -220,7 +293,7 @@ pub(crate) fn run(
             continue;
         }
         st.sweep_idle_peers();
-        if !st.pending.is_empty() {
+        if !st.pending.is_empty() || !st.awaiting.is_empty() {
             // Operations in flight: keep progressing, but let the other threads of a small
             // machine run.
             std::thread::yield_now();
@@ -247,12 +320,28 @@ pub(crate) fn run(
     st.gated.clear();
     st.gated_flushes.clear();
     st.pending.clear();
+    st.awaiting.clear();
     st.targets.clear();
     st.peers.clear();
     st.regions.clear();
-    let State { worker, ctx, .. } = st;
+    st.receiver.borrow_mut().replies_clear();
+    // The receiver holds the last reference to the worker: the worker is destroyed inside the
+    // receiver's drop, while the receiver's memory (the handler's argument) is still valid.
+    let State {
+        worker,
+        ctx,
+        receiver,
+        ..
+    } = st;
     drop(worker);
+    drop(receiver);
     drop(ctx);
+}
+
+/// A starting point for stream ids: random, so two processes (or one restarted) do not share
+/// ids at a receiver.
+fn stream_seed() -> u64 {
+    rand::random()
 }
 
 /// Sleeps until the worker's event fd or the wake-up socket is readable (at most 1 s).
@@ -288,6 +377,9 @@ impl State {
             }
             Cmd::Deregister { id, reply } => {
                 self.regions.remove(&id);
+                if let Some(addr) = self.host_regions.remove(&id) {
+                    self.receiver.borrow_mut().remove_region(addr);
+                }
                 let _ = reply.send(());
             }
             Cmd::Connect {
@@ -296,10 +388,12 @@ impl State {
                 rkey,
                 base,
                 reply,
-            } => {
-                let r = self.connect(id, address, &rkey, base);
-                let _ = reply.send(r);
-            }
+            } => match self.connect(id, address, &rkey, base) {
+                Ok(true) => self.greet(id, reply),
+                r => {
+                    let _ = reply.send(r.map(|_| ()));
+                }
+            },
             Cmd::Disconnect { id } => {
                 if let Some(t) = self.targets.remove(&id) {
                     drop(t.rkey);
@@ -354,7 +448,23 @@ impl State {
         }?;
         let rkey = mh.pack_rkey()?;
         self.regions.insert(id, Rc::new(mh));
-        Ok(rkey)
+        Ok(self.describe(id, region.addr as u64, region.len as u64, region.mem, rkey))
+    }
+
+    /// The descriptor key of a region: for host memory, the active-message token before the
+    /// UCX rkey (peers put host memory as messages this worker places, and device memory by RMA
+    /// with the rkey); for device memory the rkey alone.
+    fn describe(&mut self, id: u64, addr: u64, len: u64, mem: MemKind, rkey: Vec<u8>) -> Vec<u8> {
+        match mem {
+            MemKind::Host => {
+                self.receiver.borrow_mut().add_region(addr, len);
+                self.host_regions.insert(id, addr);
+                let mut d = am::AM_TOKEN.to_vec();
+                d.extend_from_slice(&rkey);
+                d
+            }
+            MemKind::Cuda(_) => rkey,
+        }
     }
 
     fn allocate(&mut self, id: u64, len: usize) -> Result<(usize, Vec<u8>), TransferError> {
@@ -362,7 +472,8 @@ impl State {
         let rkey = mh.pack_rkey()?;
         let addr = mh.addr() as usize;
         self.regions.insert(id, Rc::new(mh));
-        Ok((addr, rkey))
+        let d = self.describe(id, addr as u64, len as u64, MemKind::Host, rkey);
+        Ok((addr, d))
     }
 
     /// The peer at `address`, connected now unless a healthy endpoint is kept.
@@ -377,11 +488,17 @@ impl State {
         if !self.peers.contains_key(address) {
             let ep = self.endpoint(address)?;
             self.endpoints_created.fetch_add(1, Ordering::Relaxed);
+            self.next_stream = self.next_stream.wrapping_add(1);
             self.peers.insert(
                 address.to_vec(),
                 Peer {
                     rkeys: HashMap::new(),
                     ep,
+                    stream: Rc::new(Stream {
+                        id: self.next_stream,
+                        seq: std::cell::Cell::new(0),
+                    }),
+                    greeted: false,
                     last_used: Instant::now(),
                 },
             );
@@ -403,11 +520,12 @@ impl State {
             return;
         }
         self.last_sweep = now;
-        let (targets, pending) = (&self.targets, &self.pending);
+        let (targets, pending, awaiting) = (&self.targets, &self.pending, &self.awaiting);
         self.peers.retain(|address, p| {
             now.duration_since(p.last_used) < PEER_IDLE
                 || targets.values().any(|t| &t.address == address)
                 || pending.iter().any(|q| Rc::ptr_eq(&q.ep, &p.ep))
+                || awaiting.iter().any(|q| Rc::ptr_eq(&q.ep, &p.ep))
         });
     }
 
@@ -432,10 +550,21 @@ impl State {
         &mut self,
         id: u64,
         address: Vec<u8>,
-        rkey: &[u8],
+        descriptor: &[u8],
         base: u64,
-    ) -> Result<(), TransferError> {
+    ) -> Result<bool, TransferError> {
+        let (am, rkey) = match descriptor.strip_prefix(am::AM_TOKEN) {
+            Some(rest) => (true, rest),
+            None => (false, descriptor),
+        };
+        if rkey.is_empty() {
+            return Err(TransferError::InvalidDescriptor {
+                reason: "no UCX rkey after the active-message token".into(),
+            });
+        }
         let peer = self.peer(&address)?;
+        let stream = peer.stream.clone();
+        let greet = !peer.greeted;
         let rkey = match peer.rkeys.get(rkey) {
             Some(k) => k.clone(),
             None => {
@@ -450,9 +579,24 @@ impl State {
                 address,
                 rkey,
                 base,
+                am,
+                stream,
             },
         );
-        Ok(())
+        Ok(greet)
+    }
+
+    /// Answers a connect to a peer not greeted yet only after a `FLUSH` round trip: the
+    /// endpoint's wire-up is then complete on both sides. UCX 1.13 aborts a process whose
+    /// endpoint fails while its own wire-up answer is still queued (`ucp_request.c:684`
+    /// "got REP message", seen when a writer was killed right after connecting), so a peer that
+    /// dies later, in the middle of a hand-off, must find that answer long sent. It also warms
+    /// the endpoint up before the first hand-off needs it.
+    fn greet(&mut self, target: u64, reply: Reply<()>) {
+        if let Err(e) = self.send_flush(target, Waiter::Connect { reply, target }, Vec::new()) {
+            // `send_flush` answered the waiter.
+            tracing::debug!(error = %e, "greeting a UCX peer failed");
+        }
     }
 
     fn put(
@@ -471,6 +615,9 @@ impl State {
             return done.complete(Err(TransferError::UnknownTarget { id: target }));
         };
         let ep = t.rkey.endpoint().clone();
+        if t.am && mem == MemKind::Host {
+            return self.put_messages(local_addr, target, spans, done, Some(mh));
+        }
         let mut reqs = Vec::new();
         let mut error = None;
         for s in spans {
@@ -495,7 +642,72 @@ impl State {
                 }
             }
         }
-        self.track(reqs, error, done, ep, Some(mh), t.rkey.clone());
+        self.track(reqs, error, done, ep, Some(mh), t.rkey.clone(), Vec::new());
+    }
+
+    /// A put to an active-message target: every span in pieces of at most [`am::CHUNK`]
+    /// bytes, each a `DATA` message numbered on the peer's stream, eager (the receiver copies
+    /// it into place; no answer travels back).
+    fn put_messages(
+        &mut self,
+        local_addr: usize,
+        target: u64,
+        spans: &[Span],
+        done: Completer,
+        mh: Option<Rc<MemHandle>>,
+    ) {
+        let Some(t) = self.targets.get(&target) else {
+            return done.complete(Err(TransferError::UnknownTarget { id: target }));
+        };
+        let ep = t.rkey.endpoint().clone();
+        let mut reqs = Vec::new();
+        let mut headers = Vec::new();
+        let mut error = None;
+        'spans: for s in spans {
+            let mut off = 0u64;
+            while off < s.len {
+                let n = (s.len - off).min(am::CHUNK as u64);
+                let seq = t.stream.seq.get() + 1;
+                t.stream.seq.set(seq);
+                let header = Box::new(
+                    Header {
+                        kind: Kind::Data,
+                        verdict: Verdict::Ok,
+                        stream: t.stream.id,
+                        seq,
+                        target,
+                        addr: t.base + s.remote_offset + off,
+                        count: 0,
+                    }
+                    .encode(),
+                );
+                let src = local_addr + (s.local_offset + off) as usize;
+                // SAFETY: the span lies inside the registered local host region (checked by
+                // the caller); the region stays registered while `mh` (kept in `Pending`) lives,
+                // and the header box is kept there too until the request completes.
+                let r = unsafe {
+                    ep.am_send(
+                        am::AM_ID,
+                        &header[..],
+                        src as *const u8,
+                        n as usize,
+                        ucx_sys::ffi::UCP_AM_SEND_FLAG_EAGER,
+                    )
+                };
+                headers.push(header);
+                match r {
+                    Ok(Some(req)) => reqs.push(req),
+                    Ok(None) => {}
+                    Err(e) => {
+                        error = Some(classify(&ep, &t.address, e));
+                        break 'spans;
+                    }
+                }
+                off += n;
+            }
+        }
+        let rkey = t.rkey.clone();
+        self.track(reqs, error, done, ep, mh, rkey, headers);
     }
 
     fn flush(&mut self, target: u64, done: Completer) {
@@ -504,12 +716,149 @@ impl State {
         };
         let ep = t.rkey.endpoint().clone();
         let (reqs, error) = match ep.flush() {
-            Ok(r) => (r.into_iter().collect(), None),
+            Ok(r) => (r.into_iter().collect::<Vec<_>>(), None),
             Err(e) => (Vec::new(), Some(classify(&ep, &t.address, e))),
         };
-        self.track(reqs, error, done, ep, None, t.rkey.clone());
+        if !t.am || error.is_some() {
+            return self.track(reqs, error, done, ep, None, t.rkey.clone(), Vec::new());
+        }
+        let _ = self.send_flush(target, Waiter::Flush(done), reqs);
     }
 
+    /// Sends `FLUSH` for `target` (whether every message of its stream so far arrived, in
+    /// order, and landed) and waits for the answer with `done`, and for `reqs` too. When it
+    /// cannot be sent, `done` is answered with the error (also returned).
+    fn send_flush(
+        &mut self,
+        target: u64,
+        done: Waiter,
+        mut reqs: Vec<Request>,
+    ) -> Result<(), TransferError> {
+        let Some(t) = self.targets.get(&target) else {
+            let e = TransferError::UnknownTarget { id: target };
+            self.answer(done, Err(e.clone()), &[]);
+            return Err(e);
+        };
+        let ep = t.rkey.endpoint().clone();
+        let token = self.next_token;
+        self.next_token += 1;
+        let header = Box::new(
+            Header {
+                kind: Kind::Flush,
+                verdict: Verdict::Ok,
+                stream: t.stream.id,
+                seq: t.stream.seq.get(),
+                target,
+                addr: token,
+                count: 0,
+            }
+            .encode(),
+        );
+        // SAFETY: header only (no data); the box is kept in `AwaitAck` until it completes.
+        match unsafe {
+            ep.am_send(
+                am::AM_ID,
+                &header[..],
+                std::ptr::null(),
+                0,
+                ucx_sys::ffi::UCP_AM_SEND_FLAG_EAGER | ucx_sys::ffi::UCP_AM_SEND_FLAG_REPLY,
+            )
+        } {
+            Ok(r) => reqs.extend(r),
+            Err(e) => {
+                let e = classify(&ep, &t.address, e);
+                let address = t.address.clone();
+                self.answer(done, Err(e.clone()), &address);
+                return Err(e);
+            }
+        }
+        let a = AwaitAck {
+            token,
+            done,
+            ep,
+            address: t.address.clone(),
+            reqs,
+            error: None,
+            deadline: Instant::now() + am::ACK_TIMEOUT,
+            _keep: (t.rkey.clone(), header),
+        };
+        self.awaiting.push(a);
+        Ok(())
+    }
+
+    /// Answers whoever waited for an `ACK` from the peer at `address`.
+    fn answer(&mut self, done: Waiter, r: Result<(), TransferError>, address: &[u8]) {
+        match done {
+            Waiter::Flush(done) => done.complete(r),
+            Waiter::Connect { reply, target } => {
+                if r.is_ok() {
+                    if let Some(p) = self.peers.get_mut(address) {
+                        p.greeted = true;
+                    }
+                } else {
+                    self.targets.remove(&target);
+                }
+                let _ = reply.send(r);
+            }
+        }
+    }
+
+    /// Completes the flushes whose `ACK` came, whose endpoint failed or whose deadline passed.
+    fn poll_acks(&mut self) {
+        self.receiver.borrow_mut().reap_replies();
+        if self.awaiting.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        let mut i = 0;
+        while i < self.awaiting.len() {
+            let a = &mut self.awaiting[i];
+            let mut failure = None;
+            a.reqs.retain(|r| match r.state() {
+                RequestState::InProgress => true,
+                RequestState::Done(Ok(())) => false,
+                RequestState::Done(Err(e)) => {
+                    failure.get_or_insert(e);
+                    false
+                }
+            });
+            if let Some(e) = failure
+                && a.error.is_none()
+            {
+                a.error = Some(classify(&a.ep, &a.address, e));
+            }
+            let verdict = match a.error.take() {
+                Some(e) => Some(Err(e)),
+                None => match self.receiver.borrow_mut().take_ack(a.token) {
+                    Some(ack) if a.reqs.is_empty() => Some(ack_result(ack, &a.address)),
+                    Some(ack) => {
+                        // The answer came before our own flush request finished: keep it.
+                        self.receiver.borrow_mut().put_ack(a.token, ack);
+                        None
+                    }
+                    None => match a.ep.failure() {
+                        Some(f) => Some(Err(TransferError::PeerGone {
+                            peer: peer_name(&a.address),
+                            reason: f.to_string(),
+                        })),
+                        None if now >= a.deadline => Some(Err(TransferError::Timeout {
+                            what: "the peer's answer to a KV flush".into(),
+                        })),
+                        None => None,
+                    },
+                },
+            };
+            match verdict {
+                Some(r) => {
+                    let a = self.awaiting.swap_remove(i);
+                    self.answer(a.done, r, &a.address);
+                }
+                None => i += 1,
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
     fn track(
         &mut self,
         reqs: Vec<Request>,
@@ -518,6 +867,7 @@ impl State {
         ep: Rc<Endpoint>,
         mh: Option<Rc<MemHandle>>,
         rkey: Rc<RemoteKey>,
+        headers: Headers,
     ) {
         if reqs.is_empty() {
             return done.complete(error.map_or(Ok(()), Err));
@@ -527,7 +877,7 @@ impl State {
             error,
             done,
             ep,
-            _keep: (mh, rkey),
+            _keep: (mh, rkey, headers),
         });
     }
 
@@ -602,6 +952,9 @@ impl State {
     }
 
     fn poll_pending(&mut self) {
+        if self.pending.is_empty() {
+            return;
+        }
         let mut i = 0;
         while i < self.pending.len() {
             let p = &mut self.pending[i];
@@ -633,5 +986,23 @@ impl State {
                 i += 1;
             }
         }
+    }
+}
+
+/// What a flush's `ACK` means for its caller.
+fn ack_result((verdict, refused): (Verdict, u64), address: &[u8]) -> Result<(), TransferError> {
+    match verdict {
+        Verdict::Ok => Ok(()),
+        Verdict::Refused => Err(TransferError::Refused {
+            peer: peer_name(address),
+            reason: format!(
+                "{refused} bytes fell outside its registered host memory (a region already \
+                 released, or a span it never granted)"
+            ),
+        }),
+        Verdict::Disorder => Err(TransferError::Refused {
+            peer: peer_name(address),
+            reason: "the KV messages did not all arrive, in order".into(),
+        }),
     }
 }

@@ -34,4 +34,4 @@ pub use inproc::InProcessTransport;
 pub use region::{LocalRegion, MemKind, PoolGeometry, RemoteRegion, Span};
 pub use secret::Secret;
 pub use transport::{KvTransport, Registration, RemoteTarget, TransportKind};
-pub use ucx::{Gate, GateFailure, UcxConfig, UcxTransport};
+pub use ucx::{Gate, GateFailure, PutPaths, UcxConfig, UcxTransport};

@@ -69,6 +69,15 @@ fn round_trip(tls: &str, allocated_target: bool) {
     let m = mib as usize;
     assert!(dst[..2 * m] == src[m..3 * m], "first span differs");
     assert!(dst[3 * m..4 * m] == src[..m], "second span differs");
+    // Host to host never goes by UCX RMA (docs/protocol.md section 6): over tcp the receiver
+    // places messages; into shared memory UCX allocated, the sender copies into its mapping.
+    let paths = a.paths();
+    assert_eq!(paths.rma, 0, "{paths:?}");
+    if tls == "tcp" {
+        assert_eq!((paths.messages, paths.direct), (1, 0), "{paths:?}");
+    } else if allocated_target {
+        assert_eq!((paths.messages, paths.direct), (0, 1), "{paths:?}");
+    }
     // Out-of-range spans are refused before any put.
     let bad = [Span {
         local_offset: 0,

@@ -680,6 +680,16 @@ impl RemoteKey {
     pub fn endpoint(&self) -> &Rc<Endpoint> {
         &self.ep
     }
+
+    /// Where the peer's `raddr` is mapped in this process (`ucp_rkey_ptr`: memory UCX allocated
+    /// in a shared-memory segment on the same host), or `None` when it is not reachable that way.
+    /// The mapping lives as long as this key.
+    pub fn local_ptr(&self, raddr: u64) -> Option<*mut u8> {
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: a live rkey and a valid out-pointer; UCX only computes an address.
+        let st = unsafe { (self.ep.worker.ucp().ucp_rkey_ptr)(self.h, raddr, &mut p) };
+        (st == UCS_OK && !p.is_null()).then_some(p as *mut u8)
+    }
 }
 
 impl Drop for RemoteKey {

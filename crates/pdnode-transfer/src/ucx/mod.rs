@@ -117,7 +117,27 @@ pub struct UcxTransport {
     next_id: AtomicU64,
     call_timeout: Duration,
     thread: Mutex<Option<JoinHandle<()>>>,
-    endpoints_created: Arc<AtomicU64>,
+    counters: Arc<Counters>,
+}
+
+/// What a transport has done so far (see [`UcxTransport::paths`]).
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub endpoints: AtomicU64,
+    pub rma_puts: AtomicU64,
+    pub direct_puts: AtomicU64,
+    pub message_puts: AtomicU64,
+}
+
+/// How many puts went each way ([`UcxTransport::paths`]; docs/protocol.md section 6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PutPaths {
+    /// UCX RMA (device memory).
+    pub rma: u64,
+    /// Copies into a peer region mapped in this process (shared memory on one host).
+    pub direct: u64,
+    /// Active messages the receiver places (host memory otherwise).
+    pub messages: u64,
 }
 
 impl UcxTransport {
@@ -139,8 +159,8 @@ impl UcxTransport {
         }
         let (ready_tx, ready_rx) = mpsc::sync_channel(1);
         let thread_cfg = cfg.clone();
-        let endpoints_created = Arc::new(AtomicU64::new(0));
-        let counter = endpoints_created.clone();
+        let counters = Arc::new(Counters::default());
+        let counter = counters.clone();
         let handle = std::thread::Builder::new()
             .name(format!("ucx-{}", cfg.name))
             .spawn(move || thread::run(ucp, thread_cfg, rx, wake_rx, ready_tx, counter))
@@ -172,7 +192,7 @@ impl UcxTransport {
             next_id: AtomicU64::new(1),
             call_timeout: cfg.call_timeout,
             thread: Mutex::new(Some(handle)),
-            endpoints_created,
+            counters,
         })
     }
 
@@ -185,7 +205,17 @@ impl UcxTransport {
     /// requests (reconnecting drops what the transports cached for the peer, e.g. CUDA IPC
     /// mappings): a steady stream of requests to one peer keeps this at one.
     pub fn endpoints_created(&self) -> u64 {
-        self.endpoints_created.load(Ordering::Relaxed)
+        self.counters.endpoints.load(Ordering::Relaxed)
+    }
+
+    /// How many puts this transport issued by each path so far.
+    pub fn paths(&self) -> PutPaths {
+        let c = &self.counters;
+        PutPaths {
+            rma: c.rma_puts.load(Ordering::Relaxed),
+            direct: c.direct_puts.load(Ordering::Relaxed),
+            messages: c.message_puts.load(Ordering::Relaxed),
+        }
     }
 
     /// As [`KvTransport::put`], but the put is issued only once `gate` says its bytes are in

@@ -13,7 +13,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::rc::Rc;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 use ucx_sys::{Context, Endpoint, MemHandle, RemoteKey, Request, RequestState, Ucp, Worker};
@@ -80,6 +80,9 @@ struct Target {
     base: u64,
     /// The peer places host-memory puts itself ([`am`]): they go as active messages.
     am: bool,
+    /// Where the target's base is mapped in this process (a peer on this host whose region UCX
+    /// allocated in shared memory): host-memory puts are then plain copies into it.
+    direct: Option<*mut u8>,
     /// The peer's stream this target's messages go on (see [`Peer::stream`]).
     stream: Rc<Stream>,
 }
@@ -179,7 +182,7 @@ struct State {
     /// Flushes waiting for the gated puts to their target to go out first (a flush covers
     /// every put submitted before it, gated ones included).
     gated_flushes: Vec<(u64, Completer)>,
-    endpoints_created: Arc<AtomicU64>,
+    counters: Arc<super::Counters>,
     last_sweep: Instant,
 }
 
@@ -207,7 +210,7 @@ pub(crate) fn run(
     rx: mpsc::Receiver<Cmd>,
     mut wake: UnixStream,
     ready: mpsc::SyncSender<Result<Vec<u8>, TransferError>>,
-    endpoints_created: Arc<AtomicU64>,
+    counters: Arc<super::Counters>,
 ) {
     let setup = || -> Result<(State, Vec<u8>, i32), TransferError> {
         if let Some(device) = cfg.cuda_device {
@@ -251,7 +254,7 @@ pub(crate) fn run(
                 pending: Vec::new(),
                 gated: Vec::new(),
                 gated_flushes: Vec::new(),
-                endpoints_created,
+                counters,
                 last_sweep: Instant::now(),
             },
             address,
@@ -487,7 +490,7 @@ impl State {
         }
         if !self.peers.contains_key(address) {
             let ep = self.endpoint(address)?;
-            self.endpoints_created.fetch_add(1, Ordering::Relaxed);
+            self.counters.endpoints.fetch_add(1, Ordering::Relaxed);
             self.next_stream = self.next_stream.wrapping_add(1);
             self.peers.insert(
                 address.to_vec(),
@@ -573,6 +576,7 @@ impl State {
                 k
             }
         };
+        let direct = if am { rkey.local_ptr(base) } else { None };
         self.targets.insert(
             id,
             Target {
@@ -580,6 +584,7 @@ impl State {
                 rkey,
                 base,
                 am,
+                direct,
                 stream,
             },
         );
@@ -615,9 +620,28 @@ impl State {
             return done.complete(Err(TransferError::UnknownTarget { id: target }));
         };
         let ep = t.rkey.endpoint().clone();
+        if let (Some(dst), MemKind::Host) = (t.direct, mem) {
+            for s in spans {
+                // SAFETY: the span lies inside the local registered region and inside the
+                // target's region (both checked by the caller against the lengths); `dst` maps
+                // the target's base for as long as its rkey (held by the target) lives; the
+                // regions are distinct memory.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        (local_addr + s.local_offset as usize) as *const u8,
+                        dst.add(s.remote_offset as usize),
+                        s.len as usize,
+                    )
+                };
+            }
+            self.counters.direct_puts.fetch_add(1, Ordering::Relaxed);
+            return done.complete(Ok(()));
+        }
         if t.am && mem == MemKind::Host {
+            self.counters.message_puts.fetch_add(1, Ordering::Relaxed);
             return self.put_messages(local_addr, target, spans, done, Some(mh));
         }
+        self.counters.rma_puts.fetch_add(1, Ordering::Relaxed);
         let mut reqs = Vec::new();
         let mut error = None;
         for s in spans {
@@ -719,7 +743,8 @@ impl State {
             Ok(r) => (r.into_iter().collect::<Vec<_>>(), None),
             Err(e) => (Vec::new(), Some(classify(&ep, &t.address, e))),
         };
-        if !t.am || error.is_some() {
+        if !t.am || t.direct.is_some() || error.is_some() {
+            // Direct copies are done (and visible) when their put completes.
             return self.track(reqs, error, done, ep, None, t.rkey.clone(), Vec::new());
         }
         let _ = self.send_flush(target, Waiter::Flush(done), reqs);

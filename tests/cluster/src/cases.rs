@@ -284,6 +284,26 @@ pub fn quick() -> Vec<Case> {
             expect: Expect::AllComplete,
         },
         Case {
+            // The other end of the same cut: the prefill node's pushes to decode0 stall behind
+            // the link, then their reader dies. The pushes fail (the endpoint fails, or the push
+            // deadline passes) and the prefill node lives on; requests whose KV was meant for
+            // decode0 are retried on decode1 or fail clearly, as do decode0's streams.
+            name: "decode-kill-pushing",
+            what: "decode0 SIGKILLed while prefill0's KV pushes to it stall (link down)",
+            extra: Extra::default(),
+            max_tokens: 32,
+            prompt_len: 64,
+            trigger: Trigger::After(s(2)),
+            fault: Fault::KillDuringLinkDown {
+                link: net::KV_LINK,
+                target: Target::Decode0,
+                after: Duration::from_millis(500),
+                hold: s(3),
+            },
+            tail: s(3),
+            expect: Expect::SomeFail,
+        },
+        Case {
             // decode0 holds reservations for prefills still running when it dies: those are
             // retried on decode1 (nothing was streamed); a stream it was serving fails clearly.
             name: "decode-kill-reserved",

@@ -65,6 +65,9 @@ fn config_file(role: Role) -> &'static str {
 /// What turns a `configs/multi-host/` file into host `h` of this cluster. The node API is
 /// mutual TLS, as the files have it: each host gets its own certificate from `certs` (made by
 /// [`make_certs`]), which names its cluster, role and id.
+/// `router.request_timeout_s` in every case: under [`crate::load::REQUEST_DEADLINE`].
+pub const ROUTER_REQUEST_TIMEOUT_S: u64 = 55;
+
 pub fn node_sets(role: Role, h: Host, certs: &Path, engine: &EngineKind) -> Vec<String> {
     let q = |k: &str, v: &str| format!("{k}=\"{v}\"");
     let mut s = vec![
@@ -123,6 +126,12 @@ pub fn node_sets(role: Role, h: Host, certs: &Path, engine: &EngineKind) -> Vec<
             s.push(q("node.advertise", &a(ROUTER_NODE_PORT)));
             s.push(q("router.http_listen", &a(ROUTER_HTTP_PORT)));
             s.push(q("router.grpc_listen", &a(ROUTER_GRPC_PORT)));
+            // The router's whole-request deadline below the clients' (load::REQUEST_DEADLINE,
+            // 60 s), as an operator sets it: a request the cluster cannot finish in time ends
+            // with the router's clear error instead of the client giving up on silence.
+            s.push(format!(
+                "router.request_timeout_s={ROUTER_REQUEST_TIMEOUT_S}"
+            ));
         }
         Role::Prefill | Role::Decode => {
             let a = |p: u16| format!("{}:{p}", h.ip);
@@ -445,3 +454,5 @@ async fn wait_http_ok(url: &str, deadline: Duration) -> Result<()> {
         bail!("{url} did not answer 200 within {deadline:?}")
     }
 }
+
+const _: () = assert!(ROUTER_REQUEST_TIMEOUT_S < crate::load::REQUEST_DEADLINE.as_secs());

@@ -178,6 +178,26 @@ pub async fn run(case: &Case, net: &Net, bin: &Path, repo: &Path, dir: &Path) ->
         }
         _ => {}
     }
+    // A decode node killed: what the survivor alone served afterwards (requests sent after the
+    // fault that completed, per second of the rest of the load), and how the rest ended: the
+    // figure that says whether it kept serving or stalled.
+    if let Fault::Kill(Target::Decode0 | Target::Decode1) = case.fault
+        && let Some(last) = outcomes.iter().map(|o| o.end_at).max()
+        && last > inj.at
+    {
+        let after: Vec<&Outcome> = outcomes.iter().filter(|o| o.sent > inj.at).collect();
+        let done = after.iter().filter(|o| o.end == End::Completed).count();
+        let failed = after
+            .iter()
+            .filter(|o| matches!(o.end, End::Failed(_)))
+            .count();
+        let span = last.duration_since(inj.at).as_secs_f64();
+        row.claims.push(format!(
+            "after the kill: {} sent, {done} completed ({:.2}/s by the surviving decode node), {failed} failed clearly",
+            after.len(),
+            done as f64 / span.max(1e-3)
+        ));
+    }
     // A KV link that stays down must not hold the requests through it until it returns: the
     // prefill node gives up on a stalled push after `transfer.stall_ms` and the router retries
     // on another pair (without that, they end only after the link is back: 10 s and more).

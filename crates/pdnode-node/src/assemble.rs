@@ -24,6 +24,15 @@ use std::sync::Arc;
 /// thread). Pins the process first (`engine.cpu_affinity`), so the engine's threads start
 /// pinned and the memory they touch first (KV pool, host staging) lands on their NUMA node.
 pub async fn assemble(cfg: &Config, registry: Arc<dyn Registry>) -> Result<NodeDeps, NodeError> {
+    assemble_connecting(cfg, async move { Ok(registry) }).await
+}
+
+/// As [`assemble`], with the registry still connecting: `registry` is awaited while the engine
+/// builds (a node started during a registry outage loads its model meanwhile).
+pub async fn assemble_connecting(
+    cfg: &Config,
+    registry: impl std::future::Future<Output = Result<Arc<dyn Registry>, NodeError>>,
+) -> Result<NodeDeps, NodeError> {
     crate::affinity::apply(cfg)?;
     let id = node_id(cfg);
     let role = cfg.node.role;
@@ -32,7 +41,10 @@ pub async fn assemble(cfg: &Config, registry: Arc<dyn Registry>) -> Result<NodeD
         Role::Prefill | Role::Decode => {
             let c = cfg.clone();
             let nid = id.clone();
-            let s = tokio::task::spawn_blocking(move || pd::pd_node(&c, &nid, role))
+            let build = tokio::task::spawn_blocking(move || pd::pd_node(&c, &nid, role));
+            // The registry connects (or is waited for) while the engine builds.
+            let registry = registry.await?;
+            let s = build
                 .await
                 .map_err(|e| NodeError::Engine(format!("engine start panicked: {e}")))?
                 .map_err(engine_err)?;
@@ -64,7 +76,10 @@ pub async fn assemble(cfg: &Config, registry: Arc<dyn Registry>) -> Result<NodeD
         Role::All if cfg.engine.colocated => {
             let c = cfg.clone();
             let nid = id.clone();
-            let col = tokio::task::spawn_blocking(move || pd::colocated(&c, &nid))
+            let build = tokio::task::spawn_blocking(move || pd::colocated(&c, &nid));
+            // The registry connects (or is waited for) while the engine builds.
+            let registry = registry.await?;
+            let col = build
                 .await
                 .map_err(|e| NodeError::Engine(format!("engine start panicked: {e}")))?
                 .map_err(engine_err)?;
@@ -90,7 +105,10 @@ pub async fn assemble(cfg: &Config, registry: Arc<dyn Registry>) -> Result<NodeD
         Role::All => {
             let c = cfg.clone();
             let nid = id.clone();
-            let aio = tokio::task::spawn_blocking(move || pd::all_in_one(&c, &nid))
+            let build = tokio::task::spawn_blocking(move || pd::all_in_one(&c, &nid));
+            // The registry connects (or is waited for) while the engine builds.
+            let registry = registry.await?;
+            let aio = build
                 .await
                 .map_err(|e| NodeError::Engine(format!("engine start panicked: {e}")))?
                 .map_err(engine_err)?;
@@ -116,7 +134,10 @@ pub async fn assemble(cfg: &Config, registry: Arc<dyn Registry>) -> Result<NodeD
         }
         Role::Router => {
             let c = cfg.clone();
-            let rm = tokio::task::spawn_blocking(move || pd::router_tokenizer(&c))
+            let build = tokio::task::spawn_blocking(move || pd::router_tokenizer(&c));
+            // The registry connects (or is waited for) while the engine builds.
+            let registry = registry.await?;
+            let rm = build
                 .await
                 .map_err(|e| NodeError::Engine(format!("tokenizer load panicked: {e}")))?
                 .map_err(engine_err)?;

@@ -7,6 +7,14 @@ use pdnode_registry::RegistryError;
 pub enum NodeError {
     #[error("registry: {0}")]
     Registry(#[from] RegistryError),
+    #[error(
+        "cannot reach the registry at {endpoints} (tried for {waited_s} s, registry.start_wait_s): {source}"
+    )]
+    RegistryUnreachable {
+        endpoints: String,
+        waited_s: u64,
+        source: Box<RegistryError>,
+    },
     #[error("cannot listen on {addr} ({what}): {reason}")]
     Bind {
         what: &'static str,
@@ -45,6 +53,7 @@ impl Classify for NodeError {
     fn kind(&self) -> ErrorKind {
         match self {
             NodeError::Registry(e) => e.kind(),
+            NodeError::RegistryUnreachable { source, .. } => source.kind(),
             NodeError::Bind { .. } | NodeError::Affinity { .. } | NodeError::Tls(_) => {
                 ErrorKind::InvalidRequest
             }

@@ -129,6 +129,49 @@ pub trait Registry: Send + Sync + 'static {
 /// Builds the registry the configuration names. `memory` gives a fresh in-process registry;
 /// `etcd` connects with the TLS and credentials of `registry.etcd_*` (every role that talks to
 /// etcd, nodes and routers, comes through here).
+/// Connects to the configured registry, trying once a second for up to
+/// `registry.start_wait_s` (0: once); the last error when no try succeeded.
+pub async fn connect_waiting(c: &RegistryConfig) -> Result<Arc<dyn Registry>, RegistryError> {
+    retry_for(
+        Duration::from_secs(c.start_wait_s),
+        Duration::from_secs(1),
+        || from_config(c),
+    )
+    .await
+}
+
+/// Runs `attempt` until it succeeds, pausing `every` after a failed try (logged) while a next
+/// try would still start within `wait` of the first; then the last error.
+pub async fn retry_for<T, E, F, Fut>(
+    wait: Duration,
+    every: Duration,
+    mut attempt: F,
+) -> Result<T, E>
+where
+    E: std::fmt::Display,
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, E>>,
+{
+    let until = tokio::time::Instant::now() + wait;
+    let mut tries = 0u32;
+    loop {
+        tries += 1;
+        match attempt().await {
+            Ok(v) => {
+                if tries > 1 {
+                    tracing::info!(tries, "registry reachable");
+                }
+                return Ok(v);
+            }
+            Err(e) if tokio::time::Instant::now() + every <= until => {
+                tracing::warn!(error = %e, tries, "registry unreachable; trying again (registry.start_wait_s)");
+                tokio::time::sleep(every).await;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 pub async fn from_config(c: &RegistryConfig) -> Result<Arc<dyn Registry>, RegistryError> {
     Ok(match c.kind {
         RegistryKind::Memory => Arc::new(MemoryRegistry::new(RegistryOptions::from_config(c))),
@@ -188,5 +231,55 @@ pub(crate) async fn timed<T>(
             op,
             timeout_ms: timeout.as_millis() as u64,
         }),
+    }
+}
+
+#[cfg(test)]
+mod retry_tests {
+    use super::retry_for;
+    use std::time::Duration;
+
+    #[tokio::test]
+    async fn retries_until_an_attempt_succeeds() {
+        let mut n = 0;
+        let r: Result<u32, String> =
+            retry_for(Duration::from_secs(30), Duration::from_millis(1), || {
+                n += 1;
+                let v = n;
+                async move {
+                    if v < 3 {
+                        Err(format!("try {v}"))
+                    } else {
+                        Ok(v)
+                    }
+                }
+            })
+            .await;
+        assert_eq!(r, Ok(3));
+    }
+
+    #[tokio::test]
+    async fn no_wait_is_one_attempt_and_its_error() {
+        let mut n = 0;
+        let r: Result<(), String> = retry_for(Duration::ZERO, Duration::from_millis(1), || {
+            n += 1;
+            async { Err("down".to_string()) }
+        })
+        .await;
+        assert_eq!((r, n), (Err("down".to_string()), 1));
+    }
+
+    #[tokio::test]
+    async fn gives_up_with_the_last_error_once_the_wait_is_spent() {
+        let mut n = 0;
+        let r: Result<(), String> =
+            retry_for(Duration::from_millis(50), Duration::from_millis(10), || {
+                n += 1;
+                let v = n;
+                async move { Err(format!("try {v}")) }
+            })
+            .await;
+        assert!(n >= 2, "tried {n} times");
+        assert_eq!(r, Err(format!("try {n}")));
     }
 }

@@ -28,6 +28,10 @@ impl Proc {
 }
 
 fn config(dir: &Path, etcd: &str, role: &str, id: &str) -> PathBuf {
+    config_waiting(dir, etcd, role, id, 2)
+}
+
+fn config_waiting(dir: &Path, etcd: &str, role: &str, id: &str, start_wait_s: u64) -> PathBuf {
     let model = if role == "router" {
         // A router over simulated nodes serves with the mock's tokenizer (no model file needed).
         "[model]\nformat = \"dummy\"\npreset = \"smollm2-135m\"\n[engine]\nbackend = \"mock\"\n\
@@ -42,7 +46,7 @@ fn config(dir: &Path, etcd: &str, role: &str, id: &str) -> PathBuf {
         "[node]\nrole = \"{role}\"\ncluster = \"life\"\nid = \"{id}\"\nlisten = \"127.0.0.1:0\"\n\
          http_listen = \"127.0.0.1:0\"\ndrain_timeout_s = 2\n\
          [registry]\nkind = \"etcd\"\nendpoints = [\"{etcd}\"]\nlease_ttl_s = {TTL_S}\ntimeout_ms = 1000\n\
-         {model}"
+         start_wait_s = {start_wait_s}\n{model}"
     );
     let p = dir.join(format!("{id}.toml"));
     std::fs::write(&p, text).unwrap();
@@ -291,4 +295,38 @@ fn an_unreachable_etcd_at_start_is_a_clear_error() {
         .unwrap_or_else(|| panic!("kept running without etcd; log:\n{}", p.log()));
     assert_eq!(st.code(), Some(1), "{}", p.log());
     assert!(p.log().contains("cannot reach"), "{}", p.log());
+}
+
+/// A node started while etcd is down loads its engine and keeps trying the registry (once a
+/// second, `registry.start_wait_s`) instead of exiting; once etcd is back it registers, without a
+/// restart (and so without loading its model again).
+#[test]
+fn a_node_started_in_an_etcd_outage_registers_when_etcd_returns() {
+    if skip_etcd_tests() {
+        return;
+    }
+    let mut etcd = EtcdServer::start().expect("etcd");
+    let e = etcd.endpoint();
+    etcd.stop();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config_waiting(dir.path(), &e, "decode", "late", 60);
+    let mut p = start(dir.path(), &cfg, "late");
+    must(
+        wait_for(
+            "late tries the registry twice",
+            Duration::from_secs(30),
+            || p.log().matches("registry unreachable").count() >= 2,
+        ),
+        &[&p],
+    );
+    assert!(p.running(), "exited during the outage:\n{}", p.log());
+    etcd.restart().expect("etcd restart");
+    must(
+        wait_for("late registered", Duration::from_secs(30), || {
+            ids(&e) == ["late"]
+        }),
+        &[&p],
+    );
+    assert!(p.running(), "{}", p.log());
+    assert!(p.log().contains("registry reachable"), "{}", p.log());
 }

@@ -92,6 +92,10 @@ pub struct RegistryConfig {
     pub lease_ttl_s: u64,
     /// Timeout of each etcd call, milliseconds.
     pub timeout_ms: u64,
+    /// How long `pdnode start` keeps trying a registry it cannot reach (once a second) before it
+    /// exits 1; the node loads its engine meanwhile, so one started during an outage registers
+    /// as soon as the registry answers. 0: one attempt.
+    pub start_wait_s: u64,
     /// The CA (PEM) etcd's server certificate must chain to; needed by `https://` endpoints
     /// (etcd TLS). Bare `host:port` endpoints then use TLS too.
     pub etcd_tls_ca: String,
@@ -121,6 +125,7 @@ impl Default for RegistryConfig {
             endpoints: Vec::new(),
             lease_ttl_s: 10,
             timeout_ms: 3000,
+            start_wait_s: 60,
             etcd_tls_ca: String::new(),
             etcd_tls_cert: String::new(),
             etcd_tls_key: String::new(),

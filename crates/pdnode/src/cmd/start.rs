@@ -4,7 +4,8 @@
 //! effective config, connects to the registry, starts the node runtime (supervision tree,
 //! registration under a lease, node gRPC + health) and runs until SIGTERM/SIGINT, then shuts
 //! down gracefully (revoke the lease, stop admitting, drain) and exits 0. A duplicate node id,
-//! an unreachable registry or a node that fails past its restart limits exits 1.
+//! a registry still unreachable after `registry.start_wait_s` (tried while the engine loads) or
+//! a node that fails past its restart limits exits 1.
 
 use super::{ConfigArgs, load_config};
 use anyhow::Context;
@@ -36,17 +37,19 @@ async fn serve(loaded: &pdnode_core::config::Loaded) -> anyhow::Result<()> {
     if c.node.role == pdnode_core::Role::Router && c.router.sglang.enabled() {
         return super::sglang_router::serve(c).await;
     }
-    let registry = pdnode_registry::from_config(&c.registry)
+    // The registry is tried (once a second, up to registry.start_wait_s) while the engine loads.
+    let registry = async {
+        pdnode_registry::connect_waiting(&c.registry)
+            .await
+            .map_err(|source| pdnode_node::NodeError::RegistryUnreachable {
+                endpoints: format!("{:?} {:?}", c.registry.kind, c.registry.endpoints),
+                waited_s: c.registry.start_wait_s,
+                source: Box::new(source),
+            })
+    };
+    let deps = pdnode_node::assemble::assemble_connecting(c, registry)
         .await
-        .with_context(|| {
-            format!(
-                "cannot reach the {:?} registry at {:?}",
-                c.registry.kind, c.registry.endpoints
-            )
-        })?;
-    let deps = pdnode_node::assemble::assemble(c, registry)
-        .await
-        .context("the node's engine or frontends did not start")?;
+        .context("the node did not start")?;
     let node = Node::start(c, deps)
         .await
         .context("the node did not start")?;

@@ -60,6 +60,13 @@ pub(super) fn durations(c: &Config) -> Vec<DurationKey> {
             3_600,
         ),
         d(
+            "registry.start_wait_s",
+            c.registry.start_wait_s,
+            SECONDS,
+            0,
+            DAY_S,
+        ),
+        d(
             "registry.timeout_ms",
             c.registry.timeout_ms,
             MILLIS,

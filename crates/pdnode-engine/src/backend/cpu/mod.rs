@@ -100,14 +100,9 @@ impl CpuBackend {
             .checked_mul(dims.num_blocks)
             .and_then(|x| x.checked_mul(dims.layer_block()))
             .ok_or_else(|| BackendError::Device("KV pool size overflows".into()))?;
-        let mut pool = Vec::new();
-        pool.try_reserve_exact(elems).map_err(|e| {
-            BackendError::Device(format!(
-                "cannot allocate a KV pool of {} bytes: {e}",
-                elems * 4
-            ))
+        let pool = zeroed_pool(elems).ok_or_else(|| {
+            BackendError::Device(format!("cannot allocate a KV pool of {} bytes", elems * 4))
         })?;
-        pool.resize(elems, 0.0);
         let threads = rayon::ThreadPoolBuilder::new()
             .num_threads(cfg.threads as usize)
             .thread_name(|i| format!("pdnode-cpu-{i}"))
@@ -430,5 +425,38 @@ impl KvMemory for CpuBackend {
             len: self.pool.len() * 4,
             mem: MemKind::Host,
         }]
+    }
+}
+
+/// `n` zeroed f32s, or `None` when the allocation fails. Zeroed by the allocator
+/// (`alloc_zeroed`: fresh pages from the OS for a pool this size), not written here: writing
+/// 1 GiB of zeros at start cost seconds of a node's start-up on a busy machine (the cluster's
+/// prefill-join), and the pages now fault in as the pool is used.
+fn zeroed_pool(n: usize) -> Option<Vec<f32>> {
+    if n == 0 {
+        return Some(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<f32>(n).ok()?;
+    // SAFETY: the layout has a non-zero size.
+    let p = unsafe { std::alloc::alloc_zeroed(layout) } as *mut f32;
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: `p` comes from the global allocator with the layout of `n` f32s (capacity `n`),
+    // and all-zero bytes are a valid f32 (0.0) for each of the `n` elements.
+    Some(unsafe { Vec::from_raw_parts(p, n, n) })
+}
+
+#[cfg(test)]
+mod pool_tests {
+    use super::zeroed_pool;
+
+    #[test]
+    fn the_pool_is_zeroed_and_an_impossible_one_is_an_error_not_an_abort() {
+        let p = zeroed_pool(1 << 20).expect("4 MiB");
+        assert_eq!(p.len(), 1 << 20);
+        assert!(p.iter().all(|&x| x == 0.0));
+        assert!(zeroed_pool(usize::MAX / 2).is_none());
+        assert!(zeroed_pool(0).is_some_and(|p| p.is_empty()));
     }
 }

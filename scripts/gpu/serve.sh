@@ -48,22 +48,7 @@ export LD_LIBRARY_PATH=$PD/ucx/libucx/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export UCX_NET_DEVICES=lo NO_COLOR=1
 MODEL=$PD/dummy-llama8b
 mkdir -p "$MODEL"
-python3 - "$MODEL" "${VOCAB:-128256}" <<'PY'
-import json, re, sys
-words = re.findall(r'^\s*"([^"\\]+)",$', open("crates/pdnode-bench/src/text.rs").read(), re.M)
-vocab, seen = {}, set()
-for w in ["<unk>"] + words:
-    if w not in seen:
-        seen.add(w); vocab[w] = len(vocab)
-i = 0
-while len(vocab) < int(sys.argv[2]):
-    vocab.setdefault(f"w{i}", len(vocab)); i += 1
-tok = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
-       "normalizer": None, "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": None,
-       "decoder": None, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}}
-json.dump(tok, open(sys.argv[1] + "/tokenizer.json", "w"))
-print("tokenizer.json:", len(words), "bench words,", len(vocab), "entries")
-PY
+python3 scripts/gpu/dummy-tokenizer.py "$MODEL" "${VOCAB:-128256}"
 
 pids=()
 # Newest first, each waited for: the nodes deregister while etcd (started first) still runs.

@@ -11,6 +11,7 @@
 #   transfer-exp   scripts/gpu/transfer.sh exp (UCX variants, isolated ucx_perftest puts)
 #   overlap        scripts/gpu/overlap.sh (the hand-off against prefill: one chunk vs 512-token chunks)
 #   serve[:what]   scripts/gpu/serve.sh pd|colo|both (default both)
+#   coldstart      scripts/gpu/coldstart.sh (first requests after start, warm-up off and on)
 #   smol           the demo model (.gpu-m/a from an earlier call on this machine + .gpu-m2/b):
 #                  scripts/gpu/smollm2.sh
 # Every log goes to one tarball $OUT/logs.tar.xz (the device tool brings back at most 8 files);
@@ -62,6 +63,9 @@ for part in "$@"; do
         serve)
             PD=$PD OUT=$LOGS/serve bash scripts/gpu/serve.sh "${arg:-both}" 2>&1 |
                 tee "$LOGS/serve.out" | tail -40 >> "$summary" ;;
+        coldstart)
+            PD=$PD OUT=$LOGS/coldstart bash scripts/gpu/coldstart.sh 2>&1 |
+                tee "$LOGS/coldstart.out" | tail -12 >> "$summary" ;;
         smol)
             if [ -e "$PD/model.a" ] && [ -e .gpu-m2/b ]; then
                 cat "$PD/model.a" .gpu-m2/b > "$PD/smollm2.gguf"

@@ -168,6 +168,12 @@ fn kernel_choices_are_config_keys_with_defaults_and_checked_names() {
     assert_eq!((d.attention_v4_waves, d.attention_v4_max_part), (1, 4096));
     assert_eq!(d.prefill_attention, PrefillAttention::Flashv3);
     assert_eq!(d.linear, LinearKernel::Table);
+    assert_eq!(d.warm_up_context, 4096);
+    for v in [0, 256, 1 << 20] {
+        let set = format!("engine.cuda.warm_up_context={v}");
+        let l = load_from_str(FILE, "", &sets(&[&set])).unwrap();
+        assert_eq!(l.config.engine.cuda.warm_up_context, v, "{set}");
+    }
     // check-config prints them (the effective TOML carries every key)
     let toml = c.effective_toml();
     for line in [
@@ -246,6 +252,10 @@ fn kernel_choices_are_config_keys_with_defaults_and_checked_names() {
         (
             "engine.cuda.attention_v4_max_part=1048577",
             "engine.cuda.attention_v4_max_part",
+        ),
+        (
+            "engine.cuda.warm_up_context=1048577",
+            "engine.cuda.warm_up_context",
         ),
     ] {
         let errs = errors("", &[set]);

@@ -189,6 +189,7 @@ pub(crate) fn bench_options(
         gpu_sampling: true,
         pdl: false,
         fusion: pdnode_cuda::ops::Fusion::default(),
+        warm_up_context: 0,
     }
 }
 

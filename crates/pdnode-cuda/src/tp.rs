@@ -210,6 +210,8 @@ pub struct CudaTpBackend {
     gpus: Vec<u32>,
     /// Rank 0 samples `Sample` rows on its GPU (`CudaOptions::gpu_sampling`).
     gpu_sampling: bool,
+    /// What [`Backend::warm_up`] runs (`CudaOptions::warm_up_plan`).
+    warm_up: pdnode_engine::backend::WarmUpPlan,
     weight_bytes: usize,
     /// Set once a rank failed or missed a deadline: the group may be stuck in a collective.
     broken: Option<String>,
@@ -343,6 +345,7 @@ impl CudaTpBackend {
             regions,
             gpus: opts.gpus.clone(),
             gpu_sampling: opts.gpu_sampling,
+            warm_up: opts.warm_up_plan(),
             weight_bytes,
             broken: None,
             staging: Vec::new(),
@@ -517,6 +520,12 @@ impl Backend for CudaTpBackend {
 
     fn name(&self) -> String {
         device_label(&self.gpus)
+    }
+
+    /// The same warm-up as one GPU's (`CudaOptions::warm_up_plan`), every step on every rank.
+    fn warm_up(&mut self) -> Result<usize, BackendError> {
+        let plan = self.warm_up.clone();
+        pdnode_engine::backend::run_warm_up(self, &plan)
     }
 
     /// Rank 0's logits go through [`CudaBackend::forward_select`]: sampled rows are drawn on
@@ -711,6 +720,7 @@ mod tests {
             gpu_sampling: true,
             pdl: false,
             fusion: crate::ops::Fusion::default(),
+            warm_up_context: 0,
         }
     }
 

@@ -38,6 +38,7 @@ fn opts(tp: u32, graphs: bool) -> CudaOptions {
         gpu_sampling: true,
         pdl: false,
         fusion: pdnode_cuda::ops::Fusion::default(),
+        warm_up_context: 0,
     }
 }
 

@@ -34,6 +34,7 @@ fn opts_gemm(block_size: u32, gemm_min: usize) -> CudaOptions {
         gpu_sampling: true,
         pdl: false,
         fusion: pdnode_cuda::ops::Fusion::default(),
+        warm_up_context: 0,
     }
 }
 

@@ -158,6 +158,7 @@ fn every_fixture_matches_transformers_and_the_cpu_backend() {
                 gpu_sampling: true,
                 pdl: false,
                 fusion: pdnode_cuda::ops::Fusion::default(),
+                warm_up_context: 0,
             };
             let mut cuda = CudaBackend::from_loaded(&model, &opts).unwrap();
             let got = rows(&mut cuda, &r, 5);

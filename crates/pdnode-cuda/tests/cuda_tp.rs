@@ -35,6 +35,7 @@ fn opts(tp: u32, blocks: u32, gemm_min: usize) -> CudaOptions {
         gpu_sampling: true,
         pdl: false,
         fusion: pdnode_cuda::ops::Fusion::default(),
+        warm_up_context: 0,
     }
 }
 

@@ -254,6 +254,10 @@ pub struct CudaEngineConfig {
     pub prefill_attention: PrefillAttention,
     /// Implementation of the linear layers.
     pub linear: LinearKernel,
+    /// Longest context, tokens, a warm-up at start captures decode graphs for (every batch
+    /// bucket at contexts 256, 512, ... up to it) after one prefill step, before the node
+    /// registers; [0, 1048576]; 0: no warm-up (the first requests pay for it).
+    pub warm_up_context: u32,
 }
 
 /// `engine.cuda.attention`: the paged-attention kernel (decode and short chunks).
@@ -313,6 +317,7 @@ impl Default for CudaEngineConfig {
             attention_v4_max_part: 4096,
             prefill_attention: PrefillAttention::Flashv3,
             linear: LinearKernel::Table,
+            warm_up_context: 4096,
         }
     }
 }

@@ -294,6 +294,15 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
             );
         }
     }
+    if e.cuda.warm_up_context > 1 << 20 {
+        bad(
+            "engine.cuda.warm_up_context",
+            format!(
+                "{}: expected at most 1048576 tokens (0: no warm-up)",
+                e.cuda.warm_up_context
+            ),
+        );
+    }
     if !(1..=64).contains(&e.cuda.attention_v4_waves) {
         bad(
             "engine.cuda.attention_v4_waves",

@@ -39,7 +39,7 @@ const BATCH_BUCKETS: [usize; 14] = [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 19
 /// Smallest context bucket (contexts are rounded up to a power of two at least this large).
 const MIN_CTX_BUCKET: usize = 256;
 /// Most graphs kept at once; past this, the cache is emptied and refilled on demand.
-const MAX_GRAPHS: usize = 128;
+pub(super) const MAX_GRAPHS: usize = 128;
 
 /// The graph batch size for `n` sequences when at most `cap` fit the workspace (None: `n` is 0
 /// or above `cap`).

@@ -44,6 +44,9 @@ pub struct CudaOptions {
     pub pdl: bool,
     /// What the decode step fuses into the GEMVs (`engine.cuda.fuse_*_max_tokens`).
     pub fusion: ops::Fusion,
+    /// Longest context a warm-up at start captures decode graphs for
+    /// (`engine.cuda.warm_up_context`); 0: no warm-up.
+    pub warm_up_context: usize,
 }
 
 impl CudaOptions {
@@ -71,6 +74,42 @@ impl CudaOptions {
                 swiglu_max_tokens: e.cuda.fuse_swiglu_max_tokens as usize,
                 norm_max_tokens: e.cuda.fuse_norm_max_tokens as usize,
             },
+            warm_up_context: e.cuda.warm_up_context as usize,
+        }
+    }
+
+    /// What a backend with these options runs before it serves: one prefill step of
+    /// `max_batch_tokens` (at most `warm_up_context`) tokens, then a decode step at every graph
+    /// batch bucket (one bucket, eager, without graphs) at contexts 256, 512, ... up to
+    /// `warm_up_context`, at most [`graph::MAX_GRAPHS`] of them (the longest contexts go
+    /// first). Empty when `warm_up_context` is 0.
+    pub fn warm_up_plan(&self) -> pdnode_engine::backend::WarmUpPlan {
+        if self.warm_up_context == 0 {
+            return Default::default();
+        }
+        let cap = self.max_seqs.min(self.max_batch_tokens).max(1);
+        let mut batches: Vec<usize> = if self.cuda_graphs {
+            (1..=cap)
+                .filter_map(|n| super::graph::decode_bucket(n, cap))
+                .collect()
+        } else {
+            vec![1]
+        };
+        batches.dedup();
+        let per_ctx = batches.len().max(1);
+        let most = if self.cuda_graphs {
+            (super::graph::MAX_GRAPHS / per_ctx).max(1)
+        } else {
+            usize::MAX
+        };
+        let contexts: Vec<usize> = std::iter::successors(Some(256usize), |c| c.checked_mul(2))
+            .take_while(|&c| c <= self.warm_up_context.max(256))
+            .take(most)
+            .collect();
+        pdnode_engine::backend::WarmUpPlan {
+            prefill_tokens: self.max_batch_tokens.min(self.warm_up_context),
+            decode_batches: batches,
+            decode_contexts: contexts,
         }
     }
 }
@@ -105,5 +144,43 @@ fn prefill_attention_of(k: pdnode_core::config::PrefillAttention) -> PrefillAttn
         K::Flashv3 => PrefillAttn::FlashV3,
         K::Flash8 => PrefillAttn::Flash8,
         K::Gemm => PrefillAttn::Gemm,
+    }
+}
+
+#[cfg(test)]
+mod warm_up_tests {
+    use super::CudaOptions;
+
+    fn opts(max_seqs: usize, graphs: bool, ctx: usize) -> CudaOptions {
+        let e = pdnode_core::config::EngineConfig {
+            max_running_requests: max_seqs as u32,
+            max_batch_tokens: 8192,
+            cuda_graphs: graphs,
+            cuda: pdnode_core::config::CudaEngineConfig {
+                warm_up_context: ctx as u32,
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        CudaOptions::from_config(&e)
+    }
+
+    #[test]
+    fn the_plan_covers_every_graph_bucket_at_doubling_contexts() {
+        let p = opts(64, true, 4096).warm_up_plan();
+        assert_eq!(p.decode_batches, [1, 2, 4, 8, 16, 32, 48, 64]);
+        assert_eq!(p.decode_contexts, [256, 512, 1024, 2048, 4096]);
+        assert_eq!(p.prefill_tokens, 4096);
+        // Without graphs: the kernels only (one batch size).
+        let p = opts(64, false, 1024).warm_up_plan();
+        assert_eq!(p.decode_batches, [1]);
+        assert_eq!(p.decode_contexts, [256, 512, 1024]);
+        // 0: nothing at all.
+        assert_eq!(opts(64, true, 0).warm_up_plan(), Default::default());
+        // Never more graphs than the cache keeps: 14 buckets x 9 contexts <= 128.
+        let p = opts(256, true, 1 << 20).warm_up_plan();
+        assert_eq!(p.decode_batches.len(), 14);
+        assert!(p.decode_batches.len() * p.decode_contexts.len() <= 128);
+        assert_eq!(p.decode_contexts.first(), Some(&256));
     }
 }

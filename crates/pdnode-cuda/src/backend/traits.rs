@@ -73,6 +73,21 @@ impl Backend for CudaBackend {
         format!("cuda:{}", self.gpu.ordinal)
     }
 
+    /// [`CudaOptions::warm_up_plan`]: kernels loaded and decode graphs captured before the
+    /// first request.
+    fn warm_up(&mut self) -> Result<usize, BackendError> {
+        let plan = self.opts.warm_up_plan();
+        let steps = pdnode_engine::backend::run_warm_up(self, &plan)?;
+        let g = self.graphs.stats();
+        tracing::debug!(
+            steps,
+            captures = g.captures,
+            failures = g.capture_failures,
+            "decode graphs after the warm-up"
+        );
+        Ok(steps)
+    }
+
     /// `sample_rows` on the device, unless `engine.cuda.gpu_sampling` turns it off.
     fn samples_on_device(&self) -> bool {
         self.opts.gpu_sampling

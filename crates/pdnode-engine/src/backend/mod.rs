@@ -404,6 +404,71 @@ pub trait Backend: Send {
     fn kv_staging(&mut self) -> Option<&mut dyn KvStaging> {
         None
     }
+    /// Runs what the backend needs once before it serves, so that no request pays for it
+    /// (a CUDA backend: its kernels loaded, its decode graphs captured: [`run_warm_up`]). Called
+    /// before the engine takes requests, with nothing in the KV pool. Returns the steps run;
+    /// the default runs none.
+    fn warm_up(&mut self) -> Result<usize, BackendError> {
+        Ok(0)
+    }
+}
+
+/// What a backend runs once before it serves ([`Backend::warm_up`], [`run_warm_up`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WarmUpPlan {
+    /// Tokens of one prefill step first (0: none).
+    pub prefill_tokens: usize,
+    /// Decode batch sizes (one new token per sequence, every sequence wanting logits), each run
+    /// at each of `decode_contexts` (the context a step reads, new token included).
+    pub decode_batches: Vec<usize>,
+    pub decode_contexts: Vec<usize>,
+}
+
+/// Runs `plan` on `backend` with throwaway token ids in the first blocks of its KV pool: one
+/// prefill step, then every (decode batch, context). Nothing owns those blocks yet, and whoever
+/// gets them later writes each position before reading it; the sequences of one decode step
+/// share one block table (they write the same values to the same slot). A step needing more
+/// blocks than the pool has is skipped. Returns the steps run.
+pub fn run_warm_up(backend: &mut dyn Backend, plan: &WarmUpPlan) -> Result<usize, BackendError> {
+    let bs = backend.kv_layout().block_size.max(1) as usize;
+    let blocks = backend.num_kv_blocks();
+    let table = |tokens: usize| -> Option<Vec<BlockId>> {
+        let n = tokens.div_ceil(bs);
+        (n <= blocks).then(|| (0..n as u32).map(BlockId).collect())
+    };
+    let mut out = StepLogits::default();
+    let mut steps = 0;
+    if plan.prefill_tokens > 0
+        && let Some(t) = table(plan.prefill_tokens)
+    {
+        let tokens = vec![0u32; plan.prefill_tokens];
+        let batch = ForwardBatch {
+            seqs: vec![SeqStep {
+                tokens: &tokens,
+                start_pos: 0,
+                block_table: &t,
+                want_logits: true,
+            }],
+        };
+        backend.forward_select(&batch, &[LogitsWant::Argmax], &mut out)?;
+        steps += 1;
+    }
+    let token = [0u32];
+    for &ctx in &plan.decode_contexts {
+        let Some(t) = table(ctx.max(1)) else { continue };
+        for &b in &plan.decode_batches {
+            let seq = SeqStep {
+                tokens: &token,
+                start_pos: ctx.max(1) - 1,
+                block_table: &t,
+                want_logits: true,
+            };
+            let batch = ForwardBatch { seqs: vec![seq; b] };
+            backend.forward_select(&batch, &vec![LogitsWant::Argmax; b], &mut out)?;
+            steps += 1;
+        }
+    }
+    Ok(steps)
 }
 
 /// Optional capability: one KV staging arena per TP rank, allocated once (device memory on

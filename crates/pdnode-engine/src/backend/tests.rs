@@ -295,3 +295,79 @@ fn strided_staging_is_bounded() {
     assert!(check_staging_strided(&l, 4, &(0..2), &blocks, 8, 3 * lb, 1 << 20).is_err());
     assert!(check_staging_strided(&l, 4, &(0..2), &blocks, 0, usize::MAX, 1 << 20).is_err());
 }
+
+/// Records the steps a warm-up runs.
+struct Recorder {
+    layout: KvLayout,
+    blocks: usize,
+    /// Per step: (sequences, new tokens of each, start position, block-table length).
+    steps: Vec<(usize, usize, usize, usize)>,
+}
+
+impl Backend for Recorder {
+    fn name(&self) -> String {
+        "recorder".into()
+    }
+    fn kv_layout(&self) -> &KvLayout {
+        &self.layout
+    }
+    fn num_kv_blocks(&self) -> usize {
+        self.blocks
+    }
+    fn forward(&mut self, batch: &ForwardBatch<'_>) -> Result<Logits, BackendError> {
+        let s = &batch.seqs[0];
+        assert!(batch.seqs.iter().all(|x| x.tokens.len() == s.tokens.len()
+            && x.start_pos == s.start_pos
+            && x.block_table == s.block_table));
+        let covered = s.block_table.len() * self.layout.block_size as usize;
+        assert!(
+            covered >= s.start_pos + s.tokens.len(),
+            "the table covers the step"
+        );
+        assert!(s.block_table.iter().all(|b| (b.0 as usize) < self.blocks));
+        self.steps.push((
+            batch.seqs.len(),
+            s.tokens.len(),
+            s.start_pos,
+            s.block_table.len(),
+        ));
+        Ok(Logits {
+            vocab: 4,
+            data: vec![0.0; 4 * batch.logits_rows()],
+        })
+    }
+    fn read_kv(&self, _: Range<u32>, _: &[BlockId], _: &mut [u8]) -> Result<(), BackendError> {
+        Ok(())
+    }
+    fn write_kv(&mut self, _: Range<u32>, _: &[BlockId], _: &[u8]) -> Result<(), BackendError> {
+        Ok(())
+    }
+}
+
+#[test]
+fn a_warm_up_runs_its_prefill_then_each_decode_shape_that_fits_the_pool() {
+    let mut r = Recorder {
+        layout: layout(),
+        blocks: 5, // 20 positions of 4-token blocks
+        steps: Vec::new(),
+    };
+    let plan = WarmUpPlan {
+        prefill_tokens: 10,
+        decode_batches: vec![1, 3],
+        decode_contexts: vec![4, 8, 100],
+    };
+    let steps = run_warm_up(&mut r, &plan).unwrap();
+    assert_eq!(steps, 5, "{:?}", r.steps);
+    assert_eq!(
+        r.steps,
+        vec![
+            (1, 10, 0, 3),
+            (1, 1, 3, 1),
+            (3, 1, 3, 1),
+            (1, 1, 7, 2),
+            (3, 1, 7, 2),
+        ],
+        "context 100 needs 25 blocks of the 5: skipped"
+    );
+    assert_eq!(run_warm_up(&mut r, &WarmUpPlan::default()).unwrap(), 0);
+}

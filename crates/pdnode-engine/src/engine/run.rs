@@ -66,6 +66,15 @@ fn start(
     let num_blocks = u32::try_from(backend.num_kv_blocks()).map_err(|_| EngineError::Config {
         reason: "more than 2^32 KV blocks".into(),
     })?;
+    // Before the engine takes a request (and so before the node registers): a CUDA backend
+    // loads its kernels and captures its decode graphs here, not in the first requests.
+    let t = std::time::Instant::now();
+    let steps = backend.warm_up().map_err(|e| EngineError::Config {
+        reason: format!("backend {} failed its warm-up: {e}", backend.name()),
+    })?;
+    if steps > 0 {
+        tracing::info!(backend = %backend.name(), steps, ms = t.elapsed().as_millis() as u64, "backend warmed up");
+    }
     let staging_regions = backend
         .kv_staging()
         .map(|s| s.staging_regions())

@@ -426,9 +426,10 @@ pub struct WarmUpPlan {
 
 /// Runs `plan` on `backend` with throwaway token ids in the first blocks of its KV pool: one
 /// prefill step, then every (decode batch, context). Nothing owns those blocks yet, and whoever
-/// gets them later writes each position before reading it; the sequences of one decode step
-/// share one block table (they write the same values to the same slot). A step needing more
-/// blocks than the pool has is skipped. Returns the steps run.
+/// gets them later writes each position before reading it. The sequences of one decode step
+/// share the blocks before their last position and each writes its new token into a block of
+/// its own (a step may not write one slot twice). A step needing more blocks than the pool has
+/// is skipped. Returns the steps run.
 pub fn run_warm_up(backend: &mut dyn Backend, plan: &WarmUpPlan) -> Result<usize, BackendError> {
     let bs = backend.kv_layout().block_size.max(1) as usize;
     let blocks = backend.num_kv_blocks();
@@ -455,15 +456,31 @@ pub fn run_warm_up(backend: &mut dyn Backend, plan: &WarmUpPlan) -> Result<usize
     }
     let token = [0u32];
     for &ctx in &plan.decode_contexts {
-        let Some(t) = table(ctx.max(1)) else { continue };
+        let ctx = ctx.max(1);
+        let shared = ctx.div_ceil(bs) - 1;
         for &b in &plan.decode_batches {
-            let seq = SeqStep {
-                tokens: &token,
-                start_pos: ctx.max(1) - 1,
-                block_table: &t,
-                want_logits: true,
+            if shared + b > blocks {
+                continue;
+            }
+            let tables: Vec<Vec<BlockId>> = (0..b)
+                .map(|i| {
+                    (0..shared as u32)
+                        .chain(std::iter::once((shared + i) as u32))
+                        .map(BlockId)
+                        .collect()
+                })
+                .collect();
+            let batch = ForwardBatch {
+                seqs: tables
+                    .iter()
+                    .map(|t| SeqStep {
+                        tokens: &token,
+                        start_pos: ctx - 1,
+                        block_table: t,
+                        want_logits: true,
+                    })
+                    .collect(),
             };
-            let batch = ForwardBatch { seqs: vec![seq; b] };
             backend.forward_select(&batch, &vec![LogitsWant::Argmax; b], &mut out)?;
             steps += 1;
         }

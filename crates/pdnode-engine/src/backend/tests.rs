@@ -316,15 +316,21 @@ impl Backend for Recorder {
     }
     fn forward(&mut self, batch: &ForwardBatch<'_>) -> Result<Logits, BackendError> {
         let s = &batch.seqs[0];
-        assert!(batch.seqs.iter().all(|x| x.tokens.len() == s.tokens.len()
-            && x.start_pos == s.start_pos
-            && x.block_table == s.block_table));
-        let covered = s.block_table.len() * self.layout.block_size as usize;
-        assert!(
-            covered >= s.start_pos + s.tokens.len(),
-            "the table covers the step"
-        );
-        assert!(s.block_table.iter().all(|b| (b.0 as usize) < self.blocks));
+        let bs = self.layout.block_size as usize;
+        let mut written = std::collections::HashSet::new();
+        for x in &batch.seqs {
+            assert_eq!((x.tokens.len(), x.start_pos), (s.tokens.len(), s.start_pos));
+            assert_eq!(x.block_table.len(), s.block_table.len());
+            assert!(
+                x.block_table.len() * bs >= x.start_pos + x.tokens.len(),
+                "the table covers the step"
+            );
+            assert!(x.block_table.iter().all(|b| (b.0 as usize) < self.blocks));
+            for p in x.start_pos..x.start_pos + x.tokens.len() {
+                let slot = (x.block_table[p / bs], p % bs);
+                assert!(written.insert(slot), "two tokens write {slot:?}");
+            }
+        }
         self.steps.push((
             batch.seqs.len(),
             s.tokens.len(),
@@ -351,23 +357,25 @@ fn a_warm_up_runs_its_prefill_then_each_decode_shape_that_fits_the_pool() {
         blocks: 5, // 20 positions of 4-token blocks
         steps: Vec::new(),
     };
+    // Context 8 at batch 3: one shared block and one of its own per sequence (4 of the 5);
+    // batch 5 at context 8 would need 6 blocks: skipped, as is context 100 (25 blocks).
     let plan = WarmUpPlan {
         prefill_tokens: 10,
-        decode_batches: vec![1, 3],
+        decode_batches: vec![1, 3, 5],
         decode_contexts: vec![4, 8, 100],
     };
     let steps = run_warm_up(&mut r, &plan).unwrap();
-    assert_eq!(steps, 5, "{:?}", r.steps);
     assert_eq!(
         r.steps,
         vec![
             (1, 10, 0, 3),
             (1, 1, 3, 1),
             (3, 1, 3, 1),
+            (5, 1, 3, 1),
             (1, 1, 7, 2),
             (3, 1, 7, 2),
-        ],
-        "context 100 needs 25 blocks of the 5: skipped"
+        ]
     );
+    assert_eq!(steps, 6);
     assert_eq!(run_warm_up(&mut r, &WarmUpPlan::default()).unwrap(), 0);
 }

@@ -4,8 +4,9 @@
 # weights (cuda backend). For each engine.cuda.warm_up_context in WARM (default "0 4096"): start
 # the node, time its start until the router's /health answers (no request sent), then 4 requests
 # one after another, each a distinct 500-token prompt (no prefix-cache hit), 64 streamed output
-# tokens, ignore_eos: TTFT (send to first token) and TPOT (the rest over 63 tokens); then the
-# same again with 8 concurrent requests (the first batch of 8). The node's "backend warmed up"
+# tokens, ignore_eos: TTFT (send to first token) and TPOT (the rest over 63 tokens); then two
+# 777-token prompts (a prefill length not seen yet: its first-use cost); then 8 concurrent
+# 500-token requests. The node's "backend warmed up"
 # line says what the warm-up ran. Needs .gpu-pd/bundle.tar.xz (scripts/gpu/pack.sh). Table last.
 # usage: scripts/gpu/coldstart.sh
 set -u
@@ -76,10 +77,10 @@ T
     python3 - "$w" > "$OUT/probe-$w.txt" 2>&1 <<'PY'
 import json, sys, threading, time, urllib.request
 URL = "http://127.0.0.1:8300/v1/completions"
-def prompt(k):
-    return " ".join(f"w{(i * 104729 + 7 * k + 1 + int(sys.argv[1])) % 100000}" for i in range(500))
-def one(k, out):
-    body = {"model": "llama-3.1-8b", "prompt": prompt(k), "max_tokens": 64, "temperature": 0,
+def prompt(k, n=500):
+    return " ".join(f"w{(i * 104729 + 7 * k + 1 + int(sys.argv[1])) % 100000}" for i in range(n))
+def one(k, out, n=500):
+    body = {"model": "llama-3.1-8b", "prompt": prompt(k, n), "max_tokens": 64, "temperature": 0,
             "ignore_eos": True, "stream": True}
     req = urllib.request.Request(URL, json.dumps(body).encode(), {"content-type": "application/json"})
     t = time.time()
@@ -100,6 +101,10 @@ seq = {}
 for k in range(4):
     one(k, seq)
     print(f"sequential {k}: TTFT {seq[k][0]:.1f} ms, TPOT {seq[k][1]:.2f} ms, {seq[k][2]} chunks")
+# A prompt length not seen yet (777 tokens): what a new prefill shape costs once warm.
+one(5, seq, 777)
+one(6, seq, 777)
+print(f"777 tokens, first: TTFT {seq[5][0]:.1f} ms; second: {seq[6][0]:.1f} ms")
 conc = {}
 ts = [threading.Thread(target=one, args=(10 + k, conc)) for k in range(8)]
 for t in ts: t.start()
@@ -108,7 +113,7 @@ ttfts = sorted(v[0] for v in conc.values())
 tpots = sorted(v[1] for v in conc.values())
 print(f"8 concurrent: TTFT max {ttfts[-1]:.1f} ms median {ttfts[3]:.1f} ms, TPOT max {tpots[-1]:.2f} ms median {tpots[3]:.2f} ms")
 print("ROW", " | ".join(f"{seq[k][0]:.1f} / {seq[k][1]:.2f}" for k in range(4)),
-      f"| {ttfts[-1]:.1f} / {tpots[-1]:.2f}")
+      f"| {ttfts[-1]:.1f} / {tpots[-1]:.2f} | {seq[5][0]:.1f} / {seq[6][0]:.1f}")
 PY
     cat "$OUT/probe-$w.txt"
     row=$(grep '^ROW' "$OUT/probe-$w.txt" | sed 's/^ROW //')
@@ -116,6 +121,6 @@ PY
     stop
 done
 echo
-echo "| warm_up_context | start to ready (s) | 1st TTFT / TPOT (ms) | 2nd | 3rd | 4th | 8 concurrent: max TTFT / max TPOT (ms) | warm-up |"
-echo "|---|---|---|---|---|---|---|---|"
+echo "| warm_up_context | start to ready (s) | 1st TTFT / TPOT (ms) | 2nd | 3rd | 4th | 8 concurrent: max TTFT / max TPOT (ms) | 777 tokens: 1st / 2nd TTFT (ms) | warm-up |"
+echo "|---|---|---|---|---|---|---|---|---|"
 printf '%s\n' "${rows[@]}"

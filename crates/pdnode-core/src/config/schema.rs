@@ -255,7 +255,8 @@ pub struct CudaEngineConfig {
     /// Implementation of the linear layers.
     pub linear: LinearKernel,
     /// Longest context, tokens, a warm-up at start captures decode graphs for (every batch
-    /// bucket at contexts 256, 512, ... up to it) after one prefill step, before the node
+    /// bucket at contexts 256, 512, ... up to it) after prefill steps of 256, 512, ... tokens
+    /// up to it (and `max_batch_tokens`), before the node
     /// registers; [0, 1048576]; 0: no warm-up (the first requests pay for it).
     pub warm_up_context: u32,
 }

@@ -78,8 +78,8 @@ impl CudaOptions {
         }
     }
 
-    /// What a backend with these options runs before it serves: one prefill step of
-    /// `max_batch_tokens` (at most `warm_up_context`) tokens, then a decode step at every graph
+    /// What a backend with these options runs before it serves: prefill steps of 256, 512, ...
+    /// tokens up to `max_batch_tokens` (at most `warm_up_context`), then a decode step at every graph
     /// batch bucket (one bucket, eager, without graphs) at contexts 256, 512, ... up to
     /// `warm_up_context`, at most [`graph::MAX_GRAPHS`] of them (the longest contexts go
     /// first). Empty when `warm_up_context` is 0.
@@ -107,7 +107,12 @@ impl CudaOptions {
             .take(most)
             .collect();
         pdnode_engine::backend::WarmUpPlan {
-            prefill_tokens: self.max_batch_tokens.min(self.warm_up_context),
+            prefill_lengths: std::iter::successors(Some(256usize), |n| n.checked_mul(2))
+                .take_while(|&n| n < self.max_batch_tokens.min(self.warm_up_context))
+                .chain(std::iter::once(
+                    self.max_batch_tokens.min(self.warm_up_context),
+                ))
+                .collect(),
             decode_batches: batches,
             decode_contexts: contexts,
         }
@@ -170,7 +175,7 @@ mod warm_up_tests {
         let p = opts(64, true, 4096).warm_up_plan();
         assert_eq!(p.decode_batches, [1, 2, 4, 8, 16, 32, 48, 64]);
         assert_eq!(p.decode_contexts, [256, 512, 1024, 2048, 4096]);
-        assert_eq!(p.prefill_tokens, 4096);
+        assert_eq!(p.prefill_lengths, [256, 512, 1024, 2048, 4096]);
         // Without graphs: the kernels only (one batch size).
         let p = opts(64, false, 1024).warm_up_plan();
         assert_eq!(p.decode_batches, [1]);

@@ -416,16 +416,16 @@ pub trait Backend: Send {
 /// What a backend runs once before it serves ([`Backend::warm_up`], [`run_warm_up`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct WarmUpPlan {
-    /// Tokens of one prefill step first (0: none).
-    pub prefill_tokens: usize,
+    /// Prefill steps first, one sequence of each of these lengths (tokens).
+    pub prefill_lengths: Vec<usize>,
     /// Decode batch sizes (one new token per sequence, every sequence wanting logits), each run
     /// at each of `decode_contexts` (the context a step reads, new token included).
     pub decode_batches: Vec<usize>,
     pub decode_contexts: Vec<usize>,
 }
 
-/// Runs `plan` on `backend` with throwaway token ids in the first blocks of its KV pool: one
-/// prefill step, then every (decode batch, context). Nothing owns those blocks yet, and whoever
+/// Runs `plan` on `backend` with throwaway token ids in the first blocks of its KV pool: its
+/// prefill steps, then every (decode batch, context). Nothing owns those blocks yet, and whoever
 /// gets them later writes each position before reading it. The sequences of one decode step
 /// share the blocks before their last position and each writes its new token into a block of
 /// its own (a step may not write one slot twice). A step needing more blocks than the pool has
@@ -439,10 +439,11 @@ pub fn run_warm_up(backend: &mut dyn Backend, plan: &WarmUpPlan) -> Result<usize
     };
     let mut out = StepLogits::default();
     let mut steps = 0;
-    if plan.prefill_tokens > 0
-        && let Some(t) = table(plan.prefill_tokens)
-    {
-        let tokens = vec![0u32; plan.prefill_tokens];
+    for &n in &plan.prefill_lengths {
+        let Some(t) = table(n).filter(|_| n > 0) else {
+            continue;
+        };
+        let tokens = vec![0u32; n];
         let batch = ForwardBatch {
             seqs: vec![SeqStep {
                 tokens: &tokens,

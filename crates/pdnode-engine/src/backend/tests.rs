@@ -357,10 +357,11 @@ fn a_warm_up_runs_its_prefill_then_each_decode_shape_that_fits_the_pool() {
         blocks: 5, // 20 positions of 4-token blocks
         steps: Vec::new(),
     };
+    // The prefill of 0 tokens is nothing, the one of 21 needs 6 blocks: skipped.
     // Context 8 at batch 3: one shared block and one of its own per sequence (4 of the 5);
     // batch 5 at context 8 would need 6 blocks: skipped, as is context 100 (25 blocks).
     let plan = WarmUpPlan {
-        prefill_tokens: 10,
+        prefill_lengths: vec![10, 0, 21],
         decode_batches: vec![1, 3, 5],
         decode_contexts: vec![4, 8, 100],
     };

@@ -4,31 +4,16 @@
 //! this replaced, aborted the receiving process there: the decode crash of the fault matrix's
 //! prefill-kill-pushing case). Real UCX on loopback; skips only when libucp cannot be loaded.
 
-use pdnode_transfer::{
-    KvTransport, LocalRegion, RemoteRegion, Span, TransferError, UcxConfig, UcxTransport,
-};
+use pdnode_transfer::{KvTransport, LocalRegion, RemoteRegion, Span, TransferError, UcxTransport};
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+mod common;
+use common::deadline;
 
 fn start(name: &str) -> Option<UcxTransport> {
-    match UcxTransport::start(UcxConfig {
-        name: name.into(),
-        tls: Some("tcp".into()),
-        net_devices: Some("lo".into()),
-        ..UcxConfig::default()
-    }) {
-        Ok(t) => Some(t),
-        Err(TransferError::Ucx(e)) if e.to_string().contains("not found") => {
-            eprintln!("SKIP: libucp not loadable: {e}");
-            None
-        }
-        Err(e) => panic!("UCX transport start: {e}"),
-    }
-}
-
-fn deadline() -> Instant {
-    Instant::now() + Duration::from_secs(30)
+    common::start(name, "tcp")
 }
 
 fn hex(b: &[u8]) -> String {

@@ -6,25 +6,8 @@ use pdnode_transfer::{
 };
 use std::time::{Duration, Instant};
 
-fn start(name: &str, tls: &str) -> Option<UcxTransport> {
-    match UcxTransport::start(UcxConfig {
-        name: name.into(),
-        tls: Some(tls.into()),
-        net_devices: Some("lo".into()),
-        ..UcxConfig::default()
-    }) {
-        Ok(t) => Some(t),
-        Err(TransferError::Ucx(e)) if e.to_string().contains("not found") => {
-            eprintln!("SKIP: libucp not loadable: {e}");
-            None
-        }
-        Err(e) => panic!("UCX transport start: {e}"),
-    }
-}
-
-fn deadline() -> Instant {
-    Instant::now() + Duration::from_secs(30)
-}
+mod common;
+use common::{deadline, start};
 
 fn round_trip(tls: &str, allocated_target: bool) {
     let (Some(a), Some(b)) = (start("a", tls), start("b", tls)) else {

@@ -838,16 +838,7 @@ impl State {
         let mut i = 0;
         while i < self.awaiting.len() {
             let a = &mut self.awaiting[i];
-            let mut failure = None;
-            a.reqs.retain(|r| match r.state() {
-                RequestState::InProgress => true,
-                RequestState::Done(Ok(())) => false,
-                RequestState::Done(Err(e)) => {
-                    failure.get_or_insert(e);
-                    false
-                }
-            });
-            if let Some(e) = failure
+            if let Some(e) = reap(&mut a.reqs)
                 && a.error.is_none()
             {
                 a.error = Some(classify(&a.ep, &a.address, e));
@@ -984,16 +975,7 @@ impl State {
         while i < self.pending.len() {
             let p = &mut self.pending[i];
             let ep = p.ep.clone();
-            let mut failure = None;
-            p.reqs.retain(|r| match r.state() {
-                RequestState::InProgress => true,
-                RequestState::Done(Ok(())) => false,
-                RequestState::Done(Err(e)) => {
-                    failure.get_or_insert(e);
-                    false
-                }
-            });
-            if let Some(e) = failure
+            if let Some(e) = reap(&mut p.reqs)
                 && p.error.is_none()
             {
                 let address = self
@@ -1030,4 +1012,18 @@ fn ack_result((verdict, refused): (Verdict, u64), address: &[u8]) -> Result<(), 
             reason: "the KV messages did not all arrive, in order".into(),
         }),
     }
+}
+
+/// Drops the finished requests of `reqs`; the first failure among them, if any.
+fn reap(reqs: &mut Vec<Request>) -> Option<ucx_sys::UcxError> {
+    let mut failure = None;
+    reqs.retain(|r| match r.state() {
+        RequestState::InProgress => true,
+        RequestState::Done(Ok(())) => false,
+        RequestState::Done(Err(e)) => {
+            failure.get_or_insert(e);
+            false
+        }
+    });
+    failure
 }

@@ -53,6 +53,14 @@ pub enum Fault {
         after: Duration,
         hold: Duration,
     },
+    /// As [`Fault::KillDuringLinkDown`], but the target SIGSTOPped, and SIGCONTed when the link
+    /// is up again.
+    StopDuringLinkDown {
+        link: net::Link,
+        target: Target,
+        after: Duration,
+        hold: Duration,
+    },
     /// SIGTERM: a graceful drain; the process must exit 0 within its drain timeout.
     Drain(Target),
     /// The router SIGKILLed; once every node dropped what the dead router's requests held
@@ -442,6 +450,7 @@ pub const DEMO_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 pub fn full(model: &std::path::Path) -> Vec<Case> {
     quick()
         .into_iter()
+        .chain(beyond_quick())
         .map(|mut c| {
             for sets in [&mut c.extra.prefill, &mut c.extra.decode] {
                 sets.retain(|s| !s.starts_with("engine.mock."));
@@ -464,7 +473,7 @@ pub fn full(model: &std::path::Path) -> Vec<Case> {
             }
             // Four streams at most on each decode node: 48-token streams would queue the 64
             // clients past the 60 s request deadline on one CPU thread.
-            if c.name == "decode-kill-queued" {
+            if c.name == "decode-kill-queued" || c.name == "decode-stop-queued" {
                 c.max_tokens = 16;
             }
             if let Fault::EtcdOutageJoin { join_after, .. } = c.fault {
@@ -479,8 +488,72 @@ pub fn full(model: &std::path::Path) -> Vec<Case> {
         .collect()
 }
 
+/// Cases of the full matrix that `--quick` runs only by name (`--case`): they pass, but CI's
+/// quick matrix must stay within 5 minutes and these take 35-45 s each on mock engines.
+pub fn beyond_quick() -> Vec<Case> {
+    let s = Duration::from_secs;
+    vec![
+        Case {
+            // prefill0 frozen while its pushes stall behind the cut link: the router finds it
+            // frozen (keepalive) and redoes its prompts on prefill1 (every request completes);
+            // once thawed, its late pushes meet fenced or released spans.
+            name: "prefill-stop-pushing",
+            what: "prefill0 SIGSTOPped while its KV pushes to decode0 stall (link down), SIGCONT at link up",
+            extra: Extra::default(),
+            max_tokens: 32,
+            prompt_len: 64,
+            trigger: Trigger::After(s(2)),
+            fault: Fault::StopDuringLinkDown {
+                link: net::KV_LINK,
+                target: Target::Prefill0,
+                after: Duration::from_millis(500),
+                hold: s(3),
+            },
+            tail: s(3),
+            expect: Expect::AllComplete,
+        },
+        Case {
+            // The queued streams' KV is on decode0 already: frozen 5 s, it resumes them (or
+            // the router gives up on the frozen node and fails them clearly).
+            name: "decode-stop-queued",
+            what: "decode0 SIGSTOPped 5 s with 4+ streams queued (4 running at most)",
+            extra: queued_decode(),
+            max_tokens: 100,
+            prompt_len: 64,
+            trigger: Trigger::Queued(Target::Decode0, 4),
+            fault: Fault::Stop(Target::Decode0, s(5)),
+            tail: s(3),
+            expect: Expect::SomeFail,
+        },
+    ]
+}
+
 /// Cases run only by name (`--case`): known to fail today, kept out of the CI matrix and listed
 /// with their figures in docs/benchmarks.md ("Faults").
 pub fn known_failing() -> Vec<Case> {
-    Vec::new()
+    let s = Duration::from_secs;
+    vec![
+        // Fails: decode0 still holds the staging spans of the reservations whose pushes it
+        // never got 45 s after the load (the drain limit: one 30 s lease and slack). The router's
+        // aborts did not reach the frozen node, so those unclaimed reservations end at their
+        // fence deadline, one lease past the lease (60 s). docs/benchmarks.md, "Faults".
+        Case {
+            // decode0 frozen while prefill0's pushes to it stall: the router finds decode0
+            // frozen; its streams fail clearly, the prompts meant for it go to decode1.
+            name: "decode-stop-pushing",
+            what: "decode0 SIGSTOPped while prefill0's KV pushes to it stall (link down), SIGCONT at link up",
+            extra: Extra::default(),
+            max_tokens: 32,
+            prompt_len: 64,
+            trigger: Trigger::After(s(2)),
+            fault: Fault::StopDuringLinkDown {
+                link: net::KV_LINK,
+                target: Target::Decode0,
+                after: Duration::from_millis(500),
+                hold: s(3),
+            },
+            tail: s(3),
+            expect: Expect::SomeFail,
+        },
+    ]
 }

@@ -68,7 +68,9 @@ pub struct Injected {
 /// The direct link a fault cuts, if any.
 fn link_of(f: &Fault) -> Option<net::Link> {
     match *f {
-        Fault::LinkDown(l, _) | Fault::KillDuringLinkDown { link: l, .. } => Some(l),
+        Fault::LinkDown(l, _)
+        | Fault::KillDuringLinkDown { link: l, .. }
+        | Fault::StopDuringLinkDown { link: l, .. } => Some(l),
         _ => None,
     }
 }
@@ -307,6 +309,19 @@ async fn drive(
             node(c, target).signal("KILL")?;
             tokio::time::sleep(hold.saturating_sub(after)).await;
             net.link_up(link)?;
+        }
+        Fault::StopDuringLinkDown {
+            link,
+            target,
+            after,
+            hold,
+        } => {
+            net.link_down(link)?;
+            tokio::time::sleep(after).await;
+            node(c, target).signal("STOP")?;
+            tokio::time::sleep(hold.saturating_sub(after)).await;
+            net.link_up(link)?;
+            node(c, target).signal("CONT")?;
         }
         Fault::Drain(t) => lifecycle::drain(c, t, row).await?,
         Fault::RouterRestart { lease } => {

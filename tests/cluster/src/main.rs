@@ -113,6 +113,11 @@ fn real_main() -> Result<bool> {
         for c in &cases {
             println!("{:<16} {}", c.name, c.what);
         }
+        if !args.full {
+            for c in cases::beyond_quick() {
+                println!("{:<16} {} (--full, or --case)", c.name, c.what);
+            }
+        }
         for c in cases::known_failing() {
             println!(
                 "{:<16} {} (known to fail; only with --case)",
@@ -122,11 +127,15 @@ fn real_main() -> Result<bool> {
         return Ok(true);
     }
     if let Some(name) = &args.case {
+        if !args.full {
+            cases.extend(cases::beyond_quick());
+        }
         cases.extend(cases::known_failing());
         cases.retain(|c| c.name == name);
         if cases.is_empty() {
             let names: Vec<_> = matrix()
                 .iter()
+                .chain(&cases::beyond_quick())
                 .chain(&cases::known_failing())
                 .map(|c| c.name)
                 .collect();

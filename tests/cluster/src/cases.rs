@@ -35,6 +35,13 @@ impl Target {
     }
 }
 
+/// What a [`Fault::DuringLinkDown`] does to its target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sig {
+    Kill,
+    Stop,
+}
+
 #[derive(Debug, Clone, Copy)]
 pub enum Fault {
     None,
@@ -45,19 +52,13 @@ pub enum Fault {
     LinkDown(net::Link, Duration),
     /// etcd SIGSTOPped, hold, SIGCONT.
     EtcdStop(Duration),
-    /// A direct link down; once the pushes over it stall (`after`), the target SIGKILLed;
-    /// the link up again after `hold`.
-    KillDuringLinkDown {
+    /// A direct link down; once the pushes over it stall (`after`), the target signalled
+    /// (`Sig::Kill`, or `Sig::Stop`: SIGCONTed when the link is up again); the link up again
+    /// after `hold`.
+    DuringLinkDown {
         link: net::Link,
         target: Target,
-        after: Duration,
-        hold: Duration,
-    },
-    /// As [`Fault::KillDuringLinkDown`], but the target SIGSTOPped, and SIGCONTed when the link
-    /// is up again.
-    StopDuringLinkDown {
-        link: net::Link,
-        target: Target,
+        sig: Sig,
         after: Duration,
         hold: Duration,
     },
@@ -282,9 +283,10 @@ pub fn quick() -> Vec<Case> {
             max_tokens: 32,
             prompt_len: 64,
             trigger: Trigger::After(s(2)),
-            fault: Fault::KillDuringLinkDown {
+            fault: Fault::DuringLinkDown {
                 link: net::KV_LINK,
                 target: Target::Prefill0,
+                sig: Sig::Kill,
                 after: Duration::from_millis(500),
                 hold: s(3),
             },
@@ -302,9 +304,10 @@ pub fn quick() -> Vec<Case> {
             max_tokens: 32,
             prompt_len: 64,
             trigger: Trigger::After(s(2)),
-            fault: Fault::KillDuringLinkDown {
+            fault: Fault::DuringLinkDown {
                 link: net::KV_LINK,
                 target: Target::Decode0,
+                sig: Sig::Kill,
                 after: Duration::from_millis(500),
                 hold: s(3),
             },
@@ -503,9 +506,10 @@ pub fn beyond_quick() -> Vec<Case> {
             max_tokens: 32,
             prompt_len: 64,
             trigger: Trigger::After(s(2)),
-            fault: Fault::StopDuringLinkDown {
+            fault: Fault::DuringLinkDown {
                 link: net::KV_LINK,
                 target: Target::Prefill0,
+                sig: Sig::Stop,
                 after: Duration::from_millis(500),
                 hold: s(3),
             },
@@ -546,9 +550,10 @@ pub fn known_failing() -> Vec<Case> {
             max_tokens: 32,
             prompt_len: 64,
             trigger: Trigger::After(s(2)),
-            fault: Fault::StopDuringLinkDown {
+            fault: Fault::DuringLinkDown {
                 link: net::KV_LINK,
                 target: Target::Decode0,
+                sig: Sig::Stop,
                 after: Duration::from_millis(500),
                 hold: s(3),
             },

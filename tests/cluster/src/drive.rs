@@ -1,7 +1,9 @@
 //! Running one case: a fresh cluster, the load, the trigger, the fault (`lifecycle` for the
 //! faults that stop, add or restart a whole process), the tally and the checks after the load.
 
-use crate::cases::{CONCURRENCY, Case, Expect, Fault, GOAL, LEASE_TTL, STALL, Target, Trigger};
+use crate::cases::{
+    CONCURRENCY, Case, Expect, Fault, GOAL, LEASE_TTL, STALL, Sig, Target, Trigger,
+};
 use crate::cluster::{Cluster, Proc, wait_until};
 use crate::lifecycle;
 use crate::load::{End, Load, Outcome, Spec};
@@ -68,9 +70,7 @@ pub struct Injected {
 /// The direct link a fault cuts, if any.
 fn link_of(f: &Fault) -> Option<net::Link> {
     match *f {
-        Fault::LinkDown(l, _)
-        | Fault::KillDuringLinkDown { link: l, .. }
-        | Fault::StopDuringLinkDown { link: l, .. } => Some(l),
+        Fault::LinkDown(l, _) | Fault::DuringLinkDown { link: l, .. } => Some(l),
         _ => None,
     }
 }
@@ -100,7 +100,13 @@ pub async fn held(p: &Proc) -> Option<Held> {
 /// router's view).
 fn gone(f: &Fault) -> Vec<&'static str> {
     match *f {
-        Fault::Kill(t) | Fault::KillDuringLinkDown { target: t, .. } | Fault::Drain(t) => {
+        Fault::Kill(t)
+        | Fault::DuringLinkDown {
+            target: t,
+            sig: Sig::Kill,
+            ..
+        }
+        | Fault::Drain(t) => {
             vec![t.host().name]
         }
         _ => Vec::new(),
@@ -298,30 +304,24 @@ async fn drive(
             tokio::time::sleep(hold).await;
             c.etcd.signal("CONT")?;
         }
-        Fault::KillDuringLinkDown {
+        Fault::DuringLinkDown {
             link,
             target,
+            sig,
             after,
             hold,
         } => {
             net.link_down(link)?;
             tokio::time::sleep(after).await;
-            node(c, target).signal("KILL")?;
+            node(c, target).signal(match sig {
+                Sig::Kill => "KILL",
+                Sig::Stop => "STOP",
+            })?;
             tokio::time::sleep(hold.saturating_sub(after)).await;
             net.link_up(link)?;
-        }
-        Fault::StopDuringLinkDown {
-            link,
-            target,
-            after,
-            hold,
-        } => {
-            net.link_down(link)?;
-            tokio::time::sleep(after).await;
-            node(c, target).signal("STOP")?;
-            tokio::time::sleep(hold.saturating_sub(after)).await;
-            net.link_up(link)?;
-            node(c, target).signal("CONT")?;
+            if sig == Sig::Stop {
+                node(c, target).signal("CONT")?;
+            }
         }
         Fault::Drain(t) => lifecycle::drain(c, t, row).await?,
         Fault::RouterRestart { lease } => {

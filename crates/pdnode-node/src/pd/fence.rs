@@ -26,6 +26,10 @@ use std::any::Any;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
+/// What an abandoned push still owes its decode node, run with the hold deadline
+/// ([`SourceHold::on_abandon`]).
+pub type Abandon = Box<dyn FnOnce(Instant) + Send>;
+
 /// Fencing counters of a node.
 #[derive(Debug, Default)]
 pub struct FenceCounters {
@@ -83,7 +87,7 @@ pub struct SourceHold {
     puts: Vec<Completion>,
     keep: Option<Box<dyn Any + Send>>,
     /// Run once every put is over, when the push was abandoned (see [`SourceHold::on_abandon`]).
-    abandon: Option<Box<dyn FnOnce() + Send>>,
+    abandon: Option<Abandon>,
     until: Instant,
     counters: std::sync::Arc<FenceCounters>,
 }
@@ -113,10 +117,16 @@ impl SourceHold {
     }
 
     /// `f` runs on the hold's thread once every put finished or failed (never when one is
-    /// still in flight at the hold deadline), before the source is freed: the prefill node's
-    /// "abandoned" fence record, which ends the decode node's quarantine early.
-    pub fn on_abandon(&mut self, f: Box<dyn FnOnce() + Send>) {
+    /// still in flight at the hold deadline), before the source is freed, given the hold
+    /// deadline: the prefill node's "abandoned" fence record, which ends the decode node's
+    /// quarantine early. Armed when the puts start; [`SourceHold::settled`] disarms it.
+    pub fn on_abandon(&mut self, f: Abandon) {
         self.abandon = Some(f);
+    }
+
+    /// The push finished (its records are out): nothing is owed when the hold ends.
+    pub fn settled(&mut self) {
+        self.abandon = None;
     }
 
     fn in_flight(&self) -> bool {
@@ -151,7 +161,7 @@ impl Drop for SourceHold {
             }
             if puts.iter().all(|p| p.try_result().is_some()) {
                 if let Some(f) = abandon {
-                    f();
+                    f(until);
                 }
                 drop(theirs);
             } else {
@@ -236,5 +246,52 @@ mod tests {
         drop(hold);
         wait_for("leak counted", || counters.snapshot(0).sources_leaked == 1);
         assert!(!freed.load(Ordering::SeqCst));
+    }
+
+    #[test]
+    fn an_armed_hold_sends_what_it_owes_after_its_puts_and_a_settled_one_does_not() {
+        use std::sync::Arc;
+        use std::sync::atomic::AtomicBool;
+        let counters = Arc::new(FenceCounters::default());
+        let until = Instant::now() + std::time::Duration::from_secs(5);
+        let sent = Arc::new(std::sync::Mutex::new(None::<Instant>));
+
+        // Armed, a put still in flight: the abandoned record goes only once the put is over,
+        // given the hold deadline, and before the source is freed.
+        let freed = Arc::new(AtomicBool::new(false));
+        let (put, completer) = Completion::pending("put", "test");
+        let mut hold = SourceHold::new(Box::new(Flag(freed.clone())), until, counters.clone());
+        hold.push(put);
+        let (s, f) = (sent.clone(), freed.clone());
+        hold.on_abandon(Box::new(move |at| {
+            assert!(
+                !f.load(Ordering::SeqCst),
+                "source freed before the record went"
+            );
+            *s.lock().unwrap() = Some(at);
+        }));
+        drop(hold);
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert!(
+            sent.lock().unwrap().is_none(),
+            "record sent under a put in flight"
+        );
+        completer.complete(Ok(()));
+        wait_for("source freed", || freed.load(Ordering::SeqCst));
+        assert_eq!(*sent.lock().unwrap(), Some(until));
+
+        // Settled (the push finished): nothing is owed.
+        *sent.lock().unwrap() = None;
+        let mut hold = SourceHold::new(Box::new(Flag(freed.clone())), until, counters.clone());
+        hold.push(Completion::ready("put", Ok(())));
+        let s = sent.clone();
+        hold.on_abandon(Box::new(move |at| *s.lock().unwrap() = Some(at)));
+        hold.settled();
+        drop(hold);
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert!(
+            sent.lock().unwrap().is_none(),
+            "a settled push sent an abandoned record"
+        );
     }
 }

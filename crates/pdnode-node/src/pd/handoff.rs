@@ -71,6 +71,10 @@ pub struct Reservation {
     /// node's push deadline is never past the lease, so by then every put it issued has ended
     /// (completed or failed).
     fence_deadline: Instant,
+    /// When the engine frees the reserved blocks (the lease's end): from then on nobody may
+    /// claim the reservation, and the sweep releases its span (free at once when its writer's
+    /// record shows the writer is done, else quarantined until the fence deadline).
+    lease_end: Instant,
     /// Unix ms after which the capability is refused (the target's lease deadline).
     expires_ms: u64,
     state: ReservationState,
@@ -89,6 +93,7 @@ impl Reservation {
             generation,
             secret,
             fence_deadline: now + lease + lease,
+            lease_end: now + lease,
             expires_ms: u64::MAX,
             state: ReservationState::Reserved,
         }
@@ -133,10 +138,12 @@ impl Reservation {
         Ok(())
     }
 
-    /// Whether the sweep may drop the reservation: unclaimed past its fence deadline (its
-    /// blocks went back to the engine at the lease end).
+    /// Whether the sweep may drop the reservation: unclaimed past its lease end (its blocks
+    /// went back to the engine then). Its span is released as [`Reservation::release`] with
+    /// [`ReleaseCause::LeaseEnd`] decides: a writer's record (of a finished or an abandoned
+    /// push) frees it at once, else it waits out the fence deadline in quarantine.
     pub fn sweepable(&self, now: Instant) -> bool {
-        self.state == ReservationState::Reserved && now >= self.fence_deadline
+        self.state == ReservationState::Reserved && now >= self.lease_end
     }
 
     /// Releases the span, once: `None` when it was released already. `staged`: the
@@ -501,22 +508,29 @@ mod tests {
     }
 
     #[test]
-    fn the_sweep_takes_unclaimed_reservations_past_their_fence_deadline() {
+    fn the_sweep_takes_unclaimed_reservations_at_their_lease_end() {
         let now = Instant::now();
         let (mut r, _) = reservation(now);
-        assert!(!r.sweepable(now + LEASE));
-        assert!(r.sweepable(now + 2 * LEASE));
+        assert!(!r.sweepable(now + LEASE - Duration::from_millis(1)));
+        assert!(r.sweepable(now + LEASE));
+        // The writer's record is there (it finished, or abandoned the push): free at once.
+        assert_eq!(
+            r.release(ReleaseCause::LeaseEnd, true, true, now + LEASE),
+            Some(Release::Free)
+        );
+        assert!(!r.sweepable(now + 3 * LEASE), "released: not swept again");
+        // No record at the lease end: quarantined until the fence deadline.
+        let (mut r, _) = reservation(now);
+        match r.release(ReleaseCause::LeaseEnd, true, false, now + LEASE) {
+            Some(Release::Quarantine(q)) => assert_eq!(q.until, now + 2 * LEASE),
+            other => panic!("not quarantined: {other:?}"),
+        }
+        // Swept late, past the fence deadline: every put the writer issued has ended.
+        let (mut r, _) = reservation(now);
         assert_eq!(
             r.release(ReleaseCause::LeaseEnd, true, false, now + 2 * LEASE),
             Some(Release::Free)
         );
-        assert!(!r.sweepable(now + 3 * LEASE), "released: not swept again");
-        // Released at the lease end before the fence deadline: quarantined.
-        let (mut r, _) = reservation(now);
-        assert!(matches!(
-            r.release(ReleaseCause::LeaseEnd, true, false, now + LEASE),
-            Some(Release::Quarantine(_))
-        ));
     }
 
     #[test]

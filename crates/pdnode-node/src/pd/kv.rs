@@ -261,7 +261,7 @@ impl KvMover {
 /// the sources are, when it is device memory (records and checksums go through it).
 #[allow(clippy::too_many_arguments)]
 pub async fn put_ranks(
-    t: &UcxTransport,
+    t: &Arc<UcxTransport>,
     id: RequestId,
     target: &KvTarget,
     sources: &[(&Registration, u64)],
@@ -283,20 +283,37 @@ pub async fn put_ranks(
         0
     };
     let mut remotes = Vec::with_capacity(sources.len());
+    let mut at = Vec::with_capacity(sources.len());
+    for r in 0..sources.len() {
+        remotes.push(Arc::new(connect_rank(
+            t,
+            target,
+            r,
+            len.saturating_add(record),
+        )?));
+        at.push(target.remote_offset(r, 0, len)?);
+    }
+    // From the first put on, a push that fails owes the decode node its abandoned record.
+    if let Some((rec, cap)) = abandoned_record(target, len)? {
+        let owed = remotes
+            .iter()
+            .zip(&at)
+            .map(|(remote, at)| (Arc::clone(remote), at.saturating_add(len)))
+            .collect();
+        hold.on_abandon(send_abandoned(t.clone(), owed, rec, cap));
+    }
     let first = hold.puts().len();
     let issued = Instant::now();
-    for (r, (reg, local_offset)) in sources.iter().enumerate() {
-        let remote = connect_rank(t, target, r, len.saturating_add(record))?;
+    for (r, ((reg, local_offset), remote)) in sources.iter().zip(&remotes).enumerate() {
         let span = Span {
             local_offset: *local_offset,
-            remote_offset: target.remote_offset(r, 0, len)?,
+            remote_offset: at[r],
             len,
         };
         hold.push(
-            t.put(reg, &remote, &[span])
+            t.put(reg, remote, &[span])
                 .map_err(HandoffError::at(format!("put rank {r}")))?,
         );
-        remotes.push(remote);
     }
     // Flushed right behind the puts (a flush completes after every put issued before it on the
     // endpoint): no wake-up of this task between the last put and the flush.
@@ -317,8 +334,82 @@ pub async fn put_ranks(
             .collect();
         put_records(t, id, target, &spans, &remotes, &wait, hold, engine, false).await?;
     }
+    hold.settled();
     drop(remotes);
     Ok(())
+}
+
+/// The "abandoned" fence record a push of `per_rank` bytes a rank owes `target` if it fails
+/// after its first put, and the capability that tags it; `None` when the target asks for no
+/// records or has device memory (a record goes from a fresh host region, which UCX cannot put
+/// into a peer's device memory: a device span waits out its fence deadline).
+pub(super) fn abandoned_record(
+    target: &KvTarget,
+    per_rank: u64,
+) -> Result<Option<(FenceRecord, Secret)>, HandoffError> {
+    if !target.fence_record || target.ranks.iter().any(|r| r.device_memory) {
+        return Ok(None);
+    }
+    let rec = FenceRecord {
+        generation: target.staging_generation,
+        request: target.request.0,
+        len: per_rank,
+        sum: None,
+        aborted: true,
+    };
+    Ok(Some((rec, capability(target)?)))
+}
+
+/// What an abandoned push sends once every put it issued is over
+/// ([`SourceHold::on_abandon`]): a flush of each rank's endpoint (every put issued before it is
+/// then visible at the peer), then `rec` at each rank's offset in `owed`, flushed. The decode
+/// node's quarantine of the span ends when it reads the record, not at its fence deadline.
+/// Every wait ends by the hold deadline it is given, not sooner: a decode node frozen or cut
+/// off for a while gets the record when it comes back within it.
+pub(super) fn send_abandoned(
+    t: Arc<UcxTransport>,
+    owed: Vec<(Arc<RemoteTarget>, u64)>,
+    rec: FenceRecord,
+    cap: Secret,
+) -> fence::Abandon {
+    Box::new(move |until| {
+        for (r, _) in &owed {
+            if t.flush(r).and_then(|f| f.wait(until)).is_err() {
+                tracing::debug!(
+                    generation = rec.generation,
+                    "abandoned KV push: its endpoint failed or stayed stalled; no record sent"
+                );
+                return;
+            }
+        }
+        let Ok(reg) = t.allocate_registered(RECORD_LEN) else {
+            return;
+        };
+        if fence::write_record(&reg, 0, &rec, &cap).is_err() {
+            return;
+        }
+        let puts: Vec<_> = owed
+            .iter()
+            .filter_map(|(r, at)| {
+                let span = Span {
+                    local_offset: 0,
+                    remote_offset: *at,
+                    len: RECORD_LEN as u64,
+                };
+                t.put(&reg, r, &[span]).ok()
+            })
+            .collect();
+        for p in &puts {
+            let _ = p.wait(until);
+        }
+        for (r, _) in &owed {
+            let _ = t.flush(r).and_then(|f| f.wait(until));
+        }
+        tracing::debug!(
+            generation = rec.generation,
+            "abandoned KV push: fence record sent"
+        );
+    })
 }
 
 /// Behind KV already flushed to the decode node: each rank's fence record (generation,
@@ -334,7 +425,7 @@ pub(super) async fn put_records(
     id: RequestId,
     target: &KvTarget,
     sources: &[(&Registration, usize, usize)],
-    remotes: &[RemoteTarget],
+    remotes: &[Arc<RemoteTarget>],
     wait: &PushWait,
     hold: &mut SourceHold,
     engine: Option<&EngineHandle>,

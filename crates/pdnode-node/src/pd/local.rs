@@ -325,10 +325,12 @@ impl PdNode {
         self.slots.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Drops reservations whose lease has passed, after a grace of one more lease: the engine
-    /// freed their blocks at the deadline already, but a prefill node may still be putting into
-    /// the receive staging until its own push deadline (its start + one lease), so the staging
-    /// region stays registered until then. Returns how many were dropped.
+    /// Drops reservations whose lease has passed (the engine freed their blocks then) and
+    /// sweeps the quarantine. A dropped reservation's span is free at once when its writer's
+    /// fence record is there (a finished push, or an abandoned one's record); else a prefill
+    /// node may still be putting into it until its own push deadline (its start + one lease),
+    /// so it stays registered, in quarantine, until the fence deadline. Returns how many were
+    /// dropped.
     pub fn sweep(&self) -> usize {
         let now = Instant::now();
         let expired: Vec<(RequestId, DecodeSlot)> = {
@@ -343,7 +345,6 @@ impl PdNode {
                 .collect()
         };
         let n = expired.len();
-        // Held one lease past their lease already: their fence deadline has passed (freed).
         for (id, slot) in expired {
             self.release_staging(id, slot, ReleaseCause::LeaseEnd);
         }

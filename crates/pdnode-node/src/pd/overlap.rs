@@ -36,7 +36,7 @@ pub(super) struct OverlapPush {
     /// Bytes of the span: the KV, and room for the fence record when the target asks for one.
     span_len: usize,
     slice: SliceCell,
-    remotes: Vec<RemoteTarget>,
+    remotes: Vec<Arc<RemoteTarget>>,
     staging_offset: u64,
     blocks: usize,
     layers: u32,
@@ -75,42 +75,12 @@ impl Drop for OverlapPush {
         let Some(at) = self.staging_offset.checked_add(self.per_rank as u64) else {
             return;
         };
-        let t = self.t.clone();
-        let remotes = std::mem::take(&mut self.remotes);
-        self.hold.on_abandon(Box::new(move || {
-            let deadline = Instant::now() + std::time::Duration::from_secs(5);
-            // Every put issued before a flush is visible at the peer when the flush completes.
-            for r in &remotes {
-                if t.flush(r).and_then(|f| f.wait(deadline)).is_err() {
-                    return;
-                }
-            }
-            let Ok(reg) = t.allocate_registered(RECORD_LEN) else {
-                return;
-            };
-            if fence::write_record(&reg, 0, &rec, &cap).is_err() {
-                return;
-            }
-            let span = Span {
-                local_offset: 0,
-                remote_offset: at,
-                len: RECORD_LEN as u64,
-            };
-            let puts: Vec<_> = remotes
-                .iter()
-                .filter_map(|r| t.put(&reg, r, &[span]).ok())
-                .collect();
-            for p in &puts {
-                let _ = p.wait(deadline);
-            }
-            for r in &remotes {
-                let _ = t.flush(r).and_then(|f| f.wait(deadline));
-            }
-            tracing::debug!(
-                generation = rec.generation,
-                "abandoned KV push: fence record sent"
-            );
-        }));
+        let owed = std::mem::take(&mut self.remotes)
+            .into_iter()
+            .map(|r| (r, at))
+            .collect();
+        self.hold
+            .on_abandon(super::kv::send_abandoned(self.t.clone(), owed, rec, cap));
     }
 }
 
@@ -144,12 +114,11 @@ impl OverlapPush {
         }
         let mut remotes = Vec::with_capacity(target.ranks.len());
         for r in 0..target.ranks.len() {
-            remotes.push(super::kv::connect_rank(t, target, r, span_len)?);
+            remotes.push(Arc::new(super::kv::connect_rank(t, target, r, span_len)?));
         }
         let slice: SliceCell = Arc::new(Mutex::new(None));
-        // Into host staging only: the record goes from a fresh host region, which UCX cannot
-        // put into a peer's device memory (a device span waits out its fence deadline).
-        // The span's record, without a checksum: the seal's template, and the abandoned one.
+        // The span's record, without a checksum: the seal's template. The abandoned one goes
+        // into host staging only (`super::kv::abandoned_record`).
         let template = FenceRecord {
             generation: target.staging_generation,
             request: target.request.0,
@@ -157,16 +126,7 @@ impl OverlapPush {
             sum: None,
             aborted: false,
         };
-        let abandon_record = if target.fence_record && !target.ranks.iter().any(|r| r.device_memory)
-        {
-            let aborted = FenceRecord {
-                aborted: true,
-                ..template
-            };
-            Some((aborted, super::kv::capability(target)?))
-        } else {
-            None
-        };
+        let abandon_record = super::kv::abandoned_record(target, per_rank)?;
         // A device arena: the engine writes the records (it owns the GPU; asking it later would
         // wait for its current step). Host arenas: the push writes them in place.
         let seal = if target.fence_record && arena.is_device() {

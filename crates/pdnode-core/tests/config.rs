@@ -10,7 +10,7 @@ use pdnode_core::config::{
 };
 use std::path::{Path, PathBuf};
 
-mod common;
+use crate::common;
 
 use common::{FILE, env, errors, file_src, sets};
 

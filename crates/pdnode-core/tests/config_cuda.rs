@@ -6,7 +6,7 @@ use pdnode_core::config::{
     load_from_str_with_env,
 };
 
-mod common;
+use crate::common;
 
 use common::{FILE, env, errors, file_src, sets};
 

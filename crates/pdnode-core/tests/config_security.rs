@@ -1,7 +1,7 @@
 //! The security keys: the node API's TLS files and `allow_insecure`, and etcd's TLS and auth
 //! (`registry.etcd_*`): each checked, naming its key and file.
 
-mod common;
+use crate::common;
 
 use common::{FILE, errors};
 use pdnode_core::config::{ConfigError, FileError, load_from_str};

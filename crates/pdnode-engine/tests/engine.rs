@@ -469,7 +469,7 @@ async fn stop_token_ids_end_with_stop() {
 }
 
 /// Scheduler + loop overhead with a zero-cost mock (a figure, not a timed assertion):
-/// `cargo test -p pdnode-engine --test engine -- --ignored --nocapture mock_throughput`
+/// `cargo test -p pdnode-engine --test all -- --ignored --nocapture engine::mock_throughput`
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore]
 async fn mock_throughput() {

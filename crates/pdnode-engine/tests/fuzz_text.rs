@@ -4,7 +4,7 @@
 //! chat templates (SmolLM2, Llama 3, Qwen2). Each input gives text, ids or an error, never a
 //! panic. Bounded: a few hundred cases per target.
 
-mod text_support;
+use crate::text_support;
 
 use pdnode_engine::text::{ChatTemplate, IncrementalDecoder, RenderOptions, TemplateValue};
 use pdnode_testkit::fuzz::Fuzz;

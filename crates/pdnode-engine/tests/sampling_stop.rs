@@ -1,6 +1,6 @@
 //! OutputAssembler: EOS, stop ids, stop strings across token boundaries, hold-back, length.
 
-mod text_support;
+use crate::text_support;
 
 use pdnode_core::{FinishReason, SamplingParams};
 use pdnode_engine::sampling::{OutputAssembler, SamplingError, StopCause};

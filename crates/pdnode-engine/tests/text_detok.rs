@@ -1,6 +1,6 @@
 //! IncrementalDecoder: streamed deltas never split a character and add up to the full decode.
 
-mod text_support;
+use crate::text_support;
 
 use pdnode_engine::text::{IncrementalDecoder, Tokenizer};
 use text_support::{byte_id, toy};

@@ -1,7 +1,7 @@
 //! Tokenizer: GGUF byte-level BPE against transformers' reference ids (fixture made by
 //! scripts/fixtures/text_reference.py), special tokens, BOS flags, bad ids.
 
-mod text_support;
+use crate::text_support;
 
 use pdnode_engine::loader::TokenizerSource;
 use pdnode_engine::text::{TextError, Tokenizer};

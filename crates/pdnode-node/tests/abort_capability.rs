@@ -4,7 +4,7 @@
 //! the request goes on to its end; the right one stops it and frees its KV blocks and staging.
 //! The mock engine in process (role = "all"), and the CPU backend over UCX for staging spans.
 
-mod common;
+use crate::common;
 
 use common::{cpu_prompt, cpu_ucx_config, pd_pair, prompt};
 use futures::StreamExt;
@@ -240,8 +240,6 @@ async fn the_requests_capability_aborts_it_in_every_phase_and_frees_its_blocks()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_reserve_call_gives_its_blocks_back_before_the_lease() {
-    // SAFETY (env): set before any UCX context exists in this test process.
-    unsafe { std::env::set_var("UCX_NET_DEVICES", "lo") };
     let mut cfg = cpu_ucx_config();
     cfg.engine.kv_staging_tokens = 24;
     // Without the drop the blocks would be held for the whole lease.
@@ -267,8 +265,6 @@ async fn a_dropped_reserve_call_gives_its_blocks_back_before_the_lease() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_abort_leaves_the_staging_span_and_the_right_one_frees_it() {
-    // SAFETY (env): set before any UCX context exists in this test process.
-    unsafe { std::env::set_var("UCX_NET_DEVICES", "lo") };
     let mut cfg = cpu_ucx_config();
     // The fence deadline of an aborted span nobody writes: one lease past its lease.
     cfg.transfer.lease_ms = 1_000;
@@ -325,8 +321,6 @@ async fn a_refused_abort_leaves_the_staging_span_and_the_right_one_frees_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_abort_during_the_hand_off_ends_the_prefill_cancelled() {
-    // SAFETY (env): set before any UCX context exists in this test process.
-    unsafe { std::env::set_var("UCX_NET_DEVICES", "lo") };
     let mut cfg = cpu_ucx_config();
     // A hand-off waits a quarter of the lease (1 s) for room in a full prefill arena: the
     // engine is done with the request by then, so an engine abort can no longer stop it.

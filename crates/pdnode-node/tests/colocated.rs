@@ -3,7 +3,7 @@
 //! engine), and every way a request ends (finish, a dropped stream, an abort, an unclaimed
 //! reservation) leaves the engine's KV accounting clean.
 
-mod common;
+use crate::common;
 
 use pdnode_core::config::{Backend, Config, ModelFormat};
 use pdnode_core::{NodeId, RequestId, SamplingParams};

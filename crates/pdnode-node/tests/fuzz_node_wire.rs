@@ -6,7 +6,7 @@
 //! process). Every call answers (a response or a status) within its deadline, never a panic,
 //! and afterwards the nodes still serve a normal request and hold no KV.
 
-mod common;
+use crate::common;
 
 use futures::StreamExt;
 use pdnode_core::config::Config;

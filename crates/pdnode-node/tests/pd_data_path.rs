@@ -2,7 +2,7 @@
 //! outputs are derived from the KV it holds, so a wrong or missing hand-off changes the tokens):
 //! in-process (role = "all") and over real UCX on loopback, plus the refusals.
 
-mod common;
+use crate::common;
 
 use common::{colocated_sampled, colocated_tokens, cpu_prompt, cpu_ucx_config, pd_pair};
 
@@ -180,10 +180,9 @@ async fn a_reservation_nobody_claims_is_freed_at_its_lease() {
 /// (loopback only), and the output equals the colocated run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ucx_hand_off_matches_colocated() {
-    // SAFETY (env): set before any UCX context exists in this test process.
-    unsafe { std::env::set_var("UCX_NET_DEVICES", "lo") };
     let mut cfg = mock_config();
     cfg.transfer.kind = TransferKind::Ucx;
+    cfg.transfer.ucx_net_devices = "lo".into();
     let want = colocated_tokens(&cfg, &prompt(), 10).await;
     let mut pcfg = cfg.clone();
     pcfg.node.role = Role::Prefill;
@@ -331,8 +330,6 @@ fn arena_free(n: &pd::ServingNode) -> bool {
 /// ChaCha20 position after the first token), not a stream restarted from the seed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn seeded_sampling_through_a_cpu_pd_split_equals_colocated() {
-    // SAFETY (env): set before any UCX context exists in this test process.
-    unsafe { std::env::set_var("UCX_NET_DEVICES", "lo") };
     let cfg = cpu_ucx_config();
     let ids = cpu_prompt(2);
     let sampled = |seed| SamplingParams {
@@ -361,8 +358,6 @@ async fn seeded_sampling_through_a_cpu_pd_split_equals_colocated() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_step_layer_groups_of_any_size_match_colocated() {
-    // SAFETY (env): set before any UCX context exists in this test process.
-    unsafe { std::env::set_var("UCX_NET_DEVICES", "lo") };
     let cfg = cpu_ucx_config();
     let ids = cpu_prompt(4);
     let want = colocated_tokens(&cfg, &ids, 6).await;
@@ -390,8 +385,6 @@ async fn in_step_layer_groups_of_any_size_match_colocated() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ucx_staging_arena_hand_off_matches_colocated_and_frees_its_slices() {
-    // SAFETY (env): set before any UCX context exists in this test process.
-    unsafe { std::env::set_var("UCX_NET_DEVICES", "lo") };
     let cfg = cpu_ucx_config();
     let prompts: Vec<Vec<u32>> = (0..3).map(cpu_prompt).collect();
     let mut want = Vec::new();
@@ -497,8 +490,6 @@ async fn ucx_staging_arena_hand_off_matches_colocated_and_frees_its_slices() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ucx_without_room_in_the_arena_falls_back_to_host_staging() {
-    // SAFETY (env): set before any UCX context exists in this test process.
-    unsafe { std::env::set_var("UCX_NET_DEVICES", "lo") };
     let mut cfg = cpu_ucx_config();
     // Two blocks of room: a 23-token prompt (6 blocks) never fits, on either side.
     cfg.engine.kv_staging_tokens = 8;
@@ -543,8 +534,6 @@ async fn ucx_without_room_in_the_arena_falls_back_to_host_staging() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_arena_when_kv_staging_tokens_is_zero() {
-    // SAFETY (env): set before any UCX context exists in this test process.
-    unsafe { std::env::set_var("UCX_NET_DEVICES", "lo") };
     let mut cfg = cpu_ucx_config();
     cfg.engine.kv_staging_tokens = 0;
     let ids = cpu_prompt(7);
@@ -563,8 +552,6 @@ async fn no_arena_when_kv_staging_tokens_is_zero() {
 /// node puts them while the next chunks compute; the output still equals colocated.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chunked_prefill_pushes_finished_blocks_before_prefill_ends() {
-    // SAFETY (env): set before any UCX context exists in this test process.
-    unsafe { std::env::set_var("UCX_NET_DEVICES", "lo") };
     let mut cfg = cpu_ucx_config();
     cfg.engine.max_batch_tokens = 8;
     cfg.engine.max_running_requests = 2;
@@ -598,8 +585,6 @@ async fn chunked_prefill_pushes_finished_blocks_before_prefill_ends() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "figures: run with --ignored --nocapture"]
 async fn cpu_hand_off_figures_arena_vs_host_staging() {
-    // SAFETY (env): set before any UCX context exists in this test process.
-    unsafe { std::env::set_var("UCX_NET_DEVICES", "lo") };
     let ids: Vec<u32> = (0..512).map(|i| (i * 7 + 3) % 4000).collect();
     for tokens in [8192u32, 0] {
         let mut cfg = cpu_ucx_config();
@@ -654,8 +639,6 @@ async fn wait_until_for(what: &str, limit: Duration, cond: impl Fn() -> bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_momentarily_full_arena_is_waited_for_not_bypassed() {
-    // SAFETY (env): set before any UCX context exists in this test process.
-    unsafe { std::env::set_var("UCX_NET_DEVICES", "lo") };
     let mut cfg = cpu_ucx_config();
     // Room for exactly one 23-token prompt (6 blocks of 4) on each side.
     cfg.engine.kv_staging_tokens = 24;
@@ -743,8 +726,6 @@ async fn a_momentarily_full_arena_is_waited_for_not_bypassed() {
 /// at the wait's deadline), answers `Cancelled`, and gives its blocks back at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_abort_ends_a_reservation_waiting_for_arena_room() {
-    // SAFETY (env): set before any UCX context exists in this test process.
-    unsafe { std::env::set_var("UCX_NET_DEVICES", "lo") };
     let mut cfg = cpu_ucx_config();
     cfg.engine.kv_staging_tokens = 24;
     // A long lease: the wait for room would last up to MAX_ARENA_WAIT (5 s) without the abort.

@@ -6,7 +6,7 @@
 //! The late or corrupting writer is the test itself: it puts into a decode node's staging with
 //! the rank regions of a KV target it kept, as a prefill node whose puts were delayed would.
 
-mod common;
+use crate::common;
 
 use common::{colocated_tokens, cpu_prompt, cpu_ucx_config, pd_pair};
 use pdnode_core::{NodeId, RequestId, SamplingParams};
@@ -155,8 +155,6 @@ async fn wait_until(what: &str, limit: Duration, cond: impl Fn() -> bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_put_landing_after_its_abort_never_reaches_a_scatter_or_the_next_reservation() {
-    // SAFETY (env): set before any UCX context exists in this test process.
-    unsafe { std::env::set_var("UCX_NET_DEVICES", "lo") };
     let mut cfg = cpu_ucx_config();
     // A short lease: the quarantine of a span nobody finishes ends one lease past its lease.
     cfg.transfer.lease_ms = 2_000;
@@ -260,8 +258,6 @@ async fn a_put_landing_after_its_abort_never_reaches_a_scatter_or_the_next_reser
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flipped_byte_fails_only_its_request_and_verify_off_lets_it_through() {
-    // SAFETY (env): set before any UCX context exists in this test process.
-    unsafe { std::env::set_var("UCX_NET_DEVICES", "lo") };
     let cfg = cpu_ucx_config();
     let prompts: Vec<Vec<u32>> = (0..3).map(|i| cpu_prompt(10 + i)).collect();
     let mut want = Vec::new();
@@ -316,8 +312,6 @@ async fn a_flipped_byte_fails_only_its_request_and_verify_off_lets_it_through() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_decode_arena_with_capped_host_staging_refuses_instead_of_growing() {
-    // SAFETY (env): set before any UCX context exists in this test process.
-    unsafe { std::env::set_var("UCX_NET_DEVICES", "lo") };
     let mut cfg = cpu_ucx_config();
     // A reservation waits a quarter of the lease for arena room before it stages on the host.
     cfg.transfer.lease_ms = 1_000;
@@ -365,8 +359,6 @@ async fn a_full_decode_arena_with_capped_host_staging_refuses_instead_of_growing
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_abandoned_push_frees_the_decode_span_without_waiting_for_the_fence_deadline() {
-    // SAFETY (env): set before any UCX context exists in this test process.
-    unsafe { std::env::set_var("UCX_NET_DEVICES", "lo") };
     let cfg = cpu_ucx_config();
     let ids = cpu_prompt(4);
     let want = colocated_tokens(&cfg, &ids, 5).await;
@@ -412,8 +404,6 @@ async fn an_abandoned_push_frees_the_decode_span_without_waiting_for_the_fence_d
 /// `transfer.verify` and `transfer.host_staging_bytes` as `pd_node` reads them from the config.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_transfer_keys_reach_the_decode_node() {
-    // SAFETY (env): set before any UCX context exists in this test process.
-    unsafe { std::env::set_var("UCX_NET_DEVICES", "lo") };
     let mut cfg = cpu_ucx_config();
     cfg.transfer.verify = false;
     cfg.transfer.host_staging_bytes = 0;
@@ -456,8 +446,6 @@ async fn the_transfer_keys_reach_the_decode_node() {
 /// rightful request still completes and nothing is held.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forged_and_expired_capabilities_are_refused() {
-    // SAFETY (env): set before any UCX context exists in this test process.
-    unsafe { std::env::set_var("UCX_NET_DEVICES", "lo") };
     let mut cfg = cpu_ucx_config();
     cfg.transfer.lease_ms = 1_500;
     let ids = cpu_prompt(5);

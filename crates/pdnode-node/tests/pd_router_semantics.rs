@@ -6,7 +6,7 @@
 //! - `usage.cached_tokens` reports the prefill node's prefix-cache hits;
 //! - stop strings are applied once, by the router (the nodes' engines never detokenize).
 
-mod common;
+use crate::common;
 
 use pdnode_core::config::Config;
 use pdnode_core::{FinishReason, NodeId, SamplingParams};

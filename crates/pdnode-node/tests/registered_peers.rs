@@ -3,7 +3,7 @@
 //! target naming another node or another worker is refused (`Retryable`) before any endpoint
 //! exists. CPU backend over UCX on loopback.
 
-mod common;
+use crate::common;
 
 use common::{colocated_tokens, cpu_prompt, cpu_ucx_config, pd_pair};
 use futures::StreamExt;
@@ -14,8 +14,6 @@ use pdnode_transfer::KvTransport;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefill_node_pushes_only_to_registered_decode_workers() {
-    // SAFETY (env): set before any UCX context exists in this test process.
-    unsafe { std::env::set_var("UCX_NET_DEVICES", "lo") };
     let cfg = cpu_ucx_config();
     let ids = cpu_prompt(3);
     let want = colocated_tokens(&cfg, &ids, 5).await;

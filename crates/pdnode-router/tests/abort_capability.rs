@@ -4,7 +4,7 @@
 //! aborted once the answer (and its capability) is there, and so is a reservation whose answer
 //! came past the router's bound.
 
-mod common;
+use crate::common;
 
 use common::{fakes, request_40_tokens};
 use pdnode_core::ErrorKind;

@@ -1,7 +1,7 @@
 //! Colocated workers (role `all`): the router pairs each with itself (D == P), never with a
 //! prefill-only or decode-only node, and a failed colocated prefill moves the whole request on.
 
-mod common;
+use crate::common;
 
 use pdnode_core::{ErrorKind, Role, SamplingParams};
 use pdnode_router::testing::{FakeCall, FakeNode, FakeTokenizer};

@@ -2,7 +2,7 @@
 //! it on the prefill node (every KV block free again) and answers the client long before the
 //! prefill would have ended; with another decode node it retries there instead.
 
-mod common;
+use crate::common;
 
 use pdnode_core::{ErrorKind, NodeId};
 use pdnode_router::testing::FakeCall;

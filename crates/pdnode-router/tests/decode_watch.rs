@@ -5,7 +5,7 @@
 //! Paused tokio time: the router's timers (membership check, probe period, the fake's delays)
 //! run on a virtual clock, so the counts below are exact and nothing waits in real time.
 
-mod common;
+use crate::common;
 
 use pdnode_core::{ErrorKind, NodeId};
 use pdnode_router::testing::{FakeCall, FakeNode};

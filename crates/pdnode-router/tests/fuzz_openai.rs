@@ -5,7 +5,7 @@
 //! 4xx whose JSON names the error; never a 5xx, a dropped connection (a handler panic) or a hang.
 //! Bounded: a few hundred cases per target, a few seconds in a debug build.
 
-mod common;
+use crate::common;
 
 use common::Harness;
 use pdnode_testkit::fuzz::Fuzz;

@@ -1,6 +1,6 @@
 //! The `pdnode.v1.Inference` gRPC frontend against fake nodes.
 
-mod common;
+use crate::common;
 
 use common::Harness;
 use pdnode_core::ErrorKind;

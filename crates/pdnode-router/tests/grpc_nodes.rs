@@ -6,7 +6,7 @@
 // fields added to pdnode.v1 (additive within v1) do not break this code.
 #![allow(clippy::needless_update)]
 
-mod common;
+use crate::common;
 
 use futures::StreamExt;
 use pdnode_core::card::NodeAddresses;

@@ -1,7 +1,7 @@
 //! The OpenAI HTTP frontend against fake nodes: answers, streaming, every error status, aborts
 //! on disconnect, prefill retry, decode death.
 
-mod common;
+use crate::common;
 
 use common::{Harness, post, post_sse, sse_data};
 use futures::StreamExt;

@@ -1,7 +1,7 @@
 //! What clients send beyond the core parameters, against fake nodes: the extras of other
 //! servers (accepted as implemented or refused by name) and routing keys for the `manual` policy.
 
-mod common;
+use crate::common;
 
 use common::{Harness, post, post_sse};
 use pdnode_router::testing::FakeCall;

@@ -3,7 +3,7 @@
 //! `Stats` answers UNAVAILABLE because its engine stalled) is lost within about a probe period.
 //! A lost prefill node is retried on another one; a lost decode node ends the stream.
 
-mod common;
+use crate::common;
 
 use pdnode_core::ErrorKind;
 use pdnode_router::testing::FakeCall;

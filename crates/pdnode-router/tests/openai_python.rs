@@ -3,7 +3,7 @@
 //! says so and passes WITHOUT checking anything (marked SKIPPED in its output); set
 //! `PDNODE_REQUIRE_OPENAI=1` to make a missing package a failure instead.
 
-mod common;
+use crate::common;
 
 use common::Harness;
 use std::path::PathBuf;

@@ -2,7 +2,7 @@
 //! `router.client_send_timeout_s`, then treats it as gone, aborts the request on both nodes and
 //! frees its in-flight slot, instead of holding both forever.
 
-mod common;
+use crate::common;
 
 use common::{fakes, request_40_tokens};
 use pdnode_router::Router;

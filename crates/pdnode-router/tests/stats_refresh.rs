@@ -2,7 +2,7 @@
 //! call's timeout together, not one each, and the nodes that answer are in the policies' view
 //! and the gauges. On tokio's paused clock, so the durations are exact, not timed.
 
-mod common;
+use crate::common;
 
 use common::fakes;
 use pdnode_core::metrics as m;

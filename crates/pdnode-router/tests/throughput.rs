@@ -1,8 +1,8 @@
 //! Router overhead with instant fake nodes: non-streaming completions at a fixed concurrency.
 //! Ignored by default (a measurement, not a check):
-//! `cargo test -p pdnode-router --release --test throughput -- --ignored --nocapture`
+//! `cargo test -p pdnode-router --release --test all throughput:: -- --ignored --nocapture`
 
-mod common;
+use crate::common;
 
 use common::Harness;
 use serde_json::json;

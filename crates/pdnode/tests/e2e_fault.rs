@@ -5,7 +5,7 @@
 //! (The decode node killed between its reservation and `Decode` is
 //! `e2e_split::decode_killed_while_prefill_holds_blocks_frees_them_and_fails_the_request`.)
 
-mod e2e_support;
+use crate::e2e_support;
 
 use e2e_support::{Node, dump, free_addr};
 use pdnode_proto::v1::{StatsRequest, node_client::NodeClient};

@@ -10,7 +10,7 @@
 //! A client that never reads is covered in process (`pdnode-router --test slow_client`): over
 //! loopback the kernel and the HTTP server buffer more than the mock engine's longest stream.
 
-mod e2e_support;
+use crate::e2e_support;
 
 use e2e_support::{Node, dump, free_addr};
 use pdnode_proto::v1::{StatsRequest, StatsResponse, node_client::NodeClient};
@@ -563,7 +563,7 @@ async fn prefill_frozen_mid_prefill_is_retried_on_the_other_prefill_node() {
 /// A measurement, not a check (docs/benchmarks.md): TTFT at concurrency 1 over zero-time mock
 /// engines, through the router (HTTP streaming: tokenize, `ReserveKv`, `Prefill`, the first SSE
 /// event) and straight to the nodes (the same `ReserveKv` + `Prefill` over gRPC from the test).
-/// `cargo test -p pdnode --test e2e_faults -- --ignored --nocapture ttft_router_vs_direct`
+/// `cargo test -p pdnode --test all -- --ignored --nocapture e2e_faults::ttft_router_vs_direct`
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore]
 async fn ttft_router_vs_direct() {

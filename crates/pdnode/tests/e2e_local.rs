@@ -10,7 +10,7 @@
 //! Needs models/SmolLM2-135M-Instruct.Q4_1.gguf (scripts/fetch-model.sh): SKIPPED without it,
 //! a failure without it when `CI` is set.
 
-mod e2e_support;
+use crate::e2e_support;
 
 use e2e_support::{
     Node, dump, free_addr, greedy_completion, model_present, post_json, post_raw, read_sse,

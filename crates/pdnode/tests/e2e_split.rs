@@ -8,7 +8,7 @@
 //!   and the end of the stream within seconds, the prefill node holds no KV blocks afterwards,
 //!   and the router answers 503 once the decode node is gone.
 
-mod e2e_support;
+use crate::e2e_support;
 
 use e2e_support::{Node, dump, free_addr, greedy_completion, model_present, read_sse};
 use pdnode_proto::v1::{StatsRequest, node_client::NodeClient};

@@ -4,7 +4,7 @@
 //! and a plaintext client of a node's API gets nothing. `check-config` refuses a certificate
 //! that names another node (exit 2, naming the key).
 
-mod e2e_support;
+use crate::e2e_support;
 
 use e2e_support::{BIN, Node, dump, free_addr, repo_root};
 use pdnode_proto::v1::{StatsRequest, node_client::NodeClient};

@@ -12,7 +12,7 @@
 //! - The decode node killed: the next request's trace has an error status on the step that
 //!   failed (`reserve_kv` at the router, the call to the dead node).
 
-mod e2e_support;
+use crate::e2e_support;
 
 use e2e_support::{Node, dump, free_addr};
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{

@@ -50,6 +50,8 @@ pub fn cpu_ucx_config() -> Config {
     .into();
     c.registry.kind = RegistryKind::Memory;
     c.transfer.kind = TransferKind::Ucx;
+    // Loopback only (the config key, not the environment: the tests share one process).
+    c.transfer.ucx_net_devices = "lo".into();
     c.transfer.lease_ms = 5_000;
     c
 }

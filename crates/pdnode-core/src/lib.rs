@@ -17,7 +17,7 @@ pub mod layout;
 pub mod metrics;
 pub mod request;
 
-pub use accounting::Accounting;
+pub use accounting::{Accounting, StepTimes};
 pub use card::{NodeCard, Role, SglangWorker};
 pub use error::ErrorKind;
 pub use ids::{BlockId, NodeId, RequestId, TransferId};

@@ -1,5 +1,10 @@
 //! Every metric name, in one place: `pdnode_<subsystem>_<what>_<unit>`; counters end in `_total`.
 
+/// Upper bounds (seconds) of every histogram's buckets (latencies and step times).
+pub const LATENCY_BUCKETS: [f64; 16] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+];
+
 /// Requests finished, label `outcome` (ok, or an [`crate::ErrorKind`] string), `endpoint`.
 pub const ROUTER_REQUESTS_TOTAL: &str = "pdnode_router_requests_total";
 /// Time to first token, seconds (histogram).
@@ -38,16 +43,20 @@ pub const KV_CACHED_BLOCKS: &str = "pdnode_kv_cached_blocks";
 pub const KV_FREE_BLOCKS: &str = "pdnode_kv_free_blocks";
 /// KV blocks in the pool, label `node` (gauge).
 pub const KV_BLOCKS_TOTAL: &str = "pdnode_kv_blocks_total";
-/// Requests preempted (recompute), label `node` (counter).
+/// Requests preempted (recompute), label `node` (counter, kept by the node).
 pub const ENGINE_PREEMPTIONS_TOTAL: &str = "pdnode_engine_preemptions_total";
-/// Forward-pass step time, seconds (histogram), label `phase` (prefill, decode).
+/// The backend's forward pass of one engine step, seconds (histogram, kept by the node over
+/// [`LATENCY_BUCKETS`]), labels `node`, `phase` (`prefill`: the step runs a prompt chunk,
+/// possibly beside decodes; `decode`: decodes only).
 pub const ENGINE_STEP_SECONDS: &str = "pdnode_engine_step_seconds";
 
 /// KV bytes handed off, label `direction` (sent, received) (counter).
 pub const TRANSFER_BYTES_TOTAL: &str = "pdnode_transfer_bytes_total";
 /// KV hand-off latency from target received to done, seconds (histogram).
 pub const TRANSFER_SECONDS: &str = "pdnode_transfer_seconds";
-/// Hand-offs finished, label `outcome` (counter).
+/// Prefill calls (the prompt's forward pass and its KV hand-off) ended, as the router saw them,
+/// labels `node` (the prefill node), `outcome` (`ok`, or the failure's error class: the
+/// prefill or its hand-off failed, or the prefill or decode node was lost) (counter).
 pub const TRANSFER_HANDOFFS_TOTAL: &str = "pdnode_transfer_handoffs_total";
 
 /// Staging spans held by a decode reservation, label `node` (gauge). 0 on an idle node.

@@ -148,6 +148,11 @@ async fn many_concurrent_requests_finish_and_match_their_solo_runs() {
     assert_drained(&e).await;
     let stats = e.stats().await.unwrap();
     assert!(stats.steps_total > 0);
+    // Every step's forward pass is timed, under the phase it ran: prompts, then decodes.
+    let (p, d) = (stats.step_prefill, stats.step_decode);
+    assert_eq!(p.count + d.count, stats.steps_total);
+    assert!(p.count > 0 && d.count > 0, "{p:?} {d:?}");
+    assert!(p.le.windows(2).all(|w| w[0] <= w[1]) && *p.le.last().unwrap() <= p.count);
     // Each request alone on a fresh engine gives the same greedy tokens.
     let solo = engine(
         Mode::Colocated,

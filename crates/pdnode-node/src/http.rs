@@ -123,6 +123,12 @@ mod tests {
             kv_blocks_cached: 30,
             kv_blocks_free: 67,
             staging_spans_owned: 1,
+            engine_preemptions_total: 2,
+            engine_step_decode: {
+                let mut t = pdnode_core::StepTimes::default();
+                t.observe(std::time::Duration::from_millis(3));
+                t
+            },
             ..Accounting::default()
         }));
         b.publish(NodeCapacity {
@@ -138,6 +144,13 @@ mod tests {
             "pdnode_kv_free_blocks{node=\"d0\"} 67",
             "pdnode_kv_blocks_in_use{node=\"d0\"} 33",
             "pdnode_staging_owned_spans{node=\"d0\"} 1",
+            "pdnode_engine_preemptions_total{node=\"d0\"} 2",
+            "# TYPE pdnode_engine_step_seconds histogram",
+            "pdnode_engine_step_seconds_bucket{node=\"d0\",phase=\"decode\",le=\"0.0025\"} 0",
+            "pdnode_engine_step_seconds_bucket{node=\"d0\",phase=\"decode\",le=\"0.005\"} 1",
+            "pdnode_engine_step_seconds_count{node=\"d0\",phase=\"decode\"} 1",
+            "pdnode_engine_step_seconds_sum{node=\"d0\",phase=\"decode\"} 0.003",
+            "pdnode_engine_step_seconds_count{node=\"d0\",phase=\"prefill\"} 0",
         ] {
             assert!(t.contains(line), "{line} missing from:\n{t}");
         }

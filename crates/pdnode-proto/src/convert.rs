@@ -528,8 +528,25 @@ impl From<&pdnode_core::Accounting> for v1::Accounting {
             fence_checksum_failures_total: a.fence_checksum_failures_total,
             fence_record_failures_total: a.fence_record_failures_total,
             fence_sources_leaked_total: a.fence_sources_leaked_total,
+            engine_preemptions_total: a.engine_preemptions_total,
+            engine_step_prefill: Some(step_times(&a.engine_step_prefill)),
+            engine_step_decode: Some(step_times(&a.engine_step_decode)),
         }
     }
+}
+
+fn step_times(t: &pdnode_core::StepTimes) -> v1::StepTimes {
+    v1::StepTimes {
+        le: t.le.to_vec(),
+        count: t.count,
+        sum_us: t.sum_us,
+    }
+}
+
+/// A malformed histogram from the wire reads as none (`StepTimes::from_parts`).
+fn step_times_in(t: Option<v1::StepTimes>) -> pdnode_core::StepTimes {
+    t.and_then(|t| pdnode_core::StepTimes::from_parts(&t.le, t.count, t.sum_us))
+        .unwrap_or_default()
 }
 
 impl From<v1::Accounting> for pdnode_core::Accounting {
@@ -550,6 +567,9 @@ impl From<v1::Accounting> for pdnode_core::Accounting {
             fence_checksum_failures_total: a.fence_checksum_failures_total,
             fence_record_failures_total: a.fence_record_failures_total,
             fence_sources_leaked_total: a.fence_sources_leaked_total,
+            engine_preemptions_total: a.engine_preemptions_total,
+            engine_step_prefill: step_times_in(a.engine_step_prefill),
+            engine_step_decode: step_times_in(a.engine_step_decode),
         }
     }
 }

@@ -7,10 +7,8 @@ use pdnode_core::metrics as m;
 use std::collections::BTreeMap;
 use std::fmt::Write;
 
-/// Latency buckets, seconds.
-pub const LATENCY_BUCKETS: &[f64] = &[
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
-];
+/// Latency buckets, seconds (every histogram's).
+pub use pdnode_core::metrics::LATENCY_BUCKETS;
 
 type Labels = Vec<(&'static str, String)>;
 type Key = (&'static str, Labels);
@@ -108,6 +106,27 @@ impl Metrics {
         h.count += 1;
     }
 
+    /// Sets histogram `name` to `t`: one another process keeps (a node's step times, read by
+    /// its stats), over the same [`LATENCY_BUCKETS`].
+    pub fn set_histogram(
+        &self,
+        name: &'static str,
+        l: &[(&'static str, &str)],
+        t: &pdnode_core::StepTimes,
+    ) {
+        let h = Hist {
+            counts: t.le.to_vec(),
+            sum: t.sum_us as f64 / 1e6,
+            count: t.count,
+        };
+        self.inner.lock().hists.insert((name, labels(l)), h);
+    }
+
+    /// Removes every series of histogram `name` (a node that left).
+    pub fn clear_histogram(&self, name: &'static str) {
+        self.inner.lock().hists.retain(|(n, _), _| *n != name);
+    }
+
     /// Current value of a counter or gauge series (tests).
     pub fn value(&self, name: &'static str, l: &[(&'static str, &str)]) -> Option<f64> {
         let g = self.inner.lock();
@@ -184,6 +203,7 @@ const ACCOUNTING_COUNTERS: &[&str] = &[
     m::FENCE_RELEASES_TOTAL,
     m::FENCE_FAILURES_TOTAL,
     m::FENCE_SOURCES_LEAKED_TOTAL,
+    m::ENGINE_PREEMPTIONS_TOTAL,
 ];
 
 /// `# HELP` lines of the accounting metrics.
@@ -231,6 +251,14 @@ pub fn describe_accounting(mx: &Metrics) {
             m::FENCE_SOURCES_LEAKED_TOTAL,
             "Prefill staging sources never freed because a put never finished.",
         ),
+        (
+            m::ENGINE_PREEMPTIONS_TOTAL,
+            "Requests the engine preempted (to recompute).",
+        ),
+        (
+            m::ENGINE_STEP_SECONDS,
+            "The backend's forward pass of an engine step, by phase (prefill: a prompt chunk ran).",
+        ),
     ] {
         mx.describe(n, h);
     }
@@ -244,6 +272,7 @@ pub fn clear_accounting(mx: &Metrics) {
     for n in ACCOUNTING_COUNTERS {
         mx.clear_counter(n);
     }
+    mx.clear_histogram(m::ENGINE_STEP_SECONDS);
 }
 
 /// Writes node `node`'s accounting (docs/runtime-semantics.md, "Reading KV accounting").
@@ -297,6 +326,21 @@ pub fn export_accounting(mx: &Metrics, node: &str, a: &Accounting) {
         &l,
         f(a.fence_sources_leaked_total),
     );
+    mx.set_counter(
+        m::ENGINE_PREEMPTIONS_TOTAL,
+        &l,
+        f(a.engine_preemptions_total),
+    );
+    for (phase, t) in [
+        ("prefill", &a.engine_step_prefill),
+        ("decode", &a.engine_step_decode),
+    ] {
+        mx.set_histogram(
+            m::ENGINE_STEP_SECONDS,
+            &[("node", node), ("phase", phase)],
+            t,
+        );
+    }
 }
 
 fn escape(v: &str) -> String {

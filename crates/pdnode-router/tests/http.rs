@@ -477,6 +477,7 @@ async fn models_health_and_metrics() {
         "pdnode_kv_blocks_in_use{node=\"p0\"} 0",
         "pdnode_engine_queue_depth{node=\"p0\"} 0",
         "pdnode_transfer_bytes_total{direction=\"sent\",node=\"p0\"} 4096",
+        "pdnode_transfer_handoffs_total{node=\"p0\",outcome=\"ok\"} 1",
         "pdnode_router_nodes{role=\"decode\"} 1",
     ] {
         assert!(text.contains(needle), "missing {needle} in\n{text}");

@@ -174,6 +174,10 @@ pub struct EngineStats {
     pub steps_total: u64,
     pub prompt_tokens_total: u64,
     pub output_tokens_total: u64,
+    /// The backend's forward pass of each step that ran a prompt chunk (beside decodes or not),
+    /// and of each decode-only step.
+    pub step_prefill: pdnode_core::StepTimes,
+    pub step_decode: pdnode_core::StepTimes,
 }
 
 impl EngineStats {

@@ -630,9 +630,11 @@ impl Loop {
             self.want.push(want);
         }
         let want = self.want.len();
+        let forward = Instant::now();
         let r = self
             .backend
             .forward_select(&plan.forward_batch(), &self.want, &mut self.logits);
+        let took = forward.elapsed();
         let logits = &self.logits;
         match r {
             Ok(())
@@ -659,6 +661,11 @@ impl Loop {
             }
         };
         self.stats.steps_total += 1;
+        if plan.seqs.iter().all(|s| s.is_decode()) {
+            self.stats.step_decode.observe(took);
+        } else {
+            self.stats.step_prefill.observe(took);
+        }
         let prefill_only = self.cfg.mode == Mode::PrefillOnly;
         if prefill_only {
             self.gather_staged(&plan);

@@ -77,7 +77,7 @@ impl EngineService for EngineHandleService {
         async move {
             let s = self.handle.stats().await?;
             let sch = s.scheduler;
-            let mut accounting = crate::pd::kv_accounting(&sch.kv);
+            let mut accounting = crate::pd::engine_accounting(&s);
             if let Some(pd) = &self.staging {
                 pd.staging_accounting(&mut accounting);
             }

@@ -330,7 +330,7 @@ impl NodeClient for ColocatedNode {
                 kv_blocks_free: sch.kv.free as u64,
                 kv_blocks_total: sch.kv.total as u64,
                 kv_blocks_reserved: sch.kv.leases as u64,
-                accounting: Some(super::kv_accounting(&sch.kv)),
+                accounting: Some(super::engine_accounting(&s)),
             })
         })
     }

@@ -689,7 +689,7 @@ impl NodeClient for PdNode {
                 kv_blocks_total: sch.kv.total as u64,
                 kv_blocks_reserved: sch.kv.leases as u64,
                 accounting: Some({
-                    let mut a = super::kv_accounting(&sch.kv);
+                    let mut a = super::engine_accounting(&s);
                     self.staging_accounting(&mut a);
                     a
                 }),

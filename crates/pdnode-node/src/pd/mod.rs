@@ -69,6 +69,16 @@ pub fn kv_accounting(kv: &pdnode_kvcache::KvStats) -> pdnode_core::Accounting {
     }
 }
 
+/// The engine's part of a node's report: [`kv_accounting`], preemptions and step times.
+pub fn engine_accounting(s: &pdnode_engine::engine::EngineStats) -> pdnode_core::Accounting {
+    pdnode_core::Accounting {
+        engine_preemptions_total: s.scheduler.preemptions_total,
+        engine_step_prefill: s.step_prefill,
+        engine_step_decode: s.step_decode,
+        ..kv_accounting(&s.scheduler.kv)
+    }
+}
+
 /// The router's view of the model: tokenizer, chat renderer and model facts.
 pub struct RouterModel {
     pub tokenizer: Arc<dyn Tokenize>,

@@ -313,3 +313,27 @@ fn sampler_state_round_trips_through_the_wire_with_its_128_bit_position() {
     let r = through_bytes(&v1::DecodeRequest::default());
     assert!(r.sampler.is_none());
 }
+
+#[test]
+fn accounting_round_trips_with_its_step_times_and_drops_a_malformed_histogram() {
+    let mut a = pdnode_core::Accounting {
+        kv_blocks_free: 7,
+        engine_preemptions_total: 3,
+        ..Default::default()
+    };
+    a.engine_step_decode
+        .observe(std::time::Duration::from_millis(4));
+    a.engine_step_prefill
+        .observe(std::time::Duration::from_millis(40));
+    let wire = v1::Accounting::from(&a);
+    assert_eq!(pdnode_core::Accounting::from(wire.clone()), a);
+    // Counts of another bucket layout: dropped whole, the rest of the report kept.
+    let mut bad = wire;
+    if let Some(t) = bad.engine_step_decode.as_mut() {
+        t.le.pop();
+    }
+    let back = pdnode_core::Accounting::from(bad);
+    assert_eq!(back.engine_step_decode, pdnode_core::StepTimes::default());
+    assert_eq!(back.engine_step_prefill, a.engine_step_prefill);
+    assert_eq!(back.engine_preemptions_total, 3);
+}

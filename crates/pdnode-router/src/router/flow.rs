@@ -474,6 +474,7 @@ async fn run_attempt(
         PrefillEnd::Done(Err(StepErr::ClientGone)) => return pair.gone(flow).await,
         PrefillEnd::Done(Err(StepErr::Failed(e))) => {
             pdnode_telemetry::fail(&prefill_span, &e);
+            count_handoff(router, p.id(), e.kind().as_str());
             return pair
                 .fail(flow, Event::PrefillFailed(e.kind()), "prefill failed", e)
                 .await;
@@ -489,6 +490,7 @@ async fn run_attempt(
                 ),
             };
             pdnode_telemetry::fail(&prefill_span, &e);
+            count_handoff(router, p.id(), e.kind().as_str());
             return pair
                 .fail(flow, Event::PrefillFailed(e.kind()), "prefill node lost", e)
                 .await;
@@ -501,6 +503,7 @@ async fn run_attempt(
                 reason,
             };
             pdnode_telemetry::fail(&prefill_span, &e);
+            count_handoff(router, p.id(), e.kind().as_str());
             return pair
                 .fail(
                     flow,
@@ -512,6 +515,7 @@ async fn run_attempt(
         }
     };
     drop(p_booking);
+    count_handoff(router, p.id(), "ok");
     let mx = &router.metrics;
     let node = p.id().as_str();
     mx.inc(
@@ -788,4 +792,14 @@ async fn finish_text(
         }
     }
     End::Exit(Exit::Done(finish))
+}
+
+/// A prefill call (forward pass and KV hand-off) ended at prefill node `node` with `outcome`
+/// (`ok`, or the failure's error class).
+fn count_handoff(router: &Router, node: &pdnode_core::NodeId, outcome: &str) {
+    router.metrics.inc(
+        m::TRANSFER_HANDOFFS_TOTAL,
+        &[("node", node.as_str()), ("outcome", outcome)],
+        1.0,
+    );
 }

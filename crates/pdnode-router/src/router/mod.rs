@@ -480,6 +480,10 @@ fn describe(mx: &Metrics) {
             m::TRANSFER_SECONDS,
             "KV hand-off time, as prefill nodes report it.",
         ),
+        (
+            m::TRANSFER_HANDOFFS_TOTAL,
+            "Prefill calls (forward pass and KV hand-off) ended, by prefill node and outcome.",
+        ),
     ] {
         mx.describe(n, h);
     }

@@ -7,7 +7,9 @@
 # tokens, ignore_eos: TTFT (send to first token) and TPOT (the rest over 63 tokens); then two
 # 777-token prompts (a prefill length not seen yet: its first-use cost); then 8 concurrent
 # 500-token requests. The node's "backend warmed up"
-# line says what the warm-up ran. Needs .gpu-pd/bundle.tar.xz (scripts/gpu/pack.sh). Table last.
+# line says what the warm-up ran. After each sequential request the router's /metrics gives the
+# engine's forward-pass time of that request (pdnode_engine_step_seconds: its prefill steps' sum,
+# its decode steps' mean), so a slow first TTFT splits into the forward pass and the rest. Needs .gpu-pd/bundle.tar.xz (scripts/gpu/pack.sh). Table last.
 # usage: scripts/gpu/coldstart.sh
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -97,10 +99,34 @@ def one(k, out, n=500):
                     first = time.time()
     end = time.time()
     out[k] = ((first - t) * 1e3, (end - first) * 1e3 / max(n - 1, 1), n)
+def steps():
+    # The engine's forward-pass histograms (pdnode_engine_step_seconds), as the router last read
+    # them from the node's stats: {phase: (sum s, count)}.
+    time.sleep(0.6)
+    out = {}
+    with urllib.request.urlopen("http://127.0.0.1:8300/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            for phase in ("prefill", "decode"):
+                for part in ("sum", "count"):
+                    if line.startswith(f"pdnode_engine_step_seconds_{part}{{") and f'phase="{phase}"' in line:
+                        s, c = out.get(phase, (0.0, 0))
+                        v = float(line.rsplit(" ", 1)[1])
+                        out[phase] = (v, c) if part == "sum" else (s, int(v))
+    return out
 seq = {}
+fwd = []
+before = steps()
 for k in range(4):
     one(k, seq)
-    print(f"sequential {k}: TTFT {seq[k][0]:.1f} ms, TPOT {seq[k][1]:.2f} ms, {seq[k][2]} chunks")
+    after = steps()
+    d = {ph: (after.get(ph, (0, 0))[0] - before.get(ph, (0, 0))[0],
+              after.get(ph, (0, 0))[1] - before.get(ph, (0, 0))[1]) for ph in ("prefill", "decode")}
+    before = after
+    pf = d["prefill"][0] * 1e3
+    dm = d["decode"][0] * 1e3 / max(d["decode"][1], 1)
+    fwd.append(f"{pf:.1f} / {dm:.2f}")
+    print(f"sequential {k}: TTFT {seq[k][0]:.1f} ms, TPOT {seq[k][1]:.2f} ms, {seq[k][2]} chunks; "
+          f"forward: prefill {pf:.1f} ms over {d['prefill'][1]} steps, decode mean {dm:.2f} ms over {d['decode'][1]}")
 # A prompt length not seen yet (777 tokens): what a new prefill shape costs once warm.
 one(5, seq, 777)
 one(6, seq, 777)
@@ -113,7 +139,8 @@ ttfts = sorted(v[0] for v in conc.values())
 tpots = sorted(v[1] for v in conc.values())
 print(f"8 concurrent: TTFT max {ttfts[-1]:.1f} ms median {ttfts[3]:.1f} ms, TPOT max {tpots[-1]:.2f} ms median {tpots[3]:.2f} ms")
 print("ROW", " | ".join(f"{seq[k][0]:.1f} / {seq[k][1]:.2f}" for k in range(4)),
-      f"| {ttfts[-1]:.1f} / {tpots[-1]:.2f} | {seq[5][0]:.1f} / {seq[6][0]:.1f}")
+      f"| {ttfts[-1]:.1f} / {tpots[-1]:.2f} | {seq[5][0]:.1f} / {seq[6][0]:.1f}",
+      "|", " ; ".join(fwd))
 PY
     cat "$OUT/probe-$w.txt"
     row=$(grep '^ROW' "$OUT/probe-$w.txt" | sed 's/^ROW //')
@@ -121,6 +148,6 @@ PY
     stop
 done
 echo
-echo "| warm_up_context | start to ready (s) | 1st TTFT / TPOT (ms) | 2nd | 3rd | 4th | 8 concurrent: max TTFT / max TPOT (ms) | 777 tokens: 1st / 2nd TTFT (ms) | warm-up |"
-echo "|---|---|---|---|---|---|---|---|---|"
+echo "| warm_up_context | start to ready (s) | 1st TTFT / TPOT (ms) | 2nd | 3rd | 4th | 8 concurrent: max TTFT / max TPOT (ms) | 777 tokens: 1st / 2nd TTFT (ms) | forward pass, 1st ; 2nd ; 3rd ; 4th request: prefill total / decode step mean (ms) | warm-up |"
+echo "|---|---|---|---|---|---|---|---|---|---|"
 printf '%s\n' "${rows[@]}"

@@ -327,9 +327,9 @@ async fn drive(
         Fault::RouterRestart { lease } => {
             back = Some(lifecycle::router_restart(net, c, lease, row).await?)
         }
-        Fault::PrefillJoin => lifecycle::prefill_join(net, c, row).await?,
+        Fault::PrefillJoin => lifecycle::prefill_join(net, c, load, row).await?,
         Fault::EtcdOutageJoin { down, join_after } => {
-            lifecycle::etcd_outage_join(net, c, down, join_after, row).await?
+            lifecycle::etcd_outage_join(net, c, load, down, join_after, row).await?
         }
     }
     tokio::time::sleep(case.tail).await;

@@ -6,6 +6,7 @@
 use crate::cases::{LEASE_TTL, Target};
 use crate::cluster::{Cluster, Proc, READY_DEADLINE, Role, wait_until};
 use crate::drive::{Row, held, node_mut};
+use crate::load::Load;
 use crate::metrics::scrape;
 use crate::net::{self, Net};
 use anyhow::{Result, bail};
@@ -18,6 +19,9 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 const JOIN_PATIENCE: Duration = Duration::from_secs(60);
 /// How long after a failed start a supervisor starts a node again (systemd's `RestartSec`).
 const RESTART_SEC: Duration = Duration::from_secs(1);
+/// A joined node past its TTL still passes when it served within this of the first request
+/// sent after it entered the view (see [`joined`]).
+const ARRIVAL_SLACK: Duration = Duration::from_secs(2);
 
 fn secs(d: Duration) -> String {
     format!("{:.1} s", d.as_secs_f64())
@@ -131,10 +135,20 @@ async fn served(p: &Proc) -> bool {
     cached > 0.0 || crate::metrics::Held::of(&m, p.host.name).is_some_and(|h| !h.idle())
 }
 
-/// Waits until the router lists `want` prefill nodes and then until `p` served prompts; both
-/// must happen within `limit` of `from`. Past it the wait goes on (up to [`JOIN_PATIENCE`]) so
-/// the row says how long it took, not only that it was late.
-async fn joined(c: &Cluster, p: &Proc, from: Instant, limit: Duration, what: &str, row: &mut Row) {
+/// Waits until the router lists `want` prefill nodes and then until `p` served prompts. Being
+/// in the view must happen within `limit` of `from`; serving too, or within [`ARRIVAL_SLACK`] of
+/// the first request sent after the node entered the view: a node can only take traffic that
+/// arrives, and a closed loop whose clients all wait on queued requests sends none. Past the limit the wait goes on
+/// (up to [`JOIN_PATIENCE`]) so the row says how long it took, not only that it was late.
+async fn joined(
+    c: &Cluster,
+    load: &Load,
+    p: &Proc,
+    from: Instant,
+    limit: Duration,
+    what: &str,
+    row: &mut Row,
+) {
     let want = c.prefill.len() + 1;
     let patience = limit.max(JOIN_PATIENCE);
     let in_view = wait_until(patience.saturating_sub(from.elapsed()), || async {
@@ -151,7 +165,17 @@ async fn joined(c: &Cluster, p: &Proc, from: Instant, limit: Duration, what: &st
         return;
     }
     let t_view = from.elapsed();
-    if !wait_until(patience.saturating_sub(from.elapsed()), || served(p)).await {
+    let sent_at_view = load.sent();
+    // When the first request after the view was sent (sampled with the serving check).
+    let mut arrival = None;
+    let served_in_time = wait_until(patience.saturating_sub(from.elapsed()), || {
+        if arrival.is_none() && load.sent() > sent_at_view {
+            arrival = Some(from.elapsed());
+        }
+        served(p)
+    })
+    .await;
+    if !served_in_time {
         row.problems.push(format!(
             "{} took no traffic within {} of {what} (in the view after {})",
             p.host.name,
@@ -161,28 +185,38 @@ async fn joined(c: &Cluster, p: &Proc, from: Instant, limit: Duration, what: &st
         return;
     }
     let t_served = from.elapsed();
+    let arrival = arrival.unwrap_or(t_served);
     row.claims.push(format!(
-        "{} in the view {} and serving {} after {what}",
+        "{} in the view {} and serving {} after {what} (first request sent after it was in the view: {})",
         p.host.name,
         secs(t_view),
-        secs(t_served)
+        secs(t_served),
+        secs(arrival)
     ));
-    if t_served > limit {
+    if t_view > limit {
         row.problems.push(format!(
-            "{} joined {} after {what}, past the goal of {} (the lease TTL)",
+            "{} in the view {} after {what}, past the goal of {} (the lease TTL)",
+            p.host.name,
+            secs(t_view),
+            secs(limit)
+        ));
+    } else if t_served > limit && t_served > arrival + ARRIVAL_SLACK {
+        row.problems.push(format!(
+            "{} served {} after {what}, past the goal of {} (the lease TTL; the first request after it was in the view was sent at {})",
             p.host.name,
             secs(t_served),
-            secs(limit)
+            secs(limit),
+            secs(arrival)
         ));
     }
 }
 
 /// A third prefill host started under load: in the router's view and serving prompts within
 /// one lease TTL of its start.
-pub async fn prefill_join(net: &Net, c: &mut Cluster, row: &mut Row) -> Result<()> {
+pub async fn prefill_join(net: &Net, c: &mut Cluster, load: &Load, row: &mut Row) -> Result<()> {
     let t0 = Instant::now();
     let p = c.spawn(net, Role::Prefill, net::SPARE_PREFILL)?;
-    joined(c, &p, t0, LEASE_TTL, "its start", row).await;
+    joined(c, load, &p, t0, LEASE_TTL, "its start", row).await;
     c.prefill.push(p);
     Ok(())
 }
@@ -195,6 +229,7 @@ pub async fn prefill_join(net: &Net, c: &mut Cluster, row: &mut Row) -> Result<(
 pub async fn etcd_outage_join(
     net: &Net,
     c: &mut Cluster,
+    load: &Load,
     down: Duration,
     join_after: Duration,
     row: &mut Row,
@@ -250,7 +285,7 @@ pub async fn etcd_outage_join(
             format!(" (exits: {})", exits.join(", "))
         }
     ));
-    joined(c, &p, back, LEASE_TTL, "etcd's return", row).await;
+    joined(c, load, &p, back, LEASE_TTL, "etcd's return", row).await;
     // The nodes that were there before the outage are all still (or again) in the view:
     // checked after the load with the rest.
     c.prefill.push(p);

@@ -3,7 +3,7 @@
 
 use serde_json::json;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 /// A request that has not ended this long after it was sent is hung.
@@ -76,12 +76,15 @@ pub struct Spec {
 /// A running load; [`Load::stop`] stops new requests, [`Load::finish`] collects every outcome.
 pub struct Load {
     stop: Arc<AtomicBool>,
+    /// Requests sent so far, every client together.
+    sent: Arc<AtomicUsize>,
     workers: Vec<tokio::task::JoinHandle<Vec<Outcome>>>,
 }
 
 impl Load {
     pub fn start(spec: Spec) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
+        let sent = Arc::new(AtomicUsize::new(0));
         let client = reqwest::Client::builder()
             .tcp_nodelay(true)
             .connect_timeout(Duration::from_secs(5))
@@ -90,7 +93,8 @@ impl Load {
             .unwrap_or_else(|_| reqwest::Client::new());
         let workers = (0..spec.concurrency)
             .map(|w| {
-                let (stop, client, spec) = (stop.clone(), client.clone(), spec.clone());
+                let (stop, sent, client, spec) =
+                    (stop.clone(), sent.clone(), client.clone(), spec.clone());
                 tokio::spawn(async move {
                     let mut out = Vec::new();
                     let mut n = 0usize;
@@ -101,6 +105,7 @@ impl Load {
                             .chain(std::iter::repeat('x'))
                             .take(spec.prompt_len.max(head.len()))
                             .collect();
+                        sent.fetch_add(1, Ordering::Relaxed);
                         let o = one(&client, &spec, &prompt).await;
                         // A client that could not reach the router (refused, reset before an
                         // answer: it is down or restarting) waits a little before it tries
@@ -116,7 +121,17 @@ impl Load {
                 })
             })
             .collect();
-        Self { stop, workers }
+        Self {
+            stop,
+            sent,
+            workers,
+        }
+    }
+
+    /// How many requests the clients have sent so far (a new one is sent when one ends: a
+    /// closed loop).
+    pub fn sent(&self) -> usize {
+        self.sent.load(Ordering::Relaxed)
     }
 
     pub fn stop(&self) {

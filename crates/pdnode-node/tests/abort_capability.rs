@@ -320,6 +320,61 @@ async fn a_refused_abort_leaves_the_staging_span_and_the_right_one_frees_it() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_call_dropped_during_its_hand_off_frees_its_lease_at_once() {
+    let mut cfg = cpu_ucx_config();
+    // The hand-off waits a quarter of the lease (15 s) for room in a full prefill arena; the
+    // engine is done with the request and holds its blocks under the 60 s lease meanwhile.
+    cfg.transfer.lease_ms = 60_000;
+    let ids = cpu_prompt(4);
+    let Some((p, d)) = pd_pair(&cfg) else { return };
+    let pa = p.node.staging_arena().expect("prefill arena").clone();
+    let hold = pa.reserve(pa.len()).expect("whole prefill arena");
+    let id = RequestId(41);
+    let t = reserve(&d.node, id, &ids).await;
+    let call = {
+        let (p, t, ids) = (p.node.clone(), t.clone(), ids.clone());
+        tokio::spawn(async move { p.prefill(prefill_call(id, &ids, &t)).await })
+    };
+    wait_until(
+        "the hand-off waits for arena room",
+        Duration::from_secs(10),
+        async || pa.wait_counts().0 >= 1,
+    )
+    .await;
+    let s = p.node.engine().stats().await.unwrap().scheduler;
+    assert_eq!(
+        s.kv.leases, 1,
+        "the prompt's blocks are under the hand-off lease"
+    );
+    // The router's call is dropped (its stream reset): nobody will abort or release it.
+    call.abort();
+    assert!(call.await.unwrap_err().is_cancelled());
+    // Freed within assert_clean's 10 s, not at the lease's 60 s.
+    assert_clean(&p.node).await;
+    assert!(
+        !p.node
+            .abort(id, t.secret.clone(), "late".into())
+            .await
+            .unwrap(),
+        "nothing of the request is left on the prefill node"
+    );
+    assert!(
+        d.node
+            .abort(id, t.secret.clone(), "gone".into())
+            .await
+            .unwrap()
+    );
+    drop(hold);
+    assert_clean(&d.node).await;
+    wait_until(
+        "the prefill arena is free",
+        Duration::from_secs(10),
+        async || pa.all_free(),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_abort_during_the_hand_off_ends_the_prefill_cancelled() {
     let mut cfg = cpu_ucx_config();
     // A hand-off waits a quarter of the lease (1 s) for room in a full prefill arena: the

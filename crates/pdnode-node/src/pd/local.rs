@@ -453,6 +453,15 @@ impl PdNode {
             }
             None => (self.engine.add_request(greq).map_err(|e| eerr(&e))?, None),
         };
+        // From here the engine holds the request (then its blocks under the hand-off lease). A
+        // call dropped midway (the router gave up on it: its stream was reset) ends it there, so
+        // its blocks and lease are freed at once: the release below is then never reached, and
+        // a later abort finds no capability to stop (the call's hold went with it).
+        let mut in_engine = EngineAbortOnDrop {
+            engine: &self.engine,
+            id,
+            armed: true,
+        };
         let (first, logprob, finish, blocks, sampler, cached) = loop {
             let ev = tokio::select! {
                 biased;
@@ -542,6 +551,8 @@ impl PdNode {
             if hold.stopped() {
                 return Err(aborted());
             }
+            // Finished in its prefill: the engine holds nothing of it any more.
+            in_engine.armed = false;
             return Ok(PrefillOutcome {
                 first_token_id: first,
                 first_logprob: logprob,
@@ -593,6 +604,7 @@ impl PdNode {
                 tracing::warn!(request = %id, error = %e, "releasing the prefill KV lease failed; freed at its deadline");
             }
         });
+        in_engine.armed = false;
         // A put in flight is not cut (UCX reads its source until it completes): an abort during
         // the hand-off takes effect when the push ends, and the decode node's fence keeps what
         // landed out of any other request's KV (docs/runtime-semantics.md, "Abort").

@@ -132,6 +132,31 @@ fn every_error_of_a_file_is_reported_at_once() {
 }
 
 #[test]
+fn an_unknown_model_preset_is_refused_with_the_known_ones() {
+    let dummy =
+        |preset: &str| format!("[model]\nformat = \"dummy\"\npath = \"\"\npreset = \"{preset}\"\n");
+    let errs = errors(&dummy("llama-9b"), &[]);
+    assert!(
+        errs.iter()
+            .any(|e| matches!(e, ConfigError::Invalid { key, reason, .. }
+            if key == "model.preset" && reason.contains("llama-9b")
+                && pdnode_core::config::MODEL_PRESETS.iter().all(|p| reason.contains(p)))),
+        "{errs:?}"
+    );
+    // Known names load, in any case.
+    for p in ["llama-3.1-8b", "SmolLM2-135M"] {
+        load_from_str(FILE, &dummy(p), &[]).unwrap();
+    }
+    // A dummy model still needs one.
+    let errs = errors(&dummy(""), &[]);
+    assert!(
+        errs.iter()
+            .any(|e| matches!(e, ConfigError::Invalid { key, reason, .. }
+        if key == "model.preset" && reason.contains("smollm2-135m")))
+    );
+}
+
+#[test]
 fn unknown_policy_name_is_an_error_not_a_fallback() {
     let errs = errors("[router]\nprefill_policy = \"fastest\"\n", &[]);
     assert!(

@@ -146,13 +146,24 @@ pub enum ModelFormat {
     Dummy,
 }
 
+/// The shape presets `model.preset` may name (with `model.format = "dummy"`); the engine holds
+/// each one's shapes (`pdnode_engine::loader::dummy::preset`, whose test checks it knows every
+/// name here). Matched without regard to case.
+pub const MODEL_PRESETS: [&str; 5] = [
+    "llama-3.1-8b",
+    "llama-3.1-70b",
+    "qwen2.5-7b",
+    "qwen3-8b",
+    "smollm2-135m",
+];
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ModelConfig {
     /// HF directory or `.gguf` file; for `dummy`, an optional tokenizer source.
     pub path: String,
     pub format: ModelFormat,
-    /// Shape preset for `dummy`: llama-3.1-8b, llama-3.1-70b, qwen2.5-7b, smollm2-135m, ...
+    /// Shape preset for `dummy`: one of [`MODEL_PRESETS`].
     pub preset: String,
     /// The name clients pass as `model`; empty: derived from the path or preset.
     pub served_name: String,

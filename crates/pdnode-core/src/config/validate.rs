@@ -132,8 +132,22 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
                 if c.model.preset.is_empty() {
                     bad(
                         "model.preset",
-                        "model.format = \"dummy\" needs a shape preset, e.g. \"llama-3.1-8b\""
-                            .into(),
+                        format!(
+                            "model.format = \"dummy\" needs a shape preset: one of {}",
+                            MODEL_PRESETS.join(", ")
+                        ),
+                    );
+                } else if !MODEL_PRESETS
+                    .iter()
+                    .any(|p| p.eq_ignore_ascii_case(&c.model.preset))
+                {
+                    bad(
+                        "model.preset",
+                        format!(
+                            "unknown preset {:?}: known presets are {}",
+                            c.model.preset,
+                            MODEL_PRESETS.join(", ")
+                        ),
                     );
                 }
             }

@@ -12,14 +12,8 @@ use crate::spec::{Arch, ModelSpec, RopeScaling};
 use crate::weights::{LayerWeights, Tensor, Weights};
 use rayon::prelude::*;
 
-/// Preset names, for help texts and errors.
-pub const PRESETS: [&str; 5] = [
-    "llama-3.1-8b",
-    "llama-3.1-70b",
-    "qwen2.5-7b",
-    "qwen3-8b",
-    "smollm2-135m",
-];
+/// Preset names, for help texts and errors (the config's list, which validation checks).
+pub use pdnode_core::config::MODEL_PRESETS as PRESETS;
 
 /// Default weight standard deviation: small enough that activations stay sane through every
 /// layer (RMSNorm re-normalizes the residual stream's input to each block).

@@ -29,9 +29,10 @@ step "cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
 
 step "cargo test"
-# Build the tests once, then run them all (--no-fail-fast: every failure is listed); tests bind
-# 127.0.0.1 only and start etcd themselves.
-cargo test --workspace --no-run
+# Build every target once (the tests, and the binaries the cluster step runs, with one feature
+# set), then run the tests (--no-fail-fast: every failure is listed); tests bind 127.0.0.1 only
+# and start etcd themselves.
+cargo build --workspace --all-targets
 cargo test --workspace --no-fail-fast
 
 step "cluster --quick (network namespaces: etcd, router, 2 prefill + 2 decode mock nodes, faults)"
@@ -39,7 +40,7 @@ step "cluster --quick (network namespaces: etcd, router, 2 prefill + 2 decode mo
 if [ "${PDNODE_SKIP_CLUSTER_TESTS:-}" = "1" ]; then
   echo "PDNODE_SKIP_CLUSTER_TESTS=1: skipping tests/cluster/run.sh --quick" >&2
 else
-  bash tests/cluster/run.sh --quick
+  PDNODE_CLUSTER_BUILD_ALL=1 bash tests/cluster/run.sh --quick
 fi
 
 echo >&2

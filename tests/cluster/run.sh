@@ -51,7 +51,14 @@ done
 if ! command -v cargo >/dev/null 2>&1; then export PATH="$HOME/.cargo/bin:$PATH"; fi
 
 echo "==> building pdnode and the cluster driver" >&2
-cargo build --quiet -p pdnode --bin pdnode -p pdnode-cluster-tests --bin cluster-driver
+# scripts/test.sh has built every target of the workspace (PDNODE_CLUSTER_BUILD_ALL=1): the same
+# set again is a no-op, whereas these two binaries alone resolve other dependency features
+# (tokio's dev-dependency ones) and would rebuild most of the tree (minutes of a cold CI build).
+if [ "${PDNODE_CLUSTER_BUILD_ALL:-}" = "1" ]; then
+  cargo build --quiet --workspace --all-targets
+else
+  cargo build --quiet -p pdnode --bin pdnode -p pdnode-cluster-tests --bin cluster-driver
+fi
 TARGET="${CARGO_TARGET_DIR:-$ROOT/target}/debug"
 
 # Unique per run: namespaces are "$PREFIX-<host>".

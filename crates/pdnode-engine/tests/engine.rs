@@ -171,11 +171,14 @@ async fn many_concurrent_requests_finish_and_match_their_solo_runs() {
 
 #[tokio::test]
 async fn a_tight_pool_preempts_and_still_finishes_every_request() {
-    // 24 blocks of 4 positions for 10 requests of ~12 + 20 tokens: preemption is certain.
+    // 24 blocks of 4 positions for 10 requests of ~12 + 20 tokens: preemption is certain once
+    // they all run together. A decode step takes 1 ms so the ten are queued before the first
+    // few finish (with free steps the loop could serve them one by one as they arrive, on a
+    // busy machine, and never run out of blocks).
     let e = engine(
         Mode::Colocated,
         24,
-        timing(0, 0, 20),
+        timing(0, 1_000, 20),
         Duration::from_secs(5),
     );
     let reqs: Vec<GenerateRequest> = (1..=10).map(|i| request(i, 12, 20)).collect();

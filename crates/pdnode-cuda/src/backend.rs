@@ -225,6 +225,15 @@ impl CudaBackend {
         shard: Shard,
         load: impl FnOnce(&Gpu) -> Result<DevWeights, CudaError>,
     ) -> Result<Self, CudaError> {
+        if let Some(w) = &spec.sliding_window {
+            return Err(CudaError::Unsupported {
+                reason: format!(
+                    "sliding-window attention (a {}-position window) runs on the CPU backend only; \
+                     the CUDA kernels attend to the whole context",
+                    w.size
+                ),
+            });
+        }
         if opts.tensor_parallel as usize != shard.size {
             return Err(CudaError::Unsupported {
                 reason: format!(

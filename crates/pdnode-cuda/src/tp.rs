@@ -698,6 +698,7 @@ mod tests {
             tie_word_embeddings: true,
             qkv_bias: false,
             qk_norm: false,
+            sliding_window: None,
             bos_token_id: None,
             eos_token_ids: vec![],
         }
@@ -721,6 +722,26 @@ mod tests {
             pdl: false,
             fusion: crate::ops::Fusion::default(),
             warm_up_context: 0,
+        }
+    }
+
+    // Sliding-window attention is the CPU backend's only: refused before any device is
+    // touched, rather than served with full attention (different outputs past the window).
+    #[test]
+    fn a_sliding_window_model_is_refused_with_a_typed_error() {
+        let mut s = spec(2);
+        s.sliding_window = Some(pdnode_engine::spec::SlidingWindow {
+            size: 8,
+            layers: vec![true; s.num_layers],
+        });
+        let e = CudaBackend::new_dummy(&s, 1, &opts(1), "t".into())
+            .err()
+            .expect("a windowed model must be refused");
+        match &e {
+            CudaError::Unsupported { reason } => {
+                assert!(reason.contains("sliding-window"), "{reason}")
+            }
+            other => panic!("unexpected error {other:?}"),
         }
     }
 

@@ -337,6 +337,7 @@ mod tests {
             tie_word_embeddings: true,
             qkv_bias: false,
             qk_norm: false,
+            sliding_window: None,
             bos_token_id: None,
             eos_token_ids: vec![],
         }

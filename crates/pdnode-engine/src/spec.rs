@@ -43,6 +43,17 @@ pub enum RopeScaling {
     },
 }
 
+/// Sliding-window attention (Mistral; Qwen2 and Qwen3 with `use_sliding_window`): a windowed
+/// layer attends to the last `size` positions only, its query's own included (position `p`
+/// sees `p + 1 - size ..= p`). The KV of older positions stays in the cache (prefix caching
+/// and the hand-off are unchanged); it is not read.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SlidingWindow {
+    pub size: usize,
+    /// Per layer: windowed (`true`) or full attention.
+    pub layers: Vec<bool>,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelSpec {
     pub arch: Arch,
@@ -62,11 +73,23 @@ pub struct ModelSpec {
     pub qkv_bias: bool,
     /// RMSNorm over each head of q and k before RoPE (Qwen3).
     pub qk_norm: bool,
+    /// `None`: every layer attends to the whole context.
+    #[serde(default)]
+    pub sliding_window: Option<SlidingWindow>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
 }
 
 impl ModelSpec {
+    /// The attention window of `layer`: `Some(size)` when it attends to its last `size`
+    /// positions only, `None` for the whole context.
+    pub fn attention_window(&self, layer: usize) -> Option<usize> {
+        self.sliding_window
+            .as_ref()
+            .filter(|w| w.layers.get(layer).copied().unwrap_or(false))
+            .map(|w| w.size)
+    }
+
     /// Rows of the q projection (`num_heads * head_dim`).
     pub fn q_dim(&self) -> usize {
         self.num_heads * self.head_dim

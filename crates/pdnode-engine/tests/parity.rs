@@ -9,7 +9,7 @@ use pdnode_engine::backend::{Backend, ForwardBatch, SeqStep};
 use pdnode_engine::loader::load_path;
 use std::path::PathBuf;
 
-const MODELS: [&str; 7] = [
+const MODELS: [&str; 9] = [
     "llama_gqa",
     "llama3_rope",
     "llama_linear_rope",
@@ -17,6 +17,10 @@ const MODELS: [&str; 7] = [
     "qwen3_qknorm",
     "llama_tied",
     "mistral",
+    // Sliding-window attention (8 positions; Qwen2's second layer only), crossed by the
+    // 12-token prompt and the 32 generated tokens.
+    "mistral_window",
+    "qwen2_window",
 ];
 
 struct Reference {
@@ -149,7 +153,7 @@ fn every_fixture_matches_transformers() {
 
 #[test]
 fn chunked_prefill_and_small_blocks_give_the_same_numbers() {
-    for name in ["llama_gqa", "qwen3_qknorm", "qwen2_bias"] {
+    for name in ["llama_gqa", "qwen3_qknorm", "qwen2_bias", "mistral_window"] {
         run_and_check(name, 4, 5);
         run_and_check(name, 1, 3);
     }

@@ -240,6 +240,7 @@ pub fn tiny_spec(qwen_like: bool, tied: bool) -> ModelSpec {
         tie_word_embeddings: tied,
         qkv_bias: qwen_like,
         qk_norm: qwen_like,
+        sliding_window: None,
         bos_token_id: None,
         eos_token_ids: vec![],
     }

@@ -146,6 +146,7 @@ pub fn spec_from_gguf(f: &GgufFile) -> Result<ModelSpec, LoadError> {
         tie_word_embeddings: f.tensor("output.weight").is_none(),
         qkv_bias: f.tensor("blk.0.attn_q.bias").is_some(),
         qk_norm: f.tensor("blk.0.attn_q_norm.weight").is_some(),
+        sliding_window: None,
         bos_token_id: token_id(f, "tokenizer.ggml.bos_token_id"),
         eos_token_ids,
     };

@@ -4,7 +4,7 @@
 
 use super::safetensors_io::SafetensorsSet;
 use super::{HfTokenizerConfig, LoadError, TokenizerSource};
-use crate::spec::{Arch, ModelSpec, RopeScaling};
+use crate::spec::{Arch, ModelSpec, RopeScaling, SlidingWindow};
 use crate::weights::{LayerWeights, Weights};
 use serde_json::Value;
 use std::collections::HashMap;
@@ -88,6 +88,41 @@ impl Cfg<'_> {
     fn bool(&self, k: &str) -> bool {
         self.v.get(k).and_then(Value::as_bool).unwrap_or(false)
     }
+}
+
+/// Which layers attend through the window: `layer_types` when the config lists them
+/// (transformers >= 4.53 writes it), else every layer (Mistral) or the layers from
+/// `max_window_layers` on (Qwen2, Qwen3: transformers' rule).
+fn window_layers(c: &Cfg<'_>, arch: Arch) -> Result<Vec<bool>, LoadError> {
+    let n = c.req_u("num_hidden_layers")?;
+    if let Some(types) = c.v.get("layer_types").filter(|v| !v.is_null()) {
+        let types = types
+            .as_array()
+            .ok_or_else(|| c.err("`layer_types` is not a list".into()))?;
+        if types.len() != n {
+            return Err(c.err(format!(
+                "`layer_types` lists {} layers, `num_hidden_layers` is {n}",
+                types.len()
+            )));
+        }
+        return types
+            .iter()
+            .map(|t| match t.as_str() {
+                Some("sliding_attention") => Ok(true),
+                Some("full_attention") => Ok(false),
+                _ => Err(c.err(format!(
+                    "`layer_types` entry {t} is not supported (supported: full_attention, sliding_attention)"
+                ))),
+            })
+            .collect();
+    }
+    Ok(match arch {
+        Arch::Qwen2 | Arch::Qwen3 => {
+            let from = c.opt_u("max_window_layers")?.unwrap_or(n);
+            (0..n).map(|i| i >= from).collect()
+        }
+        _ => vec![true; n],
+    })
 }
 
 fn rope_scaling(c: &Cfg<'_>) -> Result<Option<RopeScaling>, LoadError> {
@@ -220,13 +255,20 @@ pub fn spec_from_config(
         _ => None,
     };
     let max_position_embeddings = c.opt_u("max_position_embeddings")?.unwrap_or(4096);
-    if let Some(w) = sliding.filter(|&w| w < max_position_embeddings) {
-        tracing::warn!(
-            path = %path.display(),
-            window = w,
-            "sliding-window attention is not implemented: attention is full; outputs differ from the reference past {w} tokens"
-        );
-    }
+    // A window at least as long as any context changes nothing.
+    let sliding_window = match sliding.filter(|&w| w < max_position_embeddings) {
+        None => None,
+        Some(0) => {
+            return Err(c.err("`sliding_window` = 0: a layer must see its own position".into()));
+        }
+        Some(size) => {
+            let layers = window_layers(&c, arch)?;
+            layers
+                .iter()
+                .any(|&w| w)
+                .then_some(SlidingWindow { size, layers })
+        }
+    };
     Ok(ModelSpec {
         arch,
         hidden_size,
@@ -250,6 +292,7 @@ pub fn spec_from_config(
         tie_word_embeddings: c.bool("tie_word_embeddings"),
         qkv_bias: arch == Arch::Qwen2 || attention_bias,
         qk_norm: arch == Arch::Qwen3,
+        sliding_window,
         bos_token_id,
         eos_token_ids,
     })
@@ -403,6 +446,76 @@ mod tests {
                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
             "bos_token_id": 7, "eos_token_id": [8, 9]
         })
+    }
+
+    #[test]
+    fn sliding_windows_are_read_per_layer() {
+        let p = Path::new("config.json");
+        // Mistral: every layer, unless layer_types says otherwise.
+        let mut m = base();
+        m["architectures"] = json!(["MistralForCausalLM"]);
+        m["sliding_window"] = json!(8);
+        let s = spec_from_config(&m, None, p).unwrap();
+        assert_eq!(s.attention_window(0), Some(8));
+        assert_eq!(s.attention_window(1), Some(8));
+        m["layer_types"] = json!(["full_attention", "sliding_attention"]);
+        let s = spec_from_config(&m, None, p).unwrap();
+        assert_eq!(
+            (s.attention_window(0), s.attention_window(1)),
+            (None, Some(8))
+        );
+        // A window as long as any context is no window.
+        m["sliding_window"] = json!(1024);
+        assert!(
+            spec_from_config(&m, None, p)
+                .unwrap()
+                .sliding_window
+                .is_none()
+        );
+        // Qwen2: only with use_sliding_window, from max_window_layers on.
+        let mut q = base();
+        q["architectures"] = json!(["Qwen2ForCausalLM"]);
+        q["sliding_window"] = json!(8);
+        q["max_window_layers"] = json!(1);
+        assert!(
+            spec_from_config(&q, None, p)
+                .unwrap()
+                .sliding_window
+                .is_none()
+        );
+        q["use_sliding_window"] = json!(true);
+        let s = spec_from_config(&q, None, p).unwrap();
+        assert_eq!(
+            (s.attention_window(0), s.attention_window(1)),
+            (None, Some(8))
+        );
+        q["max_window_layers"] = json!(2);
+        assert!(
+            spec_from_config(&q, None, p)
+                .unwrap()
+                .sliding_window
+                .is_none()
+        );
+        // What cannot be served is refused, not approximated.
+        for (k, v) in [
+            ("sliding_window", json!(0)),
+            ("layer_types", json!(["full_attention"])),
+            (
+                "layer_types",
+                json!(["full_attention", "chunked_attention"]),
+            ),
+        ] {
+            let mut bad = m.clone();
+            bad["sliding_window"] = json!(8);
+            bad[k] = v;
+            assert!(
+                matches!(
+                    spec_from_config(&bad, None, p),
+                    Err(LoadError::Config { .. })
+                ),
+                "{k}"
+            );
+        }
     }
 
     #[test]

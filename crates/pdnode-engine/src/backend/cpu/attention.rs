@@ -66,7 +66,9 @@ pub fn write_kv(
 
 /// Causal GQA attention for every new token of every sequence: queries `q`
 /// (`[tokens][heads][head_dim]`, RoPE applied) against the pool's K/V of positions
-/// `0..=position`, writing `[tokens][heads][head_dim]` into `out`.
+/// `0..=position` (with a `window`, only the last `window` of them: `position + 1 - window
+/// ..= position`), writing `[tokens][heads][head_dim]` into `out`.
+#[allow(clippy::too_many_arguments)]
 pub fn attention(
     out: &mut [f32],
     pool: &[f32],
@@ -75,6 +77,7 @@ pub fn attention(
     seqs: &[SeqView<'_>],
     q: &[f32],
     heads: usize,
+    window: Option<usize>,
 ) {
     let hd = d.head_dim;
     let group = heads / d.kv_heads;
@@ -95,13 +98,14 @@ pub fn attention(
                 return;
             };
             let (_, pos, s) = tasks[ti];
-            let n = pos + 1;
+            let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+            let n = pos + 1 - first;
             let mut scores = vec![0f32; n];
             for h in 0..heads {
                 let g = h / group;
                 let qh = &q_row[h * hd..(h + 1) * hd];
                 let mut max = f32::NEG_INFINITY;
-                for (j, sc) in scores.iter_mut().enumerate() {
+                for (j, sc) in (first..).zip(scores.iter_mut()) {
                     let ko = d.at(layer, s.blocks[j / d.block_size], 0, j % d.block_size) + g * hd;
                     let kj = &pool[ko..ko + hd];
                     let dot: f32 = dot(qh, kj);
@@ -116,7 +120,7 @@ pub fn attention(
                 let inv = 1.0 / sum;
                 let oh = &mut o_row[h * hd..(h + 1) * hd];
                 oh.fill(0.0);
-                for (j, &p) in scores.iter().enumerate() {
+                for (j, &p) in (first..).zip(scores.iter()) {
                     let vo = d.at(layer, s.blocks[j / d.block_size], 1, j % d.block_size) + g * hd;
                     let vj = &pool[vo..vo + hd];
                     let w = p * inv;

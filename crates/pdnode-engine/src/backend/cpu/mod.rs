@@ -284,7 +284,8 @@ impl CpuBackend {
                     group_start = done;
                 }
             }
-            attention::attention(&mut att, &self.pool, self.dims, li, &seqs, &q, nh);
+            let window = self.spec.attention_window(li);
+            attention::attention(&mut att, &self.pool, self.dims, li, &seqs, &q, nh, window);
             ops::matmul_wt(&mut x, &att, &l.wo.data, t, h, qd, true);
             ops::rms_norm(&mut xn, &x, &l.mlp_norm.data, h, eps);
             ops::matmul_wt(&mut gate, &xn, &l.w_gate.data, t, inter, h, false);

@@ -25,6 +25,12 @@ pub struct BucketPolicy {
     boundaries: Vec<u64>,
     computed_for: Vec<String>,
     last_rebalance: Option<Instant>,
+    /// The ids in the order the last call listed its workers, and that list's positions
+    /// ordered by id: a call that lists the same workers in the same order (the router's
+    /// steady state) reuses the ordering with one comparison per worker, no sort and no
+    /// copies (1000 workers: the sort and the copies took ~160 µs a call).
+    seen: Vec<String>,
+    order: Vec<usize>,
 }
 
 impl BucketPolicy {
@@ -35,6 +41,8 @@ impl BucketPolicy {
             boundaries: Vec::new(),
             computed_for: Vec::new(),
             last_rebalance: None,
+            seen: Vec::new(),
+            order: Vec::new(),
         }
     }
 
@@ -98,19 +106,33 @@ impl Policy for BucketPolicy {
         if n == 0 {
             return None;
         }
-        let mut order: Vec<usize> = (0..n).collect();
-        order.sort_by(|&a, &b| ctx.workers[a].id.cmp(&ctx.workers[b].id));
-        let ids: Vec<String> = order
-            .iter()
-            .map(|&i| ctx.workers[i].id.to_string())
-            .collect();
+        let same_list = self.seen.len() == n
+            && self
+                .seen
+                .iter()
+                .zip(ctx.workers)
+                .all(|(s, w)| s.as_str() == w.id.as_str());
+        let mut set_changed = false;
+        if !same_list {
+            let mut order: Vec<usize> = (0..n).collect();
+            order.sort_by(|&a, &b| ctx.workers[a].id.cmp(&ctx.workers[b].id));
+            let ids: Vec<String> = order
+                .iter()
+                .map(|&i| ctx.workers[i].id.to_string())
+                .collect();
+            if ids != self.computed_for {
+                set_changed = true;
+                self.computed_for = ids;
+            }
+            self.seen = ctx.workers.iter().map(|w| w.id.to_string()).collect();
+            self.order = order;
+        }
         let interval = Duration::from_secs(self.params.rebalance_interval_secs);
         let due = self
             .last_rebalance
             .is_none_or(|t| ctx.now.saturating_duration_since(t) >= interval);
-        if due || ids != self.computed_for {
+        if due || set_changed {
             self.rebalance(n);
-            self.computed_for = ids;
             self.last_rebalance = Some(ctx.now);
         }
         let len = ctx.token_ids.len() as u64;
@@ -120,7 +142,7 @@ impl Policy for BucketPolicy {
         }
         self.observed
             .push_back(u32::try_from(ctx.token_ids.len()).unwrap_or(u32::MAX));
-        Some(order[bucket.min(n - 1)])
+        Some(self.order[bucket.min(n - 1)])
     }
 }
 
@@ -160,6 +182,29 @@ mod tests {
         assert_eq!(id(pick(&mut p, &ws, 100, now)), "w1");
         assert_eq!(id(pick(&mut p, &ws, 999, now)), "w1");
         assert_eq!(id(pick(&mut p, &ws, 5000, now)), "w2");
+    }
+
+    #[test]
+    fn a_reordered_or_changed_worker_list_is_ordered_again() {
+        let mut p = BucketPolicy::new(BucketParams {
+            boundaries: vec![100],
+            rebalance_interval_secs: 60,
+        });
+        let now = Instant::now();
+        let ws = workers(&[0, 0]);
+        let id = |ws: &[crate::policy::WorkerLoad], i: usize| ws[i].id.to_string();
+        assert_eq!(id(&ws, pick(&mut p, &ws, 10, now)), "w0");
+        assert_eq!(id(&ws, pick(&mut p, &ws, 10, now)), "w0");
+        // The same workers listed the other way round: still by id.
+        let mut rev = ws.clone();
+        rev.reverse();
+        assert_eq!(id(&rev, pick(&mut p, &rev, 10, now)), "w0");
+        assert_eq!(id(&rev, pick(&mut p, &rev, 500, now)), "w1");
+        // A third worker: the two-worker boundaries no longer fit; recomputed for three.
+        let three = workers(&[0, 0, 0]);
+        pick(&mut p, &three, 10, now);
+        assert_eq!(p.boundaries().len(), 2);
+        assert_eq!(id(&three, pick(&mut p, &three, 4000, now)), "w2");
     }
 
     #[test]

@@ -12,6 +12,8 @@
 #   overlap        scripts/gpu/overlap.sh (the hand-off against prefill: one chunk vs 512-token chunks)
 #   serve[:what]   scripts/gpu/serve.sh pd|colo|both (default both)
 #   coldstart      scripts/gpu/coldstart.sh (first requests after start, warm-up off and on)
+#   pairwarm       scripts/gpu/pairwarm.sh (first requests through a new PD pair on one GPU,
+#                  router.warm_pairs off and on)
 #   smol           the demo model (.gpu-m/a from an earlier call on this machine + .gpu-m2/b):
 #                  scripts/gpu/smollm2.sh
 # Every log goes to one tarball $OUT/logs.tar.xz (the device tool brings back at most 8 files);
@@ -63,6 +65,9 @@ for part in "$@"; do
         serve)
             PD=$PD OUT=$LOGS/serve bash scripts/gpu/serve.sh "${arg:-both}" 2>&1 |
                 tee "$LOGS/serve.out" | tail -40 >> "$summary" ;;
+        pairwarm)
+            PD=$PD OUT=$LOGS/pairwarm bash scripts/gpu/pairwarm.sh 2>&1 |
+                tee "$LOGS/pairwarm.out" | tail -8 >> "$summary" ;;
         coldstart)
             PD=$PD OUT=$LOGS/coldstart bash scripts/gpu/coldstart.sh 2>&1 |
                 tee "$LOGS/coldstart.out" | tail -12 >> "$summary" ;;

@@ -26,6 +26,9 @@ pub const ROUTER_NODES: &str = "pdnode_router_nodes";
 pub const ROUTER_PREFIX_TREE_TOKENS: &str = "pdnode_router_prefix_tree_tokens";
 /// Nodes of that tree, label `role` (gauge).
 pub const ROUTER_PREFIX_TREE_NODES: &str = "pdnode_router_prefix_tree_nodes";
+/// Pair warm-ups the router ran (`router.warm_pairs`), label `outcome` (`ok`, or the failure's
+/// error class) (counter).
+pub const ROUTER_PAIR_WARMUPS_TOTAL: &str = "pdnode_router_pair_warmups_total";
 
 /// Requests waiting in the engine's queue, label `node` (gauge).
 pub const ENGINE_QUEUE_DEPTH: &str = "pdnode_engine_queue_depth";
@@ -96,6 +99,7 @@ pub const ALL: &[&str] = &[
     ROUTER_NODES,
     ROUTER_PREFIX_TREE_TOKENS,
     ROUTER_PREFIX_TREE_NODES,
+    ROUTER_PAIR_WARMUPS_TOTAL,
     ENGINE_QUEUE_DEPTH,
     ENGINE_RUNNING_REQUESTS,
     KV_BLOCKS_IN_USE,

@@ -415,6 +415,9 @@ fn router_liveness_keys_load_and_are_validated() {
     assert_eq!(l.config.router.client_send_timeout_s, 3);
     assert_eq!(l.config.router.node_keepalive_interval_ms, 200);
     assert_eq!(l.config.router.node_keepalive_timeout_ms, 400);
+    assert!(l.config.router.warm_pairs, "warm_pairs is on by default");
+    let off = load_from_str(FILE, "[router]\nwarm_pairs = false\n", &[]).unwrap();
+    assert!(!off.config.router.warm_pairs);
     let errs = errors(
         "[router]\nclient_send_timeout_s = 0\nnode_keepalive_interval_ms = 0\nnode_keepalive_timeout_ms = 5\n",
         &[],

@@ -70,6 +70,8 @@ pub async fn serve(
         tokio::spawn(async move {
             loop {
                 router.refresh_stats(STATS_TIMEOUT).await;
+                // New prefill/decode pairs warmed before they take traffic.
+                router.warm_ahead();
                 tokio::select! {
                     _ = stop.cancelled() => return,
                     _ = tokio::time::sleep(refresh) => {}

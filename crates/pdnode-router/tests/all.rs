@@ -32,3 +32,5 @@ mod slow_client;
 mod stats_refresh;
 #[path = "throughput.rs"]
 mod throughput;
+#[path = "warm_pairs.rs"]
+mod warm_pairs;

@@ -491,6 +491,10 @@ pub struct RouterConfig {
     /// A PING not answered within this closes the connection and fails every call on it
     /// (a frozen or unreachable node), milliseconds.
     pub node_keepalive_timeout_ms: u64,
+    /// Warm each new prefill/decode pair with a small request of the router's own (its UCX
+    /// endpoint opened, the decode node's memory mapped) before it takes client traffic, while
+    /// a warm pair is there to take it instead.
+    pub warm_pairs: bool,
     /// SGLang PD workers to route to instead of pdnode nodes (`[router.sglang]`).
     pub sglang: super::sglang::SglangConfig,
 }
@@ -514,6 +518,7 @@ impl Default for RouterConfig {
             client_send_timeout_s: 30,
             node_keepalive_interval_ms: 250,
             node_keepalive_timeout_ms: 750,
+            warm_pairs: true,
             sglang: super::sglang::SglangConfig::default(),
         }
     }

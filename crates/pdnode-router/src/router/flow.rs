@@ -172,6 +172,68 @@ async fn node_lost(watch: &mut Option<NodeWatch>) -> String {
     }
 }
 
+/// The `endpoint` of the router's own warm-up requests (kept out of the client metrics).
+pub(crate) const WARM_UP_ENDPOINT: &str = "warm_up";
+
+/// The prompt of a warm-up request: a few tokens any model has.
+const WARM_UP_PROMPT: &str = "pdnode warm-up";
+
+/// Runs one small request of the router's own through the pair `(p, d)`: a reservation on D,
+/// P's prefill and KV hand-off, one decode step on D (2 tokens, greedy, EOS ignored). Bounded
+/// as a client request is (`prefill_timeout_s`, `token_timeout_s`, `request_timeout_s`); a
+/// failure aborts on both nodes as it would for a client's.
+pub(crate) async fn warm_pair(router: &Router, p: &Worker, d: &Worker) -> Result<(), RouterError> {
+    let mut prompt = router
+        .deps
+        .tokenizer
+        .encode(WARM_UP_PROMPT, true)
+        .unwrap_or_default();
+    let vocab = router.deps.tokenizer.vocab_size();
+    prompt.retain(|&t| t < vocab);
+    if prompt.is_empty() {
+        prompt.push(0);
+    }
+    let req = GenRequest {
+        prompt_token_ids: prompt,
+        sampling: pdnode_core::SamplingParams {
+            temperature: 0.0,
+            max_tokens: 2,
+            ignore_eos: true,
+            ..Default::default()
+        },
+        endpoint: WARM_UP_ENDPOINT,
+        routing_key: None,
+    };
+    // Nobody reads the events: room for all of them (the first token, one more, the end).
+    let (tx, _rx) = mpsc::channel(8);
+    let mut flow = Flow::new(1);
+    flow.begin(false);
+    let _d_booking = Booking::new(router, d.id());
+    let pair = Pair {
+        router,
+        p,
+        d,
+        id: RequestId::random(),
+        capability: OnceLock::new(),
+    };
+    let mut progress = Progress {
+        first_at: None,
+        tokens: 0,
+        cached: 0,
+    };
+    let span = tracing::info_span!("pair_warm_up", request_id = %pair.id, prefill = %p.id(), decode = %d.id());
+    let end = run_attempt(&pair, &mut flow, &req, &tx, Instant::now(), &mut progress)
+        .instrument(span)
+        .await;
+    match end {
+        End::Exit(Exit::Done(_)) => Ok(()),
+        End::Exit(Exit::ClientGone) => Err(RouterError::Internal {
+            message: "the warm-up's event channel closed".into(),
+        }),
+        End::Fail(e) | End::Retry { err: e, .. } => Err(e),
+    }
+}
+
 /// How many attempts (pairs) a request gets: the first and one retry.
 const ATTEMPTS: u32 = 2;
 
@@ -241,7 +303,7 @@ impl Pair<'_> {
 }
 
 async fn drive(
-    router: &Router,
+    router: &Arc<Router>,
     req: &GenRequest,
     id: RequestId,
     tx: &mpsc::Sender<GenEvent>,
@@ -272,11 +334,15 @@ async fn drive(
             decode = Empty,
         );
         if d_slot.is_none() {
-            let picked =
-                router
-                    .state
-                    .lock()
-                    .pick(Role::Decode, &decodes, tokens, key, &excluded_d, now);
+            let picked = router.state.lock().pick_for(
+                Role::Decode,
+                &decodes,
+                None,
+                tokens,
+                key,
+                &excluded_d,
+                now,
+            );
             let Some(d_idx) = picked else {
                 missing = Role::Decode;
                 pdnode_telemetry::fail(&choice, &"no decode node to pick");
@@ -293,11 +359,29 @@ async fn drive(
         let p = if is_colocated(&d) {
             d.clone()
         } else {
-            let picked =
-                router
-                    .state
-                    .lock()
-                    .pick(Role::Prefill, &prefills, tokens, key, &excluded, now);
+            let (picked, cold) = {
+                let mut st = router.state.lock();
+                let picked = st.pick_for(
+                    Role::Prefill,
+                    &prefills,
+                    Some(&d),
+                    tokens,
+                    key,
+                    &excluded,
+                    now,
+                );
+                // A cold pair of D's, warmed now for the requests after this one.
+                let cold = router
+                    .deps
+                    .config
+                    .warm_pairs
+                    .then(|| st.warm.next_cold(&prefills, &d, &excluded, now))
+                    .flatten();
+                (picked, cold)
+            };
+            if let Some(cold) = cold {
+                super::warm::spawn(router.clone(), cold, d.clone());
+            }
             let Some(p_idx) = picked else {
                 missing = Role::Prefill;
                 pdnode_telemetry::fail(&choice, &"no prefill node to pick");
@@ -516,6 +600,9 @@ async fn run_attempt(
     };
     drop(p_booking);
     count_handoff(router, p.id(), "ok");
+    if cfg.warm_pairs && !is_colocated(d) {
+        router.state.lock().warm.set_warm(p, d);
+    }
     let mx = &router.metrics;
     let node = p.id().as_str();
     mx.inc(
@@ -553,7 +640,9 @@ async fn run_attempt(
     };
     progress.tokens = 1;
     progress.first_at = Some(Instant::now());
-    mx.observe(m::ROUTER_TTFT_SECONDS, &[], start.elapsed().as_secs_f64());
+    if req.endpoint != WARM_UP_ENDPOINT {
+        mx.observe(m::ROUTER_TTFT_SECONDS, &[], start.elapsed().as_secs_f64());
+    }
     let ev = GenEvent::Tokens {
         token_ids: vec![outcome.first_token_id],
         text,

@@ -9,6 +9,7 @@ mod calls;
 mod flow;
 mod node_watch;
 mod state;
+mod warm;
 
 pub use state::RouterState;
 
@@ -159,11 +160,12 @@ impl Router {
             cfg,
             if cfg.seed == 0 { 0 } else { cfg.seed ^ 0x5eed },
         );
+        let warm_pairs = cfg.warm_pairs;
         let metrics = Arc::new(Metrics::new());
         describe(&metrics);
         Arc::new(Self {
             deps,
-            state: Mutex::new(RouterState::new(prefill, decode)),
+            state: Mutex::new(RouterState::new(prefill, decode).warming_pairs(warm_pairs)),
             metrics,
             watches: node_watch::NodeWatches::default(),
             inflight: Arc::new(AtomicU32::new(0)),
@@ -455,6 +457,10 @@ fn describe(mx: &Metrics) {
         (
             m::ROUTER_PREFIX_TREE_NODES,
             "Nodes of the cache_aware policy's prefix tree, by role.",
+        ),
+        (
+            m::ROUTER_PAIR_WARMUPS_TOTAL,
+            "Prefill/decode pair warm-ups (router.warm_pairs), by outcome.",
         ),
         (
             m::ENGINE_QUEUE_DEPTH,

@@ -17,6 +17,10 @@ pub struct RouterState {
     /// Nodes that lately failed as unreachable (connection lost, no answer), until when: picked
     /// only when no other candidate is left.
     suspect: HashMap<NodeId, Instant>,
+    /// Which prefill/decode pairs are warm (`router.warm_pairs`).
+    pub(crate) warm: super::warm::WarmPairs,
+    /// `router.warm_pairs`: picks prefer warm pairs.
+    warm_on: bool,
 }
 
 impl RouterState {
@@ -27,7 +31,15 @@ impl RouterState {
             booked: HashMap::new(),
             stats: HashMap::new(),
             suspect: HashMap::new(),
+            warm: super::warm::WarmPairs::default(),
+            warm_on: false,
         }
+    }
+
+    /// With `on`, picks prefer warm pairs ([`Self::pick_for`]).
+    pub fn warming_pairs(mut self, on: bool) -> Self {
+        self.warm_on = on;
+        self
     }
 
     /// The load a policy sees for `id`: the larger of the node's own count and what the router
@@ -74,6 +86,24 @@ impl RouterState {
         exclude: &[NodeId],
         now: Instant,
     ) -> Option<usize> {
+        self.pick_for(role, workers, None, token_ids, routing_key, exclude, now)
+    }
+
+    /// [`Self::pick`], and with `router.warm_pairs` on, warm pairs first while any remains
+    /// (after the unreachable nodes are left out): a decode node with no warm pair yet is left
+    /// out (colocated workers need none), and so is a prefill node whose pair with `decode` is
+    /// not warm.
+    #[allow(clippy::too_many_arguments)]
+    pub fn pick_for(
+        &mut self,
+        role: Role,
+        workers: &[Worker],
+        decode: Option<&Worker>,
+        token_ids: &[u32],
+        routing_key: Option<&str>,
+        exclude: &[NodeId],
+        now: Instant,
+    ) -> Option<usize> {
         self.suspect.retain(|_, t| now < *t);
         let mut candidates: Vec<usize> = (0..workers.len())
             .filter(|&i| !exclude.contains(workers[i].id()))
@@ -83,6 +113,16 @@ impl RouterState {
             .any(|&i| !self.is_suspect(workers[i].id(), now))
         {
             candidates.retain(|&i| !self.is_suspect(workers[i].id(), now));
+        }
+        if self.warm_on {
+            let warm = |w: &Worker| match (role, decode) {
+                (Role::Decode, _) => super::flow::is_colocated(w) || self.warm.has_warm_decode(w),
+                (_, Some(d)) => self.warm.is_warm(w, d),
+                _ => true,
+            };
+            if candidates.iter().any(|&i| warm(&workers[i])) {
+                candidates.retain(|&i| warm(&workers[i]));
+            }
         }
         let loads: Vec<WorkerLoad> = candidates
             .iter()

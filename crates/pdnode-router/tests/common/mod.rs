@@ -33,6 +33,9 @@ pub fn config() -> RouterConfig {
         prefill_timeout_s: 5,
         token_timeout_s: 2,
         max_inflight_requests: 64,
+        // The pair warm-ups' own calls would show in every test's call counts; the
+        // `warm_pairs` tests turn it on.
+        warm_pairs: false,
         ..RouterConfig::default()
     };
     c.power_of_two.load_refresh_ms = 100;

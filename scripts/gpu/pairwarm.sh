@@ -8,7 +8,7 @@
 # pdnode_router_pair_warmups_total{outcome="ok"} shows the warm-up done; then 4 sequential
 # requests (distinct 500-token prompts, 16 streamed tokens, greedy, ignore_eos): TTFT each, and
 # each hand-off's transfer_us from the prefill node's log (the warm-up's first, when there is
-# one). Needs .gpu-pd/bundle.tar.xz (scripts/gpu/pack.sh). Table last.
+# one). ROUTER_LOG: the router's log filter (default info). Needs .gpu-pd/bundle.tar.xz (scripts/gpu/pack.sh). Table last.
 # usage: scripts/gpu/pairwarm.sh
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -106,7 +106,7 @@ decode_policy = "round_robin"
 warm_pairs = $w
 [log]
 format = "human"
-filter = "info"
+filter = "${ROUTER_LOG:-info}"
 T
     t0=$(date +%s.%N)
     CUDA_VISIBLE_DEVICES=0 "$BIN" start -c "$OUT/prefill-$w.toml" > "$OUT/prefill-$w.log" 2>&1 &
@@ -138,6 +138,12 @@ import json, time, urllib.request
 URL = "http://127.0.0.1:8000/v1/completions"
 def prompt(k, n=500):
     return " ".join(f"w{(i * 104729 + 7 * k + 13) % 100000}" for i in range(n))
+# The client's own first call (urllib builds its opener, an SSL context among its handlers)
+# is paid here, on /health, not by the first timed request.
+for k in range(2):
+    t = time.time()
+    urllib.request.urlopen("http://127.0.0.1:8000/health", timeout=10).read()
+    print(f"client GET /health {k}: {(time.time() - t) * 1e3:.1f} ms")
 out = []
 for k in range(4):
     body = {"model": "llama-3.1-8b", "prompt": prompt(k), "max_tokens": 16, "temperature": 0,
@@ -152,7 +158,8 @@ for k in range(4):
                 if json.loads(line[5:]).get("choices"):
                     first = time.time()
     out.append((first - t) * 1e3)
-    print(f"request {k}: TTFT {out[-1]:.1f} ms")
+    iso = lambda x: time.strftime("%H:%M:%S", time.gmtime(x)) + f".{int(x * 1e6) % 1000000:06d}"
+    print(f"request {k}: TTFT {out[-1]:.1f} ms (sent {iso(t)}, first token {iso(first)} UTC)")
 print("ROW", " | ".join(f"{v:.1f}" for v in out))
 PY
     cat "$OUT/probe-$w.txt"

@@ -68,6 +68,7 @@ fn policy_name(p: PolicyName) -> &'static str {
         PolicyName::CacheAware => "cache_aware",
         PolicyName::Bucket => "bucket",
         PolicyName::Manual => "manual",
+        PolicyName::Cost => "cost",
     }
 }
 
@@ -160,6 +161,7 @@ pub fn measure(a: &PlacementArgs) -> Vec<PlaceRow> {
                 queued: s.queued_requests,
                 kv_blocks_free: s.kv_blocks_free,
                 kv_blocks_total: s.kv_blocks_total,
+                predicted_ttft_us: 0,
             }
         })
         .collect();

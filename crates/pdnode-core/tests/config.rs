@@ -157,6 +157,34 @@ fn an_unknown_model_preset_is_refused_with_the_known_ones() {
 }
 
 #[test]
+fn the_cost_policy_picks_prefill_nodes_only() {
+    let l = load_from_str(FILE, "[router]\nprefill_policy = \"cost\"\n", &[]).unwrap();
+    assert_eq!(
+        l.config.router.prefill_policy,
+        pdnode_core::config::PolicyName::Cost
+    );
+    let errs = errors("[router]\ndecode_policy = \"cost\"\n", &[]);
+    assert!(
+        errs.iter()
+            .any(|e| matches!(e, ConfigError::Invalid { key, reason, .. }
+            if key == "router.decode_policy" && reason.contains("prefill_policy"))),
+        "{errs:?}"
+    );
+    let errs = errors(
+        "[node]\nrole = \"router\"\n[router]\nprefill_policy = \"cost\"\n\
+         [[router.sglang.prefill]]\nurl = \"http://127.0.0.1:30000\"\n\
+         [[router.sglang.decode]]\nurl = \"http://127.0.0.1:30001\"\n",
+        &[],
+    );
+    assert!(
+        errs.iter()
+            .any(|e| matches!(e, ConfigError::Invalid { key, reason, .. }
+            if key == "router.prefill_policy" && reason.contains("SGLang"))),
+        "{errs:?}"
+    );
+}
+
+#[test]
 fn unknown_policy_name_is_an_error_not_a_fallback() {
     let errs = errors("[router]\nprefill_policy = \"fastest\"\n", &[]);
     assert!(

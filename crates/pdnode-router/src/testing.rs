@@ -74,6 +74,9 @@ pub struct FakeBehavior {
     pub token_interval: Duration,
     /// Delay of prefill before it answers.
     pub prefill_delay: Duration,
+    /// The hand-off time prefill reports (reported, not waited; the KV bytes are 4096 per prompt
+    /// token).
+    pub transfer_us: u64,
     /// Delay of `ReserveKv` before it answers (a decode node waiting for staging room).
     pub reserve_delay: Duration,
     /// Delay of `ReserveKv`'s answer after the reservation is made (an answer on its way).
@@ -98,6 +101,7 @@ impl Default for FakeBehavior {
                 .collect(),
             token_interval: Duration::ZERO,
             prefill_delay: Duration::ZERO,
+            transfer_us: 100,
             reserve_delay: Duration::ZERO,
             reserve_answer_delay: Duration::ZERO,
             fail_reserve: None,
@@ -359,7 +363,7 @@ impl NodeClient for FakeNode {
                 finish,
                 cached_tokens: 0,
                 transfer_bytes: 4096 * req.prompt_token_ids.len() as u64,
-                transfer_us: 100,
+                transfer_us: b.transfer_us,
                 sampler: None,
             })
         })

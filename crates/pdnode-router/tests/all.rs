@@ -8,6 +8,8 @@ mod common;
 mod abort_capability;
 #[path = "colocated.rs"]
 mod colocated;
+#[path = "cost_policy.rs"]
+mod cost_policy;
 #[path = "decode_lost.rs"]
 mod decode_lost;
 #[path = "decode_watch.rs"]

@@ -457,6 +457,10 @@ pub enum PolicyName {
     /// Sticky: a request's routing key (the `X-SMG-Routing-Key` header, or in SGLang mode the
     /// body's `rid`) goes to the worker the key was first assigned to.
     Manual,
+    /// Prefill only: the prefill node with the lowest predicted time to first token for the
+    /// picked decode node (its queue, its prefill time, the hand-off to that decode node), from
+    /// what the router measured of real requests (docs/runtime-semantics.md, "Pairing by cost").
+    Cost,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -393,6 +393,20 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
     if r.max_inflight_requests == 0 {
         bad("router.max_inflight_requests", "must be at least 1".into());
     }
+    if r.decode_policy == PolicyName::Cost {
+        bad(
+            "router.decode_policy",
+            "`cost` picks the prefill node for a decode node already picked; set it as router.prefill_policy"
+                .into(),
+        );
+    }
+    if r.prefill_policy == PolicyName::Cost && r.sglang.enabled() {
+        bad(
+            "router.prefill_policy",
+            "`cost` needs the KV hand-off figures pdnode nodes report; SGLang workers (router.sglang) do not"
+                .into(),
+        );
+    }
     let sg = &r.sglang;
     if sg.enabled() {
         if c.node.role != Role::Router {

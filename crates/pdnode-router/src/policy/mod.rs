@@ -5,6 +5,7 @@
 
 mod bucket;
 mod cache_aware;
+mod cost;
 mod manual;
 mod power_of_two;
 mod radix;
@@ -13,6 +14,7 @@ mod round_robin;
 
 pub use bucket::BucketPolicy;
 pub use cache_aware::CacheAwarePolicy;
+pub use cost::CostPolicy;
 pub use manual::ManualPolicy;
 pub use power_of_two::PowerOfTwoPolicy;
 pub use radix::RadixTree;
@@ -35,6 +37,9 @@ pub struct WorkerLoad {
     pub queued: u32,
     pub kv_blocks_free: u64,
     pub kv_blocks_total: u64,
+    /// The request's predicted time to first token on this worker, microseconds: set for the
+    /// `cost` policy's prefill candidates (0 elsewhere).
+    pub predicted_ttft_us: u64,
 }
 
 impl WorkerLoad {
@@ -45,6 +50,7 @@ impl WorkerLoad {
             queued: 0,
             kv_blocks_free: 0,
             kv_blocks_total: 0,
+            predicted_ttft_us: 0,
         }
     }
 
@@ -117,6 +123,7 @@ pub fn build_policy(name: PolicyName, cfg: &RouterConfig, seed: u64) -> Box<dyn 
         PolicyName::CacheAware => Box::new(CacheAwarePolicy::new(cfg.cache_aware.clone())),
         PolicyName::Bucket => Box::new(BucketPolicy::new(cfg.bucket.clone())),
         PolicyName::Manual => Box::new(ManualPolicy::new(&cfg.manual, rng)),
+        PolicyName::Cost => Box::new(CostPolicy),
     }
 }
 
@@ -161,6 +168,7 @@ mod tests {
             PolicyName::CacheAware,
             PolicyName::Bucket,
             PolicyName::Manual,
+            PolicyName::Cost,
         ] {
             let mut p = build_policy(name, &cfg, 7);
             let expected = serde_json::to_value(name).unwrap();

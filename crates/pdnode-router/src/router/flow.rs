@@ -55,6 +55,50 @@ struct Progress {
     cached: u32,
 }
 
+/// A prefill call's share of the `cost` policy's estimates: its tokens in flight on P until it
+/// ends, and its measured duration and hand-off when it answered ([`CostTicket::done`]).
+struct CostTicket<'a> {
+    router: &'a Router,
+    ticket: Option<super::cost::Ticket>,
+}
+
+impl<'a> CostTicket<'a> {
+    fn new(router: &'a Router, p: &Worker, tokens: usize) -> Self {
+        let t = router.state.lock().cost.begin(p, tokens, Instant::now());
+        Self {
+            router,
+            ticket: Some(t),
+        }
+    }
+
+    /// The prefill call starts now: its duration is measured from here.
+    fn prefill_starts(&mut self) {
+        if let Some(t) = self.ticket.as_mut() {
+            t.started = Instant::now();
+        }
+    }
+
+    /// The call answered: `bytes` handed off to `d`, `us` after the prefill.
+    fn done(mut self, d: &Worker, bytes: u64, us: u64) {
+        if let Some(t) = self.ticket.take() {
+            let now = Instant::now();
+            self.router
+                .state
+                .lock()
+                .cost
+                .end(t, Some((d, bytes, us)), now);
+        }
+    }
+}
+
+impl Drop for CostTicket<'_> {
+    fn drop(&mut self) {
+        if let Some(t) = self.ticket.take() {
+            self.router.state.lock().cost.end(t, None, Instant::now());
+        }
+    }
+}
+
 /// Releases a booking on drop.
 struct Booking<'a> {
     router: &'a Router,
@@ -464,6 +508,9 @@ async fn run_attempt(
     let client_limit = send_limit(router);
     let tokens = &req.prompt_token_ids;
     let p_booking = Booking::new(router, p.id());
+    // For the `cost` policy's estimates: this request's tokens count against P from its pick
+    // (as its booking does) until its prefill call ends.
+    let mut ticket = CostTicket::new(router, p, tokens.len());
 
     let reserve = ReserveKv {
         request_id: req_id,
@@ -532,6 +579,7 @@ async fn run_attempt(
         transfer_us = Empty,
         cached_tokens = Empty,
     );
+    ticket.prefill_starts();
     let prefill = step(
         tx,
         prefill_timeout,
@@ -599,6 +647,10 @@ async fn run_attempt(
         }
     };
     drop(p_booking);
+    // The warm-up's few tokens fill a whole KV block: not a sample of bytes per token.
+    if req.endpoint != WARM_UP_ENDPOINT {
+        ticket.done(d, outcome.transfer_bytes, outcome.transfer_us);
+    }
     count_handoff(router, p.id(), "ok");
     if cfg.warm_pairs && !is_colocated(d) {
         router.state.lock().warm.set_warm(p, d);

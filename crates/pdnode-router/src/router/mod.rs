@@ -6,6 +6,7 @@
 
 mod attempt;
 mod calls;
+mod cost;
 mod flow;
 mod node_watch;
 mod state;

@@ -21,6 +21,8 @@ pub struct RouterState {
     pub(crate) warm: super::warm::WarmPairs,
     /// `router.warm_pairs`: picks prefer warm pairs.
     warm_on: bool,
+    /// What the `cost` prefill policy predicts from.
+    pub(crate) cost: super::cost::CostModel,
 }
 
 impl RouterState {
@@ -33,6 +35,7 @@ impl RouterState {
             suspect: HashMap::new(),
             warm: super::warm::WarmPairs::default(),
             warm_on: false,
+            cost: super::cost::CostModel::default(),
         }
     }
 
@@ -53,6 +56,7 @@ impl RouterState {
             queued: s.queued_requests,
             kv_blocks_free: s.kv_blocks_free,
             kv_blocks_total: s.kv_blocks_total,
+            predicted_ttft_us: 0,
         }
     }
 
@@ -124,9 +128,17 @@ impl RouterState {
                 candidates.retain(|&i| warm(&workers[i]));
             }
         }
+        let by_cost = role == Role::Prefill && self.prefill.name() == "cost";
         let loads: Vec<WorkerLoad> = candidates
             .iter()
-            .map(|&i| self.load_of(workers[i].id()))
+            .map(|&i| {
+                let mut l = self.load_of(workers[i].id());
+                if let (true, Some(d)) = (by_cost, decode) {
+                    l.predicted_ttft_us =
+                        self.cost.predict_us(&workers[i], d, token_ids.len(), now);
+                }
+                l
+            })
             .collect();
         if loads.is_empty() {
             return None;
@@ -170,6 +182,7 @@ impl RouterState {
     /// Forgets stats of nodes no longer present.
     pub fn retain_stats(&mut self, present: &[NodeId]) {
         self.stats.retain(|id, _| present.contains(id));
+        self.cost.retain(present);
     }
 }
 

@@ -5,6 +5,8 @@
 #
 #   tests/cluster/run.sh [--quick|--full] [--case NAME] [--list] [--keep-logs] [--soak SECONDS]
 #                        [--router-set KEY=VALUE]   (the soak's router, e.g. a small max_tree_size)
+#                        [--pairing SECONDS]        (the pairing benchmark: one slow pair, TTFT
+#                                                    under each prefill policy; a figure, no test)
 #
 # --quick (the default, CI): mock engines, about 4 minutes on 2 cores. --full: the same cases on
 # the CPU engine with the demo model, greedy, outputs compared across cases (not in CI).
@@ -32,10 +34,14 @@ while [ $# -gt 0 ]; do
     --soak)
       [ $# -ge 2 ] || { echo "--soak needs seconds" >&2; exit 2; }
       soak="$2"; args+=("$1" "$2"); shift ;;
+    --pairing)
+      [ $# -ge 2 ] || { echo "--pairing needs seconds" >&2; exit 2; }
+      # Six clusters, each the window plus its start and warm-up.
+      soak=$(( 6 * ($2 + 30) )); args+=("$1" "$2"); shift ;;
     --router-set)
       [ $# -ge 2 ] || { echo "--router-set needs KEY=VALUE" >&2; exit 2; }
       args+=("$1" "$2"); shift ;;
-    -h | --help) sed -n '2,14p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -86,7 +92,7 @@ trap 'exit 143' TERM
 
 # Every step of the driver has its own deadline; this one bounds the whole run (a soak: its
 # length and the same margin; --full: the CPU engine's cases take longer).
-case "$soak" in '' | *[!0-9]*) echo "--soak: whole seconds, not $soak" >&2; exit 2 ;; esac
+case "$soak" in '' | *[!0-9]*) echo "--soak / --pairing: whole seconds, not $soak" >&2; exit 2 ;; esac
 bound=900
 [ "$full" = 1 ] && bound=3600
 timeout --kill-after=10 "$((soak + bound))" "$TARGET/cluster-driver" \

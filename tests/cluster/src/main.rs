@@ -14,6 +14,7 @@ mod lifecycle;
 mod load;
 mod metrics;
 mod net;
+mod pairing;
 mod soak;
 
 use anyhow::{Context, Result, anyhow, bail};
@@ -22,7 +23,7 @@ use std::process::ExitCode;
 
 const USAGE: &str = "usage: cluster-driver --prefix NAME --bin PATH/TO/pdnode [--repo DIR] \
                      [--quick|--full] [--case NAME] [--list] [--keep-logs] [--soak SECONDS] \
-                     [--router-set KEY=VALUE ...]";
+                     [--router-set KEY=VALUE ...] [--pairing SECONDS]";
 
 struct Args {
     prefix: String,
@@ -36,6 +37,8 @@ struct Args {
     soak: Option<u64>,
     /// `--set`s for the soak's router (e.g. a small `router.cache_aware.max_tree_size`).
     router_sets: Vec<String>,
+    /// Run the pairing benchmark with this measured window per policy instead of the cases.
+    pairing: Option<u64>,
 }
 
 fn parse_args() -> Result<Args> {
@@ -49,6 +52,7 @@ fn parse_args() -> Result<Args> {
         keep_logs: false,
         soak: None,
         router_sets: Vec::new(),
+        pairing: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -70,6 +74,13 @@ fn parse_args() -> Result<Args> {
                 );
             }
             "--router-set" => a.router_sets.push(value("--router-set")?),
+            "--pairing" => {
+                let v = value("--pairing")?;
+                a.pairing = Some(
+                    v.parse()
+                        .with_context(|| format!("--pairing {v:?}: seconds"))?,
+                );
+            }
             "-h" | "--help" => bail!("{USAGE}"),
             other => bail!("unknown argument {other:?}\n{USAGE}"),
         }
@@ -162,6 +173,28 @@ fn real_main() -> Result<bool> {
         .build()?;
     if !args.router_sets.is_empty() && args.soak.is_none() {
         bail!("--router-set applies to the soak (--soak SECONDS) only");
+    }
+    if let Some(secs) = args.pairing {
+        let window = std::time::Duration::from_secs(secs);
+        let pairing_dir = dir.path().join("pairing");
+        let res = rt.block_on(async {
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+            let run = pairing::run(&net, &bin, &repo, &pairing_dir, window);
+            tokio::select! {
+                r = run => r,
+                _ = tokio::signal::ctrl_c() => Err(anyhow!("interrupted (SIGINT)")),
+                _ = term.recv() => Err(anyhow!("terminated (SIGTERM)")),
+            }
+        });
+        drop(rt);
+        let rows = res?;
+        println!("{}", pairing::table(&rows, window));
+        if args.keep_logs {
+            eprintln!("cluster: logs kept in {}", dir.keep().display());
+        }
+        drop(net);
+        return Ok(true);
     }
     if let Some(secs) = args.soak {
         let soak_dir = dir.path().join("soak");

@@ -69,6 +69,9 @@ impl Default for SamplingParams {
 /// Most top-logprobs a request may ask for.
 pub const MAX_TOP_LOGPROBS: u32 = 20;
 
+/// Longest latency target a request or the config may set, ms (an hour).
+pub const SLO_MAX_MS: u64 = 3_600_000;
+
 /// A parameter out of range.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[error("invalid parameter `{param}`: {reason}")]

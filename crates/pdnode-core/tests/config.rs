@@ -157,6 +157,25 @@ fn an_unknown_model_preset_is_refused_with_the_known_ones() {
 }
 
 #[test]
+fn slo_targets_load_and_are_bounded() {
+    let l = load_from_str(FILE, "[router.slo]\nttft_ms = 500\ntpot_ms = 40\n", &[]).unwrap();
+    assert_eq!(l.config.router.slo.ttft_ms, 500);
+    assert_eq!(l.config.router.slo.tpot_ms, 40);
+    let d = load_from_str(FILE, "", &[]).unwrap();
+    assert_eq!(
+        (d.config.router.slo.ttft_ms, d.config.router.slo.tpot_ms),
+        (0, 0)
+    );
+    let errs = errors("[router.slo]\nttft_ms = 3600001\n", &[]);
+    assert!(
+        errs.iter()
+            .any(|e| matches!(e, ConfigError::Invalid { key, .. }
+            if key == "router.slo.ttft_ms")),
+        "{errs:?}"
+    );
+}
+
+#[test]
 fn the_cost_policy_picks_prefill_nodes_only() {
     let l = load_from_str(FILE, "[router]\nprefill_policy = \"cost\"\n", &[]).unwrap();
     assert_eq!(

@@ -45,6 +45,7 @@ fn request() -> GenRequest {
         },
         endpoint: "completions",
         routing_key: None,
+        slo: Default::default(),
     }
 }
 

@@ -32,6 +32,7 @@ async fn on_router(router: &std::sync::Arc<Router>, ids: Vec<u32>, max_tokens: u
             sampling: SamplingParams::greedy(max_tokens),
             endpoint: "test",
             routing_key: None,
+            slo: Default::default(),
         })
         .unwrap();
     let mut got = Vec::new();

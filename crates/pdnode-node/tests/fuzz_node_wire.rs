@@ -259,6 +259,7 @@ async fn random_node_calls_get_answers_and_the_node_keeps_serving() {
             sampling: SamplingParams::greedy(4),
             endpoint: "test",
             routing_key: None,
+            slo: Default::default(),
         })
         .unwrap();
     let mut n = 0;

@@ -49,6 +49,7 @@ async fn all_in_one_pd_matches_colocated_and_frees_everything() {
             sampling: SamplingParams::greedy(10),
             endpoint: "test",
             routing_key: None,
+            slo: Default::default(),
         })
         .unwrap();
     let mut got = Vec::new();

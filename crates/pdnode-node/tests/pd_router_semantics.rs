@@ -37,6 +37,7 @@ async fn run(router: &Arc<Router>, ids: Vec<u32>, sampling: SamplingParams) -> O
             sampling,
             endpoint: "test",
             routing_key: None,
+            slo: Default::default(),
         })
         .unwrap();
     let mut tokens = Vec::new();

@@ -45,6 +45,17 @@ pub enum RouterError {
     Unauthenticated,
     #[error("the router is at its limit of {limit} in-flight requests; retry later")]
     Overloaded { limit: u32 },
+    /// SLO admission refused the request: it would miss its target (docs/runtime-semantics.md,
+    /// "SLO admission").
+    #[error(
+        "{what} would be about {predicted_ms} ms, above the request's target of {target_ms} ms; retry in {retry_after_s} s"
+    )]
+    SloUnmet {
+        what: &'static str,
+        predicted_ms: u64,
+        target_ms: u64,
+        retry_after_s: u64,
+    },
     #[error("no {role} node is available")]
     NoNode { role: Role },
     #[error("the router is shutting down")]
@@ -83,6 +94,16 @@ pub enum RouterError {
 }
 
 impl RouterError {
+    /// Seconds a refused client should wait before it tries again (`Retry-After`), if the
+    /// error says.
+    pub fn retry_after_s(&self) -> Option<u64> {
+        match self {
+            RouterError::SloUnmet { retry_after_s, .. } => Some(*retry_after_s),
+            RouterError::Overloaded { .. } => Some(1),
+            _ => None,
+        }
+    }
+
     pub fn param(param: impl Into<String>, message: impl Into<String>) -> Self {
         RouterError::InvalidParam {
             param: param.into(),
@@ -100,7 +121,7 @@ impl Classify for RouterError {
             | RouterError::UnknownModel { .. } => ErrorKind::InvalidRequest,
             RouterError::ContextLength { .. } => ErrorKind::ContextLengthExceeded,
             RouterError::Unauthenticated => ErrorKind::Unauthenticated,
-            RouterError::Overloaded { .. } => ErrorKind::Overloaded,
+            RouterError::Overloaded { .. } | RouterError::SloUnmet { .. } => ErrorKind::Overloaded,
             RouterError::NoNode { .. } | RouterError::Draining | RouterError::DecodeLost { .. } => {
                 ErrorKind::Unavailable
             }

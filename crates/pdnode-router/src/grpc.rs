@@ -95,6 +95,7 @@ impl InferenceService {
             sampling,
             endpoint: "grpc",
             routing_key: None,
+            slo: Default::default(),
         })
     }
 }
@@ -135,6 +136,17 @@ impl v1::inference_server::Inference for InferenceService {
                 .map(|v| v.as_bytes()),
         )
         .map_err(|e| status_of(&e))?;
+        let slo = crate::router::Slo::from_values(
+            request
+                .metadata()
+                .get(crate::router::SLO_TTFT_HEADER)
+                .map(|v| v.as_bytes()),
+            request
+                .metadata()
+                .get(crate::router::SLO_TPOT_HEADER)
+                .map(|v| v.as_bytes()),
+        )
+        .map_err(|e| status_of(&e))?;
         // The client's W3C `traceparent` metadata, if any, parents the request's trace.
         let remote = pdnode_telemetry::Remote::from_metadata(request.metadata());
         let req = request.into_inner();
@@ -142,6 +154,7 @@ impl v1::inference_server::Inference for InferenceService {
         let return_text = req.return_text.unwrap_or(true);
         let mut gen_req = self.prepare(req).map_err(|e| status_of(&e))?;
         gen_req.routing_key = key;
+        gen_req.slo = slo;
         let mut generation = self
             .router
             .generate_traced(gen_req, remote)

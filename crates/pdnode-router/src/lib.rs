@@ -28,7 +28,7 @@ pub use node::{
 };
 pub use router::{
     GenEvent, GenRequest, Generation, ModelInfo, ROUTING_KEY_HEADER, ROUTING_KEY_MAX, Router,
-    RouterDeps, Usage, routing_key,
+    RouterDeps, SLO_TPOT_HEADER, SLO_TTFT_HEADER, Slo, Usage, routing_key,
 };
 pub use server::run;
 pub use tokenize::{ChatMessage, ChatRender, Tokenize, TokenizeError};

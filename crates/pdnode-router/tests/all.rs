@@ -28,6 +28,8 @@ mod http_requests;
 mod node_lost;
 #[path = "openai_python.rs"]
 mod openai_python;
+#[path = "slo_admission.rs"]
+mod slo_admission;
 #[path = "slow_client.rs"]
 mod slow_client;
 #[path = "stats_refresh.rs"]

@@ -38,6 +38,7 @@ async fn run(r: &Arc<Router>, prompt: &str) -> Result<String, ErrorKind> {
             },
             endpoint: "completions",
             routing_key: None,
+            slo: Default::default(),
         })
         .map_err(|e| pdnode_core::error::Classify::kind(&e))?;
     let mut text = String::new();

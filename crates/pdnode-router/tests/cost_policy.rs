@@ -22,6 +22,7 @@ async fn run(r: &Arc<Router>) -> RequestId {
             },
             endpoint: "completions",
             routing_key: None,
+            slo: Default::default(),
         })
         .expect("admitted");
     loop {

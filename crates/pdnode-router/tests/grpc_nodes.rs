@@ -348,6 +348,7 @@ async fn decode_server_gone_during_prefill_aborts_the_prefill_over_grpc() {
             },
             endpoint: "grpc",
             routing_key: None,
+            slo: Default::default(),
         })
         .unwrap();
     let prefilling = |calls: &[FakeCall]| calls.iter().any(|c| matches!(c, FakeCall::Prefill(_)));
@@ -495,6 +496,7 @@ async fn a_frozen_decode_node_is_found_by_the_channel_keepalive() {
             },
             endpoint: "grpc",
             routing_key: None,
+            slo: Default::default(),
         })
         .unwrap();
     // A few tokens stream, then the node freezes.

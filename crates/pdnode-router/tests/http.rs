@@ -591,6 +591,7 @@ async fn shutdown_drains_in_flight_streams() {
         sampling: pdnode_core::SamplingParams::default(),
         endpoint: "test",
         routing_key: None,
+        slo: Default::default(),
     });
     assert!(matches!(refused, Err(pdnode_router::RouterError::Draining)));
     // The open stream still runs to its end.

@@ -28,6 +28,7 @@ async fn run(r: &Arc<Router>) -> RequestId {
             },
             endpoint: "completions",
             routing_key: None,
+            slo: Default::default(),
         })
         .expect("admitted");
     loop {

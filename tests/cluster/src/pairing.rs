@@ -96,8 +96,14 @@ pub async fn run(
             ],
             ..Extra::default()
         };
-        let c =
-            Cluster::start(net_, bin, repo, &dir.join(format!("{policy}-{clients}")), &extra).await?;
+        let c = Cluster::start(
+            net_,
+            bin,
+            repo,
+            &dir.join(format!("{policy}-{clients}")),
+            &extra,
+        )
+        .await?;
         tc(&[
             "-n",
             &ns,

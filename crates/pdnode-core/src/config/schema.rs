@@ -499,6 +499,8 @@ pub struct RouterConfig {
     /// endpoint opened, the decode node's memory mapped) before it takes client traffic, while
     /// a warm pair is there to take it instead.
     pub warm_pairs: bool,
+    /// Latency targets a request gets when its client names none (`[router.slo]`).
+    pub slo: SloConfig,
     /// SGLang PD workers to route to instead of pdnode nodes (`[router.sglang]`).
     pub sglang: super::sglang::SglangConfig,
 }
@@ -523,9 +525,23 @@ impl Default for RouterConfig {
             node_keepalive_interval_ms: 250,
             node_keepalive_timeout_ms: 750,
             warm_pairs: true,
+            slo: SloConfig::default(),
             sglang: super::sglang::SglangConfig::default(),
         }
     }
+}
+
+/// Default latency targets (docs/runtime-semantics.md, "SLO admission"): a request whose
+/// predicted time to first token, or the time per output token its decode nodes run at now,
+/// exceeds its target is refused at once (429 with `Retry-After`) rather than served late.
+/// Clients override them per request (`X-SLO-TTFT-Ms`, `X-SLO-TPOT-Ms`). 0: no target.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SloConfig {
+    /// Time to first token, ms.
+    pub ttft_ms: u64,
+    /// Time per output token after the first, ms.
+    pub tpot_ms: u64,
 }
 
 /// sglang-router's cache-aware parameters, same names and meaning.

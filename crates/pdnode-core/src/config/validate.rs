@@ -393,6 +393,20 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
     if r.max_inflight_requests == 0 {
         bad("router.max_inflight_requests", "must be at least 1".into());
     }
+    for (key, v) in [
+        ("router.slo.ttft_ms", r.slo.ttft_ms),
+        ("router.slo.tpot_ms", r.slo.tpot_ms),
+    ] {
+        if v > crate::request::SLO_MAX_MS {
+            bad(
+                key,
+                format!(
+                    "{v} ms is above {} ms (0: no target)",
+                    crate::request::SLO_MAX_MS
+                ),
+            );
+        }
+    }
     if r.decode_policy == PolicyName::Cost {
         bad(
             "router.decode_policy",

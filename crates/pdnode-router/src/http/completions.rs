@@ -37,7 +37,7 @@ impl Api {
 /// The OpenAI-style error response of `e` on the `api` endpoint.
 fn error_response(e: &RouterError, api: Api) -> Response {
     let (status, body) = error_body_for(e, api.prompt_param());
-    (status, axum::Json(body)).into_response()
+    super::with_retry_after(e, (status, axum::Json(body)).into_response())
 }
 
 /// What shapes the response.
@@ -128,6 +128,14 @@ async fn completions_inner(
                 .get(crate::router::ROUTING_KEY_HEADER)
                 .map(|v| v.as_bytes()),
         )?,
+        slo: crate::router::Slo::from_values(
+            headers
+                .get(crate::router::SLO_TTFT_HEADER)
+                .map(|v| v.as_bytes()),
+            headers
+                .get(crate::router::SLO_TPOT_HEADER)
+                .map(|v| v.as_bytes()),
+        )?,
     };
     // The client's W3C `traceparent`, if any, parents the request's trace.
     let generation =
@@ -178,6 +186,14 @@ async fn chat_inner(
         routing_key: crate::router::routing_key(
             headers
                 .get(crate::router::ROUTING_KEY_HEADER)
+                .map(|v| v.as_bytes()),
+        )?,
+        slo: crate::router::Slo::from_values(
+            headers
+                .get(crate::router::SLO_TTFT_HEADER)
+                .map(|v| v.as_bytes()),
+            headers
+                .get(crate::router::SLO_TPOT_HEADER)
                 .map(|v| v.as_bytes()),
         )?,
     };

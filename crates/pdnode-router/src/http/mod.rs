@@ -74,6 +74,7 @@ pub fn error_body_for(e: &RouterError, prompt_param: &str) -> (StatusCode, serde
         RouterError::BodyTooLarge { .. } => ("invalid_request_error", json!("request_too_large")),
         RouterError::Unauthenticated => ("authentication_error", json!("invalid_api_key")),
         RouterError::Overloaded { .. } => ("rate_limit_error", json!("overloaded")),
+        RouterError::SloUnmet { .. } => ("rate_limit_error", json!("slo_unmet")),
         _ => match kind {
             pdnode_core::ErrorKind::InvalidRequest => {
                 ("invalid_request_error", serde_json::Value::Null)
@@ -99,8 +100,18 @@ pub fn error_body_for(e: &RouterError, prompt_param: &str) -> (StatusCode, serde
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let (status, body) = error_body(&self.0);
-        (status, axum::Json(body)).into_response()
+        with_retry_after(&self.0, (status, axum::Json(body)).into_response())
     }
+}
+
+/// Adds `Retry-After` (seconds) to the response of an error that says when to come back.
+pub(crate) fn with_retry_after(e: &RouterError, mut r: Response) -> Response {
+    if let Some(s) = e.retry_after_s()
+        && let Ok(v) = axum::http::HeaderValue::from_str(&s.to_string())
+    {
+        r.headers_mut().insert(axum::http::header::RETRY_AFTER, v);
+    }
+    r
 }
 
 /// Whether `headers` carry one of `keys` as `Authorization: Bearer <key>` (always, when `keys`

@@ -54,6 +54,9 @@ pub struct CostModel {
     bytes_per_token: Option<Mean>,
     /// Prompt tokens of this router's prefill calls in flight, per prefill node.
     inflight: HashMap<NodeId, u64>,
+    /// Seconds per output token after the first of the streams that ended lately, per decode
+    /// node.
+    per_output_token: HashMap<NodeId, Option<Mean>>,
 }
 
 /// One prefill call in flight (from [`CostModel::begin`]); hand it back to
@@ -147,10 +150,45 @@ impl CostModel {
         (s * 1e6) as u64
     }
 
+    /// Predicted time to first token of `tokens` prompt tokens on prefill node `p`, the hand-off
+    /// left out, microseconds; `None` when nothing fresh was measured on any prefill node.
+    pub fn predict_prefill_us(&self, p: &Worker, tokens: usize, now: Instant) -> Option<u64> {
+        let per_token = Mean::fresh(self.per_token.get(p.id()).and_then(Option::as_ref), now)
+            .or_else(|| {
+                self.per_token
+                    .values()
+                    .filter_map(|m| Mean::fresh(m.as_ref(), now))
+                    .reduce(f64::min)
+            })?;
+        let ahead = self.inflight.get(p.id()).copied().unwrap_or(0);
+        Some(((ahead as f64 + tokens as f64) * per_token * 1e6) as u64)
+    }
+
+    /// A stream on `d` ended after `tokens` output tokens, `after_first` past its first.
+    pub fn observe_stream(&mut self, d: &Worker, tokens: u32, after_first: Duration, now: Instant) {
+        if tokens > 1 {
+            Mean::update(
+                self.per_output_token.entry(d.id().clone()).or_default(),
+                after_first.as_secs_f64() / f64::from(tokens - 1),
+                now,
+            );
+        }
+    }
+
+    /// The time per output token `d`'s streams ran at lately, seconds; `None`: none ended
+    /// within [`STALE`].
+    pub fn tpot(&self, d: &Worker, now: Instant) -> Option<f64> {
+        Mean::fresh(
+            self.per_output_token.get(d.id()).and_then(Option::as_ref),
+            now,
+        )
+    }
+
     /// Forgets nodes no longer present.
     pub fn retain(&mut self, present: &[NodeId]) {
         self.per_token.retain(|id, _| present.contains(id));
         self.per_byte.retain(|id, _| present.contains(id));
+        self.per_output_token.retain(|id, _| present.contains(id));
         for m in self.per_byte.values_mut() {
             m.retain(|id, _| present.contains(id));
         }

@@ -247,6 +247,7 @@ pub(crate) async fn warm_pair(router: &Router, p: &Worker, d: &Worker) -> Result
         },
         endpoint: WARM_UP_ENDPOINT,
         routing_key: None,
+        slo: Default::default(),
     };
     // Nobody reads the events: room for all of them (the first token, one more, the end).
     let (tx, _rx) = mpsc::channel(8);
@@ -863,6 +864,15 @@ async fn run_attempt(
             }
         }
         if let Some(finish) = chunk.finish {
+            if let Some(first) = progress.first_at {
+                let now = Instant::now();
+                router.state.lock().cost.observe_stream(
+                    d,
+                    progress.tokens,
+                    now.duration_since(first),
+                    now,
+                );
+            }
             stream_span.record("finish_reason", finish.as_str());
             flow.on(Event::Finished);
             return finish_text(tx, &mut detok, finish, client_limit).await;

@@ -72,6 +72,46 @@ pub struct GenRequest {
     /// The session key the sticky `manual` policy routes by (HTTP header `X-SMG-Routing-Key`,
     /// gRPC metadata `x-smg-routing-key`); `None`: placed like any request.
     pub routing_key: Option<String>,
+    /// The client's latency targets (headers `X-SLO-TTFT-Ms`, `X-SLO-TPOT-Ms`); `None`: the
+    /// config's (`router.slo`).
+    pub slo: Slo,
+}
+
+/// A request's latency targets, ms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Slo {
+    pub ttft_ms: Option<u64>,
+    pub tpot_ms: Option<u64>,
+}
+
+/// The headers (and gRPC metadata keys) a client sets its latency targets with.
+pub const SLO_TTFT_HEADER: &str = "x-slo-ttft-ms";
+pub const SLO_TPOT_HEADER: &str = "x-slo-tpot-ms";
+
+impl Slo {
+    /// The targets from header values (`None`: header absent): whole milliseconds, 1 to
+    /// [`pdnode_core::request::SLO_MAX_MS`].
+    pub fn from_values(ttft: Option<&[u8]>, tpot: Option<&[u8]>) -> Result<Self, RouterError> {
+        let one = |name: &str, v: Option<&[u8]>| -> Result<Option<u64>, RouterError> {
+            let Some(v) = v else {
+                return Ok(None);
+            };
+            let max = pdnode_core::request::SLO_MAX_MS;
+            match std::str::from_utf8(v)
+                .ok()
+                .and_then(|s| s.trim().parse::<u64>().ok())
+            {
+                Some(ms) if (1..=max).contains(&ms) => Ok(Some(ms)),
+                _ => Err(RouterError::InvalidRequest {
+                    message: format!("{name} must be a whole number of milliseconds, 1 to {max}"),
+                }),
+            }
+        };
+        Ok(Self {
+            ttft_ms: one(SLO_TTFT_HEADER, ttft)?,
+            tpot_ms: one(SLO_TPOT_HEADER, tpot)?,
+        })
+    }
 }
 
 /// The header (and gRPC metadata key) a client names its session with, sglang-router's name.
@@ -316,6 +356,7 @@ impl Router {
         if decodes == 0 {
             return Err(RouterError::NoNode { role: Role::Decode });
         }
+        self.check_slo(req)?;
         let limit = self.deps.config.max_inflight_requests;
         let admitted = self
             .inflight
@@ -335,6 +376,61 @@ impl Router {
             count: self.inflight.clone(),
             metrics: self.metrics.clone(),
         })
+    }
+
+    /// SLO admission (docs/runtime-semantics.md, "SLO admission"): refuses a request whose
+    /// time to first token, as the router predicts it on the best prefill candidate, or whose
+    /// time per output token, as every decode candidate's streams ran lately, is above its
+    /// target. Admits whatever the router has not measured.
+    fn check_slo(&self, req: &GenRequest) -> Result<(), RouterError> {
+        let cfg = &self.deps.config.slo;
+        let pick = |asked: Option<u64>, default: u64| asked.or((default > 0).then_some(default));
+        let ttft = pick(req.slo.ttft_ms, cfg.ttft_ms);
+        let tpot = pick(req.slo.tpot_ms, cfg.tpot_ms);
+        if ttft.is_none() && tpot.is_none() {
+            return Ok(());
+        }
+        let (prefills, decodes) = flow::candidates(self.deps.membership.as_ref());
+        let now = std::time::Instant::now();
+        let st = self.state.lock();
+        if let Some(target) = ttft {
+            // Colocated workers prefill for themselves.
+            let best = prefills
+                .iter()
+                .chain(decodes.iter().filter(|w| flow::is_colocated(w)))
+                .filter_map(|p| {
+                    st.cost
+                        .predict_prefill_us(p, req.prompt_token_ids.len(), now)
+                })
+                .min();
+            if let Some(us) = best {
+                let (predicted, target_us) = (us / 1000, target * 1000);
+                if us > target_us {
+                    return Err(RouterError::SloUnmet {
+                        what: "time to first token",
+                        predicted_ms: predicted,
+                        target_ms: target,
+                        retry_after_s: (us - target_us).div_ceil(1_000_000).max(1),
+                    });
+                }
+            }
+        }
+        if let Some(target) = tpot {
+            let mut measured = decodes.iter().map(|d| st.cost.tpot(d, now));
+            // Refused only when every decode candidate measured above the target lately.
+            let all: Option<Vec<f64>> = measured.by_ref().collect();
+            if let Some(best) = all.and_then(|v| v.into_iter().reduce(f64::min))
+                && best * 1e3 > target as f64
+            {
+                return Err(RouterError::SloUnmet {
+                    what: "time per output token",
+                    predicted_ms: (best * 1e3).round() as u64,
+                    target_ms: target,
+                    retry_after_s: 1,
+                });
+            }
+        }
+        Ok(())
     }
 
     /// Asks every node for its stats (each call bounded by `timeout`, all side by side) and

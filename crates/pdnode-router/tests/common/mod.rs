@@ -93,6 +93,7 @@ pub fn request_40_tokens() -> GenRequest {
         },
         endpoint: "completions",
         routing_key: None,
+        slo: Default::default(),
     }
 }
 

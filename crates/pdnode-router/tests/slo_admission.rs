@@ -1,0 +1,152 @@
+//! SLO admission (`router.slo`, headers `X-SLO-TTFT-Ms` / `X-SLO-TPOT-Ms`): a request that would
+//! miss its target, as the router predicts from what it measured, is refused at once with 429,
+//! a reason and `Retry-After`; a looser target, or nothing measured yet, admits it. Fake nodes
+//! (the router's own test doubles), a real router.
+
+use crate::common::{self, Harness};
+
+use pdnode_core::{ErrorKind, SamplingParams};
+use pdnode_router::{GenEvent, GenRequest, Router, RouterError, Slo};
+use std::sync::Arc;
+use std::time::Duration;
+
+fn request(slo: Slo) -> GenRequest {
+    GenRequest {
+        prompt_token_ids: vec![u32::from(b'x'); 32],
+        sampling: SamplingParams {
+            max_tokens: 6,
+            ..SamplingParams::default()
+        },
+        endpoint: "completions",
+        routing_key: None,
+        slo,
+    }
+}
+
+async fn run(r: &Arc<Router>, slo: Slo) -> Result<(), RouterError> {
+    let mut g = r.generate(request(slo))?;
+    loop {
+        match tokio::time::timeout(Duration::from_secs(10), g.events.recv())
+            .await
+            .expect("an event within 10 s")
+        {
+            Some(GenEvent::Tokens { .. }) => {}
+            Some(GenEvent::Done { .. }) => return Ok(()),
+            Some(GenEvent::Error(e)) => panic!("request failed: {e}"),
+            None => panic!("stream ended without Done or Error"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_request_predicted_to_miss_its_ttft_target_is_refused_until_a_looser_one() {
+    let f = common::fakes(1, 1);
+    let mut deps = f.deps;
+    deps.config.slo.ttft_ms = 50;
+    let router = Router::new(deps);
+    f.prefill[0].set(|b| b.prefill_delay = Duration::from_millis(120));
+    // Nothing measured yet: admitted, and measured (~120 ms to the first token).
+    run(&router, Slo::default()).await.unwrap();
+    match run(&router, Slo::default()).await {
+        Err(RouterError::SloUnmet {
+            what,
+            predicted_ms,
+            target_ms,
+            retry_after_s,
+        }) => {
+            assert_eq!(what, "time to first token");
+            assert!(predicted_ms >= 100, "predicted {predicted_ms} ms");
+            assert_eq!(target_ms, 50);
+            assert!(retry_after_s >= 1);
+        }
+        other => panic!("expected SloUnmet, got {other:?}"),
+    }
+    // The client's own, looser target wins over the config's.
+    let loose = Slo {
+        ttft_ms: Some(1000),
+        tpot_ms: None,
+    };
+    run(&router, loose).await.unwrap();
+    // A refusal reads as overloaded (HTTP 429).
+    let e = run(&router, Slo::default()).await.unwrap_err();
+    assert_eq!(
+        pdnode_core::error::Classify::kind(&e),
+        ErrorKind::Overloaded
+    );
+    // No target at all: nothing is refused.
+    let f = common::fakes(1, 1);
+    let router = Router::new(f.deps);
+    f.prefill[0].set(|b| b.prefill_delay = Duration::from_millis(120));
+    for _ in 0..3 {
+        run(&router, Slo::default()).await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn a_request_is_refused_while_every_decode_node_runs_above_its_tpot_target() {
+    let f = common::fakes(1, 2);
+    let mut deps = f.deps;
+    deps.config.slo.tpot_ms = 10;
+    let router = Router::new(deps);
+    for d in &f.decode {
+        d.set(|b| b.token_interval = Duration::from_millis(25));
+    }
+    // Until both decode nodes have measured streams, requests are admitted.
+    run(&router, Slo::default()).await.unwrap();
+    run(&router, Slo::default()).await.unwrap();
+    match run(&router, Slo::default()).await {
+        Err(RouterError::SloUnmet {
+            what, predicted_ms, ..
+        }) => {
+            assert_eq!(what, "time per output token");
+            assert!(predicted_ms >= 20, "{predicted_ms}");
+        }
+        other => panic!("expected SloUnmet, got {other:?}"),
+    }
+    let loose = Slo {
+        ttft_ms: None,
+        tpot_ms: Some(100),
+    };
+    run(&router, loose).await.unwrap();
+}
+
+#[tokio::test]
+async fn over_http_a_refusal_is_429_with_retry_after_and_bad_targets_are_400() {
+    let h = Harness::start_with(1, 1, |d| d.config.slo.ttft_ms = 50).await;
+    h.prefill[0].set(|b| b.prefill_delay = Duration::from_millis(120));
+    let body = serde_json::json!({"model": "fake-model", "prompt": "hello there", "max_tokens": 3});
+    let post = |hdr: Option<(&'static str, &'static str)>| {
+        let mut r = reqwest::Client::new()
+            .post(h.url("/v1/completions"))
+            .json(&body);
+        if let Some((k, v)) = hdr {
+            r = r.header(k, v);
+        }
+        r.send()
+    };
+    assert_eq!(post(None).await.unwrap().status().as_u16(), 200);
+    let r = post(None).await.unwrap();
+    assert_eq!(r.status().as_u16(), 429);
+    let after: u64 = r.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(after >= 1);
+    let j: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(j["error"]["code"], "slo_unmet");
+    assert!(
+        j["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("time to first token"),
+        "{j}"
+    );
+    let r = post(Some(("x-slo-ttft-ms", "2000"))).await.unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    for bad in ["abc", "0", "3600001"] {
+        let r = post(Some(("x-slo-ttft-ms", bad))).await.unwrap();
+        assert_eq!(r.status().as_u16(), 400, "x-slo-ttft-ms: {bad}");
+    }
+    h.stop().await;
+}

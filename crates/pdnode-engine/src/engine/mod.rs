@@ -248,8 +248,11 @@ impl Classify for EngineError {
             EngineError::Scheduler(e) => e.kind(),
             EngineError::Backend { .. } | EngineError::KvIo { .. } => ErrorKind::Retryable,
             EngineError::Sampling { .. } => ErrorKind::Internal,
-            EngineError::LeaseExpired { .. } | EngineError::Timeout { .. } => ErrorKind::Timeout,
-            EngineError::NoLease { .. } => ErrorKind::InvalidRequest,
+            // No lease: almost always one that expired and was reaped while the request waited
+            // (a prefill queued past `transfer.lease_ms`); never the client's doing.
+            EngineError::LeaseExpired { .. }
+            | EngineError::NoLease { .. }
+            | EngineError::Timeout { .. } => ErrorKind::Timeout,
             EngineError::Stopped | EngineError::Draining | EngineError::Busy { .. } => {
                 ErrorKind::Unavailable
             }

@@ -387,10 +387,7 @@ async fn leases_and_reservations_expire() {
     assert!(matches!(late, Err(EngineError::NoLease { .. })));
     // A lease gone by the time its request comes (expired while it queued) is a timeout, not
     // the client's invalid request.
-    assert_eq!(
-        late.unwrap_err().kind(),
-        ErrorKind::Timeout
-    );
+    assert_eq!(late.unwrap_err().kind(), ErrorKind::Timeout);
 }
 
 #[tokio::test]

@@ -23,6 +23,15 @@ fn request(slo: Slo) -> GenRequest {
     }
 }
 
+fn refused(r: &Router) -> f64 {
+    r.metrics()
+        .value(
+            pdnode_core::metrics::ROUTER_REQUESTS_TOTAL,
+            &[("endpoint", "completions"), ("outcome", "overloaded")],
+        )
+        .unwrap_or(0.0)
+}
+
 async fn run(r: &Arc<Router>, slo: Slo) -> Result<(), RouterError> {
     let mut g = r.generate(request(slo))?;
     loop {
@@ -67,12 +76,15 @@ async fn a_request_predicted_to_miss_its_ttft_target_is_refused_until_a_looser_o
         tpot_ms: None,
     };
     run(&router, loose).await.unwrap();
-    // A refusal reads as overloaded (HTTP 429).
+    // A refusal reads as overloaded (HTTP 429), and is counted with the requests.
+    let before = refused(&router);
+    assert!(before >= 1.0, "the first refusal was counted too");
     let e = run(&router, Slo::default()).await.unwrap_err();
     assert_eq!(
         pdnode_core::error::Classify::kind(&e),
         ErrorKind::Overloaded
     );
+    assert_eq!(refused(&router), before + 1.0);
     // No target at all: nothing is refused.
     let f = common::fakes(1, 1);
     let router = Router::new(f.deps);

@@ -327,8 +327,16 @@ impl Router {
         let guard = match admitted {
             Ok(g) => g,
             Err(e) => {
-                span.record("outcome", pdnode_core::error::Classify::kind(&e).as_str());
+                let outcome = pdnode_core::error::Classify::kind(&e).as_str();
+                span.record("outcome", outcome);
                 pdnode_telemetry::fail(&span, &e);
+                // Refused at admission (in-flight limit, SLO, no node, invalid): counted with
+                // the requests that ended, under the same outcome names.
+                self.metrics.inc(
+                    m::ROUTER_REQUESTS_TOTAL,
+                    &[("endpoint", req.endpoint), ("outcome", outcome)],
+                    1.0,
+                );
                 return Err(e);
             }
         };

@@ -64,8 +64,59 @@ pub fn skip_etcd_tests() -> bool {
     skip
 }
 
-/// A TCP port that was free on 127.0.0.1 a moment ago (bind to port 0, read it, release it).
+/// A TCP port that was free on 127.0.0.1 a moment ago.
+///
+/// Taken below the kernel's ephemeral range (`net.ipv4.ip_local_port_range`), walking from an
+/// offset derived from the process id: a port the kernel hands out for `bind(0)` can be handed
+/// out again as the source port of some other connection (etcd clients, UCX, HTTP probes) before
+/// the node under test binds it, which failed a node start with "Address already in use" about
+/// once in a few hundred runs. Below the ephemeral range only an explicit bind can take the port,
+/// and each port is checked by binding it. Falls back to `bind(0)` when that range is too small.
 pub fn free_port() -> std::io::Result<u16> {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    const LOW: u32 = 20_000;
+    let high = ephemeral_low().unwrap_or(32_768);
+    if high > LOW + 1_000 {
+        let span = high - LOW;
+        let start = std::process::id().wrapping_mul(7_919) % span;
+        for _ in 0..span {
+            let n = NEXT.fetch_add(1, Ordering::Relaxed);
+            let port = (LOW + (start + n) % span) as u16;
+            if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                return Ok(port);
+            }
+        }
+    }
     let l = TcpListener::bind("127.0.0.1:0")?;
     Ok(l.local_addr()?.port())
+}
+
+/// The first port of the kernel's ephemeral range, where Linux says.
+fn ephemeral_low() -> Option<u32> {
+    let s = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok()?;
+    s.split_whitespace().next()?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn free_ports_are_distinct_bindable_and_below_the_ephemeral_range() {
+        let ports: Vec<u16> = (0..50).map(|_| free_port().expect("port")).collect();
+        let mut uniq = ports.clone();
+        uniq.sort_unstable();
+        uniq.dedup();
+        assert_eq!(uniq.len(), ports.len(), "repeated ports: {ports:?}");
+        if let Some(low) = ephemeral_low().filter(|l| *l > 21_000) {
+            assert!(
+                ports.iter().all(|p| u32::from(*p) < low && *p >= 20_000),
+                "{ports:?}"
+            );
+        }
+        for p in ports {
+            drop(TcpListener::bind(("127.0.0.1", p)).expect("still free"));
+        }
+    }
 }

@@ -29,6 +29,9 @@ pub const ROUTER_PREFIX_TREE_NODES: &str = "pdnode_router_prefix_tree_nodes";
 /// Pair warm-ups the router ran (`router.warm_pairs`), label `outcome` (`ok`, or the failure's
 /// error class) (counter).
 pub const ROUTER_PAIR_WARMUPS_TOTAL: &str = "pdnode_router_pair_warmups_total";
+/// Requests the router had prefilled on their decode node, no hand-off
+/// (`router.local_prefill`), label `reason` (`short`, `busy`) (counter).
+pub const ROUTER_LOCAL_PREFILLS_TOTAL: &str = "pdnode_router_local_prefills_total";
 
 /// Requests waiting in the engine's queue, label `node` (gauge).
 pub const ENGINE_QUEUE_DEPTH: &str = "pdnode_engine_queue_depth";
@@ -100,6 +103,7 @@ pub const ALL: &[&str] = &[
     ROUTER_PREFIX_TREE_TOKENS,
     ROUTER_PREFIX_TREE_NODES,
     ROUTER_PAIR_WARMUPS_TOTAL,
+    ROUTER_LOCAL_PREFILLS_TOTAL,
     ENGINE_QUEUE_DEPTH,
     ENGINE_RUNNING_REQUESTS,
     KV_BLOCKS_IN_USE,

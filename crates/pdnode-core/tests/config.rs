@@ -176,6 +176,35 @@ fn slo_targets_load_and_are_bounded() {
 }
 
 #[test]
+fn local_prefill_loads_is_off_by_default_and_is_refused_for_sglang_workers() {
+    let l = load_from_str(
+        FILE,
+        "[router.local_prefill]\nmax_prompt_tokens = 64\nprefill_busy_requests = 8\n",
+        &[],
+    )
+    .unwrap();
+    let lp = &l.config.router.local_prefill;
+    assert_eq!((lp.max_prompt_tokens, lp.prefill_busy_requests), (64, 8));
+    let d = load_from_str(FILE, "", &[]).unwrap();
+    let lp = &d.config.router.local_prefill;
+    assert_eq!((lp.max_prompt_tokens, lp.prefill_busy_requests), (0, 0));
+    let errs = errors(
+        "[node]\nrole = \"router\"\n[router.local_prefill]\nmax_prompt_tokens = 64\n\
+         [[router.sglang.prefill]]\nurl = \"http://127.0.0.1:30000\"\n\
+         [[router.sglang.decode]]\nurl = \"http://127.0.0.1:30001\"\n",
+        &[],
+    );
+    assert!(
+        errs.iter()
+            .any(|e| matches!(e, ConfigError::Invalid { key, .. }
+            if key == "router.local_prefill")),
+        "{errs:?}"
+    );
+    let errs = errors("[router.local_prefill]\nmax_prompt = 64\n", &[]);
+    assert!(!errs.is_empty(), "an unknown key is refused");
+}
+
+#[test]
 fn the_cost_policy_picks_prefill_nodes_only() {
     let l = load_from_str(FILE, "[router]\nprefill_policy = \"cost\"\n", &[]).unwrap();
     assert_eq!(

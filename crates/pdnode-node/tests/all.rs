@@ -22,6 +22,8 @@ mod pd_data_path;
 mod pd_fencing;
 #[path = "pd_router_semantics.rs"]
 mod pd_router_semantics;
+#[path = "prefill_here.rs"]
+mod prefill_here;
 #[path = "registered_peers.rs"]
 mod registered_peers;
 #[path = "servers.rs"]

@@ -24,6 +24,8 @@ mod grpc_nodes;
 mod http;
 #[path = "http_requests.rs"]
 mod http_requests;
+#[path = "local_prefill.rs"]
+mod local_prefill;
 #[path = "node_lost.rs"]
 mod node_lost;
 #[path = "openai_python.rs"]

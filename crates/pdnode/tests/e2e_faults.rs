@@ -145,22 +145,7 @@ async fn ready(c: &Cluster) {
 /// A gauge of the router's `/metrics` (labels included in `series`, e.g.
 /// `pdnode_router_nodes{role="prefill"}`).
 async fn router_gauge(http: &str, series: &str) -> Option<f64> {
-    let text = e2e_support::client()
-        .get(format!("http://{http}/metrics"))
-        .timeout(Duration::from_secs(2))
-        .send()
-        .await
-        .ok()?
-        .text()
-        .await
-        .ok()?;
-    text.lines().find_map(|l| {
-        l.strip_prefix(series)?
-            .strip_prefix(' ')?
-            .trim()
-            .parse()
-            .ok()
-    })
+    e2e_support::metric(http, series).await
 }
 
 async fn router_nodes(http: &str) -> Option<(usize, usize)> {

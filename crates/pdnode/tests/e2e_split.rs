@@ -108,6 +108,7 @@ async fn split_processes_match_all_in_one_and_serve_the_openai_client() {
     e2e_support::wait_healthy(&split.http, READY, &split.nodes()).await;
     e2e_support::wait_healthy(&local_http, READY, &[&local]).await;
 
+    let mut wants = Vec::new();
     for prompt in PROMPTS {
         let (lt, lc, lp) = greedy_completion(&local_http, prompt, MAX_TOKENS).await;
         let (st, sc, sp) = greedy_completion(&split.http, prompt, MAX_TOKENS).await;
@@ -119,8 +120,58 @@ async fn split_processes_match_all_in_one_and_serve_the_openai_client() {
         );
         assert!(lc >= 1, "{prompt:?}: no tokens");
         eprintln!("{prompt:?} -> {st:?} ({sc} tokens) on both");
+        wants.push((lt, lc, lp));
     }
     drop(local);
+
+    // Conditional disaggregation (router.local_prefill): a second router of the cluster has
+    // every one of these prompts prefilled on the decode node itself, over node gRPC; the
+    // tokens are the same and no KV is handed off.
+    let here_http = free_addr();
+    let here = Node::start(
+        dir.path(),
+        "router-here",
+        "configs/cpu-router.toml",
+        &[
+            format!("registry.endpoints=[\"{}\"]", etcd.endpoint()),
+            "node.cluster=\"e2e-split\"".to_string(),
+            "node.id=\"e2e-split-router-here\"".to_string(),
+            format!("node.listen=\"{}\"", free_addr()),
+            "registry.lease_ttl_s=3".to_string(),
+            format!("router.http_listen=\"{here_http}\""),
+            "router.grpc_listen=\"\"".to_string(),
+            "router.warm_pairs=false".to_string(),
+            "router.local_prefill.max_prompt_tokens=4096".to_string(),
+        ],
+    );
+    e2e_support::wait_healthy(&here_http, READY, &[&here]).await;
+    for (prompt, want) in PROMPTS.iter().zip(&wants) {
+        let got = greedy_completion(&here_http, prompt, MAX_TOKENS).await;
+        assert_eq!(
+            &got,
+            want,
+            "prefilled on the decode node vs all-in-one for {prompt:?}{}",
+            dump(&[&here, &split.prefill, &split.decode])
+        );
+    }
+    let series = "pdnode_router_local_prefills_total{reason=\"short\"}";
+    assert_eq!(
+        e2e_support::metric(&here_http, series).await,
+        Some(PROMPTS.len() as f64),
+        "{series}"
+    );
+    let handoffs = "pdnode_transfer_handoffs_total{node=\"e2e-split-prefill\",outcome=\"ok\"}";
+    // The first router's hand-offs show under that series; the second router's, none.
+    assert!(
+        e2e_support::metric(&split.http, handoffs).await >= Some(PROMPTS.len() as f64),
+        "{handoffs} on the first router"
+    );
+    assert_eq!(
+        e2e_support::metric(&here_http, handoffs).await,
+        None,
+        "no hand-off through the second router"
+    );
+    drop(here);
 
     // The official openai Python client, through the router.
     if !openai_python_available() {

@@ -501,6 +501,8 @@ pub struct RouterConfig {
     pub warm_pairs: bool,
     /// Latency targets a request gets when its client names none (`[router.slo]`).
     pub slo: SloConfig,
+    /// When a request is prefilled on its decode node, with no hand-off (`[router.local_prefill]`).
+    pub local_prefill: LocalPrefillConfig,
     /// SGLang PD workers to route to instead of pdnode nodes (`[router.sglang]`).
     pub sglang: super::sglang::SglangConfig,
 }
@@ -526,6 +528,7 @@ impl Default for RouterConfig {
             node_keepalive_timeout_ms: 750,
             warm_pairs: true,
             slo: SloConfig::default(),
+            local_prefill: LocalPrefillConfig::default(),
             sglang: super::sglang::SglangConfig::default(),
         }
     }
@@ -542,6 +545,20 @@ pub struct SloConfig {
     pub ttft_ms: u64,
     /// Time per output token after the first, ms.
     pub tpot_ms: u64,
+}
+
+/// Conditional disaggregation (docs/runtime-semantics.md, "Prefill on the decode node"): a request
+/// is prefilled by its decode node itself, with no prefill node and no KV hand-off, when its
+/// prompt is short, or when every prefill node is busy and the decode node has room. 0: off.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LocalPrefillConfig {
+    /// Prompts of at most this many tokens are prefilled on their decode node.
+    pub max_prompt_tokens: u32,
+    /// Any prompt is prefilled on its decode node while every prefill node has at least this
+    /// many requests in flight (running and queued, with the router's own bookings) and the
+    /// decode node has none queued.
+    pub prefill_busy_requests: u32,
 }
 
 /// sglang-router's cache-aware parameters, same names and meaning.

@@ -421,6 +421,14 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
                 .into(),
         );
     }
+    let lp = &r.local_prefill;
+    if (lp.max_prompt_tokens > 0 || lp.prefill_busy_requests > 0) && r.sglang.enabled() {
+        bad(
+            "router.local_prefill",
+            "a prefill on the decode node is a pdnode decode node's call; SGLang workers (router.sglang) have none"
+                .into(),
+        );
+    }
     let sg = &r.sglang;
     if sg.enabled() {
         if c.node.role != Role::Router {

@@ -8,6 +8,9 @@
 //!   engine stream for `decode`.
 //! - `decode`: checks the secret and answers the rest of that stream.
 //!
+//! A decode node serves its own prefills the same way (`PdNode`, "prefill here"): its
+//! decode-only engine runs local prompts, so it keeps one of these over that engine.
+//!
 //! A reservation or a kept stream nobody claims within the lease is aborted by [`ColocatedNode::sweep`]
 //! (run on every `reserve_kv`); `abort` and dropping the decode stream before its end abort the
 //! request in the engine, which frees its KV blocks.
@@ -61,7 +64,7 @@ fn invalid(msg: impl Into<String>) -> NodeError {
 }
 
 impl ColocatedNode {
-    /// `engine` must run in `Mode::Colocated`.
+    /// `engine` runs in `Mode::Colocated`, or `Mode::DecodeOnly` (a decode node's own prefills).
     pub fn new(id: NodeId, engine: EngineHandle, lease: Duration) -> Arc<Self> {
         Arc::new(Self {
             id,
@@ -110,6 +113,11 @@ impl ColocatedNode {
         self.slots().len()
     }
 
+    /// Whether `id` is reserved or prefilled here, waiting for its next call.
+    pub(super) fn knows(&self, id: RequestId) -> bool {
+        self.slots().contains_key(&id)
+    }
+
     /// Takes the slot of `id` after checking `secret`.
     fn claim(&self, id: RequestId, secret: &[u8], what: &str) -> Result<Slot, NodeError> {
         let mut slots = self.slots();
@@ -125,7 +133,7 @@ impl ColocatedNode {
         }
     }
 
-    async fn do_reserve(&self, req: ReserveKv) -> Result<KvTarget, NodeError> {
+    pub(super) async fn do_reserve(&self, req: ReserveKv) -> Result<KvTarget, NodeError> {
         self.sweep();
         if req.prompt_token_ids.is_empty() {
             return Err(invalid("ReserveKv needs the prompt token ids"));
@@ -167,7 +175,7 @@ impl ColocatedNode {
         Ok(target)
     }
 
-    async fn do_prefill(&self, req: PrefillCall) -> Result<PrefillOutcome, NodeError> {
+    pub(super) async fn do_prefill(&self, req: PrefillCall) -> Result<PrefillOutcome, NodeError> {
         let id = req.request_id;
         let mut slot = self.claim(id, &req.target.secret, "Prefill")?;
         if slot.stream.is_some() {
@@ -228,7 +236,7 @@ impl ColocatedNode {
         })
     }
 
-    async fn do_decode(&self, req: DecodeCall) -> Result<DecodeStream, NodeError> {
+    pub(super) async fn do_decode(&self, req: DecodeCall) -> Result<DecodeStream, NodeError> {
         let id = req.request_id;
         let slot = self.claim(id, &req.secret, "Decode")?;
         let Some(stream) = slot.stream else {

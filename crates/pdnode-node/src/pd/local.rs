@@ -45,6 +45,7 @@ use tracing::Instrument;
 
 mod abort;
 mod decode;
+mod here;
 mod push;
 mod staging;
 
@@ -118,6 +119,9 @@ pub struct PdNode {
     stalled_peers: Mutex<HashMap<NodeId, push::PeerStall>>,
     /// The registered decode nodes a push may go to (prefill over UCX); unset: any target.
     peers: Mutex<Option<RegisteredPeers>>,
+    /// Requests this decode node prefills itself (no hand-off), over its own engine
+    /// (`here.rs`).
+    here: Arc<super::colocated::ColocatedNode>,
 }
 
 /// Removes a reservation in progress from [`PdNode::reserving`] when `ReserveKv` ends.
@@ -192,7 +196,9 @@ impl PdNode {
         arena: Option<Arc<StagingArena>>,
     ) -> Arc<Self> {
         let ucx = matches!(mover, KvMover::Ucx(_));
+        let here = super::colocated::ColocatedNode::new(id.clone(), engine.clone(), lease);
         let node = Arc::new(Self {
+            here,
             id,
             role,
             engine,
@@ -349,7 +355,7 @@ impl PdNode {
             self.release_staging(id, slot, ReleaseCause::LeaseEnd);
         }
         self.sweep_quarantine(now);
-        n
+        n + self.here.sweep()
     }
 
     /// Reservations waiting for their `decode` call.
@@ -654,6 +660,13 @@ impl PdNode {
 
 impl NodeClient for PdNode {
     fn reserve_kv(&self, req: ReserveKv) -> BoxFuture<'_, Result<KvTarget, NodeError>> {
+        if self.prefills_here(&req) {
+            let span = tracing::info_span!(
+                "reservation_here",
+                prompt_tokens = req.prompt_token_ids.len()
+            );
+            return Box::pin(crate::trace::in_span(span, self.reserve_here(req)));
+        }
         let span = tracing::info_span!(
             "reservation",
             prompt_tokens = req.prompt_token_ids.len(),
@@ -663,6 +676,11 @@ impl NodeClient for PdNode {
     }
 
     fn prefill(&self, req: PrefillCall) -> BoxFuture<'_, Result<PrefillOutcome, NodeError>> {
+        if self.holds_here(req.request_id) {
+            let span =
+                tracing::info_span!("prefill_here", prompt_tokens = req.prompt_token_ids.len());
+            return Box::pin(crate::trace::in_span(span, self.here.do_prefill(req)));
+        }
         let span = tracing::info_span!(
             "prefill",
             prompt_tokens = req.prompt_token_ids.len(),
@@ -672,6 +690,9 @@ impl NodeClient for PdNode {
     }
 
     fn decode(&self, req: DecodeCall) -> BoxFuture<'_, Result<DecodeStream, NodeError>> {
+        if self.holds_here(req.request_id) {
+            return Box::pin(self.here.do_decode(req));
+        }
         let span = tracing::info_span!(
             "decode_admission",
             checked = tracing::field::Empty,
@@ -686,7 +707,15 @@ impl NodeClient for PdNode {
         capability: Vec<u8>,
         reason: String,
     ) -> BoxFuture<'_, Result<bool, NodeError>> {
-        Box::pin(self.do_abort(id, capability, reason))
+        Box::pin(async move {
+            // A request prefilled here is the kept engine's; it checks the capability.
+            if self.role == Role::Decode
+                && NodeClient::abort(&*self.here, id, capability.clone(), reason.clone()).await?
+            {
+                return Ok(true);
+            }
+            self.do_abort(id, capability, reason).await
+        })
     }
 
     fn stats(&self) -> BoxFuture<'_, Result<NodeStats, NodeError>> {

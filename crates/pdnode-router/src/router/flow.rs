@@ -71,6 +71,14 @@ impl<'a> CostTicket<'a> {
         }
     }
 
+    /// No share: a prefill on the decode node itself is not a prefill node's work.
+    fn none(router: &'a Router) -> Self {
+        Self {
+            router,
+            ticket: None,
+        }
+    }
+
     /// The prefill call starts now: its duration is measured from here.
     fn prefill_starts(&mut self) {
         if let Some(t) = self.ticket.as_mut() {
@@ -259,6 +267,7 @@ pub(crate) async fn warm_pair(router: &Router, p: &Worker, d: &Worker) -> Result
         p,
         d,
         id: RequestId::random(),
+        here: false,
         capability: OnceLock::new(),
     };
     let mut progress = Progress {
@@ -300,6 +309,8 @@ struct Pair<'a> {
     p: &'a Worker,
     d: &'a Worker,
     id: RequestId,
+    /// D prefills the request itself (`router.local_prefill`): P is D, no hand-off.
+    here: bool,
     /// The KV capability D's `ReserveKv` answered (the target's secret): every Abort of this
     /// attempt presents it. Unset until the reservation answered.
     capability: OnceLock<Vec<u8>>,
@@ -400,8 +411,17 @@ async fn drive(
         let Some(d) = d_slot.as_ref().map(|(w, _)| w.clone()) else {
             break;
         };
-        // A colocated worker prefills and decodes its own requests: P == D.
-        let p = if is_colocated(&d) {
+        // A colocated worker prefills and decodes its own requests: P == D. So does a decode
+        // node asked to prefill a request itself (`router.local_prefill`, `here.rs`).
+        let here = super::here::decide(
+            &router.deps.config.local_prefill,
+            &router.state.lock(),
+            tokens.len(),
+            &d,
+            &prefills,
+            &excluded,
+        );
+        let p = if is_colocated(&d) || here.is_some() {
             d.clone()
         } else {
             let (picked, cold) = {
@@ -437,8 +457,15 @@ async fn drive(
         choice.record("prefill", p.id().as_str());
         choice.record("decode", d.id().as_str());
         drop(choice);
-        if !flow.begin(is_colocated(&d)) {
+        if !flow.begin(p.id() == d.id()) {
             break;
+        }
+        if let Some(why) = here {
+            router.metrics.inc(
+                m::ROUTER_LOCAL_PREFILLS_TOTAL,
+                &[("reason", why.as_str())],
+                1.0,
+            );
         }
         if attempt > 0 {
             req_id = RequestId::random();
@@ -449,6 +476,7 @@ async fn drive(
             p: &p,
             d: &d,
             id: req_id,
+            here: here.is_some(),
             capability: OnceLock::new(),
         };
         let attempt_span = tracing::info_span!(
@@ -511,7 +539,11 @@ async fn run_attempt(
     let p_booking = Booking::new(router, p.id());
     // For the `cost` policy's estimates: this request's tokens count against P from its pick
     // (as its booking does) until its prefill call ends.
-    let mut ticket = CostTicket::new(router, p, tokens.len());
+    let mut ticket = if pair.here {
+        CostTicket::none(router)
+    } else {
+        CostTicket::new(router, p, tokens.len())
+    };
 
     let reserve = ReserveKv {
         request_id: req_id,
@@ -589,10 +621,11 @@ async fn run_attempt(
         p.client.prefill(call),
     )
     .instrument(prefill_span.clone());
-    // Both nodes watched while P computes. A colocated worker (P == D) is not: it answers its
-    // own call, and its channel's keepalive covers a frozen process.
+    // Both nodes watched while P computes. A colocated worker or a decode node prefilling
+    // itself (P == D) is not: it answers its own call, and its channel's keepalive covers a
+    // frozen process.
     let membership = &router.deps.membership;
-    let watched = !is_colocated(d);
+    let watched = p.id() != d.id();
     let mut d_watch = watched.then(|| router.watches.subscribe(d, Role::Decode, membership));
     let mut p_watch = watched.then(|| router.watches.subscribe(p, Role::Prefill, membership));
     let ended = tokio::select! {
@@ -607,7 +640,7 @@ async fn run_attempt(
         PrefillEnd::Done(Err(StepErr::ClientGone)) => return pair.gone(flow).await,
         PrefillEnd::Done(Err(StepErr::Failed(e))) => {
             pdnode_telemetry::fail(&prefill_span, &e);
-            count_handoff(router, p.id(), e.kind().as_str());
+            count_handoff(pair, e.kind().as_str());
             return pair
                 .fail(flow, Event::PrefillFailed(e.kind()), "prefill failed", e)
                 .await;
@@ -623,7 +656,7 @@ async fn run_attempt(
                 ),
             };
             pdnode_telemetry::fail(&prefill_span, &e);
-            count_handoff(router, p.id(), e.kind().as_str());
+            count_handoff(pair, e.kind().as_str());
             return pair
                 .fail(flow, Event::PrefillFailed(e.kind()), "prefill node lost", e)
                 .await;
@@ -636,7 +669,7 @@ async fn run_attempt(
                 reason,
             };
             pdnode_telemetry::fail(&prefill_span, &e);
-            count_handoff(router, p.id(), e.kind().as_str());
+            count_handoff(pair, e.kind().as_str());
             return pair
                 .fail(
                     flow,
@@ -652,8 +685,8 @@ async fn run_attempt(
     if req.endpoint != WARM_UP_ENDPOINT {
         ticket.done(d, outcome.transfer_bytes, outcome.transfer_us);
     }
-    count_handoff(router, p.id(), "ok");
-    if cfg.warm_pairs && !is_colocated(d) {
+    count_handoff(pair, "ok");
+    if cfg.warm_pairs && p.id() != d.id() {
         router.state.lock().warm.set_warm(p, d);
     }
     let mx = &router.metrics;
@@ -945,12 +978,16 @@ async fn finish_text(
     End::Exit(Exit::Done(finish))
 }
 
-/// A prefill call (forward pass and KV hand-off) ended at prefill node `node` with `outcome`
-/// (`ok`, or the failure's error class).
-fn count_handoff(router: &Router, node: &pdnode_core::NodeId, outcome: &str) {
-    router.metrics.inc(
+/// A prefill call (forward pass and KV hand-off) of `pair` ended with `outcome` (`ok`, or the
+/// failure's error class), counted for its prefill node. A decode node prefilling a request
+/// itself hands nothing off: not counted.
+fn count_handoff(pair: &Pair<'_>, outcome: &str) {
+    if pair.here {
+        return;
+    }
+    pair.router.metrics.inc(
         m::TRANSFER_HANDOFFS_TOTAL,
-        &[("node", node.as_str()), ("outcome", outcome)],
+        &[("node", pair.p.id().as_str()), ("outcome", outcome)],
         1.0,
     );
 }

@@ -8,6 +8,7 @@ mod attempt;
 mod calls;
 mod cost;
 mod flow;
+mod here;
 mod node_watch;
 mod state;
 mod warm;
@@ -250,10 +251,16 @@ impl Router {
     /// How many nodes can prefill and how many can decode a request of this router now: the
     /// candidates the flow pairs from. A colocated `all` node counts in both; an `all` node
     /// without `colocated` in neither (its engines are in process, behind its own router).
+    /// With `router.local_prefill.prefill_busy_requests` set, decode nodes prefill any request
+    /// when no prefill node is left, so they count in both too.
     pub fn usable_nodes(&self) -> (usize, usize) {
         let (prefills, decodes) = flow::candidates(self.deps.membership.as_ref());
-        let colocated = decodes.iter().filter(|w| flow::is_colocated(w)).count();
-        (prefills.len() + colocated, decodes.len())
+        let busy_here = self.deps.config.local_prefill.prefill_busy_requests > 0;
+        let prefill_too = decodes
+            .iter()
+            .filter(|w| flow::is_colocated(w) || busy_here)
+            .count();
+        (prefills.len() + prefill_too, decodes.len())
     }
 
     /// Checks the prompt against the context length and the vocabulary.
@@ -356,7 +363,10 @@ impl Router {
         }
         self.check_prompt(req)?;
         let (prefills, decodes) = self.usable_nodes();
-        if prefills == 0 {
+        // A short prompt is prefilled on its decode node (`router.local_prefill`): no prefill
+        // node needed.
+        let max_here = self.deps.config.local_prefill.max_prompt_tokens as usize;
+        if prefills == 0 && req.prompt_token_ids.len() > max_here {
             return Err(RouterError::NoNode {
                 role: Role::Prefill,
             });
@@ -566,6 +576,10 @@ fn describe(mx: &Metrics) {
         (
             m::ROUTER_PAIR_WARMUPS_TOTAL,
             "Prefill/decode pair warm-ups (router.warm_pairs), by outcome.",
+        ),
+        (
+            m::ROUTER_LOCAL_PREFILLS_TOTAL,
+            "Requests prefilled on their decode node with no hand-off (router.local_prefill), by reason.",
         ),
         (
             m::ENGINE_QUEUE_DEPTH,

@@ -203,6 +203,27 @@ pub async fn greedy_completion(addr: &str, prompt: &str, max_tokens: u32) -> (St
     (text, ct, pt)
 }
 
+/// One series of `GET http://{http}/metrics` (labels included in `series`, e.g.
+/// `pdnode_router_nodes{role="prefill"}`); `None` when absent or unreachable.
+pub async fn metric(http: &str, series: &str) -> Option<f64> {
+    let text = client()
+        .get(format!("http://{http}/metrics"))
+        .timeout(Duration::from_secs(2))
+        .send()
+        .await
+        .ok()?
+        .text()
+        .await
+        .ok()?;
+    text.lines().find_map(|l| {
+        l.strip_prefix(series)?
+            .strip_prefix(' ')?
+            .trim()
+            .parse()
+            .ok()
+    })
+}
+
 /// The `data:` payloads of an SSE stream, read with a deadline per chunk; returns them and
 /// whether the stream ended (false: `per_read` passed with no bytes).
 pub async fn read_sse(mut resp: reqwest::Response, per_read: Duration) -> (Vec<String>, bool) {

@@ -14,7 +14,11 @@ impl PdNode {
             let mut r = self.reserving.lock().unwrap_or_else(|p| p.into_inner());
             // One reservation per request id: a second one must never take the place (and
             // the capability) of a reservation its prefill node may be putting into.
-            if r.contains_key(&id) || self.slots().contains_key(&id) || self.held.contains(id) {
+            if r.contains_key(&id)
+                || self.slots().contains_key(&id)
+                || self.held.contains(id)
+                || self.here.knows(id)
+            {
                 return Err(nerr(
                     ErrorKind::InvalidRequest,
                     format!("request {id} is reserved or running on {} already", self.id),

@@ -215,7 +215,11 @@ async fn capabilities_drops_aborts_and_leases_of_a_prefill_here() {
         let e = d.abort(id, wrong, "test".into()).await.unwrap_err();
         assert_eq!(e.kind, ErrorKind::PermissionDenied, "{e}");
     }
-    assert_eq!(d.pending_here(), before, "a refused abort leaves the request");
+    assert_eq!(
+        d.pending_here(),
+        before,
+        "a refused abort leaves the request"
+    );
     assert!(d.abort(id, t.secret.clone(), "test".into()).await.unwrap());
     assert!(!d.abort(id, t.secret.clone(), "again".into()).await.unwrap());
     assert_eq!(d.pending_here(), before - 1);

@@ -106,6 +106,15 @@ async fn colocated_workers_prefill_and_decode_their_own_requests() {
     assert_eq!(ids(&p, prefill), rs);
     assert_eq!(ids(&d, decode), rs);
     assert!(ids(&p, reserve).is_empty() && ids(&d, prefill).is_empty());
+    // Only the PD pair's prefills hand KV off, and only they are counted as hand-offs.
+    let handoffs = |node: &str| {
+        r.metrics().value(
+            pdnode_core::metrics::TRANSFER_HANDOFFS_TOTAL,
+            &[("node", node), ("outcome", "ok")],
+        )
+    };
+    assert_eq!(handoffs("p0"), Some(3.0));
+    assert_eq!((handoffs("c0"), handoffs("c1")), (None, None));
 }
 
 #[tokio::test]

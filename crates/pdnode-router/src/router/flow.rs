@@ -979,10 +979,10 @@ async fn finish_text(
 }
 
 /// A prefill call (forward pass and KV hand-off) of `pair` ended with `outcome` (`ok`, or the
-/// failure's error class), counted for its prefill node. A decode node prefilling a request
-/// itself hands nothing off: not counted.
+/// failure's error class), counted for its prefill node. A colocated worker, or a decode node
+/// prefilling a request itself (P == D), hands nothing off: not counted.
 fn count_handoff(pair: &Pair<'_>, outcome: &str) {
-    if pair.here {
+    if pair.p.id() == pair.d.id() {
         return;
     }
     pair.router.metrics.inc(

@@ -684,3 +684,77 @@ async fn a_full_command_queue_is_refused_and_its_aborts_still_land() {
     }
     assert_drained(&e).await;
 }
+
+/// A decode moved mid-stream (the migration's engine part): engine A parks a running request
+/// (its blocks under the lease, its stream ended with no finish), its KV is copied into blocks
+/// engine B reserved for every computed position, and B continues from A's sampler. The tokens
+/// A streamed plus B's equal the unmoved run's, and neither engine keeps anything.
+#[tokio::test]
+async fn a_parked_request_continues_on_another_engine_with_the_same_tokens() {
+    let t = timing(1, 2_000, 24);
+    let lease = Duration::from_secs(5);
+    let a = engine(Mode::Colocated, 128, t.clone(), lease);
+    let b = engine(Mode::DecodeOnly, 128, t.clone(), lease);
+    let c = engine(Mode::Colocated, 128, t, lease);
+    let layers = a.info().kv_layout.num_layers;
+    for i in 1..=4u64 {
+        let r = request(i, 7 + i as usize * 5, 24);
+        let (want, _) = collect(c.add_request(r.clone()).unwrap()).await;
+        assert_eq!(want.len(), 24);
+        let mut s = a.add_request(r.clone()).unwrap();
+        let mut got = Vec::new();
+        while got.len() < 3 + i as usize {
+            if let EngineEvent::Token { token, .. } = next_event(&mut s).await {
+                got.push(token);
+            }
+        }
+        // Between two steps: a refusal means "in a step now", so ask again.
+        let until = Instant::now() + DEADLINE;
+        let parked = loop {
+            match a.park(r.id).await {
+                Ok(p) => break p,
+                Err(e) => {
+                    assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+                    assert!(Instant::now() < until, "never parked: {e}");
+                }
+            }
+        };
+        // The stream ends with the tokens sampled before the park, and no finish.
+        while let Some(ev) = tokio::time::timeout(DEADLINE, s.next()).await.unwrap() {
+            match ev {
+                EngineEvent::Token { token, .. } => got.push(token),
+                other => panic!("a parked stream ends with no event: {other:?}"),
+            }
+        }
+        assert_eq!(parked.generated, got.len());
+        assert_eq!(parked.tokens.len(), r.prompt_token_ids.len() + got.len());
+        assert_eq!(parked.computed, parked.tokens.len() - 1);
+        assert_eq!(&parked.tokens[parked.prompt_len..], &got[..]);
+        assert!(a.park(r.id).await.is_err(), "parked once");
+        // B reserves the computed positions, the KV moves, A lets go.
+        let blocks = b.reserve_for_transfer(r.id, parked.computed).await.unwrap();
+        assert_eq!(blocks.len(), parked.blocks.len());
+        let kv = a.read_kv(r.id, 0..layers).await.unwrap();
+        b.write_kv(r.id, 0..layers, kv).await.unwrap();
+        a.release_transfer(r.id).await.unwrap();
+        let mut moved = r.clone();
+        moved.prompt_token_ids = parked.tokens[..parked.computed].to_vec();
+        moved.sampling.max_tokens = 24 - parked.generated as u32 + 1;
+        let first = parked.tokens[parked.computed];
+        let (rest, end) = collect(
+            b.admit_transferred(moved, first, Some(parked.sampler))
+                .unwrap(),
+        )
+        .await;
+        assert!(matches!(end, EngineEvent::Finished { .. }), "{end:?}");
+        got.extend(rest);
+        assert_eq!(
+            got, want,
+            "request {i} moved after {} tokens",
+            parked.generated
+        );
+    }
+    assert_drained(&a).await;
+    assert_drained(&b).await;
+    assert_drained(&c).await;
+}

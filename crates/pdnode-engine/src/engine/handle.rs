@@ -180,6 +180,10 @@ pub(crate) enum Command {
     Abort {
         id: RequestId,
     },
+    Park {
+        id: RequestId,
+        reply: Reply<super::Parked>,
+    },
     ReadKv {
         id: RequestId,
         layers: Range<u32>,
@@ -506,6 +510,16 @@ impl EngineHandle {
             reply,
         })
         .await
+    }
+
+    /// Decode side, for a migration: takes a running request out of the batch between two
+    /// decode steps and puts its blocks under its transfer lease (read them with
+    /// [`EngineHandle::gather_kv`] / [`EngineHandle::read_kv`], then
+    /// [`EngineHandle::release_transfer`]); its stream ends without a `Finished` event.
+    /// Refused (`Unavailable`) for a request in a step, queued, or still prefilling: ask again
+    /// after the next step.
+    pub async fn park(&self, id: RequestId) -> Result<super::Parked, EngineError> {
+        self.call("park", |reply| Command::Park { id, reply }).await
     }
 
     /// Aborts a request wherever it is; frees all it owns. Never waits.

@@ -146,6 +146,23 @@ pub enum EngineEvent {
     },
 }
 
+/// A request parked for a migration ([`EngineHandle::park`]): out of the batch, its KV under
+/// its transfer lease.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Parked {
+    /// Prompt and output tokens; the last one is sampled, not computed.
+    pub tokens: Vec<u32>,
+    /// The prompt's length as the request was added (or admitted).
+    pub prompt_len: usize,
+    /// Output tokens so far (the first, from prefill, included).
+    pub generated: usize,
+    /// Leading positions the leased blocks hold: `tokens.len() - 1`.
+    pub computed: usize,
+    pub blocks: Vec<BlockId>,
+    /// Where the sampler's random stream stands, for [`EngineHandle::admit_transferred`].
+    pub sampler: SamplerState,
+}
+
 /// Engine facts callers need without a round trip.
 #[derive(Debug, Clone)]
 pub struct EngineInfo {

@@ -368,6 +368,38 @@ impl Loop {
                 };
                 let _ = reply.send(r);
             }
+            Command::Park { id, reply } => {
+                let r = match self.active.get(&id) {
+                    None => Err(EngineError::from(
+                        crate::scheduler::SchedulerError::NotDecoding {
+                            id,
+                            why: "unknown here",
+                        },
+                    )),
+                    Some(_) => self
+                        .sched
+                        .park(id, Instant::now())
+                        .map_err(EngineError::from),
+                };
+                let r = r.and_then(|(tokens, computed, blocks)| {
+                    // Dropping the request's sender ends its stream with no finish.
+                    let a = self.active.remove(&id).ok_or(EngineError::from(
+                        crate::scheduler::SchedulerError::NotDecoding {
+                            id,
+                            why: "unknown here",
+                        },
+                    ))?;
+                    Ok(super::Parked {
+                        tokens,
+                        prompt_len: a.prompt_len,
+                        generated: a.generated,
+                        computed,
+                        blocks,
+                        sampler: a.sampler.state(),
+                    })
+                });
+                let _ = reply.send(r);
+            }
             Command::ReleaseTransfer { id, reply } => {
                 let _ = reply.send(self.sched.release_transfer(id).map_err(EngineError::from));
             }

@@ -40,6 +40,10 @@
 //!   A reservation that is never admitted expires. Local prompts are still accepted (they are
 //!   recomputed after a preemption anyway).
 //!
+//! Parking ([`Scheduler::park`], a decode moving to another node): a running request between
+//! two decode steps leaves the batch and its blocks go under its transfer lease, as a prefill
+//! node's do after the first token; the node pushes them, then releases the lease.
+//!
 //! Abort at any point frees everything the request owns (table, lease, queue slot).
 
 mod state;
@@ -182,6 +186,9 @@ pub enum SchedulerError {
         #[source]
         source: KvError,
     },
+    /// Parking for a migration takes a request only between two decode steps.
+    #[error("request {id} is not decoding now ({why})")]
+    NotDecoding { id: RequestId, why: &'static str },
 }
 
 impl Classify for SchedulerError {
@@ -191,6 +198,7 @@ impl Classify for SchedulerError {
             | SchedulerError::EmptyPrompt { .. }
             | SchedulerError::ReservationMismatch { .. } => ErrorKind::InvalidRequest,
             SchedulerError::TooLarge { .. } => ErrorKind::ContextLengthExceeded,
+            SchedulerError::NotDecoding { .. } => ErrorKind::Unavailable,
             SchedulerError::Kv { source, .. } => source.kind(),
         }
     }

@@ -192,6 +192,48 @@ impl Scheduler {
             .map_err(|source| SchedulerError::Kv { id, source })
     }
 
+    /// A running request, between two decode steps (every token but the last sampled one
+    /// computed), leaves the batch; its blocks go under its transfer lease until `now + lease`,
+    /// to be pushed to another node. Returns its tokens (prompt and output), how many leading
+    /// positions the blocks hold, and the blocks.
+    pub fn park(
+        &mut self,
+        id: RequestId,
+        now: Instant,
+    ) -> Result<(Vec<u32>, usize, Vec<BlockId>), SchedulerError> {
+        let not = |why| SchedulerError::NotDecoding { id, why };
+        if self.inflight.iter().any(|(r, _)| *r == id) {
+            return Err(not("in a step"));
+        }
+        let i = self
+            .running
+            .iter()
+            .position(|s| s.id == id)
+            .ok_or(not("not in the batch"))?;
+        let s = &self.running[i];
+        if s.computed + 1 != s.tokens.len() {
+            return Err(not("its prompt is still being computed"));
+        }
+        let need = self.kv.blocks_for(s.computed);
+        let have = self.kv.table(s.owner()).map_or(0, <[BlockId]>::len);
+        if have != need {
+            return Err(not("its next block is already allocated"));
+        }
+        let s = self.running.remove(i);
+        let owner = s.owner();
+        let _ = self.kv.cache_full_blocks(owner, &s.tokens[..s.computed]);
+        match self
+            .kv
+            .lease_request(id, lease_id(id), now + self.cfg.lease)
+        {
+            Ok(blocks) => Ok((s.tokens, s.computed, blocks.to_vec())),
+            Err(source) => {
+                let _ = self.kv.free(owner);
+                Err(SchedulerError::Kv { id, source })
+            }
+        }
+    }
+
     /// The blocks a request's hand-off lease holds (what the transport reads or writes).
     pub fn transfer_blocks(&self, id: RequestId) -> Option<&[BlockId]> {
         self.kv.table(Owner::TransferLease(lease_id(id)))

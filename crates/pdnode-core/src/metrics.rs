@@ -32,6 +32,9 @@ pub const ROUTER_PAIR_WARMUPS_TOTAL: &str = "pdnode_router_pair_warmups_total";
 /// Requests the router had prefilled on their decode node, no hand-off
 /// (`router.local_prefill`), label `reason` (`short`, `busy`) (counter).
 pub const ROUTER_LOCAL_PREFILLS_TOTAL: &str = "pdnode_router_local_prefills_total";
+/// Streams a decode node asked to move (draining with `node.drain = "migrate"`), label
+/// `outcome` (`ok`, `failed`, `refused`, `nowhere`) (counter).
+pub const ROUTER_MIGRATIONS_TOTAL: &str = "pdnode_router_migrations_total";
 
 /// Requests waiting in the engine's queue, label `node` (gauge).
 pub const ENGINE_QUEUE_DEPTH: &str = "pdnode_engine_queue_depth";
@@ -104,6 +107,7 @@ pub const ALL: &[&str] = &[
     ROUTER_PREFIX_TREE_NODES,
     ROUTER_PAIR_WARMUPS_TOTAL,
     ROUTER_LOCAL_PREFILLS_TOTAL,
+    ROUTER_MIGRATIONS_TOTAL,
     ENGINE_QUEUE_DEPTH,
     ENGINE_RUNNING_REQUESTS,
     KV_BLOCKS_IN_USE,

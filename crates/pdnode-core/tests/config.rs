@@ -205,6 +205,27 @@ fn local_prefill_loads_is_off_by_default_and_is_refused_for_sglang_workers() {
 }
 
 #[test]
+fn drain_by_migration_is_a_decode_node_setting() {
+    let l = load_from_str(
+        FILE,
+        "[node]\nrole = \"decode\"\ndrain = \"migrate\"\n[transfer]\nkind = \"ucx\"\n\
+         [registry]\nkind = \"etcd\"\nendpoints = [\"http://127.0.0.1:2379\"]\n",
+        &[],
+    )
+    .unwrap();
+    assert_eq!(l.config.node.drain, pdnode_core::config::DrainMode::Migrate);
+    let d = load_from_str(FILE, "", &[]).unwrap();
+    assert_eq!(d.config.node.drain, pdnode_core::config::DrainMode::Wait);
+    let errs = errors("[node]\ndrain = \"migrate\"\n", &[]);
+    assert!(
+        errs.iter()
+            .any(|e| matches!(e, ConfigError::Invalid { key, .. } if key == "node.drain")),
+        "{errs:?}"
+    );
+    assert!(!errors("[node]\ndrain = \"move\"\n", &[]).is_empty());
+}
+
+#[test]
 fn the_cost_policy_picks_prefill_nodes_only() {
     let l = load_from_str(FILE, "[router]\nprefill_policy = \"cost\"\n", &[]).unwrap();
     assert_eq!(

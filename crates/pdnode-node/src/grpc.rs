@@ -172,6 +172,18 @@ impl Node for NodeGrpc {
         traced_answer(&span, out).map(Response::new)
     }
 
+    async fn migrate(
+        &self,
+        r: Request<v1::MigrateRequest>,
+    ) -> Result<Response<v1::MigrateResponse>, Status> {
+        self.authorize(NodeRpc::Migrate, &r)?;
+        let span = rpc_span("Migrate", r.get_ref().request_id, r.metadata());
+        let out = wire::migrate(self.pd("Migrate")?, r.into_inner())
+            .instrument(span.clone())
+            .await;
+        traced_answer(&span, out).map(Response::new)
+    }
+
     async fn stats(
         &self,
         r: Request<v1::StatsRequest>,

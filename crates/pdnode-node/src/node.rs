@@ -94,6 +94,8 @@ pub struct ShutdownReport {
 pub struct Node {
     card: NodeCard,
     drain_timeout: Duration,
+    /// `node.drain = "migrate"`: the data path whose decodes move on a graceful shutdown.
+    migrate_on_drain: Option<Arc<dyn pdnode_nodeapi::NodeClient>>,
     supervisor: SupervisorHandle,
     supervisor_join: JoinHandle<()>,
     health: HealthBoard,
@@ -341,9 +343,13 @@ impl Node {
             }));
         }
         tracing::info!(node = %id, %role, grpc = %grpc_addr, http = ?http_addr, router_http = ?router_http, "node started");
+        let migrate_on_drain = (cfg.node.drain == pdnode_core::config::DrainMode::Migrate)
+            .then(|| deps.pd.clone())
+            .flatten();
         Ok(Node {
             card,
             drain_timeout: Duration::from_secs(cfg.node.drain_timeout_s),
+            migrate_on_drain,
             supervisor,
             supervisor_join,
             health,
@@ -384,6 +390,31 @@ impl Node {
         self.health.set_draining();
         self.supervisor.begin_shutdown();
 
+        // 0. `node.drain = "migrate"`: new requests are refused, every running decode's router
+        // is asked to move it, and the node stays registered (its streams are not "lost" to
+        // their routers) until they moved or the drain deadline passed.
+        let mut drain_deadline = None;
+        if let (Some(pd), Some(engine)) = (&self.migrate_on_drain, &self.engine) {
+            if let Ok(Some(a)) = self.supervisor.engine().await {
+                let _ = a.stop_admitting();
+            }
+            engine.stop_admitting();
+            let asked = pd.request_migrations();
+            let deadline = Instant::now() + self.drain_timeout;
+            drain_deadline = Some(deadline);
+            let mut left = engine.in_flight().await.unwrap_or(0);
+            while left > 0 && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                left = engine.in_flight().await.unwrap_or(0);
+            }
+            tracing::info!(
+                asked,
+                left,
+                ms = t0.elapsed().as_millis() as u64,
+                "drain by migration"
+            );
+        }
+
         // 1. Revoke the lease.
         let via_registrar = match self.supervisor.registrar().await {
             Ok(r) => r.deregister().await,
@@ -407,7 +438,7 @@ impl Node {
                 let _ = a.stop_admitting();
             }
             engine.stop_admitting();
-            let deadline = Instant::now() + self.drain_timeout;
+            let deadline = drain_deadline.unwrap_or_else(|| Instant::now() + self.drain_timeout);
             loop {
                 in_flight_left = engine.in_flight().await.unwrap_or(0);
                 if in_flight_left == 0 || Instant::now() >= deadline {

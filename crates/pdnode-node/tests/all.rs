@@ -12,6 +12,8 @@ mod all_cards;
 mod colocated;
 #[path = "fuzz_node_wire.rs"]
 mod fuzz_node_wire;
+#[path = "migration.rs"]
+mod migration;
 #[path = "mock_engine.rs"]
 mod mock_engine;
 #[path = "mtls.rs"]

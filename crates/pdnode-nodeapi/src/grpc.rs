@@ -6,8 +6,8 @@
 
 use crate::tls::{NodeIdentity, NodeTls};
 use crate::{
-    DecodeCall, DecodeChunk, DecodeStream, KvTarget, NodeClient, NodeError, NodeStats, PrefillCall,
-    PrefillOutcome, ReserveKv,
+    DecodeCall, DecodeChunk, DecodeStream, KvTarget, MigrateCall, MigrateOutcome, NodeClient,
+    NodeError, NodeStats, PrefillCall, PrefillOutcome, ReserveKv,
 };
 use futures::StreamExt;
 use futures::future::BoxFuture;
@@ -231,6 +231,7 @@ impl NodeClient for GrpcNodeClient {
                         let (kind, message) = error_from_wire(e);
                         NodeError::new(kind, message)
                     }),
+                    migrate: msg.migrate,
                 })
             });
             let s: DecodeStream = Box::pin(mapped);
@@ -255,6 +256,29 @@ impl NodeClient for GrpcNodeClient {
                 .await
                 .map_err(status_err)?;
             Ok(r.into_inner().found)
+        })
+    }
+
+    fn migrate(&self, req: MigrateCall) -> BoxFuture<'_, Result<MigrateOutcome, NodeError>> {
+        let mut c = self.inner.clone();
+        Box::pin(async move {
+            let r = c
+                .migrate(traced(v1::MigrateRequest {
+                    request_id: req.request_id.0,
+                    capability: req.capability,
+                    target: req.target.as_ref().map(v1::KvTarget::from),
+                }))
+                .await
+                .map_err(status_err)?
+                .into_inner();
+            Ok(MigrateOutcome {
+                token_ids: r.token_ids,
+                prompt_len: r.prompt_len,
+                generated: r.generated,
+                sampler: r.sampler.map(Into::into),
+                transfer_bytes: r.transfer_bytes,
+                transfer_us: r.transfer_us,
+            })
         })
     }
 

@@ -107,6 +107,30 @@ pub struct DecodeChunk {
     pub finish: Option<FinishReason>,
     /// Set when `finish == Some(Error)`.
     pub error: Option<NodeError>,
+    /// The node asks to move this stream elsewhere ([`NodeClient::migrate`]); no tokens.
+    pub migrate: bool,
+}
+
+/// Router -> decode node: park a running decode (`target: None`), or push a parked one's KV to
+/// another decode node's reservation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MigrateCall {
+    pub request_id: RequestId,
+    pub capability: Vec<u8>,
+    pub target: Option<KvTarget>,
+}
+
+/// What [`NodeClient::migrate`] answers: the parked request (park), or the push's figures.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct MigrateOutcome {
+    /// Prompt, then output tokens; the last one is sampled, not computed.
+    pub token_ids: Vec<u32>,
+    pub prompt_len: u32,
+    /// Output tokens so far, the first (from prefill) included.
+    pub generated: u32,
+    pub sampler: Option<SamplerState>,
+    pub transfer_bytes: u64,
+    pub transfer_us: u64,
 }
 
 pub type DecodeStream = BoxStream<'static, Result<DecodeChunk, NodeError>>;
@@ -147,4 +171,21 @@ pub trait NodeClient: Send + Sync + 'static {
     ) -> BoxFuture<'_, Result<bool, NodeError>>;
     /// Current load.
     fn stats(&self) -> BoxFuture<'_, Result<NodeStats, NodeError>>;
+    /// Node side, not a call: asks every decode stream's router to move the stream to another
+    /// decode node (a `migrate` message on it; draining with `node.drain = "migrate"`).
+    /// Returns how many streams were asked; a node that cannot move decodes asks none.
+    fn request_migrations(&self) -> usize {
+        0
+    }
+    /// Decode: move a running request off this node (docs/protocol.md, "Live decode
+    /// migration"). A node that cannot answers `InvalidRequest`.
+    fn migrate(&self, req: MigrateCall) -> BoxFuture<'_, Result<MigrateOutcome, NodeError>> {
+        let _ = req;
+        Box::pin(async {
+            Err(NodeError::new(
+                ErrorKind::InvalidRequest,
+                "this node does not move decodes",
+            ))
+        })
+    }
 }

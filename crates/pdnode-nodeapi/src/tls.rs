@@ -187,6 +187,7 @@ pub enum NodeRpc {
     Decode,
     KvDone,
     Abort,
+    Migrate,
     Stats,
     Health,
 }
@@ -199,12 +200,13 @@ impl NodeRpc {
             NodeRpc::Decode => "Decode",
             NodeRpc::KvDone => "KvDone",
             NodeRpc::Abort => "Abort",
+            NodeRpc::Migrate => "Migrate",
             NodeRpc::Stats => "Stats",
             NodeRpc::Health => "Health",
         }
     }
 
-    /// Who may call it. The data path (ReserveKv, Prefill, Decode, KvDone, Abort) is driven by
+    /// Who may call it. The data path (ReserveKv, Prefill, Decode, KvDone, Abort, Migrate) is driven by
     /// the router alone: routers and all-in-one nodes (which hold a router). No node calls
     /// another node's API: prefill pushes KV to decode over UCX, decode never calls prefill.
     /// Stats and Health (load and liveness, no request data) are open to every cluster node.
@@ -214,7 +216,8 @@ impl NodeRpc {
             | NodeRpc::Prefill
             | NodeRpc::Decode
             | NodeRpc::KvDone
-            | NodeRpc::Abort => matches!(caller, Role::Router | Role::All),
+            | NodeRpc::Abort
+            | NodeRpc::Migrate => matches!(caller, Role::Router | Role::All),
             NodeRpc::Stats | NodeRpc::Health => true,
         }
     }

@@ -13,6 +13,8 @@ pub enum Step {
     ReserveKv,
     Prefill,
     Decode,
+    /// Moving a decode to another decode node (`Migrate`).
+    Migrate,
 }
 
 impl std::fmt::Display for Step {
@@ -21,6 +23,7 @@ impl std::fmt::Display for Step {
             Step::ReserveKv => "reserve_kv",
             Step::Prefill => "prefill",
             Step::Decode => "decode",
+            Step::Migrate => "migrate",
         })
     }
 }

@@ -23,8 +23,8 @@ pub mod tokenize;
 pub use error::{NodeError, RouterError};
 pub use membership::{Membership, StaticMembership, Worker};
 pub use node::{
-    DecodeCall, DecodeChunk, DecodeStream, KvTarget, NodeClient, NodeStats, PrefillCall,
-    PrefillOutcome, ReserveKv,
+    DecodeCall, DecodeChunk, DecodeStream, KvTarget, MigrateCall, MigrateOutcome, NodeClient,
+    NodeStats, PrefillCall, PrefillOutcome, ReserveKv,
 };
 pub use router::{
     GenEvent, GenRequest, Generation, ModelInfo, ROUTING_KEY_HEADER, ROUTING_KEY_MAX, Router,

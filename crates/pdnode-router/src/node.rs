@@ -3,6 +3,6 @@
 //! re-exported here.
 
 pub use pdnode_nodeapi::{
-    DecodeCall, DecodeChunk, DecodeStream, KvTarget, NodeClient, NodeError, NodeStats, PrefillCall,
-    PrefillOutcome, ReserveKv,
+    DecodeCall, DecodeChunk, DecodeStream, KvTarget, MigrateCall, MigrateOutcome, NodeClient,
+    NodeError, NodeStats, PrefillCall, PrefillOutcome, ReserveKv,
 };

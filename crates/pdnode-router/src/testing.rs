@@ -417,6 +417,7 @@ impl NodeClient for FakeNode {
                             .collect(),
                         finish,
                         error: None,
+                        migrate: false,
                     };
                     if tx.send(Ok(chunk)).await.is_err() || finish.is_some() {
                         return;

@@ -134,6 +134,13 @@ impl Node for Adapter {
         Ok(Response::new(v1::KvDoneResponse {}))
     }
 
+    async fn migrate(
+        &self,
+        _r: Request<v1::MigrateRequest>,
+    ) -> Result<Response<v1::MigrateResponse>, Status> {
+        Err(Status::unimplemented("the test adapter moves no decodes"))
+    }
+
     async fn abort(
         &self,
         r: Request<v1::AbortRequest>,

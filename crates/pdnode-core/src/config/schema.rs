@@ -34,11 +34,27 @@ pub struct NodeConfig {
     pub http_listen: String,
     /// Longest time a graceful shutdown waits for in-flight requests, seconds.
     pub drain_timeout_s: u64,
+    /// What a decode node does with its running decodes on a graceful shutdown: `wait` for
+    /// them to finish, or `migrate` them to other decode nodes (docs/runtime-semantics.md,
+    /// "Live decode migration").
+    pub drain: DrainMode,
     /// An engine that has not reported its load for this long (its thread is between steps
     /// only after a step ends) is taken for wedged: `Stats` answers UNAVAILABLE and the router
     /// fails over. Must exceed the longest engine step. 0: 5000, or 60000 for an engine on the
     /// CPU (a step of `engine.max_batch_tokens` prompt tokens there takes seconds).
     pub engine_stall_ms: u64,
+}
+
+/// `node.drain`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DrainMode {
+    /// Wait for running requests to finish (up to `node.drain_timeout_s`).
+    #[default]
+    Wait,
+    /// Ask the routers to move every running decode to another decode node, then wait for
+    /// what is left.
+    Migrate,
 }
 
 impl NodeConfig {
@@ -69,6 +85,7 @@ impl Default for NodeConfig {
             advertise: String::new(),
             http_listen: String::new(),
             drain_timeout_s: 30,
+            drain: DrainMode::Wait,
             engine_stall_ms: 0,
         }
     }

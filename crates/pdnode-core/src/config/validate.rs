@@ -421,6 +421,15 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
                 .into(),
         );
     }
+    if c.node.drain == super::DrainMode::Migrate && c.node.role != Role::Decode {
+        bad(
+            "node.drain",
+            format!(
+                "\"migrate\" moves running decodes: a decode node's setting, not a {} node's",
+                c.node.role
+            ),
+        );
+    }
     let lp = &r.local_prefill;
     if (lp.max_prompt_tokens > 0 || lp.prefill_busy_requests > 0) && r.sglang.enabled() {
         bad(

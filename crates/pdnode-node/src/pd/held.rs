@@ -106,6 +106,11 @@ impl HeldCaps {
     pub(crate) fn contains(&self, id: RequestId) -> bool {
         self.map().contains_key(&id)
     }
+
+    /// How many capabilities are held.
+    pub(crate) fn len(&self) -> usize {
+        self.map().len()
+    }
 }
 
 impl Hold {

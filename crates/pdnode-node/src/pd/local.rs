@@ -46,6 +46,7 @@ use tracing::Instrument;
 mod abort;
 mod decode;
 mod here;
+mod migrate;
 mod push;
 mod staging;
 
@@ -122,6 +123,10 @@ pub struct PdNode {
     /// Requests this decode node prefills itself (no hand-off), over its own engine
     /// (`here.rs`).
     here: Arc<super::colocated::ColocatedNode>,
+    /// Requests parked for a migration, waiting for their push (`migrate.rs`).
+    parked: Mutex<HashMap<RequestId, migrate::ParkedSlot>>,
+    /// Set when the node drains by migrating: every decode stream asks its router to move it.
+    migrate_asked: tokio::sync::watch::Sender<bool>,
 }
 
 /// Removes a reservation in progress from [`PdNode::reserving`] when `ReserveKv` ends.
@@ -199,6 +204,8 @@ impl PdNode {
         let here = super::colocated::ColocatedNode::new(id.clone(), engine.clone(), lease);
         let node = Arc::new(Self {
             here,
+            parked: Mutex::new(HashMap::new()),
+            migrate_asked: tokio::sync::watch::Sender::new(false),
             id,
             role,
             engine,
@@ -708,6 +715,9 @@ impl NodeClient for PdNode {
         reason: String,
     ) -> BoxFuture<'_, Result<bool, NodeError>> {
         Box::pin(async move {
+            if let Some(r) = self.abort_parked(id, &capability) {
+                return r;
+            }
             // A request prefilled here is the kept engine's; it checks the capability.
             if self.role == Role::Decode
                 && NodeClient::abort(&*self.here, id, capability.clone(), reason.clone()).await?
@@ -716,6 +726,18 @@ impl NodeClient for PdNode {
             }
             self.do_abort(id, capability, reason).await
         })
+    }
+
+    fn migrate(
+        &self,
+        req: pdnode_nodeapi::MigrateCall,
+    ) -> BoxFuture<'_, Result<pdnode_nodeapi::MigrateOutcome, NodeError>> {
+        let span = tracing::info_span!("migrate", push = req.target.is_some());
+        Box::pin(crate::trace::in_span(span, self.do_migrate(req)))
+    }
+
+    fn request_migrations(&self) -> usize {
+        PdNode::request_migrations(self)
     }
 
     fn stats(&self) -> BoxFuture<'_, Result<NodeStats, NodeError>> {
@@ -750,8 +772,7 @@ pub(super) fn decode_chunk(
             Ok(DecodeChunk {
                 token_ids: vec![token],
                 logprobs: logprob.into_iter().collect(),
-                finish: None,
-                error: None,
+                ..Default::default()
             }),
             false,
         ),

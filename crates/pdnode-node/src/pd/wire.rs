@@ -5,7 +5,9 @@
 use futures::StreamExt;
 use pdnode_core::error::ErrorKind;
 use pdnode_core::{NodeId, RequestId};
-use pdnode_nodeapi::{DecodeCall, KvTarget, NodeClient, NodeError, PrefillCall, ReserveKv};
+use pdnode_nodeapi::{
+    DecodeCall, KvTarget, MigrateCall, NodeClient, NodeError, PrefillCall, ReserveKv,
+};
 use pdnode_proto::convert::{error_message, finish_reason_to_wire, grpc_code};
 use pdnode_proto::v1;
 use tonic::Status;
@@ -109,6 +111,7 @@ pub async fn decode(
             logprobs: c.logprobs.iter().map(Into::into).collect(),
             finish_reason: finish_reason_to_wire(c.finish),
             error: c.error.map(|e| error_message(e.kind, e.message)),
+            migrate: c.migrate,
             ..Default::default()
         }),
         Err(e) => Ok(v1::DecodeResponse {
@@ -129,6 +132,34 @@ pub async fn abort(
         .await
         .map_err(|e| status(&e))?;
     Ok(v1::AbortResponse { found })
+}
+
+pub async fn migrate(
+    node: &dyn NodeClient,
+    r: v1::MigrateRequest,
+) -> Result<v1::MigrateResponse, Status> {
+    // Every value of the target is checked here, at the edge (`pdnode_proto::convert`).
+    let target = r
+        .target
+        .map(KvTarget::try_from)
+        .transpose()
+        .map_err(|e| bad(format!("target: {e}")))?;
+    let out = node
+        .migrate(MigrateCall {
+            request_id: RequestId(r.request_id),
+            capability: r.capability,
+            target,
+        })
+        .await
+        .map_err(|e| status(&e))?;
+    Ok(v1::MigrateResponse {
+        token_ids: out.token_ids,
+        prompt_len: out.prompt_len,
+        generated: out.generated,
+        sampler: out.sampler.map(Into::into),
+        transfer_bytes: out.transfer_bytes,
+        transfer_us: out.transfer_us,
+    })
 }
 
 /// KvDone is not part of protocol v1's flow: the prefill node answers `Prefill` only after its

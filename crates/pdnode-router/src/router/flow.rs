@@ -31,7 +31,9 @@ use super::node_watch::NodeWatch;
 use super::{GenEvent, GenRequest, InflightGuard, Router, Usage};
 use crate::error::{RouterError, Step};
 use crate::membership::Worker;
-use crate::node::{DecodeCall, PrefillCall, PrefillOutcome, ReserveKv};
+use crate::node::{
+    DecodeCall, MigrateCall, MigrateOutcome, PrefillCall, PrefillOutcome, ReserveKv,
+};
 use crate::tokenize::Detokenizer;
 use futures::StreamExt;
 use pdnode_core::error::Classify;
@@ -791,27 +793,78 @@ async fn run_attempt(
         tokens = progress.tokens,
         finish_reason = Empty,
     );
+    // A decode node draining by migration asks for its streams to move (`migrate` on a
+    // chunk): the router parks the request there, forwards what the stream still carries, has
+    // another decode node reserve every computed position, has the first push the KV there,
+    // and goes on with the new node's stream (docs/runtime-semantics.md, "Live decode
+    // migration").
+    let mut cur_d = d.clone();
+    let mut cur_cap = pair.capability.get().cloned().unwrap_or_default();
+    let mut moving: Option<(Worker, MigrateOutcome)> = None;
     loop {
+        let hop = Pair {
+            router,
+            p,
+            d: &cur_d,
+            id: req_id,
+            here: pair.here,
+            capability: OnceLock::from(cur_cap.clone()),
+        };
         let next = tokio::select! {
             r = step(
                 tx,
                 token_timeout,
                 deadline,
-                (Step::Decode, d.id(), req_id),
+                (Step::Decode, cur_d.id(), req_id),
                 async { Ok::<_, crate::error::NodeError>(stream.next().await) },
             )
             .instrument(stream_span.clone()) => r,
             why = node_lost(&mut d_watch) => Err(StepErr::Failed(decode_err(
-                d.id(),
+                cur_d.id(),
                 req_id,
                 &format!("decode node lost: {why}"),
             ))),
         };
         let chunk = match next {
             Ok(Some(Ok(c))) => c,
+            // The parked stream ended where the park said: on to the new node.
+            Ok(None)
+                if moving
+                    .as_ref()
+                    .is_some_and(|(_, o)| o.generated == progress.tokens) =>
+            {
+                let Some((to, parked)) = moving.take() else {
+                    continue;
+                };
+                let hop_from = hop.d.id().clone();
+                let t0 = Instant::now();
+                match migrate_to(&hop, flow, req, tx, &to, &parked, deadline).await {
+                    Ok((s, cap)) => {
+                        tracing::info!(request = %req_id, from = %hop_from, to = %to.id(),
+                            tokens = progress.tokens, ms = t0.elapsed().as_millis() as u64,
+                            "stream moved to another decode node");
+                        router
+                            .metrics
+                            .inc(m::ROUTER_MIGRATIONS_TOTAL, &[("outcome", "ok")], 1.0);
+                        stream = s;
+                        cur_cap = cap;
+                        d_watch = Some(router.watches.subscribe(&to, Role::Decode, membership));
+                        cur_d = to;
+                        continue;
+                    }
+                    Err(end) => {
+                        router.metrics.inc(
+                            m::ROUTER_MIGRATIONS_TOTAL,
+                            &[("outcome", "failed")],
+                            1.0,
+                        );
+                        return end;
+                    }
+                }
+            }
             Err(StepErr::ClientGone) => {
                 drop(stream);
-                return pair.gone(flow).await;
+                return hop.gone(flow).await;
             }
             failed => {
                 drop(stream);
@@ -820,7 +873,7 @@ async fn run_attempt(
                     Ok(Some(Err(source))) => (
                         RouterError::Node {
                             step: Step::Decode,
-                            node: d.id().clone(),
+                            node: cur_d.id().clone(),
                             request: req_id,
                             source,
                         },
@@ -828,7 +881,7 @@ async fn run_attempt(
                     ),
                     _ => (
                         decode_err(
-                            d.id(),
+                            cur_d.id(),
                             req_id,
                             "the decode stream ended without a finish reason",
                         ),
@@ -836,24 +889,32 @@ async fn run_attempt(
                     ),
                 };
                 pdnode_telemetry::fail(&stream_span, &e);
-                return pair
+                return hop
                     .fail(flow, Event::DecodeFailed(e.kind()), reason, e)
                     .await;
             }
         };
+        if chunk.migrate {
+            if moving.is_none()
+                && let Some(m) = park(&hop, req, &decodes_now(router), progress, deadline).await
+            {
+                moving = Some(m);
+            }
+            continue;
+        }
         if chunk.finish == Some(FinishReason::Error) {
             let source = chunk.error.unwrap_or_else(|| {
                 crate::error::NodeError::new(ErrorKind::Internal, "decode failed without detail")
             });
             let e = RouterError::Node {
                 step: Step::Decode,
-                node: d.id().clone(),
+                node: cur_d.id().clone(),
                 request: req_id,
                 source,
             };
             pdnode_telemetry::fail(&stream_span, &e);
             // D answered: wait for its Abort whatever the error says.
-            return pair
+            return hop
                 .fail(
                     flow,
                     Event::DecodeFailed(ErrorKind::Internal),
@@ -870,7 +931,7 @@ async fn run_attempt(
                 Err(e) => {
                     drop(stream);
                     let e = detok_err(e);
-                    return pair
+                    return hop
                         .fail(
                             flow,
                             Event::DecodeFailed(e.kind()),
@@ -887,11 +948,11 @@ async fn run_attempt(
             };
             if !send(tx, ev, client_limit).await {
                 drop(stream);
-                return pair.gone(flow).await;
+                return hop.gone(flow).await;
             }
             if detok.stopped() {
                 drop(stream);
-                pair.act(flow, Event::StopMatched, "stop string matched")
+                hop.act(flow, Event::StopMatched, "stop string matched")
                     .await;
                 return End::Exit(Exit::Done(FinishReason::Stop));
             }
@@ -900,7 +961,7 @@ async fn run_attempt(
             if let Some(first) = progress.first_at {
                 let now = Instant::now();
                 router.state.lock().cost.observe_stream(
-                    d,
+                    &cur_d,
                     progress.tokens,
                     now.duration_since(first),
                     now,
@@ -909,6 +970,187 @@ async fn run_attempt(
             stream_span.record("finish_reason", finish.as_str());
             flow.on(Event::Finished);
             return finish_text(tx, &mut detok, finish, client_limit).await;
+        }
+    }
+}
+
+/// The decode candidates now (a migration's destinations).
+fn decodes_now(router: &Router) -> Vec<Worker> {
+    candidates(router.deps.membership.as_ref()).1
+}
+
+/// A decode node asked to move this stream: picks another decode node (the decode policy,
+/// this one left out) and parks the request here. `None`: nowhere to go, or the park was
+/// refused (the request ends or is not decoding now); the stream goes on where it is.
+async fn park(
+    hop: &Pair<'_>,
+    req: &GenRequest,
+    decodes: &[Worker],
+    progress: &Progress,
+    deadline: Instant,
+) -> Option<(Worker, MigrateOutcome)> {
+    let router = hop.router;
+    let from = hop.d.id().clone();
+    let picked = router.state.lock().pick_for(
+        Role::Decode,
+        decodes,
+        None,
+        &req.prompt_token_ids,
+        req.routing_key.as_deref(),
+        std::slice::from_ref(&from),
+        Instant::now(),
+    );
+    let Some(to) = picked.map(|i| decodes[i].clone()) else {
+        tracing::warn!(request = %hop.id, node = %from, "asked to move a stream, but no other decode node is there");
+        router
+            .metrics
+            .inc(m::ROUTER_MIGRATIONS_TOTAL, &[("outcome", "nowhere")], 1.0);
+        return None;
+    };
+    if is_colocated(&to) {
+        return None;
+    }
+    let limit = Duration::from_secs(router.deps.config.token_timeout_s);
+    let call = MigrateCall {
+        request_id: hop.id,
+        capability: hop.capability.get().cloned().unwrap_or_default(),
+        target: None,
+    };
+    let parked = bounded(
+        limit,
+        deadline,
+        (Step::Migrate, &from, hop.id),
+        hop.d.client.migrate(call),
+    )
+    .await;
+    match parked {
+        Ok(o)
+            if o.token_ids.len() == req.prompt_token_ids.len() + o.generated as usize
+                && o.generated >= progress.tokens
+                && o.generated > 0 =>
+        {
+            Some((to, o))
+        }
+        Ok(o) => {
+            // Not the request this router streams: leave it (the stream ends, and fails).
+            tracing::warn!(request = %hop.id, node = %from, tokens = o.token_ids.len(),
+                generated = o.generated, "a park answered tokens that do not match the request");
+            None
+        }
+        Err(e) => {
+            let e = match e {
+                StepErr::Failed(e) => e.to_string(),
+                StepErr::ClientGone => "the client left".into(),
+            };
+            tracing::info!(request = %hop.id, node = %from, error = %e, "not moved: the park was refused");
+            router
+                .metrics
+                .inc(m::ROUTER_MIGRATIONS_TOTAL, &[("outcome", "refused")], 1.0);
+            None
+        }
+    }
+}
+
+/// The request is parked on `hop`'s decode node and every token it made went to the client:
+/// `to` reserves every computed position, `hop`'s node pushes the KV there, and `to` streams
+/// the rest. Any failure aborts both and ends the request (its tokens went out: no retry).
+async fn migrate_to(
+    hop: &Pair<'_>,
+    flow: &mut Flow,
+    req: &GenRequest,
+    tx: &mpsc::Sender<GenEvent>,
+    to: &Worker,
+    parked: &MigrateOutcome,
+    deadline: Instant,
+) -> Result<(crate::node::DecodeStream, Vec<u8>), End> {
+    let router = hop.router;
+    let cfg = &router.deps.config;
+    let id = hop.id;
+    let n = parked.token_ids.len();
+    let prompt = parked.token_ids[..n - 1].to_vec();
+    let first = parked.token_ids[n - 1];
+    // The new node counts the token it starts from as its first output.
+    let mut sampling = req.sampling.clone();
+    sampling.max_tokens = sampling.max_tokens.saturating_sub(parked.generated) + 1;
+    let reserve = ReserveKv {
+        request_id: id,
+        prefill_node: hop.d.id().clone(),
+        prompt_token_ids: prompt.clone(),
+        max_tokens: sampling.max_tokens,
+    };
+    let prefill_limit = Duration::from_secs(cfg.prefill_timeout_s);
+    let target = match bounded(
+        prefill_limit,
+        deadline,
+        (Step::ReserveKv, to.id(), id),
+        to.client.reserve_kv(reserve),
+    )
+    .await
+    {
+        Ok(t) => t,
+        Err(e) => return Err(fail_move(hop, flow, e).await),
+    };
+    let cap = target.secret.clone();
+    let gone = |cap: Vec<u8>| async move {
+        abort_as(
+            router,
+            to,
+            id,
+            cap,
+            "migration failed",
+            super::attempt::Abort::Wait,
+        )
+        .await;
+    };
+    let call = MigrateCall {
+        request_id: id,
+        capability: hop.capability.get().cloned().unwrap_or_default(),
+        target: Some(target),
+    };
+    if let Err(e) = bounded(
+        prefill_limit,
+        deadline,
+        (Step::Migrate, hop.d.id(), id),
+        hop.d.client.migrate(call),
+    )
+    .await
+    {
+        gone(cap).await;
+        return Err(fail_move(hop, flow, e).await);
+    }
+    let call = DecodeCall {
+        request_id: id,
+        secret: cap.clone(),
+        first_token_id: first,
+        first_logprob: None,
+        sampling,
+        prompt_token_ids: prompt,
+        sampler: parked.sampler,
+    };
+    match step(
+        tx,
+        Duration::from_secs(cfg.token_timeout_s),
+        deadline,
+        (Step::Decode, to.id(), id),
+        to.client.decode(call),
+    )
+    .await
+    {
+        Ok(s) => Ok((s, cap)),
+        Err(e) => {
+            gone(cap).await;
+            Err(fail_move(hop, flow, e).await)
+        }
+    }
+}
+
+/// A migration step failed: the request ends (aborted on the node it was parked on).
+async fn fail_move(hop: &Pair<'_>, flow: &mut Flow, e: StepErr) -> End {
+    match e {
+        StepErr::ClientGone => hop.gone(flow).await,
+        StepErr::Failed(e) => {
+            hop.fail(flow, Event::DecodeFailed(e.kind()), "migration failed", e)
+                .await
         }
     }
 }

@@ -582,6 +582,10 @@ fn describe(mx: &Metrics) {
             "Requests prefilled on their decode node with no hand-off (router.local_prefill), by reason.",
         ),
         (
+            m::ROUTER_MIGRATIONS_TOTAL,
+            "Streams a draining decode node asked to move, by outcome (ok, failed, refused, nowhere).",
+        ),
+        (
             m::ENGINE_QUEUE_DEPTH,
             "Requests waiting in a node's queue (node stats).",
         ),

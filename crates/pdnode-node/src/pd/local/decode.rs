@@ -270,15 +270,63 @@ impl PdNode {
             )
             .map_err(|e| eerr(&e))?;
         claimed.armed = false;
-        // The capability stays held (for `abort`) as long as the stream.
-        let s = futures::stream::unfold((stream, false, hold), |(mut rx, done, hold)| async move {
-            if done {
-                return None;
+        // The capability stays held (for `abort`) as long as the stream. A node draining by
+        // migration (`request_migrations`) sends one `migrate` message on it first.
+        let st = StreamState {
+            rx: stream,
+            done: false,
+            _hold: hold,
+            drain: Some(self.migration_watch()),
+        };
+        let s = futures::stream::unfold(st, |mut st| async move {
+            loop {
+                if st.done {
+                    return None;
+                }
+                let next = match st.drain.as_mut() {
+                    Some(w) => tokio::select! {
+                        biased;
+                        r = w.wait_for(|asked| *asked) => Next::Drain(r.is_ok()),
+                        ev = st.rx.next() => Next::Event(ev),
+                    },
+                    None => Next::Event(st.rx.next().await),
+                };
+                match next {
+                    Next::Drain(asked) => {
+                        st.drain = None;
+                        if asked {
+                            let ask = DecodeChunk {
+                                migrate: true,
+                                ..Default::default()
+                            };
+                            return Some((Ok(ask), st));
+                        }
+                    }
+                    // A parked request's engine stream ends with no finish: so does this one.
+                    Next::Event(None) => return None,
+                    Next::Event(Some(ev)) => {
+                        let (item, last) =
+                            decode_chunk(ev, "decode engine answered like a prefill engine");
+                        st.done = last;
+                        return Some((item, st));
+                    }
+                }
             }
-            let ev = rx.next().await?;
-            let (item, last) = decode_chunk(ev, "decode engine answered like a prefill engine");
-            Some((item, (rx, last, hold)))
         });
         Ok(Box::pin(s))
     }
+}
+
+/// A decode stream's state: the engine stream, whether it ended, the capability held while it
+/// runs, and the drain-by-migration watch until its `migrate` message went out.
+struct StreamState {
+    rx: pdnode_engine::engine::RequestStream,
+    done: bool,
+    _hold: crate::pd::held::Hold,
+    drain: Option<tokio::sync::watch::Receiver<bool>>,
+}
+
+enum Next {
+    Drain(bool),
+    Event(Option<EngineEvent>),
 }

@@ -1,0 +1,213 @@
+//! Live decode migration through a real router over in-process nodes: one prefill node and two
+//! decode nodes (`PdNode`s, KV moved in process), the mock engine and the CPU SmolLM2 engine.
+//! A decode node asked to drain by migration (`request_migrations`) has each of its streams
+//! parked, the KV pushed to the other decode node, and the stream continued there: the client's
+//! greedy tokens equal the unmoved run's, none repeated or lost, and no node keeps anything.
+
+use crate::common;
+
+use pdnode_core::config::{Backend, Config, ModelFormat};
+use pdnode_core::metrics as m;
+use pdnode_core::{NodeId, Role, SamplingParams};
+use pdnode_engine::engine::EngineHandle;
+use pdnode_engine::scheduler::Mode;
+use pdnode_node::pd::{self, InProcessDirectory, KvMover, PdNode};
+use pdnode_router::testing::fake_card;
+use pdnode_router::{GenEvent, GenRequest, Router, RouterDeps, StaticMembership, Worker};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+struct Cluster {
+    router: Arc<Router>,
+    prefill: Arc<PdNode>,
+    decodes: Vec<Arc<PdNode>>,
+}
+
+fn cluster(cfg: &Config) -> Cluster {
+    let lease = Duration::from_millis(cfg.transfer.lease_ms);
+    let dir = InProcessDirectory::new();
+    let build = |mode| tokio::task::block_in_place(|| pd::build_engine(cfg, mode)).unwrap();
+    let p = build(Mode::PrefillOnly);
+    let prefill = PdNode::new(
+        NodeId::new("p0"),
+        Role::Prefill,
+        p.handle.clone(),
+        KvMover::InProcess(dir.clone()),
+        lease,
+    );
+    let mut workers = vec![Worker {
+        card: fake_card("p0", Role::Prefill),
+        client: prefill.clone(),
+    }];
+    let mut decodes = Vec::new();
+    for i in 0..2 {
+        let id = format!("d{i}");
+        let d = build(Mode::DecodeOnly);
+        dir.insert(NodeId::new(&id), d.handle.clone());
+        let node = PdNode::new(
+            NodeId::new(&id),
+            Role::Decode,
+            d.handle.clone(),
+            KvMover::InProcess(dir.clone()),
+            lease,
+        );
+        workers.push(Worker {
+            card: fake_card(&id, Role::Decode),
+            client: node.clone(),
+        });
+        decodes.push(node);
+    }
+    let rm = tokio::task::block_in_place(|| pd::router_tokenizer(cfg)).unwrap();
+    let mut rc = cfg.router.clone();
+    rc.prefill_policy = pdnode_core::config::PolicyName::RoundRobin;
+    rc.decode_policy = pdnode_core::config::PolicyName::RoundRobin;
+    rc.warm_pairs = false;
+    let router = Router::new(RouterDeps {
+        config: rc,
+        api_keys: Vec::new(),
+        insecure_node_plane: false,
+        membership: Arc::new(StaticMembership::new(workers)),
+        tokenizer: rm.tokenizer,
+        chat: rm.chat,
+        model: rm.model,
+    });
+    Cluster {
+        router,
+        prefill,
+        decodes,
+    }
+}
+
+async fn running(e: &EngineHandle) -> usize {
+    e.stats().await.unwrap().scheduler.running
+}
+
+/// One greedy request; after `move_after` tokens, the decode node running it is asked to drain
+/// by migration. Returns the tokens and where the request ran at the end.
+async fn generate(
+    c: &Cluster,
+    ids: &[u32],
+    max_tokens: u32,
+    move_after: Option<usize>,
+) -> Vec<u32> {
+    let mut g = c
+        .router
+        .generate(GenRequest {
+            prompt_token_ids: ids.to_vec(),
+            sampling: SamplingParams::greedy(max_tokens),
+            endpoint: "test",
+            routing_key: None,
+            slo: Default::default(),
+        })
+        .unwrap();
+    let mut got = Vec::new();
+    let mut asked = false;
+    loop {
+        let ev = tokio::time::timeout(Duration::from_secs(120), g.events.recv())
+            .await
+            .expect("router stalled");
+        match ev {
+            Some(GenEvent::Tokens { token_ids, .. }) => got.extend(token_ids),
+            Some(GenEvent::Done { usage, .. }) => {
+                assert_eq!(usage.completion_tokens as usize, got.len());
+                assert_eq!(usage.prompt_tokens as usize, ids.len());
+                return got;
+            }
+            Some(GenEvent::Error(e)) => panic!("request failed: {e}"),
+            None => panic!("stream ended without Done"),
+        }
+        if !asked && move_after.is_some_and(|n| got.len() >= n) {
+            asked = true;
+            let mut from = None;
+            for d in &c.decodes {
+                if running(d.engine()).await > 0 {
+                    from = Some(d);
+                }
+            }
+            let from = from.expect("a decode node runs the request");
+            assert_eq!(from.request_migrations(), 1, "one stream asked to move");
+        }
+    }
+}
+
+async fn assert_clean(e: &EngineHandle) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let s = e.stats().await.unwrap().scheduler;
+        if s.kv.free + s.kv.cached_unreferenced == s.kv.total
+            && s.kv.leases == 0
+            && s.running == 0
+            && s.waiting == 0
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "engine still holds: {s:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    e.check_accounting().await.unwrap().unwrap();
+}
+
+async fn moved_equals_unmoved(cfg: &Config, ids: Vec<u32>, max_tokens: u32, after: usize) {
+    let want = generate(&cluster(cfg), &ids, max_tokens, None).await;
+    assert_eq!(want.len(), max_tokens as usize, "{want:?}");
+    let c = cluster(cfg);
+    let got = generate(&c, &ids, max_tokens, Some(after)).await;
+    assert_eq!(
+        got, want,
+        "the moved stream's tokens differ from the unmoved run's"
+    );
+    let moved = c
+        .router
+        .metrics()
+        .value(m::ROUTER_MIGRATIONS_TOTAL, &[("outcome", "ok")]);
+    assert_eq!(moved, Some(1.0), "the stream moved once");
+    // Both decode nodes ran it: the first until the park, the second to the end.
+    for d in &c.decodes {
+        let s = d.engine().stats().await.unwrap();
+        assert!(s.steps_total > 0, "{} ran no step", d.id());
+        assert_clean(d.engine()).await;
+    }
+    assert_clean(c.prefill.engine()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_moved_mid_decode_keeps_its_tokens_on_the_mock_engine() {
+    let mut cfg = common::mock_config(3_000, 40, 5_000);
+    cfg.engine.num_kv_blocks = 128;
+    moved_equals_unmoved(&cfg, common::prompt(), 40, 9).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_moved_mid_decode_keeps_its_tokens_on_the_cpu_smollm2_engine() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let model = root.join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if !model.is_file() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "{} is missing and CI is set (scripts/fetch-model.sh)",
+            model.display()
+        );
+        eprintln!(
+            "SKIP: {} is missing (scripts/fetch-model.sh)",
+            model.display()
+        );
+        return;
+    }
+    let mut c = common::mock_config(100, 12, 5_000);
+    c.engine.backend = Backend::Cpu;
+    c.engine.cpu_threads = 1;
+    c.engine.context_length = 256;
+    c.engine.num_kv_blocks = 64;
+    c.engine.block_size = 16;
+    c.engine.max_running_requests = 4;
+    c.model.format = ModelFormat::Gguf;
+    c.model.path = model.to_string_lossy().into_owned();
+    // 21 positions before the move: the KV moved spans a whole block and part of the next.
+    moved_equals_unmoved(
+        &c,
+        vec![1, 504, 3458, 282, 4649, 314, 2, 198, 504, 1012],
+        24,
+        12,
+    )
+    .await;
+}

@@ -181,6 +181,18 @@ fn queued_decode() -> Extra {
     }
 }
 
+/// Decode nodes that drain by migrating their streams, 20 ms a decode step, 100-token streams.
+fn migrating_decode() -> Extra {
+    Extra {
+        decode: sets(&[
+            "node.drain=\"migrate\"",
+            "engine.mock.decode_us_per_token=20000",
+            "engine.mock.output_len=100",
+        ]),
+        ..Extra::default()
+    }
+}
+
 /// The transfer lease of every node cut to [`SHORT_TRANSFER_LEASE`], so what a dead router's
 /// requests left must be gone within seconds.
 fn short_lease() -> Extra {
@@ -396,6 +408,19 @@ pub fn quick() -> Vec<Case> {
             prompt_len: 60,
             trigger: Trigger::Busy(Target::Prefill0, 2),
             fault: Fault::Drain(Target::Prefill0),
+            tail: s(2),
+            expect: Expect::AllComplete,
+        },
+        Case {
+            // node.drain = "migrate": decode0's running streams move to decode1 (parked, KV
+            // pushed over UCX, continued by the router); every request completes.
+            name: "decode-drain-migrate",
+            what: "decode0 sent SIGTERM (drain by migration) with 8+ streams on it",
+            extra: migrating_decode(),
+            max_tokens: 100,
+            prompt_len: 64,
+            trigger: Trigger::Busy(Target::Decode0, 8),
+            fault: Fault::Drain(Target::Decode0),
             tail: s(2),
             expect: Expect::AllComplete,
         },

@@ -59,6 +59,15 @@ pub async fn drain(c: &mut Cluster, t: Target, row: &mut Row) -> Result<()> {
             secs(deadline)
         )),
     }
+    // A decode node draining by migration (`node.drain = "migrate"`): the streams it moved.
+    if let Some(m) = c.router_metrics().await {
+        let moved = m
+            .get("pdnode_router_migrations_total{outcome=\"ok\"}")
+            .unwrap_or(0.0);
+        if moved > 0.0 {
+            row.claims.push(format!("{moved} streams moved (router)"));
+        }
+    }
     Ok(())
 }
 

@@ -94,6 +94,8 @@ impl LoadBoard {
 pub struct HealthBoard {
     draining: Arc<AtomicBool>,
     failed: Arc<watch::Sender<Option<String>>>,
+    /// A drain asked over the node API (`Drain`, `pdnode drain`): `Some(migrate)`.
+    drain_asked: Arc<watch::Sender<Option<bool>>>,
 }
 
 impl HealthBoard {
@@ -101,7 +103,26 @@ impl HealthBoard {
         Self {
             draining: Arc::new(AtomicBool::new(false)),
             failed: Arc::new(watch::channel(None).0),
+            drain_asked: Arc::new(watch::channel(None).0),
         }
+    }
+
+    /// `Drain` over the node API: the node shuts down gracefully (`migrate`: moving its
+    /// decodes first). A second ask can only add `migrate`.
+    pub fn ask_drain(&self, migrate: bool) {
+        self.drain_asked
+            .send_modify(|a| *a = Some(a.unwrap_or(false) || migrate));
+    }
+
+    /// Whether a drain was asked over the node API, and with `migrate`.
+    pub fn drain_asked(&self) -> Option<bool> {
+        *self.drain_asked.borrow()
+    }
+
+    /// Resolves once a drain was asked over the node API.
+    pub async fn wait_drain_asked(&self) {
+        let mut rx = self.drain_asked.subscribe();
+        let _ = rx.wait_for(Option::is_some).await;
     }
 
     pub fn set_draining(&self) {

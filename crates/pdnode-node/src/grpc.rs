@@ -42,6 +42,8 @@ pub struct NodeGrpc {
     /// Mutual TLS and the role check; `None`: plaintext, every caller allowed (loopback, or
     /// `security.allow_insecure`).
     pub tls: Option<NodeTls>,
+    /// Where `Drain` asks the node to shut down.
+    pub health: crate::board::HealthBoard,
 }
 
 impl NodeGrpc {
@@ -182,6 +184,19 @@ impl Node for NodeGrpc {
             .instrument(span.clone())
             .await;
         traced_answer(&span, out).map(Response::new)
+    }
+
+    async fn drain(
+        &self,
+        r: Request<v1::DrainRequest>,
+    ) -> Result<Response<v1::DrainResponse>, Status> {
+        self.authorize(NodeRpc::Drain, &r)?;
+        let asked = r.into_inner().migrate;
+        // Only a decode node with a data path moves decodes.
+        let migrate = asked && self.role == Role::Decode && self.pd.is_some();
+        tracing::info!(migrate, "drain asked over the node API");
+        self.health.ask_drain(migrate);
+        Ok(Response::new(v1::DrainResponse { migrate }))
     }
 
     async fn stats(

@@ -94,8 +94,10 @@ pub struct ShutdownReport {
 pub struct Node {
     card: NodeCard,
     drain_timeout: Duration,
-    /// `node.drain = "migrate"`: the data path whose decodes move on a graceful shutdown.
+    /// A decode node's data path, whose decodes move on a graceful shutdown with
+    /// `node.drain = "migrate"` or a `Drain` asking to migrate.
     migrate_on_drain: Option<Arc<dyn pdnode_nodeapi::NodeClient>>,
+    drain_mode: pdnode_core::config::DrainMode,
     supervisor: SupervisorHandle,
     supervisor_join: JoinHandle<()>,
     health: HealthBoard,
@@ -297,6 +299,7 @@ impl Node {
             engine_stall: o.engine_stall,
             pd: deps.pd.clone(),
             tls,
+            health: health.clone(),
         };
         let c = cancel.clone();
         let h = health.clone();
@@ -343,13 +346,14 @@ impl Node {
             }));
         }
         tracing::info!(node = %id, %role, grpc = %grpc_addr, http = ?http_addr, router_http = ?router_http, "node started");
-        let migrate_on_drain = (cfg.node.drain == pdnode_core::config::DrainMode::Migrate)
+        let migrate_on_drain = (cfg.node.role == Role::Decode)
             .then(|| deps.pd.clone())
             .flatten();
         Ok(Node {
             card,
             drain_timeout: Duration::from_secs(cfg.node.drain_timeout_s),
             migrate_on_drain,
+            drain_mode: cfg.node.drain,
             supervisor,
             supervisor_join,
             health,
@@ -394,7 +398,9 @@ impl Node {
         // is asked to move it, and the node stays registered (its streams are not "lost" to
         // their routers) until they moved or the drain deadline passed.
         let mut drain_deadline = None;
-        if let (Some(pd), Some(engine)) = (&self.migrate_on_drain, &self.engine) {
+        let migrate = self.drain_mode == pdnode_core::config::DrainMode::Migrate
+            || self.health.drain_asked() == Some(true);
+        if let (true, Some(pd), Some(engine)) = (migrate, &self.migrate_on_drain, &self.engine) {
             if let Ok(Some(a)) = self.supervisor.engine().await {
                 let _ = a.stop_admitting();
             }
@@ -488,6 +494,7 @@ impl Node {
         let failed = tokio::select! {
             _ = term_fut => { tracing::info!("SIGTERM: shutting down"); None }
             _ = tokio::signal::ctrl_c() => { tracing::info!("SIGINT: shutting down"); None }
+            _ = self.health.wait_drain_asked() => { tracing::info!("Drain asked: shutting down"); None }
             r = self.health.wait_failed() => Some(r),
         };
         let report = self.shutdown().await;

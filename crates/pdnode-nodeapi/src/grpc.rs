@@ -136,6 +136,17 @@ impl GrpcNodeClient {
         })
     }
 
+    /// `pdnode drain`: asks the node to shut down gracefully (`migrate`: moving its decodes
+    /// first). Returns whether it will move them.
+    pub async fn drain(&self, migrate: bool) -> Result<bool, NodeError> {
+        let mut c = self.inner.clone();
+        let r = c
+            .drain(v1::DrainRequest { migrate })
+            .await
+            .map_err(status_err)?;
+        Ok(r.into_inner().migrate)
+    }
+
     pub fn id(&self) -> &NodeId {
         &self.id
     }

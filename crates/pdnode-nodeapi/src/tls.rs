@@ -188,6 +188,7 @@ pub enum NodeRpc {
     KvDone,
     Abort,
     Migrate,
+    Drain,
     Stats,
     Health,
 }
@@ -201,6 +202,7 @@ impl NodeRpc {
             NodeRpc::KvDone => "KvDone",
             NodeRpc::Abort => "Abort",
             NodeRpc::Migrate => "Migrate",
+            NodeRpc::Drain => "Drain",
             NodeRpc::Stats => "Stats",
             NodeRpc::Health => "Health",
         }
@@ -209,7 +211,9 @@ impl NodeRpc {
     /// Who may call it. The data path (ReserveKv, Prefill, Decode, KvDone, Abort, Migrate) is driven by
     /// the router alone: routers and all-in-one nodes (which hold a router). No node calls
     /// another node's API: prefill pushes KV to decode over UCX, decode never calls prefill.
-    /// Stats and Health (load and liveness, no request data) are open to every cluster node.
+    /// Drain (a graceful shutdown, `pdnode drain`) is an operator's call, made with a router's
+    /// identity. Stats and Health (load and liveness, no request data) are open to every
+    /// cluster node.
     pub fn allowed(self, caller: Role) -> bool {
         match self {
             NodeRpc::ReserveKv
@@ -217,7 +221,8 @@ impl NodeRpc {
             | NodeRpc::Decode
             | NodeRpc::KvDone
             | NodeRpc::Abort
-            | NodeRpc::Migrate => matches!(caller, Role::Router | Role::All),
+            | NodeRpc::Migrate
+            | NodeRpc::Drain => matches!(caller, Role::Router | Role::All),
             NodeRpc::Stats | NodeRpc::Health => true,
         }
     }
@@ -546,6 +551,8 @@ mod tests {
             NodeRpc::Decode,
             NodeRpc::KvDone,
             NodeRpc::Abort,
+            NodeRpc::Migrate,
+            NodeRpc::Drain,
         ] {
             assert!(
                 rpc.allowed(Role::Router) && rpc.allowed(Role::All),

@@ -134,6 +134,13 @@ impl Node for Adapter {
         Ok(Response::new(v1::KvDoneResponse {}))
     }
 
+    async fn drain(
+        &self,
+        _r: Request<v1::DrainRequest>,
+    ) -> Result<Response<v1::DrainResponse>, Status> {
+        Err(Status::unimplemented("the test adapter does not drain"))
+    }
+
     async fn migrate(
         &self,
         _r: Request<v1::MigrateRequest>,

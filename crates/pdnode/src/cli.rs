@@ -30,6 +30,9 @@ pub enum Command {
     BenchTransfer(cmd::bench_transfer::Args),
     /// List the nodes registered in a cluster.
     Nodes(cmd::nodes::Args),
+    /// Drain one node of a cluster over its node API: a graceful shutdown, as SIGTERM
+    /// (`--migrate`: a decode node moves its running decodes to other decode nodes first).
+    Drain(cmd::drain::Args),
     /// Make a cluster CA and node certificates for the node plane's mutual TLS.
     Certs(cmd::certs::Args),
     /// A drop-in for sglang-router 0.3.2's PD mode: route to SGLang prefill/decode workers.
@@ -54,6 +57,7 @@ pub async fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::Bench(a) => cmd::bench::run(*a).await,
         Command::BenchTransfer(a) => cmd::bench_transfer::run(a).await,
         Command::Nodes(a) => cmd::nodes::run(a).await,
+        Command::Drain(a) => cmd::drain::run(a).await,
         Command::Certs(a) => cmd::certs::run(a).await,
         Command::SglangRouter(a) => cmd::sglang_router::run(*a).await,
         Command::SglangRegister(a) => cmd::sglang_register::run(a).await,

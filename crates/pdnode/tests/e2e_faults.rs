@@ -714,12 +714,20 @@ async fn stream_greedy(
     (pieces, done)
 }
 
-/// `node.drain = "migrate"`: a decode node SIGTERMed mid-stream moves the stream to the other
-/// decode node (parked, its KV pushed over UCX, the stream continued by the router on the same
-/// HTTP response): the client gets the unmoved run's text whole, with no gap over 1 s, the
-/// drained node exits having nothing left in flight, and the router counts one migration.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_decode_node_drained_by_migration_moves_its_stream_whole() {
+/// How a decode node is told to drain by migration.
+#[derive(Clone, Copy, PartialEq)]
+enum DrainBy {
+    /// `node.drain = "migrate"` in its config, then SIGTERM.
+    Sigterm,
+    /// `pdnode drain NODE --migrate --wait` (its config says `wait`).
+    Command,
+}
+
+/// A decode node drained by migration mid-stream moves the stream to the other decode node
+/// (parked, its KV pushed over UCX, the stream continued by the router on the same HTTP
+/// response): the client gets the unmoved run's text whole, with no gap over 1 s, the drained
+/// node exits having nothing left in flight, and the router counts one migration.
+async fn drained_by_migration(by: DrainBy) {
     if skip_etcd_tests() {
         return;
     }
@@ -729,16 +737,18 @@ async fn a_decode_node_drained_by_migration_moves_its_stream_whole() {
         "engine.mock.decode_us_per_token=20000",
         "engine.mock.output_len=150",
     ];
-    let decode = [
-        mock[0],
-        mock[1],
-        "node.drain=\"migrate\"",
-        "node.drain_timeout_s=20",
-    ];
+    let mut decode = vec![mock[0], mock[1], "node.drain_timeout_s=20"];
+    if by == DrainBy::Sigterm {
+        decode.push("node.drain=\"migrate\"");
+    }
+    let cluster = match by {
+        DrainBy::Sigterm => "migrate",
+        DrainBy::Command => "migrate-cli",
+    };
     let mut c = start(
         dir.path(),
         &etcd.endpoint(),
-        "migrate",
+        cluster,
         (1, &mock),
         (2, &decode),
         &["router.token_timeout_s=10"],
@@ -762,8 +772,39 @@ async fn a_decode_node_drained_by_migration_moves_its_stream_whole() {
     }
     let on = on.unwrap_or_else(|| panic!("no decode node runs the stream{}", c.logs()));
     let drained = c.decodes.remove(on);
-    let pid = drained.node.guard.pid().expect("pid");
-    pdnode_testkit::send_signal(pid, "TERM").unwrap();
+    let command = match by {
+        DrainBy::Sigterm => {
+            let pid = drained.node.guard.pid().expect("pid");
+            pdnode_testkit::send_signal(pid, "TERM").unwrap();
+            None
+        }
+        DrainBy::Command => {
+            let etcd_url = etcd.endpoint();
+            // A node the cluster does not have: a usage error (exit 2) that says so.
+            let out = std::process::Command::new(e2e_support::BIN)
+                .args([
+                    "drain",
+                    "--etcd",
+                    &etcd_url,
+                    "--cluster",
+                    "migrate-cli",
+                    "nosuch",
+                ])
+                .output()
+                .expect("pdnode drain");
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{err}");
+            assert!(err.contains("no node \"nosuch\""), "{err}");
+            let id = drained.id.clone();
+            Some(tokio::task::spawn_blocking(move || {
+                std::process::Command::new(e2e_support::BIN)
+                    .args(["drain", "--etcd", &etcd_url, "--cluster", "migrate-cli"])
+                    .args([id.as_str(), "--migrate", "--wait"])
+                    .output()
+                    .expect("pdnode drain")
+            }))
+        }
+    };
     let (pieces, done) = run.await.unwrap();
     let mut logs = dump(&[&c.router, &drained.node]);
     logs.push_str(&c.logs());
@@ -781,6 +822,17 @@ async fn a_decode_node_drained_by_migration_moves_its_stream_whole() {
     );
     let moved = router_gauge(&c.http, "pdnode_router_migrations_total{outcome=\"ok\"}").await;
     assert_eq!(moved, Some(1.0), "{logs}");
+    if let Some(cmd) = command {
+        let out = cmd.await.unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "pdnode drain: {stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(stdout.contains("moving its decodes"), "{stdout}");
+        assert!(stdout.contains("left the cluster"), "{stdout}");
+    }
     // The drained node leaves once its stream moved, well within its drain timeout.
     let mut guard = drained.node.guard;
     let status = tokio::task::spawn_blocking(move || guard.wait_timeout(Duration::from_secs(15)))
@@ -795,4 +847,14 @@ async fn a_decode_node_drained_by_migration_moves_its_stream_whole() {
     assert!(log.contains("drain by migration"), "{log}");
     assert!(log.contains("left=0"), "{log}");
     drop(etcd);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_node_drained_by_migration_moves_its_stream_whole() {
+    drained_by_migration(DrainBy::Sigterm).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pdnode_drain_migrate_moves_a_decode_nodes_stream_whole() {
+    drained_by_migration(DrainBy::Command).await;
 }

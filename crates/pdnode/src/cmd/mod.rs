@@ -10,6 +10,7 @@ pub mod bench_engine;
 pub mod bench_transfer;
 pub mod certs;
 pub mod check_config;
+pub mod drain;
 pub mod generate;
 pub mod nodes;
 pub mod sglang_register;

@@ -29,27 +29,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     crate::logging::init(&loaded.config.log)?;
     let c = &loaded.config;
     let cluster = args.cluster.unwrap_or_else(|| c.node.cluster.clone());
-    let endpoints = if !args.etcd.is_empty() {
-        args.etcd.clone()
-    } else if c.registry.kind == RegistryKind::Etcd {
-        c.registry.endpoints.clone()
-    } else {
-        return Err(UsageError(
-            "no etcd to ask: pass --etcd URL or a --config with registry.kind = \"etcd\" \
-             (a memory registry lives inside one process)"
-                .into(),
-        )
-        .into());
-    };
-    let reg_cfg = RegistryConfig {
-        kind: RegistryKind::Etcd,
-        endpoints: endpoints.clone(),
-        ..c.registry.clone()
-    };
-    // TLS and credentials from the config's registry.etcd_* (the same as the nodes').
-    let reg = EtcdRegistry::from_config(&reg_cfg)
-        .await
-        .with_context(|| format!("cannot reach etcd at {}", endpoints.join(",")))?;
+    let reg = etcd_registry(c, &args.etcd).await?;
     let snap = reg
         .list(&cluster)
         .await
@@ -75,6 +55,35 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         print!("{}", table(&snap.cards, now));
     }
     Ok(())
+}
+
+/// The cluster's etcd: `etcd` when given, else the config's registry (which must be etcd: a
+/// memory registry lives inside one process); TLS and credentials from the config's
+/// `registry.etcd_*` (the same as the nodes').
+pub(super) async fn etcd_registry(
+    c: &pdnode_core::config::Config,
+    etcd: &[String],
+) -> anyhow::Result<EtcdRegistry> {
+    let endpoints = if !etcd.is_empty() {
+        etcd.to_vec()
+    } else if c.registry.kind == RegistryKind::Etcd {
+        c.registry.endpoints.clone()
+    } else {
+        return Err(UsageError(
+            "no etcd to ask: pass --etcd URL or a --config with registry.kind = \"etcd\" \
+             (a memory registry lives inside one process)"
+                .into(),
+        )
+        .into());
+    };
+    let reg_cfg = RegistryConfig {
+        kind: RegistryKind::Etcd,
+        endpoints: endpoints.clone(),
+        ..c.registry.clone()
+    };
+    EtcdRegistry::from_config(&reg_cfg)
+        .await
+        .with_context(|| format!("cannot reach etcd at {}", endpoints.join(",")))
 }
 
 fn now_ms() -> u64 {

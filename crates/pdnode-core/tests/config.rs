@@ -226,6 +226,37 @@ fn drain_by_migration_is_a_decode_node_setting() {
 }
 
 #[test]
+fn rebalancing_is_off_by_default_and_needs_a_gap_of_two() {
+    let l = load_from_str(
+        FILE,
+        "[router.rebalance]\nmin_gap = 3\ninterval_ms = 500\n",
+        &[],
+    )
+    .unwrap();
+    let rb = &l.config.router.rebalance;
+    assert_eq!((rb.min_gap, rb.interval_ms), (3, 500));
+    let d = load_from_str(FILE, "", &[]).unwrap();
+    assert_eq!(d.config.router.rebalance.min_gap, 0);
+    for (text, key) in [
+        (
+            "[router.rebalance]\nmin_gap = 1\n",
+            "router.rebalance.min_gap",
+        ),
+        (
+            "[router.rebalance]\ninterval_ms = 50\n",
+            "router.rebalance.interval_ms",
+        ),
+    ] {
+        let errs = errors(text, &[]);
+        assert!(
+            errs.iter()
+                .any(|e| matches!(e, ConfigError::Invalid { key: k, .. } if k == key)),
+            "{text}: {errs:?}"
+        );
+    }
+}
+
+#[test]
 fn the_cost_policy_picks_prefill_nodes_only() {
     let l = load_from_str(FILE, "[router]\nprefill_policy = \"cost\"\n", &[]).unwrap();
     assert_eq!(

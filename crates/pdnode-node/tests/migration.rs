@@ -24,6 +24,10 @@ struct Cluster {
 }
 
 fn cluster(cfg: &Config) -> Cluster {
+    cluster_with(cfg, |_| {})
+}
+
+fn cluster_with(cfg: &Config, set: impl FnOnce(&mut pdnode_core::config::RouterConfig)) -> Cluster {
     let lease = Duration::from_millis(cfg.transfer.lease_ms);
     let dir = InProcessDirectory::new();
     let build = |mode| tokio::task::block_in_place(|| pd::build_engine(cfg, mode)).unwrap();
@@ -62,6 +66,7 @@ fn cluster(cfg: &Config) -> Cluster {
     rc.prefill_policy = pdnode_core::config::PolicyName::RoundRobin;
     rc.decode_policy = pdnode_core::config::PolicyName::RoundRobin;
     rc.warm_pairs = false;
+    set(&mut rc);
     let router = Router::new(RouterDeps {
         config: rc,
         api_keys: Vec::new(),
@@ -210,4 +215,101 @@ async fn a_stream_moved_mid_decode_keeps_its_tokens_on_the_cpu_smollm2_engine() 
         12,
     )
     .await;
+}
+
+/// Greedy tokens of one request with routing key `key`.
+async fn keyed(router: &Arc<Router>, ids: Vec<u32>, max_tokens: u32, key: &str) -> Vec<u32> {
+    let mut g = router
+        .generate(GenRequest {
+            prompt_token_ids: ids,
+            sampling: SamplingParams::greedy(max_tokens),
+            endpoint: "test",
+            routing_key: Some(key.into()),
+            slo: Default::default(),
+        })
+        .unwrap();
+    let mut got = Vec::new();
+    loop {
+        let ev = tokio::time::timeout(Duration::from_secs(120), g.events.recv())
+            .await
+            .expect("router stalled");
+        match ev {
+            Some(GenEvent::Tokens { token_ids, .. }) => got.extend(token_ids),
+            Some(GenEvent::Done { .. }) => return got,
+            Some(GenEvent::Error(e)) => panic!("request failed: {e}"),
+            None => panic!("stream ended without Done"),
+        }
+    }
+}
+
+/// `router.rebalance`: four streams pinned on one decode node (the sticky `manual` policy, one
+/// routing key); with `min_gap = 2` the router moves streams to the idle node until the two
+/// differ by less than 2 (two moves: 4/0 -> 3/1 -> 2/2), one per interval; every stream keeps
+/// its unmoved tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rebalancing_moves_streams_to_the_idle_decode_node_until_the_gap_closes() {
+    let mut cfg = common::mock_config(20_000, 60, 5_000);
+    cfg.engine.num_kv_blocks = 256;
+    let prompts: Vec<Vec<u32>> = (0..4u32)
+        .map(|k| {
+            (0..15 + k * 3)
+                .map(|i| (i * 7 + 3 + k * 11) % 200)
+                .collect()
+        })
+        .collect();
+    let reference = cluster(&cfg);
+    let mut want = Vec::new();
+    for p in &prompts {
+        want.push(keyed(&reference.router, p.clone(), 60, "pinned").await);
+    }
+    let c = cluster_with(&cfg, |rc| {
+        rc.decode_policy = pdnode_core::config::PolicyName::Manual;
+        rc.rebalance.min_gap = 2;
+        rc.rebalance.interval_ms = 100;
+    });
+    assert_eq!(c.router.rebalance_now(), None, "nothing to even out yet");
+    let runs: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let r = c.router.clone();
+            let p = p.clone();
+            tokio::spawn(async move { keyed(&r, p, 60, "pinned").await })
+        })
+        .collect();
+    // Every stream started, all on one node.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let on: Vec<usize> =
+            futures::future::join_all(c.decodes.iter().map(|d| running(d.engine()))).await;
+        if on.iter().any(|&n| n == 4) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "streams never all ran: {on:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Looked at until the first stream ends (then the gap is the streams' finishing order).
+    let mut asked = Vec::new();
+    while !runs.iter().any(|r| r.is_finished()) {
+        c.router.refresh_stats(Duration::from_secs(2)).await;
+        if let Some(a) = c.router.rebalance_now() {
+            asked.push(a);
+        }
+        tokio::time::sleep(Duration::from_millis(110)).await;
+    }
+    for (r, w) in runs.into_iter().zip(&want) {
+        assert_eq!(
+            &r.await.unwrap(),
+            w,
+            "a stream's tokens changed with the rebalancing"
+        );
+    }
+    let moved = c
+        .router
+        .metrics()
+        .value(m::ROUTER_MIGRATIONS_TOTAL, &[("outcome", "ok")]);
+    assert_eq!(moved, Some(2.0), "asked: {asked:?}");
+    assert_eq!(asked.len(), 2, "{asked:?}");
+    for d in &c.decodes {
+        assert_clean(d.engine()).await;
+    }
 }

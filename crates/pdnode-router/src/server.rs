@@ -72,6 +72,7 @@ pub async fn serve(
                 router.refresh_stats(STATS_TIMEOUT).await;
                 // New prefill/decode pairs warmed before they take traffic.
                 router.warm_ahead();
+                router.rebalance_now();
                 tokio::select! {
                     _ = stop.cancelled() => return,
                     _ = tokio::time::sleep(refresh) => {}

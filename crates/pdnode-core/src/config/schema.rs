@@ -520,6 +520,8 @@ pub struct RouterConfig {
     pub slo: SloConfig,
     /// When a request is prefilled on its decode node, with no hand-off (`[router.local_prefill]`).
     pub local_prefill: LocalPrefillConfig,
+    /// Moving streams between decode nodes to even their load (`[router.rebalance]`).
+    pub rebalance: RebalanceConfig,
     /// SGLang PD workers to route to instead of pdnode nodes (`[router.sglang]`).
     pub sglang: super::sglang::SglangConfig,
 }
@@ -546,6 +548,7 @@ impl Default for RouterConfig {
             warm_pairs: true,
             slo: SloConfig::default(),
             local_prefill: LocalPrefillConfig::default(),
+            rebalance: RebalanceConfig::default(),
             sglang: super::sglang::SglangConfig::default(),
         }
     }
@@ -576,6 +579,26 @@ pub struct LocalPrefillConfig {
     /// many requests in flight (running and queued, with the router's own bookings) and the
     /// decode node has none queued.
     pub prefill_busy_requests: u32,
+}
+
+/// Rebalancing by live decode migration (docs/runtime-semantics.md, "Live decode migration"):
+/// when the decode node running the most requests runs at least `min_gap` more than the one
+/// running the fewest, one of this router's streams on the first moves to the second, at most
+/// one every `interval_ms`. `min_gap` 0: off.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RebalanceConfig {
+    pub min_gap: u32,
+    pub interval_ms: u64,
+}
+
+impl Default for RebalanceConfig {
+    fn default() -> Self {
+        Self {
+            min_gap: 0,
+            interval_ms: 1000,
+        }
+    }
 }
 
 /// sglang-router's cache-aware parameters, same names and meaning.

@@ -430,6 +430,19 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
             ),
         );
     }
+    let rb = &r.rebalance;
+    if rb.min_gap == 1 {
+        bad(
+            "router.rebalance.min_gap",
+            "1 would move a stream back and forth between two nodes one request apart; 0 (off) or at least 2".into(),
+        );
+    }
+    if rb.min_gap > 0 && r.sglang.enabled() {
+        bad(
+            "router.rebalance",
+            "moving streams is a pdnode decode node's call; SGLang workers (router.sglang) have none".into(),
+        );
+    }
     let lp = &r.local_prefill;
     if (lp.max_prompt_tokens > 0 || lp.prefill_busy_requests > 0) && r.sglang.enabled() {
         bad(

@@ -112,7 +112,7 @@ impl Drop for CostTicket<'_> {
 /// Releases a booking on drop.
 struct Booking<'a> {
     router: &'a Router,
-    node: NodeId,
+    node: std::sync::Mutex<NodeId>,
 }
 
 impl<'a> Booking<'a> {
@@ -120,14 +120,24 @@ impl<'a> Booking<'a> {
         router.state.lock().book(node);
         Self {
             router,
-            node: node.clone(),
+            node: std::sync::Mutex::new(node.clone()),
         }
+    }
+
+    /// The booked request moved to `to` (a migrated stream).
+    fn move_to(&self, to: &NodeId) {
+        let mut node = self.node.lock().unwrap_or_else(|p| p.into_inner());
+        let mut st = self.router.state.lock();
+        st.release(&node);
+        st.book(to);
+        *node = to.clone();
     }
 }
 
 impl Drop for Booking<'_> {
     fn drop(&mut self) {
-        self.router.state.lock().release(&self.node);
+        let node = self.node.get_mut().unwrap_or_else(|p| p.into_inner());
+        self.router.state.lock().release(node);
     }
 }
 
@@ -270,6 +280,7 @@ pub(crate) async fn warm_pair(router: &Router, p: &Worker, d: &Worker) -> Result
         d,
         id: RequestId::random(),
         here: false,
+        d_booking: None,
         capability: OnceLock::new(),
     };
     let mut progress = Progress {
@@ -313,6 +324,8 @@ struct Pair<'a> {
     id: RequestId,
     /// D prefills the request itself (`router.local_prefill`): P is D, no hand-off.
     here: bool,
+    /// D's booking, moved with the stream when it migrates.
+    d_booking: Option<&'a Booking<'a>>,
     /// The KV capability D's `ReserveKv` answered (the target's secret): every Abort of this
     /// attempt presents it. Unset until the reservation answered.
     capability: OnceLock<Vec<u8>>,
@@ -479,6 +492,7 @@ async fn drive(
             d: &d,
             id: req_id,
             here: here.is_some(),
+            d_booking: d_slot.as_ref().map(|(_, b)| b),
             capability: OnceLock::new(),
         };
         let attempt_span = tracing::info_span!(
@@ -801,6 +815,9 @@ async fn run_attempt(
     let mut cur_d = d.clone();
     let mut cur_cap = pair.capability.get().cloned().unwrap_or_default();
     let mut moving: Option<(Worker, MigrateOutcome)> = None;
+    // `router.rebalance` may ask this stream to move (not a request D prefilled itself: D's
+    // data path keeps it as a colocated engine would, and it does not move).
+    let entry = (!pair.here && !is_colocated(d)).then(|| router.streams.register(req_id, d.id()));
     loop {
         let hop = Pair {
             router,
@@ -808,9 +825,16 @@ async fn run_attempt(
             d: &cur_d,
             id: req_id,
             here: pair.here,
+            d_booking: None,
             capability: OnceLock::from(cur_cap.clone()),
         };
-        let next = tokio::select! {
+        let asked_to_move = async {
+            match &entry {
+                Some(e) => e.ask.notify.notified().await,
+                None => std::future::pending().await,
+            }
+        };
+        let got = tokio::select! {
             r = step(
                 tx,
                 token_timeout,
@@ -818,12 +842,25 @@ async fn run_attempt(
                 (Step::Decode, cur_d.id(), req_id),
                 async { Ok::<_, crate::error::NodeError>(stream.next().await) },
             )
-            .instrument(stream_span.clone()) => r,
-            why = node_lost(&mut d_watch) => Err(StepErr::Failed(decode_err(
+            .instrument(stream_span.clone()) => Got::Next(r),
+            why = node_lost(&mut d_watch) => Got::Next(Err(StepErr::Failed(decode_err(
                 cur_d.id(),
                 req_id,
                 &format!("decode node lost: {why}"),
-            ))),
+            )))),
+            () = asked_to_move, if moving.is_none() => Got::Move,
+        };
+        let next = match got {
+            Got::Next(n) => n,
+            Got::Move => {
+                let to = entry.as_ref().and_then(|e| e.ask.take());
+                if let Some(to) = to
+                    && let Some(m) = park(&hop, req, &[], progress, deadline, Some(to)).await
+                {
+                    moving = Some(m);
+                }
+                continue;
+            }
         };
         let chunk = match next {
             Ok(Some(Ok(c))) => c,
@@ -848,6 +885,12 @@ async fn run_attempt(
                             .inc(m::ROUTER_MIGRATIONS_TOTAL, &[("outcome", "ok")], 1.0);
                         stream = s;
                         cur_cap = cap;
+                        if let Some(e) = &entry {
+                            e.moved_to(to.id());
+                        }
+                        if let Some(b) = pair.d_booking {
+                            b.move_to(to.id());
+                        }
                         d_watch = Some(router.watches.subscribe(&to, Role::Decode, membership));
                         cur_d = to;
                         continue;
@@ -896,7 +939,8 @@ async fn run_attempt(
         };
         if chunk.migrate {
             if moving.is_none()
-                && let Some(m) = park(&hop, req, &decodes_now(router), progress, deadline).await
+                && let Some(m) =
+                    park(&hop, req, &decodes_now(router), progress, deadline, None).await
             {
                 moving = Some(m);
             }
@@ -974,6 +1018,12 @@ async fn run_attempt(
     }
 }
 
+/// What woke a stream's loop: the stream (or its node's watch), or a rebalancing ask.
+enum Got<T> {
+    Next(T),
+    Move,
+}
+
 /// The decode candidates now (a migration's destinations).
 fn decodes_now(router: &Router) -> Vec<Worker> {
     candidates(router.deps.membership.as_ref()).1
@@ -988,19 +1038,23 @@ async fn park(
     decodes: &[Worker],
     progress: &Progress,
     deadline: Instant,
+    to: Option<Worker>,
 ) -> Option<(Worker, MigrateOutcome)> {
     let router = hop.router;
     let from = hop.d.id().clone();
-    let picked = router.state.lock().pick_for(
-        Role::Decode,
-        decodes,
-        None,
-        &req.prompt_token_ids,
-        req.routing_key.as_deref(),
-        std::slice::from_ref(&from),
-        Instant::now(),
-    );
-    let Some(to) = picked.map(|i| decodes[i].clone()) else {
+    let to = to.filter(|w| w.id() != &from).or_else(|| {
+        let picked = router.state.lock().pick_for(
+            Role::Decode,
+            decodes,
+            None,
+            &req.prompt_token_ids,
+            req.routing_key.as_deref(),
+            std::slice::from_ref(&from),
+            Instant::now(),
+        );
+        picked.map(|i| decodes[i].clone())
+    });
+    let Some(to) = to else {
         tracing::warn!(request = %hop.id, node = %from, "asked to move a stream, but no other decode node is there");
         router
             .metrics

@@ -10,6 +10,7 @@ mod cost;
 mod flow;
 mod here;
 mod node_watch;
+mod rebalance;
 mod state;
 mod warm;
 
@@ -175,6 +176,8 @@ pub struct Router {
     pub(crate) watches: node_watch::NodeWatches,
     inflight: Arc<AtomicU32>,
     draining: AtomicBool,
+    /// This router's streams by decode node, for `router.rebalance`.
+    pub(crate) streams: rebalance::Streams,
 }
 
 /// Decrements the in-flight count when the flow ends, however it ends.
@@ -212,6 +215,7 @@ impl Router {
             watches: node_watch::NodeWatches::default(),
             inflight: Arc::new(AtomicU32::new(0)),
             draining: AtomicBool::new(false),
+            streams: rebalance::Streams::default(),
         })
     }
 

@@ -53,6 +53,13 @@ pub(super) fn durations(c: &Config) -> Vec<DurationKey> {
             3_600_000,
         ),
         d(
+            "router.rebalance.interval_ms",
+            r.rebalance.interval_ms,
+            MILLIS,
+            100,
+            3_600_000,
+        ),
+        d(
             "registry.lease_ttl_s",
             c.registry.lease_ttl_s,
             SECONDS,

@@ -281,7 +281,7 @@ async fn rebalancing_moves_streams_to_the_idle_decode_node_until_the_gap_closes(
     loop {
         let on: Vec<usize> =
             futures::future::join_all(c.decodes.iter().map(|d| running(d.engine()))).await;
-        if on.iter().any(|&n| n == 4) {
+        if on.contains(&4) {
             break;
         }
         assert!(Instant::now() < deadline, "streams never all ran: {on:?}");

@@ -14,6 +14,8 @@
 #   coldstart      scripts/gpu/coldstart.sh (first requests after start, warm-up off and on)
 #   pairwarm       scripts/gpu/pairwarm.sh (first requests through a new PD pair on one GPU,
 #                  router.warm_pairs off and on)
+#   migrate        scripts/gpu/migrate.sh (live decode migration between two decode nodes on
+#                  one GPU: pause, bytes, text)
 #   smol           the demo model (.gpu-m/a from an earlier call on this machine + .gpu-m2/b):
 #                  scripts/gpu/smollm2.sh
 # Every log goes to one tarball $OUT/logs.tar.xz (the device tool brings back at most 8 files);
@@ -68,6 +70,9 @@ for part in "$@"; do
         pairwarm)
             PD=$PD OUT=$LOGS/pairwarm bash scripts/gpu/pairwarm.sh 2>&1 |
                 tee "$LOGS/pairwarm.out" | tail -8 >> "$summary" ;;
+        migrate)
+            PD=$PD OUT=$LOGS/migrate bash scripts/gpu/migrate.sh 2>&1 |
+                tee "$LOGS/migrate.out" | tail -16 >> "$summary" ;;
         coldstart)
             PD=$PD OUT=$LOGS/coldstart bash scripts/gpu/coldstart.sh 2>&1 |
                 tee "$LOGS/coldstart.out" | tail -12 >> "$summary" ;;

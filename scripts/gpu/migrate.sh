@@ -6,7 +6,9 @@
 # `pdnode drain decode-0 --migrate` moves decode-0's streams to
 # decode-1 (1 s into the run). Reported: streams moved, KV bytes and push time per stream (decode-0's log), the
 # router's reserve + push + Decode per move (its log), each client's longest gap between two
-# tokens (moved and unmoved streams), and whether every text equals the reference.
+# tokens (moved and unmoved streams), and whether every text equals the reference (it need
+# not: with 8 streams the batches differ between runs, and so may greedy picks on dummy
+# weights). Then one stream alone, moved off its decode node: its text must equal its run alone.
 # Needs .gpu-pd/bundle.tar.xz (scripts/gpu/pack.sh). Table last.
 # usage: scripts/gpu/migrate.sh
 set -u
@@ -38,13 +40,14 @@ wait_http() { # url seconds
     while [ $i -lt $(($2 * 5)) ]; do curl -sf "$1" >/dev/null 2>&1 && return 0; sleep 0.2; i=$((i + 1)); done
     return 1
 }
-node() { # role id listen mem_fraction
+node() { # role id listen mem_fraction http
     cat <<T
 [node]
 role = "$1"
 cluster = "mig"
 id = "$2"
 listen = "$3"
+http_listen = "$5"
 drain_timeout_s = 60
 [model]
 path = "$MODEL"
@@ -59,6 +62,8 @@ block_size = 16
 max_batch_tokens = 8192
 max_running_requests = 64
 mem_fraction = $4
+# The same prompts run more than once: no prefix-cache hit may change a greedy pick.
+prefix_cache = false
 kv_staging_tokens = 16384
 [registry]
 kind = "etcd"
@@ -79,9 +84,9 @@ rm -rf /tmp/mig-etcd
     > "$OUT/etcd.log" 2>&1 &
 pids+=($!)
 wait_http http://127.0.0.1:2379/health 30 || echo "etcd not healthy"
-node prefill prefill-0 127.0.0.1:7001 0.30 > "$OUT/prefill.toml"
-node decode decode-0 127.0.0.1:7002 0.45 > "$OUT/decode-0.toml"
-node decode decode-1 127.0.0.1:7003 0.75 > "$OUT/decode-1.toml"
+node prefill prefill-0 127.0.0.1:7001 0.30 127.0.0.1:9001 > "$OUT/prefill.toml"
+node decode decode-0 127.0.0.1:7002 0.45 127.0.0.1:9002 > "$OUT/decode-0.toml"
+node decode decode-1 127.0.0.1:7003 0.75 127.0.0.1:9003 > "$OUT/decode-1.toml"
 cat > "$OUT/router.toml" <<T
 [node]
 role = "router"
@@ -168,6 +173,64 @@ for k in range(N):
     print(f"stream {k}: {len(times)} chunks, longest gap {gap:.1f} ms, same text: {same}")
 print("ROWGAPS", json.dumps(gaps))
 PY
+# Phase 2: one stream alone (batch 1 on every node, so the text does not depend on what else
+# runs): the reference, then the same stream moved off whichever decode node runs it (decode-0
+# started again first: the drain above stopped it).
+CUDA_VISIBLE_DEVICES=0 "$BIN" start -c "$OUT/decode-0.toml" > "$OUT/decode-0b.log" 2>&1 &
+pids+=($!)
+for _ in $(seq 1 240); do
+    curl -s http://127.0.0.1:8000/metrics | grep -q 'pdnode_router_nodes{role="decode"} 2' && break
+    sleep 0.5
+done
+BIN=$BIN python3 - > "$OUT/single.txt" 2>&1 <<'PY'
+import json, os, re, subprocess, threading, time, urllib.request
+URL = "http://127.0.0.1:8000/v1/completions"
+def run(res):
+    words = " ".join(f"w{(i * 104729 + 99) % 100000}" for i in range(1000))
+    body = {"model": "llama-3.1-8b", "prompt": words, "max_tokens": 256, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    req = urllib.request.Request(URL, json.dumps(body).encode(), {"content-type": "application/json"})
+    times, text = [], []
+    with urllib.request.urlopen(req, timeout=300) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if line.startswith("data:") and line != "data: [DONE]":
+                c = json.loads(line[5:]).get("choices")
+                if c:
+                    times.append(time.time())
+                    text.append(c[0].get("text", ""))
+    res["out"] = (times, "".join(text))
+ref = {}
+run(ref)
+ref2 = {}
+run(ref2)
+res = {}
+t = threading.Thread(target=run, args=(res,))
+t.start()
+time.sleep(1.0)
+on = []
+for name, port in (("decode-0", 9002), ("decode-1", 9003)):
+    m = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    if re.search(r'pdnode_kv_owned_blocks\{[^}]*owner="request"[^}]*\} [1-9]', m):
+        on.append(name)
+print("running on:", on)
+if on:
+    out = subprocess.run([os.environ["BIN"], "drain", "--etcd", "http://127.0.0.1:2379",
+                          "--cluster", "mig", on[0], "--migrate"], capture_output=True, text=True, timeout=60)
+    print("drain:", out.returncode, out.stdout.strip())
+t.join()
+times, text = res["out"]
+gaps = [b - a for a, b in zip(times, times[1:])]
+gap = max(gaps, default=0) * 1e3
+at = gaps.index(max(gaps)) + 1 if gaps else 0
+a, b = ref["out"][1], text
+div = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), None)
+print(f"alone twice, same text: {ref['out'][1] == ref2['out'][1]}; moved after chunk {at} (of {len(times)});"
+      f" first differing character {div} of {len(a)}; reference around it: {a[max(0, (div or 0) - 40):(div or 0) + 40]!r};"
+      f" moved: {b[max(0, (div or 0) - 40):(div or 0) + 40]!r}")
+print(f"ROWSINGLE moved off {on[0] if on else '-'}: {len(times)} chunks, longest gap {gap:.1f} ms (after chunk {at}), same text as alone: {text == ref['out'][1]} (alone twice: {ref['out'][1] == ref2['out'][1]})")
+PY
+cat "$OUT/single.txt"
 cat "$OUT/probe.txt"
 sleep 3
 strip() { sed 's/\x1b\[[0-9;]*m//g' "$1"; }
@@ -181,3 +244,5 @@ echo
 echo "| streams moved | KV bytes per moved stream | push transfer_us (decode-0) | router reserve+push+Decode ms | clients (longest gap ms, same text, chunks) | decode-0 drain |"
 echo "|---|---|---|---|---|---|"
 echo "| $moves | ${bytes:-none} | ${push:-none} | ${router_ms:-none} | ${gaps:-probe failed} | ${left:-none} |"
+echo
+grep '^ROWSINGLE' "$OUT/single.txt" || echo "single stream: probe failed"

@@ -313,3 +313,62 @@ async fn rebalancing_moves_streams_to_the_idle_decode_node_until_the_gap_closes(
         assert_clean(d.engine()).await;
     }
 }
+
+/// A move that fails after the park (the other decode node refuses the reservation: it drains
+/// too) ends the request with a clear error, and the parked KV is freed on the node it was
+/// parked on: neither engine keeps anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_refused_after_the_park_fails_the_request_and_frees_the_parked_kv() {
+    // A 60 s lease: the parked blocks must be freed by the abort, not by their deadline.
+    let mut cfg = common::mock_config(5_000, 60, 60_000);
+    cfg.engine.num_kv_blocks = 128;
+    let c = cluster(&cfg);
+    let mut g = c
+        .router
+        .generate(GenRequest {
+            prompt_token_ids: common::prompt(),
+            sampling: SamplingParams::greedy(60),
+            endpoint: "test",
+            routing_key: None,
+            slo: Default::default(),
+        })
+        .unwrap();
+    let mut tokens = 0;
+    let mut asked = false;
+    let err = loop {
+        let ev = tokio::time::timeout(Duration::from_secs(60), g.events.recv())
+            .await
+            .expect("router stalled");
+        match ev {
+            Some(GenEvent::Tokens { token_ids, .. }) => tokens += token_ids.len(),
+            Some(GenEvent::Done { .. }) => panic!("the request ended normally after {tokens}"),
+            Some(GenEvent::Error(e)) => break e,
+            None => panic!("stream ended without Done or Error"),
+        }
+        if !asked && tokens >= 5 {
+            asked = true;
+            let (from, to) = if running(c.decodes[0].engine()).await > 0 {
+                (&c.decodes[0], &c.decodes[1])
+            } else {
+                (&c.decodes[1], &c.decodes[0])
+            };
+            to.engine().stop_admitting();
+            assert_eq!(from.request_migrations(), 1);
+        }
+    };
+    eprintln!("after {tokens} tokens: {err}");
+    assert!(tokens < 60, "{tokens}");
+    assert!(
+        err.to_string().contains("migrat") || err.to_string().contains("draining"),
+        "{err}"
+    );
+    let failed = c
+        .router
+        .metrics()
+        .value(m::ROUTER_MIGRATIONS_TOTAL, &[("outcome", "failed")]);
+    assert_eq!(failed, Some(1.0));
+    for d in &c.decodes {
+        assert_clean(d.engine()).await;
+    }
+    assert_clean(c.prefill.engine()).await;
+}

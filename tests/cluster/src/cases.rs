@@ -555,6 +555,25 @@ pub fn beyond_quick() -> Vec<Case> {
             expect: Expect::SomeFail,
         },
         Case {
+            // The plain drain beside `decode-drain-migrate` (docs/benchmarks.md): decode0 waits
+            // for its streams to finish before it leaves.
+            name: "decode-drain-wait",
+            what: "decode0 sent SIGTERM (drain by waiting) with 8+ streams on it",
+            extra: Extra {
+                decode: sets(&[
+                    "engine.mock.decode_us_per_token=20000",
+                    "engine.mock.output_len=100",
+                ]),
+                ..Extra::default()
+            },
+            max_tokens: 100,
+            prompt_len: 64,
+            trigger: Trigger::Busy(Target::Decode0, 8),
+            fault: Fault::Drain(Target::Decode0),
+            tail: s(2),
+            expect: Expect::AllComplete,
+        },
+        Case {
             // decode0 frozen while prefill0's pushes to it stall: the router finds decode0
             // frozen; its streams fail clearly, the prompts meant for it go to decode1. The
             // router's aborts cannot reach the frozen node: prefill0's abandoned fence records

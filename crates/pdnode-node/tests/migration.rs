@@ -5,6 +5,7 @@
 //! greedy tokens equal the unmoved run's, none repeated or lost, and no node keeps anything.
 
 use crate::common;
+use common::assert_clean;
 
 use pdnode_core::config::{Backend, Config, ModelFormat};
 use pdnode_core::metrics as m;
@@ -135,23 +136,6 @@ async fn generate(
     }
 }
 
-async fn assert_clean(e: &EngineHandle) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let s = e.stats().await.unwrap().scheduler;
-        if s.kv.free + s.kv.cached_unreferenced == s.kv.total
-            && s.kv.leases == 0
-            && s.running == 0
-            && s.waiting == 0
-        {
-            break;
-        }
-        assert!(Instant::now() < deadline, "engine still holds: {s:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    e.check_accounting().await.unwrap().unwrap();
-}
-
 async fn moved_equals_unmoved(cfg: &Config, ids: Vec<u32>, max_tokens: u32, after: usize) {
     let want = generate(&cluster(cfg), &ids, max_tokens, None).await;
     assert_eq!(want.len(), max_tokens as usize, "{want:?}");
@@ -217,31 +201,6 @@ async fn a_stream_moved_mid_decode_keeps_its_tokens_on_the_cpu_smollm2_engine() 
     .await;
 }
 
-/// Greedy tokens of one request with routing key `key`.
-async fn keyed(router: &Arc<Router>, ids: Vec<u32>, max_tokens: u32, key: &str) -> Vec<u32> {
-    let mut g = router
-        .generate(GenRequest {
-            prompt_token_ids: ids,
-            sampling: SamplingParams::greedy(max_tokens),
-            endpoint: "test",
-            routing_key: Some(key.into()),
-            slo: Default::default(),
-        })
-        .unwrap();
-    let mut got = Vec::new();
-    loop {
-        let ev = tokio::time::timeout(Duration::from_secs(120), g.events.recv())
-            .await
-            .expect("router stalled");
-        match ev {
-            Some(GenEvent::Tokens { token_ids, .. }) => got.extend(token_ids),
-            Some(GenEvent::Done { .. }) => return got,
-            Some(GenEvent::Error(e)) => panic!("request failed: {e}"),
-            None => panic!("stream ended without Done"),
-        }
-    }
-}
-
 /// `router.rebalance`: four streams pinned on one decode node (the sticky `manual` policy, one
 /// routing key); with `min_gap = 2` the router moves streams to the idle node until the two
 /// differ by less than 2 (two moves: 4/0 -> 3/1 -> 2/2), one per interval; every stream keeps
@@ -260,7 +219,7 @@ async fn rebalancing_moves_streams_to_the_idle_decode_node_until_the_gap_closes(
     let reference = cluster(&cfg);
     let mut want = Vec::new();
     for p in &prompts {
-        want.push(keyed(&reference.router, p.clone(), 60, "pinned").await);
+        want.push(common::greedy(&reference.router, p.clone(), 60, Some("pinned")).await);
     }
     let c = cluster_with(&cfg, |rc| {
         rc.decode_policy = pdnode_core::config::PolicyName::Manual;
@@ -273,7 +232,7 @@ async fn rebalancing_moves_streams_to_the_idle_decode_node_until_the_gap_closes(
         .map(|p| {
             let r = c.router.clone();
             let p = p.clone();
-            tokio::spawn(async move { keyed(&r, p, 60, "pinned").await })
+            tokio::spawn(async move { common::greedy(&r, p, 60, Some("pinned")).await })
         })
         .collect();
     // Every stream started, all on one node.

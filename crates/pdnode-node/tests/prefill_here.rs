@@ -11,54 +11,13 @@ use pdnode_core::config::{Backend, Config, ModelFormat};
 use pdnode_core::{ErrorKind, NodeId, RequestId, SamplingParams, TargetTransport};
 use pdnode_engine::engine::EngineHandle;
 use pdnode_node::pd;
-use pdnode_router::{
-    DecodeCall, GenEvent, GenRequest, KvTarget, NodeClient, PrefillCall, ReserveKv, Router,
-    RouterDeps,
-};
+use pdnode_router::{DecodeCall, KvTarget, NodeClient, PrefillCall, ReserveKv, Router, RouterDeps};
 use std::time::{Duration, Instant};
 
-use common::prompt;
+use common::{assert_clean, prompt};
 
 async fn generate(deps: RouterDeps, ids: Vec<u32>, max_tokens: u32) -> Vec<u32> {
-    let router = Router::new(deps);
-    let mut g = router
-        .generate(GenRequest {
-            prompt_token_ids: ids,
-            sampling: SamplingParams::greedy(max_tokens),
-            endpoint: "test",
-            routing_key: None,
-            slo: Default::default(),
-        })
-        .unwrap();
-    let mut got = Vec::new();
-    loop {
-        let ev = tokio::time::timeout(Duration::from_secs(120), g.events.recv())
-            .await
-            .expect("router stalled");
-        match ev {
-            Some(GenEvent::Tokens { token_ids, .. }) => got.extend(token_ids),
-            Some(GenEvent::Done { .. }) => return got,
-            Some(GenEvent::Error(e)) => panic!("request failed: {e}"),
-            None => panic!("stream ended without Done"),
-        }
-    }
-}
-
-async fn assert_clean(engine: &EngineHandle) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let s = engine.stats().await.unwrap().scheduler;
-        if s.kv.free + s.kv.cached_unreferenced == s.kv.total
-            && s.kv.leases == 0
-            && s.running == 0
-            && s.waiting == 0
-        {
-            break;
-        }
-        assert!(Instant::now() < deadline, "engine still holds: {s:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    engine.check_accounting().await.unwrap().unwrap();
+    common::greedy(&Router::new(deps), ids, max_tokens, None).await
 }
 
 /// Prefill steps the engine ran so far.

@@ -105,3 +105,56 @@ pub async fn colocated_sampled(cfg: &Config, ids: &[u32], sampling: SamplingPara
     built.handle.shutdown(Duration::from_secs(5)).await;
     out
 }
+
+/// Waits (at most 10 s) until `engine` holds nothing: every KV block free or evictable cache, no
+/// lease, nothing running or queued; then checks its accounting.
+pub async fn assert_clean(engine: &pdnode_engine::engine::EngineHandle) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let s = engine.stats().await.unwrap().scheduler;
+        if s.kv.free + s.kv.cached_unreferenced == s.kv.total
+            && s.kv.leases == 0
+            && s.running == 0
+            && s.waiting == 0
+        {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "engine still holds: {s:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    engine.check_accounting().await.unwrap().unwrap();
+}
+
+/// Greedy tokens of one request through `router` (routing key `key`), to its end.
+pub async fn greedy(
+    router: &std::sync::Arc<pdnode_router::Router>,
+    ids: Vec<u32>,
+    max_tokens: u32,
+    key: Option<&str>,
+) -> Vec<u32> {
+    use pdnode_router::{GenEvent, GenRequest};
+    let mut g = router
+        .generate(GenRequest {
+            prompt_token_ids: ids,
+            sampling: SamplingParams::greedy(max_tokens),
+            endpoint: "test",
+            routing_key: key.map(str::to_string),
+            slo: Default::default(),
+        })
+        .unwrap();
+    let mut got = Vec::new();
+    loop {
+        let ev = tokio::time::timeout(Duration::from_secs(120), g.events.recv())
+            .await
+            .expect("router stalled");
+        match ev {
+            Some(GenEvent::Tokens { token_ids, .. }) => got.extend(token_ids),
+            Some(GenEvent::Done { .. }) => return got,
+            Some(GenEvent::Error(e)) => panic!("request failed: {e}"),
+            None => panic!("stream ended without Done"),
+        }
+    }
+}

@@ -11,34 +11,9 @@
 # one). ROUTER_LOG: the router's log filter (default info). Needs .gpu-pd/bundle.tar.xz (scripts/gpu/pack.sh). Table last.
 # usage: scripts/gpu/pairwarm.sh
 set -u
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/pdnode-gpu/pairwarm}
-PD=${PD:-/tmp/pd}
-mkdir -p "$OUT" "$PD"
-[ -x "$PD/pdnode" ] || tar -xJf .gpu-pd/bundle.tar.xz -C "$PD" || { echo "no bundle"; exit 1; }
-BIN=$PD/pdnode
-LIB=$PD/ucx/libucx/lib/libucp.so.0
-export LD_LIBRARY_PATH=$PD/ucx/libucx/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-export UCX_NET_DEVICES=lo NO_COLOR=1
-MODEL=$PD/dummy-llama8b
-mkdir -p "$MODEL"
-python3 scripts/gpu/dummy-tokenizer.py "$MODEL" 128256
-pids=()
-stop_all() {
-    local i
-    for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
-        kill "${pids[$i]}" 2>/dev/null
-        wait "${pids[$i]}" 2>/dev/null
-    done
-    pids=()
-}
-trap stop_all EXIT
-wait_http() { # url seconds
-    local i=0
-    while [ $i -lt $(($2 * 5)) ]; do curl -sf "$1" >/dev/null 2>&1 && return 0; sleep 0.2; i=$((i + 1)); done
-    return 1
-}
+. scripts/gpu/common.sh
 node() { # role id listen mem_fraction staging_tokens
     cat <<T
 [node]

@@ -553,3 +553,51 @@ fn more_running_slots_than_budget_are_clamped_so_no_decode_starves() {
     assert!(generated.values().all(|g| g.len() == 4));
     assert_all_free(&s);
 }
+
+/// `park` takes a request only between two decode steps: not while it is queued, mid-prefill
+/// (chunked), or in a planned step; between two steps its blocks (exactly those of its
+/// computed positions) go under its lease, and releasing the lease frees everything.
+#[test]
+fn park_takes_a_request_only_between_two_decode_steps() {
+    let not_decoding =
+        |r: Result<_, SchedulerError>| matches!(r, Err(SchedulerError::NotDecoding { .. }));
+    // Budget 8: a 20-token prompt takes three chunks.
+    let mut s = Scheduler::new(cfg(Mode::Colocated, 64, 4, 8, 8));
+    let id = RequestId(1);
+    s.add_request(id, prompt(20, 1)).unwrap();
+    assert!(not_decoding(s.park(id, Instant::now())), "queued");
+    let limits = HashMap::new();
+    let mut generated = HashMap::new();
+    step(&mut s, &limits, &mut generated);
+    assert!(not_decoding(s.park(id, Instant::now())), "mid-prefill");
+    // A planned step holds it until its outputs are in.
+    let plan = s.next_step();
+    assert!(plan.seqs.iter().any(|q| q.id == id));
+    assert!(not_decoding(s.park(id, Instant::now())), "in a step");
+    let outs: Vec<SeqOutput> = plan
+        .seqs
+        .iter()
+        .filter(|q| q.want_logits)
+        .map(|q| SeqOutput {
+            id: q.id,
+            token: token_at(q.id, q.start_pos + q.tokens.len()),
+            finished: false,
+        })
+        .collect();
+    s.on_step_done(&outs, Instant::now());
+    // The last chunk (its first token), one decode step, then park.
+    for _ in 0..2 {
+        step(&mut s, &limits, &mut generated);
+    }
+    let (tokens, computed, blocks) = s.park(id, Instant::now()).unwrap();
+    assert_eq!(computed, tokens.len() - 1);
+    assert_eq!(tokens.len(), 20 + 2, "the prompt and two sampled tokens");
+    assert_eq!(blocks.len(), computed.div_ceil(4));
+    assert_eq!(s.transfer_blocks(id), Some(&blocks[..]));
+    assert!(!s.has_work() || s.next_step().seqs.iter().all(|q| q.id != id));
+    assert!(not_decoding(s.park(id, Instant::now())), "parked already");
+    assert_clean(&s);
+    s.release_transfer(id).unwrap();
+    assert_eq!(s.kv().available(), s.kv().total(), "blocks leaked");
+    assert_clean(&s);
+}

@@ -16,6 +16,8 @@
 #                  router.warm_pairs off and on)
 #   migrate        scripts/gpu/migrate.sh (live decode migration between two decode nodes on
 #                  one GPU: pause, bytes, text)
+#   rebalance      scripts/gpu/rebalance.sh (router.rebalance moving pinned streams: per move,
+#                  the first push to a new peer and the later ones)
 #   smol           the demo model (.gpu-m/a from an earlier call on this machine + .gpu-m2/b):
 #                  scripts/gpu/smollm2.sh
 # Every log goes to one tarball $OUT/logs.tar.xz (the device tool brings back at most 8 files);
@@ -73,6 +75,9 @@ for part in "$@"; do
         migrate)
             PD=$PD OUT=$LOGS/migrate bash scripts/gpu/migrate.sh 2>&1 |
                 tee "$LOGS/migrate.out" | tail -16 >> "$summary" ;;
+        rebalance)
+            PD=$PD OUT=$LOGS/rebalance bash scripts/gpu/rebalance.sh 2>&1 |
+                tee "$LOGS/rebalance.out" | tail -6 >> "$summary" ;;
         coldstart)
             PD=$PD OUT=$LOGS/coldstart bash scripts/gpu/coldstart.sh 2>&1 |
                 tee "$LOGS/coldstart.out" | tail -12 >> "$summary" ;;

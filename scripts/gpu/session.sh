@@ -77,7 +77,7 @@ for part in "$@"; do
                 tee "$LOGS/migrate.out" | tail -16 >> "$summary" ;;
         rebalance)
             PD=$PD OUT=$LOGS/rebalance bash scripts/gpu/rebalance.sh 2>&1 |
-                tee "$LOGS/rebalance.out" | tail -6 >> "$summary" ;;
+                tee "$LOGS/rebalance.out" | tail -8 >> "$summary" ;;
         coldstart)
             PD=$PD OUT=$LOGS/coldstart bash scripts/gpu/coldstart.sh 2>&1 |
                 tee "$LOGS/coldstart.out" | tail -12 >> "$summary" ;;

@@ -331,3 +331,47 @@ async fn a_move_refused_after_the_park_fails_the_request_and_frees_the_parked_kv
     }
     assert_clean(c.prefill.engine()).await;
 }
+
+/// One stream moved again and again: both decode nodes asked to drain by migration, so each
+/// hands it to the other as soon as it arrives (a move needs one decode step there). Every
+/// move after the first parks a request whose prompt, as that node knows it, holds the output
+/// before the move; the client still gets the unmoved run's tokens, exactly `max_tokens`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_moved_back_and_forth_keeps_its_tokens() {
+    let mut cfg = common::mock_config(3_000, 80, 5_000);
+    cfg.engine.num_kv_blocks = 256;
+    let want = common::greedy(&cluster(&cfg).router, common::prompt(), 80, None).await;
+    let c = cluster(&cfg);
+    let run = {
+        let r = c.router.clone();
+        tokio::spawn(async move { common::greedy(&r, common::prompt(), 80, None).await })
+    };
+    // Once it runs somewhere, both nodes drain by migration.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let mut on = 0;
+        for d in &c.decodes {
+            on += running(d.engine()).await;
+        }
+        if on > 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the stream never ran");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    for d in &c.decodes {
+        d.request_migrations();
+    }
+    let got = run.await.unwrap();
+    assert_eq!(got, want, "the moved stream's tokens");
+    let moved = c
+        .router
+        .metrics()
+        .value(m::ROUTER_MIGRATIONS_TOTAL, &[("outcome", "ok")])
+        .unwrap_or(0.0);
+    assert!(moved >= 2.0, "moved {moved} times");
+    eprintln!("moved {moved} times");
+    for d in &c.decodes {
+        assert_clean(d.engine()).await;
+    }
+}

@@ -850,10 +850,17 @@ async fn run_attempt(
             )))),
             () = asked_to_move, if moving.is_none() => Got::Move,
         };
+        if let Some(e) = &entry {
+            e.set_moving(moving.is_some());
+        }
         let next = match got {
             Got::Next(n) => n,
             Got::Move => {
-                let to = entry.as_ref().and_then(|e| e.ask.take());
+                // An ask that came while the stream was moving may name where it is now.
+                let to = entry
+                    .as_ref()
+                    .and_then(|e| e.ask.take())
+                    .filter(|w| w.id() != cur_d.id());
                 if let Some(to) = to
                     && let Some(m) = park(&hop, req, &[], progress, deadline, Some(to)).await
                 {
@@ -1077,12 +1084,17 @@ async fn park(
         hop.d.client.migrate(call),
     )
     .await;
+    // The node counts its own prompt and output: after an earlier move its prompt holds the
+    // output before that move. What the router checks and uses is the request's: its prompt,
+    // then every output token so far.
+    let prompt = &req.prompt_token_ids;
     match parked {
-        Ok(o)
-            if o.token_ids.len() == req.prompt_token_ids.len() + o.generated as usize
-                && o.generated >= progress.tokens
-                && o.generated > 0 =>
+        Ok(mut o)
+            if o.token_ids.len() > prompt.len()
+                && o.token_ids[..prompt.len()] == prompt[..]
+                && (o.token_ids.len() - prompt.len()) as u32 >= progress.tokens =>
         {
+            o.generated = (o.token_ids.len() - prompt.len()) as u32;
             Some((to, o))
         }
         Ok(o) => {

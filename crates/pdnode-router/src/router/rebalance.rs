@@ -20,6 +20,8 @@ use tokio::sync::Notify;
 pub(crate) struct MoveAsk {
     to: Mutex<Option<Worker>>,
     pub(crate) notify: Notify,
+    /// The stream is being moved now: not a candidate.
+    moving: std::sync::atomic::AtomicBool,
 }
 
 impl MoveAsk {
@@ -44,6 +46,13 @@ pub(crate) struct StreamEntry<'a> {
 }
 
 impl StreamEntry<'_> {
+    /// Whether the stream is being moved (parked, or on its way to another node).
+    pub(crate) fn set_moving(&self, on: bool) {
+        self.ask
+            .moving
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// The stream now runs on `node`.
     pub(crate) fn moved_to(&self, node: &NodeId) {
         if let Some(e) = self.streams.on.lock().get_mut(&self.id) {
@@ -104,7 +113,9 @@ impl Router {
         };
         let (id, ask) = {
             let on = self.streams.on.lock();
-            let (id, (_, ask)) = on.iter().find(|(_, (n, _))| n == busiest.id())?;
+            let (id, (_, ask)) = on.iter().find(|(_, (n, a))| {
+                n == busiest.id() && !a.moving.load(std::sync::atomic::Ordering::Relaxed)
+            })?;
             (*id, ask.clone())
         };
         *ask.to.lock() = Some(idlest.clone());

@@ -158,9 +158,21 @@ fn an_unknown_model_preset_is_refused_with_the_known_ones() {
 
 #[test]
 fn slo_targets_load_and_are_bounded() {
-    let l = load_from_str(FILE, "[router.slo]\nttft_ms = 500\ntpot_ms = 40\n", &[]).unwrap();
+    let l = load_from_str(
+        FILE,
+        "[router.slo]\nttft_ms = 500\ntpot_ms = 40\nqueue_ms = 250\n",
+        &[],
+    )
+    .unwrap();
     assert_eq!(l.config.router.slo.ttft_ms, 500);
     assert_eq!(l.config.router.slo.tpot_ms, 40);
+    assert_eq!(l.config.router.slo.queue_ms, 250);
+    let errs = errors("[router.slo]\nqueue_ms = 3600001\n", &[]);
+    assert!(
+        errs.iter()
+            .any(|e| matches!(e, ConfigError::Invalid { key, .. } if key == "router.slo.queue_ms")),
+        "{errs:?}"
+    );
     let d = load_from_str(FILE, "", &[]).unwrap();
     assert_eq!(
         (d.config.router.slo.ttft_ms, d.config.router.slo.tpot_ms),

@@ -157,7 +157,8 @@ impl v1::inference_server::Inference for InferenceService {
         gen_req.slo = slo;
         let mut generation = self
             .router
-            .generate_traced(gen_req, remote)
+            .generate_queued(gen_req, remote)
+            .await
             .map_err(|e| status_of(&e))?;
         // Errors before the first token are the RPC status.
         let first = match generation.events.recv().await {

@@ -162,3 +162,85 @@ async fn over_http_a_refusal_is_429_with_retry_after_and_bad_targets_are_400() {
     }
     h.stop().await;
 }
+
+/// Runs a request admitted by [`Router::generate_queued`] (the HTTP and gRPC path) to its end.
+async fn run_queued(r: &Arc<Router>, slo: Slo) -> Result<(), RouterError> {
+    let mut g = r
+        .generate_queued(request(slo), pdnode_telemetry::Remote::default())
+        .await?;
+    loop {
+        match tokio::time::timeout(Duration::from_secs(10), g.events.recv())
+            .await
+            .expect("an event within 10 s")
+        {
+            Some(GenEvent::Tokens { .. }) => {}
+            Some(GenEvent::Done { .. }) => return Ok(()),
+            Some(GenEvent::Error(e)) => panic!("request failed: {e}"),
+            None => panic!("stream ended without Done or Error"),
+        }
+    }
+}
+
+/// `router.slo.queue_ms`: a request predicted over its TTFT target because of the prompts in
+/// flight ahead of it waits for them instead of being refused, and is admitted when what is
+/// left of its target holds; a target the wait itself uses up is refused at the end of it;
+/// without a queue the same request is refused at once.
+#[tokio::test]
+async fn with_a_queue_a_request_waits_for_the_prompts_ahead_instead_of_being_refused() {
+    let f = common::fakes(1, 1);
+    let mut deps = f.deps;
+    deps.config.slo.queue_ms = 2_000;
+    let router = Router::new(deps);
+    f.prefill[0].set(|b| b.prefill_delay = Duration::from_millis(150));
+    // Measured: ~150 ms for a 32-token prompt.
+    run(&router, Slo::default()).await.unwrap();
+    let target = |ms| Slo {
+        ttft_ms: Some(ms),
+        tpot_ms: None,
+    };
+    // Two prompts in flight: a third is predicted at ~450 ms, over a 400 ms target.
+    let ahead: Vec<_> = (0..2)
+        .map(|_| {
+            let r = router.clone();
+            tokio::spawn(async move { run(&r, Slo::default()).await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert!(
+        matches!(
+            router.generate(request(target(400))),
+            Err(RouterError::SloUnmet { .. })
+        ),
+        "without waiting it is refused"
+    );
+    let t = std::time::Instant::now();
+    run_queued(&router, target(400)).await.unwrap();
+    let waited = t.elapsed();
+    assert!(
+        waited >= Duration::from_millis(100),
+        "admitted after the prompts ahead: {waited:?}"
+    );
+    for a in ahead {
+        a.await.unwrap().unwrap();
+    }
+    // A target the wait would use up (the prompts ahead take ~150 ms of its 160): refused, at
+    // the end of the wait, not at once.
+    let ahead: Vec<_> = (0..2)
+        .map(|_| {
+            let r = router.clone();
+            tokio::spawn(async move { run(&r, Slo::default()).await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let t = std::time::Instant::now();
+    let r = run_queued(&router, target(160)).await;
+    assert!(matches!(r, Err(RouterError::SloUnmet { .. })), "{r:?}");
+    assert!(
+        t.elapsed() >= Duration::from_millis(50),
+        "{:?}",
+        t.elapsed()
+    );
+    for a in ahead {
+        a.await.unwrap().unwrap();
+    }
+}

@@ -565,6 +565,9 @@ pub struct SloConfig {
     pub ttft_ms: u64,
     /// Time per output token after the first, ms.
     pub tpot_ms: u64,
+    /// Longest a request that would miss a target waits at admission for the load ahead of it
+    /// to go, ms (its TTFT target shrinks by the wait); 0: refused at once.
+    pub queue_ms: u64,
 }
 
 /// Conditional disaggregation (docs/runtime-semantics.md, "Prefill on the decode node"): a request

@@ -138,8 +138,9 @@ async fn completions_inner(
         )?,
     };
     // The client's W3C `traceparent`, if any, parents the request's trace.
-    let generation =
-        router.generate_traced(req, pdnode_telemetry::Remote::from_headers(&headers))?;
+    let generation = router
+        .generate_queued(req, pdnode_telemetry::Remote::from_headers(&headers))
+        .await?;
     respond(router, generation, shape).await
 }
 
@@ -198,8 +199,9 @@ async fn chat_inner(
         )?,
     };
     // The client's W3C `traceparent`, if any, parents the request's trace.
-    let generation =
-        router.generate_traced(req, pdnode_telemetry::Remote::from_headers(&headers))?;
+    let generation = router
+        .generate_queued(req, pdnode_telemetry::Remote::from_headers(&headers))
+        .await?;
     respond(router, generation, shape).await
 }
 

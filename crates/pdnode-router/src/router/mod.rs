@@ -86,6 +86,9 @@ pub struct Slo {
     pub tpot_ms: Option<u64>,
 }
 
+/// How often a request waiting for its latency targets (`router.slo.queue_ms`) checks again.
+const SLO_RECHECK: std::time::Duration = std::time::Duration::from_millis(10);
+
 /// The headers (and gRPC metadata keys) a client sets its latency targets with.
 pub const SLO_TTFT_HEADER: &str = "x-slo-ttft-ms";
 pub const SLO_TPOT_HEADER: &str = "x-slo-tpot-ms";
@@ -405,10 +408,61 @@ impl Router {
     /// time per output token, as every decode candidate's streams ran lately, is above its
     /// target. Admits whatever the router has not measured.
     fn check_slo(&self, req: &GenRequest) -> Result<(), RouterError> {
+        self.check_targets(req.prompt_token_ids.len(), req.slo)
+    }
+
+    /// A request's targets: its own, else the config's (`None`: no target).
+    fn targets(&self, slo: Slo) -> (Option<u64>, Option<u64>) {
         let cfg = &self.deps.config.slo;
         let pick = |asked: Option<u64>, default: u64| asked.or((default > 0).then_some(default));
-        let ttft = pick(req.slo.ttft_ms, cfg.ttft_ms);
-        let tpot = pick(req.slo.tpot_ms, cfg.tpot_ms);
+        (
+            pick(slo.ttft_ms, cfg.ttft_ms),
+            pick(slo.tpot_ms, cfg.tpot_ms),
+        )
+    }
+
+    /// [`Router::generate_traced`], after waiting (at most `router.slo.queue_ms`) while the
+    /// request would miss a latency target now: a request predicted over its TTFT target
+    /// because of the prompts ahead of it is admitted once they are gone, if what is left of its
+    /// target still holds (the wait counts against it: its target shrinks by the time waited).
+    /// Each waiting request checks again every 10 ms, in no order; at the end of the wait it is
+    /// refused as without one (429). `queue_ms` 0: no wait.
+    pub async fn generate_queued(
+        self: &Arc<Self>,
+        mut req: GenRequest,
+        remote: Remote,
+    ) -> Result<Generation, RouterError> {
+        let queue = std::time::Duration::from_millis(self.deps.config.slo.queue_ms);
+        let (ttft, tpot) = self.targets(req.slo);
+        if !queue.is_zero() && (ttft.is_some() || tpot.is_some()) {
+            let start = std::time::Instant::now();
+            let left = |waited: u64| ttft.map(|t| t.saturating_sub(waited).max(1));
+            loop {
+                let waited = start.elapsed();
+                let ms = waited.as_millis() as u64;
+                let now = Slo {
+                    ttft_ms: left(ms),
+                    tpot_ms: tpot,
+                };
+                let over = self.check_targets(req.prompt_token_ids.len(), now).is_err();
+                let spent = ttft.is_some_and(|t| ms >= t);
+                if !over || waited >= queue || spent || self.is_draining() {
+                    break;
+                }
+                tokio::time::sleep(SLO_RECHECK).await;
+            }
+            let ms = start.elapsed().as_millis() as u64;
+            if ms > 0 {
+                req.slo.ttft_ms = left(ms);
+            }
+        }
+        self.generate_traced(req, remote)
+    }
+
+    /// The SLO check of a prompt of `prompt_len` tokens against targets `slo` (or the
+    /// config's).
+    fn check_targets(&self, prompt_len: usize, slo: Slo) -> Result<(), RouterError> {
+        let (ttft, tpot) = self.targets(slo);
         if ttft.is_none() && tpot.is_none() {
             return Ok(());
         }
@@ -420,10 +474,7 @@ impl Router {
             let best = prefills
                 .iter()
                 .chain(decodes.iter().filter(|w| flow::is_colocated(w)))
-                .filter_map(|p| {
-                    st.cost
-                        .predict_prefill_us(p, req.prompt_token_ids.len(), now)
-                })
+                .filter_map(|p| st.cost.predict_prefill_us(p, prompt_len, now))
                 .min();
             if let Some(us) = best {
                 let (predicted, target_us) = (us / 1000, target * 1000);

@@ -52,6 +52,7 @@ pub(super) fn durations(c: &Config) -> Vec<DurationKey> {
             0,
             3_600_000,
         ),
+        d("router.slo.queue_ms", r.slo.queue_ms, MILLIS, 0, 3_600_000),
         d(
             "router.rebalance.interval_ms",
             r.rebalance.interval_ms,

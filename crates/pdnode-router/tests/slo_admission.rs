@@ -33,7 +33,11 @@ fn refused(r: &Router) -> f64 {
 }
 
 async fn run(r: &Arc<Router>, slo: Slo) -> Result<(), RouterError> {
-    let mut g = r.generate(request(slo))?;
+    to_the_end(r.generate(request(slo))?).await
+}
+
+/// Reads a generation's events to its end.
+async fn to_the_end(mut g: pdnode_router::Generation) -> Result<(), RouterError> {
     loop {
         match tokio::time::timeout(Duration::from_secs(10), g.events.recv())
             .await
@@ -165,20 +169,10 @@ async fn over_http_a_refusal_is_429_with_retry_after_and_bad_targets_are_400() {
 
 /// Runs a request admitted by [`Router::generate_queued`] (the HTTP and gRPC path) to its end.
 async fn run_queued(r: &Arc<Router>, slo: Slo) -> Result<(), RouterError> {
-    let mut g = r
+    let g = r
         .generate_queued(request(slo), pdnode_telemetry::Remote::default())
         .await?;
-    loop {
-        match tokio::time::timeout(Duration::from_secs(10), g.events.recv())
-            .await
-            .expect("an event within 10 s")
-        {
-            Some(GenEvent::Tokens { .. }) => {}
-            Some(GenEvent::Done { .. }) => return Ok(()),
-            Some(GenEvent::Error(e)) => panic!("request failed: {e}"),
-            None => panic!("stream ended without Done or Error"),
-        }
-    }
+    to_the_end(g).await
 }
 
 /// `router.slo.queue_ms`: a request predicted over its TTFT target because of the prompts in

@@ -27,13 +27,12 @@
 
 use super::attempt::{Event, Flow, Then};
 use super::calls::{StepErr, abort_as, abort_late_reservation, bounded, send, send_limit, step};
+use super::migrate::{Got, decodes_now, migrate_to, park};
 use super::node_watch::NodeWatch;
 use super::{GenEvent, GenRequest, InflightGuard, Router, Usage};
 use crate::error::{RouterError, Step};
 use crate::membership::Worker;
-use crate::node::{
-    DecodeCall, MigrateCall, MigrateOutcome, PrefillCall, PrefillOutcome, ReserveKv,
-};
+use crate::node::{DecodeCall, MigrateOutcome, PrefillCall, PrefillOutcome, ReserveKv};
 use crate::tokenize::Detokenizer;
 use futures::StreamExt;
 use pdnode_core::error::Classify;
@@ -45,16 +44,16 @@ use tokio::sync::mpsc;
 use tracing::Instrument;
 use tracing::field::Empty;
 
-enum Exit {
+pub(super) enum Exit {
     Done(FinishReason),
     ClientGone,
 }
 
 /// Counts what the client got.
-struct Progress {
-    first_at: Option<Instant>,
-    tokens: u32,
-    cached: u32,
+pub(super) struct Progress {
+    pub(super) first_at: Option<Instant>,
+    pub(super) tokens: u32,
+    pub(super) cached: u32,
 }
 
 /// A prefill call's share of the `cost` policy's estimates: its tokens in flight on P until it
@@ -305,7 +304,7 @@ pub(crate) async fn warm_pair(router: &Router, p: &Worker, d: &Worker) -> Result
 const ATTEMPTS: u32 = 2;
 
 /// How one attempt ended.
-enum End {
+pub(super) enum End {
     Exit(Exit),
     Fail(RouterError),
     /// Retry on another pair, leaving out this attempt's prefill and/or decode node.
@@ -317,18 +316,18 @@ enum End {
 }
 
 /// One attempt's pair and request id: carries out what [`Flow`] decides.
-struct Pair<'a> {
-    router: &'a Router,
-    p: &'a Worker,
-    d: &'a Worker,
-    id: RequestId,
+pub(super) struct Pair<'a> {
+    pub(super) router: &'a Router,
+    pub(super) p: &'a Worker,
+    pub(super) d: &'a Worker,
+    pub(super) id: RequestId,
     /// D prefills the request itself (`router.local_prefill`): P is D, no hand-off.
-    here: bool,
+    pub(super) here: bool,
     /// D's booking, moved with the stream when it migrates.
     d_booking: Option<&'a Booking<'a>>,
     /// The KV capability D's `ReserveKv` answered (the target's secret): every Abort of this
     /// attempt presents it. Unset until the reservation answered.
-    capability: OnceLock<Vec<u8>>,
+    pub(super) capability: OnceLock<Vec<u8>>,
 }
 
 impl Pair<'_> {
@@ -344,7 +343,7 @@ impl Pair<'_> {
     }
 
     /// The attempt failed with `err` (event `ev`).
-    async fn fail(
+    pub(super) async fn fail(
         &self,
         flow: &mut Flow,
         ev: Event,
@@ -366,7 +365,7 @@ impl Pair<'_> {
     }
 
     /// The client left (or stopped reading).
-    async fn gone(&self, flow: &mut Flow) -> End {
+    pub(super) async fn gone(&self, flow: &mut Flow) -> End {
         self.act(flow, Event::ClientGone, "client disconnected")
             .await;
         End::Exit(Exit::ClientGone)
@@ -1021,202 +1020,6 @@ async fn run_attempt(
             stream_span.record("finish_reason", finish.as_str());
             flow.on(Event::Finished);
             return finish_text(tx, &mut detok, finish, client_limit).await;
-        }
-    }
-}
-
-/// What woke a stream's loop: the stream (or its node's watch), or a rebalancing ask.
-enum Got<T> {
-    Next(T),
-    Move,
-}
-
-/// The decode candidates now (a migration's destinations).
-fn decodes_now(router: &Router) -> Vec<Worker> {
-    candidates(router.deps.membership.as_ref()).1
-}
-
-/// A decode node asked to move this stream: picks another decode node (the decode policy,
-/// this one left out) and parks the request here. `None`: nowhere to go, or the park was
-/// refused (the request ends or is not decoding now); the stream goes on where it is.
-async fn park(
-    hop: &Pair<'_>,
-    req: &GenRequest,
-    decodes: &[Worker],
-    progress: &Progress,
-    deadline: Instant,
-    to: Option<Worker>,
-) -> Option<(Worker, MigrateOutcome)> {
-    let router = hop.router;
-    let from = hop.d.id().clone();
-    let to = to.filter(|w| w.id() != &from).or_else(|| {
-        let picked = router.state.lock().pick_for(
-            Role::Decode,
-            decodes,
-            None,
-            &req.prompt_token_ids,
-            req.routing_key.as_deref(),
-            std::slice::from_ref(&from),
-            Instant::now(),
-        );
-        picked.map(|i| decodes[i].clone())
-    });
-    let Some(to) = to else {
-        tracing::warn!(request = %hop.id, node = %from, "asked to move a stream, but no other decode node is there");
-        router
-            .metrics
-            .inc(m::ROUTER_MIGRATIONS_TOTAL, &[("outcome", "nowhere")], 1.0);
-        return None;
-    };
-    if is_colocated(&to) {
-        return None;
-    }
-    let limit = Duration::from_secs(router.deps.config.token_timeout_s);
-    let call = MigrateCall {
-        request_id: hop.id,
-        capability: hop.capability.get().cloned().unwrap_or_default(),
-        target: None,
-    };
-    let parked = bounded(
-        limit,
-        deadline,
-        (Step::Migrate, &from, hop.id),
-        hop.d.client.migrate(call),
-    )
-    .await;
-    // The node counts its own prompt and output: after an earlier move its prompt holds the
-    // output before that move. What the router checks and uses is the request's: its prompt,
-    // then every output token so far.
-    let prompt = &req.prompt_token_ids;
-    match parked {
-        Ok(mut o)
-            if o.token_ids.len() > prompt.len()
-                && o.token_ids[..prompt.len()] == prompt[..]
-                && (o.token_ids.len() - prompt.len()) as u32 >= progress.tokens =>
-        {
-            o.generated = (o.token_ids.len() - prompt.len()) as u32;
-            Some((to, o))
-        }
-        Ok(o) => {
-            // Not the request this router streams: leave it (the stream ends, and fails).
-            tracing::warn!(request = %hop.id, node = %from, tokens = o.token_ids.len(),
-                generated = o.generated, "a park answered tokens that do not match the request");
-            None
-        }
-        Err(e) => {
-            let e = match e {
-                StepErr::Failed(e) => e.to_string(),
-                StepErr::ClientGone => "the client left".into(),
-            };
-            tracing::info!(request = %hop.id, node = %from, error = %e, "not moved: the park was refused");
-            router
-                .metrics
-                .inc(m::ROUTER_MIGRATIONS_TOTAL, &[("outcome", "refused")], 1.0);
-            None
-        }
-    }
-}
-
-/// The request is parked on `hop`'s decode node and every token it made went to the client:
-/// `to` reserves every computed position, `hop`'s node pushes the KV there, and `to` streams
-/// the rest. Any failure aborts both and ends the request (its tokens went out: no retry).
-async fn migrate_to(
-    hop: &Pair<'_>,
-    flow: &mut Flow,
-    req: &GenRequest,
-    tx: &mpsc::Sender<GenEvent>,
-    to: &Worker,
-    parked: &MigrateOutcome,
-    deadline: Instant,
-) -> Result<(crate::node::DecodeStream, Vec<u8>), End> {
-    let router = hop.router;
-    let cfg = &router.deps.config;
-    let id = hop.id;
-    let n = parked.token_ids.len();
-    let prompt = parked.token_ids[..n - 1].to_vec();
-    let first = parked.token_ids[n - 1];
-    // The new node counts the token it starts from as its first output.
-    let mut sampling = req.sampling.clone();
-    sampling.max_tokens = sampling.max_tokens.saturating_sub(parked.generated) + 1;
-    let reserve = ReserveKv {
-        request_id: id,
-        prefill_node: hop.d.id().clone(),
-        prompt_token_ids: prompt.clone(),
-        max_tokens: sampling.max_tokens,
-    };
-    let prefill_limit = Duration::from_secs(cfg.prefill_timeout_s);
-    let target = match bounded(
-        prefill_limit,
-        deadline,
-        (Step::ReserveKv, to.id(), id),
-        to.client.reserve_kv(reserve),
-    )
-    .await
-    {
-        Ok(t) => t,
-        Err(e) => return Err(fail_move(hop, flow, e).await),
-    };
-    let cap = target.secret.clone();
-    let gone = |cap: Vec<u8>| async move {
-        abort_as(
-            router,
-            to,
-            id,
-            cap,
-            "migration failed",
-            super::attempt::Abort::Wait,
-        )
-        .await;
-    };
-    let call = MigrateCall {
-        request_id: id,
-        capability: hop.capability.get().cloned().unwrap_or_default(),
-        target: Some(target),
-    };
-    if let Err(e) = bounded(
-        prefill_limit,
-        deadline,
-        (Step::Migrate, hop.d.id(), id),
-        hop.d.client.migrate(call),
-    )
-    .await
-    {
-        gone(cap).await;
-        return Err(fail_move(hop, flow, e).await);
-    }
-    let call = DecodeCall {
-        request_id: id,
-        secret: cap.clone(),
-        first_token_id: first,
-        first_logprob: None,
-        sampling,
-        prompt_token_ids: prompt,
-        sampler: parked.sampler,
-    };
-    match step(
-        tx,
-        Duration::from_secs(cfg.token_timeout_s),
-        deadline,
-        (Step::Decode, to.id(), id),
-        to.client.decode(call),
-    )
-    .await
-    {
-        Ok(s) => Ok((s, cap)),
-        Err(e) => {
-            gone(cap).await;
-            Err(fail_move(hop, flow, e).await)
-        }
-    }
-}
-
-/// A migration step failed: the request ends (aborted on the node it was parked on).
-async fn fail_move(hop: &Pair<'_>, flow: &mut Flow, e: StepErr) -> End {
-    match e {
-        StepErr::ClientGone => hop.gone(flow).await,
-        StepErr::Failed(e) => {
-            hop.fail(flow, Event::DecodeFailed(e.kind()), "migration failed", e)
-                .await
         }
     }
 }

@@ -9,6 +9,7 @@ mod calls;
 mod cost;
 mod flow;
 mod here;
+mod migrate;
 mod node_watch;
 mod rebalance;
 mod state;

@@ -7,7 +7,7 @@
 use crate::common;
 use common::assert_clean;
 
-use pdnode_core::config::{Backend, Config, ModelFormat};
+use pdnode_core::config::Config;
 use pdnode_core::metrics as m;
 use pdnode_core::{NodeId, Role, SamplingParams};
 use pdnode_engine::engine::EngineHandle;
@@ -168,29 +168,10 @@ async fn a_stream_moved_mid_decode_keeps_its_tokens_on_the_mock_engine() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_moved_mid_decode_keeps_its_tokens_on_the_cpu_smollm2_engine() {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let model = root.join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    if !model.is_file() {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "{} is missing and CI is set (scripts/fetch-model.sh)",
-            model.display()
-        );
-        eprintln!(
-            "SKIP: {} is missing (scripts/fetch-model.sh)",
-            model.display()
-        );
+    let Some(mut c) = common::smollm2_config() else {
         return;
-    }
-    let mut c = common::mock_config(100, 12, 5_000);
-    c.engine.backend = Backend::Cpu;
+    };
     c.engine.cpu_threads = 1;
-    c.engine.context_length = 256;
-    c.engine.num_kv_blocks = 64;
-    c.engine.block_size = 16;
-    c.engine.max_running_requests = 4;
-    c.model.format = ModelFormat::Gguf;
-    c.model.path = model.to_string_lossy().into_owned();
     // 21 positions before the move: the KV moved spans a whole block and part of the next.
     moved_equals_unmoved(
         &c,

@@ -7,7 +7,7 @@
 use crate::common;
 
 use futures::StreamExt;
-use pdnode_core::config::{Backend, Config, ModelFormat};
+use pdnode_core::config::Config;
 use pdnode_core::{ErrorKind, NodeId, RequestId, SamplingParams, TargetTransport};
 use pdnode_engine::engine::EngineHandle;
 use pdnode_node::pd;
@@ -58,28 +58,9 @@ async fn prefill_here_matches_pd_on_the_mock_engine() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefill_here_matches_pd_on_the_cpu_smollm2_engine() {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let model = root.join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    if !model.is_file() {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "{} is missing and CI is set (scripts/fetch-model.sh)",
-            model.display()
-        );
-        eprintln!(
-            "SKIP: {} is missing (scripts/fetch-model.sh)",
-            model.display()
-        );
+    let Some(c) = common::smollm2_config() else {
         return;
-    }
-    let mut c = common::mock_config(100, 12, 5_000);
-    c.engine.backend = Backend::Cpu;
-    c.engine.context_length = 256;
-    c.engine.num_kv_blocks = 64;
-    c.engine.block_size = 16;
-    c.engine.max_running_requests = 4;
-    c.model.format = ModelFormat::Gguf;
-    c.model.path = model.to_string_lossy().into_owned();
+    };
     here_equals_pd(&c, vec![1, 504, 3458, 282, 4649, 314, 2], 6).await;
 }
 

@@ -158,3 +158,32 @@ pub async fn greedy(
         }
     }
 }
+
+/// The CPU backend on the demo SmolLM2 GGUF (context 256, 64 blocks of 16, 4 running), or
+/// `None` (printed SKIP) when the model is absent; absent with `CI` set is a failure
+/// (scripts/fetch-model.sh fetches it).
+pub fn smollm2_config() -> Option<Config> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let model = root.join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if !model.is_file() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "{} is missing and CI is set (scripts/fetch-model.sh)",
+            model.display()
+        );
+        eprintln!(
+            "SKIP: {} is missing (scripts/fetch-model.sh)",
+            model.display()
+        );
+        return None;
+    }
+    let mut c = mock_config(100, 12, 5_000);
+    c.engine.backend = Backend::Cpu;
+    c.engine.context_length = 256;
+    c.engine.num_kv_blocks = 64;
+    c.engine.block_size = 16;
+    c.engine.max_running_requests = 4;
+    c.model.format = ModelFormat::Gguf;
+    c.model.path = model.to_string_lossy().into_owned();
+    Some(c)
+}

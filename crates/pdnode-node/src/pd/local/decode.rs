@@ -14,16 +14,7 @@ impl PdNode {
             let mut r = self.reserving.lock().unwrap_or_else(|p| p.into_inner());
             // One reservation per request id: a second one must never take the place (and
             // the capability) of a reservation its prefill node may be putting into.
-            if r.contains_key(&id)
-                || self.slots().contains_key(&id)
-                || self.held.contains(id)
-                || self.here.knows(id)
-            {
-                return Err(nerr(
-                    ErrorKind::InvalidRequest,
-                    format!("request {id} is reserved or running on {} already", self.id),
-                ));
-            }
+            self.refuse_known(&r, id)?;
             r.insert(id, token.clone());
         }
         let reserving = Reserving {

@@ -24,17 +24,31 @@ impl PdNode {
     /// `ReserveKv` for a prefill here: refused for an id reserved or running here already
     /// (either way), like any reservation.
     pub(super) async fn reserve_here(&self, req: ReserveKv) -> Result<KvTarget, NodeError> {
-        let id = req.request_id;
         {
             let r = self.reserving.lock().unwrap_or_else(|p| p.into_inner());
-            if r.contains_key(&id) || self.slots().contains_key(&id) || self.held.contains(id) {
-                return Err(nerr(
-                    ErrorKind::InvalidRequest,
-                    format!("request {id} is reserved or running on {} already", self.id),
-                ));
-            }
+            self.refuse_known(&r, req.request_id)?;
         }
         self.here.do_reserve(req).await
+    }
+
+    /// One reservation per request id, of either kind: refused for an id being reserved,
+    /// reserved or running here (`reserving` is the caller's lock of [`PdNode::reserving`]).
+    pub(super) fn refuse_known(
+        &self,
+        reserving: &HashMap<RequestId, Arc<CancellationToken>>,
+        id: RequestId,
+    ) -> Result<(), NodeError> {
+        if reserving.contains_key(&id)
+            || self.slots().contains_key(&id)
+            || self.held.contains(id)
+            || self.here.knows(id)
+        {
+            return Err(nerr(
+                ErrorKind::InvalidRequest,
+                format!("request {id} is reserved or running on {} already", self.id),
+            ));
+        }
+        Ok(())
     }
 
     /// Requests reserved or prefilled here for a prefill on this node, waiting for their next

@@ -12,6 +12,8 @@ mod e2e_fault;
 mod e2e_faults;
 #[path = "e2e_local.rs"]
 mod e2e_local;
+#[path = "e2e_migrate.rs"]
+mod e2e_migrate;
 #[path = "e2e_split.rs"]
 mod e2e_split;
 #[path = "e2e_tls.rs"]

@@ -292,6 +292,7 @@ mod tests {
                 head_dim: 8,
                 tp_size: 1,
                 model_fingerprint: "m".into(),
+                kind: crate::KvKind::KeyValue,
             },
             secret: vec![9; SECRET_LEN],
             lease_deadline_ms: 1,

@@ -32,10 +32,42 @@ impl fmt::Display for DType {
     }
 }
 
+/// What a KV cache entry holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KvKind {
+    /// A K plane then a V plane of `kv_heads_per_rank` heads of `head_dim` (Llama family).
+    #[default]
+    KeyValue,
+    /// One plane: multi-head latent attention's latent (`head_dim` values, one "head"), the same
+    /// on every tensor-parallel rank (DeepSeek).
+    Latent,
+}
+
+impl KvKind {
+    /// Planes per layer of a block: 2 (K, V) or 1 (the latent).
+    pub fn planes(self) -> usize {
+        match self {
+            KvKind::KeyValue => 2,
+            KvKind::Latent => 1,
+        }
+    }
+}
+
+impl fmt::Display for KvKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            KvKind::KeyValue => "key_value",
+            KvKind::Latent => "latent",
+        })
+    }
+}
+
 /// Shape of one node's paged KV pool, per tensor-parallel rank.
 ///
-/// A block holds `block_size` token positions of one layer's K and V for the KV heads of one
-/// rank: `2 * block_size * kv_heads_per_rank * head_dim * dtype.size_bytes()` bytes per layer.
+/// A block holds `block_size` token positions of one layer's cache for the KV heads of one
+/// rank: `planes * block_size * kv_heads_per_rank * head_dim * dtype.size_bytes()` bytes per
+/// layer, `planes` being 2 (K then V) or 1 (a latent, [`KvKind::Latent`]).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct KvLayout {
     pub dtype: DType,
@@ -47,6 +79,9 @@ pub struct KvLayout {
     /// Fingerprint of the model weights and architecture (see the engine's loader): two nodes
     /// may exchange KV only when they run the same model.
     pub model_fingerprint: String,
+    /// K and V, or a latent.
+    #[serde(default)]
+    pub kind: KvKind,
 }
 
 /// The first field in which two layouts differ.
@@ -68,9 +103,10 @@ impl fmt::Display for LayoutMismatch {
 }
 
 impl KvLayout {
-    /// Bytes of one layer of one block (K and V together) on one rank.
+    /// Bytes of one layer of one block (K and V together, or the latent) on one rank.
     pub fn block_layer_bytes(&self) -> usize {
-        2 * self.block_size as usize
+        self.kind.planes()
+            * self.block_size as usize
             * self.kv_heads_per_rank as usize
             * self.head_dim as usize
             * self.dtype.size_bytes()
@@ -100,6 +136,7 @@ impl KvLayout {
             };
         }
         cmp!(model_fingerprint);
+        cmp!(kind);
         cmp!(dtype);
         cmp!(num_layers);
         cmp!(block_size);
@@ -123,7 +160,36 @@ mod tests {
             head_dim: 128,
             tp_size: 1,
             model_fingerprint: "abc".into(),
+            kind: KvKind::KeyValue,
         }
+    }
+
+    #[test]
+    fn a_latent_block_is_one_plane_and_never_matches_key_value() {
+        // DeepSeek-V2-Lite: 27 layers, a 512 + 64 latent per token.
+        let mla = KvLayout {
+            kind: KvKind::Latent,
+            kv_heads_per_rank: 1,
+            head_dim: 576,
+            num_layers: 27,
+            ..llama8b()
+        };
+        assert_eq!(mla.block_layer_bytes(), 16 * 576 * 2);
+        assert_eq!(mla.block_bytes(), 27 * 16 * 576 * 2);
+        let kv = KvLayout {
+            kind: KvKind::KeyValue,
+            ..mla.clone()
+        };
+        assert_eq!(kv.block_layer_bytes(), 2 * mla.block_layer_bytes());
+        let err = mla.check_compatible(&kv).unwrap_err();
+        assert_eq!(err.field, "kind");
+        assert!(err.to_string().contains("ours latent, theirs key_value"));
+        // A layout from a peer that predates the field reads as K and V.
+        let old: KvLayout = serde_json::from_str(
+            r#"{"dtype":"bf16","num_layers":1,"block_size":16,"kv_heads_per_rank":8,"head_dim":128,"tp_size":1,"model_fingerprint":"x"}"#,
+        )
+        .unwrap();
+        assert_eq!(old.kind, KvKind::KeyValue);
     }
 
     #[test]

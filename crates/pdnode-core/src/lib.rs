@@ -22,5 +22,5 @@ pub use card::{NodeCard, Role, SglangWorker};
 pub use error::ErrorKind;
 pub use ids::{BlockId, NodeId, RequestId, TransferId};
 pub use kv_target::{KvTarget, Placement, RankTarget, TargetError, TargetTransport};
-pub use layout::{DType, KvLayout};
+pub use layout::{DType, KvKind, KvLayout};
 pub use request::{FinishReason, SamplingParams};

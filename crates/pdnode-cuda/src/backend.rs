@@ -225,6 +225,15 @@ impl CudaBackend {
         shard: Shard,
         load: impl FnOnce(&Gpu) -> Result<DevWeights, CudaError>,
     ) -> Result<Self, CudaError> {
+        if spec.mla.is_some() || spec.moe.is_some() {
+            return Err(CudaError::Unsupported {
+                reason: format!(
+                    "{:?}: multi-head latent attention and mixture-of-experts layers run on the \
+                     CPU backend only; the CUDA kernels serve the Llama family",
+                    spec.arch
+                ),
+            });
+        }
         if let Some(w) = &spec.sliding_window {
             return Err(CudaError::Unsupported {
                 reason: format!(
@@ -282,6 +291,7 @@ impl CudaBackend {
             head_dim: spec.head_dim as u32,
             tp_size: shard.size as u32,
             model_fingerprint,
+            kind: pdnode_core::KvKind::KeyValue,
         };
         let block_bytes = layout.block_bytes();
         let num_blocks = if opts.num_kv_blocks > 0 {

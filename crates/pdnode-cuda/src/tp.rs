@@ -699,6 +699,8 @@ mod tests {
             qkv_bias: false,
             qk_norm: false,
             sliding_window: None,
+            mla: None,
+            moe: None,
             bos_token_id: None,
             eos_token_ids: vec![],
         }

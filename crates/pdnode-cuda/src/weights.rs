@@ -280,6 +280,14 @@ impl DevWeights {
 
 /// RoPE inverse frequencies `[head_dim / 2]` with the spec's scaling applied (HF semantics).
 pub fn inv_freq(spec: &ModelSpec) -> Vec<f32> {
+    if matches!(spec.rope_scaling, Some(RopeScaling::Yarn { .. })) {
+        // YaRN (DeepSeek, which this backend refuses): the engine's table.
+        return pdnode_engine::spec::rope_inv_freqs(
+            spec.head_dim,
+            spec.rope_theta,
+            spec.rope_scaling.as_ref(),
+        );
+    }
     let hd = spec.head_dim;
     (0..hd / 2)
         .map(|i| {
@@ -287,6 +295,8 @@ pub fn inv_freq(spec: &ModelSpec) -> Vec<f32> {
             let f = match &spec.rope_scaling {
                 None => base,
                 Some(RopeScaling::Linear { factor }) => base / *factor as f64,
+                // Returned above.
+                Some(RopeScaling::Yarn { .. }) => base,
                 Some(RopeScaling::Llama3 {
                     factor,
                     low_freq_factor,
@@ -338,6 +348,8 @@ mod tests {
             qkv_bias: false,
             qk_norm: false,
             sliding_window: None,
+            mla: None,
+            moe: None,
             bos_token_id: None,
             eos_token_ids: vec![],
         }

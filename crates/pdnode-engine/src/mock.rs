@@ -95,6 +95,7 @@ impl MockBackend {
             head_dim: HEAD_DIM,
             tp_size: 1,
             model_fingerprint: format!("mock-v{}", timing.vocab_size),
+            kind: pdnode_core::KvKind::KeyValue,
         };
         let bytes = layout.block_bytes() * num_blocks as usize;
         Ok(Self {

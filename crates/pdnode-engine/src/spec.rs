@@ -10,10 +10,22 @@ pub enum Arch {
     Mistral,
     Qwen2,
     Qwen3,
+    /// Multi-head latent attention, MoE with softmax routing (`deepseek_v2`).
+    DeepseekV2,
+    /// Multi-head latent attention, MoE with sigmoid routing and a score-correction bias
+    /// (`deepseek_v3`).
+    DeepseekV3,
 }
 
 impl Arch {
-    pub const ALL: [Arch; 4] = [Arch::Llama, Arch::Mistral, Arch::Qwen2, Arch::Qwen3];
+    pub const ALL: [Arch; 6] = [
+        Arch::Llama,
+        Arch::Mistral,
+        Arch::Qwen2,
+        Arch::Qwen3,
+        Arch::DeepseekV2,
+        Arch::DeepseekV3,
+    ];
 
     pub fn hf_name(self) -> &'static str {
         match self {
@@ -21,6 +33,8 @@ impl Arch {
             Arch::Mistral => "MistralForCausalLM",
             Arch::Qwen2 => "Qwen2ForCausalLM",
             Arch::Qwen3 => "Qwen3ForCausalLM",
+            Arch::DeepseekV2 => "DeepseekV2ForCausalLM",
+            Arch::DeepseekV3 => "DeepseekV3ForCausalLM",
         }
     }
 
@@ -41,6 +55,103 @@ pub enum RopeScaling {
         high_freq_factor: f32,
         original_max_position_embeddings: u32,
     },
+    /// YaRN (DeepSeek): frequencies blended between interpolated and extrapolated by a ramp over
+    /// `beta_fast ..= beta_slow` rotations, and cos/sin multiplied by `attention_factor`.
+    Yarn {
+        factor: f32,
+        original_max_position_embeddings: u32,
+        beta_fast: f32,
+        beta_slow: f32,
+        /// The cos/sin scale: `attention_factor` when the config sets it, else
+        /// `mscale(factor, mscale) / mscale(factor, mscale_all_dim)` when both are set, else
+        /// `mscale(factor, 1)` (Hugging Face's rule).
+        attention_factor: f32,
+        /// DeepSeek's softmax scale is multiplied by `mscale(factor, mscale_all_dim)^2` when
+        /// `mscale_all_dim` is set and non-zero (`None` otherwise).
+        mscale_all_dim: Option<f32>,
+        /// `truncate` (default true): the ramp's ends rounded to whole dimensions.
+        truncate: bool,
+    },
+}
+
+/// YaRN's magnitude scale for a context extended `scale` times.
+pub fn yarn_mscale(scale: f32, mscale: f32) -> f32 {
+    if scale <= 1.0 {
+        1.0
+    } else {
+        0.1 * mscale * scale.ln() + 1.0
+    }
+}
+
+/// Multi-head latent attention (DeepSeek-V2/V3). Each token caches one latent per layer: the
+/// normalized `kv_lora_rank` compression of its keys and values followed by its
+/// `qk_rope_head_dim` RoPE key, shared by every head.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MlaSpec {
+    /// `None`: q is one projection of the hidden state (V2-Lite); else through this rank.
+    pub q_lora_rank: Option<usize>,
+    pub kv_lora_rank: usize,
+    pub qk_nope_head_dim: usize,
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
+    /// RoPE pairs `(x[2i], x[2i+1])` (DeepSeek's layout; `rope_interleave`), else
+    /// `(x[i], x[i + d/2])`.
+    pub rope_interleave: bool,
+}
+
+impl MlaSpec {
+    /// Values cached per token per layer: the latent plus the RoPE key.
+    pub fn latent_dim(&self) -> usize {
+        self.kv_lora_rank + self.qk_rope_head_dim
+    }
+
+    /// The q and k head dimension (the softmax scale's base).
+    pub fn qk_head_dim(&self) -> usize {
+        self.qk_nope_head_dim + self.qk_rope_head_dim
+    }
+}
+
+/// How a MoE layer scores its experts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MoeScoring {
+    /// Softmax over the experts; the top-k by score (`greedy`), or only among the `topk_group`
+    /// groups with the best single expert (`group_limited_greedy`) (DeepSeek-V2).
+    Softmax { group_limited: bool },
+    /// Sigmoid scores; experts chosen by score plus the layer's correction bias among the
+    /// `topk_group` groups with the best sum of their top two, weighted by the plain score
+    /// (DeepSeek-V3, `noaux_tc`).
+    SigmoidBiased,
+}
+
+/// Mixture-of-experts feed-forward layers (DeepSeek): layers from `first_dense_layers` on route
+/// each token to `top_k` of `num_experts` experts and add the shared experts' output.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MoeSpec {
+    pub num_experts: usize,
+    pub top_k: usize,
+    /// Shared experts, run as one MLP of `num_shared * expert_intermediate` (0: none).
+    pub num_shared: usize,
+    pub expert_intermediate: usize,
+    /// Layers before this one use the dense MLP (`intermediate_size`).
+    pub first_dense_layers: usize,
+    pub num_groups: usize,
+    pub topk_groups: usize,
+    pub scoring: MoeScoring,
+    /// Top-k weights divided by their sum (plus 1e-20) before the scaling factor.
+    pub norm_topk_prob: bool,
+    pub routed_scaling_factor: f32,
+}
+
+impl MoeSpec {
+    /// Whether layer `layer` is a MoE layer.
+    pub fn is_moe_layer(&self, layer: usize) -> bool {
+        layer >= self.first_dense_layers
+    }
+
+    /// Rows of the shared experts' MLP.
+    pub fn shared_intermediate(&self) -> usize {
+        self.num_shared * self.expert_intermediate
+    }
 }
 
 /// Sliding-window attention (Mistral; Qwen2 and Qwen3 with `use_sliding_window`): a windowed
@@ -76,6 +187,12 @@ pub struct ModelSpec {
     /// `None`: every layer attends to the whole context.
     #[serde(default)]
     pub sliding_window: Option<SlidingWindow>,
+    /// Multi-head latent attention instead of q/k/v projections (DeepSeek).
+    #[serde(default)]
+    pub mla: Option<MlaSpec>,
+    /// Mixture-of-experts feed-forward layers (DeepSeek).
+    #[serde(default)]
+    pub moe: Option<MoeSpec>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
 }
@@ -103,10 +220,47 @@ impl ModelSpec {
     /// Parameter count (for FLOP and byte estimates).
     pub fn num_params(&self) -> usize {
         let h = self.hidden_size;
-        let per_layer =
-            h * self.q_dim() * 2 + h * self.kv_dim() * 2 + 3 * h * self.intermediate_size + 2 * h;
         let emb = self.vocab_size * h;
-        per_layer * self.num_layers + emb * if self.tie_word_embeddings { 1 } else { 2 } + h
+        let head = emb * if self.tie_word_embeddings { 1 } else { 2 } + h;
+        let attn = match &self.mla {
+            None => h * self.q_dim() * 2 + h * self.kv_dim() * 2,
+            Some(m) => {
+                let nh = self.num_heads;
+                let q = match m.q_lora_rank {
+                    None => h * nh * m.qk_head_dim(),
+                    Some(r) => h * r + r + r * nh * m.qk_head_dim(),
+                };
+                q + h * m.latent_dim()
+                    + m.kv_lora_rank
+                    + m.kv_lora_rank * nh * (m.qk_nope_head_dim + m.v_head_dim)
+                    + nh * m.v_head_dim * h
+            }
+        };
+        let dense_mlp = 3 * h * self.intermediate_size;
+        (0..self.num_layers)
+            .map(|l| {
+                let mlp = match &self.moe {
+                    Some(e) if e.is_moe_layer(l) => {
+                        e.num_experts * h
+                            + 3 * h * e.expert_intermediate * e.num_experts
+                            + 3 * h * e.shared_intermediate()
+                    }
+                    _ => dense_mlp,
+                };
+                attn + mlp + 2 * h
+            })
+            .sum::<usize>()
+            + head
+    }
+
+    /// The KV cache's shape per token per layer: `(planes, heads, dim)`. Llama family: K and V
+    /// (2 planes) of `num_kv_heads` heads of `head_dim`; MLA: one plane, one "head" holding the
+    /// latent ([`MlaSpec::latent_dim`]), the same on every tensor-parallel rank.
+    pub fn kv_cache_shape(&self) -> (usize, usize, usize) {
+        match &self.mla {
+            None => (2, self.num_kv_heads, self.head_dim),
+            Some(m) => (1, 1, m.latent_dim()),
+        }
     }
 }
 
@@ -122,6 +276,40 @@ pub fn rope_inv_freqs(head_dim: usize, theta: f32, scaling: Option<&RopeScaling>
     match scaling {
         None => base,
         Some(RopeScaling::Linear { factor }) => base.iter().map(|f| f / factor).collect(),
+        Some(RopeScaling::Yarn {
+            factor,
+            original_max_position_embeddings,
+            beta_fast,
+            beta_slow,
+            truncate,
+            ..
+        }) => {
+            // transformers' `_compute_yarn_parameters`, in f32 as it computes them.
+            let dim = head_dim as f32;
+            let orig = *original_max_position_embeddings as f32;
+            let correction_dim = |rotations: f32| {
+                dim * (orig / (rotations * 2.0 * std::f32::consts::PI)).ln() / (2.0 * theta.ln())
+            };
+            let (mut low, mut high) = (correction_dim(*beta_fast), correction_dim(*beta_slow));
+            if *truncate {
+                low = low.floor();
+                high = high.ceil();
+            }
+            let (low, mut high) = (low.max(0.0), high.min(dim - 1.0));
+            if low == high {
+                high += 0.001;
+            }
+            (0..half)
+                .map(|i| {
+                    let pos_freq = theta.powf((2 * i) as f32 / dim);
+                    let extrapolation = 1.0 / pos_freq;
+                    let interpolation = 1.0 / (factor * pos_freq);
+                    let ramp = ((i as f32 - low) / (high - low)).clamp(0.0, 1.0);
+                    let extra_factor = 1.0 - ramp;
+                    interpolation * (1.0 - extra_factor) + extrapolation * extra_factor
+                })
+                .collect()
+        }
         Some(RopeScaling::Llama3 {
             factor,
             low_freq_factor,
@@ -146,5 +334,15 @@ pub fn rope_inv_freqs(head_dim: usize, theta: f32, scaling: Option<&RopeScaling>
                 })
                 .collect()
         }
+    }
+}
+
+/// The factor RoPE's cos and sin are multiplied by (YaRN's `attention_factor`; 1 otherwise).
+pub fn rope_attention_factor(scaling: Option<&RopeScaling>) -> f32 {
+    match scaling {
+        Some(RopeScaling::Yarn {
+            attention_factor, ..
+        }) => *attention_factor,
+        _ => 1.0,
     }
 }

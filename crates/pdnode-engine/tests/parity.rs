@@ -9,7 +9,7 @@ use pdnode_engine::backend::{Backend, ForwardBatch, SeqStep};
 use pdnode_engine::loader::load_path;
 use std::path::PathBuf;
 
-const MODELS: [&str; 9] = [
+const MODELS: [&str; 11] = [
     "llama_gqa",
     "llama3_rope",
     "llama_linear_rope",
@@ -21,6 +21,11 @@ const MODELS: [&str; 9] = [
     // 12-token prompt and the 32 generated tokens.
     "mistral_window",
     "qwen2_window",
+    // DeepSeek: latent attention (the pool caches one latent per token), a dense layer then
+    // MoE layers; V2 with a plain q and softmax group-limited routing, V3 with a low-rank q,
+    // sigmoid routing with its bias, YaRN scaling cos/sin too.
+    "deepseek_v2",
+    "deepseek_v3",
 ];
 
 struct Reference {
@@ -153,7 +158,14 @@ fn every_fixture_matches_transformers() {
 
 #[test]
 fn chunked_prefill_and_small_blocks_give_the_same_numbers() {
-    for name in ["llama_gqa", "qwen3_qknorm", "qwen2_bias", "mistral_window"] {
+    for name in [
+        "llama_gqa",
+        "qwen3_qknorm",
+        "qwen2_bias",
+        "mistral_window",
+        "deepseek_v2",
+        "deepseek_v3",
+    ] {
         run_and_check(name, 4, 5);
         run_and_check(name, 1, 3);
     }
@@ -229,12 +241,24 @@ fn batched_sequences_do_not_interfere() {
 /// the logits match the reference exactly as if the prompt had been run locally.
 #[test]
 fn kv_copied_between_backends_continues_the_sequence() {
+    // K and V planes, and DeepSeek's latents (one plane).
+    for name in ["qwen3_qknorm", "deepseek_v3"] {
+        kv_copy(name);
+    }
+}
+
+fn kv_copy(name: &str) {
     use pdnode_engine::backend::KvMemory;
-    let name = "qwen3_qknorm";
     let r = reference(name);
     let mut p = backend(name, 4);
     let mut d = backend(name, 4);
     assert_eq!(p.kv_layout(), d.kv_layout());
+    let want_kind = if name.starts_with("deepseek") {
+        pdnode_core::KvKind::Latent
+    } else {
+        pdnode_core::KvKind::KeyValue
+    };
+    assert_eq!(p.kv_layout().kind, want_kind);
     let n = r.prompt.len();
     let nblocks = n.div_ceil(4);
     let src: Vec<BlockId> = (0..nblocks as u32).map(|i| BlockId(40 + i)).collect();

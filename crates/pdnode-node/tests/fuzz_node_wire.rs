@@ -185,6 +185,7 @@ fn edited(t: Option<&v1::KvTarget>, e: &TargetEdit) -> Option<v1::KvTarget> {
                     .layout
                     .as_ref()
                     .map_or(String::new(), |x| x.model_fingerprint.clone()),
+                kind: v1::KvKind::KeyValue as i32,
             })
         }
         TargetEdit::Secret(s) => t.secret = s.clone(),

@@ -9,7 +9,7 @@ use pdnode_core::card::{NodeAddresses, NodeCapacity};
 use pdnode_core::error::Classify;
 use pdnode_core::request::{SamplerState, TokenLogprob};
 use pdnode_core::{
-    DType, ErrorKind, FinishReason, KvLayout, NodeCard, NodeId, Role, SamplingParams,
+    DType, ErrorKind, FinishReason, KvKind, KvLayout, NodeCard, NodeId, Role, SamplingParams,
 };
 
 /// A wire message that does not map onto the core type.
@@ -259,6 +259,10 @@ impl From<&KvLayout> for v1::KvLayout {
             head_dim: l.head_dim,
             tp_size: l.tp_size,
             model_fingerprint: l.model_fingerprint.clone(),
+            kind: match l.kind {
+                KvKind::KeyValue => v1::KvKind::KeyValue,
+                KvKind::Latent => v1::KvKind::Latent,
+            } as i32,
         }
     }
 }
@@ -295,6 +299,10 @@ impl TryFrom<&v1::KvLayout> for KvLayout {
             head_dim: l.head_dim,
             tp_size: l.tp_size,
             model_fingerprint: l.model_fingerprint.clone(),
+            kind: match wire_enum::<v1::KvKind>("kv_layout.kind", l.kind)? {
+                v1::KvKind::KeyValue => KvKind::KeyValue,
+                v1::KvKind::Latent => KvKind::Latent,
+            },
         })
     }
 }

@@ -274,6 +274,7 @@ pub fn fake_target(request: RequestId, decode_node: &NodeId, blocks: usize) -> K
             head_dim: 1,
             tp_size: 1,
             model_fingerprint: "fake".into(),
+            kind: pdnode_core::KvKind::KeyValue,
         },
         secret,
         lease_deadline_ms: 0,

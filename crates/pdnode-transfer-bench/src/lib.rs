@@ -149,6 +149,7 @@ impl Options {
             head_dim: 128,
             tp_size: 1,
             model_fingerprint: "bench-transfer".into(),
+            kind: pdnode_core::KvKind::KeyValue,
         })
     }
 

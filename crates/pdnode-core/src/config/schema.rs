@@ -166,12 +166,14 @@ pub enum ModelFormat {
 /// The shape presets `model.preset` may name (with `model.format = "dummy"`); the engine holds
 /// each one's shapes (`pdnode_engine::loader::dummy::preset`, whose test checks it knows every
 /// name here). Matched without regard to case.
-pub const MODEL_PRESETS: [&str; 5] = [
+pub const MODEL_PRESETS: [&str; 7] = [
     "llama-3.1-8b",
     "llama-3.1-70b",
     "qwen2.5-7b",
     "qwen3-8b",
     "smollm2-135m",
+    "deepseek-v2-lite",
+    "deepseek-v3",
 ];
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

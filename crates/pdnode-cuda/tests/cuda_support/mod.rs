@@ -61,6 +61,7 @@ pub fn inv_freq(s: &ModelSpec) -> Vec<f32> {
             match &s.rope_scaling {
                 None => base as f32,
                 Some(RopeScaling::Linear { factor }) => (base / *factor as f64) as f32,
+                Some(RopeScaling::Yarn { .. }) => panic!("YaRN is a DeepSeek (CPU-only) scaling"),
                 Some(RopeScaling::Llama3 {
                     factor,
                     low_freq_factor,
@@ -241,6 +242,8 @@ pub fn tiny_spec(qwen_like: bool, tied: bool) -> ModelSpec {
         qkv_bias: qwen_like,
         qk_norm: qwen_like,
         sliding_window: None,
+        mla: None,
+        moe: None,
         bos_token_id: None,
         eos_token_ids: vec![],
     }

@@ -12,6 +12,7 @@ fn layout() -> KvLayout {
         head_dim: 8,
         tp_size: 1,
         model_fingerprint: "t".into(),
+        kind: pdnode_core::KvKind::KeyValue,
     }
 }
 

@@ -8,8 +8,10 @@
 //! uniform on `[-std*sqrt(3), std*sqrt(3))` (standard deviation `std`).
 
 use super::DummySpec;
-use crate::spec::{Arch, ModelSpec, RopeScaling};
-use crate::weights::{LayerWeights, Tensor, Weights};
+use crate::spec::{Arch, MlaSpec, ModelSpec, MoeScoring, MoeSpec, RopeScaling, yarn_mscale};
+use crate::weights::{
+    Expert, Ffn, LayerWeights, MlaLayerWeights, MlaQuery, MlaWeights, MoeWeights, Tensor, Weights,
+};
 use rayon::prelude::*;
 
 /// Preset names, for help texts and errors (the config's list, which validation checks).
@@ -42,6 +44,8 @@ fn llama31(hidden: usize, inter: usize, layers: usize, heads: usize) -> ModelSpe
         qkv_bias: false,
         qk_norm: false,
         sliding_window: None,
+        mla: None,
+        moe: None,
         bos_token_id: Some(128_000),
         eos_token_ids: vec![128_001, 128_008, 128_009],
     }
@@ -52,11 +56,119 @@ pub fn llama31_8b() -> ModelSpec {
     llama31(4096, 14336, 32, 32)
 }
 
+/// DeepSeek's YaRN: 40x over 4096 positions.
+fn deepseek_yarn(mscale: f32, mscale_all_dim: f32) -> RopeScaling {
+    RopeScaling::Yarn {
+        factor: 40.0,
+        original_max_position_embeddings: 4096,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+        attention_factor: yarn_mscale(40.0, mscale) / yarn_mscale(40.0, mscale_all_dim),
+        mscale_all_dim: Some(mscale_all_dim),
+        truncate: true,
+    }
+}
+
+/// DeepSeek-V2-Lite's shapes (`deepseek-ai/DeepSeek-V2-Lite` config.json): 27 layers, the first
+/// dense, then 64 routed experts (top-6) and 2 shared; q without a low rank.
+pub fn deepseek_v2_lite() -> ModelSpec {
+    ModelSpec {
+        arch: Arch::DeepseekV2,
+        hidden_size: 2048,
+        intermediate_size: 10944,
+        num_layers: 27,
+        num_heads: 16,
+        num_kv_heads: 16,
+        head_dim: 192,
+        vocab_size: 102_400,
+        rms_norm_eps: 1e-6,
+        rope_theta: 10_000.0,
+        rope_scaling: Some(deepseek_yarn(0.707, 0.707)),
+        max_position_embeddings: 163_840,
+        tie_word_embeddings: false,
+        qkv_bias: false,
+        qk_norm: false,
+        sliding_window: None,
+        mla: Some(MlaSpec {
+            q_lora_rank: None,
+            kv_lora_rank: 512,
+            qk_nope_head_dim: 128,
+            qk_rope_head_dim: 64,
+            v_head_dim: 128,
+            rope_interleave: true,
+        }),
+        moe: Some(MoeSpec {
+            num_experts: 64,
+            top_k: 6,
+            num_shared: 2,
+            expert_intermediate: 1408,
+            first_dense_layers: 1,
+            num_groups: 1,
+            topk_groups: 1,
+            scoring: MoeScoring::Softmax {
+                group_limited: false,
+            },
+            norm_topk_prob: false,
+            routed_scaling_factor: 1.0,
+        }),
+        bos_token_id: Some(100_000),
+        eos_token_ids: vec![100_001],
+    }
+}
+
+/// DeepSeek-V3's shapes (`deepseek-ai/DeepSeek-V3` config.json, without the multi-token
+/// prediction layer): 61 layers, 3 dense, then 256 routed experts (top-8 within 4 of 8 groups)
+/// and 1 shared.
+pub fn deepseek_v3() -> ModelSpec {
+    ModelSpec {
+        arch: Arch::DeepseekV3,
+        hidden_size: 7168,
+        intermediate_size: 18432,
+        num_layers: 61,
+        num_heads: 128,
+        num_kv_heads: 128,
+        head_dim: 192,
+        vocab_size: 129_280,
+        rms_norm_eps: 1e-6,
+        rope_theta: 10_000.0,
+        rope_scaling: Some(deepseek_yarn(1.0, 1.0)),
+        max_position_embeddings: 163_840,
+        tie_word_embeddings: false,
+        qkv_bias: false,
+        qk_norm: false,
+        sliding_window: None,
+        mla: Some(MlaSpec {
+            q_lora_rank: Some(1536),
+            kv_lora_rank: 512,
+            qk_nope_head_dim: 128,
+            qk_rope_head_dim: 64,
+            v_head_dim: 128,
+            rope_interleave: true,
+        }),
+        moe: Some(MoeSpec {
+            num_experts: 256,
+            top_k: 8,
+            num_shared: 1,
+            expert_intermediate: 2048,
+            first_dense_layers: 3,
+            num_groups: 8,
+            topk_groups: 4,
+            scoring: MoeScoring::SigmoidBiased,
+            norm_topk_prob: true,
+            routed_scaling_factor: 2.5,
+        }),
+        bos_token_id: Some(0),
+        eos_token_ids: vec![1],
+    }
+}
+
 /// The [`ModelSpec`] of a named preset (HF `config.json` of the instruct release), or `None`.
 pub fn preset(name: &str) -> Option<ModelSpec> {
     Some(match name.to_ascii_lowercase().as_str() {
         "llama-3.1-8b" => llama31_8b(),
         "llama-3.1-70b" => llama31(8192, 28672, 80, 64),
+        "deepseek-v2-lite" => deepseek_v2_lite(),
+        "deepseek-v3" => deepseek_v3(),
         "qwen2.5-7b" => ModelSpec {
             arch: Arch::Qwen2,
             hidden_size: 3584,
@@ -74,6 +186,8 @@ pub fn preset(name: &str) -> Option<ModelSpec> {
             qkv_bias: true,
             qk_norm: false,
             sliding_window: None,
+            mla: None,
+            moe: None,
             bos_token_id: Some(151_643),
             eos_token_ids: vec![151_645, 151_643],
         },
@@ -94,6 +208,8 @@ pub fn preset(name: &str) -> Option<ModelSpec> {
             qkv_bias: false,
             qk_norm: true,
             sliding_window: None,
+            mla: None,
+            moe: None,
             bos_token_id: Some(151_643),
             eos_token_ids: vec![151_645, 151_643],
         },
@@ -114,6 +230,8 @@ pub fn preset(name: &str) -> Option<ModelSpec> {
             qkv_bias: false,
             qk_norm: false,
             sliding_window: None,
+            mla: None,
+            moe: None,
             bos_token_id: Some(1),
             eos_token_ids: vec![2],
         },
@@ -264,6 +382,106 @@ pub fn materialize(spec: &ModelSpec, d: DummySpec) -> Weights {
     }
 }
 
+/// Materializes every weight of a latent-attention `spec` on the host (`None` when it has no
+/// `mla`). Norms are 1.0 and V3's routing bias 0.0; every other tensor is random, tensor `i`
+/// (in [`MlaWeights::tensors`] order) with id `1 << 20 | i` in [`value`].
+pub fn materialize_mla(spec: &ModelSpec, d: DummySpec) -> Option<MlaWeights> {
+    let m = spec.mla.as_ref()?;
+    let (h, nh) = (spec.hidden_size, spec.num_heads);
+    let mut next = 0u64;
+    let mut t = |shape: &[usize], fill: Fill| {
+        let id = 1 << 20 | next;
+        next += 1;
+        let n: usize = shape.iter().product();
+        let data = match fill {
+            Fill::Const(c) => vec![c; n],
+            Fill::Random => {
+                let mut v = vec![0f32; n];
+                v.par_chunks_mut(1 << 16)
+                    .enumerate()
+                    .for_each(|(c, chunk)| {
+                        for (j, x) in chunk.iter_mut().enumerate() {
+                            *x = value(d.seed, id, (c * (1 << 16) + j) as u64, d.std);
+                        }
+                    });
+                v
+            }
+        };
+        Tensor::new(shape.to_vec(), data)
+    };
+    let r = Fill::Random;
+    let one = Fill::Const(1.0);
+    let embed = t(&[spec.vocab_size, h], r);
+    let mut layers = Vec::with_capacity(spec.num_layers);
+    for l in 0..spec.num_layers {
+        let attn_norm = t(&[h], one);
+        let rows = nh * m.qk_head_dim();
+        let q = match m.q_lora_rank {
+            None => MlaQuery::Direct {
+                wq: t(&[rows, h], r),
+            },
+            Some(qr) => MlaQuery::LowRank {
+                wq_a: t(&[qr, h], r),
+                q_a_norm: t(&[qr], one),
+                wq_b: t(&[rows, qr], r),
+            },
+        };
+        let wkv_a = t(&[m.latent_dim(), h], r);
+        let kv_a_norm = t(&[m.kv_lora_rank], one);
+        let wkv_b = t(
+            &[nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank],
+            r,
+        );
+        let wo = t(&[h, nh * m.v_head_dim], r);
+        let mlp_norm = t(&[h], one);
+        let ffn = match &spec.moe {
+            Some(e) if e.is_moe_layer(l) => {
+                let router = t(&[e.num_experts, h], r);
+                let score_bias = (e.scoring == MoeScoring::SigmoidBiased)
+                    .then(|| t(&[e.num_experts], Fill::Const(0.0)));
+                let experts = (0..e.num_experts)
+                    .map(|_| dummy_expert(&mut t, e.expert_intermediate, h))
+                    .collect();
+                let shared =
+                    (e.num_shared > 0).then(|| dummy_expert(&mut t, e.shared_intermediate(), h));
+                Ffn::Moe(MoeWeights {
+                    router,
+                    score_bias,
+                    experts,
+                    shared,
+                })
+            }
+            _ => Ffn::Dense(dummy_expert(&mut t, spec.intermediate_size, h)),
+        };
+        layers.push(MlaLayerWeights {
+            attn_norm,
+            q,
+            wkv_a,
+            kv_a_norm,
+            wkv_b,
+            wo,
+            mlp_norm,
+            ffn,
+        });
+    }
+    let final_norm = t(&[h], one);
+    let lm_head = (!spec.tie_word_embeddings).then(|| t(&[spec.vocab_size, h], r));
+    Some(MlaWeights {
+        embed,
+        layers,
+        final_norm,
+        lm_head,
+    })
+}
+
+fn dummy_expert(t: &mut impl FnMut(&[usize], Fill) -> Tensor, inter: usize, h: usize) -> Expert {
+    Expert {
+        w_gate: t(&[inter, h], Fill::Random),
+        w_up: t(&[inter, h], Fill::Random),
+        w_down: t(&[h, inter], Fill::Random),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -288,6 +506,45 @@ mod tests {
             smol.num_params()
         );
         assert!(preset("gpt-5").is_none());
+        // DeepSeek-V2-Lite: 15.7e9 parameters; DeepSeek-V3: 671e9 (without its MTP layer).
+        let v2 = preset("deepseek-v2-lite").unwrap();
+        assert!(
+            (v2.num_params() as f64 - 15.7e9).abs() < 0.1e9,
+            "{}",
+            v2.num_params()
+        );
+        let v3 = preset("deepseek-v3").unwrap();
+        assert!(
+            (v3.num_params() as f64 - 671e9).abs() < 2e9,
+            "{}",
+            v3.num_params()
+        );
+        assert_eq!(v2.kv_cache_shape(), (1, 1, 576));
+    }
+
+    #[test]
+    fn dummy_deepseek_weights_fit_their_spec() {
+        for name in ["deepseek-v2-lite", "deepseek-v3"] {
+            let full = preset(name).unwrap();
+            let mut tiny = full.clone();
+            tiny.hidden_size = 32;
+            tiny.intermediate_size = 48;
+            tiny.vocab_size = 40;
+            tiny.num_heads = 2;
+            tiny.num_kv_heads = 2;
+            tiny.num_layers = full.moe.as_ref().unwrap().first_dense_layers + 1;
+            if let Some(e) = tiny.moe.as_mut() {
+                e.expert_intermediate = 8;
+            }
+            let w = materialize_mla(&tiny, DummySpec { seed: 3, std: 0.02 }).unwrap();
+            w.check_shapes(&tiny).unwrap();
+            assert!(
+                matches!(w.layers.last().unwrap().ffn, Ffn::Moe(_)),
+                "{name}"
+            );
+            assert!(matches!(w.layers[0].ffn, Ffn::Dense(_)), "{name}");
+        }
+        assert!(materialize_mla(&llama31_8b(), DummySpec { seed: 3, std: 0.02 }).is_none());
     }
 
     #[test]

@@ -7,7 +7,7 @@
 
 use super::DummySpec;
 use crate::spec::ModelSpec;
-use crate::weights::{Tensor, Weights};
+use crate::weights::{MlaWeights, Tensor, Weights};
 
 /// Two independent 64-bit FNV-1a streams make a 128-bit hash (not cryptographic; it guards
 /// against mistakes, not adversaries).
@@ -97,6 +97,15 @@ pub fn of_weights(spec: &ModelSpec, w: &Weights) -> String {
 
 /// Fingerprint of dummy weights (a function of the spec and the generator parameters, so a CPU
 /// node and a CUDA node with the same preset and seed agree without materializing anything).
+pub fn of_mla_weights(spec: &ModelSpec, w: &MlaWeights) -> String {
+    let mut h = Hasher::new();
+    spec_bytes(&mut h, spec);
+    for (name, t) in w.tensors() {
+        tensor(&mut h, &name, t);
+    }
+    h.hex()
+}
+
 pub fn of_dummy(spec: &ModelSpec, d: DummySpec) -> String {
     let mut h = Hasher::new();
     spec_bytes(&mut h, spec);

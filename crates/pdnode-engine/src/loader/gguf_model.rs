@@ -149,6 +149,8 @@ pub fn spec_from_gguf(f: &GgufFile) -> Result<ModelSpec, LoadError> {
         sliding_window: None,
         bos_token_id: token_id(f, "tokenizer.ggml.bos_token_id"),
         eos_token_ids,
+        mla: None,
+        moe: None,
     };
     if spec.num_kv_heads == 0 || !spec.num_heads.is_multiple_of(spec.num_kv_heads) {
         return Err(cfg_err(

@@ -3,7 +3,7 @@
 //! [`TokenizerSource`].
 
 use super::safetensors_io::SafetensorsSet;
-use super::{HfTokenizerConfig, LoadError, TokenizerSource};
+use super::{HfTokenizerConfig, LoadError, ModelWeights, TokenizerSource, hf_mla};
 use crate::spec::{Arch, ModelSpec, RopeScaling, SlidingWindow};
 use crate::weights::{LayerWeights, Weights};
 use serde_json::Value;
@@ -12,7 +12,8 @@ use std::path::Path;
 
 pub struct HfModel {
     pub spec: ModelSpec,
-    pub weights: Weights,
+    /// [`ModelWeights::Host`] or, for a latent-attention model, [`ModelWeights::HostMla`].
+    pub weights: ModelWeights,
     pub tokenizer: TokenizerSource,
     pub metadata: HashMap<String, String>,
 }
@@ -50,19 +51,25 @@ fn ids(v: Option<&Value>) -> Vec<u32> {
     }
 }
 
-struct Cfg<'a> {
-    v: &'a Value,
+pub(super) struct Cfg<'a> {
+    pub(super) v: &'a Value,
     path: &'a Path,
 }
 
 impl Cfg<'_> {
-    fn err(&self, reason: String) -> LoadError {
+    pub(super) fn err(&self, reason: String) -> LoadError {
         LoadError::Config {
             path: self.path.to_path_buf(),
             reason,
         }
     }
-    fn opt_u(&self, k: &str) -> Result<Option<usize>, LoadError> {
+    pub(super) fn unsupported(&self, reason: String) -> LoadError {
+        LoadError::Unsupported {
+            path: self.path.to_path_buf(),
+            reason,
+        }
+    }
+    pub(super) fn opt_u(&self, k: &str) -> Result<Option<usize>, LoadError> {
         match self.v.get(k) {
             None | Some(Value::Null) => Ok(None),
             Some(x) => x
@@ -72,11 +79,11 @@ impl Cfg<'_> {
                 .ok_or_else(|| self.err(format!("`{k}` = {x} is not a non-negative integer"))),
         }
     }
-    fn req_u(&self, k: &str) -> Result<usize, LoadError> {
+    pub(super) fn req_u(&self, k: &str) -> Result<usize, LoadError> {
         self.opt_u(k)?
             .ok_or_else(|| self.err(format!("`{k}` is missing")))
     }
-    fn opt_f(&self, k: &str) -> Result<Option<f32>, LoadError> {
+    pub(super) fn opt_f(&self, k: &str) -> Result<Option<f32>, LoadError> {
         match self.v.get(k) {
             None | Some(Value::Null) => Ok(None),
             Some(x) => x
@@ -85,7 +92,7 @@ impl Cfg<'_> {
                 .ok_or_else(|| self.err(format!("`{k}` = {x} is not a number"))),
         }
     }
-    fn bool(&self, k: &str) -> bool {
+    pub(super) fn bool(&self, k: &str) -> bool {
         self.v.get(k).and_then(Value::as_bool).unwrap_or(false)
     }
 }
@@ -125,7 +132,11 @@ fn window_layers(c: &Cfg<'_>, arch: Arch) -> Result<Vec<bool>, LoadError> {
     })
 }
 
-fn rope_scaling(c: &Cfg<'_>) -> Result<Option<RopeScaling>, LoadError> {
+fn rope_scaling(
+    c: &Cfg<'_>,
+    arch: Arch,
+    max_position_embeddings: usize,
+) -> Result<Option<RopeScaling>, LoadError> {
     // transformers < 5 writes `rope_scaling` (null when unscaled); transformers >= 5 writes
     // `rope_parameters` with `rope_type` ("default" when unscaled) and `rope_theta` inside.
     let Some(rs) =
@@ -157,8 +168,12 @@ fn rope_scaling(c: &Cfg<'_>) -> Result<Option<RopeScaling>, LoadError> {
             high_freq_factor: num("high_freq_factor")?,
             original_max_position_embeddings: num("original_max_position_embeddings")? as u32,
         })),
+        "yarn" if matches!(arch, Arch::DeepseekV2 | Arch::DeepseekV3) => {
+            hf_mla::yarn(c, rs, max_position_embeddings).map(Some)
+        }
         other => Err(c.err(format!(
-            "rope_scaling type `{other}` is not supported (supported: default, linear, llama3)"
+            "rope_scaling type `{other}` is not supported (supported: default, linear, llama3; \
+             yarn on DeepSeek models)"
         ))),
     }
 }
@@ -177,6 +192,8 @@ pub fn spec_from_config(
         "mistral" => Some(Arch::Mistral.hf_name()),
         "qwen2" => Some(Arch::Qwen2.hf_name()),
         "qwen3" => Some(Arch::Qwen3.hf_name()),
+        "deepseek_v2" => Some(Arch::DeepseekV2.hf_name()),
+        "deepseek_v3" => Some(Arch::DeepseekV3.hf_name()),
         _ => None,
     };
     let arch_name = config
@@ -209,8 +226,9 @@ pub fn spec_from_config(
             reason: format!("hidden_act `{act}` (only silu is supported)"),
         });
     }
+    let deepseek = matches!(arch, Arch::DeepseekV2 | Arch::DeepseekV3);
     let attention_bias = c.bool("attention_bias");
-    if attention_bias && arch != Arch::Qwen2 {
+    if attention_bias && arch != Arch::Qwen2 && !deepseek {
         return Err(LoadError::Unsupported {
             path: path.to_path_buf(),
             reason: "attention_bias = true (o_proj bias) is not supported".into(),
@@ -233,7 +251,20 @@ pub fn spec_from_config(
             "{num_heads} heads is not a multiple of {num_kv_heads} KV heads"
         )));
     }
-    let head_dim = c.opt_u("head_dim")?.unwrap_or(hidden_size / num_heads);
+    let (mla, moe) = if deepseek {
+        (
+            Some(hf_mla::mla_spec(&c, arch)?),
+            hf_mla::moe_spec(&c, arch)?,
+        )
+    } else {
+        (None, None)
+    };
+    // A latent-attention model's q/k head: its nope and RoPE parts (its config's `head_dim`
+    // is the RoPE part's).
+    let head_dim = match &mla {
+        Some(m) => m.qk_head_dim(),
+        None => c.opt_u("head_dim")?.unwrap_or(hidden_size / num_heads),
+    };
     if head_dim == 0 || head_dim % 2 != 0 {
         return Err(c.err(format!("head_dim {head_dim} must be even and non-zero")));
     }
@@ -287,7 +318,7 @@ pub fn spec_from_config(
                 .and_then(Value::as_f64)
                 .map_or(10_000.0, |t| t as f32),
         },
-        rope_scaling: rope_scaling(&c)?,
+        rope_scaling: rope_scaling(&c, arch, max_position_embeddings)?,
         max_position_embeddings,
         tie_word_embeddings: c.bool("tie_word_embeddings"),
         qkv_bias: arch == Arch::Qwen2 || attention_bias,
@@ -295,6 +326,8 @@ pub fn spec_from_config(
         sliding_window,
         bos_token_id,
         eos_token_ids,
+        mla,
+        moe,
     })
 }
 
@@ -396,13 +429,22 @@ pub fn load(dir: &Path) -> Result<HfModel, LoadError> {
     let gen_cfg = read_json_opt(&dir.join("generation_config.json"))?;
     let spec = spec_from_config(&config, gen_cfg.as_ref(), &config_path)?;
     let st = SafetensorsSet::open_dir(dir)?;
-    let weights = weights_from_safetensors(&st, &spec)?;
-    weights
-        .check_shapes(&spec)
-        .map_err(|reason| LoadError::Config {
-            path: dir.to_path_buf(),
-            reason: reason.to_string(),
-        })?;
+    let bad_shape = |reason: crate::weights::ShapeError| LoadError::Config {
+        path: dir.to_path_buf(),
+        reason: reason.to_string(),
+    };
+    let weights = match &spec.mla {
+        Some(m) => {
+            let w = hf_mla::weights(&st, &spec, m)?;
+            w.check_shapes(&spec).map_err(bad_shape)?;
+            ModelWeights::HostMla(w)
+        }
+        None => {
+            let w = weights_from_safetensors(&st, &spec)?;
+            w.check_shapes(&spec).map_err(bad_shape)?;
+            ModelWeights::Host(w)
+        }
+    };
     let tok_path = dir.join("tokenizer.json");
     let tokenizer = if tok_path.is_file() {
         TokenizerSource::HfFile {

@@ -11,12 +11,13 @@ pub mod fingerprint;
 pub mod gguf;
 pub mod gguf_model;
 pub mod hf;
+mod hf_mla;
 mod progress;
 pub mod quant;
 pub mod safetensors_io;
 
 use crate::spec::ModelSpec;
-use crate::weights::Weights;
+use crate::weights::{MlaWeights, Weights};
 use pdnode_core::config::{ModelConfig, ModelFormat};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -89,6 +90,8 @@ pub struct GgufTokenizer {
 pub enum ModelWeights {
     /// Real (or materialized dummy) f32 weights in host memory.
     Host(Weights),
+    /// The same for a latent-attention (DeepSeek) model.
+    HostMla(MlaWeights),
     /// Random weights not materialized yet: a backend generates them itself from the spec and this
     /// description (the CUDA backend does so on the device; the CPU backend via
     /// `loader::dummy::materialize`).
@@ -267,7 +270,12 @@ fn load_as(path: &Path, format: ModelFormat) -> Result<LoadedModel, LoadError> {
         }
         ModelFormat::Gguf => {
             let m = gguf_model::load(path)?;
-            (m.spec, m.weights, m.tokenizer, m.metadata)
+            (
+                m.spec,
+                ModelWeights::Host(m.weights),
+                m.tokenizer,
+                m.metadata,
+            )
         }
         ModelFormat::Dummy => {
             return Err(LoadError::UnknownFormat {
@@ -275,7 +283,11 @@ fn load_as(path: &Path, format: ModelFormat) -> Result<LoadedModel, LoadError> {
             });
         }
     };
-    let fingerprint = fingerprint::of_weights(&spec, &weights);
+    let fingerprint = match &weights {
+        ModelWeights::Host(w) => fingerprint::of_weights(&spec, w),
+        ModelWeights::HostMla(w) => fingerprint::of_mla_weights(&spec, w),
+        ModelWeights::Dummy(d) => fingerprint::of_dummy(&spec, *d),
+    };
     tracing::info!(
         path = %path.display(),
         arch = ?spec.arch,
@@ -287,7 +299,7 @@ fn load_as(path: &Path, format: ModelFormat) -> Result<LoadedModel, LoadError> {
     );
     Ok(LoadedModel {
         spec,
-        weights: ModelWeights::Host(weights),
+        weights,
         tokenizer,
         fingerprint,
         name: display_name(path),

@@ -154,6 +154,7 @@ mod tests {
                 head_dim: 64,
                 tp_size: 1,
                 model_fingerprint: "f".into(),
+                kind: v1::KvKind::KeyValue as i32,
             }),
             secret: vec![3; pdnode_core::kv_target::SECRET_LEN],
             lease_deadline_ms: 77,

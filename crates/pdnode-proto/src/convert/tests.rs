@@ -10,6 +10,7 @@ fn layout() -> KvLayout {
         head_dim: 128,
         tp_size: 4,
         model_fingerprint: "fp-123".into(),
+        kind: KvKind::KeyValue,
     }
 }
 
@@ -137,6 +138,20 @@ fn kv_layout_round_trips_and_rejects_bad_wire_values() {
         let wire = through_bytes(&v1::KvLayout::from(&l));
         assert_eq!(KvLayout::try_from(wire).unwrap(), l);
     }
+    for kind in [KvKind::KeyValue, KvKind::Latent] {
+        let l = KvLayout { kind, ..layout() };
+        let wire = through_bytes(&v1::KvLayout::from(&l));
+        assert_eq!(KvLayout::try_from(wire).unwrap(), l);
+    }
+    let mut unknown_kind = v1::KvLayout::from(layout());
+    unknown_kind.kind = 9;
+    assert_eq!(
+        KvLayout::try_from(&unknown_kind),
+        Err(ConvertError::UnknownEnumValue {
+            field: "kv_layout.kind",
+            value: 9
+        })
+    );
     let mut bad = v1::KvLayout::from(layout());
     bad.dtype = 77;
     assert_eq!(

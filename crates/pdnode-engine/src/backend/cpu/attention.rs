@@ -9,6 +9,8 @@ use rayon::prelude::*;
 pub struct PoolDims {
     pub num_blocks: usize,
     pub block_size: usize,
+    /// 2 (K then V) or 1 (a latent: one "head" of `head_dim` values).
+    pub planes: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
 }
@@ -18,9 +20,9 @@ impl PoolDims {
     pub fn slab(&self) -> usize {
         self.block_size * self.kv_heads * self.head_dim
     }
-    /// f32 elements of one layer-block (K and V).
+    /// f32 elements of one layer-block (K and V, or the latent).
     pub fn layer_block(&self) -> usize {
-        2 * self.slab()
+        self.planes * self.slab()
     }
     /// Offset of K (`kv = 0`) or V (`kv = 1`) of `(layer, block, slot)`, head 0.
     pub fn at(&self, layer: usize, block: usize, kv: usize, slot: usize) -> usize {

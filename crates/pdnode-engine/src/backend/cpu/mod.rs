@@ -6,6 +6,8 @@
 //! positions plus its new ones; logits are computed only for the sequences that want them.
 
 mod attention;
+mod mla;
+mod moe;
 pub mod ops;
 mod staging;
 
@@ -16,8 +18,8 @@ use super::{
     check_kv_io, layer_block_offset,
 };
 use crate::loader::{LoadedModel, ModelWeights, dummy};
-use crate::spec::{ModelSpec, rope_inv_freqs};
-use crate::weights::Weights;
+use crate::spec::{ModelSpec, rope_attention_factor, rope_inv_freqs};
+use crate::weights::{MlaWeights, Weights};
 use attention::{PoolDims, SeqView};
 use pdnode_core::{BlockId, DType, KvLayout};
 use std::ops::Range;
@@ -43,14 +45,24 @@ impl Default for CpuBackendConfig {
     }
 }
 
+/// The weights a [`CpuBackend`] computes with.
+enum CpuWeights {
+    /// Llama family: q/k/v projections, a dense MLP.
+    Dense(Weights),
+    /// DeepSeek family: latent attention, MoE layers.
+    Mla(MlaWeights),
+}
+
 pub struct CpuBackend {
     spec: ModelSpec,
-    w: Weights,
+    w: CpuWeights,
     layout: KvLayout,
     dims: PoolDims,
     /// The KV pool; never resized after construction (its address is published by `KvMemory`).
     pool: Vec<f32>,
     inv_freq: Vec<f32>,
+    /// RoPE's cos/sin factor (YaRN's attention factor; 1 otherwise).
+    rope_factor: f32,
     threads: std::sync::Arc<rayon::ThreadPool>,
     /// The hand-off staging arena, when the node lent one (`attach_staging`).
     staging: Option<HostArena>,
@@ -81,6 +93,35 @@ impl CpuBackend {
             .map_err(|e| BackendError::InvalidBatch {
                 reason: e.to_string(),
             })?;
+        if spec.mla.is_some() {
+            return Err(BackendError::InvalidBatch {
+                reason: "a latent-attention spec needs latent-attention weights (new_mla)".into(),
+            });
+        }
+        Self::build(spec, CpuWeights::Dense(weights), fingerprint, cfg)
+    }
+
+    /// Builds a backend over the host weights of a latent-attention (DeepSeek) model.
+    pub fn new_mla(
+        spec: ModelSpec,
+        weights: MlaWeights,
+        fingerprint: String,
+        cfg: CpuBackendConfig,
+    ) -> Result<Self, BackendError> {
+        weights
+            .check_shapes(&spec)
+            .map_err(|e| BackendError::InvalidBatch {
+                reason: e.to_string(),
+            })?;
+        Self::build(spec, CpuWeights::Mla(weights), fingerprint, cfg)
+    }
+
+    fn build(
+        spec: ModelSpec,
+        w: CpuWeights,
+        fingerprint: String,
+        cfg: CpuBackendConfig,
+    ) -> Result<Self, BackendError> {
         if cfg.block_size == 0 || cfg.num_blocks == 0 {
             return Err(BackendError::InvalidBatch {
                 reason: format!(
@@ -89,11 +130,13 @@ impl CpuBackend {
                 ),
             });
         }
+        let (planes, kv_heads, head_dim) = spec.kv_cache_shape();
         let dims = PoolDims {
             num_blocks: cfg.num_blocks as usize,
             block_size: cfg.block_size as usize,
-            kv_heads: spec.num_kv_heads,
-            head_dim: spec.head_dim,
+            planes,
+            kv_heads,
+            head_dim,
         };
         let elems = spec
             .num_layers
@@ -112,20 +155,32 @@ impl CpuBackend {
             dtype: DType::F32,
             num_layers: spec.num_layers as u32,
             block_size: cfg.block_size,
-            kv_heads_per_rank: spec.num_kv_heads as u32,
-            head_dim: spec.head_dim as u32,
+            kv_heads_per_rank: kv_heads as u32,
+            head_dim: head_dim as u32,
             tp_size: 1,
             model_fingerprint: fingerprint,
+            kind: if spec.mla.is_some() {
+                pdnode_core::KvKind::Latent
+            } else {
+                pdnode_core::KvKind::KeyValue
+            },
         };
         let threads = std::sync::Arc::new(threads);
-        let inv_freq = rope_inv_freqs(spec.head_dim, spec.rope_theta, spec.rope_scaling.as_ref());
+        // RoPE turns the whole head (Llama family) or the RoPE part of it (latent attention).
+        let rope_dim = spec
+            .mla
+            .as_ref()
+            .map_or(spec.head_dim, |m| m.qk_rope_head_dim);
+        let inv_freq = rope_inv_freqs(rope_dim, spec.rope_theta, spec.rope_scaling.as_ref());
+        let rope_factor = rope_attention_factor(spec.rope_scaling.as_ref());
         Ok(Self {
             spec,
-            w: weights,
+            w,
             layout,
             dims,
             pool,
             inv_freq,
+            rope_factor,
             threads,
             staging: None,
             step_staging: None,
@@ -134,11 +189,20 @@ impl CpuBackend {
 
     /// Builds a backend from a loaded model, materializing dummy weights on the host.
     pub fn from_loaded(model: LoadedModel, cfg: CpuBackendConfig) -> Result<Self, BackendError> {
-        let weights = match model.weights {
-            ModelWeights::Host(w) => w,
-            ModelWeights::Dummy(d) => dummy::materialize(&model.spec, d),
-        };
-        Self::new(model.spec, weights, model.fingerprint, cfg)
+        match model.weights {
+            ModelWeights::Host(w) => Self::new(model.spec, w, model.fingerprint, cfg),
+            ModelWeights::HostMla(w) => Self::new_mla(model.spec, w, model.fingerprint, cfg),
+            ModelWeights::Dummy(d) if model.spec.mla.is_some() => {
+                let w = dummy::materialize_mla(&model.spec, d).ok_or_else(|| {
+                    BackendError::Device("the dummy spec has no latent attention".into())
+                })?;
+                Self::new_mla(model.spec, w, model.fingerprint, cfg)
+            }
+            ModelWeights::Dummy(d) => {
+                let w = dummy::materialize(&model.spec, d);
+                Self::new(model.spec, w, model.fingerprint, cfg)
+            }
+        }
     }
 
     pub fn spec(&self) -> &ModelSpec {
@@ -226,30 +290,28 @@ impl CpuBackend {
         &mut self,
         batch: &ForwardBatch<'_>,
         tables: &[Vec<usize>],
+        stage: Option<StepStaging>,
+    ) -> Logits {
+        match self.w {
+            CpuWeights::Dense(_) => self.forward_dense(batch, tables, stage),
+            CpuWeights::Mla(_) => self.forward_mla(batch, tables, stage),
+        }
+    }
+
+    fn forward_dense(
+        &mut self,
+        batch: &ForwardBatch<'_>,
+        tables: &[Vec<usize>],
         mut stage: Option<StepStaging>,
     ) -> Logits {
+        let CpuWeights::Dense(w) = &self.w else {
+            unreachable!("forward_inner dispatches on the weights");
+        };
         let s = &self.spec;
         let (h, qd, kvd, inter) = (s.hidden_size, s.q_dim(), s.kv_dim(), s.intermediate_size);
         let (nh, nkv, hd, eps) = (s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps);
-        let mut seqs = Vec::with_capacity(batch.seqs.len());
-        let mut positions = Vec::new();
-        let mut tokens = Vec::new();
-        for (st, table) in batch.seqs.iter().zip(tables) {
-            seqs.push(SeqView {
-                row: tokens.len(),
-                len: st.tokens.len(),
-                start_pos: st.start_pos,
-                blocks: table,
-            });
-            positions.extend(st.start_pos..st.start_pos + st.tokens.len());
-            tokens.extend_from_slice(st.tokens);
-        }
-        let t = tokens.len();
-        let mut x = vec![0f32; t * h];
-        for (row, &tok) in x.chunks_mut(h).zip(&tokens) {
-            let tok = tok as usize;
-            row.copy_from_slice(&self.w.embed.data[tok * h..(tok + 1) * h]);
-        }
+        let (seqs, positions, mut x) = step_rows(batch, tables, &w.embed.data, h);
+        let t = positions.len();
         let (cos, sin) = ops::rope_tables(&positions, &self.inv_freq);
         let mut xn = vec![0f32; t * h];
         let mut q = vec![0f32; t * qd];
@@ -258,9 +320,9 @@ impl CpuBackend {
         let mut att = vec![0f32; t * qd];
         let mut gate = vec![0f32; t * inter];
         let mut up = vec![0f32; t * inter];
-        let num_layers = self.w.layers.len() as u32;
+        let num_layers = w.layers.len() as u32;
         let mut group_start = 0u32;
-        for (li, l) in self.w.layers.iter().enumerate() {
+        for (li, l) in w.layers.iter().enumerate() {
             ops::rms_norm(&mut xn, &x, &l.attn_norm.data, h, eps);
             ops::matmul_wt(&mut q, &xn, &l.wq.data, t, qd, h, false);
             ops::matmul_wt(&mut k, &xn, &l.wk.data, t, kvd, h, false);
@@ -293,36 +355,68 @@ impl CpuBackend {
             ops::silu_mul(&mut gate, &up);
             ops::matmul_wt(&mut x, &gate, &l.w_down.data, t, h, inter, true);
         }
-        // Final norm and the output projection only for the rows that want logits.
-        let rows: Vec<usize> = batch
-            .seqs
-            .iter()
-            .zip(&seqs)
-            .filter(|(st, _)| st.want_logits)
-            .map(|(_, sv)| sv.row + sv.len - 1)
-            .collect();
-        let r = rows.len();
-        let mut last = vec![0f32; r * h];
-        for (dst, &row) in last.chunks_mut(h).zip(&rows) {
-            dst.copy_from_slice(&x[row * h..(row + 1) * h]);
+        output_logits(batch, &seqs, &x, s, &w.final_norm.data, &w.output().data)
+    }
+}
+
+/// The batch's new tokens as rows: each sequence's view (its first row, blocks), every row's
+/// position, and the rows' embeddings (`[tokens][hidden]`).
+fn step_rows<'a>(
+    batch: &ForwardBatch<'_>,
+    tables: &'a [Vec<usize>],
+    embed: &[f32],
+    h: usize,
+) -> (Vec<SeqView<'a>>, Vec<usize>, Vec<f32>) {
+    let mut seqs = Vec::with_capacity(batch.seqs.len());
+    let mut positions = Vec::new();
+    let mut x = Vec::with_capacity(batch.num_tokens() * h);
+    for (st, table) in batch.seqs.iter().zip(tables) {
+        seqs.push(SeqView {
+            row: positions.len(),
+            len: st.tokens.len(),
+            start_pos: st.start_pos,
+            blocks: table,
+        });
+        positions.extend(st.start_pos..st.start_pos + st.tokens.len());
+        for &tok in st.tokens {
+            let tok = tok as usize;
+            x.extend_from_slice(&embed[tok * h..(tok + 1) * h]);
         }
-        let mut normed = vec![0f32; r * h];
-        ops::rms_norm(&mut normed, &last, &self.w.final_norm.data, h, eps);
-        let vocab = s.vocab_size;
-        let mut logits = vec![0f32; r * vocab];
-        ops::matmul_wt(
-            &mut logits,
-            &normed,
-            &self.w.output().data,
-            r,
-            vocab,
-            h,
-            false,
-        );
-        Logits {
-            vocab,
-            data: logits,
-        }
+    }
+    (seqs, positions, x)
+}
+
+/// The final norm and the output projection, only for the last row of each sequence that wants
+/// logits.
+fn output_logits(
+    batch: &ForwardBatch<'_>,
+    seqs: &[SeqView<'_>],
+    x: &[f32],
+    s: &ModelSpec,
+    final_norm: &[f32],
+    output: &[f32],
+) -> Logits {
+    let h = s.hidden_size;
+    let rows: Vec<usize> = batch
+        .seqs
+        .iter()
+        .zip(seqs)
+        .filter(|(st, _)| st.want_logits)
+        .map(|(_, sv)| sv.row + sv.len - 1)
+        .collect();
+    let r = rows.len();
+    let mut last = vec![0f32; r * h];
+    for (dst, &row) in last.chunks_mut(h).zip(&rows) {
+        dst.copy_from_slice(&x[row * h..(row + 1) * h]);
+    }
+    let mut normed = vec![0f32; r * h];
+    ops::rms_norm(&mut normed, &last, final_norm, h, s.rms_norm_eps);
+    let vocab = s.vocab_size;
+    let mut logits = vec![0f32; r * vocab];
+    ops::matmul_wt(&mut logits, &normed, output, r, vocab, h, false);
+    Logits {
+        vocab,
+        data: logits,
     }
 }
 

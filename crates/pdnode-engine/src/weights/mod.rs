@@ -131,3 +131,6 @@ impl Weights {
         self.lm_head.as_ref().unwrap_or(&self.embed)
     }
 }
+
+mod mla;
+pub use mla::{Expert, Ffn, MlaLayerWeights, MlaQuery, MlaWeights, MoeWeights};

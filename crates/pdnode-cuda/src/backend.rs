@@ -187,6 +187,12 @@ impl CudaBackend {
             ModelWeights::Dummy(d) => Self::build(spec, opts, fp, shard, |gpu| {
                 DevWeights::dummy(gpu, spec, d.seed, Some(d.std), shard)
             }),
+            // `build` refuses a latent-attention spec before it loads anything.
+            ModelWeights::HostMla(_) => Self::build(spec, opts, fp, shard, |_| {
+                Err(CudaError::Unsupported {
+                    reason: "latent-attention weights on the CUDA backend".into(),
+                })
+            }),
         }
     }
 

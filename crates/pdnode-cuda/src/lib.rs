@@ -204,6 +204,28 @@ mod tests {
         })
     }
 
+    /// A DeepSeek model is refused with a clear error before any device is touched (this runs
+    /// without a GPU).
+    #[test]
+    fn latent_attention_models_are_refused_before_the_device_is_touched() {
+        for preset in ["deepseek-v2-lite", "deepseek-v3"] {
+            let model = pdnode_engine::loader::load_dummy(
+                preset,
+                pdnode_engine::loader::DummySpec { seed: 0, std: 0.02 },
+                None,
+            )
+            .unwrap();
+            let opts = CudaOptions::from_config(&pdnode_core::config::EngineConfig::default());
+            match CudaBackend::from_loaded(&model, &opts) {
+                Err(CudaError::Unsupported { reason }) => {
+                    assert!(reason.contains("CPU backend only"), "{preset}: {reason}")
+                }
+                Err(e) => panic!("{preset}: {e}"),
+                Ok(_) => panic!("{preset}: the CUDA backend took a latent-attention model"),
+            }
+        }
+    }
+
     #[test]
     fn device_errors_keep_their_class_through_the_backend_trait() {
         let oom = through_backend(CUresult::CUDA_ERROR_OUT_OF_MEMORY);

@@ -271,3 +271,108 @@ pub(super) fn weights(
     st.finish();
     Ok(w)
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::loader::LoadError;
+    use crate::loader::hf::spec_from_config;
+    use crate::spec::{Arch, MoeScoring, RopeScaling, yarn_mscale};
+    use serde_json::{Value, json};
+    use std::path::Path;
+
+    /// DeepSeek-V2-Lite's config.json as published (trust_remote_code era: `rope_scaling` with
+    /// `type`, `moe_layer_freq`, `scoring_func`).
+    fn v2_lite() -> Value {
+        json!({
+            "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+            "hidden_size": 2048, "intermediate_size": 10944, "num_hidden_layers": 27,
+            "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 102400,
+            "kv_lora_rank": 512, "q_lora_rank": null, "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64,
+            "n_shared_experts": 2, "num_experts_per_tok": 6, "moe_intermediate_size": 1408,
+            "first_k_dense_replace": 1, "moe_layer_freq": 1, "topk_method": "greedy",
+            "n_group": 1, "topk_group": 1, "norm_topk_prob": false, "scoring_func": "softmax",
+            "routed_scaling_factor": 1.0, "rms_norm_eps": 1e-6, "rope_theta": 10000,
+            "max_position_embeddings": 163840, "bos_token_id": 100000, "eos_token_id": 100001,
+            "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                             "beta_fast": 32, "beta_slow": 1, "mscale": 0.707,
+                             "mscale_all_dim": 0.707}
+        })
+    }
+
+    #[test]
+    fn the_published_v2_lite_config_is_the_preset() {
+        let s = spec_from_config(&v2_lite(), None, Path::new("config.json")).unwrap();
+        assert_eq!(s, crate::loader::dummy::deepseek_v2_lite());
+        let m = s.mla.unwrap();
+        assert_eq!((m.latent_dim(), m.qk_head_dim()), (576, 192));
+        assert!(matches!(
+            s.rope_scaling,
+            Some(RopeScaling::Yarn { attention_factor, mscale_all_dim: Some(a), .. })
+                if attention_factor == 1.0 && a == 0.707
+        ));
+        // V3 by model_type alone, with its routing.
+        let mut v3 = v2_lite();
+        v3.as_object_mut().unwrap().remove("architectures");
+        v3["model_type"] = json!("deepseek_v3");
+        v3["topk_method"] = json!("noaux_tc");
+        v3["scoring_func"] = json!("sigmoid");
+        v3["n_group"] = json!(8);
+        v3["topk_group"] = json!(4);
+        v3["rope_scaling"]["mscale"] = json!(1.0);
+        v3["rope_scaling"]["mscale_all_dim"] = json!(0.5);
+        let s = spec_from_config(&v3, None, Path::new("config.json")).unwrap();
+        assert_eq!(s.arch, Arch::DeepseekV3);
+        let e = s.moe.unwrap();
+        assert_eq!(
+            (e.scoring, e.num_groups, e.topk_groups),
+            (MoeScoring::SigmoidBiased, 8, 4)
+        );
+        let want = yarn_mscale(40.0, 1.0) / yarn_mscale(40.0, 0.5);
+        assert!(matches!(
+            s.rope_scaling,
+            Some(RopeScaling::Yarn { attention_factor, .. }) if attention_factor == want
+        ));
+    }
+
+    #[test]
+    fn what_cannot_be_served_is_refused_not_approximated() {
+        let p = Path::new("config.json");
+        for (k, v) in [
+            ("moe_layer_freq", json!(2)),
+            ("topk_method", json!("noaux_tc")),
+            ("scoring_func", json!("sigmoid")),
+            ("attention_bias", json!(true)),
+            ("num_experts_per_tok", json!(65)),
+            ("n_group", json!(3)),
+            ("qk_rope_head_dim", json!(63)),
+            ("kv_lora_rank", json!(0)),
+        ] {
+            let mut c = v2_lite();
+            c[k] = v.clone();
+            if k == "n_group" {
+                c["topk_method"] = json!("group_limited_greedy");
+            }
+            assert!(
+                matches!(
+                    spec_from_config(&c, None, p),
+                    Err(LoadError::Unsupported { .. } | LoadError::Config { .. })
+                ),
+                "{k} = {v}"
+            );
+        }
+        let mut c = v2_lite();
+        c.as_object_mut().unwrap().remove("kv_lora_rank");
+        assert!(matches!(
+            spec_from_config(&c, None, p),
+            Err(LoadError::Config { .. })
+        ));
+        // YaRN only where its attention factor is applied (DeepSeek).
+        let mut llama = v2_lite();
+        llama["architectures"] = json!(["LlamaForCausalLM"]);
+        assert!(matches!(
+            spec_from_config(&llama, None, p),
+            Err(LoadError::Config { .. })
+        ));
+    }
+}

@@ -6,6 +6,8 @@ mod e2e_support;
 
 #[path = "cli.rs"]
 mod cli;
+#[path = "e2e_deepseek.rs"]
+mod e2e_deepseek;
 #[path = "e2e_fault.rs"]
 mod e2e_fault;
 #[path = "e2e_faults.rs"]

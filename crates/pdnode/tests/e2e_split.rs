@@ -21,16 +21,16 @@ use std::time::{Duration, Instant};
 const READY: Duration = Duration::from_secs(120);
 
 /// The three processes of a disaggregated run, and their addresses.
-struct Split {
-    router: Node,
-    prefill: Node,
-    decode: Node,
-    http: String,
+pub(crate) struct Split {
+    pub(crate) router: Node,
+    pub(crate) prefill: Node,
+    pub(crate) decode: Node,
+    pub(crate) http: String,
     prefill_grpc: String,
 }
 
 impl Split {
-    fn nodes(&self) -> [&Node; 3] {
+    pub(crate) fn nodes(&self) -> [&Node; 3] {
         [&self.router, &self.prefill, &self.decode]
     }
 }
@@ -38,7 +38,7 @@ impl Split {
 /// Starts router, prefill and decode from configs/cpu-*.toml against `etcd` in cluster
 /// `cluster`; `engine` are extra `--set`s for the prefill and decode nodes, `router_extra` for
 /// the router.
-fn start_split(
+pub(crate) fn start_split(
     dir: &Path,
     etcd: &str,
     cluster: &str,

@@ -1,6 +1,7 @@
 //! The engine loop over the CPU backend on a tiny fixture model: greedy generation of several
 //! sequences batched together (continuous batching, chunked prefill, prefix-cache hits) equals
-//! each sequence generated alone, and the reference prompt gives transformers' greedy tokens.
+//! each sequence generated alone, and the reference prompt gives transformers' greedy tokens;
+//! for the Llama family and for DeepSeek (latent attention: the prefix cache shares latents).
 
 use pdnode_core::request::GenerateRequest;
 use pdnode_core::{RequestId, SamplingParams};
@@ -13,12 +14,14 @@ use std::time::Duration;
 
 const DEADLINE: Duration = Duration::from_secs(120);
 
-fn fixture() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama_gqa")
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
 }
 
-fn engine(max_batch_tokens: usize) -> (EngineHandle, usize) {
-    let model = load_path(&fixture()).unwrap();
+fn engine(name: &str, max_batch_tokens: usize) -> (EngineHandle, usize) {
+    let model = load_path(&fixture(name)).unwrap();
     let vocab = model.spec.vocab_size;
     let cfg = CpuBackendConfig {
         block_size: 4,
@@ -58,8 +61,8 @@ async fn collect(mut s: RequestStream) -> Vec<u32> {
     tokio::time::timeout(DEADLINE, fut).await.expect("deadline")
 }
 
-fn reference() -> (Vec<u32>, Vec<u32>) {
-    let text = std::fs::read_to_string(fixture().join("reference.json")).unwrap();
+fn reference(name: &str) -> (Vec<u32>, Vec<u32>) {
+    let text = std::fs::read_to_string(fixture(name).join("reference.json")).unwrap();
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
     let ids = |k: &str| -> Vec<u32> {
         v[k].as_array()
@@ -73,9 +76,15 @@ fn reference() -> (Vec<u32>, Vec<u32>) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batched_greedy_generation_equals_each_sequence_alone() {
-    let (prompt, greedy) = reference();
+    for name in ["llama_gqa", "deepseek_v2", "deepseek_v3"] {
+        batched_equals_alone(name).await;
+    }
+}
+
+async fn batched_equals_alone(name: &str) {
+    let (prompt, greedy) = reference(name);
     // A small step budget forces chunked prefill and mixed prefill/decode steps.
-    let (batched, vocab) = engine(12);
+    let (batched, vocab) = engine(name, 12);
     let v = vocab as u32;
     let mut reqs = vec![GenerateRequest {
         id: RequestId(1),
@@ -104,16 +113,23 @@ async fn batched_greedy_generation_equals_each_sequence_alone() {
     for s in streams {
         together.push(collect(s).await);
     }
-    assert_eq!(together[0], greedy, "the reference prompt's greedy tokens");
-    let (solo, _) = engine(512);
+    assert_eq!(
+        together[0], greedy,
+        "{name}: the reference prompt's greedy tokens"
+    );
+    let (solo, _) = engine(name, 512);
     for (r, got) in reqs.iter().zip(&together) {
         let alone = collect(solo.add_request(r.clone()).unwrap()).await;
-        assert_eq!(&alone, got, "{}", r.id);
+        assert_eq!(&alone, got, "{name}: {}", r.id);
     }
+    // Again on the batched engine, from its prefix cache: the same tokens.
+    let again = collect(batched.add_request(reqs[0].clone()).unwrap()).await;
+    assert_eq!(again, greedy, "{name}: from the prefix cache");
     for e in [&batched, &solo] {
         e.check_accounting().await.unwrap().unwrap();
         let s = e.stats().await.unwrap().scheduler;
         assert_eq!(s.kv.available(), s.kv.total);
+        assert!(s.kv.cached > 0, "{name}: finished prompts stay cached");
         assert!(e.shutdown(DEADLINE).await);
     }
 }

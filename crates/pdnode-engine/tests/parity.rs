@@ -9,7 +9,7 @@ use pdnode_engine::backend::{Backend, ForwardBatch, SeqStep};
 use pdnode_engine::loader::load_path;
 use std::path::PathBuf;
 
-const MODELS: [&str; 11] = [
+const MODELS: [&str; 12] = [
     "llama_gqa",
     "llama3_rope",
     "llama_linear_rope",
@@ -26,6 +26,9 @@ const MODELS: [&str; 11] = [
     // sigmoid routing with its bias, YaRN scaling cos/sin too.
     "deepseek_v2",
     "deepseek_v3",
+    // DeepSeek-V3's block FP8 (float8_e4m3fn, one scale per 16 x 16 block here), dequantized
+    // at load; the reference ran on the dequantized weights.
+    "deepseek_v3_fp8",
 ];
 
 struct Reference {

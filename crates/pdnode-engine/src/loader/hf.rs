@@ -428,7 +428,10 @@ pub fn load(dir: &Path) -> Result<HfModel, LoadError> {
     let config = read_json(&config_path)?;
     let gen_cfg = read_json_opt(&dir.join("generation_config.json"))?;
     let spec = spec_from_config(&config, gen_cfg.as_ref(), &config_path)?;
-    let st = SafetensorsSet::open_dir(dir)?;
+    let mut st = SafetensorsSet::open_dir(dir)?;
+    if let Some(block) = hf_mla::fp8_block(&config, &config_path)? {
+        st.set_fp8_block(block);
+    }
     let bad_shape = |reason: crate::weights::ShapeError| LoadError::Config {
         path: dir.to_path_buf(),
         reason: reason.to_string(),

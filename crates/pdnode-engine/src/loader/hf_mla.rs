@@ -180,6 +180,50 @@ pub(super) fn yarn(
     })
 }
 
+/// `quantization_config` of a block-FP8 checkpoint (DeepSeek-V3): the block its
+/// `weight_scale_inv` tensors cover, `None` without one; any other method is refused.
+pub(super) fn fp8_block(
+    config: &Value,
+    path: &std::path::Path,
+) -> Result<Option<[usize; 2]>, LoadError> {
+    let Some(q) = config.get("quantization_config").filter(|q| !q.is_null()) else {
+        return Ok(None);
+    };
+    let unsupported = |reason: String| LoadError::Unsupported {
+        path: path.to_path_buf(),
+        reason,
+    };
+    match q.get("quant_method").and_then(Value::as_str) {
+        Some("fp8") => {}
+        m => {
+            return Err(unsupported(format!(
+                "quantization_config.quant_method {m:?} (supported: fp8 with weight_block_size)"
+            )));
+        }
+    }
+    if let Some(f) = q
+        .get("fmt")
+        .and_then(Value::as_str)
+        .filter(|f| *f != "e4m3")
+    {
+        return Err(unsupported(format!("FP8 format `{f}` (supported: e4m3)")));
+    }
+    let block: Option<Vec<usize>> = q
+        .get("weight_block_size")
+        .and_then(Value::as_array)
+        .map(|a| {
+            a.iter()
+                .filter_map(|x| x.as_u64().and_then(|x| usize::try_from(x).ok()))
+                .collect()
+        });
+    match block.as_deref() {
+        Some(&[b0, b1]) if b0 > 0 && b1 > 0 => Ok(Some([b0, b1])),
+        _ => Err(unsupported(
+            "block FP8 needs quantization_config.weight_block_size = [rows, columns]".into(),
+        )),
+    }
+}
+
 fn expert(st: &SafetensorsSet, p: &str, h: usize, inter: usize) -> Result<Expert, LoadError> {
     Ok(Expert {
         w_gate: st.load(&format!("{p}.gate_proj.weight"), &[inter, h])?,

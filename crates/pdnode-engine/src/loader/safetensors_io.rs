@@ -21,6 +21,9 @@ pub struct SafetensorsSet {
     /// Tensor name -> shard index.
     index: HashMap<String, usize>,
     progress: LoadProgress,
+    /// Block FP8 (`quantization_config.weight_block_size`): an `F8_E4M3` tensor `x` is
+    /// multiplied by `x_scale_inv`, one f32 per block of this many rows and columns.
+    fp8_block: Option<[usize; 2]>,
 }
 
 fn malformed(path: &Path, reason: String) -> LoadError {
@@ -116,6 +119,7 @@ impl SafetensorsSet {
             shards,
             index,
             progress: LoadProgress::new(&label, total),
+            fp8_block: None,
         })
     }
 
@@ -125,6 +129,11 @@ impl SafetensorsSet {
 
     pub fn names(&self) -> impl Iterator<Item = &str> {
         self.index.keys().map(String::as_str)
+    }
+
+    /// Dequantizes block-FP8 tensors at load with blocks of `block` (rows, columns).
+    pub fn set_fp8_block(&mut self, block: [usize; 2]) {
+        self.fp8_block = Some(block);
     }
 
     /// The file holding `name` (for error messages), or the first shard.
@@ -160,10 +169,13 @@ impl SafetensorsSet {
             });
         }
         let bytes = view.data();
+        if view.dtype() == Dtype::F8_E4M3 {
+            return self.load_fp8(name, &shard.path, bytes, expected);
+        }
         let data = to_f32(view.dtype(), bytes).ok_or_else(|| LoadError::Unsupported {
             path: shard.path.clone(),
             reason: format!(
-                "tensor `{name}` has dtype {:?} (supported: F32, F16, BF16)",
+                "tensor `{name}` has dtype {:?} (supported: F32, F16, BF16, block-scaled F8_E4M3)",
                 view.dtype()
             ),
         })?;
@@ -171,8 +183,62 @@ impl SafetensorsSet {
         Ok(Tensor::new(expected.to_vec(), data))
     }
 
+    /// A block-FP8 matrix dequantized: `fp8[i][j] * scale_inv[i / b0][j / b1]`.
+    fn load_fp8(
+        &self,
+        name: &str,
+        path: &Path,
+        bytes: &[u8],
+        shape: &[usize],
+    ) -> Result<Tensor, LoadError> {
+        let unsupported = |reason: String| LoadError::Unsupported {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let Some([b0, b1]) = self.fp8_block else {
+            return Err(unsupported(format!(
+                "tensor `{name}` is F8_E4M3 but config.json has no \
+                 `quantization_config.weight_block_size`"
+            )));
+        };
+        let &[rows, cols] = shape else {
+            return Err(unsupported(format!(
+                "tensor `{name}`: F8_E4M3 only for matrices (shape {shape:?})"
+            )));
+        };
+        let grid = [rows.div_ceil(b0), cols.div_ceil(b1)];
+        let scale = self.load(&format!("{name}_scale_inv"), &grid)?;
+        let mut out = vec![0f32; rows * cols];
+        out.par_chunks_mut(cols)
+            .zip(bytes.par_chunks(cols))
+            .enumerate()
+            .for_each(|(i, (o, b))| {
+                let srow = &scale.data[(i / b0) * grid[1]..(i / b0 + 1) * grid[1]];
+                for (j, (o, &x)) in o.iter_mut().zip(b).enumerate() {
+                    *o = f8_e4m3_to_f32(x) * srow[j / b1];
+                }
+            });
+        self.progress.inc(bytes.len() as u64);
+        Ok(Tensor::new(shape.to_vec(), out))
+    }
+
     pub fn finish(&self) {
         self.progress.finish();
+    }
+}
+
+/// An OCP FP8 E4M3 (`float8_e4m3fn`: bias 7, no infinities, `S.1111.111` NaN) to f32.
+pub fn f8_e4m3_to_f32(x: u8) -> f32 {
+    let sign = if x & 0x80 != 0 { -1.0 } else { 1.0 };
+    let exp = (x >> 3) & 0x0f;
+    let man = (x & 0x07) as f32;
+    if exp == 0x0f && x & 0x07 == 0x07 {
+        return f32::NAN;
+    }
+    if exp == 0 {
+        sign * man / 8.0 * 2f32.powi(-6)
+    } else {
+        sign * (1.0 + man / 8.0) * 2f32.powi(exp as i32 - 7)
     }
 }
 
@@ -195,5 +261,28 @@ fn to_f32(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
         Dtype::F16 => Some(conv(2, |c| f16::from_le_bytes([c[0], c[1]]).to_f32())),
         Dtype::BF16 => Some(conv(2, |c| bf16::from_le_bytes([c[0], c[1]]).to_f32())),
         _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::f8_e4m3_to_f32;
+
+    #[test]
+    fn e4m3_decodes_as_torch_float8_e4m3fn() {
+        for (bits, want) in [
+            (0x38u8, 1.0f32),
+            (0xb8, -1.0),
+            (0x7e, 448.0),
+            (0x01, 2f32.powi(-9)),
+            (0x08, 2f32.powi(-6)),
+            (0x3c, 1.5),
+            (0x00, 0.0),
+        ] {
+            assert_eq!(f8_e4m3_to_f32(bits), want, "{bits:#x}");
+        }
+        assert!(f8_e4m3_to_f32(0x7f).is_nan() && f8_e4m3_to_f32(0xff).is_nan());
+        // 0x78 (exponent 15, mantissa 0) is a number in e4m3fn, not an infinity.
+        assert_eq!(f8_e4m3_to_f32(0x78), 256.0);
     }
 }

@@ -325,11 +325,15 @@ pub fn value(seed: u64, tensor_id: u64, index: u64, std: f32) -> f32 {
 
 /// Generates one tensor on the host.
 pub fn tensor(d: DummySpec, kind: TensorKind, shape: Vec<usize>) -> Tensor {
+    filled(d, kind.id(), kind.fill(), shape)
+}
+
+/// A tensor of `shape` filled as `fill` says, random values from tensor id `id`.
+fn filled(d: DummySpec, id: u64, fill: Fill, shape: Vec<usize>) -> Tensor {
     let n: usize = shape.iter().product();
-    let data = match kind.fill() {
+    let data = match fill {
         Fill::Const(c) => vec![c; n],
         Fill::Random => {
-            let id = kind.id();
             let mut v = vec![0f32; n];
             v.par_chunks_mut(1 << 16)
                 .enumerate()
@@ -392,22 +396,7 @@ pub fn materialize_mla(spec: &ModelSpec, d: DummySpec) -> Option<MlaWeights> {
     let mut t = |shape: &[usize], fill: Fill| {
         let id = 1 << 20 | next;
         next += 1;
-        let n: usize = shape.iter().product();
-        let data = match fill {
-            Fill::Const(c) => vec![c; n],
-            Fill::Random => {
-                let mut v = vec![0f32; n];
-                v.par_chunks_mut(1 << 16)
-                    .enumerate()
-                    .for_each(|(c, chunk)| {
-                        for (j, x) in chunk.iter_mut().enumerate() {
-                            *x = value(d.seed, id, (c * (1 << 16) + j) as u64, d.std);
-                        }
-                    });
-                v
-            }
-        };
-        Tensor::new(shape.to_vec(), data)
+        filled(d, id, fill, shape.to_vec())
     };
     let r = Fill::Random;
     let one = Fill::Const(1.0);

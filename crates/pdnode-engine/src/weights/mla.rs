@@ -1,7 +1,7 @@
 //! Host weights of a DeepSeek-family model (multi-head latent attention, mixture of experts), in
 //! Hugging Face orientation like [`super::Weights`].
 
-use super::{ShapeError, Tensor};
+use super::{ShapeError, Tensor, want, want_opt};
 use crate::spec::{MlaSpec, ModelSpec, MoeScoring};
 
 /// The query projection of an MLA layer.
@@ -70,17 +70,6 @@ pub struct MlaWeights {
     pub lm_head: Option<Tensor>, // [vocab, hidden]; None when tied to `embed`
 }
 
-fn want(name: &str, t: &Tensor, shape: &[usize]) -> Result<(), ShapeError> {
-    if t.shape != shape || t.data.len() != shape.iter().product::<usize>() {
-        return Err(ShapeError::Shape {
-            name: name.to_string(),
-            got: t.shape.clone(),
-            expected: shape.to_vec(),
-        });
-    }
-    Ok(())
-}
-
 fn want_expert(name: &str, e: &Expert, h: usize, inter: usize) -> Result<(), ShapeError> {
     want(&format!("{name}.w_gate"), &e.w_gate, &[inter, h])?;
     want(&format!("{name}.w_up"), &e.w_up, &[inter, h])?;
@@ -120,21 +109,12 @@ impl MlaWeights {
             match (&l.ffn, &s.moe) {
                 (Ffn::Moe(e), Some(spec)) if spec.is_moe_layer(n) => {
                     want(&p("router"), &e.router, &[spec.num_experts, h])?;
-                    let biased = spec.scoring == MoeScoring::SigmoidBiased;
-                    match (&e.score_bias, biased) {
-                        (Some(b), true) => want(&p("score_bias"), b, &[spec.num_experts])?,
-                        (None, false) => {}
-                        (None, true) => {
-                            return Err(ShapeError::Missing {
-                                name: p("score_bias"),
-                            });
-                        }
-                        (Some(_), false) => {
-                            return Err(ShapeError::Unused {
-                                name: p("score_bias"),
-                            });
-                        }
-                    }
+                    want_opt(
+                        &p("score_bias"),
+                        &e.score_bias,
+                        spec.scoring == MoeScoring::SigmoidBiased,
+                        &[spec.num_experts],
+                    )?;
                     if e.experts.len() != spec.num_experts {
                         return Err(ShapeError::Shape {
                             name: p("experts"),
@@ -164,16 +144,12 @@ impl MlaWeights {
             }
         }
         want("final_norm", &self.final_norm, &[h])?;
-        match (&self.lm_head, s.tie_word_embeddings) {
-            (Some(t), false) => want("lm_head", t, &[s.vocab_size, h]),
-            (None, true) => Ok(()),
-            (None, false) => Err(ShapeError::Missing {
-                name: "lm_head".into(),
-            }),
-            (Some(_), true) => Err(ShapeError::Unused {
-                name: "lm_head".into(),
-            }),
-        }
+        want_opt(
+            "lm_head",
+            &self.lm_head,
+            !s.tie_word_embeddings,
+            &[s.vocab_size, h],
+        )
     }
 
     /// Every tensor with a name, in a fixed order (fingerprints, dummy weights).

@@ -65,33 +65,32 @@ pub enum ShapeError {
     Layers { got: usize, expected: usize },
 }
 
+/// `t` has `shape`, or the error names it.
+fn want(name: &str, t: &Tensor, shape: &[usize]) -> Result<(), ShapeError> {
+    if t.shape != shape || t.data.len() != shape.iter().product::<usize>() {
+        return Err(ShapeError::Shape {
+            name: name.to_string(),
+            got: t.shape.clone(),
+            expected: shape.to_vec(),
+        });
+    }
+    Ok(())
+}
+
+/// `t` is present with `shape` exactly when `on`.
+fn want_opt(name: &str, t: &Option<Tensor>, on: bool, shape: &[usize]) -> Result<(), ShapeError> {
+    let name = name.to_string();
+    match (t, on) {
+        (Some(t), true) => want(&name, t, shape),
+        (None, false) => Ok(()),
+        (None, true) => Err(ShapeError::Missing { name }),
+        (Some(_), false) => Err(ShapeError::Unused { name }),
+    }
+}
+
 impl Weights {
     /// Checks every tensor's shape against the spec; `Err` names the first tensor that is off.
     pub fn check_shapes(&self, s: &ModelSpec) -> Result<(), ShapeError> {
-        fn want(name: &str, t: &Tensor, shape: &[usize]) -> Result<(), ShapeError> {
-            if t.shape != shape || t.data.len() != shape.iter().product::<usize>() {
-                return Err(ShapeError::Shape {
-                    name: name.to_string(),
-                    got: t.shape.clone(),
-                    expected: shape.to_vec(),
-                });
-            }
-            Ok(())
-        }
-        fn want_opt(
-            name: &str,
-            t: &Option<Tensor>,
-            on: bool,
-            shape: &[usize],
-        ) -> Result<(), ShapeError> {
-            let name = name.to_string();
-            match (t, on) {
-                (Some(t), true) => want(&name, t, shape),
-                (None, false) => Ok(()),
-                (None, true) => Err(ShapeError::Missing { name }),
-                (Some(_), false) => Err(ShapeError::Unused { name }),
-            }
-        }
         let (h, q, kv, i) = (s.hidden_size, s.q_dim(), s.kv_dim(), s.intermediate_size);
         want("embed", &self.embed, &[s.vocab_size, h])?;
         if self.layers.len() != s.num_layers {

@@ -114,12 +114,7 @@ pub fn attention(
                     *sc = dot * scale;
                     max = max.max(*sc);
                 }
-                let mut sum = 0f32;
-                for sc in scores.iter_mut() {
-                    *sc = (*sc - max).exp();
-                    sum += *sc;
-                }
-                let inv = 1.0 / sum;
+                let inv = exp_shifted(&mut scores, max);
                 let oh = &mut o_row[h * hd..(h + 1) * hd];
                 oh.fill(0.0);
                 for (j, &p) in (first..).zip(scores.iter()) {
@@ -132,6 +127,17 @@ pub fn attention(
                 }
             }
         });
+}
+
+/// Softmax's numerators in place (`exp(score - max)`); returns one over their sum.
+#[inline]
+pub fn exp_shifted(scores: &mut [f32], max: f32) -> f32 {
+    let mut sum = 0f32;
+    for sc in scores.iter_mut() {
+        *sc = (*sc - max).exp();
+        sum += *sc;
+    }
+    1.0 / sum
 }
 
 /// Dot product with 8 independent accumulators (vectorizes without reassociation flags).

@@ -8,7 +8,7 @@
 //! as expanding every cached latent into keys and values (what transformers does); the pool holds
 //! only the latents (`[layer][block][slot][kv_lora_rank + qk_rope_head_dim]`).
 
-use super::attention::{PoolDims, SeqView, dot};
+use super::attention::{PoolDims, SeqView, dot, exp_shifted};
 use super::{CpuBackend, CpuWeights, moe, ops, output_logits, step_rows};
 use crate::backend::{ForwardBatch, Logits, StepStaging};
 use crate::spec::{MlaSpec, RopeScaling, yarn_mscale};
@@ -249,12 +249,7 @@ fn latent_attention(
                     *sc = (dot(ql, &lat[..r]) + dot(qp, &lat[r..])) * scale;
                     max = max.max(*sc);
                 }
-                let mut sum = 0f32;
-                for sc in scores.iter_mut() {
-                    *sc = (*sc - max).exp();
-                    sum += *sc;
-                }
-                let inv = 1.0 / sum;
+                let inv = exp_shifted(&mut scores, max);
                 let oh = &mut o_row[hh * r..(hh + 1) * r];
                 oh.fill(0.0);
                 for (j, &p) in scores.iter().enumerate() {

@@ -83,7 +83,8 @@ enum TargetEdit {
     None,
     RequestId(u64),
     Blocks(Vec<u32>),
-    Layout(u32, u32, u32, u32, u32, i32),
+    /// layers, block size, heads, head dim, TP, dtype, kind (any value, known or not).
+    Layout(u32, u32, u32, u32, u32, i32, i32),
     Secret(Vec<u8>),
     StagingOffset(u64),
     Generation(u64, bool, bool),
@@ -97,8 +98,8 @@ fn target_edit() -> impl Strategy<Value = TargetEdit> {
         1 => any::<u64>().prop_map(TargetEdit::RequestId),
         2 => prop::collection::vec(prop_oneof![0u32..70, any::<u32>()], 0..20)
             .prop_map(TargetEdit::Blocks),
-        1 => (0u32..70, 0u32..9, 0u32..4, 0u32..5, 0u32..3, -1i32..5)
-            .prop_map(|(a, b, c, d, e, f)| TargetEdit::Layout(a, b, c, d, e, f)),
+        1 => (0u32..70, 0u32..9, 0u32..4, 0u32..5, 0u32..3, -1i32..5, -1i32..3)
+            .prop_map(|(a, b, c, d, e, f, k)| TargetEdit::Layout(a, b, c, d, e, f, k)),
         1 => prop::collection::vec(any::<u8>(), 0..20).prop_map(TargetEdit::Secret),
         1 => any::<u64>().prop_map(TargetEdit::StagingOffset),
         1 => (any::<u64>(), any::<bool>(), any::<bool>())
@@ -173,7 +174,7 @@ fn edited(t: Option<&v1::KvTarget>, e: &TargetEdit) -> Option<v1::KvTarget> {
         TargetEdit::None => return None,
         TargetEdit::RequestId(r) => t.request_id = *r,
         TargetEdit::Blocks(b) => t.block_ids = b.clone(),
-        TargetEdit::Layout(l, bs, h, d, tp, dt) => {
+        TargetEdit::Layout(l, bs, h, d, tp, dt, kind) => {
             t.layout = Some(v1::KvLayout {
                 dtype: *dt,
                 num_layers: *l,
@@ -185,7 +186,7 @@ fn edited(t: Option<&v1::KvTarget>, e: &TargetEdit) -> Option<v1::KvTarget> {
                     .layout
                     .as_ref()
                     .map_or(String::new(), |x| x.model_fingerprint.clone()),
-                kind: v1::KvKind::KeyValue as i32,
+                kind: *kind,
             })
         }
         TargetEdit::Secret(s) => t.secret = s.clone(),

@@ -189,6 +189,19 @@ impl CpuBackend {
 
     /// Builds a backend from a loaded model, materializing dummy weights on the host.
     pub fn from_loaded(model: LoadedModel, cfg: CpuBackendConfig) -> Result<Self, BackendError> {
+        if let ModelWeights::Dummy(_) = model.weights {
+            // Materialized at f32 on the host: refuse what cannot fit rather than abort on it.
+            let need = model.spec.num_params() as u64 * 4;
+            if let Some(avail) = host_memory_available().filter(|&a| need > a) {
+                return Err(BackendError::Device(format!(
+                    "dummy `{}` weights need {:.1} GB of host memory at f32, {:.1} GB are \
+                     available: too large for the CPU backend",
+                    model.name,
+                    need as f64 / 1e9,
+                    avail as f64 / 1e9
+                )));
+            }
+        }
         match model.weights {
             ModelWeights::Host(w) => Self::new(model.spec, w, model.fingerprint, cfg),
             ModelWeights::HostMla(w) => Self::new_mla(model.spec, w, model.fingerprint, cfg),
@@ -523,6 +536,14 @@ impl KvMemory for CpuBackend {
     }
 }
 
+/// `MemAvailable` of `/proc/meminfo` in bytes; `None` where it cannot be read.
+fn host_memory_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 /// `n` zeroed f32s, or `None` when the allocation fails. Zeroed by the allocator
 /// (`alloc_zeroed`: fresh pages from the OS for a pool this size), not written here: writing
 /// 1 GiB of zeros at start cost seconds of a node's start-up on a busy machine (the cluster's
@@ -545,6 +566,23 @@ fn zeroed_pool(n: usize) -> Option<Vec<f32>> {
 #[cfg(test)]
 mod pool_tests {
     use super::zeroed_pool;
+
+    /// DeepSeek-V3's dummy weights at f32 (2.7 TB) are refused with a clear error, not an
+    /// abort (no host has that much).
+    #[test]
+    fn dummy_weights_larger_than_the_host_are_an_error() {
+        let model = crate::loader::load_dummy(
+            "deepseek-v3",
+            crate::loader::DummySpec { seed: 0, std: 0.02 },
+            None,
+        )
+        .unwrap();
+        let err = super::CpuBackend::from_loaded(model, super::CpuBackendConfig::default())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("GB of host memory"), "{err}");
+        assert!(super::host_memory_available().is_some_and(|a| a > 0));
+    }
 
     #[test]
     fn the_pool_is_zeroed_and_an_impossible_one_is_an_error_not_an_abort() {

@@ -3,13 +3,16 @@
 # prefill and two decode nodes from configs/multi-host/), load at concurrency 64, one fault per
 # case; one table row per case. Needs root (ip netns) and iproute2 + etcd (scripts/setup.sh).
 #
-#   tests/cluster/run.sh [--quick|--full] [--case NAME] [--list] [--keep-logs] [--soak SECONDS]
+#   tests/cluster/run.sh [--quick|--full] [--model PATH] [--case NAME] [--list] [--keep-logs]
+#                        [--soak SECONDS]
 #                        [--router-set KEY=VALUE]   (the soak's router, e.g. a small max_tree_size)
 #                        [--pairing SECONDS]        (the pairing benchmark: one slow pair, TTFT
 #                                                    under each prefill policy; a figure, no test)
 #
 # --quick (the default, CI): mock engines, about 4 minutes on 2 cores. --full: the same cases on
-# the CPU engine with the demo model, greedy, outputs compared across cases (not in CI).
+# the CPU engine with the demo model (or --model: another GGUF file or HF directory, e.g. the
+# DeepSeek fixture crates/pdnode-engine/tests/fixtures/deepseek_v3), greedy, outputs compared
+# across cases (not in CI).
 # --soak SECONDS runs the soak instead of the cases (what tests/cluster/soak.sh calls). Exits 0
 # only when every case passed.
 #
@@ -31,6 +34,9 @@ while [ $# -gt 0 ]; do
     --case)
       [ $# -ge 2 ] || { echo "--case needs a name" >&2; exit 2; }
       args+=("$1" "$2"); shift ;;
+    --model)
+      [ $# -ge 2 ] || { echo "--model needs a path (GGUF file or HF directory)" >&2; exit 2; }
+      args+=("$1" "$2"); shift ;;
     --soak)
       [ $# -ge 2 ] || { echo "--soak needs seconds" >&2; exit 2; }
       soak="$2"; args+=("$1" "$2"); shift ;;
@@ -41,7 +47,7 @@ while [ $# -gt 0 ]; do
     --router-set)
       [ $# -ge 2 ] || { echo "--router-set needs KEY=VALUE" >&2; exit 2; }
       args+=("$1" "$2"); shift ;;
-    -h | --help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,19p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
   shift

@@ -823,3 +823,40 @@ async fn deepseek_latent_kv_hand_off_matches_colocated_and_transformers() {
         assert_clean(&d.node).await;
     }
 }
+
+/// What a drain waits for (`EngineService::in_flight`) counts a reservation whose `Decode` has
+/// not come yet: a decode node drained with `node.drain = "wait"` right after a reservation
+/// must stay up for its `Decode` (the full cluster matrix on a fast model caught a drain that
+/// left in 0.1 s and failed three such requests).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_waits_for_reservations_not_yet_decoded() {
+    use pdnode_node::EngineService;
+    use pdnode_node::engine::adapter::EngineHandleService;
+    let cfg = mock_config();
+    let aio = tokio::task::block_in_place(|| pd::all_in_one(&cfg, &NodeId::new("l"))).unwrap();
+    let svc = EngineHandleService::new(aio.decode.engine().clone(), "m".into(), 8);
+    assert_eq!(svc.in_flight().await.unwrap(), 0);
+    let target = aio
+        .decode
+        .reserve_kv(ReserveKv {
+            request_id: RequestId(6),
+            prompt_token_ids: prompt(),
+            max_tokens: 4,
+            prefill_node: aio.prefill.id().clone(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        svc.in_flight().await.unwrap(),
+        1,
+        "the reservation is in flight"
+    );
+    assert!(
+        aio.decode
+            .abort(RequestId(6), target.secret.clone(), "test".into())
+            .await
+            .unwrap()
+    );
+    assert_eq!(svc.in_flight().await.unwrap(), 0, "aborted: nothing left");
+    assert_clean(&aio.decode).await;
+}

@@ -48,8 +48,9 @@ pub enum EngineKind {
     /// The simulated engine (`--quick`): timed steps, a real (small) KV pool.
     #[default]
     Mock,
-    /// The CPU engine on this GGUF model (`--full`: the demo model), one thread per node (four
-    /// engines share the machine); the router tokenizes with the same model's tokenizer.
+    /// The CPU engine on this model (`--full`: the demo model, or `--model`: a GGUF file or an
+    /// HF directory), one thread per node (four engines share the machine); the router
+    /// tokenizes with the same model's tokenizer.
     Cpu(PathBuf),
 }
 
@@ -88,7 +89,7 @@ pub fn node_sets(role: Role, h: Host, certs: &Path, engine: &EngineKind) -> Vec<
         ]),
         EngineKind::Cpu(model) => {
             s.extend([
-                q("model.format", "gguf"),
+                q("model.format", if model.is_dir() { "hf" } else { "gguf" }),
                 q("model.path", &model.to_string_lossy()),
             ]);
             if role != Role::Router {

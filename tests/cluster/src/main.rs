@@ -22,7 +22,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 const USAGE: &str = "usage: cluster-driver --prefix NAME --bin PATH/TO/pdnode [--repo DIR] \
-                     [--quick|--full] [--case NAME] [--list] [--keep-logs] [--soak SECONDS] \
+                     [--quick|--full] [--model PATH] [--case NAME] [--list] [--keep-logs] \
+                     [--soak SECONDS] \
                      [--router-set KEY=VALUE ...] [--pairing SECONDS]";
 
 struct Args {
@@ -30,6 +31,8 @@ struct Args {
     bin: PathBuf,
     repo: PathBuf,
     full: bool,
+    /// `--full`'s model: a GGUF file or an HF directory (default: the demo model).
+    model: Option<PathBuf>,
     case: Option<String>,
     list: bool,
     keep_logs: bool,
@@ -47,6 +50,7 @@ fn parse_args() -> Result<Args> {
         bin: PathBuf::new(),
         repo: std::env::current_dir()?,
         full: false,
+        model: None,
         case: None,
         list: false,
         keep_logs: false,
@@ -64,6 +68,7 @@ fn parse_args() -> Result<Args> {
             "--case" => a.case = Some(value("--case")?),
             "--quick" => a.full = false,
             "--full" => a.full = true,
+            "--model" => a.model = Some(PathBuf::from(value("--model")?)),
             "--list" => a.list = true,
             "--keep-logs" => a.keep_logs = true,
             "--soak" => {
@@ -104,11 +109,18 @@ fn main() -> ExitCode {
 
 fn real_main() -> Result<bool> {
     let args = parse_args()?;
-    let model = std::fs::canonicalize(args.repo.join(cases::DEMO_MODEL))
-        .unwrap_or_else(|_| args.repo.join(cases::DEMO_MODEL));
-    if args.full && !args.list && !model.is_file() {
+    let chosen = args
+        .model
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(cases::DEMO_MODEL));
+    if args.model.is_some() && !args.full {
+        bail!("--model is for --full (the --quick cases run the simulated engine)");
+    }
+    let model =
+        std::fs::canonicalize(args.repo.join(&chosen)).unwrap_or_else(|_| args.repo.join(&chosen));
+    if args.full && !args.list && !model.exists() {
         bail!(
-            "--full serves the demo model {}: run scripts/setup.sh first",
+            "--full serves {}: not found (the demo model: run scripts/setup.sh first)",
             model.display()
         );
     }

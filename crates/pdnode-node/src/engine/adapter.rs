@@ -102,7 +102,13 @@ impl EngineService for EngineHandleService {
     fn in_flight(&self) -> BoxFuture<'_, Result<usize, EngineError>> {
         async move {
             let s = self.handle.stats().await?;
-            Ok(s.scheduler.running + s.scheduler.waiting + s.scheduler.transferred)
+            // KV leases are hand-offs in flight: a decode node's reservations whose `Decode`
+            // has not come yet (a drain that ignored them failed those requests on a node that
+            // had stopped), a prefill node's pushes. Each ends by its lease deadline.
+            Ok(s.scheduler.running
+                + s.scheduler.waiting
+                + s.scheduler.transferred
+                + s.scheduler.kv.leases)
         }
         .boxed()
     }

@@ -37,7 +37,8 @@ pub trait EngineService: Send + Sync + 'static {
     fn load(&self) -> BoxFuture<'_, Result<EngineLoad, EngineError>>;
     /// Stop admitting new requests (in-flight ones continue).
     fn stop_admitting(&self);
-    /// Requests admitted and not finished.
+    /// Requests admitted and not finished, and KV hand-offs in flight (reservations not yet
+    /// claimed by their `Decode`, pushes not yet acknowledged).
     fn in_flight(&self) -> BoxFuture<'_, Result<usize, EngineError>>;
     /// Stops the engine (its threads), waiting at most `timeout`; whether it stopped in time.
     fn shutdown(&self, timeout: Duration) -> BoxFuture<'_, bool>;

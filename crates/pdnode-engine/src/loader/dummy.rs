@@ -481,33 +481,18 @@ mod tests {
             let s = preset(name).unwrap();
             assert_eq!(s.num_heads % s.num_kv_heads, 0, "{name}");
         }
-        let l8 = preset("llama-3.1-8b").unwrap();
-        // Llama 3.1 8B: 8.03e9 parameters.
-        assert!(
-            (l8.num_params() as f64 - 8.03e9).abs() < 0.02e9,
-            "{}",
-            l8.num_params()
-        );
-        let smol = preset("smollm2-135m").unwrap();
-        assert!(
-            (smol.num_params() as f64 - 134.5e6).abs() < 1e6,
-            "{}",
-            smol.num_params()
-        );
+        let params = |name: &str, want: f64, tol: f64| {
+            let got = preset(name).unwrap().num_params() as f64;
+            assert!((got - want).abs() < tol, "{name}: {got} parameters");
+        };
+        // Llama 3.1 8B: 8.03e9 parameters; SmolLM2: 134.5e6; DeepSeek-V2-Lite: 15.7e9;
+        // DeepSeek-V3: 671e9 (without its MTP layer).
+        params("llama-3.1-8b", 8.03e9, 0.02e9);
+        params("smollm2-135m", 134.5e6, 1e6);
+        params("deepseek-v2-lite", 15.7e9, 0.1e9);
+        params("deepseek-v3", 671e9, 2e9);
         assert!(preset("gpt-5").is_none());
-        // DeepSeek-V2-Lite: 15.7e9 parameters; DeepSeek-V3: 671e9 (without its MTP layer).
         let v2 = preset("deepseek-v2-lite").unwrap();
-        assert!(
-            (v2.num_params() as f64 - 15.7e9).abs() < 0.1e9,
-            "{}",
-            v2.num_params()
-        );
-        let v3 = preset("deepseek-v3").unwrap();
-        assert!(
-            (v3.num_params() as f64 - 671e9).abs() < 2e9,
-            "{}",
-            v3.num_params()
-        );
         assert_eq!(v2.kv_cache_shape(), (1, 1, 576));
     }
 

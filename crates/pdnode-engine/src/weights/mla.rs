@@ -1,7 +1,7 @@
 //! Host weights of a DeepSeek-family model (multi-head latent attention, mixture of experts), in
 //! Hugging Face orientation like [`super::Weights`].
 
-use super::{ShapeError, Tensor, want, want_opt};
+use super::{ShapeError, Tensor, want, want_layers, want_opt};
 use crate::spec::{MlaSpec, ModelSpec, MoeScoring};
 
 /// The query projection of an MLA layer.
@@ -87,12 +87,7 @@ impl MlaWeights {
         };
         let (h, nh) = (s.hidden_size, s.num_heads);
         want("embed", &self.embed, &[s.vocab_size, h])?;
-        if self.layers.len() != s.num_layers {
-            return Err(ShapeError::Layers {
-                got: self.layers.len(),
-                expected: s.num_layers,
-            });
-        }
+        want_layers(self.layers.len(), s)?;
         for (n, l) in self.layers.iter().enumerate() {
             let p = |x: &str| format!("layers.{n}.{x}");
             want(&p("attn_norm"), &l.attn_norm, &[h])?;

@@ -77,6 +77,17 @@ fn want(name: &str, t: &Tensor, shape: &[usize]) -> Result<(), ShapeError> {
     Ok(())
 }
 
+/// As many layers as the spec says.
+fn want_layers(got: usize, s: &ModelSpec) -> Result<(), ShapeError> {
+    if got != s.num_layers {
+        return Err(ShapeError::Layers {
+            got,
+            expected: s.num_layers,
+        });
+    }
+    Ok(())
+}
+
 /// `t` is present with `shape` exactly when `on`.
 fn want_opt(name: &str, t: &Option<Tensor>, on: bool, shape: &[usize]) -> Result<(), ShapeError> {
     let name = name.to_string();
@@ -93,12 +104,7 @@ impl Weights {
     pub fn check_shapes(&self, s: &ModelSpec) -> Result<(), ShapeError> {
         let (h, q, kv, i) = (s.hidden_size, s.q_dim(), s.kv_dim(), s.intermediate_size);
         want("embed", &self.embed, &[s.vocab_size, h])?;
-        if self.layers.len() != s.num_layers {
-            return Err(ShapeError::Layers {
-                got: self.layers.len(),
-                expected: s.num_layers,
-            });
-        }
+        want_layers(self.layers.len(), s)?;
         for (n, l) in self.layers.iter().enumerate() {
             let p = |x: &str| format!("layers.{n}.{x}");
             want(&p("attn_norm"), &l.attn_norm, &[h])?;

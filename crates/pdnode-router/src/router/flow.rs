@@ -26,13 +26,15 @@
 //! for the answer, so the client's answer or the retry never waits on a frozen node.
 
 use super::attempt::{Event, Flow, Then};
-use super::calls::{StepErr, abort_as, abort_late_reservation, bounded, send, send_limit, step};
+use super::booking::{Booking, CostTicket};
+use super::calls::{StepErr, abort_as, send, send_limit, step};
 use super::migrate::{Got, decodes_now, migrate_to, park};
 use super::node_watch::NodeWatch;
+use super::warm::WARM_UP_ENDPOINT;
 use super::{GenEvent, GenRequest, InflightGuard, Router, Usage};
 use crate::error::{RouterError, Step};
 use crate::membership::Worker;
-use crate::node::{DecodeCall, MigrateOutcome, PrefillCall, PrefillOutcome, ReserveKv};
+use crate::node::{DecodeCall, MigrateOutcome};
 use crate::tokenize::Detokenizer;
 use futures::StreamExt;
 use pdnode_core::error::Classify;
@@ -54,90 +56,6 @@ pub(super) struct Progress {
     pub(super) first_at: Option<Instant>,
     pub(super) tokens: u32,
     pub(super) cached: u32,
-}
-
-/// A prefill call's share of the `cost` policy's estimates: its tokens in flight on P until it
-/// ends, and its measured duration and hand-off when it answered ([`CostTicket::done`]).
-struct CostTicket<'a> {
-    router: &'a Router,
-    ticket: Option<super::cost::Ticket>,
-}
-
-impl<'a> CostTicket<'a> {
-    fn new(router: &'a Router, p: &Worker, tokens: usize) -> Self {
-        let t = router.state.lock().cost.begin(p, tokens, Instant::now());
-        Self {
-            router,
-            ticket: Some(t),
-        }
-    }
-
-    /// No share: a prefill on the decode node itself is not a prefill node's work.
-    fn none(router: &'a Router) -> Self {
-        Self {
-            router,
-            ticket: None,
-        }
-    }
-
-    /// The prefill call starts now: its duration is measured from here.
-    fn prefill_starts(&mut self) {
-        if let Some(t) = self.ticket.as_mut() {
-            t.started = Instant::now();
-        }
-    }
-
-    /// The call answered: `bytes` handed off to `d`, `us` after the prefill.
-    fn done(mut self, d: &Worker, bytes: u64, us: u64) {
-        if let Some(t) = self.ticket.take() {
-            let now = Instant::now();
-            self.router
-                .state
-                .lock()
-                .cost
-                .end(t, Some((d, bytes, us)), now);
-        }
-    }
-}
-
-impl Drop for CostTicket<'_> {
-    fn drop(&mut self) {
-        if let Some(t) = self.ticket.take() {
-            self.router.state.lock().cost.end(t, None, Instant::now());
-        }
-    }
-}
-
-/// Releases a booking on drop.
-struct Booking<'a> {
-    router: &'a Router,
-    node: std::sync::Mutex<NodeId>,
-}
-
-impl<'a> Booking<'a> {
-    fn new(router: &'a Router, node: &NodeId) -> Self {
-        router.state.lock().book(node);
-        Self {
-            router,
-            node: std::sync::Mutex::new(node.clone()),
-        }
-    }
-
-    /// The booked request moved to `to` (a migrated stream).
-    fn move_to(&self, to: &NodeId) {
-        let mut node = self.node.lock().unwrap_or_else(|p| p.into_inner());
-        let mut st = self.router.state.lock();
-        st.release(&node);
-        st.book(to);
-        *node = to.clone();
-    }
-}
-
-impl Drop for Booking<'_> {
-    fn drop(&mut self) {
-        let node = self.node.get_mut().unwrap_or_else(|p| p.into_inner());
-        self.router.state.lock().release(node);
-    }
 }
 
 pub(super) async fn run(
@@ -218,85 +136,11 @@ fn other_decode(decodes: &[Worker], d: &Worker, excluded: &[NodeId]) -> bool {
         .any(|w| w.id() != d.id() && !excluded.contains(w.id()))
 }
 
-/// How a watched prefill ended.
-enum PrefillEnd {
-    Done(Result<PrefillOutcome, StepErr>),
-    /// The decode node went away first; why.
-    DecodeLost(String),
-    /// The prefill node went away (its watch said so) before it answered; why.
-    PrefillLost(String),
-}
-
 /// Resolves only when the watched node is gone; says why. Never without a watch.
-async fn node_lost(watch: &mut Option<NodeWatch>) -> String {
+pub(super) async fn node_lost(watch: &mut Option<NodeWatch>) -> String {
     match watch {
         Some(w) => w.lost().await,
         None => std::future::pending().await,
-    }
-}
-
-/// The `endpoint` of the router's own warm-up requests (kept out of the client metrics).
-pub(crate) const WARM_UP_ENDPOINT: &str = "warm_up";
-
-/// The prompt of a warm-up request: a few tokens any model has.
-const WARM_UP_PROMPT: &str = "pdnode warm-up";
-
-/// Runs one small request of the router's own through the pair `(p, d)`: a reservation on D,
-/// P's prefill and KV hand-off, one decode step on D (2 tokens, greedy, EOS ignored). Bounded
-/// as a client request is (`prefill_timeout_s`, `token_timeout_s`, `request_timeout_s`); a
-/// failure aborts on both nodes as it would for a client's.
-pub(crate) async fn warm_pair(router: &Router, p: &Worker, d: &Worker) -> Result<(), RouterError> {
-    let mut prompt = router
-        .deps
-        .tokenizer
-        .encode(WARM_UP_PROMPT, true)
-        .unwrap_or_default();
-    let vocab = router.deps.tokenizer.vocab_size();
-    prompt.retain(|&t| t < vocab);
-    if prompt.is_empty() {
-        prompt.push(0);
-    }
-    let req = GenRequest {
-        prompt_token_ids: prompt,
-        sampling: pdnode_core::SamplingParams {
-            temperature: 0.0,
-            max_tokens: 2,
-            ignore_eos: true,
-            ..Default::default()
-        },
-        endpoint: WARM_UP_ENDPOINT,
-        routing_key: None,
-        slo: Default::default(),
-    };
-    // Nobody reads the events: room for all of them (the first token, one more, the end).
-    let (tx, _rx) = mpsc::channel(8);
-    let mut flow = Flow::new(1);
-    flow.begin(false);
-    let _d_booking = Booking::new(router, d.id());
-    let pair = Pair {
-        router,
-        p,
-        d,
-        id: RequestId::random(),
-        here: false,
-        d_booking: None,
-        capability: OnceLock::new(),
-    };
-    let mut progress = Progress {
-        first_at: None,
-        tokens: 0,
-        cached: 0,
-    };
-    let span = tracing::info_span!("pair_warm_up", request_id = %pair.id, prefill = %p.id(), decode = %d.id());
-    let end = run_attempt(&pair, &mut flow, &req, &tx, Instant::now(), &mut progress)
-        .instrument(span)
-        .await;
-    match end {
-        End::Exit(Exit::Done(_)) => Ok(()),
-        End::Exit(Exit::ClientGone) => Err(RouterError::Internal {
-            message: "the warm-up's event channel closed".into(),
-        }),
-        End::Fail(e) | End::Retry { err: e, .. } => Err(e),
     }
 }
 
@@ -324,7 +168,7 @@ pub(super) struct Pair<'a> {
     /// D prefills the request itself (`router.local_prefill`): P is D, no hand-off.
     pub(super) here: bool,
     /// D's booking, moved with the stream when it migrates.
-    d_booking: Option<&'a Booking<'a>>,
+    pub(super) d_booking: Option<&'a Booking<'a>>,
     /// The KV capability D's `ReserveKv` answered (the target's secret): every Abort of this
     /// attempt presents it. Unset until the reservation answered.
     pub(super) capability: OnceLock<Vec<u8>>,
@@ -535,7 +379,7 @@ async fn drive(
 
 /// One attempt on `pair`: reserve, prefill (the decode node watched), the first token, the
 /// stream. Every exit goes through `flow`, which says what to abort and what comes next.
-async fn run_attempt(
+pub(super) async fn run_attempt(
     pair: &Pair<'_>,
     flow: &mut Flow,
     req: &GenRequest,
@@ -554,173 +398,35 @@ async fn run_attempt(
     let p_booking = Booking::new(router, p.id());
     // For the `cost` policy's estimates: this request's tokens count against P from its pick
     // (as its booking does) until its prefill call ends.
-    let mut ticket = if pair.here {
+    let ticket = if pair.here {
         CostTicket::none(router)
     } else {
         CostTicket::new(router, p, tokens.len())
     };
 
-    let reserve = ReserveKv {
-        request_id: req_id,
-        prefill_node: p.id().clone(),
-        prompt_token_ids: tokens.clone(),
-        max_tokens: req.sampling.max_tokens,
-    };
-    let reserve_span = tracing::info_span!("reserve_kv", otel.kind = "client", node = %d.id());
-    // Not cut short when the client leaves: the answer carries the KV capability that every
-    // Abort of the reservation presents, so the router waits for it (bounded like any step)
-    // and aborts with it; a call dropped instead could leave a made reservation to its lease.
-    // The call runs as its own task: past its bound the request moves on, and an answer still
-    // on its way is aborted with its capability when it lands (`abort_late_reservation`).
-    let mut call = {
-        let d = d.clone();
-        tokio::spawn(
-            async move { d.client.reserve_kv(reserve).await }.instrument(reserve_span.clone()),
-        )
-    };
-    let reserved = bounded(
-        prefill_timeout,
-        deadline,
-        (Step::ReserveKv, d.id(), req_id),
-        async {
-            (&mut call).await.unwrap_or_else(|e| {
-                Err(crate::error::NodeError::new(
-                    ErrorKind::Internal,
-                    format!("the ReserveKv call's task ended: {e}"),
-                ))
-            })
-        },
-    )
-    .instrument(reserve_span.clone())
-    .await;
-    if matches!(reserved, Err(StepErr::Failed(RouterError::Timeout { .. }))) {
-        abort_late_reservation(d, req_id, call);
-    }
-    let target = match reserved {
+    let target = match super::prefill::reserve(pair, flow, req, tx, deadline, prefill_timeout).await
+    {
         Ok(t) => t,
-        Err(StepErr::ClientGone) => return pair.gone(flow).await,
-        Err(StepErr::Failed(e)) => {
-            pdnode_telemetry::fail(&reserve_span, &e);
-            return pair
-                .fail(flow, Event::ReserveFailed(e.kind()), "reserve_kv failed", e)
-                .await;
-        }
+        Err(end) => return end,
     };
-    let _ = pair.capability.set(target.secret.clone());
-    flow.on(Event::Reserved);
-    if tx.is_closed() {
-        return pair.gone(flow).await;
-    }
-
     let secret = target.secret.clone();
-    let call = PrefillCall {
-        request_id: req_id,
-        prompt_token_ids: tokens.clone(),
-        sampling: req.sampling.clone(),
+    let (outcome, mut d_watch) = match super::prefill::prefill(
+        pair,
+        flow,
+        req,
         target,
-    };
-    let prefill_span = tracing::info_span!(
-        "prefill",
-        otel.kind = "client",
-        node = %p.id(),
-        transfer_bytes = Empty,
-        transfer_us = Empty,
-        cached_tokens = Empty,
-    );
-    ticket.prefill_starts();
-    let prefill = step(
+        (deadline, prefill_timeout),
+        (ticket, p_booking),
+        progress,
         tx,
-        prefill_timeout,
-        deadline,
-        (Step::Prefill, p.id(), req_id),
-        p.client.prefill(call),
     )
-    .instrument(prefill_span.clone());
-    // Both nodes watched while P computes. A colocated worker or a decode node prefilling
-    // itself (P == D) is not: it answers its own call, and its channel's keepalive covers a
-    // frozen process.
+    .await
+    {
+        Ok(x) => x,
+        Err(end) => return end,
+    };
     let membership = &router.deps.membership;
-    let watched = p.id() != d.id();
-    let mut d_watch = watched.then(|| router.watches.subscribe(d, Role::Decode, membership));
-    let mut p_watch = watched.then(|| router.watches.subscribe(p, Role::Prefill, membership));
-    let ended = tokio::select! {
-        r = prefill => PrefillEnd::Done(r),
-        why = node_lost(&mut d_watch) => PrefillEnd::DecodeLost(why),
-        why = node_lost(&mut p_watch) => PrefillEnd::PrefillLost(why),
-    };
-    // Leave P's watch now (the last request to leave stops it); D's goes on for the stream.
-    drop(p_watch);
-    let outcome = match ended {
-        PrefillEnd::Done(Ok(o)) => o,
-        PrefillEnd::Done(Err(StepErr::ClientGone)) => return pair.gone(flow).await,
-        PrefillEnd::Done(Err(StepErr::Failed(e))) => {
-            pdnode_telemetry::fail(&prefill_span, &e);
-            count_handoff(pair, e.kind().as_str());
-            return pair
-                .fail(flow, Event::PrefillFailed(e.kind()), "prefill failed", e)
-                .await;
-        }
-        PrefillEnd::PrefillLost(reason) => {
-            let e = RouterError::Node {
-                step: Step::Prefill,
-                node: p.id().clone(),
-                request: req_id,
-                source: crate::error::NodeError::new(
-                    ErrorKind::Unavailable,
-                    format!("prefill node lost: {reason}"),
-                ),
-            };
-            pdnode_telemetry::fail(&prefill_span, &e);
-            count_handoff(pair, e.kind().as_str());
-            return pair
-                .fail(flow, Event::PrefillFailed(e.kind()), "prefill node lost", e)
-                .await;
-        }
-        PrefillEnd::DecodeLost(reason) => {
-            // The prefill call is dropped already; Abort frees what it holds on P.
-            let e = RouterError::DecodeLost {
-                node: d.id().clone(),
-                request: req_id,
-                reason,
-            };
-            pdnode_telemetry::fail(&prefill_span, &e);
-            count_handoff(pair, e.kind().as_str());
-            return pair
-                .fail(
-                    flow,
-                    Event::DecodeLost,
-                    "decode node lost during prefill",
-                    e,
-                )
-                .await;
-        }
-    };
-    drop(p_booking);
-    // The warm-up's few tokens fill a whole KV block: not a sample of bytes per token.
-    if req.endpoint != WARM_UP_ENDPOINT {
-        ticket.done(d, outcome.transfer_bytes, outcome.transfer_us);
-    }
-    count_handoff(pair, "ok");
-    if cfg.warm_pairs && p.id() != d.id() {
-        router.state.lock().warm.set_warm(p, d);
-    }
     let mx = &router.metrics;
-    let node = p.id().as_str();
-    mx.inc(
-        m::TRANSFER_BYTES_TOTAL,
-        &[("direction", "sent"), ("node", node)],
-        outcome.transfer_bytes as f64,
-    );
-    mx.observe(
-        m::TRANSFER_SECONDS,
-        &[("node", node)],
-        outcome.transfer_us as f64 / 1e6,
-    );
-    progress.cached = outcome.cached_tokens;
-    prefill_span.record("transfer_bytes", outcome.transfer_bytes);
-    prefill_span.record("transfer_us", outcome.transfer_us);
-    prefill_span.record("cached_tokens", outcome.cached_tokens);
-    drop(prefill_span);
 
     // The first token.
     let mut detok = Detokenizer::new(router.deps.tokenizer.as_ref(), req.sampling.stop.clone());
@@ -1092,7 +798,7 @@ async fn finish_text(
 /// A prefill call (forward pass and KV hand-off) of `pair` ended with `outcome` (`ok`, or the
 /// failure's error class), counted for its prefill node. A colocated worker, or a decode node
 /// prefilling a request itself (P == D), hands nothing off: not counted.
-fn count_handoff(pair: &Pair<'_>, outcome: &str) {
+pub(super) fn count_handoff(pair: &Pair<'_>, outcome: &str) {
     if pair.p.id() == pair.d.id() {
         return;
     }

@@ -5,12 +5,14 @@
 //! the flow notices at once and aborts the request on both nodes.
 
 mod attempt;
+mod booking;
 mod calls;
 mod cost;
 mod flow;
 mod here;
 mod migrate;
 mod node_watch;
+mod prefill;
 mod rebalance;
 mod state;
 mod warm;

@@ -15,15 +15,20 @@
 //! makes it warm. Each router warms for itself (the nodes' endpoints outlive a router, so a
 //! second router's warm-ups are plain small requests).
 
-use super::Router;
-use super::flow;
+use super::attempt::Flow;
+use super::booking::Booking;
+use super::flow::{self, End, Exit, Pair, Progress, run_attempt};
+use super::{GenRequest, Router};
+use crate::error::RouterError;
 use crate::membership::Worker;
-use pdnode_core::NodeId;
 use pdnode_core::metrics as m;
+use pdnode_core::{NodeId, RequestId};
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+use tracing::Instrument;
 
 /// Warm-ups in flight at once, per router.
 pub const WARM_CONCURRENCY: usize = 4;
@@ -299,7 +304,7 @@ impl WarmPairs {
 pub(crate) fn spawn(router: Arc<Router>, p: Worker, d: Worker) {
     tokio::spawn(async move {
         let t0 = Instant::now();
-        let result = flow::warm_pair(&router, &p, &d).await;
+        let result = warm_pair(&router, &p, &d).await;
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         router
             .state
@@ -363,6 +368,71 @@ impl Router {
             return false;
         };
         self.state.lock().warm.is_warm(p, d)
+    }
+}
+
+/// The `endpoint` of the router's own warm-up requests (kept out of the client metrics).
+pub(crate) const WARM_UP_ENDPOINT: &str = "warm_up";
+
+/// The prompt of a warm-up request: a few tokens any model has.
+const WARM_UP_PROMPT: &str = "pdnode warm-up";
+
+/// Runs one small request of the router's own through the pair `(p, d)`: a reservation on D,
+/// P's prefill and KV hand-off, one decode step on D (2 tokens, greedy, EOS ignored). Bounded
+/// as a client request is (`prefill_timeout_s`, `token_timeout_s`, `request_timeout_s`); a
+/// failure aborts on both nodes as it would for a client's.
+pub(crate) async fn warm_pair(router: &Router, p: &Worker, d: &Worker) -> Result<(), RouterError> {
+    let mut prompt = router
+        .deps
+        .tokenizer
+        .encode(WARM_UP_PROMPT, true)
+        .unwrap_or_default();
+    let vocab = router.deps.tokenizer.vocab_size();
+    prompt.retain(|&t| t < vocab);
+    if prompt.is_empty() {
+        prompt.push(0);
+    }
+    let req = GenRequest {
+        prompt_token_ids: prompt,
+        sampling: pdnode_core::SamplingParams {
+            temperature: 0.0,
+            max_tokens: 2,
+            ignore_eos: true,
+            ..Default::default()
+        },
+        endpoint: WARM_UP_ENDPOINT,
+        routing_key: None,
+        slo: Default::default(),
+    };
+    // Nobody reads the events: room for all of them (the first token, one more, the end).
+    let (tx, _rx) = mpsc::channel(8);
+    let mut flow = Flow::new(1);
+    flow.begin(false);
+    let _d_booking = Booking::new(router, d.id());
+    let pair = Pair {
+        router,
+        p,
+        d,
+        id: RequestId::random(),
+        here: false,
+        d_booking: None,
+        capability: OnceLock::new(),
+    };
+    let mut progress = Progress {
+        first_at: None,
+        tokens: 0,
+        cached: 0,
+    };
+    let span = tracing::info_span!("pair_warm_up", request_id = %pair.id, prefill = %p.id(), decode = %d.id());
+    let end = run_attempt(&pair, &mut flow, &req, &tx, Instant::now(), &mut progress)
+        .instrument(span)
+        .await;
+    match end {
+        End::Exit(Exit::Done(_)) => Ok(()),
+        End::Exit(Exit::ClientGone) => Err(RouterError::Internal {
+            message: "the warm-up's event channel closed".into(),
+        }),
+        End::Fail(e) | End::Retry { err: e, .. } => Err(e),
     }
 }
 

@@ -352,3 +352,139 @@ fn linear_rmsnorm_fused_matches_unfused() {
     assert!(ops::gemv_mma_norm(&g, l, 64, 0, 64, &w, &x, &y, false, &nf).is_err());
     println!("PASS gemv_mma_norm rejects 16 warps, 9 and 0 tokens");
 }
+
+/// The L2 prefetch spans a GEMV launch can carry (`gemv_mma_pf`, `gemv_mma_norm_pf`: another
+/// weight asked into L2 at the start, or by the fused norm's last block) change no result: the
+/// output (and the normed rows, and the ticket back at 0) bit-identical to the same launch
+/// without them, on spans that end mid-chunk; misaligned spans and an `at_end` prefetch on the
+/// plain kernel are shape errors.
+#[test]
+#[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
+fn l2_prefetch_spans_change_no_result() {
+    let g = gpu();
+    let mut r = rng("l2_prefetch");
+    let sms = g.sm_count as usize;
+    let ticket = g.alloc(256).unwrap();
+    g.memset(&ticket, 0).unwrap();
+    let other = g.alloc(24 << 20).unwrap();
+    let eps = 1e-5f32;
+    for &(out, t, inp) in &[
+        (4096, 1, 4096),
+        (200, 3, 64),
+        (4096, 2, 1032),
+        (77, 8, 2056),
+    ] {
+        let w = randv(&mut r, out * inp, 0.05);
+        let x = randv(&mut r, t * inp, 1.0);
+        let y0 = randv(&mut r, t * out, 1.0);
+        let nw: Vec<f32> = randv(&mut r, out, 1.0).iter().map(|v| v + 1.0).collect();
+        let (dw, dx, dnw) = (
+            g.upload_bf16(&w).unwrap(),
+            g.upload_bf16(&x).unwrap(),
+            g.upload_f32(&nw).unwrap(),
+        );
+        let l = ops::table_launch(sms, out, t, inp)
+            .filter(|l| l.tiles == 1)
+            .unwrap_or_else(|| ops::mma_launch_tiles(sms, out, inp, 1));
+        let l = ops::MmaLaunch {
+            warps: l.warps.min(ops::NORM_MAX_WARPS),
+            ..l
+        };
+        let spans = [
+            ops::L2Prefetch::span(&other, 48, (9 << 20) + 4096 + 16),
+            ops::L2Prefetch::span(&other, 12 << 20, 100 * 16),
+        ];
+        let start = ops::L2Prefetch {
+            spans,
+            at_end: false,
+        };
+        let end = ops::L2Prefetch {
+            spans,
+            at_end: true,
+        };
+        // the plain kernel, with and without spans
+        let run_plain = |pf: &ops::L2Prefetch| {
+            let y = g.upload_f32(&y0).unwrap();
+            ops::gemv_mma_pf(&g, l, out, t, inp, &dw, &dx, &y, OutType::F32, true, pf).unwrap();
+            g.download_f32(&y, t * out).unwrap()
+        };
+        let want = run_plain(&ops::L2Prefetch::NONE);
+        let got = run_plain(&start);
+        let plain_same = want
+            .iter()
+            .zip(&got)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        // the fused norm, spans at the start and at the end
+        let run_norm = |pf: &ops::L2Prefetch| {
+            let y = g.upload_f32(&y0).unwrap();
+            let normed = poisoned(&g, t * out * 2);
+            let nf = ops::NormFuse {
+                w: &dnw,
+                out: &normed,
+                ticket: &ticket,
+                eps,
+            };
+            ops::gemv_mma_norm_pf(&g, l, out, t, inp, &dw, &dx, &y, true, &nf, pf).unwrap();
+            let tk = g.download_f32(&ticket, 1).unwrap()[0].to_bits();
+            (
+                g.download_f32(&y, t * out).unwrap(),
+                g.download_bf16(&normed, t * out).unwrap(),
+                tk,
+            )
+        };
+        let (y_ref, n_ref, _) = run_norm(&ops::L2Prefetch::NONE);
+        let mut norm_same = true;
+        for pf in [&start, &end] {
+            let (y, n, tk) = run_norm(pf);
+            norm_same &= tk == 0
+                && y.iter()
+                    .zip(&y_ref)
+                    .all(|(a, b)| a.to_bits() == b.to_bits())
+                && n.iter()
+                    .zip(&n_ref)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+        }
+        let ok = plain_same && norm_same;
+        println!(
+            "{} l2 prefetch out={out} t={t} in={inp} {l:?}: plain bit-equal {plain_same}, fused norm (start, end) bit-equal + ticket 0 {norm_same}",
+            if ok { "PASS" } else { "FAIL" }
+        );
+        assert!(ok, "L2 prefetch changed a result at {out}x{t}x{inp}");
+    }
+    let (w, x, y) = (
+        g.alloc(1 << 16).unwrap(),
+        g.alloc(1 << 16).unwrap(),
+        g.alloc(1 << 16).unwrap(),
+    );
+    let l = ops::mma_launch_tiles(sms, 64, 64, 1);
+    let odd = ops::L2Prefetch {
+        spans: [(other.ptr() + 8, 4096), (0, 0)],
+        at_end: false,
+    };
+    let short = ops::L2Prefetch {
+        spans: [(other.ptr(), 4100), (0, 0)],
+        at_end: false,
+    };
+    let end = ops::L2Prefetch {
+        spans: [(other.ptr(), 4096), (0, 0)],
+        at_end: true,
+    };
+    for pf in [&odd, &short, &end] {
+        assert!(
+            ops::gemv_mma_pf(&g, l, 64, 1, 64, &w, &x, &y, OutType::F32, false, pf).is_err(),
+            "{pf:?}"
+        );
+    }
+    let nf = ops::NormFuse {
+        w: &y,
+        out: &x,
+        ticket: &ticket,
+        eps,
+    };
+    for pf in [&odd, &short] {
+        assert!(ops::gemv_mma_norm_pf(&g, l, 64, 1, 64, &w, &x, &y, false, &nf, pf).is_err());
+    }
+    println!(
+        "PASS L2 prefetch spans: misaligned, odd lengths and at_end on the plain GEMV rejected"
+    );
+}

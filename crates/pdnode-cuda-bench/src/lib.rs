@@ -22,9 +22,11 @@ use std::time::Instant;
 pub mod attn;
 mod decode_ops;
 mod linear;
+mod prefetch;
 pub mod tp;
 pub use decode_ops::*;
 pub use linear::*;
+pub use prefetch::*;
 
 pub use pdnode_engine::loader::dummy::llama31_8b;
 

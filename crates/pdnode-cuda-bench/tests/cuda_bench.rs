@@ -292,6 +292,75 @@ fn bench_decode_fusions() {
     assert!(!rows.is_empty(), "no fusion was timed");
 }
 
+/// The decode step's L2 prefetches (issue 20): graph-replayed Llama-3.1-8B steps per prefetch
+/// setting, interleaved rounds, the median round against the step's ceiling (the bytes a step
+/// must read at the copy rate, `decode_step_bytes`). `PDNODE_BENCH_PF="1x512,8x512"`,
+/// `PDNODE_BENCH_PF_VARIANTS="off,o+gu+qkv (default)"` (names of `prefetch_variants`; default all),
+/// `PDNODE_BENCH_ITERS` (steps a round, default 40), `PDNODE_BENCH_ROUNDS` (default 3).
+#[test]
+#[ignore = "needs a CUDA GPU (about 30 GB free): run scripts/gpu/run-all.sh on the GPU host"]
+fn bench_decode_l2_prefetch() {
+    let _gpu = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let decode: Vec<(usize, usize)> = env_list(
+        "PDNODE_BENCH_PF",
+        "1x512,1x2048,1x8192,2x512,4x512,8x512,8x2048",
+    )
+    .split(',')
+    .filter_map(|s| {
+        let (b, c) = s.split_once('x')?;
+        Some((b.trim().parse().ok()?, c.trim().parse().ok()?))
+    })
+    .collect();
+    let all = bench::prefetch_variants();
+    let names = env_list("PDNODE_BENCH_PF_VARIANTS", "");
+    let variants: Vec<bench::PrefetchVariant> = if names.is_empty() {
+        all
+    } else {
+        let want: Vec<&str> = names.split(',').map(str::trim).collect();
+        all.into_iter()
+            .filter(|v| want.contains(&v.name.as_str()))
+            .collect()
+    };
+    let iters: usize = env_list("PDNODE_BENCH_ITERS", "40").parse().unwrap_or(40);
+    let rounds: usize = env_list("PDNODE_BENCH_ROUNDS", "3").parse().unwrap_or(3);
+    let (copy, rows) = bench::run_prefetch(&decode, &variants, iters, rounds, |r| {
+        eprintln!(
+            "PREFETCH {} batch={} ctx={} ms={:.3} min={:.3} max={:.3} ceiling_ms={:.3} ratio={:.3}",
+            r.variant,
+            r.batch,
+            r.ctx,
+            r.ms,
+            r.min_ms,
+            r.max_ms,
+            r.ceiling_ms,
+            r.ceiling_ms / r.ms
+        )
+    })
+    .expect("prefetch benchmark");
+    println!(
+        "ceilings: HBM copy traffic {:.0} GB/s (read+write); decode ceiling: weights less the embedding table, B rows of it, the KV of B x ctx tokens, at the copy rate",
+        copy / 1e9
+    );
+    println!(
+        "| L2 prefetch | batch | ctx | graph ms (median of rounds) | min..max | ceiling ms | ratio |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for r in &rows {
+        println!(
+            "| {} | {} | {} | {:.3} | {:.3}..{:.3} | {:.3} | {:.2} |",
+            r.variant,
+            r.batch,
+            r.ctx,
+            r.ms,
+            r.min_ms,
+            r.max_ms,
+            r.ceiling_ms,
+            r.ceiling_ms / r.ms
+        );
+    }
+    assert!(!rows.is_empty(), "nothing was timed");
+}
+
 /// Seconds per call of `f` (after one warm-up call), `iters` calls back to back, one sync.
 fn time_calls(
     gpu: &Gpu,

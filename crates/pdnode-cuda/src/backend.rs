@@ -612,23 +612,6 @@ impl CudaBackend {
         };
         // engine.cuda.linear, per call: a GEMV choice takes cuBLAS where its kernel cannot run
         let lin = self.opts.linear;
-        // Weights fetched into L2 while DRAM idles (decode-sized steps, one GPU; results never
-        // change): the o-projection during rope + attention, the head of gate_up during the
-        // o-projection, the next layer's qkv head during the down projection's norm.
-        let pf = if self.comm.is_none() && p.long.is_empty() {
-            ops::prefetch_plan(
-                self.opts.fusion,
-                lin,
-                t,
-                p.max_ctx,
-                kvd,
-                qd * h * 2,
-                g.l2_bytes,
-                g.bulk_prefetch(),
-            )
-        } else {
-            ops::PrefetchPlan::default()
-        };
         let mut normed = false;
         for (li, l) in w.layers.iter().enumerate() {
             if !normed {
@@ -648,15 +631,7 @@ impl CudaBackend {
                 lin.for_call(t, h, &l.wqkv, &ws.normed),
             )?;
             mark("qkv")?;
-            let pf_o = if pf.o_proj {
-                ops::L2Prefetch {
-                    spans: [ops::L2Prefetch::span(&l.wo, 0, qd * h * 2), (0, 0)],
-                    at_end: false,
-                }
-            } else {
-                ops::L2Prefetch::NONE
-            };
-            ops::rope_qkv_pf(
+            ops::rope_qkv(
                 g,
                 d,
                 &ws.qkv,
@@ -671,7 +646,6 @@ impl CudaBackend {
                 &self.pool,
                 li,
                 s.rms_norm_eps,
-                &pf_o,
             )?;
             mark("rope_kv_write")?;
             if let Some(run) = stage.as_mut() {
@@ -719,17 +693,7 @@ impl CudaBackend {
             }
             let nf = norm_of(&l.mlp_norm);
             let rank0 = self.shard.rank == 0;
-            // gate_up rows 0.. and inter.. (gate and up of the first outputs: the fused
-            // kernel's first blocks)
-            let half = pf.gate_up_head / 2;
-            let pf_gu = ops::L2Prefetch {
-                spans: [
-                    ops::L2Prefetch::span(&l.w_gate_up, 0, half),
-                    ops::L2Prefetch::span(&l.w_gate_up, inter * h * 2, half),
-                ],
-                at_end: false,
-            };
-            normed = ops::linear_rmsnorm_pf(
+            normed = ops::linear_rmsnorm(
                 g,
                 h,
                 t,
@@ -741,7 +705,6 @@ impl CudaBackend {
                 lin.for_call(t, qd, &l.wo, &ws.attn),
                 self.opts.fusion,
                 nf.as_ref(),
-                &pf_gu,
             )?;
             mark(if normed { "o_proj+mlp_norm" } else { "o_proj" })?;
             self.all_reduce_resid(t * h)?;
@@ -763,16 +726,8 @@ impl CudaBackend {
                 self.opts.fusion,
             )?;
             mark("gate_up+swiglu")?;
-            let next = w.layers.get(li + 1);
-            let nf = next.and_then(|n| norm_of(&n.attn_norm));
-            let pf_qkv = match next {
-                Some(n) if pf.qkv_head > 0 => ops::L2Prefetch {
-                    spans: [ops::L2Prefetch::span(&n.wqkv, 0, pf.qkv_head), (0, 0)],
-                    at_end: true,
-                },
-                _ => ops::L2Prefetch::NONE,
-            };
-            normed = ops::linear_rmsnorm_pf(
+            let nf = w.layers.get(li + 1).and_then(|n| norm_of(&n.attn_norm));
+            normed = ops::linear_rmsnorm(
                 g,
                 h,
                 t,
@@ -784,7 +739,6 @@ impl CudaBackend {
                 lin.for_call(t, inter, &l.w_down, &ws.act),
                 self.opts.fusion,
                 nf.as_ref(),
-                &pf_qkv,
             )?;
             mark(if normed { "down+attn_norm" } else { "down" })?;
             self.all_reduce_resid(t * h)?;

@@ -103,9 +103,6 @@ pub struct Gpu {
     kernels: HashMap<&'static str, CudaFunction>,
     pub compute_capability: (i32, i32),
     pub sm_count: u32,
-    /// Bytes of L2 (`CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE`): what the decode step's L2 prefetches
-    /// are sized against ([`super::ops::prefetch_plan`]).
-    pub l2_bytes: usize,
     /// Launches of our kernels carry the programmatic-dependent-launch attribute
     /// ([`super::launch`]); only ever true where `pdl_ok`.
     pdl: bool,
@@ -137,10 +134,6 @@ impl Gpu {
         let sm_count = ctx
             .attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(drv("cuDeviceGetAttribute"))? as u32;
-        let l2_bytes = ctx
-            .attribute(A::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
-            .map_err(drv("cuDeviceGetAttribute"))?
-            .max(0) as usize;
         let ptx = ptx_for(&format!("compute_{}{}", cc.0, cc.1))?;
         let module = ctx.load_module(ptx).map_err(drv("cuModuleLoadData"))?;
         let mut kernels = HashMap::new();
@@ -162,16 +155,9 @@ impl Gpu {
             kernels,
             compute_capability: cc,
             sm_count,
-            l2_bytes,
             pdl,
             pdl_ok,
         })
-    }
-
-    /// Whether the kernels' L2 prefetches do anything here: `cp.async.bulk.prefetch.L2` is sm_90+
-    /// (before it `l2_prefetch_spans` compiles to nothing).
-    pub fn bulk_prefetch(&self) -> bool {
-        self.compute_capability.0 >= 9
     }
 
     /// Whether our kernel launches on this GPU are programmatic dependent launches.

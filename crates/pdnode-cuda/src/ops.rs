@@ -432,52 +432,8 @@ pub fn rope_qkv(
     layer: usize,
     eps: f32,
 ) -> Result<(), CudaError> {
-    rope_qkv_pf(
-        gpu,
-        d,
-        qkv,
-        bias,
-        q_norm,
-        k_norm,
-        inv_freq,
-        pos,
-        slots,
-        tokens,
-        q_out,
-        pool,
-        layer,
-        eps,
-        &L2Prefetch::NONE,
-    )
-}
-
-/// [`rope_qkv`] whose threads also ask L2 for `pf`'s spans (a decode step: the o-projection's
-/// weights, fetched while the attention after it leaves DRAM idle). `pf.at_end` is a shape
-/// error.
-#[allow(clippy::too_many_arguments)]
-pub fn rope_qkv_pf(
-    gpu: &Gpu,
-    d: &AttnDims,
-    qkv: &DevBuf,
-    bias: Option<&DevBuf>,
-    q_norm: Option<&DevBuf>,
-    k_norm: Option<&DevBuf>,
-    inv_freq: &DevBuf,
-    pos: u64,
-    slots: u64,
-    tokens: usize,
-    q_out: &DevBuf,
-    pool: &DevBuf,
-    layer: usize,
-    eps: f32,
-    pf: &L2Prefetch,
-) -> Result<(), CudaError> {
     const OP: &str = "rope_qkv";
     d.check(OP)?;
-    pf.check(OP)?;
-    shape(OP, !pf.at_end, || {
-        "rope_qkv prefetches from every block, not at an end".into()
-    })?;
     let (nh, nkv, hd) = (d.num_heads, d.num_kv_heads, d.head_dim);
     need(OP, "qkv", qkv, tokens * (nh + 2 * nkv) * hd * BF16)?;
     if let Some(b) = bias {
@@ -502,7 +458,6 @@ pub fn rope_qkv_pf(
         k_norm.map_or(0u64, |x| x.ptr()),
     );
     let (nh_i, nkv_i, hd_i, bs_i) = (nh as i32, nkv as i32, hd as i32, d.block_size as i32);
-    let [(p0, n0), (p1, n1)] = pf.args();
     let mut b = gpu.launch_builder(f);
     b.arg(qkv.ptr_ref())
         .arg(&bp)
@@ -517,11 +472,7 @@ pub fn rope_qkv_pf(
         .arg(&nkv_i)
         .arg(&hd_i)
         .arg(&bs_i)
-        .arg(&eps)
-        .arg(&p0)
-        .arg(&n0)
-        .arg(&p1)
-        .arg(&n1);
+        .arg(&eps);
     let block = (hd / 2).div_ceil(32) * 32;
     // SAFETY: sizes checked above; slots are the caller's (block < num_blocks).
     unsafe {

@@ -537,17 +537,11 @@ fn bit_diff(a: &[f32], b: &[f32]) -> (usize, f32) {
         .fold((0, 0f32), |(n, m), (x, y)| (n + 1, m.max((x - y).abs())))
 }
 
-/// `fb` on each backend of `[plain, variant, control]`: the logits and the KV of `fb`'s blocks
-/// must be bit-identical to the plain backend's, for the variant (`label`: PDL, L2 prefetch) and
-/// for the control (a second plain backend: a difference there is nondeterminism, not the
-/// variant); returns how many logits were compared per backend.
-fn same_out(
-    name: &str,
-    label: &str,
-    what: &str,
-    bes: &mut [CudaBackend; 3],
-    fb: &ForwardBatch,
-) -> usize {
+/// `fb` on each backend of `[plain, pdl, control]`: the logits and the KV of `fb`'s blocks must
+/// be bit-identical to the plain backend's, for the PDL one and for the control (a second plain
+/// backend: a difference there is nondeterminism, not PDL); returns how many logits were compared
+/// per backend.
+fn same_out(name: &str, what: &str, bes: &mut [CudaBackend; 3], fb: &ForwardBatch) -> usize {
     let used: Vec<BlockId> = fb
         .seqs
         .iter()
@@ -559,13 +553,9 @@ fn same_out(
         let l = be.forward(fb).unwrap();
         outs.push((l.data, read_all(be, layers, &used)));
     }
-    let with = format!("with {label}");
     for (i, who) in [
-        (
-            2,
-            "between two plain backends (nondeterminism, not the variant)",
-        ),
-        (1, with.as_str()),
+        (2, "between two plain backends (nondeterminism, not PDL)"),
+        (1, "with PDL"),
     ] {
         let (n, worst) = bit_diff(&outs[i].0, &outs[0].0);
         assert!(
@@ -597,26 +587,12 @@ fn pdl_matches_plain_launches(spec: &ModelSpec, name: &str) {
         println!("GRAPH pdl {name}: SKIP (this GPU or driver takes no programmatic launches)");
         return;
     }
-    variant_matches_plain(spec, name, "PDL", &mut rng, &mut bes);
-    assert!(bes[1].pdl() && !bes[0].pdl() && !bes[2].pdl());
-}
-
-/// The steps of [`pdl_matches_plain_launches`] on `[plain, variant, control]` backends built
-/// alike (same weights): KV filled alike, a prefill step, then decode steps of 1, 3, 8 and 33
-/// rows eagerly and replayed from graphs.
-fn variant_matches_plain(
-    spec: &ModelSpec,
-    name: &str,
-    label: &str,
-    rng: &mut rand_chacha::ChaCha8Rng,
-    bes: &mut [CudaBackend; 3],
-) {
     let seed: u64 = rng.random();
     for be in bes.iter_mut() {
         be.fill_kv_random(seed).unwrap();
     }
     let mut free: Vec<u32> = (0..NUM_BLOCKS).collect();
-    free.shuffle(rng);
+    free.shuffle(&mut rng);
     // prefill: 100 tokens (>= prefill_gemm_min_tokens) and 9
     let p1: Vec<u32> = (0..100)
         .map(|_| rng.random_range(0..spec.vocab_size as u32))
@@ -645,10 +621,10 @@ fn variant_matches_plain(
             },
         ],
     };
-    let mut compared = same_out(name, label, "prefill", bes, &prefill);
+    let mut compared = same_out(name, "prefill", &mut bes, &prefill);
     let sizes = [1usize, 3, 8, 33];
     for &n in &sizes {
-        let s = seqs(rng, &mut free, n);
+        let s = seqs(&mut rng, &mut free, n);
         for step in 0..STEPS {
             let toks: Vec<[u32; 1]> = (0..n)
                 .map(|_| [rng.random_range(0..spec.vocab_size as u32)])
@@ -659,12 +635,12 @@ fn variant_matches_plain(
                     be.set_cuda_graphs(graphs);
                 }
                 let what = format!("batch {n} step {step} graphs={graphs}");
-                compared += same_out(name, label, &what, bes, &b);
+                compared += same_out(name, &what, &mut bes, &b);
             }
         }
     }
     let steps = (sizes.len() * STEPS) as u64;
-    for be in bes.iter() {
+    for be in &bes {
         let st = be.graph_stats();
         assert_eq!(st.capture_failures, 0, "{name}: {st:?}");
         assert_eq!(
@@ -672,8 +648,9 @@ fn variant_matches_plain(
             "{name}: every decode step replayed: {st:?}"
         );
     }
+    assert!(bes[1].pdl() && !bes[0].pdl() && !bes[2].pdl());
     println!(
-        "GRAPH {label} {name}: PASS, prefill + {steps} decode steps eager and replayed, {compared} logits and the KV bit-identical with and without {label} (and between the two plain backends); {label} graphs {:?}",
+        "GRAPH pdl {name}: PASS, prefill + {steps} decode steps eager and replayed, {compared} logits and the KV bit-identical with and without PDL (and between the two plain backends); PDL graphs {:?}",
         bes[1].graph_stats()
     );
 }
@@ -692,50 +669,4 @@ fn pdl_decode_steps_match_plain_launches() {
     };
     pdl_matches_plain_launches(&qwen, "qwen-like-hd128");
     pdl_matches_plain_launches(&wide_spec(), "llama-hd128");
-}
-
-// ---- L2 prefetch of the next weights (Fusion::l2_*) ------------------------------------------------
-
-/// The decode step's L2 prefetches (`rope_qkv` fetching the o-projection, the o-projection the
-/// head of gate_up, the fused down + norm the next layer's qkv head) change when bytes arrive
-/// in L2, never a result: logits and KV bit-identical with and without them, eager and replayed.
-/// On these small models every prefetch is planned at one row (the spans are clipped to the
-/// weights), so an out-of-bounds or misaligned prefetch would fault here.
-fn l2_prefetch_matches_no_prefetch(spec: &ModelSpec, name: &str) {
-    let mut rng = rng(name);
-    let w = tiny_weights(spec, &mut rng);
-    let mut bes: [CudaBackend; 3] =
-        std::array::from_fn(|_| CudaBackend::new(spec, &w, &opts(1, true), "test".into()).unwrap());
-    let on = pdnode_cuda::ops::Fusion::default();
-    assert!(on.l2_kv_max_bytes > 0, "the default prefetches");
-    bes[0].set_fusion(on.without_prefetch());
-    bes[2].set_fusion(on.without_prefetch());
-    let g = bes[1].gpu();
-    if !g.bulk_prefetch() {
-        println!("GRAPH l2-prefetch {name}: SKIP (no bulk L2 prefetch before sm_90)");
-        return;
-    }
-    let plan = pdnode_cuda::ops::prefetch_plan(
-        on,
-        LinearImpl::Auto,
-        1,
-        64,
-        spec.num_kv_heads * spec.head_dim,
-        spec.num_heads * spec.head_dim * spec.hidden_size * 2,
-        g.l2_bytes,
-        true,
-    );
-    assert!(
-        plan.o_proj && plan.gate_up_head > 0 && plan.qkv_head > 0,
-        "{name}: {plan:?} (L2 {} bytes)",
-        g.l2_bytes
-    );
-    variant_matches_plain(spec, name, "l2-prefetch", &mut rng, &mut bes);
-}
-
-#[test]
-#[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
-fn l2_prefetch_decode_steps_match_no_prefetch() {
-    l2_prefetch_matches_no_prefetch(&tiny_spec(false, false), "tiny-llama");
-    l2_prefetch_matches_no_prefetch(&wide_spec(), "llama-hd128");
 }

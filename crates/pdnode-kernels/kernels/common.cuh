@@ -25,27 +25,6 @@ typedef long long i64;
     } while (0)
 #endif
 
-// L2 prefetch of weights a later kernel reads (a hint: nothing waits for it, nothing comes back
-// to the SM, the issuing thread may exit at once). Two spans [p0, p0 + n0) and [p1, p1 + n1)
-// (16-byte aligned, lengths multiples of 16; the wrappers check) are cut into L2PF_CHUNK-byte
-// pieces, one cp.async.bulk.prefetch.L2 each (sm_90; nothing before it); this thread issues
-// pieces first, first + step, ... Called after PD_GRID_WAIT (it counts as a memory access).
-#define L2PF_CHUNK 16384
-__device__ __forceinline__ void l2_prefetch_spans(const char* p0, i64 n0, const char* p1, i64 n1,
-                                                  i64 first, i64 step) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    const i64 c0 = (n0 + L2PF_CHUNK - 1) / L2PF_CHUNK, c1 = (n1 + L2PF_CHUNK - 1) / L2PF_CHUNK;
-    for (i64 c = first; c < c0 + c1; c += step) {
-        const bool a = c < c0;
-        const i64 off = (a ? c : c - c0) * L2PF_CHUNK;
-        const i64 left = (a ? n0 : n1) - off;
-        const char* p = (a ? p0 : p1) + off;
-        const unsigned len = (unsigned)(left < L2PF_CHUNK ? left : L2PF_CHUNK);
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(len) : "memory");
-    }
-#endif
-}
-
 __device__ __forceinline__ float bf2f(bf16_t x) { return __uint_as_float(((unsigned int)x) << 16); }
 
 __device__ __forceinline__ bf16_t f2bf(float f) {

@@ -125,21 +125,12 @@ __device__ __forceinline__ void gm_mma(float* c, unsigned a0, unsigned a1, unsig
 // L2 loads after it) writes normed[t] = bf16(rmsnorm(y[t]) * nw) for every token, exactly as
 // add_rmsnorm does (256 threads' strided sums, block_sum, the same expressions), then puts the
 // ticket counter back to 0 for the next launch (graph replays included).
-// pf0/pf0n, pf1/pf1n: weights of a later kernel to prefetch into L2 (l2_prefetch_spans; n = 0:
-// none): with pf_end = 0 every block takes a share before its own loads (a decode step's o
-// projection, read from L2 after rope_qkv prefetched it, leaves DRAM free for the head of
-// gate_up); with pf_end = 1 (NORM only) the last block issues them all before the norm, when
-// every other block is done and DRAM idles (the down projection, for the next layer's qkv).
 template <int MT, int U, int PF, int GLU, int NORM>
 __device__ void gemv_mma_impl(const bf16_t* __restrict__ w, const bf16_t* __restrict__ x,
                               void* __restrict__ y, int T, int out, int in, int y_f32,
                               int accumulate, const float* __restrict__ nw_,
-                              bf16_t* __restrict__ normed, unsigned int* ticket, float eps,
-                              const char* pf0, i64 pf0n, const char* pf1, i64 pf1n, int pf_end) {
+                              bf16_t* __restrict__ normed, unsigned int* ticket, float eps) {
     __shared__ float red[GM_MAX_WARPS][MT * 4][32];
-    if (!pf_end && pf0n + pf1n > 0)
-        l2_prefetch_spans(pf0, pf0n, pf1, pf1n, blockIdx.x + (i64)gridDim.x * threadIdx.x,
-                          (i64)gridDim.x * blockDim.x);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nw = min((int)(blockDim.x >> 5), GM_MAX_WARPS);
     const int g = lane >> 2, c = lane & 3;
@@ -244,8 +235,6 @@ __device__ void gemv_mma_impl(const bf16_t* __restrict__ w, const bf16_t* __rest
             __syncthreads();
             if (!last) return;
             __threadfence();
-            if (pf_end && pf0n + pf1n > 0)
-                l2_prefetch_spans(pf0, pf0n, pf1, pf1n, threadIdx.x, blockDim.x);
             const float* yf = (const float*)y;
             for (int t = 0; t < T; t++) {
                 const float* row = yf + (i64)t * out;
@@ -275,12 +264,10 @@ __device__ void gemv_mma_impl(const bf16_t* __restrict__ w, const bf16_t* __rest
 #define GEMV_MMA_KERNEL(NAME, MT, U, PF)                                                            \
     extern "C" __global__ void __launch_bounds__(512, 1) NAME(const bf16_t* w, const bf16_t* x,      \
                                                            void* y, int T, int out, int in,       \
-                                                           int y_f32, int accumulate,             \
-                                                           const char* pf0, i64 pf0n,             \
-                                                           const char* pf1, i64 pf1n) {           \
+                                                           int y_f32, int accumulate) {           \
         PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();                                                \
         gemv_mma_impl<MT, U, PF, 0, 0>(w, x, y, T, out, in, y_f32, accumulate, nullptr, nullptr,     \
-                                       nullptr, 0.f, pf0, pf0n, pf1, pf1n, 0);                      \
+                                       nullptr, 0.f);                                               \
     }
 
 GEMV_MMA_KERNEL(gemv_mma_m1, 1, 4, 0)
@@ -296,8 +283,7 @@ GEMV_MMA_KERNEL(gemv_mma_m2_pf, 2, 2, 1)
     extern "C" __global__ void __launch_bounds__(512, 1) NAME(const bf16_t* w, const bf16_t* x,      \
                                                            bf16_t* y, int T, int out, int in) {   \
         PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();                                              \
-        gemv_mma_impl<1, 4, PF, 1, 0>(w, x, y, T, out, in, 0, 0, nullptr, nullptr, nullptr, 0.f,   \
-                                      nullptr, 0, nullptr, 0, 0);                                 \
+        gemv_mma_impl<1, 4, PF, 1, 0>(w, x, y, T, out, in, 0, 0, nullptr, nullptr, nullptr, 0.f);  \
     }
 
 GEMV_MMA_GLU_KERNEL(gemv_mma_glu_m1, 0)
@@ -311,11 +297,9 @@ GEMV_MMA_GLU_KERNEL(gemv_mma_glu_m1_pf, 1)
 #define GEMV_MMA_NORM_KERNEL(NAME, PF)                                                              \
     extern "C" __global__ void __launch_bounds__(384, 2) NAME(                                      \
         const bf16_t* w, const bf16_t* x, float* y, int T, int out, int in, int accumulate,        \
-        const float* nw, bf16_t* normed, unsigned int* ticket, float eps, const char* pf0,         \
-        i64 pf0n, const char* pf1, i64 pf1n, int pf_end) {                                         \
+        const float* nw, bf16_t* normed, unsigned int* ticket, float eps) {                         \
         PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();                                               \
-        gemv_mma_impl<1, 4, PF, 0, 1>(w, x, y, T, out, in, 1, accumulate, nw, normed, ticket, eps,  \
-                                      pf0, pf0n, pf1, pf1n, pf_end);                               \
+        gemv_mma_impl<1, 4, PF, 0, 1>(w, x, y, T, out, in, 1, accumulate, nw, normed, ticket, eps); \
     }
 
 GEMV_MMA_NORM_KERNEL(gemv_mma_m1_norm, 0)

@@ -5,24 +5,15 @@
 // bias: [(nh + 2*nkv) * hd] f32 or null; q_norm, k_norm: [hd] f32 or null.
 // inv_freq: [hd/2] f32 (rope scaling already applied); pos: [T]; slots: [T] = block * bs + slot.
 // layer_kv: this layer's part of the pool, [num_blocks][2][bs][nkv][hd] bf16.
-// pf0/pf0n, pf1/pf1n: weights of a later kernel to prefetch into L2 (l2_prefetch_spans; n = 0:
-// none), spread over every thread of the grid. In a decode step these are the o-projection's,
-// fetched while the attention after this kernel leaves DRAM idle.
 // grid: (T, nh + nkv), block: hd/2 rounded up to a multiple of 32.
 extern "C" __global__ void rope_qkv(const bf16_t* __restrict__ qkv, const float* __restrict__ bias,
                                     const float* __restrict__ q_norm, const float* __restrict__ k_norm,
                                     const float* __restrict__ inv_freq, const int* __restrict__ pos,
                                     const i64* __restrict__ slots, bf16_t* __restrict__ q_out,
                                     bf16_t* __restrict__ layer_kv, int nh, int nkv, int hd,
-                                    int block_size, float eps, const char* pf0, i64 pf0n,
-                                    const char* pf1, i64 pf1n) {
+                                    int block_size, float eps) {
     PD_GRID_WAIT();
     PD_GRID_LAUNCH_DEPENDENTS();
-    if (pf0n + pf1n > 0) {
-        const i64 nb = (i64)gridDim.x * gridDim.y;
-        const i64 b = (i64)blockIdx.y * gridDim.x + blockIdx.x;
-        l2_prefetch_spans(pf0, pf0n, pf1, pf1n, b + nb * threadIdx.x, nb * blockDim.x);
-    }
     __shared__ float sh[33];
     const i64 t = blockIdx.x;
     const int j = blockIdx.y;

@@ -73,8 +73,6 @@ impl CudaOptions {
             fusion: ops::Fusion {
                 swiglu_max_tokens: e.cuda.fuse_swiglu_max_tokens as usize,
                 norm_max_tokens: e.cuda.fuse_norm_max_tokens as usize,
-                // the L2 prefetches are no config keys: the measured defaults
-                ..ops::Fusion::default()
             },
             warm_up_context: e.cuda.warm_up_context as usize,
         }

@@ -249,43 +249,8 @@ pub fn gemv_mma(
     ty: OutType,
     accumulate: bool,
 ) -> Result<(), CudaError> {
-    gemv_mma_pf(
-        gpu,
-        l,
-        out,
-        tokens,
-        inp,
-        w,
-        x,
-        y,
-        ty,
-        accumulate,
-        &L2Prefetch::NONE,
-    )
-}
-
-/// [`gemv_mma`] whose blocks also ask L2 for `pf`'s spans at their start (`pf.at_end` is a
-/// shape error: only the fused-norm kernel has a last block).
-#[allow(clippy::too_many_arguments)]
-pub fn gemv_mma_pf(
-    gpu: &Gpu,
-    l: MmaLaunch,
-    out: usize,
-    tokens: usize,
-    inp: usize,
-    w: &DevBuf,
-    x: &DevBuf,
-    y: &DevBuf,
-    ty: OutType,
-    accumulate: bool,
-    pf: &L2Prefetch,
-) -> Result<(), CudaError> {
     const OP: &str = "gemv_mma";
     check_operands(OP, out, tokens, inp, w, x, y, ty, accumulate)?;
-    pf.check(OP)?;
-    shape(OP, !pf.at_end, || {
-        "an L2 prefetch at the end needs the fused-norm kernel".into()
-    })?;
     shape(
         OP,
         tokens <= GEMV_MAX_TOKENS && gemv_aligned(inp, w, x),
@@ -306,32 +271,20 @@ pub fn gemv_mma_pf(
         (_, true) => "gemv_mma_m2_pf",
     };
     let grid = u32_of(OP, l.blocks)?;
-    let f = gpu.kernel(name)?;
-    let (t_i, o_i, i_i, yf, acc) = (
-        tokens as i32,
-        i32_of(OP, out)?,
-        i32_of(OP, inp)?,
-        (ty == OutType::F32) as i32,
-        accumulate as i32,
-    );
-    let [(p0, n0), (p1, n1)] = pf.args();
-    let mut b = gpu.launch_builder(f);
-    b.arg(w.ptr_ref())
-        .arg(x.ptr_ref())
-        .arg(y.ptr_ref())
-        .arg(&t_i)
-        .arg(&o_i)
-        .arg(&i_i)
-        .arg(&yf)
-        .arg(&acc)
-        .arg(&p0)
-        .arg(&n0)
-        .arg(&p1)
-        .arg(&n1);
-    // SAFETY: sizes and alignment checked above; tokens <= 8 as the kernels assume; the
-    // prefetch spans are aligned (a prefetch reads nothing back and writes nothing).
-    unsafe { b.launch(cfg((grid, 1, 1), 32 * l.warps as u32)) }.map_err(launched(OP))?;
-    Ok(())
+    launch_gemv(
+        gpu,
+        name,
+        grid,
+        32 * l.warps as u32,
+        out,
+        tokens,
+        inp,
+        w,
+        x,
+        y,
+        ty,
+        accumulate,
+    )
 }
 
 /// Most tokens at which the decode step fuses work into the tensor-core GEMV (under `Auto` and
@@ -352,20 +305,6 @@ pub struct Fusion {
     /// on smaller blocks; fixed, and `linear_rmsnorm_fused_matches_unfused` passes on the H200
     /// since.)
     pub norm_max_tokens: usize,
-    /// L2 prefetch of the o-projection's weights by `rope_qkv`, fetched while the attention
-    /// after it leaves DRAM idle, in decode steps (Auto, 1..=8 tokens) whose attention reads at
-    /// most this many KV bytes per layer (tokens x context x K and V); 0: never. See
-    /// [`prefetch_plan`]. Not a config key: benchmarks compare values through
-    /// `CudaBackend::set_fusion`.
-    pub l2_kv_max_bytes: usize,
-    /// With the o-projection prefetched and gate_up fused with SwiGLU: bytes of the gate_up
-    /// weight's first rows (half gate, half up: the first blocks' rows) the o-projection GEMV
-    /// prefetches while it reads its own weights from L2. 0: none.
-    pub l2_gate_up_head_bytes: usize,
-    /// With the down projection fused with the next RMSNorm: bytes of the next layer's qkv
-    /// weight (its first rows) its last block prefetches before the norm, when DRAM idles.
-    /// 0: none.
-    pub l2_qkv_head_bytes: usize,
 }
 
 impl Default for Fusion {
@@ -373,9 +312,6 @@ impl Default for Fusion {
         Self {
             swiglu_max_tokens: 2,
             norm_max_tokens: 1,
-            l2_kv_max_bytes: 16 << 20,
-            l2_gate_up_head_bytes: 8 << 20,
-            l2_qkv_head_bytes: 8 << 20,
         }
     }
 }
@@ -385,126 +321,7 @@ impl Fusion {
     pub const OFF: Fusion = Fusion {
         swiglu_max_tokens: 0,
         norm_max_tokens: 0,
-        l2_kv_max_bytes: 0,
-        l2_gate_up_head_bytes: 0,
-        l2_qkv_head_bytes: 0,
     };
-
-    /// These fusions with no L2 prefetch.
-    pub fn without_prefetch(self) -> Fusion {
-        Fusion {
-            l2_kv_max_bytes: 0,
-            l2_gate_up_head_bytes: 0,
-            l2_qkv_head_bytes: 0,
-            ..self
-        }
-    }
-}
-
-/// Weights of a later kernel that a launch asks L2 to fetch ahead (`l2_prefetch_spans` in
-/// kernels/common.cuh: `cp.async.bulk.prefetch.L2`, a hint nothing waits for, so results never
-/// change): up to two spans of device memory, each 16-byte aligned with a length a multiple of
-/// 16 (length 0: unused). `at_end`: issued by the last block of a fused-norm GEMV once every
-/// other block is done ([`gemv_mma_norm_pf`]), instead of by every block at its start.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct L2Prefetch {
-    pub spans: [(u64, usize); 2],
-    pub at_end: bool,
-}
-
-impl L2Prefetch {
-    /// Nothing to prefetch.
-    pub const NONE: L2Prefetch = L2Prefetch {
-        spans: [(0, 0); 2],
-        at_end: false,
-    };
-
-    /// `[offset, offset + bytes)` of `buf`, clipped to the buffer and rounded down to 16 bytes.
-    pub fn span(buf: &DevBuf, offset: usize, bytes: usize) -> (u64, usize) {
-        let n = bytes.min(buf.bytes().saturating_sub(offset)) & !15;
-        (buf.at(offset.min(buf.bytes())), n)
-    }
-
-    /// Bytes asked for.
-    pub fn bytes(&self) -> usize {
-        self.spans[0].1 + self.spans[1].1
-    }
-
-    /// The spans must be what the kernels take (the prefetch instruction faults otherwise).
-    pub(crate) fn check(&self, op: &'static str) -> Result<(), CudaError> {
-        shape(
-            op,
-            self.spans
-                .iter()
-                .all(|&(p, n)| n == 0 || (p.is_multiple_of(16) && n.is_multiple_of(16))),
-            || {
-                format!(
-                    "L2 prefetch spans {:?}: 16-byte aligned, lengths multiples of 16",
-                    self.spans
-                )
-            },
-        )
-    }
-
-    /// The four kernel arguments (pointer, length as i64) of the two spans.
-    pub(crate) fn args(&self) -> [(u64, i64); 2] {
-        self.spans
-            .map(|(p, n)| if n == 0 { (0, 0) } else { (p, n as i64) })
-    }
-}
-
-/// What one decode step prefetches into L2 ([`prefetch_plan`]).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct PrefetchPlan {
-    /// `rope_qkv` prefetches the whole o-projection weight.
-    pub o_proj: bool,
-    /// Bytes of gate_up's first rows (half gate, half up) the o-projection GEMV prefetches.
-    pub gate_up_head: usize,
-    /// Bytes of the next layer's qkv weight the fused down + norm prefetches at its end.
-    pub qkv_head: usize,
-}
-
-/// The L2 prefetches of a step of `tokens` rows, the longest context `max_ctx`, `kv_dim` K (and
-/// V) elements a token per layer, an o-projection of `o_bytes`, on a GPU with `l2_bytes` of L2
-/// (`bulk`: it has the bulk prefetch, sm_90). Only decode-sized steps under `Auto` (1..=8
-/// tokens, the GEMV table): the o-projection when the attention reads at most
-/// `fuse.l2_kv_max_bytes` per layer and the weight fits 3/4 of L2; the gate_up head only then,
-/// where gate_up is fused with SwiGLU ([`swiglu_fused`]: its blocks read gate and up rows
-/// in step), within 9/10 of L2 with the o-projection; the qkv head where the down projection
-/// is fused with the next norm ([`norm_fuse_launch`]'s token limit), at most half of L2.
-#[allow(clippy::too_many_arguments)]
-pub fn prefetch_plan(
-    fuse: Fusion,
-    how: LinearImpl,
-    tokens: usize,
-    max_ctx: usize,
-    kv_dim: usize,
-    o_bytes: usize,
-    l2_bytes: usize,
-    bulk: bool,
-) -> PrefetchPlan {
-    if !bulk || how != LinearImpl::Auto || tokens == 0 || tokens > GEMV_MAX_TOKENS {
-        return PrefetchPlan::default();
-    }
-    let kv_layer = tokens * max_ctx * kv_dim * 2 * BF16;
-    let o_proj =
-        fuse.l2_kv_max_bytes > 0 && kv_layer <= fuse.l2_kv_max_bytes && o_bytes <= l2_bytes / 4 * 3;
-    let gate_up_head = if o_proj && swiglu_fused(how, tokens, fuse) {
-        fuse.l2_gate_up_head_bytes
-            .min((l2_bytes / 10 * 9).saturating_sub(o_bytes))
-    } else {
-        0
-    };
-    let qkv_head = if tokens <= fuse.norm_max_tokens.min(GEMV_MAX_TOKENS) {
-        fuse.l2_qkv_head_bytes.min(l2_bytes / 2)
-    } else {
-        0
-    };
-    PrefetchPlan {
-        o_proj,
-        gate_up_head,
-        qkv_head,
-    }
 }
 
 /// Whether [`gate_up_swiglu`] takes the fused kernel for `tokens` rows with `how` (only `Auto`,
@@ -670,68 +487,12 @@ pub fn linear_rmsnorm(
     fuse: Fusion,
     norm: Option<&NormFuse<'_>>,
 ) -> Result<bool, CudaError> {
-    linear_rmsnorm_pf(
-        gpu,
-        out,
-        tokens,
-        inp,
-        w,
-        x,
-        y,
-        accumulate,
-        how,
-        fuse,
-        norm,
-        &L2Prefetch::NONE,
-    )
-}
-
-/// [`linear_rmsnorm`] that also asks L2 for `pf`'s spans: in the fused launch as `pf` says
-/// ([`gemv_mma_norm_pf`]); unfused, from the start of the table's tensor-core GEMV where `Auto`
-/// takes one and `pf` is not `at_end` (else `pf` is dropped: no kernel of the call can carry it).
-#[allow(clippy::too_many_arguments)]
-pub fn linear_rmsnorm_pf(
-    gpu: &Gpu,
-    out: usize,
-    tokens: usize,
-    inp: usize,
-    w: &DevBuf,
-    x: &DevBuf,
-    y: &DevBuf,
-    accumulate: bool,
-    how: LinearImpl,
-    fuse: Fusion,
-    norm: Option<&NormFuse<'_>>,
-    pf: &L2Prefetch,
-) -> Result<bool, CudaError> {
     let sms = gpu.sm_count as usize;
     if let Some(n) = norm
         && let Some(l) = norm_fuse_launch(sms, out, tokens, inp, w, x, how, fuse)
     {
-        gemv_mma_norm_pf(gpu, l, out, tokens, inp, w, x, y, accumulate, n, pf)?;
+        gemv_mma_norm(gpu, l, out, tokens, inp, w, x, y, accumulate, n)?;
         return Ok(true);
-    }
-    if how == LinearImpl::Auto
-        && !pf.at_end
-        && pf.bytes() > 0
-        && tokens <= GEMV_MAX_TOKENS
-        && gemv_aligned(inp, w, x)
-        && let Some(l) = table_launch(sms, out, tokens, inp)
-    {
-        gemv_mma_pf(
-            gpu,
-            l,
-            out,
-            tokens,
-            inp,
-            w,
-            x,
-            y,
-            OutType::F32,
-            accumulate,
-            pf,
-        )?;
-        return Ok(false);
     }
     linear(
         gpu,
@@ -764,39 +525,7 @@ pub fn gemv_mma_norm(
     accumulate: bool,
     norm: &NormFuse<'_>,
 ) -> Result<(), CudaError> {
-    gemv_mma_norm_pf(
-        gpu,
-        l,
-        out,
-        tokens,
-        inp,
-        w,
-        x,
-        y,
-        accumulate,
-        norm,
-        &L2Prefetch::NONE,
-    )
-}
-
-/// [`gemv_mma_norm`] that also asks L2 for `pf`'s spans: every block at its start, or, with
-/// `pf.at_end`, the last block before the norm (when DRAM has nothing else to do).
-#[allow(clippy::too_many_arguments)]
-pub fn gemv_mma_norm_pf(
-    gpu: &Gpu,
-    l: MmaLaunch,
-    out: usize,
-    tokens: usize,
-    inp: usize,
-    w: &DevBuf,
-    x: &DevBuf,
-    y: &DevBuf,
-    accumulate: bool,
-    norm: &NormFuse<'_>,
-    pf: &L2Prefetch,
-) -> Result<(), CudaError> {
     const OP: &str = "gemv_mma_norm";
-    pf.check(OP)?;
     need(OP, "w", w, out * inp * BF16)?;
     need(OP, "x", x, tokens * inp * BF16)?;
     need(OP, "y", y, tokens * out * F32)?;
@@ -829,8 +558,6 @@ pub fn gemv_mma_norm_pf(
         i32_of(OP, inp)?,
         accumulate as i32,
     );
-    let [(p0, n0), (p1, n1)] = pf.args();
-    let at_end = pf.at_end as i32;
     let mut b = gpu.launch_builder(f);
     b.arg(w.ptr_ref())
         .arg(x.ptr_ref())
@@ -842,12 +569,7 @@ pub fn gemv_mma_norm_pf(
         .arg(norm.w.ptr_ref())
         .arg(norm.out.ptr_ref())
         .arg(norm.ticket.ptr_ref())
-        .arg(&norm.eps)
-        .arg(&p0)
-        .arg(&n0)
-        .arg(&p1)
-        .arg(&n1)
-        .arg(&at_end);
+        .arg(&norm.eps);
     let (grid, block) = (u32_of(OP, l.blocks)?, 32 * l.warps as u32);
     // SAFETY: sizes and alignment checked above; the ticket is a zeroed u32 that only these
     // kernels touch (stream-ordered, so one launch at a time), left zeroed by the last block.
@@ -1012,52 +734,6 @@ mod tests {
             mma_launch_tiles(132, 28672, 4096, 1)
         );
         assert_eq!(glu_launch(132, 13, 64).blocks, 2);
-    }
-
-    #[test]
-    fn prefetch_plan_follows_tokens_context_and_l2() {
-        let (kv, o, l2) = (1024, 4096 * 4096 * 2, 50 << 20);
-        let on = Fusion::default();
-        let plan =
-            |f: Fusion, how, t, ctx, l2, bulk| prefetch_plan(f, how, t, ctx, kv, o, l2, bulk);
-        // batch 1 at 512: everything (gate_up head within 9/10 of L2 with the o-projection)
-        let p = plan(on, LinearImpl::Auto, 1, 512, l2, true);
-        assert!(p.o_proj);
-        assert_eq!(
-            p.gate_up_head,
-            on.l2_gate_up_head_bytes.min(l2 / 10 * 9 - o)
-        );
-        assert_eq!(p.qkv_head, on.l2_qkv_head_bytes);
-        // 2 rows: gate_up still fused with SwiGLU, down no longer fused with the norm
-        let p = plan(on, LinearImpl::Auto, 2, 512, l2, true);
-        assert!(p.o_proj && p.gate_up_head > 0 && p.qkv_head == 0);
-        // 8 rows at 512 (16 MiB of KV a layer): the o-projection only
-        let p = plan(on, LinearImpl::Auto, 8, 512, l2, true);
-        assert_eq!(
-            p,
-            PrefetchPlan {
-                o_proj: true,
-                ..Default::default()
-            }
-        );
-        // the attention reads more KV than the limit: no o-projection (nor gate_up head)
-        let p = plan(on, LinearImpl::Auto, 1, 8192, l2, true);
-        assert!(!p.o_proj && p.gate_up_head == 0 && p.qkv_head > 0);
-        assert!(!plan(on, LinearImpl::Auto, 8, 2048, l2, true).o_proj);
-        // a weight over 3/4 of L2 is not prefetched
-        assert!(!plan(on, LinearImpl::Auto, 1, 512, o, true).o_proj);
-        // nothing without the bulk prefetch, off the table, past 8 rows, or switched off
-        for p in [
-            plan(on, LinearImpl::Auto, 1, 512, l2, false),
-            plan(on, LinearImpl::GemvMma, 1, 512, l2, true),
-            plan(on, LinearImpl::Cublas, 1, 512, l2, true),
-            plan(on, LinearImpl::Auto, 9, 16, l2, true),
-            plan(on, LinearImpl::Auto, 0, 16, l2, true),
-            plan(on.without_prefetch(), LinearImpl::Auto, 1, 512, l2, true),
-            plan(Fusion::OFF, LinearImpl::Auto, 1, 512, l2, true),
-        ] {
-            assert_eq!(p, PrefetchPlan::default());
-        }
     }
 
     #[test]

@@ -8,7 +8,7 @@
 #                  decode comparison (bench_decode_fusions, bench_decode_op_breakdown); PDL and
 #                  the fusion limits and the kernel choices are config keys now (engine.cuda.*),
 #                  compared inside the runs (prefill: flashv3 / flash8 / gemm on one backend)
-#   decode         issue 20's decode benches: bench_decode_l2_prefetch (the L2-prefetch settings,
+#   decode         issue 20's decode benches: bench_decode_step_variants (fusion settings and PDL,
 #                  interleaved), bench_llama31_8b_shapes (decode points only) and
 #                  bench_decode_op_breakdown (1x512, 8x512); tables into the summary
 #   transfer-exp   scripts/gpu/transfer.sh exp (UCX variants, isolated ucx_perftest puts)
@@ -64,7 +64,7 @@ for part in "$@"; do
                     sed -E 's/^BENCH //' >> "$summary"
             done ;;
         decode)
-            for v in bench_decode_l2_prefetch bench_llama31_8b_shapes bench_decode_op_breakdown; do
+            for v in ${DECODE_BENCHES:-bench_decode_step_variants bench_llama31_8b_shapes bench_decode_op_breakdown}; do
                 PDNODE_BENCH_PREFILL= PDNODE_BENCH_OPS=1x512,8x512 timeout 400 "$PD/t/cuda_bench" \
                     --ignored --nocapture --test-threads=1 --exact "$v" > "$LOGS/decode-$v.log" 2>&1
                 echo "## $v (rc=$?)" >> "$summary"

@@ -21,12 +21,12 @@ use std::time::Instant;
 
 pub mod attn;
 mod decode_ops;
+mod fusion_sweep;
 mod linear;
-mod prefetch;
 pub mod tp;
 pub use decode_ops::*;
+pub use fusion_sweep::*;
 pub use linear::*;
-pub use prefetch::*;
 
 pub use pdnode_engine::loader::dummy::llama31_8b;
 

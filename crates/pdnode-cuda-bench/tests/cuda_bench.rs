@@ -292,17 +292,17 @@ fn bench_decode_fusions() {
     assert!(!rows.is_empty(), "no fusion was timed");
 }
 
-/// The decode step's L2 prefetches (issue 20): graph-replayed Llama-3.1-8B steps per prefetch
+/// Decode-step settings side by side (issue 20): graph-replayed Llama-3.1-8B steps per
 /// setting, interleaved rounds, the median round against the step's ceiling (the bytes a step
-/// must read at the copy rate, `decode_step_bytes`). `PDNODE_BENCH_PF="1x512,8x512"`,
-/// `PDNODE_BENCH_PF_VARIANTS="off,o+gu+qkv (default)"` (names of `prefetch_variants`; default all),
+/// must read at the copy rate, `decode_step_bytes`). `PDNODE_BENCH_STEPS="1x512,8x512"`,
+/// `PDNODE_BENCH_STEP_VARIANTS="default,s2n0,s0n0,default+pdl"` (`StepVariant::parse`),
 /// `PDNODE_BENCH_ITERS` (steps a round, default 40), `PDNODE_BENCH_ROUNDS` (default 3).
 #[test]
 #[ignore = "needs a CUDA GPU (about 30 GB free): run scripts/gpu/run-all.sh on the GPU host"]
-fn bench_decode_l2_prefetch() {
+fn bench_decode_step_variants() {
     let _gpu = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let decode: Vec<(usize, usize)> = env_list(
-        "PDNODE_BENCH_PF",
+        "PDNODE_BENCH_STEPS",
         "1x512,1x2048,1x8192,2x512,4x512,8x512,8x2048",
     )
     .split(',')
@@ -311,21 +311,16 @@ fn bench_decode_l2_prefetch() {
         Some((b.trim().parse().ok()?, c.trim().parse().ok()?))
     })
     .collect();
-    let all = bench::prefetch_variants();
-    let names = env_list("PDNODE_BENCH_PF_VARIANTS", "");
-    let variants: Vec<bench::PrefetchVariant> = if names.is_empty() {
-        all
-    } else {
-        let want: Vec<&str> = names.split(',').map(str::trim).collect();
-        all.into_iter()
-            .filter(|v| want.contains(&v.name.as_str()))
-            .collect()
-    };
+    let variants: Vec<bench::StepVariant> =
+        env_list("PDNODE_BENCH_STEP_VARIANTS", "default,s2n0,s0n0,s1n0,s0n1")
+            .split(',')
+            .filter_map(bench::StepVariant::parse)
+            .collect();
     let iters: usize = env_list("PDNODE_BENCH_ITERS", "40").parse().unwrap_or(40);
     let rounds: usize = env_list("PDNODE_BENCH_ROUNDS", "3").parse().unwrap_or(3);
-    let (copy, rows) = bench::run_prefetch(&decode, &variants, iters, rounds, |r| {
+    let (copy, rows) = bench::run_step_variants(&decode, &variants, iters, rounds, |r| {
         eprintln!(
-            "PREFETCH {} batch={} ctx={} ms={:.3} min={:.3} max={:.3} ceiling_ms={:.3} ratio={:.3}",
+            "STEP {} batch={} ctx={} ms={:.3} min={:.3} max={:.3} ceiling_ms={:.3} ratio={:.3}",
             r.variant,
             r.batch,
             r.ctx,
@@ -336,13 +331,13 @@ fn bench_decode_l2_prefetch() {
             r.ceiling_ms / r.ms
         )
     })
-    .expect("prefetch benchmark");
+    .expect("step variants benchmark");
     println!(
         "ceilings: HBM copy traffic {:.0} GB/s (read+write); decode ceiling: weights less the embedding table, B rows of it, the KV of B x ctx tokens, at the copy rate",
         copy / 1e9
     );
     println!(
-        "| L2 prefetch | batch | ctx | graph ms (median of rounds) | min..max | ceiling ms | ratio |"
+        "| step setting | batch | ctx | graph ms (median of rounds) | min..max | ceiling ms | ratio |"
     );
     println!("|---|---|---|---|---|---|---|");
     for r in &rows {

@@ -1,6 +1,6 @@
-//! The decode step's L2 prefetches (issue 20): graph-replayed Llama-3.1-8B decode steps with
-//! each [`ops::Fusion`] prefetch setting on one backend, the settings interleaved round by round
-//! so drift between them shows as spread, not as a difference.
+//! Decode-step settings compared on one backend (issue 20): graph-replayed Llama-3.1-8B decode
+//! steps with each [`ops::Fusion`] setting (and PDL on or off), the settings interleaved round by
+//! round so drift between them shows as spread, not as a difference.
 
 use super::{
     DecodeStep, bench_options, decode_blocks, decode_step_bytes, llama31_8b, measure_ceilings,
@@ -11,68 +11,43 @@ use pdnode_cuda::backend::CudaBackend;
 use pdnode_cuda::ops::Fusion;
 
 /// One setting of the comparison: its name, the fusion limits, programmatic dependent launch.
-#[derive(Debug, Clone)]
-pub struct PrefetchVariant {
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepVariant {
     pub name: String,
     pub fusion: Fusion,
     pub pdl: bool,
 }
 
-/// The settings [`run_prefetch`] compares by default: no prefetch (the step before issue 20's
-/// change), the o-projection alone, + the gate_up head, + the qkv head (the default), the
-/// default with 16 MiB heads, with the o-projection prefetched up to 64 MiB of KV a layer, and
-/// the default with PDL.
-pub fn prefetch_variants() -> Vec<PrefetchVariant> {
-    let on = Fusion::default();
-    let v = |name: &str, fusion: Fusion, pdl: bool| PrefetchVariant {
-        name: name.into(),
-        fusion,
-        pdl,
-    };
-    vec![
-        v("off", on.without_prefetch(), false),
-        v(
-            "o",
+impl StepVariant {
+    /// `s<N>n<M>` (SwiGLU fused into gate_up up to N tokens, the RMSNorm into the o/down GEMV up
+    /// to M), optionally `+pdl`; `default` is `Fusion::default()`.
+    pub fn parse(s: &str) -> Option<StepVariant> {
+        let s = s.trim();
+        let (body, pdl) = match s.strip_suffix("+pdl") {
+            Some(b) => (b, true),
+            None => (s, false),
+        };
+        let fusion = if body == "default" {
+            Fusion::default()
+        } else {
+            let rest = body.strip_prefix('s')?;
+            let (sw, rest) = rest.split_once('n')?;
             Fusion {
-                l2_gate_up_head_bytes: 0,
-                l2_qkv_head_bytes: 0,
-                ..on
-            },
-            false,
-        ),
-        v(
-            "o+gu",
-            Fusion {
-                l2_qkv_head_bytes: 0,
-                ..on
-            },
-            false,
-        ),
-        v("o+gu+qkv (default)", on, false),
-        v(
-            "o+gu16+qkv16",
-            Fusion {
-                l2_gate_up_head_bytes: 16 << 20,
-                l2_qkv_head_bytes: 16 << 20,
-                ..on
-            },
-            false,
-        ),
-        v(
-            "default, kv limit 64M",
-            Fusion {
-                l2_kv_max_bytes: 64 << 20,
-                ..on
-            },
-            false,
-        ),
-        v("default+pdl", on, true),
-    ]
+                swiglu_max_tokens: sw.parse().ok()?,
+                norm_max_tokens: rest.parse().ok()?,
+            }
+        };
+        Some(StepVariant {
+            name: s.to_string(),
+            fusion,
+            pdl,
+        })
+    }
 }
 
 /// One timing: a variant at one point, the median over the rounds.
 #[derive(Debug, Clone)]
-pub struct PrefetchRow {
+pub struct StepVariantRow {
     pub variant: String,
     pub batch: usize,
     pub ctx: usize,
@@ -87,14 +62,15 @@ pub struct PrefetchRow {
 
 /// Graph-replayed decode steps at each `(batch, ctx)`: `rounds` rounds, each timing every
 /// variant once (`iters` steps after a warm-up that captures the graph). Returns the measured
-/// copy rate (bytes of traffic per second) and a row per variant and point.
-pub fn run_prefetch(
+/// copy rate (bytes of traffic per second) and a row per variant and point (a PDL variant is
+/// left out where the GPU takes no programmatic launches).
+pub fn run_step_variants(
     decode: &[(usize, usize)],
-    variants: &[PrefetchVariant],
+    variants: &[StepVariant],
     iters: usize,
     rounds: usize,
-    mut report: impl FnMut(&PrefetchRow),
-) -> Result<(f64, Vec<PrefetchRow>), CudaError> {
+    mut report: impl FnMut(&StepVariantRow),
+) -> Result<(f64, Vec<StepVariantRow>), CudaError> {
     let spec = llama31_8b();
     let bs = 16usize;
     let num_blocks = decode_blocks(decode, bs) + 8;
@@ -111,9 +87,8 @@ pub fn run_prefetch(
         for _ in 0..rounds.max(1) {
             for (vi, v) in variants.iter().enumerate() {
                 be.set_fusion(v.fusion);
-                let pdl = be.set_pdl(v.pdl);
-                if pdl != v.pdl {
-                    continue; // no PDL on this GPU: the variant is left out
+                if be.set_pdl(v.pdl) != v.pdl {
+                    continue;
                 }
                 times[vi].push(timed_steps(&mut be, iters, &fb)? * 1e3);
             }
@@ -124,7 +99,7 @@ pub fn run_prefetch(
                 continue;
             }
             t.sort_by(f64::total_cmp);
-            let row = PrefetchRow {
+            let row = StepVariantRow {
                 variant: v.name.clone(),
                 batch,
                 ctx,

@@ -352,3 +352,133 @@ fn linear_rmsnorm_fused_matches_unfused() {
     assert!(ops::gemv_mma_norm(&g, l, 64, 0, 64, &w, &x, &y, false, &nf).is_err());
     println!("PASS gemv_mma_norm rejects 16 warps, 9 and 0 tokens");
 }
+
+/// The GEMVs that compute their input's RMSNorm themselves (`gemv_mma_m1[_pf]_nx`,
+/// `gemv_mma_glu_m1[_pf]_nx`) against `add_rmsnorm` (the vectorized kernel the decode step
+/// runs) then the same tensor-core launch on its output: bit for bit (the same sums in the
+/// same order), the residual left as it was; and against a host reference. Then the launches
+/// they must refuse.
+#[test]
+#[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
+fn norm_in_gemv_matches_norm_then_gemv() {
+    let g = gpu();
+    let mut r = rng("norm_in");
+    let sms = g.sm_count as usize;
+    let eps = 1e-5f32;
+    let on = Fusion {
+        norm_in_max_tokens: 8,
+        ..Fusion::default()
+    };
+    // (rows or inter, tokens, hidden, glu)
+    let mut cases: Vec<(usize, usize, usize, bool)> = Vec::new();
+    for t in 1..=2 {
+        cases.extend([
+            (6144, t, 4096, false),
+            (14336, t, 4096, true),
+            (200, t, 64, false),
+            (77, t, 1032, false),
+            (1000, t, 264, true),
+            (300, t, 8192, false),
+        ]);
+    }
+    cases.extend([(4096, 4, 4096, false), (129, 8, 1024, false)]);
+    let mut ran = 0;
+    for (out, t, h, glu) in cases {
+        let rows = if glu { 2 * out } else { out };
+        let w = randv(&mut r, rows * h, 0.05);
+        let resid = randv(&mut r, t * h, 1.0);
+        let nw: Vec<f32> = randv(&mut r, h, 1.0).iter().map(|v| v + 1.0).collect();
+        let (dw, dr, dnw) = (
+            g.upload_bf16(&w).unwrap(),
+            g.upload_f32(&resid).unwrap(),
+            g.upload_f32(&nw).unwrap(),
+        );
+        let how = LinearImpl::Auto;
+        let Some(l) =
+            ops::norm_in_launch(sms, out, t, h, dw.ptr(), dr.ptr(), dnw.ptr(), how, on, glu)
+        else {
+            println!("SKIP norm-in out={out} t={t} h={h} glu={glu}: no launch");
+            continue;
+        };
+        let n = out;
+        // host: rmsnorm rows (bf16-rounded as the kernels keep them), then x W^T (w is bf16)
+        let xh: Vec<f32> = resid
+            .chunks(h)
+            .flat_map(|row| super::cuda_support::rmsnorm(row, &nw, eps))
+            .map(bf16r)
+            .collect();
+        let mut host = vec![0f32; t * n];
+        for tt in 0..t {
+            let x = &xh[tt * h..(tt + 1) * h];
+            let dot = |o: usize| -> f32 {
+                w[o * h..(o + 1) * h]
+                    .iter()
+                    .zip(x)
+                    .map(|(a, b)| a * b)
+                    .sum()
+            };
+            for o in 0..n {
+                host[tt * n + o] = if glu {
+                    let (gg, uu) = (bf16r(dot(o)), bf16r(dot(out + o)));
+                    gg / (1.0 + (-gg).exp()) * uu
+                } else {
+                    dot(o)
+                };
+            }
+        }
+        for pf in [true, false] {
+            let l = ops::MmaLaunch {
+                l2_prefetch: pf,
+                ..l
+            };
+            // unfused: the norm kernel, then the same launch on its bf16 output
+            let normed = poisoned(&g, t * h * 2);
+            ops::add_rmsnorm(&g, &dr, t, None, &dnw, &normed, None, t, h, eps).unwrap();
+            let (want, got) = (poisoned(&g, t * n * 2), poisoned(&g, t * n * 2));
+            if glu {
+                ops::gemv_mma_swiglu(&g, l, out, t, h, &dw, &normed, &want).unwrap();
+                ops::gemv_mma_swiglu_nx(&g, l, out, t, h, &dw, &dr, &dnw, eps, &got).unwrap();
+            } else {
+                let bf = OutType::Bf16;
+                ops::gemv_mma(&g, l, out, t, h, &dw, &normed, &want, bf, false).unwrap();
+                ops::gemv_mma_nx(&g, l, out, t, h, &dw, &dr, &dnw, eps, &got, bf, false).unwrap();
+            }
+            let (want, got) = (
+                g.download_bf16(&want, t * n).unwrap(),
+                g.download_bf16(&got, t * n).unwrap(),
+            );
+            let same = want
+                .iter()
+                .zip(&got)
+                .filter(|(a, b)| bits(**a) == bits(**b))
+                .count();
+            let resid_kept = g.download_f32(&dr, t * h).unwrap() == resid;
+            let e = rel_err(&got, &host);
+            let ok = same == t * n && resid_kept && e < 2e-2;
+            println!(
+                "{} norm-in {} out={out} t={t} h={h} pf={pf} {l:?}: {same}/{} bit-equal to norm + GEMV, resid kept {resid_kept}, rel vs host {e:.1e}",
+                if ok { "PASS" } else { "FAIL" },
+                if glu { "gate_up+swiglu" } else { "gemv" },
+                t * n
+            );
+            assert!(ok, "norm-in out={out} t={t} h={h} glu={glu} pf={pf}");
+            ran += 1;
+        }
+    }
+    assert!(ran >= 20, "only {ran} norm-in cases ran");
+    // refused: a block narrower than add_rmsnorm_v4's, 9 tokens, rows past the shared memory,
+    // a misaligned residual
+    let (w, x, y) = (
+        g.alloc(8 << 20).unwrap(),
+        g.alloc(8 << 20).unwrap(),
+        g.alloc(8 << 20).unwrap(),
+    );
+    let l = ops::mma_launch_tiles(sms, 64, 4096, 1);
+    let narrow = ops::MmaLaunch { warps: 2, ..l };
+    let bf = OutType::Bf16;
+    assert!(ops::gemv_mma_nx(&g, narrow, 64, 1, 4096, &w, &x, &y, 1e-5, &y, bf, false).is_err());
+    assert!(ops::gemv_mma_nx(&g, l, 64, 9, 4096, &w, &x, &y, 1e-5, &y, bf, false).is_err());
+    assert!(ops::gemv_mma_nx(&g, l, 64, 5, 4096, &w, &x, &y, 1e-5, &y, bf, false).is_err());
+    assert!(ops::gemv_mma_swiglu_nx(&g, narrow, 32, 1, 4096, &w, &x, &y, 1e-5, &y).is_err());
+    println!("PASS norm-in GEMVs refuse narrow blocks, 9 tokens and rows past the shared memory");
+}

@@ -19,9 +19,8 @@ pub struct StepVariant {
 }
 
 impl StepVariant {
-    /// `s<N>n<M>[i<K>]` (SwiGLU fused into gate_up up to N tokens, the RMSNorm into the o/down
-    /// GEMV up to M, into the GEMV that reads it up to K, 0 when absent), optionally `+pdl`;
-    /// `default` is `Fusion::default()`.
+    /// `s<N>n<M>` (SwiGLU fused into gate_up up to N tokens, the RMSNorm into the o/down GEMV up
+    /// to M), optionally `+pdl`; `default` is `Fusion::default()`.
     pub fn parse(s: &str) -> Option<StepVariant> {
         let s = s.trim();
         let (body, pdl) = match s.strip_suffix("+pdl") {
@@ -33,11 +32,9 @@ impl StepVariant {
         } else {
             let rest = body.strip_prefix('s')?;
             let (sw, rest) = rest.split_once('n')?;
-            let (n, i) = rest.split_once('i').unwrap_or((rest, "0"));
             Fusion {
                 swiglu_max_tokens: sw.parse().ok()?,
-                norm_max_tokens: n.parse().ok()?,
-                norm_in_max_tokens: i.parse().ok()?,
+                norm_max_tokens: rest.parse().ok()?,
             }
         };
         Some(StepVariant {
@@ -117,38 +114,4 @@ pub fn run_step_variants(
     }
     be.set_pdl(false);
     Ok((copy, rows))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn step_variants_parse() {
-        let v = StepVariant::parse("s2n0i2+pdl").unwrap();
-        assert_eq!(
-            (v.fusion.swiglu_max_tokens, v.fusion.norm_max_tokens),
-            (2, 0)
-        );
-        assert_eq!(v.fusion.norm_in_max_tokens, 2);
-        assert!(v.pdl);
-        let v = StepVariant::parse(" s0n1 ").unwrap();
-        assert_eq!(
-            (
-                v.fusion.swiglu_max_tokens,
-                v.fusion.norm_max_tokens,
-                v.fusion.norm_in_max_tokens,
-                v.pdl
-            ),
-            (0, 1, 0, false)
-        );
-        assert_eq!(v.name, "s0n1");
-        assert_eq!(
-            StepVariant::parse("default").unwrap().fusion,
-            Fusion::default()
-        );
-        for bad in ["", "x", "s2", "s2nx", "s2n0ix", "default+pd"] {
-            assert!(StepVariant::parse(bad).is_none(), "{bad}");
-        }
-    }
 }

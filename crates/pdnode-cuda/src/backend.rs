@@ -612,55 +612,25 @@ impl CudaBackend {
         };
         // engine.cuda.linear, per call: a GEMV choice takes cuBLAS where its kernel cannot run
         let lin = self.opts.linear;
-        // the RMSNorm computed by the GEMV that reads it (qkv, the fused gate_up) where
-        // norm_in_launch can (same shapes every layer; not with tensor parallelism, as above)
-        let sms = g.sm_count as usize;
-        let norm_in = |out: usize, glu: bool, wt: &DevBuf, nw: &DevBuf| {
-            let (r, f) = (ws.resid.ptr(), self.opts.fusion);
-            let ok = self.comm.is_none();
-            ok.then(|| ops::norm_in_launch(sms, out, t, h, wt.ptr(), r, nw.ptr(), lin, f, glu))
-                .flatten()
-        };
-        let eps = s.rms_norm_eps;
         let mut normed = false;
         for (li, l) in w.layers.iter().enumerate() {
-            if let Some(lq) = norm_in(qd + 2 * kvd, false, &l.wqkv, &l.attn_norm) {
-                let (wq, nw) = (&l.wqkv, &l.attn_norm);
-                let bf = OutType::Bf16;
-                ops::gemv_mma_nx(
-                    g,
-                    lq,
-                    qd + 2 * kvd,
-                    t,
-                    h,
-                    wq,
-                    &ws.resid,
-                    nw,
-                    eps,
-                    &ws.qkv,
-                    bf,
-                    false,
-                )?;
-                mark("attn_norm+qkv")?;
-            } else {
-                if !normed {
-                    rmsnorm(&l.attn_norm)?;
-                    mark("attn_norm")?;
-                }
-                ops::linear(
-                    g,
-                    qd + 2 * kvd,
-                    t,
-                    h,
-                    &l.wqkv,
-                    &ws.normed,
-                    &ws.qkv,
-                    OutType::Bf16,
-                    false,
-                    lin.for_call(t, h, &l.wqkv, &ws.normed),
-                )?;
-                mark("qkv")?;
+            if !normed {
+                rmsnorm(&l.attn_norm)?;
+                mark("attn_norm")?;
             }
+            ops::linear(
+                g,
+                qd + 2 * kvd,
+                t,
+                h,
+                &l.wqkv,
+                &ws.normed,
+                &ws.qkv,
+                OutType::Bf16,
+                false,
+                lin.for_call(t, h, &l.wqkv, &ws.normed),
+            )?;
+            mark("qkv")?;
             ops::rope_qkv(
                 g,
                 d,
@@ -721,8 +691,7 @@ impl CudaBackend {
                 )?;
                 mark("prefill_attention")?;
             }
-            let glu_in = norm_in(inter, true, &l.w_gate_up, &l.mlp_norm);
-            let nf = glu_in.is_none().then(|| norm_of(&l.mlp_norm)).flatten();
+            let nf = norm_of(&l.mlp_norm);
             let rank0 = self.shard.rank == 0;
             normed = ops::linear_rmsnorm(
                 g,
@@ -739,36 +708,25 @@ impl CudaBackend {
             )?;
             mark(if normed { "o_proj+mlp_norm" } else { "o_proj" })?;
             self.all_reduce_resid(t * h)?;
-            if let Some(lg) = glu_in {
-                let (wg, nw) = (&l.w_gate_up, &l.mlp_norm);
-                ops::gemv_mma_swiglu_nx(g, lg, inter, t, h, wg, &ws.resid, nw, eps, &ws.act)?;
-                mark("mlp_norm+gate_up+swiglu")?;
-            } else {
-                if !normed {
-                    rmsnorm(&l.mlp_norm)?;
-                    mark("mlp_norm")?;
-                }
-                // fused at 1-2 tokens under Auto (engine.cuda.fuse_swiglu_max_tokens), else
-                // gate_up, swiglu
-                ops::gate_up_swiglu(
-                    g,
-                    inter,
-                    t,
-                    h,
-                    &l.w_gate_up,
-                    &ws.normed,
-                    &ws.gate_up,
-                    &ws.act,
-                    lin.for_call(t, h, &l.w_gate_up, &ws.normed),
-                    self.opts.fusion,
-                )?;
-                mark("gate_up+swiglu")?;
+            if !normed {
+                rmsnorm(&l.mlp_norm)?;
+                mark("mlp_norm")?;
             }
-            let nf = w
-                .layers
-                .get(li + 1)
-                .filter(|n| norm_in(qd + 2 * kvd, false, &n.wqkv, &n.attn_norm).is_none())
-                .and_then(|n| norm_of(&n.attn_norm));
+            // fused at 1-2 tokens under Auto (engine.cuda.fuse_swiglu_max_tokens), else gate_up, swiglu
+            ops::gate_up_swiglu(
+                g,
+                inter,
+                t,
+                h,
+                &l.w_gate_up,
+                &ws.normed,
+                &ws.gate_up,
+                &ws.act,
+                lin.for_call(t, h, &l.w_gate_up, &ws.normed),
+                self.opts.fusion,
+            )?;
+            mark("gate_up+swiglu")?;
+            let nf = w.layers.get(li + 1).and_then(|n| norm_of(&n.attn_norm));
             normed = ops::linear_rmsnorm(
                 g,
                 h,

@@ -537,17 +537,11 @@ fn bit_diff(a: &[f32], b: &[f32]) -> (usize, f32) {
         .fold((0, 0f32), |(n, m), (x, y)| (n + 1, m.max((x - y).abs())))
 }
 
-/// `fb` on each backend of `[plain, variant, control]`: the logits and the KV of `fb`'s blocks
-/// must be bit-identical to the plain backend's, for the variant (`label`: PDL, L2 prefetch) and
-/// for the control (a second plain backend: a difference there is nondeterminism, not the
-/// variant); returns how many logits were compared per backend.
-fn same_out(
-    name: &str,
-    label: &str,
-    what: &str,
-    bes: &mut [CudaBackend; 3],
-    fb: &ForwardBatch,
-) -> usize {
+/// `fb` on each backend of `[plain, pdl, control]`: the logits and the KV of `fb`'s blocks must
+/// be bit-identical to the plain backend's, for the PDL one and for the control (a second plain
+/// backend: a difference there is nondeterminism, not PDL); returns how many logits were compared
+/// per backend.
+fn same_out(name: &str, what: &str, bes: &mut [CudaBackend; 3], fb: &ForwardBatch) -> usize {
     let used: Vec<BlockId> = fb
         .seqs
         .iter()
@@ -559,13 +553,9 @@ fn same_out(
         let l = be.forward(fb).unwrap();
         outs.push((l.data, read_all(be, layers, &used)));
     }
-    let with = format!("with {label}");
     for (i, who) in [
-        (
-            2,
-            "between two plain backends (nondeterminism, not the variant)",
-        ),
-        (1, with.as_str()),
+        (2, "between two plain backends (nondeterminism, not PDL)"),
+        (1, "with PDL"),
     ] {
         let (n, worst) = bit_diff(&outs[i].0, &outs[0].0);
         assert!(
@@ -597,26 +587,12 @@ fn pdl_matches_plain_launches(spec: &ModelSpec, name: &str) {
         println!("GRAPH pdl {name}: SKIP (this GPU or driver takes no programmatic launches)");
         return;
     }
-    variant_matches_plain(spec, name, "PDL", &mut rng, &mut bes);
-    assert!(bes[1].pdl() && !bes[0].pdl() && !bes[2].pdl());
-}
-
-/// The steps of [`pdl_matches_plain_launches`] on `[plain, variant, control]` backends built
-/// alike (same weights): KV filled alike, a prefill step, then decode steps of 1, 3, 8 and 33
-/// rows eagerly and replayed from graphs.
-fn variant_matches_plain(
-    spec: &ModelSpec,
-    name: &str,
-    label: &str,
-    rng: &mut rand_chacha::ChaCha8Rng,
-    bes: &mut [CudaBackend; 3],
-) {
     let seed: u64 = rng.random();
     for be in bes.iter_mut() {
         be.fill_kv_random(seed).unwrap();
     }
     let mut free: Vec<u32> = (0..NUM_BLOCKS).collect();
-    free.shuffle(rng);
+    free.shuffle(&mut rng);
     // prefill: 100 tokens (>= prefill_gemm_min_tokens) and 9
     let p1: Vec<u32> = (0..100)
         .map(|_| rng.random_range(0..spec.vocab_size as u32))
@@ -645,10 +621,10 @@ fn variant_matches_plain(
             },
         ],
     };
-    let mut compared = same_out(name, label, "prefill", bes, &prefill);
+    let mut compared = same_out(name, "prefill", &mut bes, &prefill);
     let sizes = [1usize, 3, 8, 33];
     for &n in &sizes {
-        let s = seqs(rng, &mut free, n);
+        let s = seqs(&mut rng, &mut free, n);
         for step in 0..STEPS {
             let toks: Vec<[u32; 1]> = (0..n)
                 .map(|_| [rng.random_range(0..spec.vocab_size as u32)])
@@ -659,12 +635,12 @@ fn variant_matches_plain(
                     be.set_cuda_graphs(graphs);
                 }
                 let what = format!("batch {n} step {step} graphs={graphs}");
-                compared += same_out(name, label, &what, bes, &b);
+                compared += same_out(name, &what, &mut bes, &b);
             }
         }
     }
     let steps = (sizes.len() * STEPS) as u64;
-    for be in bes.iter() {
+    for be in &bes {
         let st = be.graph_stats();
         assert_eq!(st.capture_failures, 0, "{name}: {st:?}");
         assert_eq!(
@@ -672,8 +648,9 @@ fn variant_matches_plain(
             "{name}: every decode step replayed: {st:?}"
         );
     }
+    assert!(bes[1].pdl() && !bes[0].pdl() && !bes[2].pdl());
     println!(
-        "GRAPH {label} {name}: PASS, prefill + {steps} decode steps eager and replayed, {compared} logits and the KV bit-identical with and without {label} (and between the two plain backends); {label} graphs {:?}",
+        "GRAPH pdl {name}: PASS, prefill + {steps} decode steps eager and replayed, {compared} logits and the KV bit-identical with and without PDL (and between the two plain backends); PDL graphs {:?}",
         bes[1].graph_stats()
     );
 }
@@ -692,57 +669,4 @@ fn pdl_decode_steps_match_plain_launches() {
     };
     pdl_matches_plain_launches(&qwen, "qwen-like-hd128");
     pdl_matches_plain_launches(&wide_spec(), "llama-hd128");
-}
-
-// ---- the RMSNorm inside the GEMV that reads it (Fusion::norm_in_max_tokens) ---------------------
-
-/// Decode steps with the norm-in GEMVs (qkv and the fused gate_up computing their input's
-/// RMSNorm, no norm kernel between) against the same steps with the norm kernel (and no norm
-/// fused into the o/down GEMV either, so both sides normalize with add_rmsnorm_v4's sums):
-/// logits and KV bit-identical, eager and replayed, at 1 and 3 rows (norm-in at 1-2 tokens by
-/// default, 8 allowed here) and past them (8, 33: the same kernels on both sides).
-fn norm_in_matches_norm_kernel(spec: &ModelSpec, name: &str) {
-    let mut rng = rng(name);
-    let w = tiny_weights(spec, &mut rng);
-    let mut bes: [CudaBackend; 3] =
-        std::array::from_fn(|_| CudaBackend::new(spec, &w, &opts(1, true), "test".into()).unwrap());
-    let base = pdnode_cuda::ops::Fusion {
-        norm_max_tokens: 0,
-        norm_in_max_tokens: 0,
-        ..Default::default()
-    };
-    bes[0].set_fusion(base);
-    bes[2].set_fusion(base);
-    bes[1].set_fusion(pdnode_cuda::ops::Fusion {
-        norm_in_max_tokens: 4,
-        ..base
-    });
-    // the norm-in launches exist at these shapes (else the test would compare nothing new)
-    let g = bes[1].gpu();
-    let h = spec.hidden_size;
-    let (r, n) = (g.alloc(4 * h * 4).unwrap(), g.alloc(h * 4).unwrap());
-    let qkv = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim;
-    let wq = g.alloc(qkv * h * 2).unwrap();
-    let launch = pdnode_cuda::ops::norm_in_launch(
-        g.sm_count as usize,
-        qkv,
-        1,
-        h,
-        wq.ptr(),
-        r.ptr(),
-        n.ptr(),
-        LinearImpl::Auto,
-        bes[1].fusion(),
-        false,
-    );
-    assert!(launch.is_some(), "{name}: no norm-in qkv launch at 1 row");
-    drop((r, n, wq));
-    variant_matches_plain(spec, name, "norm-in", &mut rng, &mut bes);
-}
-
-#[test]
-#[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
-fn norm_in_decode_steps_match_the_norm_kernel() {
-    norm_in_matches_norm_kernel(&tiny_spec(false, false), "tiny-llama");
-    norm_in_matches_norm_kernel(&wide_spec(), "llama-hd128");
 }

@@ -113,20 +113,6 @@ __device__ __forceinline__ void gm_mma(float* c, unsigned a0, unsigned a1, unsig
 
 #define GM_MAX_WARPS 16
 
-// Shared-memory 16-byte word `s` of a normed row (NX below), zeroed when `!ok` by a select.
-__device__ __forceinline__ uint4 gm_lds(const unsigned char* row, int s, bool ok) {
-    uint4 r = ((const uint4*)row)[s];
-    r.x = ok ? r.x : 0u;
-    r.y = ok ? r.y : 0u;
-    r.z = ok ? r.z : 0u;
-    r.w = ok ? r.w : 0u;
-    return r;
-}
-
-// Bytes between two normed rows in the NX kernels' shared memory: the row's bf16, then 64 bytes
-// so the rows of two tokens start in different banks.
-#define GM_NX_PAD 64
-
 // GLU = 1 (gemv_mma_glu_*): w is the [2 * out, in] gate|up weight (rows 0..out gate, out..2out up)
 // and y the bf16 [T, out] SwiGLU activation. Each 16-row mma tile takes 8 gate rows (A rows g) and
 // the 8 up rows of the same outputs (A rows g + 8), so c0/c1 hold gate and c2/c3 up of one output:
@@ -139,22 +125,12 @@ __device__ __forceinline__ uint4 gm_lds(const unsigned char* row, int s, bool ok
 // L2 loads after it) writes normed[t] = bf16(rmsnorm(y[t]) * nw) for every token, exactly as
 // add_rmsnorm does (256 threads' strided sums, block_sum, the same expressions), then puts the
 // ticket counter back to 0 for the next launch (graph replays included).
-// NX = 1 (the *_nx kernels): the RMSNorm of the input comes in instead: x is the f32 residual
-// [T, in] and nw_ its norm weight (f32 [in]). Before its own loads each block asks L2 for the
-// weights of its first chunk batch, then normalizes every token row into shared memory as
-// add_rmsnorm_v4 does (the first nthr threads, nthr = that kernel's block for rows of `in`,
-// hold the same float4 words and sum them in the same order, the same block_sum, the same
-// expressions), so the bf16 x the mma reads equals the unfused path's normed row bit for bit;
-// the norm kernel and its launch between the two GEMVs go. blockDim.x >= nthr (the wrapper
-// checks); dynamic shared memory T * (2 in + GM_NX_PAD) bytes.
-template <int MT, int U, int PF, int GLU, int NORM, int NX = 0>
+template <int MT, int U, int PF, int GLU, int NORM>
 __device__ void gemv_mma_impl(const bf16_t* __restrict__ w, const bf16_t* __restrict__ x,
                               void* __restrict__ y, int T, int out, int in, int y_f32,
                               int accumulate, const float* __restrict__ nw_,
                               bf16_t* __restrict__ normed, unsigned int* ticket, float eps) {
     __shared__ float red[GM_MAX_WARPS][MT * 4][32];
-    extern __shared__ __align__(16) unsigned char gm_xs[];
-    const int xstride = in * 2 + GM_NX_PAD;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nw = min((int)(blockDim.x >> 5), GM_MAX_WARPS);
     const int g = lane >> 2, c = lane & 3;
@@ -175,57 +151,6 @@ __device__ void gemv_mma_impl(const bf16_t* __restrict__ w, const bf16_t* __rest
     }
     const bool xv = g < T;
     const uint4* xp = (const uint4*)(x + (i64)(xv ? g : 0) * in);
-    const unsigned char* xrow = gm_xs + (xv ? g : 0) * xstride;
-    if (NX) {
-        // the first chunk batch's weights on their way while the norm runs
-        if (warp < nw) {
-#pragma unroll
-            for (int u = 0; u < U; u++) {
-                const int s = (warp + u * nw) * 4 + c;
-                if (s < nseg) {
-#pragma unroll
-                    for (int m = 0; m < MT; m++) {
-#pragma unroll
-                        for (int h = 0; h < 2; h++)
-                            if (wv[m][h])
-                                asm volatile("prefetch.global.L2 [%0];" ::"l"(wp[m][h] + s));
-                    }
-                }
-            }
-        }
-        __shared__ float nsh[33];
-        const int n4 = in >> 2;
-        const int nthr = ((n4 + RMS_V4_MAX - 1) / RMS_V4_MAX + 31) / 32 * 32;
-        const bool mine = (int)threadIdx.x < nthr;
-        const float4* nw4 = (const float4*)nw_;
-        for (int t = 0; t < T; t++) {
-            const float4* xr = (const float4*)((const float*)x + (i64)t * in);
-            float4 v[RMS_V4_MAX];
-#pragma unroll
-            for (int j = 0; j < RMS_V4_MAX; ++j) {
-                const int cc = j * nthr + threadIdx.x;
-                v[j] = mine && cc < n4 ? xr[cc] : make_float4(0.f, 0.f, 0.f, 0.f);
-            }
-            float ss = 0.f;
-#pragma unroll
-            for (int j = 0; j < RMS_V4_MAX; ++j)
-                ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
-            const float inv = rsqrtf(block_sum(ss, nsh) / (float)in + eps);
-            uint2* o = (uint2*)(gm_xs + t * xstride);
-#pragma unroll
-            for (int j = 0; j < RMS_V4_MAX; ++j) {
-                const int cc = j * nthr + threadIdx.x;
-                if (mine && cc < n4) {
-                    const float4 ww = nw4[cc];
-                    uint2 p;
-                    p.x = pack_bf16x2(v[j].x * inv * ww.x, v[j].y * inv * ww.y);
-                    p.y = pack_bf16x2(v[j].z * inv * ww.z, v[j].w * inv * ww.w);
-                    o[cc] = p;
-                }
-            }
-        }
-        __syncthreads();
-    }
     float acc[MT][4];
 #pragma unroll
     for (int m = 0; m < MT; m++) {
@@ -247,7 +172,7 @@ __device__ void gemv_mma_impl(const bf16_t* __restrict__ w, const bf16_t* __rest
                         a[u][m][h] = PF ? gm_ld_stream_pf(wp[m][h] + (ok ? s : 0), ok && wv[m][h])
                                         : gm_ld_stream(wp[m][h] + (ok ? s : 0), ok && wv[m][h]);
                 }
-                b[u] = NX ? gm_lds(xrow, ok ? s : 0, ok && xv) : gm_ld(xp + (ok ? s : 0), ok && xv);
+                b[u] = gm_ld(xp + (ok ? s : 0), ok && xv);
             }
 #pragma unroll
             for (int u = 0; u < U; u++) {
@@ -379,31 +304,3 @@ GEMV_MMA_GLU_KERNEL(gemv_mma_glu_m1_pf, 1)
 
 GEMV_MMA_NORM_KERNEL(gemv_mma_m1_norm, 0)
 GEMV_MMA_NORM_KERNEL(gemv_mma_m1_pf_norm, 1)
-
-// RMSNorm into the GEMV that consumes it (NX = 1 above): y (+)= rmsnorm(resid) W^T with resid f32
-// [T, in], nw f32 [in]; the rest as gemv_mma_m1[_pf]. Dynamic shared memory T * (2 in + 64).
-#define GEMV_MMA_NX_KERNEL(NAME, PF)                                                                \
-    extern "C" __global__ void __launch_bounds__(512, 1) NAME(                                      \
-        const bf16_t* w, const float* resid, const float* nw, void* y, int T, int out, int in,     \
-        int y_f32, int accumulate, float eps) {                                                    \
-        PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();                                               \
-        gemv_mma_impl<1, 4, PF, 0, 0, 1>(w, (const bf16_t*)resid, y, T, out, in, y_f32, accumulate, \
-                                         nw, nullptr, nullptr, eps);                               \
-    }
-
-GEMV_MMA_NX_KERNEL(gemv_mma_m1_nx, 0)
-GEMV_MMA_NX_KERNEL(gemv_mma_m1_pf_nx, 1)
-
-// The fused gate_up + SwiGLU with the RMSNorm of its input in the same launch: act bf16 [T, out]
-// = silu(x w_gate^T) * (x w_up^T), x = rmsnorm(resid) * nw.
-#define GEMV_MMA_GLU_NX_KERNEL(NAME, PF)                                                            \
-    extern "C" __global__ void __launch_bounds__(512, 1) NAME(                                      \
-        const bf16_t* w, const float* resid, const float* nw, bf16_t* y, int T, int out, int in,   \
-        float eps) {                                                                               \
-        PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();                                               \
-        gemv_mma_impl<1, 4, PF, 1, 0, 1>(w, (const bf16_t*)resid, y, T, out, in, 0, 0, nw, nullptr, \
-                                         nullptr, eps);                                            \
-    }
-
-GEMV_MMA_GLU_NX_KERNEL(gemv_mma_glu_m1_nx, 0)
-GEMV_MMA_GLU_NX_KERNEL(gemv_mma_glu_m1_pf_nx, 1)

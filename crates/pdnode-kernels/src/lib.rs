@@ -62,7 +62,7 @@ pub const SOURCES: [(&str, &str); 14] = [
 ];
 
 /// Kernel entry points (extern "C" names in the .cu files).
-pub const KERNEL_NAMES: [&str; 48] = [
+pub const KERNEL_NAMES: [&str; 44] = [
     "gemv_t1",
     "gemv_t2",
     "gemv_t4",
@@ -75,10 +75,6 @@ pub const KERNEL_NAMES: [&str; 48] = [
     "gemv_mma_glu_m1_pf",
     "gemv_mma_m1_norm",
     "gemv_mma_m1_pf_norm",
-    "gemv_mma_m1_nx",
-    "gemv_mma_m1_pf_nx",
-    "gemv_mma_glu_m1_nx",
-    "gemv_mma_glu_m1_pf_nx",
     "paged_attention_v2_d8",
     "paged_attention_v2_d16",
     "paged_attention_v4_d64_g8",

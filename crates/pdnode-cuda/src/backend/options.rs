@@ -73,8 +73,6 @@ impl CudaOptions {
             fusion: ops::Fusion {
                 swiglu_max_tokens: e.cuda.fuse_swiglu_max_tokens as usize,
                 norm_max_tokens: e.cuda.fuse_norm_max_tokens as usize,
-                // a kernel choice by shape, not a config key: the measured default
-                norm_in_max_tokens: ops::Fusion::default().norm_in_max_tokens,
             },
             warm_up_context: e.cuda.warm_up_context as usize,
         }

@@ -297,21 +297,14 @@ pub struct Fusion {
     /// saves the swiglu launch; from 4 tokens cuBLAS is 6-7 us ahead of the GEMV on this shape.
     pub swiglu_max_tokens: usize,
     /// [`linear_rmsnorm`] fuses the next RMSNorm into the o/down GEMV up to this many tokens.
-    /// Default 1 (`engine.cuda.fuse_norm_max_tokens`). The fused norm runs in one block after
-    /// the GEMV (tokens one after the other) behind a grid-wide ticket; against the scalar norm
-    /// kernel it paid off at one token (session 3, `bench_decode_fusions`: o+norm 18.4 vs 19.5
-    /// us, down+norm 38.1 vs 38.9 us eager), but against the vectorized `add_rmsnorm_v4` inside
-    /// a decode graph it loses: issue 20's `bench_decode_step_variants` (H200, 2026-12-03),
-    /// batch 1 at ctx 512 / 2048 / 8192, 4.735 / 4.851 / 5.197 ms with it, 4.510 / 4.624 / 4.972
-    /// without. Where [`Fusion::norm_in_max_tokens`] applies (the consumer computes the norm) the
-    /// producer does not fuse it, whatever this says.
+    /// Default 1. The fused norm runs in one block after the GEMV (tokens one after the other),
+    /// the separate kernel in a block a token, so it pays off at one token only: on the H200
+    /// (session 3, `bench_decode_fusions`) o+norm 18.4 vs 19.5 us and down+norm 38.1 vs 38.9 us
+    /// at 1 token, but 4 us slower at 2 tokens and 37 us slower at 8. (Session 2 shipped it off
+    /// after its GPU test failed on 1-warp launches: the sum of squares strided by 256 threads
+    /// on smaller blocks; fixed, and `linear_rmsnorm_fused_matches_unfused` passes on the H200
+    /// since.)
     pub norm_max_tokens: usize,
-    /// The RMSNorm computed by the GEMV that consumes it (qkv: `gemv_mma_m1[_pf]_nx`; the fused
-    /// gate_up + SwiGLU: `gemv_mma_glu_m1[_pf]_nx`) up to this many tokens, so no norm kernel
-    /// runs between the two GEMVs; where [`norm_in_launch`] allows (Auto's table launch, a block
-    /// at least as wide as `add_rmsnorm_v4`'s, the normed rows within the shared memory). Same
-    /// results bit for bit. Not a config key (a kernel choice by shape, as the GEMV table).
-    pub norm_in_max_tokens: usize,
 }
 
 impl Default for Fusion {
@@ -319,7 +312,6 @@ impl Default for Fusion {
         Self {
             swiglu_max_tokens: 2,
             norm_max_tokens: 1,
-            norm_in_max_tokens: 2,
         }
     }
 }
@@ -329,7 +321,6 @@ impl Fusion {
     pub const OFF: Fusion = Fusion {
         swiglu_max_tokens: 0,
         norm_max_tokens: 0,
-        norm_in_max_tokens: 0,
     };
 }
 
@@ -473,196 +464,6 @@ pub fn norm_fuse_launch(
         warps: l.warps.min(NORM_MAX_WARPS),
         ..l
     })
-}
-
-/// Most dynamic shared memory of an `*_nx` launch: the normed rows, `tokens * (2 hidden + 64)`
-/// bytes, beside the kernels' 8 KB of static shared memory, under the 48 KB a launch gets
-/// without opting in.
-pub const NX_SMEM_MAX: usize = 36 * 1024;
-
-/// Dynamic shared memory of an `*_nx` launch of `tokens` rows of `hidden`.
-pub fn nx_smem_bytes(tokens: usize, hidden: usize) -> usize {
-    tokens * (2 * hidden + 64)
-}
-
-/// The launch of the GEMV that computes its input's RMSNorm itself (`glu`: the fused gate_up +
-/// SwiGLU over `out` outputs, else a plain GEMV of `out` rows), or `None` where the decode step
-/// keeps the norm kernel: `how` Auto with the launch the unfused call would make (the table's
-/// 16-row launch; the fused gate_up only where [`swiglu_fused`]), `1..=`
-/// [`Fusion::norm_in_max_tokens`] tokens, `hidden` a multiple of 8 with 16-byte aligned `w`,
-/// `resid` and `nw`, `add_rmsnorm_v4` able to take the rows ([`super::rmsnorm_vector_block`]) and
-/// the launch's block at least as wide as its, the normed rows within [`NX_SMEM_MAX`].
-#[allow(clippy::too_many_arguments)]
-pub fn norm_in_launch(
-    sm_count: usize,
-    out: usize,
-    tokens: usize,
-    hidden: usize,
-    w: u64,
-    resid: u64,
-    nw: u64,
-    how: LinearImpl,
-    fuse: Fusion,
-    glu: bool,
-) -> Option<MmaLaunch> {
-    if how != LinearImpl::Auto
-        || tokens == 0
-        || tokens > fuse.norm_in_max_tokens.min(GEMV_MAX_TOKENS)
-        || out == 0
-        || !aligned_operands(hidden, w, resid)
-        || nx_smem_bytes(tokens, hidden) > NX_SMEM_MAX
-    {
-        return None;
-    }
-    let nthr = super::rmsnorm_vector_block(hidden, &[resid, nw], 0)? as usize;
-    let l = if glu {
-        swiglu_fused(how, tokens, fuse).then(|| glu_launch(sm_count, out, hidden))?
-    } else {
-        table_launch(sm_count, out, tokens, hidden).filter(|l| l.tiles == 1)?
-    };
-    (l.warps * 32 >= nthr).then_some(l)
-}
-
-/// The checks of the `*_nx` launches: `l` a 16-row launch of 1..=16 warps whose block is at
-/// least as wide as `add_rmsnorm_v4`'s for `hidden`, aligned operands, the smem bound.
-#[allow(clippy::too_many_arguments)]
-fn check_nx(
-    op: &'static str,
-    l: MmaLaunch,
-    rows: usize,
-    tokens: usize,
-    hidden: usize,
-    w: &DevBuf,
-    resid: &DevBuf,
-    nw: &DevBuf,
-) -> Result<u32, CudaError> {
-    need(op, "resid", resid, tokens * hidden * F32)?;
-    need(op, "nw", nw, hidden * F32)?;
-    let nthr = super::rmsnorm_vector_block(hidden, &[resid.ptr(), nw.ptr()], 0);
-    shape(
-        op,
-        (1..=GEMV_MAX_TOKENS).contains(&tokens)
-            && aligned_operands(hidden, w.ptr(), resid.ptr())
-            && nthr.is_some_and(|n| l.warps * 32 >= n as usize)
-            && nx_smem_bytes(tokens, hidden) <= NX_SMEM_MAX,
-        || {
-            format!(
-                "{op} needs 1..=8 tokens, hidden % 8 == 0, 16-byte aligned w, resid and nw, a block of \
-                 at least {nthr:?} threads ({l:?}) and {} <= {NX_SMEM_MAX} bytes of normed rows",
-                nx_smem_bytes(tokens, hidden)
-            )
-        },
-    )?;
-    shape(
-        op,
-        l.tiles == 1 && (1..=16).contains(&l.warps) && l.blocks * 16 >= rows,
-        || format!("bad launch {l:?} for {rows} weight rows (16-row blocks)"),
-    )?;
-    u32_of(op, l.blocks)
-}
-
-/// `y (+)= rmsnorm(resid) W^T` in one launch of `gemv_mma_m1[_pf]_nx`: resid f32
-/// `[tokens, hidden]`, nw f32 `[hidden]`, w bf16 `[out, hidden]`, y `[tokens, out]` of `ty`;
-/// the same result, bit for bit, as `add_rmsnorm` into a bf16 buffer then [`gemv_mma`] at `l`.
-#[allow(clippy::too_many_arguments)]
-pub fn gemv_mma_nx(
-    gpu: &Gpu,
-    l: MmaLaunch,
-    out: usize,
-    tokens: usize,
-    hidden: usize,
-    w: &DevBuf,
-    resid: &DevBuf,
-    nw: &DevBuf,
-    eps: f32,
-    y: &DevBuf,
-    ty: OutType,
-    accumulate: bool,
-) -> Result<(), CudaError> {
-    const OP: &str = "gemv_mma_nx";
-    let ysz = if ty == OutType::F32 { F32 } else { BF16 };
-    need(OP, "w", w, out * hidden * BF16)?;
-    need(OP, "y", y, tokens * out * ysz)?;
-    shape(OP, !(accumulate && ty == OutType::Bf16), || {
-        "accumulation needs an f32 output".into()
-    })?;
-    let grid = check_nx(OP, l, out, tokens, hidden, w, resid, nw)?;
-    let name = if l.l2_prefetch {
-        "gemv_mma_m1_pf_nx"
-    } else {
-        "gemv_mma_m1_nx"
-    };
-    let f = gpu.kernel(name)?;
-    let (t_i, o_i, h_i, yf, acc) = (
-        tokens as i32,
-        i32_of(OP, out)?,
-        i32_of(OP, hidden)?,
-        (ty == OutType::F32) as i32,
-        accumulate as i32,
-    );
-    let mut b = gpu.launch_builder(f);
-    b.arg(w.ptr_ref())
-        .arg(resid.ptr_ref())
-        .arg(nw.ptr_ref())
-        .arg(y.ptr_ref())
-        .arg(&t_i)
-        .arg(&o_i)
-        .arg(&h_i)
-        .arg(&yf)
-        .arg(&acc)
-        .arg(&eps);
-    let mut lc = cfg((grid, 1, 1), 32 * l.warps as u32);
-    lc.shared_mem_bytes = nx_smem_bytes(tokens, hidden) as u32;
-    // SAFETY: sizes, alignment, block width and shared memory checked above; tokens <= 8.
-    unsafe { b.launch(lc) }.map_err(launched(OP))?;
-    Ok(())
-}
-
-/// `act = silu(x W_gate^T) * (x W_up^T)` with `x = rmsnorm(resid) * nw`, in one launch of
-/// `gemv_mma_glu_m1[_pf]_nx` (layouts as [`gemv_mma_swiglu`]); the same result, bit for bit, as
-/// `add_rmsnorm` then [`gemv_mma_swiglu`] at `l`.
-#[allow(clippy::too_many_arguments)]
-pub fn gemv_mma_swiglu_nx(
-    gpu: &Gpu,
-    l: MmaLaunch,
-    inter: usize,
-    tokens: usize,
-    hidden: usize,
-    w: &DevBuf,
-    resid: &DevBuf,
-    nw: &DevBuf,
-    eps: f32,
-    act: &DevBuf,
-) -> Result<(), CudaError> {
-    const OP: &str = "gemv_mma_swiglu_nx";
-    need(OP, "w", w, 2 * inter * hidden * BF16)?;
-    need(OP, "act", act, tokens * inter * BF16)?;
-    let grid = check_nx(OP, l, 2 * inter, tokens, hidden, w, resid, nw)?;
-    shape(OP, l.blocks * 8 >= inter, || {
-        format!("bad launch {l:?} for {inter} outputs (16-row blocks of 8 outputs)")
-    })?;
-    let name = if l.l2_prefetch {
-        "gemv_mma_glu_m1_pf_nx"
-    } else {
-        "gemv_mma_glu_m1_nx"
-    };
-    let f = gpu.kernel(name)?;
-    let (t_i, o_i, h_i) = (tokens as i32, i32_of(OP, inter)?, i32_of(OP, hidden)?);
-    let mut b = gpu.launch_builder(f);
-    b.arg(w.ptr_ref())
-        .arg(resid.ptr_ref())
-        .arg(nw.ptr_ref())
-        .arg(act.ptr_ref())
-        .arg(&t_i)
-        .arg(&o_i)
-        .arg(&h_i)
-        .arg(&eps);
-    let mut lc = cfg((grid, 1, 1), 32 * l.warps as u32);
-    lc.shared_mem_bytes = nx_smem_bytes(tokens, hidden) as u32;
-    // SAFETY: sizes, alignment, block width and shared memory checked above (w holds 2 inter
-    // rows); tokens <= 8.
-    unsafe { b.launch(lc) }.map_err(launched(OP))?;
-    Ok(())
 }
 
 /// Most warps a block of the `gemv_mma_m1*_norm` kernels (`__launch_bounds__(384, 2)`).
@@ -933,74 +734,6 @@ mod tests {
             mma_launch_tiles(132, 28672, 4096, 1)
         );
         assert_eq!(glu_launch(132, 13, 64).blocks, 2);
-    }
-
-    #[test]
-    fn norm_in_takes_the_table_launch_where_the_norm_kernel_could_run() {
-        let (w, r, n) = (1u64 << 20, 1u64 << 21, 1u64 << 22);
-        let on = Fusion::default();
-        let nx =
-            |out, t, h, w, r, n, how, f, glu| norm_in_launch(132, out, t, h, w, r, n, how, f, glu);
-        for t in 1..=2 {
-            // qkv: the table's launch (m1, 8 warps >= add_rmsnorm_v4's 128 threads at 4096)
-            let l = nx(6144, t, 4096, w, r, n, LinearImpl::Auto, on, false).expect("qkv");
-            assert_eq!(Some(l), table_launch(132, 6144, t, 4096));
-            // the fused gate_up: its launch (4 warps, 128 threads)
-            let l = nx(14336, t, 4096, w, r, n, LinearImpl::Auto, on, true).expect("glu");
-            assert_eq!(l, glu_launch(132, 14336, 4096));
-        }
-        // past the limit, off the table, misaligned, no room, too narrow a block
-        assert_eq!(
-            nx(6144, 3, 4096, w, r, n, LinearImpl::Auto, on, false),
-            None
-        );
-        let off = Fusion {
-            norm_in_max_tokens: 0,
-            ..on
-        };
-        assert_eq!(
-            nx(6144, 1, 4096, w, r, n, LinearImpl::Auto, off, false),
-            None
-        );
-        for how in [LinearImpl::GemvMma, LinearImpl::Gemv, LinearImpl::Cublas] {
-            assert_eq!(nx(6144, 1, 4096, w, r, n, how, on, false), None);
-        }
-        assert_eq!(
-            nx(6144, 1, 4096, w + 8, r, n, LinearImpl::Auto, on, false),
-            None
-        );
-        assert_eq!(
-            nx(6144, 1, 4096, w, r + 4, n, LinearImpl::Auto, on, false),
-            None
-        );
-        assert_eq!(
-            nx(6144, 1, 4096, w, r, n + 4, LinearImpl::Auto, on, false),
-            None
-        );
-        assert_eq!(
-            nx(6144, 1, 4100, w, r, n, LinearImpl::Auto, on, false),
-            None
-        );
-        // 2 rows of 16384: 65 KB of normed rows
-        assert_eq!(
-            nx(6144, 2, 16384, w, r, n, LinearImpl::Auto, on, false),
-            None
-        );
-        // the gate_up class without the SwiGLU fusion takes cuBLAS: no GEMV to carry the norm
-        let s0 = Fusion {
-            swiglu_max_tokens: 0,
-            ..on
-        };
-        assert_eq!(
-            nx(14336, 1, 4096, w, r, n, LinearImpl::Auto, s0, true),
-            None
-        );
-        // hidden 8192: add_rmsnorm_v4 takes 256 threads; the glu launch's 4 warps are too few
-        assert_eq!(
-            nx(14336, 1, 8192, w, r, n, LinearImpl::Auto, on, true),
-            None
-        );
-        assert!(nx(6144, 1, 8192, w, r, n, LinearImpl::Auto, on, false).is_some());
     }
 
     #[test]

@@ -8,24 +8,31 @@ use super::{
 };
 use pdnode_cuda::CudaError;
 use pdnode_cuda::backend::CudaBackend;
-use pdnode_cuda::ops::Fusion;
+use pdnode_cuda::ops::{AttnVariant, Fusion, LinearImpl};
 
-/// One setting of the comparison: its name, the fusion limits, programmatic dependent launch.
+/// One setting of the comparison: its name, the fusion limits, programmatic dependent launch,
+/// the paged-attention kernel.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StepVariant {
     pub name: String,
     pub fusion: Fusion,
     pub pdl: bool,
+    pub attention: AttnVariant,
 }
 
 impl StepVariant {
     /// `s<N>n<M>` (SwiGLU fused into gate_up up to N tokens, the RMSNorm into the o/down GEMV up
-    /// to M), optionally `+pdl`; `default` is `Fusion::default()`.
+    /// to M) or `default` (`Fusion::default()`), then optionally `/<attention>` (a name of
+    /// `engine.cuda.attention`, default `auto`), then optionally `+pdl`.
     pub fn parse(s: &str) -> Option<StepVariant> {
         let s = s.trim();
         let (body, pdl) = match s.strip_suffix("+pdl") {
             Some(b) => (b, true),
             None => (s, false),
+        };
+        let (body, attention) = match body.split_once('/') {
+            Some((b, a)) => (b, AttnVariant::parse(a)?),
+            None => (body, AttnVariant::Auto),
         };
         let fusion = if body == "default" {
             Fusion::default()
@@ -41,6 +48,7 @@ impl StepVariant {
             name: s.to_string(),
             fusion,
             pdl,
+            attention,
         })
     }
 }
@@ -87,6 +95,7 @@ pub fn run_step_variants(
         for _ in 0..rounds.max(1) {
             for (vi, v) in variants.iter().enumerate() {
                 be.set_fusion(v.fusion);
+                be.set_kernels(v.attention, LinearImpl::Auto);
                 if be.set_pdl(v.pdl) != v.pdl {
                     continue;
                 }
@@ -114,4 +123,38 @@ pub fn run_step_variants(
     }
     be.set_pdl(false);
     Ok((copy, rows))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn step_variants_parse() {
+        let v = StepVariant::parse("s2n0/v2+pdl").unwrap();
+        assert_eq!(
+            (v.fusion.swiglu_max_tokens, v.fusion.norm_max_tokens),
+            (2, 0)
+        );
+        assert!(v.pdl);
+        assert_eq!(v.attention, AttnVariant::V2);
+        let v = StepVariant::parse(" s0n1 ").unwrap();
+        assert_eq!(
+            (
+                v.fusion.swiglu_max_tokens,
+                v.fusion.norm_max_tokens,
+                v.pdl,
+                v.attention
+            ),
+            (0, 1, false, AttnVariant::Auto)
+        );
+        assert_eq!(v.name, "s0n1");
+        assert_eq!(
+            StepVariant::parse("default").unwrap().fusion,
+            Fusion::default()
+        );
+        for bad in ["", "x", "s2", "s2nx", "s2n0/v9", "default+pd"] {
+            assert!(StepVariant::parse(bad).is_none(), "{bad}");
+        }
+    }
 }

@@ -21,6 +21,10 @@ fn bench_llama31_8b_shapes() {
     // The step benchmarks build their backends with engine.cuda.pdl off (plain launches);
     // cuda_graphs' pdl tests compare both.
     println!("BENCH engine.cuda.pdl: programmatic dependent launch off");
+    println!(
+        "BENCH fusion (PDNODE_BENCH_FUSION, else the defaults): {:?}",
+        bench::bench_fusion()
+    );
     let decode: Vec<(usize, usize)> = env_list(
         "PDNODE_BENCH_DECODE",
         "1x512,1x2048,1x8192,8x512,8x2048,8x8192,32x512,32x2048,32x8192,64x512,64x2048,64x8192",

@@ -21,8 +21,9 @@ pub struct StepVariant {
 }
 
 impl StepVariant {
-    /// `s<N>n<M>` (SwiGLU fused into gate_up up to N tokens, the RMSNorm into the o/down GEMV up
-    /// to M) or `default` (`Fusion::default()`), then optionally `/<attention>` (a name of
+    /// `s<N>n<M>[w<W>]` (SwiGLU fused into gate_up up to N tokens, the RMSNorm into the o/down
+    /// GEMV up to M, W warps a block of the fused gate_up launch, 0 when absent: its usual
+    /// launch) or `default` (`Fusion::default()`), then optionally `/<attention>` (a name of
     /// `engine.cuda.attention`, default `auto`), then optionally `+pdl`.
     pub fn parse(s: &str) -> Option<StepVariant> {
         let s = s.trim();
@@ -39,9 +40,11 @@ impl StepVariant {
         } else {
             let rest = body.strip_prefix('s')?;
             let (sw, rest) = rest.split_once('n')?;
+            let (n, w) = rest.split_once('w').unwrap_or((rest, "0"));
             Fusion {
                 swiglu_max_tokens: sw.parse().ok()?,
-                norm_max_tokens: rest.parse().ok()?,
+                norm_max_tokens: n.parse().ok()?,
+                glu_warps: w.parse().ok()?,
             }
         };
         Some(StepVariant {
@@ -131,7 +134,10 @@ mod tests {
 
     #[test]
     fn step_variants_parse() {
+        let v = StepVariant::parse("s2n0w12").unwrap();
+        assert_eq!(v.fusion.glu_warps, 12);
         let v = StepVariant::parse("s2n0/v2+pdl").unwrap();
+        assert_eq!(v.fusion.glu_warps, 0);
         assert_eq!(
             (v.fusion.swiglu_max_tokens, v.fusion.norm_max_tokens),
             (2, 0)
@@ -153,7 +159,7 @@ mod tests {
             StepVariant::parse("default").unwrap().fusion,
             Fusion::default()
         );
-        for bad in ["", "x", "s2", "s2nx", "s2n0/v9", "default+pd"] {
+        for bad in ["", "x", "s2", "s2nx", "s2n0wx", "s2n0/v9", "default+pd"] {
             assert!(StepVariant::parse(bad).is_none(), "{bad}");
         }
     }

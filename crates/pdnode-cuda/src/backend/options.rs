@@ -73,6 +73,8 @@ impl CudaOptions {
             fusion: ops::Fusion {
                 swiglu_max_tokens: e.cuda.fuse_swiglu_max_tokens as usize,
                 norm_max_tokens: e.cuda.fuse_norm_max_tokens as usize,
+                // a launch shape, not a config key: the measured default
+                glu_warps: ops::Fusion::default().glu_warps,
             },
             warm_up_context: e.cuda.warm_up_context as usize,
         }

@@ -305,6 +305,11 @@ pub struct Fusion {
     /// on smaller blocks; fixed, and `linear_rmsnorm_fused_matches_unfused` passes on the H200
     /// since.)
     pub norm_max_tokens: usize,
+    /// Warps per block of the fused gate_up + SwiGLU launch ([`glu_launch_warps`]); 0: the
+    /// widest block whose grid fits one resident wave, as every 16-row launch (4 warps at
+    /// Llama-3.1-8B's 1792 blocks: 2.26 waves, the last a quarter full). Not a config key:
+    /// benchmarks compare values through `CudaBackend::set_fusion`.
+    pub glu_warps: usize,
 }
 
 impl Default for Fusion {
@@ -312,6 +317,7 @@ impl Default for Fusion {
         Self {
             swiglu_max_tokens: 2,
             norm_max_tokens: 1,
+            glu_warps: 0,
         }
     }
 }
@@ -321,6 +327,7 @@ impl Fusion {
     pub const OFF: Fusion = Fusion {
         swiglu_max_tokens: 0,
         norm_max_tokens: 0,
+        glu_warps: 0,
     };
 }
 
@@ -350,7 +357,7 @@ pub fn gate_up_swiglu(
 ) -> Result<(), CudaError> {
     let aligned = gemv_aligned(inp, w, x);
     if swiglu_fused(how, tokens, fuse) && aligned {
-        let l = glu_launch(gpu.sm_count as usize, inter, inp);
+        let l = glu_launch_warps(gpu.sm_count as usize, inter, inp, fuse.glu_warps);
         return gemv_mma_swiglu(gpu, l, inter, tokens, inp, w, x, act);
     }
     linear(
@@ -374,6 +381,21 @@ pub fn glu_launch(sm_count: usize, inter: usize, inp: usize) -> MmaLaunch {
     MmaLaunch {
         l2_prefetch: true,
         ..mma_launch_tiles(sm_count, 2 * inter, inp, 1)
+    }
+}
+
+/// [`glu_launch`] with `warps` warps a block (1..=16, at most one per chunk batch along `inp`);
+/// 0 (or out of range) keeps [`glu_launch`]'s.
+pub fn glu_launch_warps(sm_count: usize, inter: usize, inp: usize, warps: usize) -> MmaLaunch {
+    let l = glu_launch(sm_count, inter, inp);
+    let batches = inp.div_ceil(32).div_ceil(mma_unroll(1)).max(1);
+    if (1..=16).contains(&warps) {
+        MmaLaunch {
+            warps: warps.min(batches),
+            ..l
+        }
+    } else {
+        l
     }
 }
 
@@ -734,6 +756,16 @@ mod tests {
             mma_launch_tiles(132, 28672, 4096, 1)
         );
         assert_eq!(glu_launch(132, 13, 64).blocks, 2);
+        // the block width the fused launch can be given: same blocks, the asked warps
+        assert_eq!(glu_launch_warps(132, 14336, 4096, 0), g);
+        assert_eq!(glu_launch_warps(132, 14336, 4096, 17), g);
+        let w12 = glu_launch_warps(132, 14336, 4096, 12);
+        assert_eq!(
+            (w12.blocks, w12.warps, w12.l2_prefetch),
+            (g.blocks, 12, true)
+        );
+        // never more warps than chunk batches (64 inputs: one)
+        assert_eq!(glu_launch_warps(132, 13, 64, 12).warps, 1);
     }
 
     #[test]

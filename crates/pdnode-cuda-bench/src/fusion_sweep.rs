@@ -21,9 +21,10 @@ pub struct StepVariant {
 }
 
 impl StepVariant {
-    /// `s<N>n<M>[w<W>]` (SwiGLU fused into gate_up up to N tokens, the RMSNorm into the o/down
-    /// GEMV up to M, W warps a block of the fused gate_up launch, 0 when absent: its usual
-    /// launch) or `default` (`Fusion::default()`), then optionally `/<attention>` (a name of
+    /// `s<N>n<M>[w<W>][p<P>]` (SwiGLU fused into gate_up up to N tokens, the RMSNorm into the
+    /// o/down GEMV up to M, W warps a block of the fused gate_up launch, PDL for decode steps
+    /// of up to P rows; W and P 0 when absent: the 4-warp launch, no small-step PDL) or
+    /// `default` (`Fusion::default()`), then optionally `/<attention>` (a name of
     /// `engine.cuda.attention`, default `auto`), then optionally `+pdl`.
     pub fn parse(s: &str) -> Option<StepVariant> {
         let s = s.trim();
@@ -38,13 +39,20 @@ impl StepVariant {
         let fusion = if body == "default" {
             Fusion::default()
         } else {
-            let rest = body.strip_prefix('s')?;
-            let (sw, rest) = rest.split_once('n')?;
-            let (n, w) = rest.split_once('w').unwrap_or((rest, "0"));
+            // letter-number pairs: s and n required, w and p optional (0 when absent)
+            let mut vals = [None::<usize>; 4];
+            let mut rest = body;
+            while let Some(c) = rest.chars().next() {
+                let k = "snwp".find(c)?;
+                let digits = rest[1..].chars().take_while(char::is_ascii_digit).count();
+                vals[k] = Some(rest[1..1 + digits].parse().ok()?);
+                rest = &rest[1 + digits..];
+            }
             Fusion {
-                swiglu_max_tokens: sw.parse().ok()?,
-                norm_max_tokens: n.parse().ok()?,
-                glu_warps: w.parse().ok()?,
+                swiglu_max_tokens: vals[0]?,
+                norm_max_tokens: vals[1]?,
+                glu_warps: vals[2].unwrap_or(0),
+                pdl_max_tokens: vals[3].unwrap_or(0),
             }
         };
         Some(StepVariant {
@@ -135,7 +143,17 @@ mod tests {
     #[test]
     fn step_variants_parse() {
         let v = StepVariant::parse("s2n0w12").unwrap();
-        assert_eq!(v.fusion.glu_warps, 12);
+        assert_eq!((v.fusion.glu_warps, v.fusion.pdl_max_tokens), (12, 0));
+        let v = StepVariant::parse("s8n0w8p2").unwrap();
+        assert_eq!(
+            (
+                v.fusion.swiglu_max_tokens,
+                v.fusion.norm_max_tokens,
+                v.fusion.glu_warps,
+                v.fusion.pdl_max_tokens
+            ),
+            (8, 0, 8, 2)
+        );
         let v = StepVariant::parse("s2n0/v2+pdl").unwrap();
         assert_eq!(v.fusion.glu_warps, 0);
         assert_eq!(
@@ -159,7 +177,17 @@ mod tests {
             StepVariant::parse("default").unwrap().fusion,
             Fusion::default()
         );
-        for bad in ["", "x", "s2", "s2nx", "s2n0wx", "s2n0/v9", "default+pd"] {
+        for bad in [
+            "",
+            "x",
+            "s2",
+            "n0",
+            "s2nx",
+            "s2n0wx",
+            "s2n0q1",
+            "s2n0/v9",
+            "default+pd",
+        ] {
             assert!(StepVariant::parse(bad).is_none(), "{bad}");
         }
     }

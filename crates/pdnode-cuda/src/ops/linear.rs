@@ -307,9 +307,20 @@ pub struct Fusion {
     pub norm_max_tokens: usize,
     /// Warps per block of the fused gate_up + SwiGLU launch ([`glu_launch_warps`]); 0: the
     /// widest block whose grid fits one resident wave, as every 16-row launch (4 warps at
-    /// Llama-3.1-8B's 1792 blocks: 2.26 waves, the last a quarter full). Not a config key:
-    /// benchmarks compare values through `CudaBackend::set_fusion`.
+    /// Llama-3.1-8B's 1792 blocks: 2.26 waves, the last a quarter full). Default 8 (4.5 waves):
+    /// issue 20's `bench_decode_step_variants` (H200, 2026-12-03, graph steps with the norm
+    /// unfused) 4.499 / 4.603 / 4.947 ms at batch 1 ctx 512 / 2048 / 8192 and 4.508 at 2 x 512
+    /// against 4.514 / 4.626 / 4.970 / 4.529 with 4 warps (rounds within 0.004 ms); 12 warps
+    /// 4.508 / 4.616 / 4.959 / 4.525, 16 warps 0.09 ms slower. Not a config key (a launch
+    /// shape): benchmarks compare values through `CudaBackend::set_fusion`.
     pub glu_warps: usize,
+    /// Decode steps of at most this many rows launch our kernels with programmatic dependent
+    /// launch where the GPU takes it (sm_90, driver 12.3+), also with `engine.cuda.pdl` off (on,
+    /// every step does); one GPU only. Default 2: the same sweep with the norm unfused gave
+    /// 4.428 / 4.561 / 4.938 ms at batch 1 ctx 512 / 2048 / 8192 and 4.446 at 2 x 512 with PDL
+    /// against 4.514 / 4.626 / 4.970 / 4.529 without, but 4.625 vs 4.622 at 4 x 512 and 4.917
+    /// vs 4.738 at 8 x 512. Not a config key (a launch choice by step size).
+    pub pdl_max_tokens: usize,
 }
 
 impl Default for Fusion {
@@ -317,7 +328,8 @@ impl Default for Fusion {
         Self {
             swiglu_max_tokens: 2,
             norm_max_tokens: 1,
-            glu_warps: 0,
+            glu_warps: 8,
+            pdl_max_tokens: 2,
         }
     }
 }
@@ -328,6 +340,7 @@ impl Fusion {
         swiglu_max_tokens: 0,
         norm_max_tokens: 0,
         glu_warps: 0,
+        pdl_max_tokens: 0,
     };
 }
 

@@ -704,19 +704,25 @@ fn pdl_decode_steps_match_plain_launches() {
 
 // ---- PDL for small decode steps only (Fusion::pdl_max_tokens) -------------------------------------
 
-/// The default backend (PDL for decode steps of 1-2 rows, plain launches otherwise) against two
-/// backends with no PDL at all: logits and KV bit-identical over the same prefill and decode
-/// steps (1, 3, 8 and 33 rows, eager and replayed), and the switch off afterwards.
+/// A backend with the default small-step PDL (decode steps of 1-2 rows; with the norm not
+/// fused into o/down, where it applies) against two backends with no PDL at all: logits and KV
+/// bit-identical over the same prefill and decode steps (1, 3, 8 and 33 rows, eager and
+/// replayed), and the every-step switch off afterwards.
 fn small_step_pdl_matches_plain(spec: &ModelSpec, name: &str) {
     let mut rng = rng(name);
     let w = tiny_weights(spec, &mut rng);
     let mut bes: [CudaBackend; 3] =
         std::array::from_fn(|_| CudaBackend::new(spec, &w, &opts(1, true), "test".into()).unwrap());
-    let on = pdnode_cuda::ops::Fusion::default();
+    // small-step PDL applies where the norm is not fused into o/down
+    let on = pdnode_cuda::ops::Fusion {
+        norm_max_tokens: 0,
+        ..Default::default()
+    };
     assert!(
         on.pdl_max_tokens >= 1,
         "the default takes PDL for 1-row steps"
     );
+    bes[1].set_fusion(on);
     if !bes[1].set_pdl(true) {
         println!(
             "GRAPH small-step-pdl {name}: SKIP (this GPU or driver takes no programmatic launches)"

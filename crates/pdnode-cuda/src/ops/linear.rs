@@ -292,9 +292,12 @@ pub fn gemv_mma(
 /// most [`GEMV_MAX_TOKENS`], 0 off. Passed to every call: no process-wide setting.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Fusion {
-    /// [`gate_up_swiglu`] fuses SwiGLU into the gate_up GEMV up to this many tokens. Default 2:
-    /// at 1-2 tokens the fused launch streams gate_up as fast as cuBLAS (58.0 vs 57.0 us) and
-    /// saves the swiglu launch; from 4 tokens cuBLAS is 6-7 us ahead of the GEMV on this shape.
+    /// [`gate_up_swiglu`] fuses SwiGLU into the gate_up GEMV up to this many tokens. Default 2
+    /// (`engine.cuda.fuse_swiglu_max_tokens`): at 1-2 tokens the fused launch streams gate_up
+    /// as fast as cuBLAS (58.0 vs 57.0 us) and saves the swiglu launch; from 4 tokens cuBLAS
+    /// alone is 6-7 us ahead of the GEMV on this shape, but in whole graph steps the fused
+    /// launch still wins there (issue 20's sweep, H200: 4.528 vs 4.619 ms at 4 x 512, 4.631 vs
+    /// 4.734 at 8 x 512, norm unfused): 8 is the faster config default.
     pub swiglu_max_tokens: usize,
     /// [`linear_rmsnorm`] fuses the next RMSNorm into the o/down GEMV up to this many tokens.
     /// Default 1. The fused norm runs in one block after the GEMV (tokens one after the other),

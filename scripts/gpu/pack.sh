@@ -3,10 +3,20 @@
 # 64 MiB the device tool carries: the stripped pdnode, etcd (Debian's static binary, for the PD
 # registry) and the shared libraries + ucx_info/ucx_perftest of the libucx-cu13 1.22 wheel.
 # Run on a build host after `cargo build --release -p pdnode`; carry `.gpu-pd` (in .git/info/exclude).
-# PERFTEST=0 leaves ucx_perftest out; TESTS_DIR=.gpu adds the GPU test binaries as t/.
+# PERFTEST=0 leaves ucx_perftest out; TESTS_DIR=.gpu adds the GPU test binaries as t/
+# (TESTS_ONLY=1: nothing else).
 # On the GPU host: `mkdir -p /tmp/pd && tar -xJf .gpu-pd/bundle.tar.xz -C /tmp/pd`.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+# TESTS_ONLY=1: only the GPU test binaries of scripts/gpu/build.sh (TESTS_DIR, default .gpu) as
+# t/, for sessions that run tests and benches but no node (session.sh tests, variants, decode).
+if [ "${TESTS_ONLY:-0}" = 1 ]; then
+    mkdir -p .gpu-pd
+    tar -C "$(dirname "${TESTS_DIR:-.gpu}")" --transform "s,^$(basename "${TESTS_DIR:-.gpu}"),t," \
+        -cf - "$(basename "${TESTS_DIR:-.gpu}")" | xz -9 -T2 > .gpu-pd/bundle.tar.xz
+    ls -la .gpu-pd/bundle.tar.xz
+    exit 0
+fi
 WHL_DIR=${WHL_DIR:-/tmp/whl}
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT

@@ -8,6 +8,9 @@
 #                  decode comparison (bench_decode_fusions, bench_decode_op_breakdown); PDL and
 #                  the fusion limits and the kernel choices are config keys now (engine.cuda.*),
 #                  compared inside the runs (prefill: flashv3 / flash8 / gemm on one backend)
+#   decode         issue 20's decode benches: bench_decode_step_variants (fusion settings and PDL,
+#                  interleaved), bench_llama31_8b_shapes (decode points only) and
+#                  bench_decode_op_breakdown (1x512, 8x512); tables into the summary
 #   transfer-exp   scripts/gpu/transfer.sh exp (UCX variants, isolated ucx_perftest puts)
 #   overlap        scripts/gpu/overlap.sh (the hand-off against prefill: one chunk vs 512-token chunks)
 #   serve[:what]   scripts/gpu/serve.sh pd|colo|both (default both)
@@ -59,6 +62,15 @@ for part in "$@"; do
                 echo "## $v (rc=$?)" >> "$summary"
                 grep -E '^BENCH (decode graph batch|decode eager|prefill)' "$LOGS/variant-$tag.log" |
                     sed -E 's/^BENCH //' >> "$summary"
+            done ;;
+        decode)
+            for v in ${DECODE_BENCHES:-bench_decode_step_variants bench_llama31_8b_shapes bench_decode_op_breakdown}; do
+                PDNODE_BENCH_PREFILL= PDNODE_BENCH_OPS=1x512,8x512 timeout 400 "$PD/t/cuda_bench" \
+                    --ignored --nocapture --test-threads=1 --exact "$v" > "$LOGS/decode-$v.log" 2>&1
+                echo "## $v (rc=$?)" >> "$summary"
+                rows='^ceilings|^\|'
+                [ "$v" = bench_llama31_8b_shapes ] && rows='^ceilings|^\| decode (graph|\+argmax D2H) \|'
+                grep -E "$rows" "$LOGS/decode-$v.log" >> "$summary"
             done ;;
         transfer-exp)
             OUT=$LOGS/transfer-exp bash scripts/gpu/transfer.sh exp 2>&1 |

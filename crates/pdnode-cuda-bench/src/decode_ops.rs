@@ -178,7 +178,8 @@ pub fn run_fusions(
         .iter()
         .filter(|&&t| (1..=ops::GEMV_MAX_TOKENS).contains(&t))
     {
-        let l = ops::glu_launch(sms, inter, h);
+        // the launch the decode step takes (Fusion::glu_warps)
+        let l = ops::glu_launch_warps(sms, inter, h, ops::Fusion::default().glu_warps);
         let n = w_gu.len();
         let mut k = 0usize;
         let fused = timed(&gpu, iters, || {

@@ -21,9 +21,11 @@ use std::time::Instant;
 
 pub mod attn;
 mod decode_ops;
+mod fusion_sweep;
 mod linear;
 pub mod tp;
 pub use decode_ops::*;
+pub use fusion_sweep::*;
 pub use linear::*;
 
 pub use pdnode_engine::loader::dummy::llama31_8b;
@@ -188,9 +190,19 @@ pub(crate) fn bench_options(
         cuda_graphs,
         gpu_sampling: true,
         pdl: false,
-        fusion: pdnode_cuda::ops::Fusion::default(),
+        fusion: bench_fusion(),
         warm_up_context: 0,
     }
+}
+
+/// The fusion limits the benches' backends start with: `Fusion::default()`, or the setting
+/// `PDNODE_BENCH_FUSION` names (`s<N>n<M>` as [`StepVariant::parse`] reads it: e.g. `s2n0`
+/// for `engine.cuda.fuse_norm_max_tokens = 0`).
+pub fn bench_fusion() -> pdnode_cuda::ops::Fusion {
+    std::env::var("PDNODE_BENCH_FUSION")
+        .ok()
+        .and_then(|v| StepVariant::parse(&v))
+        .map_or_else(pdnode_cuda::ops::Fusion::default, |v| v.fusion)
 }
 
 /// The inputs of a synthetic decode step: `batch` sequences at context `ctx`, each with its own

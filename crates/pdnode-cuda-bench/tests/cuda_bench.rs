@@ -21,6 +21,10 @@ fn bench_llama31_8b_shapes() {
     // The step benchmarks build their backends with engine.cuda.pdl off (plain launches);
     // cuda_graphs' pdl tests compare both.
     println!("BENCH engine.cuda.pdl: programmatic dependent launch off");
+    println!(
+        "BENCH fusion (PDNODE_BENCH_FUSION, else the defaults): {:?}",
+        bench::bench_fusion()
+    );
     let decode: Vec<(usize, usize)> = env_list(
         "PDNODE_BENCH_DECODE",
         "1x512,1x2048,1x8192,8x512,8x2048,8x8192,32x512,32x2048,32x8192,64x512,64x2048,64x8192",
@@ -290,6 +294,70 @@ fn bench_decode_fusions() {
         );
     }
     assert!(!rows.is_empty(), "no fusion was timed");
+}
+
+/// Decode-step settings side by side (issue 20): graph-replayed Llama-3.1-8B steps per
+/// setting, interleaved rounds, the median round against the step's ceiling (the bytes a step
+/// must read at the copy rate, `decode_step_bytes`). `PDNODE_BENCH_STEPS="1x512,8x512"`,
+/// `PDNODE_BENCH_STEP_VARIANTS="default,s2n0,s0n0,default+pdl"` (`StepVariant::parse`),
+/// `PDNODE_BENCH_ITERS` (steps a round, default 40), `PDNODE_BENCH_ROUNDS` (default 3).
+#[test]
+#[ignore = "needs a CUDA GPU (about 30 GB free): run scripts/gpu/run-all.sh on the GPU host"]
+fn bench_decode_step_variants() {
+    let _gpu = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let decode: Vec<(usize, usize)> = env_list(
+        "PDNODE_BENCH_STEPS",
+        "1x512,1x2048,1x8192,2x512,4x512,8x512,8x2048",
+    )
+    .split(',')
+    .filter_map(|s| {
+        let (b, c) = s.split_once('x')?;
+        Some((b.trim().parse().ok()?, c.trim().parse().ok()?))
+    })
+    .collect();
+    let variants: Vec<bench::StepVariant> =
+        env_list("PDNODE_BENCH_STEP_VARIANTS", "default,s2n0,s0n0,s1n0,s0n1")
+            .split(',')
+            .filter_map(bench::StepVariant::parse)
+            .collect();
+    let iters: usize = env_list("PDNODE_BENCH_ITERS", "40").parse().unwrap_or(40);
+    let rounds: usize = env_list("PDNODE_BENCH_ROUNDS", "3").parse().unwrap_or(3);
+    let (copy, rows) = bench::run_step_variants(&decode, &variants, iters, rounds, |r| {
+        eprintln!(
+            "STEP {} batch={} ctx={} ms={:.3} min={:.3} max={:.3} ceiling_ms={:.3} ratio={:.3}",
+            r.variant,
+            r.batch,
+            r.ctx,
+            r.ms,
+            r.min_ms,
+            r.max_ms,
+            r.ceiling_ms,
+            r.ceiling_ms / r.ms
+        )
+    })
+    .expect("step variants benchmark");
+    println!(
+        "ceilings: HBM copy traffic {:.0} GB/s (read+write); decode ceiling: weights less the embedding table, B rows of it, the KV of B x ctx tokens, at the copy rate",
+        copy / 1e9
+    );
+    println!(
+        "| step setting | batch | ctx | graph ms (median of rounds) | min..max | ceiling ms | ratio |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for r in &rows {
+        println!(
+            "| {} | {} | {} | {:.3} | {:.3}..{:.3} | {:.3} | {:.2} |",
+            r.variant,
+            r.batch,
+            r.ctx,
+            r.ms,
+            r.min_ms,
+            r.max_ms,
+            r.ceiling_ms,
+            r.ceiling_ms / r.ms
+        );
+    }
+    assert!(!rows.is_empty(), "nothing was timed");
 }
 
 /// Seconds per call of `f` (after one warm-up call), `iters` calls back to back, one sync.

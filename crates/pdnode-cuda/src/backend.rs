@@ -131,6 +131,10 @@ pub struct CudaBackend {
     logits_host: Pinned,
     /// This GPU's slice of the model (`Shard::WHOLE` without tensor parallelism).
     shard: Shard,
+    /// Every step's launches are programmatic dependent launches (`engine.cuda.pdl`,
+    /// [`Self::set_pdl`]); without it only decode steps of at most
+    /// [`ops::Fusion::pdl_max_tokens`] rows are (one GPU).
+    pdl_all: bool,
     /// The all-reduce group of the tensor-parallel ranks (None at TP = 1).
     comm: Option<NcclComm>,
     /// Per-op event timing of eager steps (benchmarks only: the `op-timing` feature, which
@@ -374,6 +378,7 @@ impl CudaBackend {
             opts,
             dims,
             shard,
+            pdl_all: gpu.pdl(),
             comm: None,
             #[cfg(feature = "op-timing")]
             prof: None,
@@ -508,8 +513,9 @@ impl CudaBackend {
     /// (false where the GPU cannot: [`Gpu::set_pdl`]). Captured graphs are dropped on a change:
     /// they hold launches of the other kind.
     pub fn set_pdl(&mut self, on: bool) -> bool {
-        let before = self.gpu.pdl();
+        let before = self.pdl_all;
         let now = self.gpu.set_pdl(on);
+        self.pdl_all = now;
         if now != before {
             // as set_kernels: wait for any replay before dropping the graphs
             if self.gpu.bind().is_ok() && self.gpu.sync().is_ok() {
@@ -521,9 +527,10 @@ impl CudaBackend {
         now
     }
 
-    /// Whether our kernels' launches are programmatic dependent launches ([`Self::set_pdl`]).
+    /// Whether every step's launches are programmatic dependent launches ([`Self::set_pdl`];
+    /// small decode steps may be without it: [`ops::Fusion::pdl_max_tokens`]).
     pub fn pdl(&self) -> bool {
-        self.gpu.pdl()
+        self.pdl_all
     }
 
     /// Turns decode-step CUDA graphs on or off for later steps (benchmarks and tests compare
@@ -564,6 +571,16 @@ impl CudaBackend {
         if p.tokens == 0 {
             return Ok(0);
         }
+        // PDL for every step, or for small decode steps only (graphs of those buckets are
+        // captured with it; it changes when kernels start, never what they compute), and not
+        // where the step fuses the RMSNorm into the o/down GEMV: with that grid-wide ticket it
+        // measured 0.84 ms slower at 1 x 2048 (Fusion::pdl_max_tokens)
+        let f = self.opts.fusion;
+        let small = self.comm.is_none()
+            && graph::is_decode(batch)
+            && p.tokens <= f.pdl_max_tokens.min(ops::GEMV_MAX_TOKENS)
+            && p.tokens > f.norm_max_tokens;
+        self.gpu.set_pdl(self.pdl_all || small);
         // A staged step runs eagerly (its gathers ride in the layer loop): a one-token last
         // chunk of a prompt looks like a decode step.
         if stage.is_none()

@@ -537,11 +537,17 @@ fn bit_diff(a: &[f32], b: &[f32]) -> (usize, f32) {
         .fold((0, 0f32), |(n, m), (x, y)| (n + 1, m.max((x - y).abs())))
 }
 
-/// `fb` on each backend of `[plain, pdl, control]`: the logits and the KV of `fb`'s blocks must
-/// be bit-identical to the plain backend's, for the PDL one and for the control (a second plain
-/// backend: a difference there is nondeterminism, not PDL); returns how many logits were compared
-/// per backend.
-fn same_out(name: &str, what: &str, bes: &mut [CudaBackend; 3], fb: &ForwardBatch) -> usize {
+/// `fb` on each backend of `[plain, variant, control]`: the logits and the KV of `fb`'s blocks
+/// must be bit-identical to the plain backend's, for the variant (`label`: PDL, L2 prefetch) and
+/// for the control (a second plain backend: a difference there is nondeterminism, not the
+/// variant); returns how many logits were compared per backend.
+fn same_out(
+    name: &str,
+    label: &str,
+    what: &str,
+    bes: &mut [CudaBackend; 3],
+    fb: &ForwardBatch,
+) -> usize {
     let used: Vec<BlockId> = fb
         .seqs
         .iter()
@@ -553,9 +559,13 @@ fn same_out(name: &str, what: &str, bes: &mut [CudaBackend; 3], fb: &ForwardBatc
         let l = be.forward(fb).unwrap();
         outs.push((l.data, read_all(be, layers, &used)));
     }
+    let with = format!("with {label}");
     for (i, who) in [
-        (2, "between two plain backends (nondeterminism, not PDL)"),
-        (1, "with PDL"),
+        (
+            2,
+            "between two plain backends (nondeterminism, not the variant)",
+        ),
+        (1, with.as_str()),
     ] {
         let (n, worst) = bit_diff(&outs[i].0, &outs[0].0);
         assert!(
@@ -582,17 +592,39 @@ fn pdl_matches_plain_launches(spec: &ModelSpec, name: &str) {
     let w = tiny_weights(spec, &mut rng);
     let mut bes: [CudaBackend; 3] =
         std::array::from_fn(|_| CudaBackend::new(spec, &w, &opts(1, true), "test".into()).unwrap());
+    // no small-step PDL (Fusion::pdl_max_tokens) on any of them: the plain ones stay plain
+    for be in bes.iter_mut() {
+        let f = be.fusion();
+        be.set_fusion(pdnode_cuda::ops::Fusion {
+            pdl_max_tokens: 0,
+            ..f
+        });
+    }
     assert!(!bes[0].set_pdl(false) && !bes[2].set_pdl(false));
     if !bes[1].set_pdl(true) {
         println!("GRAPH pdl {name}: SKIP (this GPU or driver takes no programmatic launches)");
         return;
     }
+    variant_matches_plain(spec, name, "PDL", &mut rng, &mut bes);
+    assert!(bes[1].pdl() && !bes[0].pdl() && !bes[2].pdl());
+}
+
+/// The steps of [`pdl_matches_plain_launches`] on `[plain, variant, control]` backends built
+/// alike (same weights): KV filled alike, a prefill step, then decode steps of 1, 3, 8 and 33
+/// rows eagerly and replayed from graphs.
+fn variant_matches_plain(
+    spec: &ModelSpec,
+    name: &str,
+    label: &str,
+    rng: &mut rand_chacha::ChaCha8Rng,
+    bes: &mut [CudaBackend; 3],
+) {
     let seed: u64 = rng.random();
     for be in bes.iter_mut() {
         be.fill_kv_random(seed).unwrap();
     }
     let mut free: Vec<u32> = (0..NUM_BLOCKS).collect();
-    free.shuffle(&mut rng);
+    free.shuffle(rng);
     // prefill: 100 tokens (>= prefill_gemm_min_tokens) and 9
     let p1: Vec<u32> = (0..100)
         .map(|_| rng.random_range(0..spec.vocab_size as u32))
@@ -621,10 +653,10 @@ fn pdl_matches_plain_launches(spec: &ModelSpec, name: &str) {
             },
         ],
     };
-    let mut compared = same_out(name, "prefill", &mut bes, &prefill);
+    let mut compared = same_out(name, label, "prefill", bes, &prefill);
     let sizes = [1usize, 3, 8, 33];
     for &n in &sizes {
-        let s = seqs(&mut rng, &mut free, n);
+        let s = seqs(rng, &mut free, n);
         for step in 0..STEPS {
             let toks: Vec<[u32; 1]> = (0..n)
                 .map(|_| [rng.random_range(0..spec.vocab_size as u32)])
@@ -635,12 +667,12 @@ fn pdl_matches_plain_launches(spec: &ModelSpec, name: &str) {
                     be.set_cuda_graphs(graphs);
                 }
                 let what = format!("batch {n} step {step} graphs={graphs}");
-                compared += same_out(name, &what, &mut bes, &b);
+                compared += same_out(name, label, &what, bes, &b);
             }
         }
     }
     let steps = (sizes.len() * STEPS) as u64;
-    for be in &bes {
+    for be in bes.iter() {
         let st = be.graph_stats();
         assert_eq!(st.capture_failures, 0, "{name}: {st:?}");
         assert_eq!(
@@ -648,9 +680,8 @@ fn pdl_matches_plain_launches(spec: &ModelSpec, name: &str) {
             "{name}: every decode step replayed: {st:?}"
         );
     }
-    assert!(bes[1].pdl() && !bes[0].pdl() && !bes[2].pdl());
     println!(
-        "GRAPH pdl {name}: PASS, prefill + {steps} decode steps eager and replayed, {compared} logits and the KV bit-identical with and without PDL (and between the two plain backends); PDL graphs {:?}",
+        "GRAPH {label} {name}: PASS, prefill + {steps} decode steps eager and replayed, {compared} logits and the KV bit-identical with and without {label} (and between the two plain backends); {label} graphs {:?}",
         bes[1].graph_stats()
     );
 }
@@ -669,4 +700,49 @@ fn pdl_decode_steps_match_plain_launches() {
     };
     pdl_matches_plain_launches(&qwen, "qwen-like-hd128");
     pdl_matches_plain_launches(&wide_spec(), "llama-hd128");
+}
+
+// ---- PDL for small decode steps only (Fusion::pdl_max_tokens) -------------------------------------
+
+/// A backend with the default small-step PDL (decode steps of 1-2 rows; with the norm not
+/// fused into o/down, where it applies) against two backends with no PDL at all: logits and KV
+/// bit-identical over the same prefill and decode steps (1, 3, 8 and 33 rows, eager and
+/// replayed), and the every-step switch off afterwards.
+fn small_step_pdl_matches_plain(spec: &ModelSpec, name: &str) {
+    let mut rng = rng(name);
+    let w = tiny_weights(spec, &mut rng);
+    let mut bes: [CudaBackend; 3] =
+        std::array::from_fn(|_| CudaBackend::new(spec, &w, &opts(1, true), "test".into()).unwrap());
+    // small-step PDL applies where the norm is not fused into o/down
+    let on = pdnode_cuda::ops::Fusion {
+        norm_max_tokens: 0,
+        ..Default::default()
+    };
+    assert!(
+        on.pdl_max_tokens >= 1,
+        "the default takes PDL for 1-row steps"
+    );
+    bes[1].set_fusion(on);
+    if !bes[1].set_pdl(true) {
+        println!(
+            "GRAPH small-step-pdl {name}: SKIP (this GPU or driver takes no programmatic launches)"
+        );
+        return;
+    }
+    bes[1].set_pdl(false);
+    let off = pdnode_cuda::ops::Fusion {
+        pdl_max_tokens: 0,
+        ..on
+    };
+    bes[0].set_fusion(off);
+    bes[2].set_fusion(off);
+    variant_matches_plain(spec, name, "small-step PDL", &mut rng, &mut bes);
+    assert!(!bes[0].pdl() && !bes[1].pdl() && !bes[2].pdl());
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
+fn small_decode_steps_with_pdl_match_plain_launches() {
+    small_step_pdl_matches_plain(&tiny_spec(false, false), "tiny-llama");
+    small_step_pdl_matches_plain(&wide_spec(), "llama-hd128");
 }

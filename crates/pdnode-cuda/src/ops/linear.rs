@@ -292,9 +292,12 @@ pub fn gemv_mma(
 /// most [`GEMV_MAX_TOKENS`], 0 off. Passed to every call: no process-wide setting.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Fusion {
-    /// [`gate_up_swiglu`] fuses SwiGLU into the gate_up GEMV up to this many tokens. Default 2:
-    /// at 1-2 tokens the fused launch streams gate_up as fast as cuBLAS (58.0 vs 57.0 us) and
-    /// saves the swiglu launch; from 4 tokens cuBLAS is 6-7 us ahead of the GEMV on this shape.
+    /// [`gate_up_swiglu`] fuses SwiGLU into the gate_up GEMV up to this many tokens. Default 2
+    /// (`engine.cuda.fuse_swiglu_max_tokens`): at 1-2 tokens the fused launch streams gate_up
+    /// as fast as cuBLAS (58.0 vs 57.0 us) and saves the swiglu launch; from 4 tokens cuBLAS
+    /// alone is 6-7 us ahead of the GEMV on this shape, but in whole graph steps the fused
+    /// launch still wins there (issue 20's sweep, H200: 4.528 vs 4.619 ms at 4 x 512, 4.631 vs
+    /// 4.734 at 8 x 512, norm unfused): 8 is the faster config default.
     pub swiglu_max_tokens: usize,
     /// [`linear_rmsnorm`] fuses the next RMSNorm into the o/down GEMV up to this many tokens.
     /// Default 1. The fused norm runs in one block after the GEMV (tokens one after the other),
@@ -305,6 +308,24 @@ pub struct Fusion {
     /// on smaller blocks; fixed, and `linear_rmsnorm_fused_matches_unfused` passes on the H200
     /// since.)
     pub norm_max_tokens: usize,
+    /// Warps per block of the fused gate_up + SwiGLU launch ([`glu_launch_warps`]); 0: the
+    /// widest block whose grid fits one resident wave, as every 16-row launch (4 warps at
+    /// Llama-3.1-8B's 1792 blocks: 2.26 waves, the last a quarter full). Default 8 (4.5 waves):
+    /// issue 20's `bench_decode_step_variants` (H200, 2026-12-03, graph steps with the norm
+    /// unfused) 4.499 / 4.603 / 4.947 ms at batch 1 ctx 512 / 2048 / 8192 and 4.508 at 2 x 512
+    /// against 4.514 / 4.626 / 4.970 / 4.529 with 4 warps (rounds within 0.004 ms); 12 warps
+    /// 4.508 / 4.616 / 4.959 / 4.525, 16 warps 0.09 ms slower. Not a config key (a launch
+    /// shape): benchmarks compare values through `CudaBackend::set_fusion`.
+    pub glu_warps: usize,
+    /// Decode steps of at most this many rows launch our kernels with programmatic dependent
+    /// launch where the GPU takes it (sm_90, driver 12.3+), also with `engine.cuda.pdl` off (on,
+    /// every step does); one GPU only, and only steps of more than [`Fusion::norm_max_tokens`]
+    /// rows (PDL with the norm fused into the o/down GEMV measured 5.688 ms at 1 x 2048 against
+    /// 4.849 without PDL). Default 2: the same sweep with the norm unfused gave 4.428 / 4.561 /
+    /// 4.938 ms at batch 1 ctx 512 / 2048 / 8192 and 4.446 at 2 x 512 with PDL against 4.514 /
+    /// 4.626 / 4.970 / 4.529 without, but 4.625 vs 4.622 at 4 x 512 and 4.917 vs 4.738 at
+    /// 8 x 512. Not a config key (a launch choice by step size).
+    pub pdl_max_tokens: usize,
 }
 
 impl Default for Fusion {
@@ -312,6 +333,8 @@ impl Default for Fusion {
         Self {
             swiglu_max_tokens: 2,
             norm_max_tokens: 1,
+            glu_warps: 8,
+            pdl_max_tokens: 2,
         }
     }
 }
@@ -321,6 +344,8 @@ impl Fusion {
     pub const OFF: Fusion = Fusion {
         swiglu_max_tokens: 0,
         norm_max_tokens: 0,
+        glu_warps: 0,
+        pdl_max_tokens: 0,
     };
 }
 
@@ -350,7 +375,7 @@ pub fn gate_up_swiglu(
 ) -> Result<(), CudaError> {
     let aligned = gemv_aligned(inp, w, x);
     if swiglu_fused(how, tokens, fuse) && aligned {
-        let l = glu_launch(gpu.sm_count as usize, inter, inp);
+        let l = glu_launch_warps(gpu.sm_count as usize, inter, inp, fuse.glu_warps);
         return gemv_mma_swiglu(gpu, l, inter, tokens, inp, w, x, act);
     }
     linear(
@@ -374,6 +399,21 @@ pub fn glu_launch(sm_count: usize, inter: usize, inp: usize) -> MmaLaunch {
     MmaLaunch {
         l2_prefetch: true,
         ..mma_launch_tiles(sm_count, 2 * inter, inp, 1)
+    }
+}
+
+/// [`glu_launch`] with `warps` warps a block (1..=16, at most one per chunk batch along `inp`);
+/// 0 (or out of range) keeps [`glu_launch`]'s.
+pub fn glu_launch_warps(sm_count: usize, inter: usize, inp: usize, warps: usize) -> MmaLaunch {
+    let l = glu_launch(sm_count, inter, inp);
+    let batches = inp.div_ceil(32).div_ceil(mma_unroll(1)).max(1);
+    if (1..=16).contains(&warps) {
+        MmaLaunch {
+            warps: warps.min(batches),
+            ..l
+        }
+    } else {
+        l
     }
 }
 
@@ -734,6 +774,16 @@ mod tests {
             mma_launch_tiles(132, 28672, 4096, 1)
         );
         assert_eq!(glu_launch(132, 13, 64).blocks, 2);
+        // the block width the fused launch can be given: same blocks, the asked warps
+        assert_eq!(glu_launch_warps(132, 14336, 4096, 0), g);
+        assert_eq!(glu_launch_warps(132, 14336, 4096, 17), g);
+        let w12 = glu_launch_warps(132, 14336, 4096, 12);
+        assert_eq!(
+            (w12.blocks, w12.warps, w12.l2_prefetch),
+            (g.blocks, 12, true)
+        );
+        // never more warps than chunk batches (64 inputs: one)
+        assert_eq!(glu_launch_warps(132, 13, 64, 12).warps, 1);
     }
 
     #[test]

@@ -30,10 +30,12 @@ fn gate_up_swiglu_fused_matches_unfused() {
         let w = randv(&mut r, 2 * inter * inp, 0.1);
         let x = randv(&mut r, t * inp, 1.0);
         let (dw, dx) = (g.upload_bf16(&w).unwrap(), g.upload_bf16(&x).unwrap());
-        for pf in [true, false] {
+        // the usual launch with and without the L2 hint, and 8- and 12-warp blocks
+        // (Fusion::glu_warps; 8 the default)
+        for (pf, warps) in [(true, 0), (false, 0), (true, 8), (true, 12)] {
             let l = ops::MmaLaunch {
                 l2_prefetch: pf,
-                ..ops::glu_launch(sms, inter, inp)
+                ..ops::glu_launch_warps(sms, inter, inp, warps)
             };
             // unfused: the same launch on the whole gate|up weight, then swiglu
             let gu = poisoned(&g, t * 2 * inter * 2);

@@ -1,0 +1,194 @@
+//! Decode-step settings compared on one backend (issue 20): graph-replayed Llama-3.1-8B decode
+//! steps with each [`ops::Fusion`] setting (and PDL on or off), the settings interleaved round by
+//! round so drift between them shows as spread, not as a difference.
+
+use super::{
+    DecodeStep, bench_options, decode_blocks, decode_step_bytes, llama31_8b, measure_ceilings,
+    timed_steps,
+};
+use pdnode_cuda::CudaError;
+use pdnode_cuda::backend::CudaBackend;
+use pdnode_cuda::ops::{AttnVariant, Fusion, LinearImpl};
+
+/// One setting of the comparison: its name, the fusion limits, programmatic dependent launch,
+/// the paged-attention kernel.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepVariant {
+    pub name: String,
+    pub fusion: Fusion,
+    pub pdl: bool,
+    pub attention: AttnVariant,
+}
+
+impl StepVariant {
+    /// `s<N>n<M>[w<W>][p<P>]` (SwiGLU fused into gate_up up to N tokens, the RMSNorm into the
+    /// o/down GEMV up to M, W warps a block of the fused gate_up launch, PDL for decode steps
+    /// of up to P rows; W and P 0 when absent: the 4-warp launch, no small-step PDL) or
+    /// `default` (`Fusion::default()`), then optionally `/<attention>` (a name of
+    /// `engine.cuda.attention`, default `auto`), then optionally `+pdl`.
+    pub fn parse(s: &str) -> Option<StepVariant> {
+        let s = s.trim();
+        let (body, pdl) = match s.strip_suffix("+pdl") {
+            Some(b) => (b, true),
+            None => (s, false),
+        };
+        let (body, attention) = match body.split_once('/') {
+            Some((b, a)) => (b, AttnVariant::parse(a)?),
+            None => (body, AttnVariant::Auto),
+        };
+        let fusion = if body == "default" {
+            Fusion::default()
+        } else {
+            // letter-number pairs: s and n required, w and p optional (0 when absent)
+            let mut vals = [None::<usize>; 4];
+            let mut rest = body;
+            while let Some(c) = rest.chars().next() {
+                let k = "snwp".find(c)?;
+                let digits = rest[1..].chars().take_while(char::is_ascii_digit).count();
+                vals[k] = Some(rest[1..1 + digits].parse().ok()?);
+                rest = &rest[1 + digits..];
+            }
+            Fusion {
+                swiglu_max_tokens: vals[0]?,
+                norm_max_tokens: vals[1]?,
+                glu_warps: vals[2].unwrap_or(0),
+                pdl_max_tokens: vals[3].unwrap_or(0),
+            }
+        };
+        Some(StepVariant {
+            name: s.to_string(),
+            fusion,
+            pdl,
+            attention,
+        })
+    }
+}
+
+/// One timing: a variant at one point, the median over the rounds.
+#[derive(Debug, Clone)]
+pub struct StepVariantRow {
+    pub variant: String,
+    pub batch: usize,
+    pub ctx: usize,
+    /// Median of the rounds' mean graph-step times, ms.
+    pub ms: f64,
+    /// Smallest and largest round, ms.
+    pub min_ms: f64,
+    pub max_ms: f64,
+    /// The step's ceiling ([`decode_step_bytes`] at the copy rate), ms.
+    pub ceiling_ms: f64,
+}
+
+/// Graph-replayed decode steps at each `(batch, ctx)`: `rounds` rounds, each timing every
+/// variant once (`iters` steps after a warm-up that captures the graph). Returns the measured
+/// copy rate (bytes of traffic per second) and a row per variant and point (a PDL variant is
+/// left out where the GPU takes no programmatic launches).
+pub fn run_step_variants(
+    decode: &[(usize, usize)],
+    variants: &[StepVariant],
+    iters: usize,
+    rounds: usize,
+    mut report: impl FnMut(&StepVariantRow),
+) -> Result<(f64, Vec<StepVariantRow>), CudaError> {
+    let spec = llama31_8b();
+    let bs = 16usize;
+    let num_blocks = decode_blocks(decode, bs) + 8;
+    let opts = bench_options(1, num_blocks, bs, 64, decode, true);
+    let mut be = CudaBackend::new_dummy(&spec, 1234, &opts, "bench".into())?;
+    be.fill_kv_random(99)?;
+    let copy = measure_ceilings(be.gpu())?.hbm_traffic_bps;
+    let wbytes = be.weight_bytes() as f64;
+    let mut rows = Vec::new();
+    for &(batch, ctx) in decode {
+        let step = DecodeStep::new(batch, ctx, bs);
+        let fb = step.batch();
+        let mut times: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
+        for _ in 0..rounds.max(1) {
+            for (vi, v) in variants.iter().enumerate() {
+                be.set_fusion(v.fusion);
+                be.set_kernels(v.attention, LinearImpl::Auto);
+                if be.set_pdl(v.pdl) != v.pdl {
+                    continue;
+                }
+                times[vi].push(timed_steps(&mut be, iters, &fb)? * 1e3);
+            }
+        }
+        let ceiling_ms = decode_step_bytes(&spec, wbytes, batch, ctx) / copy * 1e3;
+        for (v, mut t) in variants.iter().zip(times) {
+            if t.is_empty() {
+                continue;
+            }
+            t.sort_by(f64::total_cmp);
+            let row = StepVariantRow {
+                variant: v.name.clone(),
+                batch,
+                ctx,
+                ms: t[t.len() / 2],
+                min_ms: t[0],
+                max_ms: t[t.len() - 1],
+                ceiling_ms,
+            };
+            report(&row);
+            rows.push(row);
+        }
+    }
+    be.set_pdl(false);
+    Ok((copy, rows))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn step_variants_parse() {
+        let v = StepVariant::parse("s2n0w12").unwrap();
+        assert_eq!((v.fusion.glu_warps, v.fusion.pdl_max_tokens), (12, 0));
+        let v = StepVariant::parse("s8n0w8p2").unwrap();
+        assert_eq!(
+            (
+                v.fusion.swiglu_max_tokens,
+                v.fusion.norm_max_tokens,
+                v.fusion.glu_warps,
+                v.fusion.pdl_max_tokens
+            ),
+            (8, 0, 8, 2)
+        );
+        let v = StepVariant::parse("s2n0/v2+pdl").unwrap();
+        assert_eq!(v.fusion.glu_warps, 0);
+        assert_eq!(
+            (v.fusion.swiglu_max_tokens, v.fusion.norm_max_tokens),
+            (2, 0)
+        );
+        assert!(v.pdl);
+        assert_eq!(v.attention, AttnVariant::V2);
+        let v = StepVariant::parse(" s0n1 ").unwrap();
+        assert_eq!(
+            (
+                v.fusion.swiglu_max_tokens,
+                v.fusion.norm_max_tokens,
+                v.pdl,
+                v.attention
+            ),
+            (0, 1, false, AttnVariant::Auto)
+        );
+        assert_eq!(v.name, "s0n1");
+        assert_eq!(
+            StepVariant::parse("default").unwrap().fusion,
+            Fusion::default()
+        );
+        for bad in [
+            "",
+            "x",
+            "s2",
+            "n0",
+            "s2nx",
+            "s2n0wx",
+            "s2n0q1",
+            "s2n0/v9",
+            "default+pd",
+        ] {
+            assert!(StepVariant::parse(bad).is_none(), "{bad}");
+        }
+    }
+}

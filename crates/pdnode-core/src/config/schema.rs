@@ -341,8 +341,8 @@ impl Default for CudaEngineConfig {
         Self {
             gpu_sampling: true,
             pdl: false,
-            fuse_swiglu_max_tokens: 2,
-            fuse_norm_max_tokens: 1,
+            fuse_swiglu_max_tokens: 8,
+            fuse_norm_max_tokens: 0,
             attention: AttentionKernel::Auto,
             attention_v4_waves: 1,
             attention_v4_max_part: 4096,

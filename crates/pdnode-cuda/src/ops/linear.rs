@@ -331,8 +331,8 @@ pub struct Fusion {
 impl Default for Fusion {
     fn default() -> Self {
         Self {
-            swiglu_max_tokens: 2,
-            norm_max_tokens: 1,
+            swiglu_max_tokens: 8,
+            norm_max_tokens: 0,
             glu_warps: 8,
             pdl_max_tokens: 2,
         }

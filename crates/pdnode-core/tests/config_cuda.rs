@@ -145,7 +145,7 @@ fn cuda_switches_are_config_keys_with_checked_names_and_types() {
 #[test]
 fn fusion_limits_are_checked_config_keys() {
     let c = load_from_str(FILE, "", &[]).unwrap().config.engine.cuda;
-    assert_eq!((c.fuse_swiglu_max_tokens, c.fuse_norm_max_tokens), (2, 1));
+    assert_eq!((c.fuse_swiglu_max_tokens, c.fuse_norm_max_tokens), (8, 0));
     let errs = errors("[engine.cuda]\nfuse_norm_max_tokens = 9\n", &[]);
     assert!(
         errs.iter()

@@ -128,7 +128,7 @@ pub struct FuseRow {
 
 /// Times each fusion of the decode step at Llama-3.1-8B shapes for each token count (1..=8),
 /// weights rotated over copies (>= 256 MB) so none is served from L2: the numbers behind
-/// `engine.cuda.fuse_swiglu_max_tokens` (default 2) / `engine.cuda.fuse_norm_max_tokens` (default 1).
+/// `engine.cuda.fuse_swiglu_max_tokens` (default 8) / `engine.cuda.fuse_norm_max_tokens` (default 0).
 pub fn run_fusions(
     tokens: &[usize],
     iters: usize,

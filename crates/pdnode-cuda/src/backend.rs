@@ -745,7 +745,7 @@ impl CudaBackend {
                 rmsnorm(&l.mlp_norm)?;
                 mark("mlp_norm")?;
             }
-            // fused at 1-2 tokens under Auto (engine.cuda.fuse_swiglu_max_tokens), else gate_up, swiglu
+            // fused at up to 8 tokens by default (engine.cuda.fuse_swiglu_max_tokens), else gate_up, swiglu
             ops::gate_up_swiglu(
                 g,
                 inter,

@@ -292,7 +292,7 @@ pub fn gemv_mma(
 /// most [`GEMV_MAX_TOKENS`], 0 off. Passed to every call: no process-wide setting.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Fusion {
-    /// [`gate_up_swiglu`] fuses SwiGLU into the gate_up GEMV up to this many tokens. Default 2
+    /// [`gate_up_swiglu`] fuses SwiGLU into the gate_up GEMV up to this many tokens. Default 8
     /// (`engine.cuda.fuse_swiglu_max_tokens`): at 1-2 tokens the fused launch streams gate_up
     /// as fast as cuBLAS (58.0 vs 57.0 us) and saves the swiglu launch; from 4 tokens cuBLAS
     /// alone is 6-7 us ahead of the GEMV on this shape, but in whole graph steps the fused
@@ -300,8 +300,10 @@ pub struct Fusion {
     /// 4.734 at 8 x 512, norm unfused): 8 is the faster config default.
     pub swiglu_max_tokens: usize,
     /// [`linear_rmsnorm`] fuses the next RMSNorm into the o/down GEMV up to this many tokens.
-    /// Default 1. The fused norm runs in one block after the GEMV (tokens one after the other),
-    /// the separate kernel in a block a token, so it pays off at one token only: on the H200
+    /// Default 0 (off): with the norm unfused, decode steps of 1-2 rows take programmatic
+    /// dependent launch, which is faster in whole graph steps (session 15, H200: 4.42 vs 4.73 ms
+    /// at 1 x 512). The fused norm runs in one block after the GEMV (tokens one after the other),
+    /// the separate kernel in a block a token, so alone it pays off at one token only: on the H200
     /// (session 3, `bench_decode_fusions`) o+norm 18.4 vs 19.5 us and down+norm 38.1 vs 38.9 us
     /// at 1 token, but 4 us slower at 2 tokens and 37 us slower at 8. (Session 2 shipped it off
     /// after its GPU test failed on 1-warp launches: the sum of squares strided by 256 threads

@@ -11,6 +11,18 @@ fn env_list(name: &str, default: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| default.to_string())
 }
 
+/// `"BxC,BxC,..."` from `var` (else `default`): the (batch, context) points of a bench; entries
+/// that do not parse are skipped.
+fn batch_ctx_list(var: &str, default: &str) -> Vec<(usize, usize)> {
+    env_list(var, default)
+        .split(',')
+        .filter_map(|s| {
+            let (b, c) = s.split_once('x')?;
+            Some((b.trim().parse().ok()?, c.trim().parse().ok()?))
+        })
+        .collect()
+}
+
 /// The benchmarks share the GPU: one at a time, or each disturbs the other's timings.
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
@@ -25,16 +37,10 @@ fn bench_llama31_8b_shapes() {
         "BENCH fusion (PDNODE_BENCH_FUSION, else the defaults): {:?}",
         bench::bench_fusion()
     );
-    let decode: Vec<(usize, usize)> = env_list(
+    let decode: Vec<(usize, usize)> = batch_ctx_list(
         "PDNODE_BENCH_DECODE",
         "1x512,1x2048,1x8192,8x512,8x2048,8x8192,32x512,32x2048,32x8192,64x512,64x2048,64x8192",
-    )
-    .split(',')
-    .filter_map(|s| {
-        let (b, c) = s.split_once('x')?;
-        Some((b.trim().parse().ok()?, c.trim().parse().ok()?))
-    })
-    .collect();
+    );
     let prefill: Vec<usize> = env_list("PDNODE_BENCH_PREFILL", "2048,8192")
         .split(',')
         .filter_map(|s| s.trim().parse().ok())
@@ -305,16 +311,10 @@ fn bench_decode_fusions() {
 #[ignore = "needs a CUDA GPU (about 30 GB free): run scripts/gpu/run-all.sh on the GPU host"]
 fn bench_decode_step_variants() {
     let _gpu = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let decode: Vec<(usize, usize)> = env_list(
+    let decode: Vec<(usize, usize)> = batch_ctx_list(
         "PDNODE_BENCH_STEPS",
         "1x512,1x2048,1x8192,2x512,4x512,8x512,8x2048",
-    )
-    .split(',')
-    .filter_map(|s| {
-        let (b, c) = s.split_once('x')?;
-        Some((b.trim().parse().ok()?, c.trim().parse().ok()?))
-    })
-    .collect();
+    );
     let variants: Vec<bench::StepVariant> =
         env_list("PDNODE_BENCH_STEP_VARIANTS", "default,s2n0,s0n0,s1n0,s0n1")
             .split(',')

@@ -8,6 +8,7 @@
 mod load;
 mod pem;
 mod schema;
+mod schema_router;
 mod sglang;
 mod validate;
 
@@ -17,4 +18,5 @@ pub use pem::{
     read_secret_file,
 };
 pub use schema::*;
+pub use schema_router::*;
 pub use sglang::{SglangConfig, SglangDecodeWorker, SglangPrefillWorker, worker_url_host};

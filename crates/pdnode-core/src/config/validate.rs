@@ -3,6 +3,7 @@
 use super::load::{ConfigError, ConfigSource};
 use super::pem::FileError;
 use super::schema::*;
+use super::schema_router::*;
 use super::sglang::worker_url_host;
 use crate::card::Role;
 use std::collections::HashSet;

@@ -100,6 +100,8 @@ pub(super) fn moe_spec(c: &Cfg<'_>, arch: Arch) -> Result<Option<MoeSpec>, LoadE
         num_groups,
         topk_groups,
         scoring,
+        // Honoured on V2 too, as DeepSeek's own modeling code does (transformers' V2 router
+        // ignores it; the published V2 configs set it false, where both agree).
         norm_topk_prob: c.bool("norm_topk_prob"),
         routed_scaling_factor: c.opt_f("routed_scaling_factor")?.unwrap_or(1.0),
     };

@@ -70,3 +70,32 @@ impl Membership for StaticMembership {
             .collect()
     }
 }
+
+/// A worker that serves both phases itself on its node API: role `All` with `colocated` set
+/// on its card. A role-`All` card without it (prefill and decode engines kept in process, or an
+/// older node) is not a worker for this router at all.
+pub fn is_colocated(w: &Worker) -> bool {
+    w.card.role == Role::All && w.card.colocated
+}
+
+/// Prefill candidates (role `Prefill` workers) and decode candidates (role `Decode` workers plus
+/// the colocated ones, each once). A colocated worker is picked by the decode policy and then
+/// prefills for itself; the prefill policy never pairs it with another decode node.
+pub fn candidates(m: &dyn Membership) -> (Vec<Worker>, Vec<Worker>) {
+    let prefills: Vec<Worker> = m
+        .workers(Role::Prefill)
+        .into_iter()
+        .filter(|w| w.card.role == Role::Prefill)
+        .collect();
+    let mut decodes: Vec<Worker> = m
+        .workers(Role::Decode)
+        .into_iter()
+        .filter(|w| w.card.role == Role::Decode)
+        .collect();
+    for w in m.workers(Role::All).into_iter().filter(is_colocated) {
+        if !decodes.iter().any(|x| x.id() == w.id()) {
+            decodes.push(w);
+        }
+    }
+    (prefills, decodes)
+}

@@ -34,6 +34,7 @@ use super::warm::WARM_UP_ENDPOINT;
 use super::{GenEvent, GenRequest, InflightGuard, Router, Usage};
 use crate::error::{RouterError, Step};
 use crate::membership::Worker;
+use crate::membership::{candidates, is_colocated};
 use crate::node::{DecodeCall, MigrateOutcome};
 use crate::tokenize::Detokenizer;
 use futures::StreamExt;
@@ -728,35 +729,6 @@ pub(super) async fn run_attempt(
             return finish_text(tx, &mut detok, finish, client_limit).await;
         }
     }
-}
-
-/// A worker that serves both phases itself on its node API: role `All` with `colocated` set
-/// on its card. A role-`All` card without it (prefill and decode engines kept in process, or an
-/// older node) is not a worker for this router at all.
-pub(crate) fn is_colocated(w: &Worker) -> bool {
-    w.card.role == Role::All && w.card.colocated
-}
-
-/// Prefill candidates (role `Prefill` workers) and decode candidates (role `Decode` workers plus
-/// the colocated ones, each once). A colocated worker is picked by the decode policy and then
-/// prefills for itself; the prefill policy never pairs it with another decode node.
-pub(crate) fn candidates(m: &dyn crate::membership::Membership) -> (Vec<Worker>, Vec<Worker>) {
-    let prefills: Vec<Worker> = m
-        .workers(Role::Prefill)
-        .into_iter()
-        .filter(|w| w.card.role == Role::Prefill)
-        .collect();
-    let mut decodes: Vec<Worker> = m
-        .workers(Role::Decode)
-        .into_iter()
-        .filter(|w| w.card.role == Role::Decode)
-        .collect();
-    for w in m.workers(Role::All).into_iter().filter(is_colocated) {
-        if !decodes.iter().any(|x| x.id() == w.id()) {
-            decodes.push(w);
-        }
-    }
-    (prefills, decodes)
 }
 
 fn detok_err(e: crate::tokenize::TokenizeError) -> RouterError {

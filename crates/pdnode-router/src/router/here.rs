@@ -14,9 +14,9 @@
 //! blocks reserved, a fresh capability), `Prefill` and `Decode` on D (protocol.md, "Prefill on
 //! the decode node").
 
-use super::flow::is_colocated;
 use super::state::RouterState;
 use crate::membership::Worker;
+use crate::membership::is_colocated;
 use pdnode_core::config::LocalPrefillConfig;
 use pdnode_core::{NodeId, Role};
 

@@ -5,10 +5,11 @@
 
 use super::attempt::{Event, Flow};
 use super::calls::{StepErr, abort_as, bounded, step};
-use super::flow::{End, Pair, Progress, candidates, is_colocated};
+use super::flow::{End, Pair, Progress};
 use super::{GenEvent, GenRequest, Router};
 use crate::error::Step;
 use crate::membership::Worker;
+use crate::membership::{candidates, is_colocated};
 use crate::node::{DecodeCall, MigrateCall, MigrateOutcome, ReserveKv};
 use pdnode_core::Role;
 use pdnode_core::error::Classify;

@@ -264,11 +264,11 @@ impl Router {
     /// With `router.local_prefill.prefill_busy_requests` set, decode nodes prefill any request
     /// when no prefill node is left, so they count in both too.
     pub fn usable_nodes(&self) -> (usize, usize) {
-        let (prefills, decodes) = flow::candidates(self.deps.membership.as_ref());
+        let (prefills, decodes) = crate::membership::candidates(self.deps.membership.as_ref());
         let busy_here = self.deps.config.local_prefill.prefill_busy_requests > 0;
         let prefill_too = decodes
             .iter()
-            .filter(|w| flow::is_colocated(w) || busy_here)
+            .filter(|w| crate::membership::is_colocated(w) || busy_here)
             .count();
         (prefills.len() + prefill_too, decodes.len())
     }
@@ -469,14 +469,18 @@ impl Router {
         if ttft.is_none() && tpot.is_none() {
             return Ok(());
         }
-        let (prefills, decodes) = flow::candidates(self.deps.membership.as_ref());
+        let (prefills, decodes) = crate::membership::candidates(self.deps.membership.as_ref());
         let now = std::time::Instant::now();
         let st = self.state.lock();
         if let Some(target) = ttft {
             // Colocated workers prefill for themselves.
             let best = prefills
                 .iter()
-                .chain(decodes.iter().filter(|w| flow::is_colocated(w)))
+                .chain(
+                    decodes
+                        .iter()
+                        .filter(|w| crate::membership::is_colocated(w)),
+                )
                 .filter_map(|p| st.cost.predict_prefill_us(p, prompt_len, now))
                 .min();
             if let Some(us) = best {

@@ -6,8 +6,8 @@
 //! continue), at most one per interval, so the view catches up between moves.
 
 use super::Router;
-use super::flow::{candidates, is_colocated};
 use crate::membership::Worker;
+use crate::membership::{candidates, is_colocated};
 use parking_lot::Mutex;
 use pdnode_core::{NodeId, RequestId, Role};
 use std::collections::HashMap;

@@ -120,7 +120,9 @@ impl RouterState {
         }
         if self.warm_on {
             let warm = |w: &Worker| match (role, decode) {
-                (Role::Decode, _) => super::flow::is_colocated(w) || self.warm.has_warm_decode(w),
+                (Role::Decode, _) => {
+                    crate::membership::is_colocated(w) || self.warm.has_warm_decode(w)
+                }
                 (_, Some(d)) => self.warm.is_warm(w, d),
                 _ => true,
             };

@@ -17,7 +17,7 @@
 
 use super::attempt::Flow;
 use super::booking::Booking;
-use super::flow::{self, End, Exit, Pair, Progress, run_attempt};
+use super::flow::{End, Exit, Pair, Progress, run_attempt};
 use super::{GenRequest, Router};
 use crate::error::RouterError;
 use crate::membership::Worker;
@@ -335,10 +335,10 @@ impl Router {
         if !self.deps.config.warm_pairs || self.is_draining() {
             return;
         }
-        let (prefills, decodes) = flow::candidates(self.deps.membership.as_ref());
+        let (prefills, decodes) = crate::membership::candidates(self.deps.membership.as_ref());
         let decodes: Vec<Worker> = decodes
             .into_iter()
-            .filter(|w| !flow::is_colocated(w))
+            .filter(|w| !crate::membership::is_colocated(w))
             .collect();
         let now = Instant::now();
         let plan = {
@@ -360,7 +360,7 @@ impl Router {
 
     /// Whether the pair `(prefill, decode)` is warm for this router (tests, diagnostics).
     pub fn is_pair_warm(&self, prefill: &NodeId, decode: &NodeId) -> bool {
-        let (prefills, decodes) = flow::candidates(self.deps.membership.as_ref());
+        let (prefills, decodes) = crate::membership::candidates(self.deps.membership.as_ref());
         let (Some(p), Some(d)) = (
             prefills.iter().find(|w| w.id() == prefill),
             decodes.iter().find(|w| w.id() == decode),

@@ -22,6 +22,10 @@ mod mtls;
 mod pd_data_path;
 #[path = "pd_fencing.rs"]
 mod pd_fencing;
+#[path = "pd_latent_kv.rs"]
+mod pd_latent_kv;
+#[path = "pd_leases.rs"]
+mod pd_leases;
 #[path = "pd_router_semantics.rs"]
 mod pd_router_semantics;
 #[path = "prefill_here.rs"]

@@ -18,22 +18,7 @@ fn mock_config() -> Config {
 }
 
 use common::prompt;
-
-async fn assert_clean(node: &PdNode) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let s = node.engine().stats().await.unwrap().scheduler;
-        if s.kv.free + s.kv.cached_unreferenced == s.kv.total && s.kv.leases == 0 {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "blocks still held: {s:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    node.engine().check_accounting().await.unwrap().unwrap();
-}
+use common::{arena_free, assert_node_clean as assert_clean, pd_request, pd_request_sampled};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn all_in_one_pd_matches_colocated_and_frees_everything() {
@@ -149,34 +134,6 @@ async fn refusals_wrong_secret_layout_and_missing_reservation() {
     assert_clean(&aio.prefill).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_reservation_nobody_claims_is_freed_at_its_lease() {
-    let mut cfg = mock_config();
-    cfg.transfer.lease_ms = 400;
-    let aio = tokio::task::block_in_place(|| pd::all_in_one(&cfg, &NodeId::new("l"))).unwrap();
-    aio.decode
-        .reserve_kv(ReserveKv {
-            request_id: RequestId(5),
-            prompt_token_ids: prompt(),
-            max_tokens: 4,
-            prefill_node: aio.prefill.id().clone(),
-        })
-        .await
-        .unwrap();
-    let s = aio.decode.engine().stats().await.unwrap().scheduler;
-    assert!(s.kv.free < s.kv.total, "reservation holds blocks");
-    assert_clean(&aio.decode).await;
-    // Past the lease the sweep drops the slot (once); a span it had would wait out the fence
-    // deadline in quarantine unless its writer's record were there.
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while aio.decode.sweep() == 0 {
-        assert!(std::time::Instant::now() < deadline, "never swept");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert_eq!(aio.decode.pending_reservations(), 0);
-    assert_eq!(aio.decode.sweep(), 0, "swept twice");
-}
-
 /// Prefill and decode nodes with their own UCX workers in one process: the KV crosses real UCX
 /// (loopback only), and the output equals the colocated run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -251,79 +208,6 @@ async fn ucx_hand_off_matches_colocated() {
     let pn: Arc<PdNode> = p.node.clone();
     assert_clean(&pn).await;
     assert_clean(&d.node).await;
-}
-
-/// One request through reserve -> prefill (push) -> decode; the tokens and the prefill outcome.
-async fn pd_request(
-    p: &pd::ServingNode,
-    d: &pd::ServingNode,
-    id: u64,
-    ids: &[u32],
-    max_tokens: u32,
-) -> (Vec<u32>, pdnode_router::PrefillOutcome) {
-    pd_request_sampled(p, d, id, ids, SamplingParams::greedy(max_tokens)).await
-}
-
-/// [`pd_request`] with any sampling; the decode call carries prefill's sampler, as the router's.
-async fn pd_request_sampled(
-    p: &pd::ServingNode,
-    d: &pd::ServingNode,
-    id: u64,
-    ids: &[u32],
-    sampling: SamplingParams,
-) -> (Vec<u32>, pdnode_router::PrefillOutcome) {
-    let max_tokens = sampling.max_tokens;
-    let id = RequestId(id);
-    let target = d
-        .node
-        .reserve_kv(ReserveKv {
-            request_id: id,
-            prompt_token_ids: ids.to_vec(),
-            max_tokens,
-            prefill_node: NodeId::new("p"),
-        })
-        .await
-        .unwrap();
-    let out = p
-        .node
-        .prefill(PrefillCall {
-            request_id: id,
-            prompt_token_ids: ids.to_vec(),
-            sampling: sampling.clone(),
-            target: target.clone(),
-        })
-        .await
-        .unwrap();
-    let mut got = vec![out.first_token_id];
-    let mut s = d
-        .node
-        .decode(DecodeCall {
-            request_id: id,
-            secret: target.secret.clone(),
-            first_token_id: out.first_token_id,
-            first_logprob: None,
-            sampling: sampling.clone(),
-            prompt_token_ids: ids.to_vec(),
-            sampler: out.sampler,
-        })
-        .await
-        .unwrap();
-    use futures::StreamExt;
-    while let Some(c) = tokio::time::timeout(Duration::from_secs(20), s.next())
-        .await
-        .unwrap()
-    {
-        let c = c.unwrap();
-        got.extend(c.token_ids);
-        if c.finish.is_some() {
-            break;
-        }
-    }
-    (got, out)
-}
-
-fn arena_free(n: &pd::ServingNode) -> bool {
-    n.node.staging_arena().is_none_or(|a| a.all_free())
 }
 
 /// Seeded sampling through a CPU PD split (prefill and decode nodes, KV over UCX) gives the
@@ -767,96 +651,4 @@ async fn an_abort_ends_a_reservation_waiting_for_arena_room() {
     drop(hold);
     assert!(da.all_free(), "no span kept");
     assert_clean(&d.node).await;
-}
-
-/// DeepSeek's latent KV (one plane per layer, `KvKind::Latent`) through the same hand-off: the
-/// CPU backend over a tiny DeepSeek-V2 and -V3 checkpoint, prefill and decode nodes over UCX on
-/// loopback, layer groups of 1 and of the default size. The PD tokens are the colocated engine's
-/// and transformers' greedy tokens (the fixture's reference), the bytes moved are the latents'.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn deepseek_latent_kv_hand_off_matches_colocated_and_transformers() {
-    for name in ["deepseek_v2", "deepseek_v3"] {
-        let dir = format!(
-            "{}/../pdnode-engine/tests/fixtures/{name}",
-            env!("CARGO_MANIFEST_DIR")
-        );
-        let reference: serde_json::Value = serde_json::from_str(
-            &std::fs::read_to_string(format!("{dir}/reference.json")).unwrap(),
-        )
-        .unwrap();
-        let ids: Vec<u32> = reference["prompt_ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect();
-        let greedy: Vec<u32> = reference["greedy_ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect();
-        let mut cfg = cpu_ucx_config();
-        cfg.model.path = dir.clone();
-        let want = colocated_tokens(&cfg, &ids, 8).await;
-        assert_eq!(want, greedy[..8], "{name}: colocated vs transformers");
-        let Some((p, d)) = pd_pair(&cfg) else { return };
-        let layout = d.built.handle.info().kv_layout.clone();
-        assert_eq!(layout.kind, pdnode_core::KvKind::Latent, "{name}");
-        assert_eq!((layout.kv_heads_per_rank, layout.head_dim), (1, 32 + 8));
-        for (i, group) in [1u32, 4].into_iter().enumerate() {
-            p.node.set_push_layer_group(group);
-            let (got, out) = pd_request(&p, &d, 200 + i as u64, &ids, 8).await;
-            assert_eq!(
-                got, want,
-                "{name}: PD (layer groups of {group}) vs colocated"
-            );
-            let blocks = ids.len().div_ceil(layout.block_size as usize) as u64;
-            assert_eq!(
-                out.transfer_bytes,
-                layout.num_layers as u64 * blocks * layout.block_layer_bytes() as u64,
-                "{name}: the latents of every prompt block"
-            );
-        }
-        assert!(arena_free(&p) && arena_free(&d));
-        assert_clean(&p.node).await;
-        assert_clean(&d.node).await;
-    }
-}
-
-/// What a drain waits for (`EngineService::in_flight`) counts a reservation whose `Decode` has
-/// not come yet: a decode node drained with `node.drain = "wait"` right after a reservation
-/// must stay up for its `Decode` (the full cluster matrix on a fast model caught a drain that
-/// left in 0.1 s and failed three such requests).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_drain_waits_for_reservations_not_yet_decoded() {
-    use pdnode_node::EngineService;
-    use pdnode_node::engine::adapter::EngineHandleService;
-    let cfg = mock_config();
-    let aio = tokio::task::block_in_place(|| pd::all_in_one(&cfg, &NodeId::new("l"))).unwrap();
-    let svc = EngineHandleService::new(aio.decode.engine().clone(), "m".into(), 8);
-    assert_eq!(svc.in_flight().await.unwrap(), 0);
-    let target = aio
-        .decode
-        .reserve_kv(ReserveKv {
-            request_id: RequestId(6),
-            prompt_token_ids: prompt(),
-            max_tokens: 4,
-            prefill_node: aio.prefill.id().clone(),
-        })
-        .await
-        .unwrap();
-    assert_eq!(
-        svc.in_flight().await.unwrap(),
-        1,
-        "the reservation is in flight"
-    );
-    assert!(
-        aio.decode
-            .abort(RequestId(6), target.secret.clone(), "test".into())
-            .await
-            .unwrap()
-    );
-    assert_eq!(svc.in_flight().await.unwrap(), 0, "aborted: nothing left");
-    assert_clean(&aio.decode).await;
 }

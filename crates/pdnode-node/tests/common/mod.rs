@@ -8,6 +8,7 @@ use pdnode_core::{NodeId, RequestId, Role, SamplingParams};
 use pdnode_engine::engine::EngineEvent;
 use pdnode_engine::scheduler::Mode;
 use pdnode_node::pd;
+use pdnode_router::{DecodeCall, NodeClient, PrefillCall, ReserveKv};
 use std::time::Duration;
 
 /// A mock-engine node: 1 us a prompt token, `decode_us` a decode step, `output_len` tokens,
@@ -186,4 +187,95 @@ pub fn smollm2_config() -> Option<Config> {
     c.model.format = ModelFormat::Gguf;
     c.model.path = model.to_string_lossy().into_owned();
     Some(c)
+}
+
+/// Waits (at most 10 s) until `node`'s pool holds nothing but evictable cache and no lease;
+/// then checks its accounting.
+pub async fn assert_node_clean(node: &pdnode_node::pd::PdNode) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let s = node.engine().stats().await.unwrap().scheduler;
+        if s.kv.free + s.kv.cached_unreferenced == s.kv.total && s.kv.leases == 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "blocks still held: {s:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    node.engine().check_accounting().await.unwrap().unwrap();
+}
+
+/// One request through reserve -> prefill (push) -> decode; the tokens and the prefill outcome.
+pub async fn pd_request(
+    p: &pd::ServingNode,
+    d: &pd::ServingNode,
+    id: u64,
+    ids: &[u32],
+    max_tokens: u32,
+) -> (Vec<u32>, pdnode_router::PrefillOutcome) {
+    pd_request_sampled(p, d, id, ids, SamplingParams::greedy(max_tokens)).await
+}
+
+/// [`pd_request`] with any sampling; the decode call carries prefill's sampler, as the router's.
+pub async fn pd_request_sampled(
+    p: &pd::ServingNode,
+    d: &pd::ServingNode,
+    id: u64,
+    ids: &[u32],
+    sampling: SamplingParams,
+) -> (Vec<u32>, pdnode_router::PrefillOutcome) {
+    let max_tokens = sampling.max_tokens;
+    let id = RequestId(id);
+    let target = d
+        .node
+        .reserve_kv(ReserveKv {
+            request_id: id,
+            prompt_token_ids: ids.to_vec(),
+            max_tokens,
+            prefill_node: NodeId::new("p"),
+        })
+        .await
+        .unwrap();
+    let out = p
+        .node
+        .prefill(PrefillCall {
+            request_id: id,
+            prompt_token_ids: ids.to_vec(),
+            sampling: sampling.clone(),
+            target: target.clone(),
+        })
+        .await
+        .unwrap();
+    let mut got = vec![out.first_token_id];
+    let mut s = d
+        .node
+        .decode(DecodeCall {
+            request_id: id,
+            secret: target.secret.clone(),
+            first_token_id: out.first_token_id,
+            first_logprob: None,
+            sampling: sampling.clone(),
+            prompt_token_ids: ids.to_vec(),
+            sampler: out.sampler,
+        })
+        .await
+        .unwrap();
+    use futures::StreamExt;
+    while let Some(c) = tokio::time::timeout(Duration::from_secs(20), s.next())
+        .await
+        .unwrap()
+    {
+        let c = c.unwrap();
+        got.extend(c.token_ids);
+        if c.finish.is_some() {
+            break;
+        }
+    }
+    (got, out)
+}
+
+pub fn arena_free(n: &pd::ServingNode) -> bool {
+    n.node.staging_arena().is_none_or(|a| a.all_free())
 }

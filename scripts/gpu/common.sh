@@ -2,7 +2,8 @@
 # pairwarm.sh): after the caller set OUT (and PD), unpacks .gpu-pd/bundle.tar.xz into $PD once,
 # sets BIN, LIB (the bundle's libucp) and the UCX environment, writes the dummy Llama-3.1-8B
 # tokenizer into $MODEL (VOCAB entries, default 128256), and gives `pids` + `stop_all` (newest
-# first, each waited for; run on exit) and `wait_http URL SECONDS`.
+# first, each waited for; run on exit), `wait_http URL SECONDS` and `start_etcd NAME [LOG]` (a fresh
+# etcd on 127.0.0.1:2379 over /tmp/NAME-etcd, its log in $OUT/LOG (etcd.log), its PID in `pids`).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PD=${PD:-/tmp/pd}
 mkdir -p "$OUT" "$PD"
@@ -28,4 +29,12 @@ wait_http() { # url seconds
     local i=0
     while [ $i -lt $(($2 * 5)) ]; do curl -sf "$1" >/dev/null 2>&1 && return 0; sleep 0.2; i=$((i + 1)); done
     return 1
+}
+start_etcd() { # name [log file under $OUT]
+    rm -rf "/tmp/$1-etcd"
+    "$PD/etcd" --data-dir "/tmp/$1-etcd" --listen-client-urls http://127.0.0.1:2379 \
+        --advertise-client-urls http://127.0.0.1:2379 --listen-peer-urls http://127.0.0.1:2380 \
+        > "$OUT/${2:-etcd.log}" 2>&1 &
+    pids+=($!)
+    wait_http http://127.0.0.1:2379/health 30 || echo "etcd not healthy"
 }

@@ -53,12 +53,7 @@ format = "human"
 filter = "info"
 T
 }
-rm -rf /tmp/mig-etcd
-"$PD/etcd" --data-dir /tmp/mig-etcd --listen-client-urls http://127.0.0.1:2379 \
-    --advertise-client-urls http://127.0.0.1:2379 --listen-peer-urls http://127.0.0.1:2380 \
-    > "$OUT/etcd.log" 2>&1 &
-pids+=($!)
-wait_http http://127.0.0.1:2379/health 30 || echo "etcd not healthy"
+start_etcd mig
 node prefill prefill-0 127.0.0.1:7001 0.30 127.0.0.1:9001 > "$OUT/prefill.toml"
 node decode decode-0 127.0.0.1:7002 0.45 127.0.0.1:9002 > "$OUT/decode-0.toml"
 node decode decode-1 127.0.0.1:7003 0.75 127.0.0.1:9003 > "$OUT/decode-1.toml"

@@ -51,12 +51,7 @@ T
 rows=()
 for w in ${WARM:-false true}; do
     echo "== router.warm_pairs = $w"
-    rm -rf /tmp/pw-etcd
-    "$PD/etcd" --data-dir /tmp/pw-etcd --listen-client-urls http://127.0.0.1:2379 \
-        --advertise-client-urls http://127.0.0.1:2379 --listen-peer-urls http://127.0.0.1:2380 \
-        > "$OUT/etcd-$w.log" 2>&1 &
-    pids+=($!)
-    wait_http http://127.0.0.1:2379/health 30 || echo "etcd not healthy"
+    start_etcd pw "etcd-$w.log"
     node prefill prefill-0 127.0.0.1:7001 0.40 8192 > "$OUT/prefill-$w.toml"
     node decode decode-0 127.0.0.1:7002 0.70 16384 > "$OUT/decode-$w.toml"
     cat > "$OUT/router-$w.toml" <<T

@@ -50,12 +50,7 @@ format = "human"
 filter = "info"
 T
 }
-rm -rf /tmp/reb-etcd
-"$PD/etcd" --data-dir /tmp/reb-etcd --listen-client-urls http://127.0.0.1:2379 \
-    --advertise-client-urls http://127.0.0.1:2379 --listen-peer-urls http://127.0.0.1:2380 \
-    > "$OUT/etcd.log" 2>&1 &
-pids+=($!)
-wait_http http://127.0.0.1:2379/health 30 || echo "etcd not healthy"
+start_etcd reb
 node prefill prefill-0 127.0.0.1:7001 0.30 > "$OUT/prefill.toml"
 node decode decode-0 127.0.0.1:7002 0.45 > "$OUT/decode-0.toml"
 node decode decode-1 127.0.0.1:7003 0.75 > "$OUT/decode-1.toml"

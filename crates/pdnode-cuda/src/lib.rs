@@ -49,6 +49,7 @@ pub mod blas;
 pub mod build;
 pub mod device;
 pub mod launch;
+pub mod mla_weights;
 pub mod ops;
 pub mod prefill;
 pub mod probe;

@@ -3,9 +3,10 @@
 
 use super::CudaError;
 use super::device::{DevBuf, Gpu};
+use super::mla_weights::DevMla;
 use super::ops;
 use pdnode_engine::spec::{ModelSpec, RopeScaling};
-use pdnode_engine::weights::Weights;
+use pdnode_engine::weights::{MlaWeights, Weights};
 
 /// Which tensor-parallel slice of the model one GPU holds: rank `rank` of `size`. Heads,
 /// KV heads and the MLP intermediate dimension are split evenly (q/k/v and gate/up by rows,
@@ -89,6 +90,8 @@ pub struct DevWeights {
     pub lm_head: Option<DevBuf>,
     pub inv_freq: DevBuf,
     pub bytes: usize,
+    /// A latent-attention model's layers (`layers` is then empty).
+    pub mla: Option<DevMla>,
 }
 
 impl DevWeights {
@@ -171,6 +174,7 @@ impl DevWeights {
             lm_head,
             inv_freq: gpu.upload_f32(&inv_freq(spec))?,
             bytes,
+            mla: None,
         })
     }
 
@@ -186,6 +190,10 @@ impl DevWeights {
         std: Option<f32>,
         shard: Shard,
     ) -> Result<Self, CudaError> {
+        if spec.mla.is_some() {
+            // One GPU only (CudaBackend::build refuses a split before it loads anything).
+            return Self::dummy_mla(gpu, spec, seed, std);
+        }
         shard.check(spec)?;
         let (h, q, kv, i) = (
             spec.hidden_size,
@@ -274,14 +282,82 @@ impl DevWeights {
             lm_head,
             inv_freq: gpu.upload_f32(&inv_freq(spec))?,
             bytes,
+            mla: None,
+        })
+    }
+}
+
+impl DevWeights {
+    /// A latent-attention model's host f32 weights (one GPU: MLA runs without tensor parallelism).
+    pub fn upload_mla(gpu: &Gpu, spec: &ModelSpec, w: &MlaWeights) -> Result<Self, CudaError> {
+        let (mla, layer_bytes) = DevMla::upload(gpu, spec, w)?;
+        let embed = gpu.upload_bf16(&w.embed.data)?;
+        let lm_head = w
+            .lm_head
+            .as_ref()
+            .map(|t| gpu.upload_bf16(&t.data))
+            .transpose()?;
+        let bytes = layer_bytes + embed.bytes() + lm_head.as_ref().map_or(0, |b| b.bytes());
+        Ok(Self {
+            embed,
+            layers: Vec::new(),
+            final_norm: gpu.upload_f32(&w.final_norm.data)?,
+            lm_head,
+            inv_freq: gpu.upload_f32(&inv_freq(spec))?,
+            bytes,
+            mla: Some(mla),
+        })
+    }
+
+    /// Random weights of a latent-attention model generated on the device (benchmarks).
+    pub fn dummy_mla(
+        gpu: &Gpu,
+        spec: &ModelSpec,
+        seed: u64,
+        std: Option<f32>,
+    ) -> Result<Self, CudaError> {
+        let (mla, layer_bytes) = DevMla::dummy(gpu, spec, seed, std)?;
+        let h = spec.hidden_size;
+        let table = |n: u64, scale: f32| -> Result<DevBuf, CudaError> {
+            let b = gpu.alloc(spec.vocab_size * h * 2)?;
+            let s = std.map_or(scale, |s| s * 3f32.sqrt());
+            ops::fill_uniform_bf16(gpu, &b, spec.vocab_size * h, seed ^ n, s)?;
+            Ok(b)
+        };
+        let embed = table(0x05ee_de3b, 1.0)?;
+        let lm_head = if spec.tie_word_embeddings {
+            None
+        } else {
+            Some(table(0x05ee_d1a4, 1.0 / (h as f32).sqrt())?)
+        };
+        let final_norm = gpu.alloc(h * 4)?;
+        ops::fill_f32(gpu, &final_norm, h, 1.0)?;
+        gpu.sync()?;
+        let bytes = layer_bytes + embed.bytes() + lm_head.as_ref().map_or(0, |b| b.bytes());
+        Ok(Self {
+            embed,
+            layers: Vec::new(),
+            final_norm,
+            lm_head,
+            inv_freq: gpu.upload_f32(&inv_freq(spec))?,
+            bytes,
+            mla: Some(mla),
         })
     }
 }
 
 /// RoPE inverse frequencies `[head_dim / 2]` with the spec's scaling applied (HF semantics).
 pub fn inv_freq(spec: &ModelSpec) -> Vec<f32> {
+    if let Some(m) = &spec.mla {
+        // Latent attention turns only the RoPE part of its heads.
+        return pdnode_engine::spec::rope_inv_freqs(
+            m.qk_rope_head_dim,
+            spec.rope_theta,
+            spec.rope_scaling.as_ref(),
+        );
+    }
     if matches!(spec.rope_scaling, Some(RopeScaling::Yarn { .. })) {
-        // YaRN (DeepSeek, which this backend refuses): the engine's table.
+        // YaRN outside DeepSeek (the loader refuses it): the engine's table.
         return pdnode_engine::spec::rope_inv_freqs(
             spec.head_dim,
             spec.rope_theta,

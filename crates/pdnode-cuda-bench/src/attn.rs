@@ -126,6 +126,7 @@ pub fn run_attention(
             block_tables: dtab.ptr(),
             max_blocks: nbps,
             max_ctx: ctx,
+            window: 0,
         };
         let call = |v: AttnVariant| {
             ops::paged_attention_ex(&gpu, &d, &q, &pool, 0, &meta, batch, None, &out, &ws, v)

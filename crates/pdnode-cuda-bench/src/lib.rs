@@ -463,7 +463,19 @@ fn prefill_attention_rows(
     for pa in PrefillAttn::ALL {
         let mut scratch = PrefillScratch::new(pa);
         let t = timed(gpu, iters, || {
-            scratch.run(gpu, &d, &pool, 0, &q, &out, len, tab.ptr(), blocks, &seqs)
+            scratch.run(
+                gpu,
+                &d,
+                &pool,
+                0,
+                &q,
+                &out,
+                len,
+                tab.ptr(),
+                blocks,
+                &seqs,
+                0,
+            )
         })?;
         rows.push(BenchRow {
             what: format!("prefill attention, 1 layer [{pa:?}]"),

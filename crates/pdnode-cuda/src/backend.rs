@@ -180,15 +180,6 @@ impl CudaBackend {
                 ),
             });
         }
-        if let Some(w) = &spec.sliding_window {
-            return Err(CudaError::Unsupported {
-                reason: format!(
-                    "sliding-window attention (a {}-position window) runs on the CPU backend only; \
-                     the CUDA kernels attend to the whole context",
-                    w.size
-                ),
-            });
-        }
         if opts.tensor_parallel as usize != shard.size {
             return Err(CudaError::Unsupported {
                 reason: format!(
@@ -628,6 +619,7 @@ impl CudaBackend {
                     block_tables: m(p.off.tables),
                     max_blocks: p.max_blocks,
                     max_ctx: p.max_ctx,
+                    window: s.attention_window(li).unwrap_or(0),
                 };
                 let list = (!p.long.is_empty()).then(|| (m(p.off.short), p.short_len));
                 ops::paged_attention_ex(
@@ -657,6 +649,7 @@ impl CudaBackend {
                     m(p.off.tables),
                     p.max_blocks,
                     p.long,
+                    s.attention_window(li).unwrap_or(0),
                 )?;
                 mark("prefill_attention")?;
             }

@@ -113,6 +113,9 @@ impl PrefillScratch {
 
     /// Attention of the new tokens of `seqs` (layer `layer`), reading q rows from `q`
     /// `[T, nh, hd]` and writing `out` `[T, nh, hd]` rows. `tables`: device i32 `[S, max_blocks]`.
+    /// `window` (`ModelSpec::attention_window`, 0 for none): position `p` attends to keys
+    /// `max(0, p + 1 - window) ..= p` only; both paths skip the keys before a query chunk's
+    /// window (the GEMMs start at the chunk's first window key, the flash kernels at its tile).
     #[allow(clippy::too_many_arguments)]
     pub fn run(
         &mut self,
@@ -126,9 +129,13 @@ impl PrefillScratch {
         tables: u64,
         max_blocks: usize,
         seqs: &[LongSeq],
+        window: usize,
     ) -> Result<(), CudaError> {
         let (nh, nkv, hd, bs) = (d.num_heads, d.num_kv_heads, d.head_dim, d.block_size);
         let op = "prefill_attention";
+        // a window as long as the longest context is no window (and keeps the i32 in range)
+        let longest = seqs.iter().map(|s| s.start + s.n).max().unwrap_or(0);
+        let window = if window >= longest { 0 } else { window };
         let shape_err = |reason: String| CudaError::Shape { op, reason };
         if nkv == 0 || !nh.is_multiple_of(nkv) || hd == 0 || bs == 0 {
             return Err(shape_err(format!("{d:?}: need nh % nkv == 0, hd > 0")));
@@ -155,7 +162,9 @@ impl PrefillScratch {
         }
         let attn = self.attn;
         if attn != PrefillAttn::Gemm && (hd == 64 || hd == 128) {
-            return run_flash(gpu, d, layer_ptr, q, out, tables, max_blocks, seqs, attn);
+            return run_flash(
+                gpu, d, layer_ptr, q, out, tables, max_blocks, seqs, attn, window,
+            );
         }
         let (nh_i, hd_i, nkv_i, bs_i) = (nh as i32, hd as i32, nkv as i32, bs as i32);
         for s in seqs {
@@ -211,7 +220,19 @@ impl PrefillScratch {
             let mut c0 = 0;
             while c0 < s.n {
                 let tqc = tq.min(s.n - c0);
-                let tk = s.start + c0 + tqc;
+                // keys koff .. koff + tk: from the chunk's first query's window start (0 without
+                // a window) to its last query
+                let q0 = s.start + c0;
+                let koff = if window > 0 {
+                    (q0 + 1).saturating_sub(window)
+                } else {
+                    0
+                };
+                let tk = q0 + tqc - koff;
+                let (kc_c, vc_c) = (
+                    kc + (koff * hd * BF16) as u64,
+                    vc + (koff * hd * BF16) as u64,
+                );
                 for g in 0..g_per {
                     // SAFETY: every batch's operands lie inside kc (nkv * e rows), qh (nh * n
                     // rows) and the score buffer (nh * tq * e f32), all ensured above.
@@ -222,7 +243,7 @@ impl PrefillScratch {
                             tqc,
                             hd,
                             Operand {
-                                ptr: kc,
+                                ptr: kc_c,
                                 ld: hd,
                                 stride: e * hd,
                                 trans: true,
@@ -245,14 +266,17 @@ impl PrefillScratch {
                     }
                 }
                 let f = gpu.kernel("causal_softmax")?;
-                let (tq_i, tk_i, q0) = (tqc as i32, tk as i32, (s.start + c0) as i32);
+                // q0 relative to the first key column, as the kernel counts keys
+                let (tq_i, tk_i, q0_i) = (tqc as i32, tk as i32, (q0 - koff) as i32);
+                let w_i = window as i32;
                 let mut b = gpu.launch_builder(f);
                 b.arg(&sp)
                     .arg(&pp)
                     .arg(&tq_i)
                     .arg(&tk_i)
-                    .arg(&q0)
-                    .arg(&scale);
+                    .arg(&q0_i)
+                    .arg(&scale)
+                    .arg(&w_i);
                 // SAFETY: s and p hold nh * tqc rows of tk (ensured: tqc <= tq, tk <= e).
                 unsafe { b.launch(cfg(((nh * tqc) as u32, 1, 1), 256)) }
                     .map_err(super::drv("causal_softmax"))?;
@@ -265,7 +289,7 @@ impl PrefillScratch {
                             tqc,
                             tk,
                             Operand {
-                                ptr: vc,
+                                ptr: vc_c,
                                 ld: hd,
                                 stride: e * hd,
                                 trans: false,
@@ -327,6 +351,7 @@ fn run_flash(
     max_blocks: usize,
     seqs: &[LongSeq],
     attn: PrefillAttn,
+    window: usize,
 ) -> Result<(), CudaError> {
     let (nh, nkv, hd, bs) = (d.num_heads, d.num_kv_heads, d.head_dim, d.block_size);
     // v3 addresses the pool with shifts and i32 block strides: other shapes take the w8 kernel
@@ -369,6 +394,7 @@ fn run_flash(
     }
     let (nh_i, nkv_i, bs_i) = (nh as i32, nkv as i32, bs as i32);
     let scale_log2 = std::f32::consts::LOG2_E / (hd as f32).sqrt();
+    let window_i = window as i32; // < the longest context (`run`), so in range
     for s in seqs {
         let table = tables + (s.seq * max_blocks * 4) as u64;
         let (row0, n, start) = (s.row0 as i32, s.n as i32, s.start as i32);
@@ -383,7 +409,8 @@ fn run_flash(
             .arg(&nh_i)
             .arg(&nkv_i)
             .arg(&bs_i)
-            .arg(&scale_log2);
+            .arg(&scale_log2)
+            .arg(&window_i);
         let tiles = s.n.div_ceil(rows_per_cta);
         if heads_x && tiles > 65535 {
             return Err(CudaError::Shape {

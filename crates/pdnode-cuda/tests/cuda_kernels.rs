@@ -507,6 +507,10 @@ fn rope_qkv_bias_norm_and_cache_write() {
     }
 }
 
+/// Every paged-attention kernel (v1, v2, v2 narrow, v4 where the head_dim allows) against a
+/// host reference, over prefill chunks and split decode, with the whole context and with
+/// sliding windows: smaller than a block (1, 5), a block (16), not a multiple of the block size
+/// (37, 999) and larger than every context (5000).
 #[test]
 #[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
 fn paged_attention_prefill_chunks_and_split_decode() {
@@ -551,93 +555,108 @@ fn paged_attention_prefill_chunks_and_split_decode() {
             up_i32(&g, &tok_pos),
             up_i32(&g, &tables),
         );
-        let mut want = Vec::new();
-        for ti in 0..t {
-            let si = tok_seq[ti] as usize;
-            for h in 0..nh {
-                let kh = h / (nh / nkv);
-                let (mut keys, mut vals) = (vec![], vec![]);
-                for p in 0..=tok_pos[ti] as usize {
-                    let blk = tables[si * max_blocks + p / bs] as usize;
-                    let k0 = pool_idx(&d, layer, blk, 0, p % bs, kh);
-                    let v0 = pool_idx(&d, layer, blk, 1, p % bs, kh);
-                    keys.push(pool_h[k0..k0 + hd].to_vec());
-                    vals.push(pool_h[v0..v0 + hd].to_vec());
-                }
-                let qq = &q[(ti * nh + h) * hd..(ti * nh + h + 1) * hd];
-                want.extend(attend(qq, &keys, &vals));
-            }
-        }
-        let meta = AttnMeta {
-            tok_seq: dseq.ptr(),
-            tok_pos: dpos.ptr(),
-            block_tables: dtab.ptr(),
-            max_blocks,
-            max_ctx,
-        };
-        let mut variants = vec![AttnVariant::V1];
-        if ops::v2_dims_per_lane(hd).is_some() {
-            variants.push(AttnVariant::V2);
-        }
-        if hd % 8 == 0 && 32 % (hd / 8) == 0 {
-            variants.push(AttnVariant::V2Narrow);
-        }
-        if ops::v4_supports(hd) {
-            variants.push(AttnVariant::V4);
-        }
-        let (ml, acc) = (poisoned(&g, 1 << 20), poisoned(&g, 64 << 20));
-        let ws = AttnWorkspace {
-            part_ml: &ml,
-            part_acc: &acc,
-        };
-        for v in variants {
-            let out = poisoned(&g, t * nh * hd * 2);
-            ops::paged_attention_ex(&g, &d, &dq, &pool, layer, &meta, t, None, &out, &ws, v)
-                .unwrap();
-            let got = g.download_bf16(&out, t * nh * hd).unwrap();
-            let e = rel_err(&got, &want);
-            assert!(
-                e < 1e-2,
-                "{v:?} nh={nh} nkv={nkv} hd={hd} seqs={seqs:?}: rel err {e}"
-            );
-            // only the odd tokens, through a token list: the even rows stay poisoned
-            let list: Vec<i32> = (0..t as i32).filter(|x| x % 2 == 1).collect();
-            let dl = up_i32(&g, &list);
-            let out = poisoned(&g, t * nh * hd * 2);
-            ops::paged_attention_ex(
-                &g,
-                &d,
-                &dq,
-                &pool,
-                layer,
-                &meta,
-                t,
-                Some((dl.ptr(), list.len())),
-                &out,
-                &ws,
-                v,
-            )
-            .unwrap();
-            let got = g.download_bf16(&out, t * nh * hd).unwrap();
-            let row = nh * hd;
+        for window in [0usize, 1, 5, 16, 37, 999, 5000] {
+            let mut want = Vec::new();
             for ti in 0..t {
-                let (a, b) = (
-                    &got[ti * row..(ti + 1) * row],
-                    &want[ti * row..(ti + 1) * row],
-                );
-                if ti % 2 == 1 {
-                    assert!(rel_err(a, b) < 1e-2, "{v:?} listed token {ti}");
+                let si = tok_seq[ti] as usize;
+                let pos = tok_pos[ti] as usize;
+                let lo = if window > 0 {
+                    (pos + 1).saturating_sub(window)
                 } else {
-                    assert!(
-                        a.iter().all(|x| x.is_nan()),
-                        "{v:?} unlisted token {ti} written"
+                    0
+                };
+                for h in 0..nh {
+                    let kh = h / (nh / nkv);
+                    let (mut keys, mut vals) = (vec![], vec![]);
+                    for p in lo..=pos {
+                        let blk = tables[si * max_blocks + p / bs] as usize;
+                        let k0 = pool_idx(&d, layer, blk, 0, p % bs, kh);
+                        let v0 = pool_idx(&d, layer, blk, 1, p % bs, kh);
+                        keys.push(pool_h[k0..k0 + hd].to_vec());
+                        vals.push(pool_h[v0..v0 + hd].to_vec());
+                    }
+                    let qq = &q[(ti * nh + h) * hd..(ti * nh + h + 1) * hd];
+                    want.extend(attend(qq, &keys, &vals));
+                }
+            }
+            let meta = AttnMeta {
+                tok_seq: dseq.ptr(),
+                tok_pos: dpos.ptr(),
+                block_tables: dtab.ptr(),
+                max_blocks,
+                max_ctx,
+                window,
+            };
+            let mut variants = vec![AttnVariant::V1];
+            if ops::v2_dims_per_lane(hd).is_some() {
+                variants.push(AttnVariant::V2);
+            }
+            if hd % 8 == 0 && 32 % (hd / 8) == 0 {
+                variants.push(AttnVariant::V2Narrow);
+            }
+            if ops::v4_supports(hd) {
+                variants.push(AttnVariant::V4);
+            }
+            let (ml, acc) = (poisoned(&g, 1 << 20), poisoned(&g, 64 << 20));
+            let ws = AttnWorkspace {
+                part_ml: &ml,
+                part_acc: &acc,
+            };
+            for v in variants {
+                let out = poisoned(&g, t * nh * hd * 2);
+                ops::paged_attention_ex(&g, &d, &dq, &pool, layer, &meta, t, None, &out, &ws, v)
+                    .unwrap();
+                let got = g.download_bf16(&out, t * nh * hd).unwrap();
+                let e = rel_err(&got, &want);
+                assert!(
+                    e < 1e-2,
+                    "{v:?} nh={nh} nkv={nkv} hd={hd} seqs={seqs:?} window={window}: rel err {e}"
+                );
+                // only the odd tokens, through a token list: the even rows stay poisoned
+                let list: Vec<i32> = (0..t as i32).filter(|x| x % 2 == 1).collect();
+                let dl = up_i32(&g, &list);
+                let out = poisoned(&g, t * nh * hd * 2);
+                ops::paged_attention_ex(
+                    &g,
+                    &d,
+                    &dq,
+                    &pool,
+                    layer,
+                    &meta,
+                    t,
+                    Some((dl.ptr(), list.len())),
+                    &out,
+                    &ws,
+                    v,
+                )
+                .unwrap();
+                let got = g.download_bf16(&out, t * nh * hd).unwrap();
+                let row = nh * hd;
+                for ti in 0..t {
+                    let (a, b) = (
+                        &got[ti * row..(ti + 1) * row],
+                        &want[ti * row..(ti + 1) * row],
                     );
+                    if ti % 2 == 1 {
+                        assert!(
+                            rel_err(a, b) < 1e-2,
+                            "{v:?} window={window} listed token {ti}"
+                        );
+                    } else {
+                        assert!(
+                            a.iter().all(|x| x.is_nan()),
+                            "{v:?} unlisted token {ti} written"
+                        );
+                    }
                 }
             }
         }
     }
 }
 
+/// The cuBLAS prefill path against a host reference: query chunks, a cached prefix, and sliding
+/// windows (each chunk's GEMMs start at its first query's window: 1, 5, a block, 37, and one
+/// longer than every context).
 #[test]
 #[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
 fn prefill_gemm_attention_chunks_and_cached_prefix() {
@@ -665,58 +684,66 @@ fn prefill_gemm_attention_chunks_and_cached_prefix() {
         let t = row0 + n;
         let q = randv(&mut r, t * nh * hd, 2.0);
         let dq = g.upload_bf16(&q).unwrap();
-        let out = poisoned(&g, t * nh * hd * 2);
-        let mut scratch = PrefillScratch::default();
-        scratch.score_budget = budget;
-        scratch.attn = PrefillAttn::Gemm;
-        let seqs = [LongSeq {
-            row0,
-            n,
-            start,
-            seq: 1,
-        }];
-        scratch
-            .run(
-                &g,
-                &d,
-                &pool,
-                layer,
-                &dq,
-                &out,
-                t,
-                dtab.ptr(),
-                max_blocks,
-                &seqs,
-            )
-            .unwrap();
-        let got = g.download_bf16(&out, t * nh * hd).unwrap();
-        let row = nh * hd;
-        assert!(
-            got[..row0 * row].iter().all(|x| x.is_nan()),
-            "rows before row0 untouched"
-        );
-        let mut want = Vec::new();
-        for ti in 0..n {
-            let pos = start + ti;
-            for h in 0..nh {
-                let kh = h / (nh / nkv);
-                let (mut keys, mut vals) = (vec![], vec![]);
-                for p in 0..=pos {
-                    let blk = tables[max_blocks + p / bs] as usize;
-                    let k0 = pool_idx(&d, layer, blk, 0, p % bs, kh);
-                    let v0 = pool_idx(&d, layer, blk, 1, p % bs, kh);
-                    keys.push(pool_h[k0..k0 + hd].to_vec());
-                    vals.push(pool_h[v0..v0 + hd].to_vec());
+        for window in [0usize, 1, 5, 16, 37, 1000] {
+            let out = poisoned(&g, t * nh * hd * 2);
+            let mut scratch = PrefillScratch::default();
+            scratch.score_budget = budget;
+            scratch.attn = PrefillAttn::Gemm;
+            let seqs = [LongSeq {
+                row0,
+                n,
+                start,
+                seq: 1,
+            }];
+            scratch
+                .run(
+                    &g,
+                    &d,
+                    &pool,
+                    layer,
+                    &dq,
+                    &out,
+                    t,
+                    dtab.ptr(),
+                    max_blocks,
+                    &seqs,
+                    window,
+                )
+                .unwrap();
+            let got = g.download_bf16(&out, t * nh * hd).unwrap();
+            let row = nh * hd;
+            assert!(
+                got[..row0 * row].iter().all(|x| x.is_nan()),
+                "rows before row0 untouched"
+            );
+            let mut want = Vec::new();
+            for ti in 0..n {
+                let pos = start + ti;
+                let lo = if window > 0 {
+                    (pos + 1).saturating_sub(window)
+                } else {
+                    0
+                };
+                for h in 0..nh {
+                    let kh = h / (nh / nkv);
+                    let (mut keys, mut vals) = (vec![], vec![]);
+                    for p in lo..=pos {
+                        let blk = tables[max_blocks + p / bs] as usize;
+                        let k0 = pool_idx(&d, layer, blk, 0, p % bs, kh);
+                        let v0 = pool_idx(&d, layer, blk, 1, p % bs, kh);
+                        keys.push(pool_h[k0..k0 + hd].to_vec());
+                        vals.push(pool_h[v0..v0 + hd].to_vec());
+                    }
+                    let qq = &q[((row0 + ti) * nh + h) * hd..((row0 + ti) * nh + h + 1) * hd];
+                    want.extend(attend(qq, &keys, &vals));
                 }
-                let qq = &q[((row0 + ti) * nh + h) * hd..((row0 + ti) * nh + h + 1) * hd];
-                want.extend(attend(qq, &keys, &vals));
             }
+            let e = rel_err(&got[row0 * row..], &want);
+            assert!(
+                e < 1e-2,
+                "nh={nh} nkv={nkv} hd={hd} start={start} n={n} window={window}: rel err {e}"
+            );
         }
-        let e = rel_err(&got[row0 * row..], &want);
-        assert!(
-            e < 1e-2,
-            "nh={nh} nkv={nkv} hd={hd} start={start} n={n}: rel err {e}"
-        );
     }
 }
 

@@ -1,8 +1,10 @@
 // Paged attention over the KV pool, for decode and (chunked) prefill alike: query token t of
-// sequence tok_seq[t] at position tok_pos[t] attends to keys 0..=tok_pos[t] of its sequence (the
-// new tokens' K/V are already in the pool, written by rope_qkv). GQA-aware: one block serves up to
+// sequence tok_seq[t] at position tok_pos[t] attends to keys lo..=tok_pos[t] of its sequence, lo =
+// max(0, tok_pos[t] + 1 - window) with a sliding window, else 0 (window = 0: the whole context);
+// the new tokens' K/V are already in the pool, written by rope_qkv. GQA-aware: one block serves up to
 // ATT_MAXG query heads sharing one KV head, so each K/V row is read once per block. Split-K
-// (flash-decoding): blockIdx.z takes keys [z * split_len, (z + 1) * split_len); with nsplit > 1
+// (flash-decoding): blockIdx.z takes keys [lo + z * split_len, lo + (z + 1) * split_len), so the
+// splits cover the window only (the host sizes them for min(context, window) keys); with nsplit > 1
 // the partial (max, sum, acc) go to part_ml / part_acc and attention_combine finishes.
 //
 // q: [T, nh, hd] bf16 (RoPE applied); out: [T, nh, hd] bf16.
@@ -20,7 +22,7 @@ paged_attention(const bf16_t* __restrict__ q, const bf16_t* __restrict__ layer_k
                 const int* __restrict__ block_tables, int max_blocks, int nh, int nkv, int hd,
                 int block_size, float scale, int split_len, bf16_t* __restrict__ out,
                 float* __restrict__ part_ml, float* __restrict__ part_acc,
-                const int* __restrict__ tok_list) {
+                const int* __restrict__ tok_list, int window) {
     PD_GRID_WAIT();
     PD_GRID_LAUNCH_DEPENDENTS();
     __shared__ float sm_acc[ATT_NW][ATT_MAXG][ATT_MAXDPL * 32];
@@ -35,7 +37,7 @@ paged_attention(const bf16_t* __restrict__ q, const bf16_t* __restrict__ layer_k
     const int ng = min(ATT_MAXG, G - hg * ATT_MAXG);
     const int nsplit = gridDim.z;
     const int ctx = tok_pos[t] + 1;
-    const int k0 = blockIdx.z * split_len;
+    const int k0 = (window > 0 ? max(0, ctx - window) : 0) + blockIdx.z * split_len;
     const int k1 = min(ctx, k0 + split_len);
     const int dpl = (hd + 31) / 32;
 

@@ -1,7 +1,7 @@
 // Decode-oriented paged attention, v2: a warp covers KPW keys at once (LPK = hd / DPL lanes per
 // key, each lane DPL contiguous dims loaded as 16-byte words), two key steps in flight per warp,
 // so the dot-product reduction costs log2(LPK) shuffles per KPW keys instead of 5 per key.
-// Same contract, grid and partial outputs as paged_attention (attention.cu), except that one
+// Same contract (window included), grid and partial outputs as paged_attention (attention.cu), except that one
 // block serves up to ATT2_MAXG query heads, and `tok_list` (optional) maps blockIdx.x to a token.
 // Needs head_dim % DPL == 0 and 32 % (head_dim / DPL) == 0.
 
@@ -21,7 +21,8 @@ __device__ void attn_v2(const bf16_t* __restrict__ q, const bf16_t* __restrict__
                         const int* __restrict__ block_tables, int max_blocks, int nh, int nkv,
                         int hd, int block_size, float scale, int split_len,
                         bf16_t* __restrict__ out, float* __restrict__ part_ml,
-                        float* __restrict__ part_acc, const int* __restrict__ tok_list) {
+                        float* __restrict__ part_acc, const int* __restrict__ tok_list,
+                        int window) {
     constexpr int SLOTS = ATT2_NW * 32;  // upper bound of NW * KPW
     __shared__ float sm_acc[ATT2_NW * ATT2_MAXG * 32 * DPL];
     __shared__ float sm_m[SLOTS][ATT2_MAXG];
@@ -38,7 +39,7 @@ __device__ void attn_v2(const bf16_t* __restrict__ q, const bf16_t* __restrict__
     const int ng = min(ATT2_MAXG, G - hg * ATT2_MAXG);
     const int nsplit = gridDim.z;
     const int ctx = tok_pos[t] + 1;
-    const int k0 = blockIdx.z * split_len;
+    const int k0 = (window > 0 ? max(0, ctx - window) : 0) + blockIdx.z * split_len;
     const int k1 = min(ctx, k0 + split_len);
 
     float qr[ATT2_MAXG][DPL], acc[ATT2_MAXG][DPL], m[ATT2_MAXG], l[ATT2_MAXG];
@@ -157,10 +158,10 @@ __device__ void attn_v2(const bf16_t* __restrict__ q, const bf16_t* __restrict__
         const bf16_t* q, const bf16_t* layer_kv, const int* tok_seq, const int* tok_pos,          \
         const int* block_tables, int max_blocks, int nh, int nkv, int hd, int block_size,         \
         float scale, int split_len, bf16_t* out, float* part_ml, float* part_acc,                 \
-        const int* tok_list) {                                                                    \
+        const int* tok_list, int window) {                                                        \
         PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();                                             \
         attn_v2<DPL>(q, layer_kv, tok_seq, tok_pos, block_tables, max_blocks, nh, nkv, hd,        \
-                     block_size, scale, split_len, out, part_ml, part_acc, tok_list);             \
+                     block_size, scale, split_len, out, part_ml, part_acc, tok_list, window);     \
     }
 
 ATT2_KERNEL(paged_attention_v2_d8, 8)

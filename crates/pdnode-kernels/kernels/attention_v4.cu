@@ -19,9 +19,14 @@
 //
 // Same arguments and partial outputs as paged_attention (attention.cu): grid
 // (T or len(tok_list), nkv * ceil(G / MG), nsplit), block 128, plus ATT4_SMEM(HD) bytes of dynamic
-// shared memory; partition z takes keys [z * split_len, (z + 1) * split_len) of the token's
-// context tok_pos[t] + 1 (read from device memory); a partition past the context writes neutral
-// partials (m = -inf, l = 0, acc = 0) that attention_combine skips; nsplit == 1 writes `out`.
+// shared memory; partition z takes keys [base + z * split_len, base + (z + 1) * split_len) of the
+// token's context tok_pos[t] + 1 (read from device memory). base = 0 without a sliding window
+// (window = 0); with one the token sees keys lo = max(0, ctx - window) ..= tok_pos[t] and base is
+// lo rounded down to a multiple of TK (tiles stay TK-aligned: one block-table lookup per tile),
+// the keys base .. lo - 1 of the first tile neither loaded nor scored; the host sizes the
+// partitions for min(ctx, window + TK - 1) keys. A partition without a key in [lo, ctx) writes
+// neutral partials (m = -inf, l = 0, acc = 0) that attention_combine skips; nsplit == 1 writes
+// `out`.
 
 #define ATT4_NT 128
 #define ATT4_NW 4
@@ -91,7 +96,8 @@ __device__ __forceinline__ void attn_v4(const bf16_t* __restrict__ q,
                                         int nh, int nkv, int block_size, float scale,
                                         int split_len, bf16_t* __restrict__ out,
                                         float* __restrict__ part_ml, float* __restrict__ part_acc,
-                                        const int* __restrict__ tok_list, unsigned char* dsmem) {
+                                        const int* __restrict__ tok_list, int window,
+                                        unsigned char* dsmem) {
     constexpr int TK = ATT4_TK, NST = ATT4_NST, NW = ATT4_NW;
     constexpr int NCH = HD / 8;                // 16-byte chunks per K/V row
     constexpr int ROW = HD + 8;                // padded shared-memory row (bf16)
@@ -120,10 +126,13 @@ __device__ __forceinline__ void attn_v4(const bf16_t* __restrict__ q,
     const int nsplit = gridDim.z;
     const int seq = tok_seq[t];  // issued with tok_pos: one dependent load less before the copies
     const int ctx = min(tok_pos[t] + 1, max_blocks * block_size);
-    const int k0 = blockIdx.z * split_len;
+    const int lo = window > 0 ? max(0, ctx - window) : 0;  // first key the token sees
+    const int k0 = (lo & ~(TK - 1)) + blockIdx.z * split_len;
     const int k1 = min(ctx, k0 + split_len);
 
-    if (k1 <= k0) {  // partition past the context (uniform over the block: no barrier skipped)
+    // Partition past the context, or (a split shorter than a tile) before the window: uniform over
+    // the block, so no barrier is skipped.
+    if (k1 <= max(k0, lo)) {
         for (int idx = tid; idx < ng * HD; idx += ATT4_NT) {
             const int h = idx / HD, d = idx - h * HD;
             const i64 th = t * nh + h0 + h;
@@ -179,7 +188,8 @@ __device__ __forceinline__ void attn_v4(const bf16_t* __restrict__ q,
     const int bs_shift = __ffs(block_size) - 1;
     const int vstride = block_size * (int)row;  // V rows follow a block's K rows
 
-    // Issues the copies of this warp's i-th tile into stage st (keys past k1 zero-filled).
+    // Issues the copies of this warp's i-th tile into stage st (keys before lo or past k1
+    // zero-filled).
     auto load_tile = [&](int i, int st) {
         const int kt = k0 + (w + i * NW) * TK;
         bf16_t* sk = wbuf + st * STAGE;
@@ -196,7 +206,7 @@ __device__ __forceinline__ void attn_v4(const bf16_t* __restrict__ q,
             const int k = kt + kk;
             const bf16_t* src = layer_kv;
             int bytes = 0;
-            if (k < k1) {
+            if ((unsigned)(k - lo) < (unsigned)(k1 - lo)) {  // lo <= k < k1
                 if (one_block) {
                     src = base + kk * row + c * 8;
                 } else {
@@ -232,6 +242,7 @@ __device__ __forceinline__ void attn_v4(const bf16_t* __restrict__ q,
         const bf16_t* sv = sk + TK * ROW;
         const int kt = k0 + (w + i * NW) * TK;
         const int nk = min(TK, k1 - kt);
+        const int nlo = lo - kt;  // > 0 only in a windowed token's first tile
         // S = Q K^T: n-tile n holds keys 8 n .. 8 n + 7 (B's column g = key 8 n + g).
         float s[2][4];
 #pragma unroll
@@ -251,7 +262,8 @@ __device__ __forceinline__ void attn_v4(const bf16_t* __restrict__ q,
         for (int n = 0; n < 2; n++)
 #pragma unroll
             for (int x = 0; x < 2; x++) {
-                const bool ok = n * 8 + 2 * tq + x < nk;
+                const int kk = n * 8 + 2 * tq + x;
+                const bool ok = (unsigned)(kk - nlo) < (unsigned)(nk - nlo);  // nlo <= kk < nk
                 s[n][x] = ok ? s[n][x] * qscale : -INFINITY;
                 s[n][2 + x] = ok ? s[n][2 + x] * qscale : -INFINITY;
                 mx0 = fmaxf(mx0, s[n][x]);
@@ -261,7 +273,8 @@ __device__ __forceinline__ void attn_v4(const bf16_t* __restrict__ q,
         mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);  // finite: key kt is valid
+        // finite: the tile holds a key in [lo, k1) (the first tile holds lo, the others start past it)
+        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
         const float c0 = exp2f(m0 - mn0), c1 = exp2f(m1 - mn1);
         m0 = mn0;
         m1 = mn1;
@@ -356,10 +369,10 @@ extern __shared__ __align__(16) unsigned char att4_dsmem[];
         const bf16_t* q, const bf16_t* layer_kv, const int* tok_seq, const int* tok_pos,          \
         const int* block_tables, int max_blocks, int nh, int nkv, int hd, int block_size,         \
         float scale, int split_len, bf16_t* out, float* part_ml, float* part_acc,                 \
-        const int* tok_list) {                                                                    \
+        const int* tok_list, int window) {                                                        \
         PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();                                             \
         attn_v4<HD, MG>(q, layer_kv, tok_seq, tok_pos, block_tables, max_blocks, nh, nkv,         \
-                        block_size, scale, split_len, out, part_ml, part_acc, tok_list,           \
+                        block_size, scale, split_len, out, part_ml, part_acc, tok_list, window,   \
                         att4_dsmem);                                                              \
     }
 

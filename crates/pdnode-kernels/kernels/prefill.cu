@@ -37,21 +37,23 @@ extern "C" __global__ void kv_gather_seq(const bf16_t* __restrict__ layer_kv,
     }
 }
 
-// Row r = (h, t) of s [nh, tq, tk] (f32 scores): p = softmax(scale * s) over keys 0..=q0 + t,
-// zeros beyond (causal). One pass for the running max and sum, one to write. grid: nh * tq,
-// block: 256.
+// Row r = (h, t) of s [nh, tq, tk] (f32 scores): p = softmax(scale * s) over keys lo..=q0 + t,
+// zeros elsewhere (causal; lo = max(0, q0 + t + 1 - window) with a sliding window, 0 when window
+// is 0). Key indices are relative to the first key column of s (q0 likewise). One pass for the
+// running max and sum, one to write. grid: nh * tq, block: 256.
 extern "C" __global__ void causal_softmax(const float* __restrict__ s, bf16_t* __restrict__ p,
-                                          int tq, int tk, int q0, float scale) {
+                                          int tq, int tk, int q0, float scale, int window) {
     PD_GRID_WAIT();
     PD_GRID_LAUNCH_DEPENDENTS();
     __shared__ float sh_m[32], sh_l[32];
     const i64 r = blockIdx.x;
     const int t = (int)(r % tq);
     const int lim = min(tk, q0 + t + 1);
+    const int lo = window > 0 ? max(0, q0 + t + 1 - window) : 0;
     const float* x = s + r * tk;
     bf16_t* y = p + r * tk;
     float m = -INFINITY, l = 0.f;
-    for (int k = threadIdx.x; k < lim; k += blockDim.x) {
+    for (int k = lo + threadIdx.x; k < lim; k += blockDim.x) {
         const float v = x[k] * scale;
         if (v > m) {
             l = l * __expf(m - v) + 1.f;
@@ -81,5 +83,6 @@ extern "C" __global__ void causal_softmax(const float* __restrict__ s, bf16_t* _
         if (sh_m[i] != -INFINITY) L += sh_l[i] * __expf(sh_m[i] - M);
     const float inv = 1.f / L;
     for (int k = threadIdx.x; k < tk; k += blockDim.x)
-        y[k] = k < lim ? f2bf(__expf(x[k] * scale - M) * inv) : (bf16_t)0;
+        y[k] = (unsigned)(k - lo) < (unsigned)(lim - lo) ? f2bf(__expf(x[k] * scale - M) * inv)
+                                                           : (bf16_t)0;  // lo <= k < lim
 }

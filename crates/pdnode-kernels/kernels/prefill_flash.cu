@@ -5,7 +5,9 @@
 // keys staged in shared memory by cp.async (separate K and V buffers: V of tile j and K of tile
 // j + 1 load while the tile before is being used). The query rows are positions
 // start .. start + n of one sequence whose K/V for positions 0 .. start + n are already in the
-// pool (rope_qkv wrote them): key j lies in block table[j / block_size], slot j % block_size; a
+// pool (rope_qkv wrote them). With a sliding window (window > 0) query position p sees keys
+// p + 1 - window ..= p only: a CTA starts at the tile of its first query's window (tiles before
+// it are not loaded) and masks the older keys on the tiles that hold some. Key j lies in block table[j / block_size], slot j % block_size; a
 // layer of the pool is [num_blocks][2][block_size][nkv][hd]. q and out: rows row0 .. row0 + n of
 // [T, nh, hd] bf16. GQA: q head h reads kv head h / (nh / nkv).
 //
@@ -115,7 +117,8 @@ __device__ __forceinline__ void flash_prefill_impl(const bf16_t* __restrict__ q,
                                                    const bf16_t* __restrict__ layer_kv,
                                                    const int* __restrict__ table, int row0, int n,
                                                    int start, int nh, int nkv, int block_size,
-                                                   float scale_log2, bf16_t* ks, bf16_t* vs) {
+                                                   float scale_log2, int window, bf16_t* ks,
+                                                   bf16_t* vs) {
     constexpr int BM = 16 * NW, LD = HD + 8, KS = HD / 16, NT = HD / 8;
     // Heaviest (last) query tiles first: the causal work grows with the tile index.
     const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;
@@ -126,8 +129,13 @@ __device__ __forceinline__ void flash_prefill_impl(const bf16_t* __restrict__ q,
     const int kv_end = start + min(m0 + BM, n);
     const int ntiles = (kv_end + FP_BN - 1) / FP_BN;
     const i64 qstride = (i64)nh * HD;
+    // Query p keeps key j iff 0 <= p - j < wlim: causal, and within the window when there is one
+    // (one unsigned compare per key either way). Tiles start at the CTA's first query's window.
+    const unsigned wlim = window > 0 ? (unsigned)window : 0x7fffffffu;
+    const int jt0 = window > 0 ? max(0, start + m0 + 1 - window) / FP_BN : 0;
+    const int qlast = kv_end - 1;  // the CTA's last query position
 
-    fp_load_tile<HD, NW>(ks, layer_kv, table, 0, kv_end, 0, kvh, nkv, block_size);
+    fp_load_tile<HD, NW>(ks, layer_kv, table, jt0 * FP_BN, kv_end, 0, kvh, nkv, block_size);
     fp_cp_commit();
 
     // Q fragments straight from global memory (rows past n read as zero).
@@ -152,7 +160,7 @@ __device__ __forceinline__ void flash_prefill_impl(const bf16_t* __restrict__ q,
     float lrow[2] = {0.f, 0.f};              // this thread's part of the running sum
     const int qpos0 = start + r0, qpos1 = start + r1;
 
-    for (int jt = 0; jt < ntiles; jt++) {
+    for (int jt = jt0; jt < ntiles; jt++) {
         const int k0 = jt * FP_BN;
         fp_load_tile<HD, NW>(vs, layer_kv, table, k0, kv_end, 1, kvh, nkv, block_size);
         fp_cp_commit();
@@ -179,15 +187,16 @@ __device__ __forceinline__ void flash_prefill_impl(const bf16_t* __restrict__ q,
             fp_load_tile<HD, NW>(ks, layer_kv, table, k0 + FP_BN, kv_end, 0, kvh, nkv, block_size);
         fp_cp_commit();  // (possibly empty: keeps the group count uniform)
 
-        // Scale, causal mask (only where a key can pass the CTA's first query), online softmax.
-        const bool diag = k0 + FP_BN - 1 > start + m0;
+        // Scale, mask (only where a key can pass the CTA's first query or, with a window, fall
+        // out of its last query's window), online softmax.
+        const bool diag = k0 + FP_BN - 1 > start + m0 || (unsigned)(qlast - k0) >= wlim;
 #pragma unroll
         for (int nt = 0; nt < 8; nt++) {
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int key = k0 + nt * 8 + 2 * t + (e & 1);
                 float x = s[nt][e] * scale_log2;
-                if (diag && key > (e < 2 ? qpos0 : qpos1)) x = -INFINITY;
+                if (diag && (unsigned)((e < 2 ? qpos0 : qpos1) - key) >= wlim) x = -INFINITY;
                 s[nt][e] = x;
             }
         }
@@ -261,12 +270,12 @@ __device__ __forceinline__ void flash_prefill_impl(const bf16_t* __restrict__ q,
     extern "C" __global__ void __launch_bounds__(NW * 32) NAME(                                   \
         const bf16_t* __restrict__ q, bf16_t* __restrict__ out,                                   \
         const bf16_t* __restrict__ layer_kv, const int* __restrict__ table, int row0, int n,      \
-        int start, int nh, int nkv, int block_size, float scale_log2) {                           \
+        int start, int nh, int nkv, int block_size, float scale_log2, int window) {               \
         PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();                                             \
         __shared__ __align__(16) bf16_t ks[FP_BN * (HD + 8)];                                     \
         __shared__ __align__(16) bf16_t vs[FP_BN * (HD + 8)];                                     \
         flash_prefill_impl<HD, NW>(q, out, layer_kv, table, row0, n, start, nh, nkv, block_size,  \
-                                   scale_log2, ks, vs);                                           \
+                                   scale_log2, window, ks, vs);                                   \
     }
 
 FLASH_PREFILL_KERNEL(flash_prefill_hd64_w8, 64, 8)

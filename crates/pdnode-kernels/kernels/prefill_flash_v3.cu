@@ -20,6 +20,9 @@
 // - the loop is unrolled by two so the two score arrays swap roles without register moves; the
 //   scores of a tile past the warp's last query (or past the end) are computed and dropped, so
 //   the block has no branch (one wasted S per warp and CTA).
+// Sliding window (window > 0): query position p sees keys p + 1 - window ..= p; the CTA's tiles
+// start at its first query's window (the ring and the tile loop offset by jt0), and the mask runs
+// on the tiles that reach before a warp's last query's window as well.
 // 8 warps x 16 query rows, BM = 128, 64-key tiles, grid (nh, query tiles) heaviest tiles first.
 // Dynamic shared memory: FP3_STAGES * 2 * 64 * (HD + 8) bf16 (139264 bytes at hd 128).
 #define FP3_STAGES 4
@@ -31,7 +34,7 @@ __device__ __forceinline__ void flash_prefill_v3_impl(const bf16_t* __restrict__
                                                       const int* __restrict__ table, int row0,
                                                       int n, int start, int nh, int nkv,
                                                       int block_size, float scale_log2,
-                                                      bf16_t* smem) {
+                                                      int window, bf16_t* smem) {
     constexpr int BN = FP_BN, BM = 16 * NW, LD = HD + 8, KS = HD / 16, NT = HD / 8;
     constexpr int CPR = HD / 8, STEP = NW * 32 / CPR, RPT = BN / STEP, TILE = 2 * BN * LD;
     static_assert(NW * 32 % CPR == 0 && BN % STEP == 0, "tile rows split evenly over the threads");
@@ -47,6 +50,11 @@ __device__ __forceinline__ void flash_prefill_v3_impl(const bf16_t* __restrict__
     const int wfirst = start + m0 + w * 16, wlast = wfirst + 15;
     // tiles this warp computes: those with a key at or before its last query
     const int wtiles = min(ntiles, wlast / BN + 1);
+    // Query p keeps key j iff 0 <= p - j < wlim (causal, and the window when there is one: one
+    // unsigned compare per key either way); the CTA's first tile holds its first query's window
+    // start.
+    const unsigned wlim = window > 0 ? (unsigned)window : 0x7fffffffu;
+    const int jt0 = window > 0 ? max(0, start + m0 + 1 - window) / BN : 0;
 
     const int bs_shift = fp_log2i(block_size), bs_mask = block_size - 1;
     const int row_stride = nkv * HD, vofs = block_size * row_stride, blk_stride = 2 * vofs;
@@ -77,13 +85,13 @@ __device__ __forceinline__ void flash_prefill_v3_impl(const bf16_t* __restrict__
     int blk[RPT];
 #pragma unroll
     for (int st = 0; st < FP3_STAGES - 1; st++) {
-        if (st < ntiles) {
-            fetch_blocks(st, blk);
-            load_tile(st, blk);
+        if (jt0 + st < ntiles) {
+            fetch_blocks(jt0 + st, blk);
+            load_tile(jt0 + st, blk);
         }
         fp_cp_commit();
     }
-    fetch_blocks(FP3_STAGES - 1, blk);
+    fetch_blocks(jt0 + FP3_STAGES - 1, blk);
 
     unsigned qf[KS][4];
     {
@@ -138,13 +146,13 @@ __device__ __forceinline__ void flash_prefill_v3_impl(const bf16_t* __restrict__
         }
         if (jt >= wtiles) return;  // warp-uniform: every key of tile jt is past this warp
         const int k0 = jt * BN;
-        if (k0 + BN - 1 > wfirst) {
+        if (k0 + BN - 1 > wfirst || (unsigned)(wlast - k0) >= wlim) {
 #pragma unroll
             for (int nt = 0; nt < 8; nt++) {
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int key = k0 + nt * 8 + 2 * t + (e & 1);
-                    if (key > (e < 2 ? qpos0 : qpos1)) sc[nt][e] = -INFINITY;
+                    if ((unsigned)((e < 2 ? qpos0 : qpos1) - key) >= wlim) sc[nt][e] = -INFINITY;
                 }
             }
         }
@@ -195,8 +203,8 @@ __device__ __forceinline__ void flash_prefill_v3_impl(const bf16_t* __restrict__
     float sa[8][4], sb[8][4];
     fp_cp_wait<FP3_STAGES - 2>();  // tile 0
     __syncthreads();
-    scores(0, sa);  // every warp has tile 0 (key 0 precedes every query)
-    int jt = 0;
+    scores(jt0, sa);  // every warp has tile jt0 (it precedes every query)
+    int jt = jt0;
     for (; jt + 1 < ntiles; jt += 2) {
         step(jt, sa, sb);
         step(jt + 1, sb, sa);
@@ -226,11 +234,11 @@ __device__ __forceinline__ void flash_prefill_v3_impl(const bf16_t* __restrict__
     extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                    \
         const bf16_t* __restrict__ q, bf16_t* __restrict__ out,                                   \
         const bf16_t* __restrict__ layer_kv, const int* __restrict__ table, int row0, int n,      \
-        int start, int nh, int nkv, int block_size, float scale_log2) {                           \
+        int start, int nh, int nkv, int block_size, float scale_log2, int window) {               \
         PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();                                             \
         extern __shared__ __align__(16) unsigned char fp_dyn_smem[];                              \
         flash_prefill_v3_impl<HD, 8>(q, out, layer_kv, table, row0, n, start, nh, nkv,            \
-                                     block_size, scale_log2, (bf16_t*)fp_dyn_smem);              \
+                                     block_size, scale_log2, window, (bf16_t*)fp_dyn_smem);      \
     }
 
 FLASH_PREFILL_V3_KERNEL(flash_prefill_hd64_v3, 64)

@@ -279,6 +279,7 @@ pub fn paged_attention(
         block_tables,
         max_blocks,
         max_ctx,
+        window: 0,
     };
     paged_attention_ex(
         gpu,
@@ -303,10 +304,27 @@ pub struct AttnMeta {
     pub block_tables: u64,
     pub max_blocks: usize,
     pub max_ctx: usize,
+    /// Sliding window of the layer (`ModelSpec::attention_window`): token `t` attends to keys
+    /// `max(0, tok_pos[t] + 1 - window) ..= tok_pos[t]`; 0 for the whole context.
+    pub window: usize,
+}
+
+/// Keys one token's partitions must cover when contexts reach `max_ctx`: the whole context
+/// without a window; with one, the window plus, for v4 (`tile_aligned`), the up to 15 keys
+/// between the window's start and the 16-key tile boundary below it, where the kernel starts
+/// its partitions. Never more than `max_ctx`.
+pub fn attention_span(max_ctx: usize, window: usize, tile_aligned: bool) -> usize {
+    match window {
+        0 => max_ctx,
+        w if tile_aligned => max_ctx.min(w + 15),
+        w => max_ctx.min(w),
+    }
 }
 
 /// [`paged_attention`] over all `total_tokens` tokens, or only those in `list` (device i32 token
-/// indices, `list.1` of them), with a chosen kernel.
+/// indices, `list.1` of them), with a chosen kernel, within `meta.window` when not 0. The split
+/// count follows the window, not the context: partitions start at each token's window (v4: its
+/// 16-key tile), so keys before it cost nothing.
 #[allow(clippy::too_many_arguments)]
 pub fn paged_attention_ex(
     gpu: &Gpu,
@@ -369,6 +387,7 @@ pub fn paged_attention_ex(
     };
     let groups = d.num_kv_heads * (nh / d.num_kv_heads).div_ceil(maxg);
     let ws_rows_splits = (ws.part_acc.bytes() / (hd * F32)).min(ws.part_ml.bytes() / (2 * F32));
+    let span = attention_span(max_ctx, meta.window, variant == AttnVariant::V4);
     let (nsplit, split_len) = if variant == AttnVariant::V4 {
         attention_splits_v4(
             gpu.sm_count as usize,
@@ -376,7 +395,7 @@ pub fn paged_attention_ex(
             choice.v4_waves,
             choice.v4_max_part,
             grid_tokens * groups,
-            max_ctx,
+            span,
             d.block_size,
             total_tokens * nh,
             ws_rows_splits,
@@ -385,7 +404,7 @@ pub fn paged_attention_ex(
         attention_splits(
             gpu.sm_count as usize,
             grid_tokens * groups,
-            max_ctx,
+            span,
             total_tokens * nh,
             ws_rows_splits,
         )
@@ -434,6 +453,12 @@ pub fn paged_attention_ex(
         d.block_size as i32,
         split_len as i32,
     );
+    // a window at least the context is no window (and keeps the i32 in range)
+    let window_i = if meta.window >= max_ctx {
+        0
+    } else {
+        meta.window as i32
+    };
     let list_ptr = list.map_or(0u64, |l| l.0);
     let mut b = gpu.launch_builder(f);
     b.arg(q.ptr_ref())
@@ -451,7 +476,8 @@ pub fn paged_attention_ex(
         .arg(out.ptr_ref())
         .arg(ws.part_ml.ptr_ref())
         .arg(ws.part_acc.ptr_ref())
-        .arg(&list_ptr);
+        .arg(&list_ptr)
+        .arg(&window_i);
     let mut lc = cfg(
         (u32_of(OP, grid_tokens)?, groups as u32, nsplit as u32),
         128,
@@ -592,6 +618,38 @@ mod tests {
             attention_splits_v4(132, 128, 1, 4096, 4096, 131072, 16, 16384, 1 << 30).0,
             32
         );
+    }
+
+    /// With a window the partitions cover the window, not the context: every token's keys lie in
+    /// `[start, ctx)` with `start = lo` (v1, v2) or `lo` rounded down to a 16-key tile (v4), and
+    /// the span bounds `ctx - start` for every context up to `max_ctx`; without a window (0) it
+    /// is the context.
+    #[test]
+    fn attention_span_covers_each_tokens_window() {
+        assert_eq!(attention_span(8192, 0, true), 8192);
+        assert_eq!(attention_span(8192, 0, false), 8192);
+        assert_eq!(attention_span(8192, 4096, false), 4096);
+        assert_eq!(attention_span(8192, 4096, true), 4111);
+        assert_eq!(attention_span(100, 4096, true), 100);
+        for max_ctx in [1usize, 15, 16, 17, 100, 1000] {
+            for window in [1usize, 5, 16, 37, 100, 5000] {
+                for v4 in [false, true] {
+                    let span = attention_span(max_ctx, window, v4);
+                    for ctx in 1..=max_ctx {
+                        let lo = (ctx + 1).saturating_sub(window + 1);
+                        let start = if v4 { lo / 16 * 16 } else { lo };
+                        assert!(
+                            ctx - start <= span,
+                            "max_ctx {max_ctx} window {window} v4 {v4} ctx {ctx}"
+                        );
+                    }
+                    // and the partitions built for that span cover it
+                    let (n, len) = attention_splits_v4(132, 128, 1, 4096, 8, span, 16, 32, 1 << 17);
+                    assert!(n * len >= span && (n - 1) * len < span);
+                    assert!(span <= max_ctx && span <= window + 15);
+                }
+            }
+        }
     }
 
     #[test]

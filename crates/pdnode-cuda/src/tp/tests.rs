@@ -47,23 +47,43 @@ fn opts(tp: u32) -> CudaOptions {
     }
 }
 
-// Sliding-window attention is the CPU backend's only: refused before any device is
-// touched, rather than served with full attention (different outputs past the window).
+// Sliding-window attention runs on the CUDA kernels (the window reaches every attention kernel,
+// per layer): a windowed model is no longer refused. It passes every check made before a device
+// is touched, one GPU and tensor-parallel alike, so the GPU-list check after them is the one that
+// fails here, on a host with or without a GPU.
 #[test]
-fn a_sliding_window_model_is_refused_with_a_typed_error() {
+fn a_sliding_window_model_is_not_refused() {
     let mut s = spec(2);
     s.sliding_window = Some(pdnode_engine::spec::SlidingWindow {
         size: 8,
         layers: vec![true; s.num_layers],
     });
-    let e = CudaBackend::new_dummy(&s, 1, &opts(1), "t".into())
-        .err()
-        .expect("a windowed model must be refused");
-    match &e {
-        CudaError::Unsupported { reason } => {
-            assert!(reason.contains("sliding-window"), "{reason}")
+    let one = CudaOptions {
+        gpus: vec![0, 1],
+        ..opts(1)
+    };
+    let tp = CudaOptions {
+        gpus: vec![0, 1, 2, 3],
+        ..opts(2)
+    };
+    for (what, r) in [
+        (
+            "one GPU",
+            CudaBackend::new_dummy(&s, 1, &one, "t".into()).err(),
+        ),
+        (
+            "TP 2",
+            CudaTpBackend::new_dummy(&s, 1, None, &tp, "t".into()).err(),
+        ),
+    ] {
+        match r {
+            Some(CudaError::Unsupported { reason }) => assert!(
+                reason.contains("one node per") && !reason.contains("window"),
+                "{what}: {reason}"
+            ),
+            Some(other) => panic!("{what}: unexpected error {other:?}"),
+            None => panic!("{what}: the GPU list must still be refused"),
         }
-        other => panic!("unexpected error {other:?}"),
     }
 }
 

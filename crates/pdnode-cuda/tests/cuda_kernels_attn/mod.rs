@@ -2,7 +2,8 @@
 //! host reference: head_dim 64
 //! and 128, GQA groups 1 / 4 / 8 / 12, contexts 1 to 8192, batches up to 64, partitions past
 //! every context (the launch's max context above the real ones), the direct path (one partition),
-//! a block table too long for shared memory, and a workspace too small to split. Part of the
+//! a block table too long for shared memory, a workspace too small to split, and sliding windows
+//! (every kernel variant: v1, v2, v2 narrow, v4). Part of the
 //! `cuda_kernels` test binary (scripts/gpu/run-all.sh kernels); prints one PASS/FAIL line a case.
 
 use super::cuda_support::*;
@@ -11,8 +12,10 @@ use pdnode_cuda::ops::{self, AttnChoice, AttnDims, AttnMeta, AttnVariant, AttnWo
 use rand::Rng;
 use rand::seq::SliceRandom;
 
-/// Softmax attention of one query head over keys `0..ctx` of one sequence, straight from a host
-/// copy of the pool (`[layers][blocks][2][bs][nkv][hd]`), in f64.
+/// Softmax attention of one query head over keys `0..ctx` of one sequence (the last `window` of
+/// them when `window` is not 0), straight from a host copy of the pool
+/// (`[layers][blocks][2][bs][nkv][hd]`), in f64.
+#[allow(clippy::too_many_arguments)]
 pub fn reference_decode(
     pool: &[f32],
     d: &AttnDims,
@@ -21,6 +24,7 @@ pub fn reference_decode(
     ctx: usize,
     q: &[f32],
     kv_head: usize,
+    window: usize,
 ) -> Vec<f32> {
     let (hd, bs) = (d.head_dim, d.block_size);
     let at = |p: usize, kv: usize| -> &[f32] {
@@ -30,7 +34,12 @@ pub fn reference_decode(
         &pool[o..o + hd]
     };
     let scale = 1.0 / (hd as f64).sqrt();
-    let s: Vec<f64> = (0..ctx)
+    let lo = if window > 0 {
+        ctx.saturating_sub(window)
+    } else {
+        0
+    };
+    let s: Vec<f64> = (lo..ctx)
         .map(|p| {
             let k = at(p, 0);
             q.iter()
@@ -44,7 +53,7 @@ pub fn reference_decode(
     let w: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
     let l: f64 = w.iter().sum();
     let mut o = vec![0f64; hd];
-    for (p, wp) in w.iter().enumerate() {
+    for (p, wp) in (lo..).zip(&w) {
         for (od, vd) in o.iter_mut().zip(at(p, 1)) {
             *od += wp / l * *vd as f64;
         }
@@ -75,11 +84,11 @@ fn reference_decode_is_softmax_attention() {
     let table = [2, 0];
     let q = [1.0f32, 0.0, 0.0, 0.0];
     assert_eq!(
-        reference_decode(&pool, &d, 1, &table, 1, &q, 1),
+        reference_decode(&pool, &d, 1, &table, 1, &q, 1, 0),
         vec![1.0, 2.0, 3.0, 4.0]
     );
     // all keys zero: uniform weights
-    let o = reference_decode(&pool, &d, 1, &table, 3, &q, 1);
+    let o = reference_decode(&pool, &d, 1, &table, 3, &q, 1, 0);
     let want = [3.0f32, 3.0, 3.0, 3.0];
     assert!(
         o.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-6),
@@ -87,12 +96,29 @@ fn reference_decode_is_softmax_attention() {
     );
     // a large key at position 1 dominates
     put(&mut pool, 2, 0, 1, 1, [100.0, 0.0, 0.0, 0.0]);
-    let o = reference_decode(&pool, &d, 1, &table, 3, &q, 1);
+    let o = reference_decode(&pool, &d, 1, &table, 3, &q, 1, 0);
     assert!(
         o.iter()
             .zip([3.0f32, 2.0, 1.0, 0.0])
             .all(|(a, b)| (a - b).abs() < 1e-4),
         "{o:?}"
+    );
+    // a window of 2 drops position 0; of 1 keeps the last position only (block 0, slot 0)
+    assert_eq!(
+        reference_decode(&pool, &d, 1, &table, 3, &q, 1, 1),
+        vec![5.0, 5.0, 5.0, 5.0]
+    );
+    let o = reference_decode(&pool, &d, 1, &table, 3, &q, 1, 2);
+    assert!(
+        o.iter()
+            .zip([3.0f32, 2.0, 1.0, 0.0])
+            .all(|(a, b)| (a - b).abs() < 1e-4),
+        "{o:?}"
+    );
+    // a window past the context is the whole context
+    assert_eq!(
+        reference_decode(&pool, &d, 1, &table, 3, &q, 1, 9),
+        reference_decode(&pool, &d, 1, &table, 3, &q, 1, 0)
     );
 }
 
@@ -107,6 +133,8 @@ struct Case {
     max_ctx: usize,
     /// Workspace rows x splits (None: 64 MiB like the backend).
     ws_rows_splits: Option<usize>,
+    /// Sliding window (0: the whole context).
+    window: usize,
 }
 
 fn run_case(c: &Case, r: &mut rand_chacha::ChaCha8Rng, variant: AttnChoice) -> Result<f32, String> {
@@ -152,6 +180,7 @@ fn run_case(c: &Case, r: &mut rand_chacha::ChaCha8Rng, variant: AttnChoice) -> R
         block_tables: dtab.ptr(),
         max_blocks,
         max_ctx: c.max_ctx,
+        window: c.window,
     };
     let rs = c.ws_rows_splits.unwrap_or((64 << 20) / (hd * 4));
     let (ml, acc) = (poisoned(&g, rs * 2 * 4), poisoned(&g, rs * hd * 4));
@@ -181,6 +210,7 @@ fn run_case(c: &Case, r: &mut rand_chacha::ChaCha8Rng, variant: AttnChoice) -> R
                 c.ctxs[ti],
                 qq,
                 h / grp,
+                c.window,
             ));
         }
         let e = rel_err(&got[row..row + c.nh * hd], &want);
@@ -232,6 +262,7 @@ fn decode_matches_reference(variant: AttnChoice, label: &str) {
                 ctxs: edge.clone(),
                 max_ctx: 4096,
                 ws_rows_splits: None,
+                window: 0,
             });
         }
         cases.push(Case {
@@ -243,6 +274,7 @@ fn decode_matches_reference(variant: AttnChoice, label: &str) {
             ctxs: vec![300, 5, 129],
             max_ctx: 300,
             ws_rows_splits: None,
+            window: 0,
         });
         cases.push(Case {
             name: "one partition (direct output)",
@@ -253,6 +285,7 @@ fn decode_matches_reference(variant: AttnChoice, label: &str) {
             ctxs: vec![1, 15, 16, 17, 100],
             max_ctx: 100,
             ws_rows_splits: None,
+            window: 0,
         });
         cases.push(Case {
             name: "8k, G=8",
@@ -263,6 +296,7 @@ fn decode_matches_reference(variant: AttnChoice, label: &str) {
             ctxs: vec![8192, 17],
             max_ctx: 8192,
             ws_rows_splits: None,
+            window: 0,
         });
     }
     cases.push(Case {
@@ -274,6 +308,7 @@ fn decode_matches_reference(variant: AttnChoice, label: &str) {
         ctxs: vec![8192, 1, 4000],
         max_ctx: 8192,
         ws_rows_splits: None,
+        window: 0,
     });
     let b64: Vec<usize> = (0..64).map(|_| r.random_range(1..=700)).collect();
     cases.push(Case {
@@ -285,6 +320,7 @@ fn decode_matches_reference(variant: AttnChoice, label: &str) {
         ctxs: b64,
         max_ctx: 1024,
         ws_rows_splits: None,
+        window: 0,
     });
     cases.push(Case {
         name: "block table past smem (bs 8), workspace for one split",
@@ -295,6 +331,7 @@ fn decode_matches_reference(variant: AttnChoice, label: &str) {
         ctxs: vec![5000, 3],
         max_ctx: 5000,
         ws_rows_splits: Some(8),
+        window: 0,
     });
     cases.push(Case {
         name: "block size 24 (partitions not block-aligned)",
@@ -305,6 +342,7 @@ fn decode_matches_reference(variant: AttnChoice, label: &str) {
         ctxs: vec![2049, 23, 24, 25],
         max_ctx: 2100,
         ws_rows_splits: None,
+        window: 0,
     });
     cases.push(Case {
         name: "block size 32, G=20 (v4: two blocks of 16 heads)",
@@ -315,11 +353,17 @@ fn decode_matches_reference(variant: AttnChoice, label: &str) {
         ctxs: vec![3000, 31, 32, 33],
         max_ctx: 3000,
         ws_rows_splits: None,
+        window: 0,
     });
+    run_cases(&cases, &mut r, variant, label);
+}
+
+/// Runs every case with `variant`, printing one PASS/FAIL line a case; fails after all ran.
+fn run_cases(cases: &[Case], r: &mut rand_chacha::ChaCha8Rng, variant: AttnChoice, label: &str) {
     let mut failed = Vec::new();
-    for c in &cases {
+    for c in cases {
         let tag = format!(
-            "{} nh={} nkv={} hd={} bs={} ctxs={}{} max_ctx={}",
+            "{} nh={} nkv={} hd={} bs={} ctxs={}{} max_ctx={} window={}",
             c.name,
             c.nh,
             c.nkv,
@@ -331,9 +375,10 @@ fn decode_matches_reference(variant: AttnChoice, label: &str) {
             } else {
                 String::new()
             },
-            c.max_ctx
+            c.max_ctx,
+            c.window
         );
-        match run_case(c, &mut r, variant) {
+        match run_case(c, r, variant) {
             Ok(e) => println!("PASS {label} {tag}: worst rel err {e:.2e}"),
             Err(e) => {
                 println!("FAIL {label} {tag}: {e}");
@@ -342,6 +387,88 @@ fn decode_matches_reference(variant: AttnChoice, label: &str) {
         }
     }
     assert!(failed.is_empty(), "failed: {failed:?}");
+}
+
+/// Sliding windows on every decode kernel (v1, v2, v2 narrow, v4) against the reference: windows
+/// smaller than a block (1, 5) and than a v4 tile, of a block (16), not a multiple of the block
+/// size (37, 100, 1000) and longer than every context (9000); contexts on both sides of the
+/// window, long contexts whose splits must cover the window only, block sizes 8, 16, 24 and 32,
+/// GQA groups 1 to 12 (two v4 head groups), a workspace for one split.
+#[test]
+#[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
+fn paged_attention_windows_match_reference_every_variant() {
+    let mut cases = Vec::new();
+    let ctxs = vec![1, 5, 15, 16, 17, 100, 511, 2049];
+    for hd in [64, 128] {
+        for grp in [1, 4, 12] {
+            for window in [1, 5, 16, 37, 100, 1000, 9000] {
+                cases.push(Case {
+                    name: "window",
+                    nh: 2 * grp,
+                    nkv: 2,
+                    hd,
+                    bs: 16,
+                    ctxs: ctxs.clone(),
+                    max_ctx: 4096,
+                    ws_rows_splits: None,
+                    window,
+                });
+            }
+        }
+    }
+    for (bs, window) in [(8, 21), (24, 50), (32, 70), (32, 32)] {
+        cases.push(Case {
+            name: "window, block size",
+            nh: 8,
+            nkv: 2,
+            hd: 128,
+            bs,
+            ctxs: vec![3000, 23, 24, 25, 31, 32, 33, 600],
+            max_ctx: 3000,
+            ws_rows_splits: None,
+            window,
+        });
+    }
+    cases.push(Case {
+        name: "window, 8k context, Llama-3.1-8B heads",
+        nh: 32,
+        nkv: 8,
+        hd: 128,
+        bs: 16,
+        ctxs: vec![8192, 1, 4000],
+        max_ctx: 8192,
+        ws_rows_splits: None,
+        window: 4096,
+    });
+    cases.push(Case {
+        name: "window, workspace for one split",
+        nh: 4,
+        nkv: 1,
+        hd: 64,
+        bs: 8,
+        ctxs: vec![5000, 3],
+        max_ctx: 5000,
+        ws_rows_splits: Some(8),
+        window: 4200,
+    });
+    for variant in [
+        AttnVariant::V1,
+        AttnVariant::V2,
+        AttnVariant::V2Narrow,
+        AttnVariant::V4,
+    ] {
+        let label = format!("attention {variant:?}");
+        let mut r = rng(&label);
+        let runs: Vec<Case> = cases
+            .iter()
+            .filter(|c| variant.runs(c.hd))
+            .map(|c| Case {
+                ctxs: c.ctxs.clone(),
+                ..*c
+            })
+            .collect();
+        run_cases(&runs, &mut r, variant.into(), &label);
+    }
 }
 
 /// The same launch serves shorter contexts: one max context, contexts changed in device memory
@@ -380,6 +507,7 @@ fn one_max_context_serves_growing_contexts(variant: AttnVariant, label: &str) {
         block_tables: dtab.ptr(),
         max_blocks,
         max_ctx,
+        window: 0,
     };
     let (ml, acc) = (poisoned(&g, 1 << 20), poisoned(&g, 64 << 20));
     let ws = AttnWorkspace {
@@ -406,6 +534,7 @@ fn one_max_context_serves_growing_contexts(variant: AttnVariant, label: &str) {
                     ctx,
                     qq,
                     h / (nh / nkv),
+                    0,
                 ));
             }
         }

@@ -2,7 +2,7 @@
 //! w8, 8 warps of 16 query rows) against an f32 host reference: head_dim 64 and
 //! 128, GQA 1 / 4 / 8, 1 to 1000 new tokens, with and without a cached prefix (chunked prefill),
 //! block sizes 16, 32, 64 and 24, two sequences in one call; and against the cuBLAS path at
-//! Llama-3.1-8B shapes. Part of the `cuda_kernels` test binary (scripts/gpu/run-all.sh kernels);
+//! Llama-3.1-8B shapes; sliding windows on every implementation (cuBLAS, w8, v3). Part of the `cuda_kernels` test binary (scripts/gpu/run-all.sh kernels);
 //! prints one PASS/FAIL line a case.
 
 use super::cuda_support::*;
@@ -14,7 +14,8 @@ use rand::seq::SliceRandom;
 
 /// f32 reference of causal attention for the new tokens of one sequence: rows `row0 .. row0 + n`
 /// of `q` `[T, nh, hd]` at positions `start ..`, K/V from layer `layer` of `pool_h` through the
-/// block table `tab`. Returns `[n, nh, hd]`.
+/// block table `tab`; position `p` sees keys `max(0, p + 1 - window) ..= p` (window 0: from 0).
+/// Returns `[n, nh, hd]`.
 #[allow(clippy::too_many_arguments)]
 fn ref_prefill(
     d: &AttnDims,
@@ -25,6 +26,7 @@ fn ref_prefill(
     row0: usize,
     n: usize,
     start: usize,
+    window: usize,
 ) -> Vec<f32> {
     let (nh, nkv, hd, bs) = (d.num_heads, d.num_kv_heads, d.head_dim, d.block_size);
     let e = start + n;
@@ -45,18 +47,23 @@ fn ref_prefill(
     let mut s = vec![0f32; e];
     for ti in 0..n {
         let len = start + ti + 1;
+        let lo = if window > 0 {
+            len.saturating_sub(window)
+        } else {
+            0
+        };
         for h in 0..nh {
             let kh = h / (nh / nkv);
             let qq = &q[((row0 + ti) * nh + h) * hd..((row0 + ti) * nh + h + 1) * hd];
             let mut m = f32::NEG_INFINITY;
-            for (p, sp) in s[..len].iter_mut().enumerate() {
+            for (p, sp) in s[..len].iter_mut().enumerate().skip(lo) {
                 let kk = &k[(kh * e + p) * hd..(kh * e + p + 1) * hd];
                 *sp = qq.iter().zip(kk).map(|(a, b)| a * b).sum::<f32>() * scale;
                 m = m.max(*sp);
             }
             let mut l = 0f32;
             let o = &mut out[(ti * nh + h) * hd..(ti * nh + h + 1) * hd];
-            for (p, sp) in s[..len].iter().enumerate() {
+            for (p, sp) in s[..len].iter().enumerate().skip(lo) {
                 let w = (sp - m).exp();
                 l += w;
                 let vv = &v[(kh * e + p) * hd..(kh * e + p + 1) * hd];
@@ -71,7 +78,7 @@ fn ref_prefill(
 }
 
 /// One prefill-attention call over `seqs` (`(start, n)` each, packed from row 2 on) with the
-/// given implementation; returns the whole output `[T, nh, hd]` (poisoned with NaN first).
+/// given implementation and sliding window (0: none); returns the whole output `[T, nh, hd]` (poisoned with NaN first).
 #[allow(clippy::too_many_arguments)]
 fn run_prefill_attn(
     g: &Gpu,
@@ -84,11 +91,24 @@ fn run_prefill_attn(
     max_blocks: usize,
     seqs: &[LongSeq],
     attn: PrefillAttn,
+    window: usize,
 ) -> Vec<f32> {
     let out = poisoned(g, t * d.num_heads * d.head_dim * 2);
     let mut scratch = PrefillScratch::new(attn);
     scratch
-        .run(g, d, pool, layer, dq, &out, t, dtab.ptr(), max_blocks, seqs)
+        .run(
+            g,
+            d,
+            pool,
+            layer,
+            dq,
+            &out,
+            t,
+            dtab.ptr(),
+            max_blocks,
+            seqs,
+            window,
+        )
         .unwrap();
     g.download_bf16(&out, t * d.num_heads * d.head_dim).unwrap()
 }
@@ -146,12 +166,13 @@ fn prefill_flash_attention_matches_reference() {
             .iter()
             .map(|s| {
                 let tab = &tables[s.seq * max_blocks..(s.seq + 1) * max_blocks];
-                ref_prefill(&d, &pool_h, layer, tab, &q, s.row0, s.n, s.start)
+                ref_prefill(&d, &pool_h, layer, tab, &q, s.row0, s.n, s.start, 0)
             })
             .collect();
         for attn in [PrefillAttn::Flash8, PrefillAttn::FlashV3] {
-            let got =
-                run_prefill_attn(&g, &d, &pool, layer, &dq, t, &dtab, max_blocks, &seqs, attn);
+            let got = run_prefill_attn(
+                &g, &d, &pool, layer, &dq, t, &dtab, max_blocks, &seqs, attn, 0,
+            );
             let untouched = got[..2 * rowl].iter().chain(&got[(t - 1) * rowl..]);
             assert!(
                 untouched.into_iter().all(|x| x.is_nan()),
@@ -206,7 +227,7 @@ fn prefill_flash_attention_matches_gemm_path_at_llama_shapes() {
             start,
             seq: 0,
         }];
-        let run = |a| run_prefill_attn(&g, &d, &pool, 0, &dq, t, &dtab, max_blocks, &seqs, a);
+        let run = |a| run_prefill_attn(&g, &d, &pool, 0, &dq, t, &dtab, max_blocks, &seqs, a, 0);
         let want = run(PrefillAttn::Gemm);
         for attn in [PrefillAttn::Flash8, PrefillAttn::FlashV3] {
             let e = rel_err(&run(attn), &want);
@@ -218,4 +239,89 @@ fn prefill_flash_attention_matches_gemm_path_at_llama_shapes() {
             assert!(e < 1e-2, "{attn:?} start={start} n={n}: rel err {e}");
         }
     }
+}
+
+/// Sliding windows on every prefill implementation (cuBLAS, w8, v3) against the f32 reference:
+/// windows smaller than a block (1, 5), of a block (16), not a multiple of the block size or of
+/// the 64-key tile (37, 100), spanning a few tiles (200), and longer than every context (5000);
+/// with and without a cached prefix, a CTA of 128 queries whose windows start in different
+/// tiles, block sizes 16, 32 and 24 (v3 falls back to w8), two sequences in one call.
+#[test]
+#[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
+fn prefill_attention_windows_match_reference() {
+    let g = gpu();
+    let mut r = rng("prefill_window");
+    // (nh, nkv, hd, block size, per sequence (start, new tokens))
+    type Case = (usize, usize, usize, usize, Vec<(usize, usize)>);
+    let cases: Vec<Case> = vec![
+        (8, 2, 128, 16, vec![(0, 300)]),
+        (4, 1, 64, 32, vec![(500, 129), (0, 70)]),
+        (8, 8, 128, 16, vec![(1000, 17)]),
+        (4, 2, 128, 24, vec![(10, 200)]),
+        (6, 3, 64, 16, vec![(33, 40)]),
+    ];
+    let mut worst = 0f32;
+    for (nh, nkv, hd, bs, sq) in cases {
+        let max_blocks = sq.iter().map(|(s, n)| s + n).max().unwrap().div_ceil(bs);
+        let nb = sq.len() * max_blocks + 5;
+        let d = pool_dims(nh, nkv, hd, bs, nb);
+        let layer = 1;
+        let pool_h = randv(&mut r, 2 * d.layer_elems(), 1.0);
+        let pool = g.upload_bf16(&pool_h).unwrap();
+        let mut ids: Vec<i32> = (0..nb as i32).collect();
+        ids.shuffle(&mut r);
+        let tables: Vec<i32> = ids[..sq.len() * max_blocks].to_vec();
+        let dtab = up_i32(&g, &tables);
+        let mut seqs = Vec::new();
+        let mut row = 2;
+        for (i, &(start, n)) in sq.iter().enumerate() {
+            seqs.push(LongSeq {
+                row0: row,
+                n,
+                start,
+                seq: i,
+            });
+            row += n;
+        }
+        let t = row + 1;
+        let q = randv(&mut r, t * nh * hd, 2.0);
+        let dq = g.upload_bf16(&q).unwrap();
+        let rowl = nh * hd;
+        for window in [1usize, 5, 16, 37, 100, 200, 5000] {
+            let wants: Vec<Vec<f32>> = seqs
+                .iter()
+                .map(|s| {
+                    let tab = &tables[s.seq * max_blocks..(s.seq + 1) * max_blocks];
+                    ref_prefill(&d, &pool_h, layer, tab, &q, s.row0, s.n, s.start, window)
+                })
+                .collect();
+            for attn in PrefillAttn::ALL {
+                let got = run_prefill_attn(
+                    &g, &d, &pool, layer, &dq, t, &dtab, max_blocks, &seqs, attn, window,
+                );
+                for (s, want) in seqs.iter().zip(&wants) {
+                    let have = &got[s.row0 * rowl..(s.row0 + s.n) * rowl];
+                    let e = rel_err(have, want);
+                    let mut e_row = 0f32;
+                    for (a, b) in have.chunks(hd).zip(want.chunks(hd)) {
+                        e_row = e_row.max(rel_err(a, b));
+                    }
+                    let ok = e < 1e-2 && e_row < 3e-2;
+                    println!(
+                        "{} prefill {attn:?} window={window} nh={nh} nkv={nkv} hd={hd} bs={bs} \
+                         start={} n={}: rel err {e:.2e}, worst row {e_row:.2e}",
+                        if ok { "PASS" } else { "FAIL" },
+                        s.start,
+                        s.n
+                    );
+                    assert!(
+                        ok,
+                        "{attn:?} window={window} {s:?}: rel err {e}, worst row {e_row}"
+                    );
+                    worst = worst.max(e);
+                }
+            }
+        }
+    }
+    println!("PASS windowed prefill vs f32 reference: worst rel err {worst:.2e}");
 }

@@ -18,6 +18,7 @@ struct Case {
     int max_ctx;
     int split_len;  // 0: one partition
     bool list;      // odd tokens only through tok_list
+    int window = 0; // sliding window (0: whole context)
 };
 
 static std::mt19937 rng(12345);
@@ -54,8 +55,11 @@ static int run(const Case& c) {
     std::vector<int> list;
     for (int t = 1; t < T; t += 2) list.push_back(t);
     const int gt = c.list ? list.size() : T;
-    const int split_len = c.split_len ? c.split_len : c.max_ctx;
-    const int nsplit = (c.max_ctx + split_len - 1) / split_len;
+    // the keys a partition set must cover, as paged_attention_ex sizes them: min(max_ctx,
+    // window + 15) with a window (the start rounded down to a 16-key tile)
+    const int span = c.window > 0 ? std::min(c.max_ctx, c.window + 15) : c.max_ctx;
+    const int split_len = c.split_len ? c.split_len : span;
+    const int nsplit = (span + split_len - 1) / split_len;
     const int G = nh / nkv;
     const int MG = G <= 8 ? 8 : 16, hgroups = (G + MG - 1) / MG;
     std::vector<uint16_t> out((size_t)T * nh * hd, 0xffff);
@@ -72,7 +76,7 @@ static int run(const Case& c) {
                 g_call = [&] {
                     kern(q.data(), pool.data(), tok_seq.data(), tok_pos.data(), tables.data(), max_blocks, nh,
                          nkv, hd, bs, scale, split_len, out.data(), ml.data(), acc.data(),
-                         c.list ? list.data() : nullptr);
+                         c.list ? list.data() : nullptr, c.window);
                 };
                 run_block(128, body);
             }
@@ -93,9 +97,10 @@ static int run(const Case& c) {
         bool nan_seen = false, all_poison = true;
         for (int h = 0; h < nh; h++) {
             const int kh = h / G;
-            std::vector<double> s(c.ctxs[t]);
+            const int lo = c.window > 0 ? std::max(0, c.ctxs[t] - c.window) : 0;
+            std::vector<double> s(c.ctxs[t], 0.0);
             double m = -1e300;
-            for (int p = 0; p < c.ctxs[t]; p++) {
+            for (int p = lo; p < c.ctxs[t]; p++) {
                 int blk = tables[(size_t)t * max_blocks + p / bs];
                 const uint16_t* k = &pool[(((size_t)blk * 2) * bs + p % bs) * row + kh * hd];
                 double dot = 0;
@@ -104,10 +109,10 @@ static int run(const Case& c) {
                 m = std::max(m, s[p]);
             }
             double l = 0;
-            for (auto& x : s) { x = exp(x - m); l += x; }
+            for (int p = lo; p < c.ctxs[t]; p++) { s[p] = exp(s[p] - m); l += s[p]; }
             for (int d = 0; d < hd; d++) {
                 double o = 0;
-                for (int p = 0; p < c.ctxs[t]; p++) {
+                for (int p = lo; p < c.ctxs[t]; p++) {
                     int blk = tables[(size_t)t * max_blocks + p / bs];
                     o += s[p] / l * frombf(pool[(((size_t)blk * 2 + 1) * bs + p % bs) * row + kh * hd + d]);
                 }
@@ -126,13 +131,13 @@ static int run(const Case& c) {
         double e = nan_seen ? INFINITY : sqrt(num / den);
         worst = std::max(worst, e);
         if (!(e < 1e-2)) {
-            printf("FAIL v4 nh=%d nkv=%d hd=%d bs=%d max_ctx=%d split=%d nsplit=%d token %d ctx %d: rel err %g\n", nh, nkv,
-                   hd, bs, c.max_ctx, split_len, nsplit, t, c.ctxs[t], e);
+            printf("FAIL v4 nh=%d nkv=%d hd=%d bs=%d max_ctx=%d split=%d nsplit=%d window=%d token %d ctx %d: rel err %g\n",
+                   nh, nkv, hd, bs, c.max_ctx, split_len, nsplit, c.window, t, c.ctxs[t], e);
             return 1;
         }
     }
-    printf("PASS v4 nh=%d nkv=%d hd=%d bs=%d T=%d max_ctx=%d split=%d nsplit=%d list=%d: worst %.2e\n", nh, nkv, hd, bs, T,
-           c.max_ctx, split_len, nsplit, (int)c.list, worst);
+    printf("PASS v4 nh=%d nkv=%d hd=%d bs=%d T=%d max_ctx=%d split=%d nsplit=%d list=%d window=%d: worst %.2e\n", nh,
+           nkv, hd, bs, T, c.max_ctx, split_len, nsplit, (int)c.list, c.window, worst);
     return 0;
 }
 
@@ -153,6 +158,22 @@ int main(int argc, char** argv) {
     fails += run({8, 2, 128, 32, {1000, 31, 32, 33, 600}, 1000, 256, false});
     fails += run({8, 2, 64, 16, edge, 400, 40, true});
     fails += run({16, 2, 128, 8, {2000, 5, 129}, 2000, 0, false});
+    // sliding windows: smaller than a tile / a block, not a multiple of the block size or of a
+    // tile, exactly a block, larger than every context; one partition, splits of one tile (the
+    // first partition can end before the window starts), of 48 keys, and past the span
+    std::vector<int> wctx = {1, 7, 16, 17, 40, 100, 333};
+    for (int hd : {64, 128})
+        for (int G : {1, 4, 12})
+            for (int window : {1, 5, 16, 37, 100, 1000})
+                for (int split : {0, 16, 48})
+                    fails += run({2 * G, 2, hd, 16, wctx, 400, split, false, window});
+    fails += run({8, 2, 128, 16, wctx, 333, 32, true, 37});                // token list
+    fails += run({8, 2, 64, 8, wctx, 700, 0, false, 21});                  // block 8
+    fails += run({8, 2, 128, 24, {1000, 23, 24, 25, 500}, 1000, 112, false, 50});  // block 24
+    fails += run({8, 2, 128, 32, {1000, 31, 32, 33, 600}, 1000, 32, false, 70});   // block 32
+    fails += run({40, 2, 128, 16, wctx, 400, 128, false, 29});             // two head groups
+    fails += run({4, 1, 64, 8, {4500, 3}, 4500, 0, false, 4200});          // table from global
+    fails += run({8, 2, 64, 16, wctx, 400, 40, true, 9});                  // split not tile-aligned
     printf(fails ? "EMU FAILED %d\n" : "EMU ALL PASS\n", fails);
     return fails != 0;
 }

@@ -23,10 +23,12 @@ pub mod attn;
 mod decode_ops;
 mod fusion_sweep;
 mod linear;
+mod mla;
 pub mod tp;
 pub use decode_ops::*;
 pub use fusion_sweep::*;
 pub use linear::*;
+pub use mla::run_mla;
 
 pub use pdnode_engine::loader::dummy::llama31_8b;
 

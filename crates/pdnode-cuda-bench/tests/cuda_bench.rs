@@ -511,3 +511,36 @@ fn bench_prefill_elementwise_old_vs_new() {
     }
     assert!(bad.is_empty(), "old and new kernels disagree: {bad:?}");
 }
+
+/// DeepSeek-V2-Lite shapes (latent attention, 64 routed experts, top-6, dummy weights, one GPU):
+/// decode steps against the bytes a step must read (the experts its rows picked, counted per
+/// layer), prefill against the FLOPs it must do. `PDNODE_BENCH_MLA_DECODE="1x512,8x2048"`,
+/// `PDNODE_BENCH_MLA_PREFILL="512,2048"`, `PDNODE_BENCH_ITERS`.
+#[test]
+#[ignore = "needs a CUDA GPU (about 40 GB free): run scripts/gpu/run-all.sh on the GPU host"]
+fn bench_deepseek_v2_lite_shapes() {
+    let _gpu = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let spec = pdnode_engine::loader::dummy::preset("deepseek-v2-lite").expect("preset");
+    let decode = batch_ctx_list(
+        "PDNODE_BENCH_MLA_DECODE",
+        "1x512,1x2048,1x8192,8x512,8x2048,32x512,64x512",
+    );
+    let prefill: Vec<usize> = env_list("PDNODE_BENCH_MLA_PREFILL", "512,2048")
+        .split(',')
+        .filter_map(|s| s.trim().parse().ok())
+        .collect();
+    let iters: usize = env_list("PDNODE_BENCH_ITERS", "20").parse().unwrap_or(20);
+    let (ceil, rows) = bench::run_mla(&spec, &decode, &prefill, iters, |r| {
+        eprintln!(
+            "BENCH {} batch={} ctx={} ms={:.3} floor_ms={:.3} ratio={:.3}",
+            r.what,
+            r.batch,
+            r.ctx,
+            r.ms,
+            r.floor_ms,
+            r.ratio()
+        )
+    })
+    .expect("benchmark");
+    print!("{}", bench::step_table(&ceil, &rows));
+}

@@ -15,6 +15,7 @@ use pdnode_engine::weights::Weights;
 
 mod graph;
 mod logits;
+mod mla;
 #[cfg(feature = "op-timing")]
 mod opprof;
 mod options;
@@ -73,6 +74,8 @@ pub struct CudaBackend {
     pdl_all: bool,
     /// The all-reduce group of the tensor-parallel ranks (None at TP = 1).
     comm: Option<NcclComm>,
+    /// A latent-attention model's activations (`w.mla` is then set; `mla.rs`).
+    mla_ws: Option<mla::MlaWorkspace>,
     /// Per-op event timing of eager steps (benchmarks only: the `op-timing` feature, which
     /// production builds leave off; `opprof.rs`).
     #[cfg(feature = "op-timing")]
@@ -127,11 +130,8 @@ impl CudaBackend {
             ModelWeights::Dummy(d) => Self::build(spec, opts, fp, shard, |gpu| {
                 DevWeights::dummy(gpu, spec, d.seed, Some(d.std), shard)
             }),
-            // `build` refuses a latent-attention spec before it loads anything.
-            ModelWeights::HostMla(_) => Self::build(spec, opts, fp, shard, |_| {
-                Err(CudaError::Unsupported {
-                    reason: "latent-attention weights on the CUDA backend".into(),
-                })
+            ModelWeights::HostMla(w) => Self::build(spec, opts, fp, shard, |gpu| {
+                DevWeights::upload_mla(gpu, spec, w)
             }),
         }
     }
@@ -171,12 +171,20 @@ impl CudaBackend {
         shard: Shard,
         load: impl FnOnce(&Gpu) -> Result<DevWeights, CudaError>,
     ) -> Result<Self, CudaError> {
-        if spec.mla.is_some() || spec.moe.is_some() {
+        if spec.moe.is_some() && spec.mla.is_none() {
             return Err(CudaError::Unsupported {
                 reason: format!(
-                    "{:?}: multi-head latent attention and mixture-of-experts layers run on the \
-                     CPU backend only; the CUDA kernels serve the Llama family",
+                    "{:?}: mixture-of-experts layers run with latent attention only (DeepSeek)",
                     spec.arch
+                ),
+            });
+        }
+        if spec.mla.is_some() && shard.size != 1 {
+            return Err(CudaError::Unsupported {
+                reason: format!(
+                    "{:?}: latent attention and its experts run on one GPU per node \
+                     (tensor_parallel = 1), not split over {} ranks",
+                    spec.arch, shard.size
                 ),
             });
         }
@@ -220,22 +228,31 @@ impl CudaBackend {
         let (free0, _) = gpu.mem_info()?;
         let w = load(&gpu)?;
         let ws = Workspace::new(&gpu, spec, opts.max_batch_tokens, opts.max_seqs)?;
+        let mla_ws = match spec.mla {
+            Some(_) => Some(mla::MlaWorkspace::new(&gpu, spec, opts.max_batch_tokens)?),
+            None => None,
+        };
+        let (_, kv_heads, kv_dim) = spec.kv_cache_shape();
         let layout = KvLayout {
             dtype: DType::Bf16,
             num_layers: spec.num_layers as u32,
             block_size: opts.block_size,
-            kv_heads_per_rank: spec.num_kv_heads as u32,
-            head_dim: spec.head_dim as u32,
+            kv_heads_per_rank: kv_heads as u32,
+            head_dim: kv_dim as u32,
             tp_size: shard.size as u32,
             model_fingerprint,
-            kind: pdnode_core::KvKind::KeyValue,
+            kind: if spec.mla.is_some() {
+                pdnode_core::KvKind::Latent
+            } else {
+                pdnode_core::KvKind::KeyValue
+            },
         };
         let block_bytes = layout.block_bytes();
         let num_blocks = if opts.num_kv_blocks > 0 {
             opts.num_kv_blocks as usize
         } else {
             let budget = (free0 as f64 * opts.mem_fraction as f64) as usize;
-            let used = w.bytes + ws.bytes();
+            let used = w.bytes + ws.bytes() + mla_ws.as_ref().map_or(0, |m| m.bytes());
             let left = budget.saturating_sub(used);
             if left < block_bytes {
                 return Err(CudaError::OutOfMemory {
@@ -266,6 +283,10 @@ impl CudaBackend {
             num_blocks,
         };
         let mut opts = opts.clone();
+        if spec.mla.is_some() {
+            // Latent attention has one kernel for every chunk (mla_attention): no GEMM path.
+            opts.prefill_gemm_min_tokens = usize::MAX;
+        }
         let hd = spec.head_dim;
         let asked = opts.attention.variant;
         opts.attention.variant = match asked {
@@ -307,6 +328,7 @@ impl CudaBackend {
             shard,
             pdl_all: gpu.pdl(),
             comm: None,
+            mla_ws,
             #[cfg(feature = "op-timing")]
             prof: None,
             gpu,
@@ -537,6 +559,9 @@ impl CudaBackend {
     /// takes the prefill GEMM path (`p.long` empty), so decode steps can be captured into a
     /// CUDA graph.
     fn encode(&mut self, meta: u64, p: &plan::StepShape<'_>) -> Result<(), CudaError> {
+        if self.w.mla.is_some() {
+            return self.encode_mla(meta, p);
+        }
         let m = |o: usize| meta + o as u64;
         let mut stage = self.stage_run.take();
         let s = &self.spec;
@@ -705,6 +730,19 @@ impl CudaBackend {
             mark(if normed { "down+attn_norm" } else { "down" })?;
             self.all_reduce_resid(t * h)?;
         }
+        self.encode_logits(meta, p)
+    }
+
+    /// The final norm of the rows that want logits and the lm_head into `ws.logits`.
+    fn encode_logits(&self, meta: u64, p: &plan::StepShape<'_>) -> Result<(), CudaError> {
+        let m = |o: usize| meta + o as u64;
+        let (s, g, w, ws) = (&self.spec, &self.gpu, &self.w, &self.ws);
+        let (h, t) = (s.hidden_size, p.tokens);
+        let lin = self.opts.linear;
+        #[cfg(feature = "op-timing")]
+        let mark = |name| self.prof.as_ref().map_or(Ok(()), |pr| pr.mark(g, name));
+        #[cfg(not(feature = "op-timing"))]
+        let mark = |_: &'static str| Ok::<(), CudaError>(());
         if p.rows > 0 {
             ops::add_rmsnorm(
                 g,

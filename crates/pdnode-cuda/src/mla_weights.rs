@@ -245,10 +245,11 @@ impl DevMla {
         Ok((Self { layers }, bytes))
     }
 
-    /// Bytes of the weights one decode step of `tokens` rows must read when `experts_touched`
-    /// routed experts of each MoE layer are used (the roofline's count; embedding rows and the
-    /// lm_head are the caller's).
-    pub fn step_bytes(spec: &ModelSpec, experts_touched: usize) -> Result<usize, CudaError> {
+    /// Bytes of the layer weights one decode step must read when MoE layer `i` (counting MoE
+    /// layers only) used `touched[i]` distinct routed experts: attention projections, dense
+    /// MLPs, routers, shared experts and the touched experts (the roofline's count; the
+    /// embedding rows, final norm and lm_head are the caller's).
+    pub fn step_bytes(spec: &ModelSpec, touched: &[usize]) -> Result<usize, CudaError> {
         let m = mla_of(spec)?;
         let (h, nh) = (spec.hidden_size, spec.num_heads);
         let (r, qk) = (m.kv_lora_rank, m.qk_head_dim());
@@ -261,13 +262,16 @@ impl DevMla {
             + nh * (m.qk_nope_head_dim + m.v_head_dim) * r
             + h * nh * m.v_head_dim;
         let mut elems = 0usize;
+        let mut moe_layer = 0usize;
         for li in 0..spec.num_layers {
             elems += attn;
             match spec.moe.as_ref().filter(|e| e.is_moe_layer(li)) {
                 None => elems += 3 * spec.intermediate_size * h,
                 Some(e) => {
+                    let used = touched.get(moe_layer).copied().unwrap_or(e.top_k);
+                    moe_layer += 1;
                     elems += e.num_experts * h
-                        + experts_touched.min(e.num_experts) * 3 * e.expert_intermediate * h
+                        + used.min(e.num_experts) * 3 * e.expert_intermediate * h
                         + 3 * e.shared_intermediate() * h;
                 }
             }

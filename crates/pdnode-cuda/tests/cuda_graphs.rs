@@ -223,6 +223,29 @@ fn graph_replay_matches_eager_qwen_like_head_dim_128() {
     graph_matches_eager(&wide_spec(), "llama-hd128");
 }
 
+/// Sliding windows (50 positions on layers 0 and 2, contexts up to 900: most sequences past
+/// the window) replay from graphs as they run eagerly: on v4 (head_dim 128) and v2 (32). The
+/// window is a per-layer constant of the captured launches, so one graph per bucket serves every
+/// step.
+#[test]
+#[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
+fn graph_replay_matches_eager_sliding_window() {
+    let window = Some(pdnode_engine::spec::SlidingWindow {
+        size: 50,
+        layers: vec![true, false, true],
+    });
+    let wide = ModelSpec {
+        sliding_window: window.clone(),
+        ..wide_spec()
+    };
+    graph_matches_eager(&wide, "window-hd128");
+    let tiny = ModelSpec {
+        sliding_window: window,
+        ..tiny_spec(false, false)
+    };
+    graph_matches_eager(&tiny, "window-hd32");
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
 fn graphs_off_runs_eager_and_counts_nothing() {

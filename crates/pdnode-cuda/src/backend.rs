@@ -179,15 +179,6 @@ impl CudaBackend {
                 ),
             });
         }
-        if spec.mla.is_some() && shard.size != 1 {
-            return Err(CudaError::Unsupported {
-                reason: format!(
-                    "{:?}: latent attention and its experts run on one GPU per node \
-                     (tensor_parallel = 1), not split over {} ranks",
-                    spec.arch, shard.size
-                ),
-            });
-        }
         if opts.tensor_parallel as usize != shard.size {
             return Err(CudaError::Unsupported {
                 reason: format!(

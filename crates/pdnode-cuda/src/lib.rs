@@ -205,10 +205,10 @@ mod tests {
         })
     }
 
-    /// A DeepSeek model is refused with a clear error before any device is touched (this runs
-    /// without a GPU).
+    /// A DeepSeek model split over tensor-parallel ranks is refused with a clear error before
+    /// any device is touched (this runs without a GPU); on one GPU the backend takes it.
     #[test]
-    fn latent_attention_models_are_refused_before_the_device_is_touched() {
+    fn latent_attention_models_split_over_ranks_are_refused_before_the_device_is_touched() {
         for preset in ["deepseek-v2-lite", "deepseek-v3"] {
             let model = pdnode_engine::loader::load_dummy(
                 preset,
@@ -216,13 +216,15 @@ mod tests {
                 None,
             )
             .unwrap();
-            let opts = CudaOptions::from_config(&pdnode_core::config::EngineConfig::default());
-            match CudaBackend::from_loaded(&model, &opts) {
+            let mut opts = CudaOptions::from_config(&pdnode_core::config::EngineConfig::default());
+            opts.tensor_parallel = 2;
+            opts.gpus = vec![0, 1];
+            match CudaTpBackend::from_loaded(&model, &opts) {
                 Err(CudaError::Unsupported { reason }) => {
-                    assert!(reason.contains("CPU backend only"), "{preset}: {reason}")
+                    assert!(reason.contains("one GPU per node"), "{preset}: {reason}")
                 }
                 Err(e) => panic!("{preset}: {e}"),
-                Ok(_) => panic!("{preset}: the CUDA backend took a latent-attention model"),
+                Ok(_) => panic!("{preset}: the CUDA backend split a latent-attention model"),
             }
         }
     }

@@ -28,6 +28,15 @@ impl Shard {
                 reason: format!("tensor-parallel rank {} of {n}", self.rank),
             });
         }
+        if spec.mla.is_some() && n > 1 {
+            return Err(CudaError::Unsupported {
+                reason: format!(
+                    "{:?}: latent attention and its experts run on one GPU per node \
+                     (tensor_parallel = 1), not split over {n} ranks",
+                    spec.arch
+                ),
+            });
+        }
         for (what, v) in [
             ("num_kv_heads", spec.num_kv_heads),
             ("num_heads", spec.num_heads),

@@ -10,7 +10,7 @@ if [ -d .git ]; then grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.
 PROFILE_ARGS=${PROFILE_ARGS:-}
 {
     cargo test -p pdnode-cuda $PROFILE_ARGS --no-run --message-format=json \
-        --test cuda_kernels --test cuda_model --test cuda_parity --test cuda_tp --test cuda_graphs --lib 2>/dev/null
+        --test cuda_kernels --test cuda_model --test cuda_parity --test cuda_deepseek --test cuda_tp --test cuda_graphs --lib 2>/dev/null
     cargo test -p pdnode-cuda-bench $PROFILE_ARGS --no-run --message-format=json --test cuda_bench --test cuda_tp_bench 2>/dev/null
 } |
     python3 -c '

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs every GPU-only test and the benchmarks from the prebuilt binaries in .gpu/ (see
 # scripts/gpu/build.sh) on a GPU host. Builds nothing. Logs go to $OUT; a short table is printed
-# last. Usage: scripts/gpu/run-all.sh [kernels|model|unit|parity|graphs|bench|tp ...] (default: all but tp;
+# last. Usage: scripts/gpu/run-all.sh [kernels|model|unit|parity|deepseek|graphs|bench|tp ...] (default: all but tp;
 # tp needs 2 GPUs and also runs the TP=2 CUDA-graph test).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -10,7 +10,7 @@ OUT=${OUT:-/tmp/pdnode-gpu}
 BIN=${BIN:-.gpu}
 mkdir -p "$OUT"
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(unit kernels model parity graphs bench)
+[ ${#parts[@]} -eq 0 ] && parts=(unit kernels model parity deepseek graphs bench)
 export PDNODE_FIXTURES=$PWD/crates/pdnode-engine/tests/fixtures
 nvidia-smi --query-gpu=index,name,memory.total,memory.used,clocks.sm,clocks.mem,temperature.gpu \
     --format=csv > "$OUT/nvidia-smi.csv" 2>&1 || true
@@ -32,6 +32,7 @@ for p in "${parts[@]}"; do
         kernels) run kernels 300 "$BIN/cuda_kernels" --ignored --test-threads=1 --nocapture ;;
         model) run model 300 "$BIN/cuda_model" --ignored --test-threads=1 --nocapture ;;
         parity) run parity 300 "$BIN/cuda_parity" --ignored --test-threads=1 --nocapture ;;
+        deepseek) run deepseek 300 "$BIN/cuda_deepseek" --ignored --test-threads=1 --nocapture ;;
         bench) run bench 420 "$BIN/cuda_bench" --ignored --nocapture ;;
         graphs) run graphs 300 "$BIN/cuda_graphs" --ignored --test-threads=1 --nocapture ;;
         tp)

@@ -17,6 +17,8 @@
 #   coldstart      scripts/gpu/coldstart.sh (first requests after start, warm-up off and on)
 #   pairwarm       scripts/gpu/pairwarm.sh (first requests through a new PD pair on one GPU,
 #                  router.warm_pairs off and on)
+#   deepseek-pd    scripts/gpu/deepseek-pd.sh (the tiny DeepSeek-V2/V3 fixtures through PD on
+#                  GPU0 against one colocated node: greedy equal, hand-offs counted)
 #   migrate        scripts/gpu/migrate.sh (live decode migration between two decode nodes on
 #                  one GPU: pause, bytes, text)
 #   rebalance      scripts/gpu/rebalance.sh (router.rebalance moving pinned streams: per move,
@@ -48,7 +50,7 @@ for part in "$@"; do
     echo "=== $part" | tee -a "$summary"
     case $name in
         tests)
-            IFS=, read -r -a names <<< "${arg:-unit,kernels,model,parity,graphs,bench,tp}"
+            IFS=, read -r -a names <<< "${arg:-unit,kernels,model,parity,deepseek,graphs,bench,tp}"
             BIN=$PD/t OUT=$LOGS/tests bash scripts/gpu/run-all.sh "${names[@]}" 2>&1 |
                 tee "$LOGS/tests.out" | tail -40 >> "$summary" ;;
         transfer)
@@ -84,6 +86,9 @@ for part in "$@"; do
         pairwarm)
             PD=$PD OUT=$LOGS/pairwarm bash scripts/gpu/pairwarm.sh 2>&1 |
                 tee "$LOGS/pairwarm.out" | tail -8 >> "$summary" ;;
+        deepseek-pd)
+            PD=$PD OUT=$LOGS/deepseek-pd bash scripts/gpu/deepseek-pd.sh 2>&1 |
+                tee "$LOGS/deepseek-pd.out" | tail -8 >> "$summary" ;;
         migrate)
             PD=$PD OUT=$LOGS/migrate bash scripts/gpu/migrate.sh 2>&1 |
                 tee "$LOGS/migrate.out" | tail -16 >> "$summary" ;;

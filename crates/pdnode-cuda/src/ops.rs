@@ -12,6 +12,11 @@ pub use linear::*;
 mod attention;
 pub use attention::*;
 
+mod mla;
+pub use mla::*;
+mod moe;
+pub use moe::*;
+
 pub mod crc32c;
 pub mod kvh64;
 

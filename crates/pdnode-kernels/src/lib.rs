@@ -32,7 +32,7 @@ impl pdnode_core::error::Classify for KernelError {
 }
 
 /// The kernel sources by file name, compiled together (in this order) as one NVRTC program.
-pub const SOURCES: [(&str, &str); 14] = [
+pub const SOURCES: [(&str, &str); 16] = [
     ("common.cuh", include_str!("../kernels/common.cuh")),
     ("elementwise.cu", include_str!("../kernels/elementwise.cu")),
     ("rope.cu", include_str!("../kernels/rope.cu")),
@@ -59,10 +59,12 @@ pub const SOURCES: [(&str, &str); 14] = [
     ("sample.cu", include_str!("../kernels/sample.cu")),
     ("crc32c.cu", include_str!("../kernels/crc32c.cu")),
     ("kvh64.cu", include_str!("../kernels/kvh64.cu")),
+    ("mla.cu", include_str!("../kernels/mla.cu")),
+    ("moe.cu", include_str!("../kernels/moe.cu")),
 ];
 
 /// Kernel entry points (extern "C" names in the .cu files).
-pub const KERNEL_NAMES: [&str; 44] = [
+pub const KERNEL_NAMES: [&str; 52] = [
     "gemv_t1",
     "gemv_t2",
     "gemv_t4",
@@ -107,6 +109,14 @@ pub const KERNEL_NAMES: [&str; 44] = [
     "kvh64_words",
     "kv_gather_h64",
     "kv_scatter_h64",
+    "mla_rope_latent",
+    "mla_attn_split",
+    "mla_attn_combine",
+    "moe_route",
+    "moe_gate_up_swiglu",
+    "moe_down",
+    "moe_combine",
+    "gather_rows_bf16",
 ];
 
 /// The text of kernel source `file` (e.g. `sample.cu`), if it is one of [`SOURCES`].

@@ -1,0 +1,273 @@
+// DeepSeek multi-head latent attention (MLA) on the paged latent pool, the math of the CPU
+// reference (crates/pdnode-engine/src/backend/cpu/mla.rs) in the absorbed form.
+//
+// The pool holds one latent row of `rank + rope` bf16 per token slot ([layer][block][slot][row]),
+// so slot `s = block * block_size + i` is row `s` of a layer. Limits the wrappers check:
+// rank % 8 == 0, rank <= 512, rope even, rope <= 64.
+
+#define MLA_KT 32          // keys per shared-memory tile of mla_attn_split
+#define MLA_LAT_MAX 576    // longest latent row (rank 512 + rope 64)
+#define MLA_THREADS 256    // threads of an mla_attn_split block (8 warps)
+#define MLA_HPB 16         // heads per mla_attn_split block: 2 per warp
+#define MLA_MIN_CHUNK 64   // fewest keys a split takes (later splits are empty)
+#define MLA_MAX_SPLITS 256 // most splits mla_attn_combine merges
+#define MLA_PRE ((MLA_KT * MLA_LAT_MAX / 8 + MLA_THREADS - 1) / MLA_THREADS)
+
+// The new tokens' latent rows and the RoPE of their queries. For token t:
+//   row = [rmsnorm(kva[t][..rank]) * kv_norm | rope(kva[t][rank..])] written bf16 to slot slots[t]
+//   (a negative slot writes nothing), and each head's last `rope` values of q rotated in place.
+// RoPE angle pos[t] * inv_freq[i] (f32), cos and sin times rope_factor (YaRN's mscale); pairs
+// (2i, 2i + 1) when interleave, else (i, i + rope / 2).
+// kva: f32 [T][rank + rope]; q: bf16 [T][heads][nope + rope]; layer_pool: this layer's rows.
+// grid: (T), block: 256 (a multiple of 32).
+extern "C" __global__ void mla_rope_latent(const float* __restrict__ kva, const float* __restrict__ kv_norm,
+                                           float eps, bf16_t* __restrict__ q,
+                                           const float* __restrict__ inv_freq, float rope_factor,
+                                           int interleave, const int* __restrict__ pos,
+                                           const i64* __restrict__ slots, bf16_t* __restrict__ layer_pool,
+                                           int heads, int nope, int rope, int rank) {
+    PD_GRID_WAIT();
+    PD_GRID_LAUNCH_DEPENDENTS();
+    __shared__ float sh[33];
+    const i64 t = blockIdx.x;
+    const int latent = rank + rope, half = rope / 2, qk = nope + rope;
+    const float* row = kva + t * latent;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < rank; i += blockDim.x) ss += row[i] * row[i];
+    const float inv = 1.f / sqrtf(block_sum(ss, sh) / (float)rank + eps);
+    const i64 slot = slots[t];
+    bf16_t* dst = slot >= 0 ? layer_pool + slot * latent : nullptr;
+    if (dst)
+        for (int i = threadIdx.x; i < rank; i += blockDim.x) dst[i] = f2bf(kv_norm[i] * (row[i] * inv));
+    const float p = (float)pos[t];
+    // pieces 0..heads-1: the query heads; piece `heads`: the latent's RoPE key
+    for (int k = threadIdx.x; k < (heads + 1) * half; k += blockDim.x) {
+        const int piece = k / half, i = k - piece * half;
+        float s, c;
+        sincosf(p * inv_freq[i], &s, &c);
+        c *= rope_factor;
+        s *= rope_factor;
+        const int a = interleave ? 2 * i : i, b = interleave ? 2 * i + 1 : i + half;
+        if (piece < heads) {
+            bf16_t* x = q + (t * heads + piece) * qk + nope;
+            const float x1 = bf2f(x[a]), x2 = bf2f(x[b]);
+            x[a] = f2bf(x1 * c - x2 * s);
+            x[b] = f2bf(x2 * c + x1 * s);
+        } else if (dst) {
+            const float x1 = row[rank + a], x2 = row[rank + b];
+            dst[rank + a] = f2bf(x1 * c - x2 * s);
+            dst[rank + b] = f2bf(x2 * c + x1 * s);
+        }
+    }
+}
+
+// Absorbed latent attention, one split of one token's context for up to 16 heads. Token t
+// (sequence tok_seq[t], position tok_pos[t]) attends to positions 0..=tok_pos[t]; split z takes
+// positions [z * chunk, (z + 1) * chunk) of them, chunk = max(ceil(ctx / nsplit), MLA_MIN_CHUNK).
+// score_j = (q_lat . c_j + q_pe . kpe_j) * scale, c_j the row's first rank values, kpe_j its last
+// rope values; the split's online softmax over its keys gives (m, l, acc = sum_j e^(s_j - m) c_j).
+// nsplit == 1: o_lat[t][h] = acc / l (bf16). Else (m, l) to part_ml [T][heads][nsplit][2] and acc
+// to part_acc [T][heads][nsplit][rank]; an empty split writes m = -inf, l = 0 and no acc.
+// Keys are staged MLA_KT at a time in shared memory (the next tile's loads in flight in registers
+// while the current one is used), so a block reads each latent once for all its heads. Warp w
+// serves heads 2w, 2w + 1 of the block's group; lane l holds rank dims c * 256 + 8 l + [0, 8)
+// (c = 0, 1) and rope dims 2 l, 2 l + 1 of the queries, and the same dims of the accumulators.
+// q_lat: f32 [T][heads][rank]; q: bf16 [T][heads][nope + rope] (q_pe its last rope values).
+// grid: (T, ceil(heads / 16), nsplit), block: MLA_THREADS.
+extern "C" __global__ void __launch_bounds__(MLA_THREADS)
+    mla_attn_split(const float* __restrict__ q_lat, const bf16_t* __restrict__ q,
+                   const bf16_t* __restrict__ layer_pool, const int* __restrict__ tok_seq,
+                   const int* __restrict__ tok_pos, const int* __restrict__ block_tables, int max_blocks,
+                   int heads, int nope, int rope, int rank, int block_size, float scale, int nsplit,
+                   float* __restrict__ part_ml, float* __restrict__ part_acc, bf16_t* __restrict__ o_lat) {
+    PD_GRID_WAIT();
+    PD_GRID_LAUNCH_DEPENDENTS();
+    __shared__ __align__(16) bf16_t tile[MLA_KT * MLA_LAT_MAX];
+    const i64 t = blockIdx.x;
+    const int split = blockIdx.z;
+    const int latent = rank + rope, qk = nope + rope;
+    const int ls = (latent + 7) & ~7;  // tile row stride: 16-byte aligned rows
+    const int seq = tok_seq[t];
+    const int ctx = tok_pos[t] + 1;
+    int chunk = (ctx + nsplit - 1) / nsplit;
+    if (chunk < MLA_MIN_CHUNK) chunk = MLA_MIN_CHUNK;
+    const int s0 = split * chunk;
+    const int s1 = ctx < s0 + chunk ? ctx : s0 + chunk;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int h0 = blockIdx.y * MLA_HPB + warp * 2;
+    const bool active = h0 < heads;  // warp-uniform
+
+    float ql[2][16], qp[2][2], acc[2][16], m[2], l[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+        const int h = h0 + hh;
+        const bool ok = h < heads;
+        const float* qr = q_lat + (t * heads + h) * rank;
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            const int d0 = c * 256 + lane * 8;
+#pragma unroll
+            for (int e = 0; e < 8; e++) {
+                ql[hh][c * 8 + e] = ok && d0 < rank ? qr[d0 + e] * scale : 0.f;
+                acc[hh][c * 8 + e] = 0.f;
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const int d = 2 * lane + e;
+            qp[hh][e] = ok && d < rope ? bf2f(q[(t * heads + h) * qk + nope + d]) * scale : 0.f;
+        }
+        m[hh] = -INFINITY;
+        l[hh] = 0.f;
+    }
+
+    const i64 bt = (i64)seq * max_blocks;
+    const bool vec = (latent & 7) == 0;
+    const int nvec = latent >> 3;
+    uint4 pre[MLA_PRE];
+    // Tile loads: 16-byte words `threadIdx.x + i * MLA_THREADS` of the tile's rows.
+    auto load = [&](int k0) {
+        const int tot = (s1 - k0 < MLA_KT ? s1 - k0 : MLA_KT) * nvec;
+#pragma unroll
+        for (int i = 0; i < MLA_PRE; i++) {
+            const int v = threadIdx.x + i * MLA_THREADS;
+            if (v < tot) {
+                const int key = v / nvec, ch = v - key * nvec, j = k0 + key;
+                const i64 r = (i64)block_tables[bt + j / block_size] * block_size + j % block_size;
+                pre[i] = *(const uint4*)(layer_pool + r * latent + ch * 8);
+            }
+        }
+    };
+    auto store = [&](int k0) {
+        const int tot = (s1 - k0 < MLA_KT ? s1 - k0 : MLA_KT) * nvec;
+#pragma unroll
+        for (int i = 0; i < MLA_PRE; i++) {
+            const int v = threadIdx.x + i * MLA_THREADS;
+            if (v < tot) {
+                const int key = v / nvec, ch = v - key * nvec;
+                *(uint4*)(tile + key * ls + ch * 8) = pre[i];
+            }
+        }
+    };
+
+    if (vec && s0 < s1) load(s0);
+    for (int k0 = s0; k0 < s1; k0 += MLA_KT) {
+        const int nk = s1 - k0 < MLA_KT ? s1 - k0 : MLA_KT;
+        __syncthreads();  // the previous tile is used up
+        if (vec) {
+            store(k0);
+        } else {
+            for (int v = threadIdx.x; v < nk * latent; v += MLA_THREADS) {
+                const int key = v / latent, e = v - key * latent, j = k0 + key;
+                const i64 r = (i64)block_tables[bt + j / block_size] * block_size + j % block_size;
+                tile[key * ls + e] = layer_pool[r * latent + e];
+            }
+        }
+        __syncthreads();
+        if (vec && k0 + MLA_KT < s1) load(k0 + MLA_KT);
+        if (!active) continue;
+        for (int k = 0; k < nk; k++) {
+            const bf16_t* row = tile + k * ls;
+            float c[16];
+#pragma unroll
+            for (int cc = 0; cc < 2; cc++) {
+                const int d0 = cc * 256 + lane * 8;
+                if (d0 < rank) {
+                    unpack8(*(const uint4*)(row + d0), c + cc * 8);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < 8; e++) c[cc * 8 + e] = 0.f;
+                }
+            }
+            float kp0 = 0.f, kp1 = 0.f;
+            if (2 * lane < rope) {
+                const unsigned u = *(const unsigned*)(row + rank + 2 * lane);
+                kp0 = __uint_as_float(u << 16);
+                kp1 = __uint_as_float(u & 0xffff0000u);
+            }
+#pragma unroll
+            for (int hh = 0; hh < 2; hh++) {
+                float s = qp[hh][0] * kp0 + qp[hh][1] * kp1;
+#pragma unroll
+                for (int e = 0; e < 16; e++) s += ql[hh][e] * c[e];
+                s = warp_sum(s);  // the same value in every lane: the branch below is uniform
+                if (s > m[hh]) {
+                    const float corr = expf(m[hh] - s);
+                    l[hh] *= corr;
+#pragma unroll
+                    for (int e = 0; e < 16; e++) acc[hh][e] *= corr;
+                    m[hh] = s;
+                }
+                const float p = expf(s - m[hh]);
+                l[hh] += p;
+#pragma unroll
+                for (int e = 0; e < 16; e++) acc[hh][e] += p * c[e];
+            }
+        }
+    }
+    if (!active) return;
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+        const int h = h0 + hh;
+        if (h >= heads) continue;
+        const i64 hr = t * heads + h;
+        if (nsplit == 1) {
+            const float inv = 1.f / l[hh];
+#pragma unroll
+            for (int cc = 0; cc < 2; cc++) {
+                const int d0 = cc * 256 + lane * 8;
+                if (d0 < rank)
+#pragma unroll
+                    for (int e = 0; e < 8; e++) o_lat[hr * rank + d0 + e] = f2bf(acc[hh][cc * 8 + e] * inv);
+            }
+            continue;
+        }
+        const i64 pr = hr * nsplit + split;
+        if (lane == 0) {
+            part_ml[pr * 2] = s0 < s1 ? m[hh] : -INFINITY;
+            part_ml[pr * 2 + 1] = s0 < s1 ? l[hh] : 0.f;
+        }
+        if (s0 >= s1) continue;
+#pragma unroll
+        for (int cc = 0; cc < 2; cc++) {
+            const int d0 = cc * 256 + lane * 8;
+            if (d0 < rank) {
+                float4* o = (float4*)(part_acc + pr * rank + d0);
+                o[0] = make_float4(acc[hh][cc * 8], acc[hh][cc * 8 + 1], acc[hh][cc * 8 + 2], acc[hh][cc * 8 + 3]);
+                o[1] = make_float4(acc[hh][cc * 8 + 4], acc[hh][cc * 8 + 5], acc[hh][cc * 8 + 6], acc[hh][cc * 8 + 7]);
+            }
+        }
+    }
+}
+
+// Merges the splits of mla_attn_split: o_lat[row] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s
+// over the splits with l_s != 0 (the empty ones write l = 0 and no acc), M their largest m.
+// grid: (T * heads), block: 128.
+extern "C" __global__ void mla_attn_combine(const float* __restrict__ part_ml, const float* __restrict__ part_acc,
+                                            bf16_t* __restrict__ o_lat, int rank, int nsplit) {
+    PD_GRID_WAIT();
+    PD_GRID_LAUNCH_DEPENDENTS();
+    __shared__ float wsh[MLA_MAX_SPLITS];
+    __shared__ float inv_l;
+    const i64 row = blockIdx.x;
+    const float* ml = part_ml + row * nsplit * 2;
+    if (threadIdx.x == 0) {
+        float mx = -INFINITY;
+        for (int s = 0; s < nsplit; s++)
+            if (ml[2 * s + 1] != 0.f) mx = fmaxf(mx, ml[2 * s]);
+        float lsum = 0.f;
+        for (int s = 0; s < nsplit; s++) {
+            const float w = ml[2 * s + 1] != 0.f ? expf(ml[2 * s] - mx) : 0.f;
+            wsh[s] = w;
+            lsum += w * ml[2 * s + 1];
+        }
+        inv_l = 1.f / lsum;
+    }
+    __syncthreads();
+    for (int d = threadIdx.x; d < rank; d += blockDim.x) {
+        float a = 0.f;
+        for (int s = 0; s < nsplit; s++)
+            if (wsh[s] != 0.f) a += wsh[s] * part_acc[(row * nsplit + s) * rank + d];
+        o_lat[row * rank + d] = f2bf(a * inv_l);
+    }
+}

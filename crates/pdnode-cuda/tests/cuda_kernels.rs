@@ -6,6 +6,7 @@ mod cuda_kernels_crc32c;
 mod cuda_kernels_elementwise;
 mod cuda_kernels_kvh64;
 mod cuda_kernels_linear;
+mod cuda_kernels_mla;
 mod cuda_kernels_pdl;
 mod cuda_kernels_prefill;
 mod cuda_support;

@@ -206,6 +206,10 @@ pub fn mla_attention(
             )
         },
     )?;
+    // DeepSeek layers attend to the whole context; the latent kernels have no window
+    shape(OP, meta.window == 0, || {
+        format!("sliding window {} on latent attention", meta.window)
+    })?;
     let layer_ptr = pool.at(layer * d.layer_elems() * BF16);
     // 16-byte latent loads where a row is a whole number of 16-byte words
     shape(OP, layer_ptr.is_multiple_of(16), || {

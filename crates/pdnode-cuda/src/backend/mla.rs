@@ -8,7 +8,7 @@
 //! `kv_b_proj` (one strided-batched GEMM over heads), `mla_attention` over the cached latents,
 //! the values brought out through `kv_b_proj`'s other slice (a second batched GEMM), o_proj into
 //! the residual. MoE layers route on the device (`moe_route`); up to
-//! [`k::MOE_GEMV_MAX_PAIRS`] token-expert pairs run the expert-major GEMV kernels (each
+//! [`ops::MOE_GEMV_MAX_PAIRS`] token-expert pairs run the expert-major GEMV kernels (each
 //! touched expert's weights read once, no host round trip: decode steps stay capturable), more
 //! (prefill) group the pairs per expert on the host and run cuBLAS GEMMs per expert.
 
@@ -17,11 +17,8 @@ use crate::CudaError;
 use crate::blas::{self, Operand, OutType};
 use crate::device::{DevBuf, Gpu};
 use crate::mla_weights::{DevFfn, DevMlaQuery, DevMlp, DevMoe};
-use crate::ops::{self, AttnMeta};
-// The MLA/MoE launch wrappers; `shim` until ops/mla.rs and ops/moe.rs land.
+use crate::ops::{self, AttnMeta, MlaDims};
 use pdnode_engine::spec::{ModelSpec, MoeSpec, RopeScaling, rope_attention_factor, yarn_mscale};
-use shim as k;
-use shim::MlaDims;
 
 /// The eps of the q and kv low-rank norms (transformers builds them with its RMSNorm default).
 const LORA_NORM_EPS: f32 = 1e-6;
@@ -74,7 +71,7 @@ impl MlaWorkspace {
         };
         let inter = mlp_inter(s);
         let pairs = t * k;
-        let (ml, acc) = k::mla_scratch_bytes(gpu.sm_count as usize, t, nh, r);
+        let (ml, acc) = ops::mla_scratch_bytes(gpu.sm_count as usize, t, nh, r);
         let a = |bytes: usize| gpu.alloc(bytes.max(16));
         Ok(Self {
             q: a(t * nh * m.qk_head_dim() * 2)?,
@@ -269,7 +266,7 @@ impl CudaBackend {
                 false,
                 how,
             )?;
-            k::mla_rope_latent(
+            ops::mla_rope_latent(
                 g,
                 &dims,
                 &mws.kva,
@@ -321,7 +318,7 @@ impl CudaBackend {
                     nh,
                 )?;
             }
-            k::mla_attention(
+            ops::mla_attention(
                 g,
                 &dims,
                 &mws.q_lat,
@@ -472,7 +469,7 @@ impl CudaBackend {
             op: "moe",
             reason: format!("MoE layer {layer} past the workspace's {}", mws.ids.len()),
         })?;
-        k::moe_route(
+        ops::moe_route(
             g,
             e,
             &mws.logits,
@@ -482,10 +479,10 @@ impl CudaBackend {
             &mws.weights,
         )?;
         let pairs = t * k;
-        if pairs <= k::MOE_GEMV_MAX_PAIRS {
-            k::moe_gate_up_swiglu(g, ne, ei, h, k, &moe.gate_up, &ws.normed, ids, t, &mws.act)?;
-            k::moe_down(g, ne, h, ei, k, &moe.down, &mws.act, ids, t, &mws.y)?;
-            k::moe_combine(g, h, k, &mws.y, None, &mws.weights, t, &ws.resid)?;
+        if pairs <= ops::MOE_GEMV_MAX_PAIRS {
+            ops::moe_gate_up_swiglu(g, ne, ei, h, k, &moe.gate_up, &ws.normed, ids, t, &mws.act)?;
+            ops::moe_down(g, ne, h, ei, k, &moe.down, &mws.act, ids, t, &mws.y)?;
+            ops::moe_combine(g, h, k, &mws.y, None, &mws.weights, t, &ws.resid)?;
         } else {
             self.moe_grouped(moe, e, t, ids)?;
         }
@@ -543,7 +540,7 @@ impl CudaBackend {
             order[pairs + pair] = row as i32;
         }
         g.upload(&mws.order, 0, &order)?;
-        k::gather_rows_bf16(g, &ws.normed, t, mws.order.ptr(), pairs, h, &mws.xg)?;
+        ops::gather_rows_bf16(g, &ws.normed, t, mws.order.ptr(), pairs, h, &mws.xg)?;
         for x in 0..ne {
             let (r0, n) = (starts[x], starts[x + 1] - starts[x]);
             if n == 0 {
@@ -587,7 +584,7 @@ impl CudaBackend {
             }
         }
         let map = mws.order.at(pairs * 4);
-        k::moe_combine(g, h, k, &mws.y, Some(map), &mws.weights, t, &ws.resid)
+        ops::moe_combine(g, h, k, &mws.y, Some(map), &mws.weights, t, &ws.resid)
     }
 
     /// Distinct routed experts each MoE layer picked in the last step of `tokens` tokens
@@ -607,128 +604,5 @@ impl CudaBackend {
             out.push(picks.len());
         }
         Ok(out)
-    }
-}
-
-/// Temporary stand-ins with the agreed signatures of the MLA/MoE launch wrappers (replaced by
-/// `crate::ops` once they land); each refuses to run.
-#[allow(clippy::too_many_arguments, dead_code)]
-mod shim {
-    use crate::CudaError;
-    use crate::device::{DevBuf, Gpu};
-    use crate::ops::AttnMeta;
-    pub const MOE_GEMV_MAX_PAIRS: usize = 512;
-    #[derive(Debug, Clone, Copy)]
-    pub struct MlaDims {
-        pub heads: usize,
-        pub nope: usize,
-        pub rope: usize,
-        pub rank: usize,
-        pub block_size: usize,
-        pub num_blocks: usize,
-    }
-    fn no() -> Result<(), CudaError> {
-        Err(CudaError::Unsupported {
-            reason: "MLA kernels not built yet".into(),
-        })
-    }
-    pub fn mla_scratch_bytes(_: usize, _: usize, _: usize, _: usize) -> (usize, usize) {
-        (16, 16)
-    }
-    pub fn mla_rope_latent(
-        _: &Gpu,
-        _: &MlaDims,
-        _: &DevBuf,
-        _: &DevBuf,
-        _: f32,
-        _: &DevBuf,
-        _: &DevBuf,
-        _: f32,
-        _: bool,
-        _: u64,
-        _: u64,
-        _: usize,
-        _: &DevBuf,
-        _: usize,
-    ) -> Result<(), CudaError> {
-        no()
-    }
-    pub fn mla_attention(
-        _: &Gpu,
-        _: &MlaDims,
-        _: &DevBuf,
-        _: &DevBuf,
-        _: &DevBuf,
-        _: usize,
-        _: &AttnMeta,
-        _: usize,
-        _: f32,
-        _: &DevBuf,
-        _: &DevBuf,
-        _: &DevBuf,
-    ) -> Result<(), CudaError> {
-        no()
-    }
-    pub fn moe_route(
-        _: &Gpu,
-        _: &pdnode_engine::spec::MoeSpec,
-        _: &DevBuf,
-        _: Option<&DevBuf>,
-        _: usize,
-        _: &DevBuf,
-        _: &DevBuf,
-    ) -> Result<(), CudaError> {
-        no()
-    }
-    pub fn moe_gate_up_swiglu(
-        _: &Gpu,
-        _: usize,
-        _: usize,
-        _: usize,
-        _: usize,
-        _: &DevBuf,
-        _: &DevBuf,
-        _: &DevBuf,
-        _: usize,
-        _: &DevBuf,
-    ) -> Result<(), CudaError> {
-        no()
-    }
-    pub fn moe_down(
-        _: &Gpu,
-        _: usize,
-        _: usize,
-        _: usize,
-        _: usize,
-        _: &DevBuf,
-        _: &DevBuf,
-        _: &DevBuf,
-        _: usize,
-        _: &DevBuf,
-    ) -> Result<(), CudaError> {
-        no()
-    }
-    pub fn moe_combine(
-        _: &Gpu,
-        _: usize,
-        _: usize,
-        _: &DevBuf,
-        _: Option<u64>,
-        _: &DevBuf,
-        _: usize,
-        _: &DevBuf,
-    ) -> Result<(), CudaError> {
-        no()
-    }
-    pub fn gather_rows_bf16(
-        _: &Gpu,
-        _: &DevBuf,
-        _: usize,
-        _: u64,
-        _: usize,
-        _: usize,
-        _: &DevBuf,
-    ) -> Result<(), CudaError> {
-        no()
     }
 }

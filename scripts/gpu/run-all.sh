@@ -29,7 +29,7 @@ run() { # name timeout_s cmd...
 for p in "${parts[@]}"; do
     case $p in
         unit) run unit 120 "$BIN/cuda_unit" --include-ignored --test-threads=1 ;;
-        kernels) run kernels 300 "$BIN/cuda_kernels" --ignored --test-threads=1 --nocapture ;;
+        kernels) run kernels 480 "$BIN/cuda_kernels" --ignored --test-threads=1 --nocapture ;;
         model) run model 300 "$BIN/cuda_model" --ignored --test-threads=1 --nocapture ;;
         parity) run parity 300 "$BIN/cuda_parity" --ignored --test-threads=1 --nocapture ;;
         deepseek) run deepseek 300 "$BIN/cuda_deepseek" --ignored --test-threads=1 --nocapture ;;

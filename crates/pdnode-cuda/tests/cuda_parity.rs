@@ -6,17 +6,16 @@
 //! blocks and flash tiles, greedy tokens against the CPU backend's on every attention kernel.
 //! GPU only: `#[ignore]`d, run by scripts/gpu/run-all.sh.
 
+mod cuda_fixtures;
 mod cuda_support;
 
+use cuda_fixtures::*;
 use cuda_support::{rel_err, rng, tiny_spec, tiny_weights};
-use pdnode_core::BlockId;
 use pdnode_cuda::ops::{AttnVariant, LinearImpl};
 use pdnode_cuda::prefill::PrefillAttn;
 use pdnode_cuda::{CudaBackend, CudaOptions};
 use pdnode_engine::backend::cpu::{CpuBackend, CpuBackendConfig};
-use pdnode_engine::backend::{Backend, ForwardBatch, SeqStep};
 use pdnode_engine::loader::load_path;
-use std::path::PathBuf;
 
 const MODELS: [&str; 9] = [
     "llama_gqa",
@@ -29,67 +28,6 @@ const MODELS: [&str; 9] = [
     "mistral_window",
     "qwen2_window",
 ];
-
-/// `PDNODE_FIXTURES` (set by scripts/gpu/run-all.sh: the binary runs from another checkout),
-/// else this crate's tests/fixtures.
-fn fixture(name: &str) -> PathBuf {
-    std::env::var_os("PDNODE_FIXTURES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../pdnode-engine/tests/fixtures")
-        })
-        .join(name)
-}
-
-struct Reference {
-    prompt: Vec<u32>,
-    greedy: Vec<u32>,
-    logits: Vec<Vec<f32>>,
-}
-
-fn reference(name: &str) -> Reference {
-    let text = std::fs::read_to_string(fixture(name).join("reference.json")).unwrap();
-    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let ids = |k: &str| -> Vec<u32> {
-        v[k].as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect()
-    };
-    Reference {
-        prompt: ids("prompt_ids"),
-        greedy: ids("greedy_ids"),
-        logits: v["logits"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|row| {
-                row.as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|x| x.as_f64().unwrap() as f32)
-                    .collect()
-            })
-            .collect(),
-    }
-}
-
-fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, x) in v.iter().enumerate() {
-        if *x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
-fn margin(v: &[f32]) -> f32 {
-    let mut s = v.to_vec();
-    s.sort_by(|a, b| b.partial_cmp(a).unwrap());
-    s[0] - s[1]
-}
 
 fn opts(gemm_min: usize, attention: AttnVariant, prefill: PrefillAttn) -> CudaOptions {
     CudaOptions {
@@ -143,45 +81,6 @@ fn greedy_equals_cpu(got: &[Vec<f32>], cpu: &[Vec<f32>], what: &str) -> usize {
         }
     }
     ties
-}
-
-/// Runs the prompt (chunks of `chunk`) then the reference's greedy tokens; returns logits rows.
-fn rows(b: &mut dyn Backend, r: &Reference, chunk: usize) -> Vec<Vec<f32>> {
-    let table: Vec<BlockId> = (0..64u32).map(|i| BlockId((i * 7 + 3) % 64)).collect();
-    let mut pos = 0;
-    let mut out = Vec::new();
-    for c in r.prompt.chunks(chunk) {
-        let last = pos + c.len() == r.prompt.len();
-        let l = b
-            .forward(&ForwardBatch {
-                seqs: vec![SeqStep {
-                    tokens: c,
-                    start_pos: pos,
-                    block_table: &table,
-                    want_logits: last,
-                }],
-            })
-            .unwrap();
-        if last {
-            out.push(l.row(0).to_vec());
-        }
-        pos += c.len();
-    }
-    for &tok in &r.greedy {
-        let l = b
-            .forward(&ForwardBatch {
-                seqs: vec![SeqStep {
-                    tokens: &[tok],
-                    start_pos: pos,
-                    block_table: &table,
-                    want_logits: true,
-                }],
-            })
-            .unwrap();
-        out.push(l.row(0).to_vec());
-        pos += 1;
-    }
-    out
 }
 
 #[test]

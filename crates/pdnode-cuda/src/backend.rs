@@ -16,6 +16,7 @@ use pdnode_engine::weights::Weights;
 mod graph;
 mod logits;
 mod mla;
+mod mla_prefill;
 #[cfg(feature = "op-timing")]
 mod opprof;
 mod options;
@@ -274,10 +275,6 @@ impl CudaBackend {
             num_blocks,
         };
         let mut opts = opts.clone();
-        if spec.mla.is_some() {
-            // Latent attention has one kernel for every chunk (mla_attention): no GEMM path.
-            opts.prefill_gemm_min_tokens = usize::MAX;
-        }
         let hd = spec.head_dim;
         let asked = opts.attention.variant;
         opts.attention.variant = match asked {

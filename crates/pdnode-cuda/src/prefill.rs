@@ -55,7 +55,7 @@ impl PrefillAttn {
 }
 
 /// Scores (f32) plus probabilities (bf16) of one query chunk stay under this many bytes.
-const SCORE_BUDGET: usize = 1 << 30;
+pub(crate) const SCORE_BUDGET: usize = 1 << 30;
 
 /// One sequence taking the GEMM path: its new tokens are rows `row0..row0 + n` of the step,
 /// at positions `start..start + n`; `seq` indexes the step's block tables.
@@ -82,7 +82,11 @@ pub struct PrefillScratch {
     p: Option<DevBuf>,
 }
 
-fn ensure<'a>(gpu: &Gpu, b: &'a mut Option<DevBuf>, bytes: usize) -> Result<&'a DevBuf, CudaError> {
+pub(crate) fn ensure<'a>(
+    gpu: &Gpu,
+    b: &'a mut Option<DevBuf>,
+    bytes: usize,
+) -> Result<&'a DevBuf, CudaError> {
     if b.as_ref().is_none_or(|x| x.bytes() < bytes) {
         gpu.sync()?;
         *b = None;

@@ -21,6 +21,11 @@ const MODELS: [&str; 3] = ["deepseek_v2", "deepseek_v3", "deepseek_v3_fp8"];
 const BLOCK: u32 = 16;
 
 fn opts(graphs: bool, max_batch_tokens: usize, blocks: u32) -> CudaOptions {
+    opts_gemm(graphs, max_batch_tokens, blocks, 64)
+}
+
+/// `gemm_min`: sequences of at least this many new tokens take the GEMM prefill path.
+fn opts_gemm(graphs: bool, max_batch_tokens: usize, blocks: u32, gemm_min: usize) -> CudaOptions {
     CudaOptions {
         gpus: vec![0],
         tensor_parallel: 1,
@@ -29,7 +34,7 @@ fn opts(graphs: bool, max_batch_tokens: usize, blocks: u32) -> CudaOptions {
         block_size: BLOCK,
         max_batch_tokens,
         max_seqs: 8,
-        prefill_gemm_min_tokens: 64,
+        prefill_gemm_min_tokens: gemm_min,
         linear: LinearImpl::Auto,
         attention: AttnVariant::Auto.into(),
         prefill_attention: Default::default(),
@@ -65,8 +70,11 @@ fn deepseek_fixtures_match_transformers_and_the_cpu_backend() {
         let r = reference(name);
         let model = load(name);
         let cpu_rows = rows(&mut cpu(&model, 64), &r, 5);
-        for graphs in [false, true] {
-            let mut cuda = CudaBackend::from_loaded(&model, &opts(graphs, 512, 64)).unwrap();
+        // the decode kernel for every chunk (without, then with graphs), then the GEMM path for
+        // every chunk of the prompt
+        for (graphs, gemm_min) in [(false, 64), (true, 64), (false, 1)] {
+            let o = opts_gemm(graphs, 512, 64, gemm_min);
+            let mut cuda = CudaBackend::from_loaded(&model, &o).unwrap();
             let m = model.spec.mla.as_ref().unwrap();
             let layout = cuda.kv_layout().clone();
             assert_eq!(layout.kind, KvKind::Latent);
@@ -82,7 +90,8 @@ fn deepseek_fixtures_match_transformers_and_the_cpu_backend() {
                 worst_cpu = worst_cpu.max(e_cpu);
                 assert!(
                     e_hf < 3e-2 && e_cpu < 3e-2,
-                    "{name} graphs={graphs} step {step}: rel err vs HF {e_hf}, vs CPU {e_cpu}"
+                    "{name} graphs={graphs} gemm_min={gemm_min} step {step}: rel err vs HF \
+                     {e_hf}, vs CPU {e_cpu}"
                 );
                 if step < r.greedy.len() && argmax(row) != r.greedy[step] {
                     flips += 1;
@@ -102,7 +111,7 @@ fn deepseek_fixtures_match_transformers_and_the_cpu_backend() {
                 );
             }
             report.push(format!(
-                "{name:16} graphs={graphs:5}: worst rel err vs HF {worst_hf:.2e}, vs CPU \
+                "{name:16} graphs={graphs:5} gemm_min={gemm_min:2}: worst rel err vs HF {worst_hf:.2e}, vs CPU \
                  {worst_cpu:.2e}, greedy flips {flips}/{}",
                 r.greedy.len()
             ));
@@ -138,13 +147,16 @@ fn a_large_step_groups_the_experts_on_the_host_as_small_steps_run_them_on_the_de
     for name in ["deepseek_v2", "deepseek_v3"] {
         let model = load(name);
         let e = model.spec.moe.as_ref().unwrap();
-        // Past the expert-major kernels' limit in one step, far below it per chunk.
+        // Past the expert-major kernels' limit in one step, far below it per chunk; three
+        // prompts take the GEMM attention path (>= 64 new tokens), the third sequence's 10
+        // tokens the decode kernel through its token list, in the same step.
         let n = 4;
-        let len = pdnode_cuda::ops::MOE_GEMV_MAX_PAIRS / (e.top_k * n) + 9;
+        let len = pdnode_cuda::ops::MOE_GEMV_MAX_PAIRS / (e.top_k * 3) + 9;
+        let lens = [len, len, 10, len];
         let vocab = model.spec.vocab_size as u32;
         let seqs: Vec<Vec<u32>> = (0..n as u32)
             .map(|s| {
-                (0..len as u32)
+                (0..lens[s as usize] as u32)
                     .map(|i| (i * 31 + s * 17 + 5) % vocab)
                     .collect()
             })
@@ -155,6 +167,8 @@ fn a_large_step_groups_the_experts_on_the_host_as_small_steps_run_them_on_the_de
             .collect();
         let blocks = n as u32 * per;
         let want = big_step(&mut cpu(&model, blocks), &seqs, &tables);
+        let pairs: usize = lens.iter().sum::<usize>() * e.top_k;
+        assert!(pairs > pdnode_cuda::ops::MOE_GEMV_MAX_PAIRS);
         let mut big = CudaBackend::from_loaded(&model, &opts(false, n * len, blocks)).unwrap();
         let got = big_step(&mut big, &seqs, &tables);
         // The same sequences in chunks of 8 tokens (8 k pairs a step: the device kernels).

@@ -66,24 +66,27 @@ extern "C" __global__ void mla_rope_latent(const float* __restrict__ kva, const 
 // positions [z * chunk, (z + 1) * chunk) of them, chunk = max(ceil(ctx / nsplit), MLA_MIN_CHUNK).
 // score_j = (q_lat . c_j + q_pe . kpe_j) * scale, c_j the row's first rank values, kpe_j its last
 // rope values; the split's online softmax over its keys gives (m, l, acc = sum_j e^(s_j - m) c_j).
-// nsplit == 1: o_lat[t][h] = acc / l (bf16). Else (m, l) to part_ml [T][heads][nsplit][2] and acc
-// to part_acc [T][heads][nsplit][rank]; an empty split writes m = -inf, l = 0 and no acc.
+// nsplit == 1: o_lat[t][h] = acc / l (bf16). Else (m, l) to part_ml [N][heads][nsplit][2] and acc
+// to part_acc [N][heads][nsplit][rank] (N: the tokens attended for, indexed by their place in
+// tok_list); an empty split writes m = -inf, l = 0 and no acc.
 // Keys are staged MLA_KT at a time in shared memory (the next tile's loads in flight in registers
 // while the current one is used), so a block reads each latent once for all its heads. Warp w
 // serves heads 2w, 2w + 1 of the block's group; lane l holds rank dims c * 256 + 8 l + [0, 8)
 // (c = 0, 1) and rope dims 2 l, 2 l + 1 of the queries, and the same dims of the accumulators.
 // q_lat: f32 [T][heads][rank]; q: bf16 [T][heads][nope + rope] (q_pe its last rope values).
-// grid: (T, ceil(heads / 16), nsplit), block: MLA_THREADS.
+// tok_list: the tokens to attend for (i32 indices into the step's tokens), or null for all.
+// grid: (list length or T, ceil(heads / 16), nsplit), block: MLA_THREADS.
 extern "C" __global__ void __launch_bounds__(MLA_THREADS)
     mla_attn_split(const float* __restrict__ q_lat, const bf16_t* __restrict__ q,
                    const bf16_t* __restrict__ layer_pool, const int* __restrict__ tok_seq,
                    const int* __restrict__ tok_pos, const int* __restrict__ block_tables, int max_blocks,
                    int heads, int nope, int rope, int rank, int block_size, float scale, int nsplit,
-                   float* __restrict__ part_ml, float* __restrict__ part_acc, bf16_t* __restrict__ o_lat) {
+                   float* __restrict__ part_ml, float* __restrict__ part_acc, bf16_t* __restrict__ o_lat,
+                   const int* __restrict__ tok_list) {
     PD_GRID_WAIT();
     PD_GRID_LAUNCH_DEPENDENTS();
     __shared__ __align__(16) bf16_t tile[MLA_KT * MLA_LAT_MAX];
-    const i64 t = blockIdx.x;
+    const i64 t = tok_list ? (i64)tok_list[blockIdx.x] : (i64)blockIdx.x;
     const int split = blockIdx.z;
     const int latent = rank + rope, qk = nope + rope;
     const int ls = (latent + 7) & ~7;  // tile row stride: 16-byte aligned rows
@@ -222,7 +225,8 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS)
             }
             continue;
         }
-        const i64 pr = hr * nsplit + split;
+        // partials by the block's place in the list (blockIdx.x), not by token
+        const i64 pr = ((i64)blockIdx.x * heads + h) * nsplit + split;
         if (lane == 0) {
             part_ml[pr * 2] = s0 < s1 ? m[hh] : -INFINITY;
             part_ml[pr * 2 + 1] = s0 < s1 ? l[hh] : 0.f;
@@ -242,15 +246,20 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS)
 
 // Merges the splits of mla_attn_split: o_lat[row] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s
 // over the splits with l_s != 0 (the empty ones write l = 0 and no acc), M their largest m.
-// grid: (T * heads), block: 128.
+// Rows are (token, head) pairs, row = t * heads + h; with tok_list, block i serves token
+// tok_list[i / heads]. grid: (T * heads, or list length * heads), block: 128.
 extern "C" __global__ void mla_attn_combine(const float* __restrict__ part_ml, const float* __restrict__ part_acc,
-                                            bf16_t* __restrict__ o_lat, int rank, int nsplit) {
+                                            bf16_t* __restrict__ o_lat, int rank, int nsplit,
+                                            const int* __restrict__ tok_list, int heads) {
     PD_GRID_WAIT();
     PD_GRID_LAUNCH_DEPENDENTS();
     __shared__ float wsh[MLA_MAX_SPLITS];
     __shared__ float inv_l;
-    const i64 row = blockIdx.x;
-    const float* ml = part_ml + row * nsplit * 2;
+    // the partials' row (by place in the list) and the output's (by token)
+    const i64 prow = blockIdx.x;
+    const i64 row = tok_list ? (i64)tok_list[blockIdx.x / heads] * heads + blockIdx.x % heads
+                             : (i64)blockIdx.x;
+    const float* ml = part_ml + prow * nsplit * 2;
     if (threadIdx.x == 0) {
         float mx = -INFINITY;
         for (int s = 0; s < nsplit; s++)
@@ -267,7 +276,41 @@ extern "C" __global__ void mla_attn_combine(const float* __restrict__ part_ml, c
     for (int d = threadIdx.x; d < rank; d += blockDim.x) {
         float a = 0.f;
         for (int s = 0; s < nsplit; s++)
-            if (wsh[s] != 0.f) a += wsh[s] * part_acc[(row * nsplit + s) * rank + d];
+            if (wsh[s] != 0.f) a += wsh[s] * part_acc[(prow * nsplit + s) * rank + d];
         o_lat[row * rank + d] = f2bf(a * inv_l);
     }
+}
+
+// Prefill through GEMMs (the absorbed form on tensor cores, backend/mla.rs): the latent rows of
+// positions [0, len) of one sequence (block table `table`) into lc [len][row] (contiguous).
+// grid: (len), block: 64.
+extern "C" __global__ void mla_gather_seq(const bf16_t* __restrict__ layer_pool,
+                                          const int* __restrict__ table, int block_size, int row,
+                                          int len, bf16_t* __restrict__ lc) {
+    PD_GRID_WAIT();
+    PD_GRID_LAUNCH_DEPENDENTS();
+    const i64 p = blockIdx.x;
+    if (p >= len) return;
+    const i64 slot = (i64)table[p / block_size] * block_size + p % block_size;
+    const bf16_t* src = layer_pool + slot * row;
+    bf16_t* dst = lc + p * row;
+    for (int d = threadIdx.x; d < row; d += blockDim.x) dst[d] = src[d];
+}
+
+// Rows [row0, row0 + n) of the absorbed queries as head-major bf16 rows of the latent's width:
+// qc[h][i] = [q_lat[row0 + i][h] (rank, f32 -> bf16) | q[row0 + i][h][nope..nope + rope]].
+// grid: (n, heads), block: 64.
+extern "C" __global__ void mla_q_head_major(const float* __restrict__ q_lat, const bf16_t* __restrict__ q,
+                                            int row0, int n, int heads, int rank, int nope, int rope,
+                                            bf16_t* __restrict__ qc) {
+    PD_GRID_WAIT();
+    PD_GRID_LAUNCH_DEPENDENTS();
+    const i64 i = blockIdx.x, h = blockIdx.y;
+    const i64 t = row0 + i;
+    const int row = rank + rope;
+    const float* ql = q_lat + (t * heads + h) * rank;
+    const bf16_t* qp = q + (t * heads + h) * (nope + rope) + nope;
+    bf16_t* dst = qc + (h * n + i) * row;
+    for (int d = threadIdx.x; d < rank; d += blockDim.x) dst[d] = f2bf(ql[d]);
+    for (int d = threadIdx.x; d < rope; d += blockDim.x) dst[rank + d] = qp[d];
 }

@@ -64,7 +64,7 @@ pub const SOURCES: [(&str, &str); 16] = [
 ];
 
 /// Kernel entry points (extern "C" names in the .cu files).
-pub const KERNEL_NAMES: [&str; 52] = [
+pub const KERNEL_NAMES: [&str; 54] = [
     "gemv_t1",
     "gemv_t2",
     "gemv_t4",
@@ -112,6 +112,8 @@ pub const KERNEL_NAMES: [&str; 52] = [
     "mla_rope_latent",
     "mla_attn_split",
     "mla_attn_combine",
+    "mla_gather_seq",
+    "mla_q_head_major",
     "moe_route",
     "moe_gate_up_swiglu",
     "moe_down",

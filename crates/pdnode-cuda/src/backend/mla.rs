@@ -13,6 +13,7 @@
 //! (prefill) group the pairs per expert on the host and run cuBLAS GEMMs per expert.
 
 use super::CudaBackend;
+use super::mla_prefill::{LayerIo, MlaPrefill};
 use crate::CudaError;
 use crate::blas::{self, Operand, OutType};
 use crate::device::{DevBuf, Gpu};
@@ -42,6 +43,8 @@ pub(super) struct MlaWorkspace {
     y: DevBuf,        // f32 [T k][hidden]: each pair's expert output
     xg: DevBuf,       // bf16 [T k][hidden]: rows grouped per expert (host-grouped path)
     order: DevBuf,    // i32 [2][T k]: grouped pair -> token, pair -> grouped row
+    /// Scratch of the GEMM path of long prompts (grown on demand; `mla_prefill.rs`).
+    prefill: MlaPrefill,
     /// Tokens the buffers hold; experts' picks per token.
     tokens: usize,
     top_k: usize,
@@ -93,6 +96,7 @@ impl MlaWorkspace {
             y: a(pairs * h * 4)?,
             xg: a(pairs * h * 2)?,
             order: a(2 * pairs * 4)?,
+            prefill: MlaPrefill::default(),
             tokens: t,
             top_k: k,
         })
@@ -148,6 +152,24 @@ impl CudaBackend {
         &mut self,
         meta: u64,
         p: &super::plan::StepShape<'_>,
+    ) -> Result<(), CudaError> {
+        // The GEMM path's scratch is borrowed mutably beside the rest of the backend.
+        let mut pf = match self.mla_ws.as_mut() {
+            Some(w) => std::mem::take(&mut w.prefill),
+            None => MlaPrefill::default(),
+        };
+        let r = self.encode_mla_with(meta, p, &mut pf);
+        if let Some(w) = self.mla_ws.as_mut() {
+            w.prefill = pf;
+        }
+        r
+    }
+
+    fn encode_mla_with(
+        &mut self,
+        meta: u64,
+        p: &super::plan::StepShape<'_>,
+        pf: &mut MlaPrefill,
     ) -> Result<(), CudaError> {
         let m = |o: usize| meta + o as u64;
         let mut stage = self.stage_run.take();
@@ -318,20 +340,32 @@ impl CudaBackend {
                     nh,
                 )?;
             }
-            ops::mla_attention(
-                g,
-                &dims,
-                &mws.q_lat,
-                &mws.q,
-                &self.pool,
-                li,
-                &attn_meta,
-                t,
+            if p.short_len > 0 {
+                // the sequences of few new tokens (all of them when none takes the GEMM path)
+                let list = (!p.long.is_empty()).then(|| (m(p.off.short), p.short_len));
+                let scratch = ops::MlaScratch {
+                    part_ml: &mws.part_ml,
+                    part_acc: &mws.part_acc,
+                };
+                ops::mla_attention_ex(
+                    g, &dims, &mws.q_lat, &mws.q, &self.pool, li, &attn_meta, t, list, scale,
+                    &scratch, &mws.o_lat,
+                )?;
+            }
+            let io = LayerIo {
+                pool: &self.pool,
+                layer: li,
+                q_lat: &mws.q_lat,
+                q: &mws.q,
+                o_lat: &mws.o_lat,
+                tokens: t,
+                tables: m(p.off.tables),
+                max_blocks: p.max_blocks,
                 scale,
-                &mws.part_ml,
-                &mws.part_acc,
-                &mws.o_lat,
-            )?;
+            };
+            for s in p.long {
+                pf.run(g, &dims, &io, s)?;
+            }
             // att[t][h] = W_UV[h] o_lat[t][h]: C (v x T) = op_T(A) (v x r) B (r x T), A = head h's
             // `v` rows of kv_b_proj after its `nope` rows.
             // SAFETY: as above; att holds T rows of nh * v.

@@ -188,7 +188,42 @@ pub fn mla_attention(
     part_acc: &DevBuf,
     o_lat: &DevBuf,
 ) -> Result<(), CudaError> {
+    let s = MlaScratch { part_ml, part_acc };
+    mla_attention_ex(
+        gpu, d, q_lat, q, pool, layer, meta, tokens, None, scale, &s, o_lat,
+    )
+}
+
+/// The split-K partials of [`mla_attention_ex`] (sizes: [`mla_scratch_bytes`]).
+pub struct MlaScratch<'a> {
+    pub part_ml: &'a DevBuf,
+    pub part_acc: &'a DevBuf,
+}
+
+/// [`mla_attention`] for the step's `tokens` tokens, or only those in `list` (device i32 token
+/// indices, `list.1` of them: the others' `o_lat` rows are left as they are).
+#[allow(clippy::too_many_arguments)]
+pub fn mla_attention_ex(
+    gpu: &Gpu,
+    d: &MlaDims,
+    q_lat: &DevBuf,
+    q: &DevBuf,
+    pool: &DevBuf,
+    layer: usize,
+    meta: &AttnMeta,
+    tokens: usize,
+    list: Option<(u64, usize)>,
+    scale: f32,
+    scratch: &MlaScratch<'_>,
+    o_lat: &DevBuf,
+) -> Result<(), CudaError> {
     const OP: &str = "mla_attention";
+    let (part_ml, part_acc) = (scratch.part_ml, scratch.part_acc);
+    let attended = list.map_or(tokens, |l| l.1);
+    shape(OP, attended <= tokens, || {
+        format!("a list of {attended} of {tokens} tokens")
+    })?;
+    let list_ptr = list.map_or(0u64, |l| l.0);
     d.check(OP)?;
     let (heads, rank) = (d.heads, d.rank);
     need(OP, "q_lat", q_lat, tokens * heads * rank * F32)?;
@@ -215,17 +250,17 @@ pub fn mla_attention(
     shape(OP, layer_ptr.is_multiple_of(16), || {
         format!("pool layer {layer} at {layer_ptr:#x}: not 16-byte aligned")
     })?;
-    if tokens == 0 {
+    if attended == 0 {
         return Ok(());
     }
-    let nsplit = mla_splits(gpu.sm_count as usize, tokens, heads);
+    let nsplit = mla_splits(gpu.sm_count as usize, attended, heads);
     if nsplit > 1 {
-        need(OP, "part_ml", part_ml, tokens * heads * nsplit * 2 * F32)?;
+        need(OP, "part_ml", part_ml, attended * heads * nsplit * 2 * F32)?;
         need(
             OP,
             "part_acc",
             part_acc,
-            tokens * heads * nsplit * rank * F32,
+            attended * heads * nsplit * rank * F32,
         )?;
         shape(OP, part_acc.ptr().is_multiple_of(16), || {
             "part_acc: not 16-byte aligned".to_string()
@@ -258,13 +293,14 @@ pub fn mla_attention(
         .arg(&ns)
         .arg(part_ml.ptr_ref())
         .arg(part_acc.ptr_ref())
-        .arg(o_lat.ptr_ref());
+        .arg(o_lat.ptr_ref())
+        .arg(&list_ptr);
     let groups = heads.div_ceil(MLA_HEADS_PER_BLOCK);
     // SAFETY: sizes checked above (the scratch only where the kernel writes it: nsplit > 1);
     // metadata arrays are the caller's (positions < max_ctx, block ids < num_blocks).
     unsafe {
         b.launch(cfg(
-            (u32_of(OP, tokens)?, u32_of(OP, groups)?, nsplit as u32),
+            (u32_of(OP, attended)?, u32_of(OP, groups)?, nsplit as u32),
             MLA_THREADS,
         ))
     }
@@ -276,11 +312,101 @@ pub fn mla_attention(
             .arg(part_acc.ptr_ref())
             .arg(o_lat.ptr_ref())
             .arg(&rk)
-            .arg(&ns);
-        // SAFETY: scratch and output sizes checked above.
-        unsafe { b.launch(cfg((u32_of(OP, tokens * heads)?, 1, 1), 128)) }
+            .arg(&ns)
+            .arg(&list_ptr)
+            .arg(&h);
+        // SAFETY: scratch and output sizes checked above (rows indexed by token, < tokens).
+        unsafe { b.launch(cfg((u32_of(OP, attended * heads)?, 1, 1), 128)) }
             .map_err(launched("mla_attn_combine"))?;
     }
+    Ok(())
+}
+
+/// The latent rows of positions `0..len` of one sequence (device i32 block table `table`) from
+/// layer `layer` of `pool` into `lc` (`[len][rank + rope]` bf16, contiguous).
+pub fn mla_gather_seq(
+    gpu: &Gpu,
+    d: &MlaDims,
+    pool: &DevBuf,
+    layer: usize,
+    table: u64,
+    len: usize,
+    lc: &DevBuf,
+) -> Result<(), CudaError> {
+    const OP: &str = "mla_gather_seq";
+    d.check(OP)?;
+    need(OP, "pool", pool, (layer + 1) * d.layer_elems() * BF16)?;
+    need(OP, "lc", lc, len * d.latent() * BF16)?;
+    if len == 0 {
+        return Ok(());
+    }
+    let f = gpu.kernel(OP)?;
+    let layer_ptr = pool.at(layer * d.layer_elems() * BF16);
+    let (bs, row, n) = (
+        i32_of(OP, d.block_size)?,
+        i32_of(OP, d.latent())?,
+        i32_of(OP, len)?,
+    );
+    let mut b = gpu.launch_builder(f);
+    b.arg(&layer_ptr)
+        .arg(&table)
+        .arg(&bs)
+        .arg(&row)
+        .arg(&n)
+        .arg(lc.ptr_ref());
+    // SAFETY: sizes checked above; the table covers `len` positions with blocks < num_blocks
+    // (the caller's step plan checked them).
+    unsafe { b.launch(cfg((u32_of(OP, len)?, 1, 1), 64)) }.map_err(launched(OP))?;
+    Ok(())
+}
+
+/// Rows `row0..row0 + n` of the step's absorbed queries (`q_lat` f32 `[tokens][heads][rank]`,
+/// the RoPE part of `q` bf16 `[tokens][heads][nope + rope]`) as head-major bf16 rows of the
+/// latent's width: `qc[h][i] = [q_lat[row0 + i][h] | q_pe[row0 + i][h]]`.
+#[allow(clippy::too_many_arguments)]
+pub fn mla_q_head_major(
+    gpu: &Gpu,
+    d: &MlaDims,
+    q_lat: &DevBuf,
+    q: &DevBuf,
+    tokens: usize,
+    row0: usize,
+    n: usize,
+    qc: &DevBuf,
+) -> Result<(), CudaError> {
+    const OP: &str = "mla_q_head_major";
+    d.check(OP)?;
+    shape(OP, row0 + n <= tokens, || {
+        format!("rows {row0}..{} of {tokens}", row0 + n)
+    })?;
+    need(OP, "q_lat", q_lat, tokens * d.heads * d.rank * F32)?;
+    need(OP, "q", q, tokens * d.heads * d.qk() * BF16)?;
+    need(OP, "qc", qc, d.heads * n * d.latent() * BF16)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let f = gpu.kernel(OP)?;
+    let (r0, nn, h, rk, nope, rope) = (
+        i32_of(OP, row0)?,
+        i32_of(OP, n)?,
+        i32_of(OP, d.heads)?,
+        i32_of(OP, d.rank)?,
+        i32_of(OP, d.nope)?,
+        i32_of(OP, d.rope)?,
+    );
+    let mut b = gpu.launch_builder(f);
+    b.arg(q_lat.ptr_ref())
+        .arg(q.ptr_ref())
+        .arg(&r0)
+        .arg(&nn)
+        .arg(&h)
+        .arg(&rk)
+        .arg(&nope)
+        .arg(&rope)
+        .arg(qc.ptr_ref());
+    // SAFETY: sizes checked above.
+    unsafe { b.launch(cfg((u32_of(OP, n)?, u32_of(OP, d.heads)?, 1), 64)) }
+        .map_err(launched(OP))?;
     Ok(())
 }
 

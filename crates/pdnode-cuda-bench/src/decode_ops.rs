@@ -1,7 +1,7 @@
 //! Decode-step benchmarks of issue 4's second round: the per-op breakdown of a step (CUDA events
 //! after each op of eager steps, and the same step from a graph) and the fusions alone.
 
-use super::{DecodeStep, bench_options, decode_blocks, err, llama31_8b, timed, timed_steps};
+use super::{DecodeStep, bench_options, decode_blocks, err, timed, timed_steps};
 use pdnode_cuda::CudaError;
 use pdnode_cuda::backend::CudaBackend;
 use pdnode_cuda::blas::OutType;
@@ -27,22 +27,22 @@ pub struct OpRow {
     pub share: f64,
 }
 
-/// Eager decode steps of Llama-3.1-8B shapes at each `(batch, ctx)` with an event after every
+/// Eager decode steps at `spec`'s shapes (Llama-3.1-8B in the bench test, or a preset) at each `(batch, ctx)` with an event after every
 /// op (`CudaBackend::set_op_timing`), so the lead sees where the time outside the linear layers
 /// goes. Event gaps include the idle time between launches an eager step has (the graph step
 /// has less); the `TOTAL` row is the sum, `GRAPH STEP (wall)` the same step from a CUDA graph. Linear: `Auto` (the measured table + the fused
 /// gate_up/SwiGLU and GEMV/RMSNorm fusions at 1-2 tokens); where a fusion applies at the
 /// batch, the step runs a second time with both fusions off (`unfused` rows).
 pub fn run_op_breakdown(
+    spec: &pdnode_engine::spec::ModelSpec,
     decode: &[(usize, usize)],
     iters: usize,
     mut report: impl FnMut(&OpRow),
 ) -> Result<Vec<OpRow>, CudaError> {
-    let spec = llama31_8b();
     let bs = 16usize;
     let num_blocks = decode_blocks(decode, bs) + 8;
     let opts = bench_options(1, num_blocks, bs, 64, decode, false);
-    let mut be = CudaBackend::new_dummy(&spec, 1234, &opts, "bench".into())?;
+    let mut be = CudaBackend::new_dummy(spec, 1234, &opts, "bench".into())?;
     be.fill_kv_random(99)?;
     be.set_op_timing(true);
     let iters = iters.max(1);

@@ -222,7 +222,8 @@ impl DecodeStep {
         let tables: Vec<Vec<BlockId>> = (0..batch)
             .map(|i| (0..nbps).map(|j| BlockId((i * nbps + j) as u32)).collect())
             .collect();
-        let toks: Vec<[u32; 1]> = (0..batch).map(|i| [(i * 7919 % 128000) as u32]).collect();
+        // below every preset's vocabulary (DeepSeek-V2-Lite's is 102400)
+        let toks: Vec<[u32; 1]> = (0..batch).map(|i| [(i * 7919 % 100_000) as u32]).collect();
         Self { ctx, tables, toks }
     }
 

@@ -235,7 +235,11 @@ fn bench_decode_op_breakdown() {
         })
         .collect();
     let iters: usize = env_list("PDNODE_BENCH_ITERS", "20").parse().unwrap_or(20);
-    let rows = bench::run_op_breakdown(&decode, iters, |r| {
+    // PDNODE_BENCH_OPS_MODEL: a preset (default llama-3.1-8b; e.g. deepseek-v2-lite)
+    let model = env_list("PDNODE_BENCH_OPS_MODEL", "llama-3.1-8b");
+    let spec = pdnode_engine::loader::dummy::preset(&model).expect("a known preset");
+    println!("BENCH op breakdown of {model}");
+    let rows = bench::run_op_breakdown(&spec, &decode, iters, |r| {
         eprintln!(
             "OPS {} batch={} ctx={} op={} calls={} us_per_step={:.1} us_per_call={:.2} share={:.3}",
             r.variant,

@@ -208,6 +208,7 @@ impl CudaBackend {
             window: 0,
         };
         ops::embed_gather(g, &w.embed, s.vocab_size, m(p.off.ids), t, &ws.resid, h)?;
+        self.op_mark("embed")?;
         let mut moe_layer = 0usize;
         for (li, l) in dw.layers.iter().enumerate() {
             ops::add_rmsnorm(
@@ -222,6 +223,7 @@ impl CudaBackend {
                 h,
                 eps,
             )?;
+            self.op_mark("attn_norm")?;
             match &l.q {
                 DevMlaQuery::Direct { wq } => {
                     let how = lin.for_call(t, h, wq, &ws.normed);
@@ -274,6 +276,7 @@ impl CudaBackend {
                     )?;
                 }
             }
+            self.op_mark("q")?;
             let how = lin.for_call(t, h, &l.wkv_a, &ws.normed);
             let ld = ml.latent_dim();
             ops::linear(
@@ -288,6 +291,7 @@ impl CudaBackend {
                 false,
                 how,
             )?;
+            self.op_mark("kv_a")?;
             ops::mla_rope_latent(
                 g,
                 &dims,
@@ -304,6 +308,7 @@ impl CudaBackend {
                 &self.pool,
                 li,
             )?;
+            self.op_mark("rope_latent")?;
             if let Some(run) = stage.as_mut() {
                 // This layer's latents are final: at a group's end, its gather and the hand-off.
                 self.stage_after_layer(run, li)?;
@@ -340,6 +345,7 @@ impl CudaBackend {
                     nh,
                 )?;
             }
+            self.op_mark("absorb")?;
             if p.short_len > 0 {
                 // the sequences of few new tokens (all of them when none takes the GEMM path)
                 let list = (!p.long.is_empty()).then(|| (m(p.off.short), p.short_len));
@@ -351,6 +357,7 @@ impl CudaBackend {
                     g, &dims, &mws.q_lat, &mws.q, &self.pool, li, &attn_meta, t, list, scale,
                     &scratch, &mws.o_lat,
                 )?;
+                self.op_mark("mla_attention")?;
             }
             let io = LayerIo {
                 pool: &self.pool,
@@ -365,6 +372,7 @@ impl CudaBackend {
             };
             for s in p.long {
                 pf.run(g, &dims, &io, s)?;
+                self.op_mark("prefill_attention")?;
             }
             // att[t][h] = W_UV[h] o_lat[t][h]: C (v x T) = op_T(A) (v x r) B (r x T), A = head h's
             // `v` rows of kv_b_proj after its `nope` rows.
@@ -397,6 +405,7 @@ impl CudaBackend {
                     nh,
                 )?;
             }
+            self.op_mark("values")?;
             let how = lin.for_call(t, nh * vd, &l.wo, &mws.att);
             ops::linear(
                 g,
@@ -410,6 +419,7 @@ impl CudaBackend {
                 true,
                 how,
             )?;
+            self.op_mark("o_proj")?;
             ops::add_rmsnorm(
                 g,
                 &ws.resid,
@@ -422,8 +432,12 @@ impl CudaBackend {
                 h,
                 eps,
             )?;
+            self.op_mark("mlp_norm")?;
             match &l.ffn {
-                DevFfn::Dense(mlp) => self.mlp_add(mlp, t)?,
+                DevFfn::Dense(mlp) => {
+                    self.mlp_add(mlp, t)?;
+                    self.op_mark("dense_mlp")?;
+                }
                 DevFfn::Moe(moe) => {
                     let Some(spec) = &s.moe else {
                         return Err(CudaError::Unsupported {
@@ -437,6 +451,20 @@ impl CudaBackend {
         }
         self.stage_run = stage;
         self.encode_logits(meta, p)
+    }
+
+    /// An event after the work enqueued so far, labelled `name`, when per-op timing is on
+    /// (benchmarks: the `op-timing` feature); else nothing.
+    #[cfg(feature = "op-timing")]
+    fn op_mark(&self, name: &'static str) -> Result<(), CudaError> {
+        self.prof
+            .as_ref()
+            .map_or(Ok(()), |pr| pr.mark(&self.gpu, name))
+    }
+
+    #[cfg(not(feature = "op-timing"))]
+    fn op_mark(&self, _: &'static str) -> Result<(), CudaError> {
+        Ok(())
     }
 
     /// `resid += down(silu(gate normed) * up normed)` over `t` rows.
@@ -499,6 +527,7 @@ impl CudaBackend {
             false,
             how,
         )?;
+        self.op_mark("router")?;
         let ids = mws.ids.get(layer).ok_or_else(|| CudaError::Shape {
             op: "moe",
             reason: format!("MoE layer {layer} past the workspace's {}", mws.ids.len()),
@@ -512,16 +541,22 @@ impl CudaBackend {
             ids,
             &mws.weights,
         )?;
+        self.op_mark("route")?;
         let pairs = t * k;
         if pairs <= ops::MOE_GEMV_MAX_PAIRS {
             ops::moe_gate_up_swiglu(g, ne, ei, h, k, &moe.gate_up, &ws.normed, ids, t, &mws.act)?;
+            self.op_mark("experts_gate_up")?;
             ops::moe_down(g, ne, h, ei, k, &moe.down, &mws.act, ids, t, &mws.y)?;
+            self.op_mark("experts_down")?;
             ops::moe_combine(g, h, k, &mws.y, None, &mws.weights, t, &ws.resid)?;
+            self.op_mark("experts_combine")?;
         } else {
             self.moe_grouped(moe, e, t, ids)?;
+            self.op_mark("experts_grouped")?;
         }
         if let Some(sh) = &moe.shared {
             self.mlp_add(sh, t)?;
+            self.op_mark("shared_experts")?;
         }
         Ok(())
     }

@@ -1,5 +1,5 @@
 //! Latent attention of a sequence with many new tokens (at least
-//! `engine.cuda.prefill_gemm_min_tokens`) on tensor cores: the absorbed form is multi-query
+//! `CudaOptions::prefill_gemm_min_tokens`, 64) on tensor cores: the absorbed form is multi-query
 //! attention with one shared "head" of the latent's width, so per query chunk
 //! `S_h = [q_lat_h | q_pe_h] L^T` (every head against the same gathered latent rows `L`, one
 //! strided-batched GEMM with a zero stride on `L`), the causal softmax of the prefill path, and

@@ -320,82 +320,6 @@ fn mla_attention_matches_host() {
     attn_case(&g, &mut r, 16, 512, 64, 16, &[long, vec![90]]);
 }
 
-/// cpu/moe.rs `route`, line by line (it is crate-private there).
-fn route_ref(logits: &[f32], bias: Option<&[f32]>, e: &MoeSpec) -> Vec<(usize, f32)> {
-    fn top_k(v: &[f32], k: usize) -> Vec<usize> {
-        let mut idx: Vec<usize> = (0..v.len()).collect();
-        idx.sort_by(|&a, &b| v[b].total_cmp(&v[a]).then(a.cmp(&b)));
-        idx.truncate(k);
-        idx
-    }
-    let n = logits.len();
-    let per_group = n / e.num_groups;
-    let (scores, mut choice): (Vec<f32>, Vec<f32>) = match e.scoring {
-        MoeScoring::Softmax { .. } => {
-            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let ex: Vec<f32> = logits.iter().map(|l| (l - max).exp()).collect();
-            let sum: f32 = ex.iter().sum();
-            let p: Vec<f32> = ex.iter().map(|v| v / sum).collect();
-            (p.clone(), p)
-        }
-        MoeScoring::SigmoidBiased => {
-            let p: Vec<f32> = logits.iter().map(|l| 1.0 / (1.0 + (-l).exp())).collect();
-            let c = match bias {
-                Some(b) => p.iter().zip(b).map(|(s, b)| s + b).collect(),
-                None => p.clone(),
-            };
-            (p, c)
-        }
-    };
-    let grouped = e.scoring
-        != MoeScoring::Softmax {
-            group_limited: false,
-        };
-    if grouped && e.topk_groups < e.num_groups {
-        let group_score: Vec<f32> = choice
-            .chunks(per_group)
-            .map(|g| {
-                let mut v = g.to_vec();
-                v.sort_by(|a, b| b.total_cmp(a));
-                match e.scoring {
-                    MoeScoring::SigmoidBiased => v[0] + v[1],
-                    MoeScoring::Softmax { .. } => v[0],
-                }
-            })
-            .collect();
-        let keep = top_k(&group_score, e.topk_groups);
-        let masked = match e.scoring {
-            MoeScoring::SigmoidBiased => f32::NEG_INFINITY,
-            MoeScoring::Softmax { .. } => 0.0,
-        };
-        for (g, chunk) in choice.chunks_mut(per_group).enumerate() {
-            if !keep.contains(&g) {
-                chunk.fill(masked);
-            }
-        }
-    }
-    let mut out: Vec<(usize, f32)> = top_k(&choice, e.top_k)
-        .into_iter()
-        .map(|i| {
-            let w = match e.scoring {
-                MoeScoring::Softmax { .. } => choice[i],
-                MoeScoring::SigmoidBiased => scores[i],
-            };
-            (i, w)
-        })
-        .collect();
-    if e.norm_topk_prob && e.top_k > 1 {
-        let denom: f32 = out.iter().map(|(_, w)| w).sum::<f32>() + 1e-20;
-        for (_, w) in out.iter_mut() {
-            *w /= denom;
-        }
-    }
-    for (_, w) in out.iter_mut() {
-        *w *= e.routed_scaling_factor;
-    }
-    out
-}
-
 fn moe_spec(
     experts: usize,
     top_k: usize,
@@ -474,7 +398,11 @@ fn moe_route_matches_host_for_every_scoring() {
             let (mut want_ids, mut want_w) = (Vec::new(), Vec::new());
             for tt in 0..t {
                 let b = with_bias.then_some(bias.as_slice());
-                for (i, wt) in route_ref(&logits[tt * n..(tt + 1) * n], b, spec) {
+                for (i, wt) in pdnode_engine::backend::cpu::route_experts(
+                    &logits[tt * n..(tt + 1) * n],
+                    b,
+                    spec,
+                ) {
                     want_ids.push(i as i32);
                     want_w.push(wt);
                 }

@@ -11,6 +11,7 @@ mod moe;
 pub mod ops;
 mod staging;
 
+pub use moe::route as route_experts;
 pub use staging::HostArena;
 
 use super::{

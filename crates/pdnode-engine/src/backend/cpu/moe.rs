@@ -17,8 +17,9 @@ pub(super) fn swiglu_add(x: &mut [f32], xn: &[f32], e: &Expert, t: usize, h: usi
     ops::matmul_wt(x, &gate, &e.w_down.data, t, h, inter, true);
 }
 
-/// The experts one row is routed to, with their weights.
-pub(crate) fn route(logits: &[f32], bias: Option<&[f32]>, e: &MoeSpec) -> Vec<(usize, f32)> {
+/// The experts one row is routed to, with their weights (the CUDA routing kernel's reference
+/// too: `backend::cpu::route_experts`).
+pub fn route(logits: &[f32], bias: Option<&[f32]>, e: &MoeSpec) -> Vec<(usize, f32)> {
     let n = logits.len();
     let per_group = n / e.num_groups;
     // `scores`: the weights' source; `choice`: what picks the experts.

@@ -153,17 +153,46 @@ extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS)
     }
 }
 
-// The pairs p < pairs routed to expert e into list[0..*cnt): p itself when ids[p] == e, and, for
-// expert 0 only, -1 - p when ids[p] is outside 0..experts (those pairs get zeros: no expert reads
-// or writes out of bounds for them). Order is not deterministic, the outputs are (each pair's
-// output depends on that pair alone). Every thread calls it; returns *cnt.
-__device__ int moe_pairs_of(const int* ids, int pairs, int e, int experts, int* list, int* cnt) {
-    if (threadIdx.x == 0) *cnt = 0;
+// The block's expert and its pairs. Slot `slot` (blockIdx.y) serves the slot-th smallest expert
+// id any pair routes to (-1 past the last: the block exits), so the grid needs only
+// min(experts, pairs) slots and no block waits on an expert nobody picked. The pairs p < pairs
+// routed to it go into list[0..*cnt): p itself when ids[p] == e, and, for slot 0 only, -1 - p
+// when ids[p] is outside 0..experts (those pairs get zeros: no expert reads or writes out of
+// bounds for them). Order is not deterministic, the outputs are (each pair's output depends on
+// that pair alone). Every thread calls it; returns *cnt, the expert in *e_out.
+__device__ int moe_pairs_of(const int* ids, int pairs, int slot, int experts, int* list, int* cnt,
+                            int* e_out) {
+    __shared__ unsigned bits[MOE_MAX_EXPERTS / 32];
+    for (int i = threadIdx.x; i < MOE_MAX_EXPERTS / 32; i += blockDim.x) bits[i] = 0;
+    if (threadIdx.x == 0) {
+        *cnt = 0;
+        *e_out = -1;
+    }
     __syncthreads();
     for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
         const int id = ids[p];
+        if (id >= 0 && id < experts) atomicOr(&bits[id >> 5], 1u << (id & 31));
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int seen = 0;
+        for (int w = 0; w < (experts + 31) / 32; w++) {
+            const int c = __popc(bits[w]);
+            if (seen + c > slot) {
+                unsigned b = bits[w];
+                for (int k = slot - seen; k > 0; k--) b &= b - 1;  // drop the lowest set bits
+                *e_out = w * 32 + __ffs((int)b) - 1;
+                break;
+            }
+            seen += c;
+        }
+    }
+    __syncthreads();
+    const int e = *e_out;
+    for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+        const int id = ids[p];
         const bool bad = id < 0 || id >= experts;
-        if (id == e || (e == 0 && bad)) list[atomicAdd(cnt, 1)] = bad ? -1 - p : p;
+        if ((e >= 0 && id == e) || (slot == 0 && bad)) list[atomicAdd(cnt, 1)] = bad ? -1 - p : p;
     }
     __syncthreads();
     return *cnt;
@@ -175,21 +204,24 @@ __device__ __forceinline__ float moe_silu_mul(float g, float u) { return g / (1.
 #define MOE_DN_PB 8  // (moe_down)
 
 // act[p][n] = silu(W[e][n] . x[t]) * (W[e][inter + n] . x[t]) for the pairs p = t * top_k + j
-// routed to expert e = blockIdx.y; rows n of blockIdx.x's MOE_ROWS_PER_BLOCK, a warp per row.
+// routed to the block's expert (moe_pairs_of); rows n of blockIdx.x's MOE_ROWS_PER_BLOCK, a warp
+// per row.
 // Blocks of experts no pair routes to exit at once, so each touched expert's rows are read from
 // memory once per launch (again from cache for each further MOE_GU_PB pairs).
 // w: bf16 [experts][2 inter][hidden]; x: bf16 [T][hidden]; act: bf16 [pairs][inter]; hidden % 8 == 0,
-// w and x 16-byte aligned. grid: (ceil(inter / MOE_ROWS_PER_BLOCK), experts), block: MOE_GEMV_THREADS.
+// w and x 16-byte aligned. grid: (ceil(inter / MOE_ROWS_PER_BLOCK), min(experts, pairs)), block:
+// MOE_GEMV_THREADS.
 extern "C" __global__ void __launch_bounds__(MOE_GEMV_THREADS)
     moe_gate_up_swiglu(const bf16_t* __restrict__ w, const bf16_t* __restrict__ x, const int* __restrict__ ids,
                        int pairs, int top_k, int experts, int inter, int hidden, bf16_t* __restrict__ act) {
     PD_GRID_WAIT();
     PD_GRID_LAUNCH_DEPENDENTS();
     __shared__ int list[MOE_MAX_PAIRS];
-    __shared__ int cnt;
-    const int e = blockIdx.y;
-    const int n_pairs = moe_pairs_of(ids, pairs, e, experts, list, &cnt);
+    __shared__ int cnt, e_sh;
+    const int n_pairs = moe_pairs_of(ids, pairs, blockIdx.y, experts, list, &cnt, &e_sh);
     if (n_pairs == 0) return;
+    // only out-of-range pairs (e < 0): expert 0's rows are read (in bounds), zeros written
+    const int e = e_sh < 0 ? 0 : e_sh;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     for (int r = 0; r < MOE_ROWS_PER_WARP; r++) {
         const int n = blockIdx.x * MOE_ROWS_PER_BLOCK + warp * MOE_ROWS_PER_WARP + r;
@@ -205,6 +237,7 @@ extern "C" __global__ void __launch_bounds__(MOE_GEMV_THREADS)
                 ag[j] = 0.f;
                 au[j] = 0.f;
             }
+#pragma unroll 4
             for (int c = lane * 8; c < hidden; c += 256) {
                 float fg[8], fu[8];
                 unpack8(*(const uint4*)(wg + c), fg);
@@ -235,20 +268,20 @@ extern "C" __global__ void __launch_bounds__(MOE_GEMV_THREADS)
     }
 }
 
-// y[p][n] = W[e][n] . act[p] for the pairs routed to expert e = blockIdx.y (zeros for a pair
+// y[p][n] = W[e][n] . act[p] for the pairs routed to the block's expert e (zeros for a pair
 // whose id is out of range); as moe_gate_up_swiglu otherwise. w: bf16 [experts][hidden][inter];
 // act: bf16 [pairs][inter]; y: f32 [pairs][hidden]; inter % 8 == 0, w and act 16-byte aligned.
-// grid: (ceil(hidden / MOE_ROWS_PER_BLOCK), experts), block: MOE_GEMV_THREADS.
+// grid: (ceil(hidden / MOE_ROWS_PER_BLOCK), min(experts, pairs)), block: MOE_GEMV_THREADS.
 extern "C" __global__ void __launch_bounds__(MOE_GEMV_THREADS)
     moe_down(const bf16_t* __restrict__ w, const bf16_t* __restrict__ act, const int* __restrict__ ids, int pairs,
              int experts, int hidden, int inter, float* __restrict__ y) {
     PD_GRID_WAIT();
     PD_GRID_LAUNCH_DEPENDENTS();
     __shared__ int list[MOE_MAX_PAIRS];
-    __shared__ int cnt;
-    const int e = blockIdx.y;
-    const int n_pairs = moe_pairs_of(ids, pairs, e, experts, list, &cnt);
+    __shared__ int cnt, e_sh;
+    const int n_pairs = moe_pairs_of(ids, pairs, blockIdx.y, experts, list, &cnt, &e_sh);
     if (n_pairs == 0) return;
+    const int e = e_sh < 0 ? 0 : e_sh;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     for (int r = 0; r < MOE_ROWS_PER_WARP; r++) {
         const int n = blockIdx.x * MOE_ROWS_PER_BLOCK + warp * MOE_ROWS_PER_WARP + r;
@@ -262,6 +295,7 @@ extern "C" __global__ void __launch_bounds__(MOE_GEMV_THREADS)
                 pp[j] = b0 + j < n_pairs ? list[b0 + j] : -1;
                 a[j] = 0.f;
             }
+#pragma unroll 4
             for (int c = lane * 8; c < inter; c += 256) {
                 float fw[8];
                 unpack8(*(const uint4*)(wr + c), fw);

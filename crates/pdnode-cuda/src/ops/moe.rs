@@ -141,7 +141,7 @@ fn check_gemv(
 /// For each pair `p = t * top_k + j` with expert `e = ids[p]`: `act[p][n] = silu(g) * u`, `g =
 /// W[e][n] . x[t]`, `u = W[e][inter + n] . x[t]`. `w`: bf16 `[experts][2 * inter][hidden]` (gate
 /// rows, then up rows); `x`: bf16 `[tokens][hidden]`; `ids`: i32 `[tokens * top_k]`; `act`: bf16
-/// `[tokens * top_k][inter]`. Expert-major: grid (row tiles, experts), a block finds its expert's
+/// `[tokens * top_k][inter]`. Expert-major: grid (row tiles, min(experts, pairs)), a block finds its expert's
 /// pairs in `ids` (blocks of untouched experts exit at once), so each touched expert's weights
 /// are read from memory once. A pair whose id is outside `0..experts` gets a zero row (nothing is
 /// read for it). `hidden % 8 == 0`, `w` and `x` 16-byte aligned, `tokens * top_k <=`
@@ -189,7 +189,8 @@ pub fn moe_gate_up_swiglu(
         .arg(act.ptr_ref());
     let grid = (
         u32_of(OP, inter.div_ceil(GEMV_ROWS_PER_BLOCK))?,
-        experts as u32,
+        // a slot per expert the pairs can touch: the smaller of the experts and the pairs
+        experts.min(tokens * top_k) as u32,
         1,
     );
     // SAFETY: sizes and alignment checked above; ids outside 0..experts are never used to index.
@@ -242,7 +243,8 @@ pub fn moe_down(
         .arg(y.ptr_ref());
     let grid = (
         u32_of(OP, hidden.div_ceil(GEMV_ROWS_PER_BLOCK))?,
-        experts as u32,
+        // a slot per expert the pairs can touch: the smaller of the experts and the pairs
+        experts.min(tokens * top_k) as u32,
         1,
     );
     // SAFETY: sizes and alignment checked above; ids outside 0..experts are never used to index.

@@ -336,7 +336,7 @@ static void case_experts(int E, int T, int top_k, int inter, int hidden, bool cr
     ids[P - 1] = E + 5;  // out of range: zeros, no access out of bounds
     if (P > 2) ids[1] = -2;
     std::vector<uint16_t> act((size_t)P * inter, 0xffff);
-    launch({(unsigned)((inter + MOE_ROWS_PER_BLOCK - 1) / MOE_ROWS_PER_BLOCK), (unsigned)E, 1}, MOE_GEMV_THREADS, [&] {
+    launch({(unsigned)((inter + MOE_ROWS_PER_BLOCK - 1) / MOE_ROWS_PER_BLOCK), (unsigned)std::min(E, P), 1}, MOE_GEMV_THREADS, [&] {
         moe_gate_up_swiglu(wgu.data(), x.data(), ids.data(), P, top_k, E, inter, hidden, act.data());
     });
     std::vector<double> got, want;
@@ -364,7 +364,7 @@ static void case_experts(int E, int T, int top_k, int inter, int hidden, bool cr
     check("moe_gate_up_swiglu", tag, got, want, 8e-3);
 
     std::vector<float> y((size_t)P * hidden, NAN);
-    launch({(unsigned)((hidden + MOE_ROWS_PER_BLOCK - 1) / MOE_ROWS_PER_BLOCK), (unsigned)E, 1}, MOE_GEMV_THREADS,
+    launch({(unsigned)((hidden + MOE_ROWS_PER_BLOCK - 1) / MOE_ROWS_PER_BLOCK), (unsigned)std::min(E, P), 1}, MOE_GEMV_THREADS,
            [&] { moe_down(wd.data(), act.data(), ids.data(), P, E, hidden, inter, y.data()); });
     got.clear();
     want.clear();

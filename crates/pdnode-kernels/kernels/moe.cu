@@ -8,7 +8,7 @@
 #define MOE_MAX_PAIRS 512
 #define MOE_ROUTE_THREADS 256
 #define MOE_GEMV_THREADS 256  // 8 warps
-#define MOE_ROWS_PER_WARP 4
+#define MOE_ROWS_PER_WARP 2
 #define MOE_ROWS_PER_BLOCK (MOE_GEMV_THREADS / 32 * MOE_ROWS_PER_WARP)
 
 // Rust's f32::total_cmp order as an unsigned key, with the lower index larger among equal

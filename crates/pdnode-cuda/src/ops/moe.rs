@@ -19,7 +19,7 @@ pub const MOE_MAX_TOP_K: usize = 16;
 const ROUTE_THREADS: u32 = 256;
 /// Threads of a GEMV block and the rows it covers (`MOE_GEMV_THREADS`, `MOE_ROWS_PER_BLOCK`).
 const GEMV_THREADS: u32 = 256;
-const GEMV_ROWS_PER_BLOCK: usize = 32;
+const GEMV_ROWS_PER_BLOCK: usize = 16;
 
 const I32: usize = 4;
 

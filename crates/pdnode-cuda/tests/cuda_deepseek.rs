@@ -115,11 +115,14 @@ fn median(v: &[f32]) -> f32 {
 }
 
 /// bf16 weights and activations against f32 references. A mixture of experts amplifies bf16
-/// rounding where two experts' router scores nearly tie (a token routed differently in one
-/// layer moves its logits by ~10 %), so a step may stray past the dense models' 3e-2 bound;
-/// a wrong kernel moves every step by O(1). Bounds: the median step within 3e-2 of both
-/// references, at least 90 % of the steps within 5e-2, every step within 0.3, no greedy token
-/// differing from transformers' outside near ties.
+/// rounding where two experts' router scores nearly tie: a token routed differently in one
+/// layer moves that step's logits by 10-30 % (on the H200: deepseek_v2 step 6 at 0.16 and
+/// deepseek_v3_fp8 steps 2 and 21 at 0.28, the same on the decode kernel, with graphs and one
+/// token a step, smaller through the GEMM path's different rounding; every other step within
+/// 2.6e-2), so a step may stray past the dense models' 3e-2 bound; a wrong kernel moves every
+/// step. Bounds: the median step within 3e-2 of both references, at least 90 % of the steps
+/// within 5e-2, every step within 0.5, no greedy token differing from transformers' outside
+/// near ties.
 #[test]
 #[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
 fn deepseek_fixtures_match_transformers_and_the_cpu_backend() {
@@ -149,7 +152,7 @@ fn deepseek_fixtures_match_transformers_and_the_cpu_backend() {
                 |v: &[f32], b: f32| v.iter().filter(|&&x| x < b).count() as f32 / v.len() as f32;
             let worst = |v: &[f32]| v.iter().fold(0f32, |a, &b| a.max(b));
             for (what, v) in [("HF", &e.hf), ("CPU", &e.cpu)] {
-                if median(v) >= 3e-2 || within(v, 5e-2) < 0.9 || worst(v) >= 0.3 {
+                if median(v) >= 3e-2 || within(v, 5e-2) < 0.9 || worst(v) >= 0.5 {
                     failures.push(format!("{tag}: vs {what} {v:.1e}", v = Errs(v)));
                 }
             }

@@ -9,7 +9,7 @@
 #define MLA_LAT_MAX 576    // longest latent row (rank 512 + rope 64)
 #define MLA_THREADS 256    // threads of an mla_attn_split block (8 warps)
 #define MLA_HPB 16         // heads per mla_attn_split block: 2 per warp
-#define MLA_MIN_CHUNK 64   // fewest keys a split takes (later splits are empty)
+#define MLA_MIN_CHUNK 16   // fewest keys a split takes (later splits are empty)
 #define MLA_MAX_SPLITS 256 // most splits mla_attn_combine merges
 #define MLA_PRE ((MLA_KT * MLA_LAT_MAX / 8 + MLA_THREADS - 1) / MLA_THREADS)
 
@@ -260,17 +260,20 @@ extern "C" __global__ void mla_attn_combine(const float* __restrict__ part_ml, c
     const i64 row = tok_list ? (i64)tok_list[blockIdx.x / heads] * heads + blockIdx.x % heads
                              : (i64)blockIdx.x;
     const float* ml = part_ml + prow * nsplit * 2;
-    if (threadIdx.x == 0) {
+    if (threadIdx.x < 32) {  // warp 0: the splits' max and weights, a lane per split
+        const int lane = threadIdx.x;
         float mx = -INFINITY;
-        for (int s = 0; s < nsplit; s++)
+        for (int s = lane; s < nsplit; s += 32)
             if (ml[2 * s + 1] != 0.f) mx = fmaxf(mx, ml[2 * s]);
+        mx = warp_max(mx);
         float lsum = 0.f;
-        for (int s = 0; s < nsplit; s++) {
+        for (int s = lane; s < nsplit; s += 32) {
             const float w = ml[2 * s + 1] != 0.f ? expf(ml[2 * s] - mx) : 0.f;
             wsh[s] = w;
             lsum += w * ml[2 * s + 1];
         }
-        inv_l = 1.f / lsum;
+        lsum = warp_sum(lsum);
+        if (lane == 0) inv_l = 1.f / lsum;
     }
     __syncthreads();
     for (int d = threadIdx.x; d < rank; d += blockDim.x) {

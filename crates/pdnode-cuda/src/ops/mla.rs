@@ -135,7 +135,7 @@ pub fn mla_rope_latent(
 /// Splits of [`mla_attention`] for `tokens` x `heads`: enough (token, head group, split) blocks
 /// for one wave on `sm_count` SMs, at most 256. Depends on nothing else, so a CUDA graph captured
 /// at one context stays right at any other: the kernel gives each split `max(ceil(ctx / splits),
-/// 64)` positions of the token's own context, and a split past the context writes a neutral
+/// 16)` positions of the token's own context, and a split past the context writes a neutral
 /// partial.
 pub fn mla_splits(sm_count: usize, tokens: usize, heads: usize) -> usize {
     let work = tokens.max(1) * heads.div_ceil(MLA_HEADS_PER_BLOCK).max(1);

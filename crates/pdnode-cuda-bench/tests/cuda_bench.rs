@@ -23,6 +23,19 @@ fn batch_ctx_list(var: &str, default: &str) -> Vec<(usize, usize)> {
         .collect()
 }
 
+/// A step row as it is measured (stderr), before the table.
+fn report_row(r: &bench::BenchRow) {
+    eprintln!(
+        "BENCH {} batch={} ctx={} ms={:.3} floor_ms={:.3} ratio={:.3}",
+        r.what,
+        r.batch,
+        r.ctx,
+        r.ms,
+        r.floor_ms,
+        r.ratio()
+    )
+}
+
 /// The benchmarks share the GPU: one at a time, or each disturbs the other's timings.
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
@@ -59,18 +72,8 @@ fn bench_llama31_8b_shapes() {
             Some((a, l))
         })
         .collect();
-    let (ceil, rows) = bench::run_variants(&decode, &prefill, iters, &variants, |r| {
-        eprintln!(
-            "BENCH {} batch={} ctx={} ms={:.3} floor_ms={:.3} ratio={:.3}",
-            r.what,
-            r.batch,
-            r.ctx,
-            r.ms,
-            r.floor_ms,
-            r.ratio()
-        )
-    })
-    .expect("benchmark");
+    let (ceil, rows) =
+        bench::run_variants(&decode, &prefill, iters, &variants, report_row).expect("benchmark");
     print!("{}", bench::step_table(&ceil, &rows));
 }
 
@@ -534,17 +537,7 @@ fn bench_deepseek_v2_lite_shapes() {
         .filter_map(|s| s.trim().parse().ok())
         .collect();
     let iters: usize = env_list("PDNODE_BENCH_ITERS", "20").parse().unwrap_or(20);
-    let (ceil, rows) = bench::run_mla(&spec, &decode, &prefill, iters, |r| {
-        eprintln!(
-            "BENCH {} batch={} ctx={} ms={:.3} floor_ms={:.3} ratio={:.3}",
-            r.what,
-            r.batch,
-            r.ctx,
-            r.ms,
-            r.floor_ms,
-            r.ratio()
-        )
-    })
-    .expect("benchmark");
+    let (ceil, rows) =
+        bench::run_mla(&spec, &decode, &prefill, iters, report_row).expect("benchmark");
     print!("{}", bench::step_table(&ceil, &rows));
 }

@@ -170,7 +170,7 @@ impl PrefillScratch {
                 gpu, d, layer_ptr, q, out, tables, max_blocks, seqs, attn, window,
             );
         }
-        let (nh_i, hd_i, nkv_i, bs_i) = (nh as i32, hd as i32, nkv as i32, bs as i32);
+        let (hd_i, nkv_i, bs_i) = (hd as i32, nkv as i32, bs as i32);
         for s in seqs {
             let e = s.start + s.n;
             if s.row0 + s.n > total_tokens || e > max_blocks * bs || s.n == 0 {
@@ -188,21 +188,9 @@ impl PrefillScratch {
             let tq = s.n.min((budget / (nh * e * 6)).max(1));
             let sp = ensure(gpu, &mut self.s, nh * tq * e * 4)?.ptr();
             let pp = ensure(gpu, &mut self.p, nh * tq * e * BF16)?.ptr();
-            let (row0, n) = (s.row0 as i32, s.n as i32);
             // q rows -> head-major
-            let f = gpu.kernel("transpose_heads")?;
-            let one = 1i32;
-            let mut b = gpu.launch_builder(f);
-            b.arg(q.ptr_ref())
-                .arg(&qh)
-                .arg(&row0)
-                .arg(&n)
-                .arg(&nh_i)
-                .arg(&hd_i)
-                .arg(&one);
             // SAFETY: q holds total_tokens >= row0 + n rows; qh holds nh * n rows (ensured).
-            unsafe { b.launch(cfg((s.n as u32, nh as u32, 1), 64)) }
-                .map_err(super::drv("transpose_heads"))?;
+            unsafe { transpose_heads(gpu, q.ptr(), qh, s.row0, s.n, nh, hd, true) }?;
             // K/V of positions 0..e
             let f = gpu.kernel("kv_gather_seq")?;
             let table = tables + (s.seq * max_blocks * 4) as u64;
@@ -269,21 +257,9 @@ impl PrefillScratch {
                         )?;
                     }
                 }
-                let f = gpu.kernel("causal_softmax")?;
                 // q0 relative to the first key column, as the kernel counts keys
-                let (tq_i, tk_i, q0_i) = (tqc as i32, tk as i32, (q0 - koff) as i32);
-                let w_i = window as i32;
-                let mut b = gpu.launch_builder(f);
-                b.arg(&sp)
-                    .arg(&pp)
-                    .arg(&tq_i)
-                    .arg(&tk_i)
-                    .arg(&q0_i)
-                    .arg(&scale)
-                    .arg(&w_i);
                 // SAFETY: s and p hold nh * tqc rows of tk (ensured: tqc <= tq, tk <= e).
-                unsafe { b.launch(cfg(((nh * tqc) as u32, 1, 1), 256)) }
-                    .map_err(super::drv("causal_softmax"))?;
+                unsafe { causal_softmax(gpu, sp, pp, nh, tqc, tk, q0 - koff, scale, window) }?;
                 for g in 0..g_per {
                     // SAFETY: as above, with vc, p and oh.
                     unsafe {
@@ -318,22 +294,73 @@ impl PrefillScratch {
                 c0 += tqc;
             }
             // head-major -> out rows
-            let f = gpu.kernel("transpose_heads")?;
-            let zero = 0i32;
-            let mut b = gpu.launch_builder(f);
-            b.arg(out.ptr_ref())
-                .arg(&oh)
-                .arg(&row0)
-                .arg(&n)
-                .arg(&nh_i)
-                .arg(&hd_i)
-                .arg(&zero);
             // SAFETY: as for the first transpose.
-            unsafe { b.launch(cfg((s.n as u32, nh as u32, 1), 64)) }
-                .map_err(super::drv("transpose_heads"))?;
+            unsafe { transpose_heads(gpu, out.ptr(), oh, s.row0, s.n, nh, hd, false) }?;
         }
         Ok(())
     }
+}
+
+/// `transpose_heads`: rows `row0..row0 + n` of `x` (`[T, nh, hd]` bf16) to head-major `y`
+/// (`[nh, n, hd]`) when `to_head_major`, else `y` back into those rows of `x`.
+///
+/// # Safety
+/// `x` must hold `row0 + n` rows of `nh * hd` and `y` `nh * n` rows of `hd` (bf16).
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn transpose_heads(
+    gpu: &Gpu,
+    x: u64,
+    y: u64,
+    row0: usize,
+    n: usize,
+    nh: usize,
+    hd: usize,
+    to_head_major: bool,
+) -> Result<(), CudaError> {
+    let f = gpu.kernel("transpose_heads")?;
+    let (row0, n_i, nh_i, hd_i) = (row0 as i32, n as i32, nh as i32, hd as i32);
+    let dir = i32::from(to_head_major);
+    let mut b = gpu.launch_builder(f);
+    b.arg(&x)
+        .arg(&y)
+        .arg(&row0)
+        .arg(&n_i)
+        .arg(&nh_i)
+        .arg(&hd_i)
+        .arg(&dir);
+    // SAFETY: the caller's sizes.
+    unsafe { b.launch(cfg((n as u32, nh as u32, 1), 64)) }.map_err(super::drv("transpose_heads"))
+}
+
+/// `causal_softmax` over `nh * tq` rows of `tk` scores (`s` f32 -> `p` bf16): row `(h, t)` keeps
+/// keys `lo..=q0 + t` (`lo` from `window`, 0 without one), scaled by `scale`.
+///
+/// # Safety
+/// `s` and `p` must hold `nh * tq` rows of `tk`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn causal_softmax(
+    gpu: &Gpu,
+    s: u64,
+    p: u64,
+    nh: usize,
+    tq: usize,
+    tk: usize,
+    q0: usize,
+    scale: f32,
+    window: usize,
+) -> Result<(), CudaError> {
+    let f = gpu.kernel("causal_softmax")?;
+    let (tq_i, tk_i, q0_i, w_i) = (tq as i32, tk as i32, q0 as i32, window as i32);
+    let mut b = gpu.launch_builder(f);
+    b.arg(&s)
+        .arg(&p)
+        .arg(&tq_i)
+        .arg(&tk_i)
+        .arg(&q0_i)
+        .arg(&scale)
+        .arg(&w_i);
+    // SAFETY: the caller's sizes.
+    unsafe { b.launch(cfg(((nh * tq) as u32, 1, 1), 256)) }.map_err(super::drv("causal_softmax"))
 }
 
 /// Stages of the v3 kernels' ring (FP3_STAGES in kernels/prefill_flash_v3.cu) and their dynamic

@@ -10,8 +10,7 @@ use crate::CudaError;
 use crate::blas::{Operand, OutType, gemm_strided_batched};
 use crate::device::{DevBuf, Gpu};
 use crate::ops::{self, MlaDims};
-use crate::prefill::{LongSeq, SCORE_BUDGET, ensure};
-use cudarc::driver::LaunchConfig;
+use crate::prefill::{LongSeq, SCORE_BUDGET, causal_softmax, ensure, transpose_heads};
 
 const BF16: usize = 2;
 
@@ -24,14 +23,6 @@ pub(super) struct MlaPrefill {
     oh: Option<DevBuf>,
     s: Option<DevBuf>,
     p: Option<DevBuf>,
-}
-
-fn cfg(grid: (u32, u32, u32), block: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: grid,
-        block_dim: (block, 1, 1),
-        shared_mem_bytes: 0,
-    }
 }
 
 /// What one layer's GEMM prefill reads and writes.
@@ -116,19 +107,8 @@ impl MlaPrefill {
                     nh,
                 )?;
             }
-            let f = gpu.kernel("causal_softmax")?;
-            let (tq_i, tk_i, q0_i, no_window) = (tqc as i32, tk as i32, q0 as i32, 0i32);
-            let mut b = gpu.launch_builder(f);
-            b.arg(&sp)
-                .arg(&pp)
-                .arg(&tq_i)
-                .arg(&tk_i)
-                .arg(&q0_i)
-                .arg(&io.scale)
-                .arg(&no_window);
             // SAFETY: s and p hold nh * tqc rows of tk (ensured).
-            unsafe { b.launch(cfg(((nh * tqc) as u32, 1, 1), 256)) }
-                .map_err(crate::drv("causal_softmax"))?;
+            unsafe { causal_softmax(gpu, sp, pp, nh, tqc, tk, q0, io.scale, 0) }?;
             // SAFETY: as above; the values are the first `rank` of each latent row; oh holds
             // nh * n rows of rank.
             unsafe {
@@ -162,19 +142,8 @@ impl MlaPrefill {
             c0 += tqc;
         }
         // head-major -> the step's o_lat rows
-        let f = gpu.kernel("transpose_heads")?;
-        let (row0, n, nh_i, rk, zero) = (s.row0 as i32, s.n as i32, nh as i32, rank as i32, 0i32);
-        let mut b = gpu.launch_builder(f);
-        b.arg(io.o_lat.ptr_ref())
-            .arg(&oh)
-            .arg(&row0)
-            .arg(&n)
-            .arg(&nh_i)
-            .arg(&rk)
-            .arg(&zero);
         // SAFETY: o_lat holds `tokens` rows of nh * rank >= row0 + n; oh nh * n rows of rank.
-        unsafe { b.launch(cfg((s.n as u32, nh as u32, 1), 64)) }
-            .map_err(crate::drv("transpose_heads"))?;
+        unsafe { transpose_heads(gpu, io.o_lat.ptr(), oh, s.row0, s.n, nh, rank, false) }?;
         Ok(())
     }
 }

@@ -1,11 +1,12 @@
 //! The fused gate_up + SwiGLU GEMV (`gemv_mma_glu_m1[_pf]`, kernels/gemv.cu) against the unfused
 //! path it replaces (the same tensor-core launch on the `2 inter x inp` weight, then the swiglu
-//! kernel) and against a host reference; and `linear`'s measured Auto table against cuBLAS.
+//! kernel) and against a host reference; `linear`'s measured Auto table against cuBLAS; the
+//! cuBLAS GEMM itself against a host reference.
 //! Part of the `cuda_kernels` test binary; prints one PASS/FAIL line a case.
 
 use super::cuda_support::*;
 use super::{gpu, poisoned};
-use pdnode_cuda::blas::OutType;
+use pdnode_cuda::blas::{OutType, gemm};
 use pdnode_cuda::ops::{self, Fusion, LinearImpl};
 
 /// bf16 bits of a value downloaded as f32 (exact: the f32 came from a bf16).
@@ -353,4 +354,66 @@ fn linear_rmsnorm_fused_matches_unfused() {
     assert!(ops::gemv_mma_norm(&g, l, 64, 9, 64, &w, &x, &y, false, &nf).is_err());
     assert!(ops::gemv_mma_norm(&g, l, 64, 0, 64, &w, &x, &y, false, &nf).is_err());
     println!("PASS gemv_mma_norm rejects 16 warps, 9 and 0 tokens");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
+fn gemm_bf16_matches_reference_both_output_types() {
+    let g = gpu();
+    let mut r = rng("gemm");
+    for &(out, t, inp) in &[(96, 1, 64), (333, 7, 200), (1024, 64, 512)] {
+        let w = randv(&mut r, out * inp, 1.0);
+        let x = randv(&mut r, t * inp, 1.0);
+        let y0 = randv(&mut r, t * out, 1.0);
+        let (dw, dx) = (g.upload_bf16(&w).unwrap(), g.upload_bf16(&x).unwrap());
+        let reference = |beta: f32| -> Vec<f32> {
+            (0..t * out)
+                .map(|k| {
+                    let (ti, o) = (k / out, k % out);
+                    let s: f32 = (0..inp).map(|i| w[o * inp + i] * x[ti * inp + i]).sum();
+                    s + beta * y0[k]
+                })
+                .collect()
+        };
+        // bf16 out, beta 0, poisoned output
+        let yb = poisoned(&g, t * out * 2);
+        // SAFETY: buffers sized for the shapes passed.
+        unsafe {
+            gemm(
+                &g.blas,
+                out,
+                t,
+                inp,
+                dw.ptr(),
+                dx.ptr(),
+                yb.ptr(),
+                OutType::Bf16,
+                0.0,
+            )
+        }
+        .unwrap();
+        let got = g.download_bf16(&yb, t * out).unwrap();
+        let e = rel_err(&got, &reference(0.0));
+        assert!(e < 1e-2, "bf16 gemm {out}x{t}x{inp}: rel err {e}");
+        // f32 out accumulating into y (the fused residual add)
+        let yf = g.upload_f32(&y0).unwrap();
+        // SAFETY: as above.
+        unsafe {
+            gemm(
+                &g.blas,
+                out,
+                t,
+                inp,
+                dw.ptr(),
+                dx.ptr(),
+                yf.ptr(),
+                OutType::F32,
+                1.0,
+            )
+        }
+        .unwrap();
+        let got = g.download_f32(&yf, t * out).unwrap();
+        let e = rel_err(&got, &reference(1.0));
+        assert!(e < 1e-3, "f32 gemm {out}x{t}x{inp}: rel err {e}");
+    }
 }

@@ -83,6 +83,27 @@ pub fn yarn_mscale(scale: f32, mscale: f32) -> f32 {
     }
 }
 
+/// The softmax scale of latent attention (both backends): `qk_head_dim^-0.5`, times YaRN's `mscale(factor, mscale_all_dim)^2`
+/// when the config sets `mscale_all_dim` (DeepSeek's `yarn_apply_mscale`).
+pub fn mla_softmax_scale(m: &MlaSpec, scaling: Option<&RopeScaling>) -> f32 {
+    let base = (m.qk_head_dim() as f64).powf(-0.5) as f32;
+    match scaling {
+        Some(RopeScaling::Yarn {
+            factor,
+            mscale_all_dim: Some(all),
+            ..
+        }) => {
+            let ms = yarn_mscale(*factor, *all);
+            base * ms * ms
+        }
+        _ => base,
+    }
+}
+
+/// The eps of the q and kv low-rank norms of latent attention: transformers builds them with its
+/// RMSNorm default, not the config's `rms_norm_eps`.
+pub const MLA_LORA_NORM_EPS: f32 = 1e-6;
+
 /// Multi-head latent attention (DeepSeek-V2/V3). Each token caches one latent per layer: the
 /// normalized `kv_lora_rank` compression of its keys and values followed by its
 /// `qk_rope_head_dim` RoPE key, shared by every head.

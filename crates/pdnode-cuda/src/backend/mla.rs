@@ -19,10 +19,9 @@ use crate::blas::{self, Operand, OutType};
 use crate::device::{DevBuf, Gpu};
 use crate::mla_weights::{DevFfn, DevMlaQuery, DevMlp, DevMoe};
 use crate::ops::{self, AttnMeta, MlaDims};
-use pdnode_engine::spec::{ModelSpec, MoeSpec, RopeScaling, rope_attention_factor, yarn_mscale};
-
-/// The eps of the q and kv low-rank norms (transformers builds them with its RMSNorm default).
-const LORA_NORM_EPS: f32 = 1e-6;
+use pdnode_engine::spec::{
+    MLA_LORA_NORM_EPS, ModelSpec, MoeSpec, mla_softmax_scale, rope_attention_factor,
+};
 
 /// Activations and scratch of the MLA step, sized for `max_batch_tokens` tokens.
 pub(super) struct MlaWorkspace {
@@ -128,24 +127,6 @@ impl MlaWorkspace {
     }
 }
 
-/// The softmax scale: `qk_head_dim^-0.5`, times YaRN's `mscale(factor, mscale_all_dim)^2` when
-/// the config sets `mscale_all_dim` (as the CPU backend).
-pub(super) fn softmax_scale(s: &ModelSpec) -> f32 {
-    let Some(m) = &s.mla else { return 1.0 };
-    let base = (m.qk_head_dim() as f64).powf(-0.5) as f32;
-    match &s.rope_scaling {
-        Some(RopeScaling::Yarn {
-            factor,
-            mscale_all_dim: Some(all),
-            ..
-        }) => {
-            let ms = yarn_mscale(*factor, *all);
-            base * ms * ms
-        }
-        _ => base,
-    }
-}
-
 impl CudaBackend {
     /// [`CudaBackend::encode`] for a latent-attention model (the caller checked `w.mla`).
     pub(super) fn encode_mla(
@@ -198,7 +179,7 @@ impl CudaBackend {
         };
         let lin = self.opts.linear;
         let rope_factor = rope_attention_factor(s.rope_scaling.as_ref());
-        let scale = softmax_scale(s);
+        let scale = mla_softmax_scale(ml, s.rope_scaling.as_ref());
         let attn_meta = AttnMeta {
             tok_seq: m(p.off.tok_seq),
             tok_pos: m(p.off.pos),
@@ -259,7 +240,7 @@ impl CudaBackend {
                         false,
                         how,
                     )?;
-                    let e = LORA_NORM_EPS;
+                    let e = MLA_LORA_NORM_EPS;
                     ops::add_rmsnorm(g, &mws.qa_f32, t, None, q_a_norm, &mws.qa, None, t, *qr, e)?;
                     let how = lin.for_call(t, *qr, wq_b, &mws.qa);
                     ops::linear(
@@ -297,7 +278,7 @@ impl CudaBackend {
                 &dims,
                 &mws.kva,
                 &l.kv_a_norm,
-                LORA_NORM_EPS,
+                MLA_LORA_NORM_EPS,
                 &mws.q,
                 &w.inv_freq,
                 rope_factor,

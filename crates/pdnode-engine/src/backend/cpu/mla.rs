@@ -11,13 +11,9 @@
 use super::attention::{PoolDims, SeqView, dot, exp_shifted};
 use super::{CpuBackend, CpuWeights, moe, ops, output_logits, step_rows};
 use crate::backend::{ForwardBatch, Logits, StepStaging};
-use crate::spec::{MlaSpec, RopeScaling, yarn_mscale};
+use crate::spec::{MLA_LORA_NORM_EPS, MlaSpec, mla_softmax_scale};
 use crate::weights::{Ffn, MlaQuery};
 use rayon::prelude::*;
-
-/// The eps of the q and kv low-rank norms: transformers builds them with its RMSNorm default,
-/// not the config's `rms_norm_eps`.
-const LORA_NORM_EPS: f32 = 1e-6;
 
 impl CpuBackend {
     pub(super) fn forward_mla(
@@ -47,7 +43,7 @@ impl CpuBackend {
         for v in cos.iter_mut().chain(sin.iter_mut()) {
             *v *= self.rope_factor;
         }
-        let scale = softmax_scale(m, s.rope_scaling.as_ref());
+        let scale = mla_softmax_scale(m, s.rope_scaling.as_ref());
         let mut xn = vec![0f32; t * h];
         let mut q = vec![0f32; t * nh * qk];
         let mut kva = vec![0f32; t * m.latent_dim()];
@@ -68,7 +64,7 @@ impl CpuBackend {
                     let qr = q_a_norm.numel();
                     let mut qa = vec![0f32; t * qr];
                     ops::matmul_wt(&mut qa, &xn, &wq_a.data, t, qr, h, false);
-                    ops::rms_norm_inplace(&mut qa, &q_a_norm.data, qr, LORA_NORM_EPS);
+                    ops::rms_norm_inplace(&mut qa, &q_a_norm.data, qr, MLA_LORA_NORM_EPS);
                     ops::matmul_wt(&mut q, &qa, &wq_b.data, t, nh * qk, qr, false);
                 }
             }
@@ -76,7 +72,7 @@ impl CpuBackend {
             // The latent row: the normalized compression, then the RoPE key.
             for row in kva.chunks_mut(m.latent_dim()) {
                 let (c, _) = row.split_at_mut(r);
-                ops::rms_norm_inplace(c, &l.kv_a_norm.data, r, LORA_NORM_EPS);
+                ops::rms_norm_inplace(c, &l.kv_a_norm.data, r, MLA_LORA_NORM_EPS);
             }
             rope_parts(&mut q, qk, nope, rope, m.rope_interleave, &cos, &sin);
             rope_parts(
@@ -113,23 +109,6 @@ impl CpuBackend {
             }
         }
         output_logits(batch, &seqs, &x, s, &w.final_norm.data, &w.output().data)
-    }
-}
-
-/// The softmax scale: `qk_head_dim^-0.5`, times YaRN's `mscale(factor, mscale_all_dim)^2`
-/// when the config sets `mscale_all_dim` (DeepSeek's `yarn_apply_mscale`).
-fn softmax_scale(m: &MlaSpec, scaling: Option<&RopeScaling>) -> f32 {
-    let base = (m.qk_head_dim() as f64).powf(-0.5) as f32;
-    match scaling {
-        Some(RopeScaling::Yarn {
-            factor,
-            mscale_all_dim: Some(all),
-            ..
-        }) => {
-            let ms = yarn_mscale(*factor, *all);
-            base * ms * ms
-        }
-        _ => base,
     }
 }
 

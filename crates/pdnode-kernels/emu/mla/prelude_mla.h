@@ -6,6 +6,17 @@ static inline unsigned atomicOr(unsigned* p, unsigned v) {
     return o;
 }
 static inline int __popc(unsigned x) { return __builtin_popcount(x); }
+static int g_wballot[32][32];
+static unsigned __ballot_sync(unsigned, bool p) {
+    int t = g_cur, w = t / 32, l = t % 32;
+    g_wballot[w][l] = p;
+    emu_warp_sync();
+    unsigned r = 0;
+    for (int i = 0; i < 32; i++)
+        if (g_wballot[w][i]) r |= 1u << i;
+    emu_warp_sync();
+    return r;
+}
 static inline int atomicAdd(int* p, int v) {
     const int o = *p;
     *p = o + v;

@@ -11,10 +11,7 @@
 //! `kernels/*.cu` begins with `PD_GRID_WAIT()` (`griddepcontrol.wait`: blocks until the previous
 //! grid has completed and its memory is visible) before any global memory access, then
 //! `PD_GRID_LAUNCH_DEPENDENTS()`; both are no-ops for a grid launched without the attribute, so
-//! the results are the same either way. The one exception: the tensor-core GEMVs
-//! (`gemv_mma_*`) load their first weights before the wait, so their weight streaming overlaps
-//! the previous kernel's tail; a weight is never written by the kernel launched just before the
-//! GEMV that reads it (weights are written at load, outside any step). Launches with the attribute are captured into CUDA
+//! the results are the same either way. Launches with the attribute are captured into CUDA
 //! graphs as programmatic edges (driver 12.3 or later), so replayed decode steps keep the
 //! overlap. `engine.cuda.pdl = true` ([`crate::CudaOptions::pdl`]) switches it on for the
 //! backend's GPUs ([`crate::device::Gpu::set_pdl`]); Hopper (sm_90) or later and a 12.3+ driver are

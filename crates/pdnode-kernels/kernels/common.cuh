@@ -7,10 +7,7 @@ typedef long long i64;
 #define INFINITY __int_as_float(0x7f800000)
 
 // Programmatic dependent launch (Hopper; the backend's `engine.cuda.pdl` switch). Every kernel starts
-// with PD_GRID_WAIT() then PD_GRID_LAUNCH_DEPENDENTS(), before any global memory access, with one
-// exception: the tensor-core GEMVs (gemv.cu, gemv_mma_impl) issue their first batch of weight
-// loads before the wait, so a GEMV's weight must never be written by the kernel launched just
-// before it in a stream with the attribute (model weights are written at load only). Launched
+// with PD_GRID_WAIT() then PD_GRID_LAUNCH_DEPENDENTS(), before any global memory access. Launched
 // with the programmatic-stream-serialization attribute, a kernel may become resident while the
 // previous kernel of the stream still runs; the wait blocks until that kernel has completed and
 // its memory is visible. The trigger lets the next kernel be scheduled once every block of this

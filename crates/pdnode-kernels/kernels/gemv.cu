@@ -111,26 +111,6 @@ __device__ __forceinline__ void gm_mma(float* c, unsigned a0, unsigned a1, unsig
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// One batch of a warp's weight loads: U chunks from chunk `base` (stride nw), MT tiles, both
-// 8-row halves; zeros past the row end or past `out`.
-template <int MT, int U, int PF>
-__device__ __forceinline__ void gm_load_w(uint4 (&a)[U][MT][2], const uint4* const (&wp)[MT][2],
-                                          const bool (&wv)[MT][2], int base, int nw, int c,
-                                          int nseg) {
-#pragma unroll
-    for (int u = 0; u < U; u++) {
-        const int s = (base + u * nw) * 4 + c;
-        const bool ok = s < nseg;
-#pragma unroll
-        for (int m = 0; m < MT; m++) {
-#pragma unroll
-            for (int h = 0; h < 2; h++)
-                a[u][m][h] = PF ? gm_ld_stream_pf(wp[m][h] + (ok ? s : 0), ok && wv[m][h])
-                                : gm_ld_stream(wp[m][h] + (ok ? s : 0), ok && wv[m][h]);
-        }
-    }
-}
-
 #define GM_MAX_WARPS 16
 
 // GLU = 1 (gemv_mma_glu_*): w is the [2 * out, in] gate|up weight (rows 0..out gate, out..2out up)
@@ -177,23 +157,21 @@ __device__ void gemv_mma_impl(const bf16_t* __restrict__ w, const bf16_t* __rest
 #pragma unroll
         for (int r = 0; r < 4; r++) acc[m][r] = 0.f;
     }
-    // The weights do not depend on the kernel before this one: the first batch of a warp's
-    // weight loads is issued before the grid-dependency wait, so under programmatic dependent
-    // launch they stream while the previous kernel drains (its tail, a norm, RoPE, attention).
-    // Without the launch attribute the wait is a no-op and the loads are the loop's own.
-    uint4 a[U][MT][2];
-    const bool active = warp < nw;
-    if (active) gm_load_w<MT, U, PF>(a, wp, wv, warp, nw, c, nseg);
-    PD_GRID_WAIT();
-    PD_GRID_LAUNCH_DEPENDENTS();
-    if (active) {
+    if (warp < nw) {
         for (int base = warp; base < nc; base += nw * U) {
-            if (base != warp) gm_load_w<MT, U, PF>(a, wp, wv, base, nw, c, nseg);
+            uint4 a[U][MT][2];
             uint4 b[U];
 #pragma unroll
             for (int u = 0; u < U; u++) {
                 const int s = (base + u * nw) * 4 + c;
                 const bool ok = s < nseg;
+#pragma unroll
+                for (int m = 0; m < MT; m++) {
+#pragma unroll
+                    for (int h = 0; h < 2; h++)
+                        a[u][m][h] = PF ? gm_ld_stream_pf(wp[m][h] + (ok ? s : 0), ok && wv[m][h])
+                                        : gm_ld_stream(wp[m][h] + (ok ? s : 0), ok && wv[m][h]);
+                }
                 b[u] = gm_ld(xp + (ok ? s : 0), ok && xv);
             }
 #pragma unroll
@@ -287,6 +265,7 @@ __device__ void gemv_mma_impl(const bf16_t* __restrict__ w, const bf16_t* __rest
     extern "C" __global__ void __launch_bounds__(512, 1) NAME(const bf16_t* w, const bf16_t* x,      \
                                                            void* y, int T, int out, int in,       \
                                                            int y_f32, int accumulate) {           \
+        PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();                                                \
         gemv_mma_impl<MT, U, PF, 0, 0>(w, x, y, T, out, in, y_f32, accumulate, nullptr, nullptr,     \
                                        nullptr, 0.f);                                               \
     }
@@ -303,6 +282,7 @@ GEMV_MMA_KERNEL(gemv_mma_m2_pf, 2, 2, 1)
 #define GEMV_MMA_GLU_KERNEL(NAME, PF)                                                               \
     extern "C" __global__ void __launch_bounds__(512, 1) NAME(const bf16_t* w, const bf16_t* x,      \
                                                            bf16_t* y, int T, int out, int in) {   \
+        PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();                                              \
         gemv_mma_impl<1, 4, PF, 1, 0>(w, x, y, T, out, in, 0, 0, nullptr, nullptr, nullptr, 0.f);  \
     }
 
@@ -318,6 +298,7 @@ GEMV_MMA_GLU_KERNEL(gemv_mma_glu_m1_pf, 1)
     extern "C" __global__ void __launch_bounds__(384, 2) NAME(                                      \
         const bf16_t* w, const bf16_t* x, float* y, int T, int out, int in, int accumulate,        \
         const float* nw, bf16_t* normed, unsigned int* ticket, float eps) {                         \
+        PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();                                               \
         gemv_mma_impl<1, 4, PF, 0, 1>(w, x, y, T, out, in, 1, accumulate, nw, normed, ticket, eps); \
     }
 

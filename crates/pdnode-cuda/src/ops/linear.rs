@@ -323,10 +323,12 @@ pub struct Fusion {
     /// launch where the GPU takes it (sm_90, driver 12.3+), also with `engine.cuda.pdl` off (on,
     /// every step does); one GPU only, and only steps of more than [`Fusion::norm_max_tokens`]
     /// rows (PDL with the norm fused into the o/down GEMV measured 5.688 ms at 1 x 2048 against
-    /// 4.849 without PDL). Default 2: the same sweep with the norm unfused gave 4.428 / 4.561 /
+    /// 4.849 without PDL). Default 4: the same sweep with the norm unfused gave 4.428 / 4.561 /
     /// 4.938 ms at batch 1 ctx 512 / 2048 / 8192 and 4.446 at 2 x 512 with PDL against 4.514 /
-    /// 4.626 / 4.970 / 4.529 without, but 4.625 vs 4.622 at 4 x 512 and 4.917 vs 4.738 at
-    /// 8 x 512. Not a config key (a launch choice by step size).
+    /// 4.626 / 4.970 / 4.529 without, but 4.917 vs 4.738 at 8 x 512; at 4 x 512 PDL was even
+    /// (4.625 vs 4.622) with SwiGLU unfused there and wins since it is fused (`s8`: 4.487 vs
+    /// 4.527 ms, two processes, rounds within 0.003 ms; 8 x 512 still loses, 4.96 vs 4.635).
+    /// Not a config key (a launch choice by step size).
     pub pdl_max_tokens: usize,
 }
 
@@ -336,7 +338,7 @@ impl Default for Fusion {
             swiglu_max_tokens: 8,
             norm_max_tokens: 0,
             glu_warps: 8,
-            pdl_max_tokens: 2,
+            pdl_max_tokens: 4,
         }
     }
 }

@@ -246,17 +246,20 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS)
 
 // Merges the splits of mla_attn_split: o_lat[row] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s
 // over the splits with l_s != 0 (the empty ones write l = 0 and no acc), M their largest m.
-// Rows are (token, head) pairs, row = t * heads + h; with tok_list, block i serves token
-// tok_list[i / heads]. grid: (T * heads, or list length * heads), block: 128.
+// Rows are (token, head) pairs, row = t * heads + h; with tok_list, block x serves token
+// tok_list[x / heads]. A token's splits with keys are a prefix (keys past its context fall in the
+// last splits), so the sums stop after the last split with keys. grid: (T * heads, or list
+// length * heads; ceil(rank / blockDim.x)): block y sums dims [y * blockDim.x, ..) of the row, so
+// a batch-1 step reads its partials with heads * rank / 128 blocks instead of heads.
+// block: 128.
 extern "C" __global__ void mla_attn_combine(const float* __restrict__ part_ml, const float* __restrict__ part_acc,
                                             bf16_t* __restrict__ o_lat, int rank, int nsplit,
                                             const int* __restrict__ tok_list, int heads) {
     PD_GRID_WAIT();
     PD_GRID_LAUNCH_DEPENDENTS();
     __shared__ float wsh[MLA_MAX_SPLITS];
-    __shared__ int nz[MLA_MAX_SPLITS];  // the splits with keys, ascending
-    __shared__ int nnz;
     __shared__ float inv_l;
+    __shared__ int nlast;
     // the partials' row (by place in the list) and the output's (by token)
     const i64 prow = blockIdx.x;
     const i64 row = tok_list ? (i64)tok_list[blockIdx.x / heads] * heads + blockIdx.x % heads
@@ -265,9 +268,15 @@ extern "C" __global__ void mla_attn_combine(const float* __restrict__ part_ml, c
     if (threadIdx.x < 32) {  // warp 0: the splits' max and weights, a lane per split
         const int lane = threadIdx.x;
         float mx = -INFINITY;
+        int last = 0;
         for (int s = lane; s < nsplit; s += 32)
-            if (ml[2 * s + 1] != 0.f) mx = fmaxf(mx, ml[2 * s]);
+            if (ml[2 * s + 1] != 0.f) {
+                mx = fmaxf(mx, ml[2 * s]);
+                last = s + 1;
+            }
         mx = warp_max(mx);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) last = max(last, __shfl_xor_sync(0xffffffffu, last, o));
         float lsum = 0.f;
         for (int s = lane; s < nsplit; s += 32) {
             const float w = ml[2 * s + 1] != 0.f ? expf(ml[2 * s] - mx) : 0.f;
@@ -275,31 +284,20 @@ extern "C" __global__ void mla_attn_combine(const float* __restrict__ part_ml, c
             lsum += w * ml[2 * s + 1];
         }
         lsum = warp_sum(lsum);
-        // compact the splits with keys (lane s % 32 wrote wsh[s]), so the sums below load only
-        // those, several in flight (a loop over every split with a branch ran one L2 load at a
-        // time: ~40 us at 132 splits)
-        int cnt = 0;
-        for (int base = 0; base < nsplit; base += 32) {
-            const int s = base + lane;
-            const bool on = s < nsplit && wsh[s] != 0.f;
-            const unsigned b = __ballot_sync(0xffffffffu, on);
-            if (on) nz[cnt + __popc(b & ((1u << lane) - 1u))] = s;
-            cnt += __popc(b);
-        }
         if (lane == 0) {
             inv_l = 1.f / lsum;
-            nnz = cnt;
+            nlast = last;
         }
     }
     __syncthreads();
-    const int n = nnz;
-    for (int d = threadIdx.x; d < rank; d += blockDim.x) {
+    const int n = nlast;
+    const int d = blockIdx.y * blockDim.x + threadIdx.x;
+    if (d < rank) {
+        const float* acc = part_acc + prow * nsplit * rank + d;
         float a = 0.f;
-#pragma unroll 4
-        for (int i = 0; i < n; i++) {
-            const int s = nz[i];
-            a += wsh[s] * part_acc[(prow * nsplit + s) * rank + d];
-        }
+#pragma unroll 8
+        for (int s = 0; s < n; s++)
+            if (wsh[s] != 0.f) a += wsh[s] * acc[(i64)s * rank];
         o_lat[row * rank + d] = f2bf(a * inv_l);
     }
 }

@@ -64,6 +64,9 @@ pub const MLA_MAX_ROPE: usize = 64;
 const MLA_HEADS_PER_BLOCK: usize = 16;
 /// Threads of an `mla_attn_split` block (`MLA_THREADS`).
 const MLA_THREADS: u32 = 256;
+/// Threads a block of `mla_attn_combine`, one output dim each (grid y: the row's dim chunks).
+const COMBINE_THREADS: u32 = 128;
+
 /// Most splits `mla_attn_combine` merges (`MLA_MAX_SPLITS`).
 const MLA_MAX_SPLITS: usize = 256;
 
@@ -316,8 +319,17 @@ pub fn mla_attention_ex(
             .arg(&list_ptr)
             .arg(&h);
         // SAFETY: scratch and output sizes checked above (rows indexed by token, < tokens).
-        unsafe { b.launch(cfg((u32_of(OP, attended * heads)?, 1, 1), 128)) }
-            .map_err(launched("mla_attn_combine"))?;
+        unsafe {
+            b.launch(cfg(
+                (
+                    u32_of(OP, attended * heads)?,
+                    u32_of(OP, rank.div_ceil(COMBINE_THREADS as usize))?,
+                    1,
+                ),
+                COMBINE_THREADS,
+            ))
+        }
+        .map_err(launched("mla_attn_combine"))?;
     }
     Ok(())
 }

@@ -67,6 +67,16 @@ static float __shfl_xor_sync(unsigned, float v, int o) {
     return r;
 }
 
+static int g_wibuf[32][32];
+static int __shfl_xor_sync(unsigned, int v, int o) {
+    int t = g_cur, w = t / 32, l = t % 32;
+    g_wibuf[w][l] = v;
+    emu_warp_sync();
+    int r = g_wibuf[w][l ^ o];
+    emu_warp_sync();
+    return r;
+}
+
 static void (*g_body)();
 static void fiber_main() { g_body(); g_f[g_cur].state = DONE; }
 

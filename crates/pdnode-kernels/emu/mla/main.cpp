@@ -195,7 +195,7 @@ static void case_attn(const AttnCase& c) {
                        lp);
     });
     if (ns > 1)
-        launch({(unsigned)(N * heads), 1, 1}, 128,
+        launch({(unsigned)(N * heads), (unsigned)((rank + 127) / 128), 1}, 128,
                [&] { mla_attn_combine(ml.data(), acc.data(), o.data(), rank, ns, lp, heads); });
     std::vector<double> got, want;
     int untouched_bad = 0;

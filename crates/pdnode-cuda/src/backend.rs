@@ -132,7 +132,7 @@ impl CudaBackend {
                 DevWeights::dummy(gpu, spec, d.seed, Some(d.std), shard)
             }),
             ModelWeights::HostMla(w) => Self::build(spec, opts, fp, shard, |gpu| {
-                DevWeights::upload_mla(gpu, spec, w)
+                DevWeights::upload_mla(gpu, spec, w, shard)
             }),
         }
     }

@@ -192,6 +192,7 @@ pub fn drv(op: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> Cuda
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::weights::Shard;
     use cudarc::driver::sys::CUresult;
     use pdnode_core::ErrorKind;
     use pdnode_engine::backend::BackendError;
@@ -205,10 +206,11 @@ mod tests {
         })
     }
 
-    /// A DeepSeek model split over tensor-parallel ranks is refused with a clear error before
-    /// any device is touched (this runs without a GPU); on one GPU the backend takes it.
+    /// A DeepSeek model splits over tensor-parallel ranks that divide its query heads and every
+    /// intermediate size; an uneven split is refused with a clear error before any device is
+    /// touched (this runs without a GPU).
     #[test]
-    fn latent_attention_models_split_over_ranks_are_refused_before_the_device_is_touched() {
+    fn latent_attention_models_split_over_ranks_that_divide_their_heads_and_experts() {
         for preset in ["deepseek-v2-lite", "deepseek-v3"] {
             let model = pdnode_engine::loader::load_dummy(
                 preset,
@@ -216,17 +218,72 @@ mod tests {
                 None,
             )
             .unwrap();
-            let mut opts = CudaOptions::from_config(&pdnode_core::config::EngineConfig::default());
-            opts.tensor_parallel = 2;
-            opts.gpus = vec![0, 1];
-            match CudaTpBackend::from_loaded(&model, &opts) {
-                Err(CudaError::Unsupported { reason }) => {
-                    assert!(reason.contains("one GPU per node"), "{preset}: {reason}")
+            let spec = &model.spec;
+            for size in [1, 2, 4, 8] {
+                for rank in 0..size {
+                    Shard { rank, size }
+                        .check(spec)
+                        .unwrap_or_else(|e| panic!("{preset} at TP = {size}: {e}"));
                 }
+                let r = Shard { rank: 0, size }.rank_spec(spec);
+                let (e, whole) = (r.moe.as_ref().unwrap(), spec.moe.as_ref().unwrap());
+                assert_eq!(r.num_heads * size, spec.num_heads, "{preset}");
+                assert_eq!(r.intermediate_size * size, spec.intermediate_size);
+                assert_eq!(e.expert_intermediate * size, whole.expert_intermediate);
+                // the latent (the pool's one "head") and the routing stay whole
+                assert_eq!(r.kv_cache_shape(), spec.kv_cache_shape(), "{preset}");
+                assert_eq!(r.num_kv_heads, spec.num_kv_heads);
+                assert_eq!(
+                    (e.num_experts, e.top_k, e.num_shared),
+                    (whole.num_experts, whole.top_k, whole.num_shared)
+                );
+            }
+            // 3 divides neither 16 nor 128 heads: refused by the backend before a device
+            let mut opts = CudaOptions::from_config(&pdnode_core::config::EngineConfig::default());
+            opts.tensor_parallel = 3;
+            opts.gpus = vec![0, 1, 2];
+            match CudaTpBackend::from_loaded(&model, &opts) {
+                Err(CudaError::Unsupported { reason }) => assert!(
+                    reason.contains("tensor_parallel = 3 does not divide num_heads"),
+                    "{preset}: {reason}"
+                ),
                 Err(e) => panic!("{preset}: {e}"),
-                Ok(_) => panic!("{preset}: the CUDA backend split a latent-attention model"),
+                Ok(_) => panic!("{preset}: the CUDA backend split 3 ways"),
             }
         }
+    }
+
+    /// Each dimension a latent-attention split divides is named when it does not divide: the
+    /// query heads, the dense layers' intermediate size (only with dense layers) and the experts'
+    /// (which the shared experts' MLP is a multiple of).
+    #[test]
+    fn an_uneven_latent_attention_split_names_the_dimension() {
+        let model = pdnode_engine::loader::load_dummy(
+            "deepseek-v2-lite",
+            pdnode_engine::loader::DummySpec { seed: 0, std: 0.02 },
+            None,
+        )
+        .unwrap();
+        let refused = |spec: &pdnode_engine::spec::ModelSpec, size| match (Shard { rank: 0, size })
+            .check(spec)
+        {
+            Err(CudaError::Unsupported { reason }) => reason,
+            other => panic!("TP = {size}: {other:?}"),
+        };
+        let mut s = model.spec.clone();
+        s.num_heads = 6;
+        assert!(refused(&s, 4).contains("num_heads = 6"));
+        let mut s = model.spec.clone();
+        s.intermediate_size = 10946;
+        assert!(refused(&s, 4).contains("intermediate_size = 10946"));
+        // without dense layers the dense size is not used, not checked
+        s.moe.as_mut().unwrap().first_dense_layers = 0;
+        Shard { rank: 3, size: 4 }.check(&s).unwrap();
+        let mut s = model.spec.clone();
+        s.moe.as_mut().unwrap().expert_intermediate = 1404;
+        assert!(refused(&s, 8).contains("moe_intermediate_size = 1404"));
+        // a rank outside the group
+        assert!(Shard { rank: 2, size: 2 }.check(&model.spec).is_err());
     }
 
     #[test]

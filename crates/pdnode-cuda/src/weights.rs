@@ -11,6 +11,11 @@ use pdnode_engine::weights::{MlaWeights, Weights};
 /// Which tensor-parallel slice of the model one GPU holds: rank `rank` of `size`. Heads,
 /// KV heads and the MLP intermediate dimension are split evenly (q/k/v and gate/up by rows,
 /// o-proj and down by columns); embeddings, norms and the lm_head are replicated.
+///
+/// A latent-attention model (DeepSeek) splits its query heads (q / q_b rows, each head's rows
+/// of kv_b, o_proj's input columns) and every MLP by its intermediate size (the dense layers,
+/// each routed expert and the shared experts: gate/up rows, down columns); kv_a, the norms, the
+/// latent it writes to the pool and the MoE router are the same on every rank (`mla_weights.rs`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Shard {
     pub rank: usize,
@@ -28,35 +33,53 @@ impl Shard {
                 reason: format!("tensor-parallel rank {} of {n}", self.rank),
             });
         }
-        if spec.mla.is_some() && n > 1 {
-            return Err(CudaError::Unsupported {
-                reason: format!(
-                    "{:?}: latent attention and its experts run on one GPU per node \
-                     (tensor_parallel = 1), not split over {n} ranks",
-                    spec.arch
-                ),
-            });
-        }
-        for (what, v) in [
-            ("num_kv_heads", spec.num_kv_heads),
-            ("num_heads", spec.num_heads),
-            ("intermediate_size", spec.intermediate_size),
-        ] {
+        for (what, v) in Self::split_dims(spec) {
             if v % n != 0 {
                 return Err(CudaError::Unsupported {
-                    reason: format!("tensor_parallel = {n} does not divide {what} = {v}"),
+                    reason: format!(
+                        "{:?}: tensor_parallel = {n} does not divide {what} = {v}",
+                        spec.arch
+                    ),
                 });
             }
         }
         Ok(())
     }
 
-    /// The shapes one rank runs: heads, KV heads and the intermediate size divided by `size`.
+    /// The dimensions a split divides, by their config names.
+    fn split_dims(spec: &ModelSpec) -> Vec<(&'static str, usize)> {
+        if spec.mla.is_none() {
+            return vec![
+                ("num_kv_heads", spec.num_kv_heads),
+                ("num_heads", spec.num_heads),
+                ("intermediate_size", spec.intermediate_size),
+            ];
+        }
+        // The latent is one "KV head" every rank holds whole: only the query heads split.
+        let mut dims = vec![("num_heads", spec.num_heads)];
+        // The dense MLP's size only where some layer runs it.
+        if spec.moe.as_ref().is_none_or(|e| e.first_dense_layers > 0) {
+            dims.push(("intermediate_size", spec.intermediate_size));
+        }
+        if let Some(e) = &spec.moe {
+            // The shared experts' MLP (`n_shared_experts` of these) splits with it.
+            dims.push(("moe_intermediate_size", e.expert_intermediate));
+        }
+        dims
+    }
+
+    /// The shapes one rank runs: heads, KV heads (not a latent model's: its latent is whole on
+    /// every rank) and the intermediate sizes divided by `size`.
     pub fn rank_spec(&self, spec: &ModelSpec) -> ModelSpec {
         let mut s = spec.clone();
         s.num_heads /= self.size;
-        s.num_kv_heads /= self.size;
+        if s.mla.is_none() {
+            s.num_kv_heads /= self.size;
+        }
         s.intermediate_size /= self.size;
+        if let Some(e) = s.moe.as_mut() {
+            e.expert_intermediate /= self.size;
+        }
         s
     }
 
@@ -68,12 +91,12 @@ impl Shard {
 }
 
 /// Rows `r` of a row-major `[rows, cols]` matrix.
-fn rows_of(data: &[f32], cols: usize, r: std::ops::Range<usize>) -> &[f32] {
+pub(crate) fn rows_of(data: &[f32], cols: usize, r: std::ops::Range<usize>) -> &[f32] {
     &data[r.start * cols..r.end * cols]
 }
 
 /// Columns `c` of a row-major `[rows, cols]` matrix, as a `[rows, c.len()]` matrix.
-fn cols_of(data: &[f32], cols: usize, c: std::ops::Range<usize>) -> Vec<f32> {
+pub(crate) fn cols_of(data: &[f32], cols: usize, c: std::ops::Range<usize>) -> Vec<f32> {
     data.chunks_exact(cols)
         .flat_map(|row| row[c.clone()].iter().copied())
         .collect()
@@ -200,8 +223,7 @@ impl DevWeights {
         shard: Shard,
     ) -> Result<Self, CudaError> {
         if spec.mla.is_some() {
-            // One GPU only (CudaBackend::build refuses a split before it loads anything).
-            return Self::dummy_mla(gpu, spec, seed, std);
+            return Self::dummy_mla(gpu, spec, seed, std, shard);
         }
         shard.check(spec)?;
         let (h, q, kv, i) = (
@@ -297,9 +319,15 @@ impl DevWeights {
 }
 
 impl DevWeights {
-    /// A latent-attention model's host f32 weights (one GPU: MLA runs without tensor parallelism).
-    pub fn upload_mla(gpu: &Gpu, spec: &ModelSpec, w: &MlaWeights) -> Result<Self, CudaError> {
-        let (mla, layer_bytes) = DevMla::upload(gpu, spec, w)?;
+    /// `shard`'s slice of a latent-attention model's host f32 weights (the embedding, final
+    /// norm and lm_head whole on every rank, as a Llama split keeps them).
+    pub fn upload_mla(
+        gpu: &Gpu,
+        spec: &ModelSpec,
+        w: &MlaWeights,
+        shard: Shard,
+    ) -> Result<Self, CudaError> {
+        let (mla, layer_bytes) = DevMla::upload(gpu, spec, w, shard)?;
         let embed = gpu.upload_bf16(&w.embed.data)?;
         let lm_head = w
             .lm_head
@@ -318,14 +346,16 @@ impl DevWeights {
         })
     }
 
-    /// Random weights of a latent-attention model generated on the device (benchmarks).
+    /// Random weights of a latent-attention model generated on the device (benchmarks):
+    /// `shard`'s slice of the layers, the tables whole.
     pub fn dummy_mla(
         gpu: &Gpu,
         spec: &ModelSpec,
         seed: u64,
         std: Option<f32>,
+        shard: Shard,
     ) -> Result<Self, CudaError> {
-        let (mla, layer_bytes) = DevMla::dummy(gpu, spec, seed, std)?;
+        let (mla, layer_bytes) = DevMla::dummy(gpu, spec, seed, std, shard)?;
         let h = spec.hidden_size;
         let table = |n: u64, scale: f32| -> Result<DevBuf, CudaError> {
             let b = gpu.alloc(spec.vocab_size * h * 2)?;

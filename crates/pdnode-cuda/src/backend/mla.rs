@@ -1,4 +1,6 @@
-//! The step encoder of a DeepSeek-family model on one GPU: multi-head latent attention over the
+//! The step encoder of a DeepSeek-family model on one GPU, or one tensor-parallel rank of it
+//! (`Shard`: its share of the heads and intermediate sizes, the latent whole; the residual
+//! all-reduced after o_proj and after the MLP or experts): multi-head latent attention over the
 //! latent pool (absorbed projections, as the CPU backend's `cpu/mla.rs`), then a dense MLP or a
 //! mixture of experts. Same step metadata, staging, graphs and logits as the Llama path.
 //!
@@ -387,6 +389,9 @@ impl CudaBackend {
                 )?;
             }
             self.op_mark("values")?;
+            // With tensor parallelism rank 0 adds its heads' share to the residual, every other
+            // rank writes its share in place of it, and the sum over ranks is the residual.
+            let rank0 = self.shard.rank == 0;
             let how = lin.for_call(t, nh * vd, &l.wo, &mws.att);
             ops::linear(
                 g,
@@ -397,10 +402,11 @@ impl CudaBackend {
                 &mws.att,
                 &ws.resid,
                 OutType::F32,
-                true,
+                rank0,
                 how,
             )?;
             self.op_mark("o_proj")?;
+            self.all_reduce_resid(t * h)?;
             ops::add_rmsnorm(
                 g,
                 &ws.resid,
@@ -414,9 +420,11 @@ impl CudaBackend {
                 eps,
             )?;
             self.op_mark("mlp_norm")?;
+            // As o_proj: each rank's share of the intermediate sizes (routed and shared experts
+            // summed on the rank first), one all-reduce.
             match &l.ffn {
                 DevFfn::Dense(mlp) => {
-                    self.mlp_add(mlp, t)?;
+                    self.mlp_add(mlp, t, rank0)?;
                     self.op_mark("dense_mlp")?;
                 }
                 DevFfn::Moe(moe) => {
@@ -425,10 +433,15 @@ impl CudaBackend {
                             reason: "MoE weights for a spec without experts".into(),
                         });
                     };
+                    if !rank0 {
+                        // the experts add into the residual: start this rank's share at zero
+                        ops::fill_f32(g, &ws.resid, t * h, 0.0)?;
+                    }
                     self.moe_add(moe, spec, t, moe_layer)?;
                     moe_layer += 1;
                 }
             }
+            self.all_reduce_resid(t * h)?;
         }
         self.stage_run = stage;
         self.encode_logits(meta, p)
@@ -448,8 +461,9 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// `resid += down(silu(gate normed) * up normed)` over `t` rows.
-    fn mlp_add(&self, mlp: &DevMlp, t: usize) -> Result<(), CudaError> {
+    /// `resid += down(silu(gate normed) * up normed)` over `t` rows (`resid =` without
+    /// `accumulate`).
+    fn mlp_add(&self, mlp: &DevMlp, t: usize, accumulate: bool) -> Result<(), CudaError> {
         let (Some(mws), g, ws) = (&self.mla_ws, &self.gpu, &self.ws) else {
             return Ok(());
         };
@@ -479,7 +493,7 @@ impl CudaBackend {
             &mws.act,
             &ws.resid,
             OutType::F32,
-            true,
+            accumulate,
             how,
         )
     }
@@ -536,7 +550,7 @@ impl CudaBackend {
             self.op_mark("experts_grouped")?;
         }
         if let Some(sh) = &moe.shared {
-            self.mlp_add(sh, t)?;
+            self.mlp_add(sh, t, true)?;
             self.op_mark("shared_experts")?;
         }
         Ok(())

@@ -244,6 +244,208 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS)
     }
 }
 
+// The same attention on tensor cores (mma.sync m16n8k16 bf16, f32 accumulate; the helpers of
+// attention_v4.cu), for latents whose rank and rope are multiples of 16 (DeepSeek: 512 + 64).
+// Same grid, splits, partials and outputs as mla_attn_split; a block of 4 warps serves one token,
+// 16 heads (the MMA rows; rows past `heads` are zero queries and write nothing) and one split,
+// 16 keys a tile staged in shared memory (the next tile's loads in flight in registers):
+//   S (16 heads x 16 keys) = Q K^T over the latent: warp w takes k-steps w, w + 4, ..; the four
+//     partial tiles are summed in a fixed order (so every run sums alike), times scale;
+//   online softmax per head (16 threads), P as bf16, the accumulators' correction per head;
+//   O^T (rank dims x 16 heads) += V^T P^T: the latent tile read transposed (ldmatrix.trans) as
+//     the A operand (dims as rows), P^T as B; warp w owns the 16-dim tiles w, w + 4, .. of rank.
+// Q is rounded to bf16 (q_lat is f32), as the Llama kernels' queries are.
+#define MLA_TC_KT 16
+#define MLA_TC_THREADS 128
+#define MLA_TC_LS (MLA_LAT_MAX + 8)  // tile row stride: 16-byte rows, conflict-free ldmatrix
+#define MLA_TC_PRE ((MLA_TC_KT * MLA_LAT_MAX / 8 + MLA_TC_THREADS - 1) / MLA_TC_THREADS)
+#define MLA_TC_PS (MLA_TC_KT / 2 + 4)  // P row stride in bf16 pairs
+
+__device__ __forceinline__ unsigned mla_pack2(float lo, float hi) {
+    return (unsigned)f2bf(lo) | ((unsigned)f2bf(hi) << 16);
+}
+
+extern "C" __global__ void __launch_bounds__(MLA_TC_THREADS)
+    mla_attn_split_tc(const float* __restrict__ q_lat, const bf16_t* __restrict__ q,
+                      const bf16_t* __restrict__ layer_pool, const int* __restrict__ tok_seq,
+                      const int* __restrict__ tok_pos, const int* __restrict__ block_tables, int max_blocks,
+                      int heads, int nope, int rope, int rank, int block_size, float scale, int nsplit,
+                      float* __restrict__ part_ml, float* __restrict__ part_acc, bf16_t* __restrict__ o_lat,
+                      const int* __restrict__ tok_list) {
+    PD_GRID_WAIT();
+    PD_GRID_LAUNCH_DEPENDENTS();
+    __shared__ __align__(16) bf16_t qs[16 * MLA_TC_LS];
+    __shared__ __align__(16) bf16_t kt[MLA_TC_KT * MLA_TC_LS];
+    __shared__ float sp[4][16][MLA_TC_KT + 1];
+    __shared__ unsigned ps[16][MLA_TC_PS];
+    __shared__ float corr_s[16], m_s[16], l_s[16];
+    const i64 t = tok_list ? (i64)tok_list[blockIdx.x] : (i64)blockIdx.x;
+    const int split = blockIdx.z;
+    const int latent = rank + rope, qk = nope + rope;
+    const int seq = tok_seq[t];
+    const int ctx = tok_pos[t] + 1;
+    int chunk = (ctx + nsplit - 1) / nsplit;
+    if (chunk < MLA_MIN_CHUNK) chunk = MLA_MIN_CHUNK;
+    const int s0 = split * chunk;
+    const int s1 = ctx < s0 + chunk ? ctx : s0 + chunk;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, tq = lane & 3, mi = lane >> 3;
+    const int hbase = blockIdx.y * 16;
+
+    // the queries: rows of 16 heads, [q_lat | q_pe] unscaled, bf16; zero rows past `heads`
+    for (int i = threadIdx.x; i < 16 * latent; i += MLA_TC_THREADS) {
+        const int h = i / latent, d = i - h * latent, hh = hbase + h;
+        bf16_t v = 0;
+        if (hh < heads)
+            v = d < rank ? f2bf(q_lat[(t * heads + hh) * rank + d]) : q[(t * heads + hh) * qk + nope + d - rank];
+        qs[h * MLA_TC_LS + d] = v;
+    }
+    if (threadIdx.x < 16) {
+        m_s[threadIdx.x] = -INFINITY;
+        l_s[threadIdx.x] = 0.f;
+    }
+    float acc[8][2][4];
+#pragma unroll
+    for (int i = 0; i < 8; i++)
+#pragma unroll
+        for (int n = 0; n < 2; n++)
+#pragma unroll
+            for (int x = 0; x < 4; x++) acc[i][n][x] = 0.f;
+
+    const i64 bt = (i64)seq * max_blocks;
+    const int nvec = latent >> 3, ksteps = latent >> 4, mtiles = rank >> 4;
+    uint4 pre[MLA_TC_PRE];
+    auto load = [&](int k0) {
+        const int tot = (s1 - k0 < MLA_TC_KT ? s1 - k0 : MLA_TC_KT) * nvec;
+#pragma unroll
+        for (int i = 0; i < MLA_TC_PRE; i++) {
+            const int v = threadIdx.x + i * MLA_TC_THREADS;
+            if (v < tot) {
+                const int key = v / nvec, ch = v - key * nvec, j = k0 + key;
+                const i64 r = (i64)block_tables[bt + j / block_size] * block_size + j % block_size;
+                pre[i] = *(const uint4*)(layer_pool + r * latent + ch * 8);
+            }
+        }
+    };
+    if (s0 < s1) load(s0);
+    for (int k0 = s0; k0 < s1; k0 += MLA_TC_KT) {
+        const int nk = s1 - k0 < MLA_TC_KT ? s1 - k0 : MLA_TC_KT;
+        __syncthreads();  // the previous tile, P and the corrections are used up
+#pragma unroll
+        for (int i = 0; i < MLA_TC_PRE; i++) {
+            const int v = threadIdx.x + i * MLA_TC_THREADS;
+            if (v < MLA_TC_KT * nvec) {
+                const int key = v / nvec, ch = v - key * nvec;
+                // rows past the split's keys are zeros: P is 0 there, and 0 * NaN would not be
+                *(uint4*)(kt + key * MLA_TC_LS + ch * 8) = key < nk ? pre[i] : make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+        __syncthreads();
+        if (k0 + MLA_TC_KT < s1) load(k0 + MLA_TC_KT);
+        // S: this warp's k-steps of both 8-key tiles
+        float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        for (int kk = warp; kk < ksteps; kk += 4) {
+            unsigned a[4], b[4];
+            att4_ldsm_x4(a, qs + ((mi & 1) * 8 + (lane & 7)) * MLA_TC_LS + kk * 16 + (mi >> 1) * 8);
+            att4_ldsm_x4(b, kt + ((mi >> 1) * 8 + (lane & 7)) * MLA_TC_LS + kk * 16 + (mi & 1) * 8);
+            att4_mma(sc[0], a, b[0], b[1]);
+            att4_mma(sc[1], a, b[2], b[3]);
+        }
+#pragma unroll
+        for (int n = 0; n < 2; n++) {
+            sp[warp][g][n * 8 + 2 * tq] = sc[n][0];
+            sp[warp][g][n * 8 + 2 * tq + 1] = sc[n][1];
+            sp[warp][g + 8][n * 8 + 2 * tq] = sc[n][2];
+            sp[warp][g + 8][n * 8 + 2 * tq + 1] = sc[n][3];
+        }
+        __syncthreads();
+        if (threadIdx.x < 16) {  // online softmax of head row h over the tile's keys
+            const int h = threadIdx.x;
+            float sv[MLA_TC_KT];
+            const float mo = m_s[h];
+            float mx = mo;
+#pragma unroll
+            for (int k = 0; k < MLA_TC_KT; k++) {
+                const float v = (((sp[0][h][k] + sp[1][h][k]) + sp[2][h][k]) + sp[3][h][k]) * scale;
+                sv[k] = k < nk ? v : -INFINITY;
+                mx = fmaxf(mx, sv[k]);
+            }
+            const float corr = expf(mo - mx);  // 0 on the first tile (mo = -inf)
+            float l = l_s[h] * corr;
+#pragma unroll
+            for (int k = 0; k < MLA_TC_KT; k += 2) {
+                const float p0 = k < nk ? expf(sv[k] - mx) : 0.f;
+                const float p1 = k + 1 < nk ? expf(sv[k + 1] - mx) : 0.f;
+                l += p0 + p1;
+                ps[h][k / 2] = mla_pack2(p0, p1);
+            }
+            corr_s[h] = corr;
+            m_s[h] = mx;
+            l_s[h] = l;
+        }
+        __syncthreads();
+        // O^T += V^T P^T on this warp's dim tiles
+        float cf[2][2];
+#pragma unroll
+        for (int n = 0; n < 2; n++) {
+            cf[n][0] = corr_s[n * 8 + 2 * tq];
+            cf[n][1] = corr_s[n * 8 + 2 * tq + 1];
+        }
+        unsigned pb[2][2];
+#pragma unroll
+        for (int n = 0; n < 2; n++) {
+            pb[n][0] = ps[n * 8 + g][tq];
+            pb[n][1] = ps[n * 8 + g][4 + tq];
+        }
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const int mt = warp + 4 * i;
+            if (mt < mtiles) {
+                unsigned a[4];
+                att4_ldsm_x4_t(a, kt + ((mi >> 1) * 8 + (lane & 7)) * MLA_TC_LS + mt * 16 + (mi & 1) * 8);
+#pragma unroll
+                for (int n = 0; n < 2; n++) {
+                    acc[i][n][0] *= cf[n][0];
+                    acc[i][n][1] *= cf[n][1];
+                    acc[i][n][2] *= cf[n][0];
+                    acc[i][n][3] *= cf[n][1];
+                    att4_mma(acc[i][n], a, pb[n][0], pb[n][1]);
+                }
+            }
+        }
+    }
+    __syncthreads();  // l_s and m_s final (also for an empty split)
+    // outputs: acc[i][n] holds dims 16 mt + g (+ 8 for x >= 2) of heads n * 8 + 2 tq (+ 1 for odd x)
+    if (nsplit > 1 && threadIdx.x < 16) {
+        const int h = hbase + threadIdx.x;
+        if (h < heads) {
+            const i64 pr = ((i64)blockIdx.x * heads + h) * nsplit + split;
+            part_ml[pr * 2] = s0 < s1 ? m_s[threadIdx.x] : -INFINITY;
+            part_ml[pr * 2 + 1] = s0 < s1 ? l_s[threadIdx.x] : 0.f;
+        }
+    }
+    if (s0 >= s1) return;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int mt = warp + 4 * i;
+        if (mt >= mtiles) continue;
+#pragma unroll
+        for (int n = 0; n < 2; n++)
+#pragma unroll
+            for (int x = 0; x < 4; x++) {
+                const int hl = n * 8 + 2 * tq + (x & 1), h = hbase + hl;
+                const int d = mt * 16 + g + (x >= 2 ? 8 : 0);
+                if (h >= heads) continue;
+                if (nsplit == 1) {
+                    o_lat[(t * heads + h) * rank + d] = f2bf(acc[i][n][x] / l_s[hl]);
+                } else {
+                    const i64 pr = ((i64)blockIdx.x * heads + h) * nsplit + split;
+                    part_acc[pr * rank + d] = acc[i][n][x];
+                }
+            }
+    }
+}
+
 // Merges the splits of mla_attn_split: o_lat[row] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s
 // over the splits with l_s != 0 (the empty ones write l = 0 and no acc), M their largest m.
 // Rows are (token, head) pairs, row = t * heads + h; with tok_list, block x serves token

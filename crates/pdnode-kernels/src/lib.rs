@@ -64,7 +64,7 @@ pub const SOURCES: [(&str, &str); 16] = [
 ];
 
 /// Kernel entry points (extern "C" names in the .cu files).
-pub const KERNEL_NAMES: [&str; 54] = [
+pub const KERNEL_NAMES: [&str; 55] = [
     "gemv_t1",
     "gemv_t2",
     "gemv_t4",
@@ -111,6 +111,7 @@ pub const KERNEL_NAMES: [&str; 54] = [
     "kv_scatter_h64",
     "mla_rope_latent",
     "mla_attn_split",
+    "mla_attn_split_tc",
     "mla_attn_combine",
     "mla_gather_seq",
     "mla_q_head_major",

@@ -64,6 +64,8 @@ pub const MLA_MAX_ROPE: usize = 64;
 const MLA_HEADS_PER_BLOCK: usize = 16;
 /// Threads of an `mla_attn_split` block (`MLA_THREADS`).
 const MLA_THREADS: u32 = 256;
+/// Threads of an `mla_attn_split_tc` block (`MLA_TC_THREADS`: 4 warps on tensor cores).
+const MLA_TC_THREADS: u32 = 128;
 /// Threads a block of `mla_attn_combine`, one output dim each (grid y: the row's dim chunks).
 const COMBINE_THREADS: u32 = 128;
 
@@ -269,7 +271,13 @@ pub fn mla_attention_ex(
             "part_acc: not 16-byte aligned".to_string()
         })?;
     }
-    let f = gpu.kernel("mla_attn_split")?;
+    // tensor cores where the latent tiles into 16-wide k-steps and dim tiles (DeepSeek: 512 + 64)
+    let tc = d.rank.is_multiple_of(16) && d.rope.is_multiple_of(16);
+    let f = gpu.kernel(if tc {
+        "mla_attn_split_tc"
+    } else {
+        "mla_attn_split"
+    })?;
     let (mb, h, nope, rope, rk, bs, ns) = (
         i32_of(OP, max_blocks)?,
         i32_of(OP, heads)?,
@@ -304,7 +312,7 @@ pub fn mla_attention_ex(
     unsafe {
         b.launch(cfg(
             (u32_of(OP, attended)?, u32_of(OP, groups)?, nsplit as u32),
-            MLA_THREADS,
+            if tc { MLA_TC_THREADS } else { MLA_THREADS },
         ))
     }
     .map_err(launched(OP))?;

@@ -291,8 +291,20 @@ fn mla_attention_matches_host() {
     let g = gpu();
     let mut r = rng("mla_attention");
     // several tokens of 2-3 sequences of different lengths, contexts crossing blocks; block sizes
-    // 1 and 16; heads 2, 16 and 20 (two head groups); rank 32 and 512; many splits (few tokens)
+    // 1 and 16; heads 2, 16 and 20 (two head groups); rank 32 and 512; many splits (few tokens).
+    // Rank and rope multiples of 16 take the tensor-core kernel (mla_attn_split_tc), the others
+    // the CUDA-core one (rope 18, as a shape no DeepSeek uses; the fixtures' rope 8)
     attn_case(&g, &mut r, 2, 32, 64, 1, &[vec![0, 1, 2], vec![40]]);
+    attn_case(&g, &mut r, 3, 32, 18, 4, &[vec![140], vec![9]]);
+    attn_case(
+        &g,
+        &mut r,
+        5,
+        48,
+        16,
+        8,
+        &[vec![37], vec![2, 3], vec![16, 17]],
+    );
     attn_case(
         &g,
         &mut r,

@@ -179,6 +179,8 @@ static void case_attn(const AttnCase& c) {
     for (auto& v : q) v = tobf(U(2.f));
     const float scale = 0.15f;
     const int ns = c.nsplit;
+  // the CUDA-core kernel always, the tensor-core one where its tiles fit (rank, rope % 16 == 0)
+  for (int tc = 0; tc < ((rank % 16 == 0 && rope % 16 == 0) ? 2 : 1); tc++)
   for (int use_list = 0; use_list < 2; use_list++) {
     // with a list: every other token, in reverse order (the others' rows must stay untouched)
     std::vector<int> list;
@@ -189,10 +191,10 @@ static void case_attn(const AttnCase& c) {
     std::vector<uint16_t> o((size_t)T * heads * rank, 0xffff);
     const unsigned groups = (heads + MLA_HPB - 1) / MLA_HPB;
     const int* lp = use_list ? list.data() : nullptr;
-    launch({(unsigned)N, groups, (unsigned)ns}, MLA_THREADS, [&] {
-        mla_attn_split(q_lat.data(), q.data(), pool.data(), tok_seq.data(), tok_pos.data(), tables.data(),
-                       max_blocks, heads, nope, rope, rank, bs, scale, ns, ml.data(), acc.data(), o.data(),
-                       lp);
+    launch({(unsigned)N, groups, (unsigned)ns}, tc ? MLA_TC_THREADS : MLA_THREADS, [&] {
+        (tc ? mla_attn_split_tc : mla_attn_split)(q_lat.data(), q.data(), pool.data(), tok_seq.data(),
+                                                 tok_pos.data(), tables.data(), max_blocks, heads, nope, rope,
+                                                 rank, bs, scale, ns, ml.data(), acc.data(), o.data(), lp);
     });
     if (ns > 1)
         launch({(unsigned)(N * heads), (unsigned)((rank + 127) / 128), 1}, 128,
@@ -229,8 +231,8 @@ static void case_attn(const AttnCase& c) {
             }
         }
     char tag[200];
-    snprintf(tag, sizeof tag, "heads=%d rank=%d rope=%d bs=%d nsplit=%d tokens=%d max_ctx=%d list=%d", heads,
-             rank, rope, bs, ns, T, max_ctx, use_list);
+    snprintf(tag, sizeof tag, "%s heads=%d rank=%d rope=%d bs=%d nsplit=%d tokens=%d max_ctx=%d list=%d",
+             tc ? "tc" : "simt", heads, rank, rope, bs, ns, T, max_ctx, use_list);
     if (untouched_bad) {
         printf("FAIL mla_attention %s: %d values of tokens outside the list written\n", tag, untouched_bad);
         g_fail++;
@@ -447,6 +449,8 @@ int main() {
     case_attn({2, 32, 64, 1, 3, {{5}, {150, 151}, {63, 64}}});
     case_attn({3, 32, 18, 4, 2, {{140}, {9}}});           // latent 50: the scalar tile path
     case_attn({16, 512, 64, 16, 132, {{1100}}});          // decode: many splits, most empty
+    case_attn({5, 48, 16, 8, 3, {{37}, {2, 3}, {16, 17}}}); // tc: 5 heads of 16 rows, 3 dim tiles
+    case_attn({16, 512, 64, 16, 1, {{15}, {16}, {33}}});  // tiles of exactly 16, 17 and 34 keys
 
     for (int ties = 0; ties < 2; ties++) {
         case_route(5, 8, 2, 1, 1, 0, false, false, ties);

@@ -2,7 +2,7 @@
 # CPU check of the MLA and MoE kernels (kernels/mla.cu, kernels/moe.cu) without a GPU: compiles
 # them (with common.cuh) as C++ against the tiny SIMT emulator of emu/attn/prelude.h (each CUDA
 # thread a ucontext fiber; __syncthreads and warp shuffles as barriers), plus prelude_mla.h here
-# (shared-memory atomicAdd), and runs main.cpp: every kernel on several shapes against a C++
+# (shared-memory atomicAdd) and ../attn/emu_v4.h (ldmatrix, mma.sync), and runs main.cpp: every kernel on several shapes against a C++
 # reference (f64 for the attention math, a port of cpu/moe.rs `route` for the routing).
 # Prints one PASS line per case. Needs g++ (C++17) and python3.
 # Usage: crates/pdnode-kernels/emu/mla/run.sh   (about a minute)
@@ -11,10 +11,12 @@ here=$(cd "$(dirname "$0")" && pwd)
 K=$here/../../kernels
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-python3 - "$K" "$tmp/kernels.inc" "$here/../attn/prelude.h" "$here/prelude_mla.h" <<'PY'
+python3 - "$K" "$tmp/kernels.inc" "$here/../attn/prelude.h" "$here/prelude_mla.h" "$here/../attn/emu_v4.h" <<'PY'
 import sys
-K, out, prelude, ext = sys.argv[1:5]
+K, out, prelude, ext, v4 = sys.argv[1:6]
+# emu_v4.h: the ldmatrix / mma.sync helpers of attention_v4.cu that mla_attn_split_tc uses
 src = '#include "%s"\n#include "%s"\n' % (prelude, ext)
+src += open(v4).read()
 for f in ["common.cuh", "mla.cu", "moe.cu"]:
     src += open(K + "/" + f).read()
 open(out, "w").write(src)

@@ -101,6 +101,17 @@ pub enum TargetError {
     NoRank { rank: usize, ranks: usize },
     #[error("KV target places the KV in the decode pool; this node writes staging spans only")]
     NotStaging,
+    /// The sender's tensor-parallel ranks cannot fill the target's: key/value heads are split
+    /// over the ranks (equal `tp_size` needed); only a latent goes whole to any rank count.
+    #[error(
+        "KV target of {targets} tensor-parallel ranks cannot take {kind} KV from {sources} ranks \
+         (only a latent, the same on every rank, goes between TP degrees)"
+    )]
+    RankSplit {
+        kind: crate::KvKind,
+        sources: usize,
+        targets: usize,
+    },
 }
 
 impl Classify for TargetError {
@@ -252,6 +263,26 @@ impl KvTarget {
         Ok(offset)
     }
 
+    /// Which of the sender's `sources` tensor-parallel ranks writes each of the target's
+    /// `layout.tp_size` ranks: rank `j` from `j % sources`. Equal counts map each rank to itself
+    /// (any kind); different counts only for a latent ([`crate::KvKind::Latent`]), which every
+    /// rank holds whole: 2 -> 1 sends rank 0's copy, 1 -> 2 sends the one latent to both.
+    pub fn source_ranks(&self, sources: usize) -> Result<Vec<usize>, TargetError> {
+        let targets = self.layout.tp_size as usize;
+        let split = || TargetError::RankSplit {
+            kind: self.layout.kind,
+            sources,
+            targets,
+        };
+        if sources == 0 || targets == 0 || sources > MAX_RANKS || targets > MAX_RANKS {
+            return Err(split());
+        }
+        if sources != targets && self.layout.kind != crate::KvKind::Latent {
+            return Err(split());
+        }
+        Ok((0..targets).map(|j| j % sources).collect())
+    }
+
     /// The UCX worker address to connect to for rank `r`.
     pub fn worker_for(&self, r: usize) -> Result<&[u8], TargetError> {
         let rank = self.rank(r)?;
@@ -379,5 +410,40 @@ mod tests {
         pool.placement = Placement::Pool { num_blocks: 4 };
         assert_eq!(pool.staging_offset(), Err(TargetError::NotStaging));
         assert_eq!(t.worker_for(0).unwrap(), &[1u8; 32][..]);
+    }
+
+    #[test]
+    fn a_latent_maps_each_target_rank_to_a_source_rank_and_key_value_needs_equal_counts() {
+        let mut t = target();
+        t.layout.kind = crate::KvKind::Latent;
+        let map = |t: &KvTarget, tp: u32, sources| {
+            let mut t = t.clone();
+            t.layout.tp_size = tp;
+            t.source_ranks(sources)
+        };
+        assert_eq!(map(&t, 1, 2).unwrap(), vec![0]);
+        assert_eq!(map(&t, 2, 1).unwrap(), vec![0, 0]);
+        assert_eq!(map(&t, 4, 2).unwrap(), vec![0, 1, 0, 1]);
+        assert_eq!(map(&t, 2, 4).unwrap(), vec![0, 1]);
+        assert_eq!(map(&t, 2, 2).unwrap(), vec![0, 1]);
+        for (tp, sources) in [(1, 0), (0, 1), (1, MAX_RANKS + 1), (u32::MAX, 1)] {
+            assert!(
+                matches!(map(&t, tp, sources), Err(TargetError::RankSplit { .. })),
+                "{tp} <- {sources}"
+            );
+        }
+        t.layout.kind = crate::KvKind::KeyValue;
+        assert_eq!(map(&t, 2, 2).unwrap(), vec![0, 1]);
+        let e = map(&t, 1, 2).unwrap_err();
+        assert_eq!(
+            e,
+            TargetError::RankSplit {
+                kind: crate::KvKind::KeyValue,
+                sources: 2,
+                targets: 1
+            }
+        );
+        assert!(e.to_string().contains("key_value KV from 2 ranks"), "{e}");
+        assert!(map(&t, 2, 1).is_err());
     }
 }

@@ -122,7 +122,10 @@ impl KvLayout {
         tokens.div_ceil(self.block_size as usize)
     }
 
-    /// Compares two layouts field by field; `Err` names the first field that differs.
+    /// Compares two layouts field by field; `Err` names the first field that differs. A latent
+    /// ([`KvKind::Latent`]) is the same on every tensor-parallel rank, so two latent layouts may
+    /// differ in `tp_size` (each decode rank gets a whole copy: `KvTarget::source_ranks`); key
+    /// and value heads are split over the ranks, so their `tp_size` must match.
     pub fn check_compatible(&self, theirs: &KvLayout) -> Result<(), LayoutMismatch> {
         macro_rules! cmp {
             ($f:ident) => {
@@ -142,7 +145,9 @@ impl KvLayout {
         cmp!(block_size);
         cmp!(kv_heads_per_rank);
         cmp!(head_dim);
-        cmp!(tp_size);
+        if self.kind != KvKind::Latent {
+            cmp!(tp_size);
+        }
         Ok(())
     }
 }
@@ -190,6 +195,39 @@ mod tests {
         )
         .unwrap();
         assert_eq!(old.kind, KvKind::KeyValue);
+    }
+
+    #[test]
+    fn a_latent_goes_between_tp_degrees_and_key_value_heads_do_not() {
+        let mla = |tp| KvLayout {
+            kind: KvKind::Latent,
+            kv_heads_per_rank: 1,
+            head_dim: 576,
+            tp_size: tp,
+            ..llama8b()
+        };
+        for (p, d) in [(1, 2), (2, 1), (4, 8), (2, 2)] {
+            mla(p).check_compatible(&mla(d)).unwrap();
+        }
+        // every other field still has to match
+        let other = KvLayout {
+            block_size: 32,
+            ..mla(2)
+        };
+        assert_eq!(
+            mla(1).check_compatible(&other).unwrap_err().field,
+            "block_size"
+        );
+        let kv = |tp| KvLayout {
+            tp_size: tp,
+            ..llama8b()
+        };
+        let err = kv(2).check_compatible(&kv(1)).unwrap_err();
+        assert_eq!(
+            (err.field, err.ours.as_str(), err.theirs.as_str()),
+            ("tp_size", "2", "1")
+        );
+        kv(2).check_compatible(&kv(2)).unwrap();
     }
 
     #[test]

@@ -182,25 +182,39 @@ impl KvMover {
         }
     }
 
-    /// Prefill side: writes `data` (`[layer][block][layer-block bytes]`) into the decode node's
-    /// reservation described by `target`, and returns once the bytes are visible there. The
-    /// host staging it puts from is kept by the [`SourceHold`] `hold` makes until its puts are
-    /// done.
+    /// Prefill side: writes `data` (this node's `ranks` tensor-parallel ranks back to back,
+    /// each `[layer][block][layer-block bytes]`) into the decode node's reservation described
+    /// by `target`, and returns once the bytes are visible there; each target rank gets the
+    /// bytes of its source rank ([`KvTarget::source_ranks`]: its own, or with a latent between
+    /// TP degrees, any rank's whole copy). The host staging it puts from is kept by the
+    /// [`SourceHold`] `hold` makes until its puts are done.
+    #[allow(clippy::too_many_arguments)]
     pub async fn push(
         &self,
         id: RequestId,
         target: &KvTarget,
         layers: u32,
+        ranks: usize,
         data: Vec<u8>,
         wait: PushWait,
         hold: impl FnOnce(Box<dyn std::any::Any + Send>) -> SourceHold,
     ) -> Result<(), HandoffError> {
+        let map = target.source_ranks(ranks)?;
+        if !data.len().is_multiple_of(ranks) {
+            return Err(HandoffError::Mismatch(format!(
+                "KV of {} bytes does not split over this node's {ranks} ranks",
+                data.len()
+            )));
+        }
+        let per_rank = data.len() / ranks;
         match (self, target.transport) {
             (KvMover::InProcess(dir), TargetTransport::InProcess) => {
                 let node = target.decode_node.clone();
                 let engine = dir.get(&node).ok_or_else(|| {
                     HandoffError::Mismatch(format!("decode node {node} is not in this process"))
                 })?;
+                // The decode engine takes its own ranks' bytes back to back.
+                let data = for_target_ranks(data, per_rank, &map)?;
                 engine
                     .write_kv(id, 0..layers, data)
                     .await
@@ -210,14 +224,6 @@ impl KvMover {
                     })
             }
             (KvMover::Ucx(t), TargetTransport::Ucx) => {
-                let ranks = target.ranks.len();
-                if ranks == 0 || !data.len().is_multiple_of(ranks) {
-                    return Err(HandoffError::Mismatch(format!(
-                        "KV of {} bytes does not split over the target's {ranks} rank regions",
-                        data.len()
-                    )));
-                }
-                let per_rank = data.len() / ranks;
                 // Rank `r`'s bytes at `r * stride`, with room for its fence record behind them.
                 let stride = per_rank + if target.fence_record { RECORD_LEN } else { 0 };
                 let total = stride
@@ -252,13 +258,15 @@ impl KvMover {
     }
 }
 
-/// Puts rank `r`'s `len` bytes, at `sources[r].1` of `sources[r].0`, to the target's rank `r`
-/// region at `staging_offset` (one put per rank, all issued before any is waited for), then
-/// flushes every rank: on return the bytes are visible at the decode node. When the target asks
-/// for fence records, each rank's record (written into the source right behind its bytes, which
-/// must have room) follows once the KV is flushed, and is flushed too. Every put goes into
-/// `hold`, which keeps the sources until they are done. `engine`: the engine whose staging arena
-/// the sources are, when it is device memory (records and checksums go through it).
+/// Puts source rank `s`'s `len` bytes, at `sources[s].1` of `sources[s].0`, to each target rank
+/// `j` it fills (`s = j % sources.len()`, [`KvTarget::source_ranks`]: rank `j` itself at equal
+/// TP degrees; a latent, whole on every rank, between different ones) at `staging_offset` (one
+/// put per target rank, all issued before any is waited for), then flushes every target rank:
+/// on return the bytes are visible at the decode node. When the target asks for fence records,
+/// each source's record (written into the source right behind its bytes, which must have room)
+/// follows once the KV is flushed, and is flushed too. Every put goes into `hold`, which keeps
+/// the sources until they are done. `engine`: the engine whose staging arena the sources are,
+/// when it is device memory (records and checksums go through it).
 #[allow(clippy::too_many_arguments)]
 pub async fn put_ranks(
     t: &Arc<UcxTransport>,
@@ -270,11 +278,12 @@ pub async fn put_ranks(
     hold: &mut SourceHold,
     engine: Option<&EngineHandle>,
 ) -> Result<(), HandoffError> {
-    if sources.len() != target.ranks.len() {
+    let map = target.source_ranks(sources.len())?;
+    if map.len() != target.ranks.len() {
         return Err(HandoffError::Mismatch(format!(
-            "KV target has {} rank regions, this node sends {} ranks",
+            "KV target has {} rank regions for a layout of {} ranks",
             target.ranks.len(),
-            sources.len()
+            map.len()
         )));
     }
     let record = if target.fence_record {
@@ -282,9 +291,9 @@ pub async fn put_ranks(
     } else {
         0
     };
-    let mut remotes = Vec::with_capacity(sources.len());
-    let mut at = Vec::with_capacity(sources.len());
-    for r in 0..sources.len() {
+    let mut remotes = Vec::with_capacity(map.len());
+    let mut at = Vec::with_capacity(map.len());
+    for r in 0..map.len() {
         remotes.push(Arc::new(connect_rank(
             t,
             target,
@@ -304,7 +313,8 @@ pub async fn put_ranks(
     }
     let first = hold.puts().len();
     let issued = Instant::now();
-    for (r, ((reg, local_offset), remote)) in sources.iter().zip(&remotes).enumerate() {
+    for (r, (&s, remote)) in map.iter().zip(&remotes).enumerate() {
+        let (reg, local_offset) = &sources[s];
         let span = Span {
             local_offset: *local_offset,
             remote_offset: at[r],
@@ -332,7 +342,12 @@ pub async fn put_ranks(
             .iter()
             .map(|(reg, at)| (*reg, *at as usize, len as usize))
             .collect();
-        put_records(t, id, target, &spans, &remotes, &wait, hold, engine, false).await?;
+        let io = RecordIo {
+            sources: &spans,
+            map: &map,
+            remotes: &remotes,
+        };
+        put_records(t, id, target, io, &wait, hold, engine, false).await?;
     }
     hold.settled();
     drop(remotes);
@@ -412,25 +427,46 @@ pub(super) fn send_abandoned(
     })
 }
 
-/// Behind KV already flushed to the decode node: each rank's fence record (generation,
+/// Where [`put_records`] reads and writes: each source rank's `(region, at, len)` (rank `s`'s
+/// at index `s`), and for each target rank `j` (its endpoint `remotes[j]`) the source rank
+/// `map[j]` whose KV it took.
+pub(super) struct RecordIo<'a> {
+    pub sources: &'a [(&'a Registration, usize, usize)],
+    pub map: &'a [usize],
+    pub remotes: &'a [Arc<RemoteTarget>],
+}
+
+/// Behind KV already flushed to the decode node: each source rank's fence record (generation,
 /// request, length, and the checksum of the rank's source bytes when the target asks for it:
-/// CRC32C into host staging, KVH64 into device staging), written into the source right behind
-/// the rank's `len` bytes at `at`, put to the same place behind the rank's KV at the decode
-/// node, and flushed. Sources in device memory (the engine's staging arena, rank `r`'s at
-/// index `r`) are summed and written through `engine`, unless `sealed`: the engine wrote the
-/// records there already ([`pdnode_engine::engine::StagingSeal`]), and they are only put.
+/// CRC32C into host staging, KVH64 into device staging), written once into the source right
+/// behind its `len` bytes at `at`, put to the same place behind the KV of every target rank
+/// that took that source's KV, and flushed. Sources in device memory (the engine's staging
+/// arena, rank `s`'s at index `s`) are summed and written through `engine`, unless `sealed`: the
+/// engine wrote the records there already ([`pdnode_engine::engine::StagingSeal`]), and they
+/// are only put.
 #[allow(clippy::too_many_arguments)]
 pub(super) async fn put_records(
     t: &UcxTransport,
     id: RequestId,
     target: &KvTarget,
-    sources: &[(&Registration, usize, usize)],
-    remotes: &[Arc<RemoteTarget>],
+    io: RecordIo<'_>,
     wait: &PushWait,
     hold: &mut SourceHold,
     engine: Option<&EngineHandle>,
     sealed: bool,
 ) -> Result<(), HandoffError> {
+    let RecordIo {
+        sources,
+        map,
+        remotes,
+    } = io;
+    if map.len() != remotes.len() || map.iter().any(|&s| s >= sources.len()) {
+        return Err(HandoffError::Mismatch(format!(
+            "fence records of {} source ranks for {} target ranks (map {map:?})",
+            sources.len(),
+            remotes.len()
+        )));
+    }
     let first = hold.puts().len();
     let issued = Instant::now();
     let cap = capability(target)?;
@@ -456,17 +492,25 @@ pub(super) async fn put_records(
         }
         _ => None,
     };
-    for (r, ((reg, at, len), remote)) in sources.iter().zip(remotes).enumerate() {
-        let rec_at = at
-            .checked_add(*len)
-            .ok_or_else(|| HandoffError::Mismatch("fence record offset overflows".into()))?;
+    // Each source's record once (the first target rank it fills says which staging kind the
+    // checksum is for), before any record is put.
+    for (s, &(reg, at, len)) in sources.iter().enumerate() {
+        let Some(j) = map.iter().position(|&m| m == s) else {
+            continue;
+        };
         if !(sealed && on_device(reg)) {
-            let sum = device_sums.as_ref().and_then(|s| s.get(r)).copied();
-            write_source_record(target, id, r, (reg, *at, *len), sum, &cap, engine).await?;
+            let sum = device_sums.as_ref().and_then(|v| v.get(s)).copied();
+            write_source_record(target, id, (s, j), (reg, at, len), sum, &cap, engine).await?;
         }
+    }
+    for (r, (&s, remote)) in map.iter().zip(remotes).enumerate() {
+        let (reg, at, len) = sources[s];
+        let rec_at = at
+            .checked_add(len)
+            .ok_or_else(|| HandoffError::Mismatch("fence record offset overflows".into()))?;
         let span = Span {
             local_offset: rec_at as u64,
-            remote_offset: target.remote_offset(r, *len as u64, RECORD_LEN as u64)?,
+            remote_offset: target.remote_offset(r, len as u64, RECORD_LEN as u64)?,
             len: RECORD_LEN as u64,
         };
         hold.push(
@@ -494,21 +538,22 @@ pub(super) async fn put_records(
     Ok(())
 }
 
-/// Rank `r`'s fence record, written into its source right behind the `len` bytes at `at`:
-/// the checksum the target asks for (CRC32C into host staging, KVH64 into device staging;
-/// `device_sum`: a device source's KVH64, summed by the engine), tagged under `cap`. A host
-/// source is written in place, a device source through `engine`.
+/// Source rank `r`'s fence record, written into its source right behind the `len` bytes at
+/// `at`: the checksum the target asks for (CRC32C into host staging, KVH64 into device staging,
+/// as target rank `j`'s region is; `device_sum`: a device source's KVH64, summed by the
+/// engine), tagged under `cap`. A host source is written in place, a device source through
+/// `engine`.
 async fn write_source_record(
     target: &KvTarget,
     id: RequestId,
-    r: usize,
+    (r, j): (usize, usize),
     (reg, at, len): (&Registration, usize, usize),
     device_sum: Option<u64>,
     cap: &Secret,
     engine: Option<&EngineHandle>,
 ) -> Result<(), HandoffError> {
     let on_device = reg.region().mem != MemKind::Host;
-    let kind = fence::SumKind::for_staging(target.rank(r)?.device_memory);
+    let kind = fence::SumKind::for_staging(target.rank(j)?.device_memory);
     let sum = match (target.verify, on_device, kind) {
         (false, _, _) => None,
         (true, false, kind) => Some(fence::sum_at(reg, at, len, kind)?),
@@ -546,6 +591,33 @@ async fn write_source_record(
             step: "writing the fence record".into(),
             source,
         })
+}
+
+/// `data` (source ranks of `per_rank` bytes back to back) laid out for the target's ranks:
+/// target rank `j` gets source rank `map[j]`'s bytes ([`KvTarget::source_ranks`]); as is when
+/// every rank maps to itself.
+fn for_target_ranks(
+    data: Vec<u8>,
+    per_rank: usize,
+    map: &[usize],
+) -> Result<Vec<u8>, HandoffError> {
+    if map.iter().enumerate().all(|(j, &s)| j == s) && map.len() * per_rank == data.len() {
+        return Ok(data);
+    }
+    let parts = map
+        .iter()
+        .map(|&s| {
+            s.checked_mul(per_rank)
+                .and_then(|a| data.get(a..a.checked_add(per_rank)?))
+                .ok_or_else(|| {
+                    HandoffError::Mismatch(format!(
+                        "no source rank {s} of {per_rank} bytes in {} bytes of KV",
+                        data.len()
+                    ))
+                })
+        })
+        .collect::<Result<Vec<&[u8]>, _>>()?;
+    Ok(parts.concat())
 }
 
 /// Copies `data` into a registered host region at `offset`.
@@ -627,3 +699,6 @@ pub(super) fn connect_rank(
         target.decode_node
     )))
 }
+
+#[cfg(test)]
+mod tests;

@@ -387,12 +387,18 @@ impl OverlapPush {
                 })?;
                 sources.push((reg, offset, self.per_rank));
             }
+            // one arena rank per target rank (start_overlap checked the counts)
+            let map: Vec<usize> = (0..sources.len()).collect();
+            let io = super::kv::RecordIo {
+                sources: &sources,
+                map: &map,
+                remotes: &self.remotes,
+            };
             super::kv::put_records(
                 &self.t,
                 id,
                 target,
-                &sources,
-                &self.remotes,
+                io,
                 &wait,
                 &mut self.hold,
                 Some(engine),

@@ -219,6 +219,9 @@ impl PdNode {
         let layers = layout.num_layers;
         let per_rank = layers as usize * ours * layout.block_layer_bytes();
         let ranks = self.tp_ranks();
+        // The decode node's ranks, each filled from one of ours (`KvTarget::source_ranks`: its
+        // own, or a latent's whole copy between TP degrees).
+        let sent = per_rank.saturating_mul(target.layout.tp_size as usize);
         let t0 = Instant::now();
         let deadline = self.push_deadline(started, target);
         let failed = |e: HandoffError| self.handoff_failed(id, target, e);
@@ -227,7 +230,7 @@ impl PdNode {
         if let KvMover::Ucx(t) = &self.mover
             && let Some(arena) = self.arena.as_ref().filter(|a| {
                 a.ranks() == ranks
-                    && target.ranks.len() == ranks
+                    && target.source_ranks(ranks).is_ok()
                     && (!a.is_device() || target.ranks.iter().all(|r| r.device_memory))
             })
             && span <= arena.len()
@@ -262,26 +265,23 @@ impl PdNode {
             .map_err(failed)?;
             drop(hold);
             self.via_arena.fetch_add(1, Ordering::Relaxed);
-            return Ok((
-                (per_rank * ranks) as u64,
-                t0.elapsed().as_micros() as u64,
-                true,
-            ));
+            return Ok((sent as u64, t0.elapsed().as_micros() as u64, true));
         }
         if matches!(self.mover, KvMover::Ucx(_)) {
-            self.note_fallback("prefill", per_rank * ranks);
+            self.note_fallback("prefill", sent);
         }
         let data = self
             .engine
             .read_kv(id, 0..layers)
             .await
             .map_err(|e| eerr(&e))?;
-        let bytes = data.len() as u64;
+        let bytes = sent as u64;
         self.mover
             .push(
                 id,
                 target,
                 layers,
+                ranks,
                 data,
                 self.push_wait(started, target),
                 |keep| SourceHold::new(keep, self.hold_until(deadline), self.fence.clone()),

@@ -424,3 +424,118 @@ fn latent_kv_read_from_one_backend_and_written_to_another_decodes_as_colocated()
         assert!(rel_err(&rows[0], &colo_rows[0]) < 1e-3, "{name}");
     }
 }
+
+/// A DeepSeek model's dummy weights of each tensor-parallel rank, generated on the device, are
+/// exactly that rank's slice (`mla_weights::shard_layer`'s split: heads' rows of q / q_b and
+/// kv_b, o_proj's columns, every MLP's intermediate rows of gate/up and columns of down; the
+/// rest whole) of what one GPU generates with the same seed. One GPU: ranks 0..2 and 0..4 built
+/// on it in turn (what a TP run builds on each of its GPUs).
+#[test]
+#[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
+fn dummy_weights_of_every_rank_are_its_slice_of_the_whole() {
+    use pdnode_cuda::device::{DevBuf, Gpu};
+    use pdnode_cuda::mla_weights::{DevFfn, DevMla, DevMlaQuery};
+    use pdnode_cuda::weights::Shard;
+    let gpu = Gpu::new(0).unwrap();
+    let bits = |b: &DevBuf| {
+        let mut v = vec![0u16; b.bytes() / 2];
+        gpu.download(&mut v, b, 0).unwrap();
+        v
+    };
+    // rows `r` of every one of `stack` `[rows][cols]` blocks; columns `c` of `[rows][cols]`
+    let rows = |v: &[u16], stack: usize, n: usize, cols: usize, r: std::ops::Range<usize>| {
+        (0..stack)
+            .flat_map(|s| v[(s * n + r.start) * cols..(s * n + r.end) * cols].to_vec())
+            .collect::<Vec<u16>>()
+    };
+    let cols = |v: &[u16], cols: usize, c: std::ops::Range<usize>| {
+        v.chunks_exact(cols)
+            .flat_map(|row| row[c.clone()].to_vec())
+            .collect::<Vec<u16>>()
+    };
+    for name in ["deepseek_v2", "deepseek_v3"] {
+        let spec = load(name).spec;
+        let m = spec.mla.as_ref().unwrap();
+        let (h, nh, r) = (spec.hidden_size, spec.num_heads, m.kv_lora_rank);
+        let (qk, vd, ph) = (
+            m.qk_head_dim(),
+            m.v_head_dim,
+            m.qk_nope_head_dim + m.v_head_dim,
+        );
+        let (whole, _) = DevMla::dummy(&gpu, &spec, 9, None, Shard::WHOLE).unwrap();
+        for size in [2, 4] {
+            for rank in 0..size {
+                let sh = Shard { rank, size };
+                let (part, _) = DevMla::dummy(&gpu, &spec, 9, None, sh).unwrap();
+                let tag = format!("{name} rank {rank} of {size}");
+                for (li, (w, p)) in whole.layers.iter().zip(&part.layers).enumerate() {
+                    let tag = format!("{tag} layer {li}");
+                    let q_rows = sh.part(nh * qk);
+                    match (&w.q, &p.q) {
+                        (DevMlaQuery::Direct { wq: a }, DevMlaQuery::Direct { wq: b }) => {
+                            assert_eq!(bits(b), rows(&bits(a), 1, nh * qk, h, q_rows), "{tag} q");
+                        }
+                        (
+                            DevMlaQuery::LowRank {
+                                wq_a: a1,
+                                wq_b: a2,
+                                rank: qr,
+                                ..
+                            },
+                            DevMlaQuery::LowRank {
+                                wq_a: b1, wq_b: b2, ..
+                            },
+                        ) => {
+                            assert_eq!(bits(b1), bits(a1), "{tag} q_a whole");
+                            let want = rows(&bits(a2), 1, nh * qk, *qr, q_rows);
+                            assert_eq!(bits(b2), want, "{tag} q_b");
+                        }
+                        _ => panic!("{tag}: query kinds differ"),
+                    }
+                    assert_eq!(bits(&p.wkv_a), bits(&w.wkv_a), "{tag} kv_a whole");
+                    let want = rows(&bits(&w.wkv_b), 1, nh * ph, r, sh.part(nh * ph));
+                    assert_eq!(bits(&p.wkv_b), want, "{tag} kv_b");
+                    let want = cols(&bits(&w.wo), nh * vd, sh.part(nh * vd));
+                    assert_eq!(bits(&p.wo), want, "{tag} o_proj");
+                    // an MLP stack: gate/up `[stack][2 inter][h]`, down `[stack][h][inter]`
+                    let mlp = |a: (&DevBuf, &DevBuf), b: (&DevBuf, &DevBuf), stack, inter| {
+                        let ir = sh.part(inter);
+                        let gu = bits(a.0);
+                        let want: Vec<u16> = (0..stack)
+                            .flat_map(|s| {
+                                let e = &gu[s * 2 * inter * h..(s + 1) * 2 * inter * h];
+                                let mut x = rows(e, 1, inter, h, ir.clone());
+                                x.extend(rows(&e[inter * h..], 1, inter, h, ir.clone()));
+                                x
+                            })
+                            .collect();
+                        assert_eq!(bits(b.0), want, "{tag} gate/up");
+                        assert_eq!(bits(b.1), cols(&bits(a.1), inter, ir), "{tag} down");
+                    };
+                    match (&w.ffn, &p.ffn) {
+                        (DevFfn::Dense(a), DevFfn::Dense(b)) => {
+                            assert_eq!(b.inter * size, a.inter);
+                            mlp((&a.gate_up, &a.down), (&b.gate_up, &b.down), 1, a.inter);
+                        }
+                        (DevFfn::Moe(a), DevFfn::Moe(b)) => {
+                            let e = spec.moe.as_ref().unwrap();
+                            assert_eq!(bits(&b.router), bits(&a.router), "{tag} router whole");
+                            let (ne, ei) = (e.num_experts, e.expert_intermediate);
+                            mlp((&a.gate_up, &a.down), (&b.gate_up, &b.down), ne, ei);
+                            let (sa, sb) = (a.shared.as_ref().unwrap(), b.shared.as_ref().unwrap());
+                            assert_eq!(sb.inter * size, sa.inter);
+                            mlp(
+                                (&sa.gate_up, &sa.down),
+                                (&sb.gate_up, &sb.down),
+                                1,
+                                sa.inter,
+                            );
+                        }
+                        _ => panic!("{tag}: MLP kinds differ"),
+                    }
+                }
+            }
+        }
+    }
+    println!("PASS dummy_weights_of_every_rank_are_its_slice_of_the_whole");
+}

@@ -8,7 +8,7 @@ use super::{
 };
 use pdnode_cuda::CudaError;
 use pdnode_cuda::backend::CudaBackend;
-use pdnode_cuda::ops::{AttnVariant, Fusion, LinearImpl};
+use pdnode_cuda::ops::{self, AttnChoice, AttnVariant, Fusion, LinearImpl};
 
 /// One setting of the comparison: its name, the fusion limits, programmatic dependent launch,
 /// the paged-attention kernel.
@@ -18,6 +18,8 @@ pub struct StepVariant {
     pub fusion: Fusion,
     pub pdl: bool,
     pub attention: AttnVariant,
+    /// Waves of resident blocks the v4 attention's partitions aim for (`engine.cuda.attention_v4_waves`).
+    pub v4_waves: usize,
 }
 
 impl StepVariant {
@@ -25,7 +27,8 @@ impl StepVariant {
     /// o/down GEMV up to M, W warps a block of the fused gate_up launch, PDL for decode steps
     /// of up to P rows; W and P 0 when absent: the 4-warp launch, no small-step PDL) or
     /// `default` (`Fusion::default()`), then optionally `/<attention>` (a name of
-    /// `engine.cuda.attention`, default `auto`), then optionally `+pdl`.
+    /// `engine.cuda.attention`, default `auto`, optionally with `@<waves>`: the v4 partitions'
+    /// waves, default [`ops::V4_WAVES`]), then optionally `+pdl`.
     pub fn parse(s: &str) -> Option<StepVariant> {
         let s = s.trim();
         let (body, pdl) = match s.strip_suffix("+pdl") {
@@ -33,9 +36,14 @@ impl StepVariant {
             None => (s, false),
         };
         let (body, attention) = match body.split_once('/') {
-            Some((b, a)) => (b, AttnVariant::parse(a)?),
-            None => (body, AttnVariant::Auto),
+            Some((b, a)) => (b, a),
+            None => (body, "auto"),
         };
+        let (attention, v4_waves) = match attention.split_once('@') {
+            Some((a, w)) => (a, w.parse().ok().filter(|w| (1..=64).contains(w))?),
+            None => (attention, ops::V4_WAVES),
+        };
+        let attention = AttnVariant::parse(attention)?;
         let fusion = if body == "default" {
             Fusion::default()
         } else {
@@ -60,6 +68,7 @@ impl StepVariant {
             fusion,
             pdl,
             attention,
+            v4_waves,
         })
     }
 }
@@ -106,7 +115,14 @@ pub fn run_step_variants(
         for _ in 0..rounds.max(1) {
             for (vi, v) in variants.iter().enumerate() {
                 be.set_fusion(v.fusion);
-                be.set_kernels(v.attention, LinearImpl::Auto);
+                be.set_attention(
+                    AttnChoice {
+                        variant: v.attention,
+                        v4_waves: v.v4_waves,
+                        v4_max_part: ops::V4_MAX_PART,
+                    },
+                    LinearImpl::Auto,
+                );
                 if be.set_pdl(v.pdl) != v.pdl {
                     continue;
                 }
@@ -173,6 +189,11 @@ mod tests {
             (0, 1, false, AttnVariant::Auto)
         );
         assert_eq!(v.name, "s0n1");
+        assert_eq!(v.v4_waves, ops::V4_WAVES);
+        let v = StepVariant::parse("default/v4@2").unwrap();
+        assert_eq!((v.attention, v.v4_waves), (AttnVariant::V4, 2));
+        assert!(StepVariant::parse("default/v4@0").is_none());
+        assert!(StepVariant::parse("default/v4@x").is_none());
         assert_eq!(
             StepVariant::parse("default").unwrap().fusion,
             Fusion::default()

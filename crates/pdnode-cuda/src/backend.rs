@@ -398,7 +398,17 @@ impl CudaBackend {
     /// Switches the kernels later steps use (benchmarks compare variants on one backend; the v4
     /// tuning stays as configured).
     pub fn set_kernels(&mut self, attention: AttnVariant, linear: ops::LinearImpl) {
-        if (attention, linear) != (self.opts.attention.variant, self.opts.linear) {
+        let choice = ops::AttnChoice {
+            variant: attention,
+            ..self.opts.attention
+        };
+        self.set_attention(choice, linear);
+    }
+
+    /// [`Self::set_kernels`] with the v4 partition tuning too (`engine.cuda.attention_v4_waves`,
+    /// `attention_v4_max_part`): benchmarks compare the settings on one backend.
+    pub fn set_attention(&mut self, attention: ops::AttnChoice, linear: ops::LinearImpl) {
+        if (attention, linear) != (self.opts.attention, self.opts.linear) {
             // Captured graphs hold the old kernels; wait for any replay before dropping them.
             if self.gpu.bind().is_ok() && self.gpu.sync().is_ok() {
                 self.graphs.clear();
@@ -406,7 +416,7 @@ impl CudaBackend {
                 self.graphs.disable();
             }
         }
-        self.opts.attention.variant = attention;
+        self.opts.attention = attention;
         self.opts.linear = linear;
     }
 

@@ -292,13 +292,24 @@ extern "C" __global__ void __launch_bounds__(MLA_TC_THREADS)
     const int g = lane >> 2, tq = lane & 3, mi = lane >> 3;
     const int hbase = blockIdx.y * 16;
 
-    // the queries: rows of 16 heads, [q_lat | q_pe] unscaled, bf16; zero rows past `heads`
-    for (int i = threadIdx.x; i < 16 * latent; i += MLA_TC_THREADS) {
-        const int h = i / latent, d = i - h * latent, hh = hbase + h;
-        bf16_t v = 0;
-        if (hh < heads)
-            v = d < rank ? f2bf(q_lat[(t * heads + hh) * rank + d]) : q[(t * heads + hh) * qk + nope + d - rank];
-        qs[h * MLA_TC_LS + d] = v;
+    // the queries: rows of 16 heads, [q_lat | q_pe] unscaled, bf16; zero rows past `heads`. A
+    // warp a head: q_lat in 16-byte loads (rank % 16 == 0), no division per element
+    for (int h = warp; h < 16; h += 4) {
+        const int hh = hbase + h;
+        bf16_t* qrow = qs + h * MLA_TC_LS;
+        if (hh < heads) {
+            const float4* ql = (const float4*)(q_lat + (t * heads + hh) * rank);
+            for (int v = lane; v < (rank >> 2); v += 32) {
+                const float4 f = ql[v];
+                unsigned* o = (unsigned*)(qrow + 4 * v);
+                o[0] = mla_pack2(f.x, f.y);
+                o[1] = mla_pack2(f.z, f.w);
+            }
+            const bf16_t* qp = q + (t * heads + hh) * qk + nope;
+            for (int d = lane; d < rope; d += 32) qrow[rank + d] = qp[d];
+        } else {
+            for (int d = lane; d < latent; d += 32) qrow[d] = 0;
+        }
     }
     if (threadIdx.x < 16) {
         m_s[threadIdx.x] = -INFINITY;

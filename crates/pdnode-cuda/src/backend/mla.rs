@@ -337,8 +337,19 @@ impl CudaBackend {
                     part_acc: &mws.part_acc,
                 };
                 ops::mla_attention_ex(
-                    g, &dims, &mws.q_lat, &mws.q, &self.pool, li, &attn_meta, t, list, scale,
-                    &scratch, &mws.o_lat,
+                    g,
+                    &dims,
+                    &mws.q_lat,
+                    &mws.q,
+                    &self.pool,
+                    li,
+                    &attn_meta,
+                    t,
+                    list,
+                    scale,
+                    &scratch,
+                    &mws.o_lat,
+                    ops::MlaKernel::Auto,
                 )?;
                 self.op_mark("mla_attention")?;
             }

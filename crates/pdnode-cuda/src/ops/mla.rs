@@ -66,6 +66,14 @@ const MLA_HEADS_PER_BLOCK: usize = 16;
 const MLA_THREADS: u32 = 256;
 /// Threads of an `mla_attn_split_tc` block (`MLA_TC_THREADS`: 4 warps on tensor cores).
 const MLA_TC_THREADS: u32 = 128;
+/// Fewest keys a split (of the step's longest context) takes for `mla_attn_split_tc`; shorter
+/// splits take the CUDA-core kernel. H200, deepseek-v2-lite graph steps, CUDA-core -> tensor
+/// cores: 128+ keys a split 11.85 -> 10.25 ms (8 x 2048), 19.32 -> 17.87 (32 x 512), 30.64 ->
+/// 27.76 (64 x 512); 62 keys and fewer 3.57 -> 4.24 (1 x 512), 4.58 -> 4.94 (1 x 8192), 8.66
+/// -> 9.08 (8 x 512).
+pub const MLA_TC_MIN_KEYS: usize = 128;
+/// Fewest keys a split of `mla_attn_split` / `_tc` takes (`MLA_MIN_CHUNK`).
+const MLA_MIN_CHUNK: usize = 16;
 /// Threads a block of `mla_attn_combine`, one output dim each (grid y: the row's dim chunks).
 const COMBINE_THREADS: u32 = 128;
 
@@ -178,6 +186,7 @@ pub fn mla_scratch_bytes(
 /// per token, 16 heads and split, reading each latent once for its heads) then, with more than one
 /// split ([`mla_splits`]), `mla_attn_combine` over `part_ml` / `part_acc`
 /// ([`mla_scratch_bytes`]).
+/// `kernel` picks the split kernel ([`MlaKernel`]; the backend's steps use `Auto`).
 #[allow(clippy::too_many_arguments)]
 pub fn mla_attention(
     gpu: &Gpu,
@@ -192,11 +201,24 @@ pub fn mla_attention(
     part_ml: &DevBuf,
     part_acc: &DevBuf,
     o_lat: &DevBuf,
+    kernel: MlaKernel,
 ) -> Result<(), CudaError> {
     let s = MlaScratch { part_ml, part_acc };
     mla_attention_ex(
-        gpu, d, q_lat, q, pool, layer, meta, tokens, None, scale, &s, o_lat,
+        gpu, d, q_lat, q, pool, layer, meta, tokens, None, scale, &s, o_lat, kernel,
     )
+}
+
+/// Which split kernel [`mla_attention_ex`] runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MlaKernel {
+    /// Tensor cores where the shape allows it and a split has [`MLA_TC_MIN_KEYS`] keys or more
+    /// (of the step's longest context), else CUDA cores.
+    Auto,
+    /// `mla_attn_split`, any shape the wrappers take.
+    CudaCores,
+    /// `mla_attn_split_tc`: rank and rope multiples of 16 (a shape error otherwise).
+    TensorCores,
 }
 
 /// The split-K partials of [`mla_attention_ex`] (sizes: [`mla_scratch_bytes`]).
@@ -221,6 +243,7 @@ pub fn mla_attention_ex(
     scale: f32,
     scratch: &MlaScratch<'_>,
     o_lat: &DevBuf,
+    kernel: MlaKernel,
 ) -> Result<(), CudaError> {
     const OP: &str = "mla_attention";
     let (part_ml, part_acc) = (scratch.part_ml, scratch.part_acc);
@@ -272,7 +295,21 @@ pub fn mla_attention_ex(
         })?;
     }
     // tensor cores where the latent tiles into 16-wide k-steps and dim tiles (DeepSeek: 512 + 64)
-    let tc = d.rank.is_multiple_of(16) && d.rope.is_multiple_of(16);
+    // and a split has keys enough to pay for staging 16 query rows (MLA_TC_MIN_KEYS)
+    let fits = d.rank.is_multiple_of(16) && d.rope.is_multiple_of(16);
+    let tc = match kernel {
+        MlaKernel::Auto => fits && max_ctx.div_ceil(nsplit).max(MLA_MIN_CHUNK) >= MLA_TC_MIN_KEYS,
+        MlaKernel::CudaCores => false,
+        MlaKernel::TensorCores => {
+            shape(OP, fits, || {
+                format!(
+                    "the tensor-core kernel needs rank and rope multiples of 16, not {} and {}",
+                    d.rank, d.rope
+                )
+            })?;
+            true
+        }
+    };
     let f = gpu.kernel(if tc {
         "mla_attn_split_tc"
     } else {

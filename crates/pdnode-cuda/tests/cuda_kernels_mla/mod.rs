@@ -184,6 +184,27 @@ fn attn_case(
     bs: usize,
     seqs: &[Vec<usize>],
 ) {
+    // every split kernel the shape takes (the tensor-core one: rank and rope multiples of 16)
+    let mut kernels = vec![ops::MlaKernel::CudaCores];
+    if rank.is_multiple_of(16) && rope.is_multiple_of(16) {
+        kernels.push(ops::MlaKernel::TensorCores);
+    }
+    for kernel in kernels {
+        attn_case_with(g, r, heads, rank, rope, bs, seqs, kernel);
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attn_case_with(
+    g: &Gpu,
+    r: &mut ChaCha8Rng,
+    heads: usize,
+    rank: usize,
+    rope: usize,
+    bs: usize,
+    seqs: &[Vec<usize>],
+    kernel: ops::MlaKernel,
+) {
     let ctx: Vec<usize> = seqs.iter().map(|p| p.iter().max().unwrap() + 1).collect();
     let max_ctx = *ctx.iter().max().unwrap();
     let max_blocks = max_ctx.div_ceil(bs);
@@ -249,7 +270,7 @@ fn attn_case(
         window: 0,
     };
     ops::mla_attention(
-        g, &d, &dql, &dq, &dpool, layer, &meta, t, scale, &part_ml, &part_acc, &out,
+        g, &d, &dql, &dq, &dpool, layer, &meta, t, scale, &part_ml, &part_acc, &out, kernel,
     )
     .unwrap();
     let got = g.download_bf16(&out, t * heads * rank).unwrap();
@@ -279,7 +300,7 @@ fn attn_case(
     report(
         err < 1e-2,
         &format!(
-            "mla_attention heads={heads} rank={rank} rope={rope} bs={bs} tokens={t} \
+            "mla_attention {kernel:?} heads={heads} rank={rank} rope={rope} bs={bs} tokens={t} \
              max_ctx={max_ctx} splits={nsplit}: max rel err {err:.1e}"
         ),
     );
@@ -292,8 +313,8 @@ fn mla_attention_matches_host() {
     let mut r = rng("mla_attention");
     // several tokens of 2-3 sequences of different lengths, contexts crossing blocks; block sizes
     // 1 and 16; heads 2, 16 and 20 (two head groups); rank 32 and 512; many splits (few tokens).
-    // Rank and rope multiples of 16 take the tensor-core kernel (mla_attn_split_tc), the others
-    // the CUDA-core one (rope 18, as a shape no DeepSeek uses; the fixtures' rope 8)
+    // Each case through both split kernels where rank and rope are multiples of 16, else (rope
+    // 18, a shape no DeepSeek uses; the fixtures' rope 8) the CUDA-core one only
     attn_case(&g, &mut r, 2, 32, 64, 1, &[vec![0, 1, 2], vec![40]]);
     attn_case(&g, &mut r, 3, 32, 18, 4, &[vec![140], vec![9]]);
     attn_case(
@@ -667,7 +688,19 @@ fn deepseek_wrappers_refuse_shapes_the_kernels_cannot_run() {
         window: 0,
     };
     assert!(shape(ops::mla_attention(
-        &g, &d, &b, &b, &b, 0, &meta, 1, 1.0, &b, &b, &b
+        &g,
+        &d,
+        &b,
+        &b,
+        &b,
+        0,
+        &meta,
+        1,
+        1.0,
+        &b,
+        &b,
+        &b,
+        ops::MlaKernel::Auto
     )));
     let d = MlaDims {
         rank: 512,
@@ -675,7 +708,19 @@ fn deepseek_wrappers_refuse_shapes_the_kernels_cannot_run() {
         ..d
     };
     assert!(shape(ops::mla_attention(
-        &g, &d, &b, &b, &b, 0, &meta, 1, 1.0, &b, &b, &b
+        &g,
+        &d,
+        &b,
+        &b,
+        &b,
+        0,
+        &meta,
+        1,
+        1.0,
+        &b,
+        &b,
+        &b,
+        ops::MlaKernel::Auto
     )));
     g.sync().unwrap();
     println!("PASS deepseek wrappers: shape errors, nothing launched");

@@ -67,11 +67,11 @@ const MLA_THREADS: u32 = 256;
 /// Threads of an `mla_attn_split_tc` block (`MLA_TC_THREADS`: 4 warps on tensor cores).
 const MLA_TC_THREADS: u32 = 128;
 /// Fewest keys a split (of the step's longest context) takes for `mla_attn_split_tc`; shorter
-/// splits take the CUDA-core kernel. H200, deepseek-v2-lite graph steps, CUDA-core -> tensor
-/// cores: 128+ keys a split 11.85 -> 10.25 ms (8 x 2048), 19.32 -> 17.87 (32 x 512), 30.64 ->
-/// 27.76 (64 x 512); 62 keys and fewer 3.57 -> 4.24 (1 x 512), 4.58 -> 4.94 (1 x 8192), 8.66
-/// -> 9.08 (8 x 512).
-pub const MLA_TC_MIN_KEYS: usize = 128;
+/// splits take the CUDA-core kernel. H200, deepseek-v2-lite graph steps, one call, CUDA cores
+/// against tensor cores by keys a split: 16 (1 x 512) 3.578 / 3.816 ms, 16 (1 x 2048) 3.810 /
+/// 4.011, 31 (8 x 512) 8.700 / 8.681, 63 (1 x 8192) 4.595 / 4.518, 103 (32 x 512) 19.465 /
+/// 17.586, 121 (8 x 2048) 11.930 / 9.869, 171 (64 x 512) 30.848 / 27.519.
+pub const MLA_TC_MIN_KEYS: usize = 32;
 /// Fewest keys a split of `mla_attn_split` / `_tc` takes (`MLA_MIN_CHUNK`).
 const MLA_MIN_CHUNK: usize = 16;
 /// Threads a block of `mla_attn_combine`, one output dim each (grid y: the row's dim chunks).

@@ -8,7 +8,10 @@
 # prompt's tokens are transformers' greedy tokens, and when the prefill node counted the
 # hand-offs (pdnode_transfer_handoffs_total, outcome "ok"). Needs the full bundle
 # (PERFTEST=0 scripts/gpu/pack.sh). Logs in $OUT; a table last.
-# usage: OUT=/tmp/x scripts/gpu/deepseek-pd.sh [deepseek_v2 deepseek_v3]
+# PREFILL_GPUS / DECODE_GPUS (default "0"): the GPUs of each PD node, e.g. "0,1" for a
+# tensor-parallel group of two (the latent goes whole between TP degrees; a two-GPU machine);
+# the colocated node stays on GPU0 at TP 1.
+# usage: OUT=/tmp/x [PREFILL_GPUS=0,1] scripts/gpu/deepseek-pd.sh [deepseek_v2 deepseek_v3]
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/pdnode-gpu/deepseek-pd}
@@ -18,7 +21,11 @@ FIX=$PWD/crates/pdnode-engine/tests/fixtures
 models=("$@")
 [ ${#models[@]} -eq 0 ] && models=(deepseek_v2 deepseek_v3)
 rows=()
-node_toml() { # role id listen model extra...
+PREFILL_GPUS=${PREFILL_GPUS:-0}
+DECODE_GPUS=${DECODE_GPUS:-0}
+tp_of() { echo $(($(tr -cd , <<< "$1" | wc -c) + 1)); }
+node_toml() { # role id listen model [staging tokens] [gpus]
+    local gpus=${6:-0}
     cat <<T
 [node]
 role = "$1"
@@ -31,7 +38,8 @@ format = "hf"
 served_name = "tiny"
 [engine]
 backend = "${BACKEND:-cuda}"
-gpus = [0]
+gpus = [$gpus]
+tensor_parallel = $(tp_of "$gpus")
 context_length = 256
 block_size = 16
 num_kv_blocks = 256
@@ -62,7 +70,7 @@ PY
     echo "greedy $1: rc=$? $(wc -l < "$OUT/greedy.$1.txt") lines"
 }
 for m in "${models[@]}"; do
-    echo "== $m: PD (prefill + decode on GPU0, router; latent KV over UCX)"
+    echo "== $m: PD (prefill on GPUs $PREFILL_GPUS, decode on GPUs $DECODE_GPUS, router; latent KV over UCX)"
     start_etcd "ds-$m" "etcd.$m.log"
     reg='[registry]
 kind = "etcd"
@@ -72,8 +80,8 @@ kind = \"ucx\"
 ucx_lib = \"$LIB\"
 ucx_net_devices = \"lo\"
 verify = true"
-    { node_toml prefill "$m-prefill" 127.0.0.1:7101 "$m" 4096; echo "$reg"; echo "$xfer"; } > "$OUT/$m.prefill.toml"
-    { node_toml decode "$m-decode" 127.0.0.1:7102 "$m" 4096; echo "$reg"; echo "$xfer"; } > "$OUT/$m.decode.toml"
+    { node_toml prefill "$m-prefill" 127.0.0.1:7101 "$m" 4096 "$PREFILL_GPUS"; echo "$reg"; echo "$xfer"; } > "$OUT/$m.prefill.toml"
+    { node_toml decode "$m-decode" 127.0.0.1:7102 "$m" 4096 "$DECODE_GPUS"; echo "$reg"; echo "$xfer"; } > "$OUT/$m.decode.toml"
     cat > "$OUT/$m.router.toml" <<T
 [node]
 role = "router"
@@ -120,7 +128,7 @@ T
     colo=$OUT/greedy.$m.colo.txt
     n=$(grep -vc '^HF' "$pd" 2>/dev/null)
     if [ "${n:-0}" -ge 4 ] && cmp -s "$pd" "$colo"; then
-        rows+=("PASS $m: greedy PD == colocated ($n prompts, 32 tokens each)")
+        rows+=("PASS $m: greedy PD (TP $(tp_of "$PREFILL_GPUS") -> $(tp_of "$DECODE_GPUS")) == colocated ($n prompts, 32 tokens each)")
     else
         rows+=("FAIL $m: greedy PD != colocated (see $pd, $colo)")
         diff "$pd" "$colo" | head -c 1500
@@ -136,5 +144,5 @@ T
         rows+=("FAIL $m: no hand-off counted on the prefill node")
     fi
 done
-echo "== deepseek PD on GPU0"
+echo "== deepseek PD: prefill GPUs $PREFILL_GPUS, decode GPUs $DECODE_GPUS"
 printf '%s\n' "${rows[@]}" | tee "$OUT/summary.txt"

@@ -19,6 +19,8 @@
 #                  router.warm_pairs off and on)
 #   deepseek-pd    scripts/gpu/deepseek-pd.sh (the tiny DeepSeek-V2/V3 fixtures through PD on
 #                  GPU0 against one colocated node: greedy equal, hand-offs counted)
+#   deepseek-pd-tp the same with prefill at TP 2 (GPUs 0,1) and decode at TP 1 (GPU 1), then
+#                  prefill TP 1 -> decode TP 2: the latent handed off between TP degrees (x2)
 #   migrate        scripts/gpu/migrate.sh (live decode migration between two decode nodes on
 #                  one GPU: pause, bytes, text)
 #   rebalance      scripts/gpu/rebalance.sh (router.rebalance moving pinned streams: per move,
@@ -89,6 +91,13 @@ for part in "$@"; do
         deepseek-pd)
             PD=$PD OUT=$LOGS/deepseek-pd bash scripts/gpu/deepseek-pd.sh 2>&1 |
                 tee "$LOGS/deepseek-pd.out" | tail -8 >> "$summary" ;;
+        deepseek-pd-tp)  # two GPUs: prefill TP 2 -> decode TP 1, then TP 1 -> TP 2
+            for pg in "0,1 1" "0 0,1"; do
+                read -r p d <<< "$pg"
+                PREFILL_GPUS=$p DECODE_GPUS=$d PD=$PD OUT=$LOGS/deepseek-pd-tp-$p-$d \
+                    bash scripts/gpu/deepseek-pd.sh 2>&1 |
+                    tee "$LOGS/deepseek-pd-tp-$p-$d.out" | tail -8 >> "$summary"
+            done ;;
         migrate)
             PD=$PD OUT=$LOGS/migrate bash scripts/gpu/migrate.sh 2>&1 |
                 tee "$LOGS/migrate.out" | tail -16 >> "$summary" ;;

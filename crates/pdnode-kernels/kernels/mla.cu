@@ -61,6 +61,35 @@ extern "C" __global__ void mla_rope_latent(const float* __restrict__ kva, const 
     }
 }
 
+// The keys [s0, s1) split `split` of `nsplit` takes of a context of `ctx` keys (chunks of at
+// least MLA_MIN_CHUNK; later splits may be empty: s0 >= s1).
+__device__ __forceinline__ void mla_split_range(int ctx, int nsplit, int split, int& s0, int& s1) {
+    int chunk = (ctx + nsplit - 1) / nsplit;
+    if (chunk < MLA_MIN_CHUNK) chunk = MLA_MIN_CHUNK;
+    s0 = split * chunk;
+    s1 = ctx < s0 + chunk ? ctx : s0 + chunk;
+}
+
+// A tile's latent rows into registers: 16-byte words threadIdx.x + i * NT of the rows of keys
+// k0 .. min(k0 + KT, s1) (row j of the sequence at slot block_tables[bt + j / bs] * bs + j % bs);
+// words past the tile are not loaded.
+template <int PRE, int NT, int KT>
+__device__ __forceinline__ void mla_load_tile(uint4 (&pre)[PRE], const bf16_t* __restrict__ layer_pool,
+                                              const int* __restrict__ block_tables, i64 bt, int block_size,
+                                              int latent, int k0, int s1) {
+    const int nvec = latent >> 3;
+    const int tot = (s1 - k0 < KT ? s1 - k0 : KT) * nvec;
+#pragma unroll
+    for (int i = 0; i < PRE; i++) {
+        const int v = threadIdx.x + i * NT;
+        if (v < tot) {
+            const int key = v / nvec, ch = v - key * nvec, j = k0 + key;
+            const i64 r = (i64)block_tables[bt + j / block_size] * block_size + j % block_size;
+            pre[i] = *(const uint4*)(layer_pool + r * latent + ch * 8);
+        }
+    }
+}
+
 // Absorbed latent attention, one split of one token's context for up to 16 heads. Token t
 // (sequence tok_seq[t], position tok_pos[t]) attends to positions 0..=tok_pos[t]; split z takes
 // positions [z * chunk, (z + 1) * chunk) of them, chunk = max(ceil(ctx / nsplit), MLA_MIN_CHUNK).
@@ -91,11 +120,8 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS)
     const int latent = rank + rope, qk = nope + rope;
     const int ls = (latent + 7) & ~7;  // tile row stride: 16-byte aligned rows
     const int seq = tok_seq[t];
-    const int ctx = tok_pos[t] + 1;
-    int chunk = (ctx + nsplit - 1) / nsplit;
-    if (chunk < MLA_MIN_CHUNK) chunk = MLA_MIN_CHUNK;
-    const int s0 = split * chunk;
-    const int s1 = ctx < s0 + chunk ? ctx : s0 + chunk;
+    int s0, s1;
+    mla_split_range(tok_pos[t] + 1, nsplit, split, s0, s1);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int h0 = blockIdx.y * MLA_HPB + warp * 2;
     const bool active = h0 < heads;  // warp-uniform
@@ -128,18 +154,8 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS)
     const bool vec = (latent & 7) == 0;
     const int nvec = latent >> 3;
     uint4 pre[MLA_PRE];
-    // Tile loads: 16-byte words `threadIdx.x + i * MLA_THREADS` of the tile's rows.
     auto load = [&](int k0) {
-        const int tot = (s1 - k0 < MLA_KT ? s1 - k0 : MLA_KT) * nvec;
-#pragma unroll
-        for (int i = 0; i < MLA_PRE; i++) {
-            const int v = threadIdx.x + i * MLA_THREADS;
-            if (v < tot) {
-                const int key = v / nvec, ch = v - key * nvec, j = k0 + key;
-                const i64 r = (i64)block_tables[bt + j / block_size] * block_size + j % block_size;
-                pre[i] = *(const uint4*)(layer_pool + r * latent + ch * 8);
-            }
-        }
+        mla_load_tile<MLA_PRE, MLA_THREADS, MLA_KT>(pre, layer_pool, block_tables, bt, block_size, latent, k0, s1);
     };
     auto store = [&](int k0) {
         const int tot = (s1 - k0 < MLA_KT ? s1 - k0 : MLA_KT) * nvec;
@@ -283,11 +299,8 @@ extern "C" __global__ void __launch_bounds__(MLA_TC_THREADS)
     const int split = blockIdx.z;
     const int latent = rank + rope, qk = nope + rope;
     const int seq = tok_seq[t];
-    const int ctx = tok_pos[t] + 1;
-    int chunk = (ctx + nsplit - 1) / nsplit;
-    if (chunk < MLA_MIN_CHUNK) chunk = MLA_MIN_CHUNK;
-    const int s0 = split * chunk;
-    const int s1 = ctx < s0 + chunk ? ctx : s0 + chunk;
+    int s0, s1;
+    mla_split_range(tok_pos[t] + 1, nsplit, split, s0, s1);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, tq = lane & 3, mi = lane >> 3;
     const int hbase = blockIdx.y * 16;
@@ -327,16 +340,8 @@ extern "C" __global__ void __launch_bounds__(MLA_TC_THREADS)
     const int nvec = latent >> 3, ksteps = latent >> 4, mtiles = rank >> 4;
     uint4 pre[MLA_TC_PRE];
     auto load = [&](int k0) {
-        const int tot = (s1 - k0 < MLA_TC_KT ? s1 - k0 : MLA_TC_KT) * nvec;
-#pragma unroll
-        for (int i = 0; i < MLA_TC_PRE; i++) {
-            const int v = threadIdx.x + i * MLA_TC_THREADS;
-            if (v < tot) {
-                const int key = v / nvec, ch = v - key * nvec, j = k0 + key;
-                const i64 r = (i64)block_tables[bt + j / block_size] * block_size + j % block_size;
-                pre[i] = *(const uint4*)(layer_pool + r * latent + ch * 8);
-            }
-        }
+        mla_load_tile<MLA_TC_PRE, MLA_TC_THREADS, MLA_TC_KT>(pre, layer_pool, block_tables, bt, block_size, latent,
+                                                             k0, s1);
     };
     if (s0 < s1) load(s0);
     for (int k0 = s0; k0 < s1; k0 += MLA_TC_KT) {

@@ -58,6 +58,7 @@ static bool __any_sync(unsigned, bool p) {
     emu_warp_sync();
     return r;
 }
+// A lane's value from lane l ^ o, through the warp's buffer (float, or int by its bits).
 static float __shfl_xor_sync(unsigned, float v, int o) {
     int t = g_cur, w = t / 32, l = t % 32;
     g_wbuf[w][l] = v;
@@ -66,15 +67,8 @@ static float __shfl_xor_sync(unsigned, float v, int o) {
     emu_warp_sync();
     return r;
 }
-
-static int g_wibuf[32][32];
-static int __shfl_xor_sync(unsigned, int v, int o) {
-    int t = g_cur, w = t / 32, l = t % 32;
-    g_wibuf[w][l] = v;
-    emu_warp_sync();
-    int r = g_wibuf[w][l ^ o];
-    emu_warp_sync();
-    return r;
+static int __shfl_xor_sync(unsigned m, int v, int o) {
+    return (int)__float_as_uint(__shfl_xor_sync(m, __int_as_float(v), o));
 }
 
 static void (*g_body)();

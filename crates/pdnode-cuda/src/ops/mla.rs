@@ -182,11 +182,11 @@ pub fn mla_scratch_bytes(
 /// q_pe[t][h] . kpe_j) * scale` over the positions `j = 0..=tok_pos[t]` of its sequence (`c_j` the
 /// pool row's first `rank` values, `kpe_j` its last `rope`), softmax, `o_lat[t][h] = sum_j p_j
 /// c_j`. `q_lat`: f32 `[tokens][heads][rank]`; `q`: bf16 `[tokens][heads][nope + rope]` (`q_pe`
-/// its last `rope` values); `o_lat`: bf16 `[tokens][heads][rank]`. Runs `mla_attn_split` (a block
-/// per token, 16 heads and split, reading each latent once for its heads) then, with more than one
-/// split ([`mla_splits`]), `mla_attn_combine` over `part_ml` / `part_acc`
-/// ([`mla_scratch_bytes`]).
-/// `kernel` picks the split kernel ([`MlaKernel`]; the backend's steps use `Auto`).
+/// its last `rope` values); `o_lat`: bf16 `[tokens][heads][rank]`. Runs a split kernel (a block
+/// per token, 16 heads and split, reading each latent once for its heads: `mla_attn_split` on CUDA
+/// cores or `mla_attn_split_tc` on tensor cores, as `kernel` picks, [`MlaKernel`]; the backend's
+/// steps use `Auto`) then, with more than one split ([`mla_splits`]), `mla_attn_combine` over
+/// `part_ml` / `part_acc` ([`mla_scratch_bytes`]).
 #[allow(clippy::too_many_arguments)]
 pub fn mla_attention(
     gpu: &Gpu,

@@ -375,43 +375,19 @@ fn gemm_bf16_matches_reference_both_output_types() {
                 })
                 .collect()
         };
+        // SAFETY (both calls): w, x and y sized for the shapes passed.
+        let run = |y: u64, ty: OutType, beta: f32| unsafe {
+            gemm(&g.blas, out, t, inp, dw.ptr(), dx.ptr(), y, ty, beta).unwrap()
+        };
         // bf16 out, beta 0, poisoned output
         let yb = poisoned(&g, t * out * 2);
-        // SAFETY: buffers sized for the shapes passed.
-        unsafe {
-            gemm(
-                &g.blas,
-                out,
-                t,
-                inp,
-                dw.ptr(),
-                dx.ptr(),
-                yb.ptr(),
-                OutType::Bf16,
-                0.0,
-            )
-        }
-        .unwrap();
+        run(yb.ptr(), OutType::Bf16, 0.0);
         let got = g.download_bf16(&yb, t * out).unwrap();
         let e = rel_err(&got, &reference(0.0));
         assert!(e < 1e-2, "bf16 gemm {out}x{t}x{inp}: rel err {e}");
         // f32 out accumulating into y (the fused residual add)
         let yf = g.upload_f32(&y0).unwrap();
-        // SAFETY: as above.
-        unsafe {
-            gemm(
-                &g.blas,
-                out,
-                t,
-                inp,
-                dw.ptr(),
-                dx.ptr(),
-                yf.ptr(),
-                OutType::F32,
-                1.0,
-            )
-        }
-        .unwrap();
+        run(yf.ptr(), OutType::F32, 1.0);
         let got = g.download_f32(&yf, t * out).unwrap();
         let e = rel_err(&got, &reference(1.0));
         assert!(e < 1e-3, "f32 gemm {out}x{t}x{inp}: rel err {e}");

@@ -185,3 +185,138 @@ pub fn run_linear(
     }
     Ok((copy, rows, steps))
 }
+
+/// The decode step's linear layers as the step calls them for [`run_linear_lt`]: (name, out,
+/// in, output type, accumulate into the output): qkv and gate_up write bf16, o and down add
+/// into the f32 residual.
+pub const LT_LINEARS: [(&str, usize, usize, OutType, bool); 4] = [
+    ("qkv", 6144, 4096, OutType::Bf16, false),
+    ("o", 4096, 4096, OutType::F32, true),
+    ("gate_up", 28672, 4096, OutType::Bf16, false),
+    ("down", 4096, 14336, OutType::F32, true),
+];
+
+/// One GEMM measurement of [`run_linear_lt`]: `cublasGemmEx`'s default (`algo: None`) or
+/// cuBLASLt heuristic candidate `algo` (0: the heuristic's first choice).
+#[derive(Debug, Clone)]
+pub struct LtRow {
+    pub name: &'static str,
+    pub out: usize,
+    pub inp: usize,
+    pub tokens: usize,
+    pub algo: Option<usize>,
+    pub config: Option<pdnode_cuda::blaslt::AlgoConfig>,
+    /// The heuristic's wave estimate (0 for GemmEx).
+    pub waves: f32,
+    pub us: f64,
+    /// Bytes moved (weights + x + y, y twice when accumulated) over the copy ceiling's rate.
+    pub frac_of_copy: f64,
+    pub tflops: f64,
+    /// ||y - y_gemmex|| / ||y_gemmex|| on the same inputs.
+    pub rel_to_gemmex: f64,
+}
+
+/// Each of [`LT_LINEARS`] at each token count through `cublasGemmEx` and through each of up to
+/// `max_algos` cuBLASLt heuristic candidates, weights rotated past L2 as in [`run_linear`]; every
+/// case timed in `rounds` interleaved rounds of `iters` calls (the fastest round kept). Returns
+/// the copy ceiling (bytes/s, read + write) and the rows.
+pub fn run_linear_lt(
+    tokens: &[usize],
+    max_algos: usize,
+    iters: usize,
+    rounds: usize,
+    mut report: impl FnMut(&LtRow),
+) -> Result<(f64, Vec<LtRow>), CudaError> {
+    use pdnode_cuda::blaslt::{BlasLt, LtPlan};
+    let gpu = Gpu::new(0)?;
+    let copy = measure_ceilings(&gpu)?.hbm_traffic_bps;
+    gpu.bind()?;
+    let lt = BlasLt::new(&gpu.stream)?;
+    let max_t = tokens.iter().copied().max().unwrap_or(1).max(1);
+    let mut rows = Vec::new();
+    for (si, &(name, out, inp, ty, acc)) in LT_LINEARS.iter().enumerate() {
+        let wbytes = out * inp * 2;
+        let copies = (256usize << 20).div_ceil(wbytes).clamp(1, 8);
+        let ws = (0..copies)
+            .map(|c| {
+                let b = gpu.alloc(wbytes)?;
+                ops::fill_uniform_bf16(&gpu, &b, out * inp, (300 + si * 8 + c) as u64, 0.05)?;
+                Ok(b)
+            })
+            .collect::<Result<Vec<_>, CudaError>>()?;
+        let x = gpu.alloc(max_t * inp * 2)?;
+        ops::fill_uniform_bf16(&gpu, &x, max_t * inp, 9, 1.0)?;
+        let y = gpu.alloc(max_t * out * 4)?;
+        let beta = if acc { 1.0 } else { 0.0 };
+        let ysz = if ty == OutType::F32 { 4 } else { 2 };
+        for &t in tokens {
+            let plan = LtPlan::new(out, t, inp, ty)?;
+            let algos = lt.heuristics(&plan, max_algos)?;
+            // None: GemmEx; Some(i): algos[i]
+            let call = |which: Option<usize>, w: &pdnode_cuda::device::DevBuf| match which {
+                // SAFETY: w, x and y hold the shapes passed (x and y sized for max_t rows).
+                None => unsafe {
+                    gemm(&gpu.blas, out, t, inp, w.ptr(), x.ptr(), y.ptr(), ty, beta)
+                },
+                // SAFETY: as above; the algo came from this plan's heuristic.
+                Some(i) => unsafe { lt.matmul(&plan, &algos[i], w.ptr(), x.ptr(), y.ptr(), beta) },
+            };
+            let output = |which: Option<usize>| -> Result<Vec<f32>, CudaError> {
+                gpu.memset(&y, 0)?;
+                call(which, &ws[0])?;
+                match ty {
+                    OutType::F32 => gpu.download_f32(&y, t * out),
+                    OutType::Bf16 => gpu.download_bf16(&y, t * out),
+                }
+            };
+            let want = output(None)?;
+            let cases: Vec<Option<usize>> = [None]
+                .into_iter()
+                .chain((0..algos.len()).map(Some))
+                .collect();
+            let mut best = vec![f64::INFINITY; cases.len()];
+            let n = if t > 256 { (iters / 5).max(5) } else { iters };
+            for _ in 0..rounds.max(1) {
+                for (ci, &which) in cases.iter().enumerate() {
+                    let mut k = 0usize;
+                    let s = timed(&gpu, n, || {
+                        k += 1;
+                        call(which, &ws[k % copies])
+                    })?;
+                    best[ci] = best[ci].min(s);
+                }
+            }
+            let bytes = (wbytes + t * inp * 2 + t * out * ysz * if acc { 2 } else { 1 }) as f64;
+            for (ci, &which) in cases.iter().enumerate() {
+                let got = output(which)?;
+                let (mut num, mut den) = (0f64, 0f64);
+                for (a, b) in got.iter().zip(&want) {
+                    num += ((a - b) as f64).powi(2);
+                    den += (*b as f64).powi(2);
+                }
+                let rel = if got.iter().all(|v| v.is_finite()) {
+                    (num / den.max(1e-30)).sqrt()
+                } else {
+                    f64::INFINITY
+                };
+                let s = best[ci];
+                let row = LtRow {
+                    name,
+                    out,
+                    inp,
+                    tokens: t,
+                    algo: which,
+                    config: which.map(|i| algos[i].config()).transpose()?,
+                    waves: which.map_or(0.0, |i| algos[i].waves),
+                    us: s * 1e6,
+                    frac_of_copy: bytes / s / copy,
+                    tflops: 2.0 * (out * t * inp) as f64 / s / 1e12,
+                    rel_to_gemmex: rel,
+                };
+                report(&row);
+                rows.push(row);
+            }
+        }
+    }
+    Ok((copy, rows))
+}

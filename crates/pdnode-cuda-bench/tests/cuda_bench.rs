@@ -224,6 +224,97 @@ fn bench_linear_layers() {
     assert!(bad.is_empty(), "outputs differ from cuBLAS: {bad:?}");
 }
 
+/// "tile 18 splitK 1 red 0 swz 0 st 20 cl 0 id 66" for a cuBLASLt row, "GemmEx" for the default.
+fn lt_tag(r: &bench::LtRow) -> String {
+    match (r.algo, r.config) {
+        (Some(i), Some(c)) => format!(
+            "Lt#{i} id {} tile {} splitK {} red {} swz {} st {} cl {} cust {}",
+            c.id, c.tile, c.split_k, c.reduction, c.swizzle, c.stages, c.cluster, c.custom
+        ),
+        (Some(i), None) => format!("Lt#{i}"),
+        (None, _) => "GemmEx".to_string(),
+    }
+}
+
+/// The decode step's linears at 8-128 tokens (and a 2048-token prefill row) through
+/// `cublasGemmEx`'s default algorithm against each cuBLASLt heuristic candidate (issue 20: the
+/// GEMMs at 16-64 tokens run below their copy rate). Per shape the fastest candidate's config
+/// and its fraction of the copy rate (bytes = weights + x + y). `PDNODE_BENCH_LT_TOKENS`,
+/// `PDNODE_BENCH_LT_ALGOS` (16), `PDNODE_BENCH_ITERS` (100), `PDNODE_BENCH_LT_ROUNDS` (3).
+#[test]
+#[ignore = "needs a CUDA GPU (about 3 GB free): run scripts/gpu/run-all.sh on the GPU host"]
+fn bench_linear_cublaslt_algos() {
+    let _gpu = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let tokens: Vec<usize> = env_list("PDNODE_BENCH_LT_TOKENS", "8,16,32,48,64,128,2048")
+        .split(',')
+        .filter_map(|s| s.trim().parse().ok())
+        .collect();
+    let num = |var: &str, d: usize| env_list(var, &d.to_string()).parse().unwrap_or(d);
+    let (algos, iters, rounds) = (
+        num("PDNODE_BENCH_LT_ALGOS", 16),
+        num("PDNODE_BENCH_ITERS", 100),
+        num("PDNODE_BENCH_LT_ROUNDS", 3),
+    );
+    let (copy, rows) = bench::run_linear_lt(&tokens, algos, iters, rounds, |r| {
+        eprintln!(
+            "LT {} t={} {} waves={:.2} us={:.1} frac_of_copy={:.3} TFLOP/s={:.0} rel={:.1e}",
+            r.name,
+            r.tokens,
+            lt_tag(r),
+            r.waves,
+            r.us,
+            r.frac_of_copy,
+            r.tflops,
+            r.rel_to_gemmex
+        )
+    })
+    .expect("cuBLASLt benchmark");
+    println!(
+        "ceilings: HBM copy traffic {:.0} GB/s (read+write); bytes = weights + x + y (y twice when accumulated)",
+        copy / 1e9
+    );
+    println!(
+        "| layer | out x in | tokens | GemmEx us (of copy) | Lt heuristic #0 us | best Lt us (of copy) | gain vs GemmEx | best Lt config |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    let mut bad = Vec::new();
+    let mut keys: Vec<(&str, usize)> = rows.iter().map(|r| (r.name, r.tokens)).collect();
+    keys.dedup();
+    for (name, t) in keys {
+        let of: Vec<&bench::LtRow> = rows
+            .iter()
+            .filter(|r| r.name == name && r.tokens == t)
+            .collect();
+        bad.extend(
+            of.iter()
+                .filter(|r| r.rel_to_gemmex.is_nan() || r.rel_to_gemmex > 1e-2)
+                .map(|r| format!("{name} t={t} {}", lt_tag(r))),
+        );
+        let Some(ex) = of.iter().find(|r| r.algo.is_none()) else {
+            continue;
+        };
+        let first = of.iter().find(|r| r.algo == Some(0));
+        let best = of
+            .iter()
+            .filter(|r| r.algo.is_some())
+            .min_by(|a, b| a.us.total_cmp(&b.us));
+        let (first_us, best_cell, gain, cfg) = match (first, best) {
+            (Some(f), Some(b)) => (
+                format!("{:.1}", f.us),
+                format!("{:.1} ({:.2})", b.us, b.frac_of_copy),
+                format!("{:+.1} %", (ex.us / b.us - 1.0) * 100.0),
+                lt_tag(b),
+            ),
+            _ => ("-".into(), "-".into(), "-".into(), "no Lt algo".into()),
+        };
+        println!(
+            "| {name} | {}x{} | {t} | {:.1} ({:.2}) | {first_us} | {best_cell} | {gain} | {cfg} |",
+            ex.out, ex.inp, ex.us, ex.frac_of_copy
+        );
+    }
+    assert!(bad.is_empty(), "outputs differ from GemmEx: {bad:?}");
+}
+
 /// Where a decode step's time goes, op by op (eager steps, a CUDA event after each op):
 /// `PDNODE_BENCH_OPS="1x512,8x512,64x512"` (batch x ctx), `PDNODE_BENCH_ITERS`.
 #[test]

@@ -46,6 +46,7 @@
 
 pub mod backend;
 pub mod blas;
+pub mod blaslt;
 pub mod build;
 pub mod device;
 pub mod launch;

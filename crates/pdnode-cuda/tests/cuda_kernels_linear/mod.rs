@@ -7,6 +7,7 @@
 use super::cuda_support::*;
 use super::{gpu, poisoned};
 use pdnode_cuda::blas::{OutType, gemm};
+use pdnode_cuda::blaslt::{BlasLt, LtPlan};
 use pdnode_cuda::ops::{self, Fusion, LinearImpl};
 
 /// bf16 bits of a value downloaded as f32 (exact: the f32 came from a bf16).
@@ -366,15 +367,7 @@ fn gemm_bf16_matches_reference_both_output_types() {
         let x = randv(&mut r, t * inp, 1.0);
         let y0 = randv(&mut r, t * out, 1.0);
         let (dw, dx) = (g.upload_bf16(&w).unwrap(), g.upload_bf16(&x).unwrap());
-        let reference = |beta: f32| -> Vec<f32> {
-            (0..t * out)
-                .map(|k| {
-                    let (ti, o) = (k / out, k % out);
-                    let s: f32 = (0..inp).map(|i| w[o * inp + i] * x[ti * inp + i]).sum();
-                    s + beta * y0[k]
-                })
-                .collect()
-        };
+        let reference = |beta: f32| host_linear(&w, &x, &y0, beta, out, t, inp);
         // SAFETY (both calls): w, x and y sized for the shapes passed.
         let run = |y: u64, ty: OutType, beta: f32| unsafe {
             gemm(&g.blas, out, t, inp, dw.ptr(), dx.ptr(), y, ty, beta).unwrap()
@@ -391,5 +384,80 @@ fn gemm_bf16_matches_reference_both_output_types() {
         let got = g.download_f32(&yf, t * out).unwrap();
         let e = rel_err(&got, &reference(1.0));
         assert!(e < 1e-3, "f32 gemm {out}x{t}x{inp}: rel err {e}");
+    }
+}
+
+/// `y[t, o] = beta * y0[t, o] + sum_i x[t, i] * w[o, i]` on the host (f32).
+fn host_linear(
+    w: &[f32],
+    x: &[f32],
+    y0: &[f32],
+    beta: f32,
+    out: usize,
+    t: usize,
+    inp: usize,
+) -> Vec<f32> {
+    (0..t * out)
+        .map(|k| {
+            let (ti, o) = (k / out, k % out);
+            let s: f32 = (0..inp).map(|i| w[o * inp + i] * x[ti * inp + i]).sum();
+            s + beta * y0[k]
+        })
+        .collect()
+}
+
+/// Every cuBLASLt heuristic candidate (up to 16) against the host reference: bf16 output with
+/// beta 0 into a poisoned buffer, f32 output accumulating into y (the residual add), at decode
+/// and prefill-like row counts.
+#[test]
+#[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
+fn cublaslt_every_candidate_matches_reference() {
+    let g = gpu();
+    g.bind().unwrap();
+    let lt = BlasLt::new(&g.stream).unwrap();
+    let mut r = rng("cublaslt");
+    for &(out, t, inp) in &[
+        (96, 1, 64),
+        (1024, 16, 512),
+        (2048, 48, 1024),
+        (768, 64, 2048),
+        (512, 200, 256),
+    ] {
+        let w = randv(&mut r, out * inp, 1.0);
+        let x = randv(&mut r, t * inp, 1.0);
+        let y0 = randv(&mut r, t * out, 1.0);
+        let (dw, dx) = (g.upload_bf16(&w).unwrap(), g.upload_bf16(&x).unwrap());
+        for (ty, beta) in [(OutType::Bf16, 0.0f32), (OutType::F32, 1.0)] {
+            let want = host_linear(&w, &x, &y0, beta, out, t, inp);
+            let plan = LtPlan::new(out, t, inp, ty).unwrap();
+            let algos = lt.heuristics(&plan, 16).unwrap();
+            assert!(
+                !algos.is_empty(),
+                "no cuBLASLt algo for {out}x{t}x{inp} {ty:?}"
+            );
+            for (i, a) in algos.iter().enumerate() {
+                let c = a.config().unwrap();
+                let y = match ty {
+                    OutType::Bf16 => poisoned(&g, t * out * 2),
+                    OutType::F32 => g.upload_f32(&y0).unwrap(),
+                };
+                // SAFETY: w, x and y sized for the plan's shape and output type.
+                unsafe { lt.matmul(&plan, a, dw.ptr(), dx.ptr(), y.ptr(), beta) }.unwrap();
+                let got = match ty {
+                    OutType::Bf16 => g.download_bf16(&y, t * out).unwrap(),
+                    OutType::F32 => g.download_f32(&y, t * out).unwrap(),
+                };
+                let e = rel_err(&got, &want);
+                let tol = if ty == OutType::Bf16 { 1e-2 } else { 1e-3 };
+                println!(
+                    "{} cublasLt {out}x{t}x{inp} {ty:?} beta={beta} #{i} {c:?}: rel vs host {e:.1e}",
+                    if e < tol { "PASS" } else { "FAIL" }
+                );
+                assert!(
+                    e < tol,
+                    "cublasLt {out}x{t}x{inp} {ty:?} #{i} {c:?}: rel {e}"
+                );
+            }
+        }
     }
 }

@@ -210,7 +210,7 @@ fn kernel_choices_are_config_keys_with_defaults_and_checked_names() {
         let set = format!("engine.cuda.{k}={v}");
         assert!(load_from_str(FILE, "", &sets(&[&set])).is_ok(), "{set}");
     }
-    for v in ["flash8", "flashv3"] {
+    for v in ["flash8", "flashv3", "wgmma"] {
         let set = format!("engine.cuda.prefill_attention={v}");
         assert!(load_from_str(FILE, "", &sets(&[&set])).is_ok(), "{set}");
     }

@@ -463,8 +463,14 @@ fn prefill_attention_rows(
     }];
     let flops = 2.0 * (len as f64).powi(2) * (spec.head_dim * spec.num_heads) as f64;
     let mut rows = Vec::new();
-    for pa in PrefillAttn::ALL {
+    // every implementation at its defaults, then the wgmma kernel with 3 stages
+    let variants = PrefillAttn::ALL
+        .iter()
+        .map(|&pa| (pa, 0))
+        .chain([(PrefillAttn::Wgmma, 3)]);
+    for (pa, stages) in variants {
         let mut scratch = PrefillScratch::new(pa);
+        scratch.wg_stages = stages;
         let t = timed(gpu, iters, || {
             scratch.run(
                 gpu,
@@ -481,7 +487,11 @@ fn prefill_attention_rows(
             )
         })?;
         rows.push(BenchRow {
-            what: format!("prefill attention, 1 layer [{pa:?}]"),
+            what: if stages > 0 {
+                format!("prefill attention, 1 layer [{pa:?}, {stages} stages]")
+            } else {
+                format!("prefill attention, 1 layer [{pa:?}]")
+            },
             batch: 1,
             ctx: len,
             ms: t * 1e3,

@@ -6,7 +6,7 @@
 
 use super::{CudaError, drv, launch};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, result};
-use pdnode_kernels::{KERNEL_NAMES, ptx_for};
+use pdnode_kernels::{KERNEL_NAMES, WGMMA_KERNEL_NAMES, ptx_for, ptx_for_wgmma};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -94,6 +94,22 @@ impl Drop for Pinned {
     }
 }
 
+/// Compiles (for sm_90a) and loads the wgmma program's entry points.
+fn load_wgmma(ctx: &Arc<CudaContext>) -> Result<Vec<(&'static str, CudaFunction)>, CudaError> {
+    let module = ctx
+        .load_module(ptx_for_wgmma()?)
+        .map_err(drv("cuModuleLoadData (wgmma)"))?;
+    WGMMA_KERNEL_NAMES
+        .iter()
+        .map(|&name| {
+            module
+                .load_function(name)
+                .map(|f| (name, f))
+                .map_err(drv("cuModuleGetFunction"))
+        })
+        .collect()
+}
+
 /// One GPU with its stream, cuBLAS handle and kernels.
 pub struct Gpu {
     pub ordinal: u32,
@@ -143,6 +159,16 @@ impl Gpu {
                 .map_err(drv("cuModuleGetFunction"))?;
             kernels.insert(name, f);
         }
+        if cc == (9, 0) {
+            // the Hopper-only program (wgmma): without it the prefill attention that would use
+            // it runs flashv3, so a failure here is logged, not fatal
+            match load_wgmma(&ctx) {
+                Ok(fs) => kernels.extend(fs),
+                Err(e) => {
+                    tracing::warn!(error = %e, "wgmma kernels unavailable (prefill attention runs flashv3)")
+                }
+            }
+        }
         let blas = super::blas::Blas::new(&stream)?;
         let pdl_ok = launch::pdl_supported(cc, launch::driver_version());
         // Off until asked for ([`Gpu::set_pdl`]; the backend applies `engine.cuda.pdl`).
@@ -183,7 +209,13 @@ impl Gpu {
         self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))
     }
 
-    /// A compiled kernel by entry-point name ([`pdnode_kernels::KERNEL_NAMES`]).
+    /// Whether kernel `name` was loaded (the wgmma ones only on compute capability 9.0).
+    pub fn has_kernel(&self, name: &str) -> bool {
+        self.kernels.contains_key(name)
+    }
+
+    /// A compiled kernel by entry-point name ([`pdnode_kernels::KERNEL_NAMES`], and on a compute
+    /// capability 9.0 device [`pdnode_kernels::WGMMA_KERNEL_NAMES`]).
     pub fn kernel(&self, name: &'static str) -> Result<&CudaFunction, CudaError> {
         self.kernels.get(name).ok_or(CudaError::NoKernel { name })
     }

@@ -33,6 +33,12 @@ pub enum PrefillAttn {
     /// 0.34 with cuBLAS.
     #[default]
     FlashV3,
+    /// Fused flash attention on Hopper's warpgroup MMA (kernels/prefill_flash_wg.cu): 128 query
+    /// rows as two warpgroups of 64, 128-key tiles of K and V in 128-byte-swizzled shared memory,
+    /// `S = Q K^T` and `O = P V` as wgmma (P from registers). Needs a compute capability 9.0
+    /// device (sm_90a), head_dim 128 and a power-of-two block size; elsewhere runs
+    /// [`PrefillAttn::FlashV3`].
+    Wgmma,
     /// Fused flash attention, 128 query rows (8 warps) per CTA, any block size.
     Flash8,
     /// cuBLAS GEMMs around a causal softmax kernel (materialized f32 scores).
@@ -40,18 +46,19 @@ pub enum PrefillAttn {
 }
 
 impl PrefillAttn {
-    /// `flashv3`, `flash8` or `gemm` (case-insensitive; `cublas` for `gemm`).
+    /// `flashv3`, `wgmma`, `flash8` or `gemm` (case-insensitive; `cublas` for `gemm`).
     pub fn parse(s: &str) -> Option<Self> {
         match s.trim().to_ascii_lowercase().as_str() {
             "gemm" | "cublas" => Some(Self::Gemm),
             "flash8" => Some(Self::Flash8),
             "flashv3" | "flash_v3" => Some(Self::FlashV3),
+            "wgmma" => Some(Self::Wgmma),
             _ => None,
         }
     }
 
     /// Every implementation (benchmarks compare them).
-    pub const ALL: [PrefillAttn; 3] = [Self::Gemm, Self::Flash8, Self::FlashV3];
+    pub const ALL: [PrefillAttn; 4] = [Self::Gemm, Self::Flash8, Self::FlashV3, Self::Wgmma];
 }
 
 /// Scores (f32) plus probabilities (bf16) of one query chunk stay under this many bytes.
@@ -74,6 +81,8 @@ pub struct PrefillScratch {
     pub score_budget: usize,
     /// Implementation (`engine.cuda.prefill_attention`).
     pub attn: PrefillAttn,
+    /// K/V tiles in flight in the wgmma kernel (2 or 3; 0 = [`WG_STAGES`]): a benchmark's knob.
+    pub wg_stages: usize,
     kc: Option<DevBuf>,
     vc: Option<DevBuf>,
     qh: Option<DevBuf>,
@@ -166,6 +175,18 @@ impl PrefillScratch {
         }
         let attn = self.attn;
         if attn != PrefillAttn::Gemm && (hd == 64 || hd == 128) {
+            if attn == PrefillAttn::Wgmma
+                && let Some(name) = wgmma_kernel(gpu, d, self.wg_stages)
+            {
+                return run_wgmma(
+                    gpu, d, layer_ptr, q, out, tables, max_blocks, seqs, name, window,
+                );
+            }
+            let attn = if attn == PrefillAttn::Wgmma {
+                PrefillAttn::FlashV3
+            } else {
+                attn
+            };
             return run_flash(
                 gpu, d, layer_ptr, q, out, tables, max_blocks, seqs, attn, window,
             );
@@ -369,6 +390,96 @@ const FLASH_V3_STAGES: usize = 4;
 const V3_SMEM_HD64: usize = FLASH_V3_STAGES * 2 * 64 * (64 + 8) * BF16;
 const V3_SMEM_HD128: usize = FLASH_V3_STAGES * 2 * 64 * (128 + 8) * BF16;
 
+/// K/V tiles in flight in the wgmma kernel by default.
+pub const WG_STAGES: usize = 2;
+
+/// Dynamic shared memory of the wgmma kernel with `stages` tiles: 1024 bytes of alignment slack,
+/// Q (128 rows x 128 dims bf16) and per stage a 128-key tile of K and of V.
+pub const fn wgmma_smem(stages: usize) -> usize {
+    1024 + 128 * 128 * BF16 + stages * 2 * 128 * 128 * BF16
+}
+
+/// The wgmma kernel for `d` on `gpu` (`stages` 2 or 3, else [`WG_STAGES`]), or `None` where it
+/// cannot run (not sm_90, its program not loaded, head_dim not 128, block size not a power of
+/// two, or a pool layer too large for its i32 block strides).
+fn wgmma_kernel(gpu: &Gpu, d: &AttnDims, stages: usize) -> Option<&'static str> {
+    let name = match stages {
+        3 => "flash_prefill_hd128_wg3",
+        _ => "flash_prefill_hd128_wg2",
+    };
+    let fits = d.head_dim == 128
+        && d.block_size.is_power_of_two()
+        && 2 * d.block_size * d.num_kv_heads * d.head_dim <= i32::MAX as usize;
+    (fits && gpu.has_kernel(name)).then_some(name)
+}
+
+/// The wgmma kernel `name` ([`wgmma_kernel`]) for each sequence of `seqs` (checked by the caller):
+/// grid (heads, 128-row query tiles), heaviest tiles first, 256 threads.
+#[allow(clippy::too_many_arguments)]
+fn run_wgmma(
+    gpu: &Gpu,
+    d: &AttnDims,
+    layer_ptr: u64,
+    q: &DevBuf,
+    out: &DevBuf,
+    tables: u64,
+    max_blocks: usize,
+    seqs: &[LongSeq],
+    name: &'static str,
+    window: usize,
+) -> Result<(), CudaError> {
+    let stages = if name.ends_with("wg3") { 3 } else { 2 };
+    let dyn_smem = wgmma_smem(stages);
+    let f = gpu.kernel(name)?;
+    use cudarc::driver::sys::CUfunction_attribute_enum as A;
+    f.set_attribute(
+        A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        dyn_smem as i32,
+    )
+    .map_err(super::drv("cuFuncSetAttribute"))?;
+    let (nh_i, nkv_i, bs_i) = (
+        d.num_heads as i32,
+        d.num_kv_heads as i32,
+        d.block_size as i32,
+    );
+    let scale_log2 = std::f32::consts::LOG2_E / (d.head_dim as f32).sqrt();
+    let window_i = window as i32; // < the longest context (`run`), so in range
+    for s in seqs {
+        let table = tables + (s.seq * max_blocks * 4) as u64;
+        let (row0, n, start) = (s.row0 as i32, s.n as i32, s.start as i32);
+        let tiles = s.n.div_ceil(128);
+        if tiles > 65535 {
+            return Err(CudaError::Shape {
+                op: "flash_prefill_wg",
+                reason: format!("{} query rows exceed the grid's y limit", s.n),
+            });
+        }
+        let mut b = gpu.launch_builder(f);
+        b.arg(q.ptr_ref())
+            .arg(out.ptr_ref())
+            .arg(&layer_ptr)
+            .arg(&table)
+            .arg(&row0)
+            .arg(&n)
+            .arg(&start)
+            .arg(&nh_i)
+            .arg(&nkv_i)
+            .arg(&bs_i)
+            .arg(&scale_log2)
+            .arg(&window_i);
+        let lc = LaunchConfig {
+            grid_dim: (d.num_heads as u32, tiles as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: dyn_smem as u32,
+        };
+        // SAFETY: as run_flash's: q/out hold rows row0 .. row0 + n of [T, nh, 128], the table row
+        // covers positions 0 .. start + n whose K/V are in layer `layer` of the pool; the dynamic
+        // shared memory is what the kernel lays out, its limit raised above.
+        unsafe { b.launch(lc) }.map_err(super::drv(name))?;
+    }
+    Ok(())
+}
+
 /// The fused kernel `attn` (a flash variant) for each sequence of `seqs` (already checked against
 /// the step by the caller): grid (query tiles, nh), or (nh, query tiles) for v3.
 #[allow(clippy::too_many_arguments)]
@@ -483,6 +594,7 @@ mod tests {
             assert_eq!(PrefillAttn::parse(gone), None, "{gone}");
         }
         assert_eq!(PrefillAttn::default(), PrefillAttn::FlashV3);
-        assert_eq!(PrefillAttn::ALL.len(), 3);
+        assert_eq!(PrefillAttn::ALL.len(), 4);
+        assert_eq!(PrefillAttn::parse("WGMMA"), Some(PrefillAttn::Wgmma));
     }
 }

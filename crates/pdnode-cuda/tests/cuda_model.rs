@@ -163,6 +163,7 @@ fn every_engine_cuda_kernel_choice_matches_reference() {
         (A::V1, L::Gemv, P::Gemm, 1, 4096),
         (A::V2, L::Cublas, P::Flashv3, 1, 4096),
         (A::V2narrow, L::Table, P::Flash8, 64, 1 << 20),
+        (A::Auto, L::Table, P::Wgmma, 1, 4096),
     ] {
         let mut e = EngineConfig::default();
         e.cuda.attention = attention;

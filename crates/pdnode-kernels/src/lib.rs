@@ -139,7 +139,45 @@ pub fn compile_kernels(arch: &str) -> Result<String, KernelError> {
 /// PTX per target architecture, compiled once per process.
 pub fn ptx_for(arch: &str) -> Result<cudarc::nvrtc::Ptx, KernelError> {
     static CACHE: OnceLock<Mutex<HashMap<String, cudarc::nvrtc::Ptx>>> = OnceLock::new();
-    let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
+    compile_cached(&CACHE, &SOURCES, arch)
+}
+
+/// The sources of the Hopper-only program (wgmma), compiled for `compute_90a`: the helpers of
+/// common.cuh and prefill_flash.cu, then prefill_flash_wg.cu.
+pub const WGMMA_SOURCES: [(&str, &str); 3] = [
+    ("common.cuh", include_str!("../kernels/common.cuh")),
+    (
+        "prefill_flash.cu",
+        include_str!("../kernels/prefill_flash.cu"),
+    ),
+    (
+        "prefill_flash_wg.cu",
+        include_str!("../kernels/prefill_flash_wg.cu"),
+    ),
+];
+
+/// Entry points of [`WGMMA_SOURCES`] the backend loads on a compute capability 9.0 device.
+pub const WGMMA_KERNEL_NAMES: [&str; 3] = [
+    "flash_prefill_hd128_wg2",
+    "flash_prefill_hd128_wg3",
+    "wgmma_probe",
+];
+
+/// The architecture [`ptx_for_wgmma`] compiles for: wgmma exists only on `sm_90a`.
+pub const WGMMA_ARCH: &str = "compute_90a";
+
+/// PTX of [`WGMMA_SOURCES`] for [`WGMMA_ARCH`], compiled once per process.
+pub fn ptx_for_wgmma() -> Result<cudarc::nvrtc::Ptx, KernelError> {
+    static CACHE: OnceLock<Mutex<HashMap<String, cudarc::nvrtc::Ptx>>> = OnceLock::new();
+    compile_cached(&CACHE, &WGMMA_SOURCES, WGMMA_ARCH)
+}
+
+fn compile_cached(
+    cache: &OnceLock<Mutex<HashMap<String, cudarc::nvrtc::Ptx>>>,
+    sources: &[(&str, &str)],
+    arch: &str,
+) -> Result<cudarc::nvrtc::Ptx, KernelError> {
+    let cache = cache.get_or_init(|| Mutex::new(HashMap::new()));
     let mut guard = cache.lock().map_err(|_| KernelError::CachePoisoned)?;
     if let Some(p) = guard.get(arch) {
         return Ok(p.clone());
@@ -148,7 +186,7 @@ pub fn ptx_for(arch: &str) -> Result<cudarc::nvrtc::Ptx, KernelError> {
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err(KernelError::NoNvrtc);
     }
-    let src: String = SOURCES.iter().map(|(_, text)| *text).collect();
+    let src: String = sources.iter().map(|(_, text)| *text).collect();
     let opts = cudarc::nvrtc::CompileOptions {
         options: vec![
             format!("--gpu-architecture={arch}"),

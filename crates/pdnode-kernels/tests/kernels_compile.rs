@@ -3,7 +3,7 @@
 //! Needs libnvrtc but no GPU: `scripts/fetch-nvrtc.sh` puts the PyPI wheel's library under
 //! `.cache/nvrtc` (the test command runs it), or point `PDNODE_NVRTC_DIR` at a folder holding it.
 
-use pdnode_kernels::{KERNEL_NAMES, compile_kernels};
+use pdnode_kernels::{KERNEL_NAMES, WGMMA_KERNEL_NAMES, compile_kernels, ptx_for_wgmma};
 use std::path::{Path, PathBuf};
 
 /// Files under `dir` (recursively) whose name starts with `prefix`.
@@ -100,8 +100,21 @@ fn every_kernel_waits_on_the_previous_grid_before_touching_memory() {
     let lib = preload_nvrtc().unwrap_or_else(|e| panic!("{e}"));
     let ptx = compile_kernels("sm_90")
         .unwrap_or_else(|e| panic!("NVRTC ({}) rejected the kernels: {e}", lib.display()));
+    let bad = pdl_violations(&ptx, &KERNEL_NAMES);
+    assert!(bad.is_empty(), "kernels unsafe under PDL: {bad:?}");
+    let old = compile_kernels("sm_80")
+        .unwrap_or_else(|e| panic!("NVRTC rejected the kernels for sm_80: {e}"));
+    assert!(
+        !old.contains("griddepcontrol"),
+        "griddepcontrol is sm_90+: the PD_GRID_* macros must compile to nothing before it"
+    );
+}
+
+/// Entries of `names` in `ptx` that touch memory before `griddepcontrol.wait` or lack the wait or
+/// the trigger (each as a line saying what).
+fn pdl_violations(ptx: &str, names: &[&str]) -> Vec<String> {
     let mut bad = Vec::new();
-    for k in KERNEL_NAMES {
+    for k in names {
         let Some(at) = ptx.find(&format!(".entry {k}(")) else {
             bad.push(format!("{k}: no entry"));
             continue;
@@ -122,13 +135,25 @@ fn every_kernel_waits_on_the_previous_grid_before_touching_memory() {
             _ => {}
         }
     }
-    assert!(bad.is_empty(), "kernels unsafe under PDL: {bad:?}");
-    let old = compile_kernels("sm_80")
-        .unwrap_or_else(|e| panic!("NVRTC rejected the kernels for sm_80: {e}"));
-    assert!(
-        !old.contains("griddepcontrol"),
-        "griddepcontrol is sm_90+: the PD_GRID_* macros must compile to nothing before it"
-    );
+    bad
+}
+
+/// The Hopper-only program (wgmma prefill attention) compiles for compute_90a with its real
+/// bodies (the feature macro `__CUDA_ARCH_FEAT_SM90_ALL` is defined there: the PTX holds wgmma),
+/// defines every entry the backend loads from it, and is as safe under PDL as the main program.
+#[test]
+fn wgmma_kernels_compile_for_sm90a() {
+    let lib = preload_nvrtc().unwrap_or_else(|e| panic!("{e}"));
+    let ptx = ptx_for_wgmma()
+        .unwrap_or_else(|e| panic!("NVRTC ({}) rejected the wgmma kernels: {e}", lib.display()))
+        .to_src();
+    for k in WGMMA_KERNEL_NAMES {
+        assert!(ptx.contains(&format!(".entry {k}(")), "{k} not in the PTX");
+    }
+    assert!(ptx.contains("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"));
+    assert!(ptx.contains(".target sm_90a"));
+    let bad = pdl_violations(&ptx, &WGMMA_KERNEL_NAMES);
+    assert!(bad.is_empty(), "wgmma kernels unsafe under PDL: {bad:?}");
 }
 
 #[test]

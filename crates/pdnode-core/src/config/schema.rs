@@ -316,6 +316,9 @@ pub enum PrefillAttention {
     /// The fused flash kernel with a 4-stage K/V ring and overlapped softmax; needs a
     /// power-of-two block size (otherwise `flash8` runs).
     Flashv3,
+    /// The fused flash kernel on Hopper's warpgroup MMA (wgmma): compute capability 9.0, head_dim
+    /// 128 and a power-of-two block size; elsewhere `flashv3` runs.
+    Wgmma,
     /// The fused flash kernel, 8 warps of 16 query rows, any block size.
     Flash8,
     /// cuBLAS GEMMs around a causal softmax kernel.

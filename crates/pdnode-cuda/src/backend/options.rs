@@ -150,6 +150,7 @@ fn prefill_attention_of(k: pdnode_core::config::PrefillAttention) -> PrefillAttn
     use pdnode_core::config::PrefillAttention as K;
     match k {
         K::Flashv3 => PrefillAttn::FlashV3,
+        K::Wgmma => PrefillAttn::Wgmma,
         K::Flash8 => PrefillAttn::Flash8,
         K::Gemm => PrefillAttn::Gemm,
     }

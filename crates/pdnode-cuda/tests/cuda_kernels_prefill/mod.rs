@@ -1,5 +1,5 @@
-//! Fused flash prefill attention (kernels/prefill_flash*.cu, both kernels: v3 and its fallback
-//! w8, 8 warps of 16 query rows) against an f32 host reference: head_dim 64 and
+//! Fused flash prefill attention (kernels/prefill_flash*.cu: v3, its fallback w8 with 8 warps of
+//! 16 query rows, and the wgmma kernel at 2 and 3 stages; plus the wgmma descriptor probe) against an f32 host reference: head_dim 64 and
 //! 128, GQA 1 / 4 / 8, 1 to 1000 new tokens, with and without a cached prefix (chunked prefill),
 //! block sizes 16, 32, 64 and 24, two sequences in one call; and against the cuBLAS path at
 //! Llama-3.1-8B shapes; sliding windows on every implementation (cuBLAS, w8, v3). Part of the `cuda_kernels` test binary (scripts/gpu/run-all.sh kernels);
@@ -93,8 +93,39 @@ fn run_prefill_attn(
     attn: PrefillAttn,
     window: usize,
 ) -> Vec<f32> {
+    run_prefill_attn_stages(
+        g,
+        d,
+        pool,
+        layer,
+        dq,
+        t,
+        dtab,
+        max_blocks,
+        seqs,
+        (attn, 0),
+        window,
+    )
+}
+
+/// [`run_prefill_attn`] with the wgmma kernel's stage count (`attn.1`; 0: its default).
+#[allow(clippy::too_many_arguments)]
+fn run_prefill_attn_stages(
+    g: &Gpu,
+    d: &AttnDims,
+    pool: &DevBuf,
+    layer: usize,
+    dq: &DevBuf,
+    t: usize,
+    dtab: &DevBuf,
+    max_blocks: usize,
+    seqs: &[LongSeq],
+    attn: (PrefillAttn, usize),
+    window: usize,
+) -> Vec<f32> {
     let out = poisoned(g, t * d.num_heads * d.head_dim * 2);
-    let mut scratch = PrefillScratch::new(attn);
+    let mut scratch = PrefillScratch::new(attn.0);
+    scratch.wg_stages = attn.1;
     scratch
         .run(
             g,
@@ -111,6 +142,112 @@ fn run_prefill_attn(
         )
         .unwrap();
     g.download_bf16(&out, t * d.num_heads * d.head_dim).unwrap()
+}
+
+/// The flash implementations the tests compare, with the wgmma kernel at both stage counts; on a
+/// compute capability 9.0 device the wgmma kernels must be loaded (else `Wgmma` would quietly
+/// test flashv3).
+fn flash_variants(g: &Gpu) -> Vec<(PrefillAttn, usize)> {
+    if g.compute_capability == (9, 0) {
+        for k in ["flash_prefill_hd128_wg2", "flash_prefill_hd128_wg3"] {
+            assert!(g.has_kernel(k), "{k} not loaded on an sm_90 device");
+        }
+    }
+    vec![
+        (PrefillAttn::Flash8, 0),
+        (PrefillAttn::FlashV3, 0),
+        (PrefillAttn::Wgmma, 2),
+        (PrefillAttn::Wgmma, 3),
+    ]
+}
+
+/// wgmma's shared-memory descriptors (kernels/prefill_flash_wg.cu's `wgmma_probe`): `c1 = a b^T`
+/// with both operands K-major (the kernel's S = Q K^T) and `c2 = a b` with `a` from registers and
+/// `b` MN-major (O = P V), against the host product; small integers, so every sum is exact. The
+/// MN-major descriptor's two byte offsets and the transpose flag are tried both ways and the one
+/// that matches is printed; the kernel's choice (16384 between dim halves, 1024 between 8-key
+/// groups, transposed) must be among them.
+#[test]
+#[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
+fn wgmma_descriptors_match_host_products() {
+    let g = gpu();
+    if g.compute_capability != (9, 0) {
+        println!(
+            "SKIP wgmma probe: compute capability {:?}",
+            g.compute_capability
+        );
+        return;
+    }
+    let mut r = rng("wgmma_probe");
+    let ints = |r: &mut _, n: usize| -> Vec<f32> {
+        randv(r, n, 1.0).iter().map(|x| (x * 4.0).round()).collect()
+    };
+    let a = ints(&mut r, 64 * 128);
+    let b = ints(&mut r, 128 * 128);
+    let (da, db) = (g.upload_bf16(&a).unwrap(), g.upload_bf16(&b).unwrap());
+    let mut want1 = vec![0f32; 64 * 128];
+    let mut want2 = vec![0f32; 64 * 128];
+    for i in 0..64 {
+        for j in 0..128 {
+            want1[i * 128 + j] = (0..128).map(|k| a[i * 128 + k] * b[j * 128 + k]).sum();
+            want2[i * 128 + j] = (0..128).map(|k| a[i * 128 + k] * b[k * 128 + j]).sum();
+        }
+    }
+    let f = g.kernel("wgmma_probe").unwrap();
+    let smem = 1024 + 2 * 32768;
+    use cudarc::driver::sys::CUfunction_attribute_enum as A;
+    f.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+        .unwrap();
+    let mut matched = Vec::new();
+    let mut s_wrong = None;
+    for (lbo, sbo, trans) in [
+        (16384u32, 1024u32, 1i32),
+        (1024, 16384, 1),
+        (16384, 1024, 0),
+        (1024, 16384, 0),
+    ] {
+        let (c1, c2) = (poisoned(&g, 64 * 128 * 4), poisoned(&g, 64 * 128 * 4));
+        let mut lb = g.launch_builder(f);
+        lb.arg(da.ptr_ref())
+            .arg(db.ptr_ref())
+            .arg(c1.ptr_ref())
+            .arg(c2.ptr_ref())
+            .arg(&lbo)
+            .arg(&sbo)
+            .arg(&trans);
+        let lc = cudarc::driver::LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        unsafe { lb.launch(lc) }.unwrap();
+        let got1 = g.download_f32(&c1, 64 * 128).unwrap();
+        let got2 = g.download_f32(&c2, 64 * 128).unwrap();
+        let ok1 = got1 == want1;
+        let ok2 = got2 == want2;
+        println!(
+            "{} wgmma probe lbo={lbo} sbo={sbo} trans={trans}: S (K-major) {}, PV (MN-major) {}",
+            if ok1 && ok2 { "MATCH" } else { "-----" },
+            if ok1 { "exact" } else { "wrong" },
+            if ok2 { "exact" } else { "wrong" },
+        );
+        if !ok1 {
+            s_wrong = Some(format!(
+                "first values {:?} want {:?}",
+                &got1[..4],
+                &want1[..4]
+            ));
+        }
+        if ok2 {
+            matched.push((lbo, sbo, trans));
+        }
+    }
+    assert!(s_wrong.is_none(), "K-major a b^T wrong: {s_wrong:?}");
+    assert!(
+        matched.contains(&(16384, 1024, 1)),
+        "the kernel's MN-major descriptor is not among the matching ones: {matched:?}"
+    );
+    println!("PASS wgmma descriptors: {matched:?}");
 }
 
 #[test]
@@ -169,8 +306,8 @@ fn prefill_flash_attention_matches_reference() {
                 ref_prefill(&d, &pool_h, layer, tab, &q, s.row0, s.n, s.start, 0)
             })
             .collect();
-        for attn in [PrefillAttn::Flash8, PrefillAttn::FlashV3] {
-            let got = run_prefill_attn(
+        for attn in flash_variants(&g) {
+            let got = run_prefill_attn_stages(
                 &g, &d, &pool, layer, &dq, t, &dtab, max_blocks, &seqs, attn, 0,
             );
             let untouched = got[..2 * rowl].iter().chain(&got[(t - 1) * rowl..]);
@@ -227,9 +364,10 @@ fn prefill_flash_attention_matches_gemm_path_at_llama_shapes() {
             start,
             seq: 0,
         }];
-        let run = |a| run_prefill_attn(&g, &d, &pool, 0, &dq, t, &dtab, max_blocks, &seqs, a, 0);
-        let want = run(PrefillAttn::Gemm);
-        for attn in [PrefillAttn::Flash8, PrefillAttn::FlashV3] {
+        let run =
+            |a| run_prefill_attn_stages(&g, &d, &pool, 0, &dq, t, &dtab, max_blocks, &seqs, a, 0);
+        let want = run((PrefillAttn::Gemm, 0));
+        for attn in flash_variants(&g) {
             let e = rel_err(&run(attn), &want);
             println!(
                 "{} flash prefill {attn:?} vs cuBLAS path, nh=32 nkv=8 hd=128 start={start} \

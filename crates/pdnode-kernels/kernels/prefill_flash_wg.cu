@@ -1,0 +1,373 @@
+// Causal flash prefill attention on Hopper's warpgroup MMA (wgmma), head_dim 128 (issue 20: the
+// FlashAttention-3 approach, without its warp specialization). Compiled in a program of its own
+// for compute_90a (wgmma exists only there; `pdnode_kernels::ptx_for_wgmma`), after common.cuh and
+// prefill_flash.cu (whose fp_* helpers it uses); on any other target the entry points are empty
+// and the launcher never picks them.
+//
+// One CTA: 128 query rows of one q head as two warpgroups of 64 rows (threads 0-127, 128-255).
+// Per 128-key tile of the paged pool: S = Q K^T is 8 wgmma m64n128k16 per warpgroup with Q and
+// K in shared memory, the online softmax runs on S in registers, and O += P V is 8 wgmma with P
+// in registers (the S accumulator converted to bf16 is the A fragment) and V in shared memory.
+// K/V tiles come in by cp.async (every thread issues its share; the block-table lookups of a
+// tile are fetched one tile ahead), STAGES tiles in flight, one barrier per tile. The two
+// warpgroups drift apart within a tile (the tensor pipe runs one warpgroup's GEMM while the
+// other does its softmax), which is the overlap FA3's ping-pong schedules explicitly.
+//
+// Shared memory, every matrix in the 128-byte-swizzle layout wgmma reads (1024-byte aligned):
+// Q [2][128 rows][128 B], then per stage K and V the same: half h (dims 64h .. 64h + 63) of row r
+// at h * 16384 + r * 128, its 16-byte chunk c at ((c ^ (r & 7)) << 4). Descriptors: K-major
+// (Q, K: the reduction over dims) with stride 1024 B between 8-row groups, one 16-dim step = 32
+// B; V MN-major (imm-trans-b: dims are the output columns, keys the reduction) with 1024 B
+// between 8-key groups and 16384 B between the two dim halves, one 16-key step = 2048 B.
+// Fragment layouts: as prefill_flash.cu's mma.m16n8k16 ones, per warp of the warpgroup (warp
+// w holds rows 16 w .. 16 w + 15 of its 64): accumulator element 4 i + e of lane (g, t) is row
+// 16 w + g + 8 (e >> 1), column 8 i + 2 t + (e & 1).
+
+#define WG_HD 128
+#define WG_BM 128
+#define WG_BN 128
+#define WG_Q_BYTES (WG_BM * WG_HD * 2)
+#define WG_TILE_BYTES (2 * WG_BN * WG_HD * 2)
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+// A shared-memory matrix descriptor for wgmma, 128-byte swizzle.
+__device__ __forceinline__ unsigned long long wg_desc(unsigned addr, unsigned lbo, unsigned sbo) {
+    return (unsigned long long)((addr & 0x3FFFFu) >> 4) |
+           ((unsigned long long)((lbo >> 4) & 0x3FFFu) << 16) |
+           ((unsigned long long)((sbo >> 4) & 0x3FFFu) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// cp.async writes (generic proxy) made visible to wgmma's reads (async proxy).
+__device__ __forceinline__ void wg_fence_proxy() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Byte offset of 16-byte chunk c (0..15 along the 128 dims) of row r in a swizzled matrix.
+__device__ __forceinline__ unsigned wg_off(int r, int c) {
+    return (unsigned)((c >> 3) * (WG_BN * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+
+// d[64] (+)= A (64x16, smem descriptor) * B (16x128, smem descriptor), both K-major: a 64 x 128
+// f32 tile per warpgroup; scale_d 0: d's old values are ignored (d = A B).
+__device__ __forceinline__ void wg_mma_ss(float* d, unsigned long long da, unsigned long long db,
+                                          int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(scale_d));
+}
+
+// d[64] += A (64x16 in registers: each warp's 16 rows as the mma.m16n8k16 A fragment) * B (16x128,
+// smem descriptor, MN-major: imm-trans-b 1).
+__device__ __forceinline__ void wg_mma_rs_t1(float* d, const unsigned* a, unsigned long long db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+// d[64] += A (64x16 in registers: each warp's 16 rows as the mma.m16n8k16 A fragment) * B (16x128,
+// smem descriptor, K-major).
+__device__ __forceinline__ void wg_mma_rs_t0(float* d, const unsigned* a, unsigned long long db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+// The accumulator's values pinned in place so the compiler keeps wgmma's registers live across
+// the async window (wgmma.wait_group orders them only for the hardware).
+__device__ __forceinline__ void wg_keep(float* d) {
+#pragma unroll
+    for (int i = 0; i < 64; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+template <int STAGES>
+__device__ __forceinline__ void flash_prefill_wg_impl(const bf16_t* __restrict__ q,
+                                                      bf16_t* __restrict__ out,
+                                                      const bf16_t* __restrict__ layer_kv,
+                                                      const int* __restrict__ table, int row0,
+                                                      int n, int start, int nh, int nkv,
+                                                      int block_size, float scale_log2,
+                                                      int window, unsigned char* smem) {
+    constexpr int HD = WG_HD, BM = WG_BM, BN = WG_BN, RPT = BN / 16;
+    const int h = blockIdx.x;
+    const int m0 = (gridDim.y - 1 - blockIdx.y) * BM;
+    const int kvh = h / (nh / nkv);
+    const int tid = threadIdx.x, wg = tid >> 7, w = (tid >> 5) & 3, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int r0 = m0 + wg * 64 + w * 16 + g, r1 = r0 + 8;  // this thread's two query rows
+    const int kv_end = start + min(m0 + BM, n);
+    const int ntiles = (kv_end + BN - 1) / BN;
+    const i64 qstride = (i64)nh * HD;
+    const int qpos0 = start + r0, qpos1 = start + r1;
+    const int gfirst = start + m0 + wg * 64, glast = gfirst + 63;  // the warpgroup's queries
+    const unsigned wlim = window > 0 ? (unsigned)window : 0x7fffffffu;
+    const int jt0 = window > 0 ? max(0, start + m0 + 1 - window) / BN : 0;
+
+    const int bs_shift = fp_log2i(block_size), bs_mask = block_size - 1;
+    const int row_stride = nkv * HD, vofs = block_size * row_stride, blk_stride = 2 * vofs;
+    // loads: thread -> 16-byte chunk lc of rows ldrow + 16 it
+    const int ldrow = tid >> 4, lc = tid & 15;
+    const bf16_t* kv_base = layer_kv + (i64)kvh * HD + lc * 8;
+    unsigned char* qs = smem;
+    const unsigned smem_base = fp_smem_addr(smem);
+
+    auto fetch_blocks = [&](int tile, int* blk) {
+#pragma unroll
+        for (int it = 0; it < RPT; it++) {
+            const int j = tile * BN + ldrow + it * 16;
+            blk[it] = j < kv_end ? table[j >> bs_shift] : -1;
+        }
+    };
+    auto load_tile = [&](int tile, const int* blk) {
+        unsigned char* ks = smem + WG_Q_BYTES + ((tile - jt0) % STAGES) * WG_TILE_BYTES;
+        unsigned char* vs = ks + WG_TILE_BYTES / 2;
+#pragma unroll
+        for (int it = 0; it < RPT; it++) {
+            const int r = ldrow + it * 16, j = tile * BN + r;
+            const bool ok = blk[it] >= 0;
+            const bf16_t* src =
+                ok ? kv_base + (i64)blk[it] * blk_stride + (j & bs_mask) * row_stride : layer_kv;
+            const unsigned o = wg_off(r, lc);
+            fp_cp_async16(ks + o, src, ok ? 16 : 0);
+            fp_cp_async16(vs + o, ok ? src + vofs : layer_kv, ok ? 16 : 0);
+        }
+    };
+
+    // Q rows m0 .. m0 + 127 (zero past n), with the first tiles
+    {
+#pragma unroll
+        for (int it = 0; it < BM / 16; it++) {
+            const int r = ldrow + it * 16;
+            const bool ok = m0 + r < n;
+            const bf16_t* src = ok ? q + (i64)(row0 + m0 + r) * qstride + (i64)h * HD + lc * 8 : q;
+            fp_cp_async16(qs + wg_off(r, lc), src, ok ? 16 : 0);
+        }
+    }
+    int blk[RPT];
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; st++) {
+        if (jt0 + st < ntiles) {
+            fetch_blocks(jt0 + st, blk);
+            load_tile(jt0 + st, blk);
+        }
+        fp_cp_commit();
+    }
+    fetch_blocks(jt0 + STAGES - 1, blk);
+
+    float o[64];
+#pragma unroll
+    for (int i = 0; i < 64; i++) o[i] = 0.f;
+    float mrow[2] = {-INFINITY, -INFINITY};
+    float lrow[2] = {0.f, 0.f};
+    const unsigned q_addr = smem_base + wg * 64 * 128;
+
+    for (int jt = jt0; jt < ntiles; jt++) {
+        fp_cp_wait<STAGES - 2>();  // tile jt (and Q) landed: this thread's copies
+        wg_fence_proxy();
+        __syncthreads();           // everyone's; everyone is done with tile jt - 1
+        {
+            const int nxt = jt + STAGES - 1;  // into the buffer of tile jt - 1
+            if (nxt < ntiles) {
+                load_tile(nxt, blk);
+                fetch_blocks(nxt + 1, blk);
+            }
+            fp_cp_commit();
+        }
+        const unsigned k_addr = smem_base + WG_Q_BYTES + ((jt - jt0) % STAGES) * WG_TILE_BYTES;
+        const unsigned v_addr = k_addr + WG_TILE_BYTES / 2;
+        float s[64];
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; kk++) {
+            const unsigned koff = (kk >> 2) * (BN * 128) + (kk & 3) * 32;
+            wg_mma_ss(s, wg_desc(q_addr + (kk >> 2) * (BM * 128) + (kk & 3) * 32, 16, 1024),
+                      wg_desc(k_addr + koff, 16, 1024), kk > 0);
+        }
+        wg_commit();
+        wg_wait<0>();
+        wg_keep(s);
+
+        const int k0 = jt * BN;
+        if (k0 + BN - 1 > gfirst || (unsigned)(glast - k0) >= wlim) {
+#pragma unroll
+            for (int i = 0; i < 16; i++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int key = k0 + i * 8 + 2 * t + (e & 1);
+                    if ((unsigned)((e < 2 ? qpos0 : qpos1) - key) >= wlim) s[4 * i + e] = -INFINITY;
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            float mx = mrow[r];
+#pragma unroll
+            for (int i = 0; i < 16; i++) mx = fmaxf(mx, fmaxf(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float ms = (mx == -INFINITY ? 0.f : mx) * scale_log2;
+            const float alpha = fp_ex2(mrow[r] * scale_log2 - ms);
+            float sum = 0.f;
+#pragma unroll
+            for (int i = 0; i < 16; i++) {
+                s[4 * i + 2 * r] = fp_ex2(fmaf(s[4 * i + 2 * r], scale_log2, -ms));
+                s[4 * i + 2 * r + 1] = fp_ex2(fmaf(s[4 * i + 2 * r + 1], scale_log2, -ms));
+                sum += s[4 * i + 2 * r] + s[4 * i + 2 * r + 1];
+            }
+            lrow[r] = lrow[r] * alpha + sum;
+            mrow[r] = mx;
+#pragma unroll
+            for (int i = 0; i < 16; i++) {
+                o[4 * i + 2 * r] *= alpha;
+                o[4 * i + 2 * r + 1] *= alpha;
+            }
+        }
+        unsigned p[32];
+#pragma unroll
+        for (int kk = 0; kk < 8; kk++) {
+            p[4 * kk + 0] = fp_pack(s[8 * kk + 0], s[8 * kk + 1]);
+            p[4 * kk + 1] = fp_pack(s[8 * kk + 2], s[8 * kk + 3]);
+            p[4 * kk + 2] = fp_pack(s[8 * kk + 4], s[8 * kk + 5]);
+            p[4 * kk + 3] = fp_pack(s[8 * kk + 6], s[8 * kk + 7]);
+        }
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; kk++)
+            wg_mma_rs_t1(o, p + 4 * kk, wg_desc(v_addr + kk * 2048, BN * 128, 1024));
+        wg_commit();
+        wg_wait<0>();
+        wg_keep(o);
+    }
+    fp_cp_wait<0>();
+
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float l = lrow[r];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const int row = r == 0 ? r0 : r1;
+        if (row < n) {
+            bf16_t* y = out + (i64)(row0 + row) * qstride + (i64)h * HD + 2 * t;
+#pragma unroll
+            for (int i = 0; i < 16; i++)
+                *(unsigned*)(y + i * 8) = fp_pack(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
+        }
+    }
+}
+
+// Checks the descriptor layouts on the device (cuda_kernels_prefill's wgmma probe): a [64][128]
+// and b [128][128] bf16 into the swizzled layout; c1 = a b^T (both K-major, as S = Q K^T),
+// c2 = a b (a from registers, b MN-major with imm-trans-b = trans and the given byte offsets, as
+// O = P V). One warpgroup.
+__device__ void wg_probe_impl(const bf16_t* a, const bf16_t* b, float* c1, float* c2,
+                              unsigned lbo, unsigned sbo, int trans, unsigned char* smem) {
+    const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    unsigned char* as = smem;
+    unsigned char* bs = smem + 64 * 256 * 2;  // a's layout is sized for 128 rows
+    for (int i = tid; i < 64 * 16; i += 128) {
+        const int r = i >> 4, c = i & 15;
+        *(uint4*)(as + wg_off(r, c)) = *(const uint4*)(a + r * 128 + c * 8);
+    }
+    for (int i = tid; i < 128 * 16; i += 128) {
+        const int r = i >> 4, c = i & 15;
+        *(uint4*)(bs + wg_off(r, c)) = *(const uint4*)(b + r * 128 + c * 8);
+    }
+    wg_fence_proxy();
+    __syncthreads();
+    const unsigned a_addr = fp_smem_addr(as), b_addr = fp_smem_addr(bs);
+    float d[64];
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < 8; kk++)
+        wg_mma_ss(d, wg_desc(a_addr + (kk >> 2) * (128 * 128) + (kk & 3) * 32, 16, 1024),
+                  wg_desc(b_addr + (kk >> 2) * (128 * 128) + (kk & 3) * 32, 16, 1024), kk > 0);
+    wg_commit();
+    wg_wait<0>();
+    wg_keep(d);
+    const int ra = w * 16 + g;
+#pragma unroll
+    for (int i = 0; i < 16; i++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) c1[(ra + 8 * (e >> 1)) * 128 + i * 8 + 2 * t + (e & 1)] = d[4 * i + e];
+    // a from registers: rows ra, ra + 8, 16 keys per step
+    unsigned af[32];
+#pragma unroll
+    for (int kk = 0; kk < 8; kk++) {
+        const bf16_t* p0 = a + ra * 128 + kk * 16 + 2 * t;
+        af[4 * kk + 0] = *(const unsigned*)p0;
+        af[4 * kk + 1] = *(const unsigned*)(p0 + 8 * 128);
+        af[4 * kk + 2] = *(const unsigned*)(p0 + 8);
+        af[4 * kk + 3] = *(const unsigned*)(p0 + 8 * 128 + 8);
+    }
+#pragma unroll
+    for (int i = 0; i < 64; i++) d[i] = 0.f;
+    wg_fence();
+    if (trans) {
+#pragma unroll
+        for (int kk = 0; kk < 8; kk++) wg_mma_rs_t1(d, af + 4 * kk, wg_desc(b_addr + kk * 2048, lbo, sbo));
+    } else {
+#pragma unroll
+        for (int kk = 0; kk < 8; kk++) wg_mma_rs_t0(d, af + 4 * kk, wg_desc(b_addr + kk * 2048, lbo, sbo));
+    }
+    wg_commit();
+    wg_wait<0>();
+    wg_keep(d);
+#pragma unroll
+    for (int i = 0; i < 16; i++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) c2[(ra + 8 * (e >> 1)) * 128 + i * 8 + 2 * t + (e & 1)] = d[4 * i + e];
+}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+// grid: (nh, ceil(n / 128)), block: 256, dynamic shared memory: flash_prefill_wg_smem(STAGES)
+// = 1024 (alignment) + 32768 (Q) + STAGES * 65536; block_size a power of two, head_dim 128.
+#define FLASH_PREFILL_WG_KERNEL(NAME, STAGES)                                                     \
+    extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                    \
+        const bf16_t* __restrict__ q, bf16_t* __restrict__ out,                                   \
+        const bf16_t* __restrict__ layer_kv, const int* __restrict__ table, int row0, int n,      \
+        int start, int nh, int nkv, int block_size, float scale_log2, int window) {               \
+        PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();                                             \
+        WG_BODY(flash_prefill_wg_impl<STAGES>(q, out, layer_kv, table, row0, n, start, nh, nkv,   \
+                                              block_size, scale_log2, window, wg_smem_aligned())) \
+    }
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define WG_BODY(call) call;
+__device__ __forceinline__ unsigned char* wg_smem_aligned() {
+    extern __shared__ __align__(1024) unsigned char wg_dyn_smem[];
+    const unsigned base = fp_smem_addr(wg_dyn_smem);
+    return wg_dyn_smem + ((1024u - (base & 1023u)) & 1023u);
+}
+#else
+#define WG_BODY(call) __trap();
+#endif
+
+FLASH_PREFILL_WG_KERNEL(flash_prefill_hd128_wg2, 2)
+FLASH_PREFILL_WG_KERNEL(flash_prefill_hd128_wg3, 3)
+
+// block: 128, dynamic shared memory 1024 + 32768 + 32768.
+extern "C" __global__ void __launch_bounds__(128, 1)
+    wgmma_probe(const bf16_t* a, const bf16_t* b, float* c1, float* c2, unsigned lbo,
+                unsigned sbo, int trans) {
+    PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();
+    WG_BODY(wg_probe_impl(a, b, c1, c2, lbo, sbo, trans, wg_smem_aligned()))
+}

@@ -5,6 +5,7 @@
 //! `Y^T (out x T) = op_T(W) (out x in) * X^T (in x T)`, i.e. `transa = T, transb = N`.
 
 use super::CudaError;
+use super::blaslt::BlasLt;
 use cudarc::cublas::{result, sys};
 use cudarc::driver::{CudaContext, CudaStream};
 use std::sync::Arc;
@@ -18,6 +19,9 @@ pub struct Blas {
     /// `cuMemAlloc` workspace handed to cuBLAS (freed after the handle).
     workspace: u64,
     ctx: Arc<CudaContext>,
+    /// cuBLASLt on the same stream, for the shapes where a chosen algorithm beats
+    /// `cublasGemmEx`'s default (`ops::linear`); `None` where libcublasLt did not load.
+    lt: Option<BlasLt>,
 }
 
 impl Blas {
@@ -45,6 +49,7 @@ impl Blas {
             handle,
             workspace: 0,
             ctx: stream.context().clone(),
+            lt: None,
         };
         set?;
         // SAFETY: the stream's context is current (the caller created the stream on this thread);
@@ -62,7 +67,15 @@ impl Blas {
         }
         .result()
         .map_err(err("cublasSetWorkspace"))?;
+        blas.lt = BlasLt::new(stream)
+            .inspect_err(|e| tracing::warn!(error = %e, "no cuBLASLt: cublasGemmEx only"))
+            .ok();
         Ok(blas)
+    }
+
+    /// The cuBLASLt handle on the same stream, where libcublasLt loaded.
+    pub fn lt(&self) -> Option<&BlasLt> {
+        self.lt.as_ref()
     }
 }
 
@@ -79,7 +92,7 @@ impl Drop for Blas {
 }
 
 /// Output element type of a GEMM.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum OutType {
     Bf16,
     F32,

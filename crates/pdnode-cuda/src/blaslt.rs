@@ -11,8 +11,9 @@ use super::CudaError;
 use super::blas::OutType;
 use cudarc::cublaslt::{result, sys};
 use cudarc::driver::{CudaContext, CudaStream};
+use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// Bytes of the fixed cuBLASLt workspace (as [`super::blas::BLAS_WORKSPACE_BYTES`]): split-K
 /// candidates that need more are not offered by the heuristic.
@@ -25,6 +26,9 @@ fn lt_err(op: &'static str) -> impl Fn(result::CublasError) -> CudaError {
     }
 }
 
+/// A problem of [`BlasLt::matmul_config`]: (out, tokens, inp, output type).
+type ProblemKey = (usize, usize, usize, OutType);
+
 /// A cuBLASLt handle bound to one stream, with its workspace.
 pub struct BlasLt {
     handle: sys::cublasLtHandle_t,
@@ -32,6 +36,9 @@ pub struct BlasLt {
     /// `cuMemAlloc` workspace of [`LT_WORKSPACE_BYTES`] (freed after the handle).
     workspace: u64,
     ctx: Arc<CudaContext>,
+    /// [`BlasLt::matmul_config`]'s choices: the plan and the candidate with the asked
+    /// configuration, or `None` where the heuristic offered none.
+    picked: Mutex<HashMap<ProblemKey, Option<(LtPlan, LtAlgo)>>>,
 }
 
 // SAFETY: as `Gpu` (which owns the plain cuBLAS handle): the handle is used only by the thread
@@ -56,6 +63,7 @@ impl BlasLt {
             stream: stream.cu_stream() as sys::cudaStream_t,
             workspace: 0,
             ctx: stream.context().clone(),
+            picked: Mutex::new(HashMap::new()),
         };
         // SAFETY: the stream's context is current (the caller's contract); the size is non-zero.
         lt.workspace = unsafe { cudarc::driver::result::malloc_sync(LT_WORKSPACE_BYTES) }
@@ -175,6 +183,74 @@ impl BlasLt {
         })
     }
 }
+
+impl BlasLt {
+    /// `y = beta * y + x W^T` (shapes and types as [`super::blas::gemm`]) through the heuristic
+    /// candidate whose configuration is `want`. The candidate is looked up at the first call
+    /// for the problem (the decode step's warm-up, before its graph is captured) and kept;
+    /// host work only. Returns false, launching nothing, where the heuristic offers no such
+    /// candidate (the caller runs `cublasGemmEx` instead).
+    ///
+    /// # Safety
+    /// As [`BlasLt::matmul`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn matmul_config(
+        &self,
+        out: usize,
+        tokens: usize,
+        inp: usize,
+        ty: OutType,
+        want: &AlgoConfig,
+        w: u64,
+        x: u64,
+        y: u64,
+        beta: f32,
+    ) -> Result<bool, CudaError> {
+        let mut picked = self.picked.lock().unwrap_or_else(|e| e.into_inner());
+        let chosen = picked.entry((out, tokens, inp, ty)).or_insert_with(|| {
+            let found = self.find(out, tokens, inp, ty, want);
+            if let Err(e) = &found {
+                tracing::warn!(out, tokens, inp, ?ty, error = %e, "cuBLASLt lookup failed: cublasGemmEx instead");
+            }
+            found.ok().flatten()
+        });
+        let Some((plan, algo)) = chosen else {
+            return Ok(false);
+        };
+        // SAFETY: per the function contract; `algo` is a candidate of this plan.
+        unsafe { self.matmul(plan, algo, w, x, y, beta) }?;
+        Ok(true)
+    }
+
+    /// Whether [`BlasLt::matmul_config`] found its candidate for a problem: `None` before its
+    /// first call for it.
+    pub fn found(&self, out: usize, tokens: usize, inp: usize, ty: OutType) -> Option<bool> {
+        let picked = self.picked.lock().unwrap_or_else(|e| e.into_inner());
+        picked.get(&(out, tokens, inp, ty)).map(Option::is_some)
+    }
+
+    /// The plan of a problem and its heuristic candidate configured as `want`, if any.
+    fn find(
+        &self,
+        out: usize,
+        tokens: usize,
+        inp: usize,
+        ty: OutType,
+        want: &AlgoConfig,
+    ) -> Result<Option<(LtPlan, LtAlgo)>, CudaError> {
+        let plan = LtPlan::new(out, tokens, inp, ty)?;
+        for algo in self.heuristics(&plan, HEURISTIC_CANDIDATES)? {
+            if algo.config()? == *want {
+                return Ok(Some((plan, algo)));
+            }
+        }
+        Ok(None)
+    }
+}
+
+/// Candidates [`BlasLt::matmul_config`] asks the heuristic for (it offered 8 at most for the
+/// Llama-3.1-8B shapes on the H200).
+pub const HEURISTIC_CANDIDATES: usize = 16;
 
 impl Drop for BlasLt {
     fn drop(&mut self) {

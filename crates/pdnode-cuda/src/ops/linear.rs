@@ -8,6 +8,9 @@ use super::super::blas::OutType;
 use super::super::device::{DevBuf, Gpu};
 use super::{cfg, launched, need, shape, u32_of};
 
+mod lt;
+pub use lt::lt_pick;
+
 const BF16: usize = 2;
 const F32: usize = 4;
 
@@ -18,7 +21,8 @@ const F32: usize = 4;
 pub enum LinearImpl {
     /// Per (tokens, shape) what the H200 measurements say is fastest ([`table_launch`]: the
     /// L2-prefetch tensor-core GEMV or cuBLAS) where a GEMV applies (tokens <= 8, `inp % 8 ==
-    /// 0`, 16-byte aligned operands), cuBLAS otherwise. Only `Auto` fuses ([`gate_up_swiglu`],
+    /// 0`, 16-byte aligned operands), cuBLAS otherwise: a chosen cuBLASLt algorithm where
+    /// [`lt_pick`] names one, else `cublasGemmEx`. Only `Auto` fuses ([`gate_up_swiglu`],
     /// [`linear_rmsnorm`]).
     Auto,
     /// cuBLAS `cublasGemmEx` (H200, Llama-3.1-8B shapes: 5.87 ms per batch-1 decode step).
@@ -202,6 +206,17 @@ pub fn linear(
         }
     };
     let Some(kernel) = kernel else {
+        let beta = if accumulate { 1.0 } else { 0.0 };
+        if how == LinearImpl::Auto
+            && let Some(want) = lt_pick(out, tokens, inp, ty)
+            && let Some(lt) = gpu.blas.lt()
+        {
+            let (w, x, y) = (w.ptr(), x.ptr(), y.ptr());
+            // SAFETY: sizes checked above; the handle belongs to this GPU's context.
+            if unsafe { lt.matmul_config(out, tokens, inp, ty, &want, w, x, y, beta) }? {
+                return Ok(());
+            }
+        }
         // SAFETY: sizes checked above; the Blas handle belongs to this GPU's context.
         return unsafe {
             super::super::blas::gemm(
@@ -213,7 +228,7 @@ pub fn linear(
                 x.ptr(),
                 y.ptr(),
                 ty,
-                if accumulate { 1.0 } else { 0.0 },
+                beta,
             )
         };
     };

@@ -461,3 +461,55 @@ fn cublaslt_every_candidate_matches_reference() {
         }
     }
 }
+
+/// `linear` under Auto where [`ops::lt_pick`] names a cuBLASLt candidate (the Llama-3.1-8B
+/// shapes at 48, 64 and 128 rows) against `cublasGemmEx` (LinearImpl::Cublas) on the same
+/// inputs, f32 outputs accumulating into y as the decode step does; on an H200 (sm_90, 132
+/// SMs) the candidate must be among the heuristic's, else the table is stale.
+#[test]
+#[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
+fn linear_auto_cublaslt_picks_match_gemmex() {
+    let g = gpu();
+    let mut r = rng("linear_lt");
+    let h200 = g.compute_capability == (9, 0) && g.sm_count == 132;
+    let cases = [
+        (6144, 4096, OutType::Bf16),
+        (4096, 4096, OutType::F32),
+        (28672, 4096, OutType::Bf16),
+        (4096, 14336, OutType::F32),
+    ];
+    for &(out, inp, ty) in &cases {
+        let w = randv(&mut r, out * inp, 0.05);
+        let dw = g.upload_bf16(&w).unwrap();
+        for t in [16, 32, 48, 64, 128] {
+            let x = randv(&mut r, t * inp, 1.0);
+            let dx = g.upload_bf16(&x).unwrap();
+            let acc = ty == OutType::F32;
+            let y0 = randv(&mut r, t * out, 1.0);
+            let mk = || match ty {
+                OutType::F32 => g.upload_f32(&y0).unwrap(),
+                OutType::Bf16 => poisoned(&g, t * out * 2),
+            };
+            let (ya, yb) = (mk(), mk());
+            for (how, y) in [(LinearImpl::Auto, &ya), (LinearImpl::Cublas, &yb)] {
+                ops::linear(&g, out, t, inp, &dw, &dx, y, ty, acc, how).unwrap();
+            }
+            let get = |y| match ty {
+                OutType::F32 => g.download_f32(y, t * out).unwrap(),
+                OutType::Bf16 => g.download_bf16(y, t * out).unwrap(),
+            };
+            let e = rel_err(&get(&ya), &get(&yb));
+            let pick = ops::lt_pick(out, t, inp, ty);
+            let found = g.blas.lt().and_then(|lt| lt.found(out, t, inp, ty));
+            let ok = e < 1e-3 && (pick.is_none() || !h200 || found == Some(true));
+            println!(
+                "{} linear Auto {out}x{inp} t={t} {ty:?}: cuBLASLt pick {pick:?} found {found:?}, rel vs GemmEx {e:.1e}",
+                if ok { "PASS" } else { "FAIL" }
+            );
+            assert!(
+                ok,
+                "Auto {out}x{inp} t={t}: pick {pick:?} found {found:?} rel {e}"
+            );
+        }
+    }
+}

@@ -115,3 +115,34 @@ fn a_gemv_choice_takes_cublas_for_calls_the_gemv_cannot_take() {
         assert_eq!(how.for_operands(2048, 4100, w + 2, x), how);
     }
 }
+
+#[test]
+fn lt_picks_only_measured_shapes_past_the_gemv_range() {
+    let llama = [
+        (6144, 4096, OutType::Bf16),
+        (4096, 4096, OutType::F32),
+        (28672, 4096, OutType::Bf16),
+        (4096, 14336, OutType::F32),
+        (128256, 4096, OutType::F32),
+    ];
+    let mut picks = 0;
+    for &(out, inp, ty) in &llama {
+        for t in 1..=256 {
+            if let Some(c) = lt_pick(out, t, inp, ty) {
+                picks += 1;
+                // only where Auto takes cuBLAS anyway
+                assert!(t > GEMV_MAX_TOKENS && table_launch(132, out, t, inp).is_none());
+                assert!(c.split_k >= 1 && (c.split_k > 1) == (c.reduction != 0));
+            }
+        }
+    }
+    assert_eq!(picks, 6);
+    // gate_up at 64 rows: the 128x64 tile; other output types and shards keep GemmEx
+    assert_eq!(
+        lt_pick(28672, 64, 4096, OutType::Bf16).map(|c| c.tile),
+        Some(18)
+    );
+    assert!(lt_pick(28672, 64, 4096, OutType::F32).is_none());
+    assert!(lt_pick(14336, 64, 4096, OutType::Bf16).is_none());
+    assert!(lt_pick(4096, 32, 14336, OutType::F32).is_none());
+}

@@ -109,6 +109,79 @@ pub fn run_op_breakdown(
     Ok(rows)
 }
 
+/// A prefill step of each length in `lens` (one sequence from position 0, logits of its last
+/// token) with an event after every op, per op summed over the step (`batch` 1, `ctx` the
+/// length, `variant` the prefill attention's name): where a prefill step's time goes beyond the
+/// linears and the attention that `bench_llama31_8b_shapes`'s op rows time alone.
+pub fn run_prefill_op_breakdown(
+    spec: &pdnode_engine::spec::ModelSpec,
+    lens: &[usize],
+    iters: usize,
+    attn: pdnode_cuda::prefill::PrefillAttn,
+    mut report: impl FnMut(&OpRow),
+) -> Result<Vec<OpRow>, CudaError> {
+    use pdnode_core::BlockId;
+    use pdnode_engine::backend::{Backend, ForwardBatch, SeqStep};
+    let bs = 16usize;
+    let longest = lens.iter().copied().max().unwrap_or(1);
+    let opts = bench_options(1, longest.div_ceil(bs) + 8, bs, longest.max(64), &[], false);
+    let mut be = CudaBackend::new_dummy(spec, 1234, &opts, "bench".into())?;
+    be.set_prefill_attn(attn);
+    be.set_op_timing(true);
+    let variant: &'static str = match attn {
+        pdnode_cuda::prefill::PrefillAttn::Wgmma => "wgmma",
+        pdnode_cuda::prefill::PrefillAttn::FlashV3 => "flashv3",
+        pdnode_cuda::prefill::PrefillAttn::Flash8 => "flash8",
+        pdnode_cuda::prefill::PrefillAttn::Gemm => "gemm",
+    };
+    let mut rows = Vec::new();
+    for &len in lens {
+        let tbl: Vec<BlockId> = (0..len.div_ceil(bs)).map(|j| BlockId(j as u32)).collect();
+        let toks: Vec<u32> = (0..len).map(|i| (i * 31 % 128000) as u32).collect();
+        let fb = ForwardBatch {
+            seqs: vec![SeqStep {
+                tokens: &toks,
+                start_pos: 0,
+                block_table: &tbl,
+                want_logits: true,
+            }],
+        };
+        be.forward(&fb).map_err(err)?;
+        be.take_op_times()?; // warm-up
+        let mut sums: Vec<(&'static str, usize, f64)> = Vec::new();
+        for it in 0..iters.max(1) {
+            be.forward(&fb).map_err(err)?;
+            for (op, us) in be.take_op_times()? {
+                match sums.iter_mut().find(|s| s.0 == op) {
+                    Some(s) => {
+                        s.1 += usize::from(it == 0);
+                        s.2 += us;
+                    }
+                    None => sums.push((op, 1, us)),
+                }
+            }
+        }
+        let n = iters.max(1) as f64;
+        let total: f64 = sums.iter().map(|s| s.2).sum::<f64>() / n;
+        let calls: usize = sums.iter().map(|s| s.1).sum();
+        for (op, calls, us) in sums.into_iter().chain([("TOTAL", calls, total * n)]) {
+            let row = OpRow {
+                variant,
+                batch: 1,
+                ctx: len,
+                op,
+                calls,
+                us_per_step: us / n,
+                share: us / n / total.max(1e-9),
+            };
+            report(&row);
+            rows.push(row);
+        }
+    }
+    be.set_op_timing(false);
+    Ok(rows)
+}
+
 // ---- the decode-step fusions alone: fused launch vs the launches it replaces -----------------
 
 /// One fusion at one token count: the fused launch against what it replaces.

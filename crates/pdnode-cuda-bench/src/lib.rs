@@ -10,7 +10,7 @@ use pdnode_cuda::backend::{CudaBackend, CudaOptions};
 use pdnode_cuda::blas::{OutType, gemm};
 use pdnode_cuda::device::Gpu;
 use pdnode_cuda::ops;
-use pdnode_cuda::prefill::{LongSeq, PrefillAttn, PrefillScratch};
+use pdnode_cuda::prefill::{LongSeq, PrefillAttn, PrefillScratch, WgKernel};
 use pdnode_engine::backend::{
     Backend, BackendError, ForwardBatch, LogitsWant, SeqStep, StepLogits,
 };
@@ -463,14 +463,16 @@ fn prefill_attention_rows(
     }];
     let flops = 2.0 * (len as f64).powi(2) * (spec.head_dim * spec.num_heads) as f64;
     let mut rows = Vec::new();
-    // every implementation at its defaults, then the wgmma kernel with 3 stages
+    // every implementation at its defaults, then every wgmma kernel
     let variants = PrefillAttn::ALL
         .iter()
-        .map(|&pa| (pa, 0))
-        .chain([(PrefillAttn::Wgmma, 3)]);
-    for (pa, stages) in variants {
+        .map(|&pa| (pa, None))
+        .chain(WgKernel::ALL.map(|k| (PrefillAttn::Wgmma, Some(k))));
+    for (pa, wk) in variants {
         let mut scratch = PrefillScratch::new(pa);
-        scratch.wg_stages = stages;
+        if let Some(k) = wk {
+            scratch.wg_kernel = k;
+        }
         let t = timed(gpu, iters, || {
             scratch.run(
                 gpu,
@@ -487,8 +489,16 @@ fn prefill_attention_rows(
             )
         })?;
         rows.push(BenchRow {
-            what: if stages > 0 {
-                format!("prefill attention, 1 layer [{pa:?}, {stages} stages]")
+            what: if let Some(k) = wk {
+                format!(
+                    "prefill attention, 1 layer [{pa:?}, {} {} stages]",
+                    if k.specialized {
+                        "specialized"
+                    } else {
+                        "lockstep"
+                    },
+                    k.stages
+                )
             } else {
                 format!("prefill attention, 1 layer [{pa:?}]")
             },

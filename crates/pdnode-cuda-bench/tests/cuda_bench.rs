@@ -370,6 +370,51 @@ fn bench_decode_op_breakdown() {
     );
 }
 
+/// A prefill step's ops (eager, an event after each) at Llama-3.1-8B shapes, per prefill length
+/// (`PDNODE_BENCH_OPS_PREFILL`, default "2048,8192") with the prefill attention
+/// `PDNODE_BENCH_OPS_PREFILL_ATTN` (the names of `engine.cuda.prefill_attention`, default
+/// `wgmma`).
+#[test]
+#[ignore = "needs a CUDA GPU (about 30 GB free): run scripts/gpu/run-all.sh on the GPU host"]
+fn bench_prefill_op_breakdown() {
+    let _gpu = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let lens: Vec<usize> = env_list("PDNODE_BENCH_OPS_PREFILL", "2048,8192")
+        .split(',')
+        .filter_map(|s| s.trim().parse().ok())
+        .collect();
+    let attn = pdnode_cuda::prefill::PrefillAttn::parse(&env_list(
+        "PDNODE_BENCH_OPS_PREFILL_ATTN",
+        "wgmma",
+    ))
+    .expect("an engine.cuda.prefill_attention name");
+    let iters: usize = env_list("PDNODE_BENCH_ITERS", "5").parse().unwrap_or(5);
+    let spec = pdnode_engine::loader::dummy::preset("llama-3.1-8b").expect("the preset");
+    let rows = bench::run_prefill_op_breakdown(&spec, &lens, iters, attn, |r| {
+        eprintln!(
+            "PREFILL OPS {} len={} op={} calls={} us_per_step={:.1} share={:.3}",
+            r.variant, r.ctx, r.op, r.calls, r.us_per_step, r.share
+        )
+    })
+    .expect("prefill op breakdown");
+    println!("| prefill op (eager, events) | attention | tokens | calls/step | ms/step | share |");
+    println!("|---|---|---|---|---|---|");
+    for r in &rows {
+        println!(
+            "| {} | {} | {} | {} | {:.3} | {:.3} |",
+            r.op,
+            r.variant,
+            r.ctx,
+            r.calls,
+            r.us_per_step / 1e3,
+            r.share
+        );
+    }
+    assert!(
+        rows.iter().any(|r| r.op == "TOTAL" && r.us_per_step > 0.0),
+        "no op was timed"
+    );
+}
+
 /// The decode-step fusions alone (fused launch vs the launches it replaces) at 1..=8 tokens:
 /// what `engine.cuda.fuse_swiglu_max_tokens` / `fuse_norm_max_tokens` should be.
 #[test]

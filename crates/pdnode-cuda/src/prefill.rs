@@ -81,8 +81,8 @@ pub struct PrefillScratch {
     pub score_budget: usize,
     /// Implementation (`engine.cuda.prefill_attention`).
     pub attn: PrefillAttn,
-    /// K/V tiles in flight in the wgmma kernel (2 or 3; 0 = [`WG_STAGES`]): a benchmark's knob.
-    pub wg_stages: usize,
+    /// Which wgmma kernel [`PrefillAttn::Wgmma`] launches (benchmarks and tests set it).
+    pub wg_kernel: WgKernel,
     kc: Option<DevBuf>,
     vc: Option<DevBuf>,
     qh: Option<DevBuf>,
@@ -176,10 +176,10 @@ impl PrefillScratch {
         let attn = self.attn;
         if attn != PrefillAttn::Gemm && (hd == 64 || hd == 128) {
             if attn == PrefillAttn::Wgmma
-                && let Some(name) = wgmma_kernel(gpu, d, self.wg_stages)
+                && let Some(k) = wgmma_kernel(gpu, d, self.wg_kernel)
             {
                 return run_wgmma(
-                    gpu, d, layer_ptr, q, out, tables, max_blocks, seqs, name, window,
+                    gpu, d, layer_ptr, q, out, tables, max_blocks, seqs, k, window,
                 );
             }
             let attn = if attn == PrefillAttn::Wgmma {
@@ -390,31 +390,88 @@ const FLASH_V3_STAGES: usize = 4;
 const V3_SMEM_HD64: usize = FLASH_V3_STAGES * 2 * 64 * (64 + 8) * BF16;
 const V3_SMEM_HD128: usize = FLASH_V3_STAGES * 2 * 64 * (128 + 8) * BF16;
 
-/// K/V tiles in flight in the wgmma kernel by default.
-pub const WG_STAGES: usize = 2;
-
-/// Dynamic shared memory of the wgmma kernel with `stages` tiles: 1024 bytes of alignment slack,
-/// Q (128 rows x 128 dims bf16) and per stage a 128-key tile of K and of V.
-pub const fn wgmma_smem(stages: usize) -> usize {
-    1024 + 128 * 128 * BF16 + stages * 2 * 128 * 128 * BF16
+/// One of the wgmma prefill kernels (kernels/prefill_flash_wg.cu).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WgKernel {
+    /// The warp-specialized kernel (a producer warp loads, the two consumer warpgroups take
+    /// turns issuing their GEMMs; 288 threads) instead of every thread loading with a block
+    /// barrier per tile (256 threads).
+    pub specialized: bool,
+    /// K/V tiles in flight: 2 or 3 (anything else is taken as 2).
+    pub stages: usize,
 }
 
-/// The wgmma kernel for `d` on `gpu` (`stages` 2 or 3, else [`WG_STAGES`]), or `None` where it
-/// cannot run (not sm_90, its program not loaded, head_dim not 128, block size not a power of
-/// two, or a pool layer too large for its i32 block strides).
-fn wgmma_kernel(gpu: &Gpu, d: &AttnDims, stages: usize) -> Option<&'static str> {
-    let name = match stages {
-        3 => "flash_prefill_hd128_wg3",
-        _ => "flash_prefill_hd128_wg2",
-    };
+impl Default for WgKernel {
+    fn default() -> Self {
+        Self {
+            specialized: false,
+            stages: 2,
+        }
+    }
+}
+
+impl WgKernel {
+    /// Every kernel (tests and benchmarks run each).
+    pub const ALL: [WgKernel; 4] = [
+        WgKernel {
+            specialized: false,
+            stages: 2,
+        },
+        WgKernel {
+            specialized: false,
+            stages: 3,
+        },
+        WgKernel {
+            specialized: true,
+            stages: 2,
+        },
+        WgKernel {
+            specialized: true,
+            stages: 3,
+        },
+    ];
+
+    fn stages(self) -> usize {
+        if self.stages == 3 { 3 } else { 2 }
+    }
+
+    fn name(self) -> &'static str {
+        match (self.specialized, self.stages()) {
+            (false, 3) => "flash_prefill_hd128_wg3",
+            (false, _) => "flash_prefill_hd128_wg2",
+            (true, 3) => "flash_prefill_hd128_ws3",
+            (true, _) => "flash_prefill_hd128_ws2",
+        }
+    }
+
+    /// Threads of a CTA.
+    fn threads(self) -> u32 {
+        if self.specialized { 288 } else { 256 }
+    }
+
+    /// Dynamic shared memory: 1024 bytes of alignment slack, Q (128 rows x 128 dims bf16), per
+    /// stage a 128-key tile of K and of V, and (warp-specialized) two mbarriers per stage.
+    pub fn smem(self) -> usize {
+        let s = self.stages();
+        1024 + 128 * 128 * BF16
+            + s * 2 * 128 * 128 * BF16
+            + if self.specialized { 16 * s } else { 0 }
+    }
+}
+
+/// The wgmma kernel `k` for `d` on `gpu`, or `None` where it cannot run (not sm_90, its program
+/// not loaded, head_dim not 128, block size not a power of two, or a pool layer too large for
+/// its i32 block strides).
+fn wgmma_kernel(gpu: &Gpu, d: &AttnDims, k: WgKernel) -> Option<WgKernel> {
+    let name = k.name();
     let fits = d.head_dim == 128
         && d.block_size.is_power_of_two()
         && 2 * d.block_size * d.num_kv_heads * d.head_dim <= i32::MAX as usize;
-    (fits && gpu.has_kernel(name)).then_some(name)
+    (fits && gpu.has_kernel(name)).then_some(k)
 }
 
-/// The wgmma kernel `name` ([`wgmma_kernel`]) for each sequence of `seqs` (checked by the caller):
-/// grid (heads, 128-row query tiles), heaviest tiles first, 256 threads.
+/// The wgmma kernel `k` ([`wgmma_kernel`]) for each sequence of `seqs` (checked by the caller):
+/// grid (heads, 128-row query tiles), heaviest tiles first.
 #[allow(clippy::too_many_arguments)]
 fn run_wgmma(
     gpu: &Gpu,
@@ -425,11 +482,10 @@ fn run_wgmma(
     tables: u64,
     max_blocks: usize,
     seqs: &[LongSeq],
-    name: &'static str,
+    k: WgKernel,
     window: usize,
 ) -> Result<(), CudaError> {
-    let stages = if name.ends_with("wg3") { 3 } else { 2 };
-    let dyn_smem = wgmma_smem(stages);
+    let (name, dyn_smem) = (k.name(), k.smem());
     let f = gpu.kernel(name)?;
     use cudarc::driver::sys::CUfunction_attribute_enum as A;
     f.set_attribute(
@@ -469,7 +525,7 @@ fn run_wgmma(
             .arg(&window_i);
         let lc = LaunchConfig {
             grid_dim: (d.num_heads as u32, tiles as u32, 1),
-            block_dim: (256, 1, 1),
+            block_dim: (k.threads(), 1, 1),
             shared_mem_bytes: dyn_smem as u32,
         };
         // SAFETY: as run_flash's: q/out hold rows row0 .. row0 + n of [T, nh, 128], the table row

@@ -97,6 +97,97 @@ __device__ __forceinline__ void wg_keep(float* d) {
     for (int i = 0; i < 64; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// S = Q K^T of one 128-key tile for this warpgroup's 64 rows, issued and committed (the caller
+// waits): 8 wgmma m64n128k16 over the 128 dims, both operands K-major in shared memory.
+__device__ __forceinline__ void wg_scores_issue(float* s, unsigned q_addr, unsigned k_addr) {
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < WG_HD / 16; kk++) {
+        const unsigned off = (kk >> 2) * (WG_BN * 128) + (kk & 3) * 32;
+        wg_mma_ss(s, wg_desc(q_addr + off, 16, 1024), wg_desc(k_addr + off, 16, 1024), kk > 0);
+    }
+    wg_commit();
+}
+
+// The causal / window mask on S (keys k0 ..), the online softmax (running max mrow and sum lrow
+// of this thread's two rows, O rescaled), then O += P V with P from registers; returns when the
+// PV wgmma has completed (V's buffer may be reused).
+__device__ __forceinline__ void wg_softmax_pv(float* s, float* o, float* mrow, float* lrow,
+                                              unsigned v_addr, int k0, int qpos0, int qpos1,
+                                              int gfirst, int glast, unsigned wlim, int t,
+                                              float scale_log2) {
+    constexpr int BN = WG_BN;
+    if (k0 + BN - 1 > gfirst || (unsigned)(glast - k0) >= wlim) {
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int key = k0 + i * 8 + 2 * t + (e & 1);
+                if ((unsigned)((e < 2 ? qpos0 : qpos1) - key) >= wlim) s[4 * i + e] = -INFINITY;
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float mx = mrow[r];
+#pragma unroll
+        for (int i = 0; i < 16; i++) mx = fmaxf(mx, fmaxf(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float ms = (mx == -INFINITY ? 0.f : mx) * scale_log2;
+        const float alpha = fp_ex2(mrow[r] * scale_log2 - ms);
+        float sum = 0.f;
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            s[4 * i + 2 * r] = fp_ex2(fmaf(s[4 * i + 2 * r], scale_log2, -ms));
+            s[4 * i + 2 * r + 1] = fp_ex2(fmaf(s[4 * i + 2 * r + 1], scale_log2, -ms));
+            sum += s[4 * i + 2 * r] + s[4 * i + 2 * r + 1];
+        }
+        lrow[r] = lrow[r] * alpha + sum;
+        mrow[r] = mx;
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            o[4 * i + 2 * r] *= alpha;
+            o[4 * i + 2 * r + 1] *= alpha;
+        }
+    }
+    unsigned p[32];
+#pragma unroll
+    for (int kk = 0; kk < 8; kk++) {
+        p[4 * kk + 0] = fp_pack(s[8 * kk + 0], s[8 * kk + 1]);
+        p[4 * kk + 1] = fp_pack(s[8 * kk + 2], s[8 * kk + 3]);
+        p[4 * kk + 2] = fp_pack(s[8 * kk + 4], s[8 * kk + 5]);
+        p[4 * kk + 3] = fp_pack(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; kk++)
+        wg_mma_rs_t1(o, p + 4 * kk, wg_desc(v_addr + kk * 2048, BN * 128, 1024));
+    wg_commit();
+    wg_wait<0>();
+    wg_keep(o);
+}
+
+// O / l of this thread's two rows (those below n) into out [T, nh, 128].
+__device__ __forceinline__ void wg_store(bf16_t* __restrict__ out, const float* o,
+                                         const float* lrow, int row0, int r0, int r1, int n,
+                                         i64 qstride, int h, int t) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float l = lrow[r];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const int row = r == 0 ? r0 : r1;
+        if (row < n) {
+            bf16_t* y = out + (i64)(row0 + row) * qstride + (i64)h * WG_HD + 2 * t;
+#pragma unroll
+            for (int i = 0; i < 16; i++)
+                *(unsigned*)(y + i * 8) = fp_pack(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
+        }
+    }
+}
+
 template <int STAGES>
 __device__ __forceinline__ void flash_prefill_wg_impl(const bf16_t* __restrict__ q,
                                                       bf16_t* __restrict__ out,
@@ -193,84 +284,146 @@ __device__ __forceinline__ void flash_prefill_wg_impl(const bf16_t* __restrict__
         const unsigned k_addr = smem_base + WG_Q_BYTES + ((jt - jt0) % STAGES) * WG_TILE_BYTES;
         const unsigned v_addr = k_addr + WG_TILE_BYTES / 2;
         float s[64];
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < HD / 16; kk++) {
-            const unsigned koff = (kk >> 2) * (BN * 128) + (kk & 3) * 32;
-            wg_mma_ss(s, wg_desc(q_addr + (kk >> 2) * (BM * 128) + (kk & 3) * 32, 16, 1024),
-                      wg_desc(k_addr + koff, 16, 1024), kk > 0);
-        }
-        wg_commit();
+        wg_scores_issue(s, q_addr, k_addr);
         wg_wait<0>();
         wg_keep(s);
-
-        const int k0 = jt * BN;
-        if (k0 + BN - 1 > gfirst || (unsigned)(glast - k0) >= wlim) {
-#pragma unroll
-            for (int i = 0; i < 16; i++) {
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int key = k0 + i * 8 + 2 * t + (e & 1);
-                    if ((unsigned)((e < 2 ? qpos0 : qpos1) - key) >= wlim) s[4 * i + e] = -INFINITY;
-                }
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            float mx = mrow[r];
-#pragma unroll
-            for (int i = 0; i < 16; i++) mx = fmaxf(mx, fmaxf(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float ms = (mx == -INFINITY ? 0.f : mx) * scale_log2;
-            const float alpha = fp_ex2(mrow[r] * scale_log2 - ms);
-            float sum = 0.f;
-#pragma unroll
-            for (int i = 0; i < 16; i++) {
-                s[4 * i + 2 * r] = fp_ex2(fmaf(s[4 * i + 2 * r], scale_log2, -ms));
-                s[4 * i + 2 * r + 1] = fp_ex2(fmaf(s[4 * i + 2 * r + 1], scale_log2, -ms));
-                sum += s[4 * i + 2 * r] + s[4 * i + 2 * r + 1];
-            }
-            lrow[r] = lrow[r] * alpha + sum;
-            mrow[r] = mx;
-#pragma unroll
-            for (int i = 0; i < 16; i++) {
-                o[4 * i + 2 * r] *= alpha;
-                o[4 * i + 2 * r + 1] *= alpha;
-            }
-        }
-        unsigned p[32];
-#pragma unroll
-        for (int kk = 0; kk < 8; kk++) {
-            p[4 * kk + 0] = fp_pack(s[8 * kk + 0], s[8 * kk + 1]);
-            p[4 * kk + 1] = fp_pack(s[8 * kk + 2], s[8 * kk + 3]);
-            p[4 * kk + 2] = fp_pack(s[8 * kk + 4], s[8 * kk + 5]);
-            p[4 * kk + 3] = fp_pack(s[8 * kk + 6], s[8 * kk + 7]);
-        }
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; kk++)
-            wg_mma_rs_t1(o, p + 4 * kk, wg_desc(v_addr + kk * 2048, BN * 128, 1024));
-        wg_commit();
-        wg_wait<0>();
-        wg_keep(o);
+        wg_softmax_pv(s, o, mrow, lrow, v_addr, jt * BN, qpos0, qpos1, gfirst, glast, wlim, t,
+                      scale_log2);
     }
     fp_cp_wait<0>();
 
+    wg_store(out, o, lrow, row0, r0, r1, n, qstride, h, t);
+}
+
+// mbarrier helpers (shared::cta, 64-bit barriers).
+__device__ __forceinline__ void wg_mbar_init(unsigned addr, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(addr), "r"(count) : "memory");
+}
+__device__ __forceinline__ void wg_mbar_wait(unsigned addr, unsigned parity) {
+    asm volatile(
+        "{\n.reg .pred p;\nWG_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra WG_WAIT;\n}\n" ::"r"(addr),
+        "r"(parity)
+        : "memory");
+}
+__device__ __forceinline__ void wg_mbar_arrive(unsigned addr) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(addr) : "memory");
+}
+// Arrives on the barrier once every cp.async this thread issued before has landed.
+__device__ __forceinline__ void wg_mbar_arrive_cp_async(unsigned addr) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(addr) : "memory");
+}
+
+// The warp-specialized variant: warps 0-7 are the two consumer warpgroups (as above), warp 8 the
+// producer that alone issues the cp.async loads (Q, then each K/V tile into its stage) and
+// signals each stage's `full` barrier when its copies land; consumers arrive on the stage's
+// `empty` barrier once their P V wgmma completed. No block-wide barrier inside the loop, so
+// the warpgroups run out of phase; a named-barrier turn (ids 1, 2) orders their S = Q K^T issues
+// (warpgroup 0 first, then alternating) so one warpgroup's softmax overlaps the other's GEMMs.
+// Shared memory: Q, STAGES tiles, then 2 * STAGES mbarriers.
+template <int STAGES>
+__device__ __forceinline__ void flash_prefill_ws_impl(const bf16_t* __restrict__ q,
+                                                      bf16_t* __restrict__ out,
+                                                      const bf16_t* __restrict__ layer_kv,
+                                                      const int* __restrict__ table, int row0,
+                                                      int n, int start, int nh, int nkv,
+                                                      int block_size, float scale_log2,
+                                                      int window, unsigned char* smem) {
+    constexpr int HD = WG_HD, BM = WG_BM, BN = WG_BN;
+    const int h = blockIdx.x;
+    const int m0 = (gridDim.y - 1 - blockIdx.y) * BM;
+    const int kvh = h / (nh / nkv);
+    const int tid = threadIdx.x, lane = tid & 31;
+    const int kv_end = start + min(m0 + BM, n);
+    const int ntiles = (kv_end + BN - 1) / BN;
+    const i64 qstride = (i64)nh * HD;
+    const unsigned wlim = window > 0 ? (unsigned)window : 0x7fffffffu;
+    const int jt0 = window > 0 ? max(0, start + m0 + 1 - window) / BN : 0;
+    const unsigned smem_base = fp_smem_addr(smem);
+    const unsigned bar0 = smem_base + WG_Q_BYTES + STAGES * WG_TILE_BYTES;
+    // full[s] at bar0 + 8 s, empty[s] at bar0 + 8 (STAGES + s)
+    if (tid == 0) {
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        float l = lrow[r];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-        const int row = r == 0 ? r0 : r1;
-        if (row < n) {
-            bf16_t* y = out + (i64)(row0 + row) * qstride + (i64)h * HD + 2 * t;
-#pragma unroll
-            for (int i = 0; i < 16; i++)
-                *(unsigned*)(y + i * 8) = fp_pack(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
+        for (int st = 0; st < STAGES; st++) {
+            wg_mbar_init(bar0 + 8 * st, 32);                // the producer warp's lanes
+            wg_mbar_init(bar0 + 8 * (STAGES + st), 256);  // every consumer thread
         }
     }
+    __syncthreads();
+
+    if (tid >= 256) {
+        // producer: lane -> 16-byte chunk (lane & 15) of rows (lane >> 4) + 2 it
+        const int bs_shift = fp_log2i(block_size), bs_mask = block_size - 1;
+        const int row_stride = nkv * HD, vofs = block_size * row_stride, blk_stride = 2 * vofs;
+        const int lc = lane & 15, lr = lane >> 4;
+        const bf16_t* kv_base = layer_kv + (i64)kvh * HD + lc * 8;
+#pragma unroll 4
+        for (int it = 0; it < BM / 2; it++) {
+            const int r = lr + 2 * it;
+            const bool ok = m0 + r < n;
+            const bf16_t* src = ok ? q + (i64)(row0 + m0 + r) * qstride + (i64)h * HD + lc * 8 : q;
+            fp_cp_async16(smem + wg_off(r, lc), src, ok ? 16 : 0);
+        }
+        for (int jt = jt0, i = 0; jt < ntiles; jt++, i++) {
+            const int st = i % STAGES;
+            if (i >= STAGES) wg_mbar_wait(bar0 + 8 * (STAGES + st), ((i / STAGES) + 1) & 1);
+            unsigned char* ks = smem + WG_Q_BYTES + st * WG_TILE_BYTES;
+            unsigned char* vs = ks + WG_TILE_BYTES / 2;
+#pragma unroll 8
+            for (int it = 0; it < BN / 2; it++) {
+                const int r = lr + 2 * it, j = jt * BN + r;
+                const int blk = j < kv_end ? __ldg(table + (j >> bs_shift)) : -1;
+                const bool ok = blk >= 0;
+                const bf16_t* src =
+                    ok ? kv_base + (i64)blk * blk_stride + (j & bs_mask) * row_stride : layer_kv;
+                const unsigned o = wg_off(r, lc);
+                fp_cp_async16(ks + o, src, ok ? 16 : 0);
+                fp_cp_async16(vs + o, ok ? src + vofs : layer_kv, ok ? 16 : 0);
+            }
+            wg_mbar_arrive_cp_async(bar0 + 8 * st);
+        }
+        fp_cp_wait<0>();
+        return;
+    }
+
+    // consumers
+    const int wg = tid >> 7, w = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
+    const int r0 = m0 + wg * 64 + w * 16 + g, r1 = r0 + 8;
+    const int qpos0 = start + r0, qpos1 = start + r1;
+    const int gfirst = start + m0 + wg * 64, glast = gfirst + 63;
+    float o[64];
+#pragma unroll
+    for (int i = 0; i < 64; i++) o[i] = 0.f;
+    float mrow[2] = {-INFINITY, -INFINITY};
+    float lrow[2] = {0.f, 0.f};
+    const unsigned q_addr = smem_base + wg * 64 * 128;
+    // warpgroup 0 takes the first turn
+    if (wg == 1) asm volatile("bar.arrive 1, 256;\n" ::: "memory");
+    for (int jt = jt0, i = 0; jt < ntiles; jt++, i++) {
+        const int st = i % STAGES;
+        wg_mbar_wait(bar0 + 8 * st, (i / STAGES) & 1);
+        wg_fence_proxy();
+        const unsigned k_addr = smem_base + WG_Q_BYTES + st * WG_TILE_BYTES;
+        const unsigned v_addr = k_addr + WG_TILE_BYTES / 2;
+        float s[64];
+        // my turn to issue S, then hand the turn to the other warpgroup
+        if (wg == 0) asm volatile("bar.sync 1, 256;\n" ::: "memory");
+        else asm volatile("bar.sync 2, 256;\n" ::: "memory");
+        wg_scores_issue(s, q_addr, k_addr);
+        if (wg == 0) asm volatile("bar.arrive 2, 256;\n" ::: "memory");
+        else asm volatile("bar.arrive 1, 256;\n" ::: "memory");
+        wg_wait<0>();
+        wg_keep(s);
+        wg_softmax_pv(s, o, mrow, lrow, v_addr, jt * BN, qpos0, qpos1, gfirst, glast, wlim, t,
+                      scale_log2);
+        wg_mbar_arrive(bar0 + 8 * (STAGES + st));
+    }
+    // the turn the other warpgroup handed over last is never taken: consume it so no arrival
+    // is left pending on a named barrier when the CTA exits (warpgroup 1 arrived on 1 after its
+    // last issue; warpgroup 0 on 2, which warpgroup 1 synced on)
+    if (wg == 0) asm volatile("bar.sync 1, 256;\n" ::: "memory");
+    wg_store(out, o, lrow, row0, r0, r1, n, qstride, h, t);
 }
 
 // Checks the descriptor layouts on the device (cuda_kernels_prefill's wgmma probe): a [64][128]
@@ -363,6 +516,21 @@ __device__ __forceinline__ unsigned char* wg_smem_aligned() {
 
 FLASH_PREFILL_WG_KERNEL(flash_prefill_hd128_wg2, 2)
 FLASH_PREFILL_WG_KERNEL(flash_prefill_hd128_wg3, 3)
+
+// grid as above, block: 288 (two consumer warpgroups + the producer warp), dynamic shared
+// memory: flash_prefill_wg_smem(STAGES) + 16 STAGES (the mbarriers).
+#define FLASH_PREFILL_WS_KERNEL(NAME, STAGES)                                                     \
+    extern "C" __global__ void __launch_bounds__(288, 1) NAME(                                    \
+        const bf16_t* __restrict__ q, bf16_t* __restrict__ out,                                   \
+        const bf16_t* __restrict__ layer_kv, const int* __restrict__ table, int row0, int n,      \
+        int start, int nh, int nkv, int block_size, float scale_log2, int window) {               \
+        PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();                                             \
+        WG_BODY(flash_prefill_ws_impl<STAGES>(q, out, layer_kv, table, row0, n, start, nh, nkv,   \
+                                              block_size, scale_log2, window, wg_smem_aligned())) \
+    }
+
+FLASH_PREFILL_WS_KERNEL(flash_prefill_hd128_ws2, 2)
+FLASH_PREFILL_WS_KERNEL(flash_prefill_hd128_ws3, 3)
 
 // block: 128, dynamic shared memory 1024 + 32768 + 32768.
 extern "C" __global__ void __launch_bounds__(128, 1)

@@ -463,7 +463,7 @@ fn cublaslt_every_candidate_matches_reference() {
 }
 
 /// `linear` under Auto where [`ops::lt_pick`] names a cuBLASLt candidate (the Llama-3.1-8B
-/// shapes at 48, 64 and 128 rows) against `cublasGemmEx` (LinearImpl::Cublas) on the same
+/// shapes at 48, 64, 96 and 128 rows) against `cublasGemmEx` (LinearImpl::Cublas) on the same
 /// inputs, f32 outputs accumulating into y as the decode step does; on an H200 (sm_90, 132
 /// SMs) the candidate must be among the heuristic's, else the table is stale.
 #[test]
@@ -481,7 +481,7 @@ fn linear_auto_cublaslt_picks_match_gemmex() {
     for &(out, inp, ty) in &cases {
         let w = randv(&mut r, out * inp, 0.05);
         let dw = g.upload_bf16(&w).unwrap();
-        for t in [16, 32, 48, 64, 128] {
+        for t in [16, 32, 48, 64, 96, 128] {
             let x = randv(&mut r, t * inp, 1.0);
             let dx = g.upload_bf16(&x).unwrap();
             let acc = ty == OutType::F32;

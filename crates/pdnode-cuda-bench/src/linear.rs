@@ -33,6 +33,39 @@ pub struct LinearRow {
     pub rel_to_cublas: f64,
 }
 
+/// Copies of a bf16 `[out, inp]` weight (uniform in +-0.05, seeds from `seed`), enough of them
+/// (>= 256 MB in all, at most 8) that a benchmark rotating over them never reads one from the
+/// 50 MB L2.
+fn rotated_weights(
+    gpu: &Gpu,
+    out: usize,
+    inp: usize,
+    seed: u64,
+) -> Result<Vec<pdnode_cuda::device::DevBuf>, CudaError> {
+    let wbytes = out * inp * 2;
+    let copies = (256usize << 20).div_ceil(wbytes.max(1)).clamp(1, 8);
+    (0..copies)
+        .map(|c| {
+            let b = gpu.alloc(wbytes)?;
+            ops::fill_uniform_bf16(gpu, &b, out * inp, seed + c as u64, 0.05)?;
+            Ok(b)
+        })
+        .collect()
+}
+
+/// ||got - want|| / ||want|| (infinite when `got` has a non-finite value).
+fn rel_diff(got: &[f32], want: &[f32]) -> f64 {
+    if !got.iter().all(|v| v.is_finite()) {
+        return f64::INFINITY;
+    }
+    let (mut num, mut den) = (0f64, 0f64);
+    for (a, b) in got.iter().zip(want) {
+        num += ((a - b) as f64).powi(2);
+        den += (*b as f64).powi(2);
+    }
+    (num / den.max(1e-30)).sqrt()
+}
+
 /// Summary of one decode step's linear layers at `tokens` rows for one implementation: the sum
 /// of each layer's time times its count per step, against the weight bytes at the copy ceiling.
 #[derive(Debug, Clone)]
@@ -61,14 +94,8 @@ pub fn run_linear(
     let mut rows = Vec::new();
     for (si, &(name, out, inp, _)) in LLAMA31_8B_LINEARS.iter().enumerate() {
         let wbytes = out * inp * 2;
-        let copies = (256usize << 20).div_ceil(wbytes).clamp(1, 8);
-        let ws = (0..copies)
-            .map(|c| {
-                let b = gpu.alloc(wbytes)?;
-                ops::fill_uniform_bf16(&gpu, &b, out * inp, (100 + si * 8 + c) as u64, 0.05)?;
-                Ok(b)
-            })
-            .collect::<Result<Vec<_>, CudaError>>()?;
+        let ws = rotated_weights(&gpu, out, inp, 100 + si as u64 * 8)?;
+        let copies = ws.len();
         let x = gpu.alloc(max_t * inp * 2)?;
         ops::fill_uniform_bf16(&gpu, &x, max_t * inp, 7, 1.0)?;
         let (y, y_ref) = (gpu.alloc(max_t * out * 4)?, gpu.alloc(max_t * out * 4)?);
@@ -117,16 +144,7 @@ pub fn run_linear(
                 gpu.memset(&y, 0xFF)?;
                 run(how, &y, &ws[0])?;
                 let got = gpu.download_f32(&y, t * out)?;
-                let (mut num, mut den) = (0f64, 0f64);
-                for (a, b) in got.iter().zip(&want) {
-                    num += ((a - b) as f64).powi(2);
-                    den += (*b as f64).powi(2);
-                }
-                let rel = if got.iter().all(|v| v.is_finite()) {
-                    (num / den.max(1e-30)).sqrt()
-                } else {
-                    f64::INFINITY
-                };
+                let rel = rel_diff(&got, &want);
                 let mut k = 0usize;
                 let s = timed(&gpu, iters, || {
                     k += 1;
@@ -236,14 +254,8 @@ pub fn run_linear_lt(
     let mut rows = Vec::new();
     for (si, &(name, out, inp, ty, acc)) in LT_LINEARS.iter().enumerate() {
         let wbytes = out * inp * 2;
-        let copies = (256usize << 20).div_ceil(wbytes).clamp(1, 8);
-        let ws = (0..copies)
-            .map(|c| {
-                let b = gpu.alloc(wbytes)?;
-                ops::fill_uniform_bf16(&gpu, &b, out * inp, (300 + si * 8 + c) as u64, 0.05)?;
-                Ok(b)
-            })
-            .collect::<Result<Vec<_>, CudaError>>()?;
+        let ws = rotated_weights(&gpu, out, inp, 300 + si as u64 * 8)?;
+        let copies = ws.len();
         let x = gpu.alloc(max_t * inp * 2)?;
         ops::fill_uniform_bf16(&gpu, &x, max_t * inp, 9, 1.0)?;
         let y = gpu.alloc(max_t * out * 4)?;
@@ -289,16 +301,7 @@ pub fn run_linear_lt(
             let bytes = (wbytes + t * inp * 2 + t * out * ysz * if acc { 2 } else { 1 }) as f64;
             for (ci, &which) in cases.iter().enumerate() {
                 let got = output(which)?;
-                let (mut num, mut den) = (0f64, 0f64);
-                for (a, b) in got.iter().zip(&want) {
-                    num += ((a - b) as f64).powi(2);
-                    den += (*b as f64).powi(2);
-                }
-                let rel = if got.iter().all(|v| v.is_finite()) {
-                    (num / den.max(1e-30)).sqrt()
-                } else {
-                    f64::INFINITY
-                };
+                let rel = rel_diff(&got, &want);
                 let s = best[ci];
                 let row = LtRow {
                     name,

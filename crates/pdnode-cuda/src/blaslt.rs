@@ -26,8 +26,15 @@ fn lt_err(op: &'static str) -> impl Fn(result::CublasError) -> CudaError {
     }
 }
 
-/// A problem of [`BlasLt::matmul_config`]: (out, tokens, inp, output type).
-type ProblemKey = (usize, usize, usize, OutType);
+/// A problem of [`BlasLt::matmul_config`]: `tokens` rows of x through an `out x inp` weight
+/// into an output of `ty`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Problem {
+    pub out: usize,
+    pub tokens: usize,
+    pub inp: usize,
+    pub ty: OutType,
+}
 
 /// A cuBLASLt handle bound to one stream, with its workspace.
 pub struct BlasLt {
@@ -38,7 +45,7 @@ pub struct BlasLt {
     ctx: Arc<CudaContext>,
     /// [`BlasLt::matmul_config`]'s choices: the plan and the candidate with the asked
     /// configuration, or `None` where the heuristic offered none.
-    picked: Mutex<HashMap<ProblemKey, Option<(LtPlan, LtAlgo)>>>,
+    picked: Mutex<HashMap<Problem, Option<(LtPlan, LtAlgo)>>>,
 }
 
 // SAFETY: as `Gpu` (which owns the plain cuBLAS handle): the handle is used only by the thread
@@ -193,13 +200,9 @@ impl BlasLt {
     ///
     /// # Safety
     /// As [`BlasLt::matmul`].
-    #[allow(clippy::too_many_arguments)]
     pub unsafe fn matmul_config(
         &self,
-        out: usize,
-        tokens: usize,
-        inp: usize,
-        ty: OutType,
+        p: Problem,
         want: &AlgoConfig,
         w: u64,
         x: u64,
@@ -207,10 +210,10 @@ impl BlasLt {
         beta: f32,
     ) -> Result<bool, CudaError> {
         let mut picked = self.picked.lock().unwrap_or_else(|e| e.into_inner());
-        let chosen = picked.entry((out, tokens, inp, ty)).or_insert_with(|| {
-            let found = self.find(out, tokens, inp, ty, want);
+        let chosen = picked.entry(p).or_insert_with(|| {
+            let found = self.find(p, want);
             if let Err(e) = &found {
-                tracing::warn!(out, tokens, inp, ?ty, error = %e, "cuBLASLt lookup failed: cublasGemmEx instead");
+                tracing::warn!(problem = ?p, error = %e, "cuBLASLt lookup failed: cublasGemmEx instead");
             }
             found.ok().flatten()
         });
@@ -224,21 +227,14 @@ impl BlasLt {
 
     /// Whether [`BlasLt::matmul_config`] found its candidate for a problem: `None` before its
     /// first call for it.
-    pub fn found(&self, out: usize, tokens: usize, inp: usize, ty: OutType) -> Option<bool> {
+    pub fn found(&self, p: Problem) -> Option<bool> {
         let picked = self.picked.lock().unwrap_or_else(|e| e.into_inner());
-        picked.get(&(out, tokens, inp, ty)).map(Option::is_some)
+        picked.get(&p).map(Option::is_some)
     }
 
     /// The plan of a problem and its heuristic candidate configured as `want`, if any.
-    fn find(
-        &self,
-        out: usize,
-        tokens: usize,
-        inp: usize,
-        ty: OutType,
-        want: &AlgoConfig,
-    ) -> Result<Option<(LtPlan, LtAlgo)>, CudaError> {
-        let plan = LtPlan::new(out, tokens, inp, ty)?;
+    fn find(&self, p: Problem, want: &AlgoConfig) -> Result<Option<(LtPlan, LtAlgo)>, CudaError> {
+        let plan = LtPlan::new(p.out, p.tokens, p.inp, p.ty)?;
         for algo in self.heuristics(&plan, HEURISTIC_CANDIDATES)? {
             if algo.config()? == *want {
                 return Ok(Some((plan, algo)));
@@ -298,19 +294,28 @@ impl LtAlgo {
                 op: "cublasLtMatmulAlgoConfigGetAttribute",
                 msg: format!("{e:?} ({attr:?})"),
             };
+            // `buf` empty: a size query, the library writes the attribute's byte size
+            let query = |buf: &mut [u8], size: &mut usize| {
+                let ptr = if buf.is_empty() {
+                    std::ptr::null_mut()
+                } else {
+                    buf.as_mut_ptr() as *mut c_void
+                };
+                // SAFETY: `ptr` is null with a zero size, or has room for `buf.len()` bytes.
+                unsafe {
+                    sys::cublasLtMatmulAlgoConfigGetAttribute(
+                        &self.algo,
+                        attr,
+                        ptr,
+                        buf.len(),
+                        size,
+                    )
+                }
+                .result()
+                .map_err(err)
+            };
             let mut size = 0usize;
-            // SAFETY: size query (no buffer): the library writes the attribute's byte size.
-            unsafe {
-                sys::cublasLtMatmulAlgoConfigGetAttribute(
-                    &self.algo,
-                    attr,
-                    std::ptr::null_mut(),
-                    0,
-                    &mut size,
-                )
-            }
-            .result()
-            .map_err(err)?;
+            query(&mut [], &mut size)?;
             let mut buf = [0u8; 8];
             if size == 0 || size > buf.len() {
                 return Err(CudaError::Blas {
@@ -318,19 +323,7 @@ impl LtAlgo {
                     msg: format!("{attr:?} is {size} bytes"),
                 });
             }
-            let mut written = 0usize;
-            // SAFETY: `buf` has room for the `size` bytes the attribute takes.
-            unsafe {
-                sys::cublasLtMatmulAlgoConfigGetAttribute(
-                    &self.algo,
-                    attr,
-                    buf.as_mut_ptr() as *mut c_void,
-                    size,
-                    &mut written,
-                )
-            }
-            .result()
-            .map_err(err)?;
+            query(&mut buf[..size], &mut size)?;
             // little-endian integers of 2 or 4 bytes, all non-negative
             Ok(u64::from_le_bytes(buf))
         };

@@ -212,8 +212,14 @@ pub fn linear(
             && let Some(lt) = gpu.blas.lt()
         {
             let (w, x, y) = (w.ptr(), x.ptr(), y.ptr());
+            let p = crate::blaslt::Problem {
+                out,
+                tokens,
+                inp,
+                ty,
+            };
             // SAFETY: sizes checked above; the handle belongs to this GPU's context.
-            if unsafe { lt.matmul_config(out, tokens, inp, ty, &want, w, x, y, beta) }? {
+            if unsafe { lt.matmul_config(p, &want, w, x, y, beta) }? {
                 return Ok(());
             }
         }

@@ -7,7 +7,7 @@
 use super::cuda_support::*;
 use super::{gpu, poisoned};
 use pdnode_cuda::blas::{OutType, gemm};
-use pdnode_cuda::blaslt::{BlasLt, LtPlan};
+use pdnode_cuda::blaslt::{BlasLt, LtPlan, Problem};
 use pdnode_cuda::ops::{self, Fusion, LinearImpl};
 
 /// bf16 bits of a value downloaded as f32 (exact: the f32 came from a bf16).
@@ -500,7 +500,13 @@ fn linear_auto_cublaslt_picks_match_gemmex() {
             };
             let e = rel_err(&get(&ya), &get(&yb));
             let pick = ops::lt_pick(out, t, inp, ty);
-            let found = g.blas.lt().and_then(|lt| lt.found(out, t, inp, ty));
+            let p = Problem {
+                out,
+                tokens: t,
+                inp,
+                ty,
+            };
+            let found = g.blas.lt().and_then(|lt| lt.found(p));
             let ok = e < 1e-3 && (pick.is_none() || !h200 || found == Some(true));
             println!(
                 "{} linear Auto {out}x{inp} t={t} {ty:?}: cuBLASLt pick {pick:?} found {found:?}, rel vs GemmEx {e:.1e}",

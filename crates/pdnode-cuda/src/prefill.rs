@@ -450,12 +450,12 @@ impl WgKernel {
     }
 
     /// Dynamic shared memory: 1024 bytes of alignment slack, Q (128 rows x 128 dims bf16), per
-    /// stage a 128-key tile of K and of V, and (warp-specialized) two mbarriers per stage.
+    /// stage a 128-key tile of K and of V, and (warp-specialized) two mbarriers per stage and
+    /// the producer's 128 row block ids.
     pub fn smem(self) -> usize {
         let s = self.stages();
-        1024 + 128 * 128 * BF16
-            + s * 2 * 128 * 128 * BF16
-            + if self.specialized { 16 * s } else { 0 }
+        let extra = if self.specialized { 16 * s + 512 } else { 0 };
+        1024 + 128 * 128 * BF16 + s * 2 * 128 * 128 * BF16 + extra
     }
 }
 

@@ -446,6 +446,123 @@ fn rope_qkv_bias_norm_and_cache_write() {
     }
 }
 
+/// The vectorized rope kernel (`rope_qkv_v4`, what prefill steps of 128+ tokens without bias or
+/// q/k norm run) writes exactly what the scalar kernel writes: q rows and the pool, bit for bit
+/// (the same expressions), at Llama-3.1-8B's head shape and smaller ones, positions up to 100k;
+/// `Auto` takes it from 128 tokens; a bias makes the forced vector kernel a shape error.
+#[test]
+#[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
+fn rope_qkv_vector_kernel_equals_scalar() {
+    let g = gpu();
+    let mut r = rng("rope_v4");
+    for &(nh, nkv, hd, t) in &[
+        (32usize, 8usize, 128usize, 300usize),
+        (8, 2, 128, 7),
+        (9, 3, 64, 130),
+        (4, 4, 16, 129),
+    ] {
+        let (bs, layer, layers) = (16, 1, 2);
+        let nb = t.div_ceil(bs) + 3;
+        let d = pool_dims(nh, nkv, hd, bs, nb);
+        let ld = (nh + 2 * nkv) * hd;
+        let qkv = randv(&mut r, t * ld, 2.0);
+        let inv: Vec<f32> = (0..hd / 2)
+            .map(|i| 1.0 / 500000f32.powf(2.0 * i as f32 / hd as f32))
+            .collect();
+        let pos: Vec<i32> = (0..t).map(|_| r.random_range(0..100_000)).collect();
+        let mut all_slots: Vec<i64> = (0..(nb * bs) as i64).collect();
+        all_slots.shuffle(&mut r);
+        let slots = all_slots[..t].to_vec();
+        let dqkv = g.upload_bf16(&qkv).unwrap();
+        let dinv = g.upload_f32(&inv).unwrap();
+        let dpos = up_i32(&g, &pos);
+        let dslots = g.alloc(t * 8).unwrap();
+        g.upload(&dslots, 0, &slots).unwrap();
+        let run = |k: ops::RopeKernel| {
+            let qout = poisoned(&g, t * nh * hd * 2);
+            let pool = poisoned(&g, layers * d.layer_elems() * 2);
+            ops::rope_qkv_ex(
+                &g,
+                &d,
+                &dqkv,
+                None,
+                None,
+                None,
+                &dinv,
+                dpos.ptr(),
+                dslots.ptr(),
+                t,
+                &qout,
+                &pool,
+                layer,
+                1e-6,
+                k,
+            )
+            .unwrap();
+            let bits = |b: &DevBuf, n: usize| -> Vec<u32> {
+                g.download_bf16(b, n)
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect()
+            };
+            (
+                bits(&qout, t * nh * hd),
+                bits(&pool, layers * d.layer_elems()),
+            )
+        };
+        let scalar = run(ops::RopeKernel::Scalar);
+        let vector = run(ops::RopeKernel::Vector);
+        let q_same = scalar.0 == vector.0;
+        let pool_same = scalar.1 == vector.1;
+        println!(
+            "{} rope_qkv_v4 vs scalar nh={nh} nkv={nkv} hd={hd} t={t}: q {}, pool {}",
+            if q_same && pool_same { "PASS" } else { "FAIL" },
+            if q_same { "identical" } else { "differs" },
+            if pool_same { "identical" } else { "differs" },
+        );
+        assert!(q_same && pool_same, "nh={nh} nkv={nkv} hd={hd} t={t}");
+        if t >= ops::ROPE_V4_MIN_TOKENS {
+            assert!(run(ops::RopeKernel::Auto) == vector, "Auto at {t} tokens");
+        }
+    }
+    // a bias is the scalar kernel's alone
+    let d = pool_dims(4, 2, 64, 16, 4);
+    let t = 2;
+    let ld = 8 * 64;
+    let dqkv = g.upload_bf16(&vec![0.5; t * ld]).unwrap();
+    let bias = g.upload_f32(&vec![0.0; ld]).unwrap();
+    let dinv = g.upload_f32(&[1.0; 32]).unwrap();
+    let dpos = up_i32(&g, &[0, 1]);
+    let dslots = g.alloc(t * 8).unwrap();
+    g.upload(&dslots, 0, &[0i64, 1]).unwrap();
+    let (qout, pool) = (
+        g.alloc(t * 4 * 64 * 2).unwrap(),
+        g.alloc(d.layer_elems() * 2).unwrap(),
+    );
+    let e = ops::rope_qkv_ex(
+        &g,
+        &d,
+        &dqkv,
+        Some(&bias),
+        None,
+        None,
+        &dinv,
+        dpos.ptr(),
+        dslots.ptr(),
+        t,
+        &qout,
+        &pool,
+        0,
+        1e-6,
+        ops::RopeKernel::Vector,
+    );
+    assert!(
+        matches!(e, Err(pdnode_cuda::CudaError::Shape { .. })),
+        "{e:?}"
+    );
+}
+
 /// Every paged-attention kernel (v1, v2, v2 narrow, v4 where the head_dim allows) against a
 /// host reference, over prefill chunks and split decode, with the whole context and with
 /// sliding windows: smaller than a block (1, 5), a block (16), not a multiple of the block size

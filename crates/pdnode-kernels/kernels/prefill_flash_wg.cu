@@ -321,7 +321,7 @@ __device__ __forceinline__ void wg_mbar_arrive_cp_async(unsigned addr) {
 // `empty` barrier once their P V wgmma completed. No block-wide barrier inside the loop, so
 // the warpgroups run out of phase; a named-barrier turn (ids 1, 2) orders their S = Q K^T issues
 // (warpgroup 0 first, then alternating) so one warpgroup's softmax overlaps the other's GEMMs.
-// Shared memory: Q, STAGES tiles, then 2 * STAGES mbarriers.
+// Shared memory: Q, STAGES tiles, 2 * STAGES mbarriers, then the producer's 128 row block ids.
 template <int STAGES>
 __device__ __forceinline__ void flash_prefill_ws_impl(const bf16_t* __restrict__ q,
                                                       bf16_t* __restrict__ out,
@@ -365,15 +365,32 @@ __device__ __forceinline__ void flash_prefill_ws_impl(const bf16_t* __restrict__
             const bf16_t* src = ok ? q + (i64)(row0 + m0 + r) * qstride + (i64)h * HD + lc * 8 : q;
             fp_cp_async16(smem + wg_off(r, lc), src, ok ? 16 : 0);
         }
+        // the block id of every row of a tile, read a tile ahead (lane: rows lane + 32 k) and
+        // handed to the copy loop through shared memory
+        int* rowblk = (int*)(smem + WG_Q_BYTES + STAGES * WG_TILE_BYTES + 16 * STAGES);
+        int nb[BN / 32];
+        auto fetch = [&](int tile) {
+#pragma unroll
+            for (int k = 0; k < BN / 32; k++) {
+                const int j = tile * BN + lane + 32 * k;
+                nb[k] = j < kv_end ? __ldg(table + (j >> bs_shift)) : -1;
+            }
+        };
+        fetch(jt0);
         for (int jt = jt0, i = 0; jt < ntiles; jt++, i++) {
             const int st = i % STAGES;
+            __syncwarp();
+#pragma unroll
+            for (int k = 0; k < BN / 32; k++) rowblk[lane + 32 * k] = nb[k];
+            __syncwarp();
+            if (jt + 1 < ntiles) fetch(jt + 1);
             if (i >= STAGES) wg_mbar_wait(bar0 + 8 * (STAGES + st), ((i / STAGES) + 1) & 1);
             unsigned char* ks = smem + WG_Q_BYTES + st * WG_TILE_BYTES;
             unsigned char* vs = ks + WG_TILE_BYTES / 2;
 #pragma unroll 8
             for (int it = 0; it < BN / 2; it++) {
                 const int r = lr + 2 * it, j = jt * BN + r;
-                const int blk = j < kv_end ? __ldg(table + (j >> bs_shift)) : -1;
+                const int blk = rowblk[r];
                 const bool ok = blk >= 0;
                 const bf16_t* src =
                     ok ? kv_base + (i64)blk * blk_stride + (j & bs_mask) * row_stride : layer_kv;
@@ -518,7 +535,7 @@ FLASH_PREFILL_WG_KERNEL(flash_prefill_hd128_wg2, 2)
 FLASH_PREFILL_WG_KERNEL(flash_prefill_hd128_wg3, 3)
 
 // grid as above, block: 288 (two consumer warpgroups + the producer warp), dynamic shared
-// memory: flash_prefill_wg_smem(STAGES) + 16 STAGES (the mbarriers).
+// memory: that of the kernel above + 16 STAGES (the mbarriers) + 512 (row block ids).
 #define FLASH_PREFILL_WS_KERNEL(NAME, STAGES)                                                     \
     extern "C" __global__ void __launch_bounds__(288, 1) NAME(                                    \
         const bf16_t* __restrict__ q, bf16_t* __restrict__ out,                                   \

@@ -64,7 +64,7 @@ pub const SOURCES: [(&str, &str); 16] = [
 ];
 
 /// Kernel entry points (extern "C" names in the .cu files).
-pub const KERNEL_NAMES: [&str; 55] = [
+pub const KERNEL_NAMES: [&str; 56] = [
     "gemv_t1",
     "gemv_t2",
     "gemv_t4",
@@ -99,6 +99,7 @@ pub const KERNEL_NAMES: [&str; 55] = [
     "fill_uniform_bf16_2d",
     "fill_f32",
     "rope_qkv",
+    "rope_qkv_v4",
     "paged_attention",
     "attention_combine",
     "kv_gather",

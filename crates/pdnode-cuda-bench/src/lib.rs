@@ -491,13 +491,8 @@ fn prefill_attention_rows(
         rows.push(BenchRow {
             what: if let Some(k) = wk {
                 format!(
-                    "prefill attention, 1 layer [{pa:?}, {} {} stages]",
-                    if k.specialized {
-                        "specialized"
-                    } else {
-                        "lockstep"
-                    },
-                    k.stages
+                    "prefill attention, 1 layer [{pa:?}, {}]",
+                    if k.pingpong { "ping-pong" } else { "free" }
                 )
             } else {
                 format!("prefill attention, 1 layer [{pa:?}]")

@@ -393,70 +393,32 @@ const V3_SMEM_HD128: usize = FLASH_V3_STAGES * 2 * 64 * (128 + 8) * BF16;
 /// One of the wgmma prefill kernels (kernels/prefill_flash_wg.cu).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WgKernel {
-    /// The warp-specialized kernel (a producer warp loads, the two consumer warpgroups take
-    /// turns issuing their GEMMs; 288 threads) instead of every thread loading with a block
-    /// barrier per tile (256 threads).
-    pub specialized: bool,
-    /// K/V tiles in flight: 2 or 3 (anything else is taken as 2).
-    pub stages: usize,
+    /// Warpgroup 1 issues its `S = Q K^T` after warpgroup 0's (a named barrier), so one
+    /// warpgroup's softmax overlaps the other's GEMMs.
+    pub pingpong: bool,
 }
 
 impl Default for WgKernel {
     fn default() -> Self {
-        Self {
-            specialized: false,
-            stages: 2,
-        }
+        Self { pingpong: true }
     }
 }
 
 impl WgKernel {
     /// Every kernel (tests and benchmarks run each).
-    pub const ALL: [WgKernel; 4] = [
-        WgKernel {
-            specialized: false,
-            stages: 2,
-        },
-        WgKernel {
-            specialized: false,
-            stages: 3,
-        },
-        WgKernel {
-            specialized: true,
-            stages: 2,
-        },
-        WgKernel {
-            specialized: true,
-            stages: 3,
-        },
-    ];
-
-    fn stages(self) -> usize {
-        if self.stages == 3 { 3 } else { 2 }
-    }
+    pub const ALL: [WgKernel; 2] = [WgKernel { pingpong: false }, WgKernel { pingpong: true }];
 
     fn name(self) -> &'static str {
-        match (self.specialized, self.stages()) {
-            (false, 3) => "flash_prefill_hd128_wg3",
-            (false, _) => "flash_prefill_hd128_wg2",
-            (true, 3) => "flash_prefill_hd128_ws3",
-            (true, _) => "flash_prefill_hd128_ws2",
+        if self.pingpong {
+            "flash_prefill_hd128_wg_pp"
+        } else {
+            "flash_prefill_hd128_wg"
         }
     }
 
-    /// Threads of a CTA.
-    fn threads(self) -> u32 {
-        if self.specialized { 288 } else { 256 }
-    }
-
-    /// Dynamic shared memory: 1024 bytes of alignment slack, Q (128 rows x 128 dims bf16), per
-    /// stage a 128-key tile of K and of V, and (warp-specialized) two mbarriers per stage and
-    /// the producer's 128 row block ids.
-    pub fn smem(self) -> usize {
-        let s = self.stages();
-        let extra = if self.specialized { 16 * s + 512 } else { 0 };
-        1024 + 128 * 128 * BF16 + s * 2 * 128 * 128 * BF16 + extra
-    }
+    /// Dynamic shared memory: 1024 bytes of alignment slack, Q (128 rows x 128 dims bf16) and
+    /// two stages of a 128-key tile of K and of V.
+    pub const SMEM: usize = 1024 + 128 * 128 * BF16 + 2 * 2 * 128 * 128 * BF16;
 }
 
 /// The wgmma kernel `k` for `d` on `gpu`, or `None` where it cannot run (not sm_90, its program
@@ -485,7 +447,7 @@ fn run_wgmma(
     k: WgKernel,
     window: usize,
 ) -> Result<(), CudaError> {
-    let (name, dyn_smem) = (k.name(), k.smem());
+    let (name, dyn_smem) = (k.name(), WgKernel::SMEM);
     let f = gpu.kernel(name)?;
     use cudarc::driver::sys::CUfunction_attribute_enum as A;
     f.set_attribute(
@@ -525,7 +487,7 @@ fn run_wgmma(
             .arg(&window_i);
         let lc = LaunchConfig {
             grid_dim: (d.num_heads as u32, tiles as u32, 1),
-            block_dim: (k.threads(), 1, 1),
+            block_dim: (256, 1, 1),
             shared_mem_bytes: dyn_smem as u32,
         };
         // SAFETY: as run_flash's: q/out hold rows row0 .. row0 + n of [T, nh, 128], the table row

@@ -188,7 +188,7 @@ __device__ __forceinline__ void wg_store(bf16_t* __restrict__ out, const float* 
     }
 }
 
-template <int STAGES>
+template <int STAGES, bool PINGPONG>
 __device__ __forceinline__ void flash_prefill_wg_impl(const bf16_t* __restrict__ q,
                                                       bf16_t* __restrict__ out,
                                                       const bf16_t* __restrict__ layer_kv,
@@ -284,7 +284,12 @@ __device__ __forceinline__ void flash_prefill_wg_impl(const bf16_t* __restrict__
         const unsigned k_addr = smem_base + WG_Q_BYTES + ((jt - jt0) % STAGES) * WG_TILE_BYTES;
         const unsigned v_addr = k_addr + WG_TILE_BYTES / 2;
         float s[64];
+        // ping-pong: warpgroup 1 issues its S after warpgroup 0's, so the tensor pipe runs them
+        // in that order and warpgroup 0's softmax overlaps warpgroup 1's GEMM (and warpgroup 1's
+        // softmax warpgroup 0's P V) instead of both softmaxes running at once
+        if (PINGPONG && wg == 1) asm volatile("bar.sync 1, 256;\n" ::: "memory");
         wg_scores_issue(s, q_addr, k_addr);
+        if (PINGPONG && wg == 0) asm volatile("bar.arrive 1, 256;\n" ::: "memory");
         wg_wait<0>();
         wg_keep(s);
         wg_softmax_pv(s, o, mrow, lrow, v_addr, jt * BN, qpos0, qpos1, gfirst, glast, wlim, t,
@@ -292,154 +297,6 @@ __device__ __forceinline__ void flash_prefill_wg_impl(const bf16_t* __restrict__
     }
     fp_cp_wait<0>();
 
-    wg_store(out, o, lrow, row0, r0, r1, n, qstride, h, t);
-}
-
-// mbarrier helpers (shared::cta, 64-bit barriers).
-__device__ __forceinline__ void wg_mbar_init(unsigned addr, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(addr), "r"(count) : "memory");
-}
-__device__ __forceinline__ void wg_mbar_wait(unsigned addr, unsigned parity) {
-    asm volatile(
-        "{\n.reg .pred p;\nWG_WAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-        "@!p bra WG_WAIT;\n}\n" ::"r"(addr),
-        "r"(parity)
-        : "memory");
-}
-__device__ __forceinline__ void wg_mbar_arrive(unsigned addr) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(addr) : "memory");
-}
-// Arrives on the barrier once every cp.async this thread issued before has landed.
-__device__ __forceinline__ void wg_mbar_arrive_cp_async(unsigned addr) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(addr) : "memory");
-}
-
-// The warp-specialized variant: warps 0-7 are the two consumer warpgroups (as above), warp 8 the
-// producer that alone issues the cp.async loads (Q, then each K/V tile into its stage) and
-// signals each stage's `full` barrier when its copies land; consumers arrive on the stage's
-// `empty` barrier once their P V wgmma completed. No block-wide barrier inside the loop, so
-// the warpgroups run out of phase; a named-barrier turn (ids 1, 2) orders their S = Q K^T issues
-// (warpgroup 0 first, then alternating) so one warpgroup's softmax overlaps the other's GEMMs.
-// Shared memory: Q, STAGES tiles, 2 * STAGES mbarriers, then the producer's 128 row block ids.
-template <int STAGES>
-__device__ __forceinline__ void flash_prefill_ws_impl(const bf16_t* __restrict__ q,
-                                                      bf16_t* __restrict__ out,
-                                                      const bf16_t* __restrict__ layer_kv,
-                                                      const int* __restrict__ table, int row0,
-                                                      int n, int start, int nh, int nkv,
-                                                      int block_size, float scale_log2,
-                                                      int window, unsigned char* smem) {
-    constexpr int HD = WG_HD, BM = WG_BM, BN = WG_BN;
-    const int h = blockIdx.x;
-    const int m0 = (gridDim.y - 1 - blockIdx.y) * BM;
-    const int kvh = h / (nh / nkv);
-    const int tid = threadIdx.x, lane = tid & 31;
-    const int kv_end = start + min(m0 + BM, n);
-    const int ntiles = (kv_end + BN - 1) / BN;
-    const i64 qstride = (i64)nh * HD;
-    const unsigned wlim = window > 0 ? (unsigned)window : 0x7fffffffu;
-    const int jt0 = window > 0 ? max(0, start + m0 + 1 - window) / BN : 0;
-    const unsigned smem_base = fp_smem_addr(smem);
-    const unsigned bar0 = smem_base + WG_Q_BYTES + STAGES * WG_TILE_BYTES;
-    // full[s] at bar0 + 8 s, empty[s] at bar0 + 8 (STAGES + s)
-    if (tid == 0) {
-#pragma unroll
-        for (int st = 0; st < STAGES; st++) {
-            wg_mbar_init(bar0 + 8 * st, 32);                // the producer warp's lanes
-            wg_mbar_init(bar0 + 8 * (STAGES + st), 256);  // every consumer thread
-        }
-    }
-    __syncthreads();
-
-    if (tid >= 256) {
-        // producer: lane -> 16-byte chunk (lane & 15) of rows (lane >> 4) + 2 it
-        const int bs_shift = fp_log2i(block_size), bs_mask = block_size - 1;
-        const int row_stride = nkv * HD, vofs = block_size * row_stride, blk_stride = 2 * vofs;
-        const int lc = lane & 15, lr = lane >> 4;
-        const bf16_t* kv_base = layer_kv + (i64)kvh * HD + lc * 8;
-#pragma unroll 4
-        for (int it = 0; it < BM / 2; it++) {
-            const int r = lr + 2 * it;
-            const bool ok = m0 + r < n;
-            const bf16_t* src = ok ? q + (i64)(row0 + m0 + r) * qstride + (i64)h * HD + lc * 8 : q;
-            fp_cp_async16(smem + wg_off(r, lc), src, ok ? 16 : 0);
-        }
-        // the block id of every row of a tile, read a tile ahead (lane: rows lane + 32 k) and
-        // handed to the copy loop through shared memory
-        int* rowblk = (int*)(smem + WG_Q_BYTES + STAGES * WG_TILE_BYTES + 16 * STAGES);
-        int nb[BN / 32];
-        auto fetch = [&](int tile) {
-#pragma unroll
-            for (int k = 0; k < BN / 32; k++) {
-                const int j = tile * BN + lane + 32 * k;
-                nb[k] = j < kv_end ? __ldg(table + (j >> bs_shift)) : -1;
-            }
-        };
-        fetch(jt0);
-        for (int jt = jt0, i = 0; jt < ntiles; jt++, i++) {
-            const int st = i % STAGES;
-            __syncwarp();
-#pragma unroll
-            for (int k = 0; k < BN / 32; k++) rowblk[lane + 32 * k] = nb[k];
-            __syncwarp();
-            if (jt + 1 < ntiles) fetch(jt + 1);
-            if (i >= STAGES) wg_mbar_wait(bar0 + 8 * (STAGES + st), ((i / STAGES) + 1) & 1);
-            unsigned char* ks = smem + WG_Q_BYTES + st * WG_TILE_BYTES;
-            unsigned char* vs = ks + WG_TILE_BYTES / 2;
-#pragma unroll 8
-            for (int it = 0; it < BN / 2; it++) {
-                const int r = lr + 2 * it, j = jt * BN + r;
-                const int blk = rowblk[r];
-                const bool ok = blk >= 0;
-                const bf16_t* src =
-                    ok ? kv_base + (i64)blk * blk_stride + (j & bs_mask) * row_stride : layer_kv;
-                const unsigned o = wg_off(r, lc);
-                fp_cp_async16(ks + o, src, ok ? 16 : 0);
-                fp_cp_async16(vs + o, ok ? src + vofs : layer_kv, ok ? 16 : 0);
-            }
-            wg_mbar_arrive_cp_async(bar0 + 8 * st);
-        }
-        fp_cp_wait<0>();
-        return;
-    }
-
-    // consumers
-    const int wg = tid >> 7, w = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
-    const int r0 = m0 + wg * 64 + w * 16 + g, r1 = r0 + 8;
-    const int qpos0 = start + r0, qpos1 = start + r1;
-    const int gfirst = start + m0 + wg * 64, glast = gfirst + 63;
-    float o[64];
-#pragma unroll
-    for (int i = 0; i < 64; i++) o[i] = 0.f;
-    float mrow[2] = {-INFINITY, -INFINITY};
-    float lrow[2] = {0.f, 0.f};
-    const unsigned q_addr = smem_base + wg * 64 * 128;
-    // warpgroup 0 takes the first turn
-    if (wg == 1) asm volatile("bar.arrive 1, 256;\n" ::: "memory");
-    for (int jt = jt0, i = 0; jt < ntiles; jt++, i++) {
-        const int st = i % STAGES;
-        wg_mbar_wait(bar0 + 8 * st, (i / STAGES) & 1);
-        wg_fence_proxy();
-        const unsigned k_addr = smem_base + WG_Q_BYTES + st * WG_TILE_BYTES;
-        const unsigned v_addr = k_addr + WG_TILE_BYTES / 2;
-        float s[64];
-        // my turn to issue S, then hand the turn to the other warpgroup
-        if (wg == 0) asm volatile("bar.sync 1, 256;\n" ::: "memory");
-        else asm volatile("bar.sync 2, 256;\n" ::: "memory");
-        wg_scores_issue(s, q_addr, k_addr);
-        if (wg == 0) asm volatile("bar.arrive 2, 256;\n" ::: "memory");
-        else asm volatile("bar.arrive 1, 256;\n" ::: "memory");
-        wg_wait<0>();
-        wg_keep(s);
-        wg_softmax_pv(s, o, mrow, lrow, v_addr, jt * BN, qpos0, qpos1, gfirst, glast, wlim, t,
-                      scale_log2);
-        wg_mbar_arrive(bar0 + 8 * (STAGES + st));
-    }
-    // the turn the other warpgroup handed over last is never taken: consume it so no arrival
-    // is left pending on a named barrier when the CTA exits (warpgroup 1 arrived on 1 after its
-    // last issue; warpgroup 0 on 2, which warpgroup 1 synced on)
-    if (wg == 0) asm volatile("bar.sync 1, 256;\n" ::: "memory");
     wg_store(out, o, lrow, row0, r0, r1, n, qstride, h, t);
 }
 
@@ -510,44 +367,31 @@ __device__ void wg_probe_impl(const bf16_t* a, const bf16_t* b, float* c1, float
 
 // grid: (nh, ceil(n / 128)), block: 256, dynamic shared memory: flash_prefill_wg_smem(STAGES)
 // = 1024 (alignment) + 32768 (Q) + STAGES * 65536; block_size a power of two, head_dim 128.
-#define FLASH_PREFILL_WG_KERNEL(NAME, STAGES)                                                     \
+#define FLASH_PREFILL_WG_KERNEL(NAME, STAGES, PINGPONG)                                                     \
     extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                    \
         const bf16_t* __restrict__ q, bf16_t* __restrict__ out,                                   \
         const bf16_t* __restrict__ layer_kv, const int* __restrict__ table, int row0, int n,      \
         int start, int nh, int nkv, int block_size, float scale_log2, int window) {               \
         PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();                                             \
-        WG_BODY(flash_prefill_wg_impl<STAGES>(q, out, layer_kv, table, row0, n, start, nh, nkv,   \
-                                              block_size, scale_log2, window, wg_smem_aligned())) \
+        WG_BODY(flash_prefill_wg_impl<STAGES, PINGPONG>(q, out, layer_kv, table, row0, n, start,  \
+                                                        nh, nkv, block_size, scale_log2, window,  \
+                                                        wg_smem_aligned()))                       \
     }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define WG_BODY(call) call;
+#define WG_BODY(...) __VA_ARGS__;
 __device__ __forceinline__ unsigned char* wg_smem_aligned() {
     extern __shared__ __align__(1024) unsigned char wg_dyn_smem[];
     const unsigned base = fp_smem_addr(wg_dyn_smem);
     return wg_dyn_smem + ((1024u - (base & 1023u)) & 1023u);
 }
 #else
-#define WG_BODY(call) __trap();
+#define WG_BODY(...) __trap();
 #endif
 
-FLASH_PREFILL_WG_KERNEL(flash_prefill_hd128_wg2, 2)
-FLASH_PREFILL_WG_KERNEL(flash_prefill_hd128_wg3, 3)
+FLASH_PREFILL_WG_KERNEL(flash_prefill_hd128_wg, 2, false)
+FLASH_PREFILL_WG_KERNEL(flash_prefill_hd128_wg_pp, 2, true)
 
-// grid as above, block: 288 (two consumer warpgroups + the producer warp), dynamic shared
-// memory: that of the kernel above + 16 STAGES (the mbarriers) + 512 (row block ids).
-#define FLASH_PREFILL_WS_KERNEL(NAME, STAGES)                                                     \
-    extern "C" __global__ void __launch_bounds__(288, 1) NAME(                                    \
-        const bf16_t* __restrict__ q, bf16_t* __restrict__ out,                                   \
-        const bf16_t* __restrict__ layer_kv, const int* __restrict__ table, int row0, int n,      \
-        int start, int nh, int nkv, int block_size, float scale_log2, int window) {               \
-        PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();                                             \
-        WG_BODY(flash_prefill_ws_impl<STAGES>(q, out, layer_kv, table, row0, n, start, nh, nkv,   \
-                                              block_size, scale_log2, window, wg_smem_aligned())) \
-    }
-
-FLASH_PREFILL_WS_KERNEL(flash_prefill_hd128_ws2, 2)
-FLASH_PREFILL_WS_KERNEL(flash_prefill_hd128_ws3, 3)
 
 // block: 128, dynamic shared memory 1024 + 32768 + 32768.
 extern "C" __global__ void __launch_bounds__(128, 1)

@@ -166,7 +166,7 @@ fn kernel_choices_are_config_keys_with_defaults_and_checked_names() {
     let d = &c.config.engine.cuda;
     assert_eq!(d.attention, AttentionKernel::Auto);
     assert_eq!((d.attention_v4_waves, d.attention_v4_max_part), (1, 4096));
-    assert_eq!(d.prefill_attention, PrefillAttention::Flashv3);
+    assert_eq!(d.prefill_attention, PrefillAttention::Wgmma);
     assert_eq!(d.linear, LinearKernel::Table);
     assert_eq!(d.warm_up_context, 4096);
     for v in [0, 256, 1 << 20] {
@@ -180,7 +180,7 @@ fn kernel_choices_are_config_keys_with_defaults_and_checked_names() {
         "attention = \"auto\"",
         "attention_v4_waves = 1",
         "attention_v4_max_part = 4096",
-        "prefill_attention = \"flashv3\"",
+        "prefill_attention = \"wgmma\"",
         "linear = \"table\"",
     ] {
         assert!(toml.contains(line), "{line} missing from\n{toml}");

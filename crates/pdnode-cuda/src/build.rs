@@ -207,7 +207,7 @@ mod tests {
             "the config's defaults are the measured ones"
         );
         assert_eq!(o.linear, LinearImpl::Auto);
-        assert_eq!(o.prefill_attention, PrefillAttn::FlashV3);
+        assert_eq!(o.prefill_attention, PrefillAttn::Wgmma);
         for (k, v) in [
             (AttentionKernel::V1, AttnVariant::V1),
             (AttentionKernel::V2, AttnVariant::V2),
@@ -227,6 +227,7 @@ mod tests {
         }
         for (k, v) in [
             (PrefillAttention::Flash8, PrefillAttn::Flash8),
+            (PrefillAttention::Flashv3, PrefillAttn::FlashV3),
             (PrefillAttention::Gemm, PrefillAttn::Gemm),
         ] {
             e.cuda.prefill_attention = k;

@@ -28,16 +28,17 @@ pub enum PrefillAttn {
     /// K/V tiles through a 4-stage cp.async ring with one barrier per tile, shift/mask paged
     /// addressing with the block table read a tile ahead, the scores of tile j + 1 computed in
     /// the same block as the softmax and P V of tile j, heaviest query tiles of every head first.
-    /// Needs a power-of-two block size (otherwise runs [`PrefillAttn::Flash8`]). The default:
-    /// measured on the H200, 8k prefill step 0.63 of the GEMM floor vs 0.55 with Flash8 and
-    /// 0.34 with cuBLAS.
-    #[default]
+    /// Needs a power-of-two block size (otherwise runs [`PrefillAttn::Flash8`]); what
+    /// [`PrefillAttn::Wgmma`] runs off Hopper. On the H200: 8k prefill step 0.68 of the GEMM
+    /// floor vs 0.59 with Flash8 and 0.34 with cuBLAS.
     FlashV3,
     /// Fused flash attention on Hopper's warpgroup MMA (kernels/prefill_flash_wg.cu): 128 query
     /// rows as two warpgroups of 64, 128-key tiles of K and V in 128-byte-swizzled shared memory,
     /// `S = Q K^T` and `O = P V` as wgmma (P from registers). Needs a compute capability 9.0
     /// device (sm_90a), head_dim 128 and a power-of-two block size; elsewhere runs
-    /// [`PrefillAttn::FlashV3`].
+    /// [`PrefillAttn::FlashV3`]. The default: on the H200, 8k prefill step 0.74 of the GEMM
+    /// floor, 2k 0.76 (flashv3 0.68, 0.69; docs/benchmarks.md).
+    #[default]
     Wgmma,
     /// Fused flash attention, 128 query rows (8 warps) per CTA, any block size.
     Flash8,
@@ -611,7 +612,7 @@ mod tests {
         for gone in ["flash", "flash4", "flash32", "flashv2", "auto", "fast"] {
             assert_eq!(PrefillAttn::parse(gone), None, "{gone}");
         }
-        assert_eq!(PrefillAttn::default(), PrefillAttn::FlashV3);
+        assert_eq!(PrefillAttn::default(), PrefillAttn::Wgmma);
         assert_eq!(PrefillAttn::ALL.len(), 4);
         assert_eq!(PrefillAttn::parse("WGMMA"), Some(PrefillAttn::Wgmma));
     }

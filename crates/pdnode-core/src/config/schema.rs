@@ -316,8 +316,8 @@ pub enum PrefillAttention {
     /// The fused flash kernel with a 4-stage K/V ring and overlapped softmax; needs a
     /// power-of-two block size (otherwise `flash8` runs).
     Flashv3,
-    /// The fused flash kernel on Hopper's warpgroup MMA (wgmma): compute capability 9.0, head_dim
-    /// 128 and a power-of-two block size; elsewhere `flashv3` runs.
+    /// The fused flash kernel on Hopper's warpgroup MMA (wgmma), the default: compute capability
+    /// 9.0, head_dim 128 and a power-of-two block size; elsewhere `flashv3` runs.
     Wgmma,
     /// The fused flash kernel, 8 warps of 16 query rows, any block size.
     Flash8,
@@ -350,7 +350,7 @@ impl Default for CudaEngineConfig {
             attention: AttentionKernel::Auto,
             attention_v4_waves: 1,
             attention_v4_max_part: 4096,
-            prefill_attention: PrefillAttention::Flashv3,
+            prefill_attention: PrefillAttention::Wgmma,
             linear: LinearKernel::Table,
             warm_up_context: 4096,
         }

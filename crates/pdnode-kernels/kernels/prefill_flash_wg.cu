@@ -145,14 +145,10 @@ __device__ __forceinline__ void wg_softmax_pv(float* s, float* o, float* mrow, f
         }
         lrow[r] = lrow[r] * alpha + sum;
         mrow[r] = mx;
-        // alpha is exactly 1 where the row's max did not move (most tiles after the first few):
-        // the warp skips the 32 multiplies unless one of its rows needs them
-        if (__any_sync(0xffffffffu, alpha != 1.f)) {
 #pragma unroll
-            for (int i = 0; i < 16; i++) {
-                o[4 * i + 2 * r] *= alpha;
-                o[4 * i + 2 * r + 1] *= alpha;
-            }
+        for (int i = 0; i < 16; i++) {
+            o[4 * i + 2 * r] *= alpha;
+            o[4 * i + 2 * r + 1] *= alpha;
         }
     }
     unsigned p[32];

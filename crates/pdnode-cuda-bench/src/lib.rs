@@ -491,8 +491,9 @@ fn prefill_attention_rows(
         rows.push(BenchRow {
             what: if let Some(k) = wk {
                 format!(
-                    "prefill attention, 1 layer [{pa:?}, {}]",
-                    if k.pingpong { "ping-pong" } else { "free" }
+                    "prefill attention, 1 layer [{pa:?}, {}{}]",
+                    if k.pingpong { "ping-pong" } else { "free" },
+                    if k.overlap { ", overlapped" } else { "" }
                 )
             } else {
                 format!("prefill attention, 1 layer [{pa:?}]")

@@ -397,28 +397,52 @@ pub struct WgKernel {
     /// Warpgroup 1 issues its `S = Q K^T` after warpgroup 0's (a named barrier), so one
     /// warpgroup's softmax overlaps the other's GEMMs.
     pub pingpong: bool,
+    /// Each warpgroup's softmax of tile j + 1 runs while its `O += P V` of tile j is on the
+    /// tensor pipe (FA3's intra-warpgroup pipelining; K and V in rings of their own).
+    pub overlap: bool,
 }
 
 impl Default for WgKernel {
     fn default() -> Self {
-        Self { pingpong: true }
+        Self {
+            pingpong: true,
+            overlap: false,
+        }
     }
 }
 
 impl WgKernel {
     /// Every kernel (tests and benchmarks run each).
-    pub const ALL: [WgKernel; 2] = [WgKernel { pingpong: false }, WgKernel { pingpong: true }];
+    pub const ALL: [WgKernel; 4] = [
+        WgKernel {
+            pingpong: false,
+            overlap: false,
+        },
+        WgKernel {
+            pingpong: true,
+            overlap: false,
+        },
+        WgKernel {
+            pingpong: false,
+            overlap: true,
+        },
+        WgKernel {
+            pingpong: true,
+            overlap: true,
+        },
+    ];
 
     fn name(self) -> &'static str {
-        if self.pingpong {
-            "flash_prefill_hd128_wg_pp"
-        } else {
-            "flash_prefill_hd128_wg"
+        match (self.overlap, self.pingpong) {
+            (false, false) => "flash_prefill_hd128_wg",
+            (false, true) => "flash_prefill_hd128_wg_pp",
+            (true, false) => "flash_prefill_hd128_wgo",
+            (true, true) => "flash_prefill_hd128_wgo_pp",
         }
     }
 
-    /// Dynamic shared memory: 1024 bytes of alignment slack, Q (128 rows x 128 dims bf16) and
-    /// two stages of a 128-key tile of K and of V.
+    /// Dynamic shared memory of every variant: 1024 bytes of alignment slack, Q (128 rows x 128
+    /// dims bf16) and two 128-key tiles each of K and of V.
     pub const SMEM: usize = 1024 + 128 * 128 * BF16 + 2 * 2 * 128 * 128 * BF16;
 }
 

@@ -68,6 +68,18 @@ __device__ __forceinline__ void wg_mma_ss(float* d, unsigned long long da, unsig
         : "l"(da), "l"(db), "r"(scale_d));
 }
 
+// d[64] = A (64x16) * B (16x128), both K-major smem descriptors, d's old values neither read
+// nor kept (write-only operands: the registers are dead before the first wgmma of an S).
+__device__ __forceinline__ void wg_mma_ss_zero(float* d, unsigned long long da,
+                                               unsigned long long db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]), "=f"(d[32]), "=f"(d[33]), "=f"(d[34]), "=f"(d[35]), "=f"(d[36]), "=f"(d[37]), "=f"(d[38]), "=f"(d[39]), "=f"(d[40]), "=f"(d[41]), "=f"(d[42]), "=f"(d[43]), "=f"(d[44]), "=f"(d[45]), "=f"(d[46]), "=f"(d[47]), "=f"(d[48]), "=f"(d[49]), "=f"(d[50]), "=f"(d[51]), "=f"(d[52]), "=f"(d[53]), "=f"(d[54]), "=f"(d[55]), "=f"(d[56]), "=f"(d[57]), "=f"(d[58]), "=f"(d[59]), "=f"(d[60]), "=f"(d[61]), "=f"(d[62]), "=f"(d[63])
+        : "l"(da), "l"(db), "r"(0));
+}
+
 // d[64] += A (64x16 in registers: each warp's 16 rows as the mma.m16n8k16 A fragment) * B (16x128,
 // smem descriptor, MN-major: imm-trans-b 1).
 __device__ __forceinline__ void wg_mma_rs_t1(float* d, const unsigned* a, unsigned long long db) {
@@ -101,21 +113,21 @@ __device__ __forceinline__ void wg_keep(float* d) {
 // waits): 8 wgmma m64n128k16 over the 128 dims, both operands K-major in shared memory.
 __device__ __forceinline__ void wg_scores_issue(float* s, unsigned q_addr, unsigned k_addr) {
     wg_fence();
+    wg_mma_ss_zero(s, wg_desc(q_addr, 16, 1024), wg_desc(k_addr, 16, 1024));
 #pragma unroll
-    for (int kk = 0; kk < WG_HD / 16; kk++) {
+    for (int kk = 1; kk < WG_HD / 16; kk++) {
         const unsigned off = (kk >> 2) * (WG_BN * 128) + (kk & 3) * 32;
-        wg_mma_ss(s, wg_desc(q_addr + off, 16, 1024), wg_desc(k_addr + off, 16, 1024), kk > 0);
+        wg_mma_ss(s, wg_desc(q_addr + off, 16, 1024), wg_desc(k_addr + off, 16, 1024), 1);
     }
     wg_commit();
 }
 
-// The causal / window mask on S (keys k0 ..), the online softmax (running max mrow and sum lrow
-// of this thread's two rows, O rescaled), then O += P V with P from registers; returns when the
-// PV wgmma has completed (V's buffer may be reused).
-__device__ __forceinline__ void wg_softmax_pv(float* s, float* o, float* mrow, float* lrow,
-                                              unsigned v_addr, int k0, int qpos0, int qpos1,
-                                              int gfirst, int glast, unsigned wlim, int t,
-                                              float scale_log2) {
+// The causal / window mask on S (keys k0 ..) and the online softmax on it (running max mrow and
+// sum lrow of this thread's two rows; S becomes P, unnormalized); alpha: each row's factor for
+// the O accumulated so far. A tile whose every key is masked leaves mrow and lrow as they were.
+__device__ __forceinline__ void wg_softmax(float* s, float* alpha, float* mrow, float* lrow,
+                                           int k0, int qpos0, int qpos1, int gfirst, int glast,
+                                           unsigned wlim, int t, float scale_log2) {
     constexpr int BN = WG_BN;
     if (k0 + BN - 1 > gfirst || (unsigned)(glast - k0) >= wlim) {
 #pragma unroll
@@ -135,7 +147,7 @@ __device__ __forceinline__ void wg_softmax_pv(float* s, float* o, float* mrow, f
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float ms = (mx == -INFINITY ? 0.f : mx) * scale_log2;
-        const float alpha = fp_ex2(mrow[r] * scale_log2 - ms);
+        alpha[r] = fp_ex2(mrow[r] * scale_log2 - ms);
         float sum = 0.f;
 #pragma unroll
         for (int i = 0; i < 16; i++) {
@@ -143,15 +155,24 @@ __device__ __forceinline__ void wg_softmax_pv(float* s, float* o, float* mrow, f
             s[4 * i + 2 * r + 1] = fp_ex2(fmaf(s[4 * i + 2 * r + 1], scale_log2, -ms));
             sum += s[4 * i + 2 * r] + s[4 * i + 2 * r + 1];
         }
-        lrow[r] = lrow[r] * alpha + sum;
+        lrow[r] = lrow[r] * alpha[r] + sum;
         mrow[r] = mx;
+    }
+}
+
+__device__ __forceinline__ void wg_rescale(float* o, const float* alpha) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
 #pragma unroll
         for (int i = 0; i < 16; i++) {
-            o[4 * i + 2 * r] *= alpha;
-            o[4 * i + 2 * r + 1] *= alpha;
+            o[4 * i + 2 * r] *= alpha[r];
+            o[4 * i + 2 * r + 1] *= alpha[r];
         }
     }
-    unsigned p[32];
+}
+
+// P (the softmaxed S) as bf16 A fragments: keys 16 kk .. 16 kk + 15 in p[4 kk .. 4 kk + 3].
+__device__ __forceinline__ void wg_pack_p(unsigned* p, const float* s) {
 #pragma unroll
     for (int kk = 0; kk < 8; kk++) {
         p[4 * kk + 0] = fp_pack(s[8 * kk + 0], s[8 * kk + 1]);
@@ -159,11 +180,30 @@ __device__ __forceinline__ void wg_softmax_pv(float* s, float* o, float* mrow, f
         p[4 * kk + 2] = fp_pack(s[8 * kk + 4], s[8 * kk + 5]);
         p[4 * kk + 3] = fp_pack(s[8 * kk + 6], s[8 * kk + 7]);
     }
+}
+
+// O += P V with P from registers (wg_pack_p) and V of the tile at v_addr: 8 wgmma, issued and
+// committed (the caller waits).
+__device__ __forceinline__ void wg_pv_issue(float* o, const unsigned* p, unsigned v_addr) {
     wg_fence();
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; kk++)
-        wg_mma_rs_t1(o, p + 4 * kk, wg_desc(v_addr + kk * 2048, BN * 128, 1024));
+    for (int kk = 0; kk < WG_BN / 16; kk++)
+        wg_mma_rs_t1(o, p + 4 * kk, wg_desc(v_addr + kk * 2048, WG_BN * 128, 1024));
     wg_commit();
+}
+
+// Mask + softmax of S, O rescaled, then O += P V, returning when the PV wgmma has completed
+// (V's buffer may be reused).
+__device__ __forceinline__ void wg_softmax_pv(float* s, float* o, float* mrow, float* lrow,
+                                              unsigned v_addr, int k0, int qpos0, int qpos1,
+                                              int gfirst, int glast, unsigned wlim, int t,
+                                              float scale_log2) {
+    float alpha[2];
+    wg_softmax(s, alpha, mrow, lrow, k0, qpos0, qpos1, gfirst, glast, wlim, t, scale_log2);
+    wg_rescale(o, alpha);
+    unsigned p[32];
+    wg_pack_p(p, s);
+    wg_pv_issue(o, p, v_addr);
     wg_wait<0>();
     wg_keep(o);
 }
@@ -300,6 +340,137 @@ __device__ __forceinline__ void flash_prefill_wg_impl(const bf16_t* __restrict__
     wg_store(out, o, lrow, row0, r0, r1, n, qstride, h, t);
 }
 
+// The overlapped variant (FA3's intra-warpgroup pipelining): step j enters with P of tile j
+// (softmaxed) and its O factors; it rescales O, issues S = Q K^T of tile j + 1 and O += P V of
+// tile j, waits for the S, and runs the softmax of tile j + 1 while the P V is on the tensor
+// pipe. No branch around a wgmma (ptxas serializes wgmma it cannot follow): the last step also
+// computes S of the tile past the end, zero-filled K whose every key the mask drops (a no-op
+// on the softmax state). K of tile j + 1 and V of tile j are read in the same step: K and V
+// have rings of their own, 2 slots each (K of j + 2 and V of j + 1 load while step j runs).
+// Shared memory: Q, 2 K slots, 2 V slots (1024 + 32768 + 4 * 32768 = 164864 bytes).
+template <bool PINGPONG>
+__device__ __forceinline__ void flash_prefill_wgo_impl(const bf16_t* __restrict__ q,
+                                                       bf16_t* __restrict__ out,
+                                                       const bf16_t* __restrict__ layer_kv,
+                                                       const int* __restrict__ table, int row0,
+                                                       int n, int start, int nh, int nkv,
+                                                       int block_size, float scale_log2,
+                                                       int window, unsigned char* smem) {
+    constexpr int HD = WG_HD, BM = WG_BM, BN = WG_BN, RPT = BN / 16, SLOTS = 2;
+    constexpr int MAT = WG_TILE_BYTES / 2;  // one K or V tile
+    const int h = blockIdx.x;
+    const int m0 = (gridDim.y - 1 - blockIdx.y) * BM;
+    const int kvh = h / (nh / nkv);
+    const int tid = threadIdx.x, wg = tid >> 7, w = (tid >> 5) & 3, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int r0 = m0 + wg * 64 + w * 16 + g, r1 = r0 + 8;
+    const int kv_end = start + min(m0 + BM, n);
+    const int ntiles = (kv_end + BN - 1) / BN;
+    const i64 qstride = (i64)nh * HD;
+    const int qpos0 = start + r0, qpos1 = start + r1;
+    const int gfirst = start + m0 + wg * 64, glast = gfirst + 63;
+    const unsigned wlim = window > 0 ? (unsigned)window : 0x7fffffffu;
+    const int jt0 = window > 0 ? max(0, start + m0 + 1 - window) / BN : 0;
+
+    const int bs_shift = fp_log2i(block_size), bs_mask = block_size - 1;
+    const int row_stride = nkv * HD, vofs = block_size * row_stride, blk_stride = 2 * vofs;
+    const int ldrow = tid >> 4, lc = tid & 15;
+    const bf16_t* kv_base = layer_kv + (i64)kvh * HD + lc * 8;
+    const unsigned smem_base = fp_smem_addr(smem);
+    const int kbase = WG_Q_BYTES, vbase = WG_Q_BYTES + SLOTS * MAT;
+    auto slot = [&](int tile) { return ((tile - jt0) % SLOTS) * MAT; };
+
+    auto fetch_blocks = [&](int tile, int* blk) {
+#pragma unroll
+        for (int it = 0; it < RPT; it++) {
+            const int j = tile * BN + ldrow + it * 16;
+            blk[it] = j < kv_end ? table[j >> bs_shift] : -1;
+        }
+    };
+    // part 0: K of `tile` into its K slot; part 1: V into its V slot (zero past kv_end)
+    auto load = [&](int tile, const int* blk, int part) {
+        unsigned char* dst = smem + (part ? vbase : kbase) + slot(tile);
+#pragma unroll
+        for (int it = 0; it < RPT; it++) {
+            const int r = ldrow + it * 16, j = tile * BN + r;
+            const bool ok = blk[it] >= 0;
+            const bf16_t* src = ok ? kv_base + (i64)blk[it] * blk_stride +
+                                         (j & bs_mask) * row_stride + (part ? vofs : 0)
+                                   : layer_kv;
+            fp_cp_async16(dst + wg_off(r, lc), src, ok ? 16 : 0);
+        }
+    };
+
+#pragma unroll
+    for (int it = 0; it < BM / 16; it++) {
+        const int r = ldrow + it * 16;
+        const bool ok = m0 + r < n;
+        const bf16_t* src = ok ? q + (i64)(row0 + m0 + r) * qstride + (i64)h * HD + lc * 8 : q;
+        fp_cp_async16(smem + wg_off(r, lc), src, ok ? 16 : 0);
+    }
+    int bcur[RPT], bnext[RPT];
+    fetch_blocks(jt0, bcur);
+    load(jt0, bcur, 0);
+    load(jt0, bcur, 1);
+    fp_cp_commit();  // Q, K and V of the first tile
+    fetch_blocks(jt0 + 1, bcur);
+    load(jt0 + 1, bcur, 0);
+    fp_cp_commit();  // K of the second (zero when there is none)
+    fetch_blocks(jt0 + 2, bnext);
+
+    float o[64];
+#pragma unroll
+    for (int i = 0; i < 64; i++) o[i] = 0.f;
+    float mrow[2] = {-INFINITY, -INFINITY};
+    float lrow[2] = {0.f, 0.f};
+    float alpha[2];
+    const unsigned q_addr = smem_base + wg * 64 * 128;
+
+    // step j: sc holds P of tile j, alpha its O factors; leaves P of tile j + 1 in sn and its
+    // factors in alpha
+    auto step = [&](int j, float (&sc)[64], float (&sn)[64]) {
+        fp_cp_wait<0>();  // K of j + 1, V of j: this thread's copies
+        wg_fence_proxy();
+        __syncthreads();  // everyone's; S of j and P V of j - 1 completed everywhere
+        load(j + 2, bnext, 0);
+        if (j + 1 < ntiles) load(j + 1, bcur, 1);
+        fp_cp_commit();
+#pragma unroll
+        for (int it = 0; it < RPT; it++) bcur[it] = bnext[it];
+        fetch_blocks(j + 3, bnext);
+        unsigned p[32];
+        wg_pack_p(p, sc);
+        wg_rescale(o, alpha);
+        if (PINGPONG && wg == 1) asm volatile("bar.sync 1, 256;\n" ::: "memory");
+        wg_scores_issue(sn, q_addr, smem_base + kbase + slot(j + 1));
+        if (PINGPONG && wg == 0) asm volatile("bar.arrive 1, 256;\n" ::: "memory");
+        wg_pv_issue(o, p, smem_base + vbase + slot(j));
+        wg_wait<1>();  // S of j + 1 (all but the P V)
+        wg_keep(sn);
+        wg_softmax(sn, alpha, mrow, lrow, (j + 1) * BN, qpos0, qpos1, gfirst, glast, wlim, t,
+                   scale_log2);
+        wg_wait<0>();  // P V of j
+        wg_keep(o);
+    };
+
+    float sa[64], sb[64];
+    fp_cp_wait<1>();  // Q, K and V of the first tile
+    wg_fence_proxy();
+    __syncthreads();
+    wg_scores_issue(sa, q_addr, smem_base + kbase + slot(jt0));
+    wg_wait<0>();
+    wg_keep(sa);
+    wg_softmax(sa, alpha, mrow, lrow, jt0 * BN, qpos0, qpos1, gfirst, glast, wlim, t, scale_log2);
+    int jt = jt0;
+    for (; jt + 1 < ntiles; jt += 2) {
+        step(jt, sa, sb);
+        step(jt + 1, sb, sa);
+    }
+    if (jt < ntiles) step(jt, sa, sb);
+    fp_cp_wait<0>();
+    wg_store(out, o, lrow, row0, r0, r1, n, qstride, h, t);
+}
+
 // Checks the descriptor layouts on the device (cuda_kernels_prefill's wgmma probe): a [64][128]
 // and b [128][128] bf16 into the swizzled layout; c1 = a b^T (both K-major, as S = Q K^T),
 // c2 = a b (a from registers, b MN-major with imm-trans-b = trans and the given byte offsets, as
@@ -391,6 +562,21 @@ __device__ __forceinline__ unsigned char* wg_smem_aligned() {
 
 FLASH_PREFILL_WG_KERNEL(flash_prefill_hd128_wg, 2, false)
 FLASH_PREFILL_WG_KERNEL(flash_prefill_hd128_wg_pp, 2, true)
+
+// grid, block as above; dynamic shared memory 164864 bytes.
+#define FLASH_PREFILL_WGO_KERNEL(NAME, PINGPONG)                                                  \
+    extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                    \
+        const bf16_t* __restrict__ q, bf16_t* __restrict__ out,                                   \
+        const bf16_t* __restrict__ layer_kv, const int* __restrict__ table, int row0, int n,      \
+        int start, int nh, int nkv, int block_size, float scale_log2, int window) {               \
+        PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();                                             \
+        WG_BODY(flash_prefill_wgo_impl<PINGPONG>(q, out, layer_kv, table, row0, n, start, nh,     \
+                                                 nkv, block_size, scale_log2, window,             \
+                                                 wg_smem_aligned()))                              \
+    }
+
+FLASH_PREFILL_WGO_KERNEL(flash_prefill_hd128_wgo, false)
+FLASH_PREFILL_WGO_KERNEL(flash_prefill_hd128_wgo_pp, true)
 
 
 // block: 128, dynamic shared memory 1024 + 32768 + 32768.

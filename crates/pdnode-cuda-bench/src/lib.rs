@@ -10,7 +10,7 @@ use pdnode_cuda::backend::{CudaBackend, CudaOptions};
 use pdnode_cuda::blas::{OutType, gemm};
 use pdnode_cuda::device::Gpu;
 use pdnode_cuda::ops;
-use pdnode_cuda::prefill::{LongSeq, PrefillAttn, PrefillScratch, WgKernel};
+use pdnode_cuda::prefill::{LongSeq, PrefillAttn, PrefillScratch};
 use pdnode_engine::backend::{
     Backend, BackendError, ForwardBatch, LogitsWant, SeqStep, StepLogits,
 };
@@ -463,16 +463,8 @@ fn prefill_attention_rows(
     }];
     let flops = 2.0 * (len as f64).powi(2) * (spec.head_dim * spec.num_heads) as f64;
     let mut rows = Vec::new();
-    // every implementation at its defaults, then every wgmma kernel
-    let variants = PrefillAttn::ALL
-        .iter()
-        .map(|&pa| (pa, None))
-        .chain(WgKernel::ALL.map(|k| (PrefillAttn::Wgmma, Some(k))));
-    for (pa, wk) in variants {
+    for pa in PrefillAttn::ALL {
         let mut scratch = PrefillScratch::new(pa);
-        if let Some(k) = wk {
-            scratch.wg_kernel = k;
-        }
         let t = timed(gpu, iters, || {
             scratch.run(
                 gpu,
@@ -489,15 +481,7 @@ fn prefill_attention_rows(
             )
         })?;
         rows.push(BenchRow {
-            what: if let Some(k) = wk {
-                format!(
-                    "prefill attention, 1 layer [{pa:?}, {}{}]",
-                    if k.pingpong { "ping-pong" } else { "free" },
-                    if k.overlap { ", overlapped" } else { "" }
-                )
-            } else {
-                format!("prefill attention, 1 layer [{pa:?}]")
-            },
+            what: format!("prefill attention, 1 layer [{pa:?}]"),
             batch: 1,
             ctx: len,
             ms: t * 1e3,

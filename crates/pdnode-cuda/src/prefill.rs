@@ -82,8 +82,6 @@ pub struct PrefillScratch {
     pub score_budget: usize,
     /// Implementation (`engine.cuda.prefill_attention`).
     pub attn: PrefillAttn,
-    /// Which wgmma kernel [`PrefillAttn::Wgmma`] launches (benchmarks and tests set it).
-    pub wg_kernel: WgKernel,
     kc: Option<DevBuf>,
     vc: Option<DevBuf>,
     qh: Option<DevBuf>,
@@ -176,12 +174,8 @@ impl PrefillScratch {
         }
         let attn = self.attn;
         if attn != PrefillAttn::Gemm && (hd == 64 || hd == 128) {
-            if attn == PrefillAttn::Wgmma
-                && let Some(k) = wgmma_kernel(gpu, d, self.wg_kernel)
-            {
-                return run_wgmma(
-                    gpu, d, layer_ptr, q, out, tables, max_blocks, seqs, k, window,
-                );
+            if attn == PrefillAttn::Wgmma && wgmma_fits(gpu, d) {
+                return run_wgmma(gpu, d, layer_ptr, q, out, tables, max_blocks, seqs, window);
             }
             let attn = if attn == PrefillAttn::Wgmma {
                 PrefillAttn::FlashV3
@@ -391,74 +385,25 @@ const FLASH_V3_STAGES: usize = 4;
 const V3_SMEM_HD64: usize = FLASH_V3_STAGES * 2 * 64 * (64 + 8) * BF16;
 const V3_SMEM_HD128: usize = FLASH_V3_STAGES * 2 * 64 * (128 + 8) * BF16;
 
-/// One of the wgmma prefill kernels (kernels/prefill_flash_wg.cu).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct WgKernel {
-    /// Warpgroup 1 issues its `S = Q K^T` after warpgroup 0's (a named barrier), so one
-    /// warpgroup's softmax overlaps the other's GEMMs.
-    pub pingpong: bool,
-    /// Each warpgroup's softmax of tile j + 1 runs while its `O += P V` of tile j is on the
-    /// tensor pipe (FA3's intra-warpgroup pipelining; K and V in rings of their own).
-    pub overlap: bool,
-}
+/// Dynamic shared memory of the wgmma kernel: 1024 bytes of alignment slack, Q (128 rows x 128
+/// dims bf16) and two stages of a 128-key tile of K and of V.
+pub const WGMMA_SMEM: usize = 1024 + 128 * 128 * BF16 + 2 * 2 * 128 * 128 * BF16;
 
-impl Default for WgKernel {
-    fn default() -> Self {
-        Self {
-            pingpong: true,
-            overlap: false,
-        }
-    }
-}
+/// The wgmma kernel's entry point.
+const WGMMA_KERNEL: &str = "flash_prefill_hd128_wg";
 
-impl WgKernel {
-    /// Every kernel (tests and benchmarks run each).
-    pub const ALL: [WgKernel; 4] = [
-        WgKernel {
-            pingpong: false,
-            overlap: false,
-        },
-        WgKernel {
-            pingpong: true,
-            overlap: false,
-        },
-        WgKernel {
-            pingpong: false,
-            overlap: true,
-        },
-        WgKernel {
-            pingpong: true,
-            overlap: true,
-        },
-    ];
-
-    fn name(self) -> &'static str {
-        match (self.overlap, self.pingpong) {
-            (false, false) => "flash_prefill_hd128_wg",
-            (false, true) => "flash_prefill_hd128_wg_pp",
-            (true, false) => "flash_prefill_hd128_wgo",
-            (true, true) => "flash_prefill_hd128_wgo_pp",
-        }
-    }
-
-    /// Dynamic shared memory of every variant: 1024 bytes of alignment slack, Q (128 rows x 128
-    /// dims bf16) and two 128-key tiles each of K and of V.
-    pub const SMEM: usize = 1024 + 128 * 128 * BF16 + 2 * 2 * 128 * 128 * BF16;
-}
-
-/// The wgmma kernel `k` for `d` on `gpu`, or `None` where it cannot run (not sm_90, its program
-/// not loaded, head_dim not 128, block size not a power of two, or a pool layer too large for
-/// its i32 block strides).
-fn wgmma_kernel(gpu: &Gpu, d: &AttnDims, k: WgKernel) -> Option<WgKernel> {
-    let name = k.name();
+/// Whether the wgmma kernel can run `d` on `gpu` (not where the GPU is not sm_90 or its program
+/// did not load, head_dim is not 128, the block size not a power of two, or a pool layer too
+/// large for its i32 block strides).
+fn wgmma_fits(gpu: &Gpu, d: &AttnDims) -> bool {
     let fits = d.head_dim == 128
         && d.block_size.is_power_of_two()
         && 2 * d.block_size * d.num_kv_heads * d.head_dim <= i32::MAX as usize;
-    (fits && gpu.has_kernel(name)).then_some(k)
+    fits && gpu.has_kernel(WGMMA_KERNEL)
 }
 
-/// The wgmma kernel `k` ([`wgmma_kernel`]) for each sequence of `seqs` (checked by the caller):
-/// grid (heads, 128-row query tiles), heaviest tiles first.
+/// The wgmma kernel (where [`wgmma_fits`]) for each sequence of `seqs` (checked by the caller):
+/// grid (heads, 128-row query tiles), heaviest tiles first, 256 threads.
 #[allow(clippy::too_many_arguments)]
 fn run_wgmma(
     gpu: &Gpu,
@@ -469,10 +414,9 @@ fn run_wgmma(
     tables: u64,
     max_blocks: usize,
     seqs: &[LongSeq],
-    k: WgKernel,
     window: usize,
 ) -> Result<(), CudaError> {
-    let (name, dyn_smem) = (k.name(), WgKernel::SMEM);
+    let (name, dyn_smem) = (WGMMA_KERNEL, WGMMA_SMEM);
     let f = gpu.kernel(name)?;
     use cudarc::driver::sys::CUfunction_attribute_enum as A;
     f.set_attribute(

@@ -9,9 +9,11 @@
 // K in shared memory, the online softmax runs on S in registers, and O += P V is 8 wgmma with P
 // in registers (the S accumulator converted to bf16 is the A fragment) and V in shared memory.
 // K/V tiles come in by cp.async (every thread issues its share; the block-table lookups of a
-// tile are fetched one tile ahead), STAGES tiles in flight, one barrier per tile. The two
-// warpgroups drift apart within a tile (the tensor pipe runs one warpgroup's GEMM while the
-// other does its softmax), which is the overlap FA3's ping-pong schedules explicitly.
+// tile are fetched one tile ahead), two tiles in flight, one barrier per tile. Measured on the
+// H200 and not kept (docs/benchmarks.md, session 18): 3 stages; a warp-specialized producer
+// warp with mbarrier stages; an explicit ping-pong (a named barrier ordering the warpgroups' S
+// issues; within noise); FA3's intra-warpgroup overlap (softmax of tile j + 1 under the P V of
+// tile j: 255 registers with spills, slower); skipping the O rescale where no row max moved.
 //
 // Shared memory, every matrix in the 128-byte-swizzle layout wgmma reads (1024-byte aligned):
 // Q [2][128 rows][128 B], then per stage K and V the same: half h (dims 64h .. 64h + 63) of row r
@@ -228,7 +230,7 @@ __device__ __forceinline__ void wg_store(bf16_t* __restrict__ out, const float* 
     }
 }
 
-template <int STAGES, bool PINGPONG>
+template <int STAGES>
 __device__ __forceinline__ void flash_prefill_wg_impl(const bf16_t* __restrict__ q,
                                                       bf16_t* __restrict__ out,
                                                       const bf16_t* __restrict__ layer_kv,
@@ -324,12 +326,7 @@ __device__ __forceinline__ void flash_prefill_wg_impl(const bf16_t* __restrict__
         const unsigned k_addr = smem_base + WG_Q_BYTES + ((jt - jt0) % STAGES) * WG_TILE_BYTES;
         const unsigned v_addr = k_addr + WG_TILE_BYTES / 2;
         float s[64];
-        // ping-pong: warpgroup 1 issues its S after warpgroup 0's, so the tensor pipe runs them
-        // in that order and warpgroup 0's softmax overlaps warpgroup 1's GEMM (and warpgroup 1's
-        // softmax warpgroup 0's P V) instead of both softmaxes running at once
-        if (PINGPONG && wg == 1) asm volatile("bar.sync 1, 256;\n" ::: "memory");
         wg_scores_issue(s, q_addr, k_addr);
-        if (PINGPONG && wg == 0) asm volatile("bar.arrive 1, 256;\n" ::: "memory");
         wg_wait<0>();
         wg_keep(s);
         wg_softmax_pv(s, o, mrow, lrow, v_addr, jt * BN, qpos0, qpos1, gfirst, glast, wlim, t,
@@ -337,137 +334,6 @@ __device__ __forceinline__ void flash_prefill_wg_impl(const bf16_t* __restrict__
     }
     fp_cp_wait<0>();
 
-    wg_store(out, o, lrow, row0, r0, r1, n, qstride, h, t);
-}
-
-// The overlapped variant (FA3's intra-warpgroup pipelining): step j enters with P of tile j
-// (softmaxed) and its O factors; it rescales O, issues S = Q K^T of tile j + 1 and O += P V of
-// tile j, waits for the S, and runs the softmax of tile j + 1 while the P V is on the tensor
-// pipe. No branch around a wgmma (ptxas serializes wgmma it cannot follow): the last step also
-// computes S of the tile past the end, zero-filled K whose every key the mask drops (a no-op
-// on the softmax state). K of tile j + 1 and V of tile j are read in the same step: K and V
-// have rings of their own, 2 slots each (K of j + 2 and V of j + 1 load while step j runs).
-// Shared memory: Q, 2 K slots, 2 V slots (1024 + 32768 + 4 * 32768 = 164864 bytes).
-template <bool PINGPONG>
-__device__ __forceinline__ void flash_prefill_wgo_impl(const bf16_t* __restrict__ q,
-                                                       bf16_t* __restrict__ out,
-                                                       const bf16_t* __restrict__ layer_kv,
-                                                       const int* __restrict__ table, int row0,
-                                                       int n, int start, int nh, int nkv,
-                                                       int block_size, float scale_log2,
-                                                       int window, unsigned char* smem) {
-    constexpr int HD = WG_HD, BM = WG_BM, BN = WG_BN, RPT = BN / 16, SLOTS = 2;
-    constexpr int MAT = WG_TILE_BYTES / 2;  // one K or V tile
-    const int h = blockIdx.x;
-    const int m0 = (gridDim.y - 1 - blockIdx.y) * BM;
-    const int kvh = h / (nh / nkv);
-    const int tid = threadIdx.x, wg = tid >> 7, w = (tid >> 5) & 3, lane = tid & 31;
-    const int g = lane >> 2, t = lane & 3;
-    const int r0 = m0 + wg * 64 + w * 16 + g, r1 = r0 + 8;
-    const int kv_end = start + min(m0 + BM, n);
-    const int ntiles = (kv_end + BN - 1) / BN;
-    const i64 qstride = (i64)nh * HD;
-    const int qpos0 = start + r0, qpos1 = start + r1;
-    const int gfirst = start + m0 + wg * 64, glast = gfirst + 63;
-    const unsigned wlim = window > 0 ? (unsigned)window : 0x7fffffffu;
-    const int jt0 = window > 0 ? max(0, start + m0 + 1 - window) / BN : 0;
-
-    const int bs_shift = fp_log2i(block_size), bs_mask = block_size - 1;
-    const int row_stride = nkv * HD, vofs = block_size * row_stride, blk_stride = 2 * vofs;
-    const int ldrow = tid >> 4, lc = tid & 15;
-    const bf16_t* kv_base = layer_kv + (i64)kvh * HD + lc * 8;
-    const unsigned smem_base = fp_smem_addr(smem);
-    const int kbase = WG_Q_BYTES, vbase = WG_Q_BYTES + SLOTS * MAT;
-    auto slot = [&](int tile) { return ((tile - jt0) % SLOTS) * MAT; };
-
-    auto fetch_blocks = [&](int tile, int* blk) {
-#pragma unroll
-        for (int it = 0; it < RPT; it++) {
-            const int j = tile * BN + ldrow + it * 16;
-            blk[it] = j < kv_end ? table[j >> bs_shift] : -1;
-        }
-    };
-    // part 0: K of `tile` into its K slot; part 1: V into its V slot (zero past kv_end)
-    auto load = [&](int tile, const int* blk, int part) {
-        unsigned char* dst = smem + (part ? vbase : kbase) + slot(tile);
-#pragma unroll
-        for (int it = 0; it < RPT; it++) {
-            const int r = ldrow + it * 16, j = tile * BN + r;
-            const bool ok = blk[it] >= 0;
-            const bf16_t* src = ok ? kv_base + (i64)blk[it] * blk_stride +
-                                         (j & bs_mask) * row_stride + (part ? vofs : 0)
-                                   : layer_kv;
-            fp_cp_async16(dst + wg_off(r, lc), src, ok ? 16 : 0);
-        }
-    };
-
-#pragma unroll
-    for (int it = 0; it < BM / 16; it++) {
-        const int r = ldrow + it * 16;
-        const bool ok = m0 + r < n;
-        const bf16_t* src = ok ? q + (i64)(row0 + m0 + r) * qstride + (i64)h * HD + lc * 8 : q;
-        fp_cp_async16(smem + wg_off(r, lc), src, ok ? 16 : 0);
-    }
-    int bcur[RPT], bnext[RPT];
-    fetch_blocks(jt0, bcur);
-    load(jt0, bcur, 0);
-    load(jt0, bcur, 1);
-    fp_cp_commit();  // Q, K and V of the first tile
-    fetch_blocks(jt0 + 1, bcur);
-    load(jt0 + 1, bcur, 0);
-    fp_cp_commit();  // K of the second (zero when there is none)
-    fetch_blocks(jt0 + 2, bnext);
-
-    float o[64];
-#pragma unroll
-    for (int i = 0; i < 64; i++) o[i] = 0.f;
-    float mrow[2] = {-INFINITY, -INFINITY};
-    float lrow[2] = {0.f, 0.f};
-    float alpha[2];
-    const unsigned q_addr = smem_base + wg * 64 * 128;
-
-    // step j: sc holds P of tile j, alpha its O factors; leaves P of tile j + 1 in sn and its
-    // factors in alpha
-    auto step = [&](int j, float (&sc)[64], float (&sn)[64]) {
-        fp_cp_wait<0>();  // K of j + 1, V of j: this thread's copies
-        wg_fence_proxy();
-        __syncthreads();  // everyone's; S of j and P V of j - 1 completed everywhere
-        load(j + 2, bnext, 0);
-        if (j + 1 < ntiles) load(j + 1, bcur, 1);
-        fp_cp_commit();
-#pragma unroll
-        for (int it = 0; it < RPT; it++) bcur[it] = bnext[it];
-        fetch_blocks(j + 3, bnext);
-        unsigned p[32];
-        wg_pack_p(p, sc);
-        wg_rescale(o, alpha);
-        if (PINGPONG && wg == 1) asm volatile("bar.sync 1, 256;\n" ::: "memory");
-        wg_scores_issue(sn, q_addr, smem_base + kbase + slot(j + 1));
-        if (PINGPONG && wg == 0) asm volatile("bar.arrive 1, 256;\n" ::: "memory");
-        wg_pv_issue(o, p, smem_base + vbase + slot(j));
-        wg_wait<1>();  // S of j + 1 (all but the P V)
-        wg_keep(sn);
-        wg_softmax(sn, alpha, mrow, lrow, (j + 1) * BN, qpos0, qpos1, gfirst, glast, wlim, t,
-                   scale_log2);
-        wg_wait<0>();  // P V of j
-        wg_keep(o);
-    };
-
-    float sa[64], sb[64];
-    fp_cp_wait<1>();  // Q, K and V of the first tile
-    wg_fence_proxy();
-    __syncthreads();
-    wg_scores_issue(sa, q_addr, smem_base + kbase + slot(jt0));
-    wg_wait<0>();
-    wg_keep(sa);
-    wg_softmax(sa, alpha, mrow, lrow, jt0 * BN, qpos0, qpos1, gfirst, glast, wlim, t, scale_log2);
-    int jt = jt0;
-    for (; jt + 1 < ntiles; jt += 2) {
-        step(jt, sa, sb);
-        step(jt + 1, sb, sa);
-    }
-    if (jt < ntiles) step(jt, sa, sb);
-    fp_cp_wait<0>();
     wg_store(out, o, lrow, row0, r0, r1, n, qstride, h, t);
 }
 
@@ -536,17 +402,16 @@ __device__ void wg_probe_impl(const bf16_t* a, const bf16_t* b, float* c1, float
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
-// grid: (nh, ceil(n / 128)), block: 256, dynamic shared memory: flash_prefill_wg_smem(STAGES)
-// = 1024 (alignment) + 32768 (Q) + STAGES * 65536; block_size a power of two, head_dim 128.
-#define FLASH_PREFILL_WG_KERNEL(NAME, STAGES, PINGPONG)                                                     \
+// grid: (nh, ceil(n / 128)), block: 256, dynamic shared memory 1024 (alignment) + 32768 (Q) +
+// STAGES * 65536; block_size a power of two, head_dim 128.
+#define FLASH_PREFILL_WG_KERNEL(NAME, STAGES)                                                     \
     extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                    \
         const bf16_t* __restrict__ q, bf16_t* __restrict__ out,                                   \
         const bf16_t* __restrict__ layer_kv, const int* __restrict__ table, int row0, int n,      \
         int start, int nh, int nkv, int block_size, float scale_log2, int window) {               \
         PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();                                             \
-        WG_BODY(flash_prefill_wg_impl<STAGES, PINGPONG>(q, out, layer_kv, table, row0, n, start,  \
-                                                        nh, nkv, block_size, scale_log2, window,  \
-                                                        wg_smem_aligned()))                       \
+        WG_BODY(flash_prefill_wg_impl<STAGES>(q, out, layer_kv, table, row0, n, start, nh, nkv,   \
+                                              block_size, scale_log2, window, wg_smem_aligned())) \
     }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -560,23 +425,8 @@ __device__ __forceinline__ unsigned char* wg_smem_aligned() {
 #define WG_BODY(...) __trap();
 #endif
 
-FLASH_PREFILL_WG_KERNEL(flash_prefill_hd128_wg, 2, false)
-FLASH_PREFILL_WG_KERNEL(flash_prefill_hd128_wg_pp, 2, true)
+FLASH_PREFILL_WG_KERNEL(flash_prefill_hd128_wg, 2)
 
-// grid, block as above; dynamic shared memory 164864 bytes.
-#define FLASH_PREFILL_WGO_KERNEL(NAME, PINGPONG)                                                  \
-    extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                    \
-        const bf16_t* __restrict__ q, bf16_t* __restrict__ out,                                   \
-        const bf16_t* __restrict__ layer_kv, const int* __restrict__ table, int row0, int n,      \
-        int start, int nh, int nkv, int block_size, float scale_log2, int window) {               \
-        PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();                                             \
-        WG_BODY(flash_prefill_wgo_impl<PINGPONG>(q, out, layer_kv, table, row0, n, start, nh,     \
-                                                 nkv, block_size, scale_log2, window,             \
-                                                 wg_smem_aligned()))                              \
-    }
-
-FLASH_PREFILL_WGO_KERNEL(flash_prefill_hd128_wgo, false)
-FLASH_PREFILL_WGO_KERNEL(flash_prefill_hd128_wgo_pp, true)
 
 
 // block: 128, dynamic shared memory 1024 + 32768 + 32768.

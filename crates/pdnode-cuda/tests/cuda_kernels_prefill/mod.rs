@@ -1,15 +1,17 @@
 //! Fused flash prefill attention (kernels/prefill_flash*.cu: v3, its fallback w8 with 8 warps of
-//! 16 query rows, and the wgmma kernel at 2 and 3 stages; plus the wgmma descriptor probe) against an f32 host reference: head_dim 64 and
-//! 128, GQA 1 / 4 / 8, 1 to 1000 new tokens, with and without a cached prefix (chunked prefill),
-//! block sizes 16, 32, 64 and 24, two sequences in one call; and against the cuBLAS path at
-//! Llama-3.1-8B shapes; sliding windows on every implementation (cuBLAS, w8, v3). Part of the `cuda_kernels` test binary (scripts/gpu/run-all.sh kernels);
+//! 16 query rows, and the wgmma kernel; plus the wgmma descriptor probe) against an f32 host
+//! reference: head_dim 64 and 128, GQA 1 / 4 / 8, 1 to 1000 new tokens, with and without a
+//! cached prefix (chunked prefill), block sizes 16, 32, 64 and 24, two sequences in one call; and
+//! against the cuBLAS path at Llama-3.1-8B shapes; sliding windows on every implementation
+//! (cuBLAS, w8, v3, wgmma). Part of the `cuda_kernels` test binary (scripts/gpu/run-all.sh
+//! kernels);
 //! prints one PASS/FAIL line a case.
 
 use super::cuda_support::*;
 use super::{gpu, poisoned, pool_dims, pool_idx, up_i32};
 use pdnode_cuda::device::{DevBuf, Gpu};
 use pdnode_cuda::ops::AttnDims;
-use pdnode_cuda::prefill::{LongSeq, PrefillAttn, PrefillScratch, WgKernel};
+use pdnode_cuda::prefill::{LongSeq, PrefillAttn, PrefillScratch};
 use rand::seq::SliceRandom;
 
 /// f32 reference of causal attention for the new tokens of one sequence: rows `row0 .. row0 + n`
@@ -93,39 +95,8 @@ fn run_prefill_attn(
     attn: PrefillAttn,
     window: usize,
 ) -> Vec<f32> {
-    run_prefill_attn_stages(
-        g,
-        d,
-        pool,
-        layer,
-        dq,
-        t,
-        dtab,
-        max_blocks,
-        seqs,
-        (attn, WgKernel::default()),
-        window,
-    )
-}
-
-/// [`run_prefill_attn`] with the wgmma kernel `attn.1` (used when `attn.0` is `Wgmma`).
-#[allow(clippy::too_many_arguments)]
-fn run_prefill_attn_stages(
-    g: &Gpu,
-    d: &AttnDims,
-    pool: &DevBuf,
-    layer: usize,
-    dq: &DevBuf,
-    t: usize,
-    dtab: &DevBuf,
-    max_blocks: usize,
-    seqs: &[LongSeq],
-    attn: (PrefillAttn, WgKernel),
-    window: usize,
-) -> Vec<f32> {
     let out = poisoned(g, t * d.num_heads * d.head_dim * 2);
-    let mut scratch = PrefillScratch::new(attn.0);
-    scratch.wg_kernel = attn.1;
+    let mut scratch = PrefillScratch::new(attn);
     scratch
         .run(
             g,
@@ -144,28 +115,21 @@ fn run_prefill_attn_stages(
     g.download_bf16(&out, t * d.num_heads * d.head_dim).unwrap()
 }
 
-/// The flash implementations the tests compare, with every wgmma kernel; on a compute
-/// capability 9.0 device the wgmma kernels must be loaded (else `Wgmma` would quietly test
-/// flashv3).
-fn flash_variants(g: &Gpu) -> Vec<(PrefillAttn, WgKernel)> {
+/// The flash implementations the tests compare; on a compute capability 9.0 device the wgmma
+/// kernel must be loaded (else `Wgmma` would quietly test flashv3).
+fn flash_variants(g: &Gpu) -> [PrefillAttn; 3] {
     if g.compute_capability == (9, 0) {
         for k in pdnode_kernels::WGMMA_KERNEL_NAMES {
             assert!(g.has_kernel(k), "{k} not loaded on an sm_90 device");
         }
     }
-    let d = WgKernel::default();
-    [(PrefillAttn::Flash8, d), (PrefillAttn::FlashV3, d)]
-        .into_iter()
-        .chain(WgKernel::ALL.map(|k| (PrefillAttn::Wgmma, k)))
-        .collect()
+    [
+        PrefillAttn::Flash8,
+        PrefillAttn::FlashV3,
+        PrefillAttn::Wgmma,
+    ]
 }
 
-/// wgmma's shared-memory descriptors (kernels/prefill_flash_wg.cu's `wgmma_probe`): `c1 = a b^T`
-/// with both operands K-major (the kernel's S = Q K^T) and `c2 = a b` with `a` from registers and
-/// `b` MN-major (O = P V), against the host product; small integers, so every sum is exact. The
-/// kernel's MN-major descriptor (16384 bytes between dim halves, 1024 between 8-key groups,
-/// transposed) must match, and the same tile read with the offsets swapped or untransposed must
-/// not (the probe can tell them apart).
 #[test]
 #[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
 fn wgmma_descriptors_match_host_products() {
@@ -308,7 +272,7 @@ fn prefill_flash_attention_matches_reference() {
             })
             .collect();
         for attn in flash_variants(&g) {
-            let got = run_prefill_attn_stages(
+            let got = run_prefill_attn(
                 &g, &d, &pool, layer, &dq, t, &dtab, max_blocks, &seqs, attn, 0,
             );
             let untouched = got[..2 * rowl].iter().chain(&got[(t - 1) * rowl..]);
@@ -365,9 +329,8 @@ fn prefill_flash_attention_matches_gemm_path_at_llama_shapes() {
             start,
             seq: 0,
         }];
-        let run =
-            |a| run_prefill_attn_stages(&g, &d, &pool, 0, &dq, t, &dtab, max_blocks, &seqs, a, 0);
-        let want = run((PrefillAttn::Gemm, WgKernel::default()));
+        let run = |a| run_prefill_attn(&g, &d, &pool, 0, &dq, t, &dtab, max_blocks, &seqs, a, 0);
+        let want = run(PrefillAttn::Gemm);
         for attn in flash_variants(&g) {
             let e = rel_err(&run(attn), &want);
             println!(

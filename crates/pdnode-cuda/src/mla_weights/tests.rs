@@ -8,9 +8,15 @@ use pdnode_engine::backend::cpu::route_experts;
 use pdnode_engine::loader::{LoadedModel, ModelWeights, load_path};
 use pdnode_engine::spec::MLA_LORA_NORM_EPS;
 
+/// The fixture `name`: under `PDNODE_FIXTURES` when set (scripts/gpu/run-all.sh sets it: on the
+/// GPU host this binary runs from another checkout than the one it was built in), else this
+/// checkout's.
 fn fixture(name: &str) -> LoadedModel {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../pdnode-engine/tests/fixtures")
+    let dir = std::env::var_os("PDNODE_FIXTURES")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../pdnode-engine/tests/fixtures")
+        })
         .join(name);
     load_path(&dir).unwrap_or_else(|e| panic!("{name}: {e}"))
 }

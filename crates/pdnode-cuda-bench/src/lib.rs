@@ -463,8 +463,13 @@ fn prefill_attention_rows(
     }];
     let flops = 2.0 * (len as f64).powi(2) * (spec.head_dim * spec.num_heads) as f64;
     let mut rows = Vec::new();
-    for pa in PrefillAttn::ALL {
+    let variants = PrefillAttn::ALL
+        .iter()
+        .map(|&pa| (pa, false))
+        .chain([(PrefillAttn::Wgmma, true)]);
+    for (pa, overlap) in variants {
         let mut scratch = PrefillScratch::new(pa);
+        scratch.wg_overlap = overlap;
         let t = timed(gpu, iters, || {
             scratch.run(
                 gpu,
@@ -481,7 +486,10 @@ fn prefill_attention_rows(
             )
         })?;
         rows.push(BenchRow {
-            what: format!("prefill attention, 1 layer [{pa:?}]"),
+            what: format!(
+                "prefill attention, 1 layer [{pa:?}{}]",
+                if overlap { ", overlapped" } else { "" }
+            ),
             batch: 1,
             ctx: len,
             ms: t * 1e3,

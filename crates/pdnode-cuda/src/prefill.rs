@@ -82,6 +82,10 @@ pub struct PrefillScratch {
     pub score_budget: usize,
     /// Implementation (`engine.cuda.prefill_attention`).
     pub attn: PrefillAttn,
+    /// `Wgmma` runs the overlapped kernel (`flash_prefill_hd128_wgo`: each warpgroup's softmax
+    /// of tile j + 1 under its P V of tile j) instead of `flash_prefill_hd128_wg`: a benchmark's
+    /// and the tests' knob while the two are compared.
+    pub wg_overlap: bool,
     kc: Option<DevBuf>,
     vc: Option<DevBuf>,
     qh: Option<DevBuf>,
@@ -175,7 +179,14 @@ impl PrefillScratch {
         let attn = self.attn;
         if attn != PrefillAttn::Gemm && (hd == 64 || hd == 128) {
             if attn == PrefillAttn::Wgmma && wgmma_fits(gpu, d) {
-                return run_wgmma(gpu, d, layer_ptr, q, out, tables, max_blocks, seqs, window);
+                let name = if self.wg_overlap {
+                    WGMMA_KERNEL_OVERLAP
+                } else {
+                    WGMMA_KERNEL
+                };
+                return run_wgmma(
+                    gpu, d, layer_ptr, q, out, tables, max_blocks, seqs, name, window,
+                );
             }
             let attn = if attn == PrefillAttn::Wgmma {
                 PrefillAttn::FlashV3
@@ -389,8 +400,9 @@ const V3_SMEM_HD128: usize = FLASH_V3_STAGES * 2 * 64 * (128 + 8) * BF16;
 /// dims bf16) and two stages of a 128-key tile of K and of V.
 pub const WGMMA_SMEM: usize = 1024 + 128 * 128 * BF16 + 2 * 2 * 128 * 128 * BF16;
 
-/// The wgmma kernel's entry point.
+/// The wgmma kernel's entry points: plain, overlapped.
 const WGMMA_KERNEL: &str = "flash_prefill_hd128_wg";
+const WGMMA_KERNEL_OVERLAP: &str = "flash_prefill_hd128_wgo";
 
 /// Whether the wgmma kernel can run `d` on `gpu` (not where the GPU is not sm_90 or its program
 /// did not load, head_dim is not 128, the block size not a power of two, or a pool layer too
@@ -399,7 +411,7 @@ fn wgmma_fits(gpu: &Gpu, d: &AttnDims) -> bool {
     let fits = d.head_dim == 128
         && d.block_size.is_power_of_two()
         && 2 * d.block_size * d.num_kv_heads * d.head_dim <= i32::MAX as usize;
-    fits && gpu.has_kernel(WGMMA_KERNEL)
+    fits && gpu.has_kernel(WGMMA_KERNEL) && gpu.has_kernel(WGMMA_KERNEL_OVERLAP)
 }
 
 /// The wgmma kernel (where [`wgmma_fits`]) for each sequence of `seqs` (checked by the caller):
@@ -414,9 +426,10 @@ fn run_wgmma(
     tables: u64,
     max_blocks: usize,
     seqs: &[LongSeq],
+    name: &'static str,
     window: usize,
 ) -> Result<(), CudaError> {
-    let (name, dyn_smem) = (WGMMA_KERNEL, WGMMA_SMEM);
+    let dyn_smem = WGMMA_SMEM;
     let f = gpu.kernel(name)?;
     use cudarc::driver::sys::CUfunction_attribute_enum as A;
     f.set_attribute(

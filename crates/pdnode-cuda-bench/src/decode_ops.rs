@@ -10,6 +10,29 @@ use pdnode_cuda::ops;
 
 // ---- per-op breakdown of one decode step (eager, CUDA events) --------------------------------
 
+/// `iters` steps of `step` with op timing on: per op label (first-seen order), the calls per step
+/// and the summed microseconds over the steps.
+fn op_sums(
+    be: &mut CudaBackend,
+    iters: usize,
+    mut step: impl FnMut(&mut CudaBackend) -> Result<(), pdnode_engine::backend::BackendError>,
+) -> Result<Vec<(&'static str, usize, f64)>, CudaError> {
+    let mut sums: Vec<(&'static str, usize, f64)> = Vec::new();
+    for it in 0..iters {
+        step(be).map_err(err)?;
+        for (op, us) in be.take_op_times()? {
+            match sums.iter_mut().find(|s| s.0 == op) {
+                Some(s) => {
+                    s.1 += usize::from(it == 0);
+                    s.2 += us;
+                }
+                None => sums.push((op, 1, us)),
+            }
+        }
+    }
+    Ok(sums)
+}
+
 /// One op of a decode step: its summed device time over the step.
 #[derive(Debug, Clone)]
 pub struct OpRow {
@@ -64,20 +87,7 @@ pub fn run_op_breakdown(
         let fb = step.batch();
         be.forward_device(&fb).map_err(err)?;
         be.take_op_times()?; // warm-up
-        // (label, calls per step, summed us over the timed steps), in first-seen order
-        let mut sums: Vec<(&'static str, usize, f64)> = Vec::new();
-        for it in 0..iters {
-            be.forward_device(&fb).map_err(err)?;
-            for (op, us) in be.take_op_times()? {
-                match sums.iter_mut().find(|s| s.0 == op) {
-                    Some(s) => {
-                        s.1 += usize::from(it == 0);
-                        s.2 += us;
-                    }
-                    None => sums.push((op, 1, us)),
-                }
-            }
-        }
+        let sums = op_sums(&mut be, iters, |be| be.forward_device(&fb).map(|_| ()))?;
         let total: f64 = sums.iter().map(|s| s.2).sum::<f64>() / iters as f64;
         let calls: usize = sums.iter().map(|s| s.1).sum();
         // the same step replayed from a CUDA graph (wall time of back-to-back steps);
@@ -120,7 +130,6 @@ pub fn run_prefill_op_breakdown(
     attn: pdnode_cuda::prefill::PrefillAttn,
     mut report: impl FnMut(&OpRow),
 ) -> Result<Vec<OpRow>, CudaError> {
-    use pdnode_core::BlockId;
     use pdnode_engine::backend::{Backend, ForwardBatch, SeqStep};
     let bs = 16usize;
     let longest = lens.iter().copied().max().unwrap_or(1);
@@ -136,8 +145,7 @@ pub fn run_prefill_op_breakdown(
     };
     let mut rows = Vec::new();
     for &len in lens {
-        let tbl: Vec<BlockId> = (0..len.div_ceil(bs)).map(|j| BlockId(j as u32)).collect();
-        let toks: Vec<u32> = (0..len).map(|i| (i * 31 % 128000) as u32).collect();
+        let (tbl, toks) = super::prefill_inputs(len, bs);
         let fb = ForwardBatch {
             seqs: vec![SeqStep {
                 tokens: &toks,
@@ -148,19 +156,7 @@ pub fn run_prefill_op_breakdown(
         };
         be.forward(&fb).map_err(err)?;
         be.take_op_times()?; // warm-up
-        let mut sums: Vec<(&'static str, usize, f64)> = Vec::new();
-        for it in 0..iters.max(1) {
-            be.forward(&fb).map_err(err)?;
-            for (op, us) in be.take_op_times()? {
-                match sums.iter_mut().find(|s| s.0 == op) {
-                    Some(s) => {
-                        s.1 += usize::from(it == 0);
-                        s.2 += us;
-                    }
-                    None => sums.push((op, 1, us)),
-                }
-            }
-        }
+        let sums = op_sums(&mut be, iters.max(1), |be| be.forward(&fb).map(|_| ()))?;
         let n = iters.max(1) as f64;
         let total: f64 = sums.iter().map(|s| s.2).sum::<f64>() / n;
         let calls: usize = sums.iter().map(|s| s.1).sum();

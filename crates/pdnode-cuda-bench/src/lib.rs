@@ -380,8 +380,7 @@ pub fn run_variants(
     }
     be.set_kernels(variants[0].0, variants[0].1);
     for &len in prefill {
-        let tbl: Vec<BlockId> = (0..len.div_ceil(bs)).map(|j| BlockId(j as u32)).collect();
-        let toks: Vec<u32> = (0..len).map(|i| (i * 31 % 128000) as u32).collect();
+        let (tbl, toks) = prefill_inputs(len, bs);
         let fb = ForwardBatch {
             seqs: vec![SeqStep {
                 tokens: &toks,
@@ -423,6 +422,14 @@ pub fn run_variants(
         }
     }
     Ok((ceil, rows))
+}
+
+/// A prefill benchmark's one sequence of `len` tokens from position 0: its block table (blocks 0,
+/// 1, ... of `bs` tokens) and token ids.
+pub(crate) fn prefill_inputs(len: usize, bs: usize) -> (Vec<BlockId>, Vec<u32>) {
+    let tbl = (0..len.div_ceil(bs)).map(|j| BlockId(j as u32)).collect();
+    let toks = (0..len).map(|i| (i * 31 % 128000) as u32).collect();
+    (tbl, toks)
 }
 
 /// Prefill attention alone, one layer of `spec`'s heads, one sequence of `len` new tokens from
@@ -487,8 +494,13 @@ fn prefill_attention_rows(
         })?;
         rows.push(BenchRow {
             what: format!(
-                "prefill attention, 1 layer [{pa:?}{}]",
-                if overlap { ", overlapped" } else { "" }
+                "prefill attention, 1 layer [{pa:?}{}{}]",
+                if overlap { ", overlapped" } else { "" },
+                if pa == PrefillAttn::Wgmma && !scratch.wgmma_runs(gpu, &d) {
+                    ": fell back to flashv3"
+                } else {
+                    ""
+                }
             ),
             batch: 1,
             ctx: len,

@@ -127,6 +127,13 @@ impl PrefillScratch {
         }
     }
 
+    /// Whether [`PrefillScratch::run`] takes the wgmma kernel for attention of `d` on `gpu`: the
+    /// implementation is [`PrefillAttn::Wgmma`] and the kernel can run there (else it runs
+    /// flashv3).
+    pub fn wgmma_runs(&self, gpu: &Gpu, d: &AttnDims) -> bool {
+        self.attn == PrefillAttn::Wgmma && wgmma_fits(gpu, d)
+    }
+
     /// Attention of the new tokens of `seqs` (layer `layer`), reading q rows from `q`
     /// `[T, nh, hd]` and writing `out` `[T, nh, hd]` rows. `tables`: device i32 `[S, max_blocks]`.
     /// `window` (`ModelSpec::attention_window`, 0 for none): position `p` attends to keys
@@ -178,7 +185,7 @@ impl PrefillScratch {
         }
         let attn = self.attn;
         if attn != PrefillAttn::Gemm && (hd == 64 || hd == 128) {
-            if attn == PrefillAttn::Wgmma && wgmma_fits(gpu, d) {
+            if self.wgmma_runs(gpu, d) {
                 let name = if self.wg_overlap {
                     WGMMA_KERNEL_OVERLAP
                 } else {

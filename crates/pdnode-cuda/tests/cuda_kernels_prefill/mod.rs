@@ -98,6 +98,15 @@ fn run_prefill_attn(
     let out = poisoned(g, t * d.num_heads * d.head_dim * 2);
     let mut scratch = PrefillScratch::new(attn.0);
     scratch.wg_overlap = attn.1;
+    // on an sm_90 device a head_dim 128 / power-of-two block case must really take the wgmma
+    // kernel (a fallback to flashv3 would pass every comparison)
+    let hopper_case =
+        g.compute_capability == (9, 0) && d.head_dim == 128 && d.block_size.is_power_of_two();
+    assert_eq!(
+        scratch.wgmma_runs(g, d),
+        attn.0 == PrefillAttn::Wgmma && hopper_case,
+        "{attn:?} on {d:?}"
+    );
     scratch
         .run(
             g,

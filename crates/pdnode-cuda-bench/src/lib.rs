@@ -470,13 +470,8 @@ fn prefill_attention_rows(
     }];
     let flops = 2.0 * (len as f64).powi(2) * (spec.head_dim * spec.num_heads) as f64;
     let mut rows = Vec::new();
-    let variants = PrefillAttn::ALL
-        .iter()
-        .map(|&pa| (pa, false))
-        .chain([(PrefillAttn::Wgmma, true)]);
-    for (pa, overlap) in variants {
+    for pa in PrefillAttn::ALL {
         let mut scratch = PrefillScratch::new(pa);
-        scratch.wg_overlap = overlap;
         let t = timed(gpu, iters, || {
             scratch.run(
                 gpu,
@@ -494,8 +489,7 @@ fn prefill_attention_rows(
         })?;
         rows.push(BenchRow {
             what: format!(
-                "prefill attention, 1 layer [{pa:?}{}{}]",
-                if overlap { ", overlapped" } else { "" },
+                "prefill attention, 1 layer [{pa:?}{}]",
                 if pa == PrefillAttn::Wgmma && !scratch.wgmma_runs(gpu, &d) {
                     ": fell back to flashv3"
                 } else {

@@ -4,12 +4,14 @@
 //!   f32, `O = P V`) around a causal softmax kernel. The sequence's cached and new K/V are gathered
 //!   from the paged pool into contiguous `[nkv, len, hd]` buffers first, so chunked prefill (a
 //!   cached prefix) works the same.
-//! - flash (kernels/prefill_flash.cu, prefill_flash_v3.cu): one fused causal flash-attention
-//!   kernel on bf16 tensor cores reading K/V straight from the paged pool (head_dim 64 and 128;
-//!   other head dims fall back to cuBLAS). No scratch memory, no score matrix. Two kernels: v3
-//!   (the default: 4-stage K/V ring, scores of the next tile overlapping the softmax; power-of-two
-//!   block sizes) and w8 (8 warps of 16 query rows, any block size: v3's fallback). The variants
-//!   that lost their benchmarks (4 warps, 32 rows per warp, v2) were retired.
+//! - flash (kernels/prefill_flash.cu, prefill_flash_v3.cu, prefill_flash_wg.cu): one fused causal
+//!   flash-attention kernel on bf16 tensor cores reading K/V straight from the paged pool
+//!   (head_dim 64 and 128; other head dims fall back to cuBLAS). No scratch memory, no score
+//!   matrix. Three kernels: wgmma (the default on compute capability 9.0: Hopper's warpgroup MMA,
+//!   head_dim 128, power-of-two block sizes; elsewhere v3 runs), v3 (4-stage K/V ring, scores of
+//!   the next tile overlapping the softmax; power-of-two block sizes) and w8 (8 warps of 16 query
+//!   rows, any block size: v3's fallback). The variants that lost their benchmarks (4 warps, 32
+//!   rows per warp, v2; the wgmma variants of docs/benchmarks.md session 18) were retired.
 
 use super::CudaError;
 use super::blas::{Operand, OutType, gemm_strided_batched};
@@ -82,10 +84,6 @@ pub struct PrefillScratch {
     pub score_budget: usize,
     /// Implementation (`engine.cuda.prefill_attention`).
     pub attn: PrefillAttn,
-    /// `Wgmma` runs the overlapped kernel (`flash_prefill_hd128_wgo`: each warpgroup's softmax
-    /// of tile j + 1 under its P V of tile j) instead of `flash_prefill_hd128_wg`: a benchmark's
-    /// and the tests' knob while the two are compared.
-    pub wg_overlap: bool,
     kc: Option<DevBuf>,
     vc: Option<DevBuf>,
     qh: Option<DevBuf>,
@@ -186,14 +184,7 @@ impl PrefillScratch {
         let attn = self.attn;
         if attn != PrefillAttn::Gemm && (hd == 64 || hd == 128) {
             if self.wgmma_runs(gpu, d) {
-                let name = if self.wg_overlap {
-                    WGMMA_KERNEL_OVERLAP
-                } else {
-                    WGMMA_KERNEL
-                };
-                return run_wgmma(
-                    gpu, d, layer_ptr, q, out, tables, max_blocks, seqs, name, window,
-                );
+                return run_wgmma(gpu, d, layer_ptr, q, out, tables, max_blocks, seqs, window);
             }
             let attn = if attn == PrefillAttn::Wgmma {
                 PrefillAttn::FlashV3
@@ -407,9 +398,8 @@ const V3_SMEM_HD128: usize = FLASH_V3_STAGES * 2 * 64 * (128 + 8) * BF16;
 /// dims bf16) and two stages of a 128-key tile of K and of V.
 pub const WGMMA_SMEM: usize = 1024 + 128 * 128 * BF16 + 2 * 2 * 128 * 128 * BF16;
 
-/// The wgmma kernel's entry points: plain, overlapped.
+/// The wgmma kernel's entry point.
 const WGMMA_KERNEL: &str = "flash_prefill_hd128_wg";
-const WGMMA_KERNEL_OVERLAP: &str = "flash_prefill_hd128_wgo";
 
 /// Whether the wgmma kernel can run `d` on `gpu` (not where the GPU is not sm_90 or its program
 /// did not load, head_dim is not 128, the block size not a power of two, or a pool layer too
@@ -418,7 +408,7 @@ fn wgmma_fits(gpu: &Gpu, d: &AttnDims) -> bool {
     let fits = d.head_dim == 128
         && d.block_size.is_power_of_two()
         && 2 * d.block_size * d.num_kv_heads * d.head_dim <= i32::MAX as usize;
-    fits && gpu.has_kernel(WGMMA_KERNEL) && gpu.has_kernel(WGMMA_KERNEL_OVERLAP)
+    fits && gpu.has_kernel(WGMMA_KERNEL)
 }
 
 /// The wgmma kernel (where [`wgmma_fits`]) for each sequence of `seqs` (checked by the caller):
@@ -433,10 +423,9 @@ fn run_wgmma(
     tables: u64,
     max_blocks: usize,
     seqs: &[LongSeq],
-    name: &'static str,
     window: usize,
 ) -> Result<(), CudaError> {
-    let dyn_smem = WGMMA_SMEM;
+    let (name, dyn_smem) = (WGMMA_KERNEL, WGMMA_SMEM);
     let f = gpu.kernel(name)?;
     use cudarc::driver::sys::CUfunction_attribute_enum as A;
     f.set_attribute(

@@ -13,7 +13,8 @@
 // H200 and not kept (docs/benchmarks.md, session 18): 3 stages; a warp-specialized producer
 // warp with mbarrier stages; an explicit ping-pong (a named barrier ordering the warpgroups' S
 // issues; within noise); FA3's intra-warpgroup overlap (softmax of tile j + 1 under the P V of
-// tile j: 255 registers with spills, slower); skipping the O rescale where no row max moved.
+// tile j: 1.51 against 1.30 ms a layer at 8k tokens, spill-free at 255 registers);
+// skipping the O rescale where no row max moved.
 //
 // Shared memory, every matrix in the 128-byte-swizzle layout wgmma reads (1024-byte aligned):
 // Q [2][128 rows][128 B], then per stage K and V the same: half h (dims 64h .. 64h + 63) of row r
@@ -337,125 +338,6 @@ __device__ __forceinline__ void flash_prefill_wg_impl(const bf16_t* __restrict__
     wg_store(out, o, lrow, row0, r0, r1, n, qstride, h, t);
 }
 
-// The overlapped variant (FA3's intra-warpgroup pipelining): step j enters with P of tile j
-// (softmaxed) and its O factors; it rescales O, issues S = Q K^T of tile j + 1 and O += P V of
-// tile j, waits for the S, and runs the softmax of tile j + 1 while the P V is on the tensor
-// pipe. No branch around a wgmma (ptxas serializes wgmma it cannot follow): the last step also
-// computes S of the tile past the end, zero-filled K whose every key the mask drops (a no-op
-// on the softmax state). K of tile j + 1 and V of tile j are read in the same step: K and V
-// have rings of their own, 2 slots each (K of j + 2 and V of j + 1 load while step j runs).
-// Shared memory: Q, 2 K slots, 2 V slots (1024 + 32768 + 4 * 32768 = 164864 bytes).
-__device__ __forceinline__ void flash_prefill_wgo_impl(const bf16_t* __restrict__ q,
-                                                       bf16_t* __restrict__ out,
-                                                       const bf16_t* __restrict__ layer_kv,
-                                                       const int* __restrict__ table, int row0,
-                                                       int n, int start, int nh, int nkv,
-                                                       int block_size, float scale_log2,
-                                                       int window, unsigned char* smem) {
-    constexpr int HD = WG_HD, BM = WG_BM, BN = WG_BN, RPT = BN / 16, SLOTS = 2;
-    constexpr int MAT = WG_TILE_BYTES / 2;  // one K or V tile
-    const int h = blockIdx.x;
-    const int m0 = (gridDim.y - 1 - blockIdx.y) * BM;
-    const int kvh = h / (nh / nkv);
-    const int tid = threadIdx.x, wg = tid >> 7, w = (tid >> 5) & 3, lane = tid & 31;
-    const int g = lane >> 2, t = lane & 3;
-    const int r0 = m0 + wg * 64 + w * 16 + g, r1 = r0 + 8;
-    const int kv_end = start + min(m0 + BM, n);
-    const int ntiles = (kv_end + BN - 1) / BN;
-    const i64 qstride = (i64)nh * HD;
-    const int qpos0 = start + r0, qpos1 = start + r1;
-    const int gfirst = start + m0 + wg * 64, glast = gfirst + 63;
-    const unsigned wlim = window > 0 ? (unsigned)window : 0x7fffffffu;
-    const int jt0 = window > 0 ? max(0, start + m0 + 1 - window) / BN : 0;
-
-    const int bs_shift = fp_log2i(block_size), bs_mask = block_size - 1;
-    const int row_stride = nkv * HD, vofs = block_size * row_stride, blk_stride = 2 * vofs;
-    const int ldrow = tid >> 4, lc = tid & 15;
-    const bf16_t* kv_base = layer_kv + (i64)kvh * HD + lc * 8;
-    const unsigned smem_base = fp_smem_addr(smem);
-    const int kbase = WG_Q_BYTES, vbase = WG_Q_BYTES + SLOTS * MAT;
-    auto slot = [&](int tile) { return ((tile - jt0) % SLOTS) * MAT; };
-
-    auto fetch_blocks = [&](int tile, int* blk) {
-#pragma unroll
-        for (int it = 0; it < RPT; it++) {
-            const int j = tile * BN + ldrow + it * 16;
-            blk[it] = j < kv_end ? table[j >> bs_shift] : -1;
-        }
-    };
-    // part 0: K of `tile` into its K slot; part 1: V into its V slot (zero past kv_end); the
-    // block ids read here (the loads are issued while the step's wgmma run)
-    auto load = [&](int tile, int part) {
-        int blk[RPT];
-        fetch_blocks(tile, blk);
-        unsigned char* dst = smem + (part ? vbase : kbase) + slot(tile);
-#pragma unroll
-        for (int it = 0; it < RPT; it++) {
-            const int r = ldrow + it * 16, j = tile * BN + r;
-            const bool ok = blk[it] >= 0;
-            const bf16_t* src = ok ? kv_base + (i64)blk[it] * blk_stride +
-                                         (j & bs_mask) * row_stride + (part ? vofs : 0)
-                                   : layer_kv;
-            fp_cp_async16(dst + wg_off(r, lc), src, ok ? 16 : 0);
-        }
-    };
-
-#pragma unroll
-    for (int it = 0; it < BM / 16; it++) {
-        const int r = ldrow + it * 16;
-        const bool ok = m0 + r < n;
-        const bf16_t* src = ok ? q + (i64)(row0 + m0 + r) * qstride + (i64)h * HD + lc * 8 : q;
-        fp_cp_async16(smem + wg_off(r, lc), src, ok ? 16 : 0);
-    }
-    load(jt0, 0);
-    load(jt0, 1);
-    fp_cp_commit();  // Q, K and V of the first tile
-    load(jt0 + 1, 0);
-    fp_cp_commit();  // K of the second (zero when there is none)
-
-    float o[64];
-#pragma unroll
-    for (int i = 0; i < 64; i++) o[i] = 0.f;
-    float mrow[2] = {-INFINITY, -INFINITY};
-    float lrow[2] = {0.f, 0.f};
-    float alpha[2];
-    const unsigned q_addr = smem_base + wg * 64 * 128;
-
-    // step j: s holds P of tile j, alpha its O factors; leaves P of tile j + 1 in s and its
-    // factors in alpha (one S array: P is packed out of it before the next S is issued into it)
-    float s[64];
-    auto step = [&](int j) {
-        fp_cp_wait<0>();  // K of j + 1, V of j: this thread's copies
-        wg_fence_proxy();
-        __syncthreads();  // everyone's; S of j and P V of j - 1 completed everywhere
-        unsigned p[32];
-        wg_pack_p(p, s);
-        wg_rescale(o, alpha);
-        wg_scores_issue(s, q_addr, smem_base + kbase + slot(j + 1));
-        wg_pv_issue(o, p, smem_base + vbase + slot(j));
-        load(j + 2, 0);
-        if (j + 1 < ntiles) load(j + 1, 1);
-        fp_cp_commit();
-        wg_wait<1>();  // S of j + 1 (all but the P V)
-        wg_keep(s);
-        wg_softmax(s, alpha, mrow, lrow, (j + 1) * BN, qpos0, qpos1, gfirst, glast, wlim, t,
-                   scale_log2);
-        wg_wait<0>();  // P V of j
-        wg_keep(o);
-    };
-
-    fp_cp_wait<1>();  // Q, K and V of the first tile
-    wg_fence_proxy();
-    __syncthreads();
-    wg_scores_issue(s, q_addr, smem_base + kbase + slot(jt0));
-    wg_wait<0>();
-    wg_keep(s);
-    wg_softmax(s, alpha, mrow, lrow, jt0 * BN, qpos0, qpos1, gfirst, glast, wlim, t, scale_log2);
-    for (int jt = jt0; jt < ntiles; jt++) step(jt);
-    fp_cp_wait<0>();
-    wg_store(out, o, lrow, row0, r0, r1, n, qstride, h, t);
-}
-
 // Checks the descriptor layouts on the device (cuda_kernels_prefill's wgmma probe): a [64][128]
 // and b [128][128] bf16 into the swizzled layout; c1 = a b^T (both K-major, as S = Q K^T),
 // c2 = a b (a from registers, b MN-major with imm-trans-b = trans and the given byte offsets, as
@@ -545,19 +427,6 @@ __device__ __forceinline__ unsigned char* wg_smem_aligned() {
 #endif
 
 FLASH_PREFILL_WG_KERNEL(flash_prefill_hd128_wg, 2)
-
-// grid, block as above; dynamic shared memory as above (2 K and 2 V slots instead of 2 stages).
-extern "C" __global__ void __launch_bounds__(256, 1) flash_prefill_hd128_wgo(
-    const bf16_t* __restrict__ q, bf16_t* __restrict__ out, const bf16_t* __restrict__ layer_kv,
-    const int* __restrict__ table, int row0, int n, int start, int nh, int nkv, int block_size,
-    float scale_log2, int window) {
-    PD_GRID_WAIT();
-    PD_GRID_LAUNCH_DEPENDENTS();
-    WG_BODY(flash_prefill_wgo_impl(q, out, layer_kv, table, row0, n, start, nh, nkv, block_size,
-                                   scale_log2, window, wg_smem_aligned()))
-}
-
-
 
 // block: 128, dynamic shared memory 1024 + 32768 + 32768.
 extern "C" __global__ void __launch_bounds__(128, 1)

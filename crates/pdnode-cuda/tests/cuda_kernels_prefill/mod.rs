@@ -92,19 +92,18 @@ fn run_prefill_attn(
     dtab: &DevBuf,
     max_blocks: usize,
     seqs: &[LongSeq],
-    attn: (PrefillAttn, bool),
+    attn: PrefillAttn,
     window: usize,
 ) -> Vec<f32> {
     let out = poisoned(g, t * d.num_heads * d.head_dim * 2);
-    let mut scratch = PrefillScratch::new(attn.0);
-    scratch.wg_overlap = attn.1;
+    let scratch = &mut PrefillScratch::new(attn);
     // on an sm_90 device a head_dim 128 / power-of-two block case must really take the wgmma
     // kernel (a fallback to flashv3 would pass every comparison)
     let hopper_case =
         g.compute_capability == (9, 0) && d.head_dim == 128 && d.block_size.is_power_of_two();
     assert_eq!(
         scratch.wgmma_runs(g, d),
-        attn.0 == PrefillAttn::Wgmma && hopper_case,
+        attn == PrefillAttn::Wgmma && hopper_case,
         "{attn:?} on {d:?}"
     );
     scratch
@@ -127,17 +126,16 @@ fn run_prefill_attn(
 
 /// The flash implementations the tests compare; on a compute capability 9.0 device the wgmma
 /// kernel must be loaded (else `Wgmma` would quietly test flashv3).
-fn flash_variants(g: &Gpu) -> [(PrefillAttn, bool); 4] {
+fn flash_variants(g: &Gpu) -> [PrefillAttn; 3] {
     if g.compute_capability == (9, 0) {
         for k in pdnode_kernels::WGMMA_KERNEL_NAMES {
             assert!(g.has_kernel(k), "{k} not loaded on an sm_90 device");
         }
     }
     [
-        (PrefillAttn::Flash8, false),
-        (PrefillAttn::FlashV3, false),
-        (PrefillAttn::Wgmma, false),
-        (PrefillAttn::Wgmma, true),
+        PrefillAttn::Flash8,
+        PrefillAttn::FlashV3,
+        PrefillAttn::Wgmma,
     ]
 }
 
@@ -341,7 +339,7 @@ fn prefill_flash_attention_matches_gemm_path_at_llama_shapes() {
             seq: 0,
         }];
         let run = |a| run_prefill_attn(&g, &d, &pool, 0, &dq, t, &dtab, max_blocks, &seqs, a, 0);
-        let want = run((PrefillAttn::Gemm, false));
+        let want = run(PrefillAttn::Gemm);
         for attn in flash_variants(&g) {
             let e = rel_err(&run(attn), &want);
             println!(
@@ -408,8 +406,7 @@ fn prefill_attention_windows_match_reference() {
                     ref_prefill(&d, &pool_h, layer, tab, &q, s.row0, s.n, s.start, window)
                 })
                 .collect();
-            let all = PrefillAttn::ALL.iter().map(|&a| (a, false));
-            for attn in all.chain([(PrefillAttn::Wgmma, true)]) {
+            for attn in PrefillAttn::ALL {
                 let got = run_prefill_attn(
                     &g, &d, &pool, layer, &dq, t, &dtab, max_blocks, &seqs, attn, window,
                 );

@@ -183,10 +183,7 @@ impl PrefillScratch {
         }
         let attn = self.attn;
         if attn != PrefillAttn::Gemm && (hd == 64 || hd == 128) {
-            if self.wgmma_runs(gpu, d) {
-                return run_wgmma(gpu, d, layer_ptr, q, out, tables, max_blocks, seqs, window);
-            }
-            let attn = if attn == PrefillAttn::Wgmma {
+            let attn = if attn == PrefillAttn::Wgmma && !self.wgmma_runs(gpu, d) {
                 PrefillAttn::FlashV3
             } else {
                 attn
@@ -411,73 +408,9 @@ fn wgmma_fits(gpu: &Gpu, d: &AttnDims) -> bool {
     fits && gpu.has_kernel(WGMMA_KERNEL)
 }
 
-/// The wgmma kernel (where [`wgmma_fits`]) for each sequence of `seqs` (checked by the caller):
-/// grid (heads, 128-row query tiles), heaviest tiles first, 256 threads.
-#[allow(clippy::too_many_arguments)]
-fn run_wgmma(
-    gpu: &Gpu,
-    d: &AttnDims,
-    layer_ptr: u64,
-    q: &DevBuf,
-    out: &DevBuf,
-    tables: u64,
-    max_blocks: usize,
-    seqs: &[LongSeq],
-    window: usize,
-) -> Result<(), CudaError> {
-    let (name, dyn_smem) = (WGMMA_KERNEL, WGMMA_SMEM);
-    let f = gpu.kernel(name)?;
-    use cudarc::driver::sys::CUfunction_attribute_enum as A;
-    f.set_attribute(
-        A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        dyn_smem as i32,
-    )
-    .map_err(super::drv("cuFuncSetAttribute"))?;
-    let (nh_i, nkv_i, bs_i) = (
-        d.num_heads as i32,
-        d.num_kv_heads as i32,
-        d.block_size as i32,
-    );
-    let scale_log2 = std::f32::consts::LOG2_E / (d.head_dim as f32).sqrt();
-    let window_i = window as i32; // < the longest context (`run`), so in range
-    for s in seqs {
-        let table = tables + (s.seq * max_blocks * 4) as u64;
-        let (row0, n, start) = (s.row0 as i32, s.n as i32, s.start as i32);
-        let tiles = s.n.div_ceil(128);
-        if tiles > 65535 {
-            return Err(CudaError::Shape {
-                op: "flash_prefill_wg",
-                reason: format!("{} query rows exceed the grid's y limit", s.n),
-            });
-        }
-        let mut b = gpu.launch_builder(f);
-        b.arg(q.ptr_ref())
-            .arg(out.ptr_ref())
-            .arg(&layer_ptr)
-            .arg(&table)
-            .arg(&row0)
-            .arg(&n)
-            .arg(&start)
-            .arg(&nh_i)
-            .arg(&nkv_i)
-            .arg(&bs_i)
-            .arg(&scale_log2)
-            .arg(&window_i);
-        let lc = LaunchConfig {
-            grid_dim: (d.num_heads as u32, tiles as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: dyn_smem as u32,
-        };
-        // SAFETY: as run_flash's: q/out hold rows row0 .. row0 + n of [T, nh, 128], the table row
-        // covers positions 0 .. start + n whose K/V are in layer `layer` of the pool; the dynamic
-        // shared memory is what the kernel lays out, its limit raised above.
-        unsafe { b.launch(lc) }.map_err(super::drv(name))?;
-    }
-    Ok(())
-}
-
-/// The fused kernel `attn` (a flash variant) for each sequence of `seqs` (already checked against
-/// the step by the caller): grid (query tiles, nh), or (nh, query tiles) for v3.
+/// The fused kernel `attn` (a flash variant; `Wgmma` only where [`PrefillScratch::wgmma_runs`])
+/// for each sequence of `seqs` (already checked against the step by the caller): grid (query
+/// tiles, nh), or (nh, query tiles) for v3 and wgmma.
 #[allow(clippy::too_many_arguments)]
 fn run_flash(
     gpu: &Gpu,
@@ -500,13 +433,15 @@ fn run_flash(
     } else {
         attn
     };
-    // v3's grid is (heads, query tiles), w8's (query tiles, heads)
-    let heads_x = attn == PrefillAttn::FlashV3;
+    // v3's and wgmma's grid is (heads, query tiles), w8's (query tiles, heads)
+    let heads_x = matches!(attn, PrefillAttn::FlashV3 | PrefillAttn::Wgmma);
     // (kernel, warps, query rows per CTA, dynamic shared bytes)
     let (name, warps, rows_per_cta, dyn_smem) = match (hd, attn) {
         // FLASH_V3_STAGES stages of K + V: 2 * 64 rows of hd + 8 bf16 each
         (64, PrefillAttn::FlashV3) => ("flash_prefill_hd64_v3", 8usize, 128usize, V3_SMEM_HD64),
         (128, PrefillAttn::FlashV3) => ("flash_prefill_hd128_v3", 8, 128, V3_SMEM_HD128),
+        // only where `wgmma_runs` (the caller)
+        (128, PrefillAttn::Wgmma) => (WGMMA_KERNEL, 8, 128, WGMMA_SMEM),
         (64, _) => ("flash_prefill_hd64_w8", 8, 128, 0),
         (128, _) => ("flash_prefill_hd128_w8", 8, 128, 0),
         _ => {

@@ -396,11 +396,12 @@ pub fn run_variants(
         // the whole step with each prefill-attention implementation (the backend's choice
         // switched for the step; the configured one restored after)
         let configured = be.kernels().2;
-        let result = PrefillAttn::ALL.iter().try_for_each(|&pa| {
+        let result = prefill_variants().try_for_each(|(pa, ws)| {
             be.set_prefill_attn(pa);
+            be.set_wg_specialized(ws);
             let t = timed_steps(&mut be, iters.min(5), &fb)?;
             let row = BenchRow {
-                what: format!("prefill [{pa:?}]"),
+                what: format!("prefill [{pa:?}{}]", if ws { ", specialized" } else { "" }),
                 batch: 1,
                 ctx: len,
                 ms: t * 1e3,
@@ -411,6 +412,7 @@ pub fn run_variants(
             Ok::<(), CudaError>(())
         });
         be.set_prefill_attn(configured);
+        be.set_wg_specialized(false);
         result?;
         for row in prefill_attention_rows(be.gpu(), &spec, len, iters, &ceil)? {
             report(&row);
@@ -422,6 +424,13 @@ pub fn run_variants(
         }
     }
     Ok((ceil, rows))
+}
+
+/// Every prefill-attention implementation, then `Wgmma` with its warp-specialized kernel
+/// (`PrefillScratch::wg_specialized`).
+fn prefill_variants() -> impl Iterator<Item = (PrefillAttn, bool)> {
+    let plain = PrefillAttn::ALL.into_iter().map(|a| (a, false));
+    plain.chain([(PrefillAttn::Wgmma, true)])
 }
 
 /// A prefill benchmark's one sequence of `len` tokens from position 0: its block table (blocks 0,
@@ -470,8 +479,9 @@ fn prefill_attention_rows(
     }];
     let flops = 2.0 * (len as f64).powi(2) * (spec.head_dim * spec.num_heads) as f64;
     let mut rows = Vec::new();
-    for pa in PrefillAttn::ALL {
+    for (pa, ws) in prefill_variants() {
         let mut scratch = PrefillScratch::new(pa);
+        scratch.wg_specialized = ws;
         let t = timed(gpu, iters, || {
             scratch.run(
                 gpu,
@@ -489,9 +499,12 @@ fn prefill_attention_rows(
         })?;
         rows.push(BenchRow {
             what: format!(
-                "prefill attention, 1 layer [{pa:?}{}]",
+                "prefill attention, 1 layer [{pa:?}{}{}]",
+                if ws { ", specialized" } else { "" },
                 if pa == PrefillAttn::Wgmma && !scratch.wgmma_runs(gpu, &d) {
                     ": fell back to flashv3"
+                } else if ws && !scratch.wg_specialized_runs(gpu, &d) {
+                    ": fell back to the plain wgmma kernel"
                 } else {
                     ""
                 }

@@ -427,6 +427,12 @@ impl CudaBackend {
         self.prefill.attn = attn;
     }
 
+    /// Whether `Wgmma` prefill attention runs its warp-specialized kernel
+    /// ([`crate::prefill::PrefillScratch::wg_specialized`]; benchmarks compare the two).
+    pub fn set_wg_specialized(&mut self, on: bool) {
+        self.prefill.wg_specialized = on;
+    }
+
     /// The kernels later steps use: paged attention (with the v4 tuning), linear layers,
     /// prefill attention.
     pub fn kernels(&self) -> (AttnChoice, ops::LinearImpl, PrefillAttn) {

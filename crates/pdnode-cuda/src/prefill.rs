@@ -84,6 +84,10 @@ pub struct PrefillScratch {
     pub score_budget: usize,
     /// Implementation (`engine.cuda.prefill_attention`).
     pub attn: PrefillAttn,
+    /// `Wgmma` runs the warp-specialized kernel (`flash_prefill_hd128_ws`: a producer warpgroup
+    /// and two consumers taking turns, FlashAttention-3's schedule) where it fits, instead of
+    /// `flash_prefill_hd128_wg`: the benchmark's and the tests' knob while the two are compared.
+    pub wg_specialized: bool,
     kc: Option<DevBuf>,
     vc: Option<DevBuf>,
     qh: Option<DevBuf>,
@@ -130,6 +134,16 @@ impl PrefillScratch {
     /// flashv3).
     pub fn wgmma_runs(&self, gpu: &Gpu, d: &AttnDims) -> bool {
         self.attn == PrefillAttn::Wgmma && wgmma_fits(gpu, d)
+    }
+
+    /// Whether that wgmma kernel is the warp-specialized one ([`PrefillScratch::wg_specialized`]
+    /// where its program loaded and the block size is at least 4: a 128-key tile spans at most
+    /// 32 pool blocks, one per lane of a producer warp).
+    pub fn wg_specialized_runs(&self, gpu: &Gpu, d: &AttnDims) -> bool {
+        self.wg_specialized
+            && self.wgmma_runs(gpu, d)
+            && d.block_size >= 4
+            && gpu.has_kernel(WGMMA_WS_KERNEL)
     }
 
     /// Attention of the new tokens of `seqs` (layer `layer`), reading q rows from `q`
@@ -188,8 +202,9 @@ impl PrefillScratch {
             } else {
                 attn
             };
+            let ws = self.wg_specialized_runs(gpu, d);
             return run_flash(
-                gpu, d, layer_ptr, q, out, tables, max_blocks, seqs, attn, window,
+                gpu, d, layer_ptr, q, out, tables, max_blocks, seqs, attn, ws, window,
             );
         }
         let (hd_i, nkv_i, bs_i) = (hd as i32, nkv as i32, bs as i32);
@@ -395,8 +410,10 @@ const V3_SMEM_HD128: usize = FLASH_V3_STAGES * 2 * 64 * (128 + 8) * BF16;
 /// dims bf16) and two stages of a 128-key tile of K and of V.
 pub const WGMMA_SMEM: usize = 1024 + 128 * 128 * BF16 + 2 * 2 * 128 * 128 * BF16;
 
-/// The wgmma kernel's entry point.
+/// The wgmma kernel's entry points: two warpgroups loading and computing alike, and the
+/// warp-specialized one (a producer warpgroup and two consumers, same shared memory).
 const WGMMA_KERNEL: &str = "flash_prefill_hd128_wg";
+const WGMMA_WS_KERNEL: &str = "flash_prefill_hd128_ws";
 
 /// Whether the wgmma kernel can run `d` on `gpu` (not where the GPU is not sm_90 or its program
 /// did not load, head_dim is not 128, the block size not a power of two, or a pool layer too
@@ -408,9 +425,9 @@ fn wgmma_fits(gpu: &Gpu, d: &AttnDims) -> bool {
     fits && gpu.has_kernel(WGMMA_KERNEL)
 }
 
-/// The fused kernel `attn` (a flash variant; `Wgmma` only where [`PrefillScratch::wgmma_runs`])
-/// for each sequence of `seqs` (already checked against the step by the caller): grid (query
-/// tiles, nh), or (nh, query tiles) for v3 and wgmma.
+/// The fused kernel `attn` (a flash variant; `Wgmma` only where [`PrefillScratch::wgmma_runs`],
+/// its warp-specialized kernel where `ws`) for each sequence of `seqs` (already checked against
+/// the step by the caller): grid (query tiles, nh), or (nh, query tiles) for v3 and wgmma.
 #[allow(clippy::too_many_arguments)]
 fn run_flash(
     gpu: &Gpu,
@@ -422,6 +439,7 @@ fn run_flash(
     max_blocks: usize,
     seqs: &[LongSeq],
     attn: PrefillAttn,
+    ws: bool,
     window: usize,
 ) -> Result<(), CudaError> {
     let (nh, nkv, hd, bs) = (d.num_heads, d.num_kv_heads, d.head_dim, d.block_size);
@@ -441,6 +459,7 @@ fn run_flash(
         (64, PrefillAttn::FlashV3) => ("flash_prefill_hd64_v3", 8usize, 128usize, V3_SMEM_HD64),
         (128, PrefillAttn::FlashV3) => ("flash_prefill_hd128_v3", 8, 128, V3_SMEM_HD128),
         // only where `wgmma_runs` (the caller)
+        (128, PrefillAttn::Wgmma) if ws => (WGMMA_WS_KERNEL, 12, 128, WGMMA_SMEM),
         (128, PrefillAttn::Wgmma) => (WGMMA_KERNEL, 8, 128, WGMMA_SMEM),
         (64, _) => ("flash_prefill_hd64_w8", 8, 128, 0),
         (128, _) => ("flash_prefill_hd128_w8", 8, 128, 0),

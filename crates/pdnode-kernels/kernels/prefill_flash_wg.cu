@@ -1,5 +1,6 @@
 // Causal flash prefill attention on Hopper's warpgroup MMA (wgmma), head_dim 128 (issue 20: the
-// FlashAttention-3 approach, without its warp specialization). Compiled in a program of its own
+// FlashAttention-3 approach; flash_prefill_hd128_wg without its warp specialization, and
+// flash_prefill_hd128_ws with it, below, not yet measured against it). Compiled in a program of its own
 // for compute_90a (wgmma exists only there; `pdnode_kernels::ptx_for_wgmma`), after common.cuh and
 // prefill_flash.cu (whose fp_* helpers it uses); on any other target the entry points are empty
 // and the launcher never picks them.
@@ -338,6 +339,227 @@ __device__ __forceinline__ void flash_prefill_wg_impl(const bf16_t* __restrict__
     wg_store(out, o, lrow, row0, r0, r1, n, qstride, h, t);
 }
 
+// ---- the warp-specialized variant (FlashAttention-3's schedule; issue 20) ----------------------
+//
+// 384 threads: warpgroup 0 is the producer (setmaxnreg down to 40 registers), warpgroups 1 and 2
+// the consumers (up to 232), each 64 of the CTA's 128 query rows. The producer loads Q once and
+// then, per 128-key tile j, K of tile j and V of tile j - 1 by cp.async into two stages, each
+// copy group signalling a full barrier (mbarrier, cp.async.mbarrier.arrive.noinc: 128 arrivals);
+// the consumers release a stage's K once their S wgmma of it completed and its V once their P V
+// of it did (one arrival per consumer warpgroup), which the producer waits for before refilling.
+// A consumer step issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back, then runs the
+// softmax of S_j while the P V is in flight (intra-warpgroup overlap); the two consumers take
+// turns issuing (named barriers 1 and 2: ping-pong), so one's softmax runs under the other's
+// wgmma. Block-table entries: lane l of each producer warp reads the tile's l-th pool block, rows
+// take theirs by shuffle (block_size 4 or more: at most 32 blocks a tile).
+
+// barrier words in the kernel's static shared memory: full Q, full K[2], full V[2], empty K[2],
+// empty V[2]
+#define WS_FULL_Q 0
+#define WS_FULL_K 1
+#define WS_FULL_V 3
+#define WS_EMPTY_K 5
+#define WS_EMPTY_V 7
+#define WS_NBAR 9
+
+
+__device__ __forceinline__ void ws_mbar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Spins until the phase of parity `parity` of the barrier has completed.
+__device__ __forceinline__ void ws_mbar_wait(unsigned bar, unsigned parity) {
+    asm volatile(
+        "{\n.reg .pred p;\nWS_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@p bra WS_DONE;\nbra WS_WAIT;\nWS_DONE:\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+__device__ __forceinline__ void ws_mbar_arrive(unsigned bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// An arrival on `bar` once every cp.async this thread issued so far has landed (counted in the
+// barrier's expected arrivals: .noinc).
+__device__ __forceinline__ void ws_cp_arrive(unsigned bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+// The two consumer warpgroups' turns: named barrier 1 + c is consumer c's, 256 threads (the
+// waiting warpgroup's sync plus the other's arrive).
+__device__ __forceinline__ void ws_turn_wait(int c) {
+    asm volatile("bar.sync %0, 256;\n" ::"r"(1 + c) : "memory");
+}
+__device__ __forceinline__ void ws_turn_give(int c) {
+    asm volatile("bar.arrive %0, 256;\n" ::"r"(1 + c) : "memory");
+}
+
+__device__ __forceinline__ void flash_prefill_ws_impl(const bf16_t* __restrict__ q,
+                                                      bf16_t* __restrict__ out,
+                                                      const bf16_t* __restrict__ layer_kv,
+                                                      const int* __restrict__ table, int row0,
+                                                      int n, int start, int nh, int nkv,
+                                                      int block_size, float scale_log2,
+                                                      int window, unsigned char* smem) {
+    constexpr int HD = WG_HD, BM = WG_BM, BN = WG_BN;
+    __shared__ __align__(8) unsigned long long ws_bar[WS_NBAR];
+    const int h = blockIdx.x;
+    const int m0 = (gridDim.y - 1 - blockIdx.y) * BM;
+    const int tid = threadIdx.x;
+    const int kv_end = start + min(m0 + BM, n);
+    const int ntiles = (kv_end + BN - 1) / BN;
+    const i64 qstride = (i64)nh * HD;
+    const int jt0 = window > 0 ? max(0, start + m0 + 1 - window) / BN : 0;
+    const int nt = ntiles - jt0;  // >= 1: key start + m0 is in tile jt0 .. ntiles - 1
+    const unsigned bar0 = fp_smem_addr(ws_bar);
+    const unsigned smem_base = fp_smem_addr(smem);
+    const unsigned tiles_base = smem_base + WG_Q_BYTES;
+    if (tid == 0) {
+        ws_mbar_init(bar0 + 8 * WS_FULL_Q, 128);
+#pragma unroll
+        for (int s = 0; s < 2; s++) {
+            ws_mbar_init(bar0 + 8 * (WS_FULL_K + s), 128);
+            ws_mbar_init(bar0 + 8 * (WS_FULL_V + s), 128);
+            ws_mbar_init(bar0 + 8 * (WS_EMPTY_K + s), 2);
+            ws_mbar_init(bar0 + 8 * (WS_EMPTY_V + s), 2);
+        }
+    }
+    __syncthreads();
+
+    if (tid < 128) {
+        // ---- producer ----
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        const int lane = tid & 31, ldrow = tid >> 4, lc = tid & 15;  // rows ldrow + 8 it
+        const int kvh = h / (nh / nkv);
+        const int bs_shift = fp_log2i(block_size), bs_mask = block_size - 1;
+        const int row_stride = nkv * HD, vofs = block_size * row_stride, blk_stride = 2 * vofs;
+        const bf16_t* kv_base = layer_kv + (i64)kvh * HD + lc * 8;
+        const int last_blk = (kv_end - 1) >> bs_shift;
+        const int blks_per_tile = BN >> bs_shift;  // >= 1 for block_size <= 128 (else 0: one)
+        // lane l: the pool block of the tile's l-th block (-1 past the keys)
+        auto tile_blk = [&](int tile) {
+            const int b = ((tile * BN) >> bs_shift) + lane;
+            return (b <= last_blk && (lane < blks_per_tile || lane == 0)) ? table[b] : -1;
+        };
+        // the 16 rows of one tile half (K: vo 0, V: vo vofs) into `dst` (a stage's K or V)
+        auto load = [&](int tile, int blkv, unsigned dst, int vo) {
+            const int first = (tile * BN) >> bs_shift;
+#pragma unroll 4
+            for (int it = 0; it < 16; it++) {
+                const int r = ldrow + 8 * it, j = tile * BN + r;
+                const int b = __shfl_sync(0xffffffffu, blkv, ((j >> bs_shift) - first) & 31);
+                const bool ok = j < kv_end && b >= 0;
+                const bf16_t* src =
+                    ok ? kv_base + (i64)b * blk_stride + (j & bs_mask) * row_stride + vo : layer_kv;
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                                 dst + wg_off(r, lc)),
+                             "l"(src), "r"(ok ? 16 : 0)
+                             : "memory");
+            }
+        };
+        // Q rows m0 .. m0 + 127 (zero past n)
+#pragma unroll 4
+        for (int it = 0; it < 16; it++) {
+            const int r = ldrow + 8 * it;
+            const bool ok = m0 + r < n;
+            const bf16_t* src = ok ? q + (i64)(row0 + m0 + r) * qstride + (i64)h * HD + lc * 8 : q;
+            fp_cp_async16(smem + wg_off(r, lc), src, ok ? 16 : 0);
+        }
+        ws_cp_arrive(bar0 + 8 * WS_FULL_Q);
+        int blk_prev = -1, blk_cur = tile_blk(jt0);
+        for (int i = 0; i < nt; i++) {
+            const int st = i & 1;
+            const int blk_next = i + 1 < nt ? tile_blk(jt0 + i + 1) : -1;
+            // the stage's previous K (tile i - 2) released by both consumers
+            ws_mbar_wait(bar0 + 8 * (WS_EMPTY_K + st), ((i >> 1) & 1) ^ 1);
+            load(jt0 + i, blk_cur, tiles_base + st * WG_TILE_BYTES, 0);
+            ws_cp_arrive(bar0 + 8 * (WS_FULL_K + st));
+            if (i > 0) {
+                const int ps = (i - 1) & 1;
+                ws_mbar_wait(bar0 + 8 * (WS_EMPTY_V + ps), (((i - 1) >> 1) & 1) ^ 1);
+                load(jt0 + i - 1, blk_prev, tiles_base + ps * WG_TILE_BYTES + WG_TILE_BYTES / 2,
+                     vofs);
+                ws_cp_arrive(bar0 + 8 * (WS_FULL_V + ps));
+            }
+            blk_prev = blk_cur;
+            blk_cur = blk_next;
+        }
+        {
+            const int ls = (nt - 1) & 1;
+            ws_mbar_wait(bar0 + 8 * (WS_EMPTY_V + ls), (((nt - 1) >> 1) & 1) ^ 1);
+            load(jt0 + nt - 1, blk_prev, tiles_base + ls * WG_TILE_BYTES + WG_TILE_BYTES / 2, vofs);
+            ws_cp_arrive(bar0 + 8 * (WS_FULL_V + ls));
+        }
+        // its copies landed (each has also arrived on its full barrier) before the producer ends
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+        return;
+    }
+
+    // ---- consumers ----
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    const int ct = tid - 128, c = ct >> 7, w = (ct >> 5) & 3, lane = ct & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const bool leader = (ct & 127) == 0;
+    const int r0 = m0 + c * 64 + w * 16 + g, r1 = r0 + 8;
+    const int qpos0 = start + r0, qpos1 = start + r1;
+    const int gfirst = start + m0 + c * 64, glast = gfirst + 63;
+    const unsigned wlim = window > 0 ? (unsigned)window : 0x7fffffffu;
+    const unsigned q_addr = smem_base + c * 64 * 128;
+
+    float o[64];
+#pragma unroll
+    for (int i = 0; i < 64; i++) o[i] = 0.f;
+    float mrow[2] = {-INFINITY, -INFINITY};
+    float lrow[2] = {0.f, 0.f};
+    float s[64], alpha[2];
+    unsigned p[32];
+
+    if (c == 0) ws_turn_give(0);  // consumer 0 issues first
+    ws_mbar_wait(bar0 + 8 * WS_FULL_Q, 0);
+    // tile jt0: S only
+    ws_mbar_wait(bar0 + 8 * WS_FULL_K, 0);
+    wg_fence_proxy();
+    ws_turn_wait(c);
+    wg_scores_issue(s, q_addr, tiles_base);
+    if (c == 0 || nt > 1) ws_turn_give(1 - c);
+    wg_wait<0>();
+    wg_keep(s);
+    if (leader) ws_mbar_arrive(bar0 + 8 * WS_EMPTY_K);
+    wg_softmax(s, alpha, mrow, lrow, jt0 * BN, qpos0, qpos1, gfirst, glast, wlim, t, scale_log2);
+    wg_pack_p(p, s);
+    for (int i = 1; i < nt; i++) {
+        const int st = i & 1, ps = st ^ 1;
+        const unsigned k_addr = tiles_base + st * WG_TILE_BYTES;
+        const unsigned v_addr = tiles_base + ps * WG_TILE_BYTES + WG_TILE_BYTES / 2;
+        ws_mbar_wait(bar0 + 8 * (WS_FULL_K + st), (i >> 1) & 1);
+        ws_mbar_wait(bar0 + 8 * (WS_FULL_V + ps), ((i - 1) >> 1) & 1);
+        wg_fence_proxy();
+        ws_turn_wait(c);
+        wg_scores_issue(s, q_addr, k_addr);
+        wg_pv_issue(o, p, v_addr);
+        // consumer 1's last turn is given to nobody (consumer 0 waits for no further one)
+        if (c == 0 || i + 1 < nt) ws_turn_give(1 - c);
+        wg_wait<1>();  // S_i landed (P V of tile i - 1 may still run)
+        wg_keep(s);
+        if (leader) ws_mbar_arrive(bar0 + 8 * (WS_EMPTY_K + st));
+        wg_softmax(s, alpha, mrow, lrow, (jt0 + i) * BN, qpos0, qpos1, gfirst, glast, wlim, t,
+                   scale_log2);
+        wg_wait<0>();
+        wg_keep(o);
+        if (leader) ws_mbar_arrive(bar0 + 8 * (WS_EMPTY_V + ps));
+        wg_rescale(o, alpha);
+        wg_pack_p(p, s);
+    }
+    {
+        const int ls = (nt - 1) & 1;
+        ws_mbar_wait(bar0 + 8 * (WS_FULL_V + ls), ((nt - 1) >> 1) & 1);
+        wg_fence_proxy();
+        wg_pv_issue(o, p, tiles_base + ls * WG_TILE_BYTES + WG_TILE_BYTES / 2);
+        wg_wait<0>();
+        wg_keep(o);
+    }
+    wg_store(out, o, lrow, row0, r0, r1, n, qstride, h, t);
+}
+
+
 // Checks the descriptor layouts on the device (cuda_kernels_prefill's wgmma probe): a [64][128]
 // and b [128][128] bf16 into the swizzled layout; c1 = a b^T (both K-major, as S = Q K^T),
 // c2 = a b (a from registers, b MN-major with imm-trans-b = trans and the given byte offsets, as
@@ -427,6 +649,19 @@ __device__ __forceinline__ unsigned char* wg_smem_aligned() {
 #endif
 
 FLASH_PREFILL_WG_KERNEL(flash_prefill_hd128_wg, 2)
+
+// The warp-specialized variant: grid (nh, ceil(n / 128)), block 384 (producer warpgroup + two
+// consumers), dynamic shared memory as flash_prefill_hd128_wg's (two stages); block_size a power
+// of two of at least 4.
+extern "C" __global__ void __launch_bounds__(384, 1)
+    flash_prefill_hd128_ws(const bf16_t* __restrict__ q, bf16_t* __restrict__ out,
+                           const bf16_t* __restrict__ layer_kv, const int* __restrict__ table,
+                           int row0, int n, int start, int nh, int nkv, int block_size,
+                           float scale_log2, int window) {
+    PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();
+    WG_BODY(flash_prefill_ws_impl(q, out, layer_kv, table, row0, n, start, nh, nkv, block_size,
+                                  scale_log2, window, wg_smem_aligned()))
+}
 
 // block: 128, dynamic shared memory 1024 + 32768 + 32768.
 extern "C" __global__ void __launch_bounds__(128, 1)

@@ -158,7 +158,11 @@ pub const WGMMA_SOURCES: [(&str, &str); 3] = [
 ];
 
 /// Entry points of [`WGMMA_SOURCES`] the backend loads on a compute capability 9.0 device.
-pub const WGMMA_KERNEL_NAMES: [&str; 2] = ["flash_prefill_hd128_wg", "wgmma_probe"];
+pub const WGMMA_KERNEL_NAMES: [&str; 3] = [
+    "flash_prefill_hd128_wg",
+    "flash_prefill_hd128_ws",
+    "wgmma_probe",
+];
 
 /// The architecture [`ptx_for_wgmma`] compiles for: wgmma exists only on `sm_90a`.
 pub const WGMMA_ARCH: &str = "compute_90a";

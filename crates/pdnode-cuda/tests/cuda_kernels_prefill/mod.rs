@@ -92,19 +92,25 @@ fn run_prefill_attn(
     dtab: &DevBuf,
     max_blocks: usize,
     seqs: &[LongSeq],
-    attn: PrefillAttn,
+    (attn, specialized): Variant,
     window: usize,
 ) -> Vec<f32> {
     let out = poisoned(g, t * d.num_heads * d.head_dim * 2);
     let scratch = &mut PrefillScratch::new(attn);
+    scratch.wg_specialized = specialized;
     // on an sm_90 device a head_dim 128 / power-of-two block case must really take the wgmma
-    // kernel (a fallback to flashv3 would pass every comparison)
+    // kernel asked for (a fallback to flashv3 would pass every comparison)
     let hopper_case =
         g.compute_capability == (9, 0) && d.head_dim == 128 && d.block_size.is_power_of_two();
     assert_eq!(
         scratch.wgmma_runs(g, d),
         attn == PrefillAttn::Wgmma && hopper_case,
         "{attn:?} on {d:?}"
+    );
+    assert_eq!(
+        scratch.wg_specialized_runs(g, d),
+        specialized && attn == PrefillAttn::Wgmma && hopper_case && d.block_size >= 4,
+        "{attn:?} (warp-specialized: {specialized}) on {d:?}"
     );
     scratch
         .run(
@@ -124,19 +130,27 @@ fn run_prefill_attn(
     g.download_bf16(&out, t * d.num_heads * d.head_dim).unwrap()
 }
 
+/// An implementation and whether its wgmma kernel is the warp-specialized one
+/// (`PrefillScratch::wg_specialized`).
+type Variant = (PrefillAttn, bool);
+
+/// Every implementation, and `Wgmma` once more with the warp-specialized kernel.
+fn all_variants() -> impl Iterator<Item = Variant> {
+    let plain = PrefillAttn::ALL.into_iter().map(|a| (a, false));
+    plain.chain([(PrefillAttn::Wgmma, true)])
+}
+
 /// The flash implementations the tests compare; on a compute capability 9.0 device the wgmma
-/// kernel must be loaded (else `Wgmma` would quietly test flashv3).
-fn flash_variants(g: &Gpu) -> [PrefillAttn; 3] {
+/// kernels must be loaded (else `Wgmma` would quietly test flashv3).
+fn flash_variants(g: &Gpu) -> Vec<Variant> {
     if g.compute_capability == (9, 0) {
         for k in pdnode_kernels::WGMMA_KERNEL_NAMES {
             assert!(g.has_kernel(k), "{k} not loaded on an sm_90 device");
         }
     }
-    [
-        PrefillAttn::Flash8,
-        PrefillAttn::FlashV3,
-        PrefillAttn::Wgmma,
-    ]
+    all_variants()
+        .filter(|(a, _)| *a != PrefillAttn::Gemm)
+        .collect()
 }
 
 #[test]
@@ -245,6 +259,11 @@ fn prefill_flash_attention_matches_reference() {
         // a 64-key block per tile; a block size that is no power of two (v2 falls back to w8)
         (8, 2, 128, 64, vec![(100, 300)]),
         (4, 1, 128, 24, vec![(10, 100)]),
+        // 32 blocks a 128-key tile (the warp-specialized kernel's most), 16, and a block
+        // longer than a tile
+        (8, 2, 128, 4, vec![(3, 200)]),
+        (4, 2, 128, 8, vec![(0, 130)]),
+        (4, 1, 128, 256, vec![(100, 300)]),
     ];
     let mut worst = 0f32;
     for (nh, nkv, hd, bs, sq) in cases {
@@ -339,7 +358,7 @@ fn prefill_flash_attention_matches_gemm_path_at_llama_shapes() {
             seq: 0,
         }];
         let run = |a| run_prefill_attn(&g, &d, &pool, 0, &dq, t, &dtab, max_blocks, &seqs, a, 0);
-        let want = run(PrefillAttn::Gemm);
+        let want = run((PrefillAttn::Gemm, false));
         for attn in flash_variants(&g) {
             let e = rel_err(&run(attn), &want);
             println!(
@@ -406,7 +425,7 @@ fn prefill_attention_windows_match_reference() {
                     ref_prefill(&d, &pool_h, layer, tab, &q, s.row0, s.n, s.start, window)
                 })
                 .collect();
-            for attn in PrefillAttn::ALL {
+            for attn in all_variants() {
                 let got = run_prefill_attn(
                     &g, &d, &pool, layer, &dq, t, &dtab, max_blocks, &seqs, attn, window,
                 );

@@ -11,6 +11,9 @@
 #   decode         issue 20's decode benches: bench_decode_step_variants (fusion settings and PDL,
 #                  interleaved), bench_llama31_8b_shapes (decode points only) and
 #                  bench_decode_op_breakdown (1x512, 8x512); tables into the summary
+#   prefill        the prefill-attention kernels: cuda_kernels' prefill_ tests (every variant,
+#                  the warp-specialized wgmma kernel included), then bench_llama31_8b_shapes'
+#                  prefill rows at PREFILL_LENS (default 2048,8192): whole steps and one layer
 #   transfer-exp   scripts/gpu/transfer.sh exp (UCX variants, isolated ucx_perftest puts)
 #   overlap        scripts/gpu/overlap.sh (the hand-off against prefill: one chunk vs 512-token chunks)
 #   serve[:what]   scripts/gpu/serve.sh pd|colo|both (default both)
@@ -76,6 +79,16 @@ for part in "$@"; do
                 [ "$v" = bench_llama31_8b_shapes ] && rows='^ceilings|^\| decode (graph|\+argmax D2H) \|'
                 grep -E "$rows" "$LOGS/decode-$v.log" >> "$summary"
             done ;;
+        prefill)   # the prefill-attention kernels: their GPU tests, then whole steps and one layer
+            timeout 300 "$PD/t/cuda_kernels" --ignored --test-threads=1 --nocapture prefill_ \
+                wgmma_descriptors > "$LOGS/prefill-tests.log" 2>&1
+            echo "## cuda_kernels prefill_ (rc=$?)" >> "$summary"
+            grep -E '^test result|FAILED|panicked' "$LOGS/prefill-tests.log" >> "$summary"
+            PDNODE_BENCH_DECODE= PDNODE_BENCH_PREFILL=${PREFILL_LENS:-2048,8192} timeout 400 \
+                "$PD/t/cuda_bench" --ignored --nocapture --exact bench_llama31_8b_shapes \
+                > "$LOGS/prefill-bench.log" 2>&1
+            echo "## bench_llama31_8b_shapes, prefill (rc=$?)" >> "$summary"
+            grep -E '^BENCH prefill|^ceilings' "$LOGS/prefill-bench.log" | sed -E 's/^BENCH //' >> "$summary" ;;
         transfer-exp)
             OUT=$LOGS/transfer-exp bash scripts/gpu/transfer.sh exp 2>&1 |
                 tee "$LOGS/transfer-exp.out" | tail -20 >> "$summary" ;;

@@ -26,6 +26,9 @@
 // Fragment layouts: as prefill_flash.cu's mma.m16n8k16 ones, per warp of the warpgroup (warp
 // w holds rows 16 w .. 16 w + 15 of its 64): accumulator element 4 i + e of lane (g, t) is row
 // 16 w + g + 8 (e >> 1), column 8 i + 2 t + (e & 1).
+//
+// Every inline PTX sits in the two regions marked PTX-BEGIN / PTX-END: emu/wg/run.sh replaces
+// them with C++ emulations and runs both kernels on the CPU against a reference (test emu_wg).
 
 #define WG_HD 128
 #define WG_BM 128
@@ -42,6 +45,13 @@ __device__ __forceinline__ unsigned long long wg_desc(unsigned addr, unsigned lb
            ((unsigned long long)((sbo >> 4) & 0x3FFFu) << 32) | (1ull << 62);
 }
 
+// Byte offset of 16-byte chunk c (0..15 along the 128 dims) of row r in a swizzled matrix.
+__device__ __forceinline__ unsigned wg_off(int r, int c) {
+    return (unsigned)((c >> 3) * (WG_BN * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+
+// PTX-BEGIN: wgmma (emu/wg/run.sh splices its emulation in place of this region)
+
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() {
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
@@ -53,11 +63,6 @@ __device__ __forceinline__ void wg_wait() {
 // cp.async writes (generic proxy) made visible to wgmma's reads (async proxy).
 __device__ __forceinline__ void wg_fence_proxy() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
-// Byte offset of 16-byte chunk c (0..15 along the 128 dims) of row r in a swizzled matrix.
-__device__ __forceinline__ unsigned wg_off(int r, int c) {
-    return (unsigned)((c >> 3) * (WG_BN * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4));
 }
 
 // d[64] (+)= A (64x16, smem descriptor) * B (16x128, smem descriptor), both K-major: a 64 x 128
@@ -112,6 +117,8 @@ __device__ __forceinline__ void wg_keep(float* d) {
 #pragma unroll
     for (int i = 0; i < 64; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
+
+// PTX-END
 
 // S = Q K^T of one 128-key tile for this warpgroup's 64 rows, issued and committed (the caller
 // waits): 8 wgmma m64n128k16 over the 128 dims, both operands K-major in shared memory.
@@ -363,6 +370,8 @@ __device__ __forceinline__ void flash_prefill_wg_impl(const bf16_t* __restrict__
 #define WS_NBAR 9
 
 
+// PTX-BEGIN: mbarriers, named barriers, cp.async, setmaxnreg
+
 __device__ __forceinline__ void ws_mbar_init(unsigned bar, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
@@ -391,6 +400,26 @@ __device__ __forceinline__ void ws_turn_wait(int c) {
 __device__ __forceinline__ void ws_turn_give(int c) {
     asm volatile("bar.arrive %0, 256;\n" ::"r"(1 + c) : "memory");
 }
+// 16 bytes global -> shared address `dst`, zero-filled past src_bytes (0: nothing is read).
+__device__ __forceinline__ void ws_cp16(unsigned dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(src_bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void ws_cp_wait_all() {
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+// The producer warpgroup's registers down to 40, the consumers' up to 232 (the one CTA of an
+// SM starts with 168 a thread: 128 x 40 + 256 x 232 <= 384 x 168).
+__device__ __forceinline__ void ws_regs_producer() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+}
+__device__ __forceinline__ void ws_regs_consumer() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+}
+
+// PTX-END
+
 
 __device__ __forceinline__ void flash_prefill_ws_impl(const bf16_t* __restrict__ q,
                                                       bf16_t* __restrict__ out,
@@ -426,7 +455,7 @@ __device__ __forceinline__ void flash_prefill_ws_impl(const bf16_t* __restrict__
 
     if (tid < 128) {
         // ---- producer ----
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        ws_regs_producer();
         const int lane = tid & 31, ldrow = tid >> 4, lc = tid & 15;  // rows ldrow + 8 it
         const int kvh = h / (nh / nkv);
         const int bs_shift = fp_log2i(block_size), bs_mask = block_size - 1;
@@ -449,10 +478,7 @@ __device__ __forceinline__ void flash_prefill_ws_impl(const bf16_t* __restrict__
                 const bool ok = j < kv_end && b >= 0;
                 const bf16_t* src =
                     ok ? kv_base + (i64)b * blk_stride + (j & bs_mask) * row_stride + vo : layer_kv;
-                asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
-                                 dst + wg_off(r, lc)),
-                             "l"(src), "r"(ok ? 16 : 0)
-                             : "memory");
+                ws_cp16(dst + wg_off(r, lc), src, ok ? 16 : 0);
             }
         };
         // Q rows m0 .. m0 + 127 (zero past n)
@@ -489,12 +515,12 @@ __device__ __forceinline__ void flash_prefill_ws_impl(const bf16_t* __restrict__
             ws_cp_arrive(bar0 + 8 * (WS_FULL_V + ls));
         }
         // its copies landed (each has also arrived on its full barrier) before the producer ends
-        asm volatile("cp.async.wait_all;\n" ::: "memory");
+        ws_cp_wait_all();
         return;
     }
 
     // ---- consumers ----
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    ws_regs_consumer();
     const int ct = tid - 128, c = ct >> 7, w = (ct >> 5) & 3, lane = ct & 31;
     const int g = lane >> 2, t = lane & 3;
     const bool leader = (ct & 127) == 0;

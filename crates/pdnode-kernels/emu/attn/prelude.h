@@ -34,7 +34,9 @@ static inline int __ffs(int x) { return __builtin_ffs(x); }
 #define __shared__ static
 #define __align__(n) __attribute__((aligned(n)))
 
-enum { RUN, CTA_WAIT, WARP_WAIT, DONE };
+// SPIN: a thread polling a condition (an mbarrier, a named barrier) yields and runs again once
+// nothing else can run.
+enum { RUN, CTA_WAIT, WARP_WAIT, DONE, SPIN };
 struct Fiber { ucontext_t ctx; int state; dim3e tid; std::vector<char> stack; };
 static std::vector<Fiber> g_f;
 static int g_cur = -1;
@@ -122,6 +124,10 @@ static void run_block(int nt, void (*body)()) {
             for (auto& f : g_f) f.state = RUN;
             continue;
         }
+        bool spinning = false;
+        for (auto& f : g_f)
+            if (f.state == SPIN) { f.state = RUN; spinning = true; }
+        if (spinning) continue;
         fprintf(stderr, "EMU: deadlock (cta wait %d, done %d)\n", cta, done);
         exit(3);
     }

@@ -14,6 +14,9 @@
 #   prefill        the prefill-attention kernels: cuda_kernels' prefill_ tests (every variant,
 #                  the warp-specialized wgmma kernel included), then bench_llama31_8b_shapes'
 #                  prefill rows at PREFILL_LENS (default 2048,8192): whole steps and one layer
+#   prefill-ncu    ncu (--clock-control none) on one 8192-token launch of each wgmma prefill
+#                  kernel (speed of light, pipes, stalls), then the SM clock and power sampled
+#                  through a run of the 8192-token prefill bench
 #   transfer-exp   scripts/gpu/transfer.sh exp (UCX variants, isolated ucx_perftest puts)
 #   overlap        scripts/gpu/overlap.sh (the hand-off against prefill: one chunk vs 512-token chunks)
 #   serve[:what]   scripts/gpu/serve.sh pd|colo|both (default both)
@@ -89,6 +92,31 @@ for part in "$@"; do
                 > "$LOGS/prefill-bench.log" 2>&1
             echo "## bench_llama31_8b_shapes, prefill (rc=$?)" >> "$summary"
             grep -E '^BENCH prefill|^ceilings' "$LOGS/prefill-bench.log" | sed -E 's/^BENCH //' >> "$summary" ;;
+        prefill-ncu)  # why a wgmma kernel runs where it does: ncu on each, SM clocks during a step
+            NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+            for k in flash_prefill_hd128_wg flash_prefill_hd128_ws; do
+                PDNODE_BENCH_DECODE= PDNODE_BENCH_PREFILL=8192 PDNODE_BENCH_ITERS=1 timeout 300 \
+                    "$NCU" --clock-control none -k "regex:^$k\$" -s 4 -c 1 --section SpeedOfLight \
+                    --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+                    --section WarpStateStats --section SchedulerStats --section Occupancy \
+                    "$PD/t/cuda_bench" --ignored --nocapture --exact bench_llama31_8b_shapes \
+                    > "$LOGS/ncu-$k.log" 2>&1
+                echo "## ncu $k (rc=$?)" >> "$summary"
+                grep -E 'SM Frequency|Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|Executed Ipc Active|Issue Slots Busy|Registers Per Thread|Achieved Occupancy|Stall|No Eligible|One or More Eligible|Tensor' \
+                    "$LOGS/ncu-$k.log" | head -40 >> "$summary"
+            done
+            nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader \
+                -lms 100 > "$LOGS/prefill-clocks.csv" 2>&1 &
+            smi=$!
+            PDNODE_BENCH_DECODE= PDNODE_BENCH_PREFILL=8192 PDNODE_BENCH_ITERS=10 timeout 300 \
+                "$PD/t/cuda_bench" --ignored --nocapture --exact bench_llama31_8b_shapes \
+                > "$LOGS/prefill-clocks-bench.log" 2>&1
+            kill "$smi" 2>/dev/null
+            echo "## SM clock / power during bench_llama31_8b_shapes at 8192 tokens (min, median, max)" >> "$summary"
+            awk -F', ' '{gsub(/ MHz/,"",$2); gsub(/ W/,"",$3); print $2, $3}' "$LOGS/prefill-clocks.csv" |
+                sort -n | awk '{c[NR]=$1; p[NR]=$2} END {if (NR) printf "MHz %s %s %s over %d samples\n", c[1], c[int((NR+1)/2)], c[NR], NR}' >> "$summary"
+            awk -F', ' '{gsub(/ W/,"",$3); print $3}' "$LOGS/prefill-clocks.csv" | sort -n |
+                awk '{p[NR]=$1} END {if (NR) printf "W %s %s %s\n", p[1], p[int((NR+1)/2)], p[NR]}' >> "$summary" ;;
         transfer-exp)
             OUT=$LOGS/transfer-exp bash scripts/gpu/transfer.sh exp 2>&1 |
                 tee "$LOGS/transfer-exp.out" | tail -20 >> "$summary" ;;

@@ -162,6 +162,18 @@ static void emu_arrive(unsigned bar) {
 struct EmuArrival { int thread; unsigned bar; std::vector<EmuCp> cps; };
 static std::vector<EmuArrival> g_arrivals;
 static void emu_land(const EmuArrival& a) { for (auto& c : a.cps) emu_copy(c); emu_arrive(a.bar); }
+// Lands every pending arrival `pick` selects, in issue order.
+template <class P> static void emu_land_if(P pick) {
+    for (size_t i = 0; i < g_arrivals.size();) {
+        if (pick(g_arrivals[i])) {
+            EmuArrival a = g_arrivals[i];
+            g_arrivals.erase(g_arrivals.begin() + i);
+            emu_land(a);
+        } else {
+            i++;
+        }
+    }
+}
 static inline void ws_mbar_init(unsigned bar, unsigned count) {
     EmuMbar* m = emu_mbar(bar);
     m->expected = m->pending = (unsigned short)count;
@@ -172,15 +184,7 @@ static inline void ws_mbar_wait(unsigned bar, unsigned parity) {
     for (;;) {
         if ((emu_mbar(bar)->phase & 1) != parity) return;
         // land the groups that arrive on this barrier (as late as a thread can need them)
-        for (size_t i = 0; i < g_arrivals.size();) {
-            if (g_arrivals[i].bar == bar) {
-                EmuArrival a = g_arrivals[i];
-                g_arrivals.erase(g_arrivals.begin() + i);
-                emu_land(a);
-            } else {
-                i++;
-            }
-        }
+        emu_land_if([&](const EmuArrival& a) { return a.bar == bar; });
         if ((emu_mbar(bar)->phase & 1) != parity) return;
         emu_spin(seen, idle);
     }
@@ -210,15 +214,7 @@ static inline void ws_cp16(unsigned dst, const void* src, int src_bytes) {
     if (g_sync) emu_copy(c); else g_open[g_cur].push_back(c);
 }
 static inline void ws_cp_wait_all() {
-    for (size_t i = 0; i < g_arrivals.size();) {
-        if (g_arrivals[i].thread == g_cur) {
-            EmuArrival a = g_arrivals[i];
-            g_arrivals.erase(g_arrivals.begin() + i);
-            emu_land(a);
-        } else {
-            i++;
-        }
-    }
+    emu_land_if([](const EmuArrival& a) { return a.thread == g_cur; });
     for (auto& c : g_open[g_cur]) emu_copy(c);
     g_open[g_cur].clear();
 }

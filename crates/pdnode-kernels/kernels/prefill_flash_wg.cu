@@ -375,6 +375,10 @@ __device__ __forceinline__ void flash_prefill_wg_impl(const bf16_t* __restrict__
 __device__ __forceinline__ void ws_mbar_init(unsigned bar, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
+// The initializations visible to the other proxies (cp.async arrivals) before the CTA barrier.
+__device__ __forceinline__ void ws_mbar_init_fence() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
 // Spins until the phase of parity `parity` of the barrier has completed.
 __device__ __forceinline__ void ws_mbar_wait(unsigned bar, unsigned parity) {
     asm volatile(
@@ -450,6 +454,7 @@ __device__ __forceinline__ void flash_prefill_ws_impl(const bf16_t* __restrict__
             ws_mbar_init(bar0 + 8 * (WS_EMPTY_K + s), 2);
             ws_mbar_init(bar0 + 8 * (WS_EMPTY_V + s), 2);
         }
+        ws_mbar_init_fence();
     }
     __syncthreads();
 

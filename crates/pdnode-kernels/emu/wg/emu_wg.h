@@ -189,6 +189,7 @@ static inline void ws_mbar_wait(unsigned bar, unsigned parity) {
         emu_spin(seen, idle);
     }
 }
+static inline void ws_mbar_init_fence() {}
 static inline void ws_mbar_arrive(unsigned bar) { emu_arrive(bar); }
 static inline void ws_cp_arrive(unsigned bar) {
     EmuArrival a{g_cur, bar, g_open[g_cur]};

@@ -561,10 +561,12 @@ __device__ __forceinline__ void flash_prefill_ws_impl(const bf16_t* __restrict__
         const unsigned k_addr = tiles_base + st * WG_TILE_BYTES;
         const unsigned v_addr = tiles_base + ps * WG_TILE_BYTES + WG_TILE_BYTES / 2;
         ws_mbar_wait(bar0 + 8 * (WS_FULL_K + st), (i >> 1) & 1);
-        ws_mbar_wait(bar0 + 8 * (WS_FULL_V + ps), ((i - 1) >> 1) & 1);
         wg_fence_proxy();
         ws_turn_wait(c);
         wg_scores_issue(s, q_addr, k_addr);
+        // V of tile i - 1 was loaded after K of tile i: waited for only once S is under way
+        ws_mbar_wait(bar0 + 8 * (WS_FULL_V + ps), ((i - 1) >> 1) & 1);
+        wg_fence_proxy();
         wg_pv_issue(o, p, v_addr);
         // consumer 1's last turn is given to nobody (consumer 0 waits for no further one)
         if (c == 0 || i + 1 < nt) ws_turn_give(1 - c);

@@ -28,7 +28,7 @@
 // 16 w + g + 8 (e >> 1), column 8 i + 2 t + (e & 1).
 //
 // Every inline PTX sits in the two regions marked PTX-BEGIN / PTX-END: emu/wg/run.sh replaces
-// them with C++ emulations and runs both kernels on the CPU against a reference (test emu_wg).
+// them with C++ emulations and runs both kernels on the CPU against a reference (test emu).
 
 #define WG_HD 128
 #define WG_BM 128

@@ -130,7 +130,7 @@ pub fn run_prefill_op_breakdown(
     attn: pdnode_cuda::prefill::PrefillAttn,
     mut report: impl FnMut(&OpRow),
 ) -> Result<Vec<OpRow>, CudaError> {
-    use pdnode_engine::backend::{Backend, ForwardBatch, SeqStep};
+    use pdnode_engine::backend::Backend;
     let bs = 16usize;
     let longest = lens.iter().copied().max().unwrap_or(1);
     let opts = bench_options(1, longest.div_ceil(bs) + 8, bs, longest.max(64), &[], false);
@@ -146,14 +146,7 @@ pub fn run_prefill_op_breakdown(
     let mut rows = Vec::new();
     for &len in lens {
         let (tbl, toks) = super::prefill_inputs(len, bs);
-        let fb = ForwardBatch {
-            seqs: vec![SeqStep {
-                tokens: &toks,
-                start_pos: 0,
-                block_table: &tbl,
-                want_logits: true,
-            }],
-        };
+        let fb = super::prompt_batch(&toks, &tbl);
         be.forward(&fb).map_err(err)?;
         be.take_op_times()?; // warm-up
         let sums = op_sums(&mut be, iters.max(1), |be| be.forward(&fb).map(|_| ()))?;

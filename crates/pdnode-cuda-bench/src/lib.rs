@@ -381,14 +381,7 @@ pub fn run_variants(
     be.set_kernels(variants[0].0, variants[0].1);
     for &len in prefill {
         let (tbl, toks) = prefill_inputs(len, bs);
-        let fb = ForwardBatch {
-            seqs: vec![SeqStep {
-                tokens: &toks,
-                start_pos: 0,
-                block_table: &tbl,
-                want_logits: true,
-            }],
-        };
+        let fb = prompt_batch(&toks, &tbl);
         let dense =
             2.0 * (spec.num_params() - spec.vocab_size * spec.hidden_size * 2) as f64 * len as f64;
         let attn =
@@ -431,6 +424,18 @@ pub fn run_variants(
 fn prefill_variants() -> impl Iterator<Item = (PrefillAttn, bool)> {
     let plain = PrefillAttn::ALL.into_iter().map(|a| (a, false));
     plain.chain([(PrefillAttn::Wgmma, true)])
+}
+
+/// One prompt from position 0 as a step: `toks` over the blocks of `tbl`, logits wanted.
+pub(crate) fn prompt_batch<'a>(toks: &'a [u32], tbl: &'a [BlockId]) -> ForwardBatch<'a> {
+    ForwardBatch {
+        seqs: vec![SeqStep {
+            tokens: toks,
+            start_pos: 0,
+            block_table: tbl,
+            want_logits: true,
+        }],
+    }
 }
 
 /// A prefill benchmark's one sequence of `len` tokens from position 0: its block table (blocks 0,

@@ -94,14 +94,7 @@ pub fn run_mla(
     for &len in prefill {
         let tbl: Vec<BlockId> = (0..len.div_ceil(bs)).map(|j| BlockId(j as u32)).collect();
         let toks: Vec<u32> = (0..len).map(|i| ((i * 31 + 7) % v) as u32).collect();
-        let fb = ForwardBatch {
-            seqs: vec![SeqStep {
-                tokens: &toks,
-                start_pos: 0,
-                block_table: &tbl,
-                want_logits: true,
-            }],
-        };
+        let fb = super::prompt_batch(&toks, &tbl);
         let t = timed_steps(&mut be, iters.min(3), &fb)?;
         // Parameters a token runs through: bf16 bytes of a one-row step / 2.
         let per_token = DevMla::step_bytes(spec, &[])? as f64 / 2.0;

@@ -585,26 +585,6 @@ fn bench_prefill_elementwise_old_vs_new() {
         }
         let agree = format!("bit-identical {same}");
         rows.push(("swiglu", t, s, (t * inter * 6) as f64, 1.0, agree));
-        // the vector kernel with fewer blocks along the rows, each looping over rows
-        for rows_y in [4096usize, 2048, 1024, 528, 264] {
-            let sy = time_calls(&gpu, iters, || {
-                ops::swiglu_vector_rows(&gpu, &gu, &act, t, inter, rows_y)
-            })
-            .expect("swiglu rows");
-            let mut v = vec![0u16; outs[1].len()];
-            gpu.download(&mut v, &act, 0).expect("download");
-            if v != outs[1] {
-                bad.push(format!("swiglu t={t} rows_y={rows_y}: output differs"));
-            }
-            let bytes = (t * inter * 6) as f64;
-            eprintln!(
-                "EW swiglu_v8 rows_y={rows_y} tokens={t} us={:.1} (one row a block: {:.1}) frac_of_copy={:.3} x32_ms={:.2}",
-                sy * 1e6,
-                s[1] * 1e6,
-                bytes / sy / copy,
-                sy * layers * 1e3
-            );
-        }
         // add_rmsnorm: f32 row read, bf16 row written (with delta: delta read, resid written)
         for with_delta in [false, true] {
             let mut s = [0.0; 2];

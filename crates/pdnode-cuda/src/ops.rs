@@ -300,73 +300,15 @@ pub fn swiglu_with(
             256,
         ),
     };
-    launch_swiglu(gpu, k, grid, block, gu, out, t, i)?;
-    Ok(k)
-}
-
-/// `swiglu_v8` with at most `rows_y` blocks along the rows (each block then loops over rows
-/// `rows_y` apart; [`swiglu_with`] launches one per row): benchmarks compare the split with it.
-/// A shape error where the vector kernel cannot run or `rows_y` is 0.
-pub fn swiglu_vector_rows(
-    gpu: &Gpu,
-    gu: &DevBuf,
-    out: &DevBuf,
-    tokens: usize,
-    inter: usize,
-    rows_y: usize,
-) -> Result<(), CudaError> {
-    const OP: &str = "swiglu";
-    need(OP, "gu", gu, tokens * 2 * inter * BF16)?;
-    need(OP, "out", out, tokens * inter * BF16)?;
-    let (t, i) = (i32_of(OP, tokens)?, i32_of(OP, inter)?);
-    let Some((x, y)) = swiglu_vector_grid(tokens, inter, gu.ptr(), out.ptr()) else {
-        return Err(CudaError::Shape {
-            op: OP,
-            reason: format!("swiglu_v8 cannot run at tokens {tokens}, inter {inter}"),
-        });
-    };
-    if rows_y == 0 {
-        return Err(CudaError::Shape {
-            op: OP,
-            reason: "rows_y must be at least 1".into(),
-        });
-    }
-    let y = y.min(u32::try_from(rows_y).unwrap_or(u32::MAX));
-    launch_swiglu(
-        gpu,
-        EwKernel::Vector,
-        (x, y, 1),
-        SWIGLU_V8_BLOCK,
-        gu,
-        out,
-        t,
-        i,
-    )
-}
-
-/// One launch of `swiglu_v8` (`Vector`) or `swiglu` (`Scalar`); the caller checked the sizes,
-/// and for `Vector` the shape and alignment ([`swiglu_vector_grid`]).
-#[allow(clippy::too_many_arguments)]
-fn launch_swiglu(
-    gpu: &Gpu,
-    k: EwKernel,
-    grid: (u32, u32, u32),
-    block: u32,
-    gu: &DevBuf,
-    out: &DevBuf,
-    t: i32,
-    i: i32,
-) -> Result<(), CudaError> {
-    const OP: &str = "swiglu";
     let f = gpu.kernel(match k {
         EwKernel::Vector => "swiglu_v8",
         EwKernel::Scalar => "swiglu",
     })?;
     let mut b = gpu.launch_builder(f);
     b.arg(gu.ptr_ref()).arg(out.ptr_ref()).arg(&t).arg(&i);
-    // SAFETY: the callers checked the sizes (and, for the vector kernel, inter % 8 and the
-    // alignment).
-    unsafe { b.launch(cfg(grid, block)) }.map_err(launched(OP))
+    // SAFETY: sizes checked above (and, for the vector kernel, inter % 8 and the alignment).
+    unsafe { b.launch(cfg(grid, block)) }.map_err(launched(OP))?;
+    Ok(k)
 }
 
 /// Fills `n` bf16 elements of `p` with uniform(-scale, scale) values hashed from `(seed, index)`.

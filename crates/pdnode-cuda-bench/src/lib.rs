@@ -70,32 +70,82 @@ pub fn measure_ceilings(gpu: &Gpu) -> Result<Ceilings, CudaError> {
         .map_err(pdnode_cuda::drv("cuMemcpyDtoDAsync"))
     })?;
     drop((a, b));
-    let m = 8192usize;
-    let (x, w, y) = (
-        gpu.alloc(m * m * 2)?,
-        gpu.alloc(m * m * 2)?,
-        gpu.alloc(m * m * 2)?,
-    );
-    ops::fill_uniform_bf16(gpu, &x, m * m, 2, 1.0)?;
-    ops::fill_uniform_bf16(gpu, &w, m * m, 3, 1.0)?;
-    // SAFETY (closure): buffers sized m*m bf16.
-    let g = timed(gpu, 20, || unsafe {
-        gemm(
-            &gpu.blas,
-            m,
-            m,
-            m,
-            w.ptr(),
-            x.ptr(),
-            y.ptr(),
-            OutType::Bf16,
-            0.0,
-        )
-    })?;
+    let g = PeakGemm::new(gpu)?;
+    let t = timed(gpu, 20, || g.run(gpu))?;
     Ok(Ceilings {
         hbm_traffic_bps: 2.0 * n as f64 / copy,
-        gemm_flops: 2.0 * (m as f64).powi(3) / g,
+        gemm_flops: g.flops() / t,
     })
+}
+
+/// The bf16 GEMM rate at 8192^3 when it runs for `warm_s` seconds and then is timed for the next
+/// `timed_s`: what the GPU sustains at its power limit, where [`measure_ceilings`]' 20 calls
+/// (~30 ms) see the boost clock. Prefill steps of thousands of tokens run for a few hundred ms
+/// of mostly GEMM, so they see this rate; benchmarks print it beside the burst ceiling.
+pub fn sustained_gemm_flops(gpu: &Gpu, warm_s: f64, timed_s: f64) -> Result<f64, CudaError> {
+    gpu.bind()?;
+    let g = PeakGemm::new(gpu)?;
+    let t0 = Instant::now();
+    while t0.elapsed().as_secs_f64() < warm_s {
+        for _ in 0..10 {
+            g.run(gpu)?;
+        }
+        gpu.sync()?;
+    }
+    let (t1, mut calls) = (Instant::now(), 0usize);
+    while t1.elapsed().as_secs_f64() < timed_s {
+        for _ in 0..10 {
+            g.run(gpu)?;
+        }
+        calls += 10;
+        gpu.sync()?;
+    }
+    Ok(g.flops() * calls as f64 / t1.elapsed().as_secs_f64())
+}
+
+/// The ceiling GEMM: y = x w^T, all bf16 8192 x 8192, through cuBLAS.
+struct PeakGemm {
+    x: pdnode_cuda::device::DevBuf,
+    w: pdnode_cuda::device::DevBuf,
+    y: pdnode_cuda::device::DevBuf,
+}
+
+impl PeakGemm {
+    const M: usize = 8192;
+
+    fn new(gpu: &Gpu) -> Result<Self, CudaError> {
+        let m = Self::M;
+        let g = PeakGemm {
+            x: gpu.alloc(m * m * 2)?,
+            w: gpu.alloc(m * m * 2)?,
+            y: gpu.alloc(m * m * 2)?,
+        };
+        ops::fill_uniform_bf16(gpu, &g.x, m * m, 2, 1.0)?;
+        ops::fill_uniform_bf16(gpu, &g.w, m * m, 3, 1.0)?;
+        Ok(g)
+    }
+
+    fn flops(&self) -> f64 {
+        2.0 * (Self::M as f64).powi(3)
+    }
+
+    fn run(&self, gpu: &Gpu) -> Result<(), CudaError> {
+        let m = Self::M;
+        // SAFETY: the three buffers hold m * m bf16 each.
+        unsafe {
+            gemm(
+                &gpu.blas,
+                m,
+                m,
+                m,
+                self.w.ptr(),
+                self.x.ptr(),
+                self.y.ptr(),
+                OutType::Bf16,
+                0.0,
+            )
+        }
+    }
 }
 
 /// One benchmark result row.

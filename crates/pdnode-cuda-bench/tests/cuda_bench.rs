@@ -75,6 +75,27 @@ fn bench_llama31_8b_shapes() {
     let (ceil, rows) =
         bench::run_variants(&decode, &prefill, iters, &variants, report_row).expect("benchmark");
     print!("{}", bench::step_table(&ceil, &rows));
+    if !prefill.is_empty() {
+        // the prefill steps against the GEMM rate the GPU sustains for as long as they run
+        let gpu = Gpu::new(0).expect("open GPU 0");
+        let sustained = bench::sustained_gemm_flops(&gpu, 0.5, 0.5).expect("sustained GEMM");
+        println!(
+            "BENCH ceiling: bf16 GEMM 8192^3 sustained (0.5 s warm, 0.5 s timed) {:.0} TFLOP/s, \
+             burst (20 calls) {:.0}",
+            sustained / 1e12,
+            ceil.gemm_flops / 1e12
+        );
+        for r in rows.iter().filter(|r| r.what.starts_with("prefill [")) {
+            let floor = r.floor_ms * ceil.gemm_flops / sustained;
+            println!(
+                "BENCH {} ctx={} ms={:.3} sustained_floor_ms={floor:.3} ratio_sustained={:.3}",
+                r.what,
+                r.ctx,
+                r.ms,
+                floor / r.ms
+            );
+        }
+    }
 }
 
 /// The decode attention kernel alone at Llama-3.1-8B attention shapes (one layer): K/V bytes read

@@ -91,7 +91,7 @@ for part in "$@"; do
                 "$PD/t/cuda_bench" --ignored --nocapture --exact bench_llama31_8b_shapes \
                 > "$LOGS/prefill-bench.log" 2>&1
             echo "## bench_llama31_8b_shapes, prefill (rc=$?)" >> "$summary"
-            grep -E '^BENCH prefill|^ceilings' "$LOGS/prefill-bench.log" | sed -E 's/^BENCH //' >> "$summary" ;;
+            grep -E '^BENCH (prefill|ceiling)|^ceilings' "$LOGS/prefill-bench.log" | sed -E 's/^BENCH //' >> "$summary" ;;
         prefill-ncu)  # why a wgmma kernel runs where it does: ncu on each, SM clocks during a step
             NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
             for k in flash_prefill_hd128_wg flash_prefill_hd128_ws; do

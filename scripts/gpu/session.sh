@@ -99,11 +99,14 @@ for part in "$@"; do
                     "$NCU" --clock-control none -k "regex:^$k\$" -s 4 -c 1 --section SpeedOfLight \
                     --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
                     --section WarpStateStats --section SchedulerStats --section Occupancy \
+                    --metrics 'regex:^smsp__(average_warps_issue_stalled_[a-z_]+_per_issue_active\.ratio|inst_executed\.sum|inst_executed_op_ldgsts\.sum)$' \
                     "$PD/t/cuda_bench" --ignored --nocapture --exact bench_llama31_8b_shapes \
                     > "$LOGS/ncu-$k.log" 2>&1
                 echo "## ncu $k (rc=$?)" >> "$summary"
-                grep -E 'SM Frequency|Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|Executed Ipc Active|Issue Slots Busy|Registers Per Thread|Achieved Occupancy|Stall|No Eligible|One or More Eligible|Tensor' \
+                grep -E 'SM Frequency|Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|Executed Ipc Active|Issue Slots Busy|Registers Per Thread|Achieved Occupancy|Stall|No Eligible|One or More Eligible|Tensor|inst_executed' \
                     "$LOGS/ncu-$k.log" | head -40 >> "$summary"
+                # the largest stall reasons, cycles per issued instruction
+                grep -E 'issue_stalled_' "$LOGS/ncu-$k.log" | awk '{print $NF, $1}' | sort -rn | head -8 >> "$summary"
             done
             nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader \
                 -lms 100 > "$LOGS/prefill-clocks.csv" 2>&1 &

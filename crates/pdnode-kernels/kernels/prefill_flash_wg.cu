@@ -324,20 +324,18 @@ __device__ __forceinline__ void flash_prefill_wg_impl(const bf16_t* __restrict__
         fp_cp_wait<STAGES - 2>();  // tile jt (and Q) landed: this thread's copies
         wg_fence_proxy();
         __syncthreads();           // everyone's; everyone is done with tile jt - 1
-        const unsigned k_addr = smem_base + WG_Q_BYTES + ((jt - jt0) % STAGES) * WG_TILE_BYTES;
-        const unsigned v_addr = k_addr + WG_TILE_BYTES / 2;
-        float s[64];
-        wg_scores_issue(s, q_addr, k_addr);
-        // the next tile's copies issued while S runs (their address arithmetic is about half of
-        // a tile's instructions): into the buffer of tile jt - 1, whose P V has completed
         {
-            const int nxt = jt + STAGES - 1;
+            const int nxt = jt + STAGES - 1;  // into the buffer of tile jt - 1
             if (nxt < ntiles) {
                 load_tile(nxt, blk);
                 fetch_blocks(nxt + 1, blk);
             }
             fp_cp_commit();
         }
+        const unsigned k_addr = smem_base + WG_Q_BYTES + ((jt - jt0) % STAGES) * WG_TILE_BYTES;
+        const unsigned v_addr = k_addr + WG_TILE_BYTES / 2;
+        float s[64];
+        wg_scores_issue(s, q_addr, k_addr);
         wg_wait<0>();
         wg_keep(s);
         wg_softmax_pv(s, o, mrow, lrow, v_addr, jt * BN, qpos0, qpos1, gfirst, glast, wlim, t,

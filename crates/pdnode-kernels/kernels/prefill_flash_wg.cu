@@ -1,6 +1,7 @@
 // Causal flash prefill attention on Hopper's warpgroup MMA (wgmma), head_dim 128 (issue 20: the
 // FlashAttention-3 approach; flash_prefill_hd128_wg without its warp specialization, and
-// flash_prefill_hd128_ws with it, below, not yet measured against it). Compiled in a program of its own
+// flash_prefill_hd128_ws with it, below: correct on the H200 and 24 % slower, its cp.async
+// producer's instructions; docs/benchmarks.md, session 20). Compiled in a program of its own
 // for compute_90a (wgmma exists only there; `pdnode_kernels::ptx_for_wgmma`), after common.cuh and
 // prefill_flash.cu (whose fp_* helpers it uses); on any other target the entry points are empty
 // and the launcher never picks them.
@@ -15,7 +16,8 @@
 // warp with mbarrier stages; an explicit ping-pong (a named barrier ordering the warpgroups' S
 // issues; within noise); FA3's intra-warpgroup overlap (softmax of tile j + 1 under the P V of
 // tile j: 1.51 against 1.30 ms a layer at 8k tokens, spill-free at 255 registers);
-// skipping the O rescale where no row max moved.
+// skipping the O rescale where no row max moved; (session 20) the next tile's copies issued after
+// the S wgmma, and 3 stages with them issued under the P V.
 //
 // Shared memory, every matrix in the 128-byte-swizzle layout wgmma reads (1024-byte aligned):
 // Q [2][128 rows][128 B], then per stage K and V the same: half h (dims 64h .. 64h + 63) of row r

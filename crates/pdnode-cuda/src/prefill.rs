@@ -85,7 +85,8 @@ pub struct PrefillScratch {
     /// Implementation (`engine.cuda.prefill_attention`).
     pub attn: PrefillAttn,
     /// `Wgmma` runs the warp-specialized kernel (`flash_prefill_hd128_ws`: a producer warpgroup
-    /// and two consumers taking turns, FlashAttention-3's schedule) where it fits, instead of
+    /// issuing TMA copies and two consumers taking turns, FlashAttention-3's schedule) where it
+    /// fits, instead of
     /// `flash_prefill_hd128_wg`: the benchmark's and the tests' knob while the two are compared.
     pub wg_specialized: bool,
     kc: Option<DevBuf>,
@@ -137,12 +138,13 @@ impl PrefillScratch {
     }
 
     /// Whether that wgmma kernel is the warp-specialized one ([`PrefillScratch::wg_specialized`]
-    /// where its program loaded and the block size is at least 4: a 128-key tile spans at most
-    /// 32 pool blocks, one per lane of a producer warp).
+    /// where its program loaded and the block size is at least 8: its TMA boxes are whole pool
+    /// blocks, which then start on the 8-row (1024-byte) period of the 128-byte swizzle, and a
+    /// 128-key tile spans at most 16 of them).
     pub fn wg_specialized_runs(&self, gpu: &Gpu, d: &AttnDims) -> bool {
         self.wg_specialized
             && self.wgmma_runs(gpu, d)
-            && d.block_size >= 4
+            && d.block_size >= 8
             && gpu.has_kernel(WGMMA_WS_KERNEL)
     }
 
@@ -425,6 +427,58 @@ fn wgmma_fits(gpu: &Gpu, d: &AttnDims) -> bool {
     fits && gpu.has_kernel(WGMMA_KERNEL)
 }
 
+/// A CUtensorMap as a kernel argument: `flash_prefill_hd128_ws` takes it by value
+/// (`__grid_constant__`), 128 bytes the driver copies into the launch's parameters.
+#[repr(transparent)]
+struct TensorMapArg(cudarc::driver::sys::CUtensorMap);
+
+// SAFETY: a plain-old-data 128-byte struct the kernel reads as its parameter of the same size
+// and alignment (WsTmap in prefill_flash_wg.cu).
+unsafe impl cudarc::driver::DeviceRepr for TensorMapArg {}
+
+/// Layer `layer_ptr` of the pool as `flash_prefill_hd128_ws`'s TMA tensor map: bf16, dims
+/// innermost first (head_dim 128, kv heads, block_size, K|V, blocks), box (64 dims, 1 head,
+/// min(block_size, 128) rows, 1, 1), 128-byte swizzle (the layout its wgmma descriptors read),
+/// elements outside the tensor read as zero.
+fn kv_tensor_map(layer_ptr: u64, d: &AttnDims) -> Result<TensorMapArg, CudaError> {
+    use cudarc::driver::sys;
+    let (nkv, hd, bs) = (
+        d.num_kv_heads as u64,
+        d.head_dim as u64,
+        d.block_size as u64,
+    );
+    let dims: [u64; 5] = [hd, nkv, bs, 2, d.num_blocks as u64];
+    // bytes between consecutive indices of dims 1..4 (dim 0 is contiguous)
+    let strides: [u64; 4] = [
+        hd * 2,
+        nkv * hd * 2,
+        bs * nkv * hd * 2,
+        2 * bs * nkv * hd * 2,
+    ];
+    let boxes: [u32; 5] = [64, 1, bs.min(128) as u32, 1, 1];
+    let elem_strides: [u32; 5] = [1; 5];
+    let mut map = sys::CUtensorMap { opaque: [0; 16] };
+    // SAFETY: every array holds the rank's entries; the driver only writes `map`.
+    let r = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            &mut map,
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            5,
+            layer_ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            elem_strides.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    r.result().map_err(super::drv("cuTensorMapEncodeTiled"))?;
+    Ok(TensorMapArg(map))
+}
+
 /// The fused kernel `attn` (a flash variant; `Wgmma` only where [`PrefillScratch::wgmma_runs`],
 /// its warp-specialized kernel where `ws`) for each sequence of `seqs` (already checked against
 /// the step by the caller): grid (query tiles, nh), or (nh, query tiles) for v3 and wgmma.
@@ -485,6 +539,11 @@ fn run_flash(
         .map_err(super::drv("cuFuncSetAttribute"))?;
     }
     let (nh_i, nkv_i, bs_i) = (nh as i32, nkv as i32, bs as i32);
+    let kv_map = if name == WGMMA_WS_KERNEL {
+        Some(kv_tensor_map(layer_ptr, d)?)
+    } else {
+        None
+    };
     let scale_log2 = std::f32::consts::LOG2_E / (hd as f32).sqrt();
     let window_i = window as i32; // < the longest context (`run`), so in range
     for s in seqs {
@@ -503,6 +562,9 @@ fn run_flash(
             .arg(&bs_i)
             .arg(&scale_log2)
             .arg(&window_i);
+        if let Some(m) = &kv_map {
+            b.arg(m);
+        }
         let tiles = s.n.div_ceil(rows_per_cta);
         if heads_x && tiles > 65535 {
             return Err(CudaError::Shape {

@@ -33,6 +33,13 @@
 // them with C++ emulations and runs both kernels on the CPU against a reference (test emu).
 
 #define WG_HD 128
+// A CUtensorMap as a kernel parameter (128 opaque bytes, 64-byte aligned; passed by value as
+// __grid_constant__ so its address is the one TMA reads). flash_prefill_hd128_ws's describes one
+// layer of the pool [block][K|V][block_size][nkv][128] bf16, dims innermost first (128 dims,
+// nkv, block_size, 2, blocks), box (64, 1, min(block_size, 128), 1, 1), 128-byte swizzle.
+struct __align__(64) WsTmap {
+    unsigned long long v[16];
+};
 #define WG_BM 128
 #define WG_BN 128
 #define WG_Q_BYTES (WG_BM * WG_HD * 2)
@@ -350,17 +357,22 @@ __device__ __forceinline__ void flash_prefill_wg_impl(const bf16_t* __restrict__
 
 // ---- the warp-specialized variant (FlashAttention-3's schedule; issue 20) ----------------------
 //
-// 384 threads: warpgroup 0 is the producer (setmaxnreg down to 40 registers), warpgroups 1 and 2
-// the consumers (up to 232), each 64 of the CTA's 128 query rows. The producer loads Q once and
-// then, per 128-key tile j, K of tile j and V of tile j - 1 by cp.async into two stages, each
-// copy group signalling a full barrier (mbarrier, cp.async.mbarrier.arrive.noinc: 128 arrivals);
-// the consumers release a stage's K once their S wgmma of it completed and its V once their P V
-// of it did (one arrival per consumer warpgroup), which the producer waits for before refilling.
-// A consumer step issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back, then runs the
-// softmax of S_j while the P V is in flight (intra-warpgroup overlap); the two consumers take
-// turns issuing (named barriers 1 and 2: ping-pong), so one's softmax runs under the other's
-// wgmma. Block-table entries: lane l of each producer warp reads the tile's l-th pool block, rows
-// take theirs by shuffle (block_size 4 or more: at most 32 blocks a tile).
+// 384 threads: warpgroup 0 is the producer (setmaxnreg down to 48 registers), warpgroups 1 and 2
+// the consumers (up to 232), each 64 of the CTA's 128 query rows. The producer's 128 threads load
+// Q once by cp.async (a full barrier of 128 arrivals, cp.async.mbarrier.arrive.noinc); then, per
+// 128-key tile j, lane 0 of its warp 0 issues the TMA copies (cp.async.bulk.tensor, one box per
+// pool block and dim half, 128-byte swizzled by the tensor map) of K of tile j and V of tile
+// j - 1 into two stages, each completing on its full barrier (expect_tx per box, then one
+// counted arrival). V rows from the partial last block on come by cp.async instead, zero-filled
+// past the keys (their arrival counted in with cp.async.mbarrier.arrive), so stale pool values
+// never meet P V; stale K rows only give scores the causal mask replaces. The consumers release
+// a stage's K once their S wgmma of it completed and its V once their P V of it did (one arrival
+// per consumer warpgroup), which the producer waits for before refilling. A consumer step issues
+// S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back, then runs the softmax of S_j while the P V
+// is in flight (intra-warpgroup overlap); the two consumers take turns issuing (named barriers 1
+// and 2: ping-pong), so one's softmax runs under the other's wgmma. Block-table entries: lane l
+// of the producer warp reads the tile's l-th pool block, shuffled to lane 0 (block_size 8 or
+// more: at most 16 blocks a tile, each box on the swizzle's 1024-byte period).
 
 // barrier words in the kernel's static shared memory: full Q, full K[2], full V[2], empty K[2],
 // empty V[2]
@@ -398,6 +410,26 @@ __device__ __forceinline__ void ws_mbar_arrive(unsigned bar) {
 __device__ __forceinline__ void ws_cp_arrive(unsigned bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
+// `bytes` more to land on `bar` (by cp.async.bulk.tensor) before its phase can complete.
+__device__ __forceinline__ void ws_mbar_expect_tx(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+// An arrival on `bar` once this thread's cp.async so far landed, not counted in the barrier's
+// expected arrivals (the pending count goes up now, back down when they land).
+__device__ __forceinline__ void ws_cp_arrive_inc(unsigned bar) {
+    asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+// TMA: the box of tensor map `map` (a generic address of the kernel parameter) at coordinates
+// c0 .. c4 into shared memory at `dst`, counted as complete_tx bytes on `bar`.
+__device__ __forceinline__ void ws_tma_load5(unsigned dst, unsigned long long map, int c0, int c1,
+                                             int c2, int c3, int c4, unsigned bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+        "[%0], [%1, {%2, %3, %4, %5, %6}], [%7];\n" ::"r"(dst),
+        "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar)
+        : "memory");
+}
 // The two consumer warpgroups' turns: named barrier 1 + c is consumer c's, 256 threads (the
 // waiting warpgroup's sync plus the other's arrive).
 __device__ __forceinline__ void ws_turn_wait(int c) {
@@ -415,10 +447,10 @@ __device__ __forceinline__ void ws_cp16(unsigned dst, const void* src, int src_b
 __device__ __forceinline__ void ws_cp_wait_all() {
     asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
-// The producer warpgroup's registers down to 40, the consumers' up to 232 (the one CTA of an
-// SM starts with 168 a thread: 128 x 40 + 256 x 232 <= 384 x 168).
+// The producer warpgroup's registers down to 48, the consumers' up to 232 (the one CTA of an
+// SM starts with 168 a thread: 128 x 48 + 256 x 232 = 384 x 168 = 65536).
 __device__ __forceinline__ void ws_regs_producer() {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 48;\n" ::: "memory");
 }
 __device__ __forceinline__ void ws_regs_consumer() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
@@ -433,7 +465,8 @@ __device__ __forceinline__ void flash_prefill_ws_impl(const bf16_t* __restrict__
                                                       const int* __restrict__ table, int row0,
                                                       int n, int start, int nh, int nkv,
                                                       int block_size, float scale_log2,
-                                                      int window, unsigned char* smem) {
+                                                      int window, const WsTmap& kv_map,
+                                                      unsigned char* smem) {
     constexpr int HD = WG_HD, BM = WG_BM, BN = WG_BN;
     __shared__ __align__(8) unsigned long long ws_bar[WS_NBAR];
     const int h = blockIdx.x;
@@ -451,8 +484,8 @@ __device__ __forceinline__ void flash_prefill_ws_impl(const bf16_t* __restrict__
         ws_mbar_init(bar0 + 8 * WS_FULL_Q, 128);
 #pragma unroll
         for (int s = 0; s < 2; s++) {
-            ws_mbar_init(bar0 + 8 * (WS_FULL_K + s), 128);
-            ws_mbar_init(bar0 + 8 * (WS_FULL_V + s), 128);
+            ws_mbar_init(bar0 + 8 * (WS_FULL_K + s), 1);
+            ws_mbar_init(bar0 + 8 * (WS_FULL_V + s), 1);
             ws_mbar_init(bar0 + 8 * (WS_EMPTY_K + s), 2);
             ws_mbar_init(bar0 + 8 * (WS_EMPTY_V + s), 2);
         }
@@ -463,32 +496,8 @@ __device__ __forceinline__ void flash_prefill_ws_impl(const bf16_t* __restrict__
     if (tid < 128) {
         // ---- producer ----
         ws_regs_producer();
-        const int lane = tid & 31, ldrow = tid >> 4, lc = tid & 15;  // rows ldrow + 8 it
-        const int kvh = h / (nh / nkv);
-        const int bs_shift = fp_log2i(block_size), bs_mask = block_size - 1;
-        const int row_stride = nkv * HD, vofs = block_size * row_stride, blk_stride = 2 * vofs;
-        const bf16_t* kv_base = layer_kv + (i64)kvh * HD + lc * 8;
-        const int last_blk = (kv_end - 1) >> bs_shift;
-        const int blks_per_tile = BN >> bs_shift;  // >= 1 for block_size <= 128 (else 0: one)
-        // lane l: the pool block of the tile's l-th block (-1 past the keys)
-        auto tile_blk = [&](int tile) {
-            const int b = ((tile * BN) >> bs_shift) + lane;
-            return (b <= last_blk && (lane < blks_per_tile || lane == 0)) ? table[b] : -1;
-        };
-        // the 16 rows of one tile half (K: vo 0, V: vo vofs) into `dst` (a stage's K or V)
-        auto load = [&](int tile, int blkv, unsigned dst, int vo) {
-            const int first = (tile * BN) >> bs_shift;
-#pragma unroll 4
-            for (int it = 0; it < 16; it++) {
-                const int r = ldrow + 8 * it, j = tile * BN + r;
-                const int b = __shfl_sync(0xffffffffu, blkv, ((j >> bs_shift) - first) & 31);
-                const bool ok = j < kv_end && b >= 0;
-                const bf16_t* src =
-                    ok ? kv_base + (i64)b * blk_stride + (j & bs_mask) * row_stride + vo : layer_kv;
-                ws_cp16(dst + wg_off(r, lc), src, ok ? 16 : 0);
-            }
-        };
-        // Q rows m0 .. m0 + 127 (zero past n)
+        const int lane = tid & 31, ldrow = tid >> 4, lc = tid & 15;  // Q rows ldrow + 8 it
+        // Q rows m0 .. m0 + 127 (zero past n), by all 128 threads
 #pragma unroll 4
         for (int it = 0; it < 16; it++) {
             const int r = ldrow + 8 * it;
@@ -497,29 +506,77 @@ __device__ __forceinline__ void flash_prefill_ws_impl(const bf16_t* __restrict__
             fp_cp_async16(smem + wg_off(r, lc), src, ok ? 16 : 0);
         }
         ws_cp_arrive(bar0 + 8 * WS_FULL_Q);
-        int blk_prev = -1, blk_cur = tile_blk(jt0);
-        for (int i = 0; i < nt; i++) {
-            const int st = i & 1;
-            const int blk_next = i + 1 < nt ? tile_blk(jt0 + i + 1) : -1;
-            // the stage's previous K (tile i - 2) released by both consumers
-            ws_mbar_wait(bar0 + 8 * (WS_EMPTY_K + st), ((i >> 1) & 1) ^ 1);
-            load(jt0 + i, blk_cur, tiles_base + st * WG_TILE_BYTES, 0);
-            ws_cp_arrive(bar0 + 8 * (WS_FULL_K + st));
-            if (i > 0) {
-                const int ps = (i - 1) & 1;
-                ws_mbar_wait(bar0 + 8 * (WS_EMPTY_V + ps), (((i - 1) >> 1) & 1) ^ 1);
-                load(jt0 + i - 1, blk_prev, tiles_base + ps * WG_TILE_BYTES + WG_TILE_BYTES / 2,
-                     vofs);
-                ws_cp_arrive(bar0 + 8 * (WS_FULL_V + ps));
+        if (tid < 32) {
+            // K and V tiles: warp 0, lane 0 issuing the TMA copies (one box of min(block_size,
+            // 128) rows x 64 dims per pool block and dim half, 128-byte swizzled as wgmma reads
+            // them); V rows of the partial last block and past it by cp.async, zero-filled past
+            // kv_end, so no stale value of the pool (whatever an earlier owner of the block left)
+            // reaches P V. Stale K rows only give scores the causal mask discards.
+            const int kvh = h / (nh / nkv);
+            const int bs_shift = fp_log2i(block_size), bs_mask = block_size - 1;
+            const int box = block_size < BN ? block_size : BN;
+            const int row_stride = nkv * HD, blk_stride = 2 * block_size * row_stride;
+            const int last_blk = (kv_end - 1) >> bs_shift;
+            const int blks_per_tile = BN >> bs_shift;  // >= 1 for block_size <= 128 (else 0: one)
+            const int tail0 = (kv_end >> bs_shift) << bs_shift;  // first key of a partial block
+            const unsigned long long map = (unsigned long long)&kv_map;
+            // lane l: the pool block of the tile's l-th block (-1 past the keys)
+            auto tile_blk = [&](int tile) {
+                const int b = ((tile * BN) >> bs_shift) + lane;
+                return (b <= last_blk && (lane < blks_per_tile || lane == 0)) ? table[b] : -1;
+            };
+            // one tile's K (part 0) or V (part 1) into `dst`, completing phase on `bar`
+            auto load = [&](int tile, int blkv, unsigned dst, int part, unsigned bar) {
+                const int k0 = tile * BN, first = k0 >> bs_shift;
+                const int tma_rows = part == 0 ? BN : min(BN, max(0, tail0 - k0));
+                for (int row = 0; row < tma_rows; row += box) {
+                    const int j = k0 + row;
+                    const int b = __shfl_sync(0xffffffffu, blkv, ((j >> bs_shift) - first) & 31);
+                    if (lane == 0 && b >= 0) {
+                        ws_mbar_expect_tx(bar, 2 * box * 128);
+#pragma unroll
+                        for (int half = 0; half < 2; half++)
+                            ws_tma_load5(dst + half * (BN * 128) + row * 128, map, half * 64, kvh,
+                                         j & bs_mask, part, b, bar);
+                    }
+                }
+                if (tma_rows < BN) {
+                    const bf16_t* vbase = layer_kv + (i64)kvh * HD + (lane & 15) * 8 +
+                                          (i64)block_size * row_stride;
+                    for (int r = tma_rows + (lane >> 4); r < BN; r += 2) {
+                        const int j = k0 + r;
+                        const int b = j < kv_end ? table[j >> bs_shift] : -1;
+                        const bf16_t* src =
+                            b >= 0 ? vbase + (i64)b * blk_stride + (j & bs_mask) * row_stride
+                                   : layer_kv;
+                        ws_cp16(dst + wg_off(r, lane & 15), src, b >= 0 ? 16 : 0);
+                    }
+                    ws_cp_arrive_inc(bar);
+                }
+                __syncwarp();  // every lane's increment before the one counted arrival
+                if (lane == 0) ws_mbar_arrive(bar);
+            };
+            int blk_prev = -1, blk_cur = tile_blk(jt0);
+            for (int i = 0; i < nt; i++) {
+                const int st = i & 1;
+                const int blk_next = i + 1 < nt ? tile_blk(jt0 + i + 1) : -1;
+                // the stage's previous K (tile i - 2) released by both consumers
+                ws_mbar_wait(bar0 + 8 * (WS_EMPTY_K + st), ((i >> 1) & 1) ^ 1);
+                load(jt0 + i, blk_cur, tiles_base + st * WG_TILE_BYTES, 0,
+                     bar0 + 8 * (WS_FULL_K + st));
+                if (i > 0) {
+                    const int ps = (i - 1) & 1;
+                    ws_mbar_wait(bar0 + 8 * (WS_EMPTY_V + ps), (((i - 1) >> 1) & 1) ^ 1);
+                    load(jt0 + i - 1, blk_prev, tiles_base + ps * WG_TILE_BYTES + WG_TILE_BYTES / 2,
+                         1, bar0 + 8 * (WS_FULL_V + ps));
+                }
+                blk_prev = blk_cur;
+                blk_cur = blk_next;
             }
-            blk_prev = blk_cur;
-            blk_cur = blk_next;
-        }
-        {
             const int ls = (nt - 1) & 1;
             ws_mbar_wait(bar0 + 8 * (WS_EMPTY_V + ls), (((nt - 1) >> 1) & 1) ^ 1);
-            load(jt0 + nt - 1, blk_prev, tiles_base + ls * WG_TILE_BYTES + WG_TILE_BYTES / 2, vofs);
-            ws_cp_arrive(bar0 + 8 * (WS_FULL_V + ls));
+            load(jt0 + nt - 1, blk_prev, tiles_base + ls * WG_TILE_BYTES + WG_TILE_BYTES / 2, 1,
+                 bar0 + 8 * (WS_FULL_V + ls));
         }
         // its copies landed (each has also arrived on its full barrier) before the producer ends
         ws_cp_wait_all();
@@ -687,15 +744,15 @@ FLASH_PREFILL_WG_KERNEL(flash_prefill_hd128_wg, 2)
 
 // The warp-specialized variant: grid (nh, ceil(n / 128)), block 384 (producer warpgroup + two
 // consumers), dynamic shared memory as flash_prefill_hd128_wg's (two stages); block_size a power
-// of two of at least 4.
+// of two of at least 8; kv_map the layer's pool as a 5-d TMA tensor map (see WsTmap).
 extern "C" __global__ void __launch_bounds__(384, 1)
     flash_prefill_hd128_ws(const bf16_t* __restrict__ q, bf16_t* __restrict__ out,
                            const bf16_t* __restrict__ layer_kv, const int* __restrict__ table,
                            int row0, int n, int start, int nh, int nkv, int block_size,
-                           float scale_log2, int window) {
+                           float scale_log2, int window, const __grid_constant__ WsTmap kv_map) {
     PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();
     WG_BODY(flash_prefill_ws_impl(q, out, layer_kv, table, row0, n, start, nh, nkv, block_size,
-                                  scale_log2, window, wg_smem_aligned()))
+                                  scale_log2, window, kv_map, wg_smem_aligned()))
 }
 
 // block: 128, dynamic shared memory 1024 + 32768 + 32768.

@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <vector>
 
+#include <map>
+#define __grid_constant__
 static unsigned char g_arena[256 * 1024] __attribute__((aligned(1024)));
 #define EMU_BAR_OFF (224 * 1024)
 static const bool g_sync = getenv("EMU_SYNC") != nullptr;
@@ -149,20 +151,66 @@ static inline void wg_mma_rs_t1(float* d, const unsigned* a, unsigned long long 
 static inline void wg_mma_rs_t0(float* d, const unsigned* a, unsigned long long db) { emu_mma_rs(d, a, db, false); }
 
 //@@ REGION ws
-// mbarrier: its 8 bytes hold the expected and pending arrival counts and the phase.
+// mbarrier: its 8 bytes hold the expected and pending arrival counts and the phase; the bytes
+// still to land on it (expect_tx / complete_tx) are kept beside. A phase completes when no
+// arrival is pending and no byte is owed.
 struct EmuMbar { unsigned short expected, pending; unsigned phase; };
 static EmuMbar* emu_mbar(unsigned a) { return (EmuMbar*)emu_ptr(a); }
+static std::map<unsigned, long> g_tx;
+static void emu_try_complete(unsigned bar) {
+    EmuMbar* m = emu_mbar(bar);
+    if (m->pending == 0 && g_tx[bar] == 0) { m->phase++; m->pending = m->expected; }
+    g_progress++;
+}
 static void emu_arrive(unsigned bar) {
     EmuMbar* m = emu_mbar(bar);
-    if (m->pending == 0) { fprintf(stderr, "EMU: arrival on an uninitialized mbarrier\n"); exit(3); }
-    if (--m->pending == 0) { m->phase++; m->pending = m->expected; }
-    g_progress++;
+    if (m->pending == 0) { fprintf(stderr, "EMU: arrival on an uninitialized or over-arrived mbarrier\n"); exit(3); }
+    --m->pending;
+    emu_try_complete(bar);
 }
 // a thread's copies committed to an mbarrier arrival, not yet landed
 struct EmuArrival { int thread; unsigned bar; std::vector<EmuCp> cps; };
 static std::vector<EmuArrival> g_arrivals;
 static void emu_land(const EmuArrival& a) { for (auto& c : a.cps) emu_copy(c); emu_arrive(a.bar); }
-// Lands every pending arrival `pick` selects, in issue order.
+// A TMA copy in flight: the emulator's tensor map (main.cpp fills it in place of a CUtensorMap),
+// the box's coordinates, its shared destination and barrier.
+struct EmuTmap { const unsigned char* base; long long dim[5], stride[5]; int box[5]; };
+struct EmuTma { unsigned dst, bar; const EmuTmap* map; int c[5]; };
+static std::vector<EmuTma> g_tmas;
+static long emu_tma_bytes(const EmuTma& t) {
+    long n = 2;
+    for (int k = 0; k < 5; k++) n *= t.map->box[k];
+    return n;
+}
+// The box, rows of box[0] elements (128 bytes) one after another, 128-byte swizzled by address;
+// elements outside the tensor read as zero. Then its bytes complete on the barrier.
+static void emu_tma_land(const EmuTma& t) {
+    const EmuTmap& m = *t.map;
+    if (m.box[0] * 2 != 128) { fprintf(stderr, "EMU: TMA box rows must be 128 bytes\n"); exit(3); }
+    unsigned row = 0;
+    for (int i4 = 0; i4 < m.box[4]; i4++)
+        for (int i3 = 0; i3 < m.box[3]; i3++)
+            for (int i2 = 0; i2 < m.box[2]; i2++)
+                for (int i1 = 0; i1 < m.box[1]; i1++, row++)
+                    for (int i0 = 0; i0 < m.box[0]; i0++) {
+                        const long long c[5] = {t.c[0] + i0, t.c[1] + i1, t.c[2] + i2, t.c[3] + i3, t.c[4] + i4};
+                        bool oob = false;
+                        long long off = 0;
+                        for (int k = 0; k < 5; k++) {
+                            oob = oob || c[k] < 0 || c[k] >= m.dim[k];
+                            off += c[k] * m.stride[k];
+                        }
+                        uint16_t v = 0;
+                        if (!oob) memcpy(&v, m.base + off, 2);
+                        unsigned a = t.dst + row * 128 + 2 * i0;
+                        a ^= ((a >> 7) & 7) << 4;
+                        memcpy(emu_ptr(a), &v, 2);
+                    }
+    g_tx[t.bar] -= emu_tma_bytes(t);
+    if (g_tx[t.bar] < 0) { fprintf(stderr, "EMU: TMA bytes landed on a barrier that did not expect them\n"); exit(3); }
+    emu_try_complete(t.bar);
+}
+// Lands every pending arrival `pick` selects, in issue order, and the TMA copies on `bar`.
 template <class P> static void emu_land_if(P pick) {
     for (size_t i = 0; i < g_arrivals.size();) {
         if (pick(g_arrivals[i])) {
@@ -174,10 +222,35 @@ template <class P> static void emu_land_if(P pick) {
         }
     }
 }
+static void emu_land_tma(unsigned bar) {
+    for (size_t i = 0; i < g_tmas.size();) {
+        if (g_tmas[i].bar == bar) {
+            EmuTma t = g_tmas[i];
+            g_tmas.erase(g_tmas.begin() + i);
+            emu_tma_land(t);
+        } else {
+            i++;
+        }
+    }
+}
+static inline void ws_mbar_expect_tx(unsigned bar, unsigned bytes) { g_tx[bar] += bytes; }
+static inline void ws_tma_load5(unsigned dst, unsigned long long map, int c0, int c1, int c2,
+                                int c3, int c4, unsigned bar) {
+    if (dst & 127) { fprintf(stderr, "EMU: TMA destination not 128-byte aligned\n"); exit(3); }
+    EmuTma t{dst, bar, (const EmuTmap*)map, {c0, c1, c2, c3, c4}};
+    if (g_sync) emu_tma_land(t); else g_tmas.push_back(t);
+}
+static inline void ws_cp_arrive_inc(unsigned bar) {
+    emu_mbar(bar)->pending++;
+    EmuArrival a{g_cur, bar, g_open[g_cur]};
+    g_open[g_cur].clear();
+    if (g_sync) emu_land(a); else g_arrivals.push_back(a);
+}
 static inline void ws_mbar_init(unsigned bar, unsigned count) {
     EmuMbar* m = emu_mbar(bar);
     m->expected = m->pending = (unsigned short)count;
     m->phase = 0;
+    g_tx[bar] = 0;
 }
 static inline void ws_mbar_wait(unsigned bar, unsigned parity) {
     long seen = -1, idle = 0;
@@ -185,6 +258,7 @@ static inline void ws_mbar_wait(unsigned bar, unsigned parity) {
         if ((emu_mbar(bar)->phase & 1) != parity) return;
         // land the groups that arrive on this barrier (as late as a thread can need them)
         emu_land_if([&](const EmuArrival& a) { return a.bar == bar; });
+        emu_land_tma(bar);
         if ((emu_mbar(bar)->phase & 1) != parity) return;
         emu_spin(seen, idle);
     }

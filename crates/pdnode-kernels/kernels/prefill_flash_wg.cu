@@ -358,7 +358,7 @@ __device__ __forceinline__ void flash_prefill_wg_impl(const bf16_t* __restrict__
 // ---- the warp-specialized variant (FlashAttention-3's schedule; issue 20) ----------------------
 //
 // 384 threads: warpgroup 0 is the producer (setmaxnreg down to 48 registers), warpgroups 1 and 2
-// the consumers (up to 232), each 64 of the CTA's 128 query rows. The producer's 128 threads load
+// the consumers (up to 224), each 64 of the CTA's 128 query rows. The producer's 128 threads load
 // Q once by cp.async (a full barrier of 128 arrivals, cp.async.mbarrier.arrive.noinc); then, per
 // 128-key tile j, lane 0 of its warp 0 issues the TMA copies (cp.async.bulk.tensor, one box per
 // pool block and dim half, 128-byte swizzled by the tensor map) of K of tile j and V of tile
@@ -382,6 +382,10 @@ __device__ __forceinline__ void flash_prefill_wg_impl(const bf16_t* __restrict__
 #define WS_EMPTY_K 5
 #define WS_EMPTY_V 7
 #define WS_NBAR 9
+// registers a thread of the producer warpgroup / of the consumers (setmaxnreg)
+#define WS_REGS_P 48
+#define WS_REGS_C 224
+static_assert(128 * WS_REGS_P + 256 * WS_REGS_C <= 384 * 168, "setmaxnreg beyond the CTA's registers");
 
 
 // PTX-BEGIN: mbarriers, named barriers, cp.async, setmaxnreg
@@ -447,13 +451,15 @@ __device__ __forceinline__ void ws_cp16(unsigned dst, const void* src, int src_b
 __device__ __forceinline__ void ws_cp_wait_all() {
     asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
-// The producer warpgroup's registers down to 48, the consumers' up to 232 (the one CTA of an
-// SM starts with 168 a thread: 128 x 48 + 256 x 232 = 384 x 168 = 65536).
+// The producer warpgroup's registers down to WS_REGS_P, the consumers' up to WS_REGS_C. The one
+// CTA of an SM starts with 168 a thread (65536 / 384 rounded down to 8, what ptxas allocates under
+// __launch_bounds__(384, 1)); setmaxnreg.inc waits until the pool holds the registers, so the
+// two must fit in it or the consumers wait forever (48 / 232 did: 65536 > 64512).
 __device__ __forceinline__ void ws_regs_producer() {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 48;\n" ::: "memory");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WS_REGS_P) : "memory");
 }
 __device__ __forceinline__ void ws_regs_consumer() {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WS_REGS_C) : "memory");
 }
 
 // PTX-END

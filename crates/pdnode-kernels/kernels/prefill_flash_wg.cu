@@ -1,10 +1,10 @@
 // Causal flash prefill attention on Hopper's warpgroup MMA (wgmma), head_dim 128 (issue 20: the
 // FlashAttention-3 approach; flash_prefill_hd128_wg without its warp specialization, and
-// flash_prefill_hd128_ws with it, below: correct on the H200 and 24 % slower, its cp.async
-// producer's instructions; docs/benchmarks.md, session 20). Compiled in a program of its own
-// for compute_90a (wgmma exists only there; `pdnode_kernels::ptx_for_wgmma`), after common.cuh and
-// prefill_flash.cu (whose fp_* helpers it uses); on any other target the entry points are empty
-// and the launcher never picks them.
+// flash_prefill_hd128_ws with it, below: correct on the H200, its producer on TMA, and still
+// slower, 1.53 against 1.30 ms a layer at 8k; docs/benchmarks.md, session 20). Compiled in a
+// program of its own for compute_90a (wgmma exists only there; `pdnode_kernels::ptx_for_wgmma`),
+// after common.cuh and prefill_flash.cu (whose fp_* helpers it uses); on any other target the
+// entry points are empty and the launcher never picks them.
 //
 // One CTA: 128 query rows of one q head as two warpgroups of 64 rows (threads 0-127, 128-255).
 // Per 128-key tile of the paged pool: S = Q K^T is 8 wgmma m64n128k16 per warpgroup with Q and

@@ -43,7 +43,7 @@ src += open(K + "/common.cuh").read() + head + wg
 open(out, "w").write(src)
 PY
 cp "$here/main.cpp" "$tmp/main.cpp"
-g++ -O2 -std=c++17 -w -I"$tmp" -o "$tmp/emu" "$tmp/main.cpp"
+g++ -O2 -std=c++17 -w -Wno-psabi -I"$tmp" -o "$tmp/emu" "$tmp/main.cpp"
 for mode in deferred immediate; do
     if [ $mode = immediate ]; then export EMU_SYNC=1; fi
     "$tmp/emu" > "$tmp/log" 2>&1 || { grep -v '^PASS' "$tmp/log"; echo "EMU FAILED ($mode cp.async)"; exit 1; }

@@ -4,10 +4,88 @@
 
 use super::cuda_support::*;
 use super::{gpu, poisoned, pool_dims, pool_idx, up_i32};
-use pdnode_cuda::device::DevBuf;
-use pdnode_cuda::ops;
+use pdnode_cuda::device::{DevBuf, Gpu};
+use pdnode_cuda::ops::{self, AttnDims};
 use rand::Rng;
 use rand::seq::SliceRandom;
+
+/// RoPE's inverse frequencies for `theta`, `t` random positions below `max_pos` and `t`
+/// distinct random cache slots below `slots_total`.
+fn host_rope_args(
+    r: &mut impl Rng,
+    hd: usize,
+    theta: f32,
+    t: usize,
+    max_pos: i32,
+    slots_total: usize,
+) -> (Vec<f32>, Vec<i32>, Vec<i64>) {
+    let inv: Vec<f32> = (0..hd / 2)
+        .map(|i| 1.0 / theta.powf(2.0 * i as f32 / hd as f32))
+        .collect();
+    let pos: Vec<i32> = (0..t).map(|_| r.random_range(0..max_pos)).collect();
+    let mut all_slots: Vec<i64> = (0..slots_total as i64).collect();
+    all_slots.shuffle(r);
+    (inv, pos, all_slots[..t].to_vec())
+}
+
+/// A rope call's device inputs: the qkv rows (bf16), inverse frequencies, positions and cache
+/// slots of `tokens` tokens.
+struct RopeInput {
+    qkv: DevBuf,
+    inv: DevBuf,
+    pos: DevBuf,
+    slots: DevBuf,
+    tokens: usize,
+}
+
+impl RopeInput {
+    fn upload(g: &Gpu, qkv: &[f32], inv: &[f32], pos: &[i32], slots: &[i64]) -> Self {
+        let dslots = g.alloc(slots.len() * 8).unwrap();
+        g.upload(&dslots, 0, slots).unwrap();
+        RopeInput {
+            qkv: g.upload_bf16(qkv).unwrap(),
+            inv: g.upload_f32(inv).unwrap(),
+            pos: up_i32(g, pos),
+            slots: dslots,
+            tokens: pos.len(),
+        }
+    }
+
+    /// `ops::rope_qkv_ex` with kernel `k` and the optional (bias, q norm, k norm) into a fresh
+    /// NaN-poisoned q output and pool of `layers` layers (layer `layer` written); returns both.
+    fn run(
+        &self,
+        g: &Gpu,
+        d: &AttnDims,
+        (bias, q_norm, k_norm): (Option<&DevBuf>, Option<&DevBuf>, Option<&DevBuf>),
+        layers: usize,
+        layer: usize,
+        k: ops::RopeKernel,
+    ) -> (DevBuf, DevBuf) {
+        let t = self.tokens;
+        let qout = poisoned(g, t * d.num_heads * d.head_dim * 2);
+        let pool = poisoned(g, layers * d.layer_elems() * 2);
+        ops::rope_qkv_ex(
+            g,
+            d,
+            &self.qkv,
+            bias,
+            q_norm,
+            k_norm,
+            &self.inv,
+            self.pos.ptr(),
+            self.slots.ptr(),
+            t,
+            &qout,
+            &pool,
+            layer,
+            1e-6,
+            k,
+        )
+        .unwrap();
+        (qout, pool)
+    }
+}
 
 #[test]
 #[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
@@ -22,39 +100,12 @@ fn rope_qkv_bias_norm_and_cache_write() {
         let bias = with_extras.then(|| randv(&mut r, ld, 0.5));
         let qn = with_extras.then(|| randv(&mut r, hd, 1.0));
         let kn = with_extras.then(|| randv(&mut r, hd, 1.0));
-        let inv: Vec<f32> = (0..hd / 2)
-            .map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / hd as f32))
-            .collect();
-        let pos: Vec<i32> = (0..t).map(|_| r.random_range(0..5000)).collect();
-        let mut all_slots: Vec<i64> = (0..(nb * bs) as i64).collect();
-        all_slots.shuffle(&mut r);
-        let slots = all_slots[..t].to_vec();
+        let (inv, pos, slots) = host_rope_args(&mut r, hd, 10000f32, t, 5000, nb * bs);
         let up = |v: &Option<Vec<f32>>| v.as_ref().map(|v| g.upload_f32(v).unwrap());
         let (db, dqn, dkn) = (up(&bias), up(&qn), up(&kn));
-        let dqkv = g.upload_bf16(&qkv).unwrap();
-        let dinv = g.upload_f32(&inv).unwrap();
-        let dpos = up_i32(&g, &pos);
-        let dslots = g.alloc(t * 8).unwrap();
-        g.upload(&dslots, 0, &slots).unwrap();
-        let qout = poisoned(&g, t * nh * hd * 2);
-        let pool = poisoned(&g, layers * d.layer_elems() * 2);
-        ops::rope_qkv(
-            &g,
-            &d,
-            &dqkv,
-            db.as_ref(),
-            dqn.as_ref(),
-            dkn.as_ref(),
-            &dinv,
-            dpos.ptr(),
-            dslots.ptr(),
-            t,
-            &qout,
-            &pool,
-            layer,
-            1e-6,
-        )
-        .unwrap();
+        let input = RopeInput::upload(&g, &qkv, &inv, &pos, &slots);
+        let extras = (db.as_ref(), dqn.as_ref(), dkn.as_ref());
+        let (qout, pool) = input.run(&g, &d, extras, layers, layer, ops::RopeKernel::Auto);
         let gq = g.download_bf16(&qout, t * nh * hd).unwrap();
         let gp = g.download_bf16(&pool, layers * d.layer_elems()).unwrap();
         let (mut wq, mut gq2, mut wkv, mut gkv) = (vec![], vec![], vec![], vec![]);
@@ -120,39 +171,10 @@ fn rope_qkv_vector_kernel_equals_scalar() {
         let d = pool_dims(nh, nkv, hd, bs, nb);
         let ld = (nh + 2 * nkv) * hd;
         let qkv = randv(&mut r, t * ld, 2.0);
-        let inv: Vec<f32> = (0..hd / 2)
-            .map(|i| 1.0 / 500000f32.powf(2.0 * i as f32 / hd as f32))
-            .collect();
-        let pos: Vec<i32> = (0..t).map(|_| r.random_range(0..100_000)).collect();
-        let mut all_slots: Vec<i64> = (0..(nb * bs) as i64).collect();
-        all_slots.shuffle(&mut r);
-        let slots = all_slots[..t].to_vec();
-        let dqkv = g.upload_bf16(&qkv).unwrap();
-        let dinv = g.upload_f32(&inv).unwrap();
-        let dpos = up_i32(&g, &pos);
-        let dslots = g.alloc(t * 8).unwrap();
-        g.upload(&dslots, 0, &slots).unwrap();
+        let (inv, pos, slots) = host_rope_args(&mut r, hd, 500000f32, t, 100_000, nb * bs);
+        let input = RopeInput::upload(&g, &qkv, &inv, &pos, &slots);
         let run = |k: ops::RopeKernel| {
-            let qout = poisoned(&g, t * nh * hd * 2);
-            let pool = poisoned(&g, layers * d.layer_elems() * 2);
-            ops::rope_qkv_ex(
-                &g,
-                &d,
-                &dqkv,
-                None,
-                None,
-                None,
-                &dinv,
-                dpos.ptr(),
-                dslots.ptr(),
-                t,
-                &qout,
-                &pool,
-                layer,
-                1e-6,
-                k,
-            )
-            .unwrap();
+            let (qout, pool) = input.run(&g, &d, (None, None, None), layers, layer, k);
             let bits = |b: &DevBuf, n: usize| -> Vec<u32> {
                 g.download_bf16(b, n)
                     .unwrap()

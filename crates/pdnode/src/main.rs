@@ -9,7 +9,34 @@ mod logging;
 use clap::Parser;
 use std::process::ExitCode;
 
+/// Stack of the thread that runs the command: the 8 MiB a main thread gets on Linux.
+const COMMAND_STACK: usize = 8 << 20;
+
 fn main() -> ExitCode {
+    // The main thread only waits. While libucp initializes (a prefill or decode node starts its
+    // transport on a blocking thread while the node connects to etcd), UCX tests its memory
+    // hooks by moving the program break, `sbrk(+page)` then `sbrk(-page)`, under no lock glibc's
+    // malloc knows. The break belongs to glibc's main arena, which serves the main thread: a
+    // main thread allocating at that moment saw the top of its heap unmapped under it
+    // (SIGSEGV, and UCX's handler then hung that thread; a CI run lost a decode node so). No
+    // other thread draws on the main arena while there are fewer threads than glibc's arena
+    // limit (8 a core).
+    let command = std::thread::Builder::new()
+        .name("pdnode-main".into())
+        .stack_size(COMMAND_STACK)
+        .spawn(run);
+    match command.map(|t| t.join()) {
+        Ok(Ok(code)) => code,
+        // The panic hook has printed the message already.
+        Ok(Err(_)) => ExitCode::from(101),
+        Err(e) => {
+            eprintln!("error: cannot start the command's thread: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn run() -> ExitCode {
     let cli = match cli::Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {

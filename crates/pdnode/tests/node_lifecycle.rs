@@ -136,6 +136,24 @@ fn three_nodes_register_survive_an_etcd_restart_and_leave_on_sigterm_and_kill() 
         &[&p0, &d0, &r0],
     );
 
+    // The main thread of a node only waits on the thread that runs the command (main.rs: UCX
+    // moves the program break while it starts, and the break is the main thread's heap).
+    let pid = d0.guard.pid().expect("d0 pid");
+    let comm = |tid: &str| {
+        std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm"))
+            .unwrap_or_default()
+            .trim()
+            .to_string()
+    };
+    let threads: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|e| Some(comm(e.ok()?.file_name().to_str()?)))
+        .collect();
+    assert!(
+        threads.iter().any(|t| t == "pdnode-main"),
+        "d0's threads: {threads:?}"
+    );
+
     // The table lists role, id, model, address, load.
     let out = Command::new(BIN)
         .args(["nodes", "--etcd", &e, "--cluster", "life"])

@@ -13,14 +13,9 @@ use std::process::ExitCode;
 const COMMAND_STACK: usize = 8 << 20;
 
 fn main() -> ExitCode {
-    // The main thread only waits. While libucp initializes (a prefill or decode node starts its
-    // transport on a blocking thread while the node connects to etcd), UCX tests its memory
-    // hooks by moving the program break, `sbrk(+page)` then `sbrk(-page)`, under no lock glibc's
-    // malloc knows. The break belongs to glibc's main arena, which serves the main thread: a
-    // main thread allocating at that moment saw the top of its heap unmapped under it
-    // (SIGSEGV, and UCX's handler then hung that thread; a CI run lost a decode node so). No
-    // other thread draws on the main arena while there are fewer threads than glibc's arena
-    // limit (8 a core).
+    // The main thread only waits: UCX moves the program break (glibc's main arena, the main
+    // thread's heap) while it starts, so the command runs elsewhere (docs/runtime-semantics.md,
+    // "Threads").
     let command = std::thread::Builder::new()
         .name("pdnode-main".into())
         .stack_size(COMMAND_STACK)

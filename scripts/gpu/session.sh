@@ -15,7 +15,8 @@
 #                  the warp-specialized wgmma kernel included), then bench_llama31_8b_shapes'
 #                  prefill rows at PREFILL_LENS (default 2048,8192): whole steps and one layer
 #   prefill-ncu    ncu (--clock-control none) on one 8192-token launch of each wgmma prefill
-#                  kernel (speed of light, pipes, stalls), then the SM clock and power sampled
+#                  kernel (NCU_KERNELS, default the wg and ws ones; speed of light, pipes,
+#                  stalls), then the SM clock and power sampled
 #                  through a run of the 8192-token prefill bench
 #   transfer-exp   scripts/gpu/transfer.sh exp (UCX variants, isolated ucx_perftest puts)
 #   overlap        scripts/gpu/overlap.sh (the hand-off against prefill: one chunk vs 512-token chunks)
@@ -94,7 +95,7 @@ for part in "$@"; do
             grep -E '^BENCH (prefill|ceiling)|^ceilings' "$LOGS/prefill-bench.log" | sed -E 's/^BENCH //' >> "$summary" ;;
         prefill-ncu)  # why a wgmma kernel runs where it does: ncu on each, SM clocks during a step
             NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
-            for k in flash_prefill_hd128_wg flash_prefill_hd128_ws; do
+            for k in ${NCU_KERNELS:-flash_prefill_hd128_wg flash_prefill_hd128_ws}; do
                 PDNODE_BENCH_DECODE= PDNODE_BENCH_PREFILL=8192 PDNODE_BENCH_ITERS=1 timeout 300 \
                     "$NCU" --clock-control none -k "regex:^$k\$" -s 4 -c 1 --section SpeedOfLight \
                     --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \

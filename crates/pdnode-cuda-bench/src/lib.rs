@@ -481,6 +481,7 @@ fn wk_label(wk: WgKernel) -> &'static str {
     match wk {
         WgKernel::Plain => "",
         WgKernel::Tma => ", tma",
+        WgKernel::TmaPingPong => ", tma ping-pong",
         WgKernel::Specialized => ", specialized",
     }
 }

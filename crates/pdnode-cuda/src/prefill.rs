@@ -85,6 +85,9 @@ pub enum WgKernel {
     Plain,
     /// `flash_prefill_hd128_wgt`: the same schedule, K and V tiles by TMA from one warp.
     Tma,
+    /// `flash_prefill_hd128_wgp`: `Tma` without the barrier per tile, the warpgroups taking
+    /// turns issuing S (ping-pong).
+    TmaPingPong,
     /// `flash_prefill_hd128_ws`: a producer warpgroup issuing TMA copies and two consumers
     /// taking turns (FlashAttention-3's schedule).
     Specialized,
@@ -92,12 +95,13 @@ pub enum WgKernel {
 
 impl WgKernel {
     /// Every kernel, the plain one first.
-    pub const ALL: [WgKernel; 3] = [Self::Plain, Self::Tma, Self::Specialized];
+    pub const ALL: [WgKernel; 4] = [Self::Plain, Self::Tma, Self::TmaPingPong, Self::Specialized];
 
     fn name(self) -> &'static str {
         match self {
             Self::Plain => WGMMA_KERNEL,
             Self::Tma => WGMMA_TMA_KERNEL,
+            Self::TmaPingPong => WGMMA_PP_KERNEL,
             Self::Specialized => WGMMA_WS_KERNEL,
         }
     }
@@ -167,7 +171,7 @@ impl PrefillScratch {
     /// 128-byte swizzle, and a 128-key tile spans at most 16 of them); else the plain one.
     pub fn wg_kernel_runs(&self, gpu: &Gpu, d: &AttnDims) -> WgKernel {
         match self.wg_kernel {
-            k @ (WgKernel::Tma | WgKernel::Specialized)
+            k @ (WgKernel::Tma | WgKernel::TmaPingPong | WgKernel::Specialized)
                 if d.block_size >= 8 && gpu.has_kernel(k.name()) =>
             {
                 k
@@ -443,6 +447,7 @@ pub const WGMMA_SMEM: usize = 1024 + 128 * 128 * BF16 + 2 * 2 * 128 * 128 * BF16
 /// The wgmma kernel's entry points ([`WgKernel`]; the same shared memory).
 const WGMMA_KERNEL: &str = "flash_prefill_hd128_wg";
 const WGMMA_TMA_KERNEL: &str = "flash_prefill_hd128_wgt";
+const WGMMA_PP_KERNEL: &str = "flash_prefill_hd128_wgp";
 const WGMMA_WS_KERNEL: &str = "flash_prefill_hd128_ws";
 
 /// Whether the wgmma kernel can run `d` on `gpu` (not where the GPU is not sm_90 or its program
@@ -569,7 +574,7 @@ fn run_flash(
         .map_err(super::drv("cuFuncSetAttribute"))?;
     }
     let (nh_i, nkv_i, bs_i) = (nh as i32, nkv as i32, bs as i32);
-    let kv_map = if name == WGMMA_WS_KERNEL || name == WGMMA_TMA_KERNEL {
+    let kv_map = if wk != WgKernel::Plain && attn == PrefillAttn::Wgmma {
         Some(kv_tensor_map(layer_ptr, d)?)
     } else {
         None

@@ -677,6 +677,15 @@ __device__ __forceinline__ void flash_prefill_ws_impl(const bf16_t* __restrict__
 // (the cp.async-written rows and Q) and passes the CTA barrier, after which warp 0 refills the
 // other stage (the tile before, which every warpgroup's P V has finished reading). Q by cp.async
 // from every thread, as before. Block size 8 or more (boxes on the swizzle's 1024-byte period).
+//
+// PP (flash_prefill_hd128_wgp): no CTA barrier per tile, so the two warpgroups need not run in
+// step (in step, both issue S, then both run the softmax while the tensor cores idle, then both
+// issue P V): each warpgroup releases a stage on its empty mbarrier (one arrival a warpgroup)
+// once its P V of it completed, warp 0 waits for both releases before refilling it with the tile
+// two ahead, and the warpgroups take turns issuing S (named barriers 1 and 2, warpgroup 1
+// first: warp 0, in warpgroup 0, then finds the stage it refills already released by the
+// other), so one's softmax runs under the other's wgmma (FlashAttention-3's ping-pong).
+template <bool PP>
 __device__ __forceinline__ void flash_prefill_wgt_impl(const bf16_t* __restrict__ q,
                                                        bf16_t* __restrict__ out,
                                                        const bf16_t* __restrict__ layer_kv,
@@ -704,8 +713,12 @@ __device__ __forceinline__ void flash_prefill_wgt_impl(const bf16_t* __restrict_
     const unsigned smem_base = fp_smem_addr(smem);
     const unsigned tiles_base = smem_base + WG_Q_BYTES;
     if (tid == 0) {
-        ws_mbar_init(bar0, 1);
+        ws_mbar_init(bar0, 1);  // full[2]
         ws_mbar_init(bar0 + 8, 1);
+        if (PP) {
+            ws_mbar_init(bar0 + 16, 2);  // empty[2]: one arrival a warpgroup
+            ws_mbar_init(bar0 + 24, 2);
+        }
         ws_mbar_init_fence();
     }
     {
@@ -771,7 +784,9 @@ __device__ __forceinline__ void flash_prefill_wgt_impl(const bf16_t* __restrict_
     int blk_next = -1;
     if (tid < 32) {
         issue(jt0, tile_blk(jt0), 0);
-        if (jt0 + 1 < ntiles) blk_next = tile_blk(jt0 + 1);
+        if (PP && jt0 + 1 < ntiles) issue(jt0 + 1, tile_blk(jt0 + 1), 1);
+        const int ahead = jt0 + (PP ? 2 : 1);
+        if (ahead < ntiles) blk_next = tile_blk(ahead);
     }
 
     float o[64];
@@ -781,24 +796,43 @@ __device__ __forceinline__ void flash_prefill_wgt_impl(const bf16_t* __restrict_
     float lrow[2] = {0.f, 0.f};
     const unsigned q_addr = smem_base + wg * 64 * 128;
     fp_cp_wait<0>();  // this thread's Q copies
+    const int nt = ntiles - jt0;
+    if (PP) {
+        wg_fence_proxy();
+        __syncthreads();  // everyone's Q
+        if (wg == 1) ws_turn_give(1);  // warpgroup 1 issues first
+    }
 
     for (int jt = jt0; jt < ntiles; jt++) {
         const int i = jt - jt0, st = i & 1;
         ws_mbar_wait(bar0 + 8 * st, (i >> 1) & 1);  // tile jt landed
         wg_fence_proxy();  // its cp.async-written rows (and Q) visible to wgmma
-        __syncthreads();   // everyone's Q; everyone is done with tile jt - 1
-        if (tid < 32 && jt + 1 < ntiles) {  // into the stage of tile jt - 1
-            issue(jt + 1, blk_next, st ^ 1);
-            if (jt + 2 < ntiles) blk_next = tile_blk(jt + 2);
+        if (!PP) {
+            __syncthreads();  // everyone's Q; everyone is done with tile jt - 1
+            if (tid < 32 && jt + 1 < ntiles) {  // into the stage of tile jt - 1
+                issue(jt + 1, blk_next, st ^ 1);
+                if (jt + 2 < ntiles) blk_next = tile_blk(jt + 2);
+            }
         }
         const unsigned k_addr = tiles_base + st * WG_TILE_BYTES;
         const unsigned v_addr = k_addr + WG_TILE_BYTES / 2;
         float s[64];
+        if (PP) ws_turn_wait(wg);
         wg_scores_issue(s, q_addr, k_addr);
+        // warpgroup 0's last turn is given to nobody (warpgroup 1 waits for no further one)
+        if (PP && (wg == 1 || i + 1 < nt)) ws_turn_give(1 - wg);
         wg_wait<0>();
         wg_keep(s);
         wg_softmax_pv(s, o, mrow, lrow, v_addr, jt * BN, qpos0, qpos1, gfirst, glast, wlim, t,
                       scale_log2);
+        if (PP) {
+            if ((tid & 127) == 0) ws_mbar_arrive(bar0 + 8 * (2 + st));  // its P V completed
+            if (tid < 32 && jt + 2 < ntiles) {  // tile jt + 2 into this stage, once both released it
+                ws_mbar_wait(bar0 + 8 * (2 + st), (i >> 1) & 1);
+                issue(jt + 2, blk_next, st);
+                if (jt + 3 < ntiles) blk_next = tile_blk(jt + 3);
+            }
+        }
     }
     if (tid < 32) ws_cp_wait_all();
 
@@ -916,8 +950,21 @@ extern "C" __global__ void __launch_bounds__(256, 1)
                             int row0, int n, int start, int nh, int nkv, int block_size,
                             float scale_log2, int window, const __grid_constant__ WsTmap kv_map) {
     PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();
-    WG_BODY(flash_prefill_wgt_impl(q, out, layer_kv, table, row0, n, start, nh, nkv, block_size,
-                                   scale_log2, window, kv_map, wg_smem_aligned()))
+    WG_BODY(flash_prefill_wgt_impl<false>(q, out, layer_kv, table, row0, n, start, nh, nkv,
+                                          block_size, scale_log2, window, kv_map,
+                                          wg_smem_aligned()))
+}
+
+// The same, the warpgroups out of step and taking turns (PP above).
+extern "C" __global__ void __launch_bounds__(256, 1)
+    flash_prefill_hd128_wgp(const bf16_t* __restrict__ q, bf16_t* __restrict__ out,
+                            const bf16_t* __restrict__ layer_kv, const int* __restrict__ table,
+                            int row0, int n, int start, int nh, int nkv, int block_size,
+                            float scale_log2, int window, const __grid_constant__ WsTmap kv_map) {
+    PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();
+    WG_BODY(flash_prefill_wgt_impl<true>(q, out, layer_kv, table, row0, n, start, nh, nkv,
+                                         block_size, scale_log2, window, kv_map,
+                                         wg_smem_aligned()))
 }
 
 // block: 128, dynamic shared memory 1024 + 32768 + 32768.

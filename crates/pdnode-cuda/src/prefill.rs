@@ -77,36 +77,6 @@ pub struct LongSeq {
     pub seq: usize,
 }
 
-/// The wgmma prefill kernels (`kernels/prefill_flash_wg.cu`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum WgKernel {
-    /// `flash_prefill_hd128_wg`: two warpgroups loading (cp.async) and computing alike.
-    #[default]
-    Plain,
-    /// `flash_prefill_hd128_wgt`: the same schedule, K and V tiles by TMA from one warp.
-    Tma,
-    /// `flash_prefill_hd128_wgp`: `Tma` without the barrier per tile, the warpgroups taking
-    /// turns issuing S (ping-pong).
-    TmaPingPong,
-    /// `flash_prefill_hd128_ws`: a producer warpgroup issuing TMA copies and two consumers
-    /// taking turns (FlashAttention-3's schedule).
-    Specialized,
-}
-
-impl WgKernel {
-    /// Every kernel, the plain one first.
-    pub const ALL: [WgKernel; 4] = [Self::Plain, Self::Tma, Self::TmaPingPong, Self::Specialized];
-
-    fn name(self) -> &'static str {
-        match self {
-            Self::Plain => WGMMA_KERNEL,
-            Self::Tma => WGMMA_TMA_KERNEL,
-            Self::TmaPingPong => WGMMA_PP_KERNEL,
-            Self::Specialized => WGMMA_WS_KERNEL,
-        }
-    }
-}
-
 /// Scratch buffers, grown on demand (after a device sync).
 #[derive(Default)]
 pub struct PrefillScratch {
@@ -114,9 +84,11 @@ pub struct PrefillScratch {
     pub score_budget: usize,
     /// Implementation (`engine.cuda.prefill_attention`).
     pub attn: PrefillAttn,
-    /// Which of the wgmma kernels `Wgmma` runs where it fits: the benchmark's and the tests'
-    /// knob while they are compared.
-    pub wg_kernel: WgKernel,
+    /// `Wgmma` runs the warp-specialized kernel (`flash_prefill_hd128_ws`: a producer warpgroup
+    /// issuing TMA copies and two consumers taking turns, FlashAttention-3's schedule) where it
+    /// fits, instead of
+    /// `flash_prefill_hd128_wg`: the benchmark's and the tests' knob while the two are compared.
+    pub wg_specialized: bool,
     kc: Option<DevBuf>,
     vc: Option<DevBuf>,
     qh: Option<DevBuf>,
@@ -165,19 +137,15 @@ impl PrefillScratch {
         self.attn == PrefillAttn::Wgmma && wgmma_fits(gpu, d)
     }
 
-    /// Which wgmma kernel runs where [`PrefillScratch::wgmma_runs`]: [`PrefillScratch::wg_kernel`]
-    /// where its program loaded and, for the TMA ones, the block size is at least 8 (their TMA
-    /// boxes are whole pool blocks, which then start on the 8-row (1024-byte) period of the
-    /// 128-byte swizzle, and a 128-key tile spans at most 16 of them); else the plain one.
-    pub fn wg_kernel_runs(&self, gpu: &Gpu, d: &AttnDims) -> WgKernel {
-        match self.wg_kernel {
-            k @ (WgKernel::Tma | WgKernel::TmaPingPong | WgKernel::Specialized)
-                if d.block_size >= 8 && gpu.has_kernel(k.name()) =>
-            {
-                k
-            }
-            _ => WgKernel::Plain,
-        }
+    /// Whether that wgmma kernel is the warp-specialized one ([`PrefillScratch::wg_specialized`]
+    /// where its program loaded and the block size is at least 8: its TMA boxes are whole pool
+    /// blocks, which then start on the 8-row (1024-byte) period of the 128-byte swizzle, and a
+    /// 128-key tile spans at most 16 of them).
+    pub fn wg_specialized_runs(&self, gpu: &Gpu, d: &AttnDims) -> bool {
+        self.wg_specialized
+            && self.wgmma_runs(gpu, d)
+            && d.block_size >= 8
+            && gpu.has_kernel(WGMMA_WS_KERNEL)
     }
 
     /// Attention of the new tokens of `seqs` (layer `layer`), reading q rows from `q`
@@ -236,9 +204,9 @@ impl PrefillScratch {
             } else {
                 attn
             };
-            let wk = self.wg_kernel_runs(gpu, d);
+            let ws = self.wg_specialized_runs(gpu, d);
             return run_flash(
-                gpu, d, layer_ptr, q, out, tables, max_blocks, seqs, attn, wk, window,
+                gpu, d, layer_ptr, q, out, tables, max_blocks, seqs, attn, ws, window,
             );
         }
         let (hd_i, nkv_i, bs_i) = (hd as i32, nkv as i32, bs as i32);
@@ -444,10 +412,9 @@ const V3_SMEM_HD128: usize = FLASH_V3_STAGES * 2 * 64 * (128 + 8) * BF16;
 /// dims bf16) and two stages of a 128-key tile of K and of V.
 pub const WGMMA_SMEM: usize = 1024 + 128 * 128 * BF16 + 2 * 2 * 128 * 128 * BF16;
 
-/// The wgmma kernel's entry points ([`WgKernel`]; the same shared memory).
+/// The wgmma kernel's entry points: two warpgroups loading and computing alike, and the
+/// warp-specialized one (a producer warpgroup and two consumers, same shared memory).
 const WGMMA_KERNEL: &str = "flash_prefill_hd128_wg";
-const WGMMA_TMA_KERNEL: &str = "flash_prefill_hd128_wgt";
-const WGMMA_PP_KERNEL: &str = "flash_prefill_hd128_wgp";
 const WGMMA_WS_KERNEL: &str = "flash_prefill_hd128_ws";
 
 /// Whether the wgmma kernel can run `d` on `gpu` (not where the GPU is not sm_90 or its program
@@ -460,7 +427,7 @@ fn wgmma_fits(gpu: &Gpu, d: &AttnDims) -> bool {
     fits && gpu.has_kernel(WGMMA_KERNEL)
 }
 
-/// A CUtensorMap as a kernel argument: the TMA kernels take it by value
+/// A CUtensorMap as a kernel argument: `flash_prefill_hd128_ws` takes it by value
 /// (`__grid_constant__`), 128 bytes the driver copies into the launch's parameters.
 #[repr(transparent)]
 struct TensorMapArg(cudarc::driver::sys::CUtensorMap);
@@ -469,7 +436,7 @@ struct TensorMapArg(cudarc::driver::sys::CUtensorMap);
 // and alignment (WsTmap in prefill_flash_wg.cu).
 unsafe impl cudarc::driver::DeviceRepr for TensorMapArg {}
 
-/// Layer `layer_ptr` of the pool as the TMA kernels' tensor map: bf16, dims
+/// Layer `layer_ptr` of the pool as `flash_prefill_hd128_ws`'s TMA tensor map: bf16, dims
 /// innermost first (head_dim 128, kv heads, block_size, K|V, blocks), box (64 dims, 1 head,
 /// min(block_size, 128) rows, 1, 1), 128-byte swizzle (the layout its wgmma descriptors read),
 /// elements outside the tensor read as zero.
@@ -513,7 +480,7 @@ fn kv_tensor_map(layer_ptr: u64, d: &AttnDims) -> Result<TensorMapArg, CudaError
 }
 
 /// The fused kernel `attn` (a flash variant; `Wgmma` only where [`PrefillScratch::wgmma_runs`],
-/// as the kernel `wk`) for each sequence of `seqs` (already checked against
+/// its warp-specialized kernel where `ws`) for each sequence of `seqs` (already checked against
 /// the step by the caller): grid (query tiles, nh), or (nh, query tiles) for v3 and wgmma.
 #[allow(clippy::too_many_arguments)]
 fn run_flash(
@@ -526,7 +493,7 @@ fn run_flash(
     max_blocks: usize,
     seqs: &[LongSeq],
     attn: PrefillAttn,
-    wk: WgKernel,
+    ws: bool,
     window: usize,
 ) -> Result<(), CudaError> {
     let (nh, nkv, hd, bs) = (d.num_heads, d.num_kv_heads, d.head_dim, d.block_size);
@@ -546,10 +513,8 @@ fn run_flash(
         (64, PrefillAttn::FlashV3) => ("flash_prefill_hd64_v3", 8usize, 128usize, V3_SMEM_HD64),
         (128, PrefillAttn::FlashV3) => ("flash_prefill_hd128_v3", 8, 128, V3_SMEM_HD128),
         // only where `wgmma_runs` (the caller)
-        (128, PrefillAttn::Wgmma) if wk == WgKernel::Specialized => {
-            (WGMMA_WS_KERNEL, 12, 128, WGMMA_SMEM)
-        }
-        (128, PrefillAttn::Wgmma) => (wk.name(), 8, 128, WGMMA_SMEM),
+        (128, PrefillAttn::Wgmma) if ws => (WGMMA_WS_KERNEL, 12, 128, WGMMA_SMEM),
+        (128, PrefillAttn::Wgmma) => (WGMMA_KERNEL, 8, 128, WGMMA_SMEM),
         (64, _) => ("flash_prefill_hd64_w8", 8, 128, 0),
         (128, _) => ("flash_prefill_hd128_w8", 8, 128, 0),
         _ => {
@@ -574,7 +539,7 @@ fn run_flash(
         .map_err(super::drv("cuFuncSetAttribute"))?;
     }
     let (nh_i, nkv_i, bs_i) = (nh as i32, nkv as i32, bs as i32);
-    let kv_map = if wk != WgKernel::Plain && attn == PrefillAttn::Wgmma {
+    let kv_map = if name == WGMMA_WS_KERNEL {
         Some(kv_tensor_map(layer_ptr, d)?)
     } else {
         None

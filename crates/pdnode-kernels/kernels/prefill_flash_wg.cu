@@ -465,12 +465,6 @@ __device__ __forceinline__ void ws_regs_consumer() {
 // PTX-END
 
 
-// The mbarrier words of either TMA kernel, in static shared memory.
-__device__ __forceinline__ unsigned long long* ws_bars() {
-    __shared__ __align__(8) unsigned long long ws_bar[WS_NBAR];
-    return ws_bar;
-}
-
 __device__ __forceinline__ void flash_prefill_ws_impl(const bf16_t* __restrict__ q,
                                                       bf16_t* __restrict__ out,
                                                       const bf16_t* __restrict__ layer_kv,
@@ -480,7 +474,7 @@ __device__ __forceinline__ void flash_prefill_ws_impl(const bf16_t* __restrict__
                                                       int window, const WsTmap& kv_map,
                                                       unsigned char* smem) {
     constexpr int HD = WG_HD, BM = WG_BM, BN = WG_BN;
-    unsigned long long* ws_bar = ws_bars();
+    __shared__ __align__(8) unsigned long long ws_bar[WS_NBAR];
     const int h = blockIdx.x;
     const int m0 = (gridDim.y - 1 - blockIdx.y) * BM;
     const int tid = threadIdx.x;
@@ -664,181 +658,6 @@ __device__ __forceinline__ void flash_prefill_ws_impl(const bf16_t* __restrict__
 }
 
 
-// ---- the plain kernel's schedule with TMA loads (issue 20) ----------------------------------------
-//
-// flash_prefill_hd128_wg's two warpgroups computing alike, two stages, one CTA barrier per tile,
-// but K and V tiles come by TMA from warp 0 instead of cp.async from every thread (which spent
-// ~410 of a warp's ~850 instructions a tile on them, session 20's SASS count): lane l of warp 0
-// issues the boxes of the tile's l-th pool block (one box of min(block_size, 128) rows x 64 dims
-// per dim half, as the ws kernel's tensor map describes), completing on the stage's full
-// mbarrier; V rows from the partial last block on by cp.async from warp 0's lanes, zero-filled
-// past the keys (so no stale pool value reaches P V), their arrival counted in with
-// cp.async.mbarrier.arrive. Every thread waits on the stage's barrier, fences the async proxy
-// (the cp.async-written rows and Q) and passes the CTA barrier, after which warp 0 refills the
-// other stage (the tile before, which every warpgroup's P V has finished reading). Q by cp.async
-// from every thread, as before. Block size 8 or more (boxes on the swizzle's 1024-byte period).
-//
-// PP (flash_prefill_hd128_wgp): no CTA barrier per tile, so the two warpgroups need not run in
-// step (in step, both issue S, then both run the softmax while the tensor cores idle, then both
-// issue P V): each warpgroup releases a stage on its empty mbarrier (one arrival a warpgroup)
-// once its P V of it completed, warp 0 waits for both releases before refilling it with the tile
-// two ahead, and the warpgroups take turns issuing S (named barriers 1 and 2, warpgroup 1
-// first: warp 0, in warpgroup 0, then finds the stage it refills already released by the
-// other), so one's softmax runs under the other's wgmma (FlashAttention-3's ping-pong).
-template <bool PP>
-__device__ __forceinline__ void flash_prefill_wgt_impl(const bf16_t* __restrict__ q,
-                                                       bf16_t* __restrict__ out,
-                                                       const bf16_t* __restrict__ layer_kv,
-                                                       const int* __restrict__ table, int row0,
-                                                       int n, int start, int nh, int nkv,
-                                                       int block_size, float scale_log2,
-                                                       int window, const WsTmap& kv_map,
-                                                       unsigned char* smem) {
-    constexpr int HD = WG_HD, BM = WG_BM, BN = WG_BN;
-    unsigned long long* bars = ws_bars();
-    const int h = blockIdx.x;
-    const int m0 = (gridDim.y - 1 - blockIdx.y) * BM;
-    const int kvh = h / (nh / nkv);
-    const int tid = threadIdx.x, wg = tid >> 7, w = (tid >> 5) & 3, lane = tid & 31;
-    const int g = lane >> 2, t = lane & 3;
-    const int r0 = m0 + wg * 64 + w * 16 + g, r1 = r0 + 8;  // this thread's two query rows
-    const int kv_end = start + min(m0 + BM, n);
-    const int ntiles = (kv_end + BN - 1) / BN;
-    const i64 qstride = (i64)nh * HD;
-    const int qpos0 = start + r0, qpos1 = start + r1;
-    const int gfirst = start + m0 + wg * 64, glast = gfirst + 63;  // the warpgroup's queries
-    const unsigned wlim = window > 0 ? (unsigned)window : 0x7fffffffu;
-    const int jt0 = window > 0 ? max(0, start + m0 + 1 - window) / BN : 0;
-    const unsigned bar0 = fp_smem_addr(bars);
-    const unsigned smem_base = fp_smem_addr(smem);
-    const unsigned tiles_base = smem_base + WG_Q_BYTES;
-    if (tid == 0) {
-        ws_mbar_init(bar0, 1);  // full[2]
-        ws_mbar_init(bar0 + 8, 1);
-        if (PP) {
-            ws_mbar_init(bar0 + 16, 2);  // empty[2]: one arrival a warpgroup
-            ws_mbar_init(bar0 + 24, 2);
-        }
-        ws_mbar_init_fence();
-    }
-    {
-        // Q rows m0 .. m0 + 127 (zero past n)
-        const int ldrow = tid >> 4, lc = tid & 15;
-#pragma unroll
-        for (int it = 0; it < BM / 16; it++) {
-            const int r = ldrow + it * 16;
-            const bool ok = m0 + r < n;
-            const bf16_t* src = ok ? q + (i64)(row0 + m0 + r) * qstride + (i64)h * HD + lc * 8 : q;
-            fp_cp_async16(smem + wg_off(r, lc), src, ok ? 16 : 0);
-        }
-        fp_cp_commit();
-    }
-    __syncthreads();  // the barriers initialized
-
-    // warp 0: lane l loads the tile's l-th box (rows l * box ..) of K and V
-    const int bs_shift = fp_log2i(block_size), bs_mask = block_size - 1;
-    const int box = block_size < BN ? block_size : BN, boxes = BN / box;
-    const int row_stride = nkv * HD, blk_stride = 2 * block_size * row_stride;
-    const int tail0 = (kv_end >> bs_shift) << bs_shift;  // first key of a partial block
-    const unsigned long long map = (unsigned long long)&kv_map;
-    // this lane's pool block of tile `tile` (-1 past the keys or past the tile's boxes)
-    auto tile_blk = [&](int tile) {
-        const int j = tile * BN + lane * box;
-        return lane < boxes && j < kv_end ? table[j >> bs_shift] : -1;
-    };
-    auto issue = [&](int tile, int blk, int st) {
-        const unsigned bar = bar0 + 8 * st;
-        const unsigned kdst = tiles_base + st * WG_TILE_BYTES, vdst = kdst + WG_TILE_BYTES / 2;
-        const int k0 = tile * BN, row = lane * box;
-        const int vrows = min(BN, max(0, tail0 - k0));  // V rows of whole blocks, by TMA
-        if (blk >= 0) {
-            const int jb = (k0 + row) & bs_mask;
-            const bool v = row < vrows;
-            ws_mbar_expect_tx(bar, (v ? 4 : 2) * box * 128);
-#pragma unroll
-            for (int half = 0; half < 2; half++)
-                ws_tma_load5(kdst + half * (BN * 128) + row * 128, map, half * 64, kvh, jb, 0, blk,
-                             bar);
-            if (v) {
-#pragma unroll
-                for (int half = 0; half < 2; half++)
-                    ws_tma_load5(vdst + half * (BN * 128) + row * 128, map, half * 64, kvh, jb, 1,
-                                 blk, bar);
-            }
-        }
-        if (vrows < BN) {
-            const bf16_t* vbase =
-                layer_kv + (i64)kvh * HD + (lane & 15) * 8 + (i64)block_size * row_stride;
-            for (int r = vrows + (lane >> 4); r < BN; r += 2) {
-                const int j = k0 + r;
-                const int b = j < kv_end ? table[j >> bs_shift] : -1;
-                const bf16_t* src =
-                    b >= 0 ? vbase + (i64)b * blk_stride + (j & bs_mask) * row_stride : layer_kv;
-                ws_cp16(vdst + wg_off(r, lane & 15), src, b >= 0 ? 16 : 0);
-            }
-            ws_cp_arrive_inc(bar);
-        }
-        __syncwarp();  // every lane's expect_tx and increment before the one counted arrival
-        if (lane == 0) ws_mbar_arrive(bar);
-    };
-    int blk_next = -1;
-    if (tid < 32) {
-        issue(jt0, tile_blk(jt0), 0);
-        if (PP && jt0 + 1 < ntiles) issue(jt0 + 1, tile_blk(jt0 + 1), 1);
-        const int ahead = jt0 + (PP ? 2 : 1);
-        if (ahead < ntiles) blk_next = tile_blk(ahead);
-    }
-
-    float o[64];
-#pragma unroll
-    for (int i = 0; i < 64; i++) o[i] = 0.f;
-    float mrow[2] = {-INFINITY, -INFINITY};
-    float lrow[2] = {0.f, 0.f};
-    const unsigned q_addr = smem_base + wg * 64 * 128;
-    fp_cp_wait<0>();  // this thread's Q copies
-    const int nt = ntiles - jt0;
-    if (PP) {
-        wg_fence_proxy();
-        __syncthreads();  // everyone's Q
-        if (wg == 1) ws_turn_give(1);  // warpgroup 1 issues first
-    }
-
-    for (int jt = jt0; jt < ntiles; jt++) {
-        const int i = jt - jt0, st = i & 1;
-        ws_mbar_wait(bar0 + 8 * st, (i >> 1) & 1);  // tile jt landed
-        wg_fence_proxy();  // its cp.async-written rows (and Q) visible to wgmma
-        if (!PP) {
-            __syncthreads();  // everyone's Q; everyone is done with tile jt - 1
-            if (tid < 32 && jt + 1 < ntiles) {  // into the stage of tile jt - 1
-                issue(jt + 1, blk_next, st ^ 1);
-                if (jt + 2 < ntiles) blk_next = tile_blk(jt + 2);
-            }
-        }
-        const unsigned k_addr = tiles_base + st * WG_TILE_BYTES;
-        const unsigned v_addr = k_addr + WG_TILE_BYTES / 2;
-        float s[64];
-        if (PP) ws_turn_wait(wg);
-        wg_scores_issue(s, q_addr, k_addr);
-        // warpgroup 0's last turn is given to nobody (warpgroup 1 waits for no further one)
-        if (PP && (wg == 1 || i + 1 < nt)) ws_turn_give(1 - wg);
-        wg_wait<0>();
-        wg_keep(s);
-        wg_softmax_pv(s, o, mrow, lrow, v_addr, jt * BN, qpos0, qpos1, gfirst, glast, wlim, t,
-                      scale_log2);
-        if (PP) {
-            if ((tid & 127) == 0) ws_mbar_arrive(bar0 + 8 * (2 + st));  // its P V completed
-            if (tid < 32 && jt + 2 < ntiles) {  // tile jt + 2 into this stage, once both released it
-                ws_mbar_wait(bar0 + 8 * (2 + st), (i >> 1) & 1);
-                issue(jt + 2, blk_next, st);
-                if (jt + 3 < ntiles) blk_next = tile_blk(jt + 3);
-            }
-        }
-    }
-    if (tid < 32) ws_cp_wait_all();
-
-    wg_store(out, o, lrow, row0, r0, r1, n, qstride, h, t);
-}
-
 // Checks the descriptor layouts on the device (cuda_kernels_prefill's wgmma probe): a [64][128]
 // and b [128][128] bf16 into the swizzled layout; c1 = a b^T (both K-major, as S = Q K^T),
 // c2 = a b (a from registers, b MN-major with imm-trans-b = trans and the given byte offsets, as
@@ -940,31 +759,6 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();
     WG_BODY(flash_prefill_ws_impl(q, out, layer_kv, table, row0, n, start, nh, nkv, block_size,
                                   scale_log2, window, kv_map, wg_smem_aligned()))
-}
-
-// The plain kernel's schedule with TMA loads: grid (nh, ceil(n / 128)), block 256, dynamic shared
-// memory as flash_prefill_hd128_wg's; block_size a power of two of at least 8; kv_map as ws's.
-extern "C" __global__ void __launch_bounds__(256, 1)
-    flash_prefill_hd128_wgt(const bf16_t* __restrict__ q, bf16_t* __restrict__ out,
-                            const bf16_t* __restrict__ layer_kv, const int* __restrict__ table,
-                            int row0, int n, int start, int nh, int nkv, int block_size,
-                            float scale_log2, int window, const __grid_constant__ WsTmap kv_map) {
-    PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();
-    WG_BODY(flash_prefill_wgt_impl<false>(q, out, layer_kv, table, row0, n, start, nh, nkv,
-                                          block_size, scale_log2, window, kv_map,
-                                          wg_smem_aligned()))
-}
-
-// The same, the warpgroups out of step and taking turns (PP above).
-extern "C" __global__ void __launch_bounds__(256, 1)
-    flash_prefill_hd128_wgp(const bf16_t* __restrict__ q, bf16_t* __restrict__ out,
-                            const bf16_t* __restrict__ layer_kv, const int* __restrict__ table,
-                            int row0, int n, int start, int nh, int nkv, int block_size,
-                            float scale_log2, int window, const __grid_constant__ WsTmap kv_map) {
-    PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();
-    WG_BODY(flash_prefill_wgt_impl<true>(q, out, layer_kv, table, row0, n, start, nh, nkv,
-                                         block_size, scale_log2, window, kv_map,
-                                         wg_smem_aligned()))
 }
 
 // block: 128, dynamic shared memory 1024 + 32768 + 32768.

@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
 # CPU check of the wgmma prefill attention kernels (kernels/prefill_flash_wg.cu:
-# flash_prefill_hd128_wg, its TMA-fed flash_prefill_hd128_wgt and the warp-specialized
-# flash_prefill_hd128_ws) and the descriptor
+# flash_prefill_hd128_wg and the warp-specialized flash_prefill_hd128_ws) and the descriptor
 # probe, without a GPU: compiles the file (after common.cuh) as C++ against the SIMT emulator
 # of emu/attn/prelude.h (each CUDA thread a ucontext fiber), with its two PTX regions replaced by
 # emu_wg.h (wgmma from the descriptors' 128-byte-swizzled layouts and the accumulator / A
 # fragment layouts; mbarriers with arrival and transaction counts, named barriers, cp.async, TMA
-# boxes from the emulator's own tensor map), and runs main.cpp: GQA, block sizes 4-256 (the TMA
-# kernels from 8), cached prefixes, windows, NaN in the pool past each context, against an f64
+# boxes from the emulator's own tensor map), and runs main.cpp: GQA, block sizes 4-256 (the ws
+# kernel from 8), cached prefixes, windows, NaN in the pool past each context, against an f64
 # reference. Two modes: copies landing as late as a waiter needs them (deferred), and at once
 # (EMU_SYNC=1). Not modelled: the register pool setmaxnreg draws on. Needs g++ (C++17).
 # Usage: crates/pdnode-kernels/emu/wg/run.sh   (about a minute)

@@ -18,6 +18,8 @@
 #                  kernel (NCU_KERNELS, default the wg and ws ones; speed of light, pipes,
 #                  stalls), then the SM clock and power sampled
 #                  through a run of the 8192-token prefill bench
+#   prefill-src    ncu's warp stall sampling per SASS instruction of one 8192-token launch of each
+#                  NCU_KERNELS kernel, as CSV (src-<kernel>.csv in the logs)
 #   transfer-exp   scripts/gpu/transfer.sh exp (UCX variants, isolated ucx_perftest puts)
 #   overlap        scripts/gpu/overlap.sh (the hand-off against prefill: one chunk vs 512-token chunks)
 #   serve[:what]   scripts/gpu/serve.sh pd|colo|both (default both)
@@ -121,6 +123,22 @@ for part in "$@"; do
                 sort -n | awk '{c[NR]=$1; p[NR]=$2} END {if (NR) printf "MHz %s %s %s over %d samples\n", c[1], c[int((NR+1)/2)], c[NR], NR}' >> "$summary"
             awk -F', ' '{gsub(/ W/,"",$3); print $3}' "$LOGS/prefill-clocks.csv" | sort -n |
                 awk '{p[NR]=$1} END {if (NR) printf "W %s %s %s\n", p[1], p[int((NR+1)/2)], p[NR]}' >> "$summary" ;;
+        prefill-src)  # where a wgmma kernel's warps wait: ncu's stall sampling per SASS instruction
+            NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+            for k in ${NCU_KERNELS:-flash_prefill_hd128_wg flash_prefill_hd128_ws}; do
+                PDNODE_BENCH_DECODE= PDNODE_BENCH_PREFILL=8192 PDNODE_BENCH_ITERS=1 timeout 300 \
+                    "$NCU" --clock-control none -k "regex:^$k\$" -s 4 -c 1 --section SourceCounters \
+                    --section WarpStateStats -f -o "$LOGS/src-$k" \
+                    "$PD/t/cuda_bench" --ignored --nocapture --exact bench_llama31_8b_shapes \
+                    > "$LOGS/src-$k.log" 2>&1
+                echo "## ncu source $k (rc=$?)" >> "$summary"
+                "$NCU" -i "$LOGS/src-$k.ncu-rep" --page source --csv --print-source sass \
+                    > "$LOGS/src-$k.csv" 2> "$LOGS/src-$k.err"
+                rc=$?
+                echo "sass rows: $(wc -l < "$LOGS/src-$k.csv") (rc=$rc)" >> "$summary"
+                head -c 600 "$LOGS/src-$k.err" >> "$summary"
+                rm -f "$LOGS/src-$k.ncu-rep"
+            done ;;
         transfer-exp)
             OUT=$LOGS/transfer-exp bash scripts/gpu/transfer.sh exp 2>&1 |
                 tee "$LOGS/transfer-exp.out" | tail -20 >> "$summary" ;;

@@ -10,7 +10,7 @@ use pdnode_cuda::backend::{CudaBackend, CudaOptions};
 use pdnode_cuda::blas::{OutType, gemm};
 use pdnode_cuda::device::Gpu;
 use pdnode_cuda::ops;
-use pdnode_cuda::prefill::{LongSeq, PrefillAttn, PrefillScratch, WgKernel};
+use pdnode_cuda::prefill::{LongSeq, PrefillAttn, PrefillScratch};
 use pdnode_engine::backend::{
     Backend, BackendError, ForwardBatch, LogitsWant, SeqStep, StepLogits,
 };
@@ -439,12 +439,12 @@ pub fn run_variants(
         // the whole step with each prefill-attention implementation (the backend's choice
         // switched for the step; the configured one restored after)
         let configured = be.kernels().2;
-        let result = prefill_variants().try_for_each(|(pa, wk)| {
+        let result = prefill_variants().try_for_each(|(pa, ws)| {
             be.set_prefill_attn(pa);
-            be.set_wg_kernel(wk);
+            be.set_wg_specialized(ws);
             let t = timed_steps(&mut be, iters.min(5), &fb)?;
             let row = BenchRow {
-                what: format!("prefill [{pa:?}{}]", wk_label(wk)),
+                what: format!("prefill [{pa:?}{}]", if ws { ", specialized" } else { "" }),
                 batch: 1,
                 ctx: len,
                 ms: t * 1e3,
@@ -455,7 +455,7 @@ pub fn run_variants(
             Ok::<(), CudaError>(())
         });
         be.set_prefill_attn(configured);
-        be.set_wg_kernel(WgKernel::Plain);
+        be.set_wg_specialized(false);
         result?;
         for row in prefill_attention_rows(be.gpu(), &spec, len, iters, &ceil)? {
             report(&row);
@@ -469,20 +469,11 @@ pub fn run_variants(
     Ok((ceil, rows))
 }
 
-/// Every prefill-attention implementation, then `Wgmma` with each other wgmma kernel
-/// (`PrefillScratch::wg_kernel`).
-fn prefill_variants() -> impl Iterator<Item = (PrefillAttn, WgKernel)> {
-    let plain = PrefillAttn::ALL.into_iter().map(|a| (a, WgKernel::Plain));
-    plain.chain(WgKernel::ALL[1..].iter().map(|&k| (PrefillAttn::Wgmma, k)))
-}
-
-/// A bench row's note of the wgmma kernel asked for (none for the plain one).
-fn wk_label(wk: WgKernel) -> &'static str {
-    match wk {
-        WgKernel::Plain => "",
-        WgKernel::Shifted => ", shifted",
-        WgKernel::Specialized => ", specialized",
-    }
+/// Every prefill-attention implementation, then `Wgmma` with its warp-specialized kernel
+/// (`PrefillScratch::wg_specialized`).
+fn prefill_variants() -> impl Iterator<Item = (PrefillAttn, bool)> {
+    let plain = PrefillAttn::ALL.into_iter().map(|a| (a, false));
+    plain.chain([(PrefillAttn::Wgmma, true)])
 }
 
 /// One prompt from position 0 as a step: `toks` over the blocks of `tbl`, logits wanted.
@@ -543,9 +534,9 @@ fn prefill_attention_rows(
     }];
     let flops = 2.0 * (len as f64).powi(2) * (spec.head_dim * spec.num_heads) as f64;
     let mut rows = Vec::new();
-    for (pa, wk) in prefill_variants() {
+    for (pa, ws) in prefill_variants() {
         let mut scratch = PrefillScratch::new(pa);
-        scratch.wg_kernel = wk;
+        scratch.wg_specialized = ws;
         let t = timed(gpu, iters, || {
             scratch.run(
                 gpu,
@@ -564,10 +555,10 @@ fn prefill_attention_rows(
         rows.push(BenchRow {
             what: format!(
                 "prefill attention, 1 layer [{pa:?}{}{}]",
-                wk_label(wk),
+                if ws { ", specialized" } else { "" },
                 if pa == PrefillAttn::Wgmma && !scratch.wgmma_runs(gpu, &d) {
                     ": fell back to flashv3"
-                } else if pa == PrefillAttn::Wgmma && scratch.wg_kernel_runs(gpu, &d) != wk {
+                } else if ws && !scratch.wg_specialized_runs(gpu, &d) {
                     ": fell back to the plain wgmma kernel"
                 } else {
                     ""

@@ -77,33 +77,6 @@ pub struct LongSeq {
     pub seq: usize,
 }
 
-/// The wgmma prefill kernels (`kernels/prefill_flash_wg.cu`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum WgKernel {
-    /// `flash_prefill_hd128_wg`: two warpgroups loading (cp.async) and computing in step.
-    #[default]
-    Plain,
-    /// `flash_prefill_hd128_wgs`: the same with warpgroup 1 half a tile behind (its P V of the
-    /// tile before issued with S of this one), three stages.
-    Shifted,
-    /// `flash_prefill_hd128_ws`: a producer warpgroup issuing TMA copies and two consumers
-    /// taking turns (FlashAttention-3's schedule).
-    Specialized,
-}
-
-impl WgKernel {
-    /// Every kernel, the plain one first.
-    pub const ALL: [WgKernel; 3] = [Self::Plain, Self::Shifted, Self::Specialized];
-
-    fn name(self) -> &'static str {
-        match self {
-            Self::Plain => WGMMA_KERNEL,
-            Self::Shifted => WGMMA_SHIFTED_KERNEL,
-            Self::Specialized => WGMMA_WS_KERNEL,
-        }
-    }
-}
-
 /// Scratch buffers, grown on demand (after a device sync).
 #[derive(Default)]
 pub struct PrefillScratch {
@@ -111,9 +84,11 @@ pub struct PrefillScratch {
     pub score_budget: usize,
     /// Implementation (`engine.cuda.prefill_attention`).
     pub attn: PrefillAttn,
-    /// Which of the wgmma kernels `Wgmma` runs where it fits: the benchmark's and the tests'
-    /// knob while they are compared.
-    pub wg_kernel: WgKernel,
+    /// `Wgmma` runs the warp-specialized kernel (`flash_prefill_hd128_ws`: a producer warpgroup
+    /// issuing TMA copies and two consumers taking turns, FlashAttention-3's schedule) where it
+    /// fits, instead of
+    /// `flash_prefill_hd128_wg`: the benchmark's and the tests' knob while the two are compared.
+    pub wg_specialized: bool,
     kc: Option<DevBuf>,
     vc: Option<DevBuf>,
     qh: Option<DevBuf>,
@@ -162,18 +137,15 @@ impl PrefillScratch {
         self.attn == PrefillAttn::Wgmma && wgmma_fits(gpu, d)
     }
 
-    /// Which wgmma kernel runs where [`PrefillScratch::wgmma_runs`]: [`PrefillScratch::wg_kernel`]
-    /// where its program loaded and, for the warp-specialized one, the block size is at least 8
-    /// (its TMA boxes are whole pool blocks, which then start on the 8-row (1024-byte) period of
-    /// the 128-byte swizzle, and a 128-key tile spans at most 16 of them); else the plain one.
-    pub fn wg_kernel_runs(&self, gpu: &Gpu, d: &AttnDims) -> WgKernel {
-        let k = self.wg_kernel;
-        let fits = k != WgKernel::Specialized || d.block_size >= 8;
-        if fits && gpu.has_kernel(k.name()) {
-            k
-        } else {
-            WgKernel::Plain
-        }
+    /// Whether that wgmma kernel is the warp-specialized one ([`PrefillScratch::wg_specialized`]
+    /// where its program loaded and the block size is at least 8: its TMA boxes are whole pool
+    /// blocks, which then start on the 8-row (1024-byte) period of the 128-byte swizzle, and a
+    /// 128-key tile spans at most 16 of them).
+    pub fn wg_specialized_runs(&self, gpu: &Gpu, d: &AttnDims) -> bool {
+        self.wg_specialized
+            && self.wgmma_runs(gpu, d)
+            && d.block_size >= 8
+            && gpu.has_kernel(WGMMA_WS_KERNEL)
     }
 
     /// Attention of the new tokens of `seqs` (layer `layer`), reading q rows from `q`
@@ -232,9 +204,9 @@ impl PrefillScratch {
             } else {
                 attn
             };
-            let wk = self.wg_kernel_runs(gpu, d);
+            let ws = self.wg_specialized_runs(gpu, d);
             return run_flash(
-                gpu, d, layer_ptr, q, out, tables, max_blocks, seqs, attn, wk, window,
+                gpu, d, layer_ptr, q, out, tables, max_blocks, seqs, attn, ws, window,
             );
         }
         let (hd_i, nkv_i, bs_i) = (hd as i32, nkv as i32, bs as i32);
@@ -440,12 +412,9 @@ const V3_SMEM_HD128: usize = FLASH_V3_STAGES * 2 * 64 * (128 + 8) * BF16;
 /// dims bf16) and two stages of a 128-key tile of K and of V.
 pub const WGMMA_SMEM: usize = 1024 + 128 * 128 * BF16 + 2 * 2 * 128 * 128 * BF16;
 
-/// The same with three stages (`flash_prefill_hd128_wgs`): 230400 bytes.
-const WGMMA_SMEM3: usize = 1024 + 128 * 128 * BF16 + 3 * 2 * 128 * 128 * BF16;
-
-/// The wgmma kernel's entry points ([`WgKernel`]).
+/// The wgmma kernel's entry points: two warpgroups loading and computing alike, and the
+/// warp-specialized one (a producer warpgroup and two consumers, same shared memory).
 const WGMMA_KERNEL: &str = "flash_prefill_hd128_wg";
-const WGMMA_SHIFTED_KERNEL: &str = "flash_prefill_hd128_wgs";
 const WGMMA_WS_KERNEL: &str = "flash_prefill_hd128_ws";
 
 /// Whether the wgmma kernel can run `d` on `gpu` (not where the GPU is not sm_90 or its program
@@ -511,7 +480,7 @@ fn kv_tensor_map(layer_ptr: u64, d: &AttnDims) -> Result<TensorMapArg, CudaError
 }
 
 /// The fused kernel `attn` (a flash variant; `Wgmma` only where [`PrefillScratch::wgmma_runs`],
-/// as the kernel `wk`) for each sequence of `seqs` (already checked against
+/// its warp-specialized kernel where `ws`) for each sequence of `seqs` (already checked against
 /// the step by the caller): grid (query tiles, nh), or (nh, query tiles) for v3 and wgmma.
 #[allow(clippy::too_many_arguments)]
 fn run_flash(
@@ -524,7 +493,7 @@ fn run_flash(
     max_blocks: usize,
     seqs: &[LongSeq],
     attn: PrefillAttn,
-    wk: WgKernel,
+    ws: bool,
     window: usize,
 ) -> Result<(), CudaError> {
     let (nh, nkv, hd, bs) = (d.num_heads, d.num_kv_heads, d.head_dim, d.block_size);
@@ -544,11 +513,8 @@ fn run_flash(
         (64, PrefillAttn::FlashV3) => ("flash_prefill_hd64_v3", 8usize, 128usize, V3_SMEM_HD64),
         (128, PrefillAttn::FlashV3) => ("flash_prefill_hd128_v3", 8, 128, V3_SMEM_HD128),
         // only where `wgmma_runs` (the caller)
-        (128, PrefillAttn::Wgmma) => match wk {
-            WgKernel::Plain => (WGMMA_KERNEL, 8, 128, WGMMA_SMEM),
-            WgKernel::Shifted => (WGMMA_SHIFTED_KERNEL, 8, 128, WGMMA_SMEM3),
-            WgKernel::Specialized => (WGMMA_WS_KERNEL, 12, 128, WGMMA_SMEM),
-        },
+        (128, PrefillAttn::Wgmma) if ws => (WGMMA_WS_KERNEL, 12, 128, WGMMA_SMEM),
+        (128, PrefillAttn::Wgmma) => (WGMMA_KERNEL, 8, 128, WGMMA_SMEM),
         (64, _) => ("flash_prefill_hd64_w8", 8, 128, 0),
         (128, _) => ("flash_prefill_hd128_w8", 8, 128, 0),
         _ => {

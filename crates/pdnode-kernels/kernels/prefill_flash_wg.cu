@@ -249,14 +249,7 @@ __device__ __forceinline__ void wg_store(bf16_t* __restrict__ out, const float* 
     }
 }
 
-// SHIFT (flash_prefill_hd128_wgs): warpgroup 1 runs half a tile behind warpgroup 0. In step
-// (SHIFT off) both warpgroups issue S, then both run the softmax while the tensor cores idle
-// (and share the MUFU for its exp2), then both issue P V. Shifted, warpgroup 1 issues the P V of
-// the tile before together with S of this one: after the tile's barrier warpgroup 0's S and
-// warpgroup 1's P V + S fill the tensor cores while warpgroup 0 runs its softmax, then
-// warpgroup 0's P V runs under warpgroup 1's softmax. V of the tile before must then outlive
-// the barrier: three stages, the next tile's copies one ahead (into the third buffer).
-template <int STAGES, bool SHIFT>
+template <int STAGES>
 __device__ __forceinline__ void flash_prefill_wg_impl(const bf16_t* __restrict__ q,
                                                       bf16_t* __restrict__ out,
                                                       const bf16_t* __restrict__ layer_kv,
@@ -265,9 +258,6 @@ __device__ __forceinline__ void flash_prefill_wg_impl(const bf16_t* __restrict__
                                                       int block_size, float scale_log2,
                                                       int window, unsigned char* smem) {
     constexpr int HD = WG_HD, BM = WG_BM, BN = WG_BN, RPT = BN / 16;
-    // tiles in flight ahead of the one computed
-    constexpr int AHEAD = SHIFT ? 1 : STAGES - 1;
-    static_assert(!SHIFT || STAGES >= 3, "the shifted schedule reads the tile before's V");
     const int h = blockIdx.x;
     const int m0 = (gridDim.y - 1 - blockIdx.y) * BM;
     const int kvh = h / (nh / nkv);
@@ -324,14 +314,14 @@ __device__ __forceinline__ void flash_prefill_wg_impl(const bf16_t* __restrict__
     }
     int blk[RPT];
 #pragma unroll
-    for (int st = 0; st < AHEAD; st++) {
+    for (int st = 0; st < STAGES - 1; st++) {
         if (jt0 + st < ntiles) {
             fetch_blocks(jt0 + st, blk);
             load_tile(jt0 + st, blk);
         }
         fp_cp_commit();
     }
-    fetch_blocks(jt0 + AHEAD, blk);
+    fetch_blocks(jt0 + STAGES - 1, blk);
 
     float o[64];
 #pragma unroll
@@ -339,19 +329,13 @@ __device__ __forceinline__ void flash_prefill_wg_impl(const bf16_t* __restrict__
     float mrow[2] = {-INFINITY, -INFINITY};
     float lrow[2] = {0.f, 0.f};
     const unsigned q_addr = smem_base + wg * 64 * 128;
-    auto v_of = [&](int tile) {
-        return smem_base + WG_Q_BYTES + ((tile - jt0) % STAGES) * WG_TILE_BYTES +
-               WG_TILE_BYTES / 2;
-    };
-    unsigned p[32];  // SHIFT: warpgroup 1's P of the tile before
 
     for (int jt = jt0; jt < ntiles; jt++) {
-        fp_cp_wait<AHEAD - 1>();  // tile jt (and Q) landed: this thread's copies
+        fp_cp_wait<STAGES - 2>();  // tile jt (and Q) landed: this thread's copies
         wg_fence_proxy();
-        __syncthreads();          // everyone's; everyone is done with the buffer refilled next
+        __syncthreads();           // everyone's; everyone is done with tile jt - 1
         {
-            // into the buffer of tile jt - 1 (SHIFT: of tile jt - 2)
-            const int nxt = jt + AHEAD;
+            const int nxt = jt + STAGES - 1;  // into the buffer of tile jt - 1
             if (nxt < ntiles) {
                 load_tile(nxt, blk);
                 fetch_blocks(nxt + 1, blk);
@@ -359,32 +343,15 @@ __device__ __forceinline__ void flash_prefill_wg_impl(const bf16_t* __restrict__
             fp_cp_commit();
         }
         const unsigned k_addr = smem_base + WG_Q_BYTES + ((jt - jt0) % STAGES) * WG_TILE_BYTES;
+        const unsigned v_addr = k_addr + WG_TILE_BYTES / 2;
         float s[64];
-        if (SHIFT && wg == 1) {
-            if (jt > jt0) wg_pv_issue(o, p, v_of(jt - 1));
-            wg_scores_issue(s, q_addr, k_addr);
-            wg_wait<0>();
-            wg_keep(s);
-            wg_keep(o);
-            float alpha[2];
-            wg_softmax(s, alpha, mrow, lrow, jt * BN, qpos0, qpos1, gfirst, glast, wlim, t,
-                       scale_log2);
-            wg_rescale(o, alpha);
-            wg_pack_p(p, s);
-        } else {
-            wg_scores_issue(s, q_addr, k_addr);
-            wg_wait<0>();
-            wg_keep(s);
-            wg_softmax_pv(s, o, mrow, lrow, v_of(jt), jt * BN, qpos0, qpos1, gfirst, glast, wlim,
-                          t, scale_log2);
-        }
+        wg_scores_issue(s, q_addr, k_addr);
+        wg_wait<0>();
+        wg_keep(s);
+        wg_softmax_pv(s, o, mrow, lrow, v_addr, jt * BN, qpos0, qpos1, gfirst, glast, wlim, t,
+                      scale_log2);
     }
     fp_cp_wait<0>();
-    if (SHIFT && wg == 1) {  // the last tile's P V (its buffer is not refilled)
-        wg_pv_issue(o, p, v_of(ntiles - 1));
-        wg_wait<0>();
-        wg_keep(o);
-    }
 
     wg_store(out, o, lrow, row0, r0, r1, n, qstride, h, t);
 }
@@ -759,15 +726,14 @@ __device__ void wg_probe_impl(const bf16_t* a, const bf16_t* b, float* c1, float
 
 // grid: (nh, ceil(n / 128)), block: 256, dynamic shared memory 1024 (alignment) + 32768 (Q) +
 // STAGES * 65536; block_size a power of two, head_dim 128.
-#define FLASH_PREFILL_WG_KERNEL(NAME, STAGES, SHIFT)                                              \
+#define FLASH_PREFILL_WG_KERNEL(NAME, STAGES)                                                     \
     extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                    \
         const bf16_t* __restrict__ q, bf16_t* __restrict__ out,                                   \
         const bf16_t* __restrict__ layer_kv, const int* __restrict__ table, int row0, int n,      \
         int start, int nh, int nkv, int block_size, float scale_log2, int window) {               \
         PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();                                             \
-        WG_BODY(flash_prefill_wg_impl<STAGES, SHIFT>(q, out, layer_kv, table, row0, n, start, nh, \
-                                                     nkv, block_size, scale_log2, window,         \
-                                                     wg_smem_aligned()))                          \
+        WG_BODY(flash_prefill_wg_impl<STAGES>(q, out, layer_kv, table, row0, n, start, nh, nkv,   \
+                                              block_size, scale_log2, window, wg_smem_aligned())) \
     }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -781,9 +747,7 @@ __device__ __forceinline__ unsigned char* wg_smem_aligned() {
 #define WG_BODY(...) __trap();
 #endif
 
-FLASH_PREFILL_WG_KERNEL(flash_prefill_hd128_wg, 2, false)
-// warpgroup 1 half a tile behind (SHIFT above); 3 stages: dynamic shared memory 230400
-FLASH_PREFILL_WG_KERNEL(flash_prefill_hd128_wgs, 3, true)
+FLASH_PREFILL_WG_KERNEL(flash_prefill_hd128_wg, 2)
 
 // The warp-specialized variant: grid (nh, ceil(n / 128)), block 384 (producer warpgroup + two
 // consumers), dynamic shared memory as flash_prefill_hd128_wg's (two stages); block_size a power

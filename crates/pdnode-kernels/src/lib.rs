@@ -158,9 +158,8 @@ pub const WGMMA_SOURCES: [(&str, &str); 3] = [
 ];
 
 /// Entry points of [`WGMMA_SOURCES`] the backend loads on a compute capability 9.0 device.
-pub const WGMMA_KERNEL_NAMES: [&str; 4] = [
+pub const WGMMA_KERNEL_NAMES: [&str; 3] = [
     "flash_prefill_hd128_wg",
-    "flash_prefill_hd128_wgs",
     "flash_prefill_hd128_ws",
     "wgmma_probe",
 ];

@@ -44,10 +44,10 @@ impl CudaBackend {
         self.prefill.attn = attn;
     }
 
-    /// Which kernel `Wgmma` prefill attention runs
-    /// ([`crate::prefill::PrefillScratch::wg_kernel`]; benchmarks compare them).
-    pub fn set_wg_kernel(&mut self, k: crate::prefill::WgKernel) {
-        self.prefill.wg_kernel = k;
+    /// Whether `Wgmma` prefill attention runs its warp-specialized kernel
+    /// ([`crate::prefill::PrefillScratch::wg_specialized`]; benchmarks compare the two).
+    pub fn set_wg_specialized(&mut self, on: bool) {
+        self.prefill.wg_specialized = on;
     }
 
     /// The kernels later steps use: paged attention (with the v4 tuning), linear layers,

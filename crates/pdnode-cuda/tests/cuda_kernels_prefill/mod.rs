@@ -11,7 +11,7 @@ use super::cuda_support::*;
 use super::{gpu, poisoned, pool_dims, pool_idx, up_i32};
 use pdnode_cuda::device::{DevBuf, Gpu};
 use pdnode_cuda::ops::AttnDims;
-use pdnode_cuda::prefill::{LongSeq, PrefillAttn, PrefillScratch, WgKernel};
+use pdnode_cuda::prefill::{LongSeq, PrefillAttn, PrefillScratch};
 use rand::seq::SliceRandom;
 
 /// f32 reference of causal attention for the new tokens of one sequence: rows `row0 .. row0 + n`
@@ -92,12 +92,12 @@ fn run_prefill_attn(
     dtab: &DevBuf,
     max_blocks: usize,
     seqs: &[LongSeq],
-    (attn, wk): Variant,
+    (attn, specialized): Variant,
     window: usize,
 ) -> Vec<f32> {
     let out = poisoned(g, t * d.num_heads * d.head_dim * 2);
     let scratch = &mut PrefillScratch::new(attn);
-    scratch.wg_kernel = wk;
+    scratch.wg_specialized = specialized;
     // on an sm_90 device a head_dim 128 / power-of-two block case must really take the wgmma
     // kernel asked for (a fallback to flashv3 would pass every comparison)
     let hopper_case =
@@ -107,14 +107,11 @@ fn run_prefill_attn(
         attn == PrefillAttn::Wgmma && hopper_case,
         "{attn:?} on {d:?}"
     );
-    if scratch.wgmma_runs(g, d) {
-        let want = if wk == WgKernel::Specialized && d.block_size < 8 {
-            WgKernel::Plain
-        } else {
-            wk
-        };
-        assert_eq!(scratch.wg_kernel_runs(g, d), want, "{wk:?} on {d:?}");
-    }
+    assert_eq!(
+        scratch.wg_specialized_runs(g, d),
+        specialized && attn == PrefillAttn::Wgmma && hopper_case && d.block_size >= 8,
+        "{attn:?} (warp-specialized: {specialized}) on {d:?}"
+    );
     scratch
         .run(
             g,
@@ -157,13 +154,14 @@ fn nan_past_context(
     }
 }
 
-/// An implementation and the wgmma kernel `Wgmma` asks for (`PrefillScratch::wg_kernel`).
-type Variant = (PrefillAttn, WgKernel);
+/// An implementation and whether its wgmma kernel is the warp-specialized one
+/// (`PrefillScratch::wg_specialized`).
+type Variant = (PrefillAttn, bool);
 
-/// Every implementation, and `Wgmma` once more with each other wgmma kernel.
+/// Every implementation, and `Wgmma` once more with the warp-specialized kernel.
 fn all_variants() -> impl Iterator<Item = Variant> {
-    let plain = PrefillAttn::ALL.into_iter().map(|a| (a, WgKernel::Plain));
-    plain.chain(WgKernel::ALL[1..].iter().map(|&k| (PrefillAttn::Wgmma, k)))
+    let plain = PrefillAttn::ALL.into_iter().map(|a| (a, false));
+    plain.chain([(PrefillAttn::Wgmma, true)])
 }
 
 /// The flash implementations the tests compare; on a compute capability 9.0 device the wgmma
@@ -385,7 +383,7 @@ fn prefill_flash_attention_matches_gemm_path_at_llama_shapes() {
             seq: 0,
         }];
         let run = |a| run_prefill_attn(&g, &d, &pool, 0, &dq, t, &dtab, max_blocks, &seqs, a, 0);
-        let want = run((PrefillAttn::Gemm, WgKernel::Plain));
+        let want = run((PrefillAttn::Gemm, false));
         for attn in flash_variants(&g) {
             let e = rel_err(&run(attn), &want);
             println!(

@@ -457,9 +457,11 @@ pub fn run_variants(
         be.set_prefill_attn(configured);
         be.set_wg_specialized(false);
         result?;
-        for row in prefill_attention_rows(be.gpu(), &spec, len, iters, &ceil)? {
-            report(&row);
-            rows.push(row);
+        for bs in attn_block_sizes() {
+            for row in prefill_attention_rows(be.gpu(), &spec, len, bs, iters, &ceil)? {
+                report(&row);
+                rows.push(row);
+            }
         }
         for row in prefill_op_rows(be.gpu(), &spec, len, iters, &ceil)? {
             report(&row);
@@ -496,17 +498,30 @@ pub(crate) fn prefill_inputs(len: usize, bs: usize) -> (Vec<BlockId>, Vec<u32>) 
     (tbl, toks)
 }
 
+/// Pool block sizes the attention-alone rows run at: `PDNODE_BENCH_ATTN_BLOCKS` (comma-separated
+/// powers of two, e.g. `16,64,128`), else 16 (the engine's default block size).
+fn attn_block_sizes() -> Vec<usize> {
+    let v: Vec<usize> = std::env::var("PDNODE_BENCH_ATTN_BLOCKS")
+        .unwrap_or_default()
+        .split(',')
+        .filter_map(|x| x.trim().parse().ok())
+        .filter(|b: &usize| b.is_power_of_two())
+        .collect();
+    if v.is_empty() { vec![16] } else { v }
+}
+
 /// Prefill attention alone, one layer of `spec`'s heads, one sequence of `len` new tokens from
-/// position 0 (K/V already in a one-layer pool of random values), per implementation. Ceiling:
-/// the causal half of `4 len^2 hd nh` FLOP (QK^T and PV) at the bf16 GEMM peak.
+/// position 0 (K/V already in a one-layer pool of random values, blocks of `bs` tokens), per
+/// implementation. Ceiling: the causal half of `4 len^2 hd nh` FLOP (QK^T and PV) at the bf16
+/// GEMM peak.
 fn prefill_attention_rows(
     gpu: &Gpu,
     spec: &ModelSpec,
     len: usize,
+    bs: usize,
     iters: usize,
     ceil: &Ceilings,
 ) -> Result<Vec<BenchRow>, CudaError> {
-    let bs = 16;
     let blocks = len.div_ceil(bs);
     let d = ops::AttnDims {
         num_heads: spec.num_heads,
@@ -554,7 +569,12 @@ fn prefill_attention_rows(
         })?;
         rows.push(BenchRow {
             what: format!(
-                "prefill attention, 1 layer [{pa:?}{}{}]",
+                "prefill attention, 1 layer{} [{pa:?}{}{}]",
+                if bs == 16 {
+                    String::new()
+                } else {
+                    format!(" (blocks of {bs})")
+                },
                 if ws { ", specialized" } else { "" },
                 if pa == PrefillAttn::Wgmma && !scratch.wgmma_runs(gpu, &d) {
                     ": fell back to flashv3"

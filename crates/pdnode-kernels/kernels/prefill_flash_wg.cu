@@ -361,8 +361,8 @@ __device__ __forceinline__ void flash_prefill_wg_impl(const bf16_t* __restrict__
 // 384 threads: warpgroup 0 is the producer (setmaxnreg down to 48 registers), warpgroups 1 and 2
 // the consumers (up to 224), each 64 of the CTA's 128 query rows. The producer's 128 threads load
 // Q once by cp.async (a full barrier of 128 arrivals, cp.async.mbarrier.arrive.noinc); then, per
-// 128-key tile j, lane 0 of its warp 0 issues the TMA copies (cp.async.bulk.tensor, one box per
-// pool block and dim half, 128-byte swizzled by the tensor map) of K of tile j and V of tile
+// 128-key tile j, its warp 0 issues the TMA copies (cp.async.bulk.tensor, one box per
+// pool block and dim half, lane l those of the tile's l-th block, 128-byte swizzled by the tensor map) of K of tile j and V of tile
 // j - 1 into two stages, each completing on its full barrier (expect_tx per box, then one
 // counted arrival). V rows from the partial last block on come by cp.async instead, zero-filled
 // past the keys (their arrival counted in with cp.async.mbarrier.arrive), so stale pool values
@@ -372,8 +372,8 @@ __device__ __forceinline__ void flash_prefill_wg_impl(const bf16_t* __restrict__
 // S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back, then runs the softmax of S_j while the P V
 // is in flight (intra-warpgroup overlap); the two consumers take turns issuing (named barriers 1
 // and 2: ping-pong), so one's softmax runs under the other's wgmma. Block-table entries: lane l
-// of the producer warp reads the tile's l-th pool block, shuffled to lane 0 (block_size 8 or
-// more: at most 16 blocks a tile, each box on the swizzle's 1024-byte period).
+// of the producer warp reads the tile's l-th pool block, a tile ahead (block_size 8 or more: at
+// most 16 blocks a tile, each box on the swizzle's 1024-byte period).
 
 // barrier words in the kernel's static shared memory: full Q, full K[2], full V[2], empty K[2],
 // empty V[2]
@@ -514,7 +514,7 @@ __device__ __forceinline__ void flash_prefill_ws_impl(const bf16_t* __restrict__
         }
         ws_cp_arrive(bar0 + 8 * WS_FULL_Q);
         if (tid < 32) {
-            // K and V tiles: warp 0, lane 0 issuing the TMA copies (one box of min(block_size,
+            // K and V tiles: warp 0 issuing the TMA copies (one box of min(block_size,
             // 128) rows x 64 dims per pool block and dim half, 128-byte swizzled as wgmma reads
             // them); V rows of the partial last block and past it by cp.async, zero-filled past
             // kv_end, so no stale value of the pool (whatever an earlier owner of the block left)
@@ -533,19 +533,17 @@ __device__ __forceinline__ void flash_prefill_ws_impl(const bf16_t* __restrict__
                 return (b <= last_blk && (lane < blks_per_tile || lane == 0)) ? table[b] : -1;
             };
             // one tile's K (part 0) or V (part 1) into `dst`, completing phase on `bar`
+            // (lane l issues the boxes of the tile's l-th pool block, rows l * box .., all lanes
+            // at once)
             auto load = [&](int tile, int blkv, unsigned dst, int part, unsigned bar) {
-                const int k0 = tile * BN, first = k0 >> bs_shift;
+                const int k0 = tile * BN, row = lane * box;
                 const int tma_rows = part == 0 ? BN : min(BN, max(0, tail0 - k0));
-                for (int row = 0; row < tma_rows; row += box) {
-                    const int j = k0 + row;
-                    const int b = __shfl_sync(0xffffffffu, blkv, ((j >> bs_shift) - first) & 31);
-                    if (lane == 0 && b >= 0) {
-                        ws_mbar_expect_tx(bar, 2 * box * 128);
+                if (row < tma_rows && blkv >= 0) {
+                    ws_mbar_expect_tx(bar, 2 * box * 128);
 #pragma unroll
-                        for (int half = 0; half < 2; half++)
-                            ws_tma_load5(dst + half * (BN * 128) + row * 128, map, half * 64, kvh,
-                                         j & bs_mask, part, b, bar);
-                    }
+                    for (int half = 0; half < 2; half++)
+                        ws_tma_load5(dst + half * (BN * 128) + row * 128, map, half * 64, kvh,
+                                     (k0 + row) & bs_mask, part, blkv, bar);
                 }
                 if (tma_rows < BN) {
                     const bf16_t* vbase = layer_kv + (i64)kvh * HD + (lane & 15) * 8 +
@@ -560,7 +558,7 @@ __device__ __forceinline__ void flash_prefill_ws_impl(const bf16_t* __restrict__
                     }
                     ws_cp_arrive_inc(bar);
                 }
-                __syncwarp();  // every lane's increment before the one counted arrival
+                __syncwarp();  // every lane's expect_tx and increment before the counted arrival
                 if (lane == 0) ws_mbar_arrive(bar);
             };
             int blk_prev = -1, blk_cur = tile_blk(jt0);

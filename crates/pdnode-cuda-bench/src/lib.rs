@@ -439,12 +439,12 @@ pub fn run_variants(
         // the whole step with each prefill-attention implementation (the backend's choice
         // switched for the step; the configured one restored after)
         let configured = be.kernels().2;
-        let result = prefill_variants().try_for_each(|(pa, ws)| {
+        let result = prefill_variants().try_for_each(|(pa, plain)| {
             be.set_prefill_attn(pa);
-            be.set_wg_specialized(ws);
+            be.set_wg_plain(plain);
             let t = timed_steps(&mut be, iters.min(5), &fb)?;
             let row = BenchRow {
-                what: format!("prefill [{pa:?}{}]", if ws { ", specialized" } else { "" }),
+                what: format!("prefill [{pa:?}{}]", if plain { ", plain" } else { "" }),
                 batch: 1,
                 ctx: len,
                 ms: t * 1e3,
@@ -455,7 +455,7 @@ pub fn run_variants(
             Ok::<(), CudaError>(())
         });
         be.set_prefill_attn(configured);
-        be.set_wg_specialized(false);
+        be.set_wg_plain(false);
         result?;
         for bs in attn_block_sizes() {
             for row in prefill_attention_rows(be.gpu(), &spec, len, bs, iters, &ceil)? {
@@ -471,11 +471,11 @@ pub fn run_variants(
     Ok((ceil, rows))
 }
 
-/// Every prefill-attention implementation, then `Wgmma` with its warp-specialized kernel
-/// (`PrefillScratch::wg_specialized`).
+/// Every prefill-attention implementation (`Wgmma` with its warp-specialized kernel where it
+/// fits), then `Wgmma` with its plain kernel (`PrefillScratch::wg_plain`).
 fn prefill_variants() -> impl Iterator<Item = (PrefillAttn, bool)> {
-    let plain = PrefillAttn::ALL.into_iter().map(|a| (a, false));
-    plain.chain([(PrefillAttn::Wgmma, true)])
+    let each = PrefillAttn::ALL.into_iter().map(|a| (a, false));
+    each.chain([(PrefillAttn::Wgmma, true)])
 }
 
 /// One prompt from position 0 as a step: `toks` over the blocks of `tbl`, logits wanted.
@@ -549,9 +549,9 @@ fn prefill_attention_rows(
     }];
     let flops = 2.0 * (len as f64).powi(2) * (spec.head_dim * spec.num_heads) as f64;
     let mut rows = Vec::new();
-    for (pa, ws) in prefill_variants() {
+    for (pa, plain) in prefill_variants() {
         let mut scratch = PrefillScratch::new(pa);
-        scratch.wg_specialized = ws;
+        scratch.wg_plain = plain;
         let t = timed(gpu, iters, || {
             scratch.run(
                 gpu,
@@ -575,11 +575,14 @@ fn prefill_attention_rows(
                 } else {
                     format!(" (blocks of {bs})")
                 },
-                if ws { ", specialized" } else { "" },
+                if plain { ", plain" } else { "" },
                 if pa == PrefillAttn::Wgmma && !scratch.wgmma_runs(gpu, &d) {
                     ": fell back to flashv3"
-                } else if ws && !scratch.wg_specialized_runs(gpu, &d) {
-                    ": fell back to the plain wgmma kernel"
+                } else if pa == PrefillAttn::Wgmma
+                    && !plain
+                    && !scratch.wg_specialized_runs(gpu, &d)
+                {
+                    ": the plain wgmma kernel (block size under 8)"
                 } else {
                     ""
                 }

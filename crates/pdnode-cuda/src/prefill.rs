@@ -36,10 +36,12 @@ pub enum PrefillAttn {
     FlashV3,
     /// Fused flash attention on Hopper's warpgroup MMA (kernels/prefill_flash_wg.cu): 128 query
     /// rows as two warpgroups of 64, 128-key tiles of K and V in 128-byte-swizzled shared memory,
-    /// `S = Q K^T` and `O = P V` as wgmma (P from registers). Needs a compute capability 9.0
-    /// device (sm_90a), head_dim 128 and a power-of-two block size; elsewhere runs
-    /// [`PrefillAttn::FlashV3`]. The default: on the H200, 8k prefill step 0.74 of the GEMM
-    /// floor, 2k 0.76 (flashv3 0.68, 0.69; docs/benchmarks.md).
+    /// `S = Q K^T` and `O = P V` as wgmma (P from registers); at block size 8 or more the
+    /// warp-specialized kernel (a producer warpgroup loading K and V by TMA, the two computing
+    /// warpgroups overlapping softmax and wgmma), at 4 the plain one. Needs a compute
+    /// capability 9.0 device (sm_90a), head_dim 128 and a power-of-two block size; elsewhere runs
+    /// [`PrefillAttn::FlashV3`]. The default: on the H200, 8k prefill step 0.77 of the GEMM
+    /// floor, 2k 0.78 (flashv3 0.68, 0.70; docs/benchmarks.md, session 22).
     #[default]
     Wgmma,
     /// Fused flash attention, 128 query rows (8 warps) per CTA, any block size.
@@ -84,11 +86,11 @@ pub struct PrefillScratch {
     pub score_budget: usize,
     /// Implementation (`engine.cuda.prefill_attention`).
     pub attn: PrefillAttn,
-    /// `Wgmma` runs the warp-specialized kernel (`flash_prefill_hd128_ws`: a producer warpgroup
-    /// issuing TMA copies and two consumers taking turns, FlashAttention-3's schedule) where it
-    /// fits, instead of
-    /// `flash_prefill_hd128_wg`: the benchmark's and the tests' knob while the two are compared.
-    pub wg_specialized: bool,
+    /// `Wgmma` runs the plain kernel (`flash_prefill_hd128_wg`: two warpgroups loading by
+    /// cp.async and computing in step) even where the warp-specialized one
+    /// (`flash_prefill_hd128_ws`: a producer warpgroup issuing TMA copies and two consumers
+    /// taking turns, FlashAttention-3's schedule) fits: the benchmark's and the tests' knob.
+    pub wg_plain: bool,
     kc: Option<DevBuf>,
     vc: Option<DevBuf>,
     qh: Option<DevBuf>,
@@ -137,12 +139,12 @@ impl PrefillScratch {
         self.attn == PrefillAttn::Wgmma && wgmma_fits(gpu, d)
     }
 
-    /// Whether that wgmma kernel is the warp-specialized one ([`PrefillScratch::wg_specialized`]
+    /// Whether that wgmma kernel is the warp-specialized one (unless [`PrefillScratch::wg_plain`],
     /// where its program loaded and the block size is at least 8: its TMA boxes are whole pool
     /// blocks, which then start on the 8-row (1024-byte) period of the 128-byte swizzle, and a
     /// 128-key tile spans at most 16 of them).
     pub fn wg_specialized_runs(&self, gpu: &Gpu, d: &AttnDims) -> bool {
-        self.wg_specialized
+        !self.wg_plain
             && self.wgmma_runs(gpu, d)
             && d.block_size >= 8
             && gpu.has_kernel(WGMMA_WS_KERNEL)

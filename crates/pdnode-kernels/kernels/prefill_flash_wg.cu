@@ -1,7 +1,8 @@
 // Causal flash prefill attention on Hopper's warpgroup MMA (wgmma), head_dim 128 (issue 20: the
 // FlashAttention-3 approach; flash_prefill_hd128_wg without its warp specialization, and
-// flash_prefill_hd128_ws with it, below: correct on the H200, its producer on TMA, and still
-// slower, 1.53 against 1.30 ms a layer at 8k; docs/benchmarks.md, session 20). Compiled in a
+// flash_prefill_hd128_ws with it, below, the one the launcher runs at block size 8 or more: its
+// producer on TMA, each lane issuing the boxes of one pool block, 0.98 against the plain
+// kernel's 1.30 ms a layer at 8k; docs/benchmarks.md, session 22). Compiled in a
 // program of its own for compute_90a (wgmma exists only there; `pdnode_kernels::ptx_for_wgmma`),
 // after common.cuh and prefill_flash.cu (whose fp_* helpers it uses); on any other target the
 // entry points are empty and the launcher never picks them.

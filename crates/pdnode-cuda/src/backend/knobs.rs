@@ -44,10 +44,10 @@ impl CudaBackend {
         self.prefill.attn = attn;
     }
 
-    /// Whether `Wgmma` prefill attention runs its warp-specialized kernel
-    /// ([`crate::prefill::PrefillScratch::wg_specialized`]; benchmarks compare the two).
-    pub fn set_wg_specialized(&mut self, on: bool) {
-        self.prefill.wg_specialized = on;
+    /// Whether `Wgmma` prefill attention runs its plain kernel where the warp-specialized one
+    /// fits ([`crate::prefill::PrefillScratch::wg_plain`]; benchmarks compare the two).
+    pub fn set_wg_plain(&mut self, on: bool) {
+        self.prefill.wg_plain = on;
     }
 
     /// The kernels later steps use: paged attention (with the v4 tuning), linear layers,

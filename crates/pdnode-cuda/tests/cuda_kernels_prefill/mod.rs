@@ -92,12 +92,12 @@ fn run_prefill_attn(
     dtab: &DevBuf,
     max_blocks: usize,
     seqs: &[LongSeq],
-    (attn, specialized): Variant,
+    (attn, plain): Variant,
     window: usize,
 ) -> Vec<f32> {
     let out = poisoned(g, t * d.num_heads * d.head_dim * 2);
     let scratch = &mut PrefillScratch::new(attn);
-    scratch.wg_specialized = specialized;
+    scratch.wg_plain = plain;
     // on an sm_90 device a head_dim 128 / power-of-two block case must really take the wgmma
     // kernel asked for (a fallback to flashv3 would pass every comparison)
     let hopper_case =
@@ -109,8 +109,8 @@ fn run_prefill_attn(
     );
     assert_eq!(
         scratch.wg_specialized_runs(g, d),
-        specialized && attn == PrefillAttn::Wgmma && hopper_case && d.block_size >= 8,
-        "{attn:?} (warp-specialized: {specialized}) on {d:?}"
+        !plain && attn == PrefillAttn::Wgmma && hopper_case && d.block_size >= 8,
+        "{attn:?} (plain kernel asked: {plain}) on {d:?}"
     );
     scratch
         .run(
@@ -154,14 +154,15 @@ fn nan_past_context(
     }
 }
 
-/// An implementation and whether its wgmma kernel is the warp-specialized one
-/// (`PrefillScratch::wg_specialized`).
+/// An implementation and whether `Wgmma` is asked for its plain kernel where the
+/// warp-specialized one fits (`PrefillScratch::wg_plain`).
 type Variant = (PrefillAttn, bool);
 
-/// Every implementation, and `Wgmma` once more with the warp-specialized kernel.
+/// Every implementation (`Wgmma` with the warp-specialized kernel where it fits), and `Wgmma`
+/// once more with the plain kernel.
 fn all_variants() -> impl Iterator<Item = Variant> {
-    let plain = PrefillAttn::ALL.into_iter().map(|a| (a, false));
-    plain.chain([(PrefillAttn::Wgmma, true)])
+    let each = PrefillAttn::ALL.into_iter().map(|a| (a, false));
+    each.chain([(PrefillAttn::Wgmma, true)])
 }
 
 /// The flash implementations the tests compare; on a compute capability 9.0 device the wgmma

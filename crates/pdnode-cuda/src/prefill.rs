@@ -414,10 +414,6 @@ const V3_SMEM_HD128: usize = FLASH_V3_STAGES * 2 * 64 * (128 + 8) * BF16;
 /// dims bf16) and two stages of a 128-key tile of K and of V.
 pub const WGMMA_SMEM: usize = 1024 + 128 * 128 * BF16 + 2 * 2 * 128 * 128 * BF16;
 
-/// The warp-specialized kernel's: alignment slack, Q, two K stages and WS_VSTAGES (3) V stages
-/// of a 128-key tile (197632 bytes).
-const WGMMA_WS_SMEM: usize = 1024 + 128 * 128 * BF16 + (2 + 3) * 128 * 128 * BF16;
-
 /// The wgmma kernel's entry points: two warpgroups loading and computing alike, and the
 /// warp-specialized one (a producer warpgroup and two consumers, same shared memory).
 const WGMMA_KERNEL: &str = "flash_prefill_hd128_wg";
@@ -519,7 +515,7 @@ fn run_flash(
         (64, PrefillAttn::FlashV3) => ("flash_prefill_hd64_v3", 8usize, 128usize, V3_SMEM_HD64),
         (128, PrefillAttn::FlashV3) => ("flash_prefill_hd128_v3", 8, 128, V3_SMEM_HD128),
         // only where `wgmma_runs` (the caller)
-        (128, PrefillAttn::Wgmma) if ws => (WGMMA_WS_KERNEL, 12, 128, WGMMA_WS_SMEM),
+        (128, PrefillAttn::Wgmma) if ws => (WGMMA_WS_KERNEL, 12, 128, WGMMA_SMEM),
         (128, PrefillAttn::Wgmma) => (WGMMA_KERNEL, 8, 128, WGMMA_SMEM),
         (64, _) => ("flash_prefill_hd64_w8", 8, 128, 0),
         (128, _) => ("flash_prefill_hd128_w8", 8, 128, 0),

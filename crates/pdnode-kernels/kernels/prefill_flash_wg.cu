@@ -362,10 +362,10 @@ __device__ __forceinline__ void flash_prefill_wg_impl(const bf16_t* __restrict__
 // 384 threads: warpgroup 0 is the producer (setmaxnreg down to 48 registers), warpgroups 1 and 2
 // the consumers (up to 224), each 64 of the CTA's 128 query rows. The producer's 128 threads load
 // Q once by cp.async (a full barrier of 128 arrivals, cp.async.mbarrier.arrive.noinc); then, per
-// 128-key tile j, its warp 0 issues the TMA copies (cp.async.bulk.tensor, one box per pool
-// block and dim half, lane l those of the tile's l-th block, 128-byte swizzled by the tensor
-// map) of K of tile j and V of tile j - 1 into stages (two of K, WS_VSTAGES of V), each
-// completing on its full barrier (expect_tx per box, then one counted arrival). V rows from the partial last block on come by cp.async instead, zero-filled
+// 128-key tile j, its warp 0 issues the TMA copies (cp.async.bulk.tensor, one box per
+// pool block and dim half, lane l those of the tile's l-th block, 128-byte swizzled by the tensor map) of K of tile j and V of tile
+// j - 1 into two stages, each completing on its full barrier (expect_tx per box, then one
+// counted arrival). V rows from the partial last block on come by cp.async instead, zero-filled
 // past the keys (their arrival counted in with cp.async.mbarrier.arrive), so stale pool values
 // never meet P V; stale K rows only give scores the causal mask replaces. The consumers release
 // a stage's K once their S wgmma of it completed and its V once their P V of it did (one arrival
@@ -376,18 +376,14 @@ __device__ __forceinline__ void flash_prefill_wg_impl(const bf16_t* __restrict__
 // of the producer warp reads the tile's l-th pool block, a tile ahead (block_size 8 or more: at
 // most 16 blocks a tile, each box on the swizzle's 1024-byte period).
 
-// barrier words in the kernel's static shared memory: full Q, full K[2], full V[WS_VSTAGES],
-// empty K[2], empty V[WS_VSTAGES]; shared memory: Q, K[2], V[WS_VSTAGES] (32 KiB each)
-// V stages (K has two): V of tile j - 1 is issued after K of tile j, once the P V of tile
-// j - 1 - WS_VSTAGES released its stage, so a third stage gives its copies one more step to land
-#define WS_VSTAGES 3
-#define WS_KV_BYTES (WG_TILE_BYTES / 2)
+// barrier words in the kernel's static shared memory: full Q, full K[2], full V[2], empty K[2],
+// empty V[2]
 #define WS_FULL_Q 0
 #define WS_FULL_K 1
 #define WS_FULL_V 3
-#define WS_EMPTY_K (3 + WS_VSTAGES)
-#define WS_EMPTY_V (5 + WS_VSTAGES)
-#define WS_NBAR (5 + 2 * WS_VSTAGES)
+#define WS_EMPTY_K 5
+#define WS_EMPTY_V 7
+#define WS_NBAR 9
 // registers a thread of the producer warpgroup / of the consumers (setmaxnreg)
 #define WS_REGS_P 48
 #define WS_REGS_C 224
@@ -497,11 +493,8 @@ __device__ __forceinline__ void flash_prefill_ws_impl(const bf16_t* __restrict__
 #pragma unroll
         for (int s = 0; s < 2; s++) {
             ws_mbar_init(bar0 + 8 * (WS_FULL_K + s), 1);
-            ws_mbar_init(bar0 + 8 * (WS_EMPTY_K + s), 2);
-        }
-#pragma unroll
-        for (int s = 0; s < WS_VSTAGES; s++) {
             ws_mbar_init(bar0 + 8 * (WS_FULL_V + s), 1);
+            ws_mbar_init(bar0 + 8 * (WS_EMPTY_K + s), 2);
             ws_mbar_init(bar0 + 8 * (WS_EMPTY_V + s), 2);
         }
         ws_mbar_init_fence();
@@ -569,27 +562,27 @@ __device__ __forceinline__ void flash_prefill_ws_impl(const bf16_t* __restrict__
                 __syncwarp();  // every lane's expect_tx and increment before the counted arrival
                 if (lane == 0) ws_mbar_arrive(bar);
             };
-            // V of local tile m: its stage's previous V (tile m - WS_VSTAGES) released by both
-            // consumers, then the copies
-            auto load_v = [&](int m, int blkv) {
-                const int vs = m % WS_VSTAGES, use = m / WS_VSTAGES;
-                ws_mbar_wait(bar0 + 8 * (WS_EMPTY_V + vs), (use & 1) ^ 1);
-                load(jt0 + m, blkv, tiles_base + (2 + vs) * WS_KV_BYTES, 1,
-                     bar0 + 8 * (WS_FULL_V + vs));
-            };
             int blk_prev = -1, blk_cur = tile_blk(jt0);
             for (int i = 0; i < nt; i++) {
                 const int st = i & 1;
                 const int blk_next = i + 1 < nt ? tile_blk(jt0 + i + 1) : -1;
                 // the stage's previous K (tile i - 2) released by both consumers
                 ws_mbar_wait(bar0 + 8 * (WS_EMPTY_K + st), ((i >> 1) & 1) ^ 1);
-                load(jt0 + i, blk_cur, tiles_base + st * WS_KV_BYTES, 0,
+                load(jt0 + i, blk_cur, tiles_base + st * WG_TILE_BYTES, 0,
                      bar0 + 8 * (WS_FULL_K + st));
-                if (i > 0) load_v(i - 1, blk_prev);
+                if (i > 0) {
+                    const int ps = (i - 1) & 1;
+                    ws_mbar_wait(bar0 + 8 * (WS_EMPTY_V + ps), (((i - 1) >> 1) & 1) ^ 1);
+                    load(jt0 + i - 1, blk_prev, tiles_base + ps * WG_TILE_BYTES + WG_TILE_BYTES / 2,
+                         1, bar0 + 8 * (WS_FULL_V + ps));
+                }
                 blk_prev = blk_cur;
                 blk_cur = blk_next;
             }
-            load_v(nt - 1, blk_prev);
+            const int ls = (nt - 1) & 1;
+            ws_mbar_wait(bar0 + 8 * (WS_EMPTY_V + ls), (((nt - 1) >> 1) & 1) ^ 1);
+            load(jt0 + nt - 1, blk_prev, tiles_base + ls * WG_TILE_BYTES + WG_TILE_BYTES / 2, 1,
+                 bar0 + 8 * (WS_FULL_V + ls));
         }
         // its copies landed (each has also arrived on its full barrier) before the producer ends
         ws_cp_wait_all();
@@ -629,15 +622,15 @@ __device__ __forceinline__ void flash_prefill_ws_impl(const bf16_t* __restrict__
     wg_softmax(s, alpha, mrow, lrow, jt0 * BN, qpos0, qpos1, gfirst, glast, wlim, t, scale_log2);
     wg_pack_p(p, s);
     for (int i = 1; i < nt; i++) {
-        const int st = i & 1, ps = (i - 1) % WS_VSTAGES;
-        const unsigned k_addr = tiles_base + st * WS_KV_BYTES;
-        const unsigned v_addr = tiles_base + (2 + ps) * WS_KV_BYTES;
+        const int st = i & 1, ps = st ^ 1;
+        const unsigned k_addr = tiles_base + st * WG_TILE_BYTES;
+        const unsigned v_addr = tiles_base + ps * WG_TILE_BYTES + WG_TILE_BYTES / 2;
         ws_mbar_wait(bar0 + 8 * (WS_FULL_K + st), (i >> 1) & 1);
         wg_fence_proxy();
         ws_turn_wait(c);
         wg_scores_issue(s, q_addr, k_addr);
         // V of tile i - 1 was loaded after K of tile i: waited for only once S is under way
-        ws_mbar_wait(bar0 + 8 * (WS_FULL_V + ps), ((i - 1) / WS_VSTAGES) & 1);
+        ws_mbar_wait(bar0 + 8 * (WS_FULL_V + ps), ((i - 1) >> 1) & 1);
         wg_fence_proxy();
         wg_pv_issue(o, p, v_addr);
         // consumer 1's last turn is given to nobody (consumer 0 waits for no further one)
@@ -654,10 +647,10 @@ __device__ __forceinline__ void flash_prefill_ws_impl(const bf16_t* __restrict__
         wg_pack_p(p, s);
     }
     {
-        const int ls = (nt - 1) % WS_VSTAGES;
-        ws_mbar_wait(bar0 + 8 * (WS_FULL_V + ls), ((nt - 1) / WS_VSTAGES) & 1);
+        const int ls = (nt - 1) & 1;
+        ws_mbar_wait(bar0 + 8 * (WS_FULL_V + ls), ((nt - 1) >> 1) & 1);
         wg_fence_proxy();
-        wg_pv_issue(o, p, tiles_base + (2 + ls) * WS_KV_BYTES);
+        wg_pv_issue(o, p, tiles_base + ls * WG_TILE_BYTES + WG_TILE_BYTES / 2);
         wg_wait<0>();
         wg_keep(o);
     }
@@ -756,9 +749,8 @@ __device__ __forceinline__ unsigned char* wg_smem_aligned() {
 FLASH_PREFILL_WG_KERNEL(flash_prefill_hd128_wg, 2)
 
 // The warp-specialized variant: grid (nh, ceil(n / 128)), block 384 (producer warpgroup + two
-// consumers), dynamic shared memory 1024 (alignment) + 32768 (Q) + (2 + WS_VSTAGES) * 32768 (K
-// and V stages); block_size a power of two of at least 8; kv_map the layer's pool as a 5-d TMA
-// tensor map (see WsTmap).
+// consumers), dynamic shared memory as flash_prefill_hd128_wg's (two stages); block_size a power
+// of two of at least 8; kv_map the layer's pool as a 5-d TMA tensor map (see WsTmap).
 extern "C" __global__ void __launch_bounds__(384, 1)
     flash_prefill_hd128_ws(const bf16_t* __restrict__ q, bf16_t* __restrict__ out,
                            const bf16_t* __restrict__ layer_kv, const int* __restrict__ table,

@@ -41,7 +41,7 @@ pub enum PrefillAttn {
     /// warpgroups overlapping softmax and wgmma), at 4 the plain one. Needs a compute
     /// capability 9.0 device (sm_90a), head_dim 128 and a power-of-two block size; elsewhere runs
     /// [`PrefillAttn::FlashV3`]. The default: on the H200, 8k prefill step 0.77 of the GEMM
-    /// floor, 2k 0.78 (flashv3 0.68, 0.70; docs/benchmarks.md, session 22).
+    /// floor, 2k 0.77-0.78 (flashv3 0.67-0.68, 0.69-0.70; docs/benchmarks.md, session 22).
     #[default]
     Wgmma,
     /// Fused flash attention, 128 query rows (8 warps) per CTA, any block size.

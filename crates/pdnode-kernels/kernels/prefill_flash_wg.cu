@@ -19,7 +19,8 @@
 // tile j: 1.51 against 1.30 ms a layer at 8k tokens, spill-free at 255 registers);
 // skipping the O rescale where no row max moved; (session 20) the next tile's copies issued after
 // the S wgmma, and 3 stages with them issued under the P V; (session 22) the tiles by TMA from
-// warp 0 (1.39 ms), and that without the tile barrier, the warpgroups taking turns (1.46).
+// warp 0 (1.39 ms), and that without the tile barrier, the warpgroups taking turns (1.46);
+// warpgroup 1 half a tile behind, its P V of the tile before issued with S (1.32).
 //
 // Shared memory, every matrix in the 128-byte-swizzle layout wgmma reads (1024-byte aligned):
 // Q [2][128 rows][128 B], then per stage K and V the same: half h (dims 64h .. 64h + 63) of row r
@@ -362,10 +363,10 @@ __device__ __forceinline__ void flash_prefill_wg_impl(const bf16_t* __restrict__
 // 384 threads: warpgroup 0 is the producer (setmaxnreg down to 48 registers), warpgroups 1 and 2
 // the consumers (up to 224), each 64 of the CTA's 128 query rows. The producer's 128 threads load
 // Q once by cp.async (a full barrier of 128 arrivals, cp.async.mbarrier.arrive.noinc); then, per
-// 128-key tile j, its warp 0 issues the TMA copies (cp.async.bulk.tensor, one box per
-// pool block and dim half, lane l those of the tile's l-th block, 128-byte swizzled by the tensor map) of K of tile j and V of tile
-// j - 1 into two stages, each completing on its full barrier (expect_tx per box, then one
-// counted arrival). V rows from the partial last block on come by cp.async instead, zero-filled
+// 128-key tile j, its warp 0 issues the TMA copies (cp.async.bulk.tensor, one box per pool
+// block and dim half, lane l those of the tile's l-th block, 128-byte swizzled by the tensor
+// map) of K of tile j and V of tile j - 1 into two stages, each completing on its full barrier
+// (expect_tx per box, then one counted arrival). V rows from the partial last block on come by cp.async instead, zero-filled
 // past the keys (their arrival counted in with cp.async.mbarrier.arrive), so stale pool values
 // never meet P V; stale K rows only give scores the causal mask replaces. The consumers release
 // a stage's K once their S wgmma of it completed and its V once their P V of it did (one arrival

@@ -51,6 +51,9 @@ fi
 # The first half of the demo model waits on this machine for the call that brings the second.
 [ -e .gpu-m/a ] && cp .gpu-m/a "$PD/model.a"
 summary=$LOGS/summary.txt
+# the profiler and the kernels the prefill-ncu / prefill-src parts profile
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+NCU_KERNELS=${NCU_KERNELS:-flash_prefill_hd128_wg flash_prefill_hd128_ws}
 : > "$summary"
 t_start=$SECONDS
 for part in "$@"; do
@@ -96,8 +99,7 @@ for part in "$@"; do
             echo "## bench_llama31_8b_shapes, prefill (rc=$?)" >> "$summary"
             grep -E '^BENCH (prefill|ceiling)|^ceilings' "$LOGS/prefill-bench.log" | sed -E 's/^BENCH //' >> "$summary" ;;
         prefill-ncu)  # why a wgmma kernel runs where it does: ncu on each, SM clocks during a step
-            NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
-            for k in ${NCU_KERNELS:-flash_prefill_hd128_wg flash_prefill_hd128_ws}; do
+            for k in $NCU_KERNELS; do
                 PDNODE_BENCH_DECODE= PDNODE_BENCH_PREFILL=8192 PDNODE_BENCH_ITERS=1 timeout 300 \
                     "$NCU" --clock-control none -k "regex:^$k\$" -s 4 -c 1 --section SpeedOfLight \
                     --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
@@ -124,8 +126,7 @@ for part in "$@"; do
             awk -F', ' '{gsub(/ W/,"",$3); print $3}' "$LOGS/prefill-clocks.csv" | sort -n |
                 awk '{p[NR]=$1} END {if (NR) printf "W %s %s %s\n", p[1], p[int((NR+1)/2)], p[NR]}' >> "$summary" ;;
         prefill-src)  # where a wgmma kernel's warps wait: ncu's stall sampling per SASS instruction
-            NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
-            for k in ${NCU_KERNELS:-flash_prefill_hd128_wg flash_prefill_hd128_ws}; do
+            for k in $NCU_KERNELS; do
                 PDNODE_BENCH_DECODE= PDNODE_BENCH_PREFILL=8192 PDNODE_BENCH_ITERS=1 timeout 300 \
                     "$NCU" --clock-control none -k "regex:^$k\$" -s 4 -c 1 --section SourceCounters \
                     --section WarpStateStats -f -o "$LOGS/src-$k" \

@@ -366,9 +366,10 @@ __device__ __forceinline__ void flash_prefill_wg_impl(const bf16_t* __restrict__
 // 128-key tile j, its warp 0 issues the TMA copies (cp.async.bulk.tensor, one box per pool
 // block and dim half, lane l those of the tile's l-th block, 128-byte swizzled by the tensor
 // map) of K of tile j and V of tile j - 1 into two stages, each completing on its full barrier
-// (expect_tx per box, then one counted arrival). V rows from the partial last block on come by cp.async instead, zero-filled
-// past the keys (their arrival counted in with cp.async.mbarrier.arrive), so stale pool values
-// never meet P V; stale K rows only give scores the causal mask replaces. The consumers release
+// (expect_tx per box, then one counted arrival). V rows from the partial last block on come by
+// cp.async instead, zero-filled past the keys (their arrival counted in with
+// cp.async.mbarrier.arrive), so stale pool values never meet P V; stale K rows only give scores
+// the causal mask replaces. The consumers release
 // a stage's K once their S wgmma of it completed and its V once their P V of it did (one arrival
 // per consumer warpgroup), which the producer waits for before refilling. A consumer step issues
 // S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back, then runs the softmax of S_j while the P V

@@ -18,6 +18,9 @@
 #                  kernel (NCU_KERNELS, default the wg and ws ones; speed of light, pipes,
 #                  stalls), then the SM clock and power sampled
 #                  through a run of the 8192-token prefill bench
+#   stream         the streaming decode GEMV (gemv_stream): its cuda_kernels and cuda_graphs
+#                  tests, bench_linear_stream (each decode linear alone, step path vs stream),
+#                  then bench_decode_step_variants at STREAM_STEPS with STREAM_VARIANTS
 #   prefill-src    ncu's warp stall sampling per SASS instruction of one 8192-token launch of each
 #                  NCU_KERNELS kernel, as CSV (src-<kernel>.csv in the logs)
 #   transfer-exp   scripts/gpu/transfer.sh exp (UCX variants, isolated ucx_perftest puts)
@@ -88,6 +91,26 @@ for part in "$@"; do
                 [ "$v" = bench_llama31_8b_shapes ] && rows='^ceilings|^\| decode (graph|\+argmax D2H) \|'
                 grep -E "$rows" "$LOGS/decode-$v.log" >> "$summary"
             done ;;
+        stream)   # the streaming decode GEMV: its tests, each linear alone, whole graph steps
+            timeout 300 "$PD/t/cuda_kernels" --ignored --test-threads=1 --nocapture gemv_stream \
+                > "$LOGS/stream-kernels.log" 2>&1
+            echo "## cuda_kernels gemv_stream (rc=$?)" >> "$summary"
+            grep -E '^test result|FAIL|panicked' "$LOGS/stream-kernels.log" >> "$summary"
+            grep -c '^PASS' "$LOGS/stream-kernels.log" | sed 's/^/PASS lines: /' >> "$summary"
+            timeout 300 "$PD/t/cuda_graphs" --ignored --test-threads=1 --nocapture \
+                streaming_decode_steps_match > "$LOGS/stream-graphs.log" 2>&1
+            echo "## cuda_graphs streaming_decode_steps_match (rc=$?)" >> "$summary"
+            grep -E '^test result|^GRAPH|FAIL|panicked' "$LOGS/stream-graphs.log" >> "$summary"
+            timeout 300 "$PD/t/cuda_bench" --ignored --nocapture --exact bench_linear_stream \
+                > "$LOGS/stream-linear.log" 2>&1
+            echo "## bench_linear_stream (rc=$?)" >> "$summary"
+            grep -E '^ceilings|^\|' "$LOGS/stream-linear.log" >> "$summary"
+            PDNODE_BENCH_STEPS=${STREAM_STEPS:-1x512,1x2048,1x8192,2x512,4x512} \
+                PDNODE_BENCH_STEP_VARIANTS=${STREAM_VARIANTS:-default,s8n0w8p4g4,s8n0w8p0g4} \
+                timeout 400 "$PD/t/cuda_bench" --ignored --nocapture --test-threads=1 --exact \
+                bench_decode_step_variants > "$LOGS/stream-steps.log" 2>&1
+            echo "## bench_decode_step_variants (rc=$?)" >> "$summary"
+            grep -E '^ceilings|^\|' "$LOGS/stream-steps.log" >> "$summary" ;;
         prefill)   # the prefill-attention kernels: their GPU tests, then whole steps and one layer
             timeout 300 "$PD/t/cuda_kernels" --ignored --test-threads=1 --nocapture prefill_ \
                 wgmma_descriptors > "$LOGS/prefill-tests.log" 2>&1

@@ -23,9 +23,10 @@ pub struct StepVariant {
 }
 
 impl StepVariant {
-    /// `s<N>n<M>[w<W>][p<P>]` (SwiGLU fused into gate_up up to N tokens, the RMSNorm into the
-    /// o/down GEMV up to M, W warps a block of the fused gate_up launch, PDL for decode steps
-    /// of up to P rows; W and P 0 when absent: the 4-warp launch, no small-step PDL) or
+    /// `s<N>n<M>[w<W>][p<P>][g<G>]` (SwiGLU fused into gate_up up to N tokens, the RMSNorm into
+    /// the o/down GEMV up to M, W warps a block of the fused gate_up launch, PDL for decode steps
+    /// of up to P rows, the streaming GEMVs for steps of up to G rows; W, P and G 0 when absent:
+    /// the 4-warp launch, no small-step PDL, no streaming) or
     /// `default` (`Fusion::default()`), then optionally `/<attention>` (a name of
     /// `engine.cuda.attention`, default `auto`, optionally with `@<waves>`: the v4 partitions'
     /// waves, default [`ops::V4_WAVES`]), then optionally `+pdl`.
@@ -47,11 +48,11 @@ impl StepVariant {
         let fusion = if body == "default" {
             Fusion::default()
         } else {
-            // letter-number pairs: s and n required, w and p optional (0 when absent)
-            let mut vals = [None::<usize>; 4];
+            // letter-number pairs: s and n required, w, p and g optional (0 when absent)
+            let mut vals = [None::<usize>; 5];
             let mut rest = body;
             while let Some(c) = rest.chars().next() {
-                let k = "snwp".find(c)?;
+                let k = "snwpg".find(c)?;
                 let digits = rest[1..].chars().take_while(char::is_ascii_digit).count();
                 vals[k] = Some(rest[1..1 + digits].parse().ok()?);
                 rest = &rest[1 + digits..];
@@ -61,6 +62,7 @@ impl StepVariant {
                 norm_max_tokens: vals[1]?,
                 glu_warps: vals[2].unwrap_or(0),
                 pdl_max_tokens: vals[3].unwrap_or(0),
+                stream_max_tokens: vals[4].unwrap_or(0),
             }
         };
         Some(StepVariant {
@@ -169,6 +171,15 @@ mod tests {
                 v.fusion.pdl_max_tokens
             ),
             (8, 0, 8, 2)
+        );
+        let v = StepVariant::parse("s8n0w8p4g4").unwrap();
+        assert_eq!(
+            (v.fusion.pdl_max_tokens, v.fusion.stream_max_tokens),
+            (4, 4)
+        );
+        assert_eq!(
+            StepVariant::parse("s8n0").unwrap().fusion.stream_max_tokens,
+            0
         );
         let v = StepVariant::parse("s2n0/v2+pdl").unwrap();
         assert_eq!(v.fusion.glu_warps, 0);

@@ -323,3 +323,108 @@ pub fn run_linear_lt(
     }
     Ok((copy, rows))
 }
+
+/// One layer of the decode step through the decode step's current path and through
+/// [`ops::gemv_stream`], launched back to back on rotated weights (no PDL).
+#[derive(Debug, Clone)]
+pub struct StreamRow {
+    pub name: &'static str,
+    pub out: usize,
+    pub inp: usize,
+    pub tokens: usize,
+    /// The step's path without streaming: `linear` under `Auto` (qkv, o, down; f32 y, o and down
+    /// accumulating) or the fused gate_up + SwiGLU launch, us a call.
+    pub auto_us: f64,
+    /// `gemv_stream` with the same output (gate_up: `Glu`), us a call.
+    pub stream_us: f64,
+    /// Weight bytes over each time, as a fraction of the copy ceiling.
+    pub auto_frac: f64,
+    pub stream_frac: f64,
+    /// ||stream - auto|| / ||auto|| on the same inputs.
+    pub rel: f64,
+}
+
+/// [`StreamRow`]s for the four decode linears of [`LLAMA31_8B_LINEARS`] at each of `tokens`
+/// (at most [`ops::STREAM_MAX_TOKENS`]); the copy ceiling (bytes/s) first.
+pub fn run_linear_stream(
+    tokens: &[usize],
+    iters: usize,
+    mut report: impl FnMut(&StreamRow),
+) -> Result<(f64, Vec<StreamRow>), CudaError> {
+    let gpu = Gpu::new(0)?;
+    let copy = measure_ceilings(&gpu)?.hbm_traffic_bps;
+    if !ops::stream_available(&gpu) {
+        return Err(CudaError::Unsupported {
+            reason: "gemv_stream needs compute capability 9.0".into(),
+        });
+    }
+    let iters = iters.max(1);
+    let max_t = ops::STREAM_MAX_TOKENS;
+    let sms = gpu.sm_count as usize;
+    let mut rows = Vec::new();
+    for (si, &(name, out, inp, _)) in LLAMA31_8B_LINEARS[..4].iter().enumerate() {
+        let wbytes = out * inp * 2;
+        let ws = rotated_weights(&gpu, out, inp, 500 + si as u64 * 8)?;
+        let copies = ws.len();
+        let x = gpu.alloc(max_t * inp * 2)?;
+        ops::fill_uniform_bf16(&gpu, &x, max_t * inp, 11, 1.0)?;
+        let (ya, yb) = (gpu.alloc(max_t * out * 4)?, gpu.alloc(max_t * out * 4)?);
+        let glu = name == "gate_up";
+        let acc = name == "o" || name == "down";
+        let (units, sout) = match (glu, acc) {
+            (true, _) => (out / 2, ops::StreamOut::Glu),
+            (_, true) => (out, ops::StreamOut::F32Acc),
+            _ => (out, ops::StreamOut::F32),
+        };
+        for &t in tokens.iter().filter(|t| (1..=max_t).contains(*t)) {
+            let auto = |w: &pdnode_cuda::device::DevBuf| {
+                if glu {
+                    let l =
+                        ops::glu_launch_warps(sms, units, inp, ops::Fusion::default().glu_warps);
+                    ops::gemv_mma_swiglu(&gpu, l, units, t, inp, w, &x, &ya)
+                } else {
+                    let how = ops::LinearImpl::Auto;
+                    ops::linear(&gpu, out, t, inp, w, &x, &ya, OutType::F32, acc, how)
+                }
+            };
+            let stream = |w: &pdnode_cuda::device::DevBuf| {
+                ops::gemv_stream(&gpu, units, t, inp, w, ops::StreamX::Bf16(&x), &yb, sout)
+            };
+            let n = t * units;
+            for y in [&ya, &yb] {
+                gpu.memset(y, 0)?;
+            }
+            auto(&ws[0])?;
+            stream(&ws[0])?;
+            let (a, b) = if glu {
+                (gpu.download_bf16(&ya, n)?, gpu.download_bf16(&yb, n)?)
+            } else {
+                (gpu.download_f32(&ya, n)?, gpu.download_f32(&yb, n)?)
+            };
+            let rel = rel_diff(&b, &a);
+            let mut k = 0usize;
+            let auto_s = timed(&gpu, iters, || {
+                k += 1;
+                auto(&ws[k % copies])
+            })?;
+            let stream_s = timed(&gpu, iters, || {
+                k += 1;
+                stream(&ws[k % copies])
+            })?;
+            let row = StreamRow {
+                name,
+                out,
+                inp,
+                tokens: t,
+                auto_us: auto_s * 1e6,
+                stream_us: stream_s * 1e6,
+                auto_frac: wbytes as f64 / auto_s / copy,
+                stream_frac: wbytes as f64 / stream_s / copy,
+                rel,
+            };
+            report(&row);
+            rows.push(row);
+        }
+    }
+    Ok((copy, rows))
+}

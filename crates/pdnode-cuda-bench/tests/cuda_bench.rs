@@ -245,6 +245,57 @@ fn bench_linear_layers() {
     assert!(bad.is_empty(), "outputs differ from cuBLAS: {bad:?}");
 }
 
+/// The four decode linears at 1, 2 and 4 tokens through the step's current path and through the
+/// streaming GEMV (`ops::gemv_stream`), one call after another on weights rotated past L2 (no
+/// PDL: what a launch costs alone). `PDNODE_BENCH_LINEAR_TOKENS` picks the token counts.
+#[test]
+#[ignore = "benchmark: needs a CUDA GPU (sm_90)"]
+fn bench_linear_stream() {
+    let _gpu = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let tokens: Vec<usize> = env_list("PDNODE_BENCH_LINEAR_TOKENS", "1,2,4")
+        .split(',')
+        .filter_map(|s| s.trim().parse().ok())
+        .collect();
+    let iters: usize = env_list("PDNODE_BENCH_ITERS", "100").parse().unwrap_or(100);
+    let (copy, rows) = bench::run_linear_stream(&tokens, iters, |r| {
+        eprintln!(
+            "STREAM {} t={} auto_us={:.1} stream_us={:.1} rel={:.1e}",
+            r.name, r.tokens, r.auto_us, r.stream_us, r.rel
+        )
+    })
+    .expect("stream benchmark");
+    println!(
+        "ceilings: HBM copy traffic {:.0} GB/s (read+write)",
+        copy / 1e9
+    );
+    println!(
+        "| layer | out x in | tokens | step path us (of copy) | gemv_stream us (of copy) | rel. diff |"
+    );
+    println!("|---|---|---|---|---|---|");
+    let mut bad = Vec::new();
+    for r in &rows {
+        println!(
+            "| {} | {}x{} | {} | {:.1} ({:.2}) | {:.1} ({:.2}) | {:.1e} |",
+            r.name,
+            r.out,
+            r.inp,
+            r.tokens,
+            r.auto_us,
+            r.auto_frac,
+            r.stream_us,
+            r.stream_frac,
+            r.rel
+        );
+        if r.rel.is_nan() || r.rel > 1e-2 {
+            bad.push(format!("{} t={}", r.name, r.tokens));
+        }
+    }
+    assert!(
+        bad.is_empty(),
+        "gemv_stream differs from the step path: {bad:?}"
+    );
+}
+
 /// "tile 18 splitK 1 red 0 swz 0 st 20 cl 0 id 66" for a cuBLASLt row, "GemmEx" for the default.
 fn lt_tag(r: &bench::LtRow) -> String {
     match (r.algo, r.config) {

@@ -495,25 +495,48 @@ impl CudaBackend {
         };
         // engine.cuda.linear, per call: a GEMV choice takes cuBLAS where its kernel cannot run
         let lin = self.opts.linear;
+        // small decode steps: the four linears stream their weights (gemv_stream), the norms
+        // before qkv and gate_up inside them
+        let stream = self.streams_step(t);
+        let norm_x = |nw| ops::StreamX::Norm {
+            resid: &ws.resid,
+            w: nw,
+            eps: s.rms_norm_eps,
+        };
         let mut normed = false;
         for (li, l) in w.layers.iter().enumerate() {
-            if !normed {
-                rmsnorm(&l.attn_norm)?;
-                mark("attn_norm")?;
+            if stream {
+                let x = norm_x(&l.attn_norm);
+                ops::gemv_stream(
+                    g,
+                    qd + 2 * kvd,
+                    t,
+                    h,
+                    &l.wqkv,
+                    x,
+                    &ws.qkv,
+                    ops::StreamOut::Bf16,
+                )?;
+                mark("attn_norm+qkv")?;
+            } else {
+                if !normed {
+                    rmsnorm(&l.attn_norm)?;
+                    mark("attn_norm")?;
+                }
+                ops::linear(
+                    g,
+                    qd + 2 * kvd,
+                    t,
+                    h,
+                    &l.wqkv,
+                    &ws.normed,
+                    &ws.qkv,
+                    OutType::Bf16,
+                    false,
+                    lin.for_call(t, h, &l.wqkv, &ws.normed),
+                )?;
+                mark("qkv")?;
             }
-            ops::linear(
-                g,
-                qd + 2 * kvd,
-                t,
-                h,
-                &l.wqkv,
-                &ws.normed,
-                &ws.qkv,
-                OutType::Bf16,
-                false,
-                lin.for_call(t, h, &l.wqkv, &ws.normed),
-            )?;
-            mark("qkv")?;
             ops::rope_qkv(
                 g,
                 d,
@@ -576,6 +599,36 @@ impl CudaBackend {
                 )?;
                 mark("prefill_attention")?;
             }
+            if stream {
+                let acc = ops::StreamOut::F32Acc;
+                ops::gemv_stream(
+                    g,
+                    h,
+                    t,
+                    qd,
+                    &l.wo,
+                    ops::StreamX::Bf16(&ws.attn),
+                    &ws.resid,
+                    acc,
+                )?;
+                mark("o_proj")?;
+                let x = norm_x(&l.mlp_norm);
+                let glu = ops::StreamOut::Glu;
+                ops::gemv_stream(g, inter, t, h, &l.w_gate_up, x, &ws.act, glu)?;
+                mark("mlp_norm+gate_up+swiglu")?;
+                ops::gemv_stream(
+                    g,
+                    h,
+                    t,
+                    inter,
+                    &l.w_down,
+                    ops::StreamX::Bf16(&ws.act),
+                    &ws.resid,
+                    acc,
+                )?;
+                mark("down")?;
+                continue;
+            }
             let nf = norm_of(&l.mlp_norm);
             let rank0 = self.shard.rank == 0;
             normed = ops::linear_rmsnorm(
@@ -629,6 +682,42 @@ impl CudaBackend {
             self.all_reduce_resid(t * h)?;
         }
         self.encode_logits(meta, p)
+    }
+
+    /// Whether a step of `tokens` rows runs its linears through [`ops::gemv_stream`]:
+    /// [`ops::Fusion::stream_max_tokens`] allows it, the GPU has the kernel, one GPU (with
+    /// tensor parallelism the norm must follow the all-reduce), `engine.cuda.linear` is `auto`,
+    /// and every operand the kernel reads is 16-byte aligned with the norm's width in range.
+    pub fn streams_step(&self, tokens: usize) -> bool {
+        let (s, w, ws) = (&self.spec, &self.w, &self.ws);
+        let h = s.hidden_size;
+        let fits = |units, inp, out| {
+            ops::stream_plan(self.gpu.sm_count as usize, units, tokens, inp, out).is_some()
+        };
+        let aligned = |b: &DevBuf| b.ptr().is_multiple_of(16);
+        tokens >= 1
+            && tokens <= self.opts.fusion.stream_max_tokens
+            && self.comm.is_none()
+            && self.opts.linear == ops::LinearImpl::Auto
+            && ops::stream_available(&self.gpu)
+            && ops::rmsnorm_vector_block(h, &[ws.resid.ptr()], 0).is_some_and(|b| b <= 256)
+            && fits(s.q_dim() + 2 * s.kv_dim(), h, ops::StreamOut::Bf16)
+            && fits(h, s.q_dim(), ops::StreamOut::F32Acc)
+            && fits(s.intermediate_size, h, ops::StreamOut::Glu)
+            && fits(h, s.intermediate_size, ops::StreamOut::F32Acc)
+            && [&ws.attn, &ws.act].into_iter().all(aligned)
+            && w.layers.iter().all(|l| {
+                [
+                    &l.wqkv,
+                    &l.wo,
+                    &l.w_gate_up,
+                    &l.w_down,
+                    &l.attn_norm,
+                    &l.mlp_norm,
+                ]
+                .into_iter()
+                .all(aligned)
+            })
     }
 
     /// The final norm of the rows that want logits and the lm_head into `ws.logits`.

@@ -769,3 +769,88 @@ fn small_decode_steps_with_pdl_match_plain_launches() {
     small_step_pdl_matches_plain(&tiny_spec(false, false), "tiny-llama");
     small_step_pdl_matches_plain(&wide_spec(), "llama-hd128");
 }
+
+// ---- streaming GEMVs for small decode steps (Fusion::stream_max_tokens) ---------------------------
+
+/// Decode steps of 1-4 rows through `gemv_stream` (its first weight copies issued before the
+/// grid-dependency wait): a backend with small-step PDL against two without, all streaming,
+/// bit-identical eager and replayed (the early copies read only weights, so PDL changes
+/// nothing); steps of 8 and 33 rows do not stream. Then a streaming backend against one that
+/// does not: the same tokens' logits within bf16 rounding (the sums run in another order).
+fn streaming_steps_match(spec: &ModelSpec, name: &str) {
+    use pdnode_cuda::ops::{Fusion, STREAM_MAX_TOKENS};
+    let mut rng = rng(name);
+    let w = tiny_weights(spec, &mut rng);
+    let mut bes: [CudaBackend; 3] =
+        std::array::from_fn(|_| CudaBackend::new(spec, &w, &opts(1, true), "test".into()).unwrap());
+    let on = Fusion {
+        stream_max_tokens: STREAM_MAX_TOKENS,
+        pdl_max_tokens: 0,
+        ..Default::default()
+    };
+    for be in bes.iter_mut() {
+        be.set_fusion(on);
+    }
+    if !bes[0].streams_step(1) {
+        println!("GRAPH streaming {name}: SKIP (no gemv_stream on this GPU)");
+        return;
+    }
+    assert!(bes[0].streams_step(STREAM_MAX_TOKENS) && !bes[0].streams_step(STREAM_MAX_TOKENS + 1));
+    bes[1].set_fusion(Fusion {
+        pdl_max_tokens: STREAM_MAX_TOKENS,
+        ..on
+    });
+    variant_matches_plain(
+        spec,
+        name,
+        "streaming GEMVs + small-step PDL",
+        &mut rng,
+        &mut bes,
+    );
+
+    // against the unstreamed step: same weights, same KV, decode steps of 1 and 3 rows
+    let mut plain = CudaBackend::new(spec, &w, &opts(1, true), "test".into()).unwrap();
+    plain.set_fusion(Fusion {
+        stream_max_tokens: 0,
+        ..on
+    });
+    assert!(!plain.streams_step(1));
+    let seed: u64 = rng.random();
+    plain.fill_kv_random(seed).unwrap();
+    bes[0].fill_kv_random(seed).unwrap();
+    let mut free: Vec<u32> = (0..NUM_BLOCKS).collect();
+    free.shuffle(&mut rng);
+    let mut worst = 0f32;
+    for n in [1usize, 3] {
+        let s = seqs(&mut rng, &mut free, n);
+        let toks: Vec<[u32; 1]> = (0..n)
+            .map(|_| [rng.random_range(0..spec.vocab_size as u32)])
+            .collect();
+        let b = batch(&s, &toks, 0);
+        let (a, p) = (
+            bes[0].forward(&b).unwrap().data,
+            plain.forward(&b).unwrap().data,
+        );
+        let scale = p.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let diff = a
+            .iter()
+            .zip(&p)
+            .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(a.iter().all(|v| v.is_finite()), "{name}: non-finite logits");
+        worst = worst.max(diff / scale.max(1e-6));
+    }
+    assert!(
+        worst < 2e-2,
+        "{name}: streamed logits off by {worst:e} of the largest"
+    );
+    println!(
+        "GRAPH streaming {name}: PASS, against the unstreamed step max |diff| {worst:.1e} of the largest logit"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
+fn streaming_decode_steps_match() {
+    streaming_steps_match(&tiny_spec(false, false), "tiny-llama");
+    streaming_steps_match(&wide_spec(), "llama-hd128");
+}

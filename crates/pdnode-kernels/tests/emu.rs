@@ -30,16 +30,17 @@ fn cases(text: &str, prefix: &str) -> usize {
         .unwrap_or_else(|| panic!("no {prefix:?} line in:\n{text}"))
 }
 
-/// The wgmma prefill attention kernels (plain and warp-specialized) and the descriptor probe:
-/// wgmma, mbarriers, named barriers, cp.async and TMA emulated, copies landing late and at once,
-/// NaN in the pool past every context.
+/// The wgmma prefill attention kernels (plain and warp-specialized), the descriptor probe and
+/// the streaming decode GEMV (gemv_stream): wgmma, mbarriers, named barriers, cp.async, TMA and
+/// bulk copies emulated, copies landing late and at once, NaN in the pool past every context.
 #[test]
 fn wgmma_prefill_kernels_match_reference_in_the_emulator() {
     let text = run_emu("wg");
-    // both modes ran every case (the probe, 12 attention cases with the plain kernel, the 11 of
-    // them with block size 8 or more with the warp-specialized one) and none failed
+    // both modes ran every case (the probe, 8 gemv_stream cases, 12 attention cases with the
+    // plain kernel, the 11 of them with block size 8 or more with the warp-specialized one) and
+    // none failed
     for mode in ["deferred", "immediate"] {
-        let line = format!("{mode} cp.async: 24 cases, 0 failed");
+        let line = format!("{mode} cp.async: 32 cases, 0 failed");
         assert!(text.contains(&line), "{line:?} not in:\n{text}");
     }
 }

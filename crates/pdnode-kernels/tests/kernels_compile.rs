@@ -152,8 +152,58 @@ fn wgmma_kernels_compile_for_sm90a() {
     }
     assert!(ptx.contains("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"));
     assert!(ptx.contains(".target sm_90a"));
-    let bad = pdl_violations(&ptx, &WGMMA_KERNEL_NAMES);
+    let (stream, rest): (Vec<&str>, Vec<&str>) = WGMMA_KERNEL_NAMES
+        .iter()
+        .partition(|k| k.starts_with("gemv_stream_"));
+    assert_eq!(stream.len(), 3, "gemv_stream_t1/t2/t4");
+    let bad = pdl_violations(&ptx, &rest);
     assert!(bad.is_empty(), "wgmma kernels unsafe under PDL: {bad:?}");
+    let bad = early_weight_violations(&ptx, &stream);
+    assert!(
+        bad.is_empty(),
+        "gemv_stream kernels unsafe under PDL: {bad:?}"
+    );
+}
+
+/// The gemv_stream kernels issue their first weight copies before `griddepcontrol.wait` (weights
+/// are no kernel's output): before the wait, the only memory instructions allowed are those
+/// bulk copies (global -> shared) and shared-memory ones (barrier setup); any other global
+/// access there, or a missing wait or trigger, is a violation.
+fn early_weight_violations(ptx: &str, names: &[&str]) -> Vec<String> {
+    let mut bad = Vec::new();
+    for k in names {
+        let Some(at) = ptx.find(&format!(".entry {k}(")) else {
+            bad.push(format!("{k}: no entry"));
+            continue;
+        };
+        let body = &ptx[at..];
+        let body = &body[..body[1..].find(".entry ").map_or(body.len(), |e| e + 1)];
+        let ops: Vec<&str> = body.lines().skip(1).filter_map(opcode).collect();
+        let Some(wait) = ops.iter().position(|o| *o == "griddepcontrol.wait") else {
+            bad.push(format!("{k}: no griddepcontrol.wait"));
+            continue;
+        };
+        if !ops.contains(&"griddepcontrol.launch_dependents") {
+            bad.push(format!("{k}: no griddepcontrol.launch_dependents"));
+        }
+        let early_ok = |o: &str| {
+            o.starts_with("cp.async.bulk.shared::cluster.global")
+                || o.starts_with("st.shared")
+                || o.starts_with("ld.shared")
+        };
+        let copies = ops
+            .iter()
+            .filter(|o| o.starts_with("cp.async.bulk.shared::cluster.global"));
+        if copies.count() == 0 {
+            bad.push(format!("{k}: no bulk weight copy"));
+        }
+        for o in &ops[..wait] {
+            if touches_memory(o) && !early_ok(o) {
+                bad.push(format!("{k}: {o} before the wait"));
+            }
+        }
+    }
+    bad
 }
 
 #[test]

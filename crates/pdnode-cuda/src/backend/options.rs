@@ -73,9 +73,11 @@ impl CudaOptions {
             fusion: ops::Fusion {
                 swiglu_max_tokens: e.cuda.fuse_swiglu_max_tokens as usize,
                 norm_max_tokens: e.cuda.fuse_norm_max_tokens as usize,
-                // a launch shape and a launch choice, not config keys: the measured defaults
+                // a launch shape and launch / kernel choices, not config keys: the measured
+                // defaults
                 glu_warps: ops::Fusion::default().glu_warps,
                 pdl_max_tokens: ops::Fusion::default().pdl_max_tokens,
+                stream_max_tokens: ops::Fusion::default().stream_max_tokens,
             },
             warm_up_context: e.cuda.warm_up_context as usize,
         }

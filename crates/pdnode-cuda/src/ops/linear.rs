@@ -10,6 +10,8 @@ use super::{cfg, launched, need, shape, u32_of};
 
 mod lt;
 pub use lt::lt_pick;
+mod stream;
+pub use stream::*;
 
 const BF16: usize = 2;
 const F32: usize = 4;
@@ -351,6 +353,12 @@ pub struct Fusion {
     /// 4.527 ms, two processes, rounds within 0.003 ms; 8 x 512 still loses, 4.96 vs 4.635).
     /// Not a config key (a launch choice by step size).
     pub pdl_max_tokens: usize,
+    /// Decode steps of at most this many rows (at most [`STREAM_MAX_TOKENS`]) run their four
+    /// linear layers through [`gemv_stream`] where the GPU has it (sm_90), one GPU only and
+    /// under `Auto`: qkv and gate_up (with SwiGLU) compute their RMSNorm in the kernel (no norm
+    /// launch, and [`Fusion::norm_max_tokens`] does not apply to those steps), o and down add
+    /// into the residual. Not a config key (a kernel choice by step size).
+    pub stream_max_tokens: usize,
 }
 
 impl Default for Fusion {
@@ -360,6 +368,7 @@ impl Default for Fusion {
             norm_max_tokens: 0,
             glu_warps: 8,
             pdl_max_tokens: 4,
+            stream_max_tokens: 0,
         }
     }
 }
@@ -371,6 +380,7 @@ impl Fusion {
         norm_max_tokens: 0,
         glu_warps: 0,
         pdl_max_tokens: 0,
+        stream_max_tokens: 0,
     };
 }
 

@@ -9,6 +9,8 @@
 
 #include <map>
 #define __grid_constant__
+struct uint2 { unsigned x, y; };
+static inline float rsqrtf(float v) { return 1.f / sqrtf(v); }  // the device's is approximate
 static unsigned char g_arena[256 * 1024] __attribute__((aligned(1024)));
 #define EMU_BAR_OFF (224 * 1024)
 static const bool g_sync = getenv("EMU_SYNC") != nullptr;
@@ -233,6 +235,27 @@ static void emu_land_tma(unsigned bar) {
         }
     }
 }
+// A 1-d bulk copy in flight (gemv_stream.cu's gs_bulk_load): lands as a TMA box does.
+struct EmuBulk { unsigned dst, bar, bytes; const void* src; };
+static std::vector<EmuBulk> g_bulks;
+static void emu_bulk_land(const EmuBulk& b) {
+    memcpy(emu_ptr(b.dst), b.src, b.bytes);
+    if (b.bytes && b.dst + b.bytes - 1 >= EMU_BAR_OFF) { fprintf(stderr, "EMU: bulk copy past the arena\n"); exit(3); }
+    g_tx[b.bar] -= b.bytes;
+    if (g_tx[b.bar] < 0) { fprintf(stderr, "EMU: bulk bytes landed on a barrier that did not expect them\n"); exit(3); }
+    emu_try_complete(b.bar);
+}
+static void emu_land_bulk(unsigned bar) {
+    for (size_t i = 0; i < g_bulks.size();) {
+        if (g_bulks[i].bar == bar) {
+            EmuBulk b = g_bulks[i];
+            g_bulks.erase(g_bulks.begin() + i);
+            emu_bulk_land(b);
+        } else {
+            i++;
+        }
+    }
+}
 static inline void ws_mbar_expect_tx(unsigned bar, unsigned bytes) { g_tx[bar] += bytes; }
 static inline void ws_tma_load5(unsigned dst, unsigned long long map, int c0, int c1, int c2,
                                 int c3, int c4, unsigned bar) {
@@ -259,6 +282,7 @@ static inline void ws_mbar_wait(unsigned bar, unsigned parity) {
         // land the groups that arrive on this barrier (as late as a thread can need them)
         emu_land_if([&](const EmuArrival& a) { return a.bar == bar; });
         emu_land_tma(bar);
+        emu_land_bulk(bar);
         if ((emu_mbar(bar)->phase & 1) != parity) return;
         emu_spin(seen, idle);
     }
@@ -295,3 +319,12 @@ static inline void ws_cp_wait_all() {
 }
 static inline void ws_regs_producer() {}
 static inline void ws_regs_consumer() {}
+
+//@@ REGION gemv
+// gemv_stream.cu's PTX region: the bulk copy (16-byte aligned, a multiple of 16 bytes), landing
+// when a thread waits on its barrier (or at once with EMU_SYNC=1).
+static inline void gs_bulk_load(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+    if ((dst & 15) || (bytes & 15) || ((uintptr_t)src & 15)) { fprintf(stderr, "EMU: bulk copy not 16-byte aligned\n"); exit(3); }
+    EmuBulk b{dst, bar, bytes, src};
+    if (g_sync) emu_bulk_land(b); else g_bulks.push_back(b);
+}

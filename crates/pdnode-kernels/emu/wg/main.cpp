@@ -162,8 +162,89 @@ static void case_probe() {
     printf("%s wgmma_probe: |a b^T - ref| %.1e, |a b - ref| %.1e\n", ok ? "PASS" : "FAIL", e1, e2);
 }
 
+// gemv_stream_t<MT>: `units` outputs over `grid` blocks with `stages` stages, T tokens, mode as
+// the kernel's (GS_BF16 .. GS_GLU), x given or the RMSNorm of an f32 residual (norm_threads as
+// the wrapper passes: add_rmsnorm_v4's block for the width). Against an f64 reference from the
+// same bf16 x (the norm's x: add_rmsnorm_v4's expressions on the host, checked to be bf16 within
+// one rounding of the f64 norm); every output written exactly once, none outside.
+static void case_stream(int MT, int T, int units, int in, int grid, int stages, int mode, bool norm) {
+    const bool glu = mode == GS_GLU;
+    const int rows = glu ? 2 * units : units;
+    std::vector<uint16_t> w((size_t)rows * in), x((size_t)T * in);
+    for (auto& v : w) v = tobf(U(1.f));
+    std::vector<float> resid((size_t)T * in), nw(in);
+    for (auto& v : resid) v = U(3.f);
+    for (auto& v : nw) v = 0.5f + U(0.5f);
+    const float eps = 1e-5f;
+    int norm_threads = ((in / 4 + GS_NORM_WORDS - 1) / GS_NORM_WORDS + 31) / 32 * 32;
+    if (norm) {
+        for (int t = 0; t < T; t++) {
+            double ss = 0;
+            for (int i = 0; i < in; i++) ss += (double)resid[t * in + i] * resid[t * in + i];
+            const double inv = 1.0 / std::sqrt(ss / in + eps);
+            for (int i = 0; i < in; i++) x[(size_t)t * in + i] = tobf((float)(resid[t * in + i] * inv * nw[i]));
+        }
+    } else {
+        for (auto& v : x) v = tobf(U(1.f));
+    }
+    std::vector<double> want((size_t)T * units);
+    for (int t = 0; t < T; t++)
+        for (int u = 0; u < units; u++) {
+            double g = 0, up = 0;
+            for (int i = 0; i < in; i++) {
+                g += (double)bf2f(w[(size_t)u * in + i]) * bf2f(x[(size_t)t * in + i]);
+                if (glu) up += (double)bf2f(w[(size_t)(u + units) * in + i]) * bf2f(x[(size_t)t * in + i]);
+            }
+            want[(size_t)t * units + u] = glu ? g / (1 + std::exp(-g)) * up : g;
+        }
+    const bool f32 = mode == GS_F32 || mode == GS_F32_ACC;
+    // one extra token row of outputs after the T rows: never written
+    std::vector<float> yf((size_t)(T + 1) * units, 0.25f);
+    std::vector<uint16_t> yb((size_t)(T + 1) * units, 0x7fc0);
+    void* y = f32 ? (void*)yf.data() : (void*)yb.data();
+    auto go = [&] {
+        const float* r = norm ? resid.data() : nullptr;
+        const float* n_ = norm ? nw.data() : nullptr;
+        const bf16_t* xp = norm ? nullptr : (const bf16_t*)x.data();
+        if (MT == 1) gemv_stream_t1((const bf16_t*)w.data(), xp, r, n_, eps, norm_threads, y, T, units, in, mode, stages);
+        else if (MT == 2) gemv_stream_t2((const bf16_t*)w.data(), xp, r, n_, eps, norm_threads, y, T, units, in, mode, stages);
+        else gemv_stream_t4((const bf16_t*)w.data(), xp, r, n_, eps, norm_threads, y, T, units, in, mode, stages);
+    };
+    launch({(unsigned)grid, 1, 1}, GS_THREADS, go);
+    double md = 0, mw = 0;
+    bool bad = false, outside = false;
+    for (int t = 0; t <= T; t++)
+        for (int u = 0; u < units; u++) {
+            const size_t k = (size_t)t * units + u;
+            const double g = f32 ? yf[k] - (mode == GS_F32_ACC ? 0.25 : 0.0) : bf2f(yb[k]);
+            if (t == T) {
+                outside = outside || (f32 ? yf[k] != 0.25f : yb[k] != 0x7fc0);
+                continue;
+            }
+            if (!std::isfinite(g)) bad = true;
+            md = std::max(md, std::fabs(g - want[k]));
+            mw = std::max(mw, std::fabs(want[k]));
+        }
+    const double e = md / std::max(mw, 1e-6);
+    // bf16 outputs round once (GLU: three roundings)
+    const bool ok = !bad && !outside && e < (f32 ? 1e-5 : 2e-2);
+    if (!ok) g_fail++;
+    printf("%s gemv_stream_t%d T=%d units=%d in=%d grid=%d stages=%d mode=%d norm=%d: rel err %.2e%s%s\n",
+           ok ? "PASS" : "FAIL", MT, T, units, in, grid, stages, mode, (int)norm, e,
+           bad ? " NON-FINITE" : "", outside ? " ROWS OUTSIDE WRITTEN" : "");
+}
+
 int main() {
     case_probe();
+    // (MT, T, units, in, grid, stages, mode, norm)
+    case_stream(1, 1, 37, 256, 3, 2, GS_BF16, false);    // fewer stages than consumer warps
+    case_stream(1, 1, 50, 2048, 4, 5, GS_F32, true);      // norm over 64 threads, 2 warps
+    case_stream(2, 2, 29, 128, 2, 3, GS_F32_ACC, false);
+    case_stream(4, 3, 40, 256, 3, 4, GS_GLU, true);       // T < MT, GLU over two spans
+    case_stream(4, 4, 64, 1024, 5, 8, GS_BF16, true);     // norm over 32 threads, 8 words each (1 warp)
+    case_stream(1, 1, 9, 64, 9, 2, GS_GLU, false);        // one unit a block
+    case_stream(2, 1, 300, 64, 7, 16, GS_F32_ACC, true);  // more units than stages x warps
+    case_stream(2, 2, 100, 128, 2, 8, GS_GLU, true);
     // (nh, nkv, block size, start, n, window)
     case_attn(2, 1, 16, 0, 1, 0);
     case_attn(2, 2, 16, 63, 1, 0);

@@ -21,6 +21,9 @@
 #   stream         the streaming decode GEMV (gemv_stream): its cuda_kernels and cuda_graphs
 #                  tests, bench_linear_stream (each decode linear alone, step path vs stream),
 #                  then bench_decode_step_variants at STREAM_STEPS with STREAM_VARIANTS
+#   stream-ncu     ncu (--clock-control none) on the gemv_stream_t1 launches of bench_linear_stream
+#                  at one token (duration, DRAM throughput, warp states), then the eager op
+#                  breakdown of a 1x512 step with streaming on (PDNODE_BENCH_FUSION=s8n0w8p4g1)
 #   prefill-src    ncu's warp stall sampling per SASS instruction of one 8192-token launch of each
 #                  NCU_KERNELS kernel, as CSV (src-<kernel>.csv in the logs)
 #   transfer-exp   scripts/gpu/transfer.sh exp (UCX variants, isolated ucx_perftest puts)
@@ -111,6 +114,20 @@ for part in "$@"; do
                 bench_decode_step_variants > "$LOGS/stream-steps.log" 2>&1
             echo "## bench_decode_step_variants (rc=$?)" >> "$summary"
             grep -E '^ceilings|^\|' "$LOGS/stream-steps.log" >> "$summary" ;;
+        stream-ncu)   # where a streaming GEMV's time goes, alone and in an eager step
+            PDNODE_BENCH_LINEAR_TOKENS=1 PDNODE_BENCH_ITERS=3 timeout 300 \
+                "$NCU" --clock-control none -k "regex:^gemv_stream_t1\$" -c 24 --section SpeedOfLight \
+                --section MemoryWorkloadAnalysis --section WarpStateStats --section LaunchStats \
+                "$PD/t/cuda_bench" --ignored --nocapture --exact bench_linear_stream \
+                > "$LOGS/ncu-stream.log" 2>&1
+            echo "## ncu gemv_stream_t1 (rc=$?): per launch, in the order qkv, o, gate_up, down" >> "$summary"
+            grep -E '^  gemv_stream|Duration|DRAM Throughput|Memory Throughput|Warp Cycles Per Issued|No Eligible|Dynamic Shared' \
+                "$LOGS/ncu-stream.log" | head -150 >> "$summary"
+            PDNODE_BENCH_FUSION=s8n0w8p4g1 PDNODE_BENCH_OPS=1x512 PDNODE_BENCH_PREFILL= timeout 300 \
+                "$PD/t/cuda_bench" --ignored --nocapture --test-threads=1 --exact \
+                bench_decode_op_breakdown > "$LOGS/stream-ops.log" 2>&1
+            echo "## bench_decode_op_breakdown, streaming at 1 row (rc=$?)" >> "$summary"
+            grep -E '^ceilings|^\|' "$LOGS/stream-ops.log" >> "$summary" ;;
         prefill)   # the prefill-attention kernels: their GPU tests, then whole steps and one layer
             timeout 300 "$PD/t/cuda_kernels" --ignored --test-threads=1 --nocapture prefill_ \
                 wgmma_descriptors > "$LOGS/prefill-tests.log" 2>&1

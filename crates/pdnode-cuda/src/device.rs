@@ -94,7 +94,9 @@ impl Drop for Pinned {
     }
 }
 
-/// Compiles (for sm_90a) and loads the wgmma program's entry points.
+/// Compiles (for sm_90a) and loads the wgmma program's entry points. The streaming GEMVs get
+/// their shared-memory limit here, once (`ops::gemv_stream` launches them without a driver call
+/// of its own: decode steps run them eagerly too).
 fn load_wgmma(ctx: &Arc<CudaContext>) -> Result<Vec<(&'static str, CudaFunction)>, CudaError> {
     let module = ctx
         .load_module(ptx_for_wgmma()?)
@@ -102,10 +104,13 @@ fn load_wgmma(ctx: &Arc<CudaContext>) -> Result<Vec<(&'static str, CudaFunction)
     WGMMA_KERNEL_NAMES
         .iter()
         .map(|&name| {
-            module
+            let f = module
                 .load_function(name)
-                .map(|f| (name, f))
-                .map_err(drv("cuModuleGetFunction"))
+                .map_err(drv("cuModuleGetFunction"))?;
+            if name.starts_with("gemv_stream_") {
+                crate::ops::prefer_shared_memory(&f, crate::ops::STREAM_SMEM_MAX)?;
+            }
+            Ok((name, f))
         })
         .collect()
 }

@@ -155,9 +155,14 @@ __device__ __forceinline__ void gemv_stream_impl(const bf16_t* __restrict__ w,
         const int s = k % stages;
         ws_mbar_wait(full0 + 8 * s, (unsigned)(k / stages) & 1u);
         const uint4* wr = (const uint4*)(st0 + (size_t)s * unit_bytes);
-        float ag[MT], au[MT];
+        // four partial sums a token (element j of a vector into sum j & 3), added at the end:
+        // four FMA chains a quarter as long (the last row of a block is latency-bound)
+        float ag[MT][4], au[MT][4];
 #pragma unroll
-        for (int t = 0; t < MT; t++) ag[t] = au[t] = 0.f;
+        for (int t = 0; t < MT; t++) {
+#pragma unroll
+            for (int q = 0; q < 4; q++) ag[t][q] = au[t][q] = 0.f;
+        }
 #pragma unroll 4
         for (int v = lane; v < nv; v += 32) {
             float wf[8], uf[8];
@@ -169,10 +174,10 @@ __device__ __forceinline__ void gemv_stream_impl(const bf16_t* __restrict__ w,
                     float xf[8];
                     unpack8(((const uint4*)(xs + (i64)t * in))[v], xf);
 #pragma unroll
-                    for (int j = 0; j < 8; j++) ag[t] += wf[j] * xf[j];
+                    for (int j = 0; j < 8; j++) ag[t][j & 3] += wf[j] * xf[j];
                     if (glu) {
 #pragma unroll
-                        for (int j = 0; j < 8; j++) au[t] += uf[j] * xf[j];
+                        for (int j = 0; j < 8; j++) au[t][j & 3] += uf[j] * xf[j];
                     }
                 }
             }
@@ -183,8 +188,8 @@ __device__ __forceinline__ void gemv_stream_impl(const bf16_t* __restrict__ w,
 #pragma unroll
         for (int t = 0; t < MT; t++) {
             if (t < T) {
-                const float sg = warp_sum(ag[t]);
-                const float su = glu ? warp_sum(au[t]) : 0.f;
+                const float sg = warp_sum((ag[t][0] + ag[t][1]) + (ag[t][2] + ag[t][3]));
+                const float su = glu ? warp_sum((au[t][0] + au[t][1]) + (au[t][2] + au[t][3])) : 0.f;
                 if (lane == 0) {
                     const i64 o = (i64)t * units + u;
                     if (mode == GS_BF16) {

@@ -377,6 +377,9 @@ pub fn run_linear_stream(
             _ => (out, ops::StreamOut::F32),
         };
         for &t in tokens.iter().filter(|t| (1..=max_t).contains(*t)) {
+            if ops::stream_plan(sms, units, t, inp, sout).is_none() {
+                continue; // x does not fit shared memory beside two stages
+            }
             let auto = |w: &pdnode_cuda::device::DevBuf| {
                 if glu {
                     let l =

@@ -66,6 +66,19 @@ fn gemv_stream_matches_reference() {
     ];
     for t in 1..=ops::STREAM_MAX_TOKENS {
         for &(units, inp, out) in &shapes {
+            let Some(plan) = ops::stream_plan(sms, units, t, inp, out) else {
+                // only x of 4 tokens at 14336 wide (f32 in shared memory) does not fit
+                assert_eq!((t, inp), (4, 14336), "no plan for {units}x{inp} t={t}");
+                let w = poisoned(&g, units * inp * 2);
+                let (x, y) = (poisoned(&g, t * inp * 2), poisoned(&g, t * units * 4));
+                let e = ops::gemv_stream(&g, units, t, inp, &w, StreamX::Bf16(&x), &y, out);
+                assert!(
+                    matches!(e, Err(pdnode_cuda::CudaError::Shape { .. })),
+                    "{e:?}"
+                );
+                println!("PASS gemv_stream {units}x{inp} t={t}: no plan, a shape error");
+                continue;
+            };
             let rows = if out == StreamOut::Glu {
                 2 * units
             } else {
@@ -91,7 +104,6 @@ fn gemv_stream_matches_reference() {
             let e = rel_err(&got, &want);
             // f32 sums of bf16 products (f64 reference); bf16 outputs round once (Glu: 3 times)
             let tol = if is_bf16(out) { 1e-2 } else { 1e-5 };
-            let plan = ops::stream_plan(sms, units, t, inp, out).unwrap();
             let ok = e < tol;
             println!(
                 "{} gemv_stream {units}x{inp} t={t} {out:?} {plan:?}: rel err {e:.1e}",

@@ -18,7 +18,7 @@ pub const STREAM_SMEM_MAX: usize = 232_448;
 
 /// The kernel's fixed parts (gemv_stream.cu): consumer warps, threads, most stages, the head of
 /// its shared memory (barriers, norm partials), and the 1024 bytes `wg_smem_aligned` may skip.
-const CONSUMERS: usize = 8;
+const CONSUMERS: usize = 16;
 const THREADS: u32 = 32 * CONSUMERS as u32 + 32;
 const MAX_STAGES: usize = 32;
 const HEAD: usize = 1024;
@@ -109,11 +109,17 @@ pub fn stream_plan(
         _ => "gemv_stream_t4",
     };
     let unit = inp * BF16 * if out == StreamOut::Glu { 2 } else { 1 };
-    let xbytes = (tokens * inp * BF16).next_multiple_of(128);
-    let fixed = ALIGN_PAD + HEAD + xbytes;
-    let fit = STREAM_SMEM_MAX.checked_sub(fixed)? / unit;
     let blocks = sm_count.max(1).min(units);
     let per_block = units.div_ceil(blocks);
+    // x as f32; the accumulated y values of a block (F32Acc)
+    let xbytes = (tokens * inp * F32).next_multiple_of(128);
+    let ybytes = if out == StreamOut::F32Acc {
+        (tokens * per_block * F32).next_multiple_of(128)
+    } else {
+        0
+    };
+    let fixed = ALIGN_PAD + HEAD + xbytes + ybytes;
+    let fit = STREAM_SMEM_MAX.checked_sub(fixed)? / unit;
     let mut stages = fit.min(MAX_STAGES).min(per_block);
     if stages >= CONSUMERS {
         stages -= stages % CONSUMERS;
@@ -232,12 +238,16 @@ mod tests {
         let qkv = stream_plan(132, 6144, 1, 4096, StreamOut::Bf16).unwrap();
         assert_eq!(
             (qkv.kernel, qkv.blocks, qkv.stages),
-            ("gemv_stream_t1", 132, 24)
+            ("gemv_stream_t1", 132, 16)
         );
         let gu = stream_plan(132, 14336, 1, 4096, StreamOut::Glu).unwrap();
-        assert_eq!((gu.blocks, gu.stages), (132, 8));
-        let down = stream_plan(132, 4096, 4, 14336, StreamOut::F32Acc).unwrap();
-        assert_eq!((down.kernel, down.stages), ("gemv_stream_t4", 4));
+        assert_eq!((gu.blocks, gu.stages), (132, 13));
+        let down = stream_plan(132, 4096, 1, 14336, StreamOut::F32Acc).unwrap();
+        assert_eq!(down.stages, 6);
+        let down = stream_plan(132, 4096, 2, 14336, StreamOut::F32Acc).unwrap();
+        assert_eq!((down.kernel, down.stages), ("gemv_stream_t2", 4));
+        // x of 4 tokens at 14336 wide (229 KiB as f32) leaves no room
+        assert_eq!(stream_plan(132, 4096, 4, 14336, StreamOut::F32Acc), None);
         for t in 1..=STREAM_MAX_TOKENS {
             for (units, inp, out) in [
                 (6144, 4096, StreamOut::Bf16),
@@ -246,7 +256,10 @@ mod tests {
                 (4096, 14336, StreamOut::F32Acc),
                 (7, 64, StreamOut::F32),
             ] {
-                let p = stream_plan(132, units, t, inp, out).unwrap();
+                let Some(p) = stream_plan(132, units, t, inp, out) else {
+                    assert!(inp * t * F32 > STREAM_SMEM_MAX / 2, "{units}x{inp} t{t}");
+                    continue;
+                };
                 assert!(p.smem <= STREAM_SMEM_MAX, "{units}x{inp} t{t}: {p:?}");
                 assert!(p.stages >= 2.min(units.div_ceil(p.blocks)), "{p:?}");
                 assert!(p.stages <= MAX_STAGES, "{p:?}");

@@ -377,7 +377,7 @@ pub fn run_linear_stream(
             _ => (out, ops::StreamOut::F32),
         };
         for &t in tokens.iter().filter(|t| (1..=max_t).contains(*t)) {
-            if ops::stream_plan(sms, units, t, inp, sout).is_none() {
+            if ops::stream_plan(sms, units, t, inp, sout, 0).is_none() {
                 continue; // x does not fit shared memory beside two stages
             }
             let auto = |w: &pdnode_cuda::device::DevBuf| {
@@ -391,7 +391,7 @@ pub fn run_linear_stream(
                 }
             };
             let stream = |w: &pdnode_cuda::device::DevBuf| {
-                ops::gemv_stream(&gpu, units, t, inp, w, ops::StreamX::Bf16(&x), &yb, sout)
+                ops::gemv_stream(&gpu, units, t, inp, w, ops::StreamX::Bf16(&x), &yb, sout, 0)
             };
             let n = t * units;
             for y in [&ya, &yb] {

@@ -498,6 +498,7 @@ impl CudaBackend {
         // small decode steps: the four linears stream their weights (gemv_stream), the norms
         // before qkv and gate_up inside them
         let stream = self.streams_step(t);
+        let cap = self.opts.fusion.stream_smem_kib << 10;
         let norm_x = |nw| ops::StreamX::Norm {
             resid: &ws.resid,
             w: nw,
@@ -516,6 +517,7 @@ impl CudaBackend {
                     x,
                     &ws.qkv,
                     ops::StreamOut::Bf16,
+                    cap,
                 )?;
                 mark("attn_norm+qkv")?;
             } else {
@@ -610,11 +612,12 @@ impl CudaBackend {
                     ops::StreamX::Bf16(&ws.attn),
                     &ws.resid,
                     acc,
+                    cap,
                 )?;
                 mark("o_proj")?;
                 let x = norm_x(&l.mlp_norm);
                 let glu = ops::StreamOut::Glu;
-                ops::gemv_stream(g, inter, t, h, &l.w_gate_up, x, &ws.act, glu)?;
+                ops::gemv_stream(g, inter, t, h, &l.w_gate_up, x, &ws.act, glu, cap)?;
                 mark("mlp_norm+gate_up+swiglu")?;
                 ops::gemv_stream(
                     g,
@@ -625,6 +628,7 @@ impl CudaBackend {
                     ops::StreamX::Bf16(&ws.act),
                     &ws.resid,
                     acc,
+                    cap,
                 )?;
                 mark("down")?;
                 continue;
@@ -691,8 +695,9 @@ impl CudaBackend {
     pub fn streams_step(&self, tokens: usize) -> bool {
         let (s, w, ws) = (&self.spec, &self.w, &self.ws);
         let h = s.hidden_size;
+        let cap = self.opts.fusion.stream_smem_kib << 10;
         let fits = |units, inp, out| {
-            ops::stream_plan(self.gpu.sm_count as usize, units, tokens, inp, out).is_some()
+            ops::stream_plan(self.gpu.sm_count as usize, units, tokens, inp, out, cap).is_some()
         };
         let aligned = |b: &DevBuf| b.ptr().is_multiple_of(16);
         tokens >= 1

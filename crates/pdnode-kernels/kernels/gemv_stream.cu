@@ -14,20 +14,21 @@
 // behind it. What the previous kernel writes (x, the residual, y) is read only after the
 // consumers' grid-dependency wait.
 //
-// x: bf16 [T, in], or (norm_w != 0) the RMSNorm of the f32 residual rows resid[t] computed as
-// add_rmsnorm_v4 computes it with `norm_threads` threads (its launch's block for this width,
-// <= 256): the same float4 words a thread, the same sums, the same expressions, so x is bit for
-// bit add_rmsnorm_v4's output and the separate norm launch goes away. Either way x is kept in
-// shared memory as f32 (converted once, not once a row). GS_F32_ACC reads the block's y values
-// into shared memory up front, so no row waits on a global load before its store.
+// x: bf16 [T, in] copied into shared memory, or (norm_w != 0) the RMSNorm of the f32 residual
+// rows resid[t] computed into shared memory as add_rmsnorm_v4 computes it with `norm_threads`
+// threads (its launch's block for this width, <= 256): the same float4 words a thread, the same
+// sums, the same expressions, so x is bit for bit add_rmsnorm_v4's output and the separate norm
+// launch goes away. GS_F32_ACC reads the block's y values into shared memory up front, so no row
+// waits on a global load before its store.
 //
 // mode: GS_BF16 y bf16 [T, units]; GS_F32 y f32 = sum; GS_F32_ACC y f32 += sum; GS_GLU y bf16
 // [T, units] = silu(g) * u with g, u rounded to bf16 first (as the unfused gate_up output is).
 // Shared memory (dynamic, from wg_smem_aligned): GS_HEAD bytes of barriers and norm partials,
-// x (T * in f32), for GS_F32_ACC the y values (T * ceil(units / grid) f32), each rounded up to
-// 128 bytes, then `stages` stages of a unit each: 1 <= stages <= GS_MAX_STAGES, a multiple of
-// GS_CONSUMERS from GS_CONSUMERS on (a stage's units all go to one consumer warp).
-#define GS_CONSUMERS 16
+// x (T * in bf16), for GS_F32_ACC the y values (T * ceil(units / grid) f32), each rounded up to
+// 128 bytes, then `stages` stages of a unit each: 1 <=
+// stages <= GS_MAX_STAGES, a multiple of GS_CONSUMERS from GS_CONSUMERS on (a stage's units all
+// go to one consumer warp).
+#define GS_CONSUMERS 8
 #define GS_THREADS (32 * GS_CONSUMERS + 32)
 #define GS_MAX_STAGES 32
 #define GS_HEAD 1024
@@ -39,6 +40,10 @@
 // of this program; the wrapper passes add_rmsnorm_v4's block for the width, which assumes 8)
 #define GS_NORM_WORDS 8
 
+__device__ __forceinline__ unsigned int gs_pack_bf16x2(float lo, float hi) {
+    return (unsigned int)f2bf(lo) | ((unsigned int)f2bf(hi) << 16);
+}
+
 // PTX-BEGIN: the bulk copy
 
 // `bytes` (a multiple of 16) from global `src` to shared address `dst` (both 16-byte aligned),
@@ -49,11 +54,6 @@ __device__ __forceinline__ void gs_bulk_load(unsigned dst, const void* src, unsi
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
         ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
         : "memory");
-}
-
-// The consumer warps' barrier (named barrier 1; the producer warp never takes part).
-__device__ __forceinline__ void gs_consumers_sync() {
-    asm volatile("bar.sync 1, %0;\n" ::"n"(32 * GS_CONSUMERS) : "memory");
 }
 
 // PTX-END
@@ -75,8 +75,8 @@ __device__ __forceinline__ void gemv_stream_impl(const bf16_t* __restrict__ w,
     const unsigned base = fp_smem_addr(smem);
     const unsigned full0 = base, empty0 = base + 8 * GS_MAX_STAGES;
     float* red = (float*)(smem + 16 * GS_MAX_STAGES);  // [32] norm partials
-    float* xs = (float*)(smem + GS_HEAD);
-    const unsigned xbytes = ((unsigned)(T * in * 4) + 127u) & ~127u;
+    bf16_t* xs = (bf16_t*)(smem + GS_HEAD);
+    const unsigned xbytes = ((unsigned)(T * in * 2) + 127u) & ~127u;
     const int per_block = (units + (int)gridDim.x - 1) / (int)gridDim.x;
     float* ys = (float*)(smem + GS_HEAD + xbytes);  // GS_F32_ACC: [T][per_block]
     const unsigned ybytes =
@@ -127,36 +127,30 @@ __device__ __forceinline__ void gemv_stream_impl(const bf16_t* __restrict__ w,
                 ss = warp_sum(ss);
                 if (lane == 0) red[warp] = ss;
             }
-            gs_consumers_sync();
+            ws_turn_wait(0);  // the 256 consumer threads
             if (tid < norm_threads) {
                 float r = lane < nwn ? red[lane] : 0.f;
                 r = warp_sum(r);
                 const float inv = rsqrtf(r / (float)in + eps);
                 const float4* w4 = (const float4*)norm_w;
-                float4* o = (float4*)(xs + (i64)t * in);
+                uint2* o = (uint2*)(xs + (i64)t * in);
 #pragma unroll
                 for (int j = 0; j < GS_NORM_WORDS; ++j) {
                     const int c = j * norm_threads + tid;
                     if (c < n4) {
                         const float4 ww = w4[c];
-                        // add_rmsnorm_v4's bf16 values, kept as f32
-                        o[c] = make_float4(bf2f(f2bf(v[j].x * inv * ww.x)),
-                                           bf2f(f2bf(v[j].y * inv * ww.y)),
-                                           bf2f(f2bf(v[j].z * inv * ww.z)),
-                                           bf2f(f2bf(v[j].w * inv * ww.w)));
+                        uint2 p;
+                        p.x = gs_pack_bf16x2(v[j].x * inv * ww.x, v[j].y * inv * ww.y);
+                        p.y = gs_pack_bf16x2(v[j].z * inv * ww.z, v[j].w * inv * ww.w);
+                        o[c] = p;
                     }
                 }
             }
-            gs_consumers_sync();  // red free again
+            ws_turn_wait(0);  // red free again
         }
     } else {
         const int nx = (T * in) >> 3;
-        for (int i = tid; i < nx; i += 32 * GS_CONSUMERS) {
-            float f[8];
-            unpack8(((const uint4*)x)[i], f);
-            ((float4*)xs)[2 * i] = make_float4(f[0], f[1], f[2], f[3]);
-            ((float4*)xs)[2 * i + 1] = make_float4(f[4], f[5], f[6], f[7]);
-        }
+        for (int i = tid; i < nx; i += 32 * GS_CONSUMERS) ((uint4*)xs)[i] = ((const uint4*)x)[i];
     }
     if (mode == GS_F32_ACC) {
         const float* yf = (const float*)y;
@@ -165,7 +159,7 @@ __device__ __forceinline__ void gemv_stream_impl(const bf16_t* __restrict__ w,
             ys[t * per_block + k] = yf[(i64)t * units + u0 + k];
         }
     }
-    gs_consumers_sync();  // x (and ys) complete
+    ws_turn_wait(0);  // x (and ys) complete
     // Consumer warp c < nc takes the units of stages c, c + nc, ...: each stage has one consumer,
     // which waits for every fill of it in order (a phase parity is only safe one phase ahead).
     const int nc = stages < GS_CONSUMERS ? stages : GS_CONSUMERS;
@@ -190,9 +184,8 @@ __device__ __forceinline__ void gemv_stream_impl(const bf16_t* __restrict__ w,
 #pragma unroll
             for (int t = 0; t < MT; t++) {
                 if (t < T) {
-                    const float4 xa = ((const float4*)(xs + (i64)t * in))[2 * v];
-                    const float4 xb = ((const float4*)(xs + (i64)t * in))[2 * v + 1];
-                    const float xf[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+                    float xf[8];
+                    unpack8(((const uint4*)(xs + (i64)t * in))[v], xf);
 #pragma unroll
                     for (int j = 0; j < 8; j++) ag[t][j & 3] += wf[j] * xf[j];
                     if (glu) {

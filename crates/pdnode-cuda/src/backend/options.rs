@@ -78,6 +78,7 @@ impl CudaOptions {
                 glu_warps: ops::Fusion::default().glu_warps,
                 pdl_max_tokens: ops::Fusion::default().pdl_max_tokens,
                 stream_max_tokens: ops::Fusion::default().stream_max_tokens,
+                stream_smem_kib: ops::Fusion::default().stream_smem_kib,
             },
             warm_up_context: e.cuda.warm_up_context as usize,
         }

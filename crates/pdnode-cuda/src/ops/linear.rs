@@ -359,6 +359,11 @@ pub struct Fusion {
     /// launch, and [`Fusion::norm_max_tokens`] does not apply to those steps), o and down add
     /// into the residual. Not a config key (a kernel choice by step size).
     pub stream_max_tokens: usize,
+    /// Shared memory a [`gemv_stream`] block of the decode step may take, KiB (0: the most,
+    /// [`STREAM_SMEM_MAX`]). Below half of it the next streaming GEMV's block fits beside the
+    /// running one and starts its copies early. Not a config key (a launch shape; benchmarks
+    /// compare values through `CudaBackend::set_fusion`).
+    pub stream_smem_kib: usize,
 }
 
 impl Default for Fusion {
@@ -369,6 +374,7 @@ impl Default for Fusion {
             glu_warps: 8,
             pdl_max_tokens: 4,
             stream_max_tokens: 0,
+            stream_smem_kib: 0,
         }
     }
 }
@@ -381,6 +387,7 @@ impl Fusion {
         glu_warps: 0,
         pdl_max_tokens: 0,
         stream_max_tokens: 0,
+        stream_smem_kib: 0,
     };
 }
 

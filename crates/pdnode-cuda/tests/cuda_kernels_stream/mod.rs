@@ -64,21 +64,10 @@ fn gemv_stream_matches_reference() {
         (7, 2056, StreamOut::Bf16),
         (2 * sms + 5, 512, StreamOut::F32Acc),
     ];
+    // every shared-memory cap the decode step may use: the most, and half (two blocks an SM)
+    let caps = [0usize, 113 << 10];
     for t in 1..=ops::STREAM_MAX_TOKENS {
         for &(units, inp, out) in &shapes {
-            let Some(plan) = ops::stream_plan(sms, units, t, inp, out) else {
-                // only x of 4 tokens at 14336 wide (f32 in shared memory) does not fit
-                assert_eq!((t, inp), (4, 14336), "no plan for {units}x{inp} t={t}");
-                let w = poisoned(&g, units * inp * 2);
-                let (x, y) = (poisoned(&g, t * inp * 2), poisoned(&g, t * units * 4));
-                let e = ops::gemv_stream(&g, units, t, inp, &w, StreamX::Bf16(&x), &y, out);
-                assert!(
-                    matches!(e, Err(pdnode_cuda::CudaError::Shape { .. })),
-                    "{e:?}"
-                );
-                println!("PASS gemv_stream {units}x{inp} t={t}: no plan, a shape error");
-                continue;
-            };
             let rows = if out == StreamOut::Glu {
                 2 * units
             } else {
@@ -88,28 +77,52 @@ fn gemv_stream_matches_reference() {
             let x = randv(&mut r, t * inp, 1.0);
             let y0 = randv(&mut r, t * units, 1.0);
             let (dw, dx) = (g.upload_bf16(&w).unwrap(), g.upload_bf16(&x).unwrap());
-            let y = if out == StreamOut::F32Acc {
-                g.upload_f32(&y0).unwrap()
-            } else {
-                // NaN bits in both widths: an unwritten output fails
-                poisoned(&g, t * units * if is_bf16(out) { 2 } else { 4 })
-            };
-            ops::gemv_stream(&g, units, t, inp, &dw, StreamX::Bf16(&dx), &y, out).unwrap();
-            let got = if is_bf16(out) {
-                g.download_bf16(&y, t * units).unwrap()
-            } else {
-                g.download_f32(&y, t * units).unwrap()
-            };
             let want = host_stream(&w, &x, &y0, units, t, inp, out);
-            let e = rel_err(&got, &want);
-            // f32 sums of bf16 products (f64 reference); bf16 outputs round once (Glu: 3 times)
-            let tol = if is_bf16(out) { 1e-2 } else { 1e-5 };
-            let ok = e < tol;
-            println!(
-                "{} gemv_stream {units}x{inp} t={t} {out:?} {plan:?}: rel err {e:.1e}",
-                if ok { "PASS" } else { "FAIL" }
-            );
-            assert!(ok, "gemv_stream {units}x{inp} t={t} {out:?}: rel err {e}");
+            for cap in caps {
+                let plan = ops::stream_plan(sms, units, t, inp, out, cap);
+                let Some(plan) = plan else {
+                    // only 2-4 tokens of x at 14336 wide under the half cap leave no 2 stages
+                    assert!(
+                        inp == 14336 && t >= 2 && cap == 113 << 10,
+                        "no plan: {units}x{inp} t={t} cap {cap}"
+                    );
+                    let y = poisoned(&g, t * units * 4);
+                    let e =
+                        ops::gemv_stream(&g, units, t, inp, &dw, StreamX::Bf16(&dx), &y, out, cap);
+                    assert!(
+                        matches!(e, Err(pdnode_cuda::CudaError::Shape { .. })),
+                        "{e:?}"
+                    );
+                    println!(
+                        "PASS gemv_stream {units}x{inp} t={t} cap {cap}: no plan, a shape error"
+                    );
+                    continue;
+                };
+                let y = if out == StreamOut::F32Acc {
+                    g.upload_f32(&y0).unwrap()
+                } else {
+                    // NaN bits in both widths: an unwritten output fails
+                    poisoned(&g, t * units * if is_bf16(out) { 2 } else { 4 })
+                };
+                ops::gemv_stream(&g, units, t, inp, &dw, StreamX::Bf16(&dx), &y, out, cap).unwrap();
+                let got = if is_bf16(out) {
+                    g.download_bf16(&y, t * units).unwrap()
+                } else {
+                    g.download_f32(&y, t * units).unwrap()
+                };
+                let e = rel_err(&got, &want);
+                // f32 sums of bf16 products (f64 reference); bf16 outputs round once (Glu: 3 times)
+                let tol = if is_bf16(out) { 1e-2 } else { 1e-5 };
+                let ok = e < tol;
+                println!(
+                    "{} gemv_stream {units}x{inp} t={t} {out:?} cap {cap} {plan:?}: rel err {e:.1e}",
+                    if ok { "PASS" } else { "FAIL" }
+                );
+                assert!(
+                    ok,
+                    "gemv_stream {units}x{inp} t={t} {out:?} cap {cap}: rel err {e}"
+                );
+            }
         }
     }
     // what it refuses: a shape error before any launch
@@ -121,14 +134,24 @@ fn gemv_stream_matches_reference() {
     let cases: [(usize, usize, &str); 3] =
         [(5, 64, "5 tokens"), (1, 60, "inp % 8"), (0, 64, "0 tokens")];
     for (t, inp, what) in cases {
-        let e = ops::gemv_stream(&g, 64, t, inp, &w, StreamX::Bf16(&x), &y, StreamOut::F32);
+        let e = ops::gemv_stream(&g, 64, t, inp, &w, StreamX::Bf16(&x), &y, StreamOut::F32, 0);
         assert!(
             matches!(e, Err(pdnode_cuda::CudaError::Shape { .. })),
             "{what}: {e:?}"
         );
     }
     let small = poisoned(&g, 16);
-    let e = ops::gemv_stream(&g, 64, 1, 64, &w, StreamX::Bf16(&x), &small, StreamOut::F32);
+    let e = ops::gemv_stream(
+        &g,
+        64,
+        1,
+        64,
+        &w,
+        StreamX::Bf16(&x),
+        &small,
+        StreamOut::F32,
+        0,
+    );
     assert!(
         matches!(e, Err(pdnode_cuda::CudaError::Shape { .. })),
         "short y: {e:?}"
@@ -184,13 +207,24 @@ fn gemv_stream_norm_matches_add_rmsnorm() {
             assert_eq!(k, EwKernel::Vector);
             let yb = if is_bf16(out) { 2 } else { 4 };
             let (want, got) = (poisoned(&g, t * units * yb), poisoned(&g, t * units * yb));
-            ops::gemv_stream(&g, units, t, inp, &dw, StreamX::Bf16(&normed), &want, out).unwrap();
+            ops::gemv_stream(
+                &g,
+                units,
+                t,
+                inp,
+                &dw,
+                StreamX::Bf16(&normed),
+                &want,
+                out,
+                0,
+            )
+            .unwrap();
             let x = StreamX::Norm {
                 resid: &dr,
                 w: &dn,
                 eps,
             };
-            ops::gemv_stream(&g, units, t, inp, &dw, x, &got, out).unwrap();
+            ops::gemv_stream(&g, units, t, inp, &dw, x, &got, out, 0).unwrap();
             let n = t * units * yb;
             let (mut a, mut b) = (vec![0u8; n], vec![0u8; n]);
             g.download(&mut a, &got, 0).unwrap();

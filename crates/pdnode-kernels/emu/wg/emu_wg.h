@@ -323,15 +323,6 @@ static inline void ws_regs_consumer() {}
 //@@ REGION gemv
 // gemv_stream.cu's PTX region: the bulk copy (16-byte aligned, a multiple of 16 bytes), landing
 // when a thread waits on its barrier (or at once with EMU_SYNC=1).
-// the consumer warps' named barrier: 32 * GS_CONSUMERS threads
-static int g_gs_count;
-static unsigned g_gs_gen;
-static inline void gs_consumers_sync() {
-    const unsigned gen = g_gs_gen;
-    if (++g_gs_count == 32 * GS_CONSUMERS) { g_gs_count = 0; g_gs_gen++; g_progress++; }
-    long seen = -1, idle = 0;
-    while (g_gs_gen == gen) emu_spin(seen, idle);
-}
 static inline void gs_bulk_load(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
     if ((dst & 15) || (bytes & 15) || ((uintptr_t)src & 15)) { fprintf(stderr, "EMU: bulk copy not 16-byte aligned\n"); exit(3); }
     EmuBulk b{dst, bar, bytes, src};

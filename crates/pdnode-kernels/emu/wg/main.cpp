@@ -23,7 +23,7 @@ static void launch(dim3e grid, int threads, const std::function<void()>& k) {
             blockIdx = {x, y, 0};
             g_call = k;
             run_block(threads, body);
-            bool left = !g_arrivals.empty() || !g_tmas.empty() || !g_bulks.empty() || g_gs_count != 0;
+            bool left = !g_arrivals.empty() || !g_tmas.empty() || !g_bulks.empty();
             for (auto& kv : g_tx) left = left || kv.second != 0;
             for (int i = 0; i < 16; i++) left = left || g_nbar_count[i] != 0;
             for (int i = 0; i < threads; i++) left = left || !g_open[i].empty() || !g_groups[i].empty();
@@ -31,7 +31,6 @@ static void launch(dim3e grid, int threads, const std::function<void()>& k) {
             g_arrivals.clear();
             g_tmas.clear();
             g_bulks.clear();
-            g_gs_count = 0;
             g_tx.clear();
             for (int i = 0; i < 16; i++) g_nbar_count[i] = 0;
             for (int i = 0; i < threads; i++) { g_open[i].clear(); g_groups[i].clear(); }
@@ -246,9 +245,9 @@ int main() {
     case_stream(4, 4, 64, 1024, 5, 8, GS_BF16, true);     // norm over 32 threads, 8 words each (1 warp)
     case_stream(1, 1, 9, 64, 9, 2, GS_GLU, false);        // one unit a block
     case_stream(2, 1, 300, 64, 7, 16, GS_F32_ACC, true);  // more units than stages x warps
-    case_stream(1, 1, 600, 64, 3, 32, GS_F32_ACC, false); // 32 stages, 16 warps
+    case_stream(1, 1, 600, 64, 3, 32, GS_F32_ACC, false); // 32 stages
     case_stream(2, 2, 100, 128, 2, 8, GS_GLU, true);
-    case_stream(4, 2, 77, 128, 2, 13, GS_F32_ACC, true);  // 13 stages and warps
+    case_stream(4, 2, 77, 128, 2, 7, GS_F32_ACC, true);   // 7 stages and consumer warps
     // (nh, nkv, block size, start, n, window)
     case_attn(2, 1, 16, 0, 1, 0);
     case_attn(2, 2, 16, 63, 1, 0);

@@ -18,7 +18,7 @@ pub const STREAM_SMEM_MAX: usize = 232_448;
 
 /// The kernel's fixed parts (gemv_stream.cu): consumer warps, threads, most stages, the head of
 /// its shared memory (barriers, norm partials), and the 1024 bytes `wg_smem_aligned` may skip.
-const CONSUMERS: usize = 16;
+const CONSUMERS: usize = 8;
 const THREADS: u32 = 32 * CONSUMERS as u32 + 32;
 const MAX_STAGES: usize = 32;
 const HEAD: usize = 1024;
@@ -86,15 +86,18 @@ pub struct StreamPlan {
 }
 
 /// The launch for `units` outputs (`Glu`: gate/up row pairs) of `inp` inputs at `tokens` rows on
-/// `sm_count` SMs, or `None` where the kernel cannot take it (0 or more than
-/// [`STREAM_MAX_TOKENS`] tokens, `inp % 8 != 0`, fewer than 2 stages of a unit fit beside x
-/// where a block has more than one unit).
+/// `sm_count` SMs within `smem_cap` bytes of shared memory a block (0: [`STREAM_SMEM_MAX`]; a
+/// smaller cap leaves room for the next kernel's block on the same SM, which under programmatic
+/// dependent launch then starts its copies while this one streams), or `None` where the kernel
+/// cannot take it (0 or more than [`STREAM_MAX_TOKENS`] tokens, `inp % 8 != 0`, fewer than 2
+/// stages of a unit fit beside x where a block has more than one unit).
 pub fn stream_plan(
     sm_count: usize,
     units: usize,
     tokens: usize,
     inp: usize,
     out: StreamOut,
+    smem_cap: usize,
 ) -> Option<StreamPlan> {
     if units == 0
         || inp == 0
@@ -111,15 +114,20 @@ pub fn stream_plan(
     let unit = inp * BF16 * if out == StreamOut::Glu { 2 } else { 1 };
     let blocks = sm_count.max(1).min(units);
     let per_block = units.div_ceil(blocks);
-    // x as f32; the accumulated y values of a block (F32Acc)
-    let xbytes = (tokens * inp * F32).next_multiple_of(128);
+    // x (bf16); the accumulated y values of a block (F32Acc)
+    let xbytes = (tokens * inp * BF16).next_multiple_of(128);
     let ybytes = if out == StreamOut::F32Acc {
         (tokens * per_block * F32).next_multiple_of(128)
     } else {
         0
     };
     let fixed = ALIGN_PAD + HEAD + xbytes + ybytes;
-    let fit = STREAM_SMEM_MAX.checked_sub(fixed)? / unit;
+    let cap = if smem_cap == 0 {
+        STREAM_SMEM_MAX
+    } else {
+        smem_cap.min(STREAM_SMEM_MAX)
+    };
+    let fit = cap.checked_sub(fixed)? / unit;
     let mut stages = fit.min(MAX_STAGES).min(per_block);
     if stages >= CONSUMERS {
         stages -= stages % CONSUMERS;
@@ -139,7 +147,8 @@ pub fn stream_available(gpu: &Gpu) -> bool {
 }
 
 /// `y (+)= f(x W^T)` through `gemv_stream_t*` (see [`StreamOut`], [`StreamX`]): w bf16
-/// `[units, inp]` (`Glu`: `[2 units, inp]`), 16-byte aligned; y `[tokens, units]`.
+/// `[units, inp]` (`Glu`: `[2 units, inp]`), 16-byte aligned; y `[tokens, units]`; the launch
+/// of [`stream_plan`] under `smem_cap`.
 #[allow(clippy::too_many_arguments)]
 pub fn gemv_stream(
     gpu: &Gpu,
@@ -150,6 +159,7 @@ pub fn gemv_stream(
     x: StreamX<'_>,
     y: &DevBuf,
     out: StreamOut,
+    smem_cap: usize,
 ) -> Result<(), CudaError> {
     const OP: &str = "gemv_stream";
     let rows = if out == StreamOut::Glu {
@@ -188,7 +198,7 @@ pub fn gemv_stream(
     shape(OP, w.ptr().is_multiple_of(16), || {
         "w not 16-byte aligned".into()
     })?;
-    let plan = stream_plan(gpu.sm_count as usize, units, tokens, inp, out);
+    let plan = stream_plan(gpu.sm_count as usize, units, tokens, inp, out, smem_cap);
     let Some(plan) = plan else {
         return Err(CudaError::Shape {
             op: OP,
@@ -235,19 +245,26 @@ mod tests {
     #[test]
     fn plans_fit_shared_memory_and_give_each_stage_one_consumer() {
         // Llama-3.1-8B's decode GEMVs on the H200's 132 SMs
-        let qkv = stream_plan(132, 6144, 1, 4096, StreamOut::Bf16).unwrap();
+        let qkv = stream_plan(132, 6144, 1, 4096, StreamOut::Bf16, 0).unwrap();
         assert_eq!(
             (qkv.kernel, qkv.blocks, qkv.stages),
-            ("gemv_stream_t1", 132, 16)
+            ("gemv_stream_t1", 132, 24)
         );
-        let gu = stream_plan(132, 14336, 1, 4096, StreamOut::Glu).unwrap();
-        assert_eq!((gu.blocks, gu.stages), (132, 13));
-        let down = stream_plan(132, 4096, 1, 14336, StreamOut::F32Acc).unwrap();
-        assert_eq!(down.stages, 6);
-        let down = stream_plan(132, 4096, 2, 14336, StreamOut::F32Acc).unwrap();
-        assert_eq!((down.kernel, down.stages), ("gemv_stream_t2", 4));
-        // x of 4 tokens at 14336 wide (229 KiB as f32) leaves no room
-        assert_eq!(stream_plan(132, 4096, 4, 14336, StreamOut::F32Acc), None);
+        let gu = stream_plan(132, 14336, 1, 4096, StreamOut::Glu, 0).unwrap();
+        assert_eq!((gu.blocks, gu.stages), (132, 8));
+        let down = stream_plan(132, 4096, 1, 14336, StreamOut::F32Acc, 0).unwrap();
+        assert_eq!(down.stages, 7);
+        let down = stream_plan(132, 4096, 4, 14336, StreamOut::F32Acc, 0).unwrap();
+        assert_eq!((down.kernel, down.stages), ("gemv_stream_t4", 4));
+        // half the shared memory: two blocks an SM
+        let qkv = stream_plan(132, 6144, 1, 4096, StreamOut::Bf16, 113 << 10).unwrap();
+        assert_eq!(qkv.stages, 8);
+        assert!(2 * qkv.smem <= STREAM_SMEM_MAX, "{qkv:?}");
+        let down = stream_plan(132, 4096, 1, 14336, StreamOut::F32Acc, 113 << 10).unwrap();
+        assert!(
+            down.stages == 2 && 2 * down.smem <= STREAM_SMEM_MAX,
+            "{down:?}"
+        );
         for t in 1..=STREAM_MAX_TOKENS {
             for (units, inp, out) in [
                 (6144, 4096, StreamOut::Bf16),
@@ -256,10 +273,7 @@ mod tests {
                 (4096, 14336, StreamOut::F32Acc),
                 (7, 64, StreamOut::F32),
             ] {
-                let Some(p) = stream_plan(132, units, t, inp, out) else {
-                    assert!(inp * t * F32 > STREAM_SMEM_MAX / 2, "{units}x{inp} t{t}");
-                    continue;
-                };
+                let p = stream_plan(132, units, t, inp, out, 0).unwrap();
                 assert!(p.smem <= STREAM_SMEM_MAX, "{units}x{inp} t{t}: {p:?}");
                 assert!(p.stages >= 2.min(units.div_ceil(p.blocks)), "{p:?}");
                 assert!(p.stages <= MAX_STAGES, "{p:?}");
@@ -271,17 +285,17 @@ mod tests {
             }
         }
         assert_eq!(
-            stream_plan(132, 4096, 5, 4096, StreamOut::Bf16),
+            stream_plan(132, 4096, 5, 4096, StreamOut::Bf16, 0),
             None,
             "tokens"
         );
         assert_eq!(
-            stream_plan(132, 4096, 1, 4100, StreamOut::Bf16),
+            stream_plan(132, 4096, 1, 4100, StreamOut::Bf16, 0),
             None,
             "inp % 8"
         );
-        assert_eq!(stream_plan(132, 0, 1, 4096, StreamOut::Bf16), None);
+        assert_eq!(stream_plan(132, 0, 1, 4096, StreamOut::Bf16, 0), None);
         // rows too wide for two stages beside x
-        assert_eq!(stream_plan(132, 64, 4, 40960, StreamOut::Glu), None);
+        assert_eq!(stream_plan(132, 64, 4, 40960, StreamOut::Glu, 0), None);
     }
 }

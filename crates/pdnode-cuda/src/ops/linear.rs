@@ -357,12 +357,18 @@ pub struct Fusion {
     /// linear layers through [`gemv_stream`] where the GPU has it (sm_90), one GPU only and
     /// under `Auto`: qkv and gate_up (with SwiGLU) compute their RMSNorm in the kernel (no norm
     /// launch, and [`Fusion::norm_max_tokens`] does not apply to those steps), o and down add
-    /// into the residual. Not a config key (a kernel choice by step size).
+    /// into the residual. Default 1: issue 20's `bench_decode_step_variants` (H200, session 23,
+    /// graph steps with small-step PDL) 4.345 / 4.496 / 4.862 ms at batch 1 ctx 512 / 2048 /
+    /// 8192 against 4.418 / 4.541 / 4.916 without (rounds within 0.01 ms); at 2 rows it loses
+    /// (5.60 against 4.44 ms: one warp a weight row is issue-bound past one token). Not a config
+    /// key (a kernel choice by step size).
     pub stream_max_tokens: usize,
     /// Shared memory a [`gemv_stream`] block of the decode step may take, KiB (0: the most,
-    /// [`STREAM_SMEM_MAX`]). Below half of it the next streaming GEMV's block fits beside the
-    /// running one and starts its copies early. Not a config key (a launch shape; benchmarks
-    /// compare values through `CudaBackend::set_fusion`).
+    /// [`STREAM_SMEM_MAX`]). Default 0: the more stages a block has in flight when it starts (its
+    /// copies before the grid-dependency wait), the faster the step (session 23, 1 x 512: 4.345
+    /// ms at the most, 4.403 at 150 KiB, 5.471 at 113 KiB, where two blocks could share an SM).
+    /// Not a config key (a launch shape; benchmarks compare values through
+    /// `CudaBackend::set_fusion`).
     pub stream_smem_kib: usize,
 }
 
@@ -373,7 +379,7 @@ impl Default for Fusion {
             norm_max_tokens: 0,
             glu_warps: 8,
             pdl_max_tokens: 4,
-            stream_max_tokens: 0,
+            stream_max_tokens: 1,
             stream_smem_kib: 0,
         }
     }

@@ -23,11 +23,12 @@ pub struct StepVariant {
 }
 
 impl StepVariant {
-    /// `s<N>n<M>[w<W>][p<P>][g<G>][m<K>]` (SwiGLU fused into gate_up up to N tokens, the RMSNorm
-    /// into the o/down GEMV up to M, W warps a block of the fused gate_up launch, PDL for decode
-    /// steps of up to P rows, the streaming GEMVs for steps of up to G rows with at most K KiB
-    /// of shared memory a block; W, P, G and K 0 when absent: the 4-warp launch, no small-step
-    /// PDL, no streaming, the most shared memory) or
+    /// `s<N>n<M>[w<W>][p<P>][g<G>][m<K>][a<A>]` (SwiGLU fused into gate_up up to N tokens, the
+    /// RMSNorm into the o/down GEMV up to M, W warps a block of the fused gate_up launch, PDL for
+    /// decode steps of up to P rows, the streaming GEMVs for steps of up to G rows with at most K
+    /// KiB of shared memory a block and A rows prefetched into L2 ahead; W, P, G, K and A 0 when
+    /// absent: the 4-warp launch, no small-step PDL, no streaming, the most shared memory, no
+    /// L2 prefetch) or
     /// `default` (`Fusion::default()`), then optionally `/<attention>` (a name of
     /// `engine.cuda.attention`, default `auto`, optionally with `@<waves>`: the v4 partitions'
     /// waves, default [`ops::V4_WAVES`]), then optionally `+pdl`.
@@ -49,11 +50,11 @@ impl StepVariant {
         let fusion = if body == "default" {
             Fusion::default()
         } else {
-            // letter-number pairs: s and n required, w, p, g and m optional (0 when absent)
-            let mut vals = [None::<usize>; 6];
+            // letter-number pairs: s and n required, w, p, g, m and a optional (0 when absent)
+            let mut vals = [None::<usize>; 7];
             let mut rest = body;
             while let Some(c) = rest.chars().next() {
-                let k = "snwpgm".find(c)?;
+                let k = "snwpgma".find(c)?;
                 let digits = rest[1..].chars().take_while(char::is_ascii_digit).count();
                 vals[k] = Some(rest[1..1 + digits].parse().ok()?);
                 rest = &rest[1 + digits..];
@@ -65,6 +66,7 @@ impl StepVariant {
                 pdl_max_tokens: vals[3].unwrap_or(0),
                 stream_max_tokens: vals[4].unwrap_or(0),
                 stream_smem_kib: vals[5].unwrap_or(0),
+                stream_l2_ahead: vals[6].unwrap_or(0),
             }
         };
         Some(StepVariant {

@@ -391,7 +391,17 @@ pub fn run_linear_stream(
                 }
             };
             let stream = |w: &pdnode_cuda::device::DevBuf| {
-                ops::gemv_stream(&gpu, units, t, inp, w, ops::StreamX::Bf16(&x), &yb, sout, 0)
+                ops::gemv_stream(
+                    &gpu,
+                    units,
+                    t,
+                    inp,
+                    w,
+                    ops::StreamX::Bf16(&x),
+                    &yb,
+                    sout,
+                    Default::default(),
+                )
             };
             let n = t * units;
             for y in [&ya, &yb] {

@@ -498,7 +498,7 @@ impl CudaBackend {
         // small decode steps: the four linears stream their weights (gemv_stream), the norms
         // before qkv and gate_up inside them
         let stream = self.streams_step(t);
-        let cap = self.opts.fusion.stream_smem_kib << 10;
+        let tune = self.opts.fusion.stream_tune();
         let norm_x = |nw| ops::StreamX::Norm {
             resid: &ws.resid,
             w: nw,
@@ -517,7 +517,7 @@ impl CudaBackend {
                     x,
                     &ws.qkv,
                     ops::StreamOut::Bf16,
-                    cap,
+                    tune,
                 )?;
                 mark("attn_norm+qkv")?;
             } else {
@@ -612,12 +612,12 @@ impl CudaBackend {
                     ops::StreamX::Bf16(&ws.attn),
                     &ws.resid,
                     acc,
-                    cap,
+                    tune,
                 )?;
                 mark("o_proj")?;
                 let x = norm_x(&l.mlp_norm);
                 let glu = ops::StreamOut::Glu;
-                ops::gemv_stream(g, inter, t, h, &l.w_gate_up, x, &ws.act, glu, cap)?;
+                ops::gemv_stream(g, inter, t, h, &l.w_gate_up, x, &ws.act, glu, tune)?;
                 mark("mlp_norm+gate_up+swiglu")?;
                 ops::gemv_stream(
                     g,
@@ -628,7 +628,7 @@ impl CudaBackend {
                     ops::StreamX::Bf16(&ws.act),
                     &ws.resid,
                     acc,
-                    cap,
+                    tune,
                 )?;
                 mark("down")?;
                 continue;

@@ -21,6 +21,9 @@
 // launch goes away. GS_F32_ACC reads the block's y values into shared memory up front, so no row
 // waits on a global load before its store.
 //
+// ahead > 0: the producer also prefetches into L2 the rows `ahead` units before their copy
+// (cp.async.bulk.prefetch.L2), more bytes in flight than the shared-memory ring holds.
+//
 // mode: GS_BF16 y bf16 [T, units]; GS_F32 y f32 = sum; GS_F32_ACC y f32 += sum; GS_GLU y bf16
 // [T, units] = silu(g) * u with g, u rounded to bf16 first (as the unfused gate_up output is).
 // Shared memory (dynamic, from wg_smem_aligned): GS_HEAD bytes of barriers and norm partials,
@@ -56,6 +59,12 @@ __device__ __forceinline__ void gs_bulk_load(unsigned dst, const void* src, unsi
         : "memory");
 }
 
+// An L2 prefetch of `bytes` (a multiple of 16) at global `src`: rows beyond the ring, in flight
+// without shared memory.
+__device__ __forceinline__ void gs_prefetch_l2(const void* src, unsigned bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
+}
+
 // PTX-END
 
 template <int MT>
@@ -65,7 +74,7 @@ __device__ __forceinline__ void gemv_stream_impl(const bf16_t* __restrict__ w,
                                                  const float* __restrict__ norm_w, float eps,
                                                  int norm_threads, void* __restrict__ y, int T,
                                                  int units, int in, int mode, int stages,
-                                                 unsigned char* smem) {
+                                                 int ahead, unsigned char* smem) {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const bool glu = mode == GS_GLU;
     const unsigned row_bytes = (unsigned)in * 2u;
@@ -94,7 +103,14 @@ __device__ __forceinline__ void gemv_stream_impl(const bf16_t* __restrict__ w,
         // the producer: no wait on the previous kernel (it reads only weights)
         PD_GRID_LAUNCH_DEPENDENTS();
         if (lane == 0) {
+            // units past the ring's first fill, `ahead` of their copy, into L2 (ahead 0: none)
+            auto prefetch = [&](int k) {
+                gs_prefetch_l2(w + (i64)(u0 + k) * in, row_bytes);
+                if (glu) gs_prefetch_l2(w + (i64)(u0 + k + units) * in, row_bytes);
+            };
+            for (int k = stages; k < n && k < stages + ahead; k++) prefetch(k);
             for (int k = 0; k < n; k++) {
+                if (k >= stages && k + ahead < n && ahead > 0) prefetch(k + ahead);
                 const int s = k % stages;
                 if (k >= stages) ws_mbar_wait(empty0 + 8 * s, (unsigned)((k / stages) - 1) & 1u);
                 const unsigned bar = full0 + 8 * s, dst = fp_smem_addr(st0) + s * unit_bytes;
@@ -224,9 +240,9 @@ __device__ __forceinline__ void gemv_stream_impl(const bf16_t* __restrict__ w,
     extern "C" __global__ void __launch_bounds__(GS_THREADS, 1)                                  \
         NAME(const bf16_t* w, const bf16_t* x, const float* resid, const float* norm_w,           \
              float eps, int norm_threads, void* y, int T, int units, int in, int mode,            \
-             int stages) {                                                                       \
+             int stages, int ahead) {                                                            \
         WG_BODY(gemv_stream_impl<MT>(w, x, resid, norm_w, eps, norm_threads, y, T, units, in,    \
-                                     mode, stages, wg_smem_aligned()))                           \
+                                     mode, stages, ahead, wg_smem_aligned()))                    \
     }
 
 GEMV_STREAM_KERNEL(gemv_stream_t1, 1)

@@ -79,6 +79,7 @@ impl CudaOptions {
                 pdl_max_tokens: ops::Fusion::default().pdl_max_tokens,
                 stream_max_tokens: ops::Fusion::default().stream_max_tokens,
                 stream_smem_kib: ops::Fusion::default().stream_smem_kib,
+                stream_l2_ahead: ops::Fusion::default().stream_l2_ahead,
             },
             warm_up_context: e.cuda.warm_up_context as usize,
         }

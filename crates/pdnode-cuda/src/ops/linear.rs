@@ -370,6 +370,19 @@ pub struct Fusion {
     /// Not a config key (a launch shape; benchmarks compare values through
     /// `CudaBackend::set_fusion`).
     pub stream_smem_kib: usize,
+    /// Rows a [`gemv_stream`] producer of the decode step prefetches into L2 ahead of their
+    /// copy, beyond its shared-memory ring (0: none). Not a config key (a launch knob).
+    pub stream_l2_ahead: usize,
+}
+
+impl Fusion {
+    /// The [`StreamTune`] of the decode step's streaming GEMVs.
+    pub fn stream_tune(&self) -> StreamTune {
+        StreamTune {
+            smem_cap: self.stream_smem_kib << 10,
+            l2_ahead: self.stream_l2_ahead,
+        }
+    }
 }
 
 impl Default for Fusion {
@@ -381,6 +394,7 @@ impl Default for Fusion {
             pdl_max_tokens: 4,
             stream_max_tokens: 1,
             stream_smem_kib: 0,
+            stream_l2_ahead: 0,
         }
     }
 }
@@ -394,6 +408,7 @@ impl Fusion {
         pdl_max_tokens: 0,
         stream_max_tokens: 0,
         stream_smem_kib: 0,
+        stream_l2_ahead: 0,
     };
 }
 

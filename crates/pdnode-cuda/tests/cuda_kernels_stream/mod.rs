@@ -5,7 +5,7 @@
 
 use super::cuda_support::*;
 use super::{gpu, poisoned};
-use pdnode_cuda::ops::{self, EwKernel, StreamOut, StreamX};
+use pdnode_cuda::ops::{self, EwKernel, StreamOut, StreamTune, StreamX};
 
 /// `f(x W^T)` in f64 per the mode (Glu: silu(bf16(g)) * bf16(u)), plus `y0` where accumulating.
 fn host_stream(
@@ -64,8 +64,16 @@ fn gemv_stream_matches_reference() {
         (7, 2056, StreamOut::Bf16),
         (2 * sms + 5, 512, StreamOut::F32Acc),
     ];
-    // every shared-memory cap the decode step may use: the most, and half (two blocks an SM)
-    let caps = [0usize, 113 << 10];
+    // the launch knobs: the most shared memory, half (two blocks an SM), L2 prefetch ahead
+    let half = StreamTune {
+        smem_cap: 113 << 10,
+        l2_ahead: 0,
+    };
+    let ahead = StreamTune {
+        smem_cap: 0,
+        l2_ahead: 8,
+    };
+    let tunes = [StreamTune::default(), half, ahead];
     for t in 1..=ops::STREAM_MAX_TOKENS {
         for &(units, inp, out) in &shapes {
             let rows = if out == StreamOut::Glu {
@@ -78,7 +86,8 @@ fn gemv_stream_matches_reference() {
             let y0 = randv(&mut r, t * units, 1.0);
             let (dw, dx) = (g.upload_bf16(&w).unwrap(), g.upload_bf16(&x).unwrap());
             let want = host_stream(&w, &x, &y0, units, t, inp, out);
-            for cap in caps {
+            for tune in tunes {
+                let cap = tune.smem_cap;
                 let plan = ops::stream_plan(sms, units, t, inp, out, cap);
                 let Some(plan) = plan else {
                     // only 2-4 tokens of x at 14336 wide under the half cap leave no 2 stages
@@ -88,7 +97,7 @@ fn gemv_stream_matches_reference() {
                     );
                     let y = poisoned(&g, t * units * 4);
                     let e =
-                        ops::gemv_stream(&g, units, t, inp, &dw, StreamX::Bf16(&dx), &y, out, cap);
+                        ops::gemv_stream(&g, units, t, inp, &dw, StreamX::Bf16(&dx), &y, out, tune);
                     assert!(
                         matches!(e, Err(pdnode_cuda::CudaError::Shape { .. })),
                         "{e:?}"
@@ -104,7 +113,8 @@ fn gemv_stream_matches_reference() {
                     // NaN bits in both widths: an unwritten output fails
                     poisoned(&g, t * units * if is_bf16(out) { 2 } else { 4 })
                 };
-                ops::gemv_stream(&g, units, t, inp, &dw, StreamX::Bf16(&dx), &y, out, cap).unwrap();
+                ops::gemv_stream(&g, units, t, inp, &dw, StreamX::Bf16(&dx), &y, out, tune)
+                    .unwrap();
                 let got = if is_bf16(out) {
                     g.download_bf16(&y, t * units).unwrap()
                 } else {
@@ -115,7 +125,7 @@ fn gemv_stream_matches_reference() {
                 let tol = if is_bf16(out) { 1e-2 } else { 1e-5 };
                 let ok = e < tol;
                 println!(
-                    "{} gemv_stream {units}x{inp} t={t} {out:?} cap {cap} {plan:?}: rel err {e:.1e}",
+                    "{} gemv_stream {units}x{inp} t={t} {out:?} {tune:?} {plan:?}: rel err {e:.1e}",
                     if ok { "PASS" } else { "FAIL" }
                 );
                 assert!(
@@ -134,7 +144,17 @@ fn gemv_stream_matches_reference() {
     let cases: [(usize, usize, &str); 3] =
         [(5, 64, "5 tokens"), (1, 60, "inp % 8"), (0, 64, "0 tokens")];
     for (t, inp, what) in cases {
-        let e = ops::gemv_stream(&g, 64, t, inp, &w, StreamX::Bf16(&x), &y, StreamOut::F32, 0);
+        let e = ops::gemv_stream(
+            &g,
+            64,
+            t,
+            inp,
+            &w,
+            StreamX::Bf16(&x),
+            &y,
+            StreamOut::F32,
+            StreamTune::default(),
+        );
         assert!(
             matches!(e, Err(pdnode_cuda::CudaError::Shape { .. })),
             "{what}: {e:?}"
@@ -150,7 +170,7 @@ fn gemv_stream_matches_reference() {
         StreamX::Bf16(&x),
         &small,
         StreamOut::F32,
-        0,
+        StreamTune::default(),
     );
     assert!(
         matches!(e, Err(pdnode_cuda::CudaError::Shape { .. })),
@@ -216,7 +236,7 @@ fn gemv_stream_norm_matches_add_rmsnorm() {
                 StreamX::Bf16(&normed),
                 &want,
                 out,
-                0,
+                StreamTune::default(),
             )
             .unwrap();
             let x = StreamX::Norm {
@@ -224,7 +244,7 @@ fn gemv_stream_norm_matches_add_rmsnorm() {
                 w: &dn,
                 eps,
             };
-            ops::gemv_stream(&g, units, t, inp, &dw, x, &got, out, 0).unwrap();
+            ops::gemv_stream(&g, units, t, inp, &dw, x, &got, out, StreamTune::default()).unwrap();
             let n = t * units * yb;
             let (mut a, mut b) = (vec![0u8; n], vec![0u8; n]);
             g.download(&mut a, &got, 0).unwrap();

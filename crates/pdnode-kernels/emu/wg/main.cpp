@@ -168,7 +168,8 @@ static void case_probe() {
 // the wrapper passes: add_rmsnorm_v4's block for the width). Against an f64 reference from the
 // same bf16 x (the norm's x: add_rmsnorm_v4's expressions on the host, checked to be bf16 within
 // one rounding of the f64 norm); every output written exactly once, none outside.
-static void case_stream(int MT, int T, int units, int in, int grid, int stages, int mode, bool norm) {
+static void case_stream(int MT, int T, int units, int in, int grid, int stages, int mode, bool norm,
+                        int ahead = 0) {
     const bool glu = mode == GS_GLU;
     const int rows = glu ? 2 * units : units;
     std::vector<uint16_t> w((size_t)rows * in), x((size_t)T * in);
@@ -207,9 +208,9 @@ static void case_stream(int MT, int T, int units, int in, int grid, int stages, 
         const float* r = norm ? resid.data() : nullptr;
         const float* n_ = norm ? nw.data() : nullptr;
         const bf16_t* xp = norm ? nullptr : (const bf16_t*)x.data();
-        if (MT == 1) gemv_stream_t1((const bf16_t*)w.data(), xp, r, n_, eps, norm_threads, y, T, units, in, mode, stages);
-        else if (MT == 2) gemv_stream_t2((const bf16_t*)w.data(), xp, r, n_, eps, norm_threads, y, T, units, in, mode, stages);
-        else gemv_stream_t4((const bf16_t*)w.data(), xp, r, n_, eps, norm_threads, y, T, units, in, mode, stages);
+        if (MT == 1) gemv_stream_t1((const bf16_t*)w.data(), xp, r, n_, eps, norm_threads, y, T, units, in, mode, stages, ahead);
+        else if (MT == 2) gemv_stream_t2((const bf16_t*)w.data(), xp, r, n_, eps, norm_threads, y, T, units, in, mode, stages, ahead);
+        else gemv_stream_t4((const bf16_t*)w.data(), xp, r, n_, eps, norm_threads, y, T, units, in, mode, stages, ahead);
     };
     launch({(unsigned)grid, 1, 1}, GS_THREADS, go);
     double md = 0, mw = 0;
@@ -247,7 +248,7 @@ int main() {
     case_stream(2, 1, 300, 64, 7, 16, GS_F32_ACC, true);  // more units than stages x warps
     case_stream(1, 1, 600, 64, 3, 32, GS_F32_ACC, false); // 32 stages
     case_stream(2, 2, 100, 128, 2, 8, GS_GLU, true);
-    case_stream(4, 2, 77, 128, 2, 7, GS_F32_ACC, true);   // 7 stages and consumer warps
+    case_stream(4, 2, 77, 128, 2, 7, GS_F32_ACC, true, 5);  // 7 stages and consumer warps, L2 ahead
     // (nh, nkv, block size, start, n, window)
     case_attn(2, 1, 16, 0, 1, 0);
     case_attn(2, 2, 16, 63, 1, 0);

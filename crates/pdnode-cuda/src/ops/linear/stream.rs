@@ -72,6 +72,17 @@ pub enum StreamX<'a> {
     },
 }
 
+/// Launch knobs of [`gemv_stream`] (benchmarks compare them; the decode step takes them from
+/// [`super::Fusion`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StreamTune {
+    /// Shared memory a block may take, bytes (0: [`STREAM_SMEM_MAX`]); see [`stream_plan`].
+    pub smem_cap: usize,
+    /// Units (rows; `Glu`: row pairs) the producer prefetches into L2 ahead of their copy, beyond
+    /// the ring (0: none).
+    pub l2_ahead: usize,
+}
+
 /// Launch shape of one [`gemv_stream`] call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StreamPlan {
@@ -148,7 +159,7 @@ pub fn stream_available(gpu: &Gpu) -> bool {
 
 /// `y (+)= f(x W^T)` through `gemv_stream_t*` (see [`StreamOut`], [`StreamX`]): w bf16
 /// `[units, inp]` (`Glu`: `[2 units, inp]`), 16-byte aligned; y `[tokens, units]`; the launch
-/// of [`stream_plan`] under `smem_cap`.
+/// of [`stream_plan`] under `tune`.
 #[allow(clippy::too_many_arguments)]
 pub fn gemv_stream(
     gpu: &Gpu,
@@ -159,7 +170,7 @@ pub fn gemv_stream(
     x: StreamX<'_>,
     y: &DevBuf,
     out: StreamOut,
-    smem_cap: usize,
+    tune: StreamTune,
 ) -> Result<(), CudaError> {
     const OP: &str = "gemv_stream";
     let rows = if out == StreamOut::Glu {
@@ -198,7 +209,14 @@ pub fn gemv_stream(
     shape(OP, w.ptr().is_multiple_of(16), || {
         "w not 16-byte aligned".into()
     })?;
-    let plan = stream_plan(gpu.sm_count as usize, units, tokens, inp, out, smem_cap);
+    let plan = stream_plan(
+        gpu.sm_count as usize,
+        units,
+        tokens,
+        inp,
+        out,
+        tune.smem_cap,
+    );
     let Some(plan) = plan else {
         return Err(CudaError::Shape {
             op: OP,
@@ -217,6 +235,7 @@ pub fn gemv_stream(
     let f = gpu.kernel(plan.kernel)?;
     let (t_i, u_i, i_i) = (tokens as i32, i32_of(OP, units)?, i32_of(OP, inp)?);
     let (mode, stages, nt) = (out.mode(), plan.stages as i32, norm_threads as i32);
+    let ahead = i32_of(OP, tune.l2_ahead)?;
     let mut b = gpu.launch_builder(f);
     b.arg(w.ptr_ref())
         .arg(&xp)
@@ -229,7 +248,8 @@ pub fn gemv_stream(
         .arg(&u_i)
         .arg(&i_i)
         .arg(&mode)
-        .arg(&stages);
+        .arg(&stages)
+        .arg(&ahead);
     let mut c = cfg((u32_of(OP, plan.blocks)?, 1, 1), THREADS);
     c.shared_mem_bytes = plan.smem as u32;
     // SAFETY: sizes and alignment checked above; the plan keeps the launch within the kernel's

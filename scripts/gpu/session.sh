@@ -18,8 +18,8 @@
 #                  kernel (NCU_KERNELS, default the wg and ws ones; speed of light, pipes,
 #                  stalls), then the SM clock and power sampled
 #                  through a run of the 8192-token prefill bench
-#   stream         the streaming decode GEMV (gemv_stream): its cuda_kernels and cuda_graphs
-#                  tests, bench_linear_stream (each decode linear alone, step path vs stream),
+#   stream         the streaming decode GEMVs (gemv_stream, gemv_chain): their cuda_kernels and
+#                  cuda_graphs tests, bench_linear_stream (each decode linear alone, step path vs stream),
 #                  then bench_decode_step_variants at STREAM_STEPS with STREAM_VARIANTS
 #   stream-ncu     ncu (--clock-control none) on the gemv_stream_t1 launches of bench_linear_stream
 #                  at one token (duration, DRAM throughput, warp states), then the eager op
@@ -96,13 +96,14 @@ for part in "$@"; do
             done ;;
         stream)   # the streaming decode GEMV: its tests, each linear alone, whole graph steps
             timeout 300 "$PD/t/cuda_kernels" --ignored --test-threads=1 --nocapture gemv_stream \
-                > "$LOGS/stream-kernels.log" 2>&1
-            echo "## cuda_kernels gemv_stream (rc=$?)" >> "$summary"
+                gemv_chain > "$LOGS/stream-kernels.log" 2>&1
+            echo "## cuda_kernels gemv_stream gemv_chain (rc=$?)" >> "$summary"
             grep -E '^test result|FAIL|panicked' "$LOGS/stream-kernels.log" >> "$summary"
             grep -c '^PASS' "$LOGS/stream-kernels.log" | sed 's/^/PASS lines: /' >> "$summary"
             timeout 300 "$PD/t/cuda_graphs" --ignored --test-threads=1 --nocapture \
-                streaming_decode_steps_match > "$LOGS/stream-graphs.log" 2>&1
-            echo "## cuda_graphs streaming_decode_steps_match (rc=$?)" >> "$summary"
+                streaming_decode_steps_match chained_decode_steps_match_streamed \
+                > "$LOGS/stream-graphs.log" 2>&1
+            echo "## cuda_graphs streaming / chained decode steps (rc=$?)" >> "$summary"
             grep -E '^test result|^GRAPH|FAIL|panicked' "$LOGS/stream-graphs.log" >> "$summary"
             timeout 300 "$PD/t/cuda_bench" --ignored --nocapture --exact bench_linear_stream \
                 > "$LOGS/stream-linear.log" 2>&1

@@ -276,3 +276,122 @@ fn gemv_stream_norm_matches_add_rmsnorm() {
         }
     }
 }
+
+/// `gemv_chain` (several GEMVs in one launch, a grid barrier between them) against the same
+/// GEMVs as separate `gemv_stream` launches: Llama-3.1-8B's o -> gate_up -> down -> next qkv and
+/// a small odd chain, bit for bit (each row is summed the same way by both kernels), and twice
+/// in a row (the barrier words are left ready for the next launch).
+#[test]
+#[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
+fn gemv_chain_matches_separate_launches() {
+    let g = gpu();
+    if !g.has_kernel("gemv_chain_t1") {
+        println!("SKIP gemv_chain: no sm_90 program on this GPU");
+        return;
+    }
+    let mut r = rng("gemv_chain");
+    let sync = poisoned(&g, 8);
+    g.memset(&sync, 0).unwrap();
+    for &(h, q, i, qkv) in &[
+        (4096usize, 4096usize, 14336usize, 6144usize),
+        (200, 136, 328, 96),
+    ] {
+        let up = |v: Vec<f32>| g.upload_bf16(&v).unwrap();
+        let (wo, wgu) = (
+            up(randv(&mut r, h * q, 0.05)),
+            up(randv(&mut r, 2 * i * h, 0.05)),
+        );
+        let (wd, wq) = (
+            up(randv(&mut r, h * i, 0.05)),
+            up(randv(&mut r, qkv * h, 0.05)),
+        );
+        let attn = up(randv(&mut r, q, 1.0));
+        let resid0 = randv(&mut r, h, 2.0);
+        let n1: Vec<f32> = randv(&mut r, h, 0.5).iter().map(|v| 1.0 + v).collect();
+        let n2: Vec<f32> = randv(&mut r, h, 0.5).iter().map(|v| 1.0 + v).collect();
+        let (dn1, dn2) = (g.upload_f32(&n1).unwrap(), g.upload_f32(&n2).unwrap());
+        let eps = 1e-5f32;
+        // [resid, act, qkv] of each way
+        let run = |chained: bool| {
+            let resid = g.upload_f32(&resid0).unwrap();
+            let (act, qo) = (poisoned(&g, i * 2), poisoned(&g, qkv * 2));
+            let acc = StreamOut::F32Acc;
+            let norm = |w| StreamX::Norm {
+                resid: &resid,
+                w,
+                eps,
+            };
+            let phases = [
+                ops::ChainPhase {
+                    units: h,
+                    inp: q,
+                    w: &wo,
+                    x: StreamX::Bf16(&attn),
+                    y: &resid,
+                    out: acc,
+                },
+                ops::ChainPhase {
+                    units: i,
+                    inp: h,
+                    w: &wgu,
+                    x: norm(&dn1),
+                    y: &act,
+                    out: StreamOut::Glu,
+                },
+                ops::ChainPhase {
+                    units: h,
+                    inp: i,
+                    w: &wd,
+                    x: StreamX::Bf16(&act),
+                    y: &resid,
+                    out: acc,
+                },
+                ops::ChainPhase {
+                    units: qkv,
+                    inp: h,
+                    w: &wq,
+                    x: norm(&dn2),
+                    y: &qo,
+                    out: StreamOut::Bf16,
+                },
+            ];
+            if chained {
+                ops::gemv_chain(&g, &phases, &sync).unwrap();
+            } else {
+                for p in &phases {
+                    ops::gemv_stream(
+                        &g,
+                        p.units,
+                        1,
+                        p.inp,
+                        p.w,
+                        p.x,
+                        p.y,
+                        p.out,
+                        StreamTune::default(),
+                    )
+                    .unwrap();
+                }
+            }
+            let mut out = (vec![0u8; h * 4], vec![0u8; i * 2], vec![0u8; qkv * 2]);
+            g.download(&mut out.0, &resid, 0).unwrap();
+            g.download(&mut out.1, &act, 0).unwrap();
+            g.download(&mut out.2, &qo, 0).unwrap();
+            out
+        };
+        let want = run(false);
+        for round in 0..2 {
+            let got = run(true);
+            let ok = got == want;
+            println!(
+                "{} gemv_chain h={h} q={q} i={i} qkv={qkv} round {round}: resid, act and qkv {} the separate launches'",
+                if ok { "PASS" } else { "FAIL" },
+                if ok { "bit-equal to" } else { "differ from" }
+            );
+            assert!(ok, "gemv_chain h={h} round {round} differs");
+        }
+        let mut words = [0u32; 2];
+        g.download(&mut words, &sync, 0).unwrap();
+        assert_eq!(words[0], 0, "arrival count left at 0");
+    }
+}

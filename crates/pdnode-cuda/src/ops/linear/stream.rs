@@ -258,6 +258,192 @@ pub fn gemv_stream(
     Ok(())
 }
 
+/// Most GEMVs one [`gemv_chain`] launch runs (`GC_MAX_PHASES`).
+pub const CHAIN_MAX_PHASES: usize = 4;
+
+/// One GEMV of a [`gemv_chain`]: what one [`gemv_stream`] call takes.
+#[derive(Debug, Clone, Copy)]
+pub struct ChainPhase<'a> {
+    pub units: usize,
+    pub inp: usize,
+    pub w: &'a DevBuf,
+    pub x: StreamX<'a>,
+    pub y: &'a DevBuf,
+    pub out: StreamOut,
+}
+
+/// Launch shape of a [`gemv_chain`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChainPlan {
+    pub blocks: usize,
+    /// Bytes a stage holds (whole units of one phase; at least the largest unit, 32 KiB at most
+    /// where that fits more than one small unit).
+    pub stage_bytes: usize,
+    pub stages: usize,
+    pub smem: usize,
+    pub max_in: usize,
+    pub max_per_block: usize,
+}
+
+/// The launch of a chain of `(units, inp, out)` GEMVs at one token on `sm_count` SMs: one grid
+/// for every phase (at most one block a unit of the smallest phase, so every block has work in
+/// every phase), or `None` (no phase, more than [`CHAIN_MAX_PHASES`], `inp % 8 != 0`, fewer than
+/// two stages fit).
+pub fn chain_plan(sm_count: usize, phases: &[(usize, usize, StreamOut)]) -> Option<ChainPlan> {
+    if phases.is_empty() || phases.len() > CHAIN_MAX_PHASES {
+        return None;
+    }
+    if phases
+        .iter()
+        .any(|&(u, i, _)| u == 0 || i == 0 || !i.is_multiple_of(8))
+    {
+        return None;
+    }
+    let unit = |i: usize, o: StreamOut| i * BF16 * if o == StreamOut::Glu { 2 } else { 1 };
+    let blocks = sm_count.max(1).min(phases.iter().map(|p| p.0).min()?);
+    let max_in = phases.iter().map(|p| p.1).max()?;
+    let max_per_block = phases.iter().map(|p| p.0.div_ceil(blocks)).max()?;
+    let max_unit = phases.iter().map(|&(_, i, o)| unit(i, o)).max()?;
+    let stage_bytes = max_unit.max(32 << 10);
+    let fixed = ALIGN_PAD
+        + HEAD
+        + (max_in * BF16).next_multiple_of(128)
+        + (max_per_block * F32).next_multiple_of(128);
+    let mut stages = (STREAM_SMEM_MAX.checked_sub(fixed)? / stage_bytes).min(MAX_STAGES);
+    if stages >= CONSUMERS {
+        stages -= stages % CONSUMERS;
+    }
+    (stages >= 2).then_some(ChainPlan {
+        blocks,
+        stage_bytes,
+        stages,
+        smem: fixed + stages * stage_bytes,
+        max_in,
+        max_per_block,
+    })
+}
+
+/// `GcPhase` of gemv_chain.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct GcPhase {
+    w: u64,
+    x: u64,
+    resid: u64,
+    norm_w: u64,
+    y: u64,
+    units: i32,
+    inp: i32,
+    mode: i32,
+    norm_threads: i32,
+}
+
+/// `GcArgs` of gemv_chain.cu (the kernel's one parameter).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct GcArgs {
+    ph: [GcPhase; CHAIN_MAX_PHASES],
+    nphase: i32,
+    tokens: i32,
+    stage_bytes: i32,
+    stages: i32,
+    max_in: i32,
+    max_per_block: i32,
+    eps: f32,
+    _pad: i32,
+    sync: u64,
+}
+
+// SAFETY: plain old data laid out as the kernel's `GcArgs` parameter (C layout, 8-byte aligned
+// pointers, explicit padding; `gc_args_layout` checks the size and offsets).
+unsafe impl cudarc::driver::DeviceRepr for GcArgs {}
+
+/// The GEMVs of `phases` one after another in one launch of `gemv_chain_t1` (one token): phase
+/// p + 1 may read what phase p wrote (each x / residual is read after a grid-wide barrier).
+/// `sync`: a device buffer of two u32, both 0 before the first launch (each launch leaves them
+/// ready for the next). Every norm phase must use the same `eps`.
+pub fn gemv_chain(gpu: &Gpu, phases: &[ChainPhase<'_>], sync: &DevBuf) -> Result<(), CudaError> {
+    const OP: &str = "gemv_chain";
+    let shapes: Vec<(usize, usize, StreamOut)> =
+        phases.iter().map(|p| (p.units, p.inp, p.out)).collect();
+    let Some(plan) = chain_plan(gpu.sm_count as usize, &shapes) else {
+        return Err(CudaError::Shape {
+            op: OP,
+            reason: format!("no launch for {shapes:?} (1..=4 phases, inp % 8 == 0, 2 stages)"),
+        });
+    };
+    need(OP, "sync", sync, 8)?;
+    let mut a = GcArgs {
+        nphase: phases.len() as i32,
+        tokens: 1,
+        stage_bytes: i32_of(OP, plan.stage_bytes)?,
+        stages: plan.stages as i32,
+        max_in: i32_of(OP, plan.max_in)?,
+        max_per_block: i32_of(OP, plan.max_per_block)?,
+        sync: sync.ptr(),
+        ..Default::default()
+    };
+    let mut eps = None;
+    for (k, p) in phases.iter().enumerate() {
+        let rows = if p.out == StreamOut::Glu { 2 } else { 1 } * p.units;
+        need(OP, "w", p.w, rows * p.inp * BF16)?;
+        need(OP, "y", p.y, p.units * p.out.y_bytes())?;
+        shape(OP, p.w.ptr().is_multiple_of(16), || {
+            "w not 16-byte aligned".into()
+        })?;
+        let ph = &mut a.ph[k];
+        (ph.w, ph.y, ph.units, ph.inp) = (
+            p.w.ptr(),
+            p.y.ptr(),
+            i32_of(OP, p.units)?,
+            i32_of(OP, p.inp)?,
+        );
+        ph.mode = p.out.mode();
+        match p.x {
+            StreamX::Bf16(x) => {
+                need(OP, "x", x, p.inp * BF16)?;
+                shape(OP, x.ptr().is_multiple_of(16), || {
+                    "x not 16-byte aligned".into()
+                })?;
+                ph.x = x.ptr();
+            }
+            StreamX::Norm { resid, w, eps: e } => {
+                need(OP, "resid", resid, p.inp * F32)?;
+                need(OP, "norm w", w, p.inp * F32)?;
+                let block = rmsnorm_vector_block(p.inp, &[resid.ptr(), w.ptr()], 0)
+                    .filter(|b| *b <= NORM_MAX_THREADS);
+                let Some(block) = block else {
+                    return Err(CudaError::Shape {
+                        op: OP,
+                        reason: format!("the in-kernel RMSNorm cannot take inp {}", p.inp),
+                    });
+                };
+                shape(OP, eps.is_none_or(|x| x == e), || {
+                    "norm phases differ in eps".into()
+                })?;
+                eps = Some(e);
+                (ph.resid, ph.norm_w, ph.norm_threads) = (resid.ptr(), w.ptr(), block as i32);
+            }
+        }
+    }
+    a.eps = eps.unwrap_or(0.0);
+    if !gpu.has_kernel("gemv_chain_t1") {
+        return Err(CudaError::Unsupported {
+            reason: "gemv_chain needs the sm_90 program (compute capability 9.0)".into(),
+        });
+    }
+    let f = gpu.kernel("gemv_chain_t1")?;
+    let mut b = gpu.launch_builder(f);
+    b.arg(&a);
+    let mut c = cfg((u32_of(OP, plan.blocks)?, 1, 1), THREADS);
+    c.shared_mem_bytes = plan.smem as u32;
+    // SAFETY: every buffer checked above for what its phase reads and writes at one token; the
+    // plan keeps one block an SM (more than half the shared memory) and grid <= SMs, so all
+    // blocks are resident together for the grid barrier; the shared-memory limit was set at load.
+    unsafe { b.launch(c) }.map_err(launched(OP))?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -317,5 +503,43 @@ mod tests {
         assert_eq!(stream_plan(132, 0, 1, 4096, StreamOut::Bf16, 0), None);
         // rows too wide for two stages beside x
         assert_eq!(stream_plan(132, 64, 4, 40960, StreamOut::Glu, 0), None);
+    }
+
+    #[test]
+    fn gc_args_layout() {
+        assert_eq!(std::mem::size_of::<GcPhase>(), 56);
+        assert_eq!(std::mem::size_of::<GcArgs>(), 4 * 56 + 7 * 4 + 4 + 8);
+        assert_eq!(std::mem::offset_of!(GcArgs, sync), 256);
+        assert_eq!(std::mem::align_of::<GcArgs>(), 8);
+    }
+
+    #[test]
+    fn chain_plans_keep_one_block_an_sm() {
+        // Llama-3.1-8B: o, gate_up, down, the next qkv
+        let llama = [
+            (4096, 4096, StreamOut::F32Acc),
+            (14336, 4096, StreamOut::Glu),
+            (4096, 14336, StreamOut::F32Acc),
+            (6144, 4096, StreamOut::Bf16),
+        ];
+        let p = chain_plan(132, &llama).unwrap();
+        assert_eq!((p.blocks, p.stage_bytes, p.stages), (132, 32 << 10, 6));
+        assert!(
+            p.smem <= STREAM_SMEM_MAX && 2 * p.smem > STREAM_SMEM_MAX,
+            "{p:?}"
+        );
+        let p = chain_plan(132, &llama[..3]).unwrap();
+        assert_eq!(p.max_per_block, 109);
+        // a tiny model: one block a unit of the smallest phase
+        let p = chain_plan(
+            132,
+            &[(96, 96, StreamOut::F32Acc), (160, 96, StreamOut::Glu)],
+        )
+        .unwrap();
+        assert_eq!(p.blocks, 96);
+        assert!(2 * p.smem > STREAM_SMEM_MAX, "{p:?}");
+        assert_eq!(chain_plan(132, &[]), None);
+        assert_eq!(chain_plan(132, &[llama[0]; 5]), None);
+        assert_eq!(chain_plan(132, &[(64, 60, StreamOut::F32)]), None);
     }
 }

@@ -643,7 +643,13 @@ impl CudaBackend {
                         ops::StreamOut::Bf16,
                     ));
                 }
-                ops::gemv_chain(g, &phases, &ws.chain_sync)?;
+                // stream_chain 2: stages of the largest unit only (more, smaller stages)
+                let min_stage = if self.opts.fusion.stream_chain == 2 {
+                    0
+                } else {
+                    32 << 10
+                };
+                ops::gemv_chain_stages(g, &phases, &ws.chain_sync, min_stage)?;
                 mark("o_proj+mlp+next_qkv")?;
                 continue;
             }
@@ -785,7 +791,7 @@ impl CudaBackend {
             (qd + 2 * kvd, h, ops::StreamOut::Bf16),
         ];
         tokens == 1
-            && self.opts.fusion.stream_chain == 1
+            && (1..=2).contains(&self.opts.fusion.stream_chain)
             && self.gpu.has_kernel("gemv_chain_t1")
             && self.streams_step(tokens)
             && ops::chain_plan(self.gpu.sm_count as usize, &phases).is_some()

@@ -375,8 +375,8 @@ pub struct Fusion {
     pub stream_l2_ahead: usize,
     /// 1: a streaming decode step of one row runs each layer's o, gate_up and down and the next
     /// layer's qkv as one [`gemv_chain`] launch (one ring of weights across the four, a grid
-    /// barrier between them) instead of four [`gemv_stream`] launches; 0: off. Not a config key
-    /// (a kernel choice).
+    /// barrier between them) instead of four [`gemv_stream`] launches; 2: the same with stages
+    /// of the largest unit ([`chain_plan_stages`]); 0: off. Not a config key (a kernel choice).
     pub stream_chain: usize,
 }
 

@@ -290,6 +290,15 @@ pub struct ChainPlan {
 /// every phase), or `None` (no phase, more than [`CHAIN_MAX_PHASES`], `inp % 8 != 0`, fewer than
 /// two stages fit).
 pub fn chain_plan(sm_count: usize, phases: &[(usize, usize, StreamOut)]) -> Option<ChainPlan> {
+    chain_plan_stages(sm_count, phases, 32 << 10)
+}
+
+/// [`chain_plan`] with stages of at least `min_stage` bytes (the largest unit where that is more).
+pub fn chain_plan_stages(
+    sm_count: usize,
+    phases: &[(usize, usize, StreamOut)],
+    min_stage: usize,
+) -> Option<ChainPlan> {
     if phases.is_empty() || phases.len() > CHAIN_MAX_PHASES {
         return None;
     }
@@ -304,7 +313,7 @@ pub fn chain_plan(sm_count: usize, phases: &[(usize, usize, StreamOut)]) -> Opti
     let max_in = phases.iter().map(|p| p.1).max()?;
     let max_per_block = phases.iter().map(|p| p.0.div_ceil(blocks)).max()?;
     let max_unit = phases.iter().map(|&(_, i, o)| unit(i, o)).max()?;
-    let stage_bytes = max_unit.max(32 << 10);
+    let stage_bytes = max_unit.max(min_stage);
     let fixed = ALIGN_PAD
         + HEAD
         + (max_in * BF16).next_multiple_of(128)
@@ -363,10 +372,20 @@ unsafe impl cudarc::driver::DeviceRepr for GcArgs {}
 /// `sync`: a device buffer of two u32, both 0 before the first launch (each launch leaves them
 /// ready for the next). Every norm phase must use the same `eps`.
 pub fn gemv_chain(gpu: &Gpu, phases: &[ChainPhase<'_>], sync: &DevBuf) -> Result<(), CudaError> {
+    gemv_chain_stages(gpu, phases, sync, 32 << 10)
+}
+
+/// [`gemv_chain`] with stages of at least `min_stage` bytes ([`chain_plan_stages`]).
+pub fn gemv_chain_stages(
+    gpu: &Gpu,
+    phases: &[ChainPhase<'_>],
+    sync: &DevBuf,
+    min_stage: usize,
+) -> Result<(), CudaError> {
     const OP: &str = "gemv_chain";
     let shapes: Vec<(usize, usize, StreamOut)> =
         phases.iter().map(|p| (p.units, p.inp, p.out)).collect();
-    let Some(plan) = chain_plan(gpu.sm_count as usize, &shapes) else {
+    let Some(plan) = chain_plan_stages(gpu.sm_count as usize, &shapes, min_stage) else {
         return Err(CudaError::Shape {
             op: OP,
             reason: format!("no launch for {shapes:?} (1..=4 phases, inp % 8 == 0, 2 stages)"),

@@ -18,15 +18,12 @@
 #                  kernel (NCU_KERNELS, default the wg and ws ones; speed of light, pipes,
 #                  stalls), then the SM clock and power sampled
 #                  through a run of the 8192-token prefill bench
-#   stream         the streaming decode GEMVs (gemv_stream, gemv_chain): their cuda_kernels and
-#                  cuda_graphs tests, bench_linear_stream (each decode linear alone, step path vs stream),
-#                  then bench_decode_step_variants at STREAM_STEPS with STREAM_VARIANTS
+#   stream         the streaming decode GEMV (gemv_stream): its cuda_kernels and cuda_graphs tests
+#                  (STREAM_TESTS=0: not), bench_linear_stream (each decode linear alone, step path
+#                  vs stream), then bench_decode_step_variants at STREAM_STEPS with STREAM_VARIANTS
 #   stream-ncu     ncu (--clock-control none) on the gemv_stream_t1 launches of bench_linear_stream
 #                  at one token (duration, DRAM throughput, warp states), then the eager op
 #                  breakdown of a 1x512 step with streaming on (PDNODE_BENCH_FUSION=s8n0w8p4g1)
-#   chain-ncu      ncu on one gemv_chain_t1 and the gemv_stream_t1 launches of a 1x512 graph step
-#                  (durations, DRAM, warp states) and the chain's stall sampling per SASS
-#                  instruction (src-gemv_chain_t1.csv)
 #   prefill-src    ncu's warp stall sampling per SASS instruction of one 8192-token launch of each
 #                  NCU_KERNELS kernel, as CSV (src-<kernel>.csv in the logs)
 #   transfer-exp   scripts/gpu/transfer.sh exp (UCX variants, isolated ucx_perftest puts)
@@ -100,14 +97,13 @@ for part in "$@"; do
         stream)   # the streaming decode GEMV: its tests, each linear alone, whole graph steps
             if [ "${STREAM_TESTS:-1}" = 1 ]; then
             timeout 300 "$PD/t/cuda_kernels" --ignored --test-threads=1 --nocapture gemv_stream \
-                gemv_chain > "$LOGS/stream-kernels.log" 2>&1
-            echo "## cuda_kernels gemv_stream gemv_chain (rc=$?)" >> "$summary"
+                > "$LOGS/stream-kernels.log" 2>&1
+            echo "## cuda_kernels gemv_stream (rc=$?)" >> "$summary"
             grep -E '^test result|FAIL|panicked' "$LOGS/stream-kernels.log" >> "$summary"
             grep -c '^PASS' "$LOGS/stream-kernels.log" | sed 's/^/PASS lines: /' >> "$summary"
             timeout 300 "$PD/t/cuda_graphs" --ignored --test-threads=1 --nocapture \
-                streaming_decode_steps_match chained_decode_steps_match_streamed \
-                > "$LOGS/stream-graphs.log" 2>&1
-            echo "## cuda_graphs streaming / chained decode steps (rc=$?)" >> "$summary"
+                streaming_decode_steps_match > "$LOGS/stream-graphs.log" 2>&1
+            echo "## cuda_graphs streaming_decode_steps_match (rc=$?)" >> "$summary"
             grep -E '^test result|^GRAPH|FAIL|panicked' "$LOGS/stream-graphs.log" >> "$summary"
             fi
             timeout 300 "$PD/t/cuda_bench" --ignored --nocapture --exact bench_linear_stream \
@@ -134,21 +130,6 @@ for part in "$@"; do
                 bench_decode_op_breakdown > "$LOGS/stream-ops.log" 2>&1
             echo "## bench_decode_op_breakdown, streaming at 1 row (rc=$?)" >> "$summary"
             grep -E '^ceilings|^\|' "$LOGS/stream-ops.log" >> "$summary" ;;
-        chain-ncu)   # where a chained launch's time goes, against the separate streaming launches
-            for v in s8n0w8p4g1c1:gemv_chain_t1 s8n0w8p4g1:gemv_stream_t1; do
-                k=${v#*:}
-                PDNODE_BENCH_STEPS=1x512 PDNODE_BENCH_STEP_VARIANTS=${v%%:*} PDNODE_BENCH_ITERS=2 \
-                    PDNODE_BENCH_ROUNDS=1 timeout 300 "$NCU" --clock-control none -k "regex:^$k\$" \
-                    -s 8 -c 4 --section SpeedOfLight --section WarpStateStats --section SourceCounters \
-                    -f -o "$LOGS/src-$k" "$PD/t/cuda_bench" --ignored --nocapture --exact \
-                    bench_decode_step_variants > "$LOGS/src-$k.log" 2>&1
-                echo "## ncu $k in a 1x512 step (rc=$?)" >> "$summary"
-                grep -E 'Duration|DRAM Throughput|Warp Cycles Per Issued' "$LOGS/src-$k.log" >> "$summary"
-                "$NCU" -i "$LOGS/src-$k.ncu-rep" --page source --csv --print-source sass \
-                    > "$LOGS/src-$k.csv" 2> "$LOGS/src-$k.err"
-                echo "sass rows: $(wc -l < "$LOGS/src-$k.csv") (rc=$?)" >> "$summary"
-                rm -f "$LOGS/src-$k.ncu-rep"
-            done ;;
         prefill)   # the prefill-attention kernels: their GPU tests, then whole steps and one layer
             timeout 300 "$PD/t/cuda_kernels" --ignored --test-threads=1 --nocapture prefill_ \
                 wgmma_descriptors > "$LOGS/prefill-tests.log" 2>&1

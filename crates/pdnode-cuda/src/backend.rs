@@ -498,7 +498,6 @@ impl CudaBackend {
         // small decode steps: the four linears stream their weights (gemv_stream), the norms
         // before qkv and gate_up inside them
         let stream = self.streams_step(t);
-        let chain = stream && self.chains_step(t);
         let tune = self.opts.fusion.stream_tune();
         let norm_x = |nw| ops::StreamX::Norm {
             resid: &ws.resid,
@@ -507,8 +506,7 @@ impl CudaBackend {
         };
         let mut normed = false;
         for (li, l) in w.layers.iter().enumerate() {
-            // chained: this layer's qkv ran at the end of the previous layer's chain
-            if stream && !(chain && li > 0) {
+            if stream {
                 let x = norm_x(&l.attn_norm);
                 ops::gemv_stream(
                     g,
@@ -522,7 +520,7 @@ impl CudaBackend {
                     tune,
                 )?;
                 mark("attn_norm+qkv")?;
-            } else if !stream {
+            } else {
                 if !normed {
                     rmsnorm(&l.attn_norm)?;
                     mark("attn_norm")?;
@@ -602,56 +600,6 @@ impl CudaBackend {
                     s.attention_window(li).unwrap_or(0),
                 )?;
                 mark("prefill_attention")?;
-            }
-            if chain {
-                let acc = ops::StreamOut::F32Acc;
-                let ph = |units, inp, w, x, y, out| ops::ChainPhase {
-                    units,
-                    inp,
-                    w,
-                    x,
-                    y,
-                    out,
-                };
-                let mut phases = vec![
-                    ph(h, qd, &l.wo, ops::StreamX::Bf16(&ws.attn), &ws.resid, acc),
-                    ph(
-                        inter,
-                        h,
-                        &l.w_gate_up,
-                        norm_x(&l.mlp_norm),
-                        &ws.act,
-                        ops::StreamOut::Glu,
-                    ),
-                    ph(
-                        h,
-                        inter,
-                        &l.w_down,
-                        ops::StreamX::Bf16(&ws.act),
-                        &ws.resid,
-                        acc,
-                    ),
-                ];
-                if let Some(next) = w.layers.get(li + 1) {
-                    let x = norm_x(&next.attn_norm);
-                    phases.push(ph(
-                        qd + 2 * kvd,
-                        h,
-                        &next.wqkv,
-                        x,
-                        &ws.qkv,
-                        ops::StreamOut::Bf16,
-                    ));
-                }
-                // stream_chain 2: stages of the largest unit only (more, smaller stages)
-                let min_stage = if self.opts.fusion.stream_chain == 2 {
-                    0
-                } else {
-                    32 << 10
-                };
-                ops::gemv_chain_stages(g, &phases, &ws.chain_sync, min_stage)?;
-                mark("o_proj+mlp+next_qkv")?;
-                continue;
             }
             if stream {
                 let acc = ops::StreamOut::F32Acc;
@@ -775,27 +723,6 @@ impl CudaBackend {
                 .into_iter()
                 .all(aligned)
             })
-    }
-
-    /// Whether a streaming step of `tokens` rows ([`Self::streams_step`]) chains each layer's
-    /// o, gate_up, down and the next qkv into one [`ops::gemv_chain`] launch:
-    /// [`ops::Fusion::stream_chain`] asks for it, one row, the GPU has the kernel and a plan.
-    pub fn chains_step(&self, tokens: usize) -> bool {
-        let s = &self.spec;
-        let (h, qd, kvd, i) = (s.hidden_size, s.q_dim(), s.kv_dim(), s.intermediate_size);
-        let acc = ops::StreamOut::F32Acc;
-        let phases = [
-            (h, qd, acc),
-            (i, h, ops::StreamOut::Glu),
-            (h, i, acc),
-            (qd + 2 * kvd, h, ops::StreamOut::Bf16),
-        ];
-        tokens == 1
-            && (1..=2).contains(&self.opts.fusion.stream_chain)
-            && self.gpu.has_kernel("gemv_chain_t1")
-            && self.streams_step(tokens)
-            && ops::chain_plan(self.gpu.sm_count as usize, &phases).is_some()
-            && ops::chain_plan(self.gpu.sm_count as usize, &phases[..3]).is_some()
     }
 
     /// The final norm of the rows that want logits and the lm_head into `ws.logits`.

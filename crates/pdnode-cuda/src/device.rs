@@ -94,7 +94,7 @@ impl Drop for Pinned {
     }
 }
 
-/// Compiles (for sm_90a) and loads the wgmma program's entry points. The streaming GEMVs (and chains) get
+/// Compiles (for sm_90a) and loads the wgmma program's entry points. The streaming GEMVs get
 /// their shared-memory limit here, once (`ops::gemv_stream` launches them without a driver call
 /// of its own: decode steps run them eagerly too).
 fn load_wgmma(ctx: &Arc<CudaContext>) -> Result<Vec<(&'static str, CudaFunction)>, CudaError> {
@@ -107,7 +107,7 @@ fn load_wgmma(ctx: &Arc<CudaContext>) -> Result<Vec<(&'static str, CudaFunction)
             let f = module
                 .load_function(name)
                 .map_err(drv("cuModuleGetFunction"))?;
-            if name.starts_with("gemv_stream_") || name.starts_with("gemv_chain_") {
+            if name.starts_with("gemv_stream_") {
                 crate::ops::prefer_shared_memory(&f, crate::ops::STREAM_SMEM_MAX)?;
             }
             Ok((name, f))

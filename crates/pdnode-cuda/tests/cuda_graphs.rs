@@ -857,39 +857,3 @@ fn streaming_decode_steps_match() {
     streaming_steps_match(&tiny_spec(false, false), "tiny-llama");
     streaming_steps_match(&wide_spec(), "llama-hd128");
 }
-
-/// One-row decode steps with each layer's o, gate_up, down and the next qkv chained into one
-/// launch (`Fusion::stream_chain`, a grid barrier between them) against the same steps with
-/// four streaming launches a layer: logits and KV bit-identical, eager and replayed, with the
-/// default small-step PDL on all three backends.
-fn chained_steps_match(spec: &ModelSpec, name: &str) {
-    use pdnode_cuda::ops::Fusion;
-    let mut rng = rng(name);
-    let w = tiny_weights(spec, &mut rng);
-    let mut bes: [CudaBackend; 3] =
-        std::array::from_fn(|_| CudaBackend::new(spec, &w, &opts(1, true), "test".into()).unwrap());
-    let streamed = Fusion {
-        stream_max_tokens: 1,
-        ..Default::default()
-    };
-    for be in bes.iter_mut() {
-        be.set_fusion(streamed);
-    }
-    bes[1].set_fusion(Fusion {
-        stream_chain: 1,
-        ..streamed
-    });
-    if !bes[1].chains_step(1) {
-        println!("GRAPH chained {name}: SKIP (no gemv_chain on this GPU)");
-        return;
-    }
-    assert!(!bes[0].chains_step(1) && !bes[1].chains_step(2));
-    variant_matches_plain(spec, name, "chained o/MLP/qkv launches", &mut rng, &mut bes);
-}
-
-#[test]
-#[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
-fn chained_decode_steps_match_streamed() {
-    chained_steps_match(&tiny_spec(false, false), "tiny-llama");
-    chained_steps_match(&wide_spec(), "llama-hd128");
-}

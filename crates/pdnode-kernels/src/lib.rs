@@ -144,10 +144,9 @@ pub fn ptx_for(arch: &str) -> Result<cudarc::nvrtc::Ptx, KernelError> {
 }
 
 /// The sources of the Hopper-only program (wgmma), compiled for `compute_90a`: the helpers of
-/// common.cuh and prefill_flash.cu, then prefill_flash_wg.cu and the decode GEMVs that stream their
-/// weights by bulk copies (gemv_stream.cu, which uses the mbarrier helpers of the file before it,
-/// and gemv_chain.cu, several of them in one launch).
-pub const WGMMA_SOURCES: [(&str, &str); 5] = [
+/// common.cuh and prefill_flash.cu, then prefill_flash_wg.cu and the decode GEMV that streams its
+/// weights by bulk copies (gemv_stream.cu, which uses the mbarrier helpers of the file before it).
+pub const WGMMA_SOURCES: [(&str, &str); 4] = [
     ("common.cuh", include_str!("../kernels/common.cuh")),
     (
         "prefill_flash.cu",
@@ -158,18 +157,16 @@ pub const WGMMA_SOURCES: [(&str, &str); 5] = [
         include_str!("../kernels/prefill_flash_wg.cu"),
     ),
     ("gemv_stream.cu", include_str!("../kernels/gemv_stream.cu")),
-    ("gemv_chain.cu", include_str!("../kernels/gemv_chain.cu")),
 ];
 
 /// Entry points of [`WGMMA_SOURCES`] the backend loads on a compute capability 9.0 device.
-pub const WGMMA_KERNEL_NAMES: [&str; 7] = [
+pub const WGMMA_KERNEL_NAMES: [&str; 6] = [
     "flash_prefill_hd128_wg",
     "flash_prefill_hd128_ws",
     "wgmma_probe",
     "gemv_stream_t1",
     "gemv_stream_t2",
     "gemv_stream_t4",
-    "gemv_chain_t1",
 ];
 
 /// The architecture [`ptx_for_wgmma`] compiles for: wgmma exists only on `sm_90a`.

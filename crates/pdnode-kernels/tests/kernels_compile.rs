@@ -154,8 +154,8 @@ fn wgmma_kernels_compile_for_sm90a() {
     assert!(ptx.contains(".target sm_90a"));
     let (stream, rest): (Vec<&str>, Vec<&str>) = WGMMA_KERNEL_NAMES
         .iter()
-        .partition(|k| k.starts_with("gemv_stream_") || k.starts_with("gemv_chain_"));
-    assert_eq!(stream.len(), 4, "gemv_stream_t1/t2/t4, gemv_chain_t1");
+        .partition(|k| k.starts_with("gemv_stream_"));
+    assert_eq!(stream.len(), 3, "gemv_stream_t1/t2/t4");
     let bad = pdl_violations(&ptx, &rest);
     assert!(bad.is_empty(), "wgmma kernels unsafe under PDL: {bad:?}");
     let bad = early_weight_violations(&ptx, &stream);
@@ -165,7 +165,7 @@ fn wgmma_kernels_compile_for_sm90a() {
     );
 }
 
-/// The gemv_stream / gemv_chain kernels issue their first weight copies before `griddepcontrol.wait` (weights
+/// The gemv_stream kernels issue their first weight copies before `griddepcontrol.wait` (weights
 /// are no kernel's output): before the wait, the only memory instructions allowed are those
 /// bulk copies (global -> shared), L2 prefetches of weights and shared-memory ones (barrier
 /// setup); any other global access there, or a missing wait or trigger, is a violation.

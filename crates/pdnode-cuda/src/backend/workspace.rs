@@ -19,7 +19,6 @@ pub(super) struct Workspace {
     pub(super) part_acc: DevBuf,
     pub(super) meta: DevBuf,
     pub(super) ticket: DevBuf, // u32, 0 between launches: the fused linear + RMSNorm's block counter
-    pub(super) chain_sync: DevBuf, // u32 [2], 0 at start: gemv_chain's grid barrier
 }
 
 const ATTN_WS_BYTES: usize = 64 << 20;
@@ -46,11 +45,6 @@ impl Workspace {
                 gpu.memset(&b, 0)?;
                 b
             },
-            chain_sync: {
-                let b = gpu.alloc(256)?;
-                gpu.memset(&b, 0)?;
-                b
-            },
         })
     }
 
@@ -69,7 +63,6 @@ impl Workspace {
             &self.part_acc,
             &self.meta,
             &self.ticket,
-            &self.chain_sync,
         ]
         .iter()
         .map(|b| b.bytes())

@@ -373,11 +373,6 @@ pub struct Fusion {
     /// Rows a [`gemv_stream`] producer of the decode step prefetches into L2 ahead of their
     /// copy, beyond its shared-memory ring (0: none). Not a config key (a launch knob).
     pub stream_l2_ahead: usize,
-    /// 1: a streaming decode step of one row runs each layer's o, gate_up and down and the next
-    /// layer's qkv as one [`gemv_chain`] launch (one ring of weights across the four, a grid
-    /// barrier between them) instead of four [`gemv_stream`] launches; 2: the same with stages
-    /// of the largest unit ([`chain_plan_stages`]); 0: off. Not a config key (a kernel choice).
-    pub stream_chain: usize,
 }
 
 impl Fusion {
@@ -400,7 +395,6 @@ impl Default for Fusion {
             stream_max_tokens: 1,
             stream_smem_kib: 0,
             stream_l2_ahead: 0,
-            stream_chain: 0,
         }
     }
 }
@@ -415,7 +409,6 @@ impl Fusion {
         stream_max_tokens: 0,
         stream_smem_kib: 0,
         stream_l2_ahead: 0,
-        stream_chain: 0,
     };
 }
 

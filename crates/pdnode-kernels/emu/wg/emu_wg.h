@@ -331,17 +331,3 @@ static inline void gs_bulk_load(unsigned dst, const void* src, unsigned bytes, u
 static inline void gs_prefetch_l2(const void*, unsigned bytes) {
     if (bytes & 15) { fprintf(stderr, "EMU: L2 prefetch not a multiple of 16 bytes\n"); exit(3); }
 }
-
-//@@ REGION chain
-// gemv_chain.cu's PTX region: the grid barrier (the emulator runs blocks one after another, so
-// only a grid of one block can pass it) and the L2 loads (plain loads here).
-static unsigned g_chain_syncs = 0;
-static inline void gc_grid_sync(unsigned* sync, int nblocks) {
-    const unsigned g = sync[1];
-    if (++sync[0] == (unsigned)nblocks) { sync[0] = 0; sync[1]++; g_progress++; g_chain_syncs++; return; }
-    long seen = -1, idle = 0;
-    while (sync[1] == g) emu_spin(seen, idle);
-}
-static inline float4 gc_ldcg4(const float* p) { float4 v; memcpy(&v, p, 16); return v; }
-static inline uint4 gc_ldcg16(const void* p) { uint4 v; memcpy(&v, p, 16); return v; }
-static inline float gc_ldcg(const float* p) { return *p; }

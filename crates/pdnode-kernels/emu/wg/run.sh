@@ -9,9 +9,7 @@
 # boxes from the emulator's own tensor map, 1-d bulk copies), and runs main.cpp: GQA, block sizes
 # 4-256 (the ws kernel from 8), cached prefixes, windows, NaN in the pool past each context,
 # against an f64 reference; gemv_stream at 1-4 tokens, every output mode, x given or normed
-# in the kernel, fewer and more stages than consumer warps; gemv_chain's o -> gate_up -> down ->
-# qkv phases in one block (the emulator runs blocks one after another: no grid barrier across
-# blocks). Two modes: copies landing as late as a waiter needs them (deferred), and at once
+# in the kernel, fewer and more stages than consumer warps. Two modes: copies landing as late as a waiter needs them (deferred), and at once
 # (EMU_SYNC=1). Not modelled: the register pool setmaxnreg draws on. Needs g++ (C++17).
 # Usage: crates/pdnode-kernels/emu/wg/run.sh   (about a minute)
 set -euo pipefail
@@ -25,8 +23,7 @@ K, out, prelude, emu = sys.argv[1:5]
 e = open(emu).read()
 head, rest = e.split("//@@ REGION wgmma\n")
 reg_wgmma, rest = rest.split("//@@ REGION ws\n")
-reg_ws, rest = rest.split("//@@ REGION gemv\n")
-reg_gemv, reg_chain = rest.split("//@@ REGION chain\n")
+reg_ws, reg_gemv = rest.split("//@@ REGION gemv\n")
 wg = open(K + "/prefill_flash_wg.cu").read()
 parts = wg.split("// PTX-BEGIN")
 assert len(parts) == 3, "prefill_flash_wg.cu: expected two PTX regions"
@@ -46,10 +43,6 @@ gs = open(K + "/gemv_stream.cu").read()
 gparts = gs.split("// PTX-BEGIN")
 assert len(gparts) == 2, "gemv_stream.cu: expected one PTX region"
 wg += gparts[0] + reg_gemv + tail(gparts[1])
-gc = open(K + "/gemv_chain.cu").read()
-cparts = gc.split("// PTX-BEGIN")
-assert len(cparts) == 2, "gemv_chain.cu: expected one PTX region"
-wg += cparts[0] + reg_chain + tail(cparts[1])
 import re
 assert not re.search(r"\basm\s*(volatile\s*)?\(", wg), "inline PTX outside the PTX regions"
 src = "#define __CUDA_ARCH_FEAT_SM90_ALL 1\n#include \"%s\"\n" % prelude

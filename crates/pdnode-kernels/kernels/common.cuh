@@ -46,6 +46,33 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// Two bf16 (low, high) in one 32-bit word.
+__device__ __forceinline__ unsigned int pack_bf16x2(float lo, float hi) {
+    return (unsigned int)f2bf(lo) | ((unsigned int)f2bf(hi) << 16);
+}
+
+// float4 words of a row each thread of add_rmsnorm_v4 holds in registers: rows of up to
+// 4 * RMS_V4_MAX * 512 floats (16384) fit one block (the wrapper caps blocks at 512 threads:
+// the row lives in registers, 1024 threads of it exceed a block's register file).
+#define RMS_V4_MAX 8
+
+// add_rmsnorm_v4's per-thread arithmetic, shared with the streaming GEMV's norm inside its kernel
+// (gemv_stream.cu), whose x must be the same bits: a thread's sum of squares over its
+// RMS_V4_MAX float4 words, and one word's normalized bf16 values as two packed words.
+__device__ __forceinline__ float rms_v4_sumsq(const float4* v) {
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < RMS_V4_MAX; ++j)
+        ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+    return ss;
+}
+__device__ __forceinline__ unsigned int rms_v4_lo(float4 v, float inv, float4 w) {
+    return pack_bf16x2(v.x * inv * w.x, v.y * inv * w.y);
+}
+__device__ __forceinline__ unsigned int rms_v4_hi(float4 v, float inv, float4 w) {
+    return pack_bf16x2(v.z * inv * w.z, v.w * inv * w.w);
+}
+
 // Sum over the whole block (blockDim.x a multiple of 32, at most 1024). `sh` holds 33 floats.
 __device__ float block_sum(float v, float* sh) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;

@@ -1,10 +1,5 @@
 // Embedding gather, RMSNorm, SwiGLU, dummy-weight fill.
 
-// Two bf16 (low, high) in one 32-bit word.
-__device__ __forceinline__ unsigned int pack_bf16x2(float lo, float hi) {
-    return (unsigned int)f2bf(lo) | ((unsigned int)f2bf(hi) << 16);
-}
-
 // resid[t, :] = table[ids[t], :] (bf16 -> f32). grid: T, block: 256.
 extern "C" __global__ void embed_gather(const bf16_t* __restrict__ table,
                                         const unsigned int* __restrict__ ids,
@@ -43,11 +38,6 @@ extern "C" __global__ void add_rmsnorm(float* __restrict__ resid, const float* _
     bf16_t* o = out + r * hidden;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) o[i] = f2bf(x[i] * inv * w[i]);
 }
-
-// float4 words of a row each thread of add_rmsnorm_v4 holds in registers: rows of up to
-// 4 * RMS_V4_MAX * 512 floats (16384) fit one block (the wrapper caps blocks at 512 threads:
-// the row lives in registers, 1024 threads of it exceed a block's register file).
-#define RMS_V4_MAX 8
 
 // add_rmsnorm in one pass over memory: hidden % 4 == 0, resid, delta and w 16-byte aligned, out
 // 8-byte aligned, hidden / 4 <= RMS_V4_MAX * blockDim.x (the wrapper checks all of it, else runs
@@ -90,10 +80,7 @@ extern "C" __global__ void add_rmsnorm_v4(float* __restrict__ resid, const float
             if (c < n4) x[c] = v[j];
         }
     }
-    float ss = 0.f;
-#pragma unroll
-    for (int j = 0; j < RMS_V4_MAX; ++j)
-        ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+    const float ss = rms_v4_sumsq(v);
     const float inv = rsqrtf(block_sum(ss, sh) / (float)hidden + eps);
     const float4* w4 = (const float4*)w;
     uint2* o = (uint2*)(out + r * hidden);
@@ -103,8 +90,8 @@ extern "C" __global__ void add_rmsnorm_v4(float* __restrict__ resid, const float
         if (c < n4) {
             const float4 ww = w4[c];
             uint2 p;
-            p.x = pack_bf16x2(v[j].x * inv * ww.x, v[j].y * inv * ww.y);
-            p.y = pack_bf16x2(v[j].z * inv * ww.z, v[j].w * inv * ww.w);
+            p.x = rms_v4_lo(v[j], inv, ww);
+            p.y = rms_v4_hi(v[j], inv, ww);
             o[c] = p;
         }
     }

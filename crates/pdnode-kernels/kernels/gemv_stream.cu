@@ -17,9 +17,10 @@
 // x: bf16 [T, in] copied into shared memory, or (norm_w != 0) the RMSNorm of the f32 residual
 // rows resid[t] computed into shared memory as add_rmsnorm_v4 computes it with `norm_threads`
 // threads (its launch's block for this width, <= 256): the same float4 words a thread, the same
-// sums, the same expressions, so x is bit for bit add_rmsnorm_v4's output and the separate norm
-// launch goes away. GS_F32_ACC reads the block's y values into shared memory up front, so no row
-// waits on a global load before its store.
+// sums, the same expressions (common.cuh's rms_v4_* helpers, which both use), so x is bit for
+// bit add_rmsnorm_v4's output and the separate norm launch goes away. GS_F32_ACC reads the
+// block's y values into shared memory up front, so no row waits on a global load before its
+// store.
 //
 // ahead > 0: the producer also prefetches into L2 the rows `ahead` units before their copy
 // (cp.async.bulk.prefetch.L2), more bytes in flight than the shared-memory ring holds.
@@ -39,13 +40,6 @@
 #define GS_F32 1
 #define GS_F32_ACC 2
 #define GS_GLU 3
-// float4 words of a row a norm thread holds: elementwise.cu's RMS_V4_MAX (that file is not part
-// of this program; the wrapper passes add_rmsnorm_v4's block for the width, which assumes 8)
-#define GS_NORM_WORDS 8
-
-__device__ __forceinline__ unsigned int gs_pack_bf16x2(float lo, float hi) {
-    return (unsigned int)f2bf(lo) | ((unsigned int)f2bf(hi) << 16);
-}
 
 // PTX-BEGIN: the bulk copy
 
@@ -129,18 +123,15 @@ __device__ __forceinline__ void gemv_stream_impl(const bf16_t* __restrict__ w,
         const int n4 = in >> 2, nwn = norm_threads >> 5;
         for (int t = 0; t < T; t++) {
             const float4* xr = (const float4*)(resid + (i64)t * in);
-            float4 v[GS_NORM_WORDS];
+            float4 v[RMS_V4_MAX];
             float ss = 0.f;
             if (tid < norm_threads) {
 #pragma unroll
-                for (int j = 0; j < GS_NORM_WORDS; ++j) {
+                for (int j = 0; j < RMS_V4_MAX; ++j) {
                     const int c = j * norm_threads + tid;
                     v[j] = c < n4 ? xr[c] : make_float4(0.f, 0.f, 0.f, 0.f);
                 }
-#pragma unroll
-                for (int j = 0; j < GS_NORM_WORDS; ++j)
-                    ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
-                ss = warp_sum(ss);
+                ss = warp_sum(rms_v4_sumsq(v));
                 if (lane == 0) red[warp] = ss;
             }
             ws_turn_wait(0);  // the 256 consumer threads
@@ -151,13 +142,13 @@ __device__ __forceinline__ void gemv_stream_impl(const bf16_t* __restrict__ w,
                 const float4* w4 = (const float4*)norm_w;
                 uint2* o = (uint2*)(xs + (i64)t * in);
 #pragma unroll
-                for (int j = 0; j < GS_NORM_WORDS; ++j) {
+                for (int j = 0; j < RMS_V4_MAX; ++j) {
                     const int c = j * norm_threads + tid;
                     if (c < n4) {
                         const float4 ww = w4[c];
                         uint2 p;
-                        p.x = gs_pack_bf16x2(v[j].x * inv * ww.x, v[j].y * inv * ww.y);
-                        p.y = gs_pack_bf16x2(v[j].z * inv * ww.z, v[j].w * inv * ww.w);
+                        p.x = rms_v4_lo(v[j], inv, ww);
+                        p.y = rms_v4_hi(v[j], inv, ww);
                         o[c] = p;
                     }
                 }

@@ -110,18 +110,23 @@ fn every_kernel_waits_on_the_previous_grid_before_touching_memory() {
     );
 }
 
+/// The opcodes of entry `k`'s body in `ptx`, in text order, or `None` without that entry.
+fn entry_ops<'a>(ptx: &'a str, k: &str) -> Option<Vec<&'a str>> {
+    let at = ptx.find(&format!(".entry {k}("))?;
+    let body = &ptx[at..];
+    let body = &body[..body[1..].find(".entry ").map_or(body.len(), |e| e + 1)];
+    Some(body.lines().skip(1).filter_map(opcode).collect())
+}
+
 /// Entries of `names` in `ptx` that touch memory before `griddepcontrol.wait` or lack the wait or
 /// the trigger (each as a line saying what).
 fn pdl_violations(ptx: &str, names: &[&str]) -> Vec<String> {
     let mut bad = Vec::new();
     for k in names {
-        let Some(at) = ptx.find(&format!(".entry {k}(")) else {
+        let Some(ops) = entry_ops(ptx, k) else {
             bad.push(format!("{k}: no entry"));
             continue;
         };
-        let body = &ptx[at..];
-        let body = &body[..body[1..].find(".entry ").map_or(body.len(), |e| e + 1)];
-        let ops: Vec<&str> = body.lines().skip(1).filter_map(opcode).collect();
         let wait = ops.iter().position(|o| *o == "griddepcontrol.wait");
         let trigger = ops
             .iter()
@@ -172,13 +177,10 @@ fn wgmma_kernels_compile_for_sm90a() {
 fn early_weight_violations(ptx: &str, names: &[&str]) -> Vec<String> {
     let mut bad = Vec::new();
     for k in names {
-        let Some(at) = ptx.find(&format!(".entry {k}(")) else {
+        let Some(ops) = entry_ops(ptx, k) else {
             bad.push(format!("{k}: no entry"));
             continue;
         };
-        let body = &ptx[at..];
-        let body = &body[..body[1..].find(".entry ").map_or(body.len(), |e| e + 1)];
-        let ops: Vec<&str> = body.lines().skip(1).filter_map(opcode).collect();
         let Some(wait) = ops.iter().position(|o| *o == "griddepcontrol.wait") else {
             bad.push(format!("{k}: no griddepcontrol.wait"));
             continue;

@@ -178,7 +178,7 @@ static void case_stream(int MT, int T, int units, int in, int grid, int stages, 
     for (auto& v : resid) v = U(3.f);
     for (auto& v : nw) v = 0.5f + U(0.5f);
     const float eps = 1e-5f;
-    int norm_threads = ((in / 4 + GS_NORM_WORDS - 1) / GS_NORM_WORDS + 31) / 32 * 32;
+    int norm_threads = ((in / 4 + RMS_V4_MAX - 1) / RMS_V4_MAX + 31) / 32 * 32;
     if (norm) {
         for (int t = 0; t < T; t++) {
             double ss = 0;

@@ -16,7 +16,6 @@ static T emu_exchange(T v, int src) {
     return r;
 }
 static double __shfl_xor_sync(unsigned, double v, int o) { return emu_exchange(v, (g_cur % 32) ^ o); }
-static int __shfl_xor_sync(unsigned, int v, int o) { return emu_exchange(v, (g_cur % 32) ^ o); }
 static unsigned __shfl_up_sync(unsigned, unsigned v, int d) { return emu_exchange(v, g_cur % 32 - d); }
 static double __shfl_up_sync(unsigned, double v, int d) { return emu_exchange(v, g_cur % 32 - d); }
 static float __shfl_down_sync(unsigned, float v, int d) {

@@ -24,6 +24,10 @@
 #   stream-ncu     ncu (--clock-control none) on the gemv_stream_t1 launches of bench_linear_stream
 #                  at one token (duration, DRAM throughput, warp states), then the eager op
 #                  breakdown of a 1x512 step with streaming on (PDNODE_BENCH_FUSION=s8n0w8p4g1)
+#   trace          one graph-replayed decode step from inside the GPU (bench_decode_trace: the
+#                  traced kernel builds record each block's arrival, release and return) at
+#                  TRACE_STEPS (default 1x512) for each of TRACE_VARIANTS (default "default"),
+#                  then bench_decode_step_variants of the same variants untraced
 #   prefill-src    ncu's warp stall sampling per SASS instruction of one 8192-token launch of each
 #                  NCU_KERNELS kernel, as CSV (src-<kernel>.csv in the logs)
 #   transfer-exp   scripts/gpu/transfer.sh exp (UCX variants, isolated ucx_perftest puts)
@@ -116,6 +120,19 @@ for part in "$@"; do
                 bench_decode_step_variants > "$LOGS/stream-steps.log" 2>&1
             echo "## bench_decode_step_variants (rc=$?)" >> "$summary"
             grep -E '^ceilings|^\|' "$LOGS/stream-steps.log" >> "$summary" ;;
+        trace)   # a replayed decode step's launches as they overlap, per variant
+            for v in $(echo "${TRACE_VARIANTS:-default}" | tr ',' ' '); do
+                PDNODE_BENCH_STEPS=${TRACE_STEPS:-1x512} PDNODE_BENCH_STEP_VARIANTS=$v \
+                    timeout 200 "$PD/t/cuda_bench" --ignored --nocapture --test-threads=1 --exact \
+                    bench_decode_trace > "$LOGS/trace-${v//\//_}.log" 2>&1
+                echo "## bench_decode_trace $v (rc=$?)" >> "$summary"
+                grep -E '^traced|^\||panicked' "$LOGS/trace-${v//\//_}.log" >> "$summary"
+            done
+            PDNODE_BENCH_STEPS=${TRACE_STEPS:-1x512} PDNODE_BENCH_STEP_VARIANTS=${TRACE_VARIANTS:-default} \
+                timeout 300 "$PD/t/cuda_bench" --ignored --nocapture --test-threads=1 --exact \
+                bench_decode_step_variants > "$LOGS/trace-steps.log" 2>&1
+            echo "## bench_decode_step_variants, untraced (rc=$?)" >> "$summary"
+            grep -E '^ceilings|^\|' "$LOGS/trace-steps.log" >> "$summary" ;;
         stream-ncu)   # where a streaming GEMV's time goes, alone and in an eager step
             PDNODE_BENCH_LINEAR_TOKENS=1 PDNODE_BENCH_ITERS=3 timeout 300 \
                 "$NCU" --clock-control none -k "regex:^gemv_stream_t1\$" -c 24 --section SpeedOfLight \

@@ -24,11 +24,13 @@ mod decode_ops;
 mod fusion_sweep;
 mod linear;
 mod mla;
+mod step_trace;
 pub mod tp;
 pub use decode_ops::*;
 pub use fusion_sweep::*;
 pub use linear::*;
 pub use mla::run_mla;
+pub use step_trace::*;
 
 pub use pdnode_engine::loader::dummy::llama31_8b;
 

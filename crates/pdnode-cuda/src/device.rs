@@ -5,8 +5,10 @@
 //! be exported over CUDA IPC, and kernels take raw device pointers (`u64`).
 
 use super::{CudaError, drv, launch};
-use cudarc::driver::{CudaContext, CudaFunction, CudaStream, result};
-use pdnode_kernels::{KERNEL_NAMES, WGMMA_KERNEL_NAMES, ptx_for, ptx_for_wgmma};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, result};
+use pdnode_kernels::{
+    KERNEL_NAMES, WGMMA_KERNEL_NAMES, ptx_for, ptx_for_wgmma, ptx_for_wgmma_traced, ptx_traced,
+};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -97,11 +99,18 @@ impl Drop for Pinned {
 /// Compiles (for sm_90a) and loads the wgmma program's entry points. The streaming GEMVs get
 /// their shared-memory limit here, once (`ops::gemv_stream` launches them without a driver call
 /// of its own: decode steps run them eagerly too).
-fn load_wgmma(ctx: &Arc<CudaContext>) -> Result<Vec<(&'static str, CudaFunction)>, CudaError> {
+type Loaded = (Arc<CudaModule>, Vec<(&'static str, CudaFunction)>);
+
+fn load_wgmma(ctx: &Arc<CudaContext>) -> Result<Loaded, CudaError> {
+    let ptx = if crate::trace::kernels_traced() {
+        ptx_for_wgmma_traced()?
+    } else {
+        ptx_for_wgmma()?
+    };
     let module = ctx
-        .load_module(ptx_for_wgmma()?)
+        .load_module(ptx)
         .map_err(drv("cuModuleLoadData (wgmma)"))?;
-    WGMMA_KERNEL_NAMES
+    let fs = WGMMA_KERNEL_NAMES
         .iter()
         .map(|&name| {
             let f = module
@@ -112,7 +121,8 @@ fn load_wgmma(ctx: &Arc<CudaContext>) -> Result<Vec<(&'static str, CudaFunction)
             }
             Ok((name, f))
         })
-        .collect()
+        .collect::<Result<Vec<_>, CudaError>>()?;
+    Ok((module, fs))
 }
 
 /// One GPU with its stream, cuBLAS handle and kernels.
@@ -122,6 +132,9 @@ pub struct Gpu {
     pub stream: Arc<CudaStream>,
     pub blas: super::blas::Blas,
     kernels: HashMap<&'static str, CudaFunction>,
+    /// The loaded programs (main, then the wgmma one where loaded): [`crate::trace`] reads
+    /// their record buffers.
+    modules: Vec<Arc<CudaModule>>,
     pub compute_capability: (i32, i32),
     pub sm_count: u32,
     /// Launches of our kernels carry the programmatic-dependent-launch attribute
@@ -155,7 +168,12 @@ impl Gpu {
         let sm_count = ctx
             .attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(drv("cuDeviceGetAttribute"))? as u32;
-        let ptx = ptx_for(&format!("compute_{}{}", cc.0, cc.1))?;
+        let arch = format!("compute_{}{}", cc.0, cc.1);
+        let ptx = if crate::trace::kernels_traced() {
+            ptx_traced(&arch)?
+        } else {
+            ptx_for(&arch)?
+        };
         let module = ctx.load_module(ptx).map_err(drv("cuModuleLoadData"))?;
         let mut kernels = HashMap::new();
         for name in KERNEL_NAMES {
@@ -164,11 +182,15 @@ impl Gpu {
                 .map_err(drv("cuModuleGetFunction"))?;
             kernels.insert(name, f);
         }
+        let mut modules = vec![module];
         if cc == (9, 0) {
             // the Hopper-only program (wgmma): without it the prefill attention that would use
             // it runs flashv3, so a failure here is logged, not fatal
             match load_wgmma(&ctx) {
-                Ok(fs) => kernels.extend(fs),
+                Ok((m, fs)) => {
+                    kernels.extend(fs);
+                    modules.push(m);
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "wgmma kernels unavailable (prefill attention runs flashv3)")
                 }
@@ -184,11 +206,17 @@ impl Gpu {
             stream,
             blas,
             kernels,
+            modules,
             compute_capability: cc,
             sm_count,
             pdl,
             pdl_ok,
         })
+    }
+
+    /// The loaded kernel programs (main first).
+    pub(crate) fn modules(&self) -> &[Arc<CudaModule>] {
+        &self.modules
     }
 
     /// Whether our kernel launches on this GPU are programmatic dependent launches.

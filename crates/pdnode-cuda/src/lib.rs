@@ -56,6 +56,7 @@ pub mod prefill;
 pub mod probe;
 mod span_sums;
 pub mod tp;
+pub mod trace;
 pub mod weights;
 
 pub use backend::{CudaBackend, CudaOptions};

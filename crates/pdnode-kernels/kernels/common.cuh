@@ -14,15 +14,67 @@ typedef long long i64;
 // one has started (its own wait still holds it until this grid completes). Both are no-ops for a
 // grid launched without the attribute, and compile to nothing before sm_90.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define PD_GRID_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#define PD_GRID_WAIT_ONLY() asm volatile("griddepcontrol.wait;" ::: "memory")
 #define PD_GRID_LAUNCH_DEPENDENTS() asm volatile("griddepcontrol.launch_dependents;")
 #else
-#define PD_GRID_WAIT() \
-    do {               \
+#define PD_GRID_WAIT_ONLY() \
+    do {                    \
     } while (0)
 #define PD_GRID_LAUNCH_DEPENDENTS() \
     do {                            \
     } while (0)
+#endif
+
+#ifdef PD_TRACE
+// Timeline builds (`pdnode_kernels::ptx_traced`, for `bench_decode_trace` only; never what the
+// backend runs otherwise): PD_GRID_WAIT() also declares a scope whose thread (0, 0, 0) of each
+// block appends one record to this program's `pd_trace_buf` when the function that holds the
+// wait returns: the grid's launch id (%gridid), FNV-1a of that function's name, the SM, the
+// block, and %globaltimer (ns) when it reached the wait, when the wait returned (the previous
+// kernel had completed) and when it returned. Records past PD_TRACE_CAP are dropped (counted).
+#define PD_TRACE_CAP 262144
+#define PD_TRACE_WORDS 5
+__device__ unsigned long long pd_trace_buf[PD_TRACE_CAP * PD_TRACE_WORDS];
+__device__ unsigned int pd_trace_n;
+
+__device__ __forceinline__ unsigned long long pd_trace_now() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+struct PdTraceScope {
+    const char* name;
+    unsigned long long t0, tw;
+    __device__ explicit PdTraceScope(const char* n) : name(n), t0(pd_trace_now()), tw(0) {}
+    __device__ void waited() { tw = pd_trace_now(); }
+    __device__ ~PdTraceScope() {
+        if (threadIdx.x | threadIdx.y | threadIdx.z) return;
+        const unsigned long long t1 = pd_trace_now();
+        unsigned h = 2166136261u;
+        for (const char* c = name; *c; c++) h = (h ^ (unsigned char)*c) * 16777619u;
+        unsigned long long gid;
+        unsigned sm;
+        asm volatile("mov.u64 %0, %%gridid;" : "=l"(gid));
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        const unsigned blk = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+        const unsigned slot = atomicAdd(&pd_trace_n, 1u);
+        if (slot >= PD_TRACE_CAP) return;
+        unsigned long long* r = pd_trace_buf + (unsigned long long)slot * PD_TRACE_WORDS;
+        r[0] = gid;
+        r[1] = ((unsigned long long)h << 32) | ((unsigned long long)(sm & 0xffffu) << 16) |
+               (blk & 0xffffu);
+        r[2] = t0;
+        r[3] = tw;
+        r[4] = t1;
+    }
+};
+#define PD_GRID_WAIT()                               \
+    PdTraceScope pd_trace_scope_(__func__);          \
+    PD_GRID_WAIT_ONLY();                             \
+    pd_trace_scope_.waited()
+#else
+#define PD_GRID_WAIT() PD_GRID_WAIT_ONLY()
 #endif
 
 __device__ __forceinline__ float bf2f(bf16_t x) { return __uint_as_float(((unsigned int)x) << 16); }

@@ -140,7 +140,28 @@ pub fn compile_kernels(arch: &str) -> Result<String, KernelError> {
 /// PTX per target architecture, compiled once per process.
 pub fn ptx_for(arch: &str) -> Result<cudarc::nvrtc::Ptx, KernelError> {
     static CACHE: OnceLock<Mutex<HashMap<String, cudarc::nvrtc::Ptx>>> = OnceLock::new();
-    compile_cached(&CACHE, &SOURCES, arch)
+    compile_cached(&CACHE, &SOURCES, arch, false)
+}
+
+/// As [`ptx_for`] with the timeline records compiled in (`PD_TRACE`, see common.cuh): every
+/// kernel's blocks append (launch, function, SM, block, reached-wait / wait-returned / returned
+/// times) to the program's `pd_trace_buf`. For `bench_decode_trace`; the backend loads it only
+/// where asked to (`pdnode_cuda::device::set_trace_kernels`).
+pub fn ptx_traced(arch: &str) -> Result<cudarc::nvrtc::Ptx, KernelError> {
+    static CACHE: OnceLock<Mutex<HashMap<String, cudarc::nvrtc::Ptx>>> = OnceLock::new();
+    compile_cached(&CACHE, &SOURCES, arch, true)
+}
+
+/// Record slots of a traced program's `pd_trace_buf` (`PD_TRACE_CAP`) and u64 words a record
+/// (`PD_TRACE_WORDS`), as common.cuh defines them.
+pub const TRACE_CAP: usize = 262144;
+pub const TRACE_WORDS: usize = 5;
+
+/// The function-name hash a trace record carries (FNV-1a over the name's bytes, as
+/// `PdTraceScope` computes it from `__func__`).
+pub fn trace_name_hash(name: &str) -> u32 {
+    name.bytes()
+        .fold(2166136261u32, |h, b| (h ^ b as u32).wrapping_mul(16777619))
 }
 
 /// The sources of the Hopper-only program (wgmma), compiled for `compute_90a`: the helpers of
@@ -175,13 +196,20 @@ pub const WGMMA_ARCH: &str = "compute_90a";
 /// PTX of [`WGMMA_SOURCES`] for [`WGMMA_ARCH`], compiled once per process.
 pub fn ptx_for_wgmma() -> Result<cudarc::nvrtc::Ptx, KernelError> {
     static CACHE: OnceLock<Mutex<HashMap<String, cudarc::nvrtc::Ptx>>> = OnceLock::new();
-    compile_cached(&CACHE, &WGMMA_SOURCES, WGMMA_ARCH)
+    compile_cached(&CACHE, &WGMMA_SOURCES, WGMMA_ARCH, false)
+}
+
+/// [`ptx_for_wgmma`] with the timeline records compiled in (see [`ptx_traced`]).
+pub fn ptx_for_wgmma_traced() -> Result<cudarc::nvrtc::Ptx, KernelError> {
+    static CACHE: OnceLock<Mutex<HashMap<String, cudarc::nvrtc::Ptx>>> = OnceLock::new();
+    compile_cached(&CACHE, &WGMMA_SOURCES, WGMMA_ARCH, true)
 }
 
 fn compile_cached(
     cache: &OnceLock<Mutex<HashMap<String, cudarc::nvrtc::Ptx>>>,
     sources: &[(&str, &str)],
     arch: &str,
+    trace: bool,
 ) -> Result<cudarc::nvrtc::Ptx, KernelError> {
     let cache = cache.get_or_init(|| Mutex::new(HashMap::new()));
     let mut guard = cache.lock().map_err(|_| KernelError::CachePoisoned)?;
@@ -193,12 +221,16 @@ fn compile_cached(
         return Err(KernelError::NoNvrtc);
     }
     let src: String = sources.iter().map(|(_, text)| *text).collect();
+    let mut options = vec![
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".into(),
+        "-lineinfo".into(),
+    ];
+    if trace {
+        options.push("-DPD_TRACE".into());
+    }
     let opts = cudarc::nvrtc::CompileOptions {
-        options: vec![
-            format!("--gpu-architecture={arch}"),
-            "--std=c++17".into(),
-            "-lineinfo".into(),
-        ],
+        options,
         ..Default::default()
     };
     let t0 = std::time::Instant::now();

@@ -231,3 +231,39 @@ fn ptx_opcodes_are_read_as_the_pdl_check_expects() {
     assert!(!touches_memory("griddepcontrol.wait"));
     assert!(!touches_memory("mov.u32"));
 }
+
+/// The timeline builds (`PD_TRACE`, `bench_decode_trace`) compile, both programs: every entry the
+/// backend loads reads `%globaltimer` and appends to its program's record buffer, and is still
+/// safe under PDL (the records are written after the wait). The normal builds hold neither.
+#[test]
+fn traced_builds_record_every_kernel() {
+    let lib = preload_nvrtc().unwrap_or_else(|e| panic!("{e}"));
+    let main = pdnode_kernels::ptx_traced("compute_90")
+        .unwrap_or_else(|e| panic!("NVRTC ({}) rejected the traced kernels: {e}", lib.display()))
+        .to_src();
+    let wg = pdnode_kernels::ptx_for_wgmma_traced()
+        .unwrap_or_else(|e| panic!("NVRTC rejected the traced wgmma kernels: {e}"))
+        .to_src();
+    let mut bad = Vec::new();
+    for (ptx, names) in [(&main, &KERNEL_NAMES[..]), (&wg, &WGMMA_KERNEL_NAMES[..])] {
+        for k in names {
+            let Some(at) = ptx.find(&format!(".entry {k}(")) else {
+                bad.push(format!("{k}: no entry"));
+                continue;
+            };
+            let body = &ptx[at..];
+            let body = &body[..body[1..].find(".entry ").map_or(body.len(), |e| e + 1)];
+            if !body.contains("%globaltimer") || !body.contains("pd_trace_n") {
+                bad.push(format!("{k}: no trace record"));
+            }
+        }
+    }
+    assert!(bad.is_empty(), "traced builds: {bad:?}");
+    let pdl = pdl_violations(&main, &KERNEL_NAMES);
+    assert!(pdl.is_empty(), "traced kernels unsafe under PDL: {pdl:?}");
+    let plain = compile_kernels("sm_90").unwrap_or_else(|e| panic!("{e}"));
+    let plain_wg = ptx_for_wgmma().unwrap_or_else(|e| panic!("{e}")).to_src();
+    for p in [&plain, &plain_wg] {
+        assert!(!p.contains("%globaltimer") && !p.contains("pd_trace_buf"));
+    }
+}

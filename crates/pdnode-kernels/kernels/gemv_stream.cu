@@ -24,8 +24,9 @@
 //
 // ctr != 0 (two u32, zero between launches): the tail is shared out at run time. Block b streams
 // the n_static units b * n_static .. (b + 1) * n_static - 1 (its first fill before the wait, as
-// above), then its producer takes units n_static * grid, ... one at a time from ctr[0]
-// (atomicAdd) until none is left, writing each stage's unit into s_unit and, once done, one
+// above), then its producer takes units n_static * grid, ... from ctr[0] (atomicAdd of a chunk
+// of GS_CHUNK_BYTES, two grabs in flight) until none is left, writing each stage's unit into
+// s_unit and, once done, one
 // stage with -1 for each consumer warp (which stops there). A static split left 0.5-8 us between
 // a GEMV's first and last block at 1 x 512 (bench_decode_trace: SMs stream at different rates and
 // start as the previous kernel's blocks leave), with DRAM idling on the early ones. The last
@@ -47,6 +48,7 @@
 #define GS_THREADS (32 * GS_CONSUMERS + 32)
 #define GS_MAX_STAGES 32
 #define GS_HEAD 1024
+#define GS_CHUNK_BYTES 49152  // a grab of the pool (ctr != 0): about an SM's share of 1.5 us
 #define GS_UNIT_OFF 640  // s_unit[GS_MAX_STAGES] in the head: after the barriers and norm partials
 #define GS_BF16 0
 #define GS_F32 1
@@ -69,6 +71,11 @@ __device__ __forceinline__ void gs_bulk_load(unsigned dst, const void* src, unsi
 // without shared memory.
 __device__ __forceinline__ void gs_prefetch_l2(const void* src, unsigned bytes) {
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
+}
+
+// Makes the thread wait for `a` and `b` (e.g. atomics' results) without using them otherwise.
+__device__ __forceinline__ void gs_use(unsigned a, unsigned b) {
+    asm volatile("" ::"r"(a), "r"(b));
 }
 
 // PTX-END
@@ -122,21 +129,42 @@ __device__ __forceinline__ void gemv_stream_impl(const bf16_t* __restrict__ w,
             };
             for (int k = stages; k < nst && k < stages + ahead; k++) prefetch(k);
             const int pool0 = n_static * (int)gridDim.x;
-            // the next pool unit, asked for one unit ahead of its use (the atomic's latency
-            // hides behind a copy)
-            unsigned next = 0;
-            if (dyn && nst == 0) next = atomicAdd(ctr, 1u);
+            // The pool is taken GS_CHUNK_BYTES at a time (chunk units a grab), two grabs in
+            // flight: one unit a grab measured 0.2-0.4 ms slower a step (the atomic's round trip,
+            // 1-2 us under a streaming load, paced each SM's copies).
+            const int chunk = max(1, GS_CHUNK_BYTES / (int)unit_bytes);
+            unsigned qa = 0, qb = 0;  // issued grabs not yet used, oldest first
+            int qn = 0;
+            auto issue = [&] {
+                const unsigned g = atomicAdd(ctr, (unsigned)chunk);
+                if (qn == 0) qa = g; else qb = g;
+                qn++;
+            };
+            int cur = 0, cur_end = 0;  // the pool chunk being copied
+            if (dyn) {  // the grabs due before the first unit (see below)
+                if (nst < 2 * chunk) issue();
+                if (nst < chunk) issue();
+            }
             int k = 0;
             for (;; k++) {
                 int unit;
                 if (k < nst) {
                     if (k >= stages && k + ahead < nst && ahead > 0) prefetch(k + ahead);
                     unit = ubase + k;
-                    if (dyn && k == nst - 1) next = atomicAdd(ctr, 1u);
+                    if (dyn && (k == nst - 2 * chunk || k == nst - chunk)) issue();
                 } else {
-                    if (!dyn || pool0 + (int)next >= units) break;
-                    unit = pool0 + (int)next;
-                    next = atomicAdd(ctr, 1u);
+                    if (!dyn) break;
+                    if (cur == cur_end) {
+                        if (qn == 0) break;
+                        const unsigned g = qa;
+                        qa = qb;
+                        qn--;
+                        if (pool0 + (int)g >= units) break;
+                        cur = pool0 + (int)g;
+                        cur_end = min(cur + chunk, units);
+                        issue();
+                    }
+                    unit = cur++;
                 }
                 const int s = k % stages;
                 if (k >= stages) ws_mbar_wait(empty0 + 8 * s, (unsigned)((k / stages) - 1) & 1u);
@@ -156,6 +184,10 @@ __device__ __forceinline__ void gemv_stream_impl(const bf16_t* __restrict__ w,
                     s_unit[s] = -1;
                     ws_mbar_arrive(full0 + 8 * s);
                 }
+                // every grab of this producer has returned (both values are used: the thread
+                // waits for them) before it counts itself done, so none lands after the reset
+                gs_use(qa, qb);
+                __threadfence();
                 if (atomicAdd(ctr + 1, 1u) == gridDim.x - 1) {  // every producer is done
                     atomicExch(ctr, 0u);
                     atomicExch(ctr + 1, 0u);

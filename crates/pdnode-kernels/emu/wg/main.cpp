@@ -264,6 +264,8 @@ int main() {
     case_stream(1, 1, 600, 64, 3, 32, GS_F32_ACC, false, 0, 25);
     case_stream(2, 1, 300, 64, 7, 16, GS_F32_ACC, true, 2, 20);
     case_stream(1, 1, 9, 64, 9, 2, GS_GLU, false, 0, 50);
+    case_stream(1, 1, 600, 2048, 3, 8, GS_F32_ACC, false, 0, 50);  // chunks of 12 rows
+    case_stream(2, 2, 40, 4096, 3, 8, GS_GLU, true, 0, 100);       // chunks of 3 row pairs
     // (nh, nkv, block size, start, n, window)
     case_attn(2, 1, 16, 0, 1, 0);
     case_attn(2, 2, 16, 63, 1, 0);

@@ -134,7 +134,8 @@ extern "C" __global__ void attention_combine(const float* __restrict__ part_ml,
                                              const float* __restrict__ part_acc,
                                              bf16_t* __restrict__ out, int hd, int nsplit,
                                              const int* __restrict__ tok_list, int nh) {
-    PD_GRID_TRIGGER_FIRST();
+    PD_GRID_WAIT();
+    PD_GRID_LAUNCH_DEPENDENTS();
     const i64 th = tok_list ? (i64)tok_list[blockIdx.x / nh] * nh + blockIdx.x % nh
                             : (i64)blockIdx.x;
     float M = -INFINITY;

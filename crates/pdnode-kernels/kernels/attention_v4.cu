@@ -370,7 +370,7 @@ extern __shared__ __align__(16) unsigned char att4_dsmem[];
         const int* block_tables, int max_blocks, int nh, int nkv, int hd, int block_size,         \
         float scale, int split_len, bf16_t* out, float* part_ml, float* part_acc,                 \
         const int* tok_list, int window) {                                                        \
-        PD_GRID_TRIGGER_FIRST();                                                                  \
+        PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();                                             \
         attn_v4<HD, MG>(q, layer_kv, tok_seq, tok_pos, block_tables, max_blocks, nh, nkv,         \
                         block_size, scale, split_len, out, part_ml, part_acc, tok_list, window,   \
                         att4_dsmem);                                                              \

@@ -25,18 +25,6 @@ typedef long long i64;
     } while (0)
 #endif
 
-// The kernels between a decode step's qkv and o projections (rope_qkv, rope_qkv_v4, the v4
-// paged attention, attention_combine) trigger their dependents first (PD_GRID_TRIGGER_FIRST):
-// those are short and latency-bound, and the trigger is what lets the next kernel's blocks become
-// resident, so with it after the wait the o projection's blocks (gemv_stream, which starts copying
-// its weights before its own wait) arrived only once attention_combine had been released: the
-// kernel timelines of bench_decode_trace showed RoPE, attention and the combine (12 us a layer at
-// 1 x 512) with no weight in flight. Still safe: a dependent's wait returns only when this grid has
-// completed, and this grid completes only after its own wait, i.e. after the grid before it.
-#define PD_GRID_TRIGGER_FIRST() \
-    PD_GRID_LAUNCH_DEPENDENTS(); \
-    PD_GRID_WAIT()
-
 #ifdef PD_TRACE
 // Timeline builds (`pdnode_kernels::ptx_traced`, for `bench_decode_trace` only; never what the
 // backend runs otherwise): PD_GRID_WAIT() also declares a scope whose thread (0, 0, 0) of each

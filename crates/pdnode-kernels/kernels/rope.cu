@@ -12,7 +12,8 @@ extern "C" __global__ void rope_qkv(const bf16_t* __restrict__ qkv, const float*
                                     const i64* __restrict__ slots, bf16_t* __restrict__ q_out,
                                     bf16_t* __restrict__ layer_kv, int nh, int nkv, int hd,
                                     int block_size, float eps) {
-    PD_GRID_TRIGGER_FIRST();
+    PD_GRID_WAIT();
+    PD_GRID_LAUNCH_DEPENDENTS();
     __shared__ float sh[33];
     const i64 t = blockIdx.x;
     const int j = blockIdx.y;
@@ -81,7 +82,8 @@ extern "C" __global__ void rope_qkv_v4(const bf16_t* __restrict__ qkv,
                                        const int* __restrict__ pos, const i64* __restrict__ slots,
                                        bf16_t* __restrict__ q_out, bf16_t* __restrict__ layer_kv,
                                        int nh, int nkv, int hd, int block_size) {
-    PD_GRID_TRIGGER_FIRST();
+    PD_GRID_WAIT();
+    PD_GRID_LAUNCH_DEPENDENTS();
     extern __shared__ float rope_cs[];  // cos [hd / 2], then sin [hd / 2]
     const i64 t = blockIdx.x;
     const int half = hd >> 1, per_head = half >> 2;

@@ -118,16 +118,8 @@ fn entry_ops<'a>(ptx: &'a str, k: &str) -> Option<Vec<&'a str>> {
     Some(body.lines().skip(1).filter_map(opcode).collect())
 }
 
-/// The kernels between a decode step's qkv and o projections, which trigger their dependents
-/// before their wait (PD_GRID_TRIGGER_FIRST in common.cuh, so the o projection's weight copies
-/// start during RoPE and attention); every other kernel triggers after it.
-fn trigger_first(k: &str) -> bool {
-    matches!(k, "rope_qkv" | "rope_qkv_v4" | "attention_combine")
-        || k.starts_with("paged_attention_v4_")
-}
-
-/// Entries of `names` in `ptx` that touch memory before `griddepcontrol.wait`, lack the wait or
-/// the trigger, or put the trigger on the wrong side of the wait (each as a line saying what).
+/// Entries of `names` in `ptx` that touch memory before `griddepcontrol.wait` or lack the wait or
+/// the trigger (each as a line saying what).
 fn pdl_violations(ptx: &str, names: &[&str]) -> Vec<String> {
     let mut bad = Vec::new();
     for k in names {
@@ -143,12 +135,7 @@ fn pdl_violations(ptx: &str, names: &[&str]) -> Vec<String> {
         match (wait, trigger, first_mem) {
             (None, _, _) => bad.push(format!("{k}: no griddepcontrol.wait")),
             (_, None, _) => bad.push(format!("{k}: no griddepcontrol.launch_dependents")),
-            (Some(w), Some(t), _) if t < w && !trigger_first(k) => {
-                bad.push(format!("{k}: trigger before the wait"))
-            }
-            (Some(w), Some(t), _) if t > w && trigger_first(k) => bad.push(format!(
-                "{k}: trigger after the wait (PD_GRID_TRIGGER_FIRST expected)"
-            )),
+            (Some(w), Some(t), _) if t < w => bad.push(format!("{k}: trigger before the wait")),
             (Some(w), _, Some(m)) if m < w => bad.push(format!("{k}: {} before the wait", ops[m])),
             _ => {}
         }

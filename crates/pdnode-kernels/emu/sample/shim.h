@@ -37,11 +37,7 @@ static unsigned __ballot_sync(unsigned, bool p) {
     return r;
 }
 static int __clz(unsigned x) { return x ? __builtin_clz(x) : 32; }
-static unsigned atomicAdd(unsigned* p, unsigned v) {
-    const unsigned o = *p;
-    *p = o + v;
-    return o;
-}
+// atomicAdd(unsigned*): attn/prelude.h
 static double atomicAdd(double* p, double v) {
     const double o = *p;
     *p = o + v;

@@ -105,7 +105,6 @@ pub fn run_attention(
     let ws = AttnWorkspace {
         part_ml: &part_ml,
         part_acc: &part_acc,
-        sem: None,
     };
     let mut rows = Vec::new();
     for &(batch, ctx) in cases {

@@ -477,7 +477,6 @@ impl CudaBackend {
         let attn_ws = AttnWorkspace {
             part_ml: &ws.part_ml,
             part_acc: &ws.part_acc,
-            sem: Some(&ws.attn_sem),
         };
         // the RMSNorm after o_proj / down rides in their launch where linear_rmsnorm can (not
         // with tensor parallelism: the norm must follow the all-reduce)

@@ -451,7 +451,6 @@ fn paged_attention_prefill_chunks_and_split_decode() {
             let ws = AttnWorkspace {
                 part_ml: &ml,
                 part_acc: &acc,
-                sem: None,
             };
             for v in variants {
                 let out = poisoned(&g, t * nh * hd * 2);

@@ -27,13 +27,6 @@
 // partitions for min(ctx, window + TK - 1) keys. A partition without a key in [lo, ctx) writes
 // neutral partials (m = -inf, l = 0, acc = 0) that attention_combine skips; nsplit == 1 writes
 // `out`.
-//
-// sem != 0 (u32 per (grid x, grid y), zero between launches): the partitions of a (token, head
-// group) are merged in this launch: each partition block counts itself done after its partials
-// are out (a fence, then an atomic), and the last one reads the group's partials through L2 and
-// writes `out` with attention_combine's arithmetic (bit for bit its output), then zeroes the
-// count. A decode step at batch 1 loses the combine launch and its wait (2.8 us a layer at
-// 1 x 512 in bench_decode_trace). sem == 0: the partials stay for attention_combine.
 
 #define ATT4_NT 128
 #define ATT4_NW 4
@@ -94,43 +87,6 @@ __device__ __forceinline__ unsigned att4_pack(float lo, float hi) {
     return (unsigned)f2bf(lo) | ((unsigned)f2bf(hi) << 16);
 }
 
-// The last partition block of a (token, head group) of a launch with `sem`: attention_combine's
-// merge of the group's ng heads (th0 = the first head's row) into out. Called by every partition
-// block after its partials are written; returns without merging in all but the last.
-template <int HD>
-__device__ __forceinline__ void att4_merge_last(const float* part_ml, const float* part_acc,
-                                                bf16_t* __restrict__ out, unsigned* sem, i64 th0,
-                                                int ng, int nsplit) {
-    __shared__ int s_last;
-    __threadfence();  // this block's partials before its count
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        unsigned* c = sem + (i64)blockIdx.x * gridDim.y + blockIdx.y;
-        const bool last = atomicAdd(c, 1u) == (unsigned)nsplit - 1;
-        if (last) *c = 0;  // every partition has counted: ready for the next launch
-        s_last = last;
-    }
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();  // the other blocks' partials (read through L2 below)
-    for (int idx = threadIdx.x; idx < ng * HD; idx += ATT4_NT) {
-        const int h = idx / HD, d = idx - h * HD;
-        const i64 th = th0 + h;
-        float M = -INFINITY;
-        for (int z = 0; z < nsplit; z++) M = fmaxf(M, __ldcg(part_ml + (th * nsplit + z) * 2));
-        float L = 0.f, A = 0.f;
-        for (int z = 0; z < nsplit; z++) {
-            const i64 pi = th * nsplit + z;
-            const float mz = __ldcg(part_ml + pi * 2);
-            if (mz == -INFINITY) continue;
-            const float wz = __expf(mz - M);
-            L += __ldcg(part_ml + pi * 2 + 1) * wz;
-            A += __ldcg(part_acc + pi * HD + d) * wz;
-        }
-        out[th * HD + d] = f2bf(L > 0.f ? A / L : 0.f);
-    }
-}
-
 template <int HD, int MG>
 __device__ __forceinline__ void attn_v4(const bf16_t* __restrict__ q,
                                         const bf16_t* __restrict__ layer_kv,
@@ -141,7 +97,7 @@ __device__ __forceinline__ void attn_v4(const bf16_t* __restrict__ q,
                                         int split_len, bf16_t* __restrict__ out,
                                         float* __restrict__ part_ml, float* __restrict__ part_acc,
                                         const int* __restrict__ tok_list, int window,
-                                        unsigned* sem, unsigned char* dsmem) {
+                                        unsigned char* dsmem) {
     constexpr int TK = ATT4_TK, NST = ATT4_NST, NW = ATT4_NW;
     constexpr int NCH = HD / 8;                // 16-byte chunks per K/V row
     constexpr int ROW = HD + 8;                // padded shared-memory row (bf16)
@@ -191,7 +147,6 @@ __device__ __forceinline__ void attn_v4(const bf16_t* __restrict__ q,
                 }
             }
         }
-        if (nsplit > 1 && sem) att4_merge_last<HD>(part_ml, part_acc, out, sem, t * nh + h0, ng, nsplit);
         return;
     }
 
@@ -403,7 +358,6 @@ __device__ __forceinline__ void attn_v4(const bf16_t* __restrict__ q,
             }
         }
     }
-    if (nsplit > 1 && sem) att4_merge_last<HD>(part_ml, part_acc, out, sem, t * nh + h0, ng, nsplit);
 }
 
 extern __shared__ __align__(16) unsigned char att4_dsmem[];
@@ -415,11 +369,11 @@ extern __shared__ __align__(16) unsigned char att4_dsmem[];
         const bf16_t* q, const bf16_t* layer_kv, const int* tok_seq, const int* tok_pos,          \
         const int* block_tables, int max_blocks, int nh, int nkv, int hd, int block_size,         \
         float scale, int split_len, bf16_t* out, float* part_ml, float* part_acc,                 \
-        const int* tok_list, int window, unsigned* sem) {                                         \
+        const int* tok_list, int window) {                                                        \
         PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();                                             \
         attn_v4<HD, MG>(q, layer_kv, tok_seq, tok_pos, block_tables, max_blocks, nh, nkv,         \
                         block_size, scale, split_len, out, part_ml, part_acc, tok_list, window,   \
-                        sem, att4_dsmem);                                                         \
+                        att4_dsmem);                                                              \
     }
 
 // _gN: up to N query heads per block (N = 8 for GQA groups up to 8, else 16: larger groups take

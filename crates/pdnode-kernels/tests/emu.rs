@@ -47,9 +47,7 @@ fn wgmma_prefill_kernels_match_reference_in_the_emulator() {
 }
 
 /// The v4 decode attention kernel (ldmatrix, mma.sync and cp.async emulated) on GQA groups,
-/// head dims, partitions, token lists and block sizes against an f64 reference; where it has
-/// partitions, also merged in the launch (its counters), bit for bit attention_combine's output
-/// with every counter back at zero.
+/// head dims, partitions, token lists and block sizes against an f64 reference.
 #[test]
 fn decode_attention_v4_matches_reference_in_the_emulator() {
     let text = run_emu("attn");

@@ -22,9 +22,6 @@ pub(super) struct Workspace {
     // u32 pairs, 0 between launches: the tail counters of a decode step's streaming GEMVs, one
     // pair a launch (layer * STREAM_CTRS + which)
     pub(super) stream_ctr: DevBuf,
-    // u32 per (token, head), 0 between launches: the v4 attention's partition counters (it
-    // merges its partitions in the launch)
-    pub(super) attn_sem: DevBuf,
 }
 
 /// Streaming GEMV launches a layer of a decode step (qkv, o, gate_up, down), each with its own
@@ -60,11 +57,6 @@ impl Workspace {
                 gpu.memset(&b, 0)?;
                 b
             },
-            attn_sem: {
-                let b = gpu.alloc(t.max(1) * s.num_heads.max(1) * 4)?;
-                gpu.memset(&b, 0)?;
-                b
-            },
         })
     }
 
@@ -84,7 +76,6 @@ impl Workspace {
             &self.meta,
             &self.ticket,
             &self.stream_ctr,
-            &self.attn_sem,
         ]
         .iter()
         .map(|b| b.bytes())

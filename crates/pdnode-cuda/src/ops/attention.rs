@@ -11,11 +11,6 @@ use super::{AttnDims, BF16, F32, cfg, launched, need, shape, u32_of};
 pub struct AttnWorkspace<'a> {
     pub part_ml: &'a DevBuf,
     pub part_acc: &'a DevBuf,
-    /// u32 counters, zero between launches (the kernel leaves them zero), at least one per
-    /// (token, head group) of a launch: with them the v4 kernel merges its partitions in the
-    /// launch (the last partition block of a group, attention_combine's arithmetic) and no
-    /// combine launch follows; `None`, or another kernel, launches `attention_combine`.
-    pub sem: Option<&'a DevBuf>,
 }
 
 /// Which paged-attention kernel to run.
@@ -465,14 +460,6 @@ pub fn paged_attention_ex(
         meta.window as i32
     };
     let list_ptr = list.map_or(0u64, |l| l.0);
-    // v4 merges the partitions itself where it has the counters
-    let sem_ptr = match ws.sem {
-        Some(sem) if variant == AttnVariant::V4 && nsplit > 1 => {
-            need(OP, "sem", sem, grid_tokens * groups * 4)?;
-            sem.ptr()
-        }
-        _ => 0u64,
-    };
     let mut b = gpu.launch_builder(f);
     b.arg(q.ptr_ref())
         .arg(&layer_ptr)
@@ -491,9 +478,6 @@ pub fn paged_attention_ex(
         .arg(ws.part_acc.ptr_ref())
         .arg(&list_ptr)
         .arg(&window_i);
-    if variant == AttnVariant::V4 {
-        b.arg(&sem_ptr);
-    }
     let mut lc = cfg(
         (u32_of(OP, grid_tokens)?, groups as u32, nsplit as u32),
         128,
@@ -503,7 +487,7 @@ pub fn paged_attention_ex(
     // block ids < num_blocks, listed tokens < total_tokens); the v4 kernels were allowed
     // dyn_smem bytes of dynamic shared memory (prefer_shared_memory).
     unsafe { b.launch(lc) }.map_err(launched(OP))?;
-    if nsplit > 1 && sem_ptr == 0 {
+    if nsplit > 1 {
         let f = gpu.kernel("attention_combine")?;
         let ns = nsplit as i32;
         let mut b = gpu.launch_builder(f);

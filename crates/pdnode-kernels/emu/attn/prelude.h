@@ -24,11 +24,6 @@ static inline float __int_as_float(int u) { float f; memcpy(&f, &u, 4); return f
 static inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
 #define __expf expf
 static inline int __ffs(int x) { return __builtin_ffs(x); }
-// one fiber runs at a time: a plain read-modify-write is atomic, memory is coherent
-static inline unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned o = *p; *p = o + v; return o; }
-static inline unsigned atomicExch(unsigned* p, unsigned v) { const unsigned o = *p; *p = v; return o; }
-static inline void __threadfence() {}
-template <class T> static inline T __ldcg(const T* p) { return *p; }
 
 #define __global__
 #define __device__

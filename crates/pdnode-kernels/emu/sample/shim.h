@@ -37,7 +37,11 @@ static unsigned __ballot_sync(unsigned, bool p) {
     return r;
 }
 static int __clz(unsigned x) { return x ? __builtin_clz(x) : 32; }
-// atomicAdd(unsigned*): attn/prelude.h
+static unsigned atomicAdd(unsigned* p, unsigned v) {
+    const unsigned o = *p;
+    *p = o + v;
+    return o;
+}
 static double atomicAdd(double* p, double v) {
     const double o = *p;
     *p = o + v;

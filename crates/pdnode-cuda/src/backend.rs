@@ -505,11 +505,6 @@ impl CudaBackend {
             eps: s.rms_norm_eps,
         };
         let mut normed = false;
-        // launch `which` of layer `li`: its own tail counter
-        let tune_at = |li: usize, which: usize| ops::StreamTune {
-            ctr: ws.stream_ctr.at((li * workspace::STREAM_CTRS + which) * 8),
-            ..tune
-        };
         for (li, l) in w.layers.iter().enumerate() {
             if stream {
                 let x = norm_x(&l.attn_norm);
@@ -522,7 +517,7 @@ impl CudaBackend {
                     x,
                     &ws.qkv,
                     ops::StreamOut::Bf16,
-                    tune_at(li, 0),
+                    tune,
                 )?;
                 mark("attn_norm+qkv")?;
             } else {
@@ -617,13 +612,12 @@ impl CudaBackend {
                     ops::StreamX::Bf16(&ws.attn),
                     &ws.resid,
                     acc,
-                    tune_at(li, 1),
+                    tune,
                 )?;
                 mark("o_proj")?;
                 let x = norm_x(&l.mlp_norm);
                 let glu = ops::StreamOut::Glu;
-                let tg = tune_at(li, 2);
-                ops::gemv_stream(g, inter, t, h, &l.w_gate_up, x, &ws.act, glu, tg)?;
+                ops::gemv_stream(g, inter, t, h, &l.w_gate_up, x, &ws.act, glu, tune)?;
                 mark("mlp_norm+gate_up+swiglu")?;
                 ops::gemv_stream(
                     g,
@@ -634,7 +628,7 @@ impl CudaBackend {
                     ops::StreamX::Bf16(&ws.act),
                     &ws.resid,
                     acc,
-                    tune_at(li, 3),
+                    tune,
                 )?;
                 mark("down")?;
                 continue;

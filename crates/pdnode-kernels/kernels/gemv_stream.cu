@@ -22,18 +22,6 @@
 // block's y values into shared memory up front, so no row waits on a global load before its
 // store.
 //
-// ctr != 0 (two u32, zero between launches): the tail is shared out at run time. Block b streams
-// the n_static units b * n_static .. (b + 1) * n_static - 1 (its first fill before the wait, as
-// above), then its producer takes units n_static * grid, ... from ctr[0] (atomicAdd of a chunk
-// of GS_CHUNK_BYTES, two grabs in flight) until none is left, writing each stage's unit into
-// s_unit and, once done, one
-// stage with -1 for each consumer warp (which stops there). A static split left 0.5-8 us between
-// a GEMV's first and last block at 1 x 512 (bench_decode_trace: SMs stream at different rates and
-// start as the previous kernel's blocks leave), with DRAM idling on the early ones. The last
-// producer to find the pool empty (ctr[1] counts them) puts both words back to zero. The counter
-// is the launch's own (no kernel writes it but this one), so touching it before the grid wait is
-// safe; each launch of a step needs its own pair. ctr == 0: the contiguous static split.
-//
 // ahead > 0: the producer also prefetches into L2 the rows `ahead` units before their copy
 // (cp.async.bulk.prefetch.L2), more bytes in flight than the shared-memory ring holds.
 //
@@ -48,8 +36,6 @@
 #define GS_THREADS (32 * GS_CONSUMERS + 32)
 #define GS_MAX_STAGES 32
 #define GS_HEAD 1024
-#define GS_CHUNK_BYTES 49152  // a grab of the pool (ctr != 0): about an SM's share of 1.5 us
-#define GS_UNIT_OFF 640  // s_unit[GS_MAX_STAGES] in the head: after the barriers and norm partials
 #define GS_BF16 0
 #define GS_F32 1
 #define GS_F32_ACC 2
@@ -73,11 +59,6 @@ __device__ __forceinline__ void gs_prefetch_l2(const void* src, unsigned bytes) 
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
 }
 
-// Makes the thread wait for `a` and `b` (e.g. atomics' results) without using them otherwise.
-__device__ __forceinline__ void gs_use(unsigned a, unsigned b) {
-    asm volatile("" ::"r"(a), "r"(b));
-}
-
 // PTX-END
 
 template <int MT>
@@ -87,19 +68,13 @@ __device__ __forceinline__ void gemv_stream_impl(const bf16_t* __restrict__ w,
                                                  const float* __restrict__ norm_w, float eps,
                                                  int norm_threads, void* __restrict__ y, int T,
                                                  int units, int in, int mode, int stages,
-                                                 int ahead, int n_static,
-                                                 unsigned* __restrict__ ctr, unsigned char* smem) {
+                                                 int ahead, unsigned char* smem) {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const bool glu = mode == GS_GLU;
     const unsigned row_bytes = (unsigned)in * 2u;
     const unsigned unit_bytes = glu ? 2u * row_bytes : row_bytes;
     const int u0 = (int)((i64)blockIdx.x * units / gridDim.x);
     const int n = (int)((i64)(blockIdx.x + 1) * units / gridDim.x) - u0;
-    const bool dyn = ctr != nullptr;
-    // the block's static units: ubase .. ubase + nst - 1
-    const int ubase = dyn ? (int)blockIdx.x * n_static : u0;
-    const int nst = dyn ? n_static : n;
-    volatile int* s_unit = (volatile int*)(smem + GS_UNIT_OFF);
     const unsigned base = fp_smem_addr(smem);
     const unsigned full0 = base, empty0 = base + 8 * GS_MAX_STAGES;
     float* red = (float*)(smem + 16 * GS_MAX_STAGES);  // [32] norm partials
@@ -124,74 +99,19 @@ __device__ __forceinline__ void gemv_stream_impl(const bf16_t* __restrict__ w,
         if (lane == 0) {
             // units past the ring's first fill, `ahead` of their copy, into L2 (ahead 0: none)
             auto prefetch = [&](int k) {
-                gs_prefetch_l2(w + (i64)(ubase + k) * in, row_bytes);
-                if (glu) gs_prefetch_l2(w + (i64)(ubase + k + units) * in, row_bytes);
+                gs_prefetch_l2(w + (i64)(u0 + k) * in, row_bytes);
+                if (glu) gs_prefetch_l2(w + (i64)(u0 + k + units) * in, row_bytes);
             };
-            for (int k = stages; k < nst && k < stages + ahead; k++) prefetch(k);
-            const int pool0 = n_static * (int)gridDim.x;
-            // The pool is taken GS_CHUNK_BYTES at a time (chunk units a grab), two grabs in
-            // flight: one unit a grab measured 0.2-0.4 ms slower a step (the atomic's round trip,
-            // 1-2 us under a streaming load, paced each SM's copies).
-            const int chunk = max(1, GS_CHUNK_BYTES / (int)unit_bytes);
-            unsigned qa = 0, qb = 0;  // issued grabs not yet used, oldest first
-            int qn = 0;
-            auto issue = [&] {
-                const unsigned g = atomicAdd(ctr, (unsigned)chunk);
-                if (qn == 0) qa = g; else qb = g;
-                qn++;
-            };
-            int cur = 0, cur_end = 0;  // the pool chunk being copied
-            if (dyn) {  // the grabs due before the first unit (see below)
-                if (nst < 2 * chunk) issue();
-                if (nst < chunk) issue();
-            }
-            int k = 0;
-            for (;; k++) {
-                int unit;
-                if (k < nst) {
-                    if (k >= stages && k + ahead < nst && ahead > 0) prefetch(k + ahead);
-                    unit = ubase + k;
-                    if (dyn && (k == nst - 2 * chunk || k == nst - chunk)) issue();
-                } else {
-                    if (!dyn) break;
-                    if (cur == cur_end) {
-                        if (qn == 0) break;
-                        const unsigned g = qa;
-                        qa = qb;
-                        qn--;
-                        if (pool0 + (int)g >= units) break;
-                        cur = pool0 + (int)g;
-                        cur_end = min(cur + chunk, units);
-                        issue();
-                    }
-                    unit = cur++;
-                }
+            for (int k = stages; k < n && k < stages + ahead; k++) prefetch(k);
+            for (int k = 0; k < n; k++) {
+                if (k >= stages && k + ahead < n && ahead > 0) prefetch(k + ahead);
                 const int s = k % stages;
                 if (k >= stages) ws_mbar_wait(empty0 + 8 * s, (unsigned)((k / stages) - 1) & 1u);
-                s_unit[s] = unit;
                 const unsigned bar = full0 + 8 * s, dst = fp_smem_addr(st0) + s * unit_bytes;
                 ws_mbar_expect_tx(bar, unit_bytes);
-                gs_bulk_load(dst, w + (i64)unit * in, row_bytes, bar);
-                if (glu) gs_bulk_load(dst + row_bytes, w + (i64)(unit + units) * in, row_bytes, bar);
+                gs_bulk_load(dst, w + (i64)(u0 + k) * in, row_bytes, bar);
+                if (glu) gs_bulk_load(dst + row_bytes, w + (i64)(u0 + k + units) * in, row_bytes, bar);
                 ws_mbar_arrive(bar);
-            }
-            if (dyn) {
-                // one stop a consumer warp (consecutive units go to consecutive warps)
-                const int nc = stages < GS_CONSUMERS ? stages : GS_CONSUMERS;
-                for (int j = 0; j < nc; j++, k++) {
-                    const int s = k % stages;
-                    if (k >= stages) ws_mbar_wait(empty0 + 8 * s, (unsigned)((k / stages) - 1) & 1u);
-                    s_unit[s] = -1;
-                    ws_mbar_arrive(full0 + 8 * s);
-                }
-                // every grab of this producer has returned (both values are used: the thread
-                // waits for them) before it counts itself done, so none lands after the reset
-                gs_use(qa, qb);
-                __threadfence();
-                if (atomicAdd(ctr + 1, 1u) == gridDim.x - 1) {  // every producer is done
-                    atomicExch(ctr, 0u);
-                    atomicExch(ctr + 1, 0u);
-                }
             }
         }
         return;
@@ -241,9 +161,9 @@ __device__ __forceinline__ void gemv_stream_impl(const bf16_t* __restrict__ w,
     }
     if (mode == GS_F32_ACC) {
         const float* yf = (const float*)y;
-        for (int i = tid; i < T * nst; i += 32 * GS_CONSUMERS) {
-            const int t = i / nst, k = i - t * nst;
-            ys[t * per_block + k] = yf[(i64)t * units + ubase + k];
+        for (int i = tid; i < T * n; i += 32 * GS_CONSUMERS) {
+            const int t = i / n, k = i - t * n;
+            ys[t * per_block + k] = yf[(i64)t * units + u0 + k];
         }
     }
     ws_turn_wait(0);  // x (and ys) complete
@@ -251,11 +171,9 @@ __device__ __forceinline__ void gemv_stream_impl(const bf16_t* __restrict__ w,
     // which waits for every fill of it in order (a phase parity is only safe one phase ahead).
     const int nc = stages < GS_CONSUMERS ? stages : GS_CONSUMERS;
     const int nv = in >> 3;
-    for (int k = warp; warp < nc && (dyn || k < n); k += nc) {
+    for (int k = warp; warp < nc && k < n; k += nc) {
         const int s = k % stages;
         ws_mbar_wait(full0 + 8 * s, (unsigned)(k / stages) & 1u);
-        const int u = dyn ? s_unit[s] : u0 + k;
-        if (u < 0) break;  // the producer's stop
         const uint4* wr = (const uint4*)(st0 + (size_t)s * unit_bytes);
         // four partial sums a token (element j of a vector into sum j & 3), added at the end:
         // four FMA chains a quarter as long (the last row of a block is latency-bound)
@@ -286,7 +204,7 @@ __device__ __forceinline__ void gemv_stream_impl(const bf16_t* __restrict__ w,
         }
         __syncwarp();
         if (lane == 0) ws_mbar_arrive(empty0 + 8 * s);
-        const int ks = u - ubase;  // the unit's place among the block's static ones
+        const int u = u0 + k;
 #pragma unroll
         for (int t = 0; t < MT; t++) {
             if (t < T) {
@@ -301,8 +219,7 @@ __device__ __forceinline__ void gemv_stream_impl(const bf16_t* __restrict__ w,
                         ((bf16_t*)y)[o] = f2bf(gg / (1.f + __expf(-gg)) * uu);
                     } else {
                         float* yf = (float*)y;
-                        const bool mine = (unsigned)ks < (unsigned)nst;
-                        yf[o] = mode == GS_F32_ACC ? (mine ? ys[t * per_block + ks] : yf[o]) + sg : sg;
+                        yf[o] = mode == GS_F32_ACC ? ys[t * per_block + k] + sg : sg;
                     }
                 }
             }
@@ -314,9 +231,9 @@ __device__ __forceinline__ void gemv_stream_impl(const bf16_t* __restrict__ w,
     extern "C" __global__ void __launch_bounds__(GS_THREADS, 1)                                  \
         NAME(const bf16_t* w, const bf16_t* x, const float* resid, const float* norm_w,           \
              float eps, int norm_threads, void* y, int T, int units, int in, int mode,            \
-             int stages, int ahead, int n_static, unsigned* ctr) {                               \
+             int stages, int ahead) {                                                            \
         WG_BODY(gemv_stream_impl<MT>(w, x, resid, norm_w, eps, norm_threads, y, T, units, in,    \
-                                     mode, stages, ahead, n_static, ctr, wg_smem_aligned()))     \
+                                     mode, stages, ahead, wg_smem_aligned()))                    \
     }
 
 GEMV_STREAM_KERNEL(gemv_stream_t1, 1)

@@ -19,14 +19,7 @@ pub(super) struct Workspace {
     pub(super) part_acc: DevBuf,
     pub(super) meta: DevBuf,
     pub(super) ticket: DevBuf, // u32, 0 between launches: the fused linear + RMSNorm's block counter
-    // u32 pairs, 0 between launches: the tail counters of a decode step's streaming GEMVs, one
-    // pair a launch (layer * STREAM_CTRS + which)
-    pub(super) stream_ctr: DevBuf,
 }
-
-/// Streaming GEMV launches a layer of a decode step (qkv, o, gate_up, down), each with its own
-/// tail counter in [`Workspace::stream_ctr`].
-pub(super) const STREAM_CTRS: usize = 4;
 
 const ATTN_WS_BYTES: usize = 64 << 20;
 
@@ -52,11 +45,6 @@ impl Workspace {
                 gpu.memset(&b, 0)?;
                 b
             },
-            stream_ctr: {
-                let b = gpu.alloc(s.num_layers.max(1) * STREAM_CTRS * 8)?;
-                gpu.memset(&b, 0)?;
-                b
-            },
         })
     }
 
@@ -75,7 +63,6 @@ impl Workspace {
             &self.part_acc,
             &self.meta,
             &self.ticket,
-            &self.stream_ctr,
         ]
         .iter()
         .map(|b| b.bytes())

@@ -373,10 +373,6 @@ pub struct Fusion {
     /// Rows a [`gemv_stream`] producer of the decode step prefetches into L2 ahead of their
     /// copy, beyond its shared-memory ring (0: none). Not a config key (a launch knob).
     pub stream_l2_ahead: usize,
-    /// Percent of each decode-step [`gemv_stream`]'s units its blocks take at run time from a
-    /// counter of the launch ([`StreamTune::dyn_pct`]) instead of the static split (0: static
-    /// only). Not a config key (a launch knob).
-    pub stream_dyn_pct: usize,
 }
 
 impl Fusion {
@@ -385,8 +381,6 @@ impl Fusion {
         StreamTune {
             smem_cap: self.stream_smem_kib << 10,
             l2_ahead: self.stream_l2_ahead,
-            dyn_pct: self.stream_dyn_pct,
-            ctr: 0,
         }
     }
 }
@@ -401,7 +395,6 @@ impl Default for Fusion {
             stream_max_tokens: 1,
             stream_smem_kib: 0,
             stream_l2_ahead: 0,
-            stream_dyn_pct: 0,
         }
     }
 }
@@ -416,7 +409,6 @@ impl Fusion {
         stream_max_tokens: 0,
         stream_smem_kib: 0,
         stream_l2_ahead: 0,
-        stream_dyn_pct: 0,
     };
 }
 

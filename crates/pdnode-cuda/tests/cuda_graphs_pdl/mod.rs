@@ -229,8 +229,7 @@ fn small_decode_steps_with_pdl_match_plain_launches() {
 // ---- streaming GEMVs for small decode steps (Fusion::stream_max_tokens) ---------------------------
 
 /// Decode steps of 1-4 rows through `gemv_stream` (its first weight copies issued before the
-/// grid-dependency wait): a backend with small-step PDL against two without (one of them taking
-/// half of each GEMV's units from its tail counter at run time), all streaming,
+/// grid-dependency wait): a backend with small-step PDL against two without, all streaming,
 /// bit-identical eager and replayed (the early copies read only weights, so PDL changes
 /// nothing); steps of 8 and 33 rows do not stream. Then a streaming backend against one that
 /// does not: the same tokens' logits within bf16 rounding (the sums run in another order).
@@ -260,15 +259,10 @@ fn streaming_steps_match(spec: &ModelSpec, name: &str) {
         stream_smem_kib: 113,
         ..on
     });
-    // and half the units of each GEMV from its tail counter (each row still one warp's sum)
-    bes[2].set_fusion(Fusion {
-        stream_dyn_pct: 50,
-        ..on
-    });
     variant_matches_plain(
         spec,
         name,
-        "streaming GEMVs + small-step PDL + half the shared memory (+ half the units dynamic)",
+        "streaming GEMVs + small-step PDL + half the shared memory",
         &mut rng,
         &mut bes,
     );

@@ -11,9 +11,6 @@
 #define __grid_constant__
 struct uint2 { unsigned x, y; };
 static inline float rsqrtf(float v) { return 1.f / sqrtf(v); }  // the device's is approximate
-// one fiber runs at a time: plain read-modify-write is atomic here
-static inline unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned o = *p; *p = o + v; return o; }
-static inline unsigned atomicExch(unsigned* p, unsigned v) { const unsigned o = *p; *p = v; return o; }
 static unsigned char g_arena[256 * 1024] __attribute__((aligned(1024)));
 #define EMU_BAR_OFF (224 * 1024)
 static const bool g_sync = getenv("EMU_SYNC") != nullptr;
@@ -331,8 +328,6 @@ static inline void gs_bulk_load(unsigned dst, const void* src, unsigned bytes, u
     EmuBulk b{dst, bar, bytes, src};
     if (g_sync) emu_bulk_land(b); else g_bulks.push_back(b);
 }
-static inline void gs_use(unsigned, unsigned) {}  // atomics complete at once here
-static inline void __threadfence() {}
 static inline void gs_prefetch_l2(const void*, unsigned bytes) {
     if (bytes & 15) { fprintf(stderr, "EMU: L2 prefetch not a multiple of 16 bytes\n"); exit(3); }
 }

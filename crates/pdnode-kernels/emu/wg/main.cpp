@@ -167,12 +167,9 @@ static void case_probe() {
 // the kernel's (GS_BF16 .. GS_GLU), x given or the RMSNorm of an f32 residual (norm_threads as
 // the wrapper passes: add_rmsnorm_v4's block for the width). Against an f64 reference from the
 // same bf16 x (the norm's x: add_rmsnorm_v4's expressions on the host, checked to be bf16 within
-// one rounding of the f64 norm); every output written exactly once, none outside. dyn > 0: that
-// share (percent) of the units is taken from the tail counter at run time (blocks run one after
-// another here, so the first block's producer takes the whole pool), and the counter must be
-// back at zero afterwards.
+// one rounding of the f64 norm); every output written exactly once, none outside.
 static void case_stream(int MT, int T, int units, int in, int grid, int stages, int mode, bool norm,
-                        int ahead = 0, int dyn = 0) {
+                        int ahead = 0) {
     const bool glu = mode == GS_GLU;
     const int rows = glu ? 2 * units : units;
     std::vector<uint16_t> w((size_t)rows * in), x((size_t)T * in);
@@ -207,16 +204,13 @@ static void case_stream(int MT, int T, int units, int in, int grid, int stages, 
     std::vector<float> yf((size_t)(T + 1) * units, 0.25f);
     std::vector<uint16_t> yb((size_t)(T + 1) * units, 0x7fc0);
     void* y = f32 ? (void*)yf.data() : (void*)yb.data();
-    std::vector<unsigned> ctr = {0u, 0u};
-    const int n_static = dyn ? units * (100 - dyn) / 100 / grid : 0;
-    unsigned* cp = dyn ? ctr.data() : nullptr;
     auto go = [&] {
         const float* r = norm ? resid.data() : nullptr;
         const float* n_ = norm ? nw.data() : nullptr;
         const bf16_t* xp = norm ? nullptr : (const bf16_t*)x.data();
-        if (MT == 1) gemv_stream_t1((const bf16_t*)w.data(), xp, r, n_, eps, norm_threads, y, T, units, in, mode, stages, ahead, n_static, cp);
-        else if (MT == 2) gemv_stream_t2((const bf16_t*)w.data(), xp, r, n_, eps, norm_threads, y, T, units, in, mode, stages, ahead, n_static, cp);
-        else gemv_stream_t4((const bf16_t*)w.data(), xp, r, n_, eps, norm_threads, y, T, units, in, mode, stages, ahead, n_static, cp);
+        if (MT == 1) gemv_stream_t1((const bf16_t*)w.data(), xp, r, n_, eps, norm_threads, y, T, units, in, mode, stages, ahead);
+        else if (MT == 2) gemv_stream_t2((const bf16_t*)w.data(), xp, r, n_, eps, norm_threads, y, T, units, in, mode, stages, ahead);
+        else gemv_stream_t4((const bf16_t*)w.data(), xp, r, n_, eps, norm_threads, y, T, units, in, mode, stages, ahead);
     };
     launch({(unsigned)grid, 1, 1}, GS_THREADS, go);
     double md = 0, mw = 0;
@@ -235,13 +229,11 @@ static void case_stream(int MT, int T, int units, int in, int grid, int stages, 
         }
     const double e = md / std::max(mw, 1e-6);
     // bf16 outputs round once (GLU: three roundings)
-    const bool reset = ctr[0] == 0 && ctr[1] == 0;
-    const bool ok = !bad && !outside && reset && e < (f32 ? 1e-5 : 2e-2);
+    const bool ok = !bad && !outside && e < (f32 ? 1e-5 : 2e-2);
     if (!ok) g_fail++;
-    printf("%s gemv_stream_t%d T=%d units=%d in=%d grid=%d stages=%d mode=%d norm=%d dyn=%d%%: rel err %.2e%s%s%s\n",
-           ok ? "PASS" : "FAIL", MT, T, units, in, grid, stages, mode, (int)norm, dyn, e,
-           bad ? " NON-FINITE" : "", outside ? " ROWS OUTSIDE WRITTEN" : "",
-           reset ? "" : " COUNTER NOT RESET");
+    printf("%s gemv_stream_t%d T=%d units=%d in=%d grid=%d stages=%d mode=%d norm=%d: rel err %.2e%s%s\n",
+           ok ? "PASS" : "FAIL", MT, T, units, in, grid, stages, mode, (int)norm, e,
+           bad ? " NON-FINITE" : "", outside ? " ROWS OUTSIDE WRITTEN" : "");
 }
 
 int main() {
@@ -257,15 +249,6 @@ int main() {
     case_stream(1, 1, 600, 64, 3, 32, GS_F32_ACC, false); // 32 stages
     case_stream(2, 2, 100, 128, 2, 8, GS_GLU, true);
     case_stream(4, 2, 77, 128, 2, 7, GS_F32_ACC, true, 5);  // 7 stages and consumer warps, L2 ahead
-    // the tail from the counter: partly, wholly (no static unit), with fewer stages than warps
-    case_stream(1, 1, 37, 256, 3, 2, GS_BF16, false, 0, 50);
-    case_stream(2, 2, 29, 128, 2, 3, GS_F32_ACC, false, 0, 30);
-    case_stream(4, 3, 40, 256, 3, 4, GS_GLU, true, 0, 100);
-    case_stream(1, 1, 600, 64, 3, 32, GS_F32_ACC, false, 0, 25);
-    case_stream(2, 1, 300, 64, 7, 16, GS_F32_ACC, true, 2, 20);
-    case_stream(1, 1, 9, 64, 9, 2, GS_GLU, false, 0, 50);
-    case_stream(1, 1, 600, 2048, 3, 8, GS_F32_ACC, false, 0, 50);  // chunks of 12 rows
-    case_stream(2, 2, 40, 4096, 3, 8, GS_GLU, true, 0, 100);       // chunks of 3 row pairs
     // (nh, nkv, block size, start, n, window)
     case_attn(2, 1, 16, 0, 1, 0);
     case_attn(2, 2, 16, 63, 1, 0);

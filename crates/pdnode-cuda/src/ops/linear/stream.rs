@@ -81,13 +81,6 @@ pub struct StreamTune {
     /// Units (rows; `Glu`: row pairs) the producer prefetches into L2 ahead of their copy, beyond
     /// the ring (0: none).
     pub l2_ahead: usize,
-    /// Percent of the units (0..=100) taken at run time from the tail counter `ctr` instead of
-    /// the static split (each block streams `units * (100 - dyn_pct) / 100 / blocks` contiguous
-    /// units first); 0, or `ctr` 0, is the static split alone.
-    pub dyn_pct: usize,
-    /// Device address of the launch's tail counter: two u32, zero before the launch (the kernel
-    /// leaves them zero). Each launch in flight at once needs its own.
-    pub ctr: u64,
 }
 
 /// Launch shape of one [`gemv_stream`] call.
@@ -243,19 +236,6 @@ pub fn gemv_stream(
     let (t_i, u_i, i_i) = (tokens as i32, i32_of(OP, units)?, i32_of(OP, inp)?);
     let (mode, stages, nt) = (out.mode(), plan.stages as i32, norm_threads as i32);
     let ahead = i32_of(OP, tune.l2_ahead)?;
-    shape(OP, tune.dyn_pct <= 100, || {
-        format!("dyn_pct {} > 100", tune.dyn_pct)
-    })?;
-    shape(OP, tune.ctr.is_multiple_of(4), || {
-        "ctr not 4-byte aligned".into()
-    })?;
-    let dynamic = tune.dyn_pct > 0 && tune.ctr != 0;
-    let (n_static, ctr) = if dynamic {
-        let n = units * (100 - tune.dyn_pct) / 100 / plan.blocks;
-        (i32_of(OP, n)?, tune.ctr)
-    } else {
-        (0, 0u64)
-    };
     let mut b = gpu.launch_builder(f);
     b.arg(w.ptr_ref())
         .arg(&xp)
@@ -269,9 +249,7 @@ pub fn gemv_stream(
         .arg(&i_i)
         .arg(&mode)
         .arg(&stages)
-        .arg(&ahead)
-        .arg(&n_static)
-        .arg(&ctr);
+        .arg(&ahead);
     let mut c = cfg((u32_of(OP, plan.blocks)?, 1, 1), THREADS);
     c.shared_mem_bytes = plan.smem as u32;
     // SAFETY: sizes and alignment checked above; the plan keeps the launch within the kernel's

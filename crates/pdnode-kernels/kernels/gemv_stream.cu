@@ -119,8 +119,16 @@ __device__ __forceinline__ void gemv_stream_impl(const bf16_t* __restrict__ w,
     PD_GRID_WAIT();
     PD_GRID_LAUNCH_DEPENDENTS();
     if (norm_w) {
-        // add_rmsnorm_v4 (no delta) with norm_threads threads, a token at a time
+        // add_rmsnorm_v4 (no delta) with norm_threads threads, a token at a time; the norm
+        // weight's words loaded once, with the first row's
         const int n4 = in >> 2, nwn = norm_threads >> 5;
+        const float4* w4 = (const float4*)norm_w;
+        float4 wv[RMS_V4_MAX];
+#pragma unroll
+        for (int j = 0; j < RMS_V4_MAX; ++j) {
+            const int c = j * norm_threads + tid;
+            wv[j] = tid < norm_threads && c < n4 ? w4[c] : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
         for (int t = 0; t < T; t++) {
             const float4* xr = (const float4*)(resid + (i64)t * in);
             float4 v[RMS_V4_MAX];
@@ -139,16 +147,14 @@ __device__ __forceinline__ void gemv_stream_impl(const bf16_t* __restrict__ w,
                 float r = lane < nwn ? red[lane] : 0.f;
                 r = warp_sum(r);
                 const float inv = rsqrtf(r / (float)in + eps);
-                const float4* w4 = (const float4*)norm_w;
                 uint2* o = (uint2*)(xs + (i64)t * in);
 #pragma unroll
                 for (int j = 0; j < RMS_V4_MAX; ++j) {
                     const int c = j * norm_threads + tid;
                     if (c < n4) {
-                        const float4 ww = w4[c];
                         uint2 p;
-                        p.x = rms_v4_lo(v[j], inv, ww);
-                        p.y = rms_v4_hi(v[j], inv, ww);
+                        p.x = rms_v4_lo(v[j], inv, wv[j]);
+                        p.y = rms_v4_hi(v[j], inv, wv[j]);
                         o[c] = p;
                     }
                 }

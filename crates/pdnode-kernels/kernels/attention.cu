@@ -138,23 +138,17 @@ extern "C" __global__ void attention_combine(const float* __restrict__ part_ml,
     PD_GRID_LAUNCH_DEPENDENTS();
     const i64 th = tok_list ? (i64)tok_list[blockIdx.x / nh] * nh + blockIdx.x % nh
                             : (i64)blockIdx.x;
-    // Unrolled, and a partition without keys (m = -inf) skipped by a select, not a branch: the
-    // loads of several partitions are in flight at once (the loops were a memory round trip a
-    // partition). Same sums in the same order as before.
     float M = -INFINITY;
-#pragma unroll 8
     for (int z = 0; z < nsplit; z++) M = fmaxf(M, part_ml[(th * nsplit + z) * 2]);
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float L = 0.f, A = 0.f;
-#pragma unroll 8
         for (int z = 0; z < nsplit; z++) {
             const i64 pi = th * nsplit + z;
-            const float mz = part_ml[pi * 2], lz = part_ml[pi * 2 + 1], az = part_acc[pi * hd + d];
-            const bool keys = mz != -INFINITY;
-            const float wz = __expf(keys ? mz - M : 0.f);
-            const float l2 = L + lz * wz, a2 = A + az * wz;
-            L = keys ? l2 : L;
-            A = keys ? a2 : A;
+            const float mz = part_ml[pi * 2];
+            if (mz == -INFINITY) continue;
+            const float wz = __expf(mz - M);
+            L += part_ml[pi * 2 + 1] * wz;
+            A += part_acc[pi * hd + d] * wz;
         }
         out[th * hd + d] = f2bf(L > 0.f ? A / L : 0.f);  // L == 0: no key (padding token)
     }

@@ -79,6 +79,36 @@ impl StepVariant {
     }
 }
 
+impl StepVariant {
+    /// Puts this variant's settings on `be`; false where the GPU takes no programmatic launches
+    /// and the variant asks for them.
+    pub fn apply(&self, be: &mut CudaBackend) -> bool {
+        be.set_fusion(self.fusion);
+        be.set_attention(
+            AttnChoice {
+                variant: self.attention,
+                v4_waves: self.v4_waves,
+                v4_max_part: ops::V4_MAX_PART,
+            },
+            LinearImpl::Auto,
+        );
+        be.set_pdl(self.pdl) == self.pdl
+    }
+}
+
+/// The backend the step benchmarks time: Llama-3.1-8B shapes, dummy weights, block size 16,
+/// enough blocks for every `(batch, ctx)` of `decode`, graphs on, the KV pool filled.
+pub(crate) fn step_backend(decode: &[(usize, usize)]) -> Result<CudaBackend, CudaError> {
+    let num_blocks = decode_blocks(decode, STEP_BLOCK) + 8;
+    let opts = bench_options(1, num_blocks, STEP_BLOCK, 64, decode, true);
+    let mut be = CudaBackend::new_dummy(&llama31_8b(), 1234, &opts, "bench".into())?;
+    be.fill_kv_random(99)?;
+    Ok(be)
+}
+
+/// The KV block size of [`step_backend`].
+pub(crate) const STEP_BLOCK: usize = 16;
+
 /// One timing: a variant at one point, the median over the rounds.
 #[derive(Debug, Clone)]
 pub struct StepVariantRow {
@@ -106,11 +136,8 @@ pub fn run_step_variants(
     mut report: impl FnMut(&StepVariantRow),
 ) -> Result<(f64, Vec<StepVariantRow>), CudaError> {
     let spec = llama31_8b();
-    let bs = 16usize;
-    let num_blocks = decode_blocks(decode, bs) + 8;
-    let opts = bench_options(1, num_blocks, bs, 64, decode, true);
-    let mut be = CudaBackend::new_dummy(&spec, 1234, &opts, "bench".into())?;
-    be.fill_kv_random(99)?;
+    let bs = STEP_BLOCK;
+    let mut be = step_backend(decode)?;
     let copy = measure_ceilings(be.gpu())?.hbm_traffic_bps;
     let wbytes = be.weight_bytes() as f64;
     let mut rows = Vec::new();
@@ -120,16 +147,7 @@ pub fn run_step_variants(
         let mut times: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
         for _ in 0..rounds.max(1) {
             for (vi, v) in variants.iter().enumerate() {
-                be.set_fusion(v.fusion);
-                be.set_attention(
-                    AttnChoice {
-                        variant: v.attention,
-                        v4_waves: v.v4_waves,
-                        v4_max_part: ops::V4_MAX_PART,
-                    },
-                    LinearImpl::Auto,
-                );
-                if be.set_pdl(v.pdl) != v.pdl {
+                if !v.apply(&mut be) {
                     continue;
                 }
                 times[vi].push(timed_steps(&mut be, iters, &fb)? * 1e3);

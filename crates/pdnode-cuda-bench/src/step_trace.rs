@@ -3,11 +3,10 @@
 //! arrival, release from `griddepcontrol.wait` and return, so the launches of one replay show
 //! how far each overlaps the one before it under programmatic dependent launch.
 
-use super::{DecodeStep, bench_options, decode_blocks, llama31_8b, timed_steps};
+use super::{DecodeStep, timed_steps};
 use crate::StepVariant;
+use crate::fusion_sweep::{STEP_BLOCK, step_backend};
 use pdnode_cuda::CudaError;
-use pdnode_cuda::backend::CudaBackend;
-use pdnode_cuda::ops::{self, AttnChoice, LinearImpl};
 use pdnode_cuda::trace::{LaunchSpan, launches, set_trace_kernels};
 
 /// What one traced replay showed.
@@ -121,25 +120,18 @@ fn trace_inner(
     variant: &StepVariant,
     warm: usize,
 ) -> Result<Vec<StepTrace>, CudaError> {
-    let spec = llama31_8b();
-    let bs = 16usize;
-    let num_blocks = decode_blocks(decode, bs) + 8;
-    let opts = bench_options(1, num_blocks, bs, 64, decode, true);
-    let mut be = CudaBackend::new_dummy(&spec, 1234, &opts, "bench".into())?;
-    be.fill_kv_random(99)?;
-    be.set_fusion(variant.fusion);
-    be.set_attention(
-        AttnChoice {
-            variant: variant.attention,
-            v4_waves: variant.v4_waves,
-            v4_max_part: ops::V4_MAX_PART,
-        },
-        LinearImpl::Auto,
-    );
-    be.set_pdl(variant.pdl);
+    let mut be = step_backend(decode)?;
+    if !variant.apply(&mut be) {
+        return Err(CudaError::Unsupported {
+            reason: format!(
+                "{}: no programmatic dependent launch on this GPU",
+                variant.name
+            ),
+        });
+    }
     let mut out = Vec::new();
     for &(batch, ctx) in decode {
-        let step = DecodeStep::new(batch, ctx, bs);
+        let step = DecodeStep::new(batch, ctx, STEP_BLOCK);
         let fb = step.batch();
         let step_ms = timed_steps(&mut be, warm.max(1), &fb)? * 1e3;
         be.gpu().trace_reset()?;

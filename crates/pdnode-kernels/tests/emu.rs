@@ -72,3 +72,20 @@ fn mla_and_moe_kernels_match_reference_in_the_emulator() {
     assert!(cases(&text, "all ") >= 75, "too few cases:\n{text}");
     assert!(text.contains("cases PASS"), "{text}");
 }
+
+/// The elementwise kernels: swiglu_v8 bit-identical to swiglu, add_rmsnorm_v4 (its norm weight
+/// loaded with the row since session 24) and add_rmsnorm against an f64 reference, every output
+/// written and nothing past the buffers.
+#[test]
+fn elementwise_kernels_match_reference_in_the_emulator() {
+    let text = run_emu("elementwise");
+    let passed = text
+        .lines()
+        .find(|l| l.contains(" cases passed; all passed: 0 failed"))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|n| n.parse::<usize>().ok());
+    assert!(
+        passed.is_some_and(|n| n >= 39),
+        "not every case passed:\n{text}"
+    );
+}

@@ -151,16 +151,6 @@ __device__ void gemv_mma_impl(const bf16_t* __restrict__ w, const bf16_t* __rest
     }
     const bool xv = g < T;
     const uint4* xp = (const uint4*)(x + (i64)(xv ? g : 0) * in);
-    // f32 accumulate: the old y of this thread's epilogue entry (e = threadIdx.x, its only one
-    // where the block has a thread an entry) loaded now, with the weights, not after the sums:
-    // the epilogue then stores without waiting on memory
-    const bool pre = !GLU && y_f32 && accumulate && MT * 4 * 32 <= (int)blockDim.x;
-    float y_old = 0.f;
-    if (pre && (int)threadIdx.x < MT * 4 * 32) {
-        const int q = threadIdx.x >> 5, l = threadIdx.x & 31, m = q >> 2, r = q & 3;
-        const int row = row0 + m * 16 + (l >> 2) + ((r & 2) ? 8 : 0), col = 2 * (l & 3) + (r & 1);
-        if (row < out && col < T) y_old = ((const float*)y)[(i64)col * out + row];
-    }
     float acc[MT][4];
 #pragma unroll
     for (int m = 0; m < MT; m++) {
@@ -230,7 +220,7 @@ __device__ void gemv_mma_impl(const bf16_t* __restrict__ w, const bf16_t* __rest
                 const i64 k = (i64)col * out + row;
                 if (y_f32) {
                     float* yf = (float*)y;
-                    yf[k] = accumulate ? (pre ? y_old : yf[k]) + s : s;
+                    yf[k] = accumulate ? yf[k] + s : s;
                 } else {
                     ((bf16_t*)y)[k] = f2bf(s);
                 }

@@ -89,3 +89,21 @@ fn elementwise_kernels_match_reference_in_the_emulator() {
         "not every case passed:\n{text}"
     );
 }
+
+/// The device CRC32C kernel (a KV hand-off through a device arena verified without copying it
+/// to the host, `ops::crc32c`) against a bitwise
+/// reference (136 cases, a few seconds). The sampling harness (`emu/sample`, about 4.5 minutes
+/// here) is not run by this test: too slow for every test run.
+#[test]
+fn crc32c_kernel_matches_reference_in_the_emulator() {
+    let text = run_emu("crc32c");
+    let n = text
+        .lines()
+        .find_map(|l| l.strip_prefix("EMU ALL PASS ("))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse::<usize>().ok());
+    assert!(
+        n.is_some_and(|n| n >= 136),
+        "not every case passed:\n{text}"
+    );
+}

@@ -124,7 +124,7 @@ for part in "$@"; do
             for v in $(echo "${TRACE_VARIANTS:-default}" | tr ',' ' '); do
                 PDNODE_BENCH_STEPS=${TRACE_STEPS:-1x512} PDNODE_BENCH_STEP_VARIANTS=$v \
                     timeout 200 "$PD/t/cuda_bench" --ignored --nocapture --test-threads=1 --exact \
-                    bench_decode_trace > "$LOGS/trace-${v//\//_}.log" 2>&1
+                    cuda_bench_trace::bench_decode_trace > "$LOGS/trace-${v//\//_}.log" 2>&1
                 echo "## bench_decode_trace $v (rc=$?)" >> "$summary"
                 grep -E '^traced|^\||panicked' "$LOGS/trace-${v//\//_}.log" >> "$summary"
             done

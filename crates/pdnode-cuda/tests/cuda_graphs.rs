@@ -46,6 +46,18 @@ fn opts(tp: u32, graphs: bool) -> CudaOptions {
 
 /// A spec with head_dim 128 (the v2 attention kernel with 16 dims per lane; the tiny spec's 32
 /// takes 8 per lane).
+/// A Qwen-like model (q / k norms and bias) at head_dim 128, 8 query heads on 2 KV heads.
+fn qwen_like_spec() -> ModelSpec {
+    ModelSpec {
+        hidden_size: 128,
+        intermediate_size: 192,
+        num_heads: 8,
+        num_kv_heads: 2,
+        head_dim: 128,
+        ..tiny_spec(true, true)
+    }
+}
+
 fn wide_spec() -> ModelSpec {
     ModelSpec {
         hidden_size: 128,
@@ -213,15 +225,7 @@ fn graph_replay_matches_eager_tiny_llama() {
 #[test]
 #[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
 fn graph_replay_matches_eager_qwen_like_head_dim_128() {
-    let spec = ModelSpec {
-        hidden_size: 128,
-        intermediate_size: 192,
-        num_heads: 8,
-        num_kv_heads: 2,
-        head_dim: 128,
-        ..tiny_spec(true, true)
-    };
-    graph_matches_eager(&spec, "qwen-like-hd128");
+    graph_matches_eager(&qwen_like_spec(), "qwen-like-hd128");
     graph_matches_eager(&wide_spec(), "llama-hd128");
 }
 

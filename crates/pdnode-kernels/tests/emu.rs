@@ -21,6 +21,16 @@ fn run_emu(dir: &str) -> String {
     text
 }
 
+/// The number right after `prefix` on the first line of `text` that contains `marker` and starts
+/// with `prefix`, if there is one.
+fn count_on_line(text: &str, marker: &str, prefix: &str) -> Option<usize> {
+    text.lines()
+        .filter(|l| l.contains(marker))
+        .find_map(|l| l.strip_prefix(prefix))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+}
+
 /// The number in `"<prefix><N> cases"` of `text`'s line starting with `prefix`.
 fn cases(text: &str, prefix: &str) -> usize {
     text.lines()
@@ -79,11 +89,7 @@ fn mla_and_moe_kernels_match_reference_in_the_emulator() {
 #[test]
 fn elementwise_kernels_match_reference_in_the_emulator() {
     let text = run_emu("elementwise");
-    let passed = text
-        .lines()
-        .find(|l| l.contains(" cases passed; all passed: 0 failed"))
-        .and_then(|l| l.split_whitespace().next())
-        .and_then(|n| n.parse::<usize>().ok());
+    let passed = count_on_line(&text, " cases passed; all passed: 0 failed", "");
     assert!(
         passed.is_some_and(|n| n >= 39),
         "not every case passed:\n{text}"
@@ -91,17 +97,12 @@ fn elementwise_kernels_match_reference_in_the_emulator() {
 }
 
 /// The device CRC32C kernel (a KV hand-off through a device arena verified without copying it
-/// to the host, `ops::crc32c`) against a bitwise
-/// reference (136 cases, a few seconds). The sampling harness (`emu/sample`, about 4.5 minutes
+/// to the host, `ops::crc32c`) against a bitwise reference (136 cases, a few seconds). The sampling harness (`emu/sample`, about 4.5 minutes
 /// here) is not run by this test: too slow for every test run.
 #[test]
 fn crc32c_kernel_matches_reference_in_the_emulator() {
     let text = run_emu("crc32c");
-    let n = text
-        .lines()
-        .find_map(|l| l.strip_prefix("EMU ALL PASS ("))
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|n| n.parse::<usize>().ok());
+    let n = count_on_line(&text, "EMU ALL PASS (", "EMU ALL PASS (");
     assert!(
         n.is_some_and(|n| n >= 136),
         "not every case passed:\n{text}"

@@ -169,15 +169,7 @@ fn variant_matches_plain(
 #[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
 fn pdl_decode_steps_match_plain_launches() {
     pdl_matches_plain_launches(&tiny_spec(false, false), "tiny-llama");
-    let qwen = ModelSpec {
-        hidden_size: 128,
-        intermediate_size: 192,
-        num_heads: 8,
-        num_kv_heads: 2,
-        head_dim: 128,
-        ..tiny_spec(true, true)
-    };
-    pdl_matches_plain_launches(&qwen, "qwen-like-hd128");
+    pdl_matches_plain_launches(&qwen_like_spec(), "qwen-like-hd128");
     pdl_matches_plain_launches(&wide_spec(), "llama-hd128");
 }
 

@@ -146,7 +146,7 @@ pub fn ptx_for(arch: &str) -> Result<cudarc::nvrtc::Ptx, KernelError> {
 /// As [`ptx_for`] with the timeline records compiled in (`PD_TRACE`, see common.cuh): every
 /// kernel's blocks append (launch, function, SM, block, reached-wait / wait-returned / returned
 /// times) to the program's `pd_trace_buf`. For `bench_decode_trace`; the backend loads it only
-/// where asked to (`pdnode_cuda::device::set_trace_kernels`).
+/// where asked to (`pdnode_cuda::trace::set_trace_kernels`).
 pub fn ptx_traced(arch: &str) -> Result<cudarc::nvrtc::Ptx, KernelError> {
     static CACHE: OnceLock<Mutex<HashMap<String, cudarc::nvrtc::Ptx>>> = OnceLock::new();
     compile_cached(&CACHE, &SOURCES, arch, true)

@@ -35,6 +35,7 @@ fn host_stream(
                     );
                     (g / (1.0 + (-g).exp()) * up) as f32
                 }
+                StreamOut::Rope(_) => unreachable!("cuda_kernels_stream_fused tests RoPE"),
             }
         })
         .collect()

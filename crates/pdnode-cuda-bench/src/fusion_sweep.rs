@@ -68,7 +68,7 @@ impl StepVariant {
                 stream_max_tokens: vals[4].unwrap_or(0),
                 stream_smem_kib: vals[5].unwrap_or(0),
                 stream_l2_ahead: vals[6].unwrap_or(0),
-                stream_rope: vals[7].unwrap_or(0),
+                stream_rope: vals[7].unwrap_or(0) != 0,
                 stream_combine_max_splits: vals[8].unwrap_or(0),
             }
         };
@@ -209,10 +209,10 @@ mod tests {
         let v = StepVariant::parse("s8n0w8p4g1r1c8").unwrap();
         assert_eq!(
             (v.fusion.stream_rope, v.fusion.stream_combine_max_splits),
-            (1, 8)
+            (true, 8)
         );
         let v = StepVariant::parse("s8n0w8p4g1").unwrap().fusion;
-        assert_eq!((v.stream_rope, v.stream_combine_max_splits), (0, 0));
+        assert_eq!((v.stream_rope, v.stream_combine_max_splits), (false, 0));
         let v = StepVariant::parse("s2n0/v2+pdl").unwrap();
         assert_eq!(v.fusion.glu_warps, 0);
         assert_eq!(

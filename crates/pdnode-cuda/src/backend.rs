@@ -510,7 +510,7 @@ impl CudaBackend {
             // a pure decode step through gemv_stream: RoPE in the qkv GEMV (no launch of its own)
             // where the layer has no qkv bias and no q/k norm
             let plain = l.bqkv.is_none() && l.q_norm.is_none() && l.k_norm.is_none();
-            let fused_rope = stream && fusion.stream_rope > 0 && plain && p.long.is_empty();
+            let fused_rope = stream && fusion.stream_rope && plain && p.long.is_empty();
             if fused_rope {
                 let x = norm_x(&l.attn_norm);
                 let r = ops::StreamRope::new(
@@ -522,16 +522,6 @@ impl CudaBackend {
                     li,
                 )?;
                 let out = ops::StreamOut::Rope(r);
-                // 2: room for one v4 attention block beside each qkv block (resident early)
-                let tune = if fusion.stream_rope == 2 && tune.smem_cap == 0 {
-                    let att = ops::v4_smem_bytes(d.head_dim) + 6 * 1024;
-                    ops::StreamTune {
-                        smem_cap: (233_472usize).saturating_sub(att),
-                        ..tune
-                    }
-                } else {
-                    tune
-                };
                 ops::gemv_stream(g, r.units(), t, h, &l.wqkv, x, &ws.q, out, tune)?;
                 mark("attn_norm+qkv+rope")?;
             } else if stream {

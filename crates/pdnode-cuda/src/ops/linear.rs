@@ -376,7 +376,7 @@ pub struct Fusion {
     /// Streamed decode steps (see [`Fusion::stream_max_tokens`]) apply RoPE and write k / v in
     /// the qkv GEMV ([`StreamOut::Rope`]) where the model has no qkv bias and no q/k norm: no
     /// RoPE launch. Not a config key (a kernel choice).
-    pub stream_rope: usize,
+    pub stream_rope: bool,
     /// Streamed decode steps whose attention splits at most this many ways (and more than once)
     /// combine its partials in the o projection's blocks ([`StreamX::Combine`]) instead of an
     /// `attention_combine` launch (0: never). Not a config key (a kernel choice).
@@ -403,7 +403,7 @@ impl Default for Fusion {
             stream_max_tokens: 1,
             stream_smem_kib: 0,
             stream_l2_ahead: 0,
-            stream_rope: 1,
+            stream_rope: true,
             stream_combine_max_splits: 8,
         }
     }
@@ -419,7 +419,7 @@ impl Fusion {
         stream_max_tokens: 0,
         stream_smem_kib: 0,
         stream_l2_ahead: 0,
-        stream_rope: 0,
+        stream_rope: false,
         stream_combine_max_splits: 0,
     };
 }

@@ -270,14 +270,11 @@ fn streaming_steps_match(spec: &ModelSpec, name: &str) {
     assert!(!plain.streams_step(1));
     let mut unfused = CudaBackend::new(spec, &w, &opts(1, true), "test".into()).unwrap();
     unfused.set_fusion(Fusion {
-        stream_rope: 0,
+        stream_rope: false,
         stream_combine_max_splits: 0,
         ..on
     });
-    assert!(
-        on.stream_rope > 0 && on.stream_combine_max_splits > 0,
-        "{on:?}"
-    );
+    assert!(on.stream_rope && on.stream_combine_max_splits > 0, "{on:?}");
     let seed: u64 = rng.random();
     plain.fill_kv_random(seed).unwrap();
     bes[0].fill_kv_random(seed).unwrap();

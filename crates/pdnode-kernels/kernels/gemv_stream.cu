@@ -30,8 +30,8 @@
 // x[t, h * hd + d] = bf16(A / L) over partitions z of token t, head h, with part_ml [T nh
 // nsplit][2] (max in natural log, sum) and part_acc [T nh nsplit][hd]; in = nh * hd, hd % 4 ==
 // 0; up to GS_COMB_FAST partitions every load issued before the first is used. The combine
-// launch (and its release) goes away; the producer then waits for the previous kernel (the
-// attention) before its first copy, so the o projection's stream does not slow the attention.
+// launch (and its release) goes away: the o projection's weights stream while its blocks
+// combine.
 //
 // mode: GS_BF16 y bf16 [T, units]; GS_F32 y f32 = sum; GS_F32_ACC y f32 += sum; GS_GLU y bf16
 // [T, units] = silu(g) * u with g, u rounded to bf16 first (as the unfused gate_up output is);
@@ -167,11 +167,8 @@ __device__ __forceinline__ void gemv_stream_impl(const bf16_t* __restrict__ w,
     }
     __syncthreads();
     if (warp == GS_CONSUMERS) {
-        // the producer: no wait on the previous kernel (it reads only weights), except behind
-        // the attention whose partials it combines: streaming during the attention slowed it
-        // from 5.6 to 10.7 us a layer (its latency-bound loads queue behind the stream)
+        // the producer: no wait on the previous kernel (it reads only weights)
         PD_GRID_LAUNCH_DEPENDENTS();
-        if (aux.nsplit > 0) PD_GRID_WAIT_ONLY();
         if (lane == 0) {
             // units past the ring's first fill, `ahead` of their copy, into L2 (ahead 0: none)
             auto prefetch = [&](int k) {

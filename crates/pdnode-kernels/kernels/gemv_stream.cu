@@ -29,9 +29,8 @@
 // attention_combine computes them (the same expressions, partitions in the same order):
 // x[t, h * hd + d] = bf16(A / L) over partitions z of token t, head h, with part_ml [T nh
 // nsplit][2] (max in natural log, sum) and part_acc [T nh nsplit][hd]; in = nh * hd, hd % 4 ==
-// 0; up to GS_COMB_FAST partitions every load issued before the first is used. The combine
-// launch (and its release) goes away: the o projection's weights stream while its blocks
-// combine.
+// 0. The combine launch (and its release) goes away: the o projection's weights stream while
+// its blocks combine.
 //
 // mode: GS_BF16 y bf16 [T, units]; GS_F32 y f32 = sum; GS_F32_ACC y f32 += sum; GS_GLU y bf16
 // [T, units] = silu(g) * u with g, u rounded to bf16 first (as the unfused gate_up output is);
@@ -44,7 +43,7 @@
 // x (T * in bf16), for GS_F32_ACC the y values (T * ceil(units / grid) f32), each rounded up to
 // 128 bytes, then `stages` stages of a unit each: 1 <= stages <= GS_MAX_STAGES. Consumer warps:
 // nc = the largest count <= GS_CONSUMERS that divides `stages` (a stage's units all go to one
-// consumer warp); the host keeps stages a multiple of 8 from 8 on (all 8 warps).
+// consumer warp); the host keeps nc >= 6 from 8 stages on.
 #define GS_CONSUMERS 8
 #define GS_THREADS (32 * GS_CONSUMERS + 32)
 #define GS_MAX_STAGES 32
@@ -54,7 +53,6 @@
 #define GS_F32_ACC 2
 #define GS_GLU 3
 #define GS_ROPE 4
-#define GS_COMB_FAST 8  // most partitions of the combined x's all-loads-first path
 
 // The operands of GS_ROPE and of the combined x (zero where unused), passed by value.
 struct GsAux {
@@ -88,44 +86,6 @@ __device__ __forceinline__ void gs_prefetch_l2(const void* src, unsigned bytes) 
 }
 
 // PTX-END
-
-// The combined x (GsAux::nsplit > 0): the first partial of element e's (token, head).
-__device__ __forceinline__ i64 gs_comb_part(const GsAux& aux, int in, int e) {
-    const int t = e / in, h = (e - t * in) / aux.hd;
-    return ((i64)t * aux.nh + h) * aux.nsplit;
-}
-
-// bf16(A / L) of four elements into x (L == 0: no key, zeros), as attention_combine writes.
-__device__ __forceinline__ void gs_comb_store(float4 A, float L, bf16_t* x) {
-    uint2 p;
-    p.x = (unsigned)f2bf(L > 0.f ? A.x / L : 0.f) | ((unsigned)f2bf(L > 0.f ? A.y / L : 0.f) << 16);
-    p.y = (unsigned)f2bf(L > 0.f ? A.z / L : 0.f) | ((unsigned)f2bf(L > 0.f ? A.w / L : 0.f) << 16);
-    *(uint2*)x = p;
-}
-
-// attention_combine on loaded partials ml [2 ns] (max, sum) and a [ns] (four dims each).
-__device__ __forceinline__ void gs_comb_write(const float* ml, const float4* a, int cap, int ns,
-                                              bf16_t* x) {
-    float M = -INFINITY;
-#pragma unroll
-    for (int z = 0; z < cap; z++)
-        if (z < ns) M = fmaxf(M, ml[2 * z]);
-    float L = 0.f;
-    float4 A = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int z = 0; z < cap; z++) {
-        if (z >= ns) continue;
-        const float mz = ml[2 * z];
-        if (mz == -INFINITY) continue;
-        const float wz = __expf(mz - M);
-        L += ml[2 * z + 1] * wz;
-        A.x += a[z].x * wz;
-        A.y += a[z].y * wz;
-        A.z += a[z].z * wz;
-        A.w += a[z].w * wz;
-    }
-    gs_comb_store(A, L, x);
-}
 
 template <int MT>
 __device__ __forceinline__ void gemv_stream_impl(const bf16_t* __restrict__ w,
@@ -234,58 +194,35 @@ __device__ __forceinline__ void gemv_stream_impl(const bf16_t* __restrict__ w,
             }
             ws_turn_wait(0);  // red free again
         }
-    } else if (aux.nsplit > 0 && aux.nsplit <= GS_COMB_FAST) {
-        // up to GS_COMB_FAST partitions: two groups a step, every partial's load issued before
-        // the first is used (one round trip a step, not one a partition)
-        const int n4 = (T * in) >> 2;
-        for (int i = tid; i < n4; i += 2 * 32 * GS_CONSUMERS) {
-            float ml[2][2 * GS_COMB_FAST];
-            float4 a[2][GS_COMB_FAST];
-#pragma unroll
-            for (int q = 0; q < 2; q++) {
-                const int gi = i + q * 32 * GS_CONSUMERS;
-                const i64 base = gi < n4 ? gs_comb_part(aux, in, gi << 2) : 0;
-                const int d = gi < n4 ? ((gi << 2) % in) % aux.hd : 0;
-#pragma unroll
-                for (int z = 0; z < GS_COMB_FAST; z++) {
-                    const bool ok = gi < n4 && z < aux.nsplit;
-                    const i64 pi = base + z;
-                    ml[q][2 * z] = ok ? aux.part_ml[pi * 2] : -INFINITY;
-                    ml[q][2 * z + 1] = ok ? aux.part_ml[pi * 2 + 1] : 0.f;
-                    a[q][z] = ok ? *(const float4*)(aux.part_acc + pi * aux.hd + d)
-                                 : make_float4(0.f, 0.f, 0.f, 0.f);
-                }
-            }
-#pragma unroll
-            for (int q = 0; q < 2; q++) {
-                const int gi = i + q * 32 * GS_CONSUMERS;
-                if (gi < n4) gs_comb_write(ml[q], a[q], GS_COMB_FAST, aux.nsplit, xs + (gi << 2));
-            }
-        }
     } else if (aux.nsplit > 0) {
         // attention_combine, four elements (one head, dims d .. d + 3) a step
+        const int ns = aux.nsplit, hd = aux.hd;
         const int n4 = (T * in) >> 2;
         for (int i = tid; i < n4; i += 32 * GS_CONSUMERS) {
             const int e = i << 2;
-            const i64 base = gs_comb_part(aux, in, e);
-            const int d = (e % in) % aux.hd;
-            const float* ml = aux.part_ml + base * 2;
+            const int t = e / in, r = e - t * in;
+            const int h = r / hd, d = r - h * hd;
+            const i64 th = (i64)t * aux.nh + h;
+            const float* ml = aux.part_ml + th * ns * 2;
             float M = -INFINITY;
-            for (int z = 0; z < aux.nsplit; z++) M = fmaxf(M, ml[2 * z]);
+            for (int z = 0; z < ns; z++) M = fmaxf(M, ml[2 * z]);
             float L = 0.f;
             float4 A = make_float4(0.f, 0.f, 0.f, 0.f);
-            for (int z = 0; z < aux.nsplit; z++) {
+            for (int z = 0; z < ns; z++) {
                 const float mz = ml[2 * z];
                 if (mz == -INFINITY) continue;
                 const float wz = __expf(mz - M);
                 L += ml[2 * z + 1] * wz;
-                const float4 av = *(const float4*)(aux.part_acc + (base + z) * aux.hd + d);
-                A.x += av.x * wz;
-                A.y += av.y * wz;
-                A.z += av.z * wz;
-                A.w += av.w * wz;
+                const float4 a = *(const float4*)(aux.part_acc + (th * ns + z) * hd + d);
+                A.x += a.x * wz;
+                A.y += a.y * wz;
+                A.z += a.z * wz;
+                A.w += a.w * wz;
             }
-            gs_comb_store(A, L, xs + e);
+            uint2 p;
+            p.x = (unsigned)f2bf(L > 0.f ? A.x / L : 0.f) | ((unsigned)f2bf(L > 0.f ? A.y / L : 0.f) << 16);
+            p.y = (unsigned)f2bf(L > 0.f ? A.z / L : 0.f) | ((unsigned)f2bf(L > 0.f ? A.w / L : 0.f) << 16);
+            *(uint2*)(xs + e) = p;
         }
     } else {
         const int nx = (T * in) >> 3;

@@ -404,7 +404,7 @@ impl Default for Fusion {
             stream_smem_kib: 0,
             stream_l2_ahead: 0,
             stream_rope: true,
-            stream_combine_max_splits: 8,
+            stream_combine_max_splits: 64,
         }
     }
 }

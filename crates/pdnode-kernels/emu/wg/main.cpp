@@ -423,7 +423,6 @@ int main() {
     case_combine(1, 1, 2, 32, 1, 9, 9, 1);
     case_combine(2, 2, 4, 8, 5, 33, 2, 6);
     case_combine(4, 3, 2, 16, 33, 21, 4, 4);        // the last token without a key
-    case_combine(1, 2, 8, 16, 8, 30, 2, 8);         // the fast path's most partitions
     // (nh, nkv, block size, start, n, window)
     case_attn(2, 1, 16, 0, 1, 0);
     case_attn(2, 2, 16, 63, 1, 0);

@@ -23,13 +23,12 @@ pub struct StepVariant {
 }
 
 impl StepVariant {
-    /// `s<N>n<M>[w<W>][p<P>][g<G>][m<K>][a<A>][r<R>][c<C>]` (SwiGLU fused into gate_up up to N
-    /// tokens, the RMSNorm into the o/down GEMV up to M, W warps a block of the fused gate_up
-    /// launch, PDL for decode steps of up to P rows, the streaming GEMVs for steps of up to G
-    /// rows with at most K KiB of shared memory a block and A rows prefetched into L2 ahead, R = 1
-    /// RoPE in their qkv, the attention combined in their o projection up to C splits; W, P, G,
-    /// K, A, R and C 0 when absent: the 4-warp launch, no small-step PDL, no streaming, the most
-    /// shared memory, no L2 prefetch, RoPE and combine launched) or
+    /// `s<N>n<M>[w<W>][p<P>][g<G>][m<K>][a<A>]` (SwiGLU fused into gate_up up to N tokens, the
+    /// RMSNorm into the o/down GEMV up to M, W warps a block of the fused gate_up launch, PDL for
+    /// decode steps of up to P rows, the streaming GEMVs for steps of up to G rows with at most K
+    /// KiB of shared memory a block and A rows prefetched into L2 ahead; W, P, G, K and A 0 when
+    /// absent: the 4-warp launch, no small-step PDL, no streaming, the most shared memory, no
+    /// L2 prefetch) or
     /// `default` (`Fusion::default()`), then optionally `/<attention>` (a name of
     /// `engine.cuda.attention`, default `auto`, optionally with `@<waves>`: the v4 partitions'
     /// waves, default [`ops::V4_WAVES`]), then optionally `+pdl`.
@@ -52,10 +51,10 @@ impl StepVariant {
             Fusion::default()
         } else {
             // letter-number pairs: s and n required, w, p, g, m and a optional (0 when absent)
-            let mut vals = [None::<usize>; 9];
+            let mut vals = [None::<usize>; 7];
             let mut rest = body;
             while let Some(c) = rest.chars().next() {
-                let k = "snwpgmarc".find(c)?;
+                let k = "snwpgma".find(c)?;
                 let digits = rest[1..].chars().take_while(char::is_ascii_digit).count();
                 vals[k] = Some(rest[1..1 + digits].parse().ok()?);
                 rest = &rest[1 + digits..];
@@ -68,8 +67,6 @@ impl StepVariant {
                 stream_max_tokens: vals[4].unwrap_or(0),
                 stream_smem_kib: vals[5].unwrap_or(0),
                 stream_l2_ahead: vals[6].unwrap_or(0),
-                stream_rope: vals[7].unwrap_or(0) != 0,
-                stream_combine_max_splits: vals[8].unwrap_or(0),
             }
         };
         Some(StepVariant {
@@ -206,13 +203,6 @@ mod tests {
             StepVariant::parse("s8n0").unwrap().fusion.stream_max_tokens,
             0
         );
-        let v = StepVariant::parse("s8n0w8p4g1r1c8").unwrap();
-        assert_eq!(
-            (v.fusion.stream_rope, v.fusion.stream_combine_max_splits),
-            (true, 8)
-        );
-        let v = StepVariant::parse("s8n0w8p4g1").unwrap().fusion;
-        assert_eq!((v.stream_rope, v.stream_combine_max_splits), (false, 0));
         let v = StepVariant::parse("s2n0/v2+pdl").unwrap();
         assert_eq!(v.fusion.glu_warps, 0);
         assert_eq!(

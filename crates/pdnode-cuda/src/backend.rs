@@ -504,27 +504,9 @@ impl CudaBackend {
             w: nw,
             eps: s.rms_norm_eps,
         };
-        let fusion = self.opts.fusion;
         let mut normed = false;
         for (li, l) in w.layers.iter().enumerate() {
-            // a pure decode step through gemv_stream: RoPE in the qkv GEMV (no launch of its own)
-            // where the layer has no qkv bias and no q/k norm
-            let plain = l.bqkv.is_none() && l.q_norm.is_none() && l.k_norm.is_none();
-            let fused_rope = stream && fusion.stream_rope && plain && p.long.is_empty();
-            if fused_rope {
-                let x = norm_x(&l.attn_norm);
-                let r = ops::StreamRope::new(
-                    d,
-                    &w.inv_freq,
-                    m(p.off.pos),
-                    m(p.off.slots),
-                    &self.pool,
-                    li,
-                )?;
-                let out = ops::StreamOut::Rope(r);
-                ops::gemv_stream(g, r.units(), t, h, &l.wqkv, x, &ws.q, out, tune)?;
-                mark("attn_norm+qkv+rope")?;
-            } else if stream {
+            if stream {
                 let x = norm_x(&l.attn_norm);
                 ops::gemv_stream(
                     g,
@@ -557,31 +539,27 @@ impl CudaBackend {
                 )?;
                 mark("qkv")?;
             }
-            if !fused_rope {
-                ops::rope_qkv(
-                    g,
-                    d,
-                    &ws.qkv,
-                    l.bqkv.as_ref(),
-                    l.q_norm.as_ref(),
-                    l.k_norm.as_ref(),
-                    &w.inv_freq,
-                    m(p.off.pos),
-                    m(p.off.slots),
-                    t,
-                    &ws.q,
-                    &self.pool,
-                    li,
-                    s.rms_norm_eps,
-                )?;
-                mark("rope_kv_write")?;
-            }
+            ops::rope_qkv(
+                g,
+                d,
+                &ws.qkv,
+                l.bqkv.as_ref(),
+                l.q_norm.as_ref(),
+                l.k_norm.as_ref(),
+                &w.inv_freq,
+                m(p.off.pos),
+                m(p.off.slots),
+                t,
+                &ws.q,
+                &self.pool,
+                li,
+                s.rms_norm_eps,
+            )?;
+            mark("rope_kv_write")?;
             if let Some(run) = stage.as_mut() {
                 // This layer's KV is final: at a group's end, its gather and the hand-off.
                 self.stage_after_layer(run, li)?;
             }
-            // splits of the attention whose partials the o projection combines (0: none)
-            let mut combine_in_o = 0;
             if p.short_len > 0 {
                 let meta = AttnMeta {
                     tok_seq: m(p.off.tok_seq),
@@ -592,7 +570,7 @@ impl CudaBackend {
                     window: s.attention_window(li).unwrap_or(0),
                 };
                 let list = (!p.long.is_empty()).then(|| (m(p.off.short), p.short_len));
-                let nsplit = ops::paged_attention_parts(
+                ops::paged_attention_ex(
                     g,
                     d,
                     &ws.q,
@@ -606,16 +584,6 @@ impl CudaBackend {
                     self.opts.attention,
                 )?;
                 mark("attention")?;
-                // a pure decode step through gemv_stream: the o projection combines a few splits
-                let in_o =
-                    stream && p.long.is_empty() && nsplit <= fusion.stream_combine_max_splits;
-                if nsplit > 1 && in_o {
-                    combine_in_o = nsplit;
-                } else if nsplit > 1 {
-                    let (nh, hd) = (d.num_heads, d.head_dim);
-                    ops::attention_combine(g, nh, hd, nsplit, list, t, &attn_ws, &ws.attn)?;
-                    mark("attention_combine")?;
-                }
             }
             if !p.long.is_empty() {
                 self.prefill.run(
@@ -635,17 +603,17 @@ impl CudaBackend {
             }
             if stream {
                 let acc = ops::StreamOut::F32Acc;
-                let x = if combine_in_o > 0 {
-                    ops::StreamX::Combine {
-                        part_ml: &ws.part_ml,
-                        part_acc: &ws.part_acc,
-                        nsplit: combine_in_o,
-                        heads: d.num_heads,
-                    }
-                } else {
-                    ops::StreamX::Bf16(&ws.attn)
-                };
-                ops::gemv_stream(g, h, t, qd, &l.wo, x, &ws.resid, acc, tune)?;
+                ops::gemv_stream(
+                    g,
+                    h,
+                    t,
+                    qd,
+                    &l.wo,
+                    ops::StreamX::Bf16(&ws.attn),
+                    &ws.resid,
+                    acc,
+                    tune,
+                )?;
                 mark("o_proj")?;
                 let x = norm_x(&l.mlp_norm);
                 let glu = ops::StreamOut::Glu;
@@ -739,8 +707,6 @@ impl CudaBackend {
             && ops::stream_available(&self.gpu)
             && ops::rmsnorm_vector_block(h, &[ws.resid.ptr()], 0).is_some_and(|b| b <= 256)
             && fits(s.q_dim() + 2 * s.kv_dim(), h, ops::StreamOut::Bf16)
-            // the RoPE output's plan: row pairs, as Glu's (the plan reads only the unit size)
-            && fits((s.q_dim() + 2 * s.kv_dim()) / 2, h, ops::StreamOut::Glu)
             && fits(h, s.q_dim(), ops::StreamOut::F32Acc)
             && fits(s.intermediate_size, h, ops::StreamOut::Glu)
             && fits(h, s.intermediate_size, ops::StreamOut::F32Acc)

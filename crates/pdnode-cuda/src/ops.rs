@@ -387,7 +387,7 @@ pub fn fill_f32(gpu: &Gpu, p: &DevBuf, n: usize, v: f32) -> Result<(), CudaError
 }
 
 /// Attention geometry shared by the RoPE and attention kernels.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy)]
 pub struct AttnDims {
     pub num_heads: usize,
     pub num_kv_heads: usize,

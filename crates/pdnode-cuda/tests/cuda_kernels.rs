@@ -11,7 +11,6 @@ mod cuda_kernels_pdl;
 mod cuda_kernels_prefill;
 mod cuda_kernels_rope;
 mod cuda_kernels_stream;
-mod cuda_kernels_stream_fused;
 mod cuda_support;
 
 use cuda_support::*;

@@ -4,7 +4,7 @@
 
 use super::super::CudaError;
 use super::super::device::{DevBuf, Gpu};
-use super::{AttnDims, BF16, F32, cfg, i32_of, launched, need, shape, u32_of};
+use super::{AttnDims, BF16, F32, cfg, launched, need, shape, u32_of};
 
 /// Split-K workspace of [`paged_attention`]: `part_ml` f32 `[rows, nsplit, 2]`,
 /// `part_acc` f32 `[rows, nsplit, hd]` with `rows = tokens * nh`.
@@ -339,89 +339,6 @@ pub fn paged_attention_ex(
     ws: &AttnWorkspace<'_>,
     choice: impl Into<AttnChoice>,
 ) -> Result<(), CudaError> {
-    let nsplit = paged_attention_parts(
-        gpu,
-        d,
-        q,
-        pool,
-        layer,
-        meta,
-        total_tokens,
-        list,
-        out,
-        ws,
-        choice,
-    )?;
-    if nsplit > 1 {
-        attention_combine(
-            gpu,
-            d.num_heads,
-            d.head_dim,
-            nsplit,
-            list,
-            total_tokens,
-            ws,
-            out,
-        )?;
-    }
-    Ok(())
-}
-
-/// `attention_combine`: `out` `[tokens, nh, hd]` from the `nsplit` partials in `ws` of the
-/// tokens [`paged_attention_parts`] served (all `total_tokens`, or those in `list`).
-#[allow(clippy::too_many_arguments)]
-pub fn attention_combine(
-    gpu: &Gpu,
-    nh: usize,
-    hd: usize,
-    nsplit: usize,
-    list: Option<(u64, usize)>,
-    total_tokens: usize,
-    ws: &AttnWorkspace<'_>,
-    out: &DevBuf,
-) -> Result<(), CudaError> {
-    const OP: &str = "attention_combine";
-    need(OP, "out", out, total_tokens * nh * hd * BF16)?;
-    let parts = total_tokens * nh * nsplit;
-    need(OP, "part_acc", ws.part_acc, parts * hd * F32)?;
-    need(OP, "part_ml", ws.part_ml, parts * 2 * F32)?;
-    let grid_tokens = list.map_or(total_tokens, |l| l.1);
-    if grid_tokens == 0 || nsplit == 0 {
-        return Ok(());
-    }
-    let f = gpu.kernel(OP)?;
-    let (hd_i, ns, nh_i) = (i32_of(OP, hd)?, i32_of(OP, nsplit)?, i32_of(OP, nh)?);
-    let list_ptr = list.map_or(0u64, |l| l.0);
-    let mut b = gpu.launch_builder(f);
-    b.arg(ws.part_ml.ptr_ref())
-        .arg(ws.part_acc.ptr_ref())
-        .arg(out.ptr_ref())
-        .arg(&hd_i)
-        .arg(&ns)
-        .arg(&list_ptr)
-        .arg(&nh_i);
-    // SAFETY: workspace and output sizes checked above; listed tokens < total_tokens (caller).
-    unsafe { b.launch(cfg((u32_of(OP, grid_tokens * nh)?, 1, 1), 128)) }.map_err(launched(OP))
-}
-
-/// [`paged_attention_ex`] without the combine: launches the attention kernel and returns its
-/// split count. 1: `out` holds the result; more: the partials in `ws` do (`part_ml` / `part_acc`
-/// `[tokens nh nsplit]`), for [`attention_combine`] or a consumer that combines them itself
-/// (`StreamX::Combine`); 0: no token to serve.
-#[allow(clippy::too_many_arguments)]
-pub fn paged_attention_parts(
-    gpu: &Gpu,
-    d: &AttnDims,
-    q: &DevBuf,
-    pool: &DevBuf,
-    layer: usize,
-    meta: &AttnMeta,
-    total_tokens: usize,
-    list: Option<(u64, usize)>,
-    out: &DevBuf,
-    ws: &AttnWorkspace<'_>,
-    choice: impl Into<AttnChoice>,
-) -> Result<usize, CudaError> {
     const OP: &str = "paged_attention";
     let choice: AttnChoice = choice.into();
     d.check(OP)?;
@@ -442,7 +359,7 @@ pub fn paged_attention_parts(
     )?;
     let grid_tokens = list.map_or(total_tokens, |l| l.1);
     if grid_tokens == 0 {
-        return Ok(0);
+        return Ok(());
     }
     // an explicit kernel the head_dim rules out is a shape error, not a silent substitute
     let variant = match choice.variant {
@@ -570,7 +487,22 @@ pub fn paged_attention_parts(
     // block ids < num_blocks, listed tokens < total_tokens); the v4 kernels were allowed
     // dyn_smem bytes of dynamic shared memory (prefer_shared_memory).
     unsafe { b.launch(lc) }.map_err(launched(OP))?;
-    Ok(nsplit)
+    if nsplit > 1 {
+        let f = gpu.kernel("attention_combine")?;
+        let ns = nsplit as i32;
+        let mut b = gpu.launch_builder(f);
+        b.arg(ws.part_ml.ptr_ref())
+            .arg(ws.part_acc.ptr_ref())
+            .arg(out.ptr_ref())
+            .arg(&hd_i)
+            .arg(&ns)
+            .arg(&list_ptr)
+            .arg(&nh_i);
+        // SAFETY: workspace sizes checked above.
+        unsafe { b.launch(cfg((u32_of(OP, grid_tokens * nh)?, 1, 1), 128)) }
+            .map_err(launched("attention_combine"))?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

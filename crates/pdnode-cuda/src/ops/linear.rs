@@ -373,14 +373,6 @@ pub struct Fusion {
     /// Rows a [`gemv_stream`] producer of the decode step prefetches into L2 ahead of their
     /// copy, beyond its shared-memory ring (0: none). Not a config key (a launch knob).
     pub stream_l2_ahead: usize,
-    /// Streamed decode steps (see [`Fusion::stream_max_tokens`]) apply RoPE and write k / v in
-    /// the qkv GEMV ([`StreamOut::Rope`]) where the model has no qkv bias and no q/k norm: no
-    /// RoPE launch. Not a config key (a kernel choice).
-    pub stream_rope: bool,
-    /// Streamed decode steps whose attention splits at most this many ways (and more than once)
-    /// combine its partials in the o projection's blocks ([`StreamX::Combine`]) instead of an
-    /// `attention_combine` launch (0: never). Not a config key (a kernel choice).
-    pub stream_combine_max_splits: usize,
 }
 
 impl Fusion {
@@ -403,8 +395,6 @@ impl Default for Fusion {
             stream_max_tokens: 1,
             stream_smem_kib: 0,
             stream_l2_ahead: 0,
-            stream_rope: true,
-            stream_combine_max_splits: 64,
         }
     }
 }
@@ -419,8 +409,6 @@ impl Fusion {
         stream_max_tokens: 0,
         stream_smem_kib: 0,
         stream_l2_ahead: 0,
-        stream_rope: false,
-        stream_combine_max_splits: 0,
     };
 }
 

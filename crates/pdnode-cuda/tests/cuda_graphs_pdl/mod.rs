@@ -224,9 +224,7 @@ fn small_decode_steps_with_pdl_match_plain_launches() {
 /// grid-dependency wait): a backend with small-step PDL against two without, all streaming,
 /// bit-identical eager and replayed (the early copies read only weights, so PDL changes
 /// nothing); steps of 8 and 33 rows do not stream. Then a streaming backend against one that
-/// does not: the same tokens' logits within bf16 rounding (the sums run in another order); and
-/// against one that streams without its fusions (RoPE in the qkv GEMV, the attention combined
-/// in the o projection's blocks): the same bits.
+/// does not: the same tokens' logits within bf16 rounding (the sums run in another order).
 fn streaming_steps_match(spec: &ModelSpec, name: &str) {
     use pdnode_cuda::ops::{Fusion, STREAM_MAX_TOKENS};
     let mut rng = rng(name);
@@ -268,17 +266,9 @@ fn streaming_steps_match(spec: &ModelSpec, name: &str) {
         ..on
     });
     assert!(!plain.streams_step(1));
-    let mut unfused = CudaBackend::new(spec, &w, &opts(1, true), "test".into()).unwrap();
-    unfused.set_fusion(Fusion {
-        stream_rope: false,
-        stream_combine_max_splits: 0,
-        ..on
-    });
-    assert!(on.stream_rope && on.stream_combine_max_splits > 0, "{on:?}");
     let seed: u64 = rng.random();
     plain.fill_kv_random(seed).unwrap();
     bes[0].fill_kv_random(seed).unwrap();
-    unfused.fill_kv_random(seed).unwrap();
     let mut free: Vec<u32> = (0..NUM_BLOCKS).collect();
     free.shuffle(&mut rng);
     let mut worst = 0f32;
@@ -291,16 +281,6 @@ fn streaming_steps_match(spec: &ModelSpec, name: &str) {
         let (a, p) = (
             bes[0].forward(&b).unwrap().data,
             plain.forward(&b).unwrap().data,
-        );
-        let u = unfused.forward(&b).unwrap().data;
-        let differ = a
-            .iter()
-            .zip(&u)
-            .filter(|(x, y)| x.to_bits() != y.to_bits())
-            .count();
-        assert_eq!(
-            differ, 0,
-            "{name}: {n} rows: fused and unfused streaming logits differ"
         );
         let scale = p.iter().fold(0f32, |m, v| m.max(v.abs()));
         let diff = a
@@ -315,8 +295,7 @@ fn streaming_steps_match(spec: &ModelSpec, name: &str) {
         "{name}: streamed logits off by {worst:e} of the largest"
     );
     println!(
-        "GRAPH streaming {name}: PASS, against the unstreamed step max |diff| {worst:.1e} of the largest logit, \
-         the same bits without RoPE / combine fused"
+        "GRAPH streaming {name}: PASS, against the unstreamed step max |diff| {worst:.1e} of the largest logit"
     );
 }
 

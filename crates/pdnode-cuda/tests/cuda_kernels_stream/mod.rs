@@ -35,7 +35,6 @@ fn host_stream(
                     );
                     (g / (1.0 + (-g).exp()) * up) as f32
                 }
-                StreamOut::Rope(_) => unreachable!("cuda_kernels_stream_fused tests RoPE"),
             }
         })
         .collect()

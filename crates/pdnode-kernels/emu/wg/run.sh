@@ -8,9 +8,8 @@
 # fragment layouts; mbarriers with arrival and transaction counts, named barriers, cp.async, TMA
 # boxes from the emulator's own tensor map, 1-d bulk copies), and runs main.cpp: GQA, block sizes
 # 4-256 (the ws kernel from 8), cached prefixes, windows, NaN in the pool past each context,
-# against an f64 reference; gemv_stream at 1-4 tokens, every output mode (RoPE into q and the
-# paged pool included), x given, normed or combined from attention partials in the kernel,
-# fewer and more stages than consumer warps. Two modes: copies landing as late as a waiter needs them (deferred), and at once
+# against an f64 reference; gemv_stream at 1-4 tokens, every output mode, x given or normed
+# in the kernel, fewer and more stages than consumer warps. Two modes: copies landing as late as a waiter needs them (deferred), and at once
 # (EMU_SYNC=1). Not modelled: the register pool setmaxnreg draws on. Needs g++ (C++17).
 # Usage: crates/pdnode-kernels/emu/wg/run.sh   (about a minute)
 set -euo pipefail

@@ -3,16 +3,12 @@
 //! of weight rows, bulk copies into a ring of stages issued before the kernel waits on the
 //! previous one (under programmatic dependent launch the weights stream while that kernel
 //! drains), and optionally the RMSNorm of its input computed in the block (add_rmsnorm_v4's
-//! arithmetic), so the decode step needs no norm launch before qkv and gate_up; its qkv can
-//! apply RoPE and write k / v into the paged pool ([`StreamOut::Rope`]) and its o projection can
-//! combine the attention's split-K partials itself ([`StreamX::Combine`]), so a one-row decode
-//! layer needs neither the RoPE nor the combine launch.
+//! arithmetic), so the decode step needs no norm launch before qkv and gate_up.
 
 use super::super::super::CudaError;
 use super::super::super::device::{DevBuf, Gpu};
-use super::super::{AttnDims, cfg, launched, need, rmsnorm_vector_block, shape, u32_of};
+use super::super::{cfg, launched, need, rmsnorm_vector_block, shape, u32_of};
 use super::{BF16, F32, i32_of};
-use cudarc::driver::DeviceRepr;
 
 /// Most token rows [`gemv_stream`] takes (the `gemv_stream_t4` kernel).
 pub const STREAM_MAX_TOKENS: usize = 4;
@@ -33,11 +29,6 @@ const NORM_MAX_THREADS: u32 = 256;
 /// What [`gemv_stream`] writes: `y[t, u]` for the `units` rows of w.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StreamOut {
-    /// RoPE on the fused qkv output (no bias, no q/k norm; `rope_qkv`'s arithmetic on the bf16
-    /// qkv values, so bit for bit the unfused qkv + `rope_qkv`): w the `[(nh + 2 nkv) hd, inp]`
-    /// qkv weight, `units` = its rows / 2 (a unit: rows `j hd + i` and `j hd + i + hd / 2` of
-    /// head j), y = q `[tokens, nh, hd]` bf16, k and v into the pool at the tokens' slots.
-    Rope(StreamRope),
     /// bf16 `y = x W^T` (qkv).
     Bf16,
     /// f32 `y = x W^T`.
@@ -56,90 +47,16 @@ impl StreamOut {
             StreamOut::F32 => 1,
             StreamOut::F32Acc => 2,
             StreamOut::Glu => 3,
-            StreamOut::Rope(_) => 4,
         }
     }
 
     fn y_bytes(self) -> usize {
         match self {
-            StreamOut::Bf16 | StreamOut::Glu | StreamOut::Rope(_) => BF16,
+            StreamOut::Bf16 | StreamOut::Glu => BF16,
             StreamOut::F32 | StreamOut::F32Acc => F32,
         }
     }
-
-    /// Whether a unit is two weight rows.
-    fn pair(self) -> bool {
-        matches!(self, StreamOut::Glu | StreamOut::Rope(_))
-    }
 }
-
-/// The targets of [`StreamOut::Rope`] (built by [`StreamRope::new`], which checks them as
-/// `rope_qkv` does).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct StreamRope {
-    inv_freq: u64,
-    pos: u64,
-    slots: u64,
-    layer_kv: u64,
-    dims: AttnDims,
-}
-
-impl StreamRope {
-    /// RoPE with `inv_freq` (f32 `[hd / 2]`) at positions `pos` (device i32 `[tokens]`), k / v
-    /// into layer `layer` of `pool` at `slots` (device i64 `[tokens]`, `block * block_size +
-    /// slot`, each below `num_blocks * block_size`: the caller's metadata, as for `rope_qkv`).
-    pub fn new(
-        d: &AttnDims,
-        inv_freq: &DevBuf,
-        pos: u64,
-        slots: u64,
-        pool: &DevBuf,
-        layer: usize,
-    ) -> Result<StreamRope, CudaError> {
-        const OP: &str = "gemv_stream (rope)";
-        d.check(OP)?;
-        shape(OP, d.head_dim.is_multiple_of(2), || {
-            format!("head_dim {} is odd", d.head_dim)
-        })?;
-        need(OP, "inv_freq", inv_freq, d.head_dim / 2 * F32)?;
-        need(OP, "pool", pool, (layer + 1) * d.layer_elems() * BF16)?;
-        Ok(StreamRope {
-            inv_freq: inv_freq.ptr(),
-            pos,
-            slots,
-            layer_kv: pool.at(layer * d.layer_elems() * BF16),
-            dims: *d,
-        })
-    }
-
-    /// Units of the qkv GEMV: (nh + 2 nkv) hd / 2 row pairs.
-    pub fn units(&self) -> usize {
-        let d = &self.dims;
-        (d.num_heads + 2 * d.num_kv_heads) * d.head_dim / 2
-    }
-}
-
-/// The kernel's `GsAux` (gemv_stream.cu): the operands of the RoPE output and the combined x,
-/// zero where unused; passed by value.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
-struct GsAux {
-    inv_freq: u64,
-    pos: u64,
-    slots: u64,
-    layer_kv: u64,
-    part_ml: u64,
-    part_acc: u64,
-    nh: i32,
-    nkv: i32,
-    hd: i32,
-    block_size: i32,
-    nsplit: i32,
-    pad: i32,
-}
-
-// SAFETY: plain old data with the C layout of the kernel's struct (six pointers, six ints).
-unsafe impl DeviceRepr for GsAux {}
 
 /// The input of [`gemv_stream`].
 #[derive(Debug, Clone, Copy)]
@@ -152,16 +69,6 @@ pub enum StreamX<'a> {
         resid: &'a DevBuf,
         w: &'a DevBuf,
         eps: f32,
-    },
-    /// The attention's output from its `nsplit` split-K partials (`paged_attention_parts`),
-    /// combined in every block exactly as `attention_combine` does: `part_ml` f32 `[tokens
-    /// heads nsplit][2]`, `part_acc` f32 `[tokens heads nsplit][hd]` (16-byte aligned), `inp =
-    /// heads * hd`, `hd % 4 == 0`.
-    Combine {
-        part_ml: &'a DevBuf,
-        part_acc: &'a DevBuf,
-        nsplit: usize,
-        heads: usize,
     },
 }
 
@@ -183,8 +90,7 @@ pub struct StreamPlan {
     pub kernel: &'static str,
     /// Blocks: one an SM, at most one a unit.
     pub blocks: usize,
-    /// Stages of the ring: from 8 on a multiple of 8, 7 or 6 (the consumer warps, each owning
-    /// whole stages).
+    /// Stages of the ring: a multiple of 8 from 8 on (one consumer warp a stage).
     pub stages: usize,
     /// Dynamic shared memory, bytes.
     pub smem: usize,
@@ -216,7 +122,7 @@ pub fn stream_plan(
         2 => "gemv_stream_t2",
         _ => "gemv_stream_t4",
     };
-    let unit = inp * BF16 * if out.pair() { 2 } else { 1 };
+    let unit = inp * BF16 * if out == StreamOut::Glu { 2 } else { 1 };
     let blocks = sm_count.max(1).min(units);
     let per_block = units.div_ceil(blocks);
     // x (bf16); the accumulated y values of a block (F32Acc)
@@ -234,10 +140,8 @@ pub fn stream_plan(
     };
     let fit = cap.checked_sub(fixed)? / unit;
     let mut stages = fit.min(MAX_STAGES).min(per_block);
-    // from 8 stages on, a multiple of 8, 7 or 6 (the kernel's consumer warps: the largest count
-    // up to 8 dividing the stages, so each stage keeps one consumer)
-    while stages > CONSUMERS && ![8, 7, 6].iter().any(|c| stages.is_multiple_of(*c)) {
-        stages -= 1;
+    if stages >= CONSUMERS {
+        stages -= stages % CONSUMERS;
     }
     // a block of one unit needs one stage; else at least two, or nothing overlaps
     (stages >= 2 || (stages == 1 && per_block == 1)).then_some(StreamPlan {
@@ -269,67 +173,14 @@ pub fn gemv_stream(
     tune: StreamTune,
 ) -> Result<(), CudaError> {
     const OP: &str = "gemv_stream";
-    let rows = if out.pair() { 2 * units } else { units };
-    need(OP, "w", w, rows * inp * BF16)?;
-    let mut aux = GsAux::default();
-    if let StreamOut::Rope(r) = out {
-        let d = &r.dims;
-        shape(OP, units == r.units(), || {
-            format!(
-                "RoPE output: {units} units, the qkv of {} + 2 x {} heads of {} has {}",
-                d.num_heads,
-                d.num_kv_heads,
-                d.head_dim,
-                r.units()
-            )
-        })?;
-        shape(OP, !matches!(x, StreamX::Combine { .. }), || {
-            "RoPE output with a combined x".into()
-        })?;
-        need(OP, "q", y, tokens * d.num_heads * d.head_dim * BF16)?;
-        aux = GsAux {
-            inv_freq: r.inv_freq,
-            pos: r.pos,
-            slots: r.slots,
-            layer_kv: r.layer_kv,
-            nh: i32_of(OP, d.num_heads)?,
-            nkv: i32_of(OP, d.num_kv_heads)?,
-            hd: i32_of(OP, d.head_dim)?,
-            block_size: i32_of(OP, d.block_size)?,
-            ..aux
-        };
+    let rows = if out == StreamOut::Glu {
+        2 * units
     } else {
-        need(OP, "y", y, tokens * units * out.y_bytes())?;
-    }
+        units
+    };
+    need(OP, "w", w, rows * inp * BF16)?;
+    need(OP, "y", y, tokens * units * out.y_bytes())?;
     let (xp, resid, nw, eps, norm_threads) = match x {
-        StreamX::Combine {
-            part_ml,
-            part_acc,
-            nsplit,
-            heads,
-        } => {
-            let hd = inp.checked_div(heads).unwrap_or(0);
-            shape(
-                OP,
-                nsplit >= 1 && hd * heads == inp && hd.is_multiple_of(4) && hd > 0,
-                || format!("combined x: {heads} heads, {nsplit} splits, width {inp}"),
-            )?;
-            let parts = tokens * heads * nsplit;
-            need(OP, "part_ml", part_ml, parts * 2 * F32)?;
-            need(OP, "part_acc", part_acc, parts * hd * F32)?;
-            shape(OP, part_acc.ptr().is_multiple_of(16), || {
-                "part_acc not 16-byte aligned".into()
-            })?;
-            aux = GsAux {
-                part_ml: part_ml.ptr(),
-                part_acc: part_acc.ptr(),
-                nh: i32_of(OP, heads)?,
-                hd: i32_of(OP, hd)?,
-                nsplit: i32_of(OP, nsplit)?,
-                ..aux
-            };
-            (0u64, 0u64, 0u64, 0f32, 0u32)
-        }
         StreamX::Bf16(x) => {
             need(OP, "x", x, tokens * inp * BF16)?;
             shape(OP, x.ptr().is_multiple_of(16), || {
@@ -398,14 +249,11 @@ pub fn gemv_stream(
         .arg(&i_i)
         .arg(&mode)
         .arg(&stages)
-        .arg(&ahead)
-        .arg(&aux);
+        .arg(&ahead);
     let mut c = cfg((u32_of(OP, plan.blocks)?, 1, 1), THREADS);
     c.shared_mem_bytes = plan.smem as u32;
-
     // SAFETY: sizes and alignment checked above; the plan keeps the launch within the kernel's
-    // contract (tokens <= its MT, stages fitting the shared memory asked for, blocks <= units);
-    // RoPE's positions and slots are the caller's metadata (slots < num_blocks * block_size).
+    // contract (tokens <= its MT, stages fitting the shared memory asked for, blocks <= units).
     unsafe { b.launch(c) }.map_err(launched(OP))?;
     Ok(())
 }
@@ -422,36 +270,15 @@ mod tests {
             (qkv.kernel, qkv.blocks, qkv.stages),
             ("gemv_stream_t1", 132, 24)
         );
-        // row pairs of 16 KiB: 13 fit, 12 stages for 6 consumer warps
         let gu = stream_plan(132, 14336, 1, 4096, StreamOut::Glu, 0).unwrap();
-        assert_eq!((gu.blocks, gu.stages), (132, 12));
-        let rope = StreamOut::Rope(StreamRope {
-            inv_freq: 0,
-            pos: 0,
-            slots: 0,
-            layer_kv: 0,
-            dims: AttnDims {
-                num_heads: 32,
-                num_kv_heads: 8,
-                head_dim: 128,
-                block_size: 16,
-                num_blocks: 1,
-            },
-        });
-        let StreamOut::Rope(r) = rope else {
-            unreachable!()
-        };
-        assert_eq!(r.units(), 3072);
-        let qkv_rope = stream_plan(132, 3072, 1, 4096, rope, 0).unwrap();
-        assert_eq!((qkv_rope.blocks, qkv_rope.stages), (132, 12));
-        assert!(qkv_rope.smem <= STREAM_SMEM_MAX, "{qkv_rope:?}");
+        assert_eq!((gu.blocks, gu.stages), (132, 8));
         let down = stream_plan(132, 4096, 1, 14336, StreamOut::F32Acc, 0).unwrap();
         assert_eq!(down.stages, 7);
         let down = stream_plan(132, 4096, 4, 14336, StreamOut::F32Acc, 0).unwrap();
         assert_eq!((down.kernel, down.stages), ("gemv_stream_t4", 4));
         // half the shared memory: two blocks an SM
         let qkv = stream_plan(132, 6144, 1, 4096, StreamOut::Bf16, 113 << 10).unwrap();
-        assert_eq!(qkv.stages, 12);
+        assert_eq!(qkv.stages, 8);
         assert!(2 * qkv.smem <= STREAM_SMEM_MAX, "{qkv:?}");
         let down = stream_plan(132, 4096, 1, 14336, StreamOut::F32Acc, 113 << 10).unwrap();
         assert!(
@@ -470,9 +297,8 @@ mod tests {
                 assert!(p.smem <= STREAM_SMEM_MAX, "{units}x{inp} t{t}: {p:?}");
                 assert!(p.stages >= 2.min(units.div_ceil(p.blocks)), "{p:?}");
                 assert!(p.stages <= MAX_STAGES, "{p:?}");
-                // from 8 stages on, 6-8 consumer warps each owning whole stages
                 assert!(
-                    p.stages < CONSUMERS || [8, 7, 6].iter().any(|c| p.stages.is_multiple_of(*c)),
+                    p.stages < CONSUMERS || p.stages.is_multiple_of(CONSUMERS),
                     "{p:?}"
                 );
                 assert!(p.blocks <= units && p.blocks <= 132, "{p:?}");

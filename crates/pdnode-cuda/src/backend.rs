@@ -489,16 +489,9 @@ impl CudaBackend {
                 eps,
             })
         };
-        // the small kernels launched early where the step takes no PDL of its own
-        // (Fusion::pdl_small_max_tokens): resident when the GEMV before them ends
-        let fusion = self.opts.fusion;
-        let lite = self.comm.is_none() && t <= fusion.pdl_small_max_tokens && !g.pdl();
-        let early = |f: &mut dyn FnMut() -> Result<(), CudaError>| {
-            if lite { g.with_pdl(f) } else { f() }
-        };
         let rmsnorm = |nw| {
             let eps = s.rms_norm_eps;
-            early(&mut || ops::add_rmsnorm(g, &ws.resid, t, None, nw, &ws.normed, None, t, h, eps))
+            ops::add_rmsnorm(g, &ws.resid, t, None, nw, &ws.normed, None, t, h, eps)
         };
         // engine.cuda.linear, per call: a GEMV choice takes cuBLAS where its kernel cannot run
         let lin = self.opts.linear;
@@ -546,24 +539,22 @@ impl CudaBackend {
                 )?;
                 mark("qkv")?;
             }
-            early(&mut || {
-                ops::rope_qkv(
-                    g,
-                    d,
-                    &ws.qkv,
-                    l.bqkv.as_ref(),
-                    l.q_norm.as_ref(),
-                    l.k_norm.as_ref(),
-                    &w.inv_freq,
-                    m(p.off.pos),
-                    m(p.off.slots),
-                    t,
-                    &ws.q,
-                    &self.pool,
-                    li,
-                    s.rms_norm_eps,
-                )
-            })?;
+            ops::rope_qkv(
+                g,
+                d,
+                &ws.qkv,
+                l.bqkv.as_ref(),
+                l.q_norm.as_ref(),
+                l.k_norm.as_ref(),
+                &w.inv_freq,
+                m(p.off.pos),
+                m(p.off.slots),
+                t,
+                &ws.q,
+                &self.pool,
+                li,
+                s.rms_norm_eps,
+            )?;
             mark("rope_kv_write")?;
             if let Some(run) = stage.as_mut() {
                 // This layer's KV is final: at a group's end, its gather and the hand-off.
@@ -579,21 +570,19 @@ impl CudaBackend {
                     window: s.attention_window(li).unwrap_or(0),
                 };
                 let list = (!p.long.is_empty()).then(|| (m(p.off.short), p.short_len));
-                early(&mut || {
-                    ops::paged_attention_ex(
-                        g,
-                        d,
-                        &ws.q,
-                        &self.pool,
-                        li,
-                        &meta,
-                        t,
-                        list,
-                        &ws.attn,
-                        &attn_ws,
-                        self.opts.attention,
-                    )
-                })?;
+                ops::paged_attention_ex(
+                    g,
+                    d,
+                    &ws.q,
+                    &self.pool,
+                    li,
+                    &meta,
+                    t,
+                    list,
+                    &ws.attn,
+                    &attn_ws,
+                    self.opts.attention,
+                )?;
                 mark("attention")?;
             }
             if !p.long.is_empty() {
@@ -666,18 +655,18 @@ impl CudaBackend {
                 mark("mlp_norm")?;
             }
             // fused at up to 8 tokens by default (engine.cuda.fuse_swiglu_max_tokens), else gate_up, swiglu
-            // unfused, the launch after cuBLAS's GEMM is the small SwiGLU kernel (cuBLAS launches
-            // take no PDL attribute of ours): early too
-            let how = lin.for_call(t, h, &l.w_gate_up, &ws.normed);
-            let glu = || {
-                let (gu, a) = (&ws.gate_up, &ws.act);
-                ops::gate_up_swiglu(g, inter, t, h, &l.w_gate_up, &ws.normed, gu, a, how, fusion)
-            };
-            if ops::swiglu_fused(how, t, fusion) {
-                glu()?;
-            } else {
-                early(&mut || glu())?;
-            }
+            ops::gate_up_swiglu(
+                g,
+                inter,
+                t,
+                h,
+                &l.w_gate_up,
+                &ws.normed,
+                &ws.gate_up,
+                &ws.act,
+                lin.for_call(t, h, &l.w_gate_up, &ws.normed),
+                self.opts.fusion,
+            )?;
             mark("gate_up+swiglu")?;
             let nf = w.layers.get(li + 1).and_then(|n| norm_of(&n.attn_norm));
             normed = ops::linear_rmsnorm(

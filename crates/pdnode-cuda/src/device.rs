@@ -139,7 +139,7 @@ pub struct Gpu {
     pub sm_count: u32,
     /// Launches of our kernels carry the programmatic-dependent-launch attribute
     /// ([`super::launch`]); only ever true where `pdl_ok`.
-    pdl: std::cell::Cell<bool>,
+    pdl: bool,
     /// The device and driver take programmatic dependent launches.
     pdl_ok: bool,
 }
@@ -199,7 +199,7 @@ impl Gpu {
         let blas = super::blas::Blas::new(&stream)?;
         let pdl_ok = launch::pdl_supported(cc, launch::driver_version());
         // Off until asked for ([`Gpu::set_pdl`]; the backend applies `engine.cuda.pdl`).
-        let pdl = std::cell::Cell::new(false);
+        let pdl = false;
         Ok(Self {
             ordinal,
             ctx,
@@ -221,26 +221,15 @@ impl Gpu {
 
     /// Whether our kernel launches on this GPU are programmatic dependent launches.
     pub fn pdl(&self) -> bool {
-        self.pdl.get()
+        self.pdl
     }
 
     /// Switches programmatic dependent launch for later launches on this GPU (`engine.cuda.pdl` sets
     /// it when the GPU is opened); returns what it is now: false where the device or driver
     /// cannot ([`launch::pdl_supported`]). Graphs captured before keep how they were captured.
     pub fn set_pdl(&mut self, on: bool) -> bool {
-        self.pdl.set(on && self.pdl_ok);
-        self.pdl.get()
-    }
-
-    /// Runs `f` with programmatic dependent launch switched on for its launches (where the GPU
-    /// takes it), then puts the setting back: single kernels of a step that launch early while
-    /// the rest of the step does not.
-    pub fn with_pdl<R>(&self, f: impl FnOnce() -> R) -> R {
-        let was = self.pdl.get();
-        self.pdl.set(self.pdl_ok);
-        let r = f();
-        self.pdl.set(was);
-        r
+        self.pdl = on && self.pdl_ok;
+        self.pdl
     }
 
     /// A launch of `f` (one of [`Gpu::kernel`]'s) on this GPU's stream: see [`launch::Launch`].

@@ -373,12 +373,6 @@ pub struct Fusion {
     /// Rows a [`gemv_stream`] producer of the decode step prefetches into L2 ahead of their
     /// copy, beyond its shared-memory ring (0: none). Not a config key (a launch knob).
     pub stream_l2_ahead: usize,
-    /// Steps of at most this many rows that take no step-wide PDL launch their small kernels
-    /// (the RMSNorms, RoPE, the attention and its combine) with programmatic dependent launch
-    /// where the GPU takes it: resident and past their prologue when the GEMV before them
-    /// ends, while the GEMVs keep plain launches. 0: none. Not a config key (a launch choice
-    /// by step size).
-    pub pdl_small_max_tokens: usize,
 }
 
 impl Fusion {
@@ -401,7 +395,6 @@ impl Default for Fusion {
             stream_max_tokens: 1,
             stream_smem_kib: 0,
             stream_l2_ahead: 0,
-            pdl_small_max_tokens: 0,
         }
     }
 }
@@ -416,7 +409,6 @@ impl Fusion {
         stream_max_tokens: 0,
         stream_smem_kib: 0,
         stream_l2_ahead: 0,
-        pdl_small_max_tokens: 0,
     };
 }
 

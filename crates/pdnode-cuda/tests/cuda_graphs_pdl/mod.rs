@@ -211,41 +211,6 @@ fn small_step_pdl_matches_plain(spec: &ModelSpec, name: &str) {
     assert!(!bes[0].pdl() && !bes[1].pdl() && !bes[2].pdl());
 }
 
-/// PDL for the small kernels alone (`Fusion::pdl_small_max_tokens`: norms, RoPE, attention and
-/// its combine early, GEMVs plain) in every step of up to 64 rows, against two backends without
-/// it: logits and KV bit-identical over the same steps, eager and replayed.
-fn small_kernel_pdl_matches_plain(spec: &ModelSpec, name: &str) {
-    let mut rng = rng(name);
-    let w = tiny_weights(spec, &mut rng);
-    let mut bes: [CudaBackend; 3] =
-        std::array::from_fn(|_| CudaBackend::new(spec, &w, &opts(1, true), "test".into()).unwrap());
-    if !bes[1].set_pdl(true) {
-        println!("GRAPH small-kernel-pdl {name}: SKIP (no programmatic launches here)");
-        return;
-    }
-    bes[1].set_pdl(false);
-    // no step-wide PDL anywhere, so every step of up to 64 rows takes the small-kernel one
-    let off = pdnode_cuda::ops::Fusion {
-        pdl_max_tokens: 0,
-        ..Default::default()
-    };
-    bes[0].set_fusion(off);
-    bes[2].set_fusion(off);
-    bes[1].set_fusion(pdnode_cuda::ops::Fusion {
-        pdl_small_max_tokens: 64,
-        ..off
-    });
-    variant_matches_plain(spec, name, "small-kernel PDL", &mut rng, &mut bes);
-}
-
-#[test]
-#[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
-fn small_kernel_pdl_matches_plain_launches() {
-    small_kernel_pdl_matches_plain(&tiny_spec(false, false), "tiny-llama");
-    small_kernel_pdl_matches_plain(&qwen_like_spec(), "qwen-like-hd128");
-    small_kernel_pdl_matches_plain(&wide_spec(), "llama-hd128");
-}
-
 #[test]
 #[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
 fn small_decode_steps_with_pdl_match_plain_launches() {

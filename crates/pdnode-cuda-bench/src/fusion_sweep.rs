@@ -23,13 +23,12 @@ pub struct StepVariant {
 }
 
 impl StepVariant {
-    /// `s<N>n<M>[w<W>][p<P>][g<G>][m<K>][a<A>][x<X>]` (SwiGLU fused into gate_up up to N
-    /// tokens, the RMSNorm into the o/down GEMV up to M, W warps a block of the fused gate_up
-    /// launch, PDL for decode steps of up to P rows, the streaming GEMVs for steps of up to G rows
-    /// with at most K KiB of shared memory a block and A rows prefetched into L2 ahead, X the
-    /// linears that stream (`Fusion::stream_mask`); W, P, G, K and A 0 when absent: the 4-warp
-    /// launch, no small-step PDL, no streaming, the most shared memory, no L2 prefetch; X 15,
-    /// all four) or
+    /// `s<N>n<M>[w<W>][p<P>][g<G>][m<K>][a<A>]` (SwiGLU fused into gate_up up to N tokens, the
+    /// RMSNorm into the o/down GEMV up to M, W warps a block of the fused gate_up launch, PDL for
+    /// decode steps of up to P rows, the streaming GEMVs for steps of up to G rows with at most K
+    /// KiB of shared memory a block and A rows prefetched into L2 ahead; W, P, G, K and A 0 when
+    /// absent: the 4-warp launch, no small-step PDL, no streaming, the most shared memory, no
+    /// L2 prefetch) or
     /// `default` (`Fusion::default()`), then optionally `/<attention>` (a name of
     /// `engine.cuda.attention`, default `auto`, optionally with `@<waves>`: the v4 partitions'
     /// waves, default [`ops::V4_WAVES`]), then optionally `+pdl`.
@@ -52,10 +51,10 @@ impl StepVariant {
             Fusion::default()
         } else {
             // letter-number pairs: s and n required, w, p, g, m and a optional (0 when absent)
-            let mut vals = [None::<usize>; 8];
+            let mut vals = [None::<usize>; 7];
             let mut rest = body;
             while let Some(c) = rest.chars().next() {
-                let k = "snwpgmax".find(c)?;
+                let k = "snwpgma".find(c)?;
                 let digits = rest[1..].chars().take_while(char::is_ascii_digit).count();
                 vals[k] = Some(rest[1..1 + digits].parse().ok()?);
                 rest = &rest[1 + digits..];
@@ -68,7 +67,6 @@ impl StepVariant {
                 stream_max_tokens: vals[4].unwrap_or(0),
                 stream_smem_kib: vals[5].unwrap_or(0),
                 stream_l2_ahead: vals[6].unwrap_or(0),
-                stream_mask: vals[7].unwrap_or(15),
             }
         };
         Some(StepVariant {
@@ -205,9 +203,6 @@ mod tests {
             StepVariant::parse("s8n0").unwrap().fusion.stream_max_tokens,
             0
         );
-        let v = StepVariant::parse("s8n0w8p4g1x7").unwrap().fusion;
-        assert_eq!((v.stream_max_tokens, v.stream_mask), (1, 7));
-        assert_eq!(StepVariant::parse("s8n0g1").unwrap().fusion.stream_mask, 15);
         let v = StepVariant::parse("s2n0/v2+pdl").unwrap();
         assert_eq!(v.fusion.glu_warps, 0);
         assert_eq!(

@@ -504,13 +504,9 @@ impl CudaBackend {
             w: nw,
             eps: s.rms_norm_eps,
         };
-        // which of the four linears stream (Fusion::stream_mask): qkv 1, o 2, gate_up 4, down 8
-        let mask = self.opts.fusion.stream_mask;
-        let [sq, so, sg, sd] = [1, 2, 4, 8].map(|b| stream && mask & b != 0);
-        let rank0 = self.shard.rank == 0;
         let mut normed = false;
         for (li, l) in w.layers.iter().enumerate() {
-            if sq {
+            if stream {
                 let x = norm_x(&l.attn_norm);
                 ops::gemv_stream(
                     g,
@@ -607,42 +603,38 @@ impl CudaBackend {
             }
             if stream {
                 let acc = ops::StreamOut::F32Acc;
-                let fusion = self.opts.fusion;
-                // a linear that does not stream takes the step path (gemv_mma), no norm fused
-                let plain = |inp, w_: &DevBuf, x: &DevBuf| {
-                    let how = lin.for_call(t, inp, w_, x);
-                    ops::linear_rmsnorm(g, h, t, inp, w_, x, &ws.resid, rank0, how, fusion, None)
-                };
-                if so {
-                    let x = ops::StreamX::Bf16(&ws.attn);
-                    ops::gemv_stream(g, h, t, qd, &l.wo, x, &ws.resid, acc, tune)?;
-                } else {
-                    plain(qd, &l.wo, &ws.attn)?;
-                }
+                ops::gemv_stream(
+                    g,
+                    h,
+                    t,
+                    qd,
+                    &l.wo,
+                    ops::StreamX::Bf16(&ws.attn),
+                    &ws.resid,
+                    acc,
+                    tune,
+                )?;
                 mark("o_proj")?;
-                if sg {
-                    let x = norm_x(&l.mlp_norm);
-                    let glu = ops::StreamOut::Glu;
-                    ops::gemv_stream(g, inter, t, h, &l.w_gate_up, x, &ws.act, glu, tune)?;
-                } else {
-                    rmsnorm(&l.mlp_norm)?;
-                    let how = lin.for_call(t, h, &l.w_gate_up, &ws.normed);
-                    let (gu, a) = (&ws.gate_up, &ws.act);
-                    let wg = &l.w_gate_up;
-                    ops::gate_up_swiglu(g, inter, t, h, wg, &ws.normed, gu, a, how, fusion)?;
-                }
+                let x = norm_x(&l.mlp_norm);
+                let glu = ops::StreamOut::Glu;
+                ops::gemv_stream(g, inter, t, h, &l.w_gate_up, x, &ws.act, glu, tune)?;
                 mark("mlp_norm+gate_up+swiglu")?;
-                if sd {
-                    let x = ops::StreamX::Bf16(&ws.act);
-                    ops::gemv_stream(g, h, t, inter, &l.w_down, x, &ws.resid, acc, tune)?;
-                } else {
-                    plain(inter, &l.w_down, &ws.act)?;
-                }
+                ops::gemv_stream(
+                    g,
+                    h,
+                    t,
+                    inter,
+                    &l.w_down,
+                    ops::StreamX::Bf16(&ws.act),
+                    &ws.resid,
+                    acc,
+                    tune,
+                )?;
                 mark("down")?;
-                normed = false;
                 continue;
             }
             let nf = norm_of(&l.mlp_norm);
+            let rank0 = self.shard.rank == 0;
             normed = ops::linear_rmsnorm(
                 g,
                 h,

@@ -80,7 +80,6 @@ impl CudaOptions {
                 stream_max_tokens: ops::Fusion::default().stream_max_tokens,
                 stream_smem_kib: ops::Fusion::default().stream_smem_kib,
                 stream_l2_ahead: ops::Fusion::default().stream_l2_ahead,
-                stream_mask: ops::Fusion::default().stream_mask,
             },
             warm_up_context: e.cuda.warm_up_context as usize,
         }

@@ -373,11 +373,6 @@ pub struct Fusion {
     /// Rows a [`gemv_stream`] producer of the decode step prefetches into L2 ahead of their
     /// copy, beyond its shared-memory ring (0: none). Not a config key (a launch knob).
     pub stream_l2_ahead: usize,
-    /// Which linears of a streamed step (see [`Fusion::stream_max_tokens`]) take
-    /// [`gemv_stream`]: bits qkv 1, o 2, gate_up 4, down 8; the others take the step path
-    /// (`gemv_mma`, the norm before qkv / gate_up a launch of its own). Default 15 (all). Not a
-    /// config key (a kernel choice).
-    pub stream_mask: usize,
 }
 
 impl Fusion {
@@ -400,7 +395,6 @@ impl Default for Fusion {
             stream_max_tokens: 1,
             stream_smem_kib: 0,
             stream_l2_ahead: 0,
-            stream_mask: 15,
         }
     }
 }
@@ -415,7 +409,6 @@ impl Fusion {
         stream_max_tokens: 0,
         stream_smem_kib: 0,
         stream_l2_ahead: 0,
-        stream_mask: 0,
     };
 }
 

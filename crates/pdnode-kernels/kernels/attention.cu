@@ -129,27 +129,79 @@ paged_attention(const bf16_t* __restrict__ q, const bf16_t* __restrict__ layer_k
     }
 }
 
-// Merges the nsplit partials of each (token, head). grid: (T or len(tok_list)) * nh, block: 128.
+// Merges the nsplit partials of each (token, head). grid: (T or len(tok_list)) * nh, block: 128,
+// hd <= COMB_DPT * 128. Per (token, head): M = the max of the partitions' maxima; each partition's
+// weight exp(m - M) once into shared memory (COMB_CHUNK partitions at a time; a partition without
+// a key, m = -inf, is skipped); L = sum of l * w by one thread, A = sum of acc * w by the thread
+// of each dim, both in partition order; out = bf16(A / L). The partials' loads are issued eight
+// at a time ahead of their sums: a loop of one dependent L2 round trip per partition took 12-15
+// us a layer at 32 partitions (batch 1, ctx 8192).
+#define COMB_CHUNK 256
+#define COMB_DPT 4
 extern "C" __global__ void attention_combine(const float* __restrict__ part_ml,
                                              const float* __restrict__ part_acc,
                                              bf16_t* __restrict__ out, int hd, int nsplit,
                                              const int* __restrict__ tok_list, int nh) {
     PD_GRID_WAIT();
     PD_GRID_LAUNCH_DEPENDENTS();
+    __shared__ float s_w[COMB_CHUNK], s_l[COMB_CHUNK], s_red[33];
+    const int tid = threadIdx.x, nt = blockDim.x;
     const i64 th = tok_list ? (i64)tok_list[blockIdx.x / nh] * nh + blockIdx.x % nh
                             : (i64)blockIdx.x;
+    const float* ml = part_ml + th * nsplit * 2;
+    // the max is exact in any order: each thread's partitions, then across the block
+    float m = -INFINITY;
+    for (int z = tid; z < nsplit; z += nt) m = fmaxf(m, ml[2 * z]);
+    m = warp_max(m);
+    if ((tid & 31) == 0) s_red[tid >> 5] = m;
+    __syncthreads();
     float M = -INFINITY;
-    for (int z = 0; z < nsplit; z++) M = fmaxf(M, part_ml[(th * nsplit + z) * 2]);
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float L = 0.f, A = 0.f;
-        for (int z = 0; z < nsplit; z++) {
-            const i64 pi = th * nsplit + z;
-            const float mz = part_ml[pi * 2];
-            if (mz == -INFINITY) continue;
-            const float wz = __expf(mz - M);
-            L += part_ml[pi * 2 + 1] * wz;
-            A += part_acc[pi * hd + d] * wz;
+    for (int i = 0; i < (nt >> 5); i++) M = fmaxf(M, s_red[i]);
+    float L = 0.f;  // thread 0's
+    float A[COMB_DPT];
+#pragma unroll
+    for (int j = 0; j < COMB_DPT; j++) A[j] = 0.f;
+    for (int c0 = 0; c0 < nsplit; c0 += COMB_CHUNK) {
+        const int n = min(COMB_CHUNK, nsplit - c0);
+        __syncthreads();  // the previous chunk's weights are used up
+        for (int z = tid; z < n; z += nt) {
+            const float mz = ml[2 * (c0 + z)];
+            s_w[z] = mz == -INFINITY ? -1.f : __expf(mz - M);  // -1: no key, skipped
+            s_l[z] = ml[2 * (c0 + z) + 1];
         }
-        out[th * hd + d] = f2bf(L > 0.f ? A / L : 0.f);  // L == 0: no key (padding token)
+        __syncthreads();
+        if (tid == 0)
+            for (int z = 0; z < n; z++)
+                if (s_w[z] >= 0.f) L += s_l[z] * s_w[z];
+#pragma unroll
+        for (int j = 0; j < COMB_DPT; j++) {
+            const int d = tid + j * nt;
+            if (d >= hd) break;
+            const float* acc = part_acc + (th * nsplit + c0) * hd + d;
+            int z = 0;
+            for (; z + 8 <= n; z += 8) {
+                float a[8];
+#pragma unroll
+                for (int u = 0; u < 8; u++) a[u] = acc[(i64)(z + u) * hd];
+#pragma unroll
+                for (int u = 0; u < 8; u++) {
+                    const float w = s_w[z + u];
+                    if (w >= 0.f) A[j] += a[u] * w;
+                }
+            }
+            for (; z < n; z++) {
+                const float w = s_w[z];
+                if (w >= 0.f) A[j] += acc[(i64)z * hd] * w;
+            }
+        }
+    }
+    __syncthreads();
+    if (tid == 0) s_red[32] = L;
+    __syncthreads();
+    L = s_red[32];
+#pragma unroll
+    for (int j = 0; j < COMB_DPT; j++) {
+        const int d = tid + j * nt;
+        if (d < hd) out[th * hd + d] = f2bf(L > 0.f ? A[j] / L : 0.f);  // L == 0: no key (padding token)
     }
 }

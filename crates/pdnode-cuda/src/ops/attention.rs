@@ -410,6 +410,10 @@ pub fn paged_attention_ex(
         )
     };
     if nsplit > 1 {
+        // attention_combine: COMB_DPT (4) dims a thread of its 128
+        shape(OP, hd <= 512, || {
+            format!("head_dim {hd} past the combine's 512")
+        })?;
         need(
             OP,
             "part_acc",

@@ -89,6 +89,29 @@ static int run(const Case& c) {
             };
             run_block(128, body);
         }
+        // bit for bit the loop the kernel replaced (one partition at a time, each thread its own
+        // L): the same sums in the same order
+        for (unsigned x = 0; x < gridDim.x; x++) {
+            const long th = c.list ? (long)list[x / nh] * nh + x % nh : (long)x;
+            float M = -INFINITY;
+            for (int z = 0; z < nsplit; z++) M = fmaxf(M, ml[(th * nsplit + z) * 2]);
+            for (int d = 0; d < hd; d++) {
+                float L = 0.f, A = 0.f;
+                for (int z = 0; z < nsplit; z++) {
+                    const long pi = th * nsplit + z;
+                    const float mz = ml[pi * 2];
+                    if (mz == -INFINITY) continue;
+                    const float wz = __expf(mz - M);
+                    L += ml[pi * 2 + 1] * wz;
+                    A += acc[pi * hd + d] * wz;
+                }
+                const uint16_t want = f2bf(L > 0.f ? A / L : 0.f);
+                if (out[th * hd + d] != want) {
+                    printf("FAIL combine th=%ld d=%d: %04x, the loop gives %04x\n", th, d, out[th * hd + d], want);
+                    return 1;
+                }
+            }
+        }
     }
     double worst = 0;
     for (int t = 0; t < T; t++) {

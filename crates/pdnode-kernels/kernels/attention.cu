@@ -136,10 +136,10 @@ paged_attention(const bf16_t* __restrict__ q, const bf16_t* __restrict__ layer_k
 // of each dim, both in partition order; out = bf16(A / L). The partials' loads are issued eight
 // at a time ahead of their sums: a loop of one dependent L2 round trip per partition took 12-15
 // us a layer at 32 partitions (batch 1, ctx 8192). Up to COMB_FEW partitions each thread takes
-// them all with no barrier (all loads first; the same sums in the same order).
+// them all with no barrier (all loads first, one round trip; the same sums in the same order).
 #define COMB_CHUNK 256
 #define COMB_DPT 4
-#define COMB_FEW 8  // up to this many partitions: the barrier-free path
+#define COMB_FEW 32  // up to this many partitions (and hd <= 128): the barrier-free path
 extern "C" __global__ void attention_combine(const float* __restrict__ part_ml,
                                              const float* __restrict__ part_acc,
                                              bf16_t* __restrict__ out, int hd, int nsplit,
@@ -151,39 +151,31 @@ extern "C" __global__ void attention_combine(const float* __restrict__ part_ml,
     const i64 th = tok_list ? (i64)tok_list[blockIdx.x / nh] * nh + blockIdx.x % nh
                             : (i64)blockIdx.x;
     const float* ml = part_ml + th * nsplit * 2;
-    if (nsplit <= COMB_FEW) {
-        // few partitions: each thread all of them, every load issued first, no barrier
-        float mlz[2 * COMB_FEW], a[COMB_DPT][COMB_FEW];
+    if (nsplit <= COMB_FEW && hd <= nt) {
+        // up to COMB_FEW partitions and a dim a thread: each thread all of the partitions, every
+        // load issued first (one round trip), no barrier
+        if (tid >= hd) return;
+        float2 mlz[COMB_FEW];
+        float a[COMB_FEW];
+        const float* acc = part_acc + th * nsplit * hd + tid;
 #pragma unroll
         for (int z = 0; z < COMB_FEW; z++) {
-            mlz[2 * z] = z < nsplit ? ml[2 * z] : -INFINITY;
-            mlz[2 * z + 1] = z < nsplit ? ml[2 * z + 1] : 0.f;
-#pragma unroll
-            for (int j = 0; j < COMB_DPT; j++) {
-                const int d = tid + j * nt;
-                a[j][z] = z < nsplit && d < hd ? part_acc[(th * nsplit + z) * hd + d] : 0.f;
-            }
+            mlz[z] = z < nsplit ? ((const float2*)ml)[z] : make_float2(-INFINITY, 0.f);
+            a[z] = z < nsplit ? acc[(i64)z * hd] : 0.f;
         }
         float M = -INFINITY;
 #pragma unroll
         for (int z = 0; z < COMB_FEW; z++)
-            if (z < nsplit) M = fmaxf(M, mlz[2 * z]);
-        float L = 0.f, A[COMB_DPT];
-#pragma unroll
-        for (int j = 0; j < COMB_DPT; j++) A[j] = 0.f;
+            if (z < nsplit) M = fmaxf(M, mlz[z].x);
+        float L = 0.f, A = 0.f;
 #pragma unroll
         for (int z = 0; z < COMB_FEW; z++) {
-            if (z >= nsplit || mlz[2 * z] == -INFINITY) continue;
-            const float wz = __expf(mlz[2 * z] - M);
-            L += mlz[2 * z + 1] * wz;
-#pragma unroll
-            for (int j = 0; j < COMB_DPT; j++) A[j] += a[j][z] * wz;
+            if (z >= nsplit || mlz[z].x == -INFINITY) continue;
+            const float wz = __expf(mlz[z].x - M);
+            L += mlz[z].y * wz;
+            A += a[z] * wz;
         }
-#pragma unroll
-        for (int j = 0; j < COMB_DPT; j++) {
-            const int d = tid + j * nt;
-            if (d < hd) out[th * hd + d] = f2bf(L > 0.f ? A[j] / L : 0.f);
-        }
+        out[th * hd + tid] = f2bf(L > 0.f ? A / L : 0.f);  // L == 0: no key (padding token)
         return;
     }
     // the max is exact in any order: each thread's partitions, then across the block

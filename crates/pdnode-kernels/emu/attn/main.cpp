@@ -181,6 +181,10 @@ int main(int argc, char** argv) {
     fails += run({8, 2, 128, 32, {1000, 31, 32, 33, 600}, 1000, 256, false});
     fails += run({8, 2, 64, 16, edge, 400, 40, true});
     fails += run({16, 2, 128, 8, {2000, 5, 129}, 2000, 0, false});
+    // more than 32 partitions: attention_combine's shared-memory path, one chunk and two
+    fails += run({8, 2, 128, 16, {1000, 17, 600}, 1000, 16, false});
+    fails += run({8, 2, 64, 16, {700, 3, 500}, 700, 16, true});
+    fails += run({4, 1, 64, 16, {4500, 3, 2000}, 4500, 16, false});
     // sliding windows: smaller than a tile / a block, not a multiple of the block size or of a
     // tile, exactly a block, larger than every context; one partition, splits of one tile (the
     // first partition can end before the window starts), of 48 keys, and past the span

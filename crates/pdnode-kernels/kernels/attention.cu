@@ -140,6 +140,32 @@ paged_attention(const bf16_t* __restrict__ q, const bf16_t* __restrict__ layer_k
 #define COMB_CHUNK 256
 #define COMB_DPT 4
 #define COMB_FEW 32  // up to this many partitions (and hd <= 128): the barrier-free path
+// attention_combine's barrier-free path: one dim (acc at stride hd) over nsplit <= N partitions.
+template <int N>
+__device__ __forceinline__ void comb_few(const float* __restrict__ ml, const float* __restrict__ acc,
+                                         int hd, int nsplit, bf16_t* __restrict__ out) {
+    float2 mlz[N];
+    float a[N];
+#pragma unroll
+    for (int z = 0; z < N; z++) {
+        mlz[z] = z < nsplit ? ((const float2*)ml)[z] : make_float2(-INFINITY, 0.f);
+        a[z] = z < nsplit ? acc[(i64)z * hd] : 0.f;
+    }
+    float M = -INFINITY;
+#pragma unroll
+    for (int z = 0; z < N; z++)
+        if (z < nsplit) M = fmaxf(M, mlz[z].x);
+    float L = 0.f, A = 0.f;
+#pragma unroll
+    for (int z = 0; z < N; z++) {
+        if (z >= nsplit || mlz[z].x == -INFINITY) continue;
+        const float wz = __expf(mlz[z].x - M);
+        L += mlz[z].y * wz;
+        A += a[z] * wz;
+    }
+    *out = f2bf(L > 0.f ? A / L : 0.f);  // L == 0: no key (padding token)
+}
+
 extern "C" __global__ void attention_combine(const float* __restrict__ part_ml,
                                              const float* __restrict__ part_acc,
                                              bf16_t* __restrict__ out, int hd, int nsplit,
@@ -151,31 +177,16 @@ extern "C" __global__ void attention_combine(const float* __restrict__ part_ml,
     const i64 th = tok_list ? (i64)tok_list[blockIdx.x / nh] * nh + blockIdx.x % nh
                             : (i64)blockIdx.x;
     const float* ml = part_ml + th * nsplit * 2;
-    if (nsplit <= COMB_FEW && hd <= nt) {
+    if (hd <= nt && nsplit <= COMB_FEW) {
         // up to COMB_FEW partitions and a dim a thread: each thread all of the partitions, every
-        // load issued first (one round trip), no barrier
-        if (tid >= hd) return;
-        float2 mlz[COMB_FEW];
-        float a[COMB_FEW];
-        const float* acc = part_acc + th * nsplit * hd + tid;
-#pragma unroll
-        for (int z = 0; z < COMB_FEW; z++) {
-            mlz[z] = z < nsplit ? ((const float2*)ml)[z] : make_float2(-INFINITY, 0.f);
-            a[z] = z < nsplit ? acc[(i64)z * hd] : 0.f;
+        // load issued first (one round trip), no barrier; 8 loads a thread where 8 partitions do
+        if (tid < hd) {
+            if (nsplit <= 8)
+                comb_few<8>(ml, part_acc + th * nsplit * hd + tid, hd, nsplit, out + th * hd + tid);
+            else
+                comb_few<COMB_FEW>(ml, part_acc + th * nsplit * hd + tid, hd, nsplit,
+                                   out + th * hd + tid);
         }
-        float M = -INFINITY;
-#pragma unroll
-        for (int z = 0; z < COMB_FEW; z++)
-            if (z < nsplit) M = fmaxf(M, mlz[z].x);
-        float L = 0.f, A = 0.f;
-#pragma unroll
-        for (int z = 0; z < COMB_FEW; z++) {
-            if (z >= nsplit || mlz[z].x == -INFINITY) continue;
-            const float wz = __expf(mlz[z].x - M);
-            L += mlz[z].y * wz;
-            A += a[z] * wz;
-        }
-        out[th * hd + tid] = f2bf(L > 0.f ? A / L : 0.f);  // L == 0: no key (padding token)
         return;
     }
     // the max is exact in any order: each thread's partitions, then across the block

@@ -410,9 +410,13 @@ pub fn paged_attention_ex(
         )
     };
     if nsplit > 1 {
-        // attention_combine: COMB_DPT (4) dims a thread of its 128
+        // attention_combine: COMB_DPT (4) dims a thread of its 128; (max, sum) pairs read as
+        // 8-byte words
         shape(OP, hd <= 512, || {
             format!("head_dim {hd} past the combine's 512")
+        })?;
+        shape(OP, ws.part_ml.ptr().is_multiple_of(8), || {
+            "part_ml not 8-byte aligned".into()
         })?;
         need(
             OP,

@@ -44,29 +44,25 @@ fn opts(tp: u32, graphs: bool) -> CudaOptions {
     }
 }
 
-/// A spec with head_dim 128 (the v2 attention kernel with 16 dims per lane; the tiny spec's 32
-/// takes 8 per lane).
-/// A Qwen-like model (q / k norms and bias) at head_dim 128, 8 query heads on 2 KV heads.
-fn qwen_like_spec() -> ModelSpec {
+/// An 8-head model on 2 KV heads at head_dim 128 (the v2 attention kernel with 16 dims per lane;
+/// the tiny spec's 32 takes 8 per lane), Qwen-like (q / k norms and bias) or Llama-like.
+fn hd128_spec(qwen_like: bool) -> ModelSpec {
     ModelSpec {
         hidden_size: 128,
         intermediate_size: 192,
         num_heads: 8,
         num_kv_heads: 2,
         head_dim: 128,
-        ..tiny_spec(true, true)
+        ..tiny_spec(qwen_like, qwen_like)
     }
 }
 
+fn qwen_like_spec() -> ModelSpec {
+    hd128_spec(true)
+}
+
 fn wide_spec() -> ModelSpec {
-    ModelSpec {
-        hidden_size: 128,
-        intermediate_size: 192,
-        num_heads: 8,
-        num_kv_heads: 2,
-        head_dim: 128,
-        ..tiny_spec(false, false)
-    }
+    hd128_spec(false)
 }
 
 /// Sequences of a decode batch: context lengths (before the first step) and block tables with

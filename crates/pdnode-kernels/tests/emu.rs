@@ -33,11 +33,7 @@ fn count_on_line(text: &str, marker: &str, prefix: &str) -> Option<usize> {
 
 /// The number in `"<prefix><N> cases"` of `text`'s line starting with `prefix`.
 fn cases(text: &str, prefix: &str) -> usize {
-    text.lines()
-        .find_map(|l| l.strip_prefix(prefix))
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no {prefix:?} line in:\n{text}"))
+    count_on_line(text, prefix, prefix).unwrap_or_else(|| panic!("no {prefix:?} line in:\n{text}"))
 }
 
 /// The wgmma prefill attention kernels (plain and warp-specialized), the descriptor probe and
@@ -97,8 +93,9 @@ fn elementwise_kernels_match_reference_in_the_emulator() {
 }
 
 /// The device CRC32C kernel (a KV hand-off through a device arena verified without copying it
-/// to the host, `ops::crc32c`) against a bitwise reference (136 cases, a few seconds). The sampling harness (`emu/sample`, about 4.5 minutes
-/// here) is not run by this test: too slow for every test run.
+/// to the host, `ops::crc32c`) against a bitwise reference (136 cases, a few seconds). The
+/// sampling harness (`emu/sample`, about 4.5 minutes here) is not run by this test: too slow for
+/// every test run.
 #[test]
 fn crc32c_kernel_matches_reference_in_the_emulator() {
     let text = run_emu("crc32c");

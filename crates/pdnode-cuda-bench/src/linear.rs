@@ -78,7 +78,8 @@ pub struct LinearStep {
 }
 
 /// Each layer of [`LLAMA31_8B_LINEARS`] at each token count through each implementation
-/// (GEMV kernels only up to [`ops::GEMV_MAX_TOKENS`] rows). Weights are rotated over enough
+/// (the CUDA-core GEMV up to [`ops::GEMV_MAX_TOKENS`] rows, the tensor-core one up to
+/// [`ops::MMA_MAX_TOKENS`]). Weights are rotated over enough
 /// copies (>= 256 MB in all) that no layer is served from the 50 MB L2. Returns the copy ceiling
 /// (bytes/s, read + write), the rows and the per-step sums.
 pub fn run_linear(
@@ -109,8 +110,12 @@ pub fn run_linear(
             let auto_launch = ops::mma_launch(sms, out, t, inp);
             let mut cases: Vec<(ops::LinearImpl, Option<ops::MmaLaunch>)> = Vec::new();
             for &how in impls {
-                let gemv = !matches!(how, ops::LinearImpl::Cublas | ops::LinearImpl::Auto);
-                if t == 0 || (gemv && t > ops::GEMV_MAX_TOKENS) {
+                let most = match how {
+                    ops::LinearImpl::Gemv => ops::GEMV_MAX_TOKENS,
+                    ops::LinearImpl::GemvMma => ops::MMA_MAX_TOKENS,
+                    _ => usize::MAX,
+                };
+                if t == 0 || t > most {
                     continue;
                 }
                 if how != ops::LinearImpl::GemvMma {
@@ -129,6 +134,11 @@ pub fn run_linear(
                     ..auto_launch
                 };
                 for l in [other, half, pf] {
+                    // the warps the kernel launches (at most mma_max_warps)
+                    let l = ops::MmaLaunch {
+                        warps: l.warps.min(ops::mma_max_warps(l.tiles, t)),
+                        ..l
+                    };
                     if !cases.contains(&(how, Some(l))) {
                         cases.push((how, Some(l)));
                     }

@@ -64,7 +64,7 @@ pub const SOURCES: [(&str, &str); 16] = [
 ];
 
 /// Kernel entry points (extern "C" names in the .cu files).
-pub const KERNEL_NAMES: [&str; 56] = [
+pub const KERNEL_NAMES: [&str; 62] = [
     "gemv_t1",
     "gemv_t2",
     "gemv_t4",
@@ -75,6 +75,12 @@ pub const KERNEL_NAMES: [&str; 56] = [
     "gemv_mma_m2_pf",
     "gemv_mma_glu_m1",
     "gemv_mma_glu_m1_pf",
+    "gemv_mma_m1_n2_pf",
+    "gemv_mma_m2_n2_pf",
+    "gemv_mma_m1_n4_pf",
+    "gemv_mma_m2_n4_pf",
+    "gemv_mma_glu_m1_n2_pf",
+    "gemv_mma_glu_m1_n4_pf",
     "gemv_mma_m1_norm",
     "gemv_mma_m1_pf_norm",
     "paged_attention_v2_d8",

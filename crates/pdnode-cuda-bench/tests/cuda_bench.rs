@@ -298,6 +298,65 @@ fn bench_linear_stream() {
     );
 }
 
+/// The four decode linears at 8-64 tokens through the step's path (`linear` under Auto: the
+/// tensor-core GEMV up to 8 tokens, cuBLAS / a cuBLASLt pick past that) and through the stream-K
+/// wgmma GEMM (`ops::gemm_skinny`), with the step's output types, weights rotated past L2,
+/// interleaved rounds. `PDNODE_BENCH_LINEAR_TOKENS="8,16,32,64"`, `PDNODE_BENCH_SKINNY_STAGES`
+/// ("0": the most that fit), `PDNODE_BENCH_ITERS` (default 100), `PDNODE_BENCH_ROUNDS` (3).
+#[test]
+#[ignore = "benchmark: needs a CUDA GPU (sm_90)"]
+fn bench_linear_skinny() {
+    let _gpu = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let list = |k: &str, d: &str| -> Vec<usize> {
+        env_list(k, d)
+            .split(',')
+            .filter_map(|s| s.trim().parse().ok())
+            .collect()
+    };
+    let tokens = list("PDNODE_BENCH_LINEAR_TOKENS", "8,16,32,64");
+    let stages = list("PDNODE_BENCH_SKINNY_STAGES", "0");
+    let iters: usize = env_list("PDNODE_BENCH_ITERS", "100").parse().unwrap_or(100);
+    let rounds: usize = env_list("PDNODE_BENCH_ROUNDS", "3").parse().unwrap_or(3);
+    let (copy, rows) = bench::run_linear_skinny(&tokens, &stages, iters, rounds, |r| {
+        eprintln!(
+            "SKINNY {} t={} stages={} auto_us={:.1} skinny_us={:.1} rel={:.1e}",
+            r.name, r.tokens, r.stages, r.auto_us, r.skinny_us, r.rel
+        )
+    })
+    .expect("skinny benchmark");
+    println!(
+        "ceilings: HBM copy traffic {:.0} GB/s (read+write)",
+        copy / 1e9
+    );
+    println!(
+        "| layer | out x in | tokens | stages | step path us (of copy) | gemm_skinny us (of copy) | rel. diff |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    let mut bad = Vec::new();
+    for r in &rows {
+        println!(
+            "| {} | {}x{} | {} | {} | {:.1} ({:.2}) | {:.1} ({:.2}) | {:.1e} |",
+            r.name,
+            r.out,
+            r.inp,
+            r.tokens,
+            r.stages,
+            r.auto_us,
+            r.auto_frac,
+            r.skinny_us,
+            r.skinny_frac,
+            r.rel
+        );
+        if r.rel.is_nan() || r.rel > 1e-2 {
+            bad.push(format!("{} t={}", r.name, r.tokens));
+        }
+    }
+    assert!(
+        bad.is_empty(),
+        "gemm_skinny differs from the step path: {bad:?}"
+    );
+}
+
 /// "tile 18 splitK 1 red 0 swz 0 st 20 cl 0 id 66" for a cuBLASLt row, "GemmEx" for the default.
 fn lt_tag(r: &bench::LtRow) -> String {
     match (r.algo, r.config) {

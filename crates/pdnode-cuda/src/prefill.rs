@@ -429,10 +429,10 @@ fn wgmma_fits(gpu: &Gpu, d: &AttnDims) -> bool {
     fits && gpu.has_kernel(WGMMA_KERNEL)
 }
 
-/// A CUtensorMap as a kernel argument: `flash_prefill_hd128_ws` takes it by value
-/// (`__grid_constant__`), 128 bytes the driver copies into the launch's parameters.
+/// A CUtensorMap as a kernel argument: `flash_prefill_hd128_ws` and `gemm_skinny_n*` take it by
+/// value (`__grid_constant__`), 128 bytes the driver copies into the launch's parameters.
 #[repr(transparent)]
-struct TensorMapArg(cudarc::driver::sys::CUtensorMap);
+pub(crate) struct TensorMapArg(cudarc::driver::sys::CUtensorMap);
 
 // SAFETY: a plain-old-data 128-byte struct the kernel reads as its parameter of the same size
 // and alignment (WsTmap in prefill_flash_wg.cu).
@@ -443,7 +443,6 @@ unsafe impl cudarc::driver::DeviceRepr for TensorMapArg {}
 /// min(block_size, 128) rows, 1, 1), 128-byte swizzle (the layout its wgmma descriptors read),
 /// elements outside the tensor read as zero.
 fn kv_tensor_map(layer_ptr: u64, d: &AttnDims) -> Result<TensorMapArg, CudaError> {
-    use cudarc::driver::sys;
     let (nkv, hd, bs) = (
         d.num_kv_heads as u64,
         d.head_dim as u64,
@@ -458,6 +457,20 @@ fn kv_tensor_map(layer_ptr: u64, d: &AttnDims) -> Result<TensorMapArg, CudaError
         2 * bs * nkv * hd * 2,
     ];
     let boxes: [u32; 5] = [64, 1, bs.min(128) as u32, 1, 1];
+    bf16_tensor_map(layer_ptr, dims, strides, boxes)
+}
+
+/// A bf16 5-d TMA tensor map at `ptr`: `dims` innermost first (dim 0 contiguous), `strides` the
+/// bytes between consecutive indices of dims 1..4 (multiples of 16), boxes of `boxes` elements
+/// (a 128-byte row innermost), 128-byte swizzle (the layout the wgmma descriptors read), elements
+/// outside the tensor read as zero.
+pub(crate) fn bf16_tensor_map(
+    ptr: u64,
+    dims: [u64; 5],
+    strides: [u64; 4],
+    boxes: [u32; 5],
+) -> Result<TensorMapArg, CudaError> {
+    use cudarc::driver::sys;
     let elem_strides: [u32; 5] = [1; 5];
     let mut map = sys::CUtensorMap { opaque: [0; 16] };
     // SAFETY: every array holds the rank's entries; the driver only writes `map`.
@@ -466,7 +479,7 @@ fn kv_tensor_map(layer_ptr: u64, d: &AttnDims) -> Result<TensorMapArg, CudaError
             &mut map,
             sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
             5,
-            layer_ptr as *mut std::ffi::c_void,
+            ptr as *mut std::ffi::c_void,
             dims.as_ptr(),
             strides.as_ptr(),
             boxes.as_ptr(),

@@ -10,6 +10,7 @@ mod cuda_kernels_mla;
 mod cuda_kernels_pdl;
 mod cuda_kernels_prefill;
 mod cuda_kernels_rope;
+mod cuda_kernels_skinny;
 mod cuda_kernels_stream;
 mod cuda_support;
 

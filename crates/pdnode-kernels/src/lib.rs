@@ -171,9 +171,10 @@ pub fn trace_name_hash(name: &str) -> u32 {
 }
 
 /// The sources of the Hopper-only program (wgmma), compiled for `compute_90a`: the helpers of
-/// common.cuh and prefill_flash.cu, then prefill_flash_wg.cu and the decode GEMV that streams its
-/// weights by bulk copies (gemv_stream.cu, which uses the mbarrier helpers of the file before it).
-pub const WGMMA_SOURCES: [(&str, &str); 4] = [
+/// common.cuh and prefill_flash.cu, then prefill_flash_wg.cu, the decode GEMV that streams its
+/// weights by bulk copies (gemv_stream.cu, which uses the mbarrier helpers of the file before it)
+/// and the decode GEMM for 9-64 rows (gemm_skinny.cu, which uses both files' helpers).
+pub const WGMMA_SOURCES: [(&str, &str); 5] = [
     ("common.cuh", include_str!("../kernels/common.cuh")),
     (
         "prefill_flash.cu",
@@ -184,16 +185,20 @@ pub const WGMMA_SOURCES: [(&str, &str); 4] = [
         include_str!("../kernels/prefill_flash_wg.cu"),
     ),
     ("gemv_stream.cu", include_str!("../kernels/gemv_stream.cu")),
+    ("gemm_skinny.cu", include_str!("../kernels/gemm_skinny.cu")),
 ];
 
 /// Entry points of [`WGMMA_SOURCES`] the backend loads on a compute capability 9.0 device.
-pub const WGMMA_KERNEL_NAMES: [&str; 6] = [
+pub const WGMMA_KERNEL_NAMES: [&str; 9] = [
     "flash_prefill_hd128_wg",
     "flash_prefill_hd128_ws",
     "wgmma_probe",
     "gemv_stream_t1",
     "gemv_stream_t2",
     "gemv_stream_t4",
+    "gemm_skinny_n16",
+    "gemm_skinny_n32",
+    "gemm_skinny_n64",
 ];
 
 /// The architecture [`ptx_for_wgmma`] compiles for: wgmma exists only on `sm_90a`.

@@ -12,6 +12,8 @@ mod lt;
 pub use lt::lt_pick;
 mod stream;
 pub use stream::*;
+mod skinny;
+pub use skinny::*;
 
 const BF16: usize = 2;
 const F32: usize = 4;

@@ -236,7 +236,82 @@ static void case_stream(int MT, int T, int units, int in, int grid, int stages, 
            bad ? " NON-FINITE" : "", outside ? " ROWS OUTSIDE WRITTEN" : "");
 }
 
+// gemm_skinny_n<N>: T tokens through an out x in weight over G CTAs with `stages` stages, mode
+// SK_BF16 / SK_F32 / SK_F32_ACC, twice in a row (the tickets must be back to 0 after a launch).
+// Against an f64 reference from the same bf16 operands; every output written once, an extra
+// token row never; the tile tickets 0 afterwards.
+static void case_skinny(int N, int T, int out, int in, int G, int stages, int mode) {
+    std::vector<uint16_t> w((size_t)out * in), x((size_t)T * in);
+    for (auto& v : w) v = tobf(U(1.f));
+    for (auto& v : x) v = tobf(U(1.f));
+    std::vector<double> want((size_t)T * out);
+    for (int t = 0; t < T; t++)
+        for (int u = 0; u < out; u++) {
+            double a = 0;
+            for (int i = 0; i < in; i++)
+                a += (double)bf2f(w[(size_t)u * in + i]) * bf2f(x[(size_t)t * in + i]);
+            want[(size_t)t * out + u] = a;
+        }
+    union Map {
+        WsTmap w;
+        EmuTmap e;
+    };
+    Map wm{}, xm{};
+    wm.e = EmuTmap{(const unsigned char*)w.data(), {in, out, 1, 1, 1}, {2, in * 2LL, 0, 0, 0}, {64, 128, 1, 1, 1}};
+    xm.e = EmuTmap{(const unsigned char*)x.data(), {in, T, 1, 1, 1}, {2, in * 2LL, 0, 0, 0}, {64, N, 1, 1, 1}};
+    const int tiles = (out + 127) / 128;
+    std::vector<float> part((size_t)2 * G * 256 * (N / 2), std::nanf(""));
+    std::vector<unsigned> tickets(tiles, 0u);
+    const bool f32 = mode != SK_BF16;
+    bool ok = true;
+    double e = 0;
+    for (int rep = 0; rep < 2; rep++) {
+        std::vector<float> yf((size_t)(T + 1) * out, 0.25f);
+        std::vector<uint16_t> yb((size_t)(T + 1) * out, 0x7fc0);
+        void* y = f32 ? (void*)yf.data() : (void*)yb.data();
+        launch({(unsigned)G, 1, 1}, SK_THREADS, [&] {
+            if (N == 16) gemm_skinny_n16(wm.w, xm.w, y, part.data(), tickets.data(), T, out, in, mode, stages);
+            else if (N == 32) gemm_skinny_n32(wm.w, xm.w, y, part.data(), tickets.data(), T, out, in, mode, stages);
+            else gemm_skinny_n64(wm.w, xm.w, y, part.data(), tickets.data(), T, out, in, mode, stages);
+        });
+        double md = 0, mw = 0;
+        bool bad = false, outside = false;
+        for (int t = 0; t <= T; t++)
+            for (int u = 0; u < out; u++) {
+                const size_t k = (size_t)t * out + u;
+                const double g = f32 ? yf[k] - (mode == SK_F32_ACC ? 0.25 : 0.0) : bf2f(yb[k]);
+                if (t == T) {
+                    outside = outside || (f32 ? yf[k] != 0.25f : yb[k] != 0x7fc0);
+                    continue;
+                }
+                if (!std::isfinite(g)) bad = true;
+                md = std::max(md, std::fabs(g - want[k]));
+                mw = std::max(mw, std::fabs(want[k]));
+            }
+        bool left = false;
+        for (unsigned v : tickets) left = left || v != 0;
+        const double er = md / std::max(mw, 1e-6);
+        e = std::max(e, er);
+        const bool good = !bad && !outside && !left && er < (f32 ? 1e-5 : 1e-2);
+        if (!good)
+            printf("  rep %d:%s%s%s rel err %.2e\n", rep, bad ? " NON-FINITE" : "",
+                   outside ? " ROWS OUTSIDE WRITTEN" : "", left ? " TICKETS LEFT" : "", er);
+        ok = ok && good;
+    }
+    if (!ok) g_fail++;
+    printf("%s gemm_skinny_n%d T=%d out=%d in=%d G=%d stages=%d mode=%d: rel err %.2e\n",
+           ok ? "PASS" : "FAIL", N, T, out, in, G, stages, mode, e);
+}
+
 int main() {
+    // (N, T, out, in, CTAs, stages, mode)
+    case_skinny(16, 9, 300, 200, 5, 2, SK_BF16);      // partial last tile and k-chunk, split tiles
+    case_skinny(32, 32, 256, 512, 3, 3, SK_F32_ACC);  // 16 iterations over 3 CTAs
+    case_skinny(64, 50, 130, 64, 2, 2, SK_F32);       // one chunk a tile: whole tiles only
+    case_skinny(64, 64, 128, 1024, 7, 4, SK_F32_ACC); // one tile, seven CTAs
+    case_skinny(16, 16, 1000, 136, 4, 5, SK_BF16);    // several whole tiles a CTA
+    case_skinny(32, 17, 384, 448, 9, 2, SK_F32);      // 21 iterations over 9 CTAs
+    case_skinny(16, 1, 200, 8, 1, 1, SK_F32_ACC);     // one token, one stage, in 8
     case_probe();
     // (MT, T, units, in, grid, stages, mode, norm)
     case_stream(1, 1, 37, 256, 3, 2, GS_BF16, false);    // fewer stages than consumer warps

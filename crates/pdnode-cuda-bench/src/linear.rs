@@ -459,8 +459,8 @@ pub struct SkinnyRow {
     pub out: usize,
     pub inp: usize,
     pub tokens: usize,
-    /// The ring's stages (0: the most that fit).
-    pub stages: usize,
+    /// The launch knobs.
+    pub tune: ops::SkinnyTune,
     /// `linear` under `Auto` with the step's output type (qkv, gate_up bf16; o, down added into
     /// f32), us a call: the fastest of the interleaved rounds.
     pub auto_us: f64,
@@ -474,12 +474,12 @@ pub struct SkinnyRow {
 }
 
 /// [`SkinnyRow`]s for the four decode linears of [`LT_LINEARS`] at each of `tokens` (at most
-/// [`ops::SKINNY_MAX_TOKENS`]) and each of `stages` (0: the most), weights rotated past L2, each
+/// [`ops::SKINNY_MAX_TOKENS`]) and each of `tunes`, weights rotated past L2, each
 /// case timed in `rounds` interleaved rounds of `iters` calls (the fastest kept); the copy
 /// ceiling (bytes/s) first.
 pub fn run_linear_skinny(
     tokens: &[usize],
-    stages: &[usize],
+    tunes: &[ops::SkinnyTune],
     iters: usize,
     rounds: usize,
     mut report: impl FnMut(&SkinnyRow),
@@ -503,7 +503,7 @@ pub fn run_linear_skinny(
         ops::fill_uniform_bf16(&gpu, &x, max_t * inp, 13, 1.0)?;
         let (ya, yb) = (gpu.alloc(max_t * out * 4)?, gpu.alloc(max_t * out * 4)?);
         for &t in tokens.iter().filter(|t| (1..=max_t).contains(*t)) {
-            for &st in stages {
+            for &st in tunes {
                 let auto = |w: &pdnode_cuda::device::DevBuf| {
                     ops::linear(
                         &gpu,
@@ -550,7 +550,7 @@ pub fn run_linear_skinny(
                     out,
                     inp,
                     tokens: t,
-                    stages: st,
+                    tune: st,
                     auto_us: auto_s * 1e6,
                     skinny_us: skinny_s * 1e6,
                     auto_frac: wbytes as f64 / auto_s / copy,

@@ -301,8 +301,9 @@ fn bench_linear_stream() {
 /// The four decode linears at 8-64 tokens through the step's path (`linear` under Auto: the
 /// tensor-core GEMV up to 8 tokens, cuBLAS / a cuBLASLt pick past that) and through the stream-K
 /// wgmma GEMM (`ops::gemm_skinny`), with the step's output types, weights rotated past L2,
-/// interleaved rounds. `PDNODE_BENCH_LINEAR_TOKENS="8,16,32,64"`, `PDNODE_BENCH_SKINNY_STAGES`
-/// ("0": the most that fit), `PDNODE_BENCH_ITERS` (default 100), `PDNODE_BENCH_ROUNDS` (3).
+/// interleaved rounds. `PDNODE_BENCH_LINEAR_TOKENS="8,16,32,64"`, `PDNODE_BENCH_SKINNY_TUNES`
+/// (`s<stages>k<boxes>[p]`, `p`: 256-byte L2 fetches; default "s0k1"),
+/// `PDNODE_BENCH_ITERS` (default 100), `PDNODE_BENCH_ROUNDS` (3).
 #[test]
 #[ignore = "benchmark: needs a CUDA GPU (sm_90)"]
 fn bench_linear_skinny() {
@@ -314,13 +315,25 @@ fn bench_linear_skinny() {
             .collect()
     };
     let tokens = list("PDNODE_BENCH_LINEAR_TOKENS", "8,16,32,64");
-    let stages = list("PDNODE_BENCH_SKINNY_STAGES", "0");
+    let tunes: Vec<ops::SkinnyTune> = env_list("PDNODE_BENCH_SKINNY_TUNES", "s0k1")
+        .split(',')
+        .filter_map(|v| {
+            let v = v.trim();
+            let (v, l2_256) = v.strip_suffix('p').map_or((v, false), |v| (v, true));
+            let (s, k) = v.strip_prefix('s')?.split_once('k')?;
+            Some(ops::SkinnyTune {
+                stages: s.parse().ok()?,
+                kboxes: k.parse().ok()?,
+                l2_256,
+            })
+        })
+        .collect();
     let iters: usize = env_list("PDNODE_BENCH_ITERS", "100").parse().unwrap_or(100);
     let rounds: usize = env_list("PDNODE_BENCH_ROUNDS", "3").parse().unwrap_or(3);
-    let (copy, rows) = bench::run_linear_skinny(&tokens, &stages, iters, rounds, |r| {
+    let (copy, rows) = bench::run_linear_skinny(&tokens, &tunes, iters, rounds, |r| {
         eprintln!(
-            "SKINNY {} t={} stages={} auto_us={:.1} skinny_us={:.1} rel={:.1e}",
-            r.name, r.tokens, r.stages, r.auto_us, r.skinny_us, r.rel
+            "SKINNY {} t={} {:?} auto_us={:.1} skinny_us={:.1} rel={:.1e}",
+            r.name, r.tokens, r.tune, r.auto_us, r.skinny_us, r.rel
         )
     })
     .expect("skinny benchmark");
@@ -329,18 +342,20 @@ fn bench_linear_skinny() {
         copy / 1e9
     );
     println!(
-        "| layer | out x in | tokens | stages | step path us (of copy) | gemm_skinny us (of copy) | rel. diff |"
+        "| layer | out x in | tokens | stages, boxes, L2 256 | step path us (of copy) | gemm_skinny us (of copy) | rel. diff |"
     );
     println!("|---|---|---|---|---|---|---|");
     let mut bad = Vec::new();
     for r in &rows {
         println!(
-            "| {} | {}x{} | {} | {} | {:.1} ({:.2}) | {:.1} ({:.2}) | {:.1e} |",
+            "| {} | {}x{} | {} | s{} k{}{} | {:.1} ({:.2}) | {:.1} ({:.2}) | {:.1e} |",
             r.name,
             r.out,
             r.inp,
             r.tokens,
-            r.stages,
+            r.tune.stages,
+            r.tune.kboxes,
+            if r.tune.l2_256 { " p" } else { "" },
             r.auto_us,
             r.auto_frac,
             r.skinny_us,

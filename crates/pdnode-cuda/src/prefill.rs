@@ -457,18 +457,19 @@ fn kv_tensor_map(layer_ptr: u64, d: &AttnDims) -> Result<TensorMapArg, CudaError
         2 * bs * nkv * hd * 2,
     ];
     let boxes: [u32; 5] = [64, 1, bs.min(128) as u32, 1, 1];
-    bf16_tensor_map(layer_ptr, dims, strides, boxes)
+    bf16_tensor_map(layer_ptr, dims, strides, boxes, false)
 }
 
 /// A bf16 5-d TMA tensor map at `ptr`: `dims` innermost first (dim 0 contiguous), `strides` the
 /// bytes between consecutive indices of dims 1..4 (multiples of 16), boxes of `boxes` elements
 /// (a 128-byte row innermost), 128-byte swizzle (the layout the wgmma descriptors read), elements
-/// outside the tensor read as zero.
+/// outside the tensor read as zero; L2 fetches of 128 bytes, or 256 where `l2_256`.
 pub(crate) fn bf16_tensor_map(
     ptr: u64,
     dims: [u64; 5],
     strides: [u64; 4],
     boxes: [u32; 5],
+    l2_256: bool,
 ) -> Result<TensorMapArg, CudaError> {
     use cudarc::driver::sys;
     let elem_strides: [u32; 5] = [1; 5];
@@ -486,7 +487,11 @@ pub(crate) fn bf16_tensor_map(
             elem_strides.as_ptr(),
             sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
             sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+            if l2_256 {
+                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B
+            } else {
+                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B
+            },
             sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         )
     };

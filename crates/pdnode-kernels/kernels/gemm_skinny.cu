@@ -110,12 +110,12 @@ template <int N>
 __device__ __forceinline__ void gemm_skinny_impl(const WsTmap& wmap, const WsTmap& xmap,
                                                  void* __restrict__ y, float* __restrict__ part,
                                                  unsigned* __restrict__ tickets, int T, int out,
-                                                 int in, int mode, int stages,
+                                                 int in, int mode, int stages, int kb,
                                                  unsigned char* smem) {
-    constexpr int STAGE = SK_W_BYTES + N * 128;
+    const int STAGE = kb * (SK_W_BYTES + N * 128);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int G = gridDim.x, b = blockIdx.x;
-    const int kc = (in + SK_BK - 1) / SK_BK;
+    const int kc = (in + SK_BK * kb - 1) / (SK_BK * kb);
     const long long total = (long long)((out + SK_BM - 1) / SK_BM) * kc;
     const long long it0 = sk_start(b, G, total), it1 = sk_start(b + 1, G, total);
     const unsigned base = fp_smem_addr(smem);
@@ -142,8 +142,10 @@ __device__ __forceinline__ void gemm_skinny_impl(const WsTmap& wmap, const WsTma
                 const int tile = (int)(it / kc), k = (int)(it - (long long)tile * kc);
                 const unsigned bar = full0 + 8 * s, dst = st0 + s * STAGE;
                 ws_mbar_expect_tx(bar, STAGE);
-                ws_tma_load5(dst, wm, k * SK_BK, tile * SK_BM, 0, 0, 0, bar);
-                ws_tma_load5(dst + SK_W_BYTES, xm, k * SK_BK, 0, 0, 0, 0, bar);
+                for (int i = 0; i < kb; i++)
+                    ws_tma_load5(dst + i * SK_W_BYTES, wm, (k * kb + i) * SK_BK, tile * SK_BM, 0, 0, 0, bar);
+                for (int i = 0; i < kb; i++)
+                    ws_tma_load5(dst + kb * SK_W_BYTES + i * N * 128, xm, (k * kb + i) * SK_BK, 0, 0, 0, 0, bar);
                 ws_mbar_arrive(bar);
             }
         }
@@ -162,11 +164,15 @@ __device__ __forceinline__ void gemm_skinny_impl(const WsTmap& wmap, const WsTma
         for (; it < send; it++, j++) {
             const int s = j % stages;
             ws_mbar_wait(full0 + 8 * s, (unsigned)(j / stages) & 1u);
-            const unsigned a = st0 + s * STAGE + wgi * 64 * 128, xs = st0 + s * STAGE + SK_W_BYTES;
+            const unsigned a = st0 + s * STAGE + wgi * 64 * 128;
+            const unsigned xs = st0 + s * STAGE + kb * SK_W_BYTES;
             wg_fence();
+            for (int i = 0; i < kb; i++) {
 #pragma unroll
-            for (int kk = 0; kk < SK_BK / 16; kk++)
-                sk_mma<N>(acc, wg_desc(a + kk * 32, 16, 1024), wg_desc(xs + kk * 32, 16, 1024), 1);
+                for (int kk = 0; kk < SK_BK / 16; kk++)
+                    sk_mma<N>(acc, wg_desc(a + i * SK_W_BYTES + kk * 32, 16, 1024),
+                              wg_desc(xs + i * N * 128 + kk * 32, 16, 1024), 1);
+            }
             wg_commit();
             wg_wait<0>();
             ws_mbar_arrive(empty0 + 8 * s);
@@ -228,12 +234,14 @@ __device__ __forceinline__ void gemm_skinny_impl(const WsTmap& wmap, const WsTma
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // grid: min(SMs, tiles * kc) CTAs, block SK_THREADS, dynamic shared memory 1024 (alignment) +
-// SK_HEAD + stages * (16384 + 128 N); part: f32 [2 G][256][N / 2]; tickets: u32 [tiles], zero.
+// SK_HEAD + stages * kb * (16384 + 128 N); part: f32 [2 G][256][N / 2]; tickets: u32 [tiles],
+// zero; kb: 64-input boxes a stage (an iteration covers 64 kb inputs of its tile).
 #define GEMM_SKINNY_KERNEL(NAME, N)                                                               \
     extern "C" __global__ void __launch_bounds__(SK_THREADS, 1)                                  \
         NAME(const __grid_constant__ WsTmap wmap, const __grid_constant__ WsTmap xmap, void* y,  \
-             float* part, unsigned* tickets, int T, int out, int in, int mode, int stages) {     \
-        WG_BODY(gemm_skinny_impl<N>(wmap, xmap, y, part, tickets, T, out, in, mode, stages,      \
+             float* part, unsigned* tickets, int T, int out, int in, int mode, int stages,      \
+             int kb) {                                                                           \
+        WG_BODY(gemm_skinny_impl<N>(wmap, xmap, y, part, tickets, T, out, in, mode, stages, kb,  \
                                     wg_smem_aligned()))                                          \
     }
 

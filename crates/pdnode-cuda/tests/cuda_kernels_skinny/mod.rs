@@ -1,6 +1,7 @@
 //! The stream-K wgmma decode GEMM (`gemm_skinny_n16/_n32/_n64`, kernels/gemm_skinny.cu) against a
 //! host reference: token counts 1-64 (partial column tiles), rows not a multiple of 128, inputs
-//! not a multiple of 64, whole and split tiles, every output mode, every stage count down to 1;
+//! not a multiple of 64, whole and split tiles, every output mode, stage counts down to 1, 1, 2
+//! and 4 input boxes a stage;
 //! bitwise deterministic; tickets left at 0 (back-to-back calls stay right); shapes it cannot take
 //! are typed errors. Part of the `cuda_kernels` test binary; prints one PASS/FAIL line a case.
 
@@ -19,22 +20,29 @@ fn gemm_skinny_matches_reference() {
     }
     let scratch = ops::SkinnyScratch::new(&g).unwrap();
     let mut r = rng("skinny");
-    // (out, tokens, inp, stages): 0 stages is the most that fit
-    let cases: [(usize, usize, usize, usize); 12] = [
-        (200, 9, 64, 0),
-        (77, 16, 2056, 0),
-        (300, 17, 200, 2),
-        (130, 33, 64, 0),
-        (1000, 64, 136, 1),
-        (129, 1, 8, 0),
-        (4250, 48, 264, 3),
-        (6144, 32, 4096, 0),
-        (4096, 64, 14336, 0),
-        (4096, 16, 4096, 0),
-        (28672, 24, 4096, 0),
-        (513, 40, 1032, 5),
+    // (out, tokens, inp, stages, 64-input boxes a stage): 0 stages is the most that fit
+    let cases: [(usize, usize, usize, usize, usize); 14] = [
+        (200, 9, 64, 0, 1),
+        (77, 16, 2056, 0, 2),
+        (300, 17, 200, 2, 1),
+        (130, 33, 64, 0, 4),
+        (1000, 64, 136, 1, 1),
+        (129, 1, 8, 0, 1),
+        (4250, 48, 264, 3, 2),
+        (6144, 32, 4096, 0, 1),
+        (4096, 64, 14336, 0, 2),
+        (4096, 16, 4096, 0, 4),
+        (28672, 24, 4096, 0, 1),
+        (513, 40, 1032, 5, 1),
+        (6144, 64, 4096, 0, 4),
+        (300, 20, 456, 2, 2),
     ];
-    for (out, t, inp, stages) in cases {
+    for (out, t, inp, stages, kboxes) in cases {
+        let tune = ops::SkinnyTune {
+            stages,
+            kboxes,
+            l2_256: kboxes == 2,
+        };
         let w = randv(&mut r, out * inp, 1.0);
         let x = randv(&mut r, t * inp, 1.0);
         let y0 = randv(&mut r, t * out, 1.0);
@@ -62,7 +70,7 @@ fn gemm_skinny_matches_reference() {
                 })
                 .fold(0f32, f32::max)
         };
-        let plan = ops::skinny_plan(g.sm_count as usize, out, t, inp, stages).unwrap();
+        let plan = ops::skinny_plan(g.sm_count as usize, out, t, inp, tune).unwrap();
         // bf16 y (one token row past t poisoned: never written)
         let yb = poisoned(&g, (t + 1) * out * 2);
         ops::gemm_skinny(
@@ -76,7 +84,7 @@ fn gemm_skinny_matches_reference() {
             &yb,
             OutType::Bf16,
             false,
-            stages,
+            tune,
         )
         .unwrap();
         let all = g.download_bf16(&yb, (t + 1) * out).unwrap();
@@ -107,7 +115,7 @@ fn gemm_skinny_matches_reference() {
                 &yf,
                 OutType::F32,
                 true,
-                stages,
+                tune,
             )
             .unwrap();
             let got = g.download_f32(&yf, t * out).unwrap();
@@ -137,7 +145,7 @@ fn gemm_skinny_matches_reference() {
                 y,
                 OutType::F32,
                 false,
-                stages,
+                tune,
             )
             .unwrap();
         }
@@ -170,7 +178,7 @@ fn gemm_skinny_matches_reference() {
             &y,
             OutType::F32,
             false,
-            0,
+            ops::SkinnyTune::default(),
         );
         assert!(res.is_err(), "gemm_skinny accepted {out}x{t}x{inp}");
     }
@@ -186,7 +194,7 @@ fn gemm_skinny_matches_reference() {
         &short,
         OutType::F32,
         false,
-        0,
+        ops::SkinnyTune::default(),
     );
     assert!(res.is_err(), "gemm_skinny wrote past a short y");
     println!("PASS gemm_skinny rejects 65 tokens, inp % 8 != 0, a short y");

@@ -240,7 +240,7 @@ static void case_stream(int MT, int T, int units, int in, int grid, int stages, 
 // SK_BF16 / SK_F32 / SK_F32_ACC, twice in a row (the tickets must be back to 0 after a launch).
 // Against an f64 reference from the same bf16 operands; every output written once, an extra
 // token row never; the tile tickets 0 afterwards.
-static void case_skinny(int N, int T, int out, int in, int G, int stages, int mode) {
+static void case_skinny(int N, int T, int out, int in, int G, int stages, int mode, int kb = 1) {
     std::vector<uint16_t> w((size_t)out * in), x((size_t)T * in);
     for (auto& v : w) v = tobf(U(1.f));
     for (auto& v : x) v = tobf(U(1.f));
@@ -270,9 +270,9 @@ static void case_skinny(int N, int T, int out, int in, int G, int stages, int mo
         std::vector<uint16_t> yb((size_t)(T + 1) * out, 0x7fc0);
         void* y = f32 ? (void*)yf.data() : (void*)yb.data();
         launch({(unsigned)G, 1, 1}, SK_THREADS, [&] {
-            if (N == 16) gemm_skinny_n16(wm.w, xm.w, y, part.data(), tickets.data(), T, out, in, mode, stages);
-            else if (N == 32) gemm_skinny_n32(wm.w, xm.w, y, part.data(), tickets.data(), T, out, in, mode, stages);
-            else gemm_skinny_n64(wm.w, xm.w, y, part.data(), tickets.data(), T, out, in, mode, stages);
+            if (N == 16) gemm_skinny_n16(wm.w, xm.w, y, part.data(), tickets.data(), T, out, in, mode, stages, kb);
+            else if (N == 32) gemm_skinny_n32(wm.w, xm.w, y, part.data(), tickets.data(), T, out, in, mode, stages, kb);
+            else gemm_skinny_n64(wm.w, xm.w, y, part.data(), tickets.data(), T, out, in, mode, stages, kb);
         });
         double md = 0, mw = 0;
         bool bad = false, outside = false;
@@ -299,8 +299,8 @@ static void case_skinny(int N, int T, int out, int in, int G, int stages, int mo
         ok = ok && good;
     }
     if (!ok) g_fail++;
-    printf("%s gemm_skinny_n%d T=%d out=%d in=%d G=%d stages=%d mode=%d: rel err %.2e\n",
-           ok ? "PASS" : "FAIL", N, T, out, in, G, stages, mode, e);
+    printf("%s gemm_skinny_n%d T=%d out=%d in=%d G=%d stages=%d mode=%d kb=%d: rel err %.2e\n",
+           ok ? "PASS" : "FAIL", N, T, out, in, G, stages, mode, kb, e);
 }
 
 int main() {
@@ -312,6 +312,9 @@ int main() {
     case_skinny(16, 16, 1000, 136, 4, 5, SK_BF16);    // several whole tiles a CTA
     case_skinny(32, 17, 384, 448, 9, 2, SK_F32);      // 21 iterations over 9 CTAs
     case_skinny(16, 1, 200, 8, 1, 1, SK_F32_ACC);     // one token, one stage, in 8
+    case_skinny(32, 20, 300, 456, 4, 2, SK_BF16, 2);  // two boxes a stage, the last one past in
+    case_skinny(16, 12, 256, 1024, 3, 2, SK_F32_ACC, 4);
+    case_skinny(64, 64, 130, 200, 2, 1, SK_F32, 4);   // one iteration a tile
     case_probe();
     // (MT, T, units, in, grid, stages, mode, norm)
     case_stream(1, 1, 37, 256, 3, 2, GS_BF16, false);    // fewer stages than consumer warps

@@ -54,6 +54,27 @@ impl SkinnyScratch {
     }
 }
 
+/// Launch knobs of [`gemm_skinny`] (benchmarks compare them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SkinnyTune {
+    /// Most stages of the ring (0: as many as fit in [`STREAM_SMEM_MAX`]).
+    pub stages: usize,
+    /// 64-input boxes a stage (1, 2 or 4): each weight row read 128 `kboxes` bytes at a time.
+    pub kboxes: usize,
+    /// Weight tiles fetched into L2 256 bytes at a time (else 128).
+    pub l2_256: bool,
+}
+
+impl Default for SkinnyTune {
+    fn default() -> Self {
+        Self {
+            stages: 0,
+            kboxes: 1,
+            l2_256: false,
+        }
+    }
+}
+
 /// Launch shape of one [`gemm_skinny`] call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SkinnyPlan {
@@ -65,26 +86,29 @@ pub struct SkinnyPlan {
     pub ctas: usize,
     /// Stages of the ring.
     pub stages: usize,
+    /// 64-input boxes a stage.
+    pub kboxes: usize,
     /// Dynamic shared memory, bytes.
     pub smem: usize,
 }
 
-/// The launch for `out` rows of `inp` inputs at `tokens` rows on `sm_count` SMs with at most
-/// `stages` stages (0: as many as fit in [`STREAM_SMEM_MAX`]), or `None` where the kernel cannot
-/// take it (0 or more than [`SKINNY_MAX_TOKENS`] tokens, `inp % 8 != 0`, no rows, more than
-/// [`MAX_TILES`] row tiles).
+/// The launch for `out` rows of `inp` inputs at `tokens` rows on `sm_count` SMs under `tune`,
+/// or `None` where the kernel cannot take it (0 or more than [`SKINNY_MAX_TOKENS`] tokens, `inp %
+/// 8 != 0`, no rows, more than [`MAX_TILES`] row tiles, `kboxes` not 1, 2 or 4, no stage fits).
 pub fn skinny_plan(
     sm_count: usize,
     out: usize,
     tokens: usize,
     inp: usize,
-    stages: usize,
+    tune: SkinnyTune,
 ) -> Option<SkinnyPlan> {
+    let kb = tune.kboxes;
     if out == 0
         || inp == 0
         || !inp.is_multiple_of(8)
         || !(1..=SKINNY_MAX_TOKENS).contains(&tokens)
         || out.div_ceil(BM) > MAX_TILES
+        || ![1, 2, 4].contains(&kb)
     {
         return None;
     }
@@ -93,15 +117,20 @@ pub fn skinny_plan(
         17..=32 => ("gemm_skinny_n32", 32),
         _ => ("gemm_skinny_n64", 64),
     };
-    let stage = BM * BK * BF16 + cols * BK * BF16;
+    let stage = kb * (BM * BK * BF16 + cols * BK * BF16);
     let fit = ((STREAM_SMEM_MAX - ALIGN_PAD - HEAD) / stage).min(MAX_STAGES);
-    let stages = if stages == 0 { fit } else { stages.min(fit) };
-    let iters = out.div_ceil(BM) * inp.div_ceil(BK);
-    Some(SkinnyPlan {
+    let stages = if tune.stages == 0 {
+        fit
+    } else {
+        tune.stages.min(fit)
+    };
+    let iters = out.div_ceil(BM) * inp.div_ceil(BK * kb);
+    (stages >= 1).then_some(SkinnyPlan {
         kernel,
         cols,
         ctas: sm_count.max(1).min(iters),
         stages,
+        kboxes: kb,
         smem: ALIGN_PAD + HEAD + stages * stage,
     })
 }
@@ -113,8 +142,8 @@ pub fn skinny_available(gpu: &Gpu) -> bool {
 
 /// `y[t, o] = (accumulate ? y[t, o] : 0) + sum_i x[t, i] * w[o, i]` through `gemm_skinny_n*`: w
 /// bf16 `[out, inp]`, x bf16 `[tokens, inp]` (both 16-byte aligned, `inp % 8 == 0`), y `[tokens,
-/// out]` of `ty` (accumulation only into f32); the launch of [`skinny_plan`] with at most
-/// `stages` stages (0: the most). Deterministic: the same inputs give the same bits.
+/// out]` of `ty` (accumulation only into f32); the launch of [`skinny_plan`] under `tune`.
+/// Deterministic: the same inputs and launch give the same bits.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_skinny(
     gpu: &Gpu,
@@ -127,7 +156,7 @@ pub fn gemm_skinny(
     y: &DevBuf,
     ty: OutType,
     accumulate: bool,
-    stages: usize,
+    tune: SkinnyTune,
 ) -> Result<(), CudaError> {
     const OP: &str = "gemm_skinny";
     check_operands(OP, out, tokens, inp, w, x, y, ty, accumulate)?;
@@ -139,13 +168,13 @@ pub fn gemm_skinny(
     if out * tokens * inp == 0 {
         return Ok(());
     }
-    let plan = skinny_plan(gpu.sm_count as usize, out, tokens, inp, stages);
+    let plan = skinny_plan(gpu.sm_count as usize, out, tokens, inp, tune);
     let Some(plan) = plan.filter(|p| p.ctas <= scratch.ctas) else {
         return Err(CudaError::Shape {
             op: OP,
             reason: format!(
-                "no launch for {out} rows of {inp} inputs at {tokens} tokens (1..={SKINNY_MAX_TOKENS} \
-                 tokens, at most {} rows)",
+                "no launch for {out} rows of {inp} inputs at {tokens} tokens under {tune:?} \
+                 (1..={SKINNY_MAX_TOKENS} tokens, at most {} rows, 1, 2 or 4 boxes a stage)",
                 MAX_TILES * BM
             ),
         });
@@ -166,12 +195,14 @@ pub fn gemm_skinny(
             inp64 * 2 * rows,
         ],
         [BK as u32, BM as u32, 1, 1, 1],
+        tune.l2_256,
     )?;
     let xmap = bf16_tensor_map(
         x.ptr(),
         [inp64, t64, 1, 1, 1],
         [inp64 * 2, inp64 * 2 * t64, inp64 * 2 * t64, inp64 * 2 * t64],
         [BK as u32, plan.cols as u32, 1, 1, 1],
+        false,
     )?;
     let mode: i32 = match (ty, accumulate) {
         (OutType::Bf16, _) => 0,
@@ -180,11 +211,12 @@ pub fn gemm_skinny(
     };
     // its shared-memory limit (STREAM_SMEM_MAX >= plan.smem) was set when it was loaded
     let f = gpu.kernel(plan.kernel)?;
-    let (t_i, o_i, i_i, st) = (
+    let (t_i, o_i, i_i, st, kb) = (
         tokens as i32,
         i32_of(OP, out)?,
         i32_of(OP, inp)?,
         plan.stages as i32,
+        plan.kboxes as i32,
     );
     let mut b = gpu.launch_builder(f);
     b.arg(&wmap)
@@ -196,7 +228,8 @@ pub fn gemm_skinny(
         .arg(&o_i)
         .arg(&i_i)
         .arg(&mode)
-        .arg(&st);
+        .arg(&st)
+        .arg(&kb);
     let mut c = cfg((plan.ctas as u32, 1, 1), THREADS);
     c.shared_mem_bytes = plan.smem as u32;
     // SAFETY: operands checked above (sizes, alignment, inp % 8 for the tensor maps' strides);

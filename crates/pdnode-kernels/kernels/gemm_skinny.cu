@@ -18,16 +18,17 @@
 //
 // A CTA's range starts and ends inside tiles. A tile it covers entirely it writes itself;
 // otherwise its partial sums go to `part` (slot 2 b + (b is the tile's first CTA): at most one
-// head and one tail segment a CTA; each consumer thread's N / 2 values contiguous), and it takes
-// a ticket on the tile (tickets[tile], 0 before the launch). The last of the tile's CTAs to take
-// one adds the partials in CTA order (the same sums whichever CTA comes last: deterministic),
-// writes the tile and puts the ticket back to 0 (graph replays included). No CTA waits on
-// another, so any residency works.
+// head and one tail segment a CTA; a warp's stores contiguous), and once its range is done it
+// takes a ticket on each such tile (tickets[tile], 0 before the launch). The last of a tile's
+// CTAs to take one adds the partials in CTA order (the same sums whichever CTA comes last:
+// deterministic), writes the tile and puts the ticket back to 0 (graph replays included). No CTA
+// waits on another, so any residency works. (Measured on the H200, session 26: the first
+// version's fixup, one dependent L2 load after another, cost 18 us of o's 39 at 64 tokens.)
 //
 // mode: SK_BF16 y bf16 [T, out]; SK_F32 y f32 = sum; SK_F32_ACC y f32 += sum. Accumulator element
 // 4 i + e of lane (g, t) of warp w of a warpgroup: row 16 w + g + 8 (e >> 1) of its 64, column
 // (token) 8 i + 2 t + (e & 1). Shared memory (dynamic, 1024-aligned): SK_HEAD bytes of barriers
-// and the ticket's verdict, then `stages` (1 ..= SK_MAX_STAGES) stages of 16384 + 128 N bytes.
+// and the tickets' verdicts, then `stages` (1 ..= SK_MAX_STAGES) stages of 16384 + 128 N bytes.
 #define SK_BM 128
 #define SK_BK 64
 #define SK_CONSUMERS 8
@@ -106,6 +107,28 @@ __device__ __forceinline__ long long sk_start(int b, int G, long long total) {
     return (long long)b * total / G;
 }
 
+// A consumer thread's values of row tile `tile` into y (bf16, f32, or added to f32): element q is
+// row 64 wgi + 16 w4 + g + 8 ((q & 3) >> 1) of the tile, token 8 (q >> 2) + 2 t4 + (q & 1).
+template <int N>
+__device__ __forceinline__ void sk_store(void* __restrict__ y, const float* v, int tile, int out,
+                                         int T, int mode, int wgi, int w4, int g, int t4) {
+#pragma unroll
+    for (int q = 0; q < N / 2; q++) {
+        const int row = tile * SK_BM + 64 * wgi + 16 * w4 + g + 8 * ((q & 3) >> 1);
+        const int col = 8 * (q >> 2) + 2 * t4 + (q & 1);
+        if (row < out && col < T) {
+            const i64 o = (i64)col * out + row;
+            if (mode == SK_BF16) {
+                ((bf16_t*)y)[o] = f2bf(v[q]);
+            } else if (mode == SK_F32) {
+                ((float*)y)[o] = v[q];
+            } else {
+                ((float*)y)[o] += v[q];
+            }
+        }
+    }
+}
+
 template <int N>
 __device__ __forceinline__ void gemm_skinny_impl(const WsTmap& wmap, const WsTmap& xmap,
                                                  void* __restrict__ y, float* __restrict__ part,
@@ -120,7 +143,7 @@ __device__ __forceinline__ void gemm_skinny_impl(const WsTmap& wmap, const WsTma
     const long long it0 = sk_start(b, G, total), it1 = sk_start(b + 1, G, total);
     const unsigned base = fp_smem_addr(smem);
     const unsigned full0 = base, empty0 = base + 8 * SK_MAX_STAGES;
-    volatile unsigned* verdict = (volatile unsigned*)(smem + 16 * SK_MAX_STAGES);
+    volatile unsigned* verdict = (volatile unsigned*)(smem + 16 * SK_MAX_STAGES);  // [2]
     const unsigned st0 = base + SK_HEAD;
     if (tid == 0) {
         for (int s = 0; s < stages; s++) {
@@ -152,6 +175,7 @@ __device__ __forceinline__ void gemm_skinny_impl(const WsTmap& wmap, const WsTma
         return;
     }
     const int wgi = warp >> 2, w4 = warp & 3, g = lane >> 2, t4 = lane & 3;
+    int split[2], nsplit = 0;  // the split tiles of this CTA's range (its head and its tail)
     float acc[N / 2];
     long long it = it0;
     int j = 0;
@@ -177,64 +201,66 @@ __device__ __forceinline__ void gemm_skinny_impl(const WsTmap& wmap, const WsTma
             wg_wait<0>();
             ws_mbar_arrive(empty0 + 8 * s);
         }
-        // this thread's values of the tile into y (bf16, f32 or added to f32)
-        auto store = [&](const float* v) {
-#pragma unroll
-            for (int q = 0; q < N / 2; q++) {
-                const int row = tile * SK_BM + 64 * wgi + 16 * w4 + g + 8 * ((q & 3) >> 1);
-                const int col = 8 * (q >> 2) + 2 * t4 + (q & 1);
-                if (row < out && col < T) {
-                    const i64 o = (i64)col * out + row;
-                    if (mode == SK_BF16) {
-                        ((bf16_t*)y)[o] = f2bf(v[q]);
-                    } else if (mode == SK_F32) {
-                        ((float*)y)[o] = v[q];
-                    } else {
-                        ((float*)y)[o] += v[q];
-                    }
-                }
-            }
-        };
         if (tbeg >= it0 && tend <= it1) {
-            store(acc);
+            sk_store<N>(y, acc, tile, out, T, mode, wgi, w4, g, t4);
             continue;
         }
-        const int first = sk_owner(tbeg, G, total), last = sk_owner(tend - 1, G, total);
-        float4* mine = (float4*)(part + ((i64)(2 * b + (b == first)) * (32 * SK_CONSUMERS) + tid) * (N / 2));
+        // a split tile: the partials to this CTA's slot for it (float4 q of thread tid at
+        // (slot * N / 8 + q) * 256 + tid: a warp's stores contiguous); its ticket at the end
+        const int first = sk_owner(tbeg, G, total);
+        float4* mine = (float4*)part + (i64)(2 * b + (b == first)) * (N / 8) * (32 * SK_CONSUMERS) + tid;
 #pragma unroll
         for (int q = 0; q < N / 8; q++)
-            mine[q] = make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
+            mine[q * 32 * SK_CONSUMERS] =
+                make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
+        split[nsplit++] = tile;
+    }
+    if (nsplit == 0) return;
+    // The tickets of the (at most two) split tiles, taken only now: a ticket taken mid-range
+    // would hold the consumers (and so the ring) for its round trip; the partials of both are
+    // visible before either ticket.
+    sk_fence();
+    ws_turn_wait(0);  // every consumer thread's partials written
+    if (tid == 0) {
+        for (int k = 0; k < nsplit; k++) {
+            const long long tb = (long long)split[k] * kc;
+            const int n = sk_owner(tb + kc - 1, G, total) - sk_owner(tb, G, total);
+            verdict[k] = sk_ticket(tickets + split[k]) == (unsigned)n ? 1u : 0u;
+        }
+    }
+    ws_turn_wait(0);
+    for (int k = 0; k < nsplit; k++) {
+        if (!verdict[k]) continue;
         sk_fence();
-        ws_turn_wait(0);  // every consumer thread's partials written
-        if (tid == 0) *verdict = sk_ticket(tickets + tile) == (unsigned)(last - first) ? 1u : 0u;
-        ws_turn_wait(0);
-        if (*verdict) {
-            sk_fence();
-            float sum[N / 2];
-            for (int c = first; c <= last; c++) {
-                const float* p = part + ((i64)(2 * c + (c == first)) * (32 * SK_CONSUMERS) + tid) * (N / 2);
+        const int tile = split[k];
+        const long long tb = (long long)tile * kc;
+        const int first = sk_owner(tb, G, total), last = sk_owner(tb + kc - 1, G, total);
+        // the partials in CTA order (the same sums whichever CTA is last), each CTA's loads all
+        // issued before its adds
+        float sum[N / 2];
+        for (int c = first; c <= last; c++) {
+            const float* p = part + ((i64)(2 * c + (c == first)) * (N / 8) * (32 * SK_CONSUMERS) + tid) * 4;
+            float4 v[N / 8];
 #pragma unroll
-                for (int q = 0; q < N / 8; q++) {
-                    float4 v = c == b ? make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2],
-                                                    acc[4 * q + 3])
-                                      : sk_ld_cg4(p + 4 * q);
-                    if (c == first) {
-                        sum[4 * q] = v.x, sum[4 * q + 1] = v.y, sum[4 * q + 2] = v.z, sum[4 * q + 3] = v.w;
-                    } else {
-                        sum[4 * q] += v.x, sum[4 * q + 1] += v.y, sum[4 * q + 2] += v.z, sum[4 * q + 3] += v.w;
-                    }
+            for (int q = 0; q < N / 8; q++) v[q] = sk_ld_cg4(p + (i64)q * 32 * SK_CONSUMERS * 4);
+#pragma unroll
+            for (int q = 0; q < N / 8; q++) {
+                if (c == first) {
+                    sum[4 * q] = v[q].x, sum[4 * q + 1] = v[q].y, sum[4 * q + 2] = v[q].z, sum[4 * q + 3] = v[q].w;
+                } else {
+                    sum[4 * q] += v[q].x, sum[4 * q + 1] += v[q].y, sum[4 * q + 2] += v[q].z, sum[4 * q + 3] += v[q].w;
                 }
             }
-            store(sum);
-            if (tid == 0) tickets[tile] = 0u;
         }
+        sk_store<N>(y, sum, tile, out, T, mode, wgi, w4, g, t4);
+        if (tid == 0) tickets[tile] = 0u;
     }
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // grid: min(SMs, tiles * kc) CTAs, block SK_THREADS, dynamic shared memory 1024 (alignment) +
-// SK_HEAD + stages * kb * (16384 + 128 N); part: f32 [2 G][256][N / 2]; tickets: u32 [tiles],
+// SK_HEAD + stages * kb * (16384 + 128 N); part: f32 [2 G][N / 8][256][4]; tickets: u32 [tiles],
 // zero; kb: 64-input boxes a stage (an iteration covers 64 kb inputs of its tile).
 #define GEMM_SKINNY_KERNEL(NAME, N)                                                               \
     extern "C" __global__ void __launch_bounds__(SK_THREADS, 1)                                  \

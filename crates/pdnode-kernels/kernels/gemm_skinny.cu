@@ -28,7 +28,8 @@
 // mode: SK_BF16 y bf16 [T, out]; SK_F32 y f32 = sum; SK_F32_ACC y f32 += sum. Accumulator element
 // 4 i + e of lane (g, t) of warp w of a warpgroup: row 16 w + g + 8 (e >> 1) of its 64, column
 // (token) 8 i + 2 t + (e & 1). Shared memory (dynamic, 1024-aligned): SK_HEAD bytes of barriers
-// and the tickets' verdicts, then `stages` (1 ..= SK_MAX_STAGES) stages of 16384 + 128 N bytes.
+// and the tickets' verdicts, then `stages` (1 ..= SK_MAX_STAGES) stages of kb boxes of weights
+// (16384 bytes each) and kb of x (128 N bytes each).
 #define SK_BM 128
 #define SK_BK 64
 #define SK_CONSUMERS 8
@@ -109,22 +110,33 @@ __device__ __forceinline__ long long sk_start(int b, int G, long long total) {
 
 // A consumer thread's values of row tile `tile` into y (bf16, f32, or added to f32): element q is
 // row 64 wgi + 16 w4 + g + 8 ((q & 3) >> 1) of the tile, token 8 (q >> 2) + 2 t4 + (q & 1).
+// Adding: every old value loaded before the first store (the compiler cannot tell the stores
+// from the loads apart, and one load, add and store after another cost o 20 us at 64 tokens).
 template <int N>
 __device__ __forceinline__ void sk_store(void* __restrict__ y, const float* v, int tile, int out,
                                          int T, int mode, int wgi, int w4, int g, int t4) {
+    const int row0 = tile * SK_BM + 64 * wgi + 16 * w4 + g;
+    auto at = [&](int q, bool& ok) {
+        const int row = row0 + 8 * ((q & 3) >> 1), col = 8 * (q >> 2) + 2 * t4 + (q & 1);
+        ok = row < out && col < T;
+        return (i64)col * out + row;
+    };
+    float old[N / 2];
 #pragma unroll
     for (int q = 0; q < N / 2; q++) {
-        const int row = tile * SK_BM + 64 * wgi + 16 * w4 + g + 8 * ((q & 3) >> 1);
-        const int col = 8 * (q >> 2) + 2 * t4 + (q & 1);
-        if (row < out && col < T) {
-            const i64 o = (i64)col * out + row;
-            if (mode == SK_BF16) {
-                ((bf16_t*)y)[o] = f2bf(v[q]);
-            } else if (mode == SK_F32) {
-                ((float*)y)[o] = v[q];
-            } else {
-                ((float*)y)[o] += v[q];
-            }
+        bool ok;
+        const i64 o = at(q, ok);
+        old[q] = mode == SK_F32_ACC && ok ? ((const float*)y)[o] : 0.f;
+    }
+#pragma unroll
+    for (int q = 0; q < N / 2; q++) {
+        bool ok;
+        const i64 o = at(q, ok);
+        if (!ok) continue;
+        if (mode == SK_BF16) {
+            ((bf16_t*)y)[o] = f2bf(v[q]);
+        } else {
+            ((float*)y)[o] = mode == SK_F32_ACC ? old[q] + v[q] : v[q];
         }
     }
 }
@@ -235,20 +247,29 @@ __device__ __forceinline__ void gemm_skinny_impl(const WsTmap& wmap, const WsTma
         const int tile = split[k];
         const long long tb = (long long)tile * kc;
         const int first = sk_owner(tb, G, total), last = sk_owner(tb + kc - 1, G, total);
-        // the partials in CTA order (the same sums whichever CTA is last), each CTA's loads all
-        // issued before its adds
+        // the partials in CTA order (the same sums whichever CTA is last), two CTAs' loads all
+        // issued before their adds
         float sum[N / 2];
-        for (int c = first; c <= last; c++) {
-            const float* p = part + ((i64)(2 * c + (c == first)) * (N / 8) * (32 * SK_CONSUMERS) + tid) * 4;
-            float4 v[N / 8];
 #pragma unroll
-            for (int q = 0; q < N / 8; q++) v[q] = sk_ld_cg4(p + (i64)q * 32 * SK_CONSUMERS * 4);
+        for (int q = 0; q < N / 2; q++) sum[q] = 0.f;
+        auto slot = [&](int c) {
+            return part + ((i64)(2 * c + (c == first)) * (N / 8) * (32 * SK_CONSUMERS) + tid) * 4;
+        };
+        for (int c = first; c <= last; c += 2) {
+            const float* p0 = slot(c);
+            const float* p1 = slot(c + 1 <= last ? c + 1 : c);
+            float4 v0[N / 8], v1[N / 8];
 #pragma unroll
             for (int q = 0; q < N / 8; q++) {
-                if (c == first) {
-                    sum[4 * q] = v[q].x, sum[4 * q + 1] = v[q].y, sum[4 * q + 2] = v[q].z, sum[4 * q + 3] = v[q].w;
-                } else {
-                    sum[4 * q] += v[q].x, sum[4 * q + 1] += v[q].y, sum[4 * q + 2] += v[q].z, sum[4 * q + 3] += v[q].w;
+                v0[q] = sk_ld_cg4(p0 + (i64)q * 32 * SK_CONSUMERS * 4);
+                v1[q] = sk_ld_cg4(p1 + (i64)q * 32 * SK_CONSUMERS * 4);
+            }
+            const bool two = c + 1 <= last;
+#pragma unroll
+            for (int q = 0; q < N / 8; q++) {
+                sum[4 * q] += v0[q].x, sum[4 * q + 1] += v0[q].y, sum[4 * q + 2] += v0[q].z, sum[4 * q + 3] += v0[q].w;
+                if (two) {
+                    sum[4 * q] += v1[q].x, sum[4 * q + 1] += v1[q].y, sum[4 * q + 2] += v1[q].z, sum[4 * q + 3] += v1[q].w;
                 }
             }
         }

@@ -30,7 +30,7 @@ const ALIGN_PAD: usize = 1024;
 const MAX_TILES: usize = 4096;
 
 /// What one [`gemm_skinny`] call needs besides its operands: the split tiles' partial sums (f32
-/// `[2 CTAs][256][32]`) and a ticket a row tile (u32, 0 between calls: each call leaves them so).
+/// `[2 CTAs][8][256][4]` at most) and a ticket a row tile (u32, 0 between calls: each call leaves them so).
 /// One call at a time may use it (its CTAs write it only while they run): calls on one stream.
 pub struct SkinnyScratch {
     part: DevBuf,

@@ -78,8 +78,7 @@ pub struct LinearStep {
 }
 
 /// Each layer of [`LLAMA31_8B_LINEARS`] at each token count through each implementation
-/// (the CUDA-core GEMV up to [`ops::GEMV_MAX_TOKENS`] rows, the tensor-core one up to
-/// [`ops::MMA_MAX_TOKENS`]). Weights are rotated over enough
+/// (GEMV kernels only up to [`ops::GEMV_MAX_TOKENS`] rows). Weights are rotated over enough
 /// copies (>= 256 MB in all) that no layer is served from the 50 MB L2. Returns the copy ceiling
 /// (bytes/s, read + write), the rows and the per-step sums.
 pub fn run_linear(
@@ -110,12 +109,8 @@ pub fn run_linear(
             let auto_launch = ops::mma_launch(sms, out, t, inp);
             let mut cases: Vec<(ops::LinearImpl, Option<ops::MmaLaunch>)> = Vec::new();
             for &how in impls {
-                let most = match how {
-                    ops::LinearImpl::Gemv => ops::GEMV_MAX_TOKENS,
-                    ops::LinearImpl::GemvMma => ops::MMA_MAX_TOKENS,
-                    _ => usize::MAX,
-                };
-                if t == 0 || t > most {
+                let gemv = !matches!(how, ops::LinearImpl::Cublas | ops::LinearImpl::Auto);
+                if t == 0 || (gemv && t > ops::GEMV_MAX_TOKENS) {
                     continue;
                 }
                 if how != ops::LinearImpl::GemvMma {
@@ -134,11 +129,6 @@ pub fn run_linear(
                     ..auto_launch
                 };
                 for l in [other, half, pf] {
-                    // the warps the kernel launches (at most mma_max_warps)
-                    let l = ops::MmaLaunch {
-                        warps: l.warps.min(ops::mma_max_warps(l.tiles, t)),
-                        ..l
-                    };
                     if !cases.contains(&(how, Some(l))) {
                         cases.push((how, Some(l)));
                     }
@@ -447,119 +437,6 @@ pub fn run_linear_stream(
             };
             report(&row);
             rows.push(row);
-        }
-    }
-    Ok((copy, rows))
-}
-
-/// One decode linear through the step's path and through `ops::gemm_skinny` ([`run_linear_skinny`]).
-#[derive(Debug, Clone)]
-pub struct SkinnyRow {
-    pub name: &'static str,
-    pub out: usize,
-    pub inp: usize,
-    pub tokens: usize,
-    /// The launch knobs.
-    pub tune: ops::SkinnyTune,
-    /// `linear` under `Auto` with the step's output type (qkv, gate_up bf16; o, down added into
-    /// f32), us a call: the fastest of the interleaved rounds.
-    pub auto_us: f64,
-    /// `gemm_skinny` with the same output, us a call.
-    pub skinny_us: f64,
-    /// Weight bytes over each time, as a fraction of the copy ceiling.
-    pub auto_frac: f64,
-    pub skinny_frac: f64,
-    /// ||skinny - auto|| / ||auto|| on the same inputs.
-    pub rel: f64,
-}
-
-/// [`SkinnyRow`]s for the four decode linears of [`LT_LINEARS`] at each of `tokens` (at most
-/// [`ops::SKINNY_MAX_TOKENS`]) and each of `tunes`, weights rotated past L2, each
-/// case timed in `rounds` interleaved rounds of `iters` calls (the fastest kept); the copy
-/// ceiling (bytes/s) first.
-pub fn run_linear_skinny(
-    tokens: &[usize],
-    tunes: &[ops::SkinnyTune],
-    iters: usize,
-    rounds: usize,
-    mut report: impl FnMut(&SkinnyRow),
-) -> Result<(f64, Vec<SkinnyRow>), CudaError> {
-    let gpu = Gpu::new(0)?;
-    let copy = measure_ceilings(&gpu)?.hbm_traffic_bps;
-    if !ops::skinny_available(&gpu) {
-        return Err(CudaError::Unsupported {
-            reason: "gemm_skinny needs compute capability 9.0".into(),
-        });
-    }
-    let scratch = ops::SkinnyScratch::new(&gpu)?;
-    let (iters, rounds) = (iters.max(1), rounds.max(1));
-    let max_t = ops::SKINNY_MAX_TOKENS;
-    let mut rows = Vec::new();
-    for (si, &(name, out, inp, ty, acc)) in LT_LINEARS.iter().enumerate() {
-        let wbytes = out * inp * 2;
-        let ws = rotated_weights(&gpu, out, inp, 700 + si as u64 * 8)?;
-        let copies = ws.len();
-        let x = gpu.alloc(max_t * inp * 2)?;
-        ops::fill_uniform_bf16(&gpu, &x, max_t * inp, 13, 1.0)?;
-        let (ya, yb) = (gpu.alloc(max_t * out * 4)?, gpu.alloc(max_t * out * 4)?);
-        for &t in tokens.iter().filter(|t| (1..=max_t).contains(*t)) {
-            for &st in tunes {
-                let auto = |w: &pdnode_cuda::device::DevBuf| {
-                    ops::linear(
-                        &gpu,
-                        out,
-                        t,
-                        inp,
-                        w,
-                        &x,
-                        &ya,
-                        ty,
-                        acc,
-                        ops::LinearImpl::Auto,
-                    )
-                };
-                let skinny = |w: &pdnode_cuda::device::DevBuf| {
-                    ops::gemm_skinny(&gpu, &scratch, out, t, inp, w, &x, &yb, ty, acc, st)
-                };
-                for y in [&ya, &yb] {
-                    gpu.memset(y, 0)?;
-                }
-                auto(&ws[0])?;
-                skinny(&ws[0])?;
-                let n = t * out;
-                let (a, b) = if ty == OutType::Bf16 {
-                    (gpu.download_bf16(&ya, n)?, gpu.download_bf16(&yb, n)?)
-                } else {
-                    (gpu.download_f32(&ya, n)?, gpu.download_f32(&yb, n)?)
-                };
-                let rel = rel_diff(&b, &a);
-                let (mut auto_s, mut skinny_s) = (f64::MAX, f64::MAX);
-                let mut k = 0usize;
-                for _ in 0..rounds {
-                    auto_s = auto_s.min(timed(&gpu, iters, || {
-                        k += 1;
-                        auto(&ws[k % copies])
-                    })?);
-                    skinny_s = skinny_s.min(timed(&gpu, iters, || {
-                        k += 1;
-                        skinny(&ws[k % copies])
-                    })?);
-                }
-                let row = SkinnyRow {
-                    name,
-                    out,
-                    inp,
-                    tokens: t,
-                    tune: st,
-                    auto_us: auto_s * 1e6,
-                    skinny_us: skinny_s * 1e6,
-                    auto_frac: wbytes as f64 / auto_s / copy,
-                    skinny_frac: wbytes as f64 / skinny_s / copy,
-                    rel,
-                };
-                report(&row);
-                rows.push(row);
-            }
         }
     }
     Ok((copy, rows))

@@ -116,7 +116,7 @@ fn load_wgmma(ctx: &Arc<CudaContext>) -> Result<Loaded, CudaError> {
             let f = module
                 .load_function(name)
                 .map_err(drv("cuModuleGetFunction"))?;
-            if name.starts_with("gemv_stream_") || name.starts_with("gemm_skinny_") {
+            if name.starts_with("gemv_stream_") {
                 crate::ops::prefer_shared_memory(&f, crate::ops::STREAM_SMEM_MAX)?;
             }
             Ok((name, f))

@@ -429,10 +429,10 @@ fn wgmma_fits(gpu: &Gpu, d: &AttnDims) -> bool {
     fits && gpu.has_kernel(WGMMA_KERNEL)
 }
 
-/// A CUtensorMap as a kernel argument: `flash_prefill_hd128_ws` and `gemm_skinny_n*` take it by
-/// value (`__grid_constant__`), 128 bytes the driver copies into the launch's parameters.
+/// A CUtensorMap as a kernel argument: `flash_prefill_hd128_ws` takes it by value
+/// (`__grid_constant__`), 128 bytes the driver copies into the launch's parameters.
 #[repr(transparent)]
-pub(crate) struct TensorMapArg(cudarc::driver::sys::CUtensorMap);
+struct TensorMapArg(cudarc::driver::sys::CUtensorMap);
 
 // SAFETY: a plain-old-data 128-byte struct the kernel reads as its parameter of the same size
 // and alignment (WsTmap in prefill_flash_wg.cu).
@@ -443,6 +443,7 @@ unsafe impl cudarc::driver::DeviceRepr for TensorMapArg {}
 /// min(block_size, 128) rows, 1, 1), 128-byte swizzle (the layout its wgmma descriptors read),
 /// elements outside the tensor read as zero.
 fn kv_tensor_map(layer_ptr: u64, d: &AttnDims) -> Result<TensorMapArg, CudaError> {
+    use cudarc::driver::sys;
     let (nkv, hd, bs) = (
         d.num_kv_heads as u64,
         d.head_dim as u64,
@@ -457,21 +458,6 @@ fn kv_tensor_map(layer_ptr: u64, d: &AttnDims) -> Result<TensorMapArg, CudaError
         2 * bs * nkv * hd * 2,
     ];
     let boxes: [u32; 5] = [64, 1, bs.min(128) as u32, 1, 1];
-    bf16_tensor_map(layer_ptr, dims, strides, boxes, false)
-}
-
-/// A bf16 5-d TMA tensor map at `ptr`: `dims` innermost first (dim 0 contiguous), `strides` the
-/// bytes between consecutive indices of dims 1..4 (multiples of 16), boxes of `boxes` elements
-/// (a 128-byte row innermost), 128-byte swizzle (the layout the wgmma descriptors read), elements
-/// outside the tensor read as zero; L2 fetches of 128 bytes, or 256 where `l2_256`.
-pub(crate) fn bf16_tensor_map(
-    ptr: u64,
-    dims: [u64; 5],
-    strides: [u64; 4],
-    boxes: [u32; 5],
-    l2_256: bool,
-) -> Result<TensorMapArg, CudaError> {
-    use cudarc::driver::sys;
     let elem_strides: [u32; 5] = [1; 5];
     let mut map = sys::CUtensorMap { opaque: [0; 16] };
     // SAFETY: every array holds the rank's entries; the driver only writes `map`.
@@ -480,18 +466,14 @@ pub(crate) fn bf16_tensor_map(
             &mut map,
             sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
             5,
-            ptr as *mut std::ffi::c_void,
+            layer_ptr as *mut std::ffi::c_void,
             dims.as_ptr(),
             strides.as_ptr(),
             boxes.as_ptr(),
             elem_strides.as_ptr(),
             sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
             sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-            if l2_256 {
-                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B
-            } else {
-                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B
-            },
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
             sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         )
     };

@@ -10,7 +10,6 @@ mod cuda_kernels_mla;
 mod cuda_kernels_pdl;
 mod cuda_kernels_prefill;
 mod cuda_kernels_rope;
-mod cuda_kernels_skinny;
 mod cuda_kernels_stream;
 mod cuda_support;
 
@@ -86,11 +85,10 @@ fn linear_gemv_and_cublas_agree_with_reference() {
     );
 }
 
-/// The tensor-core GEMV (and Auto, which picks it for <= 8 tokens) at every token count 1..=8 and
-/// at 9..=32 (two and four column tiles: partial tiles, full ones) on odd shapes (rows not a
-/// multiple of 16 or 32, inputs not a multiple of 32, a single chunk), both kernel heights
-/// (32-row blocks need > 2 tokens and out / 32 >= SMs), bf16 and f32-accumulate outputs, each
-/// element within bf16 bounds of the host reference; bitwise deterministic.
+/// The tensor-core GEMV (and Auto, which picks it for <= 8 tokens) at every token count 1..=8 on
+/// odd shapes (rows not a multiple of 16 or 32, inputs not a multiple of 32, a single chunk), both
+/// kernel heights (32-row blocks need > 2 tokens and out / 32 >= SMs), bf16 and f32-accumulate
+/// outputs, each element within bf16 bounds of the host reference; bitwise deterministic.
 #[test]
 #[ignore = "needs a CUDA GPU: run scripts/gpu/run-all.sh on the GPU host"]
 fn linear_gemv_mma_every_token_count_and_odd_shapes() {
@@ -104,18 +102,7 @@ fn linear_gemv_mma_every_token_count_and_odd_shapes() {
             cases.push((out, t, inp));
         }
     }
-    for t in [9, 12, 16, 17, 24, 31, 32] {
-        for &(out, inp) in &[(200, 64), (77, 2056), (33, 8), (tall, 264)] {
-            cases.push((out, t, inp));
-        }
-    }
-    cases.extend([
-        (4096, 1, 4096),
-        (6144, 3, 4096),
-        (4096, 8, 14336),
-        (4096, 32, 4096),
-        (6144, 16, 4096),
-    ]);
+    cases.extend([(4096, 1, 4096), (6144, 3, 4096), (4096, 8, 14336)]);
     for (out, t, inp) in cases {
         let w = randv(&mut r, out * inp, 1.0);
         let x = randv(&mut r, t * inp, 1.0);
@@ -237,7 +224,7 @@ fn linear_gemv_mma_every_token_count_and_odd_shapes() {
         g.alloc(1 << 16).unwrap(),
         g.alloc(1 << 16).unwrap(),
     );
-    for (out, t, inp) in [(8, 33, 8), (8, 1, 12)] {
+    for (out, t, inp) in [(8, 9, 8), (8, 1, 12)] {
         let res = ops::linear(
             &g,
             out,
@@ -252,7 +239,7 @@ fn linear_gemv_mma_every_token_count_and_odd_shapes() {
         );
         assert!(res.is_err(), "gemv_mma accepted {out}x{t}x{inp}");
     }
-    println!("PASS gemv_mma rejects 33 tokens and inp % 8 != 0");
+    println!("PASS gemv_mma rejects 9 tokens and inp % 8 != 0");
 }
 
 #[test]

@@ -112,9 +112,6 @@ __device__ __forceinline__ void gm_mma(float* c, unsigned a0, unsigned a1, unsig
 }
 
 #define GM_MAX_WARPS 16
-// Most warps a block of MT 16-row tiles by NT 8-token tiles takes: its partial sums (MT * NT * 4
-// floats a lane) must fit the 48 KB of static shared memory.
-#define GM_WARPS(MT, NT) ((MT) * (NT) <= 4 ? GM_MAX_WARPS : 8)
 
 // GLU = 1 (gemv_mma_glu_*): w is the [2 * out, in] gate|up weight (rows 0..out gate, out..2out up)
 // and y the bf16 [T, out] SwiGLU activation. Each 16-row mma tile takes 8 gate rows (A rows g) and
@@ -128,16 +125,14 @@ __device__ __forceinline__ void gm_mma(float* c, unsigned a0, unsigned a1, unsig
 // L2 loads after it) writes normed[t] = bf16(rmsnorm(y[t]) * nw) for every token, exactly as
 // add_rmsnorm does (256 threads' strided sums, block_sum, the same expressions), then puts the
 // ticket counter back to 0 for the next launch (graph replays included).
-// NT > 1 (gemv_mma_m*_n*): up to 8 * NT tokens, NT mma column tiles a weight fragment (token
-// 8 j + g feeds tile j's B), each the same sums as the NT = 1 kernel would make for its tokens.
-template <int MT, int U, int PF, int GLU, int NORM, int NT = 1>
+template <int MT, int U, int PF, int GLU, int NORM>
 __device__ void gemv_mma_impl(const bf16_t* __restrict__ w, const bf16_t* __restrict__ x,
                               void* __restrict__ y, int T, int out, int in, int y_f32,
                               int accumulate, const float* __restrict__ nw_,
                               bf16_t* __restrict__ normed, unsigned int* ticket, float eps) {
-    __shared__ float red[GM_WARPS(MT, NT)][MT * NT * 4][32];
+    __shared__ float red[GM_MAX_WARPS][MT * 4][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int nw = min((int)(blockDim.x >> 5), GM_WARPS(MT, NT));
+    const int nw = min((int)(blockDim.x >> 5), GM_MAX_WARPS);
     const int g = lane >> 2, c = lane & 3;
     const int row0 = blockIdx.x * (16 * MT);
     const int nseg = in >> 3;          // 16-byte segments per row
@@ -154,26 +149,18 @@ __device__ void gemv_mma_impl(const bf16_t* __restrict__ w, const bf16_t* __rest
             wp[m][h] = (const uint4*)(w + (i64)(o < out ? r : 0) * in);
         }
     }
-    bool xv[NT];
-    const uint4* xp[NT];
-#pragma unroll
-    for (int j = 0; j < NT; j++) {
-        xv[j] = 8 * j + g < T;
-        xp[j] = (const uint4*)(x + (i64)(xv[j] ? 8 * j + g : 0) * in);
-    }
-    float acc[MT][NT][4];
+    const bool xv = g < T;
+    const uint4* xp = (const uint4*)(x + (i64)(xv ? g : 0) * in);
+    float acc[MT][4];
 #pragma unroll
     for (int m = 0; m < MT; m++) {
 #pragma unroll
-        for (int j = 0; j < NT; j++) {
-#pragma unroll
-            for (int r = 0; r < 4; r++) acc[m][j][r] = 0.f;
-        }
+        for (int r = 0; r < 4; r++) acc[m][r] = 0.f;
     }
     if (warp < nw) {
         for (int base = warp; base < nc; base += nw * U) {
             uint4 a[U][MT][2];
-            uint4 b[U][NT];
+            uint4 b[U];
 #pragma unroll
             for (int u = 0; u < U; u++) {
                 const int s = (base + u * nw) * 4 + c;
@@ -185,57 +172,50 @@ __device__ void gemv_mma_impl(const bf16_t* __restrict__ w, const bf16_t* __rest
                         a[u][m][h] = PF ? gm_ld_stream_pf(wp[m][h] + (ok ? s : 0), ok && wv[m][h])
                                         : gm_ld_stream(wp[m][h] + (ok ? s : 0), ok && wv[m][h]);
                 }
-#pragma unroll
-                for (int j = 0; j < NT; j++) b[u][j] = gm_ld(xp[j] + (ok ? s : 0), ok && xv[j]);
+                b[u] = gm_ld(xp + (ok ? s : 0), ok && xv);
             }
 #pragma unroll
             for (int u = 0; u < U; u++) {
 #pragma unroll
                 for (int m = 0; m < MT; m++) {
-#pragma unroll
-                    for (int j = 0; j < NT; j++) {
-                        gm_mma(acc[m][j], a[u][m][0].x, a[u][m][1].x, a[u][m][0].y, a[u][m][1].y,
-                               b[u][j].x, b[u][j].y);
-                        gm_mma(acc[m][j], a[u][m][0].z, a[u][m][1].z, a[u][m][0].w, a[u][m][1].w,
-                               b[u][j].z, b[u][j].w);
-                    }
+                    gm_mma(acc[m], a[u][m][0].x, a[u][m][1].x, a[u][m][0].y, a[u][m][1].y, b[u].x,
+                           b[u].y);
+                    gm_mma(acc[m], a[u][m][0].z, a[u][m][1].z, a[u][m][0].w, a[u][m][1].w, b[u].z,
+                           b[u].w);
                 }
             }
         }
 #pragma unroll
         for (int m = 0; m < MT; m++) {
 #pragma unroll
-            for (int j = 0; j < NT; j++) {
-#pragma unroll
-                for (int r = 0; r < 4; r++) red[warp][(m * NT + j) * 4 + r][lane] = acc[m][j][r];
-            }
+            for (int r = 0; r < 4; r++) red[warp][m * 4 + r][lane] = acc[m][r];
         }
     }
     __syncthreads();
     if (GLU) {
-        for (int e = threadIdx.x; e < MT * NT * 2 * 32; e += blockDim.x) {
+        for (int e = threadIdx.x; e < MT * 2 * 32; e += blockDim.x) {
             const int q = e >> 5, l = e & 31;
-            const int mj = q >> 1, r = q & 1, m = mj / NT, j = mj % NT;
+            const int m = q >> 1, r = q & 1;
             float sg = 0.f, su = 0.f;
             for (int k = 0; k < nw; k++) {
-                sg += red[k][mj * 4 + r][l];
-                su += red[k][mj * 4 + 2 + r][l];
+                sg += red[k][m * 4 + r][l];
+                su += red[k][m * 4 + 2 + r][l];
             }
             const int o = blockIdx.x * (8 * MT) + m * 8 + (l >> 2);
-            const int col = 8 * j + 2 * (l & 3) + r;
+            const int col = 2 * (l & 3) + r;
             if (o < out && col < T) {
                 const float gg = bf2f(f2bf(sg)), uu = bf2f(f2bf(su));
                 ((bf16_t*)y)[(i64)col * out + o] = f2bf(gg / (1.f + __expf(-gg)) * uu);
             }
         }
     } else {
-        for (int e = threadIdx.x; e < MT * NT * 4 * 32; e += blockDim.x) {
+        for (int e = threadIdx.x; e < MT * 4 * 32; e += blockDim.x) {
             const int q = e >> 5, l = e & 31;
             float s = 0.f;
             for (int k = 0; k < nw; k++) s += red[k][q][l];
-            const int mj = q >> 2, r = q & 3, m = mj / NT, j = mj % NT;
+            const int m = q >> 2, r = q & 3;
             const int row = row0 + m * 16 + (l >> 2) + ((r & 2) ? 8 : 0);
-            const int col = 8 * j + 2 * (l & 3) + (r & 1);
+            const int col = 2 * (l & 3) + (r & 1);
             if (row < out && col < T) {
                 const i64 k = (i64)col * out + row;
                 if (y_f32) {
@@ -297,21 +277,6 @@ GEMV_MMA_KERNEL(gemv_mma_m2, 2, 2, 0)
 GEMV_MMA_KERNEL(gemv_mma_m1_pf, 1, 4, 1)
 GEMV_MMA_KERNEL(gemv_mma_m2_pf, 2, 2, 1)
 
-// Up to 8 * NT tokens (NT = 2, 4), with the L2 prefetch hint: 16 or 32 rows a block.
-#define GEMV_MMA_NT_KERNEL(NAME, MT, U, NT)                                                         \
-    extern "C" __global__ void __launch_bounds__(512, 1) NAME(const bf16_t* w, const bf16_t* x,      \
-                                                           void* y, int T, int out, int in,       \
-                                                           int y_f32, int accumulate) {           \
-        PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();                                                \
-        gemv_mma_impl<MT, U, 1, 0, 0, NT>(w, x, y, T, out, in, y_f32, accumulate, nullptr, nullptr,  \
-                                          nullptr, 0.f);                                            \
-    }
-
-GEMV_MMA_NT_KERNEL(gemv_mma_m1_n2_pf, 1, 4, 2)
-GEMV_MMA_NT_KERNEL(gemv_mma_m2_n2_pf, 2, 2, 2)
-GEMV_MMA_NT_KERNEL(gemv_mma_m1_n4_pf, 1, 2, 4)
-GEMV_MMA_NT_KERNEL(gemv_mma_m2_n4_pf, 2, 2, 4)
-
 // Fused gate_up + SwiGLU (GLU = 1 above): w bf16 [2 * out, in] (gate rows then up rows), x bf16
 // [T, in], y bf16 [T, out] = silu(x w_gate^T) * (x w_up^T); blocks of 8 outputs (16 weight rows).
 #define GEMV_MMA_GLU_KERNEL(NAME, PF)                                                               \
@@ -323,17 +288,6 @@ GEMV_MMA_NT_KERNEL(gemv_mma_m2_n4_pf, 2, 2, 4)
 
 GEMV_MMA_GLU_KERNEL(gemv_mma_glu_m1, 0)
 GEMV_MMA_GLU_KERNEL(gemv_mma_glu_m1_pf, 1)
-
-// The same for up to 8 * NT tokens (NT = 2, 4).
-#define GEMV_MMA_GLU_NT_KERNEL(NAME, U, NT)                                                          \
-    extern "C" __global__ void __launch_bounds__(512, 1) NAME(const bf16_t* w, const bf16_t* x,      \
-                                                           bf16_t* y, int T, int out, int in) {   \
-        PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();                                              \
-        gemv_mma_impl<1, U, 1, 1, 0, NT>(w, x, y, T, out, in, 0, 0, nullptr, nullptr, nullptr, 0.f); \
-    }
-
-GEMV_MMA_GLU_NT_KERNEL(gemv_mma_glu_m1_n2_pf, 4, 2)
-GEMV_MMA_GLU_NT_KERNEL(gemv_mma_glu_m1_n4_pf, 2, 4)
 
 // Linear into the f32 residual, then the RMSNorm of the next op's input in the same launch
 // (NORM = 1 above): y f32 [T, out] (accumulate != 0: y += result), nw f32 [out], normed bf16

@@ -64,7 +64,7 @@ pub const SOURCES: [(&str, &str); 16] = [
 ];
 
 /// Kernel entry points (extern "C" names in the .cu files).
-pub const KERNEL_NAMES: [&str; 62] = [
+pub const KERNEL_NAMES: [&str; 56] = [
     "gemv_t1",
     "gemv_t2",
     "gemv_t4",
@@ -75,12 +75,6 @@ pub const KERNEL_NAMES: [&str; 62] = [
     "gemv_mma_m2_pf",
     "gemv_mma_glu_m1",
     "gemv_mma_glu_m1_pf",
-    "gemv_mma_m1_n2_pf",
-    "gemv_mma_m2_n2_pf",
-    "gemv_mma_m1_n4_pf",
-    "gemv_mma_m2_n4_pf",
-    "gemv_mma_glu_m1_n2_pf",
-    "gemv_mma_glu_m1_n4_pf",
     "gemv_mma_m1_norm",
     "gemv_mma_m1_pf_norm",
     "paged_attention_v2_d8",
@@ -171,10 +165,9 @@ pub fn trace_name_hash(name: &str) -> u32 {
 }
 
 /// The sources of the Hopper-only program (wgmma), compiled for `compute_90a`: the helpers of
-/// common.cuh and prefill_flash.cu, then prefill_flash_wg.cu, the decode GEMV that streams its
-/// weights by bulk copies (gemv_stream.cu, which uses the mbarrier helpers of the file before it)
-/// and the decode GEMM for 9-64 rows (gemm_skinny.cu, which uses both files' helpers).
-pub const WGMMA_SOURCES: [(&str, &str); 5] = [
+/// common.cuh and prefill_flash.cu, then prefill_flash_wg.cu and the decode GEMV that streams its
+/// weights by bulk copies (gemv_stream.cu, which uses the mbarrier helpers of the file before it).
+pub const WGMMA_SOURCES: [(&str, &str); 4] = [
     ("common.cuh", include_str!("../kernels/common.cuh")),
     (
         "prefill_flash.cu",
@@ -185,20 +178,16 @@ pub const WGMMA_SOURCES: [(&str, &str); 5] = [
         include_str!("../kernels/prefill_flash_wg.cu"),
     ),
     ("gemv_stream.cu", include_str!("../kernels/gemv_stream.cu")),
-    ("gemm_skinny.cu", include_str!("../kernels/gemm_skinny.cu")),
 ];
 
 /// Entry points of [`WGMMA_SOURCES`] the backend loads on a compute capability 9.0 device.
-pub const WGMMA_KERNEL_NAMES: [&str; 9] = [
+pub const WGMMA_KERNEL_NAMES: [&str; 6] = [
     "flash_prefill_hd128_wg",
     "flash_prefill_hd128_ws",
     "wgmma_probe",
     "gemv_stream_t1",
     "gemv_stream_t2",
     "gemv_stream_t4",
-    "gemm_skinny_n16",
-    "gemm_skinny_n32",
-    "gemm_skinny_n64",
 ];
 
 /// The architecture [`ptx_for_wgmma`] compiles for: wgmma exists only on `sm_90a`.

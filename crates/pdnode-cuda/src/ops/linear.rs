@@ -12,8 +12,6 @@ mod lt;
 pub use lt::lt_pick;
 mod stream;
 pub use stream::*;
-mod skinny;
-pub use skinny::*;
 
 const BF16: usize = 2;
 const F32: usize = 4;
@@ -35,8 +33,7 @@ pub enum LinearImpl {
     /// A call it cannot take is a shape error.
     Gemv,
     /// Tensor-core GEMV: mma.sync m16n8k16 over 16 or 32 weight rows per block, split-K over the
-    /// block's warps with a fixed-order reduction (tokens <= 32; past 8 with the L2 hint), no L2
-    /// prefetch up to 8 tokens. A call it
+    /// block's warps with a fixed-order reduction (tokens <= 8), no L2 prefetch. A call it
     /// cannot take is a shape error.
     GemvMma,
 }
@@ -67,10 +64,9 @@ impl LinearImpl {
     /// [`LinearImpl::for_call`] on device addresses.
     fn for_operands(self, tokens: usize, inp: usize, w: u64, x: u64) -> LinearImpl {
         match self {
-            LinearImpl::Gemv if !(tokens <= GEMV_MAX_TOKENS && aligned_operands(inp, w, x)) => {
-                LinearImpl::Cublas
-            }
-            LinearImpl::GemvMma if !(tokens <= MMA_MAX_TOKENS && aligned_operands(inp, w, x)) => {
+            LinearImpl::Gemv | LinearImpl::GemvMma
+                if !(tokens <= GEMV_MAX_TOKENS && aligned_operands(inp, w, x)) =>
+            {
                 LinearImpl::Cublas
             }
             how => how,
@@ -109,33 +105,8 @@ pub fn table_launch(sm_count: usize, out: usize, tokens: usize, inp: usize) -> O
     })
 }
 
-/// Most token rows the GEMV kernels take (the CUDA-core ones; the tensor-core ones up to 8 with
-/// one column tile, as the decode step's measured table and fusions use them).
+/// Most token rows the GEMV kernels take.
 pub const GEMV_MAX_TOKENS: usize = 8;
-
-/// Most token rows the tensor-core GEMV takes: 8 a column tile (an mma's 8 columns), up to 4
-/// column tiles a weight fragment (`gemv_mma_m*_n2_pf` up to 16 tokens, `_n4_pf` up to 32).
-pub const MMA_MAX_TOKENS: usize = 32;
-
-/// Column tiles (8 tokens each) of the tensor-core GEMV kernel for `tokens` rows: 1, 2 or 4.
-pub fn mma_col_tiles(tokens: usize) -> usize {
-    match tokens {
-        0..=8 => 1,
-        9..=16 => 2,
-        _ => 4,
-    }
-}
-
-/// Most warps a block of the tensor-core GEMV with `tiles` row tiles takes at `tokens` rows: 16,
-/// or 8 where a lane holds 32 partial sums or more (`GM_WARPS` of kernels/gemv.cu: the block's
-/// partial sums fit 48 KB of static shared memory). [`gemv_mma`] launches at most this many.
-pub fn mma_max_warps(tiles: usize, tokens: usize) -> usize {
-    if tiles * mma_col_tiles(tokens) <= 4 {
-        16
-    } else {
-        8
-    }
-}
 
 /// Launch shape of a `gemv_mma` call: kernel, blocks, warps per block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -159,18 +130,14 @@ const RESIDENT_WARPS: usize = 24;
 
 /// Picks the tile height and the split-K width: 32-row blocks (half the x re-reads) when there
 /// are more than 2 tokens and enough of them to cover every SM, else 16-row blocks; then see
-/// [`mma_launch_tiles`] (warps capped at [`mma_max_warps`]).
+/// [`mma_launch_tiles`].
 pub fn mma_launch(sm_count: usize, out: usize, tokens: usize, inp: usize) -> MmaLaunch {
     let tiles = if tokens > 2 && out.div_ceil(32) >= sm_count.max(1) {
         2
     } else {
         1
     };
-    let l = mma_launch_tiles(sm_count, out, inp, tiles);
-    MmaLaunch {
-        warps: l.warps.min(mma_max_warps(tiles, tokens)),
-        ..l
-    }
+    mma_launch_tiles(sm_count, out, inp, tiles)
 }
 
 /// The launch for a given tile height (1 or 2 tiles of 16 rows; anything else is taken as 2):
@@ -216,11 +183,10 @@ pub fn linear(
     if out * tokens * inp == 0 {
         return Ok(());
     }
-    let aligned = gemv_aligned(inp, w, x);
-    let gemv_ok = tokens <= GEMV_MAX_TOKENS && aligned;
-    let need_gemv = |what: &str, most: usize| {
-        shape(OP, tokens <= most && aligned, || {
-            format!("{what} needs tokens <= {most}, inp % 8 == 0, 16-byte aligned w and x")
+    let gemv_ok = tokens <= GEMV_MAX_TOKENS && gemv_aligned(inp, w, x);
+    let need_gemv = |what: &str| {
+        shape(OP, gemv_ok, || {
+            format!("{what} needs tokens <= 8, inp % 8 == 0, 16-byte aligned w and x")
         })
     };
     let sms = gpu.sm_count as usize;
@@ -233,11 +199,11 @@ pub fn linear(
             _ => None,
         },
         LinearImpl::Gemv => {
-            need_gemv("gemv", GEMV_MAX_TOKENS)?;
+            need_gemv("gemv")?;
             Some(LinearImpl::Gemv)
         }
         LinearImpl::GemvMma => {
-            need_gemv("gemv_mma", MMA_MAX_TOKENS)?;
+            need_gemv("gemv_mma")?;
             Some(LinearImpl::GemvMma)
         }
     };
@@ -292,8 +258,7 @@ pub fn linear(
 
 /// [`linear`] through the tensor-core GEMV with an explicit launch shape (benchmarks compare
 /// shapes with it). Checks what [`linear`] checks plus the launch: 1 or 2 tiles, 1..=16 warps,
-/// enough blocks for every row. Up to [`MMA_MAX_TOKENS`] tokens; past 8 the kernel takes
-/// [`mma_col_tiles`] column tiles, always with the L2 hint, and at most [`mma_max_warps`] warps.
+/// enough blocks for every row.
 #[allow(clippy::too_many_arguments)]
 pub fn gemv_mma(
     gpu: &Gpu,
@@ -311,8 +276,8 @@ pub fn gemv_mma(
     check_operands(OP, out, tokens, inp, w, x, y, ty, accumulate)?;
     shape(
         OP,
-        tokens <= MMA_MAX_TOKENS && gemv_aligned(inp, w, x),
-        || "gemv_mma needs tokens <= 32, inp % 8 == 0, 16-byte aligned w and x".into(),
+        tokens <= GEMV_MAX_TOKENS && gemv_aligned(inp, w, x),
+        || "gemv_mma needs tokens <= 8, inp % 8 == 0, 16-byte aligned w and x".into(),
     )?;
     shape(
         OP,
@@ -322,23 +287,18 @@ pub fn gemv_mma(
     if out * tokens * inp == 0 {
         return Ok(());
     }
-    let name = match (l.tiles, mma_col_tiles(tokens), l.l2_prefetch) {
-        (1, 1, false) => "gemv_mma_m1",
-        (1, 1, true) => "gemv_mma_m1_pf",
-        (_, 1, false) => "gemv_mma_m2",
-        (_, 1, true) => "gemv_mma_m2_pf",
-        (1, 2, _) => "gemv_mma_m1_n2_pf",
-        (_, 2, _) => "gemv_mma_m2_n2_pf",
-        (1, _, _) => "gemv_mma_m1_n4_pf",
-        (_, _, _) => "gemv_mma_m2_n4_pf",
+    let name = match (l.tiles, l.l2_prefetch) {
+        (1, false) => "gemv_mma_m1",
+        (1, true) => "gemv_mma_m1_pf",
+        (_, false) => "gemv_mma_m2",
+        (_, true) => "gemv_mma_m2_pf",
     };
     let grid = u32_of(OP, l.blocks)?;
-    let warps = l.warps.min(mma_max_warps(l.tiles, tokens));
     launch_gemv(
         gpu,
         name,
         grid,
-        32 * warps as u32,
+        32 * l.warps as u32,
         out,
         tokens,
         inp,
@@ -522,8 +482,6 @@ pub fn glu_launch_warps(sm_count: usize, inter: usize, inp: usize, warps: usize)
 
 /// `act = silu(x W_gate^T) * (x W_up^T)` in one launch of `gemv_mma_glu_m1[_pf]` (see
 /// [`gate_up_swiglu`] for the layouts); `l` must be a 16-row launch with a block per 8 outputs.
-/// Up to [`MMA_MAX_TOKENS`] tokens: past 8 `gemv_mma_glu_m1_n2_pf` / `_n4_pf` (the L2 hint
-/// always, at most [`mma_max_warps`] warps).
 #[allow(clippy::too_many_arguments)]
 pub fn gemv_mma_swiglu(
     gpu: &Gpu,
@@ -541,8 +499,8 @@ pub fn gemv_mma_swiglu(
     need(OP, "act", act, tokens * inter * BF16)?;
     shape(
         OP,
-        tokens <= MMA_MAX_TOKENS && gemv_aligned(inp, w, x),
-        || "gemv_mma_swiglu needs tokens <= 32, inp % 8 == 0, 16-byte aligned w and x".into(),
+        tokens <= GEMV_MAX_TOKENS && gemv_aligned(inp, w, x),
+        || "gemv_mma_swiglu needs tokens <= 8, inp % 8 == 0, 16-byte aligned w and x".into(),
     )?;
     shape(
         OP,
@@ -552,11 +510,10 @@ pub fn gemv_mma_swiglu(
     if inter * tokens * inp == 0 {
         return Ok(());
     }
-    let name = match (mma_col_tiles(tokens), l.l2_prefetch) {
-        (1, true) => "gemv_mma_glu_m1_pf",
-        (1, false) => "gemv_mma_glu_m1",
-        (2, _) => "gemv_mma_glu_m1_n2_pf",
-        _ => "gemv_mma_glu_m1_n4_pf",
+    let name = if l.l2_prefetch {
+        "gemv_mma_glu_m1_pf"
+    } else {
+        "gemv_mma_glu_m1"
     };
     let f = gpu.kernel(name)?;
     let (t_i, o_i, i_i) = (tokens as i32, i32_of(OP, inter)?, i32_of(OP, inp)?);
@@ -567,9 +524,8 @@ pub fn gemv_mma_swiglu(
         .arg(&t_i)
         .arg(&o_i)
         .arg(&i_i);
-    let warps = l.warps.min(mma_max_warps(1, tokens));
-    let (grid, block) = (u32_of(OP, l.blocks)?, 32 * warps as u32);
-    // SAFETY: sizes and alignment checked above (w holds 2 inter rows); tokens <= 32.
+    let (grid, block) = (u32_of(OP, l.blocks)?, 32 * l.warps as u32);
+    // SAFETY: sizes and alignment checked above (w holds 2 inter rows); tokens <= 8.
     unsafe { b.launch(cfg((grid, 1, 1), block)) }.map_err(launched(OP))?;
     Ok(())
 }
@@ -803,7 +759,7 @@ fn launch_gemv(
         .arg(&i_i)
         .arg(&yf)
         .arg(&acc);
-    // SAFETY: sizes and alignment checked above; tokens within what the named kernel takes.
+    // SAFETY: sizes and alignment checked above; tokens <= 8 as both kernels assume.
     unsafe { b.launch(cfg((grid, 1, 1), block)) }.map_err(launched(OP))?;
     Ok(())
 }

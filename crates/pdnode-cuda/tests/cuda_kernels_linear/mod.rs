@@ -27,12 +27,7 @@ fn gate_up_swiglu_fused_matches_unfused() {
             cases.push((inter, t, inp));
         }
     }
-    for t in [12, 16, 17, 32] {
-        for &(inter, inp) in &[(200, 64), (1000, 264)] {
-            cases.push((inter, t, inp));
-        }
-    }
-    cases.extend([(14336, 1, 4096), (14336, 2, 4096), (14336, 32, 4096)]);
+    cases.extend([(14336, 1, 4096), (14336, 2, 4096)]);
     for (inter, t, inp) in cases {
         let w = randv(&mut r, 2 * inter * inp, 0.1);
         let x = randv(&mut r, t * inp, 1.0);
@@ -144,16 +139,14 @@ fn gate_up_swiglu_fused_matches_unfused() {
         g.alloc(1 << 16).unwrap(),
     );
     let l = ops::glu_launch(sms, 64, 64);
-    assert!(ops::gemv_mma_swiglu(&g, l, 64, 33, 64, &w, &x, &y).is_err());
+    assert!(ops::gemv_mma_swiglu(&g, l, 64, 9, 64, &w, &x, &y).is_err());
     assert!(ops::gemv_mma_swiglu(&g, l, 64, 1, 60, &w, &x, &y).is_err());
     let short = ops::MmaLaunch { blocks: 7, ..l };
     assert!(ops::gemv_mma_swiglu(&g, short, 64, 1, 64, &w, &x, &y).is_err());
     let tall = ops::MmaLaunch { tiles: 2, ..l };
     assert!(ops::gemv_mma_swiglu(&g, tall, 64, 1, 64, &w, &x, &y).is_err());
     assert!(ops::gemv_mma_swiglu(&g, l, 8192, 1, 64, &w, &x, &y).is_err());
-    println!(
-        "PASS gemv_mma_swiglu rejects 33 tokens, inp % 8 != 0, short grids, m2, small buffers"
-    );
+    println!("PASS gemv_mma_swiglu rejects 9 tokens, inp % 8 != 0, short grids, m2, small buffers");
 }
 
 /// `linear` under Auto (the measured per-shape table: L2-prefetch GEMV, cuBLAS for the MLP

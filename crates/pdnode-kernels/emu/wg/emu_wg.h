@@ -331,24 +331,3 @@ static inline void gs_bulk_load(unsigned dst, const void* src, unsigned bytes, u
 static inline void gs_prefetch_l2(const void*, unsigned bytes) {
     if (bytes & 15) { fprintf(stderr, "EMU: L2 prefetch not a multiple of 16 bytes\n"); exit(3); }
 }
-
-//@@ REGION skinny
-// gemm_skinny.cu's PTX region: wgmma m64nNk16 with both operands K-major (the descriptors'
-// 128-byte-swizzled layouts, as emu_mma_ss reads them), L2 loads (plain loads: one CTA runs at
-// a time) and the ticket (a plain increment, returning the old count).
-template <int N>
-static void sk_mma(float* d, unsigned long long da, unsigned long long db, int scale_d) {
-    const EmuDesc a = emu_desc(da), b = emu_desc(db);
-    int w, g, t;
-    emu_wg_lane(w, g, t);
-    for (int i = 0; i < N / 8; i++)
-        for (int e = 0; e < 4; e++) {
-            const int row = 16 * w + g + 8 * (e >> 1), col = 8 * i + 2 * t + (e & 1);
-            float s = 0.f;
-            for (int k = 0; k < 16; k++) s += emu_kmaj(a, row, k) * emu_kmaj(b, col, k);
-            d[4 * i + e] = (scale_d ? d[4 * i + e] : 0.f) + s;
-        }
-}
-static inline float4 sk_ld_cg4(const float* p) { return {p[0], p[1], p[2], p[3]}; }
-static inline unsigned sk_ticket(unsigned* t) { return (*t)++; }
-static inline void sk_fence() {}

@@ -9,8 +9,7 @@
 # boxes from the emulator's own tensor map, 1-d bulk copies), and runs main.cpp: GQA, block sizes
 # 4-256 (the ws kernel from 8), cached prefixes, windows, NaN in the pool past each context,
 # against an f64 reference; gemv_stream at 1-4 tokens, every output mode, x given or normed
-# in the kernel, fewer and more stages than consumer warps; the stream-K decode GEMM
-# (kernels/gemm_skinny.cu) at 9-64 tokens, whole and split tiles, every output mode. Two modes: copies landing as late as a waiter needs them (deferred), and at once
+# in the kernel, fewer and more stages than consumer warps. Two modes: copies landing as late as a waiter needs them (deferred), and at once
 # (EMU_SYNC=1). Not modelled: the register pool setmaxnreg draws on. Needs g++ (C++17).
 # Usage: crates/pdnode-kernels/emu/wg/run.sh   (about a minute)
 set -euo pipefail
@@ -24,8 +23,7 @@ K, out, prelude, emu = sys.argv[1:5]
 e = open(emu).read()
 head, rest = e.split("//@@ REGION wgmma\n")
 reg_wgmma, rest = rest.split("//@@ REGION ws\n")
-reg_ws, rest = rest.split("//@@ REGION gemv\n")
-reg_gemv, reg_skinny = rest.split("//@@ REGION skinny\n")
+reg_ws, reg_gemv = rest.split("//@@ REGION gemv\n")
 wg = open(K + "/prefill_flash_wg.cu").read()
 parts = wg.split("// PTX-BEGIN")
 assert len(parts) == 3, "prefill_flash_wg.cu: expected two PTX regions"
@@ -45,10 +43,6 @@ gs = open(K + "/gemv_stream.cu").read()
 gparts = gs.split("// PTX-BEGIN")
 assert len(gparts) == 2, "gemv_stream.cu: expected one PTX region"
 wg += gparts[0] + reg_gemv + tail(gparts[1])
-sk = open(K + "/gemm_skinny.cu").read()
-sparts = sk.split("// PTX-BEGIN")
-assert len(sparts) == 2, "gemm_skinny.cu: expected one PTX region"
-wg += sparts[0] + reg_skinny + tail(sparts[1])
 import re
 assert not re.search(r"\basm\s*(volatile\s*)?\(", wg), "inline PTX outside the PTX regions"
 src = "#define __CUDA_ARCH_FEAT_SM90_ALL 1\n#include \"%s\"\n" % prelude

@@ -485,21 +485,37 @@ extern "C" __global__ void mla_attn_combine(const float* __restrict__ part_ml, c
     const float* ml = part_ml + prow * nsplit * 2;
     if (threadIdx.x < 32) {  // warp 0: the splits' max and weights, a lane per split
         const int lane = threadIdx.x;
+        // the (m, l) pairs of this lane's splits (lane + 32 k) all loaded first, each from a valid
+        // address (8-byte aligned: the launcher checks part_ml)
+        constexpr int K = MLA_MAX_SPLITS / 32;
+        float2 p[K];
+#pragma unroll
+        for (int k = 0; k < K; k++) {
+            const int s = lane + 32 * k;
+            p[k] = ((const float2*)ml)[s < nsplit ? s : 0];
+        }
         float mx = -INFINITY;
         int last = 0;
-        for (int s = lane; s < nsplit; s += 32)
-            if (ml[2 * s + 1] != 0.f) {
-                mx = fmaxf(mx, ml[2 * s]);
+#pragma unroll
+        for (int k = 0; k < K; k++) {
+            const int s = lane + 32 * k;
+            if (s < nsplit && p[k].y != 0.f) {
+                mx = fmaxf(mx, p[k].x);
                 last = s + 1;
             }
+        }
         mx = warp_max(mx);
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) last = max(last, __shfl_xor_sync(0xffffffffu, last, o));
         float lsum = 0.f;
-        for (int s = lane; s < nsplit; s += 32) {
-            const float w = ml[2 * s + 1] != 0.f ? expf(ml[2 * s] - mx) : 0.f;
-            wsh[s] = w;
-            lsum += w * ml[2 * s + 1];
+#pragma unroll
+        for (int k = 0; k < K; k++) {
+            const int s = lane + 32 * k;
+            if (s < nsplit) {
+                const float w = p[k].y != 0.f ? expf(p[k].x - mx) : 0.f;
+                wsh[s] = w;
+                lsum += w * p[k].y;
+            }
         }
         lsum = warp_sum(lsum);
         if (lane == 0) {

@@ -293,6 +293,10 @@ pub fn mla_attention_ex(
         shape(OP, part_acc.ptr().is_multiple_of(16), || {
             "part_acc: not 16-byte aligned".to_string()
         })?;
+        // the merge reads each split's (m, l) as one 8-byte word
+        shape(OP, part_ml.ptr().is_multiple_of(8), || {
+            "part_ml: not 8-byte aligned".to_string()
+        })?;
     }
     // tensor cores where the latent tiles into 16-wide k-steps and dim tiles (DeepSeek: 512 + 64)
     // and a split has keys enough to pay for staging 16 query rows (MLA_TC_MIN_KEYS)

@@ -3,6 +3,22 @@
 #include <functional>
 #include <random>
 
+// moe_combine as it was before its loads were batched (a branch a pick): the emulated kernel must
+// give the same bits.
+static void moe_combine_loop(const float* y, int y_rows, const int* map, const float* weights, int top_k,
+                             int hidden, float* resid) {
+    const i64 t = blockIdx.x;
+    for (int n = threadIdx.x; n < hidden; n += blockDim.x) {
+        float acc = 0.f;
+        for (int j = 0; j < top_k; j++) {
+            const i64 p = t * top_k + j;
+            const int row = map ? map[p] : (int)p;
+            if (row >= 0 && row < y_rows) acc += weights[p] * y[(i64)row * hidden + n];
+        }
+        resid[t * hidden + n] += acc;
+    }
+}
+
 // mla_attn_combine as it was before its loads were batched (a branch a split, one load waiting
 // for the sum before it): the emulated kernel must give the same bits.
 static void mla_attn_combine_loop(const float* part_ml, const float* part_acc, bf16_t* o_lat, int rank,
@@ -457,6 +473,17 @@ static void case_experts(int E, int T, int top_k, int inter, int hidden, bool cr
         launch({(unsigned)T, 1, 1}, 256, [&] {
             moe_combine(y.data(), P, with_map ? map.data() : nullptr, wts.data(), top_k, hidden, resid.data());
         });
+        // bit for bit the loop the kernel replaced
+        std::vector<float> r_old = r0;
+        launch({(unsigned)T, 1, 1}, 256, [&] {
+            moe_combine_loop(y.data(), P, with_map ? map.data() : nullptr, wts.data(), top_k, hidden, r_old.data());
+        });
+        int differ = 0;
+        for (size_t i = 0; i < resid.size(); i++) differ += memcmp(&resid[i], &r_old[i], 4) != 0;
+        if (differ) {
+            printf("FAIL moe_combine: %d values differ from the loop it replaced (top_k %d)\n", differ, top_k);
+            g_fail++;
+        }
         got.clear();
         want.clear();
         for (int t = 0; t < T; t++)
@@ -525,6 +552,7 @@ int main() {
     case_experts(8, 2, 6, 1408 / 8, 264, false);
     case_experts(4, 9, 2, 72, 520, true);  // many pairs on one expert: several passes
     case_experts(64, 1, 6, 96, 2048, false);
+    case_experts(16, 3, 10, 40, 96, false);  // top_k past 8: two chunks of picks in the combine
 
     case_gather(10, 7, 64, true);
     case_gather(10, 7, 13, false);

@@ -4,7 +4,8 @@
 # thread a ucontext fiber; __syncthreads and warp shuffles as barriers), plus prelude_mla.h here
 # (shared-memory atomicAdd) and ../attn/emu_v4.h (ldmatrix, mma.sync), and runs main.cpp: every kernel on several shapes against a C++
 # reference (f64 for the attention math, a port of cpu/moe.rs `route` for the routing), and
-# mla_attn_combine bit for bit against the loop it replaced (main.cpp's mla_attn_combine_loop).
+# mla_attn_combine and moe_combine bit for bit against the loops they replaced (main.cpp's
+# mla_attn_combine_loop, moe_combine_loop).
 # Prints one PASS line per case. Needs g++ (C++17) and python3.
 # Usage: crates/pdnode-kernels/emu/mla/run.sh   (about a minute)
 set -euo pipefail

@@ -20,8 +20,10 @@ __device__ __forceinline__ unsigned long long moe_key(float v, int i) {
     return ((unsigned long long)((unsigned)b ^ 0x80000000u) << 32) | (unsigned long long)(~(unsigned)i);
 }
 
-// The index of the largest moe_key(vals[i], i) over i < n not taken (-1 when all are): a
-// block-wide reduction in `red` (blockDim.x entries, a power of two). Every thread calls it.
+// The index of the largest moe_key(vals[i], i) over i < n not taken (-1 when all are): each
+// warp's largest by shuffles, then every thread reads the warps' from `red` (one entry a warp,
+// blockDim.x a multiple of 32): two barriers, where a tree over blockDim.x entries took
+// log2(blockDim.x) + 2 (keys are unique, so any order finds the same one). Every thread calls it.
 __device__ int moe_block_argmax(const float* vals, const unsigned char* taken, int n, unsigned long long* red) {
     unsigned long long best = 0;
     for (int i = threadIdx.x; i < n; i += blockDim.x)
@@ -29,14 +31,19 @@ __device__ int moe_block_argmax(const float* vals, const unsigned char* taken, i
             const unsigned long long k = moe_key(vals[i], i);
             if (k > best) best = k;
         }
-    red[threadIdx.x] = best;
-    __syncthreads();
-    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
-        if (threadIdx.x < s && red[threadIdx.x + s] > red[threadIdx.x]) red[threadIdx.x] = red[threadIdx.x + s];
-        __syncthreads();
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const unsigned lo = (unsigned)__shfl_xor_sync(0xffffffffu, (int)(unsigned)best, o);
+        const unsigned hi = (unsigned)__shfl_xor_sync(0xffffffffu, (int)(unsigned)(best >> 32), o);
+        const unsigned long long other = ((unsigned long long)hi << 32) | lo;
+        if (other > best) best = other;
     }
-    const unsigned long long b = red[0];
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = best;
     __syncthreads();
+    unsigned long long b = 0;
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++)
+        if (red[w] > b) b = red[w];
+    __syncthreads();  // red free for the next call
     return b == 0 ? -1 : (int)~(unsigned)(b & 0xffffffffu);
 }
 
@@ -72,7 +79,7 @@ extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS)
     PD_GRID_LAUNCH_DEPENDENTS();
     __shared__ float choice[MOE_MAX_EXPERTS], score[MOE_MAX_EXPERTS], gscore[MOE_MAX_EXPERTS];
     __shared__ unsigned char taken[MOE_MAX_EXPERTS], gkept[MOE_MAX_EXPERTS];
-    __shared__ unsigned long long red[MOE_ROUTE_THREADS];
+    __shared__ unsigned long long red[32];  // a warp's largest key (moe_block_argmax)
     __shared__ float sh[33];
     __shared__ int pick[MOE_MAX_TOPK];
     const i64 t = blockIdx.x;

@@ -336,27 +336,24 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, int y_rows, 
     PD_GRID_LAUNCH_DEPENDENTS();
     const i64 t = blockIdx.x;
     for (int n = threadIdx.x; n < hidden; n += blockDim.x) {
-        // Eight picks at a time: their rows, weights and y values all loaded (from valid
-        // addresses) before their sums, a select for a row outside y (a branch a pick made each
-        // load wait for the sum before it). The same sums in the same order as that loop.
+        // Eight picks at a time: their rows, weights and y values all loaded before their sums
+        // (a branch a pick made each load wait for the sum before it); a pick past top_k or a row
+        // outside y reads nothing of y and adds nothing. The same sums in the same order as that
+        // loop.
         float acc = 0.f;
         for (int j0 = 0; j0 < top_k; j0 += 8) {
-            int row[8];
+            bool ok[8];
             float w[8], v[8];
 #pragma unroll
             for (int u = 0; u < 8; u++) {
                 const i64 p = t * top_k + (j0 + u < top_k ? j0 + u : j0);
-                row[u] = map ? map[p] : (int)p;
+                const int row = map ? map[p] : (int)p;
                 w[u] = weights[p];
+                ok[u] = j0 + u < top_k && row >= 0 && row < y_rows;
+                v[u] = ok[u] ? y[(i64)row * hidden + n] : 0.f;
             }
 #pragma unroll
-            for (int u = 0; u < 8; u++) {
-                const bool ok = j0 + u < top_k && row[u] >= 0 && row[u] < y_rows;
-                v[u] = y[(i64)(ok ? row[u] : 0) * hidden + n];
-                row[u] = ok;
-            }
-#pragma unroll
-            for (int u = 0; u < 8; u++) acc = row[u] ? acc + w[u] * v[u] : acc;
+            for (int u = 0; u < 8; u++) acc = ok[u] ? acc + w[u] * v[u] : acc;
         }
         resid[t * hidden + n] += acc;
     }

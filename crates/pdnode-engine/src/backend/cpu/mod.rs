@@ -11,7 +11,7 @@ mod moe;
 pub mod ops;
 mod staging;
 
-pub use moe::route as route_experts;
+pub use moe::{group_scores as moe_group_scores, route as route_experts, route_in_groups};
 pub use staging::HostArena;
 
 use super::{

@@ -20,10 +20,13 @@ pub(super) fn swiglu_add(x: &mut [f32], xn: &[f32], e: &Expert, t: usize, h: usi
 /// The experts one row is routed to, with their weights (the CUDA routing kernel's reference
 /// too: `backend::cpu::route_experts`).
 pub fn route(logits: &[f32], bias: Option<&[f32]>, e: &MoeSpec) -> Vec<(usize, f32)> {
-    let n = logits.len();
-    let per_group = n / e.num_groups;
-    // `scores`: the weights' source; `choice`: what picks the experts.
-    let (scores, mut choice): (Vec<f32>, Vec<f32>) = match e.scoring {
+    let keep = group_scores(logits, bias, e).map(|g| top_k(&g, e.topk_groups));
+    route_in_groups(logits, bias, e, keep.as_deref())
+}
+
+/// `scores`: the weights' source; `choice`: what picks the experts.
+fn scores_and_choice(logits: &[f32], bias: Option<&[f32]>, e: &MoeSpec) -> (Vec<f32>, Vec<f32>) {
+    match e.scoring {
         MoeScoring::Softmax { .. } => {
             let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let ex: Vec<f32> = logits.iter().map(|l| (l - max).exp()).collect();
@@ -39,14 +42,23 @@ pub fn route(logits: &[f32], bias: Option<&[f32]>, e: &MoeSpec) -> Vec<(usize, f
             };
             (p, c)
         }
-    };
+    }
+}
+
+/// The groups' scores where the routing keeps only some groups (`None` where it keeps every
+/// expert): a group's best expert (V2) or the sum of its best two (V3).
+pub fn group_scores(logits: &[f32], bias: Option<&[f32]>, e: &MoeSpec) -> Option<Vec<f32>> {
     let grouped = e.scoring
         != MoeScoring::Softmax {
             group_limited: false,
         };
-    if grouped && e.topk_groups < e.num_groups {
-        // A group's score: its best expert (V2) or the sum of its best two (V3).
-        let group_score: Vec<f32> = choice
+    if !grouped || e.topk_groups >= e.num_groups {
+        return None;
+    }
+    let per_group = logits.len() / e.num_groups;
+    let (_, choice) = scores_and_choice(logits, bias, e);
+    Some(
+        choice
             .chunks(per_group)
             .map(|g| {
                 let mut v = g.to_vec();
@@ -56,8 +68,21 @@ pub fn route(logits: &[f32], bias: Option<&[f32]>, e: &MoeSpec) -> Vec<(usize, f
                     MoeScoring::Softmax { .. } => v[0],
                 }
             })
-            .collect();
-        let keep = top_k(&group_score, e.topk_groups);
+            .collect(),
+    )
+}
+
+/// [`route`] with the kept groups given (`None`: every expert may be picked). A test of another
+/// implementation uses it where two groups' scores tie in exact arithmetic and round apart.
+pub fn route_in_groups(
+    logits: &[f32],
+    bias: Option<&[f32]>,
+    e: &MoeSpec,
+    keep: Option<&[usize]>,
+) -> Vec<(usize, f32)> {
+    let per_group = logits.len() / e.num_groups;
+    let (scores, mut choice) = scores_and_choice(logits, bias, e);
+    if let Some(keep) = keep {
         // Experts outside the kept groups: 0 under softmax (V2 masks with 0), -inf (V3).
         let masked = match e.scoring {
             MoeScoring::SigmoidBiased => f32::NEG_INFINITY,
@@ -207,5 +232,38 @@ mod tests {
         let s = |x: f32| 1.0 / (1.0 + (-x).exp());
         let want = 2.0 * s(1.7) / (s(1.7) + s(2.0));
         assert!((r[0].1 - want).abs() < 1e-5, "{} vs {want}", r[0].1);
+    }
+
+    #[test]
+    fn group_scores_and_a_given_keep_set_make_the_route() {
+        let l = [2.0, 1.9, 1.8, 1.7, -5.0, -5.0, 2.5, -9.0];
+        let s = |x: f32| 1.0 / (1.0 + (-x).exp());
+        let v3 = spec(MoeScoring::SigmoidBiased, 4, 2, true);
+        let g = group_scores(&l, None, &v3).expect("grouped");
+        assert_eq!(g.len(), 4);
+        assert!((g[0] - (s(2.0) + s(1.9))).abs() < 1e-6);
+        assert!((g[3] - (s(2.5) + s(-9.0))).abs() < 1e-6);
+        // The same keep set gives the same route; another keeps its own groups' experts.
+        assert_eq!(
+            route_in_groups(&l, None, &v3, Some(&[0, 1])),
+            route(&l, None, &v3)
+        );
+        let r: Vec<usize> = route_in_groups(&l, None, &v3, Some(&[2, 3]))
+            .iter()
+            .map(|x| x.0)
+            .collect();
+        assert_eq!(r, vec![6, 4]);
+        // Every expert kept: no group stage.
+        let greedy = spec(
+            MoeScoring::Softmax {
+                group_limited: false,
+            },
+            4,
+            2,
+            false,
+        );
+        assert_eq!(group_scores(&l, None, &greedy), None);
+        let all = spec(MoeScoring::SigmoidBiased, 4, 4, false);
+        assert_eq!(group_scores(&l, None, &all), None);
     }
 }

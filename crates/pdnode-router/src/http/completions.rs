@@ -119,29 +119,7 @@ async fn completions_inner(
         include_usage: common.include_usage(),
         logprobs: req.logprobs.is_some(),
     };
-    let req = GenRequest {
-        prompt_token_ids: tokens,
-        sampling,
-        endpoint: "completions",
-        routing_key: crate::router::routing_key(
-            headers
-                .get(crate::router::ROUTING_KEY_HEADER)
-                .map(|v| v.as_bytes()),
-        )?,
-        slo: crate::router::Slo::from_values(
-            headers
-                .get(crate::router::SLO_TTFT_HEADER)
-                .map(|v| v.as_bytes()),
-            headers
-                .get(crate::router::SLO_TPOT_HEADER)
-                .map(|v| v.as_bytes()),
-        )?,
-    };
-    // The client's W3C `traceparent`, if any, parents the request's trace.
-    let generation = router
-        .generate_queued(req, pdnode_telemetry::Remote::from_headers(&headers))
-        .await?;
-    respond(router, generation, shape).await
+    submit(router, &headers, tokens, sampling, "completions", shape).await
 }
 
 pub(super) async fn chat(State(st): State<AppState>, headers: HeaderMap, body: Body) -> Response {
@@ -180,27 +158,32 @@ async fn chat_inner(
         include_usage: common.include_usage(),
         logprobs: logprobs.is_some(),
     };
+    submit(router, &headers, tokens, sampling, "chat", shape).await
+}
+
+/// Places the request (routing key and SLO from the headers; the client's W3C `traceparent`, if
+/// any, parents its trace) and answers in the request's shape.
+async fn submit(
+    router: Arc<Router>,
+    headers: &HeaderMap,
+    prompt_token_ids: Vec<u32>,
+    sampling: pdnode_core::SamplingParams,
+    endpoint: &'static str,
+    shape: Shape,
+) -> Result<Response, RouterError> {
+    let header = |name: &str| headers.get(name).map(|v| v.as_bytes());
     let req = GenRequest {
-        prompt_token_ids: tokens,
+        prompt_token_ids,
         sampling,
-        endpoint: "chat",
-        routing_key: crate::router::routing_key(
-            headers
-                .get(crate::router::ROUTING_KEY_HEADER)
-                .map(|v| v.as_bytes()),
-        )?,
+        endpoint,
+        routing_key: crate::router::routing_key(header(crate::router::ROUTING_KEY_HEADER))?,
         slo: crate::router::Slo::from_values(
-            headers
-                .get(crate::router::SLO_TTFT_HEADER)
-                .map(|v| v.as_bytes()),
-            headers
-                .get(crate::router::SLO_TPOT_HEADER)
-                .map(|v| v.as_bytes()),
+            header(crate::router::SLO_TTFT_HEADER),
+            header(crate::router::SLO_TPOT_HEADER),
         )?,
     };
-    // The client's W3C `traceparent`, if any, parents the request's trace.
     let generation = router
-        .generate_queued(req, pdnode_telemetry::Remote::from_headers(&headers))
+        .generate_queued(req, pdnode_telemetry::Remote::from_headers(headers))
         .await?;
     respond(router, generation, shape).await
 }

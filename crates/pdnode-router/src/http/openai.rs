@@ -202,12 +202,16 @@ pub enum Content {
     Parts(Vec<ContentPart>),
 }
 
+/// One part of a message's content. Only `text` parts are served; the other fields are kept so
+/// that an image, audio or file part is refused by its type (`messages[i].content[j]`) instead of
+/// failing the body's parse.
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct ContentPart {
     #[serde(rename = "type")]
     pub kind: String,
     pub text: Option<String>,
+    #[serde(flatten)]
+    pub other: serde_json::Map<String, serde_json::Value>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -410,15 +414,23 @@ impl ChatRequest {
                 Some(Content::Parts(parts)) => {
                     let mut s = String::new();
                     for (j, p) in parts.iter().enumerate() {
-                        match (p.kind.as_str(), &p.text) {
-                            ("text", Some(t)) => s.push_str(t),
-                            _ => {
-                                return Err(RouterError::param(
-                                    format!("messages[{i}].content[{j}]"),
-                                    "only text parts are supported",
-                                ));
+                        let why = match (p.kind.as_str(), &p.text, p.other.keys().next()) {
+                            ("text", Some(t), None) => {
+                                s.push_str(t);
+                                continue;
                             }
-                        }
+                            ("text", None, _) => "a text part needs `text`".to_string(),
+                            ("text", Some(_), Some(k)) => {
+                                format!("unknown field `{k}` in a text part")
+                            }
+                            (other, ..) => format!(
+                                "content parts of type `{other}` are not supported (only `text`)"
+                            ),
+                        };
+                        return Err(RouterError::param(
+                            format!("messages[{i}].content[{j}]"),
+                            why,
+                        ));
                     }
                     s
                 }
@@ -626,6 +638,31 @@ mod tests {
         .unwrap();
         let m = r.messages().unwrap();
         assert_eq!(m[1].content, "hi");
+        // Other parts are refused by their type, a malformed text part by what it lacks or adds.
+        for (part, want) in [
+            (
+                r#"{"type": "image_url", "image_url": {"url": "data:,"}}"#,
+                "type `image_url` are not supported",
+            ),
+            (r#"{"type": "input_audio"}"#, "type `input_audio`"),
+            (r#"{"type": "text"}"#, "needs `text`"),
+            (
+                r#"{"type": "text", "text": "a", "txt": 1}"#,
+                "unknown field `txt`",
+            ),
+        ] {
+            let body = format!(
+                r#"{{"messages": [{{"role": "user", "content": [{{"type": "text", "text": "a"}}, {part}]}}]}}"#
+            );
+            let r: ChatRequest = parse(body.as_bytes()).unwrap();
+            match r.messages() {
+                Err(RouterError::InvalidParam { param, message }) => {
+                    assert_eq!(param, "messages[0].content[1]", "{part}");
+                    assert!(message.contains(want), "{part}: {message}");
+                }
+                other => panic!("{part}: {other:?}"),
+            }
+        }
         assert_eq!(r.common().max_tokens, Some(3));
         let r: ChatRequest = parse(
             br#"{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}"#,

@@ -61,14 +61,18 @@ impl FailureCause {
 
 /// A circuit breaker for one cause: opens after `threshold` consecutive failures, keeps the
 /// worker out for `open_for`, then lets one trial request through (half-open): its success
-/// closes the breaker, its failure opens it again.
+/// closes the breaker, its failure opens it again. A trial whose outcome never comes (the request
+/// ended before it reached the worker: the other side of its pair failed, the client left) lapses
+/// after `open_for`, and the next caller gets a new trial: a lost trial never shuts a worker out
+/// for good.
 #[derive(Debug, Clone)]
 pub struct Breaker {
     threshold: u32,
     open_for: Duration,
     consecutive: u32,
     open_until: Option<Instant>,
-    trial: bool,
+    /// When the trial in flight was taken.
+    trial: Option<Instant>,
 }
 
 impl Breaker {
@@ -78,19 +82,19 @@ impl Breaker {
             open_for,
             consecutive: 0,
             open_until: None,
-            trial: false,
+            trial: None,
         }
     }
 
     /// Whether a request may go to the worker now; past the open time, the first caller gets
-    /// the trial and later callers wait for its outcome.
+    /// the trial and later callers wait for its outcome (or for it to lapse).
     pub fn allows(&mut self, now: Instant) -> bool {
         match self.open_until {
             None => true,
             Some(until) if now < until => false,
-            Some(_) if self.trial => false,
+            Some(_) if self.trial_in_flight(now) => false,
             Some(_) => {
-                self.trial = true;
+                self.trial = Some(now);
                 true
             }
         }
@@ -100,21 +104,26 @@ impl Breaker {
     pub fn is_open(&self, now: Instant) -> bool {
         match self.open_until {
             None => false,
-            Some(until) => now < until || self.trial,
+            Some(until) => now < until || self.trial_in_flight(now),
         }
+    }
+
+    /// A trial taken less than `open_for` ago whose outcome has not come.
+    fn trial_in_flight(&self, now: Instant) -> bool {
+        matches!(self.trial, Some(at) if now < at + self.open_for)
     }
 
     pub fn success(&mut self) {
         self.consecutive = 0;
         self.open_until = None;
-        self.trial = false;
+        self.trial = None;
     }
 
     /// Records a failure; true when it opened the breaker.
     pub fn failure(&mut self, now: Instant) -> bool {
         self.consecutive = self.consecutive.saturating_add(1);
-        if self.trial || self.consecutive >= self.threshold {
-            self.trial = false;
+        if self.trial.is_some() || self.consecutive >= self.threshold {
+            self.trial = None;
             self.open_until = Some(now + self.open_for);
             return true;
         }
@@ -330,9 +339,9 @@ impl Worker {
 }
 
 impl Breaker {
-    /// Open, past its open time, and no trial taken yet.
+    /// Open, past its open time, and no trial in flight.
     fn trial_due(&self, now: Instant) -> bool {
-        matches!(self.open_until, Some(until) if now >= until) && !self.trial
+        matches!(self.open_until, Some(until) if now >= until) && !self.trial_in_flight(now)
     }
 }
 
@@ -376,6 +385,24 @@ mod tests {
         assert!(b.allows(t2));
         b.success();
         assert!(b.allows(t2) && b.allows(t2), "closed after a good trial");
+    }
+
+    #[test]
+    fn a_trial_whose_outcome_never_comes_lapses() {
+        let t0 = Instant::now();
+        let open = Duration::from_secs(10);
+        let mut b = Breaker::new(1, open);
+        assert!(b.failure(t0));
+        let t1 = t0 + open;
+        assert!(b.allows(t1), "the trial");
+        // Its request ends before the worker answers: nothing is recorded.
+        assert!(!b.allows(t1 + open - Duration::from_millis(1)) && b.is_open(t1 + open / 2));
+        let t2 = t1 + open;
+        assert!(!b.is_open(t2), "the lost trial lapsed");
+        assert!(b.allows(t2), "a new trial");
+        assert!(!b.allows(t2), "one at a time again");
+        b.success();
+        assert!(!b.is_open(t2) && b.allows(t2));
     }
 
     #[test]

@@ -69,6 +69,16 @@ impl Default for SamplingParams {
 /// Most top-logprobs a request may ask for.
 pub const MAX_TOP_LOGPROBS: u32 = 20;
 
+/// Most stop strings a request may give.
+pub const MAX_STOP_STRINGS: usize = 16;
+
+/// Longest stop string, bytes (each is searched in the text every token).
+pub const MAX_STOP_STRING_BYTES: usize = 1024;
+
+/// Most stop token ids a request may give (each engine step checks each sampled token against
+/// them, on the engine's thread).
+pub const MAX_STOP_TOKEN_IDS: usize = 256;
+
 /// Longest latency target a request or the config may set, ms (an hour).
 pub const SLO_MAX_MS: u64 = 3_600_000;
 
@@ -134,14 +144,35 @@ impl SamplingParams {
         if self.max_tokens == 0 {
             return bad("max_tokens", "must be at least 1");
         }
-        if self.stop.len() > 16 {
+        if self.stop.len() > MAX_STOP_STRINGS {
             return bad(
                 "stop",
-                format!("{} stop strings, at most 16", self.stop.len()),
+                format!(
+                    "{} stop strings, at most {MAX_STOP_STRINGS}",
+                    self.stop.len()
+                ),
             );
         }
         if self.stop.iter().any(|s| s.is_empty()) {
             return bad("stop", "stop strings must not be empty");
+        }
+        if let Some(s) = self.stop.iter().find(|s| s.len() > MAX_STOP_STRING_BYTES) {
+            return bad(
+                "stop",
+                format!(
+                    "a stop string of {} bytes, at most {MAX_STOP_STRING_BYTES}",
+                    s.len()
+                ),
+            );
+        }
+        if self.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+            return bad(
+                "stop_token_ids",
+                format!(
+                    "{} stop token ids, at most {MAX_STOP_TOKEN_IDS}",
+                    self.stop_token_ids.len()
+                ),
+            );
         }
         if let Some(n) = self.logprobs
             && n > MAX_TOP_LOGPROBS
@@ -283,7 +314,35 @@ mod tests {
                 },
                 "stop",
             ),
+            (
+                SamplingParams {
+                    stop: vec!["x".to_string(); MAX_STOP_STRINGS + 1],
+                    ..Default::default()
+                },
+                "stop",
+            ),
+            (
+                SamplingParams {
+                    stop: vec!["x".repeat(MAX_STOP_STRING_BYTES + 1)],
+                    ..Default::default()
+                },
+                "stop",
+            ),
+            (
+                SamplingParams {
+                    stop_token_ids: vec![7; MAX_STOP_TOKEN_IDS + 1],
+                    ..Default::default()
+                },
+                "stop_token_ids",
+            ),
         ];
+        // At the limits: valid.
+        let at = SamplingParams {
+            stop: vec!["x".repeat(MAX_STOP_STRING_BYTES); MAX_STOP_STRINGS],
+            stop_token_ids: vec![7; MAX_STOP_TOKEN_IDS],
+            ..Default::default()
+        };
+        assert!(at.validate().is_ok());
         for (p, name) in cases {
             let e = p.validate().unwrap_err();
             assert_eq!(e.param, name);

@@ -620,6 +620,14 @@ mod tests {
             (r#"{"prompt": "x", "n": 2}"#, "n"),
             (r#"{"prompt": "x", "temperature": -0.5}"#, "temperature"),
             (r#"{"prompt": "x", "top_p": 0}"#, "top_p"),
+            (
+                &format!(r#"{{"prompt": "x", "stop_token_ids": {:?}}}"#, [7; 257]),
+                "stop_token_ids",
+            ),
+            (
+                &format!(r#"{{"prompt": "x", "stop": ["{}"]}}"#, "s".repeat(1025)),
+                "stop",
+            ),
         ] {
             let r: CompletionRequest = parse(body.as_bytes()).unwrap();
             let e = r.common().sampling(16, None).unwrap_err();

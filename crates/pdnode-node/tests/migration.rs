@@ -7,21 +7,72 @@
 use crate::common;
 use common::assert_clean;
 
+use futures::future::BoxFuture;
+use pdnode_core::RequestId;
 use pdnode_core::config::Config;
 use pdnode_core::metrics as m;
 use pdnode_core::{NodeId, Role, SamplingParams};
 use pdnode_engine::engine::EngineHandle;
 use pdnode_engine::scheduler::Mode;
 use pdnode_node::pd::{self, InProcessDirectory, KvMover, PdNode};
+use pdnode_nodeapi::{
+    DecodeCall, DecodeStream, KvTarget, MigrateCall, MigrateOutcome, NodeClient, NodeError,
+    NodeStats, PrefillCall, PrefillOutcome, ReserveKv,
+};
 use pdnode_router::testing::fake_card;
 use pdnode_router::{GenEvent, GenRequest, Router, RouterDeps, StaticMembership, Worker};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 struct Cluster {
     router: Arc<Router>,
     prefill: Arc<PdNode>,
     decodes: Vec<Arc<PdNode>>,
+    /// What the router calls for each decode node: the node, with its `ReserveKv` answers
+    /// delayed when a test says so.
+    decode_clients: Vec<Arc<LateReserve>>,
+}
+
+/// A decode node whose `ReserveKv` answers come `delay` after the reservation is made (0: at
+/// once); every other call goes straight to the node.
+struct LateReserve {
+    node: Arc<PdNode>,
+    delay_ms: AtomicU64,
+}
+
+impl NodeClient for LateReserve {
+    fn reserve_kv(&self, req: ReserveKv) -> BoxFuture<'_, Result<KvTarget, NodeError>> {
+        Box::pin(async move {
+            let answer = self.node.reserve_kv(req).await;
+            let delay = self.delay_ms.load(Ordering::Relaxed);
+            tokio::time::sleep(Duration::from_millis(delay)).await;
+            answer
+        })
+    }
+    fn prefill(&self, req: PrefillCall) -> BoxFuture<'_, Result<PrefillOutcome, NodeError>> {
+        self.node.prefill(req)
+    }
+    fn decode(&self, req: DecodeCall) -> BoxFuture<'_, Result<DecodeStream, NodeError>> {
+        self.node.decode(req)
+    }
+    fn abort(
+        &self,
+        id: RequestId,
+        capability: Vec<u8>,
+        reason: String,
+    ) -> BoxFuture<'_, Result<bool, NodeError>> {
+        NodeClient::abort(&*self.node, id, capability, reason)
+    }
+    fn stats(&self) -> BoxFuture<'_, Result<NodeStats, NodeError>> {
+        self.node.stats()
+    }
+    fn request_migrations(&self) -> usize {
+        self.node.request_migrations()
+    }
+    fn migrate(&self, req: MigrateCall) -> BoxFuture<'_, Result<MigrateOutcome, NodeError>> {
+        self.node.migrate(req)
+    }
 }
 
 fn cluster(cfg: &Config) -> Cluster {
@@ -45,6 +96,7 @@ fn cluster_with(cfg: &Config, set: impl FnOnce(&mut pdnode_core::config::RouterC
         client: prefill.clone(),
     }];
     let mut decodes = Vec::new();
+    let mut decode_clients = Vec::new();
     for i in 0..2 {
         let id = format!("d{i}");
         let d = build(Mode::DecodeOnly);
@@ -56,11 +108,16 @@ fn cluster_with(cfg: &Config, set: impl FnOnce(&mut pdnode_core::config::RouterC
             KvMover::InProcess(dir.clone()),
             lease,
         );
+        let client = Arc::new(LateReserve {
+            node: node.clone(),
+            delay_ms: AtomicU64::new(0),
+        });
         workers.push(Worker {
             card: fake_card(&id, Role::Decode),
-            client: node.clone(),
+            client: client.clone(),
         });
         decodes.push(node);
+        decode_clients.push(client);
     }
     let rm = tokio::task::block_in_place(|| pd::router_tokenizer(cfg)).unwrap();
     let mut rc = cfg.router.clone();
@@ -81,6 +138,7 @@ fn cluster_with(cfg: &Config, set: impl FnOnce(&mut pdnode_core::config::RouterC
         router,
         prefill,
         decodes,
+        decode_clients,
     }
 }
 
@@ -307,6 +365,64 @@ async fn a_move_refused_after_the_park_fails_the_request_and_frees_the_parked_kv
         .metrics()
         .value(m::ROUTER_MIGRATIONS_TOTAL, &[("outcome", "failed")]);
     assert_eq!(failed, Some(1.0));
+    for d in &c.decodes {
+        assert_clean(d.engine()).await;
+    }
+    assert_clean(c.prefill.engine()).await;
+}
+
+/// A move whose reservation on the new node answers past the router's bound (1 s here, the
+/// answer after 1.6 s): the request ends with a clear error, the parked KV is freed, and the
+/// reservation the new node made anyway is aborted with its capability when its answer lands,
+/// not left to its 60 s lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_whose_reservation_answers_late_frees_that_reservation() {
+    let mut cfg = common::mock_config(5_000, 60, 60_000);
+    cfg.engine.num_kv_blocks = 128;
+    let c = cluster_with(&cfg, |rc| rc.prefill_timeout_s = 1);
+    let mut g = c
+        .router
+        .generate(GenRequest {
+            prompt_token_ids: common::prompt(),
+            sampling: SamplingParams::greedy(60),
+            endpoint: "test",
+            routing_key: None,
+            slo: Default::default(),
+        })
+        .unwrap();
+    let mut tokens = 0;
+    let mut asked = false;
+    let err = loop {
+        let ev = tokio::time::timeout(Duration::from_secs(60), g.events.recv())
+            .await
+            .expect("router stalled");
+        match ev {
+            Some(GenEvent::Tokens { token_ids, .. }) => tokens += token_ids.len(),
+            Some(GenEvent::Done { .. }) => panic!("the request ended normally after {tokens}"),
+            Some(GenEvent::Error(e)) => break e,
+            None => panic!("stream ended without Done or Error"),
+        }
+        if !asked && tokens >= 5 {
+            asked = true;
+            let from = if running(c.decodes[0].engine()).await > 0 {
+                0
+            } else {
+                1
+            };
+            c.decode_clients[1 - from]
+                .delay_ms
+                .store(1_600, Ordering::Relaxed);
+            assert_eq!(c.decodes[from].request_migrations(), 1);
+        }
+    };
+    eprintln!("after {tokens} tokens: {err}");
+    assert!(tokens < 60, "{tokens}");
+    let failed = c
+        .router
+        .metrics()
+        .value(m::ROUTER_MIGRATIONS_TOTAL, &[("outcome", "failed")]);
+    assert_eq!(failed, Some(1.0));
+    // assert_clean waits at most 10 s, far inside the 60 s lease.
     for d in &c.decodes {
         assert_clean(d.engine()).await;
     }

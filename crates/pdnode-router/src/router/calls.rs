@@ -134,11 +134,45 @@ pub(super) async fn abort_as(
     }
 }
 
+/// `ReserveKv` on `d`, bounded like any step (not cut short when the client leaves: the answer
+/// carries the KV capability every `Abort` of the reservation presents, so the caller waits for
+/// it and aborts with it). The call runs as its own task: past its bound the caller moves on,
+/// and an answer still on its way is aborted with its capability when it lands
+/// ([`abort_late_reservation`]), so a reservation made too late is never left to its lease.
+pub(super) async fn reserve_kv(
+    d: &Worker,
+    reserve: crate::node::ReserveKv,
+    limit: Duration,
+    deadline: Instant,
+    span: tracing::Span,
+) -> Result<crate::node::KvTarget, StepErr> {
+    use tracing::Instrument;
+    let id = reserve.request_id;
+    let mut call = {
+        let d = d.clone();
+        tokio::spawn(async move { d.client.reserve_kv(reserve).await }.instrument(span.clone()))
+    };
+    let reserved = bounded(limit, deadline, (Step::ReserveKv, d.id(), id), async {
+        (&mut call).await.unwrap_or_else(|e| {
+            Err(crate::error::NodeError::new(
+                pdnode_core::ErrorKind::Internal,
+                format!("the ReserveKv call's task ended: {e}"),
+            ))
+        })
+    })
+    .instrument(span)
+    .await;
+    if matches!(reserved, Err(StepErr::Failed(RouterError::Timeout { .. }))) {
+        abort_late_reservation(d, id, call);
+    }
+    reserved
+}
+
 /// A `ReserveKv` call past its step's bound: the request went on without it, but the decode
 /// node may have made the reservation (its answer on the way), and an `Abort` without the
 /// capability the answer carries is refused. Waits for the answer (at most
 /// [`LATE_RESERVATION_WAIT`]) and aborts what it reserved, with its capability.
-pub(super) fn abort_late_reservation(
+fn abort_late_reservation(
     d: &Worker,
     id: RequestId,
     call: tokio::task::JoinHandle<Result<crate::node::KvTarget, crate::error::NodeError>>,

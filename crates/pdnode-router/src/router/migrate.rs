@@ -4,7 +4,7 @@
 //! stream's last tokens went to the client.
 
 use super::attempt::{Event, Flow};
-use super::calls::{StepErr, abort_as, bounded, step};
+use super::calls::{StepErr, abort_as, bounded, reserve_kv, step};
 use super::flow::{End, Pair, Progress};
 use super::{GenEvent, GenRequest, Router};
 use crate::error::Step;
@@ -137,14 +137,9 @@ pub(super) async fn migrate_to(
         max_tokens: sampling.max_tokens,
     };
     let prefill_limit = Duration::from_secs(cfg.prefill_timeout_s);
-    let target = match bounded(
-        prefill_limit,
-        deadline,
-        (Step::ReserveKv, to.id(), id),
-        to.client.reserve_kv(reserve),
-    )
-    .await
-    {
+    // A reservation answered past the bound is aborted when it lands (`calls::reserve_kv`).
+    let span = tracing::info_span!("reserve_kv", otel.kind = "client", node = %to.id());
+    let target = match reserve_kv(to, reserve, prefill_limit, deadline, span).await {
         Ok(t) => t,
         Err(e) => return Err(fail_move(hop, flow, e).await),
     };

@@ -5,7 +5,7 @@
 
 use super::attempt::{Event, Flow};
 use super::booking::{Booking, CostTicket};
-use super::calls::{StepErr, abort_late_reservation, bounded, step};
+use super::calls::{StepErr, reserve_kv, step};
 use super::flow::{End, Pair, Progress, count_handoff, node_lost};
 use super::node_watch::NodeWatch;
 use super::warm::WARM_UP_ENDPOINT;
@@ -48,35 +48,8 @@ pub(super) async fn reserve(
         max_tokens: req.sampling.max_tokens,
     };
     let reserve_span = tracing::info_span!("reserve_kv", otel.kind = "client", node = %d.id());
-    // Not cut short when the client leaves: the answer carries the KV capability that every
-    // Abort of the reservation presents, so the router waits for it (bounded like any step)
-    // and aborts with it; a call dropped instead could leave a made reservation to its lease.
-    // The call runs as its own task: past its bound the request moves on, and an answer still
-    // on its way is aborted with its capability when it lands (`abort_late_reservation`).
-    let mut call = {
-        let d = d.clone();
-        tokio::spawn(
-            async move { d.client.reserve_kv(reserve).await }.instrument(reserve_span.clone()),
-        )
-    };
-    let reserved = bounded(
-        prefill_timeout,
-        deadline,
-        (Step::ReserveKv, d.id(), req_id),
-        async {
-            (&mut call).await.unwrap_or_else(|e| {
-                Err(crate::error::NodeError::new(
-                    ErrorKind::Internal,
-                    format!("the ReserveKv call's task ended: {e}"),
-                ))
-            })
-        },
-    )
-    .instrument(reserve_span.clone())
-    .await;
-    if matches!(reserved, Err(StepErr::Failed(RouterError::Timeout { .. }))) {
-        abort_late_reservation(d, req_id, call);
-    }
+    // Not cut short when the client leaves (`calls::reserve_kv`).
+    let reserved = reserve_kv(d, reserve, prefill_timeout, deadline, reserve_span.clone()).await;
     let target = match reserved {
         Ok(t) => t,
         Err(StepErr::ClientGone) => return Err(pair.gone(flow).await),

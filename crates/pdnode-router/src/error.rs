@@ -44,6 +44,9 @@ pub enum RouterError {
     },
     #[error("request body is larger than {limit} bytes")]
     BodyTooLarge { limit: usize },
+    /// The client did not send its whole body within `router.client_send_timeout_s`.
+    #[error("the request body did not arrive within {after_s} s")]
+    BodyTimeout { after_s: u64 },
     #[error("invalid or missing API key")]
     Unauthenticated,
     #[error("the router is at its limit of {limit} in-flight requests; retry later")]
@@ -121,6 +124,7 @@ impl Classify for RouterError {
             RouterError::InvalidParam { .. }
             | RouterError::InvalidRequest { .. }
             | RouterError::BodyTooLarge { .. }
+            | RouterError::BodyTimeout { .. }
             | RouterError::UnknownModel { .. } => ErrorKind::InvalidRequest,
             RouterError::ContextLength { .. } => ErrorKind::ContextLengthExceeded,
             RouterError::Unauthenticated => ErrorKind::Unauthenticated,

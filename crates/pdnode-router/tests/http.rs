@@ -229,6 +229,37 @@ async fn invalid_requests_get_400_413_and_the_server_keeps_serving() {
     h.stop().await;
 }
 
+/// A client that sends its headers and then trickles (here: stops) its body gets 408 once
+/// `router.client_send_timeout_s` has passed, and its connection is closed; nothing reaches a
+/// node and the server keeps serving.
+#[tokio::test]
+async fn a_body_that_never_arrives_gets_408_at_the_client_deadline() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let h = Harness::start_with(1, 1, |d| d.config.client_send_timeout_s = 1).await;
+    let mut c = tokio::net::TcpStream::connect(h.http).await.unwrap();
+    let head = "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+                content-length: 100\r\n\r\n{\"prompt\": ";
+    c.write_all(head.as_bytes()).await.unwrap();
+    let t0 = Instant::now();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), c.read_to_end(&mut answer))
+        .await
+        .expect("the server never answered a stalled body")
+        .unwrap();
+    let took = t0.elapsed();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("request_timeout"), "{answer}");
+    assert!(
+        took >= Duration::from_millis(900) && took < Duration::from_secs(5),
+        "{took:?}"
+    );
+    assert_eq!(h.prefill[0].count(|c| matches!(c, FakeCall::Prefill(_))), 0);
+    let (s, _) = post(&h, "/v1/completions", json!({"prompt": "ok"})).await;
+    assert_eq!(s, 200);
+    h.stop().await;
+}
+
 #[tokio::test]
 async fn api_keys_are_required_when_configured() {
     let h = Harness::start_with(1, 1, |d| d.api_keys = vec!["sk-test".into()]).await;

@@ -45,7 +45,7 @@ pub struct SglangRouter {
     request_timeout: Duration,
     prefill_timeout: Duration,
     token_timeout: Duration,
-    client_send_timeout: Duration,
+    pub(crate) client_send_timeout: Duration,
     /// The workers of each role: the configured ones, then those discovered in the registry.
     /// Swapped whole when discovery changes them; a request keeps the list it picked from.
     prefill: RwLock<Arc<Vec<Arc<Worker>>>>,

@@ -3,13 +3,13 @@
 use crate::request::Route;
 use crate::router::{SglangRouter, error_response};
 use crate::worker::{Worker, WorkerInfo};
-use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::body::Body;
+use axum::extract::{Request, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::serve::ListenerExt;
-use bytes::Bytes;
 use serde_json::{Value, json};
 use std::sync::Arc;
 use std::time::Duration;
@@ -83,7 +83,7 @@ fn nodelay(listener: TcpListener) -> impl axum::serve::Listener<Addr = std::net:
 /// The routes: generation on the three paths sglang-router serves, plus health, metrics,
 /// models and the workers' info.
 pub fn app(router: Arc<SglangRouter>) -> axum::Router {
-    let limit = usize::try_from(router.cfg.max_payload_bytes).unwrap_or(usize::MAX);
+    // The body limit (`--max-payload-size`) and its deadline: `route`.
     let client = axum::Router::new()
         .route("/generate", post(generate))
         .route("/v1/completions", post(completions))
@@ -93,8 +93,7 @@ pub fn app(router: Arc<SglangRouter>) -> axum::Router {
         .route("/get_server_info", get(server_info))
         .route("/model_info", get(model_info))
         .route("/get_model_info", get(model_info))
-        .layer(axum::middleware::from_fn_with_state(router.clone(), auth))
-        .layer(DefaultBodyLimit::max(limit));
+        .layer(axum::middleware::from_fn_with_state(router.clone(), auth));
     axum::Router::new()
         .route("/health", get(health))
         .route("/metrics", get(metrics))
@@ -118,16 +117,44 @@ async fn auth(State(r): State<Arc<SglangRouter>>, req: Request, next: Next) -> R
     next.run(req).await
 }
 
-async fn generate(State(r): State<Arc<SglangRouter>>, h: HeaderMap, body: Bytes) -> Response {
-    r.handle(Route::Generate, h, body).await
+async fn generate(State(r): State<Arc<SglangRouter>>, h: HeaderMap, body: Body) -> Response {
+    route(r, Route::Generate, h, body).await
 }
 
-async fn completions(State(r): State<Arc<SglangRouter>>, h: HeaderMap, body: Bytes) -> Response {
-    r.handle(Route::Completions, h, body).await
+async fn completions(State(r): State<Arc<SglangRouter>>, h: HeaderMap, body: Body) -> Response {
+    route(r, Route::Completions, h, body).await
 }
 
-async fn chat(State(r): State<Arc<SglangRouter>>, h: HeaderMap, body: Bytes) -> Response {
-    r.handle(Route::ChatCompletions, h, body).await
+async fn chat(State(r): State<Arc<SglangRouter>>, h: HeaderMap, body: Body) -> Response {
+    route(r, Route::ChatCompletions, h, body).await
+}
+
+/// Reads the body (at most `--max-payload-size`, whole within `router.client_send_timeout_s`:
+/// a client that trickles its body holds no connection and buffer past it), then routes it.
+async fn route(r: Arc<SglangRouter>, what: Route, h: HeaderMap, body: Body) -> Response {
+    let limit = usize::try_from(r.cfg.max_payload_bytes).unwrap_or(usize::MAX);
+    let wait = r.client_send_timeout;
+    let body = match tokio::time::timeout(wait, axum::body::to_bytes(body, limit)).await {
+        Ok(Ok(b)) => b,
+        Ok(Err(_)) => {
+            return error_response(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "invalid_request_error",
+                &format!("the request body is larger than {limit} bytes"),
+            );
+        }
+        Err(_) => {
+            return error_response(
+                StatusCode::REQUEST_TIMEOUT,
+                "invalid_request_error",
+                &format!(
+                    "the request body did not arrive within {} s",
+                    wait.as_secs()
+                ),
+            );
+        }
+    };
+    r.handle(what, h, body).await
 }
 
 async fn health(State(r): State<Arc<SglangRouter>>) -> Response {

@@ -428,6 +428,52 @@ async fn worker_client_errors_pass_through_and_bad_bodies_are_400() {
     );
 }
 
+/// A body over `--max-payload-size` is 413, one that stops arriving is 408 at
+/// `router.client_send_timeout_s` (its connection closed); neither reaches a worker.
+#[tokio::test]
+async fn oversized_and_stalled_bodies_are_413_and_408() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let c = cluster(1, 1, |cfg| {
+        cfg.sglang.max_payload_bytes = 1024;
+        cfg.client_send_timeout_s = 1;
+    })
+    .await;
+    let r = c
+        .http
+        .post(format!("{}/generate", c.url))
+        .json(&json!({"text": "x".repeat(2048)}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 413);
+    let v: Value = r.json().await.unwrap();
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("1024"),
+        "{v}"
+    );
+    let addr = c.url.trim_start_matches("http://").to_string();
+    let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let head = "POST /generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+                content-length: 100\r\n\r\n{\"text\": ";
+    s.write_all(head.as_bytes()).await.unwrap();
+    let t0 = Instant::now();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut answer))
+        .await
+        .expect("a stalled body was never answered")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    let took = t0.elapsed();
+    assert!(
+        took >= Duration::from_millis(900) && took < Duration::from_secs(5),
+        "{took:?}"
+    );
+    assert_eq!(c.prefill[0].requests.load(Ordering::Relaxed), 0);
+    let (status, _) = c.post("/generate", json!({"text": "a"})).await;
+    assert_eq!(status, 200, "the router still serves");
+}
+
 #[tokio::test]
 async fn no_usable_worker_is_503_and_health_says_so() {
     let c = cluster(1, 1, |cfg| {

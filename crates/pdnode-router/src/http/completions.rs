@@ -49,7 +49,13 @@ struct Shape {
     logprobs: bool,
 }
 
-async fn read_body(headers: &HeaderMap, body: Body) -> Result<bytes::Bytes, RouterError> {
+/// The request's body, at most [`MAX_BODY_BYTES`], whole within `router.client_send_timeout_s`
+/// (a client that trickles its body holds no connection and buffer past it).
+async fn read_body(
+    router: &Router,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<bytes::Bytes, RouterError> {
     let too_large = RouterError::BodyTooLarge {
         limit: MAX_BODY_BYTES,
     };
@@ -60,9 +66,16 @@ async fn read_body(headers: &HeaderMap, body: Body) -> Result<bytes::Bytes, Rout
     if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
         return Err(too_large);
     }
-    axum::body::to_bytes(body, MAX_BODY_BYTES)
-        .await
-        .map_err(|_| too_large)
+    let limit = router.deps().config.client_send_timeout_s;
+    match tokio::time::timeout(
+        std::time::Duration::from_secs(limit),
+        axum::body::to_bytes(body, MAX_BODY_BYTES),
+    )
+    .await
+    {
+        Ok(read) => read.map_err(|_| too_large),
+        Err(_) => Err(RouterError::BodyTimeout { after_s: limit }),
+    }
 }
 
 fn check_model(router: &Router, model: &Option<String>) -> Result<String, RouterError> {
@@ -101,7 +114,7 @@ async fn completions_inner(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, RouterError> {
-    let bytes = read_body(&headers, body).await?;
+    let bytes = read_body(&router, &headers, body).await?;
     let req: CompletionRequest = openai::parse(&bytes)?;
     req.check_unsupported()?;
     let common = req.common();
@@ -134,7 +147,7 @@ async fn chat_inner(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, RouterError> {
-    let bytes = read_body(&headers, body).await?;
+    let bytes = read_body(&router, &headers, body).await?;
     let req: ChatRequest = openai::parse(&bytes)?;
     req.check_unsupported()?;
     let common = req.common();

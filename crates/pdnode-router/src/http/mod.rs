@@ -62,6 +62,7 @@ pub fn error_body_for(e: &RouterError, prompt_param: &str) -> (StatusCode, serde
     let kind = e.kind();
     let status = match e {
         RouterError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+        RouterError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
         // As OpenAI and vLLM answer an unknown model (their clients raise NotFoundError).
         RouterError::UnknownModel { .. } => StatusCode::NOT_FOUND,
         _ => StatusCode::from_u16(kind.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
@@ -72,6 +73,7 @@ pub fn error_body_for(e: &RouterError, prompt_param: &str) -> (StatusCode, serde
         }
         RouterError::UnknownModel { .. } => ("invalid_request_error", json!("model_not_found")),
         RouterError::BodyTooLarge { .. } => ("invalid_request_error", json!("request_too_large")),
+        RouterError::BodyTimeout { .. } => ("invalid_request_error", json!("request_timeout")),
         RouterError::Unauthenticated => ("authentication_error", json!("invalid_api_key")),
         RouterError::Overloaded { .. } => ("rate_limit_error", json!("overloaded")),
         RouterError::SloUnmet { .. } => ("rate_limit_error", json!("slo_unmet")),
@@ -233,6 +235,7 @@ mod tests {
                 400,
             ),
             (RouterError::BodyTooLarge { limit: 1 }, 413),
+            (RouterError::BodyTimeout { after_s: 1 }, 408),
             (
                 RouterError::UnknownModel {
                     model: "a".into(),

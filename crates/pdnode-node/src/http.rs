@@ -98,9 +98,13 @@ pub async fn run(
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .with_state(deps);
-    axum::serve(pdnode_router::net::http_listener(listener), app)
-        .with_graceful_shutdown(shutdown.cancelled_owned())
-        .await
+    pdnode_router::net::serve_http(
+        listener,
+        app,
+        pdnode_router::net::SCRAPE_HEADER_TIMEOUT,
+        shutdown,
+    )
+    .await
 }
 
 #[cfg(test)]

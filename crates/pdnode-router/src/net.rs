@@ -3,8 +3,8 @@
 //! Without it, Nagle's algorithm holds back a small write (one streamed token, a gRPC header)
 //! until the peer ACKs the previous one, and the peer's delayed ACK waits ~40 ms: one such
 //! stall per streamed hop. Servers take their listeners through [`grpc_incoming`] (tonic) or
-//! [`http_listener`] (axum); outgoing gRPC channels set `Endpoint::tcp_nodelay(true)`
-//! ([`crate::grpc_client`]).
+//! [`serve_http`] (axum apps, on [`http_listener`]); outgoing gRPC channels set
+//! `Endpoint::tcp_nodelay(true)` ([`crate::grpc_client`]).
 
 use tokio::net::{TcpListener, TcpStream};
 use tonic::transport::server::TcpIncoming;
@@ -19,6 +19,71 @@ pub fn grpc_incoming(listener: TcpListener) -> TcpIncoming {
 pub fn http_listener(listener: TcpListener) -> axum::serve::TapIo<TcpListener, fn(&mut TcpStream)> {
     use axum::serve::ListenerExt as _;
     listener.tap_io(set_nodelay as fn(&mut TcpStream))
+}
+
+/// The header deadline of the listeners that only answer scrapes and probes (a node's
+/// `/health` and `/metrics`): hyper's own default.
+pub const SCRAPE_HEADER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Serves `app` over HTTP/1.1 and HTTP/2 on `listener` (every accepted socket with
+/// `TCP_NODELAY`) until `shutdown`, then lets every open connection finish what it serves
+/// (graceful shutdown) and returns once all have closed. What `axum::serve` does, plus a
+/// deadline on each request's headers: an HTTP/1 client that does not send a whole header
+/// block within `header_timeout` (a slow sender, or a kept-alive connection with no next
+/// request) has its connection closed, so no idle or trickling client holds a socket forever.
+pub async fn serve_http(
+    listener: TcpListener,
+    app: axum::Router,
+    header_timeout: std::time::Duration,
+    shutdown: tokio_util::sync::CancellationToken,
+) -> std::io::Result<()> {
+    use axum::serve::Listener as _;
+    use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+    use hyper_util::service::TowerToHyperService;
+    let mut listener = http_listener(listener);
+    // The loop holds `stop_rx` and drops it at shutdown: each connection, holding a `stop_tx`,
+    // sees `closed()`. Each connection holds a `done_rx`: `done_tx.closed()` waits for them all.
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(());
+    let (done_tx, done_rx) = tokio::sync::watch::channel(());
+    loop {
+        let (io, _remote) = tokio::select! {
+            accepted = listener.accept() => accepted,
+            _ = shutdown.cancelled() => break,
+        };
+        let service = TowerToHyperService::new(app.clone());
+        let stop_tx = stop_tx.clone();
+        let done_rx = done_rx.clone();
+        tokio::spawn(async move {
+            let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+            builder
+                .http1()
+                .timer(TokioTimer::new())
+                .header_read_timeout(header_timeout);
+            let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
+            let mut conn = std::pin::pin!(conn);
+            let mut stopping = std::pin::pin!(stop_tx.closed());
+            let mut stopped = false;
+            loop {
+                tokio::select! {
+                    served = conn.as_mut() => {
+                        if let Err(e) = served {
+                            tracing::trace!(error = %e, "an HTTP connection ended with an error");
+                        }
+                        break;
+                    }
+                    _ = &mut stopping, if !stopped => {
+                        stopped = true;
+                        conn.as_mut().graceful_shutdown();
+                    }
+                }
+            }
+            drop(done_rx);
+        });
+    }
+    drop(stop_rx);
+    drop(done_rx);
+    done_tx.closed().await;
+    Ok(())
 }
 
 fn set_nodelay(s: &mut TcpStream) {
@@ -50,6 +115,98 @@ mod tests {
             .unwrap()
             .unwrap();
         assert!(accepted.nodelay().unwrap());
+    }
+
+    /// A trivial app on [`serve_http`] with a 1 s header deadline; `/slow` answers after 300 ms.
+    async fn served() -> (
+        std::net::SocketAddr,
+        tokio_util::sync::CancellationToken,
+        tokio::task::JoinHandle<std::io::Result<()>>,
+    ) {
+        let (l, addr) = bound().await;
+        let app = axum::Router::new()
+            .route("/", axum::routing::get(|| async { "ok" }))
+            .route(
+                "/slow",
+                axum::routing::get(|| async {
+                    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+                    "slow"
+                }),
+            );
+        let stop = tokio_util::sync::CancellationToken::new();
+        let task = tokio::spawn(serve_http(
+            l,
+            app,
+            std::time::Duration::from_secs(1),
+            stop.clone(),
+        ));
+        (addr, stop, task)
+    }
+
+    async fn get(c: &mut TcpStream, path: &str) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let req = format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n");
+        c.write_all(req.as_bytes()).await.unwrap();
+        let mut out = Vec::new();
+        c.read_to_end(&mut out).await.unwrap();
+        String::from_utf8_lossy(&out).into_owned()
+    }
+
+    #[tokio::test]
+    async fn serve_http_closes_a_connection_whose_headers_stall() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (addr, stop, task) = served().await;
+        let mut ok = TcpStream::connect(addr).await.unwrap();
+        assert!(get(&mut ok, "/").await.ends_with("ok"));
+        // Half a request line, then nothing: closed at the 1 s deadline.
+        let mut slow = TcpStream::connect(addr).await.unwrap();
+        slow.write_all(b"GET / HTTP/1.1\r\nhost:").await.unwrap();
+        let t0 = std::time::Instant::now();
+        let mut out = Vec::new();
+        let read = tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            slow.read_to_end(&mut out),
+        )
+        .await
+        .expect("a stalled header block kept its connection");
+        let took = t0.elapsed();
+        // Closed (an end of file or a reset), never answered as a request.
+        let _ = read;
+        assert!(!String::from_utf8_lossy(&out).contains("200"), "{out:?}");
+        assert!(
+            took >= std::time::Duration::from_millis(900)
+                && took < std::time::Duration::from_secs(5),
+            "{took:?}"
+        );
+        // The server still serves.
+        let mut again = TcpStream::connect(addr).await.unwrap();
+        assert!(get(&mut again, "/").await.ends_with("ok"));
+        stop.cancel();
+        task.await.unwrap().unwrap();
+    }
+
+    #[tokio::test]
+    async fn serve_http_finishes_what_it_serves_at_shutdown() {
+        let (addr, stop, task) = served().await;
+        let mut c = TcpStream::connect(addr).await.unwrap();
+        let answer = tokio::spawn(async move { get(&mut c, "/slow").await });
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        stop.cancel();
+        let answer = answer.await.unwrap();
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert!(answer.ends_with("slow"), "{answer}");
+        tokio::time::timeout(std::time::Duration::from_secs(5), task)
+            .await
+            .expect("serve_http returned once the connection closed")
+            .unwrap()
+            .unwrap();
+        // No new connection is served after it returned.
+        assert!(
+            TcpStream::connect(addr).await.is_err()
+                || get(&mut TcpStream::connect(addr).await.unwrap(), "/")
+                    .await
+                    .is_empty()
+        );
     }
 
     #[tokio::test]

@@ -83,9 +83,10 @@ pub async fn serve(
 
     let app = crate::http::app(router.clone());
     let http_stop = shutdown.clone();
+    // A client's headers, like its body, within `router.client_send_timeout_s`.
+    let header_timeout = Duration::from_secs(router.deps().config.client_send_timeout_s);
     let http_task = tokio::spawn(async move {
-        axum::serve(crate::net::http_listener(http), app)
-            .with_graceful_shutdown(http_stop.cancelled_owned())
+        crate::net::serve_http(http, app, header_timeout, http_stop)
             .await
             .map_err(ServeError::Http)
     });

@@ -9,7 +9,6 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::serve::ListenerExt;
 use serde_json::{Value, json};
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,10 +23,10 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
     start_probes(&router, shutdown.clone());
+    // A client's headers, like its body, within `router.client_send_timeout_s`.
+    let header_timeout = router.client_send_timeout;
     let app = app(router);
-    axum::serve(nodelay(listener), app)
-        .with_graceful_shutdown(shutdown.cancelled_owned())
-        .await
+    pdnode_router::net::serve_http(listener, app, header_timeout, shutdown).await
 }
 
 /// Serves `pdnode.v1.Inference` over the same workers on `listener` (every accepted socket with
@@ -64,20 +63,11 @@ pub async fn serve_metrics(
     router: Arc<SglangRouter>,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
+    let header_timeout = router.client_send_timeout;
     let app = axum::Router::new()
         .route("/metrics", get(metrics))
         .with_state(router);
-    axum::serve(nodelay(listener), app)
-        .with_graceful_shutdown(shutdown.cancelled_owned())
-        .await
-}
-
-fn nodelay(listener: TcpListener) -> impl axum::serve::Listener<Addr = std::net::SocketAddr> {
-    listener.tap_io(|tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::warn!("TCP_NODELAY on an accepted socket: {e}");
-        }
-    })
+    pdnode_router::net::serve_http(listener, app, header_timeout, shutdown).await
 }
 
 /// The routes: generation on the three paths sglang-router serves, plus health, metrics,

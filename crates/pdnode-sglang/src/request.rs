@@ -172,6 +172,10 @@ pub fn new_room(rng: &mut impl rand::Rng) -> u64 {
     rng.random::<u64>() >> 1
 }
 
+/// Most sequences in one request (a batch's arrays, or `n`): each gets a bootstrap host, port
+/// and room in every attempt's body, so the batch, not only the body's bytes, is bounded.
+pub const MAX_BATCH: usize = 4096;
+
 fn batch_size(route: Route, body: &Map<String, Value>) -> Result<Option<usize>, RequestError> {
     let array_len = |field: &str, nested: bool| -> Option<usize> {
         match body.get(field) {
@@ -200,6 +204,12 @@ fn batch_size(route: Route, body: &Map<String, Value>) -> Result<Option<usize>, 
                 expected: "a non-empty list",
             });
         }
+        if n > MAX_BATCH {
+            return Err(RequestError::BadField {
+                field: "text / input_ids / prompt",
+                expected: "a batch of at most 4096 sequences",
+            });
+        }
         return Ok(Some(n));
     }
     if route == Route::Generate {
@@ -213,7 +223,13 @@ fn batch_size(route: Route, body: &Map<String, Value>) -> Result<Option<usize>, 
                 expected: "a positive integer",
             }),
             Some(1) => Ok(None),
-            Some(n) => Ok(Some(usize::try_from(n.min(1024)).unwrap_or(1024))),
+            Some(n) => match usize::try_from(n) {
+                Ok(n) if n <= MAX_BATCH => Ok(Some(n)),
+                _ => Err(RequestError::BadField {
+                    field: "n",
+                    expected: "at most 4096",
+                }),
+            },
         },
     }
 }
@@ -327,6 +343,31 @@ mod tests {
             let r = parse(route, body.clone());
             assert_eq!(r.batch, want, "{route:?} {body}");
         }
+        // At most MAX_BATCH sequences, however they are given.
+        let at = vec!["a"; MAX_BATCH];
+        assert_eq!(
+            parse(Route::Generate, json!({ "text": at })).batch,
+            Some(MAX_BATCH)
+        );
+        assert_eq!(
+            parse(Route::Completions, json!({"prompt": "a", "n": MAX_BATCH})).batch,
+            Some(MAX_BATCH)
+        );
+        let over = vec!["a"; MAX_BATCH + 1];
+        for (route, body) in [
+            (Route::Generate, json!({ "text": over })),
+            (Route::Completions, json!({ "prompt": over })),
+            (
+                Route::Generate,
+                json!({ "input_ids": vec![vec![1]; MAX_BATCH + 1] }),
+            ),
+        ] {
+            let e = ClientRequest::parse(route, &serde_json::to_vec(&body).unwrap());
+            assert!(
+                matches!(e, Err(RequestError::BadField { .. })),
+                "{route:?}: {e:?}"
+            );
+        }
         let r = parse(Route::Generate, json!({"text": ["a", "b"]}));
         let b = Bootstrap {
             host: "h".into(),
@@ -348,6 +389,7 @@ mod tests {
             (Route::Completions, r#"{"prompt": "a", "n": 0}"#),
             (Route::Completions, r#"{"prompt": "a", "n": -1}"#),
             (Route::Completions, r#"{"prompt": []}"#),
+            (Route::Completions, r#"{"prompt": "a", "n": 4097}"#),
         ] {
             assert!(
                 ClientRequest::parse(route, text.as_bytes()).is_err(),

@@ -238,3 +238,58 @@ async fn with_a_queue_a_request_waits_for_the_prompts_ahead_instead_of_being_ref
         a.await.unwrap().unwrap();
     }
 }
+
+/// At most `max_inflight_requests` requests wait at admission at once: one more is refused at
+/// once, as without a queue, and every place is given back when its wait ends.
+#[tokio::test]
+async fn the_admission_queue_holds_at_most_max_inflight_requests() {
+    let f = common::fakes(1, 1);
+    let mut deps = f.deps;
+    deps.config.slo.queue_ms = 2_000;
+    deps.config.max_inflight_requests = 3;
+    let router = Router::new(deps);
+    f.prefill[0].set(|b| b.prefill_delay = Duration::from_millis(150));
+    run(&router, Slo::default()).await.unwrap();
+    let target = Slo {
+        ttft_ms: Some(400),
+        tpot_ms: None,
+    };
+    let ahead: Vec<_> = (0..2)
+        .map(|_| {
+            let r = router.clone();
+            tokio::spawn(async move { run(&r, Slo::default()).await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let waiting: Vec<_> = (0..3)
+        .map(|_| {
+            let r = router.clone();
+            tokio::spawn(async move { run_queued(&r, target).await })
+        })
+        .collect();
+    let t = std::time::Instant::now();
+    while router.slo_waiting() < 3 {
+        assert!(
+            t.elapsed() < Duration::from_secs(2),
+            "{}",
+            router.slo_waiting()
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let t = std::time::Instant::now();
+    let r = run_queued(&router, target).await;
+    assert!(matches!(r, Err(RouterError::SloUnmet { .. })), "{r:?}");
+    assert!(
+        t.elapsed() < Duration::from_millis(50),
+        "refused at once: {:?}",
+        t.elapsed()
+    );
+    for a in ahead {
+        a.await.unwrap().unwrap();
+    }
+    // Admitted or refused later (the in-flight limit counts too): either way their places end.
+    for w in waiting {
+        let _ = w.await.unwrap();
+    }
+    assert_eq!(router.slo_waiting(), 0);
+}

@@ -181,9 +181,38 @@ pub struct Router {
     /// One liveness watch per node some request is waiting on.
     pub(crate) watches: node_watch::NodeWatches,
     inflight: Arc<AtomicU32>,
+    /// Requests waiting at admission (`router.slo.queue_ms`), at most `max_inflight_requests`.
+    slo_waiting: AtomicU32,
     draining: AtomicBool,
     /// This router's streams by decode node, for `router.rebalance`.
     pub(crate) streams: rebalance::Streams,
+}
+
+/// A place among the requests waiting at admission, given back when the wait ends.
+struct WaitSlot<'a>(&'a AtomicU32);
+
+impl<'a> WaitSlot<'a> {
+    fn take(count: &'a AtomicU32, limit: u32) -> Option<Self> {
+        count
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < limit).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| WaitSlot(count))
+    }
+}
+
+impl Drop for WaitSlot<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl Router {
+    /// Requests waiting at admission now (`router.slo.queue_ms`).
+    pub fn slo_waiting(&self) -> u32 {
+        self.slo_waiting.load(Ordering::Acquire)
+    }
 }
 
 /// Decrements the in-flight count when the flow ends, however it ends.
@@ -220,6 +249,7 @@ impl Router {
             metrics,
             watches: node_watch::NodeWatches::default(),
             inflight: Arc::new(AtomicU32::new(0)),
+            slo_waiting: AtomicU32::new(0),
             draining: AtomicBool::new(false),
             streams: rebalance::Streams::default(),
         })
@@ -429,7 +459,8 @@ impl Router {
     /// because of the prompts ahead of it is admitted once they are gone, if what is left of its
     /// target still holds (the wait counts against it: its target shrinks by the time waited).
     /// Each waiting request checks again every 10 ms, in no order; at the end of the wait it is
-    /// refused as without one (429). `queue_ms` 0: no wait.
+    /// refused as without one (429). At most `max_inflight_requests` requests wait at once; one
+    /// more is refused at once, as without a queue. `queue_ms` 0: no wait.
     pub async fn generate_queued(
         self: &Arc<Self>,
         mut req: GenRequest,
@@ -440,6 +471,7 @@ impl Router {
         if !queue.is_zero() && (ttft.is_some() || tpot.is_some()) {
             let start = std::time::Instant::now();
             let left = |waited: u64| ttft.map(|t| t.saturating_sub(waited).max(1));
+            let mut slot: Option<WaitSlot<'_>> = None;
             loop {
                 let waited = start.elapsed();
                 let ms = waited.as_millis() as u64;
@@ -452,8 +484,17 @@ impl Router {
                 if !over || waited >= queue || spent || self.is_draining() {
                     break;
                 }
+                if slot.is_none() {
+                    match WaitSlot::take(&self.slo_waiting, self.deps.config.max_inflight_requests)
+                    {
+                        Some(s) => slot = Some(s),
+                        // The queue is full: refused now, as without one.
+                        None => break,
+                    }
+                }
                 tokio::time::sleep(SLO_RECHECK).await;
             }
+            drop(slot);
             let ms = start.elapsed().as_millis() as u64;
             if ms > 0 {
                 req.slo.ttft_ms = left(ms);

@@ -758,3 +758,53 @@ async fn a_parked_request_continues_on_another_engine_with_the_same_tokens() {
     assert_drained(&b).await;
     assert_drained(&c).await;
 }
+
+/// Records the thread that drops it.
+struct DroppedOn(std::sync::Arc<std::sync::Mutex<Option<String>>>);
+
+impl Drop for DroppedOn {
+    fn drop(&mut self) {
+        let name = std::thread::current().name().unwrap_or("").to_string();
+        *self.0.lock().unwrap() = Some(name);
+    }
+}
+
+/// A gather into a staging span and a staging write keep the span's hold until the engine
+/// thread ran them: a caller that stops waiting right after sending (its call dropped) does
+/// not free the span under a command still queued, which would copy one request's KV into a
+/// span another request took meanwhile. The hold is dropped on the engine thread, after the
+/// command, never by the caller.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn staging_commands_keep_their_span_until_the_engine_ran_them() {
+    let e = engine(
+        Mode::PrefillOnly,
+        64,
+        timing(1, 1, 4),
+        Duration::from_secs(5),
+    );
+    for write in [false, true] {
+        let dropped = std::sync::Arc::new(std::sync::Mutex::new(None));
+        let hold: pdnode_engine::engine::SpanHold = std::sync::Arc::new(DroppedOn(dropped.clone()));
+        let weak = std::sync::Arc::downgrade(&hold);
+        {
+            // Sent on the first poll, then dropped: the caller stops waiting at once.
+            let call: std::pin::Pin<Box<dyn std::future::Future<Output = _> + Send>> = if write {
+                Box::pin(e.staging_write(0, 0, vec![0; 16], hold))
+            } else {
+                Box::pin(e.gather_kv(RequestId(7), 0..1, 0, hold))
+            };
+            let _ = tokio::time::timeout(Duration::ZERO, call).await;
+        }
+        let t0 = Instant::now();
+        while weak.strong_count() > 0 {
+            assert!(t0.elapsed() < DEADLINE, "the engine never ran the command");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let on = dropped.lock().unwrap().clone().expect("dropped");
+        assert!(
+            on.starts_with("pdnode-engine"),
+            "write={write}: the hold was dropped on `{on}`, not by the engine after the command"
+        );
+    }
+    assert!(e.shutdown(Duration::from_secs(5)).await);
+}

@@ -156,6 +156,10 @@ pub(crate) struct StagedGather {
     pub seal: Option<StagingSeal>,
 }
 
+/// A share of a staging-arena span given with a command that writes into it: the span stays
+/// allocated until the engine thread has run (or dropped) the command.
+pub type SpanHold = std::sync::Arc<dyn std::any::Any + Send + Sync>;
+
 pub(crate) enum Command {
     Add {
         req: GenerateRequest,
@@ -201,6 +205,8 @@ pub(crate) enum Command {
         layers: Range<u32>,
         offset: usize,
         gather: bool,
+        /// Keeps the arena span allocated until the engine thread is done with the command.
+        hold: Option<SpanHold>,
         reply: Reply<()>,
     },
     /// Staging arena -> pool and `check`, in one visit of the loop.
@@ -223,6 +229,8 @@ pub(crate) enum Command {
         rank: usize,
         offset: usize,
         data: Vec<u8>,
+        /// Keeps the arena span allocated until the engine thread is done with the command.
+        hold: SpanHold,
         reply: Reply<()>,
     },
     /// KVH64 of a span of every rank's arena.
@@ -558,18 +566,23 @@ impl EngineHandle {
     /// Copies layers `layers` of the blocks under the request's hand-off lease into every TP
     /// rank's staging arena ([`EngineInfo::staging_regions`]) at `offset`, laid out as
     /// [`EngineHandle::read_kv`] lays out one rank; done when this returns. The caller owns the
-    /// arena span (`offset` is a multiple of `crate::backend::STAGING_ALIGN`).
+    /// arena span (`offset` is a multiple of `crate::backend::STAGING_ALIGN`) and gives a share
+    /// of it, `hold`: the command keeps the span allocated until the engine thread has run (or
+    /// dropped) it, so a caller that stops waiting (its call dropped, the engine's timeout)
+    /// cannot free the span to another request before the copy lands in it.
     pub async fn gather_kv(
         &self,
         id: RequestId,
         layers: Range<u32>,
         offset: usize,
+        hold: SpanHold,
     ) -> Result<(), EngineError> {
         self.call("gather_kv", |reply| Command::StagingKv {
             id,
             layers,
             offset,
             gather: true,
+            hold: Some(hold),
             reply,
         })
         .await
@@ -588,6 +601,8 @@ impl EngineHandle {
             layers,
             offset,
             gather: false,
+            // Reads the span: a stale scatter writes only the request's own blocks.
+            hold: None,
             reply,
         })
         .await
@@ -637,17 +652,20 @@ impl EngineHandle {
     }
 
     /// Writes `data` into rank `rank`'s staging arena at `offset` (a fence record the transport
-    /// then puts); done when this returns. The caller owns the span.
+    /// then puts); done when this returns. The caller owns the span and gives a share of it,
+    /// kept until the engine thread is done with the write (as [`EngineHandle::gather_kv`]).
     pub async fn staging_write(
         &self,
         rank: usize,
         offset: usize,
         data: Vec<u8>,
+        hold: SpanHold,
     ) -> Result<(), EngineError> {
         self.call("staging_write", |reply| Command::StagingWrite {
             rank,
             offset,
             data,
+            hold,
             reply,
         })
         .await

@@ -33,7 +33,7 @@ mod handle;
 mod run;
 
 pub use handle::{
-    COMMAND_QUEUE, EVENT_QUEUE, EngineHandle, MakeRecords, RequestStream, ScatterCheck,
+    COMMAND_QUEUE, EVENT_QUEUE, EngineHandle, MakeRecords, RequestStream, ScatterCheck, SpanHold,
     StagedReady, StagingAlloc, StagingSeal,
 };
 pub use run::{spawn, spawn_with_memory, spawn_with_regions};

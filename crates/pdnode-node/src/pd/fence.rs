@@ -86,6 +86,9 @@ impl FenceCounters {
 pub struct SourceHold {
     puts: Vec<Completion>,
     keep: Option<Box<dyn Any + Send>>,
+    /// A share of the arena span `keep` holds, for the engine commands that write into it
+    /// ([`SourceHold::span`]); `None` for a source that is not an arena span.
+    span: Option<pdnode_engine::engine::SpanHold>,
     /// Run once every put is over, when the push was abandoned (see [`SourceHold::on_abandon`]).
     abandon: Option<Abandon>,
     until: Instant,
@@ -102,9 +105,28 @@ impl SourceHold {
             puts: Vec::new(),
             abandon: None,
             keep: Some(keep),
+            span: None,
             until,
             counters,
         }
+    }
+
+    /// A hold of an arena span the engine writes into (its gathers, its fence records): the
+    /// span is freed once this hold and every engine command given [`SourceHold::span`] are
+    /// done with it.
+    pub fn of_span(
+        span: pdnode_engine::engine::SpanHold,
+        until: Instant,
+        counters: std::sync::Arc<FenceCounters>,
+    ) -> Self {
+        let mut hold = Self::new(Box::new(span.clone()), until, counters);
+        hold.span = Some(span);
+        hold
+    }
+
+    /// A share of the held arena span, for an engine command that writes into it.
+    pub fn span(&self) -> Option<pdnode_engine::engine::SpanHold> {
+        self.span.clone()
     }
 
     /// A put that reads the held source.

@@ -500,6 +500,7 @@ pub(super) async fn put_records(
         };
         if !(sealed && on_device(reg)) {
             let sum = device_sums.as_ref().and_then(|v| v.get(s)).copied();
+            let engine = engine.map(|e| (e, hold.span()));
             write_source_record(target, id, (s, j), (reg, at, len), sum, &cap, engine).await?;
         }
     }
@@ -542,7 +543,7 @@ pub(super) async fn put_records(
 /// `at`: the checksum the target asks for (CRC32C into host staging, KVH64 into device staging,
 /// as target rank `j`'s region is; `device_sum`: a device source's KVH64, summed by the
 /// engine), tagged under `cap`. A host source is written in place, a device source through
-/// `engine`.
+/// `engine`, given a share of the arena span it writes into (kept until the write ran).
 async fn write_source_record(
     target: &KvTarget,
     id: RequestId,
@@ -550,7 +551,7 @@ async fn write_source_record(
     (reg, at, len): (&Registration, usize, usize),
     device_sum: Option<u64>,
     cap: &Secret,
-    engine: Option<&EngineHandle>,
+    engine: Option<(&EngineHandle, Option<pdnode_engine::engine::SpanHold>)>,
 ) -> Result<(), HandoffError> {
     let on_device = reg.region().mem != MemKind::Host;
     let kind = fence::SumKind::for_staging(target.rank(j)?.device_memory);
@@ -582,10 +583,13 @@ async fn write_source_record(
         fence::write_record(reg, rec_at, &record, cap)?;
         return Ok(());
     }
-    let engine = engine
+    let (engine, span) = engine
         .ok_or_else(|| HandoffError::Mismatch("device KV source without its engine".into()))?;
+    let span = span.ok_or_else(|| {
+        HandoffError::Mismatch("a device KV source's fence record outside an arena span".into())
+    })?;
     engine
-        .staging_write(r, rec_at, record.encode(cap).to_vec())
+        .staging_write(r, rec_at, record.encode(cap).to_vec(), span)
         .await
         .map_err(|source| HandoffError::Engine {
             step: "writing the fence record".into(),

@@ -139,7 +139,7 @@ impl OverlapPush {
             arena: arena.clone(),
             per_rank: per_rank as usize,
             span_len: span_len as usize,
-            hold: SourceHold::new(Box::new(slice.clone()), hold_until, counters.clone()),
+            hold: SourceHold::of_span(slice.clone(), hold_until, counters.clone()),
             slice,
             remotes,
             staging_offset: target.staging_offset()?,
@@ -350,8 +350,9 @@ impl OverlapPush {
             let bytes = self.bytes();
             super::kv::wait_ops(self.hold.puts(), bytes, Instant::now(), &wait, "put").await?;
             let offset = self.offset()?;
+            // The engine's command keeps the span until it ran: this call may be dropped.
             engine
-                .gather_kv(id, 0..self.layers, offset)
+                .gather_kv(id, 0..self.layers, offset, self.slice.clone())
                 .await
                 .map_err(|source| HandoffError::Engine {
                     step: format!("gathering the KV of {id}"),

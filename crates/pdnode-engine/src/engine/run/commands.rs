@@ -126,6 +126,7 @@ impl Loop {
                 layers,
                 offset,
                 gather,
+                hold,
                 reply,
             } => {
                 let r = self.lease_and_arena(id).and_then(|(blocks, s)| {
@@ -137,6 +138,8 @@ impl Loop {
                     .map_err(EngineError::from)
                 });
                 let _ = reply.send(r);
+                // The span may go back to its arena only now, after the copy.
+                drop(hold);
             }
             Command::ScatterChecked {
                 id,
@@ -179,6 +182,7 @@ impl Loop {
                 rank,
                 offset,
                 data,
+                hold,
                 reply,
             } => {
                 let r = match self.backend.kv_staging() {
@@ -186,6 +190,8 @@ impl Loop {
                     Some(s) => s.staging_write(rank, offset, &data),
                 };
                 let _ = reply.send(r.map_err(EngineError::from));
+                // The span may go back to its arena only now, after the write.
+                drop(hold);
             }
             Command::StagingKvh64 { offset, len, reply } => {
                 let r = match self.backend.kv_staging() {

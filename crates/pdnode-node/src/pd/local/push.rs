@@ -237,16 +237,20 @@ impl PdNode {
             && let Some(slice) = arena.reserve_wait(span, self.room_deadline(deadline)).await
         {
             let offset = slice.offset();
-            self.engine
-                .gather_kv(id, 0..layers, offset)
-                .await
-                .map_err(|e| eerr(&e))?;
-            // The span stays allocated until every put reading it is done, whatever happens.
-            let mut hold = SourceHold::new(
-                Box::new(slice),
+            // The span stays allocated until every put reading it is done and the engine ran
+            // the gather into it, whatever happens (this call dropped mid-gather included).
+            let mut hold = SourceHold::of_span(
+                Arc::new(slice),
                 self.hold_until(deadline),
                 self.fence.clone(),
             );
+            let span = hold
+                .span()
+                .ok_or_else(|| nerr(ErrorKind::Internal, "no arena span"))?;
+            self.engine
+                .gather_kv(id, 0..layers, offset, span)
+                .await
+                .map_err(|e| eerr(&e))?;
             let sources: Vec<_> = (0..ranks)
                 .filter_map(|r| arena.registration(r))
                 .map(|reg| (reg, offset as u64))

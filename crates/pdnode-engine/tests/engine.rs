@@ -808,3 +808,29 @@ async fn staging_commands_keep_their_span_until_the_engine_ran_them() {
     }
     assert!(e.shutdown(Duration::from_secs(5)).await);
 }
+
+/// A reservation whose caller stopped waiting (its call dropped or timed out before the answer)
+/// is released by the engine at once, not left to its lease (60 s here); the same for a park.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_or_park_nobody_waits_for_is_released_at_once() {
+    // A prefill step of ~100 ms (50 tokens at 2 ms) keeps the engine busy while the call
+    // queues behind it, so the caller is gone before the engine answers.
+    let t = timing(2_000, 2_000, 40);
+    let c = engine(Mode::Colocated, 64, t, Duration::from_secs(60));
+    let busy = c.add_request(request(1, 50, 2)).unwrap();
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let _ = tokio::time::timeout(Duration::ZERO, c.reserve_for_transfer(RequestId(9), 20)).await;
+    let (tokens, _) = collect(busy).await;
+    assert_eq!(tokens.len(), 2);
+    assert_drained(&c).await;
+    // A park whose caller left: the request it took out of the batch is freed too.
+    let mut s = c.add_request(request(4, 10, 40)).unwrap();
+    while !matches!(next_event(&mut s).await, EngineEvent::Token { .. }) {}
+    let busy = c.add_request(request(5, 50, 2)).unwrap();
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let _ = tokio::time::timeout(Duration::ZERO, c.park(RequestId(4))).await;
+    let (tokens, _) = collect(busy).await;
+    assert_eq!(tokens.len(), 2);
+    drop(s);
+    assert_drained(&c).await;
+}

@@ -56,7 +56,12 @@ impl Loop {
                         .reserve_for_transfer(id, prompt_len, Instant::now())
                         .map_err(EngineError::from)
                 };
-                let _ = reply.send(r);
+                // Nobody took the blocks (the call was dropped or timed out): nobody will
+                // release them but their lease, so they go back now.
+                if let Err(Ok(_)) = reply.send(r) {
+                    tracing::debug!(request = %id, "a reservation's caller left: released");
+                    let _ = self.sched.release_transfer(id);
+                }
             }
             Command::Park { id, reply } => {
                 let r = match self.active.get(&id) {
@@ -88,7 +93,12 @@ impl Loop {
                         sampler: a.sampler.state(),
                     })
                 });
-                let _ = reply.send(r);
+                // Nobody got the parked request (the call was dropped or timed out): its
+                // stream is ended and nobody will push or release it, so its blocks go back now.
+                if let Err(Ok(_)) = reply.send(r) {
+                    tracing::debug!(request = %id, "a park's caller left: released");
+                    let _ = self.sched.release_transfer(id);
+                }
             }
             Command::ReleaseTransfer { id, reply } => {
                 let _ = reply.send(self.sched.release_transfer(id).map_err(EngineError::from));

@@ -22,17 +22,22 @@ impl PdNode {
             id,
             token,
         };
-        let blocks = self
-            .engine
-            .reserve_for_transfer(id, prompt_len)
-            .await
-            .map_err(|e| eerr(&e))?;
-        // The engine holds blocks for `id` now: a call dropped before the reservation is
-        // handed out (the router's deadline, the router gone) gives them back at once.
+        // Armed before the engine is asked: a call dropped while the engine reserves, or after
+        // it did but before the reservation is handed out (the router's deadline, the router
+        // gone), gives the blocks back at once (the abort queues behind the reservation), not
+        // at the lease's end. `refuse_known` above made `id` new here, so the abort touches
+        // nothing else.
         let mut lease = EngineAbortOnDrop {
             engine: &self.engine,
             id,
             armed: true,
+        };
+        let blocks = match self.engine.reserve_for_transfer(id, prompt_len).await {
+            Ok(b) => b,
+            Err(e) => {
+                lease.armed = false;
+                return Err(eerr(&e));
+            }
         };
         let layout = self.layout().clone();
         let per_rank = layout.num_layers as usize * blocks.len() * layout.block_layer_bytes();

@@ -130,7 +130,12 @@ impl EtcdStore {
             .with_timeout(t)
             // Detects a dead connection (and so a dead watch) within about a keepalive period.
             .with_keep_alive(self.opts.keepalive_interval(), t)
-            .with_keep_alive_while_idle(true);
+            .with_keep_alive_while_idle(true)
+            // A member cut off from its cluster's quorum still answers pings but sends a watch
+            // no events and serves stale reads: with "has leader" on every call it cancels the
+            // watch (the watch loop then reconnects and reports the view stale) and refuses the
+            // calls, as for an unreachable etcd.
+            .with_require_leader(true);
         let co = self.security.apply(co);
         // With credentials, `connect` authenticates: a wrong password fails here.
         let mut c = Client::connect(&self.endpoints, Some(co))

@@ -291,15 +291,9 @@ pub async fn put_ranks(
     } else {
         0
     };
-    let mut remotes = Vec::with_capacity(map.len());
+    let remotes = connect_ranks(t, target, len.saturating_add(record))?;
     let mut at = Vec::with_capacity(map.len());
     for r in 0..map.len() {
-        remotes.push(Arc::new(connect_rank(
-            t,
-            target,
-            r,
-            len.saturating_add(record),
-        )?));
         at.push(target.remote_offset(r, 0, len)?);
     }
     // From the first put on, a push that fails owes the decode node its abandoned record.
@@ -680,6 +674,27 @@ pub fn copy_ranks(
 
 /// Checks that `len` bytes at the target's staging offset fit rank `r`'s region, and connects to
 /// that region (the rank's own worker address, else the target's).
+/// [`connect_rank`] for every rank region of `target`. A connection to a peer not yet greeted
+/// waits for the peer's answer (up to the transport's call timeout, from a frozen decode node):
+/// on a multi-threaded runtime the wait tells the runtime so (`block_in_place`: its other tasks
+/// move to other workers) instead of silently holding a worker. Not cancellable: a push whose
+/// call is dropped after this still owes its decode node the abandoned record.
+pub(super) fn connect_ranks(
+    t: &UcxTransport,
+    target: &KvTarget,
+    len: u64,
+) -> Result<Vec<Arc<RemoteTarget>>, HandoffError> {
+    let connect = || {
+        (0..target.ranks.len())
+            .map(|r| connect_rank(t, target, r, len).map(Arc::new))
+            .collect()
+    };
+    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(connect),
+        _ => connect(),
+    }
+}
+
 pub(super) fn connect_rank(
     t: &UcxTransport,
     target: &KvTarget,

@@ -112,10 +112,7 @@ impl OverlapPush {
         if per_rank == 0 || span_len > arena.len() as u64 {
             return Ok(None);
         }
-        let mut remotes = Vec::with_capacity(target.ranks.len());
-        for r in 0..target.ranks.len() {
-            remotes.push(Arc::new(super::kv::connect_rank(t, target, r, span_len)?));
-        }
+        let remotes = super::kv::connect_ranks(t, target, span_len)?;
         let slice: SliceCell = Arc::new(Mutex::new(None));
         // The span's record, without a checksum: the seal's template. The abandoned one goes
         // into host staging only (`super::kv::abandoned_record`).

@@ -349,21 +349,32 @@ fn sleep(efd: i32, wake: &mut UnixStream) {
 }
 
 impl State {
+    /// Drops registration `id` (a region or an allocation) and its place in the receiver.
+    fn deregister(&mut self, id: u64) {
+        self.regions.remove(&id);
+        if let Some(addr) = self.host_regions.remove(&id) {
+            self.receiver.borrow_mut().remove_region(addr);
+        }
+    }
+
     fn handle(&mut self, cmd: Cmd) {
         match cmd {
+            // A registration whose caller stopped waiting (its call timed out) would never be
+            // deregistered: it is dropped at once.
             Cmd::Register { id, region, reply } => {
                 let r = self.register(id, region);
-                let _ = reply.send(r);
+                if let Err(mpsc::SendError(Ok(_))) = reply.send(r) {
+                    self.deregister(id);
+                }
             }
             Cmd::Allocate { id, len, reply } => {
                 let r = self.allocate(id, len);
-                let _ = reply.send(r);
+                if let Err(mpsc::SendError(Ok(_))) = reply.send(r) {
+                    self.deregister(id);
+                }
             }
             Cmd::Deregister { id, reply } => {
-                self.regions.remove(&id);
-                if let Some(addr) = self.host_regions.remove(&id) {
-                    self.receiver.borrow_mut().remove_region(addr);
-                }
+                self.deregister(id);
                 let _ = reply.send(());
             }
             Cmd::Connect {
@@ -375,7 +386,10 @@ impl State {
             } => match self.connect(id, address, &rkey, base) {
                 Ok(true) => self.greet(id, reply),
                 r => {
-                    let _ = reply.send(r.map(|_| ()));
+                    // As in `greet`'s answer: a target its caller never got is not kept.
+                    if let Err(mpsc::SendError(Ok(()))) = reply.send(r.map(|_| ())) {
+                        self.targets.remove(&id);
+                    }
                 }
             },
             Cmd::Disconnect { id } => {

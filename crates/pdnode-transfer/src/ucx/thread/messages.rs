@@ -178,14 +178,16 @@ impl State {
         match done {
             Waiter::Flush(done) => done.complete(r),
             Waiter::Connect { reply, target } => {
-                if r.is_ok() {
-                    if let Some(p) = self.peers.get_mut(address) {
-                        p.greeted = true;
-                    }
-                } else {
+                if r.is_ok()
+                    && let Some(p) = self.peers.get_mut(address)
+                {
+                    p.greeted = true;
+                }
+                // A failed connect, or one whose caller stopped waiting (its call timed out:
+                // nobody will ever disconnect it), keeps no target.
+                if r.is_err() || reply.send(r).is_err() {
                     self.targets.remove(&target);
                 }
-                let _ = reply.send(r);
             }
         }
     }

@@ -312,15 +312,11 @@ async fn rebalancing_moves_streams_to_the_idle_decode_node_until_the_gap_closes(
     }
 }
 
-/// A move that fails after the park (the other decode node refuses the reservation: it drains
-/// too) ends the request with a clear error, and the parked KV is freed on the node it was
-/// parked on: neither engine keeps anything.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_move_refused_after_the_park_fails_the_request_and_frees_the_parked_kv() {
-    // A 60 s lease: the parked blocks must be freed by the abort, not by their deadline.
-    let mut cfg = common::mock_config(5_000, 60, 60_000);
-    cfg.engine.num_kv_blocks = 128;
-    let c = cluster(&cfg);
+/// Runs one greedy 60-token request; after 5 tokens `break_move(to)` prepares the failure of
+/// the move to decode node `to` (the other one), and the node running the request is asked to
+/// move it. Expects the request to end with an error before its 60 tokens, the move counted
+/// `failed`, and no engine to keep anything (within 10 s, far inside the 60 s leases).
+async fn a_failed_move(c: &Cluster, break_move: impl FnOnce(usize)) -> String {
     let mut g = c
         .router
         .generate(GenRequest {
@@ -332,7 +328,7 @@ async fn a_move_refused_after_the_park_fails_the_request_and_frees_the_parked_kv
         })
         .unwrap();
     let mut tokens = 0;
-    let mut asked = false;
+    let mut break_move = Some(break_move);
     let err = loop {
         let ev = tokio::time::timeout(Duration::from_secs(60), g.events.recv())
             .await
@@ -343,23 +339,20 @@ async fn a_move_refused_after_the_park_fails_the_request_and_frees_the_parked_kv
             Some(GenEvent::Error(e)) => break e,
             None => panic!("stream ended without Done or Error"),
         }
-        if !asked && tokens >= 5 {
-            asked = true;
-            let (from, to) = if running(c.decodes[0].engine()).await > 0 {
-                (&c.decodes[0], &c.decodes[1])
+        if tokens >= 5
+            && let Some(f) = break_move.take()
+        {
+            let from = if running(c.decodes[0].engine()).await > 0 {
+                0
             } else {
-                (&c.decodes[1], &c.decodes[0])
+                1
             };
-            to.engine().stop_admitting();
-            assert_eq!(from.request_migrations(), 1);
+            f(1 - from);
+            assert_eq!(c.decodes[from].request_migrations(), 1);
         }
     };
     eprintln!("after {tokens} tokens: {err}");
     assert!(tokens < 60, "{tokens}");
-    assert!(
-        err.to_string().contains("migrat") || err.to_string().contains("draining"),
-        "{err}"
-    );
     let failed = c
         .router
         .metrics()
@@ -369,6 +362,20 @@ async fn a_move_refused_after_the_park_fails_the_request_and_frees_the_parked_kv
         assert_clean(d.engine()).await;
     }
     assert_clean(c.prefill.engine()).await;
+    err.to_string()
+}
+
+/// A move that fails after the park (the other decode node refuses the reservation: it drains
+/// too) ends the request with a clear error, and the parked KV is freed on the node it was
+/// parked on: neither engine keeps anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_refused_after_the_park_fails_the_request_and_frees_the_parked_kv() {
+    // A 60 s lease: the parked blocks must be freed by the abort, not by their deadline.
+    let mut cfg = common::mock_config(5_000, 60, 60_000);
+    cfg.engine.num_kv_blocks = 128;
+    let c = cluster(&cfg);
+    let err = a_failed_move(&c, |to| c.decodes[to].engine().stop_admitting()).await;
+    assert!(err.contains("migrat") || err.contains("draining"), "{err}");
 }
 
 /// A move whose reservation on the new node answers past the router's bound (1 s here, the
@@ -380,53 +387,12 @@ async fn a_move_whose_reservation_answers_late_frees_that_reservation() {
     let mut cfg = common::mock_config(5_000, 60, 60_000);
     cfg.engine.num_kv_blocks = 128;
     let c = cluster_with(&cfg, |rc| rc.prefill_timeout_s = 1);
-    let mut g = c
-        .router
-        .generate(GenRequest {
-            prompt_token_ids: common::prompt(),
-            sampling: SamplingParams::greedy(60),
-            endpoint: "test",
-            routing_key: None,
-            slo: Default::default(),
-        })
-        .unwrap();
-    let mut tokens = 0;
-    let mut asked = false;
-    let err = loop {
-        let ev = tokio::time::timeout(Duration::from_secs(60), g.events.recv())
-            .await
-            .expect("router stalled");
-        match ev {
-            Some(GenEvent::Tokens { token_ids, .. }) => tokens += token_ids.len(),
-            Some(GenEvent::Done { .. }) => panic!("the request ended normally after {tokens}"),
-            Some(GenEvent::Error(e)) => break e,
-            None => panic!("stream ended without Done or Error"),
-        }
-        if !asked && tokens >= 5 {
-            asked = true;
-            let from = if running(c.decodes[0].engine()).await > 0 {
-                0
-            } else {
-                1
-            };
-            c.decode_clients[1 - from]
-                .delay_ms
-                .store(1_600, Ordering::Relaxed);
-            assert_eq!(c.decodes[from].request_migrations(), 1);
-        }
-    };
-    eprintln!("after {tokens} tokens: {err}");
-    assert!(tokens < 60, "{tokens}");
-    let failed = c
-        .router
-        .metrics()
-        .value(m::ROUTER_MIGRATIONS_TOTAL, &[("outcome", "failed")]);
-    assert_eq!(failed, Some(1.0));
-    // assert_clean waits at most 10 s, far inside the 60 s lease.
-    for d in &c.decodes {
-        assert_clean(d.engine()).await;
-    }
-    assert_clean(c.prefill.engine()).await;
+    a_failed_move(&c, |to| {
+        c.decode_clients[to]
+            .delay_ms
+            .store(1_600, Ordering::Relaxed)
+    })
+    .await;
 }
 
 /// One stream moved again and again: both decode nodes asked to drain by migration, so each

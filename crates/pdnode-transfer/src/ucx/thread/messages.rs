@@ -3,7 +3,7 @@
 //! an `ACK` means for its waiter.
 
 use super::super::am::{self, Header, Kind, Verdict};
-use super::{Reply, State, classify, peer_name, reap};
+use super::{Reply, State, Stream, classify, peer_name, reap};
 use crate::TransferError;
 use crate::completion::Completer;
 use crate::region::Span;
@@ -27,6 +27,8 @@ pub(super) struct AwaitAck {
     done: Waiter,
     pub(super) ep: Rc<Endpoint>,
     address: Vec<u8>,
+    /// The stream the flush asks about.
+    stream: u64,
     reqs: Vec<Request>,
     error: Option<TransferError>,
     deadline: Instant,
@@ -65,6 +67,7 @@ impl State {
         let mut reqs = Vec::new();
         let mut headers = Vec::new();
         let mut error = None;
+        let mut broken_stream = None;
         'spans: for s in spans {
             let mut off = 0u64;
             while off < s.len {
@@ -102,6 +105,8 @@ impl State {
                     Ok(None) => {}
                     Err(e) => {
                         error = Some(classify(&ep, &t.address, e));
+                        // Its number is spent: the peer sees a gap on this stream from now on.
+                        broken_stream = Some((t.address.clone(), t.stream.id));
                         break 'spans;
                     }
                 }
@@ -110,6 +115,25 @@ impl State {
         }
         let rkey = t.rkey.clone();
         self.track(reqs, error, done, ep, mh, rkey, headers);
+        if let Some((address, stream)) = broken_stream {
+            self.renew_stream(&address, stream);
+        }
+    }
+
+    /// The peer at `address` numbers its later messages on a new stream, if `stream` is still
+    /// its current one: a stream with a gap (a message whose number was spent but that was never
+    /// sent) or that the peer found out of order would fail every later flush on it.
+    pub(super) fn renew_stream(&mut self, address: &[u8], stream: u64) {
+        if let Some(p) = self.peers.get_mut(address)
+            && p.stream.id == stream
+        {
+            self.next_stream = self.next_stream.wrapping_add(1);
+            p.stream = Rc::new(Stream {
+                id: self.next_stream,
+                seq: std::cell::Cell::new(0),
+            });
+            tracing::debug!(stream, "a KV message stream broke: the next pushes use a new one");
+        }
     }
 
     /// Sends `FLUSH` for `target` (whether every message of its stream so far arrived, in
@@ -163,6 +187,7 @@ impl State {
             token,
             done,
             ep,
+            stream: t.stream.id,
             address: t.address.clone(),
             reqs,
             error: None,
@@ -207,10 +232,16 @@ impl State {
             {
                 a.error = Some(classify(&a.ep, &a.address, e));
             }
+            let mut disordered = None;
             let verdict = match a.error.take() {
                 Some(e) => Some(Err(e)),
                 None => match self.receiver.borrow_mut().take_ack(a.token) {
-                    Some(ack) if a.reqs.is_empty() => Some(ack_result(ack, &a.address)),
+                    Some(ack) if a.reqs.is_empty() => {
+                        if ack.0 == Verdict::Disorder {
+                            disordered = Some(a.stream);
+                        }
+                        Some(ack_result(ack, &a.address))
+                    }
                     Some(ack) => {
                         // The answer came before our own flush request finished: keep it.
                         self.receiver.borrow_mut().put_ack(a.token, ack);
@@ -231,6 +262,9 @@ impl State {
             match verdict {
                 Some(r) => {
                     let a = self.awaiting.swap_remove(i);
+                    if let Some(stream) = disordered {
+                        self.renew_stream(&a.address, stream);
+                    }
                     self.answer(a.done, r, &a.address);
                 }
                 None => i += 1,

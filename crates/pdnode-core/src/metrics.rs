@@ -15,6 +15,9 @@ pub const ROUTER_TPOT_SECONDS: &str = "pdnode_router_tpot_seconds";
 pub const ROUTER_E2E_SECONDS: &str = "pdnode_router_e2e_seconds";
 /// Requests admitted by the router and not yet finished (gauge).
 pub const ROUTER_INFLIGHT_REQUESTS: &str = "pdnode_router_inflight_requests";
+/// Requests waiting at admission for their latency target to hold (`router.slo.queue_ms`;
+/// gauge, at most `router.max_inflight_requests`).
+pub const ROUTER_SLO_WAITING_REQUESTS: &str = "pdnode_router_slo_waiting_requests";
 /// Prompt tokens processed (counter).
 pub const ROUTER_PROMPT_TOKENS_TOTAL: &str = "pdnode_router_prompt_tokens_total";
 /// Output tokens generated (counter).
@@ -100,6 +103,7 @@ pub const ALL: &[&str] = &[
     ROUTER_TPOT_SECONDS,
     ROUTER_E2E_SECONDS,
     ROUTER_INFLIGHT_REQUESTS,
+    ROUTER_SLO_WAITING_REQUESTS,
     ROUTER_PROMPT_TOKENS_TOTAL,
     ROUTER_OUTPUT_TOKENS_TOTAL,
     ROUTER_NODES,

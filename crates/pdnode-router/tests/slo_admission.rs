@@ -276,6 +276,11 @@ async fn the_admission_queue_holds_at_most_max_inflight_requests() {
         );
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
+    let gauge = |r: &Router| {
+        r.metrics()
+            .value(pdnode_core::metrics::ROUTER_SLO_WAITING_REQUESTS, &[])
+    };
+    assert_eq!(gauge(&router), Some(3.0));
     let t = std::time::Instant::now();
     let r = run_queued(&router, target).await;
     assert!(matches!(r, Err(RouterError::SloUnmet { .. })), "{r:?}");
@@ -292,4 +297,5 @@ async fn the_admission_queue_holds_at_most_max_inflight_requests() {
         let _ = w.await.unwrap();
     }
     assert_eq!(router.slo_waiting(), 0);
+    assert_eq!(gauge(&router), Some(0.0));
 }

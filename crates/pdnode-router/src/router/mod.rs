@@ -189,22 +189,26 @@ pub struct Router {
 }
 
 /// A place among the requests waiting at admission, given back when the wait ends.
-struct WaitSlot<'a>(&'a AtomicU32);
+struct WaitSlot<'a>(&'a Router);
 
 impl<'a> WaitSlot<'a> {
-    fn take(count: &'a AtomicU32, limit: u32) -> Option<Self> {
-        count
+    fn take(router: &'a Router) -> Option<Self> {
+        let limit = router.deps.config.max_inflight_requests;
+        router
+            .slo_waiting
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
                 (n < limit).then_some(n + 1)
             })
-            .ok()
-            .map(|_| WaitSlot(count))
+            .ok()?;
+        router.publish_slo_waiting();
+        Some(WaitSlot(router))
     }
 }
 
 impl Drop for WaitSlot<'_> {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
+        self.0.slo_waiting.fetch_sub(1, Ordering::AcqRel);
+        self.0.publish_slo_waiting();
     }
 }
 
@@ -212,6 +216,14 @@ impl Router {
     /// Requests waiting at admission now (`router.slo.queue_ms`).
     pub fn slo_waiting(&self) -> u32 {
         self.slo_waiting.load(Ordering::Acquire)
+    }
+
+    fn publish_slo_waiting(&self) {
+        let count = &self.slo_waiting;
+        self.metrics
+            .set_from(m::ROUTER_SLO_WAITING_REQUESTS, &[], || {
+                f64::from(count.load(Ordering::Acquire))
+            });
     }
 }
 
@@ -485,8 +497,7 @@ impl Router {
                     break;
                 }
                 if slot.is_none() {
-                    match WaitSlot::take(&self.slo_waiting, self.deps.config.max_inflight_requests)
-                    {
+                    match WaitSlot::take(self) {
                         Some(s) => slot = Some(s),
                         // The queue is full: refused now, as without one.
                         None => break,
@@ -660,6 +671,10 @@ fn describe(mx: &Metrics) {
             "Requests admitted and not finished.",
         ),
         (
+            m::ROUTER_SLO_WAITING_REQUESTS,
+            "Requests waiting at admission for their latency target to hold.",
+        ),
+        (
             m::ROUTER_PROMPT_TOKENS_TOTAL,
             "Prompt tokens of admitted requests.",
         ),
@@ -721,4 +736,5 @@ fn describe(mx: &Metrics) {
     }
     crate::metrics::describe_accounting(mx);
     mx.set(m::ROUTER_INFLIGHT_REQUESTS, &[], 0.0);
+    mx.set(m::ROUTER_SLO_WAITING_REQUESTS, &[], 0.0);
 }

@@ -132,7 +132,10 @@ impl State {
                 id: self.next_stream,
                 seq: std::cell::Cell::new(0),
             });
-            tracing::debug!(stream, "a KV message stream broke: the next pushes use a new one");
+            tracing::debug!(
+                stream,
+                "a KV message stream broke: the next pushes use a new one"
+            );
         }
     }
 

@@ -601,3 +601,44 @@ fn park_takes_a_request_only_between_two_decode_steps() {
     assert_eq!(s.kv().available(), s.kv().total(), "blocks leaked");
     assert_clean(&s);
 }
+
+/// A reservation that would leave the head of the waiting queue short of blocks is refused
+/// (Unavailable: the router tries another node), so new work cannot starve a request that
+/// waits to run (a preempted one, or an older prompt); one that leaves it room is granted, and
+/// with nothing waiting the larger one fits too.
+#[test]
+fn a_reservation_waits_behind_the_head_of_the_queue() {
+    use pdnode_core::ErrorKind;
+    use pdnode_core::error::Classify;
+    // One running request at most, so b waits while a runs.
+    let mut s = Scheduler::new(cfg(Mode::Colocated, 12, 2, 64, 1));
+    let (a, b) = (RequestId(1), RequestId(2));
+    s.add_request(a, prompt(4, 1)).unwrap();
+    s.add_request(b, prompt(8, 2)).unwrap();
+    let limits = HashMap::from([(a, 3), (b, 3)]);
+    let mut generated = HashMap::new();
+    step(&mut s, &limits, &mut generated);
+    let avail = s.kv().available();
+    let head = 4; // b's 8 tokens, 2 a block
+    assert!(avail > head, "{avail}");
+    let over = avail - head + 1;
+    let e = s
+        .reserve_for_transfer(RequestId(9), over * 2, Instant::now())
+        .unwrap_err();
+    assert!(
+        matches!(e, SchedulerError::WaitingFirst { waiting, .. } if waiting == b),
+        "{e}"
+    );
+    assert_eq!(e.kind(), ErrorKind::Unavailable);
+    let fits = avail - head;
+    let got = s
+        .reserve_for_transfer(RequestId(10), fits * 2, Instant::now())
+        .unwrap();
+    assert_eq!(got.len(), fits);
+    s.release_transfer(RequestId(10)).unwrap();
+    drive(&mut s, &limits);
+    s.reserve_for_transfer(RequestId(9), over * 2, Instant::now())
+        .unwrap();
+    s.release_transfer(RequestId(9)).unwrap();
+    assert_all_free(&s);
+}

@@ -189,6 +189,17 @@ pub enum SchedulerError {
     /// Parking for a migration takes a request only between two decode steps.
     #[error("request {id} is not decoding now ({why})")]
     NotDecoding { id: RequestId, why: &'static str },
+    /// A reservation would take blocks the head of the waiting queue (a preempted request, or
+    /// an older prompt) needs to run: it goes first.
+    #[error(
+        "request {id} needs {needed} KV blocks that {waiting} (waiting to run) needs first; {available} available"
+    )]
+    WaitingFirst {
+        id: RequestId,
+        waiting: RequestId,
+        needed: usize,
+        available: usize,
+    },
 }
 
 impl Classify for SchedulerError {
@@ -198,7 +209,9 @@ impl Classify for SchedulerError {
             | SchedulerError::EmptyPrompt { .. }
             | SchedulerError::ReservationMismatch { .. } => ErrorKind::InvalidRequest,
             SchedulerError::TooLarge { .. } => ErrorKind::ContextLengthExceeded,
-            SchedulerError::NotDecoding { .. } => ErrorKind::Unavailable,
+            SchedulerError::NotDecoding { .. } | SchedulerError::WaitingFirst { .. } => {
+                ErrorKind::Unavailable
+            }
             SchedulerError::Kv { source, .. } => source.kind(),
         }
     }

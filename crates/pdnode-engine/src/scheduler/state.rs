@@ -127,6 +127,9 @@ impl Scheduler {
 
     /// Decode side: reserves blocks for a prompt of `prompt_len` tokens under the request's
     /// transfer lease, until `now + lease`. Returns the blocks the transport fills, in order.
+    /// Refused (`WaitingFirst`, Unavailable: the router tries another node) while the blocks
+    /// left after it would not hold the head of the waiting queue: a preempted request resumes
+    /// before new work takes its room, so a stream of reservations cannot starve it.
     pub fn reserve_for_transfer(
         &mut self,
         id: RequestId,
@@ -135,6 +138,18 @@ impl Scheduler {
     ) -> Result<Vec<BlockId>, SchedulerError> {
         self.check_new(id, prompt_len)?;
         let n = self.kv.blocks_for(prompt_len);
+        if let Some(head) = self.waiting.front() {
+            let head_needs = self.kv.blocks_for(head.tokens.len());
+            let available = self.kv.available();
+            if available < head_needs + n {
+                return Err(SchedulerError::WaitingFirst {
+                    id,
+                    waiting: head.id,
+                    needed: n,
+                    available,
+                });
+            }
+        }
         self.kv
             .reserve(lease_id(id), n, now + self.cfg.lease)
             .map(<[BlockId]>::to_vec)

@@ -175,6 +175,19 @@ async fn run_queued(r: &Arc<Router>, slo: Slo) -> Result<(), RouterError> {
     to_the_end(g).await
 }
 
+/// Two prompts without a target put in flight (each ~150 ms of prefill with the fakes these
+/// tests set), 20 ms before the caller goes on.
+async fn two_ahead(router: &Arc<Router>) -> Vec<tokio::task::JoinHandle<Result<(), RouterError>>> {
+    let ahead = (0..2)
+        .map(|_| {
+            let r = router.clone();
+            tokio::spawn(async move { run(&r, Slo::default()).await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    ahead
+}
+
 /// `router.slo.queue_ms`: a request predicted over its TTFT target because of the prompts in
 /// flight ahead of it waits for them instead of being refused, and is admitted when what is
 /// left of its target holds; a target the wait itself uses up is refused at the end of it;
@@ -193,13 +206,7 @@ async fn with_a_queue_a_request_waits_for_the_prompts_ahead_instead_of_being_ref
         tpot_ms: None,
     };
     // Two prompts in flight: a third is predicted at ~450 ms, over a 400 ms target.
-    let ahead: Vec<_> = (0..2)
-        .map(|_| {
-            let r = router.clone();
-            tokio::spawn(async move { run(&r, Slo::default()).await })
-        })
-        .collect();
-    tokio::time::sleep(Duration::from_millis(20)).await;
+    let ahead = two_ahead(&router).await;
     assert!(
         matches!(
             router.generate(request(target(400))),
@@ -219,13 +226,7 @@ async fn with_a_queue_a_request_waits_for_the_prompts_ahead_instead_of_being_ref
     }
     // A target the wait would use up (the prompts ahead take ~150 ms of its 160): refused, at
     // the end of the wait, not at once.
-    let ahead: Vec<_> = (0..2)
-        .map(|_| {
-            let r = router.clone();
-            tokio::spawn(async move { run(&r, Slo::default()).await })
-        })
-        .collect();
-    tokio::time::sleep(Duration::from_millis(20)).await;
+    let ahead = two_ahead(&router).await;
     let t = std::time::Instant::now();
     let r = run_queued(&router, target(160)).await;
     assert!(matches!(r, Err(RouterError::SloUnmet { .. })), "{r:?}");
@@ -254,13 +255,7 @@ async fn the_admission_queue_holds_at_most_max_inflight_requests() {
         ttft_ms: Some(400),
         tpot_ms: None,
     };
-    let ahead: Vec<_> = (0..2)
-        .map(|_| {
-            let r = router.clone();
-            tokio::spawn(async move { run(&r, Slo::default()).await })
-        })
-        .collect();
-    tokio::time::sleep(Duration::from_millis(20)).await;
+    let ahead = two_ahead(&router).await;
     let waiting: Vec<_> = (0..3)
         .map(|_| {
             let r = router.clone();

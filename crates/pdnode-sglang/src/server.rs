@@ -9,6 +9,7 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use pdnode_router::http::BodyRead;
 use serde_json::{Value, json};
 use std::sync::Arc;
 use std::time::Duration;
@@ -124,16 +125,16 @@ async fn chat(State(r): State<Arc<SglangRouter>>, h: HeaderMap, body: Body) -> R
 async fn route(r: Arc<SglangRouter>, what: Route, h: HeaderMap, body: Body) -> Response {
     let limit = usize::try_from(r.cfg.max_payload_bytes).unwrap_or(usize::MAX);
     let wait = r.client_send_timeout;
-    let body = match tokio::time::timeout(wait, axum::body::to_bytes(body, limit)).await {
-        Ok(Ok(b)) => b,
-        Ok(Err(_)) => {
+    let body = match pdnode_router::http::read_body_within(&h, body, limit, wait).await {
+        Ok(b) => b,
+        Err(BodyRead::TooLarge) => {
             return error_response(
                 StatusCode::PAYLOAD_TOO_LARGE,
                 "invalid_request_error",
                 &format!("the request body is larger than {limit} bytes"),
             );
         }
-        Err(_) => {
+        Err(BodyRead::TimedOut) => {
             return error_response(
                 StatusCode::REQUEST_TIMEOUT,
                 "invalid_request_error",

@@ -7,7 +7,7 @@ use crate::error::RouterError;
 use crate::router::{GenEvent, GenRequest, Generation, Router, Usage};
 use axum::body::Body;
 use axum::extract::State;
-use axum::http::{HeaderMap, header};
+use axum::http::HeaderMap;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use futures::stream::{self, Stream, StreamExt};
@@ -49,33 +49,26 @@ struct Shape {
     logprobs: bool,
 }
 
-/// The request's body, at most [`MAX_BODY_BYTES`], whole within `router.client_send_timeout_s`
-/// (a client that trickles its body holds no connection and buffer past it).
+/// The request's body, at most [`MAX_BODY_BYTES`], whole within `router.client_send_timeout_s`.
 async fn read_body(
     router: &Router,
     headers: &HeaderMap,
     body: Body,
 ) -> Result<bytes::Bytes, RouterError> {
-    let too_large = RouterError::BodyTooLarge {
-        limit: MAX_BODY_BYTES,
-    };
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
-        return Err(too_large);
-    }
-    let limit = router.deps().config.client_send_timeout_s;
-    match tokio::time::timeout(
-        std::time::Duration::from_secs(limit),
-        axum::body::to_bytes(body, MAX_BODY_BYTES),
+    let wait = router.deps().config.client_send_timeout_s;
+    super::read_body_within(
+        headers,
+        body,
+        MAX_BODY_BYTES,
+        std::time::Duration::from_secs(wait),
     )
     .await
-    {
-        Ok(read) => read.map_err(|_| too_large),
-        Err(_) => Err(RouterError::BodyTimeout { after_s: limit }),
-    }
+    .map_err(|e| match e {
+        super::BodyRead::TooLarge => RouterError::BodyTooLarge {
+            limit: MAX_BODY_BYTES,
+        },
+        super::BodyRead::TimedOut => RouterError::BodyTimeout { after_s: wait },
+    })
 }
 
 fn check_model(router: &Router, model: &Option<String>) -> Result<String, RouterError> {

@@ -116,6 +116,37 @@ pub(crate) fn with_retry_after(e: &RouterError, mut r: Response) -> Response {
     r
 }
 
+/// Why a request body was not read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyRead {
+    /// Over the limit (declared by `Content-Length` or as it arrived).
+    TooLarge,
+    /// Not whole within the wait.
+    TimedOut,
+}
+
+/// A request's whole body, at most `limit` bytes (a larger declared `Content-Length` is refused
+/// before reading), within `wait`: a client that trickles or stalls its body holds no connection
+/// and buffer past it. The one body read of the router's and the SGLang router's endpoints.
+pub async fn read_body_within(
+    headers: &axum::http::HeaderMap,
+    body: axum::body::Body,
+    limit: usize,
+    wait: std::time::Duration,
+) -> Result<bytes::Bytes, BodyRead> {
+    let declared = headers
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(BodyRead::TooLarge);
+    }
+    match tokio::time::timeout(wait, axum::body::to_bytes(body, limit)).await {
+        Ok(read) => read.map_err(|_| BodyRead::TooLarge),
+        Err(_) => Err(BodyRead::TimedOut),
+    }
+}
+
 /// Whether `headers` carry one of `keys` as `Authorization: Bearer <key>` (always, when `keys`
 /// is empty).
 pub fn authorized(keys: &[String], authorization: Option<&str>) -> bool {

@@ -188,10 +188,19 @@ async fn pdnode_start_serves_the_same_router_from_config() {
     let port = pdnode_testkit::free_port().unwrap();
     let config =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/sglang-router.toml");
+    // the client keys from a file only (`security.api_keys` left empty), the workers' own key
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys");
+    std::fs::write(&keys, "# clients\nclient-key\n\n").unwrap();
     let child = Command::new(BIN)
         .args(["start", "--config"])
         .arg(&config)
         .args(["--set", &format!("router.http_listen=\"127.0.0.1:{port}\"")])
+        .args([
+            "--set",
+            &format!("security.api_keys_file={:?}", keys.to_str().unwrap()),
+        ])
+        .args(["--set", "router.sglang.worker_api_key=\"worker-key\""])
         .args([
             "--set",
             &format!("router.sglang.prefill=[{{url=\"{}\"}}]", p.url),
@@ -208,10 +217,20 @@ async fn pdnode_start_serves_the_same_router_from_config() {
     let http = reqwest::Client::builder().no_proxy().build().unwrap();
     let url = format!("http://127.0.0.1:{port}");
     wait_healthy(&http, &url, &mut guard).await;
-    let v: Value = http
-        .post(format!("{url}/generate"))
-        .json(&json!({"text": "Hi", "sampling_params": {"max_new_tokens": 3}}))
-        .send()
+    let generate = |key: Option<&str>| {
+        let mut b = http
+            .post(format!("{url}/generate"))
+            .json(&json!({"text": "Hi", "sampling_params": {"max_new_tokens": 3}}));
+        if let Some(k) = key {
+            b = b.bearer_auth(k);
+        }
+        b.send()
+    };
+    for key in [None, Some("worker-key"), Some("# clients")] {
+        let r = generate(key).await.unwrap();
+        assert_eq!(r.status(), 401, "key {key:?}: {:?}", r.text().await);
+    }
+    let v: Value = generate(Some("client-key"))
         .await
         .unwrap()
         .json()
@@ -219,4 +238,9 @@ async fn pdnode_start_serves_the_same_router_from_config() {
         .unwrap();
     assert_eq!(v["text"], "t0 t1 t2 ", "{v}");
     assert_eq!(v["meta_info"]["mock_seen"]["bootstrap_port"], Value::Null);
+    // the workers see `router.sglang.worker_api_key`, never the client's key
+    assert_eq!(
+        v["meta_info"]["mock_seen"]["headers"]["authorization"], "Bearer worker-key",
+        "{v}"
+    );
 }

@@ -314,7 +314,9 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
 /// Serves the router in front of SGLang workers (`pdnode start` with `[router.sglang]`, and
 /// `pdnode sglang-router`) until SIGTERM/SIGINT, then drains.
 pub async fn serve(c: &pdnode_core::config::Config) -> anyhow::Result<()> {
-    let router = pdnode_sglang::SglangRouter::new(&c.router, c.security.api_keys.clone())?;
+    // `security.api_keys` and the lines of `security.api_keys_file`, as a pdnode router reads them
+    let api_keys = pdnode_node::pd::api_keys(c)?;
+    let router = pdnode_sglang::SglangRouter::new(&c.router, api_keys)?;
     let listener = tokio::net::TcpListener::bind(&c.router.http_listen)
         .await
         .with_context(|| {

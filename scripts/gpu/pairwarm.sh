@@ -42,7 +42,6 @@ endpoints = ["http://127.0.0.1:2379"]
 kind = "ucx"
 ucx_lib = "$LIB"
 ucx_net_devices = "lo"
-staging_mib = 1024
 [log]
 format = "human"
 filter = "info,pdnode_node::pd=debug"

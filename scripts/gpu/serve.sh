@@ -267,7 +267,6 @@ kind = \"ucx\"
 ucx_lib = \"$LIB\"
 ucx_net_devices = \"lo\"
 ucx_tls = \"${PD_UCX_TLS:-}\"
-staging_mib = 4096
 verify = ${PD_VERIFY:-true}"
     pdlog="info,pdnode_node::pd=debug,pdnode_transfer::ucx=debug,pdnode_engine::engine::run::staged=debug,pdnode_cuda::backend::staging=debug"
     { MAX_BATCH_TOKENS=${PD_MAX_BATCH_TOKENS:-8192} MEM_FRACTION=${PD_PREFILL_MEM_FRACTION:-0.82} \

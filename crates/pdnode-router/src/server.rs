@@ -63,7 +63,7 @@ pub async fn serve(
     if let Some(b) = &deps.model.simulated {
         tracing::warn!(backend = %b, "the engine is SIMULATED: outputs are not model outputs");
     }
-    let refresh = Duration::from_millis(deps.config.power_of_two.load_refresh_ms.max(50));
+    let refresh = Duration::from_millis(deps.config.power_of_two.load_refresh_ms);
     let stats_task = {
         let router = router.clone();
         let stop = shutdown.clone();

@@ -69,6 +69,12 @@ pub enum ConfigError {
     },
     #[error("--set {arg:?}: {reason}")]
     BadSet { arg: String, reason: String },
+    /// One source brought more bad keys than are reported; the rest of it was not checked.
+    #[error("{source_name}: more than {max} bad keys; the rest of it was not checked")]
+    TooManyBadKeys {
+        source_name: ConfigSource,
+        max: usize,
+    },
 }
 
 fn expected_list(e: &[String]) -> String {
@@ -125,20 +131,30 @@ fn origin_of(origins: &BTreeMap<String, ConfigSource>, key: &str) -> ConfigSourc
     }
 }
 
+/// The largest config file read (the reference configs are a few KiB).
+pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
+
+/// Bad keys reported from one layer before the rest of it is left unchecked: each one costs a
+/// check of the whole layer.
+pub const MAX_KEY_ERRORS: usize = 32;
+
 /// Loads from a file (or none), the process environment and `--set` arguments, then validates.
 /// Returns every error found.
 pub fn load(file: Option<&Path>, sets: &[String]) -> Result<Loaded, Vec<ConfigError>> {
     let env: Vec<(String, String)> = std::env::vars().collect();
     let text = match file {
-        Some(p) => Some((
-            p.to_path_buf(),
-            std::fs::read_to_string(p).map_err(|e| {
+        Some(p) => {
+            let io = |reason: String| {
                 vec![ConfigError::Io {
                     source_name: ConfigSource::File(p.to_path_buf()),
-                    reason: e.to_string(),
+                    reason,
                 }]
-            })?,
-        )),
+            };
+            let bytes = super::pem::read_limited(&p.to_string_lossy(), MAX_CONFIG_BYTES)
+                .map_err(|e| io(e.to_string()))?;
+            let text = String::from_utf8(bytes).map_err(|_| io("not UTF-8 text".into()))?;
+            Some((p.to_path_buf(), text))
+        }
         None => None,
     };
     load_layers(
@@ -313,7 +329,14 @@ fn apply_layer(
 ) {
     // Each round removes one key, so this ends; the bound guards against a key that cannot be
     // removed (an error that is not about a key of this layer).
-    for _ in 0..=count_keys(&layer) {
+    for round in 0..=count_keys(&layer) {
+        if round == MAX_KEY_ERRORS {
+            errors.push(ConfigError::TooManyBadKeys {
+                source_name: src.clone(),
+                max: MAX_KEY_ERRORS,
+            });
+            return;
+        }
         let mut trial = base.clone();
         merge(&mut trial, layer.clone(), "", &mut BTreeMap::new(), src);
         let Err((key, reason, expected)) = deserialize(trial) else {

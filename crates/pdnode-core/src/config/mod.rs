@@ -12,7 +12,10 @@ mod schema_router;
 mod sglang;
 mod validate;
 
-pub use load::{ConfigError, ConfigSource, Loaded, load, load_from_str, load_from_str_with_env};
+pub use load::{
+    ConfigError, ConfigSource, Loaded, MAX_CONFIG_BYTES, MAX_KEY_ERRORS, load, load_from_str,
+    load_from_str_with_env,
+};
 pub use pem::{
     FileError, MAX_PEM_BYTES, pem_certs, pem_key, read_pem_certs, read_pem_file, read_pem_key,
     read_secret_file,

@@ -85,8 +85,9 @@ pub fn read_pem_file(path: &str) -> Result<Vec<u8>, FileError> {
     read_limited(path, MAX_PEM_BYTES)
 }
 
-/// The bytes of a regular file of at most `max` bytes.
-fn read_limited(path: &str, max: u64) -> Result<Vec<u8>, FileError> {
+/// The bytes of a regular file of at most `max` bytes (also when the file grows while it is
+/// read: at most `max + 1` bytes are read).
+pub(crate) fn read_limited(path: &str, max: u64) -> Result<Vec<u8>, FileError> {
     let p = Path::new(path);
     let unreadable = |e: std::io::Error| FileError::Unreadable {
         path: path.to_string(),
@@ -105,7 +106,18 @@ fn read_limited(path: &str, max: u64) -> Result<Vec<u8>, FileError> {
             max,
         });
     }
-    std::fs::read(p).map_err(unreadable)
+    let mut bytes = Vec::new();
+    std::fs::File::open(p)
+        .and_then(|f| std::io::Read::read_to_end(&mut std::io::Read::take(f, max + 1), &mut bytes))
+        .map_err(unreadable)?;
+    if bytes.len() as u64 > max {
+        return Err(FileError::TooLarge {
+            path: path.to_string(),
+            bytes: bytes.len() as u64,
+            max,
+        });
+    }
+    Ok(bytes)
 }
 
 /// The certificates of a PEM file (`-----BEGIN CERTIFICATE-----` sections, in order; other

@@ -426,8 +426,6 @@ pub struct TransferConfig {
     pub ucx_tls: String,
     /// How long a decode node holds reserved blocks for a hand-off that does not complete.
     pub lease_ms: u64,
-    /// Registered staging region for gathered KV spans, MiB.
-    pub staging_mib: u32,
     /// Decode side: ask the prefill node for a CRC32C of each rank's KV bytes (in the fence
     /// record behind them) and check it before the scatter (host staging only).
     pub verify: bool,
@@ -459,7 +457,6 @@ impl Default for TransferConfig {
             ucx_net_devices: "lo".into(),
             ucx_tls: String::new(),
             lease_ms: 30_000,
-            staging_mib: 256,
             verify: true,
             host_staging_bytes: 1 << 30,
             stall_ms: 1000,

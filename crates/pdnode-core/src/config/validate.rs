@@ -279,6 +279,13 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
     if e.max_batch_tokens == 0 {
         bad("engine.max_batch_tokens", "must be at least 1".into());
     }
+    if e.max_queued_requests == 0 {
+        bad(
+            "engine.max_queued_requests",
+            "must be at least 1 (0 would refuse every request: each one waits before it runs)"
+                .into(),
+        );
+    }
     if e.max_running_requests == 0 {
         bad("engine.max_running_requests", "must be at least 1".into());
     }
@@ -350,9 +357,6 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
                 c.node.role
             ),
         );
-    }
-    if c.transfer.staging_mib == 0 {
-        bad("transfer.staging_mib", "must be at least 1".into());
     }
     if c.transfer.stall_min_rate_mibps == 0 {
         bad("transfer.stall_min_rate_mibps", "must be at least 1".into());
@@ -449,6 +453,13 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
         bad(
             "router.local_prefill",
             "a prefill on the decode node is a pdnode decode node's call; SGLang workers (router.sglang) have none"
+                .into(),
+        );
+    }
+    if (r.slo.ttft_ms > 0 || r.slo.tpot_ms > 0 || r.slo.queue_ms > 0) && r.sglang.enabled() {
+        bad(
+            "router.slo",
+            "SLO admission predicts from pdnode nodes' loads and step times; SGLang workers (router.sglang) report none"
                 .into(),
         );
     }

@@ -178,7 +178,7 @@ pub(super) fn durations(c: &Config) -> Vec<DurationKey> {
             "router.power_of_two.load_refresh_ms",
             r.power_of_two.load_refresh_ms,
             MILLIS,
-            1,
+            50,
             3_600_000,
         ),
         d(

@@ -3,7 +3,8 @@
 //!
 //! `/metrics` exports what the node's own board holds: the KV and staging accounting read with
 //! the engine's load (docs/runtime-semantics.md, "Reading KV accounting"), the pool size and the
-//! old `pdnode_kv_blocks_in_use` (owned + cached), labelled `node`.
+//! old `pdnode_kv_blocks_in_use` (owned + cached), labelled `node`; and the process's own
+//! counters: actor restarts (from the supervisor) and failed registry keepalives.
 
 use crate::board::LoadBoard;
 use crate::supervisor::SupervisorHandle;
@@ -26,6 +27,16 @@ pub struct HttpDeps {
     pub insecure_node_plane: bool,
     pub supervisor: SupervisorHandle,
     pub load: LoadBoard,
+    pub keepalive_failures: pdnode_registry::KeepaliveFailures,
+}
+
+/// Counters of the node process itself, beside its board's gauges.
+#[derive(Debug, Default)]
+pub struct ProcessCounters {
+    /// (actor, restarts) of every actor restarted at least once.
+    pub actor_restarts: Vec<(String, u64)>,
+    /// Registry keepalives or re-registrations that failed.
+    pub keepalive_failures: u64,
 }
 
 async fn health(State(d): State<HttpDeps>) -> impl IntoResponse {
@@ -51,10 +62,18 @@ async fn health(State(d): State<HttpDeps>) -> impl IntoResponse {
     (code, Json(body))
 }
 
-/// The node's metrics in the Prometheus text format, from its load board.
-pub fn render_metrics(id: &NodeId, load: &LoadBoard) -> String {
+/// The node's metrics in the Prometheus text format, from its load board and `counters`.
+pub fn render_metrics(id: &NodeId, load: &LoadBoard, counters: &ProcessCounters) -> String {
     let mx = Metrics::new();
     describe_accounting(&mx);
+    mx.describe(
+        m::NODE_ACTOR_RESTARTS_TOTAL,
+        "Restarts of one of the node's actors by its supervisor.",
+    );
+    mx.describe(
+        m::REGISTRY_KEEPALIVE_FAILURES_TOTAL,
+        "Registry keepalives or re-registrations of this node that failed.",
+    );
     mx.describe(m::KV_BLOCKS_TOTAL, "KV blocks in the node's pool.");
     mx.describe(
         m::KV_BLOCKS_IN_USE,
@@ -78,13 +97,29 @@ pub fn render_metrics(id: &NodeId, load: &LoadBoard) -> String {
     if let Some(a) = load.accounting() {
         export_accounting(&mx, node, &a);
     }
+    mx.set_counter(
+        m::REGISTRY_KEEPALIVE_FAILURES_TOTAL,
+        &l,
+        counters.keepalive_failures as f64,
+    );
+    for (actor, n) in &counters.actor_restarts {
+        mx.set_counter(
+            m::NODE_ACTOR_RESTARTS_TOTAL,
+            &[("node", node), ("actor", actor)],
+            *n as f64,
+        );
+    }
     mx.render()
 }
 
 async fn metrics(State(d): State<HttpDeps>) -> impl IntoResponse {
+    let counters = ProcessCounters {
+        actor_restarts: d.supervisor.health().await.restarts,
+        keepalive_failures: d.keepalive_failures.get(),
+    };
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        render_metrics(&d.id, &d.load),
+        render_metrics(&d.id, &d.load, &counters),
     )
 }
 
@@ -118,7 +153,8 @@ mod tests {
         let b = LoadBoard::new(NodeCapacity::default());
         let id = NodeId::new("d0");
         assert!(
-            !render_metrics(&id, &b).contains("pdnode_kv_owned_blocks{"),
+            !render_metrics(&id, &b, &ProcessCounters::default())
+                .contains("pdnode_kv_owned_blocks{"),
             "no accounting read yet: nothing to claim"
         );
         b.publish_accounting(Some(Accounting {
@@ -140,7 +176,7 @@ mod tests {
             kv_blocks_free: 67,
             ..NodeCapacity::default()
         });
-        let t = render_metrics(&id, &b);
+        let t = render_metrics(&id, &b, &ProcessCounters::default());
         for line in [
             "pdnode_kv_owned_blocks{node=\"d0\",owner=\"request\"} 1",
             "pdnode_kv_owned_blocks{node=\"d0\",owner=\"transfer_lease\"} 2",
@@ -155,6 +191,30 @@ mod tests {
             "pdnode_engine_step_seconds_count{node=\"d0\",phase=\"decode\"} 1",
             "pdnode_engine_step_seconds_sum{node=\"d0\",phase=\"decode\"} 0.003",
             "pdnode_engine_step_seconds_count{node=\"d0\",phase=\"prefill\"} 0",
+        ] {
+            assert!(t.contains(line), "{line} missing from:\n{t}");
+        }
+        assert!(t.contains("pdnode_registry_keepalive_failures_total{node=\"d0\"} 0"));
+        assert!(
+            !t.contains("pdnode_node_actor_restarts_total{"),
+            "no restart yet"
+        );
+    }
+
+    #[test]
+    fn actor_restarts_and_keepalive_failures_are_counters_per_node() {
+        let b = LoadBoard::new(NodeCapacity::default());
+        let counters = ProcessCounters {
+            actor_restarts: vec![("engine".into(), 2), ("registrar".into(), 1)],
+            keepalive_failures: 7,
+        };
+        let t = render_metrics(&NodeId::new("p1"), &b, &counters);
+        for line in [
+            "# TYPE pdnode_node_actor_restarts_total counter",
+            "pdnode_node_actor_restarts_total{node=\"p1\",actor=\"engine\"} 2",
+            "pdnode_node_actor_restarts_total{node=\"p1\",actor=\"registrar\"} 1",
+            "# TYPE pdnode_registry_keepalive_failures_total counter",
+            "pdnode_registry_keepalive_failures_total{node=\"p1\"} 7",
         ] {
             assert!(t.contains(line), "{line} missing from:\n{t}");
         }

@@ -248,6 +248,7 @@ impl Node {
             register_waiting_out_stale(&*deps.registry, card.clone(), ttl + Duration::from_secs(1))
                 .await?;
         tracing::info!(key = %registration.key(), grpc = %card.addresses.grpc, "node registered");
+        let keepalive_failures = registration.keepalive_failures_reader();
         let registration: SharedRegistration =
             Arc::new(tokio::sync::Mutex::new(Some(registration)));
 
@@ -316,6 +317,7 @@ impl Node {
                 insecure_node_plane,
                 supervisor: supervisor.clone(),
                 load: load.clone(),
+                keepalive_failures,
             };
             let c = cancel.clone();
             let h = health.clone();

@@ -82,6 +82,7 @@ fn config() -> Config {
     c.node.cluster = "sup".into();
     c.node.id = "all-0".into();
     c.node.listen = "127.0.0.1:0".into();
+    c.node.http_listen = "127.0.0.1:0".into();
     c.node.drain_timeout_s = 2;
     c.registry = RegistryConfig {
         lease_ttl_s: 2,
@@ -111,6 +112,23 @@ where
     pdnode_testkit::wait_for_async(what, deadline, &mut f)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// The body of `GET /metrics` on the node's HTTP listener (HTTP/1.0: the server closes).
+async fn get_metrics(addr: std::net::SocketAddr) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let read = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"GET /metrics HTTP/1.0\r\nHost: node\r\n\r\n")
+            .await
+            .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        out
+    };
+    tokio::time::timeout(Duration::from_secs(5), read)
+        .await
+        .expect("/metrics answered")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -149,6 +167,14 @@ async fn a_panicking_actor_is_restarted_and_health_keeps_serving() {
         format!("{after:?}"),
         "a new actor took over"
     );
+    // The node's /metrics counts it (what the dashboard's panel and the restart alert read).
+    let metrics = get_metrics(node.http_addr().expect("node.http_listen set")).await;
+    for line in [
+        "pdnode_node_actor_restarts_total{node=\"all-0\",actor=\"engine\"} 1",
+        "pdnode_registry_keepalive_failures_total{node=\"all-0\"} 0",
+    ] {
+        assert!(metrics.contains(line), "{line} missing from:\n{metrics}");
+    }
     // The load still flows into the registry after the restart.
     let published = engine.loads.load(Ordering::SeqCst);
     wait_until("load read again", Duration::from_secs(5), || async {

@@ -33,7 +33,9 @@ pub use etcd::EtcdRegistry;
 pub use etcd_security::EtcdSecurity;
 pub use live::LiveMembership;
 pub use memory::MemoryRegistry;
-pub use registration::{Registration, RegistrationStatus, register_waiting_out_stale};
+pub use registration::{
+    KeepaliveFailures, Registration, RegistrationStatus, register_waiting_out_stale,
+};
 pub use view::MembershipView;
 pub use watch::MembershipWatch;
 

@@ -39,6 +39,16 @@ pub struct Registration {
     _cancel: DropGuard,
 }
 
+/// Reads a registration's failed keepalives (`pdnode_registry_keepalive_failures_total`).
+#[derive(Debug, Clone)]
+pub struct KeepaliveFailures(Arc<AtomicU64>);
+
+impl KeepaliveFailures {
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
 impl Registration {
     /// The registry key of the card.
     pub fn key(&self) -> &str {
@@ -58,6 +68,12 @@ impl Registration {
     /// (`pdnode_registry_keepalive_failures_total`).
     pub fn keepalive_failures(&self) -> u64 {
         self.failures.load(Ordering::Relaxed)
+    }
+
+    /// A reader of [`Registration::keepalive_failures`] that outlives the registration (for a
+    /// metrics endpoint).
+    pub fn keepalive_failures_reader(&self) -> KeepaliveFailures {
+        KeepaliveFailures(self.failures.clone())
     }
 
     /// The card as last set.

@@ -22,7 +22,7 @@ use pdnode_nodeapi::{
 use pdnode_router::testing::fake_card;
 use pdnode_router::{GenEvent, GenRequest, Router, RouterDeps, StaticMembership, Worker};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 struct Cluster {
@@ -35,10 +35,12 @@ struct Cluster {
 }
 
 /// A decode node whose `ReserveKv` answers come `delay` after the reservation is made (0: at
-/// once); every other call goes straight to the node.
+/// once), and whose `Migrate` pushes are dropped after their first poll when `drop_push` is
+/// set (a router that gave up on the call); every other call goes straight to the node.
 struct LateReserve {
     node: Arc<PdNode>,
     delay_ms: AtomicU64,
+    drop_push: AtomicBool,
 }
 
 impl NodeClient for LateReserve {
@@ -71,7 +73,22 @@ impl NodeClient for LateReserve {
         self.node.request_migrations()
     }
     fn migrate(&self, req: MigrateCall) -> BoxFuture<'_, Result<MigrateOutcome, NodeError>> {
-        self.node.migrate(req)
+        if req.target.is_none() || !self.drop_push.load(Ordering::Relaxed) {
+            return self.node.migrate(req);
+        }
+        Box::pin(async move {
+            // polled once (the parked entry taken, the push begun: it waits on the engine),
+            // then dropped
+            let mut push = self.node.migrate(req);
+            if let std::task::Poll::Ready(done) = futures::poll!(&mut push) {
+                panic!("the push ended in its first poll: {done:?}");
+            }
+            drop(push);
+            Err(NodeError::new(
+                pdnode_core::ErrorKind::Unavailable,
+                "the push call was dropped",
+            ))
+        })
     }
 }
 
@@ -111,6 +128,7 @@ fn cluster_with(cfg: &Config, set: impl FnOnce(&mut pdnode_core::config::RouterC
         let client = Arc::new(LateReserve {
             node: node.clone(),
             delay_ms: AtomicU64::new(0),
+            drop_push: AtomicBool::new(false),
         });
         workers.push(Worker {
             card: fake_card(&id, Role::Decode),
@@ -391,6 +409,22 @@ async fn a_move_whose_reservation_answers_late_frees_that_reservation() {
         c.decode_clients[to]
             .delay_ms
             .store(1_600, Ordering::Relaxed)
+    })
+    .await;
+}
+
+/// A move whose push call is dropped midway (after the parked entry was taken): the request
+/// ends with a clear error and the parked KV is freed at once on the node it was parked on,
+/// not at its 60 s lease (the router's abort finds no parked entry there any more).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_whose_push_call_is_dropped_frees_the_parked_kv() {
+    let mut cfg = common::mock_config(5_000, 60, 60_000);
+    cfg.engine.num_kv_blocks = 128;
+    let c = cluster(&cfg);
+    a_failed_move(&c, |to| {
+        c.decode_clients[1 - to]
+            .drop_push
+            .store(true, Ordering::Relaxed)
     })
     .await;
 }

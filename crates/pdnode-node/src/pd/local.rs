@@ -338,8 +338,8 @@ impl PdNode {
         self.slots.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Drops reservations whose lease has passed (the engine freed their blocks then) and
-    /// sweeps the quarantine. A dropped reservation's span is free at once when its writer's
+    /// Drops reservations and parked requests whose lease has passed (the engine freed their
+    /// blocks then) and sweeps the quarantine. A dropped reservation's span is free at once when its writer's
     /// fence record is there (a finished push, or an abandoned one's record); else a prefill
     /// node may still be putting into it until its own push deadline (its start + one lease),
     /// so it stays registered, in quarantine, until the fence deadline. Returns how many were
@@ -362,7 +362,7 @@ impl PdNode {
             self.release_staging(id, slot, ReleaseCause::LeaseEnd);
         }
         self.sweep_quarantine(now);
-        n + self.here.sweep()
+        n + self.sweep_parked(now) + self.here.sweep()
     }
 
     /// Reservations waiting for their `decode` call.

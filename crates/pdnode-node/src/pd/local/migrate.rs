@@ -65,6 +65,15 @@ impl PdNode {
         Some(Ok(true))
     }
 
+    /// Forgets parked requests whose lease has passed (the engine freed their blocks then):
+    /// no router pushed or aborted them. Returns how many.
+    pub(super) fn sweep_parked(&self, now: Instant) -> usize {
+        let mut parked = self.parked();
+        let before = parked.len();
+        parked.retain(|_, p| now.saturating_duration_since(p.parked_at) < self.lease);
+        before - parked.len()
+    }
+
     pub(super) async fn do_migrate(&self, req: MigrateCall) -> Result<MigrateOutcome, NodeError> {
         self.expect_role(Role::Decode, "Migrate")?;
         let id = req.request_id;
@@ -175,12 +184,21 @@ impl PdNode {
         let Some(slot) = slot else {
             return Err(nerr(ErrorKind::Internal, "parked request vanished"));
         };
-        // From here the push owns the lease: released whatever happens.
+        // From here the push owns the lease: released whatever happens, also when this call is
+        // dropped midway (the router gave up on it): the entry is out of `parked`, so an `Abort`
+        // would find nothing to free. The push's sources are its own staging span (held until
+        // its puts are done), so the blocks may go at once.
+        let mut lease = EngineAbortOnDrop {
+            engine: &self.engine,
+            id,
+            armed: true,
+        };
         let started = Instant::now();
         let pushed = self.push(id, &target, slot.blocks, started).await;
         if let Err(e) = self.engine.release_transfer(id).await {
             tracing::warn!(request = %id, error = %e, "releasing a migrated request's KV lease failed; freed at its deadline");
         }
+        lease.armed = false;
         let (bytes, us, _) = pushed?;
         tracing::info!(request = %id, to = %target.decode_node, bytes, transfer_us = us,
             parked_ms = slot.parked_at.elapsed().as_millis() as u64, "decode migrated");

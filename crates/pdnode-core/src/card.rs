@@ -103,6 +103,11 @@ pub struct NodeCard {
     /// own routers skip such cards.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sglang: Option<SglangWorker>,
+    /// The node drains by migration: still registered (its routers keep its streams while
+    /// they move) but taking no new request and no moved stream. Routers leave it out of
+    /// placement. Cards without the field read as `false`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub draining: bool,
 }
 
 /// Where an SGLang worker serves, as its card carries it.
@@ -137,6 +142,7 @@ impl NodeCard {
             started_at_ms: 1,
             colocated: false,
             sglang: None,
+            draining: false,
         }
     }
 
@@ -214,6 +220,7 @@ mod tests {
             started_at_ms: 1,
             colocated: false,
             sglang: None,
+            draining: false,
         };
         let back = NodeCard::from_json(card.to_json().as_bytes()).unwrap();
         assert_eq!(back, card);
@@ -224,6 +231,7 @@ mod tests {
             role: Role::All,
             colocated: true,
             sglang: None,
+            draining: false,
             ..card.clone()
         };
         let back = NodeCard::from_json(colo.to_json().as_bytes()).unwrap();

@@ -241,6 +241,7 @@ impl Node {
             started_at_ms: now_ms(),
             colocated: served == Role::All,
             sglang: None,
+            draining: false,
         };
 
         let ttl = Duration::from_secs(cfg.registry.lease_ttl_s);
@@ -407,6 +408,15 @@ impl Node {
                 let _ = a.stop_admitting();
             }
             engine.stop_admitting();
+            // Routers leave a draining card out of placement (no new request, no moved stream
+            // comes here) and keep watching it (its streams are not lost while they move).
+            if let Some(r) = self.registration.lock().await.as_ref() {
+                let mut card = r.card();
+                card.draining = true;
+                if let Err(e) = r.update(card) {
+                    tracing::warn!(error = %e, "could not mark the card draining");
+                }
+            }
             let asked = pd.request_migrations();
             let deadline = Instant::now() + self.drain_timeout;
             drain_deadline = Some(deadline);

@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 
 struct Cluster {
     router: Arc<Router>,
+    membership: Arc<StaticMembership>,
     prefill: Arc<PdNode>,
     decodes: Vec<Arc<PdNode>>,
     /// What the router calls for each decode node: the node, with its `ReserveKv` answers
@@ -143,17 +144,19 @@ fn cluster_with(cfg: &Config, set: impl FnOnce(&mut pdnode_core::config::RouterC
     rc.decode_policy = pdnode_core::config::PolicyName::RoundRobin;
     rc.warm_pairs = false;
     set(&mut rc);
+    let membership = Arc::new(StaticMembership::new(workers));
     let router = Router::new(RouterDeps {
         config: rc,
         api_keys: Vec::new(),
         insecure_node_plane: false,
-        membership: Arc::new(StaticMembership::new(workers)),
+        membership: membership.clone(),
         tokenizer: rm.tokenizer,
         chat: rm.chat,
         model: rm.model,
     });
     Cluster {
         router,
+        membership,
         prefill,
         decodes,
         decode_clients,
@@ -427,6 +430,38 @@ async fn a_move_whose_push_call_is_dropped_frees_the_parked_kv() {
             .store(true, Ordering::Relaxed)
     })
     .await;
+}
+
+/// A decode node draining by migration publishes `draining` on its card (still registered):
+/// the router sends it no new request and no moved stream. Here d1 drains (card marked, engine
+/// refusing as a draining one does) when d0 is asked to move its stream: nowhere else to go,
+/// the stream stays on d0 and ends whole, where a move to d1 would have failed it after the
+/// park.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_decode_node_takes_no_moved_stream() {
+    let cfg = common::mock_config(5_000, 60, 5_000);
+    let c = cluster(&cfg);
+    c.decodes[1].engine().stop_admitting();
+    let mut card = fake_card("d1", Role::Decode);
+    card.draining = true;
+    c.membership.add(Worker {
+        card,
+        client: c.decode_clients[1].clone(),
+    });
+    assert_eq!(c.router.usable_nodes(), (1, 1), "d1 is no candidate");
+    let want = generate(&cluster(&cfg), &common::prompt(), 40, None).await;
+    let got = generate(&c, &common::prompt(), 40, Some(5)).await;
+    assert_eq!(got, want);
+    let outcome = |o| {
+        c.router
+            .metrics()
+            .value(m::ROUTER_MIGRATIONS_TOTAL, &[("outcome", o)])
+    };
+    assert_eq!(outcome("nowhere"), Some(1.0));
+    assert_eq!(outcome("failed"), None);
+    for d in &c.decodes {
+        assert_clean(d.engine()).await;
+    }
 }
 
 /// One stream moved again and again: both decode nodes asked to drain by migration, so each

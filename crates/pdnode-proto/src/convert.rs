@@ -509,6 +509,7 @@ impl TryFrom<v1::NodeCard> for NodeCard {
             colocated: c.colocated,
             // SGLang workers' cards stay in the registry; they never travel over the node API.
             sglang: None,
+            draining: false,
         })
     }
 }

@@ -80,19 +80,25 @@ pub fn is_colocated(w: &Worker) -> bool {
 
 /// Prefill candidates (role `Prefill` workers) and decode candidates (role `Decode` workers plus
 /// the colocated ones, each once). A colocated worker is picked by the decode policy and then
-/// prefills for itself; the prefill policy never pairs it with another decode node.
+/// prefills for itself; the prefill policy never pairs it with another decode node. A card
+/// marked `draining` (a decode node draining by migration) is no candidate: it takes no new
+/// request and no moved stream, though it stays a member (its streams are watched as before).
 pub fn candidates(m: &dyn Membership) -> (Vec<Worker>, Vec<Worker>) {
     let prefills: Vec<Worker> = m
         .workers(Role::Prefill)
         .into_iter()
-        .filter(|w| w.card.role == Role::Prefill)
+        .filter(|w| w.card.role == Role::Prefill && !w.card.draining)
         .collect();
     let mut decodes: Vec<Worker> = m
         .workers(Role::Decode)
         .into_iter()
-        .filter(|w| w.card.role == Role::Decode)
+        .filter(|w| w.card.role == Role::Decode && !w.card.draining)
         .collect();
-    for w in m.workers(Role::All).into_iter().filter(is_colocated) {
+    for w in m
+        .workers(Role::All)
+        .into_iter()
+        .filter(|w| is_colocated(w) && !w.card.draining)
+    {
         if !decodes.iter().any(|x| x.id() == w.id()) {
             decodes.push(w);
         }

@@ -302,6 +302,7 @@ pub fn fake_card(id: &str, role: Role) -> NodeCard {
         // Role `all` cards of tests are colocated engines unless a test says otherwise.
         colocated: role == Role::All,
         sglang: None,
+        draining: false,
     }
 }
 

@@ -79,6 +79,7 @@ impl WorkerSpec {
                 url: self.url.clone(),
                 bootstrap_port: self.bootstrap_port,
             }),
+            draining: false,
         }
     }
 }

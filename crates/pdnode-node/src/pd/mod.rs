@@ -210,6 +210,7 @@ pub fn card(cfg: &Config, id: &NodeId, role: Role, built: &BuiltEngine, grpc: &s
         // In process, only `pd::colocated` builds an `all` card: one engine serving both phases.
         colocated: role == Role::All,
         sglang: None,
+        draining: false,
     }
 }
 

@@ -52,6 +52,7 @@ mod tests {
             started_at_ms: 0,
             colocated: false,
             sglang: None,
+            draining: false,
         };
         let mut s = RegistrarState::new(NodeCapacity::default());
         assert!(s.next_card(&card, &NodeCapacity::default()).is_none());

@@ -39,6 +39,7 @@ fn card(kv_layout: Option<KvLayout>) -> NodeCard {
         started_at_ms: 1_700_000_000_000,
         colocated: false,
         sglang: None,
+        draining: false,
     }
 }
 
@@ -225,6 +226,7 @@ fn node_cards_round_trip() {
         role: Role::All,
         colocated: true,
         sglang: None,
+        draining: false,
         ..card(Some(layout()))
     };
     for c in [card(Some(layout())), card(None), colocated] {

@@ -46,6 +46,9 @@ pub(crate) enum Event {
     /// Anything after the first token failed: the Decode call, the stream (error, stall, early
     /// end, an error chunk), or detokenizing the output.
     DecodeFailed(ErrorKind),
+    /// A move of the stream failed at its new node (the reservation or the decode there): D
+    /// holds the parked KV and is not at fault.
+    MoveFailed,
     /// D's stream reported a finish.
     Finished,
     /// The router's detokenizer matched a stop string.
@@ -201,6 +204,7 @@ impl Flow {
                 Action::new(Wait, Detach, retry(false, true, self.attempts_left))
             }
             (Phase::Decode, Event::DecodeFailed(k)) => Action::new(No, failed(k), Then::Fail),
+            (Phase::Decode, Event::MoveFailed) => Action::new(No, Wait, Then::Fail),
             (Phase::Decode, Event::StopMatched) => Action::new(No, Wait, Then::Done),
             (Phase::Decode, Event::Finished) => Action::new(No, No, Then::Done),
             (_, _) => Action::new(Wait, Wait, Then::Fail),
@@ -283,6 +287,24 @@ mod tests {
         assert_eq!(
             f.on(Event::DecodeLost),
             Action::new(Wait, Detach, retry(false, true))
+        );
+    }
+
+    #[test]
+    fn a_move_failed_at_the_new_node_aborts_the_parked_one_and_suspects_nothing() {
+        let mut f = Flow::new(2);
+        f.begin(false);
+        f.on(Event::Reserved);
+        f.on(Event::Prefilled { finished: false });
+        assert_eq!(f.on(Event::MoveFailed), Action::new(No, Wait, Then::Fail));
+        let mut f = Flow::new(2);
+        f.begin(false);
+        f.on(Event::Reserved);
+        f.on(Event::Prefilled { finished: false });
+        assert_eq!(
+            f.on(Event::DecodeFailed(ErrorKind::Unavailable)),
+            Action::new(No, DetachSuspect, Then::Fail),
+            "its own failure suspects the decode node"
         );
     }
 

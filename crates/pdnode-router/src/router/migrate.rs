@@ -6,14 +6,14 @@
 use super::attempt::{Event, Flow};
 use super::calls::{StepErr, abort_as, bounded, reserve_kv, step};
 use super::flow::{End, Pair, Progress};
-use super::{GenEvent, GenRequest, Router};
+use super::{GenEvent, GenRequest, Router, SUSPECT_FOR};
 use crate::error::Step;
 use crate::membership::Worker;
 use crate::membership::{candidates, is_colocated};
 use crate::node::{DecodeCall, MigrateCall, MigrateOutcome, ReserveKv};
-use pdnode_core::Role;
 use pdnode_core::error::Classify;
 use pdnode_core::metrics as m;
+use pdnode_core::{ErrorKind, Role};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
@@ -141,7 +141,7 @@ pub(super) async fn migrate_to(
     let span = tracing::info_span!("reserve_kv", otel.kind = "client", node = %to.id());
     let target = match reserve_kv(to, reserve, prefill_limit, deadline, span).await {
         Ok(t) => t,
-        Err(e) => return Err(fail_move(hop, flow, e).await),
+        Err(e) => return Err(fail_move(hop, flow, e, Some(to)).await),
     };
     let cap = target.secret.clone();
     let gone = |cap: Vec<u8>| async move {
@@ -169,7 +169,7 @@ pub(super) async fn migrate_to(
     .await
     {
         gone(cap).await;
-        return Err(fail_move(hop, flow, e).await);
+        return Err(fail_move(hop, flow, e, None).await);
     }
     let call = DecodeCall {
         request_id: id,
@@ -192,18 +192,31 @@ pub(super) async fn migrate_to(
         Ok(s) => Ok((s, cap)),
         Err(e) => {
             gone(cap).await;
-            Err(fail_move(hop, flow, e).await)
+            Err(fail_move(hop, flow, e, Some(to)).await)
         }
     }
 }
 
-/// A migration step failed: the request ends (aborted on the node it was parked on).
-async fn fail_move(hop: &Pair<'_>, flow: &mut Flow, e: StepErr) -> End {
+/// A migration step failed: the request ends (aborted on the node it was parked on). `at_new`:
+/// the step was the new node's (its reservation or its decode); the parked node is then not
+/// blamed, and the new node is suspected when it did not answer (`Unavailable`, `Timeout`).
+async fn fail_move(hop: &Pair<'_>, flow: &mut Flow, e: StepErr, at_new: Option<&Worker>) -> End {
     match e {
         StepErr::ClientGone => hop.gone(flow).await,
         StepErr::Failed(e) => {
-            hop.fail(flow, Event::DecodeFailed(e.kind()), "migration failed", e)
-                .await
+            let event = match at_new {
+                None => Event::DecodeFailed(e.kind()),
+                Some(to) => {
+                    if matches!(e.kind(), ErrorKind::Unavailable | ErrorKind::Timeout) {
+                        hop.router
+                            .state
+                            .lock()
+                            .suspect(to.id(), Instant::now() + SUSPECT_FOR);
+                    }
+                    Event::MoveFailed
+                }
+            };
+            hop.fail(flow, event, "migration failed", e).await
         }
     }
 }

@@ -103,13 +103,18 @@ impl Router {
             .collect();
         let (busiest, idlest) = {
             let st = self.state.lock();
-            let load = |w: &Worker| st.load_of(w.id()).running;
+            // a node judged unreachable lately is neither asked to give nor to take a stream
+            let decodes: Vec<&Worker> = decodes
+                .iter()
+                .filter(|w| !st.is_suspect(w.id(), now))
+                .collect();
+            let load = |w: &&Worker| st.load_of(w.id()).running;
             let busiest = decodes.iter().max_by_key(|w| load(w))?;
             let idlest = decodes.iter().min_by_key(|w| load(w))?;
             if load(busiest) < load(idlest) + cfg.min_gap {
                 return None;
             }
-            (busiest.clone(), idlest.clone())
+            ((*busiest).clone(), (*idlest).clone())
         };
         let (id, ask) = {
             let on = self.streams.on.lock();

@@ -187,6 +187,7 @@ mod tests {
             started_at_ms: 0,
             colocated,
             sglang: None,
+            draining: false,
         }
     }
 

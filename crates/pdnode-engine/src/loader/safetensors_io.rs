@@ -123,6 +123,15 @@ impl SafetensorsSet {
         })
     }
 
+    /// Tensors in the set.
+    pub fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.index.is_empty()
+    }
+
     pub fn contains(&self, name: &str) -> bool {
         self.index.contains_key(name)
     }

@@ -1,0 +1,208 @@
+//! Crafted configs and headers that name absurd sizes: each is an error naming the file and the
+//! key, before anything is sized from it (no wrapped product that passes the shape checks, no
+//! allocation that aborts the process), and every real fixture still loads.
+
+use crate::loader::{Scratch, copy_dir, fixtures};
+use pdnode_engine::loader::gguf::write::{TensorData, gguf_bytes};
+use pdnode_engine::loader::gguf::{GgufFile, GgufValue};
+use pdnode_engine::loader::hf::spec_from_config;
+use pdnode_engine::loader::{LoadError, gguf_model, load_path};
+use serde_json::{Value, json};
+use std::path::Path;
+
+fn config(fixture: &str) -> Value {
+    let text = std::fs::read_to_string(fixtures().join(fixture).join("config.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+/// `r` is a `ConfigValue` error for `key`.
+fn assert_key<T: std::fmt::Debug>(r: Result<T, LoadError>, key: &str) {
+    match r {
+        Err(LoadError::ConfigValue { key: k, .. }) => assert_eq!(k, key),
+        other => panic!("{key}: expected a ConfigValue error, got {other:?}"),
+    }
+}
+
+#[test]
+fn every_fixture_model_still_loads() {
+    let mut n = 0;
+    for e in std::fs::read_dir(fixtures()).unwrap() {
+        let p = e.unwrap().path();
+        if p.join("config.json").is_file() {
+            load_path(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+            n += 1;
+        }
+    }
+    for name in ["tiny-f32.gguf", "tiny-q8_0.gguf"] {
+        load_path(&fixtures().join("gguf_tiny").join(name)).unwrap();
+    }
+    assert!(n >= 10, "{n} HF fixtures");
+}
+
+/// The audit's case: 2^24 heads of 2^40 dimensions wrapped `q_dim` to 0 in release, which the
+/// shape checks of a hidden size of 64 could then pass, and the next allocation aborted.
+#[test]
+fn head_products_that_would_wrap_are_refused() {
+    let src = fixtures().join("llama_gqa");
+    let mut c = config("llama_gqa");
+    c["num_attention_heads"] = json!(16_777_216);
+    c["num_key_value_heads"] = json!(16_777_216);
+    c["head_dim"] = json!(1u64 << 40);
+    c["hidden_size"] = json!(64);
+    assert_key(
+        spec_from_config(&c, None, Path::new("config.json")),
+        "num_attention_heads",
+    );
+    // Through the whole loader too: the error names the config file.
+    let dir = Scratch::new("wrap");
+    copy_dir(&src, &dir.0);
+    std::fs::write(dir.0.join("config.json"), c.to_string()).unwrap();
+    let e = load_path(&dir.0).unwrap_err();
+    assert!(e.to_string().contains("config.json"), "{e}");
+    assert_key(Err::<(), _>(e), "num_attention_heads");
+    let mut c = config("llama_gqa");
+    c["head_dim"] = json!(1u64 << 40);
+    assert_key(spec_from_config(&c, None, Path::new("c")), "head_dim");
+}
+
+/// `num_hidden_layers` sized the sliding-window table and the layer vectors: 10^15 layers is an
+/// error before either is allocated, for the llama family and for DeepSeek.
+#[test]
+fn a_layer_count_of_ten_to_the_fifteen_is_an_error() {
+    let p = Path::new("config.json");
+    for fixture in ["mistral_window", "qwen2_window", "llama_gqa", "deepseek_v2"] {
+        let mut c = config(fixture);
+        c["num_hidden_layers"] = json!(1_000_000_000_000_000u64);
+        assert_key(spec_from_config(&c, None, p), "num_hidden_layers");
+    }
+    for (fixture, key, v) in [
+        ("llama_gqa", "vocab_size", json!(0)),
+        ("llama_gqa", "intermediate_size", json!(1u64 << 40)),
+        ("llama_gqa", "hidden_size", json!(0)),
+        ("deepseek_v2", "kv_lora_rank", json!(1u64 << 40)),
+        ("deepseek_v2", "qk_nope_head_dim", json!(u64::MAX)),
+        ("deepseek_v2", "n_routed_experts", json!(1u64 << 32)),
+        ("deepseek_v2", "moe_intermediate_size", json!(1u64 << 40)),
+        ("deepseek_v2", "n_shared_experts", json!(1u64 << 40)),
+    ] {
+        let mut c = config(fixture);
+        c[key] = v;
+        let want = if key == "qk_nope_head_dim" {
+            "qk_nope_head_dim + qk_rope_head_dim"
+        } else {
+            key
+        };
+        assert_key(spec_from_config(&c, None, p), want);
+    }
+}
+
+#[test]
+fn rope_and_norm_values_out_of_range_are_errors() {
+    let p = Path::new("config.json");
+    let llama3 = config("llama3_rope");
+    assert!(spec_from_config(&llama3, None, p).is_ok());
+    let rope_key = if llama3.get("rope_scaling").is_some_and(|v| !v.is_null()) {
+        "rope_scaling"
+    } else {
+        "rope_parameters"
+    };
+    for (key, v, want) in [
+        (
+            "original_max_position_embeddings",
+            json!(-1),
+            "rope_scaling.original_max_position_embeddings",
+        ),
+        (
+            "original_max_position_embeddings",
+            json!(8192.5),
+            "rope_scaling.original_max_position_embeddings",
+        ),
+        (
+            "original_max_position_embeddings",
+            json!(1u64 << 40),
+            "rope_scaling.original_max_position_embeddings",
+        ),
+        ("factor", json!(0.0), "rope_scaling.factor"),
+        ("factor", json!(-8.0), "rope_scaling.factor"),
+        (
+            "high_freq_factor",
+            json!(1.0),
+            "rope_scaling.high_freq_factor",
+        ),
+    ] {
+        let mut c = llama3.clone();
+        c[rope_key][key] = v.clone();
+        assert_key(spec_from_config(&c, None, p), want);
+    }
+    for (key, v) in [
+        ("rope_theta", json!(0.0)),
+        ("rope_theta", json!(-10000.0)),
+        ("rope_theta", json!(1e39)),
+        ("rms_norm_eps", json!(-1e-6)),
+        ("rms_norm_eps", json!(1e39)),
+        ("max_position_embeddings", json!(0)),
+    ] {
+        let mut c = config("llama_gqa");
+        c[key] = v;
+        assert_key(spec_from_config(&c, None, p), key);
+    }
+    let mut c = config("deepseek_v2");
+    c["rope_parameters"]["beta_fast"] = json!(-32);
+    assert_key(spec_from_config(&c, None, p), "rope_scaling.beta_fast");
+}
+
+/// GGUF metadata in file order.
+type Metadata = Vec<(String, GgufValue)>;
+
+/// The tiny GGUF rewritten with `edit` applied to its metadata and `extra` tensors added.
+fn tiny_gguf_with(edit: &dyn Fn(&mut Metadata), extra: Vec<TensorData>) -> Vec<u8> {
+    let path = fixtures().join("gguf_tiny/tiny-f32.gguf");
+    let f = GgufFile::open(&path).unwrap();
+    let mut meta: Metadata = f
+        .metadata_order
+        .iter()
+        .map(|k| (k.clone(), f.get(k).unwrap().clone()))
+        .collect();
+    edit(&mut meta);
+    let mut tensors: Vec<TensorData> = f
+        .tensors
+        .iter()
+        .map(|t| TensorData {
+            name: t.name.clone(),
+            dims: t.dims.clone(),
+            ggml_type: 0, // F32
+            data: f.tensor_bytes(t).to_vec(),
+        })
+        .collect();
+    tensors.extend(extra);
+    gguf_bytes(&meta, &tensors)
+}
+
+fn set(meta: &mut Metadata, key: &str, v: GgufValue) {
+    meta.retain(|(k, _)| k != key);
+    meta.push((key.to_string(), v));
+}
+
+fn gguf_spec(bytes: Vec<u8>) -> Result<(), LoadError> {
+    let f = GgufFile::from_bytes(Path::new("crafted.gguf"), bytes)?;
+    gguf_model::spec_from_gguf(&f).map(|_| ())
+}
+
+#[test]
+fn gguf_dimensions_out_of_range_are_errors_naming_the_key() {
+    assert!(gguf_spec(tiny_gguf_with(&|_| {}, Vec::new())).is_ok());
+    for (key, v) in [
+        ("llama.block_count", GgufValue::U64(1 << 50)),
+        ("llama.attention.head_count", GgufValue::U64(1 << 24)),
+        ("llama.feed_forward_length", GgufValue::U64(0)),
+        ("llama.attention.key_length", GgufValue::U64(1 << 40)),
+        ("llama.rope.freq_base", GgufValue::F32(-1.0)),
+        (
+            "llama.attention.layer_norm_rms_epsilon",
+            GgufValue::F32(f32::NAN),
+        ),
+    ] {
+        let bytes = tiny_gguf_with(&|m| set(m, key, v.clone()), Vec::new());
+        assert_key(gguf_spec(bytes), key);
+    }
+}

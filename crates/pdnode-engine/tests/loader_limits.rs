@@ -206,3 +206,41 @@ fn gguf_dimensions_out_of_range_are_errors_naming_the_key() {
         assert_key(gguf_spec(bytes), key);
     }
 }
+
+/// A `rope_freqs.weight` tensor made the loader build RoPE tables of `key_length / 2` entries
+/// before any shape check: a key length of 2^50 aborted on the allocation.
+#[test]
+fn gguf_rope_factors_are_checked_before_tables_are_built() {
+    let freqs = |n: u64| TensorData {
+        name: "rope_freqs.weight".into(),
+        dims: vec![n],
+        ggml_type: 0,
+        data: vec![0; 4 * n as usize],
+    };
+    let huge = tiny_gguf_with(
+        &|m| set(m, "llama.attention.key_length", GgufValue::U64(1 << 50)),
+        vec![freqs(4)],
+    );
+    assert_key(gguf_spec(huge), "llama.attention.key_length");
+    // The tiny model's head is 16 wide: 8 factors, not 4.
+    match gguf_spec(tiny_gguf_with(&|_| {}, vec![freqs(4)])) {
+        Err(LoadError::TensorShape { name, expected, .. }) => {
+            assert_eq!((name.as_str(), expected), ("rope_freqs.weight", vec![8]));
+        }
+        other => panic!("{other:?}"),
+    }
+    let orig = tiny_gguf_with(
+        &|m| {
+            set(
+                m,
+                "llama.rope.scaling.original_context_length",
+                GgufValue::U64(1 << 32),
+            )
+        },
+        vec![freqs(8)],
+    );
+    assert_key(
+        gguf_spec(orig),
+        "llama.rope.scaling.original_context_length",
+    );
+}

@@ -195,7 +195,8 @@ fn gguf_key(arch: &str, field: &str) -> String {
 }
 
 /// `{arch}.rope.scaling.*` metadata, or llama3 scaling recognized from a `rope_freqs.weight`
-/// tensor (llama.cpp bakes llama3 scaling into per-dimension frequency factors).
+/// tensor (llama.cpp bakes llama3 scaling into per-dimension frequency factors). `head_dim` is
+/// validated: the tables compared are sized from it.
 fn rope_scaling(
     f: &GgufFile,
     m: &Meta<'_>,
@@ -219,13 +220,33 @@ fn rope_scaling(
     let Some(info) = f.tensor("rope_freqs.weight") else {
         return Ok(None);
     };
+    // One factor per rotated pair.
+    if info.shape() != [head_dim / 2] {
+        return Err(LoadError::TensorShape {
+            path: f.path.clone(),
+            name: info.name.clone(),
+            got: info.shape(),
+            expected: vec![head_dim / 2],
+        });
+    }
     let factors = dequantize(info.ggml_type, f.tensor_bytes(info), info.numel())
         .map_err(|e| malformed(&f.path, &info.name, e.to_string()))?;
     // Try llama3 with the parameters every Llama 3.1/3.2 release uses, at the original context
     // the file states (or 8192); accept only if it reproduces the stored factors.
-    let orig = m
-        .opt_u("rope.scaling.original_context_length")?
-        .unwrap_or(8192) as u32;
+    let orig_key = "rope.scaling.original_context_length";
+    let orig = match m.opt_u(orig_key)? {
+        None => 8192,
+        Some(n) => {
+            u32::try_from(n)
+                .ok()
+                .filter(|&n| n > 0)
+                .ok_or_else(|| LoadError::ConfigValue {
+                    path: f.path.clone(),
+                    key: m.key(orig_key),
+                    reason: format!("= {n} is not within 1..={}", u32::MAX),
+                })?
+        }
+    };
     let want_factor = factor.unwrap_or(if orig == 8192 { 8.0 } else { 32.0 });
     for (factor, low, high) in [(want_factor, 1.0, 4.0), (8.0, 1.0, 4.0), (32.0, 1.0, 4.0)] {
         let s = RopeScaling::Llama3 {

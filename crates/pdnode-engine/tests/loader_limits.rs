@@ -2,10 +2,12 @@
 //! key, before anything is sized from it (no wrapped product that passes the shape checks, no
 //! allocation that aborts the process), and every real fixture still loads.
 
+use crate::fuzz_loaders::safetensors_bytes;
 use crate::loader::{Scratch, copy_dir, fixtures};
 use pdnode_engine::loader::gguf::write::{TensorData, gguf_bytes};
 use pdnode_engine::loader::gguf::{GgufFile, GgufValue};
 use pdnode_engine::loader::hf::spec_from_config;
+use pdnode_engine::loader::safetensors_io::SafetensorsSet;
 use pdnode_engine::loader::{LoadError, gguf_model, load_path};
 use serde_json::{Value, json};
 use std::path::Path;
@@ -243,4 +245,43 @@ fn gguf_rope_factors_are_checked_before_tables_are_built() {
         gguf_spec(orig),
         "llama.rope.scaling.original_context_length",
     );
+}
+
+/// An empty shard list, an FP8 matrix with a zero dimension, an FP8 scale of an FP8 scale: an
+/// error or an empty tensor, never a panic (`shards[0]`, rayon's chunks of 0) or a recursion
+/// that re-parses the header at every level.
+#[test]
+fn safetensors_edge_cases_are_errors_not_panics() {
+    assert!(matches!(
+        SafetensorsSet::open_files(&[]),
+        Err(LoadError::Io { .. })
+    ));
+    let dir = Scratch::new("fp8");
+    let file = dir.0.join("model.safetensors");
+    let f8 = |shape: [usize; 2], at: usize| json!({"dtype": "F8_E4M3", "shape": shape, "data_offsets": [at, at + shape[0] * shape[1]]});
+    let header = json!({
+        "w": f8([2, 2], 0),
+        "w_scale_inv": f8([1, 1], 4),
+        "w_scale_inv_scale_inv": {"dtype": "F32", "shape": [1, 1], "data_offsets": [5, 9]},
+        "v": f8([2, 2], 9),
+        "v_scale_inv": {"dtype": "BF16", "shape": [1, 1], "data_offsets": [13, 15]},
+        "empty": f8([2, 0], 15),
+        "empty_scale_inv": {"dtype": "F32", "shape": [1, 0], "data_offsets": [15, 15]},
+    });
+    // 0x38 is 1.0 in E4M3; 0x4000 is 2.0 in BF16.
+    let mut data = vec![0x38u8; 5];
+    data.extend_from_slice(&2f32.to_le_bytes());
+    data.extend_from_slice(&[0x38; 4]);
+    data.extend_from_slice(&0x4000u16.to_le_bytes());
+    std::fs::write(&file, safetensors_bytes(&header, &data)).unwrap();
+    let mut set = SafetensorsSet::open_files(std::slice::from_ref(&file)).unwrap();
+    set.set_fp8_block([2, 2]);
+    assert_eq!(set.load("v", &[2, 2]).unwrap().data, vec![2.0; 4]);
+    assert_eq!(set.load("empty", &[2, 0]).unwrap().data, Vec::<f32>::new());
+    match set.load("w", &[2, 2]) {
+        Err(LoadError::Unsupported { reason, .. }) => {
+            assert!(reason.contains("w_scale_inv"), "{reason}")
+        }
+        other => panic!("an F8 scale: {other:?}"),
+    }
 }

@@ -5,7 +5,7 @@
 use crate::fuzz_loaders::safetensors_bytes;
 use crate::loader::{Scratch, copy_dir, fixtures};
 use pdnode_engine::loader::gguf::write::{TensorData, gguf_bytes};
-use pdnode_engine::loader::gguf::{GgufFile, GgufValue};
+use pdnode_engine::loader::gguf::{GgufFile, GgufValue, MAX_ARRAY_ELEMENTS};
 use pdnode_engine::loader::hf::spec_from_config;
 use pdnode_engine::loader::safetensors_io::SafetensorsSet;
 use pdnode_engine::loader::{LoadError, gguf_model, load_path};
@@ -283,5 +283,42 @@ fn safetensors_edge_cases_are_errors_not_panics() {
             assert!(reason.contains("w_scale_inv"), "{reason}")
         }
         other => panic!("an F8 scale: {other:?}"),
+    }
+}
+
+/// A metadata array of one-byte elements took 32 bytes per byte of file: one longer than any
+/// real tokenizer array (a few hundred thousand) by far is refused before it is read, naming
+/// its key.
+#[test]
+fn a_gguf_metadata_array_past_the_bound_is_malformed() {
+    let image = |n: u64| {
+        let mut b = b"GGUF".to_vec();
+        b.extend_from_slice(&3u32.to_le_bytes());
+        b.extend_from_slice(&0u64.to_le_bytes()); // tensors
+        b.extend_from_slice(&1u64.to_le_bytes()); // metadata
+        let key = b"tokenizer.ggml.token_type";
+        b.extend_from_slice(&(key.len() as u64).to_le_bytes());
+        b.extend_from_slice(key);
+        b.extend_from_slice(&9u32.to_le_bytes()); // array
+        b.extend_from_slice(&0u32.to_le_bytes()); // of u8
+        b.extend_from_slice(&n.to_le_bytes());
+        b.resize(b.len() + n as usize, 1);
+        // The (empty) data section starts aligned.
+        b.resize(b.len().next_multiple_of(32), 0);
+        b
+    };
+    let path = Path::new("crafted.gguf");
+    let ok = GgufFile::from_bytes(path, image(1000)).unwrap();
+    assert_eq!(
+        ok.get("tokenizer.ggml.token_type")
+            .and_then(|v| v.as_array())
+            .map(<[_]>::len),
+        Some(1000)
+    );
+    match GgufFile::from_bytes(path, image(MAX_ARRAY_ELEMENTS + 1)) {
+        Err(LoadError::Malformed { reason, .. }) => {
+            assert!(reason.contains("tokenizer.ggml.token_type"), "{reason}")
+        }
+        other => panic!("{other:?}"),
     }
 }

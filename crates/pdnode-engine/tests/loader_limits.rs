@@ -101,40 +101,30 @@ fn a_layer_count_of_ten_to_the_fifteen_is_an_error() {
 #[test]
 fn rope_and_norm_values_out_of_range_are_errors() {
     let p = Path::new("config.json");
+    // The fixtures are transformers 5's: RoPE scaling and theta in `rope_parameters`.
     let llama3 = config("llama3_rope");
     assert!(spec_from_config(&llama3, None, p).is_ok());
-    let rope_key = if llama3.get("rope_scaling").is_some_and(|v| !v.is_null()) {
-        "rope_scaling"
-    } else {
-        "rope_parameters"
-    };
-    for (key, v, want) in [
-        (
-            "original_max_position_embeddings",
-            json!(-1),
-            "rope_scaling.original_max_position_embeddings",
-        ),
-        (
-            "original_max_position_embeddings",
-            json!(8192.5),
-            "rope_scaling.original_max_position_embeddings",
-        ),
-        (
-            "original_max_position_embeddings",
-            json!(1u64 << 40),
-            "rope_scaling.original_max_position_embeddings",
-        ),
-        ("factor", json!(0.0), "rope_scaling.factor"),
-        ("factor", json!(-8.0), "rope_scaling.factor"),
-        (
-            "high_freq_factor",
-            json!(1.0),
-            "rope_scaling.high_freq_factor",
-        ),
+    for (key, v) in [
+        ("original_max_position_embeddings", json!(-1)),
+        ("original_max_position_embeddings", json!(8192.5)),
+        ("original_max_position_embeddings", json!(1u64 << 40)),
+        ("factor", json!(0.0)),
+        ("factor", json!(-8.0)),
+        ("high_freq_factor", json!(1.0)),
     ] {
         let mut c = llama3.clone();
-        c[rope_key][key] = v.clone();
-        assert_key(spec_from_config(&c, None, p), want);
+        c["rope_parameters"][key] = v.clone();
+        assert_key(
+            spec_from_config(&c, None, p),
+            &format!("rope_parameters.{key}"),
+        );
+        // transformers < 5 named the object `rope_scaling`.
+        let mut old = c.clone();
+        old["rope_scaling"] = c["rope_parameters"].clone();
+        assert_key(
+            spec_from_config(&old, None, p),
+            &format!("rope_scaling.{key}"),
+        );
     }
     for (key, v) in [
         ("rope_theta", json!(0.0)),
@@ -148,9 +138,12 @@ fn rope_and_norm_values_out_of_range_are_errors() {
         c[key] = v;
         assert_key(spec_from_config(&c, None, p), key);
     }
+    let mut c = config("llama_gqa");
+    c["rope_parameters"]["rope_theta"] = json!(-1.0);
+    assert_key(spec_from_config(&c, None, p), "rope_parameters.rope_theta");
     let mut c = config("deepseek_v2");
     c["rope_parameters"]["beta_fast"] = json!(-32);
-    assert_key(spec_from_config(&c, None, p), "rope_scaling.beta_fast");
+    assert_key(spec_from_config(&c, None, p), "rope_parameters.beta_fast");
 }
 
 /// GGUF metadata in file order.

@@ -185,18 +185,29 @@ fn rope_scaling(
     }
 }
 
-/// `rope_scaling.{k}`: a whole number of positions in `1..=u32::MAX`.
+/// The object the config keeps RoPE scaling in: `rope_scaling` (transformers < 5) or
+/// `rope_parameters`.
+fn rope_object(c: &Cfg<'_>) -> &'static str {
+    if c.v.get("rope_scaling").is_some_and(|v| !v.is_null()) {
+        "rope_scaling"
+    } else {
+        "rope_parameters"
+    }
+}
+
+/// `{rope object}.{k}`: a whole number of positions in `1..=u32::MAX`.
 pub(super) fn positions(c: &Cfg<'_>, rs: &Value, k: &str) -> Result<u32, LoadError> {
+    let key = format!("{}.{k}", rope_object(c));
     let v = rs
         .get(k)
         .filter(|v| !v.is_null())
-        .ok_or_else(|| c.err(format!("`rope_scaling.{k}` is missing")))?;
+        .ok_or_else(|| c.err(format!("`{key}` is missing")))?;
     v.as_f64()
         .filter(|x| x.fract() == 0.0 && (1.0..=f64::from(u32::MAX)).contains(x))
         .map(|x| x as u32)
         .ok_or_else(|| {
             c.value(
-                format!("rope_scaling.{k}"),
+                key.clone(),
                 format!(
                     "= {v} is not a whole number of positions in 1..={}",
                     u32::MAX
@@ -207,7 +218,13 @@ pub(super) fn positions(c: &Cfg<'_>, rs: &Value, k: &str) -> Result<u32, LoadErr
 
 /// The `config.json` key of a [`crate::spec::SpecError`] field (`mla`: a latent-attention
 /// model, whose head dimension is the sum of two keys).
-fn hf_key(field: &str, mla: bool) -> String {
+fn hf_key(c: &Cfg<'_>, field: &str, mla: bool) -> String {
+    if let Some(k) = field.strip_prefix("rope_scaling.") {
+        return format!("{}.{k}", rope_object(c));
+    }
+    if field == "rope_theta" && c.v.get("rope_theta").is_none_or(Value::is_null) {
+        return "rope_parameters.rope_theta".into();
+    }
     let key = match field {
         "num_layers" => "num_hidden_layers",
         "num_heads" => "num_attention_heads",
@@ -368,7 +385,7 @@ pub fn spec_from_config(
     let is_mla = spec.mla.is_some();
     let validate = |s: &ModelSpec| {
         s.validate()
-            .map_err(|e| LoadError::config_value(path, hf_key(e.field, is_mla), e))
+            .map_err(|e| LoadError::config_value(path, hf_key(&c, e.field, is_mla), e))
     };
     validate(&spec)?;
     if !head_dim.is_multiple_of(2) {

@@ -3,6 +3,11 @@
 
 use serde::{Deserialize, Serialize};
 
+mod validate;
+pub use validate::{
+    MAX_EXPERTS, MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_PARAMS, MAX_VOCAB, MAX_WIDTH, SpecError,
+};
+
 /// Supported architectures (HF `architectures[0]` names in [`Arch::hf_name`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Arch {
@@ -238,40 +243,69 @@ impl ModelSpec {
         self.num_kv_heads * self.head_dim
     }
 
-    /// Parameter count (for FLOP and byte estimates).
+    /// Parameter count (for FLOP and byte estimates); `usize::MAX` when it does not fit (a spec
+    /// that [`ModelSpec::validate`] refuses).
     pub fn num_params(&self) -> usize {
+        self.checked_num_params().unwrap_or(usize::MAX)
+    }
+
+    /// The parameter count, `None` on overflow.
+    fn checked_num_params(&self) -> Option<usize> {
+        let mul = |a: usize, b: usize| a.checked_mul(b);
+        let sum = |xs: &[Option<usize>]| {
+            xs.iter()
+                .try_fold(0usize, |acc, x| x.and_then(|x| acc.checked_add(x)))
+        };
         let h = self.hidden_size;
-        let emb = self.vocab_size * h;
-        let head = emb * if self.tie_word_embeddings { 1 } else { 2 } + h;
+        let emb = mul(self.vocab_size, h)?;
+        let head = sum(&[
+            mul(emb, if self.tie_word_embeddings { 1 } else { 2 }),
+            Some(h),
+        ])?;
         let attn = match &self.mla {
-            None => h * self.q_dim() * 2 + h * self.kv_dim() * 2,
+            None => sum(&[
+                mul(mul(h, self.num_heads.checked_mul(self.head_dim)?)?, 2),
+                mul(mul(h, self.num_kv_heads.checked_mul(self.head_dim)?)?, 2),
+            ])?,
             Some(m) => {
                 let nh = self.num_heads;
+                let qk = m.qk_nope_head_dim.checked_add(m.qk_rope_head_dim)?;
                 let q = match m.q_lora_rank {
-                    None => h * nh * m.qk_head_dim(),
-                    Some(r) => h * r + r + r * nh * m.qk_head_dim(),
+                    None => mul(mul(h, nh)?, qk)?,
+                    Some(r) => sum(&[mul(h, r), Some(r), mul(mul(r, nh)?, qk)])?,
                 };
-                q + h * m.latent_dim()
-                    + m.kv_lora_rank
-                    + m.kv_lora_rank * nh * (m.qk_nope_head_dim + m.v_head_dim)
-                    + nh * m.v_head_dim * h
+                sum(&[
+                    Some(q),
+                    mul(h, m.kv_lora_rank.checked_add(m.qk_rope_head_dim)?),
+                    Some(m.kv_lora_rank),
+                    mul(
+                        mul(m.kv_lora_rank, nh)?,
+                        m.qk_nope_head_dim.checked_add(m.v_head_dim)?,
+                    ),
+                    mul(mul(nh, m.v_head_dim)?, h),
+                ])?
             }
         };
-        let dense_mlp = 3 * h * self.intermediate_size;
-        (0..self.num_layers)
-            .map(|l| {
-                let mlp = match &self.moe {
-                    Some(e) if e.is_moe_layer(l) => {
-                        e.num_experts * h
-                            + 3 * h * e.expert_intermediate * e.num_experts
-                            + 3 * h * e.shared_intermediate()
-                    }
-                    _ => dense_mlp,
-                };
-                attn + mlp + 2 * h
-            })
-            .sum::<usize>()
-            + head
+        let dense_mlp = mul(mul(3, h)?, self.intermediate_size)?;
+        let moe_mlp = match &self.moe {
+            None => 0,
+            Some(e) => sum(&[
+                mul(e.num_experts, h),
+                mul(mul(mul(3, h)?, e.expert_intermediate)?, e.num_experts),
+                mul(mul(3, h)?, mul(e.num_shared, e.expert_intermediate)?),
+            ])?,
+        };
+        let moe_layers = match &self.moe {
+            None => 0,
+            Some(e) => self.num_layers.saturating_sub(e.first_dense_layers),
+        };
+        let dense_layers = self.num_layers - moe_layers;
+        let per_layer = |mlp: usize| sum(&[Some(attn), Some(mlp), mul(2, h)]);
+        sum(&[
+            mul(per_layer(dense_mlp)?, dense_layers),
+            mul(per_layer(moe_mlp)?, moe_layers),
+            Some(head),
+        ])
     }
 
     /// The KV cache's shape per token per layer: `(planes, heads, dim)`. Llama family: K and V

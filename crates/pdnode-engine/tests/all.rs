@@ -20,6 +20,8 @@ mod fuzz_loaders;
 mod fuzz_text;
 #[path = "loader.rs"]
 mod loader;
+#[path = "loader_limits.rs"]
+mod loader_limits;
 #[path = "parity.rs"]
 mod parity;
 #[path = "parity_smollm2.rs"]

@@ -300,7 +300,7 @@ fn gguf_images_with_random_metadata_and_tensors_are_errors_or_models() {
 }
 
 /// A safetensors image: 8-byte header length, the JSON header, the data.
-fn safetensors_bytes(header: &serde_json::Value, data: &[u8]) -> Vec<u8> {
+pub(crate) fn safetensors_bytes(header: &serde_json::Value, data: &[u8]) -> Vec<u8> {
     let h = serde_json::to_vec(header).unwrap();
     let mut out = (h.len() as u64).to_le_bytes().to_vec();
     out.extend_from_slice(&h);

@@ -1,8 +1,11 @@
 //! Chat templates against HF `apply_chat_template` output (fixture made by
 //! scripts/fixtures/text_reference.py with transformers + jinja2).
 
-use pdnode_engine::text::{ChatTemplate, RenderOptions, TemplateValue, TextError, Tokenizer};
+use pdnode_engine::text::{
+    ChatMessage, ChatTemplate, MAX_RENDER_BYTES, RenderOptions, TemplateValue, TextError, Tokenizer,
+};
 use serde_json::Value;
+use std::time::{Duration, Instant};
 
 fn fixture_text() -> String {
     let path = concat!(
@@ -104,4 +107,70 @@ fn a_model_without_a_template_is_a_clear_error() {
         pdnode_core::error::Classify::kind(&e),
         pdnode_core::ErrorKind::InvalidRequest
     );
+}
+
+/// A template comes from the model's files and runs on every chat request: a loop that runs away
+/// or writes without end is a render error within a fraction of a second (fuel, output cap), not
+/// a stuck request or an exhausted memory.
+#[test]
+fn runaway_templates_are_render_errors_fast() {
+    for src in [
+        // 100000 iterations of 100 MB each: the output cap stops the first.
+        r#"{% for i in range(100000) %}{{ "x" * 100000000 }}{% endfor %}"#,
+        // 10^10 iterations writing little: the fuel stops them.
+        "{% for i in range(100000) %}{% for j in range(100000) %}{{ j }}{% endfor %}{% endfor %}",
+    ] {
+        let t = ChatTemplate::new(src, "", "").unwrap();
+        let t0 = Instant::now();
+        let r = t.render_user_prompt("hi");
+        let took = t0.elapsed();
+        assert!(
+            matches!(r, Err(TextError::TemplateRender { .. })),
+            "{src}: {:?}",
+            r.map(|s| s.len())
+        );
+        assert!(took < Duration::from_secs(1), "{src}: {took:?}");
+    }
+    // The cap is on the whole output: up to it renders, one byte past it does not.
+    let exactly = ChatTemplate::new(&format!(r#"{{{{ "x" * {MAX_RENDER_BYTES} }}}}"#), "", "")
+        .unwrap()
+        .render_user_prompt("")
+        .unwrap();
+    assert_eq!(exactly.len(), MAX_RENDER_BYTES);
+    let over = format!(r#"{{{{ "x" * {MAX_RENDER_BYTES} }}}}{{{{ "y" }}}}"#);
+    assert!(matches!(
+        ChatTemplate::new(&over, "", "")
+            .unwrap()
+            .render_user_prompt(""),
+        Err(TextError::TemplateRender { .. })
+    ));
+}
+
+/// The budgets leave room for long conversations: every shipped template renders 20,000
+/// messages (published templates spend at most about 70 fuel per message).
+#[test]
+fn long_conversations_fit_the_render_budgets() {
+    let fx = fixture();
+    let mut messages = vec![ChatMessage::system("You are helpful.")];
+    for i in 0..20_000 {
+        let text = format!("message {i}");
+        messages.push(if i % 2 == 0 {
+            ChatMessage::user(text)
+        } else {
+            ChatMessage::assistant(text)
+        });
+    }
+    let opts = RenderOptions {
+        add_generation_prompt: true,
+        ..Default::default()
+    };
+    let templates = fx["templates"].as_object().unwrap();
+    assert!(templates.len() >= 4);
+    for (name, src) in templates {
+        let t = ChatTemplate::new(src.as_str().unwrap(), "<s>", "</s>").unwrap();
+        let out = t
+            .render(&messages, &opts)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(out.contains("message 19999"), "{name}");
+    }
 }

@@ -18,6 +18,11 @@ const DEFAULT_ALIGNMENT: u64 = 32;
 const MAX_ARRAY_DEPTH: u32 = 4;
 /// Dimensions a tensor may have (ggml's GGML_MAX_DIMS).
 const MAX_DIMS: u32 = 4;
+/// Elements one metadata array may have, and all of them together: each element becomes a
+/// [`GgufValue`] of 32 bytes for as little as one byte of file. Real files hold at most a few
+/// hundred thousand per array (vocabularies of 32k-262k tokens, as many merges, types and scores).
+pub const MAX_ARRAY_ELEMENTS: u64 = 1 << 24;
+pub const MAX_METADATA_ELEMENTS: u64 = 1 << 25;
 
 /// One metadata value.
 #[derive(Debug, Clone, PartialEq)]
@@ -194,6 +199,7 @@ impl GgufFile {
             buf: &bytes,
             pos: 0,
             path,
+            elements: 0,
         };
         let magic = r.take(4, "magic")?;
         if magic != MAGIC {
@@ -349,6 +355,8 @@ struct Reader<'a> {
     buf: &'a [u8],
     pos: usize,
     path: &'a Path,
+    /// Metadata array elements read so far (bounded by [`MAX_METADATA_ELEMENTS`]).
+    elements: u64,
 }
 
 impl<'a> Reader<'a> {
@@ -442,6 +450,17 @@ impl<'a> Reader<'a> {
                     t => return Err(self.err(format!("`{key}`: unknown array element type {t}"))),
                 };
                 self.check_count(n, min, key)?;
+                if n > MAX_ARRAY_ELEMENTS {
+                    return Err(self.err(format!(
+                        "`{key}`: an array of {n} elements (at most {MAX_ARRAY_ELEMENTS})"
+                    )));
+                }
+                self.elements += n;
+                if self.elements > MAX_METADATA_ELEMENTS {
+                    return Err(self.err(format!(
+                        "`{key}`: the metadata arrays pass {MAX_METADATA_ELEMENTS} elements in all"
+                    )));
+                }
                 let mut v = Vec::with_capacity(n as usize);
                 for _ in 0..n {
                     v.push(self.value(ety, key, depth + 1)?);
@@ -453,6 +472,46 @@ impl<'a> Reader<'a> {
             12 => GgufValue::F64(f64::from_le_bytes(self.arr(key)?)),
             t => return Err(self.err(format!("`{key}`: unknown value type {t}"))),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The image of one metadata array of `n` u8 (its bytes only as far as `body` goes).
+    fn u8_array(n: u64, body: usize) -> Vec<u8> {
+        let mut b = Vec::new();
+        b.extend_from_slice(&9u32.to_le_bytes());
+        b.extend_from_slice(&0u32.to_le_bytes());
+        b.extend_from_slice(&n.to_le_bytes());
+        b.resize(b.len() + body, 1);
+        b
+    }
+
+    fn read_array(bytes: &[u8], elements_before: u64) -> Result<GgufValue, LoadError> {
+        let mut r = Reader {
+            buf: bytes,
+            pos: 4,
+            path: Path::new("t.gguf"),
+            elements: elements_before,
+        };
+        r.value(9, "k", 0)
+    }
+
+    #[test]
+    fn metadata_arrays_are_bounded_in_all() {
+        let b = u8_array(10, 10);
+        assert_eq!(
+            read_array(&b, 0).unwrap().as_array().map(<[_]>::len),
+            Some(10)
+        );
+        let room = MAX_METADATA_ELEMENTS - 10;
+        assert!(read_array(&b, room).is_ok());
+        assert!(matches!(
+            read_array(&b, room + 1),
+            Err(LoadError::Malformed { reason, .. }) if reason.contains("`k`")
+        ));
     }
 }
 

@@ -123,14 +123,13 @@ pub fn spec_from_gguf(f: &GgufFile) -> Result<ModelSpec, LoadError> {
     let vocab_size = embed.shape()[0];
     let rope_theta = m.opt_f("rope.freq_base")?.unwrap_or(10_000.0);
     let max_position_embeddings = m.opt_u("context_length")?.unwrap_or(2048);
-    let rope_scaling = rope_scaling(f, &m, head_dim, rope_theta)?;
     let eos = token_id(f, "tokenizer.ggml.eos_token_id");
     let eot = token_id(f, "tokenizer.ggml.eot_token_id");
     let mut eos_token_ids: Vec<u32> = eos.into_iter().collect();
     if let Some(e) = eot.filter(|e| !eos_token_ids.contains(e)) {
         eos_token_ids.push(e);
     }
-    let spec = ModelSpec {
+    let mut spec = ModelSpec {
         arch,
         hidden_size,
         intermediate_size: m.req_u("feed_forward_length")?,
@@ -141,7 +140,8 @@ pub fn spec_from_gguf(f: &GgufFile) -> Result<ModelSpec, LoadError> {
         vocab_size,
         rms_norm_eps: m.opt_f("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-5),
         rope_theta,
-        rope_scaling,
+        // Read below, once the head dimension that sizes it is validated.
+        rope_scaling: None,
         max_position_embeddings,
         tie_word_embeddings: f.tensor("output.weight").is_none(),
         qkv_bias: f.tensor("blk.0.attn_q.bias").is_some(),
@@ -164,11 +164,39 @@ pub fn spec_from_gguf(f: &GgufFile) -> Result<ModelSpec, LoadError> {
     if head_dim % 2 != 0 {
         return Err(cfg_err(path, format!("head dim {head_dim} is odd")));
     }
+    let validate = |s: &ModelSpec| {
+        s.validate()
+            .map_err(|e| LoadError::config_value(path, gguf_key(arch_name, e.field), e))
+    };
+    validate(&spec)?;
+    spec.rope_scaling = rope_scaling(f, &m, head_dim, rope_theta)?;
+    validate(&spec)?;
     Ok(spec)
 }
 
+/// The metadata key (or tensor) of a [`crate::spec::SpecError`] field.
+fn gguf_key(arch: &str, field: &str) -> String {
+    let key = match field {
+        "hidden_size" => "embedding_length",
+        "intermediate_size" => "feed_forward_length",
+        "num_layers" => "block_count",
+        "num_heads" => "attention.head_count",
+        "num_kv_heads" => "attention.head_count_kv",
+        "head_dim" => "attention.key_length",
+        "rms_norm_eps" => "attention.layer_norm_rms_epsilon",
+        "rope_theta" => "rope.freq_base",
+        "rope_scaling.factor" => "rope.scaling.factor",
+        "rope_scaling.original_max_position_embeddings" => "rope.scaling.original_context_length",
+        "max_position_embeddings" => "context_length",
+        "vocab_size" => return "token_embd.weight (rows)".into(),
+        other => return other.to_string(),
+    };
+    format!("{arch}.{key}")
+}
+
 /// `{arch}.rope.scaling.*` metadata, or llama3 scaling recognized from a `rope_freqs.weight`
-/// tensor (llama.cpp bakes llama3 scaling into per-dimension frequency factors).
+/// tensor (llama.cpp bakes llama3 scaling into per-dimension frequency factors). `head_dim` is
+/// validated: the tables compared are sized from it.
 fn rope_scaling(
     f: &GgufFile,
     m: &Meta<'_>,
@@ -192,13 +220,33 @@ fn rope_scaling(
     let Some(info) = f.tensor("rope_freqs.weight") else {
         return Ok(None);
     };
+    // One factor per rotated pair.
+    if info.shape() != [head_dim / 2] {
+        return Err(LoadError::TensorShape {
+            path: f.path.clone(),
+            name: info.name.clone(),
+            got: info.shape(),
+            expected: vec![head_dim / 2],
+        });
+    }
     let factors = dequantize(info.ggml_type, f.tensor_bytes(info), info.numel())
         .map_err(|e| malformed(&f.path, &info.name, e.to_string()))?;
     // Try llama3 with the parameters every Llama 3.1/3.2 release uses, at the original context
     // the file states (or 8192); accept only if it reproduces the stored factors.
-    let orig = m
-        .opt_u("rope.scaling.original_context_length")?
-        .unwrap_or(8192) as u32;
+    let orig_key = "rope.scaling.original_context_length";
+    let orig = match m.opt_u(orig_key)? {
+        None => 8192,
+        Some(n) => {
+            u32::try_from(n)
+                .ok()
+                .filter(|&n| n > 0)
+                .ok_or_else(|| LoadError::ConfigValue {
+                    path: f.path.clone(),
+                    key: m.key(orig_key),
+                    reason: format!("= {n} is not within 1..={}", u32::MAX),
+                })?
+        }
+    };
     let want_factor = factor.unwrap_or(if orig == 8192 { 8.0 } else { 32.0 });
     for (factor, low, high) in [(want_factor, 1.0, 4.0), (8.0, 1.0, 4.0), (32.0, 1.0, 4.0)] {
         let s = RopeScaling::Llama3 {

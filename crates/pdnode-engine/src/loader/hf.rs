@@ -63,6 +63,14 @@ impl Cfg<'_> {
             reason,
         }
     }
+    /// A value no model can have, by its key.
+    pub(super) fn value(&self, key: String, reason: String) -> LoadError {
+        LoadError::ConfigValue {
+            path: self.path.to_path_buf(),
+            key,
+            reason,
+        }
+    }
     pub(super) fn unsupported(&self, reason: String) -> LoadError {
         LoadError::Unsupported {
             path: self.path.to_path_buf(),
@@ -97,11 +105,10 @@ impl Cfg<'_> {
     }
 }
 
-/// Which layers attend through the window: `layer_types` when the config lists them
-/// (transformers >= 4.53 writes it), else every layer (Mistral) or the layers from
+/// Which of the `n` layers (validated) attend through the window: `layer_types` when the config
+/// lists them (transformers >= 4.53 writes it), else every layer (Mistral) or the layers from
 /// `max_window_layers` on (Qwen2, Qwen3: transformers' rule).
-fn window_layers(c: &Cfg<'_>, arch: Arch) -> Result<Vec<bool>, LoadError> {
-    let n = c.req_u("num_hidden_layers")?;
+fn window_layers(c: &Cfg<'_>, arch: Arch, n: usize) -> Result<Vec<bool>, LoadError> {
     if let Some(types) = c.v.get("layer_types").filter(|v| !v.is_null()) {
         let types = types
             .as_array()
@@ -166,7 +173,7 @@ fn rope_scaling(
             factor: num("factor")?,
             low_freq_factor: num("low_freq_factor")?,
             high_freq_factor: num("high_freq_factor")?,
-            original_max_position_embeddings: num("original_max_position_embeddings")? as u32,
+            original_max_position_embeddings: positions(c, rs, "original_max_position_embeddings")?,
         })),
         "yarn" if matches!(arch, Arch::DeepseekV2 | Arch::DeepseekV3) => {
             hf_mla::yarn(c, rs, max_position_embeddings).map(Some)
@@ -178,7 +185,68 @@ fn rope_scaling(
     }
 }
 
-/// `config.json` (+ `generation_config.json`) to a [`ModelSpec`].
+/// The object the config keeps RoPE scaling in: `rope_scaling` (transformers < 5) or
+/// `rope_parameters`.
+fn rope_object(c: &Cfg<'_>) -> &'static str {
+    if c.v.get("rope_scaling").is_some_and(|v| !v.is_null()) {
+        "rope_scaling"
+    } else {
+        "rope_parameters"
+    }
+}
+
+/// `{rope object}.{k}`: a whole number of positions in `1..=u32::MAX`.
+pub(super) fn positions(c: &Cfg<'_>, rs: &Value, k: &str) -> Result<u32, LoadError> {
+    let key = format!("{}.{k}", rope_object(c));
+    let v = rs
+        .get(k)
+        .filter(|v| !v.is_null())
+        .ok_or_else(|| c.err(format!("`{key}` is missing")))?;
+    v.as_f64()
+        .filter(|x| x.fract() == 0.0 && (1.0..=f64::from(u32::MAX)).contains(x))
+        .map(|x| x as u32)
+        .ok_or_else(|| {
+            c.value(
+                key.clone(),
+                format!(
+                    "= {v} is not a whole number of positions in 1..={}",
+                    u32::MAX
+                ),
+            )
+        })
+}
+
+/// The `config.json` key of a [`crate::spec::SpecError`] field (`mla`: a latent-attention
+/// model, whose head dimension is the sum of two keys).
+fn hf_key(c: &Cfg<'_>, field: &str, mla: bool) -> String {
+    if let Some(k) = field.strip_prefix("rope_scaling.") {
+        return format!("{}.{k}", rope_object(c));
+    }
+    if field == "rope_theta" && c.v.get("rope_theta").is_none_or(Value::is_null) {
+        return "rope_parameters.rope_theta".into();
+    }
+    let key = match field {
+        "num_layers" => "num_hidden_layers",
+        "num_heads" => "num_attention_heads",
+        "num_kv_heads" => "num_key_value_heads",
+        "head_dim" if mla => "qk_nope_head_dim + qk_rope_head_dim",
+        "sliding_window.size" => "sliding_window",
+        "sliding_window.layers" => "layer_types",
+        "moe.num_experts" => "n_routed_experts",
+        "moe.top_k" => "num_experts_per_tok",
+        "moe.num_shared" => "n_shared_experts",
+        "moe.expert_intermediate" => "moe_intermediate_size",
+        "moe.first_dense_layers" => "first_k_dense_replace",
+        "moe.num_groups" => "n_group",
+        "moe.topk_groups" => "topk_group",
+        "moe.routed_scaling_factor" => "routed_scaling_factor",
+        f => f.strip_prefix("mla.").unwrap_or(f),
+    };
+    key.to_string()
+}
+
+/// `config.json` (+ `generation_config.json`) to a [`ModelSpec`], validated
+/// ([`ModelSpec::validate`]) before anything is sized from it.
 pub fn spec_from_config(
     config: &Value,
     gen_cfg: Option<&Value>,
@@ -262,12 +330,10 @@ pub fn spec_from_config(
     // A latent-attention model's q/k head: its nope and RoPE parts (its config's `head_dim`
     // is the RoPE part's).
     let head_dim = match &mla {
-        Some(m) => m.qk_head_dim(),
+        // Saturating: validation refuses a sum that does not fit.
+        Some(m) => m.qk_nope_head_dim.saturating_add(m.qk_rope_head_dim),
         None => c.opt_u("head_dim")?.unwrap_or(hidden_size / num_heads),
     };
-    if head_dim == 0 || head_dim % 2 != 0 {
-        return Err(c.err(format!("head_dim {head_dim} must be even and non-zero")));
-    }
     let mut eos_token_ids = ids(config.get("eos_token_id"));
     if let Some(g) = gen_cfg {
         for id in ids(g.get("eos_token_id")) {
@@ -286,21 +352,7 @@ pub fn spec_from_config(
         _ => None,
     };
     let max_position_embeddings = c.opt_u("max_position_embeddings")?.unwrap_or(4096);
-    // A window at least as long as any context changes nothing.
-    let sliding_window = match sliding.filter(|&w| w < max_position_embeddings) {
-        None => None,
-        Some(0) => {
-            return Err(c.err("`sliding_window` = 0: a layer must see its own position".into()));
-        }
-        Some(size) => {
-            let layers = window_layers(&c, arch)?;
-            layers
-                .iter()
-                .any(|&w| w)
-                .then_some(SlidingWindow { size, layers })
-        }
-    };
-    Ok(ModelSpec {
+    let mut spec = ModelSpec {
         arch,
         hidden_size,
         intermediate_size: c.req_u("intermediate_size")?,
@@ -323,12 +375,38 @@ pub fn spec_from_config(
         tie_word_embeddings: c.bool("tie_word_embeddings"),
         qkv_bias: arch == Arch::Qwen2 || attention_bias,
         qk_norm: arch == Arch::Qwen3,
-        sliding_window,
+        // Set below, once the layer count that sizes it is validated.
+        sliding_window: None,
         bos_token_id,
         eos_token_ids,
         mla,
         moe,
-    })
+    };
+    let is_mla = spec.mla.is_some();
+    let validate = |s: &ModelSpec| {
+        s.validate()
+            .map_err(|e| LoadError::config_value(path, hf_key(&c, e.field, is_mla), e))
+    };
+    validate(&spec)?;
+    if !head_dim.is_multiple_of(2) {
+        return Err(c.err(format!("head_dim {head_dim} must be even")));
+    }
+    // A window at least as long as any context changes nothing.
+    spec.sliding_window = match sliding.filter(|&w| w < max_position_embeddings) {
+        None => None,
+        Some(0) => {
+            return Err(c.err("`sliding_window` = 0: a layer must see its own position".into()));
+        }
+        Some(size) => {
+            let layers = window_layers(&c, arch, spec.num_layers)?;
+            layers
+                .iter()
+                .any(|&w| w)
+                .then_some(SlidingWindow { size, layers })
+        }
+    };
+    validate(&spec)?;
+    Ok(spec)
 }
 
 /// Reads every weight of `spec` from the safetensors set.
@@ -341,7 +419,8 @@ pub fn weights_from_safetensors(st: &SafetensorsSet, s: &ModelSpec) -> Result<We
             Ok(None)
         }
     };
-    let mut layers = Vec::with_capacity(s.num_layers);
+    // Never more than the file has tensors, whatever spec the caller passes.
+    let mut layers = Vec::with_capacity(s.num_layers.min(st.len()));
     for n in 0..s.num_layers {
         let p = |x: &str| format!("model.layers.{n}.{x}");
         layers.push(LayerWeights {

@@ -150,14 +150,8 @@ pub(super) fn yarn(
                 .ok_or_else(|| c.err(format!("`rope_scaling.{k}` = {v} is not a number"))),
         }
     };
-    let orig = num("original_max_position_embeddings")?.ok_or_else(|| {
-        c.err("`rope_scaling.original_max_position_embeddings` is missing".into())
-    })?;
-    if orig < 1.0 {
-        return Err(c.err(format!(
-            "`rope_scaling.original_max_position_embeddings` = {orig}"
-        )));
-    }
+    let orig_positions = super::hf::positions(c, rs, "original_max_position_embeddings")?;
+    let orig = orig_positions as f32;
     let factor = num("factor")?.unwrap_or(max_position_embeddings as f32 / orig);
     if !(factor.is_finite() && factor > 0.0) {
         return Err(c.err(format!("`rope_scaling.factor` = {factor}")));
@@ -173,7 +167,7 @@ pub(super) fn yarn(
     };
     Ok(RopeScaling::Yarn {
         factor,
-        original_max_position_embeddings: orig as u32,
+        original_max_position_embeddings: orig_positions,
         beta_fast: num("beta_fast")?.filter(|&b| b != 0.0).unwrap_or(32.0),
         beta_slow: num("beta_slow")?.filter(|&b| b != 0.0).unwrap_or(1.0),
         attention_factor,
@@ -243,7 +237,8 @@ pub(super) fn weights(
 ) -> Result<MlaWeights, LoadError> {
     let (h, nh) = (s.hidden_size, s.num_heads);
     let rows = nh * m.qk_head_dim();
-    let mut layers = Vec::with_capacity(s.num_layers);
+    // Never more than the file has tensors, whatever spec the caller passes.
+    let mut layers = Vec::with_capacity(s.num_layers.min(st.len()));
     for n in 0..s.num_layers {
         let p = |x: &str| format!("model.layers.{n}.{x}");
         let q = match m.q_lora_rank {

@@ -161,6 +161,15 @@ pub enum LoadError {
     },
     #[error("{path}: invalid config: {reason}")]
     Config { path: PathBuf, reason: String },
+    /// A value no servable model has (zero, past a bound, not finite, a product that overflows):
+    /// `key` is the file's name for it (`num_attention_heads`, `llama.attention.head_count`).
+    /// See [`ModelSpec::validate`].
+    #[error("{path}: invalid config: `{key}` {reason}")]
+    ConfigValue {
+        path: PathBuf,
+        key: String,
+        reason: String,
+    },
     #[error("unknown model preset `{name}`; known presets: {}", known.join(", "))]
     UnknownPreset { name: String, known: Vec<String> },
     #[error("{path}: cannot tell the model format (expected an HF directory or a .gguf file)")]
@@ -179,6 +188,7 @@ impl pdnode_core::error::Classify for LoadError {
             | LoadError::MissingTensor { .. }
             | LoadError::TensorShape { .. }
             | LoadError::Config { .. }
+            | LoadError::ConfigValue { .. }
             | LoadError::UnknownPreset { .. }
             | LoadError::UnknownFormat { .. } => pdnode_core::ErrorKind::InvalidRequest,
         }
@@ -186,6 +196,15 @@ impl pdnode_core::error::Classify for LoadError {
 }
 
 impl LoadError {
+    /// A [`crate::spec::SpecError`] as the loader of `path` names the value (`key`).
+    pub(crate) fn config_value(path: &Path, key: String, e: crate::spec::SpecError) -> Self {
+        LoadError::ConfigValue {
+            path: path.to_path_buf(),
+            key,
+            reason: e.reason,
+        }
+    }
+
     pub(crate) fn io(path: &Path, source: std::io::Error) -> Self {
         LoadError::Io {
             path: path.to_path_buf(),
@@ -319,6 +338,8 @@ pub fn load_dummy(
         name: preset.to_string(),
         known: dummy::PRESETS.iter().map(|s| s.to_string()).collect(),
     })?;
+    spec.validate()
+        .map_err(|e| LoadError::config_value(Path::new(preset), e.field.to_string(), e))?;
     let tokenizer = match tokenizer_from {
         None => TokenizerSource::None,
         Some(p) => match detect_format(p)? {

@@ -6,6 +6,7 @@ use super::progress::LoadProgress;
 use crate::weights::Tensor;
 use half::{bf16, f16};
 use rayon::prelude::*;
+use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -83,8 +84,17 @@ impl SafetensorsSet {
         Self::open_files(&files)
     }
 
-    /// Opens the given shard files.
+    /// Opens the given shard files (at least one).
     pub fn open_files(files: &[PathBuf]) -> Result<Self, LoadError> {
+        if files.is_empty() {
+            return Err(LoadError::io(
+                Path::new(""),
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    "no safetensors files given",
+                ),
+            ));
+        }
         let mut shards = Vec::with_capacity(files.len());
         let mut index = HashMap::new();
         let mut total = 0u64;
@@ -123,6 +133,15 @@ impl SafetensorsSet {
         })
     }
 
+    /// Tensors in the set.
+    pub fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.index.is_empty()
+    }
+
     pub fn contains(&self, name: &str) -> bool {
         self.index.contains_key(name)
     }
@@ -139,15 +158,16 @@ impl SafetensorsSet {
     /// The file holding `name` (for error messages), or the first shard.
     pub fn file_of(&self, name: &str) -> &Path {
         let i = self.index.get(name).copied().unwrap_or(0);
+        // `open_files` refuses an empty list: there is a first shard.
         &self.shards[i].path
     }
 
-    /// Reads tensor `name` as f32, checking its shape.
-    pub fn load(&self, name: &str, expected: &[usize]) -> Result<Tensor, LoadError> {
+    /// The shard and view of tensor `name`, its shape checked.
+    fn view(&self, name: &str, expected: &[usize]) -> Result<(&Path, TensorView<'_>), LoadError> {
         let Some(&i) = self.index.get(name) else {
             return Err(LoadError::MissingTensor {
-                path: self.shards[0]
-                    .path
+                path: self
+                    .file_of(name)
                     .parent()
                     .unwrap_or(Path::new(""))
                     .to_path_buf(),
@@ -168,14 +188,38 @@ impl SafetensorsSet {
                 expected: expected.to_vec(),
             });
         }
-        let bytes = view.data();
+        Ok((&shard.path, view))
+    }
+
+    /// Reads tensor `name` as f32, checking its shape.
+    pub fn load(&self, name: &str, expected: &[usize]) -> Result<Tensor, LoadError> {
+        let (path, view) = self.view(name, expected)?;
         if view.dtype() == Dtype::F8_E4M3 {
-            return self.load_fp8(name, &shard.path, bytes, expected);
+            return self.load_fp8(name, path, view.data(), expected);
         }
+        self.convert(
+            name,
+            path,
+            &view,
+            expected,
+            "F32, F16, BF16, block-scaled F8_E4M3",
+        )
+    }
+
+    /// An F32/F16/BF16 `view` as f32; other dtypes are an error listing `supported`.
+    fn convert(
+        &self,
+        name: &str,
+        path: &Path,
+        view: &TensorView<'_>,
+        expected: &[usize],
+        supported: &str,
+    ) -> Result<Tensor, LoadError> {
+        let bytes = view.data();
         let data = to_f32(view.dtype(), bytes).ok_or_else(|| LoadError::Unsupported {
-            path: shard.path.clone(),
+            path: path.to_path_buf(),
             reason: format!(
-                "tensor `{name}` has dtype {:?} (supported: F32, F16, BF16, block-scaled F8_E4M3)",
+                "tensor `{name}` has dtype {:?} (supported: {supported})",
                 view.dtype()
             ),
         })?;
@@ -207,7 +251,21 @@ impl SafetensorsSet {
             )));
         };
         let grid = [rows.div_ceil(b0), cols.div_ceil(b1)];
-        let scale = self.load(&format!("{name}_scale_inv"), &grid)?;
+        // A scale is plain floats: read directly, never through `load` (an F8 scale of an F8
+        // scale of ... would recurse).
+        let scale_name = format!("{name}_scale_inv");
+        let (scale_path, scale_view) = self.view(&scale_name, &grid)?;
+        let scale = self.convert(
+            &scale_name,
+            scale_path,
+            &scale_view,
+            &grid,
+            "F32, F16, BF16",
+        )?;
+        if rows == 0 || cols == 0 {
+            // Nothing to scale (and no row to chunk by).
+            return Ok(Tensor::new(shape.to_vec(), Vec::new()));
+        }
         let mut out = vec![0f32; rows * cols];
         out.par_chunks_mut(cols)
             .zip(bytes.par_chunks(cols))

@@ -16,6 +16,15 @@ use std::fmt::Write as _;
 
 const TEMPLATE_NAME: &str = "chat";
 
+/// Instructions one rendering may run (minijinja's fuel). Published templates (Llama 3.x,
+/// Qwen2.5/QwQ/Qwen3, DeepSeek-V3.1/R1, Mistral Nemo, gpt-oss, SmolLM2) spend 60-300 plus 23-68
+/// per message, with or without tools: this serves conversations of over 70,000 messages and
+/// stops a runaway loop (`range(100000)` nested) in about a fifth of a second.
+pub const RENDER_FUEL: u64 = 5_000_000;
+/// Bytes one rendering may produce: the router's request body limit (8 MiB) with room for the
+/// template's own text. A template that would write more (`"x" * 100000000` in a loop) fails.
+pub const MAX_RENDER_BYTES: usize = 16 << 20;
+
 /// One chat message in the common role/content form. Richer messages (tool calls, content parts)
 /// can be passed to [`ChatTemplate::render`] as any serializable value.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -73,6 +82,7 @@ impl ChatTemplate {
     /// Compiles `source`; `bos_token`/`eos_token` are the strings the template sees.
     pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<Self, TextError> {
         let mut env = Environment::new();
+        env.set_fuel(Some(RENDER_FUEL));
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
@@ -116,10 +126,19 @@ impl ChatTemplate {
             .map_err(|e| TextError::TemplateSyntax {
                 reason: describe(&e),
             })?;
-        tmpl.render(Value::from_serialize(&ctx))
-            .map_err(|e| TextError::TemplateRender {
-                reason: describe(&e),
-            })
+        let mut out = CappedWriter {
+            buf: Vec::new(),
+            cap: MAX_RENDER_BYTES,
+        };
+        let render_err = |e: Error| TextError::TemplateRender {
+            reason: describe(&e),
+        };
+        tmpl.render_captured_to(Value::from_serialize(&ctx), &mut out)
+            .map_err(render_err)?;
+        // minijinja writes whole strings, and the cap refuses whole writes: UTF-8 throughout.
+        String::from_utf8(out.buf).map_err(|e| TextError::TemplateRender {
+            reason: format!("the output is not UTF-8: {e}"),
+        })
     }
 
     /// Renders one user message with the generation prompt (what `pdnode generate --chat` sends).
@@ -131,6 +150,29 @@ impl ChatTemplate {
                 ..Default::default()
             },
         )
+    }
+}
+
+/// A rendering's output, refusing any write that would take it past `cap` bytes.
+struct CappedWriter {
+    buf: Vec<u8>,
+    cap: usize,
+}
+
+impl std::io::Write for CappedWriter {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        if bytes.len() > self.cap - self.buf.len() {
+            return Err(std::io::Error::other(format!(
+                "the rendered prompt would pass {} bytes",
+                self.cap
+            )));
+        }
+        self.buf.extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 

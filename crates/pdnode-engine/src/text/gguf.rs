@@ -20,6 +20,13 @@ const TOKEN_TYPE_UNKNOWN: i32 = 2;
 const TOKEN_TYPE_CONTROL: i32 = 3;
 const TOKEN_TYPE_USER_DEFINED: i32 = 4;
 
+/// Bytes one vocabulary token may have. Real vocabularies stay within a few hundred (SmolLM2's
+/// longest is 162); the bound keeps the work per token small.
+pub(crate) const MAX_TOKEN_BYTES: usize = 4096;
+/// Merges a SentencePiece vocabulary may imply (every split of a token into two tokens is one):
+/// real ones imply a few per token, a few hundred thousand for a 256k vocabulary.
+const MAX_SPM_MERGES: usize = 1 << 22;
+
 /// Llama 3's split regex (llama.cpp LLAMA_VOCAB_PRE_TYPE_LLAMA3, HF Llama-3 tokenizer.json).
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// Qwen2's split regex (llama.cpp LLAMA_VOCAB_PRE_TYPE_QWEN2, HF Qwen2 tokenizer.json).
@@ -128,6 +135,20 @@ pub(crate) fn tokenizer_json(g: &GgufTokenizer) -> Result<Value, TextError> {
             ),
         });
     }
+    if let Some((id, t)) = g
+        .tokens
+        .iter()
+        .enumerate()
+        .find(|(_, t)| t.len() > MAX_TOKEN_BYTES)
+    {
+        return Err(TextError::Load {
+            path: None,
+            reason: format!(
+                "GGUF token {id} is {} bytes long (at most {MAX_TOKEN_BYTES})",
+                t.len()
+            ),
+        });
+    }
     check_id("bos_token_id", g.bos_token_id, n)?;
     check_id("eos_token_id", g.eos_token_id, n)?;
     check_id("unknown_token_id", g.unk_token_id, n)?;
@@ -140,7 +161,7 @@ pub(crate) fn tokenizer_json(g: &GgufTokenizer) -> Result<Value, TextError> {
         vocab.insert(tok.clone(), Value::from(id as u64));
     }
     let merges = if spm && g.merges.is_empty() {
-        spm_merges(g)?
+        spm_merges(g, MAX_SPM_MERGES)?
     } else {
         let mut merges = Vec::with_capacity(g.merges.len());
         for (i, m) in g.merges.iter().enumerate() {
@@ -212,8 +233,13 @@ pub(crate) fn tokenizer_json(g: &GgufTokenizer) -> Result<Value, TextError> {
 /// BPE merges implied by a SentencePiece vocabulary and its scores (GGUF files of SentencePiece
 /// models carry no merges): every split of a token into two vocabulary pieces is a merge ranked by
 /// the token's score, highest first (then longer left, longer right piece), as transformers'
-/// `generate_merges` ranks them.
-fn spm_merges(g: &GgufTokenizer) -> Result<Vec<Value>, TextError> {
+/// `generate_merges` ranks them. At most `max_merges`, else an error.
+///
+/// Linear in the vocabulary's bytes plus the merges' bytes: a rolling hash of every prefix and
+/// suffix of a token filters the splits, and only a split whose two hashes are vocabulary
+/// tokens' is compared byte for byte (hashing each piece of each split would be quadratic in a
+/// token's length).
+fn spm_merges(g: &GgufTokenizer, max_merges: usize) -> Result<Vec<Value>, TextError> {
     if g.scores.len() != g.tokens.len() {
         return Err(TextError::Load {
             path: None,
@@ -233,23 +259,109 @@ fn spm_merges(g: &GgufTokenizer) -> Result<Vec<Value>, TextError> {
             order.push(t);
         }
     }
-    // (left, right, score, chars of left, chars of right)
-    let mut merges: Vec<(&str, &str, f32, usize, usize)> = Vec::new();
+    let hash = PieceHash::new(order.iter().map(|t| t.len()).max().unwrap_or(0));
+    // Hash -> the id of the spelling with that hash; `true` when two spellings share it (then
+    // the exact map decides).
+    let mut by_hash: std::collections::HashMap<u64, (usize, bool)> =
+        std::collections::HashMap::with_capacity(order.len());
+    let mut prefixes = Vec::new();
+    for &t in &order {
+        hash.prefixes(t.as_bytes(), &mut prefixes);
+        by_hash
+            .entry(prefixes[t.len()])
+            .and_modify(|e| e.1 = true)
+            .or_insert((id[t], false));
+    }
+    let lookup = |piece: &str, h: u64| match by_hash.get(&h) {
+        None => None,
+        Some(&(i, false)) => (g.tokens[i] == piece).then_some(i),
+        Some(&(_, true)) => id.get(piece).copied(),
+    };
+    // (left id, right id, left, right, score, chars of left, chars of right)
+    let mut merges: Vec<(usize, usize, &str, &str, f32, usize, usize)> = Vec::new();
     for &tok in &order {
         let sc = score[tok];
+        hash.prefixes(tok.as_bytes(), &mut prefixes);
+        let chars = tok.chars().count();
         let mut local = Vec::new();
-        for (cut, _) in tok.char_indices().skip(1) {
+        for (left_chars, (cut, _)) in tok.char_indices().enumerate().skip(1) {
             let (l, r) = tok.split_at(cut);
-            if id.contains_key(l) && id.contains_key(r) {
-                local.push((l, r, sc, l.chars().count(), r.chars().count()));
-            }
+            let Some(li) = lookup(l, prefixes[cut]) else {
+                continue;
+            };
+            let Some(ri) = lookup(r, hash.suffix(&prefixes, cut)) else {
+                continue;
+            };
+            local.push((li, ri, l, r, sc, left_chars, chars - left_chars));
         }
-        local.sort_by_key(|m| (id[m.0], id[m.1]));
+        local.sort_by_key(|m| (m.0, m.1));
         merges.extend(local);
+        if merges.len() > max_merges {
+            return Err(TextError::Load {
+                path: None,
+                reason: format!(
+                    "GGUF SentencePiece vocabulary implies more than {max_merges} merges"
+                ),
+            });
+        }
     }
     // Stable: equal keys keep their order.
-    merges.sort_by(|a, b| b.2.total_cmp(&a.2).then(b.3.cmp(&a.3)).then(b.4.cmp(&a.4)));
-    Ok(merges.into_iter().map(|(l, r, ..)| json!([l, r])).collect())
+    merges.sort_by(|a, b| b.4.total_cmp(&a.4).then(b.5.cmp(&a.5)).then(b.6.cmp(&a.6)));
+    Ok(merges
+        .into_iter()
+        .map(|(_, _, l, r, ..)| json!([l, r]))
+        .collect())
+}
+
+/// A polynomial rolling hash modulo the Mersenne prime 2^61 - 1 with a random base, so that a
+/// crafted vocabulary cannot aim collisions at it (a collision costs a byte comparison, never a
+/// wrong answer).
+struct PieceHash {
+    base: u64,
+    /// `base^k` for every length up to the longest token.
+    powers: Vec<u64>,
+}
+
+impl PieceHash {
+    const P: u64 = (1 << 61) - 1;
+
+    fn new(max_len: usize) -> Self {
+        use std::hash::BuildHasher;
+        let seed = std::collections::hash_map::RandomState::new().hash_one(0x5eed_u64);
+        // Above every byte value + 1, below P.
+        let base = 257 + seed % (Self::P - 257);
+        let mut powers = Vec::with_capacity(max_len + 1);
+        let mut p = 1;
+        for _ in 0..=max_len {
+            powers.push(p);
+            p = Self::mul(p, base);
+        }
+        PieceHash { base, powers }
+    }
+
+    fn mul(a: u64, b: u64) -> u64 {
+        let x = u128::from(a) * u128::from(b);
+        // 2^61 = 1 (mod P).
+        ((x as u64 & Self::P) + (x >> 61) as u64) % Self::P
+    }
+
+    /// `out[k]` = the hash of `bytes[..k]`, for `k` in `0..=bytes.len()`.
+    fn prefixes(&self, bytes: &[u8], out: &mut Vec<u64>) {
+        out.clear();
+        out.push(0);
+        let mut h = 0;
+        for &b in bytes {
+            h = (Self::mul(h, self.base) + u64::from(b) + 1) % Self::P;
+            out.push(h);
+        }
+    }
+
+    /// The hash of `bytes[cut..]`, from the prefix hashes of `bytes`.
+    fn suffix(&self, prefixes: &[u64], cut: usize) -> u64 {
+        let len = prefixes.len() - 1;
+        let head = Self::mul(prefixes[cut], self.powers[len - cut]);
+        (prefixes[len] + Self::P - head) % Self::P
+    }
 }
 
 /// BOS/EOS insertion as the GGUF flags say (`encode(text, add_special = true)` applies it).
@@ -346,6 +458,105 @@ mod tests {
         g.add_bos_token = Some(true);
         g.bos_token_id = None;
         assert!(matches!(tokenizer_json(&g), Err(TextError::Load { .. })));
+    }
+
+    /// A SentencePiece vocabulary: tokens with scores, no merges.
+    fn spm(tokens: Vec<String>) -> GgufTokenizer {
+        let n = tokens.len();
+        GgufTokenizer {
+            model: "llama".into(),
+            scores: (0..n).map(|i| -(i as f32 % 7.0)).collect(),
+            token_types: vec![1; n],
+            tokens,
+            ..Default::default()
+        }
+    }
+
+    /// The merges as transformers' `generate_merges` finds them: every split of every token
+    /// looked up whole (quadratic in a token's length; what `spm_merges` replaced).
+    fn merges_by_lookup(g: &GgufTokenizer) -> Vec<Value> {
+        let mut id = std::collections::HashMap::new();
+        let mut score = std::collections::HashMap::new();
+        let mut order = Vec::new();
+        for (i, (t, &sc)) in g.tokens.iter().zip(&g.scores).enumerate() {
+            id.insert(t.as_str(), i);
+            if score.insert(t.as_str(), sc).is_none() {
+                order.push(t.as_str());
+            }
+        }
+        let mut merges = Vec::new();
+        for &tok in &order {
+            let mut local = Vec::new();
+            for (cut, _) in tok.char_indices().skip(1) {
+                let (l, r) = tok.split_at(cut);
+                if id.contains_key(l) && id.contains_key(r) {
+                    local.push((l, r, score[tok], l.chars().count(), r.chars().count()));
+                }
+            }
+            local.sort_by_key(|m| (id[m.0], id[m.1]));
+            merges.extend(local);
+        }
+        merges.sort_by(|a, b| b.2.total_cmp(&a.2).then(b.3.cmp(&a.3)).then(b.4.cmp(&a.4)));
+        merges.into_iter().map(|(l, r, ..)| json!([l, r])).collect()
+    }
+
+    #[test]
+    fn spm_merges_are_those_of_whole_lookups() {
+        // Every substring of a few words (multi-byte characters included), and duplicates.
+        let mut tokens = Vec::new();
+        for w in [
+            "\u{2581}hello",
+            "\u{2581}héllo",
+            "aaaaaa",
+            "ab\u{2581}ab",
+            "日本語です",
+        ] {
+            let chars: Vec<char> = w.chars().collect();
+            for i in 0..chars.len() {
+                for j in i + 1..=chars.len() {
+                    tokens.push(chars[i..j].iter().collect::<String>());
+                }
+            }
+        }
+        tokens.push("aa".into());
+        tokens.push("\u{2581}h".into());
+        let g = spm(tokens);
+        let got = spm_merges(&g, MAX_SPM_MERGES).unwrap();
+        assert!(got.len() > 100, "{}", got.len());
+        assert_eq!(got, merges_by_lookup(&g));
+    }
+
+    /// A 1 MB token cost 10^12 bytes of hashing (every split, each piece hashed whole); tokens
+    /// now have a bound, and a vocabulary of long tokens takes time linear in its bytes.
+    #[test]
+    fn long_tokens_are_refused_or_linear() {
+        let g = spm(vec!["a".into(), "a".repeat(1 << 20)]);
+        assert!(matches!(
+            tokenizer_json(&g),
+            Err(TextError::Load { reason, .. }) if reason.contains("token 1 ")
+        ));
+        // 2000 distinct tokens of the longest length: 8M splits, each filtered by its hashes.
+        let mut tokens: Vec<String> = vec!["a".into(), "b".into()];
+        for i in 0..2000u32 {
+            let mut t = "a".repeat(MAX_TOKEN_BYTES - 32);
+            t.push_str(&format!("{i:b}").replace('0', "a").replace('1', "b"));
+            t.push_str(&"b".repeat(MAX_TOKEN_BYTES - t.len()));
+            tokens.push(t);
+        }
+        let g = spm(tokens);
+        let t0 = std::time::Instant::now();
+        let merges = spm_merges(&g, MAX_SPM_MERGES).unwrap();
+        let took = t0.elapsed();
+        assert!(merges.is_empty());
+        assert!(took < std::time::Duration::from_secs(5), "{took:?}");
+    }
+
+    #[test]
+    fn too_many_implied_merges_is_an_error() {
+        // a, aa, ..., a^100: 4950 splits.
+        let g = spm((1..=100).map(|n| "a".repeat(n)).collect());
+        assert_eq!(spm_merges(&g, 5000).unwrap().len(), 4950);
+        assert!(matches!(spm_merges(&g, 4000), Err(TextError::Load { .. })));
     }
 
     #[test]

@@ -15,7 +15,7 @@ mod detok;
 mod gguf;
 mod tokenizer;
 
-pub use chat::{ChatMessage, ChatTemplate, RenderOptions};
+pub use chat::{ChatMessage, ChatTemplate, MAX_RENDER_BYTES, RENDER_FUEL, RenderOptions};
 pub use detok::IncrementalDecoder;
 pub use tokenizer::Tokenizer;
 

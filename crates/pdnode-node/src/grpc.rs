@@ -44,6 +44,10 @@ pub struct NodeGrpc {
     pub tls: Option<NodeTls>,
     /// Where `Drain` asks the node to shut down.
     pub health: crate::board::HealthBoard,
+    /// HTTP/2 keepalive of every accepted connection (`router.node_keepalive_interval_ms` /
+    /// `_timeout_ms`): a caller that stops answering (its host died, the network split) is hung
+    /// up on, which ends its calls and streams here (and frees what they hold).
+    pub keepalive: (Duration, Duration),
 }
 
 impl NodeGrpc {
@@ -279,7 +283,10 @@ pub async fn run(
             }
         }
     });
-    let mut server = tonic::transport::Server::builder();
+    let (interval, timeout) = svc.keepalive;
+    let mut server = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(interval))
+        .http2_keepalive_timeout(Some(timeout));
     if let Some(tls) = &svc.tls {
         server = server.tls_config(tls.server_config())?;
     }

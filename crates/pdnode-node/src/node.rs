@@ -302,6 +302,10 @@ impl Node {
             pd: deps.pd.clone(),
             tls,
             health: health.clone(),
+            keepalive: (
+                Duration::from_millis(cfg.router.node_keepalive_interval_ms),
+                Duration::from_millis(cfg.router.node_keepalive_timeout_ms),
+            ),
         };
         let c = cancel.clone();
         let h = health.clone();

@@ -105,3 +105,79 @@ async fn grpc_and_http_health_stats_and_unimplemented_methods() {
         "the gRPC listener is closed after shutdown"
     );
 }
+
+/// A router whose host stops answering (frozen: its sockets stay open, nothing moves) is hung
+/// up on by the node's HTTP/2 keepalive (`router.node_keepalive_*`) within interval + timeout,
+/// which ends the calls and streams it had open there. Here a loopback proxy between the
+/// caller and the node freezes after a call; the node closes its side soon after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_that_stops_answering_is_hung_up_on_by_the_keepalive() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut c = Config::default();
+    c.node.role = Role::All;
+    c.node.id = "ka-0".into();
+    c.router.node_keepalive_interval_ms = 100;
+    c.router.node_keepalive_timeout_ms = 300;
+    let reg = Arc::new(MemoryRegistry::new(RegistryOptions::default()));
+    let node = Node::start(
+        &c,
+        NodeDeps {
+            pd: None,
+            ucx_worker: None,
+            router: None,
+            registry: reg,
+            engine: None,
+            options: NodeOptions::default(),
+        },
+    )
+    .await
+    .unwrap();
+    // caller <-> proxy <-> node; once frozen the proxy moves no byte either way but still
+    // reads the node's side, to see it close
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let proxy = l.local_addr().unwrap();
+    let upstream = node.grpc_addr();
+    let (frozen_tx, frozen) = tokio::sync::watch::channel(false);
+    let (closed_tx, closed) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        let (down, _) = l.accept().await.unwrap();
+        let up = tokio::net::TcpStream::connect(upstream).await.unwrap();
+        let (mut dr, mut dw) = down.into_split();
+        let (mut ur, mut uw) = up.into_split();
+        let f = frozen.clone();
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 16 * 1024];
+            while let Ok(n) = dr.read(&mut buf).await {
+                if n == 0 || *f.borrow() || uw.write_all(&buf[..n]).await.is_err() {
+                    break;
+                }
+            }
+            let _keep = (dr, uw);
+            std::future::pending::<()>().await;
+        });
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            match ur.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) if !*frozen.borrow() => {
+                    if dw.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+                Ok(_) => {} // frozen: the node's pings go nowhere
+            }
+        }
+        let _ = closed_tx.send(());
+        let _keep = dw;
+        std::future::pending::<()>().await;
+    });
+    let mut client = v1::node_client::NodeClient::connect(format!("http://{proxy}"))
+        .await
+        .unwrap();
+    client.health(v1::HealthRequest {}).await.unwrap();
+    frozen_tx.send_replace(true);
+    tokio::time::timeout(Duration::from_secs(5), closed)
+        .await
+        .expect("the node kept the connection of a caller that stopped answering")
+        .unwrap();
+}

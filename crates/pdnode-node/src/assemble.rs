@@ -56,8 +56,9 @@ pub async fn assemble_connecting(
                 )
                 .with_staging(s.node.clone()),
             );
-            if role == Role::Prefill {
-                // KV goes only to registered decode nodes, at the UCX workers their cards name.
+            {
+                // KV goes only to registered decode nodes, at the UCX workers their cards name:
+                // a prefill node's hand-offs, a decode node's migration pushes.
                 let view = LiveMembership::start(&*registry, &cfg.node.cluster).await?;
                 s.node
                     .set_registered_peers(pd::RegisteredPeers::follow(view));

@@ -9,7 +9,7 @@ use common::{colocated_tokens, cpu_prompt, cpu_ucx_config, pd_pair};
 use futures::StreamExt;
 use pdnode_core::{ErrorKind, NodeId, RequestId, SamplingParams};
 use pdnode_node::pd::RegisteredPeers;
-use pdnode_router::{DecodeCall, NodeClient, PrefillCall, ReserveKv};
+use pdnode_router::{DecodeCall, MigrateCall, NodeClient, PrefillCall, ReserveKv};
 use pdnode_transfer::KvTransport;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -83,4 +83,88 @@ async fn a_prefill_node_pushes_only_to_registered_decode_workers() {
         }
     }
     assert_eq!(got, want);
+}
+
+/// A decode node's migration push goes by the same rule: a `Migrate` whose target names a node
+/// that is not a registered decode node is refused (`Retryable`) before any UCX endpoint is
+/// made, and the request stays parked, so an `Abort` with its capability still frees it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_node_migrates_only_to_registered_decode_workers() {
+    let cfg = cpu_ucx_config();
+    let ids = cpu_prompt(5);
+    let Some((p, d)) = pd_pair(&cfg) else { return };
+    let id = RequestId(30);
+    let t = d
+        .node
+        .reserve_kv(ReserveKv {
+            request_id: id,
+            prefill_node: NodeId::new("p"),
+            prompt_token_ids: ids.clone(),
+            max_tokens: 40,
+        })
+        .await
+        .unwrap();
+    let out = p
+        .node
+        .prefill(PrefillCall {
+            request_id: id,
+            prompt_token_ids: ids.clone(),
+            sampling: SamplingParams::greedy(40),
+            target: t.clone(),
+        })
+        .await
+        .unwrap();
+    let mut stream = d
+        .node
+        .decode(DecodeCall {
+            request_id: id,
+            secret: t.secret.clone(),
+            first_token_id: out.first_token_id,
+            first_logprob: None,
+            sampling: SamplingParams::greedy(40),
+            prompt_token_ids: ids.clone(),
+            sampler: out.sampler,
+        })
+        .await
+        .unwrap();
+    assert!(!stream.next().await.unwrap().unwrap().token_ids.is_empty());
+    let parked = d
+        .node
+        .migrate(MigrateCall {
+            request_id: id,
+            capability: t.secret.clone(),
+            target: None,
+        })
+        .await
+        .unwrap();
+    assert!(parked.token_ids.len() > ids.len());
+    // A target on "d2", a node this decode node does not know, at p's UCX worker.
+    d.node.set_registered_peers(RegisteredPeers::fixed([]));
+    let mut elsewhere = t.clone();
+    elsewhere.decode_node = NodeId::new("d2");
+    elsewhere.worker_address = p.transport.local_address();
+    let before = d.transport.endpoints_created();
+    let e = d
+        .node
+        .migrate(MigrateCall {
+            request_id: id,
+            capability: t.secret.clone(),
+            target: Some(elsewhere),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorKind::Retryable, "{e}");
+    assert!(
+        e.to_string().contains("not a registered decode node"),
+        "{e}"
+    );
+    assert_eq!(d.transport.endpoints_created(), before, "no endpoint made");
+    // still parked: the abort with its capability finds and frees it
+    assert!(
+        d.node
+            .abort(id, t.secret.clone(), "refused".into())
+            .await
+            .unwrap()
+    );
+    common::assert_clean(&d.built.handle).await;
 }

@@ -160,6 +160,15 @@ impl PdNode {
         if let Err(m) = self.layout().check_compatible(&target.layout) {
             return Err(nerr(ErrorKind::InvalidRequest, m.to_string()));
         }
+        // As a prefill node's push: a UCX endpoint only to a registered decode node, at the
+        // worker its card names. Checked before the parked request is taken, which stays
+        // parked (an `Abort` or its lease frees it).
+        let peers = self.peers.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        if let (KvMover::Ucx(_), Some(peers)) = (&self.mover, peers)
+            && let Err(e) = peers.admit(&target, PEER_VIEW_WAIT).await
+        {
+            return Err(nerr(e.kind(), format!("Migrate of {id}: KV target: {e}")));
+        }
         let slot = {
             let mut parked = self.parked();
             match parked.get(&id) {

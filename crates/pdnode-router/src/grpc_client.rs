@@ -27,11 +27,17 @@ pub use pdnode_nodeapi::grpc::{ChannelOptions, GrpcNodeClient};
 pub struct CardMembership<F> {
     cards: F,
     channel: ChannelOptions,
-    clients: Mutex<HashMap<(NodeId, u64, String), Arc<GrpcNodeClient>>>,
+    /// One client per card (id, process start, address), with the role asked for when it was
+    /// made: a client whose card that role no longer lists is dropped (calls in flight keep
+    /// theirs), so nodes that left for good hold no channel here.
+    clients: Mutex<HashMap<CardKey, (Role, Arc<GrpcNodeClient>)>>,
     /// Per role: when its cards were last seen non-empty, and those cards.
     last: Mutex<HashMap<Role, (Instant, Vec<NodeCard>)>>,
     grace: Duration,
 }
+
+/// A card's identity for its client: node id, process start, gRPC address.
+type CardKey = (NodeId, u64, String);
 
 /// How long a role whose cards all vanished keeps its last cards by default (see
 /// [`CardMembership`]): the default lease TTL.
@@ -93,7 +99,7 @@ where
                 card.addresses.grpc.clone(),
             );
             let client = match clients.get(&key) {
-                Some(c) => c.clone(),
+                Some((_, c)) => c.clone(),
                 None => match GrpcNodeClient::connect_lazy_with(
                     card.id.clone(),
                     card.role,
@@ -103,7 +109,7 @@ where
                     Ok(c) => {
                         let c = Arc::new(c);
                         clients.retain(|(id, _, _), _| id != &card.id);
-                        clients.insert(key, c.clone());
+                        clients.insert(key, (role, c.clone()));
                         c
                     }
                     Err(e) => {
@@ -114,6 +120,14 @@ where
             };
             out.push(Worker { card, client });
         }
+        clients.retain(|(id, started, grpc), (made_for, _)| {
+            *made_for != role
+                || out.iter().any(|w| {
+                    &w.card.id == id
+                        && w.card.started_at_ms == *started
+                        && &w.card.addresses.grpc == grpc
+                })
+        });
         out
     }
 }
@@ -160,5 +174,41 @@ mod tests {
         assert_eq!(m.workers(Role::Decode).len(), 1);
         gone.store(true, Ordering::Relaxed);
         assert!(m.workers(Role::Decode).is_empty(), "past the grace: gone");
+    }
+
+    #[tokio::test]
+    async fn clients_of_nodes_that_left_are_dropped() {
+        let n = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let k = n.clone();
+        // decode nodes come and go with fresh ids; one prefill node stays
+        let cards = move |role: Role| match role {
+            Role::Decode => {
+                let i = k.load(Ordering::Relaxed);
+                vec![
+                    card(&format!("d{i}"), role),
+                    card(&format!("d{}", i + 1), role),
+                ]
+            }
+            Role::Prefill => vec![card("p0", role)],
+            _ => Vec::new(),
+        };
+        let m = CardMembership::new(cards);
+        assert_eq!(m.workers(Role::Prefill).len(), 1);
+        for i in 0..50 {
+            n.store(i, Ordering::Relaxed);
+            let ws = m.workers(Role::Decode);
+            assert_eq!(ws.len(), 2);
+            assert_eq!(ws[0].id().as_str(), format!("d{i}"));
+        }
+        let held: Vec<String> = m
+            .clients
+            .lock()
+            .keys()
+            .map(|(id, _, _)| id.to_string())
+            .collect();
+        assert_eq!(held.len(), 3, "{held:?}");
+        for id in ["p0", "d49", "d50"] {
+            assert!(held.iter().any(|h| h == id), "{id} missing from {held:?}");
+        }
     }
 }

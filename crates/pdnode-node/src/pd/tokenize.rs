@@ -38,7 +38,9 @@ impl Tokenize for EngineTokenizer {
     }
 
     fn vocab_size(&self) -> u32 {
-        self.tok.vocab_size() as u32
+        // saturating: a tokenizer whose largest id is u32::MAX would wrap to 0 and refuse every
+        // prompt
+        u32::try_from(self.tok.vocab_size()).unwrap_or(u32::MAX)
     }
 }
 

@@ -168,3 +168,27 @@ async fn a_decode_node_migrates_only_to_registered_decode_workers() {
     );
     common::assert_clean(&d.built.handle).await;
 }
+
+/// The hand-off keys of the config reach the node `pdnode start` builds (`pd::pd_node`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_handoff_keys_reach_the_node() {
+    let mut cfg = cpu_ucx_config();
+    cfg.engine.kv_push_layer_group = 3;
+    cfg.transfer.verify = false;
+    cfg.transfer.host_staging_bytes = 12345;
+    cfg.transfer.stall_ms = 250;
+    cfg.transfer.stall_min_rate_mibps = 7;
+    let Some((p, d)) = pd_pair(&cfg) else { return };
+    for n in [&p, &d] {
+        assert_eq!(
+            n.node.handoff_settings(),
+            pdnode_node::pd::HandoffSettings {
+                push_layer_group: 3,
+                verify: false,
+                host_staging_bytes: 12345,
+                stall_ms: 250,
+                stall_bytes_per_s: 7 << 20,
+            }
+        );
+    }
+}

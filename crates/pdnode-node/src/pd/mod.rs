@@ -31,7 +31,7 @@ pub use build::{
 };
 pub use colocated::{Colocated, ColocatedNode, colocated};
 pub use kv::{InProcessDirectory, KvMover};
-pub use local::{MAX_ARENA_WAIT, PdNode, StagingStats};
+pub use local::{HandoffSettings, MAX_ARENA_WAIT, PdNode, StagingStats};
 pub use mock_tok::MockTokenizer;
 pub use peers::{PeerError, RegisteredPeers};
 pub use tokenize::EngineTokenizer;

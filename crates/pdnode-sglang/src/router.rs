@@ -689,3 +689,37 @@ impl Drop for Slot {
         self.release();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pdnode_core::config::{SglangDecodeWorker, SglangPrefillWorker};
+
+    /// The health and breaker keys of `[router.sglang]` are the workers' rules.
+    #[test]
+    fn the_health_and_breaker_keys_are_the_workers_rules() {
+        let mut rc = RouterConfig::default();
+        rc.sglang.prefill = vec![SglangPrefillWorker {
+            url: "http://127.0.0.1:30000".into(),
+            bootstrap_port: None,
+        }];
+        rc.sglang.decode = vec![SglangDecodeWorker {
+            url: "http://127.0.0.1:30001".into(),
+        }];
+        rc.sglang.health_failure_threshold = 4;
+        rc.sglang.health_success_threshold = 3;
+        rc.sglang.breaker_failure_threshold = 9;
+        rc.sglang.breaker_timeout_s = 17;
+        let r = SglangRouter::new(&rc, Vec::new()).unwrap();
+        let w = r.rules;
+        assert_eq!(
+            (
+                w.health_fail,
+                w.health_ok,
+                w.breaker_failures,
+                w.breaker_open_for
+            ),
+            (4, 3, 9, Duration::from_secs(17))
+        );
+    }
+}

@@ -192,3 +192,19 @@ async fn the_handoff_keys_reach_the_node() {
         );
     }
 }
+
+/// `transfer.ucx_lib` is the library the node loads: a path that holds none is a start error
+/// naming it (not a fall-back to the system's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transfer_ucx_lib_is_the_library_loaded() {
+    let mut cfg = cpu_ucx_config();
+    cfg.node.role = pdnode_core::Role::Decode;
+    cfg.transfer.ucx_lib = "/nonexistent/pdnode-test/libucp.so.0".into();
+    let e = match tokio::task::block_in_place(|| {
+        pdnode_node::pd::pd_node(&cfg, &NodeId::new("d"), pdnode_core::Role::Decode)
+    }) {
+        Ok(_) => panic!("a node started without its UCX library"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("/nonexistent/pdnode-test/libucp.so.0"), "{e}");
+}

@@ -567,10 +567,16 @@ pub(super) async fn run_attempt(
                     .as_ref()
                     .and_then(|e| e.ask.take())
                     .filter(|w| w.id() != cur_d.id());
-                if let Some(to) = to
-                    && let Some(m) = park(&hop, req, &[], progress, deadline, Some(to)).await
-                {
-                    moving = Some(m);
+                if let Some(to) = to {
+                    // Not a candidate while its park is asked either: a second ask then would
+                    // move it again right after this move.
+                    if let Some(e) = &entry {
+                        e.set_moving(true);
+                    }
+                    moving = park(&hop, req, &[], progress, deadline, Some(to)).await;
+                    if let Some(e) = &entry {
+                        e.set_moving(moving.is_some());
+                    }
                 }
                 continue;
             }

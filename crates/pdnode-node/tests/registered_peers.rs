@@ -94,39 +94,7 @@ async fn a_decode_node_migrates_only_to_registered_decode_workers() {
     let ids = cpu_prompt(5);
     let Some((p, d)) = pd_pair(&cfg) else { return };
     let id = RequestId(30);
-    let t = d
-        .node
-        .reserve_kv(ReserveKv {
-            request_id: id,
-            prefill_node: NodeId::new("p"),
-            prompt_token_ids: ids.clone(),
-            max_tokens: 40,
-        })
-        .await
-        .unwrap();
-    let out = p
-        .node
-        .prefill(PrefillCall {
-            request_id: id,
-            prompt_token_ids: ids.clone(),
-            sampling: SamplingParams::greedy(40),
-            target: t.clone(),
-        })
-        .await
-        .unwrap();
-    let mut stream = d
-        .node
-        .decode(DecodeCall {
-            request_id: id,
-            secret: t.secret.clone(),
-            first_token_id: out.first_token_id,
-            first_logprob: None,
-            sampling: SamplingParams::greedy(40),
-            prompt_token_ids: ids.clone(),
-            sampler: out.sampler,
-        })
-        .await
-        .unwrap();
+    let (t, _, mut stream) = common::pd_start(&p, &d, id, &ids, SamplingParams::greedy(40)).await;
     assert!(!stream.next().await.unwrap().unwrap().token_ids.is_empty());
     let parked = d
         .node

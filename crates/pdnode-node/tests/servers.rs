@@ -19,15 +19,11 @@ fn http_get(addr: std::net::SocketAddr, path: &str) -> String {
     body
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn grpc_and_http_health_stats_and_unimplemented_methods() {
-    let mut c = Config::default();
-    c.node.role = Role::All;
-    c.node.id = "srv-0".into();
-    c.node.http_listen = "127.0.0.1:0".into();
+/// A node without an engine (a memory registry), from `c`.
+async fn start_engineless(c: &Config) -> Node {
     let reg = Arc::new(MemoryRegistry::new(RegistryOptions::default()));
-    let node = Node::start(
-        &c,
+    Node::start(
+        c,
         NodeDeps {
             pd: None,
             ucx_worker: None,
@@ -38,7 +34,16 @@ async fn grpc_and_http_health_stats_and_unimplemented_methods() {
         },
     )
     .await
-    .unwrap();
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_and_http_health_stats_and_unimplemented_methods() {
+    let mut c = Config::default();
+    c.node.role = Role::All;
+    c.node.id = "srv-0".into();
+    c.node.http_listen = "127.0.0.1:0".into();
+    let node = start_engineless(&c).await;
     let url = format!("http://{}", node.grpc_addr());
 
     let mut client = v1::node_client::NodeClient::connect(url.clone())
@@ -118,20 +123,7 @@ async fn a_caller_that_stops_answering_is_hung_up_on_by_the_keepalive() {
     c.node.id = "ka-0".into();
     c.router.node_keepalive_interval_ms = 100;
     c.router.node_keepalive_timeout_ms = 300;
-    let reg = Arc::new(MemoryRegistry::new(RegistryOptions::default()));
-    let node = Node::start(
-        &c,
-        NodeDeps {
-            pd: None,
-            ucx_worker: None,
-            router: None,
-            registry: reg,
-            engine: None,
-            options: NodeOptions::default(),
-        },
-    )
-    .await
-    .unwrap();
+    let node = start_engineless(&c).await;
     // caller <-> proxy <-> node; once frozen the proxy moves no byte either way but still
     // reads the node's side, to see it close
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -226,14 +226,41 @@ pub async fn pd_request_sampled(
     ids: &[u32],
     sampling: SamplingParams,
 ) -> (Vec<u32>, pdnode_router::PrefillOutcome) {
-    let max_tokens = sampling.max_tokens;
-    let id = RequestId(id);
+    let (_, out, mut s) = pd_start(p, d, RequestId(id), ids, sampling).await;
+    let mut got = vec![out.first_token_id];
+    use futures::StreamExt;
+    while let Some(c) = tokio::time::timeout(Duration::from_secs(20), s.next())
+        .await
+        .unwrap()
+    {
+        let c = c.unwrap();
+        got.extend(c.token_ids);
+        if c.finish.is_some() {
+            break;
+        }
+    }
+    (got, out)
+}
+
+/// A request's reservation on `d`, its prefill on `p` and its decode call on `d`: the target,
+/// prefill's outcome and the decode stream (nothing read from it yet).
+pub async fn pd_start(
+    p: &pd::ServingNode,
+    d: &pd::ServingNode,
+    id: RequestId,
+    ids: &[u32],
+    sampling: SamplingParams,
+) -> (
+    pdnode_router::KvTarget,
+    pdnode_router::PrefillOutcome,
+    pdnode_router::DecodeStream,
+) {
     let target = d
         .node
         .reserve_kv(ReserveKv {
             request_id: id,
             prompt_token_ids: ids.to_vec(),
-            max_tokens,
+            max_tokens: sampling.max_tokens,
             prefill_node: NodeId::new("p"),
         })
         .await
@@ -248,32 +275,20 @@ pub async fn pd_request_sampled(
         })
         .await
         .unwrap();
-    let mut got = vec![out.first_token_id];
-    let mut s = d
+    let s = d
         .node
         .decode(DecodeCall {
             request_id: id,
             secret: target.secret.clone(),
             first_token_id: out.first_token_id,
             first_logprob: None,
-            sampling: sampling.clone(),
+            sampling,
             prompt_token_ids: ids.to_vec(),
             sampler: out.sampler,
         })
         .await
         .unwrap();
-    use futures::StreamExt;
-    while let Some(c) = tokio::time::timeout(Duration::from_secs(20), s.next())
-        .await
-        .unwrap()
-    {
-        let c = c.unwrap();
-        got.extend(c.token_ids);
-        if c.finish.is_some() {
-            break;
-        }
-    }
-    (got, out)
+    (target, out, s)
 }
 
 pub fn arena_free(n: &pd::ServingNode) -> bool {

@@ -19,10 +19,59 @@ use pdnode_proto::v1::generate_request::Prompt;
 use pdnode_proto::v1::generate_response::Event;
 use std::pin::Pin;
 use std::sync::Arc;
+use tonic::service::interceptor::InterceptedService;
 use tonic::{Request, Response, Status};
 
 pub struct InferenceService {
     router: Arc<Router>,
+}
+
+/// The longest `model` a client may name (a served name is far shorter); a longer one is refused
+/// before it is echoed into any error (a gRPC status travels in a header).
+pub const MAX_MODEL_NAME: usize = 256;
+
+/// `Err(reason)` when `model` is longer than [`MAX_MODEL_NAME`].
+pub fn check_model_name(model: &str) -> Result<(), String> {
+    if model.len() > MAX_MODEL_NAME {
+        return Err(format!(
+            "{} bytes, more than the {MAX_MODEL_NAME} a model name may have",
+            model.len()
+        ));
+    }
+    Ok(())
+}
+
+/// The bearer API key check of a client-facing gRPC service, run on the call's metadata
+/// before tonic reads its message: an unauthenticated caller gets `UNAUTHENTICATED` and no
+/// request body is buffered for it. No keys: every call passes.
+#[derive(Clone)]
+pub struct ApiKeyCheck {
+    keys: Arc<[String]>,
+    refused: fn() -> Status,
+}
+
+impl ApiKeyCheck {
+    /// `refused` makes the status a refused call gets.
+    pub fn new(keys: Vec<String>, refused: fn() -> Status) -> Self {
+        Self {
+            keys: keys.into(),
+            refused,
+        }
+    }
+}
+
+impl tonic::service::Interceptor for ApiKeyCheck {
+    fn call(&mut self, req: Request<()>) -> Result<Request<()>, Status> {
+        let h = req
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok());
+        if crate::http::authorized(&self.keys, h) {
+            Ok(req)
+        } else {
+            Err((self.refused)())
+        }
+    }
 }
 
 impl InferenceService {
@@ -30,25 +79,20 @@ impl InferenceService {
         Self { router }
     }
 
-    /// The tonic service, ready to add to a server.
-    pub fn into_server(self) -> v1::inference_server::InferenceServer<Self> {
-        v1::inference_server::InferenceServer::new(self)
-    }
-
-    fn check_auth<T>(&self, req: &Request<T>) -> Result<(), Status> {
-        let h = req
-            .metadata()
-            .get("authorization")
-            .and_then(|v| v.to_str().ok());
-        if crate::http::authorized(&self.router.deps().api_keys, h) {
-            Ok(())
-        } else {
-            Err(status_of(&RouterError::Unauthenticated))
-        }
+    /// The tonic service, ready to add to a server: the API key is checked on the call's
+    /// metadata before its message is read ([`ApiKeyCheck`]).
+    pub fn into_server(
+        self,
+    ) -> InterceptedService<v1::inference_server::InferenceServer<Self>, ApiKeyCheck> {
+        let check = ApiKeyCheck::new(self.router.deps().api_keys.clone(), || {
+            status_of(&RouterError::Unauthenticated)
+        });
+        v1::inference_server::InferenceServer::with_interceptor(self, check)
     }
 
     fn prepare(&self, req: v1::GenerateRequest) -> Result<GenRequest, RouterError> {
         let deps = self.router.deps();
+        check_model_name(&req.model).map_err(|reason| RouterError::param("model", reason))?;
         if !req.model.is_empty() && req.model != deps.model.served_name {
             return Err(RouterError::UnknownModel {
                 model: req.model,
@@ -71,14 +115,20 @@ impl InferenceService {
                         "at least one message is needed",
                     ));
                 }
-                let msgs: Vec<ChatMessage> = c
+                let msgs = c
                     .messages
                     .into_iter()
-                    .map(|m| ChatMessage {
-                        role: m.role,
-                        content: m.content,
+                    .enumerate()
+                    .map(|(i, m)| {
+                        let role = crate::http::openai::chat_role(&m.role, || {
+                            format!("chat.messages[{i}].role")
+                        })?;
+                        Ok(ChatMessage {
+                            role: role.to_string(),
+                            content: m.content,
+                        })
                     })
-                    .collect();
+                    .collect::<Result<Vec<_>, RouterError>>()?;
                 let text = deps
                     .chat
                     .render(&msgs)
@@ -128,7 +178,6 @@ impl v1::inference_server::Inference for InferenceService {
         &self,
         request: Request<v1::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
-        self.check_auth(&request)?;
         let key = crate::router::routing_key(
             request
                 .metadata()
@@ -235,9 +284,8 @@ impl v1::inference_server::Inference for InferenceService {
 
     async fn health(
         &self,
-        request: Request<v1::HealthRequest>,
+        _request: Request<v1::HealthRequest>,
     ) -> Result<Response<v1::HealthResponse>, Status> {
-        self.check_auth(&request)?;
         let (p, d) = self.router.usable_nodes();
         let (status, detail) = if self.router.is_draining() {
             (v1::ServingStatus::NotServing, "shutting down".to_string())
@@ -263,7 +311,6 @@ impl v1::inference_server::Inference for InferenceService {
         &self,
         request: Request<v1::ListNodesRequest>,
     ) -> Result<Response<v1::ListNodesResponse>, Status> {
-        self.check_auth(&request)?;
         let filter =
             role_filter_from_wire("role", request.get_ref().role).map_err(|e| status_of(&e))?;
         let roles: Vec<Role> = match filter {

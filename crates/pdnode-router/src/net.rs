@@ -15,6 +15,26 @@ pub fn grpc_incoming(listener: TcpListener) -> TcpIncoming {
     TcpIncoming::from(listener).with_nodelay(Some(true))
 }
 
+/// Calls one client connection may have open at once on a client-facing gRPC server (tonic
+/// would otherwise lift hyper's default of 200 to no limit).
+pub const CLIENT_MAX_STREAMS: u32 = 200;
+/// A client-facing gRPC connection without a frame this long is pinged ...
+pub const CLIENT_KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(30);
+/// ... and closed when the ping is not answered this long after: a client whose host died or
+/// whose network dropped the connection holds no socket past interval + timeout.
+pub const CLIENT_KEEPALIVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
+
+/// The builder of a client-facing gRPC server (the router's and the SGLang router's
+/// `pdnode.v1.Inference`): at most [`CLIENT_MAX_STREAMS`] calls a connection, HTTP/2
+/// keepalive ([`CLIENT_KEEPALIVE_INTERVAL`], [`CLIENT_KEEPALIVE_TIMEOUT`]). Serve it with
+/// [`grpc_incoming`].
+pub fn client_grpc_server() -> tonic::transport::Server {
+    tonic::transport::Server::builder()
+        .max_concurrent_streams(CLIENT_MAX_STREAMS)
+        .http2_keepalive_interval(Some(CLIENT_KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(CLIENT_KEEPALIVE_TIMEOUT))
+}
+
 /// `listener` for `axum::serve`, setting `TCP_NODELAY` on every accepted connection.
 pub fn http_listener(listener: TcpListener) -> axum::serve::TapIo<TcpListener, fn(&mut TcpStream)> {
     use axum::serve::ListenerExt as _;

@@ -111,7 +111,7 @@ pub async fn serve(
             let stop = shutdown.clone();
             let incoming = crate::net::grpc_incoming(listener);
             Some(tokio::spawn(async move {
-                tonic::transport::Server::builder()
+                crate::net::client_grpc_server()
                     .add_service(reflection_v1)
                     .add_service(reflection_v1alpha)
                     .add_service(svc)

@@ -107,6 +107,37 @@ async fn errors_map_to_grpc_codes_and_mid_stream_failures_end_with_error_done() 
         .await
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    // a model name past 256 bytes is refused as such, not echoed into the status (a header)
+    let mut long = text_request("x", 5);
+    long.model = "m".repeat(100_000);
+    let e = c.generate(long).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    assert!(
+        e.message().contains("model") && e.message().len() < 300,
+        "{}",
+        e.message()
+    );
+    // chat roles as on HTTP: an unknown one is refused by its field
+    let chat = |role: &str| v1::GenerateRequest {
+        prompt: Some(v1::generate_request::Prompt::Chat(v1::ChatMessages {
+            messages: vec![v1::ChatMessage {
+                role: role.into(),
+                content: "hi".into(),
+            }],
+        })),
+        sampling: Some(v1::SamplingParams {
+            max_tokens: Some(2),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let e = c.generate(chat("tool")).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    assert!(
+        e.message().contains("chat.messages[0].role"),
+        "{}",
+        e.message()
+    );
 
     h.decode[0].set(|b| b.die_after = Some((2, NodeError::new(ErrorKind::Unavailable, "gone"))));
     let s = c

@@ -29,10 +29,12 @@ use pdnode_proto::convert::{error_message, role_filter_from_wire};
 use pdnode_proto::v1;
 use pdnode_proto::v1::generate_request::Prompt;
 use pdnode_proto::v1::generate_response::Event;
+use pdnode_router::grpc::{ApiKeyCheck, check_model_name};
 use serde_json::{Map, Value, json};
 use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::Arc;
+use tonic::service::interceptor::InterceptedService;
 use tonic::{Request, Response, Status};
 
 /// Largest error answer read from the router before the stream, bytes.
@@ -62,22 +64,15 @@ impl SglangInference {
         Self { router }
     }
 
-    pub fn into_server(self) -> v1::inference_server::InferenceServer<Self> {
-        v1::inference_server::InferenceServer::new(self)
-    }
-
-    fn check_auth<T>(&self, req: &Request<T>) -> Result<(), Status> {
-        let h = req
-            .metadata()
-            .get("authorization")
-            .and_then(|v| v.to_str().ok());
-        if pdnode_router::http::authorized(&self.router.api_keys, h) {
-            Ok(())
-        } else {
-            Err(Status::unauthenticated(
-                "missing or wrong API key (authorization: Bearer <key>)",
-            ))
-        }
+    /// The tonic service: the API key is checked on the call's metadata before its message is
+    /// read (`pdnode_router::grpc::ApiKeyCheck`).
+    pub fn into_server(
+        self,
+    ) -> InterceptedService<v1::inference_server::InferenceServer<Self>, ApiKeyCheck> {
+        let check = ApiKeyCheck::new(self.router.api_keys.clone(), || {
+            Status::unauthenticated("missing or wrong API key (authorization: Bearer <key>)")
+        });
+        v1::inference_server::InferenceServer::with_interceptor(self, check)
     }
 }
 
@@ -514,7 +509,6 @@ impl v1::inference_server::Inference for SglangInference {
         &self,
         request: Request<v1::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
-        self.check_auth(&request)?;
         let mut headers = HeaderMap::new();
         for name in FORWARDED {
             if let Some(v) = request.metadata().get(name)
@@ -524,6 +518,8 @@ impl v1::inference_server::Inference for SglangInference {
             }
         }
         let req = request.into_inner();
+        check_model_name(&req.model)
+            .map_err(|r| Status::invalid_argument(format!("model: {r}")))?;
         if !req.model.is_empty() {
             let served = self.router.model_names();
             if !served.is_empty() && !served.contains(&req.model) {
@@ -580,9 +576,8 @@ impl v1::inference_server::Inference for SglangInference {
 
     async fn health(
         &self,
-        request: Request<v1::HealthRequest>,
+        _request: Request<v1::HealthRequest>,
     ) -> Result<Response<v1::HealthResponse>, Status> {
-        self.check_auth(&request)?;
         let (p, d) = self.router.usable();
         let (status, detail) = if p > 0 && d > 0 {
             (v1::ServingStatus::Serving, String::new())
@@ -606,7 +601,6 @@ impl v1::inference_server::Inference for SglangInference {
         &self,
         request: Request<v1::ListNodesRequest>,
     ) -> Result<Response<v1::ListNodesResponse>, Status> {
-        self.check_auth(&request)?;
         let filter = role_filter_from_wire("role", request.get_ref().role)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
         let roles: Vec<(WorkerRole, v1::Role)> = [

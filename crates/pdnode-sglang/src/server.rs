@@ -46,7 +46,7 @@ pub async fn serve_grpc(
     let v1alpha = reflection()
         .build_v1alpha()
         .map_err(std::io::Error::other)?;
-    tonic::transport::Server::builder()
+    pdnode_router::net::client_grpc_server()
         .add_service(v1)
         .add_service(v1alpha)
         .add_service(crate::grpc::SglangInference::new(router).into_server())

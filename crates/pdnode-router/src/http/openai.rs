@@ -397,17 +397,7 @@ impl ChatRequest {
         }
         let mut out = Vec::with_capacity(self.messages.len());
         for (i, m) in self.messages.iter().enumerate() {
-            let role = match m.role.as_str() {
-                "system" | "developer" => "system",
-                "user" => "user",
-                "assistant" => "assistant",
-                other => {
-                    return Err(RouterError::param(
-                        format!("messages[{i}].role"),
-                        format!("unsupported role `{other}` (system, developer, user, assistant)"),
-                    ));
-                }
-            };
+            let role = chat_role(&m.role, || format!("messages[{i}].role"))?;
             let content = match &m.content {
                 None => String::new(),
                 Some(Content::Text(s)) => s.clone(),
@@ -572,6 +562,23 @@ impl CommonParams {
         s.validate()
             .map_err(|e| RouterError::param(e.param, e.reason))?;
         Ok(s)
+    }
+}
+
+/// The role a chat message is rendered with (`developer` is `system`); any other than system,
+/// developer, user and assistant is refused, naming the field (`field()`), on HTTP and gRPC alike.
+pub fn chat_role(role: &str, field: impl FnOnce() -> String) -> Result<&'static str, RouterError> {
+    match role {
+        "system" | "developer" => Ok("system"),
+        "user" => Ok("user"),
+        "assistant" => Ok("assistant"),
+        other => Err(RouterError::param(
+            field(),
+            format!(
+                "unsupported role `{}` (system, developer, user, assistant)",
+                other.chars().take(64).collect::<String>()
+            ),
+        )),
     }
 }
 

@@ -229,13 +229,13 @@ pub fn init(req: &CertsInit) -> Result<CertsWritten, CertsError> {
             .nodes
             .iter()
             .flat_map(|n| node_files(dir, n))
-            .filter(|p| p.exists())
+            .filter(|p| present(p))
             .collect();
         if !reuse_ca {
             exists.extend(
                 [&ca_pem, &ca_key]
                     .into_iter()
-                    .filter(|p| p.exists())
+                    .filter(|p| present(p))
                     .cloned(),
             );
         }
@@ -505,7 +505,23 @@ fn civil_from_days(z: i64) -> (i32, u8, u8) {
     (y as i32, m as u8, d as u8)
 }
 
+/// Something is at `path`: a file, or a symbolic link even when it points nowhere
+/// (`Path::exists` says no for a dangling one, and a write would follow it).
+fn present(path: &Path) -> bool {
+    path.symlink_metadata().is_ok()
+}
+
 fn write_file(path: &Path, bytes: &[u8], mode: u32) -> Result<(), CertsError> {
+    // A key written through a link would land wherever it points.
+    if path
+        .symlink_metadata()
+        .is_ok_and(|m| m.file_type().is_symlink())
+    {
+        return Err(io_err(
+            path,
+            std::io::Error::other("a symbolic link: not written through"),
+        ));
+    }
     let mut o = std::fs::OpenOptions::new();
     o.write(true).create(true).truncate(true);
     #[cfg(unix)]

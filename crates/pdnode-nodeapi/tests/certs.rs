@@ -109,6 +109,25 @@ fn bad_requests_write_nothing() {
     assert!(!d.exists());
 }
 
+/// A dangling symbolic link where a key goes counts as a file there (refused without `force`),
+/// and no key is written through a link (with `force` either): it would land where it points.
+#[cfg(unix)]
+#[test]
+fn no_key_is_written_through_a_symbolic_link() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let target = d.join("elsewhere.key");
+    std::os::unix::fs::symlink(&target, d.join("ca.key")).unwrap();
+    let e = init(&req(d, "prod", &["r:router"], false)).unwrap_err();
+    assert!(
+        matches!(&e, CertsError::Exists { paths } if paths.iter().any(|p| p.ends_with("ca.key"))),
+        "{e:?}"
+    );
+    let e = init(&req(d, "prod", &["r:router"], true)).unwrap_err();
+    assert!(e.to_string().contains("symbolic link"), "{e}");
+    assert!(!target.exists(), "nothing written where the link points");
+}
+
 /// `certs init --etcd`: a server certificate for etcd, signed by the CA in the directory,
 /// naming the hosts, for server use only; without a CA (or a host) nothing is written.
 #[test]

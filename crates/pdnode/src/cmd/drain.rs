@@ -85,13 +85,18 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     if !args.wait {
         return Ok(());
     }
-    let until = Instant::now() + Duration::from_secs(c.node.drain_timeout_s + 30);
+    let wait = Duration::from_secs(c.node.drain_timeout_s + 30);
+    let until = Instant::now() + wait;
     while find()
         .await?
         .is_some_and(|k| k.started_at_ms == card.started_at_ms)
     {
         if Instant::now() > until {
-            anyhow::bail!("{} is still registered after {:?}", args.node, until);
+            anyhow::bail!(
+                "{} is still registered after {} s (node.drain_timeout_s + 30)",
+                args.node,
+                wait.as_secs()
+            );
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }

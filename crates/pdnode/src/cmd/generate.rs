@@ -181,7 +181,7 @@ fn generate(
     let mut backend = make_backend(model, &engine, positions)?;
     tracing::info!(backend = %backend.name(), prompt_tokens = prompt_ids.len(), "generating");
 
-    let runs = args.bench.map_or(1, |n| n.max(1) + 1);
+    let runs = args.bench.map_or(1, |n| n.max(1).saturating_add(1));
     let mut best: Option<Outcome> = None;
     for run in 0..runs {
         let stream = !args.json && args.bench.is_none();

@@ -113,6 +113,92 @@ fn set_nodelay(s: &mut TcpStream) {
     }
 }
 
+/// A client-facing gRPC service (`add_service` takes it as it takes `S`) whose request messages
+/// must arrive within `limit` (`router.client_send_timeout_s`, as the HTTP frontends' bodies):
+/// a caller that sends part of a message and stalls gets `DEADLINE_EXCEEDED` and holds no
+/// buffer past it. The clock runs from the call's headers; a body that ended is not timed.
+#[derive(Clone)]
+pub struct BodyDeadline<S> {
+    inner: S,
+    limit: std::time::Duration,
+}
+
+impl<S> BodyDeadline<S> {
+    pub fn new(inner: S, limit: std::time::Duration) -> Self {
+        Self { inner, limit }
+    }
+}
+
+impl<S: tonic::server::NamedService> tonic::server::NamedService for BodyDeadline<S> {
+    const NAME: &'static str = S::NAME;
+}
+
+impl<S> tonic::codegen::Service<tonic::codegen::http::Request<tonic::body::Body>>
+    for BodyDeadline<S>
+where
+    S: tonic::codegen::Service<tonic::codegen::http::Request<tonic::body::Body>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: tonic::codegen::http::Request<tonic::body::Body>) -> Self::Future {
+        let limit = self.limit;
+        self.inner.call(req.map(|inner| {
+            tonic::body::Body::new(DeadlineBody {
+                inner,
+                sleep: Box::pin(tokio::time::sleep(limit)),
+                limit,
+            })
+        }))
+    }
+}
+
+/// A request body that fails once `limit` passes before its end.
+struct DeadlineBody {
+    inner: tonic::body::Body,
+    sleep: std::pin::Pin<Box<tokio::time::Sleep>>,
+    limit: std::time::Duration,
+}
+
+impl http_body::Body for DeadlineBody {
+    type Data = bytes::Bytes;
+    type Error = tonic::Status;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        use std::future::Future as _;
+        use std::task::Poll;
+        let this = &mut *self;
+        match std::pin::Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Pending if this.sleep.as_mut().poll(cx).is_ready() => {
+                Poll::Ready(Some(Err(tonic::Status::deadline_exceeded(format!(
+                    "the request message did not arrive within {} s (router.client_send_timeout_s)",
+                    this.limit.as_secs()
+                )))))
+            }
+            other => other,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -243,5 +329,96 @@ mod tests {
             .await
             .unwrap();
         assert!(accepted.nodelay().unwrap());
+    }
+
+    /// One data frame, then nothing more and no end (a client that stalls mid-message).
+    struct Stalls(bool);
+
+    impl http_body::Body for Stalls {
+        type Data = bytes::Bytes;
+        type Error = tonic::Status;
+        fn poll_frame(
+            mut self: std::pin::Pin<&mut Self>,
+            _cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+            if std::mem::replace(&mut self.0, true) {
+                std::task::Poll::Pending
+            } else {
+                let part = bytes::Bytes::from_static(&[0, 0, 0, 0, 16, 1, 2]);
+                std::task::Poll::Ready(Some(Ok(http_body::Frame::data(part))))
+            }
+        }
+    }
+
+    /// Reads a request's body to its end: the bytes, or the body's error.
+    #[derive(Clone)]
+    struct ReadAll;
+
+    impl tonic::codegen::Service<tonic::codegen::http::Request<tonic::body::Body>> for ReadAll {
+        type Response = Result<usize, tonic::Status>;
+        type Error = std::convert::Infallible;
+        type Future = futures::future::BoxFuture<'static, Result<Self::Response, Self::Error>>;
+        fn poll_ready(
+            &mut self,
+            _cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Result<(), Self::Error>> {
+            std::task::Poll::Ready(Ok(()))
+        }
+        fn call(&mut self, req: tonic::codegen::http::Request<tonic::body::Body>) -> Self::Future {
+            use http_body::Body as _;
+            let mut body = req.into_body();
+            Box::pin(async move {
+                let mut n = 0;
+                loop {
+                    let frame =
+                        std::future::poll_fn(|cx| std::pin::Pin::new(&mut body).poll_frame(cx))
+                            .await;
+                    match frame {
+                        None => return Ok(Ok(n)),
+                        Some(Ok(f)) => n += f.into_data().map_or(0, |d| d.len()),
+                        Some(Err(e)) => return Ok(Err(e)),
+                    }
+                }
+            })
+        }
+    }
+
+    #[tokio::test]
+    async fn a_grpc_message_that_stalls_is_cut_at_the_body_deadline() {
+        use tonic::codegen::Service as _;
+        let limit = std::time::Duration::from_millis(100);
+        let mut svc = BodyDeadline::new(ReadAll, limit);
+        let stalled = tonic::codegen::http::Request::new(tonic::body::Body::new(Stalls(false)));
+        let got = tokio::time::timeout(std::time::Duration::from_secs(5), svc.call(stalled))
+            .await
+            .expect("the body read ended")
+            .unwrap();
+        let e = got.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::DeadlineExceeded, "{e}");
+        assert!(e.message().contains("client_send_timeout_s"), "{e}");
+        // a whole message is read as it is
+        let whole = tonic::codegen::http::Request::new(tonic::body::Body::new(http_body_full(&[
+            0, 0, 0, 0, 2, 8, 1,
+        ])));
+        assert_eq!(svc.call(whole).await.unwrap().unwrap(), 7);
+    }
+
+    /// A body of `bytes` in one frame, then its end.
+    fn http_body_full(
+        bytes: &'static [u8],
+    ) -> impl http_body::Body<Data = bytes::Bytes, Error = tonic::Status> + Send + 'static {
+        struct Full(Option<bytes::Bytes>);
+        impl http_body::Body for Full {
+            type Data = bytes::Bytes;
+            type Error = tonic::Status;
+            fn poll_frame(
+                mut self: std::pin::Pin<&mut Self>,
+                _cx: &mut std::task::Context<'_>,
+            ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>>
+            {
+                std::task::Poll::Ready(self.0.take().map(|b| Ok(http_body::Frame::data(b))))
+            }
+        }
+        Full(Some(bytes::Bytes::from_static(bytes)))
     }
 }

@@ -107,7 +107,10 @@ pub async fn serve(
             let reflection_v1alpha = reflection()
                 .build_v1alpha()
                 .map_err(|e| ServeError::Reflection(e.to_string()))?;
-            let svc = InferenceService::new(router.clone()).into_server();
+            let svc = crate::net::BodyDeadline::new(
+                InferenceService::new(router.clone()).into_server(),
+                Duration::from_secs(router.deps().config.client_send_timeout_s),
+            );
             let stop = shutdown.clone();
             let incoming = crate::net::grpc_incoming(listener);
             Some(tokio::spawn(async move {

@@ -49,7 +49,10 @@ pub async fn serve_grpc(
     pdnode_router::net::client_grpc_server()
         .add_service(v1)
         .add_service(v1alpha)
-        .add_service(crate::grpc::SglangInference::new(router).into_server())
+        .add_service(pdnode_router::net::BodyDeadline::new(
+            crate::grpc::SglangInference::new(router.clone()).into_server(),
+            router.client_send_timeout,
+        ))
         .serve_with_incoming_shutdown(
             pdnode_router::net::grpc_incoming(listener),
             shutdown.cancelled_owned(),

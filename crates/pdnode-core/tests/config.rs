@@ -222,6 +222,11 @@ fn a_queue_of_zero_and_a_load_refresh_under_50_ms_are_refused() {
     );
     let l = load_from_str(FILE, "[router.power_of_two]\nload_refresh_ms = 50\n", &[]).unwrap();
     assert_eq!(l.config.router.power_of_two.load_refresh_ms, 50);
+    // each bad mock value is named by its own key
+    let errs = errors("[engine.mock]\nvocab_size = 1\noutput_len = 0\n", &[]);
+    let keys: Vec<&str> = errs.iter().filter_map(|e| e.key()).collect();
+    assert!(keys.contains(&"engine.mock.vocab_size"), "{keys:?}");
+    assert!(keys.contains(&"engine.mock.output_len"), "{keys:?}");
 }
 
 #[test]

@@ -340,11 +340,11 @@ pub(crate) fn validate(c: &Config, origin: &dyn Fn(&str) -> ConfigSource) -> Vec
             ),
         );
     }
-    if e.mock.vocab_size < 2 || e.mock.output_len == 0 {
-        bad(
-            "engine.mock",
-            "vocab_size must be at least 2 and output_len at least 1".into(),
-        );
+    if e.mock.vocab_size < 2 {
+        bad("engine.mock.vocab_size", "must be at least 2".into());
+    }
+    if e.mock.output_len == 0 {
+        bad("engine.mock.output_len", "must be at least 1".into());
     }
 
     // transfer

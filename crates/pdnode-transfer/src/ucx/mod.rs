@@ -33,6 +33,8 @@ const MAX_DESCRIPTOR_BYTES: usize = 64 << 10;
 
 /// How long dropping a registration waits for the worker thread to unmap it.
 const DEREGISTER_TIMEOUT: Duration = Duration::from_secs(5);
+/// The longest a connect waits for a new peer's greeting (see [`UcxTransport::connect`]).
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How the UCX transport starts.
 #[derive(Debug, Clone)]
@@ -288,9 +290,19 @@ impl UcxTransport {
         what: &'static str,
         make: impl FnOnce(mpsc::SyncSender<Result<T, TransferError>>) -> Cmd,
     ) -> Result<T, TransferError> {
+        self.call_within(what, self.call_timeout, make)
+    }
+
+    /// [`Self::call`] with its own bound (a late answer is dropped by the UCX thread).
+    fn call_within<T>(
+        &self,
+        what: &'static str,
+        timeout: Duration,
+        make: impl FnOnce(mpsc::SyncSender<Result<T, TransferError>>) -> Cmd,
+    ) -> Result<T, TransferError> {
         let (tx, rx) = mpsc::sync_channel(1);
         self.shared.send(make(tx))?;
-        match rx.recv_timeout(self.call_timeout) {
+        match rx.recv_timeout(timeout) {
             Ok(r) => r,
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 Err(TransferError::Timeout { what: what.into() })
@@ -351,7 +363,12 @@ impl KvTransport for UcxTransport {
         let address = peer_address.to_vec();
         let rkey = region.rkey.clone();
         let base = region.base_addr;
-        self.call("UCX connect", |reply| Cmd::Connect {
+        // A peer not greeted yet answers a FLUSH round trip first (`thread/messages.rs`,
+        // `greet`): milliseconds when it lives. A dead or frozen one is given up on after
+        // CONNECT_TIMEOUT, not the 30 s call bound: the caller's push holds its request's KV
+        // (and its thread, in `block_in_place`) while it waits.
+        let timeout = self.call_timeout.min(CONNECT_TIMEOUT);
+        self.call_within("UCX connect", timeout, |reply| Cmd::Connect {
             id,
             address,
             rkey,

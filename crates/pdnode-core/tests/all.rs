@@ -8,6 +8,8 @@ mod common;
 mod config;
 #[path = "config_cuda.rs"]
 mod config_cuda;
+#[path = "config_limits.rs"]
+mod config_limits;
 #[path = "config_security.rs"]
 mod config_security;
 #[path = "dashboards.rs"]

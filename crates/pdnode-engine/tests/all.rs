@@ -10,6 +10,8 @@ mod engine;
 mod engine_argmax;
 #[path = "engine_cpu.rs"]
 mod engine_cpu;
+#[path = "engine_queue.rs"]
+mod engine_queue;
 #[path = "engine_release.rs"]
 mod engine_release;
 #[path = "engine_staged.rs"]

@@ -30,13 +30,17 @@ pub struct InferenceService {
 /// before it is echoed into any error (a gRPC status travels in a header).
 pub const MAX_MODEL_NAME: usize = 256;
 
-/// `Err(reason)` when `model` is longer than [`MAX_MODEL_NAME`].
-pub fn check_model_name(model: &str) -> Result<(), String> {
+/// A `model` longer than [`MAX_MODEL_NAME`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("{len} bytes, more than the {MAX_MODEL_NAME} a model name may have")]
+pub struct ModelNameTooLong {
+    pub len: usize,
+}
+
+/// Refuses a `model` longer than [`MAX_MODEL_NAME`].
+pub fn check_model_name(model: &str) -> Result<(), ModelNameTooLong> {
     if model.len() > MAX_MODEL_NAME {
-        return Err(format!(
-            "{} bytes, more than the {MAX_MODEL_NAME} a model name may have",
-            model.len()
-        ));
+        return Err(ModelNameTooLong { len: model.len() });
     }
     Ok(())
 }
@@ -92,7 +96,7 @@ impl InferenceService {
 
     fn prepare(&self, req: v1::GenerateRequest) -> Result<GenRequest, RouterError> {
         let deps = self.router.deps();
-        check_model_name(&req.model).map_err(|reason| RouterError::param("model", reason))?;
+        check_model_name(&req.model).map_err(|e| RouterError::param("model", e.to_string()))?;
         if !req.model.is_empty() && req.model != deps.model.served_name {
             return Err(RouterError::UnknownModel {
                 model: req.model,

@@ -51,8 +51,8 @@ mod push;
 mod staging;
 
 use abort::EngineAbortOnDrop;
-pub use staging::StagingStats;
 use staging::{FenceSpec, HostStage, Landing, Quarantined};
+pub use staging::{HandoffSettings, StagingStats};
 
 /// Where a reservation's KV lands before the scatter.
 enum Staging {
@@ -179,16 +179,6 @@ fn eerr(e: &pdnode_engine::engine::EngineError) -> NodeError {
     NodeError::new(e.kind(), e.to_string())
 }
 
-/// What [`PdNode::handoff_settings`] answers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct HandoffSettings {
-    pub push_layer_group: u32,
-    pub verify: bool,
-    pub host_staging_bytes: u64,
-    pub stall_ms: u64,
-    pub stall_bytes_per_s: u64,
-}
-
 impl PdNode {
     pub fn new(
         id: NodeId,
@@ -274,18 +264,6 @@ impl PdNode {
     /// (`engine.kv_push_layer_group`; 0: the whole KV after the step).
     pub fn set_push_layer_group(&self, layers: u32) {
         self.push_layer_group.store(layers, Ordering::Relaxed);
-    }
-
-    /// The hand-off settings in force (`engine.kv_push_layer_group`, `transfer.verify`,
-    /// `transfer.host_staging_bytes`, `transfer.stall_ms`, `transfer.stall_min_rate_mibps`).
-    pub fn handoff_settings(&self) -> HandoffSettings {
-        HandoffSettings {
-            push_layer_group: self.push_layer_group.load(Ordering::Relaxed),
-            verify: self.verify.load(Ordering::Relaxed),
-            host_staging_bytes: self.host_cap.load(Ordering::Relaxed),
-            stall_ms: self.stall_ms.load(Ordering::Relaxed),
-            stall_bytes_per_s: self.stall_rate.load(Ordering::Relaxed),
-        }
     }
 
     /// Puts this prefill node issued for layer groups gathered inside a prefill step.

@@ -156,6 +156,18 @@ impl PdNode {
         self.host_cap.store(cap, Ordering::Relaxed);
     }
 
+    /// The hand-off settings in force (`engine.kv_push_layer_group`, `transfer.verify`,
+    /// `transfer.host_staging_bytes`, `transfer.stall_ms`, `transfer.stall_min_rate_mibps`).
+    pub fn handoff_settings(&self) -> HandoffSettings {
+        HandoffSettings {
+            push_layer_group: self.push_layer_group.load(Ordering::Relaxed),
+            verify: self.verify.load(Ordering::Relaxed),
+            host_staging_bytes: self.host_cap.load(Ordering::Relaxed),
+            stall_ms: self.stall_ms.load(Ordering::Relaxed),
+            stall_bytes_per_s: self.stall_rate.load(Ordering::Relaxed),
+        }
+    }
+
     /// `transfer.stall_ms` and `transfer.stall_min_rate_mibps`: when this prefill node's
     /// hand-off counts as stalled ([`crate::pd::handoff::PushWait`]).
     pub fn set_stall(&self, stall_ms: u64, min_rate_mibps: u64) {
@@ -506,4 +518,14 @@ impl PdNode {
         };
         Ok((Staging::Host(budget), targets, 0, Some(fence)))
     }
+}
+
+/// What [`PdNode::handoff_settings`] answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HandoffSettings {
+    pub push_layer_group: u32,
+    pub verify: bool,
+    pub host_staging_bytes: u64,
+    pub stall_ms: u64,
+    pub stall_bytes_per_s: u64,
 }

@@ -44,6 +44,11 @@
 #                  one GPU: pause, bytes, text)
 #   rebalance      scripts/gpu/rebalance.sh (router.rebalance moving pinned streams: per move,
 #                  the first push to a new peer and the later ones)
+#   ab             two builds in one call: .gpu-pd/bundle.tar.xz (new) against .gpu-pd/base.tar.xz
+#                  (an earlier TESTS_ONLY bundle, old), alternated old / new / new / old ...:
+#                  bench_decode_step_variants at AB_STEPS (variant default) and, if AB_ATTN is
+#                  set, bench_decode_attention_kernel (v4) at those batch x ctx points; AB_PAIRS
+#                  old/new pairs (default 2)
 #   smol           the demo model (.gpu-m/a from an earlier call on this machine + .gpu-m2/b):
 #                  scripts/gpu/smollm2.sh
 # Every log goes to one tarball $OUT/logs.tar.xz (the device tool brings back at most 8 files);
@@ -230,6 +235,32 @@ for part in "$@"; do
         coldstart)
             PD=$PD OUT=$LOGS/coldstart bash scripts/gpu/coldstart.sh 2>&1 |
                 tee "$LOGS/coldstart.out" | tail -12 >> "$summary" ;;
+        ab)
+            if [ ! -e .gpu-pd/base.tar.xz ]; then
+                echo "FAIL ab: no .gpu-pd/base.tar.xz" >> "$summary"
+            else
+                rm -rf "$PD/base" && mkdir -p "$PD/base" && tar -xJf .gpu-pd/base.tar.xz -C "$PD/base"
+                for round in $(seq "${AB_PAIRS:-2}"); do
+                    order="old new"
+                    [ $((round % 2)) = 0 ] && order="new old"  # drift within the call cancels
+                    for build in $order; do
+                        bin=$PD/t
+                        [ $build = old ] && bin=$PD/base/t
+                        PDNODE_BENCH_STEPS=${AB_STEPS:-1x512,8x512,64x512} PDNODE_BENCH_STEP_VARIANTS=default \
+                            PDNODE_BENCH_ROUNDS=${AB_ROUNDS:-3} timeout 300 "$bin/cuda_bench" --ignored \
+                            --nocapture --test-threads=1 --exact bench_decode_step_variants \
+                            > "$LOGS/ab-steps-$build-$round.log" 2>&1
+                        echo "## steps $build round $round (rc=$?)" >> "$summary"
+                        grep -E '^ceilings|^\|' "$LOGS/ab-steps-$build-$round.log" >> "$summary"
+                        [ -n "${AB_ATTN:-}" ] || continue
+                        PDNODE_BENCH_ATTN=$AB_ATTN PDNODE_BENCH_ATTN_VARIANTS=v4 timeout 200 \
+                            "$bin/cuda_bench" --ignored --nocapture --test-threads=1 --exact \
+                            bench_decode_attention_kernel > "$LOGS/ab-attn-$build-$round.log" 2>&1
+                        echo "## attention $build round $round (rc=$?)" >> "$summary"
+                        grep -E '^OCCUPANCY|^\| V4' "$LOGS/ab-attn-$build-$round.log" >> "$summary"
+                    done
+                done
+            fi ;;
         smol)
             if [ -e "$PD/model.a" ] && [ -e .gpu-m2/b ]; then
                 cat "$PD/model.a" .gpu-m2/b > "$PD/smollm2.gguf"

@@ -43,13 +43,26 @@ fn rel(a: &[f32], b: &[f32]) -> f64 {
     (num / den.max(1e-30)).sqrt()
 }
 
-/// Kernels whose resident blocks per SM (128 threads) the bench reports, with their dynamic
+/// Kernels whose resident blocks per SM the bench reports, with their threads and dynamic
 /// shared memory per block (head_dim 128).
-pub const OCCUPANCY_KERNELS: [(&str, usize); 4] = [
-    ("paged_attention_v4_d128_g8", ops::v4_smem_bytes(HEAD_DIM)),
-    ("paged_attention_v4_d128_g16", ops::v4_smem_bytes(HEAD_DIM)),
-    ("paged_attention_v2_d16", 0),
-    ("paged_attention", 0),
+pub const OCCUPANCY_KERNELS: [(&str, u32, usize); 5] = [
+    (
+        "paged_attention_v4_d128_g8",
+        128,
+        ops::v4_smem_bytes(HEAD_DIM),
+    ),
+    (
+        "paged_attention_v4_d128_g16",
+        128,
+        ops::v4_smem_bytes(HEAD_DIM),
+    ),
+    (
+        "paged_attention_v4_d128_g8_w2",
+        64,
+        ops::v4_smem_bytes_warps(HEAD_DIM, 2),
+    ),
+    ("paged_attention_v2_d16", 128, 0),
+    ("paged_attention", 128, 0),
 ];
 
 /// What [`run_attention`] measured.
@@ -179,13 +192,13 @@ pub fn run_attention(
         }
     }
     let mut occupancy = Vec::new();
-    for (name, dyn_smem) in OCCUPANCY_KERNELS {
+    for (name, threads, dyn_smem) in OCCUPANCY_KERNELS {
         let f = gpu.kernel(name)?;
         if dyn_smem > 0 {
             ops::prefer_shared_memory(f, dyn_smem)?;
         }
         let n = f
-            .occupancy_max_active_blocks_per_multiprocessor(128, dyn_smem, None)
+            .occupancy_max_active_blocks_per_multiprocessor(threads, dyn_smem, None)
             .map_err(pdnode_cuda::drv(
                 "cuOccupancyMaxActiveBlocksPerMultiprocessor",
             ))?;

@@ -129,7 +129,7 @@ fn bench_decode_attention_kernel() {
     .expect("attention benchmark");
     let (copy, rows) = (res.copy_bps, res.rows);
     for (k, n) in &res.occupancy {
-        println!("OCCUPANCY {k}: {n} blocks of 128 threads per SM");
+        println!("OCCUPANCY {k}: {n} blocks per SM");
     }
     println!(
         "ceilings: HBM copy traffic {:.0} GB/s (read+write); decode attention alone, 32 q / 8 kv heads, hd 128",

@@ -28,13 +28,12 @@
 // neutral partials (m = -inf, l = 0, acc = 0) that attention_combine skips; nsplit == 1 writes
 // `out`.
 
-#define ATT4_NT 128
-#define ATT4_NW 4
 #define ATT4_TK 16
 #define ATT4_NST 3
 #define ATT4_BT 512  // block-table entries of one partition staged in shared memory
-// dynamic shared memory of one block: NW warps x NST stages x (K, V) x TK rows of HD + 8 bf16
-#define ATT4_SMEM(HD) (ATT4_NW * ATT4_NST * 2 * ATT4_TK * ((HD) + 8) * 2)
+// dynamic shared memory of one block of NW warps: NW x NST stages x (K, V) x TK rows of HD + 8 bf16
+#define ATT4_SMEM_NW(HD, NW) ((NW) * ATT4_NST * 2 * ATT4_TK * ((HD) + 8) * 2)
+#define ATT4_SMEM(HD) ATT4_SMEM_NW(HD, 4)
 
 __device__ __forceinline__ unsigned att4_smem_addr(const void* p) {
     unsigned a;
@@ -87,7 +86,7 @@ __device__ __forceinline__ unsigned att4_pack(float lo, float hi) {
     return (unsigned)f2bf(lo) | ((unsigned)f2bf(hi) << 16);
 }
 
-template <int HD, int MG>
+template <int HD, int MG, int NW>
 __device__ __forceinline__ void attn_v4(const bf16_t* __restrict__ q,
                                         const bf16_t* __restrict__ layer_kv,
                                         const int* __restrict__ tok_seq,
@@ -98,7 +97,7 @@ __device__ __forceinline__ void attn_v4(const bf16_t* __restrict__ q,
                                         float* __restrict__ part_ml, float* __restrict__ part_acc,
                                         const int* __restrict__ tok_list, int window,
                                         unsigned char* dsmem) {
-    constexpr int TK = ATT4_TK, NST = ATT4_NST, NW = ATT4_NW;
+    constexpr int TK = ATT4_TK, NST = ATT4_NST, NT = NW * 32;
     constexpr int NCH = HD / 8;                // 16-byte chunks per K/V row
     constexpr int ROW = HD + 8;                // padded shared-memory row (bf16)
     constexpr int STAGE = 2 * TK * ROW;        // K rows, then V rows
@@ -109,6 +108,7 @@ __device__ __forceinline__ void attn_v4(const bf16_t* __restrict__ q,
     static_assert(HD % 32 == 0 && (TK * NCH) % 32 == 0 && (32 % NCH == 0 || NCH % 32 == 0),
                   "whole copies per lane");
     static_assert(MG == 8 || MG == 16, "M = 16 rows");
+    static_assert(NW == 2 || NW == 4, "2 or 4 warps");
     static_assert(NW * NST * STAGE * 2 >= NW * MG * HD * 4, "merge scratch fits the stages");
 
     bf16_t* const sbuf = (bf16_t*)dsmem;
@@ -133,7 +133,7 @@ __device__ __forceinline__ void attn_v4(const bf16_t* __restrict__ q,
     // Partition past the context, or (a split shorter than a tile) before the window: uniform over
     // the block, so no barrier is skipped.
     if (k1 <= max(k0, lo)) {
-        for (int idx = tid; idx < ng * HD; idx += ATT4_NT) {
+        for (int idx = tid; idx < ng * HD; idx += NT) {
             const int h = idx / HD, d = idx - h * HD;
             const i64 th = t * nh + h0 + h;
             if (nsplit == 1) {
@@ -160,7 +160,7 @@ __device__ __forceinline__ void attn_v4(const bf16_t* __restrict__ q,
     const bool one_block = block_size % TK == 0 && k0 % TK == 0;
     const bool bt_sm = !one_block && nbt <= ATT4_BT;
     if (bt_sm)
-        for (int i = tid; i < nbt; i += ATT4_NT) s_bt[i] = bt[b0 + i];
+        for (int i = tid; i < nbt; i += NT) s_bt[i] = bt[b0 + i];
 
     // Q as A fragments (bf16 pairs straight from global memory), rows >= ng zero.
     unsigned qa[KS][4];
@@ -334,7 +334,7 @@ __device__ __forceinline__ void attn_v4(const bf16_t* __restrict__ q,
         if (HI) *(float2*)(red + (w * MG + g + 8) * HD + d) = make_float2(o[n][2], o[n][3]);
     }
     __syncthreads();
-    for (int idx = tid; idx < ng * HD; idx += ATT4_NT) {
+    for (int idx = tid; idx < ng * HD; idx += NT) {
         const int h = idx / HD, d = idx - h * HD;
         float M = -INFINITY;
 #pragma unroll
@@ -363,23 +363,25 @@ __device__ __forceinline__ void attn_v4(const bf16_t* __restrict__ q,
 extern __shared__ __align__(16) unsigned char att4_dsmem[];
 
 // hd is a parameter only to keep paged_attention's signature; the wrapper launches the kernel whose
-// HD equals it, with ATT4_SMEM(HD) bytes of dynamic shared memory.
-#define ATT4_KERNEL(NAME, HD, MG, MINB)                                                           \
-    extern "C" __global__ void __launch_bounds__(ATT4_NT, MINB) NAME(                             \
+// HD equals it, NW * 32 threads a block, with ATT4_SMEM_NW(HD, NW) bytes of dynamic shared memory.
+#define ATT4_KERNEL(NAME, HD, MG, NW, MINB)                                                       \
+    extern "C" __global__ void __launch_bounds__(NW * 32, MINB) NAME(                             \
         const bf16_t* q, const bf16_t* layer_kv, const int* tok_seq, const int* tok_pos,          \
         const int* block_tables, int max_blocks, int nh, int nkv, int hd, int block_size,         \
         float scale, int split_len, bf16_t* out, float* part_ml, float* part_acc,                 \
         const int* tok_list, int window) {                                                        \
         PD_GRID_WAIT();  PD_GRID_LAUNCH_DEPENDENTS();                                             \
-        attn_v4<HD, MG>(q, layer_kv, tok_seq, tok_pos, block_tables, max_blocks, nh, nkv,         \
-                        block_size, scale, split_len, out, part_ml, part_acc, tok_list, window,   \
-                        att4_dsmem);                                                              \
+        attn_v4<HD, MG, NW>(q, layer_kv, tok_seq, tok_pos, block_tables, max_blocks, nh, nkv,     \
+                            block_size, scale, split_len, out, part_ml, part_acc, tok_list,       \
+                            window, att4_dsmem);                                                  \
     }
 
 // _gN: up to N query heads per block (N = 8 for GQA groups up to 8, else 16: larger groups take
 // ceil(G / 16) blocks per KV head). Shared memory: 55 KB (HD 64, 3 blocks per SM) or 104 KB
-// (HD 128, 2 blocks per SM).
-ATT4_KERNEL(paged_attention_v4_d64_g8, 64, 8, 3)
-ATT4_KERNEL(paged_attention_v4_d64_g16, 64, 16, 3)
-ATT4_KERNEL(paged_attention_v4_d128_g8, 128, 8, 2)
-ATT4_KERNEL(paged_attention_v4_d128_g16, 128, 16, 2)
+// (HD 128, 2 blocks per SM). _w2: two warps a block, 52 KB at HD 128 (4 blocks per SM): grids of
+// more (token, KV head) items than two HD-128 blocks an SM hold run them in one wave.
+ATT4_KERNEL(paged_attention_v4_d64_g8, 64, 8, 4, 3)
+ATT4_KERNEL(paged_attention_v4_d64_g16, 64, 16, 4, 3)
+ATT4_KERNEL(paged_attention_v4_d128_g8, 128, 8, 4, 2)
+ATT4_KERNEL(paged_attention_v4_d128_g16, 128, 16, 4, 2)
+ATT4_KERNEL(paged_attention_v4_d128_g8_w2, 128, 8, 2, 4)

@@ -64,7 +64,7 @@ pub const SOURCES: [(&str, &str); 16] = [
 ];
 
 /// Kernel entry points (extern "C" names in the .cu files).
-pub const KERNEL_NAMES: [&str; 56] = [
+pub const KERNEL_NAMES: [&str; 57] = [
     "gemv_t1",
     "gemv_t2",
     "gemv_t4",
@@ -83,6 +83,7 @@ pub const KERNEL_NAMES: [&str; 56] = [
     "paged_attention_v4_d64_g16",
     "paged_attention_v4_d128_g8",
     "paged_attention_v4_d128_g16",
+    "paged_attention_v4_d128_g8_w2",
     "transpose_heads",
     "kv_gather_seq",
     "causal_softmax",

@@ -146,7 +146,28 @@ pub fn v4_heads_per_block(g: usize) -> usize {
 /// Dynamic shared memory of a v4 block (`ATT4_SMEM(HD)`: 4 warps x 3 stages x K and V x 16 rows
 /// of `hd + 8` bf16): 104 KB at head_dim 128 (2 blocks per SM), 55 KB at 64 (3 per SM).
 pub const fn v4_smem_bytes(hd: usize) -> usize {
-    4 * 3 * 2 * 16 * (hd + 8) * 2
+    v4_smem_bytes_warps(hd, 4)
+}
+
+/// [`v4_smem_bytes`] of a block of `warps` warps (`ATT4_SMEM_NW`): 52 KB for the two-warp
+/// kernel at head_dim 128.
+pub const fn v4_smem_bytes_warps(hd: usize, warps: usize) -> usize {
+    warps * 3 * 2 * 16 * (hd + 8) * 2
+}
+
+/// Whether a v4 launch of `work` (token, head group) blocks in `nsplit` partitions each runs the
+/// two-warp kernel (`paged_attention_v4_d128_g8_w2`, 4 resident blocks an SM, the same copies in
+/// flight per SM): only head_dim 128, groups up to 8, one partition, and more blocks than the
+/// four-warp kernel holds resident (2 an SM), which it would run in two or more waves, each with
+/// its dependent prologue (block table, first copies) and merge.
+pub fn v4_two_warps(
+    sm_count: usize,
+    hd: usize,
+    heads_per_block: usize,
+    work: usize,
+    nsplit: usize,
+) -> bool {
+    hd == 128 && heads_per_block == 8 && nsplit == 1 && work > sm_count * v4_blocks_per_sm(hd)
 }
 
 /// Resident v4 blocks per SM at `hd` (shared memory bound, 228 KB per SM on sm_90).
@@ -431,7 +452,16 @@ pub fn paged_attention_ex(
             total_tokens * nh * nsplit * 2 * F32,
         )?;
     }
+    let two_warps = variant == AttnVariant::V4
+        && v4_two_warps(
+            gpu.sm_count as usize,
+            hd,
+            maxg,
+            grid_tokens * groups,
+            nsplit,
+        );
     let name = match variant {
+        AttnVariant::V4 if two_warps => "paged_attention_v4_d128_g8_w2",
         AttnVariant::V4 => match (hd, maxg) {
             (64, 8) => "paged_attention_v4_d64_g8",
             (64, _) => "paged_attention_v4_d64_g16",
@@ -444,7 +474,7 @@ pub fn paged_attention_ex(
     };
     let f = gpu.kernel(name)?;
     let dyn_smem = if variant == AttnVariant::V4 {
-        v4_smem_bytes(hd)
+        v4_smem_bytes_warps(hd, if two_warps { 2 } else { 4 })
     } else {
         0
     };
@@ -488,7 +518,7 @@ pub fn paged_attention_ex(
         .arg(&window_i);
     let mut lc = cfg(
         (u32_of(OP, grid_tokens)?, groups as u32, nsplit as u32),
-        128,
+        if two_warps { 64 } else { 128 },
     );
     lc.shared_mem_bytes = dyn_smem as u32;
     // SAFETY: sizes checked above; metadata arrays are the caller's (positions < max_ctx,
@@ -605,6 +635,19 @@ mod tests {
         // (64 blocks of work) takes 4 partitions of 512 keys for one wave, 8 of 256 for two, 16 of
         // 128 for four; 64 x 8k (512) one partition for one or two waves, 2 of 4096 for four
         assert_eq!((v4_blocks_per_sm(128), v4_blocks_per_sm(64)), (2, 3));
+        // the two-warp kernel: half the shared memory (4 blocks an SM), taken by one-partition
+        // grids of more blocks than two an SM at head_dim 128, groups up to 8 (H200: 132 SMs)
+        assert_eq!(v4_smem_bytes_warps(128, 2) * 2, v4_smem_bytes(128));
+        assert!(4 * (v4_smem_bytes_warps(128, 2) + 4 * 1024) <= 228 * 1024);
+        assert!(v4_two_warps(132, 128, 8, 64 * 8, 1));
+        assert!(v4_two_warps(132, 128, 8, 265, 1));
+        assert!(!v4_two_warps(132, 128, 8, 264, 1), "one wave already");
+        assert!(!v4_two_warps(132, 128, 8, 64 * 8, 2), "partitioned");
+        assert!(!v4_two_warps(132, 128, 16, 64 * 8, 1), "no _g16 kernel");
+        assert!(
+            !v4_two_warps(132, 64, 8, 64 * 8, 1),
+            "no head_dim 64 kernel"
+        );
         for (waves, work, ctx, want) in [
             (1, 64, 2048, (4, 512)),
             (2, 64, 2048, (8, 256)),

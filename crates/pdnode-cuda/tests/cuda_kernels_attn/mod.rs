@@ -344,6 +344,35 @@ fn decode_matches_reference(variant: AttnChoice, label: &str) {
         ws_rows_splits: None,
         window: 0,
     });
+    // more (token, KV head) blocks than two an SM: v4 runs its two-warp kernel (one wave)
+    let sms = gpu().sm_count as usize;
+    let many = 2 * sms / 8 + 8;
+    assert!(ops::v4_two_warps(sms, 128, 8, many * 8, 1));
+    assert!(!ops::v4_two_warps(sms, 128, 8, 2 * sms, 1));
+    cases.push(Case {
+        name: "Llama-3.1-8B heads, batch past two blocks an SM (v4 two warps)",
+        nh: 32,
+        nkv: 8,
+        hd: 128,
+        bs: 16,
+        ctxs: (0..many).map(|_| r.random_range(1..=700)).collect(),
+        max_ctx: 1024,
+        ws_rows_splits: None,
+        window: 0,
+    });
+    cases.push(Case {
+        name: "G=8, batch past two blocks an SM, 2k (v4 two warps)",
+        nh: 16,
+        nkv: 2,
+        hd: 128,
+        bs: 16,
+        ctxs: (0..4 * many)
+            .map(|i| [2049, 1, 16, 17, 700][i % 5])
+            .collect(),
+        max_ctx: 2049,
+        ws_rows_splits: None,
+        window: 0,
+    });
     cases.push(Case {
         name: "block size 32, G=20 (v4: two blocks of 16 heads)",
         nh: 40,

@@ -19,6 +19,7 @@ struct Case {
     int split_len;  // 0: one partition
     bool list;      // odd tokens only through tok_list
     int window = 0; // sliding window (0: whole context)
+    int nw = 4;     // warps a block (2: the _w2 kernel, head_dim 128, groups up to 8)
 };
 
 static std::mt19937 rng(12345);
@@ -66,9 +67,13 @@ static int run(const Case& c) {
     std::vector<float> ml((size_t)T * nh * nsplit * 2, NAN), acc((size_t)T * nh * nsplit * hd, NAN);
     auto kern = hd == 64 ? (MG == 8 ? paged_attention_v4_d64_g8 : paged_attention_v4_d64_g16)
                          : (MG == 8 ? paged_attention_v4_d128_g8 : paged_attention_v4_d128_g16);
+    if (c.nw == 2) {
+        if (hd != 128 || MG != 8) { printf("FAIL: no _w2 kernel for hd %d, group %d\n", hd, G); return 1; }
+        kern = paged_attention_v4_d128_g8_w2;
+    }
     const float scale = 1.f / sqrtf((float)hd);
     gridDim = {(unsigned)gt, (unsigned)(nkv * hgroups), (unsigned)nsplit};
-    blockDim = {128, 1, 1};
+    blockDim = {(unsigned)(32 * c.nw), 1, 1};
     for (unsigned z = 0; z < gridDim.z; z++)
         for (unsigned y = 0; y < gridDim.y; y++)
             for (unsigned x = 0; x < gridDim.x; x++) {
@@ -78,7 +83,7 @@ static int run(const Case& c) {
                          nkv, hd, bs, scale, split_len, out.data(), ml.data(), acc.data(),
                          c.list ? list.data() : nullptr, c.window);
                 };
-                run_block(128, body);
+                run_block(32 * c.nw, body);
             }
     if (nsplit > 1) {
         gridDim = {(unsigned)(gt * nh), 1, 1};
@@ -154,13 +159,13 @@ static int run(const Case& c) {
         double e = nan_seen ? INFINITY : sqrt(num / den);
         worst = std::max(worst, e);
         if (!(e < 1e-2)) {
-            printf("FAIL v4 nh=%d nkv=%d hd=%d bs=%d max_ctx=%d split=%d nsplit=%d window=%d token %d ctx %d: rel err %g\n",
-                   nh, nkv, hd, bs, c.max_ctx, split_len, nsplit, c.window, t, c.ctxs[t], e);
+            printf("FAIL v4 nh=%d nkv=%d hd=%d bs=%d max_ctx=%d split=%d nsplit=%d window=%d nw=%d token %d ctx %d: rel err %g\n",
+                   nh, nkv, hd, bs, c.max_ctx, split_len, nsplit, c.window, c.nw, t, c.ctxs[t], e);
             return 1;
         }
     }
-    printf("PASS v4 nh=%d nkv=%d hd=%d bs=%d T=%d max_ctx=%d split=%d nsplit=%d list=%d window=%d: worst %.2e\n", nh,
-           nkv, hd, bs, T, c.max_ctx, split_len, nsplit, (int)c.list, c.window, worst);
+    printf("PASS v4 nh=%d nkv=%d hd=%d bs=%d T=%d max_ctx=%d split=%d nsplit=%d list=%d window=%d nw=%d: worst %.2e\n",
+           nh, nkv, hd, bs, T, c.max_ctx, split_len, nsplit, (int)c.list, c.window, c.nw, worst);
     return 0;
 }
 
@@ -201,6 +206,14 @@ int main(int argc, char** argv) {
     fails += run({40, 2, 128, 16, wctx, 400, 128, false, 29});             // two head groups
     fails += run({4, 1, 64, 8, {4500, 3}, 4500, 0, false, 4200});          // table from global
     fails += run({8, 2, 64, 16, wctx, 400, 40, true, 9});                  // split not tile-aligned
+    // the two-warp kernel (head_dim 128, groups up to 8)
+    for (int G : {1, 4, 8})
+        for (int split : {0, 128, 48, 16}) fails += run({2 * G, 2, 128, 16, edge, 400, split, false, 0, 2});
+    fails += run({8, 2, 128, 16, edge, 333, 64, true, 0, 2});                  // token list
+    fails += run({8, 2, 128, 24, {1000, 23, 24, 25}, 1000, 112, false, 0, 2});  // block 24
+    fails += run({8, 2, 128, 8, {2000, 5, 129}, 2000, 0, false, 0, 2});         // table from smem
+    fails += run({8, 2, 128, 16, wctx, 400, 16, false, 37, 2});                 // window
+    fails += run({8, 2, 128, 16, {1000, 17, 600}, 1000, 16, false, 0, 2});      // > 32 partitions
     printf(fails ? "EMU FAILED %d\n" : "EMU ALL PASS\n", fails);
     return fails != 0;
 }

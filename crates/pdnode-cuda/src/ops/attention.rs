@@ -28,7 +28,8 @@ pub enum AttnVariant {
     /// attention_v4.cu: flash-decoding partitions with QK^T and PV on tensor cores (mma.sync
     /// m16n8k16, the GQA group's heads as the 16 rows), a cp.async pipeline per warp and the 4
     /// warps' results merged at the end; head_dim 64 or 128, dynamic shared memory
-    /// ([`v4_smem_bytes`]). Kernels `paged_attention_v4_d{64,128}_g{8,16}`. (v3, the same
+    /// ([`v4_smem_bytes`]). Kernels `paged_attention_v4_d{64,128}_g{8,16}`, and
+    /// `paged_attention_v4_d128_g8_w2` (2 warps a block) where [`v4_two_warps`] says. (v3, the same
     /// partitions on CUDA cores, was retired: 0.36-0.60 of the copy ceiling where v4 reads at
     /// 0.58-1.03, docs/benchmarks.md.)
     V4,

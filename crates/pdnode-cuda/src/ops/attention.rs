@@ -474,8 +474,9 @@ pub fn paged_attention_ex(
         AttnVariant::V1 | AttnVariant::Auto => "paged_attention",
     };
     let f = gpu.kernel(name)?;
+    let warps = if two_warps { 2 } else { 4 };
     let dyn_smem = if variant == AttnVariant::V4 {
-        v4_smem_bytes_warps(hd, if two_warps { 2 } else { 4 })
+        v4_smem_bytes_warps(hd, warps)
     } else {
         0
     };
@@ -519,7 +520,7 @@ pub fn paged_attention_ex(
         .arg(&window_i);
     let mut lc = cfg(
         (u32_of(OP, grid_tokens)?, groups as u32, nsplit as u32),
-        if two_warps { 64 } else { 128 },
+        32 * warps as u32,
     );
     lc.shared_mem_bytes = dyn_smem as u32;
     // SAFETY: sizes checked above; metadata arrays are the caller's (positions < max_ctx,
